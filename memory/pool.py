@@ -1,0 +1,297 @@
+"""The paged adapter weight pool: one buffer of device memory, cut into pages, indexed by slot.
+
+Layout (the contract between this pool and the kernels in ``multilora.kernels``)
+---------------------------------------------------------------------------------
+The pool is ONE tensor ``buffer`` of shape ``[num_pages, page_elems]`` (dtype = model dtype), allocated
+once. A *page* holds ``page_rows`` (R) consecutive **rank-rows** of one adapter, for EVERY layer and
+every target module, so a rank-r adapter owns ``ceil(r_max / R)`` pages (``r_max`` = its largest rank
+over modules) and any free page can serve any adapter: churn never fragments the pool.
+
+Inside a page, for layer ``l`` and module ``m`` (in ``TARGET_MODULES`` order, layers outermost)::
+
+    [ A rows: R x d_in(m) ][ B^T rows: R x d_out(m) ]      (row-major)
+
+so with ``S(m) = d_in(m) + d_out(m)`` and ``W = sum_m S(m)``::
+
+    offset_a(l, m) = R * (l * W + sum_{m' < m} S(m'))
+    offset_b(l, m) = offset_a(l, m) + R * d_in(m)
+    page_elems     = R * num_layers * W
+
+Element addresses (int64: ``num_pages * page_elems`` exceeds 2^31 on large pools)::
+
+    A[slot](l, m)[j, k]   = buffer.flat[page_table[slot, j // R] * page_elems + offset_a(l, m) + (j % R) * d_in  + k]
+    B[slot](l, m)[n, j]   = buffer.flat[page_table[slot, j // R] * page_elems + offset_b(l, m) + (j % R) * d_out + n]
+
+where ``A`` is PEFT's ``lora_A.weight`` [r, d_in] and ``B`` is ``lora_B.weight`` [d_out, r] (stored
+transposed, so the expand kernel reads rows of B^T contiguously). Rank-rows ``j >= rank(l, m)`` of an
+adapter's last page are never read; pages never hold scaled weights: the per-(layer, module, slot)
+``scalings`` are applied by the kernels.
+
+Worked example (SmolLM2-135M: 30 layers, hidden 576, q 576, k/v 192, MLP 1536; R = 8):
+``S = [1152, 768, 768, 1152, 2112, 2112, 2112]``, ``W = 10176``, ``page_elems = 8 * 30 * 10176 =
+2,442,240`` (9.8 MB in fp32). An adapter with r = 16 owns 2 pages, say ``page_table[slot] = [5, 2, -1, ...]``.
+Its k_proj A row j = 11 of layer 1 lives on page ``page_table[slot, 1] = 2`` at
+``offset_a(1, k_proj) = 8 * (1 * 10176 + 1152) = 90,624``, row ``11 % 8 = 3``: elements
+``2 * 2,442,240 + 90,624 + 3 * 576 + [0, 576)``.
+
+Metadata tensors (on the pool's device):
+
+- ``page_table``: int32 ``[max_slots, max_pages_per_slot]``, ``-1`` = unused entry.
+- ``ranks``: int32 ``[num_layers, 7, max_slots]``; 0 = the slot's adapter does not touch (l, m).
+- ``scalings``: float32 ``[num_layers, 7, max_slots]`` (lora_alpha / r, or / sqrt(r) for rsLoRA).
+
+The pool is the only owner of device memory for adapter weights: ``load`` copies into pages and keeps
+no reference to the source tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from multilora.runtime.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from multilora.runtime.adapters import LoRAAdapter
+
+
+class PoolFullError(RuntimeError):
+    """Not enough free pages or slots in the adapter pool for an adapter."""
+
+
+@dataclass(frozen=True)
+class LoRAModuleView:
+    """Where one (layer, module) lives in the pool: what a kernel needs to read every slot's A and B.
+
+    All tensors are shared with the pool (no copies). ``ranks[slot]`` and ``scalings[slot]`` are this
+    module's entries; ``page_table`` is the pool's.
+    """
+
+    buffer: torch.Tensor  # [num_pages, page_elems]
+    page_table: torch.Tensor  # int32 [max_slots, max_pages_per_slot]
+    ranks: torch.Tensor  # int32 [max_slots]
+    scalings: torch.Tensor  # float32 [max_slots]
+    offset_a: int
+    offset_b: int
+    d_in: int
+    d_out: int
+    page_rows: int
+    page_elems: int
+    layer: int
+    module: str
+
+
+class AdapterPool:
+    """A fixed pool of ``num_pages`` pages for adapter weights (layout in the module docstring).
+
+    Args:
+        config: the base model's configuration (layers, module shapes).
+        num_pages: pages in the pool; the pool takes ``num_pages * page_bytes`` bytes, allocated now.
+        page_rows: rank-rows per page (R). A rank-r adapter wastes less than one page.
+        max_rank: the largest rank an adapter may have (sets ``max_pages_per_slot``).
+        max_slots: most adapters resident at once (default: ``num_pages``).
+        dtype, device: of the buffer (the model's).
+
+    Raises:
+        ValueError: a non-positive size.
+
+    Thread safety: ``load``/``free`` hold an internal lock; readers of the metadata tensors must not
+    race with ``free`` of a slot they use (the adapter cache guarantees this with refcounts).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        num_pages: int,
+        page_rows: int = 8,
+        max_rank: int = 256,
+        max_slots: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for arg, val in (("num_pages", num_pages), ("page_rows", page_rows), ("max_rank", max_rank)):
+            if not isinstance(val, int) or val <= 0:
+                raise ValueError(f"AdapterPool: {arg} must be a positive int, got {val!r}")
+        self.config = config
+        self.page_rows = page_rows
+        self.max_rank = max_rank
+        self.num_pages = num_pages
+        self.max_slots = max_slots if max_slots is not None else num_pages
+        if self.max_slots <= 0:
+            raise ValueError(f"AdapterPool: max_slots must be positive, got {self.max_slots}")
+        self.max_pages_per_slot = math.ceil(max_rank / page_rows)
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        sizes = [sum(config.module_shape(m)) for m in TARGET_MODULES]
+        self._layer_width = sum(sizes)
+        prefix = [0]
+        for s in sizes[:-1]:
+            prefix.append(prefix[-1] + s)
+        self._module_prefix = prefix
+        self.page_elems = page_rows * config.num_layers * self._layer_width
+
+        self.buffer = torch.zeros(num_pages, self.page_elems, dtype=dtype, device=self.device)
+        nl, nm = config.num_layers, len(TARGET_MODULES)
+        self.page_table = torch.full(
+            (self.max_slots, self.max_pages_per_slot), -1, dtype=torch.int32, device=self.device
+        )
+        self.ranks = torch.zeros(nl, nm, self.max_slots, dtype=torch.int32, device=self.device)
+        self.scalings = torch.zeros(nl, nm, self.max_slots, dtype=torch.float32, device=self.device)
+
+        self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives low pages first
+        self._free_slots: list[int] = list(range(self.max_slots - 1, -1, -1))
+        self._slot_pages: dict[int, list[int]] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (``page_elems * element size``)."""
+        return self.page_elems * self.buffer.element_size()
+
+    @property
+    def bytes_total(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def pages_used(self) -> int:
+        return self.num_pages - len(self._free_pages)
+
+    @property
+    def pages_free(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def slots_used(self) -> int:
+        return len(self._slot_pages)
+
+    def pages_of(self, slot: int) -> list[int]:
+        """The page table of a resident slot (a copy), in rank-row order."""
+        return list(self._slot_pages[slot])
+
+    def resident_slots(self) -> list[int]:
+        return sorted(self._slot_pages)
+
+    @staticmethod
+    def pages_for_rank(rank: int, page_rows: int) -> int:
+        return max(1, math.ceil(rank / page_rows))
+
+    def pages_needed(self, adapter: "LoRAAdapter") -> int:
+        """Pages an adapter takes: ``ceil(max rank over its modules / page_rows)``, at least 1."""
+        return self.pages_for_rank(adapter.max_rank, self.page_rows)
+
+    def can_fit(self, adapter: "LoRAAdapter") -> bool:
+        return bool(self._free_slots) and self.pages_needed(adapter) <= len(self._free_pages)
+
+    # ------------------------------------------------------------------ layout
+    def offset_a(self, layer: int, module: str) -> int:
+        """Element offset of (layer, module)'s A rows inside a page."""
+        return self.page_rows * (layer * self._layer_width + self._module_prefix[MODULE_INDEX[module]])
+
+    def offset_b(self, layer: int, module: str) -> int:
+        """Element offset of (layer, module)'s B^T rows inside a page."""
+        return self.offset_a(layer, module) + self.page_rows * self.config.module_shape(module)[0]
+
+    def module_view(self, layer: int, module: str) -> LoRAModuleView:
+        d_in, d_out = self.config.module_shape(module)
+        mi = MODULE_INDEX[module]
+        return LoRAModuleView(
+            buffer=self.buffer,
+            page_table=self.page_table,
+            ranks=self.ranks[layer, mi],
+            scalings=self.scalings[layer, mi],
+            offset_a=self.offset_a(layer, module),
+            offset_b=self.offset_b(layer, module),
+            d_in=d_in,
+            d_out=d_out,
+            page_rows=self.page_rows,
+            page_elems=self.page_elems,
+            layer=layer,
+            module=module,
+        )
+
+    # ------------------------------------------------------------------ load / free
+    def load(self, adapter: "LoRAAdapter") -> int:
+        """Copy an adapter's weights into free pages; return its slot.
+
+        Raises:
+            ValueError: the adapter's rank exceeds ``max_rank`` or its shapes do not fit the model.
+            PoolFullError: not enough free pages or slots (nothing is changed).
+        """
+        if adapter.max_rank > self.max_rank:
+            raise ValueError(
+                f"adapter {adapter.name!r}: rank {adapter.max_rank} exceeds the pool's max_rank {self.max_rank}"
+            )
+        need = self.pages_needed(adapter)
+        with self._lock:
+            if not self._free_slots or need > len(self._free_pages):
+                raise PoolFullError(
+                    f"adapter pool full: adapter {adapter.name!r} needs {need} page(s) and a slot; "
+                    f"{len(self._free_pages)} page(s) and {len(self._free_slots)} slot(s) free"
+                )
+            slot = self._free_slots.pop()
+            pages = [self._free_pages.pop() for _ in range(need)]
+            self._slot_pages[slot] = pages
+        try:
+            self._write(slot, pages, adapter)
+        except BaseException:
+            self.free(slot)
+            raise
+        return slot
+
+    def _write(self, slot: int, pages: list[int], adapter: "LoRAAdapter") -> None:
+        R = self.page_rows
+        row = torch.full((self.max_pages_per_slot,), -1, dtype=torch.int32)
+        row[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.ranks[:, :, slot] = 0
+        self.scalings[:, :, slot] = 0.0
+        for (layer, module), w in adapter.modules.items():
+            d_in, d_out = self.config.module_shape(module)
+            r = w.rank
+            npg = self.pages_for_rank(r, R)
+            a = torch.zeros(npg * R, d_in, dtype=self.dtype)
+            a[:r] = w.a.to(self.dtype)
+            bt = torch.zeros(npg * R, d_out, dtype=self.dtype)
+            bt[:r] = w.b.t().to(self.dtype)
+            oa, ob = self.offset_a(layer, module), self.offset_b(layer, module)
+            a = a.view(npg, R * d_in).to(self.device)
+            bt = bt.view(npg, R * d_out).to(self.device)
+            for i in range(npg):  # direct writes into each page's slice: no page-sized copies
+                self.buffer[pages[i], oa : oa + R * d_in] = a[i]
+                self.buffer[pages[i], ob : ob + R * d_out] = bt[i]
+            mi = MODULE_INDEX[module]
+            self.ranks[layer, mi, slot] = r
+            self.scalings[layer, mi, slot] = float(w.scaling)
+        self.page_table[slot] = row.to(self.device)
+
+    def free(self, slot: int) -> None:
+        """Return a slot's pages to the free list. Raises KeyError if the slot is not resident."""
+        with self._lock:
+            pages = self._slot_pages.pop(slot)
+            self.page_table[slot] = -1
+            self.ranks[:, :, slot] = 0
+            self.scalings[:, :, slot] = 0.0
+            self._free_pages.extend(reversed(pages))
+            self._free_slots.append(slot)
+
+    # ------------------------------------------------------------------ reading back (tests, debugging)
+    def read_module(self, slot: int, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Gather (A [r, d_in], B [d_out, r], scaling) of a resident slot back out of the pages."""
+        v = self.module_view(layer, module)
+        r = int(v.ranks[slot])
+        R = self.page_rows
+        pages = self._slot_pages[slot]
+        a_rows, b_rows = [], []
+        for j in range(r):
+            page = self.buffer[pages[j // R]]
+            a_rows.append(page[v.offset_a + (j % R) * v.d_in : v.offset_a + (j % R + 1) * v.d_in])
+            b_rows.append(page[v.offset_b + (j % R) * v.d_out : v.offset_b + (j % R + 1) * v.d_out])
+        a = torch.stack(a_rows) if a_rows else self.buffer.new_zeros(0, v.d_in)
+        bt = torch.stack(b_rows) if b_rows else self.buffer.new_zeros(0, v.d_out)
+        return a, bt.t(), float(v.scalings[slot])

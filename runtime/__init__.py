@@ -1,0 +1,1 @@
+"""The runtime: model, adapters, adapter cache, scheduler, engine and CLI."""
