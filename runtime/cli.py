@@ -1,0 +1,179 @@
+"""The ``multilora`` command line.
+
+    multilora demo                                   # default model, demo adapters, one mixed batch
+    multilora make-demo-adapters DIR                 # write PEFT demo adapters for a model
+    multilora generate --adapter bot=./bot --prompt bot "Hi" --prompt - "Hello"
+    multilora generate --adapter bot=./bot --jsonl requests.jsonl --json
+    multilora memory                                 # the memory plan for this machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+BASE_NAMES = ("-", "none", "base")
+
+
+def _parse_adapter(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--adapter: expected NAME=PATH, got {spec!r}")
+    return name, path
+
+
+def _read_jsonl(path: str) -> list[tuple[Any, str | None]]:
+    items = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"--jsonl: cannot read {path!r}: {e}") from e
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: malformed JSON ({e})") from e
+        if not isinstance(obj, dict) or "prompt" not in obj:
+            raise ValueError(f"{path}:{n}: expected an object with a 'prompt' (and optional 'adapter'), got {line[:80]!r}")
+        adapter = obj.get("adapter")
+        if adapter is not None and not isinstance(adapter, str):
+            raise ValueError(f"{path}:{n}: 'adapter' must be a string or null, got {adapter!r}")
+        items.append((obj["prompt"], adapter))
+    return items
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="multilora", description="Batched multi-LoRA inference.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def engine_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+        sp.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
+        sp.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
+        sp.add_argument("--max-batch-size", type=int, default=16)
+        sp.add_argument("--max-lora-rank", type=int, default=64)
+
+    d = sub.add_parser("demo", help="run the main job on the default model with demo adapters")
+    d.add_argument("--adapters-dir", help="where demo adapters are kept (default: ~/.cache/multilora/demo-adapters)")
+    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--model", help="another Llama-family model instead of the default")
+
+    m = sub.add_parser("make-demo-adapters", help="write seeded random PEFT adapters for a model")
+    m.add_argument("out_dir")
+    m.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    m.add_argument("--rank", type=int, default=8)
+
+    g = sub.add_parser("generate", help="generate for prompts, each with its own adapter, in one batch")
+    engine_args(g)
+    g.add_argument("--adapter", action="append", default=[], type=_parse_adapter, metavar="NAME=PATH",
+                   help="load a PEFT adapter directory under NAME (repeatable)")
+    g.add_argument("--prompt", action="append", nargs=2, default=[], metavar=("ADAPTER", "TEXT"),
+                   help="a prompt and its adapter name ('-' for the base model); repeatable")
+    g.add_argument("--jsonl", help='file of {"prompt": ..., "adapter": NAME|null} lines (prompt: text or chat messages)')
+    g.add_argument("--chat", action="store_true", help="wrap text prompts as a user message and apply the chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object per request")
+    g.add_argument("--stats", action="store_true", help="print engine statistics at the end")
+
+    try:
+        from multilora.runtime.cli_memory import add_memory_parser
+    except ImportError:
+        pass
+    else:
+        add_memory_parser(sub)
+    return p
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from multilora.runtime.engine import Engine
+    from multilora.runtime.sampling import SamplingParams
+
+    items: list[tuple[Any, str | None]] = [(text, None if a in BASE_NAMES else a) for a, text in args.prompt]
+    if args.jsonl:
+        items += _read_jsonl(args.jsonl)
+    if not items:
+        raise ValueError("generate: no prompts (use --prompt ADAPTER TEXT or --jsonl FILE)")
+    if args.chat:
+        items = [([{"role": "user", "content": p}] if isinstance(p, str) else p, a) for p, a in items]
+    known = {n for n, _ in args.adapter}
+    unknown = sorted({a for _, a in items if a is not None and a not in known})
+    if unknown:
+        raise ValueError(f"generate: prompts name adapter(s) {unknown} not given with --adapter NAME=PATH")
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed, stop=args.stop)
+    engine = Engine(args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
+                    max_lora_rank=args.max_lora_rank)
+    for name, path in args.adapter:
+        engine.load_adapter(name, path)
+    outs = engine.generate([p for p, _ in items], adapters=[a for _, a in items], sampling=sampling,
+                           progress=not args.json)
+    for o in outs:
+        if args.json:
+            print(json.dumps({"prompt": o.prompt, "adapter": o.adapter, "text": o.text, "token_ids": o.token_ids,
+                              "finish_reason": o.finish_reason, "error": o.error}))
+        else:
+            prompt = o.prompt if isinstance(o.prompt, str) else o.prompt[-1].get("content", o.prompt)
+            print(f"[{o.adapter or 'base'}] {prompt}\n    -> {o.text.strip()!r} ({o.finish_reason})")
+            if o.error:
+                print(f"    error: {o.error}")
+    run = engine.last_run
+    print(f"{run['generated_tokens']} tokens in {run['seconds']:.2f} s = {run['tokens_per_second']:.1f} tokens/s",
+          file=sys.stderr if args.json else sys.stdout)
+    if args.stats:
+        print(json.dumps(engine.stats(), indent=2), file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _cmd_make(args: argparse.Namespace) -> int:
+    import torch
+
+    from multilora.runtime.demo import make_demo_adapters
+    from multilora.runtime.weights import load_model_files, resolve_model_path
+
+    path = resolve_model_path(args.model)
+    config, weights = load_model_files(path, dtype=torch.float32)
+    for name, d in make_demo_adapters(args.out_dir, weights, config, rank=args.rank,
+                                      base_model_name_or_path=str(path)).items():
+        print(f"{name}: {d}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from multilora.runtime.adapter_cache import UnknownAdapterError
+    from multilora.runtime.weights import ModelLoadError
+
+    try:
+        if args.command == "demo":
+            from multilora.runtime.demo import run_demo
+
+            return run_demo(args.adapters_dir, max_tokens=args.max_tokens, model=args.model)
+        if args.command == "make-demo-adapters":
+            return _cmd_make(args)
+        if args.command == "generate":
+            return _cmd_generate(args)
+        if args.command == "memory":
+            from multilora.runtime.cli_memory import run_memory
+
+            return run_memory(args)
+    except (ValueError, ModelLoadError, UnknownAdapterError) as e:  # AdapterError is a ValueError
+        print(f"multilora {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Demo adapters for a fresh machine, and the demo run.
+
+``make_demo_adapters`` writes PEFT-format LoRA adapters (``adapter_config.json`` +
+``adapter_model.safetensors``) with seeded random weights for any Llama-family base model. The scale is
+chosen so that greedy completions differ visibly between adapters yet stay fluent: every adapter's
+low-rank update has a Frobenius norm of ``relative_norm`` times the base weight's, per module, at rank 8
+on all seven projections. They are load tests of the runtime, not trained skills.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from multilora.runtime.adapters import save_peft_adapter
+from multilora.runtime.config import TARGET_MODULES, ModelConfig
+
+#: name -> (seed, relative_norm, target modules). Different seeds give different completions.
+DEMO_ADAPTERS: dict[str, tuple[int, float, tuple[str, ...]]] = {
+    "demo-a": (1, 0.12, TARGET_MODULES),
+    "demo-b": (2, 0.12, TARGET_MODULES),
+    "demo-c": (3, 0.12, ("q_proj", "v_proj", "down_proj")),
+}
+
+DEMO_PROMPTS: list[tuple[str, str | None]] = [
+    ("Write one sentence about the sea.", None),
+    ("Write one sentence about the sea.", "demo-a"),
+    ("Write one sentence about the sea.", "demo-b"),
+    ("Write one sentence about the sea.", "demo-c"),
+    ("What is the capital of France?", None),
+    ("What is the capital of France?", "demo-a"),
+    ("Give me a tip for learning to cook.", "demo-b"),
+    ("Name three colours.", "demo-c"),
+]
+
+
+def make_demo_adapters(
+    out_dir: str | os.PathLike,
+    base_weights: dict[str, torch.Tensor],
+    config: ModelConfig,
+    *,
+    names: Sequence[str] | None = None,
+    rank: int = 8,
+    base_model_name_or_path: str | None = None,
+) -> dict[str, Path]:
+    """Write the demo adapters under ``out_dir/<name>/``; return name -> directory.
+
+    Args:
+        out_dir: parent directory (created).
+        base_weights: HF-named base weights (to scale each update relative to its base weight).
+        config: the base model's configuration.
+        names: which of ``DEMO_ADAPTERS`` (default all).
+        rank: LoRA rank r (lora_alpha = 2 r, so scaling = 2).
+    """
+    out = Path(out_dir)
+    result = {}
+    for name in names or DEMO_ADAPTERS:
+        seed, rel, modules = DEMO_ADAPTERS[name]
+        g = torch.Generator().manual_seed(seed)
+        alpha = 2 * rank
+        tensors = {}
+        for layer in range(config.num_layers):
+            for m in modules:
+                d_in, d_out = config.module_shape(m)
+                a = torch.randn(rank, d_in, generator=g) / d_in**0.5
+                b = torch.randn(d_out, rank, generator=g)
+                w = base_weights[f"{config.hf_module_name(layer, m)}.weight"].float()
+                delta_norm = (alpha / rank) * (b @ a).norm()
+                b *= rel * w.norm() / delta_norm
+                tensors[(layer, m)] = (a, b)
+        result[name] = save_peft_adapter(
+            out / name, tensors, r=rank, lora_alpha=alpha, target_modules=list(modules),
+            base_model_name_or_path=base_model_name_or_path,
+        )
+    return result
+
+
+def default_demo_dir() -> Path:
+    return Path(os.environ.get("MULTILORA_HOME", Path.home() / ".cache" / "multilora")) / "demo-adapters"
+
+
+def run_demo(adapters_dir: str | os.PathLike | None = None, *, max_tokens: int = 32, model: str | None = None) -> int:
+    """Load the (default) model, write demo adapters if missing, generate a mixed batch, print it."""
+    from multilora.runtime.engine import Engine
+    from multilora.runtime.sampling import SamplingParams
+    from multilora.runtime.weights import load_model_files
+
+    engine = Engine(model)
+    d = Path(adapters_dir) if adapters_dir else default_demo_dir() / engine.model_path.stem
+    missing = [n for n in DEMO_ADAPTERS if not (d / n / "adapter_config.json").is_file()]
+    if missing:
+        print(f"Writing demo adapters {', '.join(missing)} to {d}")
+        _, weights = load_model_files(engine.model_path, dtype=torch.float32, progress=False)
+        make_demo_adapters(d, weights, engine.config, names=missing, base_model_name_or_path=str(engine.model_path))
+        del weights
+    for name in DEMO_ADAPTERS:
+        a = engine.load_adapter(name, d / name)
+        print(f"adapter {name}: {a.target_summary()}  ({d / name})")
+    prompts = [[{"role": "user", "content": p}] for p, _ in DEMO_PROMPTS]
+    names = [a for _, a in DEMO_PROMPTS]
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, adapters=names, sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    elapsed = time.perf_counter() - t0
+    print()
+    for (p, a), o in zip(DEMO_PROMPTS, outs):
+        print(f"[{a or 'base'}] {p}\n    -> {o.text.strip()!r}  ({len(o.token_ids)} tokens, {o.finish_reason})")
+    n = sum(len(o.token_ids) for o in outs)
+    print(f"\n{len(outs)} requests, {len(set(names) - {None})} adapters + base in one batch: "
+          f"{n} tokens in {elapsed:.2f} s = {n / elapsed:.1f} tokens/s on {engine.device} ({engine.dtype})")
+    return 0

