@@ -1,0 +1,663 @@
+"""Memory accounting: how many bytes the adapter pool, the KV cache and the host tier may take.
+
+This module is the PURE core: ``compute_memory_plan(snapshot, options)`` maps an explicit
+``MemorySnapshot`` (everything measured on a machine, as raw numbers and raw file text) and
+``MemoryPlanOptions`` (caps, fraction, reserve, live-state minimum, local ranks) to a ``MemoryPlan``.
+It reads no files; ``multilora.memory.snapshot`` gathers snapshots on the running machine.
+The formulae, with their sources, are in ``docs/memory.md``; in short (all per local rank)::
+
+    discrete GPU:    usable = cuda_free
+    integrated GPU:  usable = max(cuda_free, min(MemAvailable, device_total, cgroup_headroom)) / ranks
+    no GPU (host):   usable = min(MemAvailable, MemTotal, cgroup_headroom) / ranks
+    hard budget      = usable - non_kv_reserve
+    budget           = max(fraction * hard budget, live_state_minimum)      (raises if minimum > hard)
+                       then lowered by the user's total cap
+    adapter pool     = adapter_pool_share * budget, KV = the rest         (each lowered by its cap)
+    device quota     = uncapped budget + non_kv_reserve
+    host tier, shared memory (integrated GPU or host): (host_available / ranks - quota) / 2
+    host tier, discrete GPU:  min(device_total, host_available / ranks / 2, 0.8 * RLIMIT_MEMLOCK)
+
+Worked example (integrated GB10-like device after writing a 60 GiB file; GiB, fraction 0.9, pool share 0):
+CUDA free 30, total 120, MemAvailable 90, no cgroup limit -> usable = max(30, min(90, 120)) = 90,
+budget = KV = 81, host tier = (90 - 81) / 2 = 4.5, torch fraction = (90 - 4.5) / 120 = 0.7125.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from typing import Any
+
+GiB = 1 << 30
+
+#: cgroup v1 (and any cgroup) limits at or above this read as "unlimited" (v1 writes a page-size
+#: dependent number close to 2^63 for "no limit").
+CGROUP_UNLIMITED = 1 << 60
+#: Share of what is left of host memory (per rank, after the device quotas) that the automatic host
+#: tier takes; the other half stays for the OS, the tokenizer, Python and page cache. (Issue 5.)
+HOST_TIER_SHARE = Fraction(1, 2)
+#: Share of RLIMIT_MEMLOCK the automatic host tier of a discrete GPU may pin; the rest stays for other
+#: pinned buffers of the process (staging copies, communication libraries). (Issue 5, example 3.)
+MEMLOCK_SHARE = Fraction(4, 5)
+#: Default share of the budget that goes to the adapter pool. See docs/memory.md ("Adapter pool share").
+DEFAULT_ADAPTER_POOL_SHARE = 0.1
+DEFAULT_FRACTION = 0.9
+
+SNAPSHOT_SCHEMA = "multilora-memory-snapshot"
+SNAPSHOT_SCHEMA_VERSION = 1
+
+# Binding sources (a size's ``*_source``). cgroup sources carry the cgroup path: "cgroup:/a/b".
+CUDA_FREE = "cuda_free"
+MEM_AVAILABLE = "mem_available"
+MEM_FREE = "mem_free"
+DEVICE_TOTAL = "device_total"
+USER_CAP = "user_cap"
+MEMLOCK = "memlock"
+LIVE_STATE_MINIMUM = "live_state_minimum"
+NON_KV_RESERVE = "non_kv_reserve"
+DEVICE_QUOTA = "device_quota"
+EXPLICIT = "explicit"
+UNMEASURED = "unmeasured"
+
+
+class MemoryPlanError(ValueError):
+    """The requested live state (or an explicit host tier) does not fit this machine.
+
+    ``needed_bytes`` is what was asked for, ``fits_bytes`` the most that fits, ``source`` what bound it.
+    """
+
+    def __init__(self, message: str, *, needed_bytes: int, fits_bytes: int, source: str) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.fits_bytes = fits_bytes
+        self.source = source
+
+
+# --------------------------------------------------------------------------------------------------
+# Snapshot: the measured inputs, raw.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CgroupLevel:
+    """One cgroup of the process's chain, as raw file text (None = file missing or unreadable).
+
+    cgroup v2: ``limit`` = memory.max, ``usage`` = memory.current, ``stat`` = memory.stat.
+    cgroup v1: ``limit`` = memory.limit_in_bytes, ``usage`` = memory.usage_in_bytes, ``stat`` = memory.stat.
+    ``path`` is the cgroup path as /proc/self/cgroup names it ("/" = the visible root).
+    """
+
+    path: str
+    limit: str | None = None
+    usage: str | None = None
+    stat: str | None = None
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """Everything memory accounting needs from one machine, for one device (see docs/memory.md).
+
+    ``cgroup_v2`` and ``cgroup_v1`` list the process's cgroup and its ancestors, leaf first, root last.
+    ``rlimit_memlock_bytes`` is the soft RLIMIT_MEMLOCK; None = unlimited or unknown.
+    ``torch_reserved_bytes`` is what this process's caching allocator held when the snapshot was taken
+    (it counts toward the PyTorch per-process cap but is no longer in ``cuda_free_bytes``).
+    """
+
+    has_gpu: bool
+    is_integrated: bool = False
+    cuda_free_bytes: int | None = None
+    cuda_total_bytes: int | None = None
+    torch_reserved_bytes: int = 0
+    device_name: str | None = None
+    meminfo_text: str | None = None
+    cgroup_v2: tuple[CgroupLevel, ...] = ()
+    cgroup_v1: tuple[CgroupLevel, ...] = ()
+    rlimit_memlock_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cuda_free_bytes", "cuda_total_bytes", "torch_reserved_bytes", "rlimit_memlock_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_bytes(name, value)
+        for name in ("has_gpu", "is_integrated"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
+        if self.has_gpu and (self.cuda_free_bytes is None or self.cuda_total_bytes is None):
+            raise ValueError("MemorySnapshot: has_gpu=True needs cuda_free_bytes and cuda_total_bytes")
+        object.__setattr__(self, "cgroup_v2", tuple(self.cgroup_v2))
+        object.__setattr__(self, "cgroup_v1", tuple(self.cgroup_v1))
+        texts = [self.meminfo_text, self.device_name]
+        texts += [t for lv in self.cgroup_v2 + self.cgroup_v1 for t in (lv.limit, lv.usage, lv.stat)]
+        if any(t is not None and not isinstance(t, str) for t in texts):
+            raise ValueError("MemorySnapshot: meminfo_text, device_name and cgroup files must be text or null")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; the schema is documented in docs/memory.md."""
+        d = asdict(self)
+        d["cgroup_v2"] = [asdict(c) for c in self.cgroup_v2]
+        d["cgroup_v1"] = [asdict(c) for c in self.cgroup_v1]
+        return {"schema": SNAPSHOT_SCHEMA, "schema_version": SNAPSHOT_SCHEMA_VERSION, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MemorySnapshot:
+        """Inverse of ``to_dict``. Raises ValueError on another schema or a newer schema version."""
+        if d.get("schema") != SNAPSHOT_SCHEMA:
+            raise ValueError(f"snapshot: expected schema {SNAPSHOT_SCHEMA!r}, got {d.get('schema')!r}")
+        version = d.get("schema_version")
+        if not isinstance(version, int) or not 1 <= version <= SNAPSHOT_SCHEMA_VERSION:
+            raise ValueError(
+                f"snapshot: schema_version {version!r} is not supported (this reader: 1..{SNAPSHOT_SCHEMA_VERSION})"
+            )
+        known = {f for f in cls.__dataclass_fields__} - {"cgroup_v2", "cgroup_v1"}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        kwargs["cgroup_v2"] = tuple(_level_from_dict(c) for c in d.get("cgroup_v2") or ())
+        kwargs["cgroup_v1"] = tuple(_level_from_dict(c) for c in d.get("cgroup_v1") or ())
+        return cls(**kwargs)
+
+
+def _level_from_dict(d: dict[str, Any]) -> CgroupLevel:
+    return CgroupLevel(path=str(d["path"]), limit=d.get("limit"), usage=d.get("usage"), stat=d.get("stat"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Options and plan.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryPlanOptions:
+    """What the caller asks for. All byte counts are per local rank.
+
+    - ``fraction`` (0, 1]: share of the hard budget given to pool + KV (TensorRT-LLM's free-memory fraction).
+    - ``adapter_pool_share`` [0, 1]: share of the budget for the adapter pool; KV takes the rest.
+    - ``non_kv_reserve_bytes``: activations, workspaces, and (before loading) the weights: what a
+      profiling forward of the largest batch measured.
+    - ``min_adapter_pool_bytes`` (one max-size adapter) + ``min_kv_bytes`` (KV for one max-length
+      sequence) = the live-state minimum.
+    - ``max_adapter_pool_bytes``, ``max_kv_bytes``, ``max_total_bytes``: user caps; they only lower sizes.
+    - ``host_tier_bytes``: explicit host-tier size (None = automatic); honoured, or MemoryPlanError
+      where it would over-commit a shared memory pool.
+    - ``local_ranks``: processes on this host that share its memory (one per GPU on a discrete host;
+      on an integrated GPU or without GPU they all share the one pool).
+    """
+
+    fraction: float = DEFAULT_FRACTION
+    adapter_pool_share: float = DEFAULT_ADAPTER_POOL_SHARE
+    non_kv_reserve_bytes: int = 0
+    min_adapter_pool_bytes: int = 0
+    min_kv_bytes: int = 0
+    max_adapter_pool_bytes: int | None = None
+    max_kv_bytes: int | None = None
+    max_total_bytes: int | None = None
+    host_tier_bytes: int | None = None
+    local_ranks: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"fraction: expected 0 < fraction <= 1, got {self.fraction}")
+        if not 0.0 <= self.adapter_pool_share <= 1.0:
+            raise ValueError(f"adapter_pool_share: expected a value in [0, 1], got {self.adapter_pool_share}")
+        if not isinstance(self.local_ranks, int) or self.local_ranks < 1:
+            raise ValueError(f"local_ranks: expected an integer >= 1, got {self.local_ranks!r}")
+        for name in ("non_kv_reserve_bytes", "min_adapter_pool_bytes", "min_kv_bytes"):
+            _check_bytes(name, getattr(self, name))
+        for name in ("max_adapter_pool_bytes", "max_kv_bytes", "max_total_bytes", "host_tier_bytes"):
+            if getattr(self, name) is not None:
+                _check_bytes(name, getattr(self, name))
+
+    @property
+    def live_state_minimum_bytes(self) -> int:
+        """One max-size adapter plus KV for one max-length sequence."""
+        return self.min_adapter_pool_bytes + self.min_kv_bytes
+
+
+def _check_bytes(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}: expected a non-negative integer byte count, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The accounting result, per local rank. Every ``*_source`` names what bound that size.
+
+    Invariants: adapter_pool_bytes + kv_bytes <= budget_bytes <= hard_budget_bytes <= usable_bytes
+    <= device_total_bytes; on a shared-memory device local_ranks * (device_quota_bytes +
+    host_tier_bytes) <= shared_pool_bytes.
+    """
+
+    kind: str  # "discrete" | "integrated" | "host"
+    device_total_bytes: int
+    usable_bytes: int
+    usable_source: str
+    hard_budget_bytes: int
+    budget_bytes: int
+    budget_source: str
+    device_quota_bytes: int
+    adapter_pool_bytes: int
+    adapter_pool_source: str
+    kv_bytes: int
+    kv_source: str
+    host_tier_bytes: int
+    host_tier_source: str
+    host_available_bytes: int | None
+    shared_pool_bytes: int | None
+    torch_memory_fraction: float | None
+    snapshot: MemorySnapshot = field(repr=False)
+    options: MemoryPlanOptions = field(repr=False)
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of the sizes and sources (inputs under "options"; the snapshot is separate)."""
+        d = {k: v for k, v in asdict(self).items() if k not in ("snapshot", "options")}
+        d["notes"] = list(self.notes)
+        d["options"] = asdict(self.options)
+        return d
+
+    def explain(self) -> str:
+        """Human summary: each size in GiB and bytes, its binding source, then the inputs."""
+        return "\n".join(_explain_lines(self))
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing raw text (garbage -> None / empty, never an exception).
+# --------------------------------------------------------------------------------------------------
+
+_MEMINFO_LINE = re.compile(r"^(\S+):\s+(\d+)\s+kB\s*$")
+_INT = re.compile(r"^\d+$")
+
+
+def parse_meminfo(text: str | None) -> dict[str, int]:
+    """/proc/meminfo text -> {field: bytes} for its ``kB`` lines; {} for None or garbage."""
+    out: dict[str, int] = {}
+    for line in (text or "").splitlines():
+        m = _MEMINFO_LINE.match(line.strip())
+        if m:
+            out[m.group(1)] = int(m.group(2)) * 1024
+    return out
+
+
+def parse_int(text: str | None) -> int | None:
+    """A file holding one non-negative integer -> that integer; None if missing or malformed."""
+    s = (text or "").strip()
+    return int(s) if _INT.match(s) else None
+
+
+def parse_stat(text: str | None) -> dict[str, int]:
+    """memory.stat text (``key value`` lines) -> dict; malformed lines are skipped."""
+    out: dict[str, int] = {}
+    for line in (text or "").splitlines():
+        parts = line.split()
+        if len(parts) == 2 and _INT.match(parts[1]):
+            out[parts[0]] = int(parts[1])
+    return out
+
+
+def reclaimable_file_bytes(stat_text: str | None) -> int:
+    """active_file + inactive_file - file_dirty - file_writeback from memory.stat (v2 or v1 names).
+
+    Dirty, writeback, unevictable and shmem pages never count. Any field missing -> 0 (no credit).
+    """
+    stat = parse_stat(stat_text)
+    for keys in (
+        ("active_file", "inactive_file", "file_dirty", "file_writeback"),  # cgroup v2
+        ("total_active_file", "total_inactive_file", "total_dirty", "total_writeback"),  # v1, hierarchical
+        ("active_file", "inactive_file", "dirty", "writeback"),  # v1, this cgroup only
+    ):
+        if all(k in stat for k in keys):
+            active, inactive, dirty, writeback = (stat[k] for k in keys)
+            return max(0, active + inactive - dirty - writeback)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Bounds: a value with the source that set it; None value = no bound.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bound:
+    value: int
+    source: str
+
+
+def tightest(*bounds: Bound | None) -> Bound | None:
+    """The smallest of the given bounds (None entries are "no bound"); ties go to the first listed."""
+    present = [b for b in bounds if b is not None]
+    return min(present, key=lambda b: b.value) if present else None
+
+
+def level_headroom(level: CgroupLevel, prefix: str) -> Bound | None:
+    """Headroom of one cgroup: limit - usage + reclaimable file pages, clamped to [0, limit].
+
+    No limit file, ``max``, or a limit >= 2^60 -> None (unlimited). A malformed limit, or a finite
+    limit whose usage cannot be read -> 0 (no headroom, not the whole limit).
+    """
+    source = f"{prefix}:{level.path}"
+    if level.limit is None or level.limit.strip() == "max":
+        return None
+    limit = parse_int(level.limit)
+    if limit is not None and limit >= CGROUP_UNLIMITED:
+        return None
+    usage = parse_int(level.usage)
+    if limit is None or usage is None:
+        return Bound(0, source)
+    reclaimable = min(reclaimable_file_bytes(level.stat), usage)
+    return Bound(max(0, min(limit, limit - usage + reclaimable)), source)
+
+
+def cgroup_headroom(snapshot: MemorySnapshot) -> Bound | None:
+    """The minimum headroom over the process's cgroups and their ancestors (v2 and v1); None = no limit."""
+    bounds = [level_headroom(lv, "cgroup") for lv in snapshot.cgroup_v2]
+    bounds += [level_headroom(lv, "cgroup_v1") for lv in snapshot.cgroup_v1]
+    return tightest(*bounds)
+
+
+# --------------------------------------------------------------------------------------------------
+# The device view: device-wide usable memory and host memory available to a host tier.
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _DeviceView:
+    kind: str
+    total: int
+    usable: Bound  # per local rank
+    host_available: Bound | None  # host-wide; None = not measured
+    shared_pool: int | None  # device-wide estimate on shared-memory devices
+    notes: tuple[str, ...]
+
+
+def _host_available(snapshot: MemorySnapshot, total: Bound | None) -> Bound | None:
+    """min(MemAvailable, total, cgroup headroom); None when MemAvailable cannot be read."""
+    mem_available = parse_meminfo(snapshot.meminfo_text).get("MemAvailable")
+    if mem_available is None:
+        return None
+    return tightest(Bound(mem_available, MEM_AVAILABLE), total, cgroup_headroom(snapshot))
+
+
+def _discrete_view(s: MemorySnapshot, ranks: int) -> _DeviceView:
+    """One GPU per rank; its own free memory is the only source (ranks share only the host tier)."""
+    total = s.cuda_total_bytes
+    usable = Bound(min(s.cuda_free_bytes, total), CUDA_FREE)
+    host = _host_available(s, None)
+    notes = () if host else ("/proc/meminfo has no MemAvailable: no automatic host tier",)
+    return _DeviceView("discrete", total, usable, host, None, notes)
+
+
+def _integrated_view(s: MemorySnapshot, ranks: int) -> _DeviceView:
+    total = s.cuda_total_bytes
+    cuda_free = Bound(min(s.cuda_free_bytes, total), CUDA_FREE)
+    host = _host_available(s, Bound(total, DEVICE_TOTAL))
+    notes = () if host else ("/proc/meminfo has no MemAvailable: CUDA free is the fallback, no automatic host tier",)
+    pool = cuda_free if host is None or host.value <= cuda_free.value else host
+    usable = Bound(pool.value // ranks, pool.source)
+    return _DeviceView("integrated", total, usable, host, pool.value, notes)
+
+
+def _host_view(s: MemorySnapshot, ranks: int) -> _DeviceView:
+    info = parse_meminfo(s.meminfo_text)
+    mem_total = info.get("MemTotal")
+    total = Bound(mem_total, DEVICE_TOTAL) if mem_total is not None else None
+    notes: tuple[str, ...] = ()
+    host = _host_available(s, total)
+    if host is None and "MemFree" in info:  # kernels before 3.14 have no MemAvailable
+        host = tightest(Bound(info["MemFree"], MEM_FREE), total, cgroup_headroom(s))
+        notes = ("/proc/meminfo has no MemAvailable: planning from MemFree",)
+    if host is None:
+        host = Bound(0, UNMEASURED)
+        notes = ("/proc/meminfo unreadable: host memory could not be measured",)
+    device_total = mem_total if mem_total is not None else host.value
+    usable = Bound(host.value // ranks, host.source)
+    return _DeviceView("host", device_total, usable, host, host.value, notes)
+
+
+def device_view(snapshot: MemorySnapshot, local_ranks: int = 1) -> _DeviceView:
+    """Per-rank usable memory of the snapshot's device, and the host memory a host tier may use."""
+    if not snapshot.has_gpu:
+        return _host_view(snapshot, local_ranks)
+    if snapshot.is_integrated:
+        return _integrated_view(snapshot, local_ranks)
+    return _discrete_view(snapshot, local_ranks)
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan.
+# --------------------------------------------------------------------------------------------------
+
+
+def _scale(value: int, share: float | Fraction) -> int:
+    """floor(value * share), exact for decimal shares (0.9 is 9/10, not 0.900000000000000022...)."""
+    return math.floor(value * (share if isinstance(share, Fraction) else Fraction(str(share))))
+
+
+def _cap(size: Bound, cap: int | None) -> Bound:
+    return size if cap is None or cap >= size.value else Bound(cap, USER_CAP)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _budget(view: _DeviceView, o: MemoryPlanOptions) -> tuple[int, Bound, Bound]:
+    """(hard budget, uncapped budget, budget after the total cap). Raises if the live state cannot fit."""
+    hard = view.usable.value - o.non_kv_reserve_bytes
+    need = o.live_state_minimum_bytes
+    if need > hard:
+        fits = max(0, hard)
+        raise MemoryPlanError(
+            f"live-state minimum {_gib(need)} ({need} B: one max-size adapter {o.min_adapter_pool_bytes} B + KV "
+            f"for one max-length sequence {o.min_kv_bytes} B) does not fit: at most {_gib(fits)} ({fits} B) fits "
+            f"= usable {view.usable.value} B (bound by {view.usable.source}) "
+            f"- non-KV reserve {o.non_kv_reserve_bytes} B",
+            needed_bytes=need,
+            fits_bytes=fits,
+            source=view.usable.source,
+        )
+    fractioned = _scale(hard, o.fraction)
+    uncapped = Bound(fractioned, view.usable.source) if fractioned >= need else Bound(need, LIVE_STATE_MINIMUM)
+    capped = _cap(uncapped, o.max_total_bytes)
+    if capped.value < need:
+        raise MemoryPlanError(
+            f"live-state minimum {_gib(need)} ({need} B) does not fit under the user's total cap "
+            f"{capped.value} B (max_total_bytes)",
+            needed_bytes=need,
+            fits_bytes=capped.value,
+            source=USER_CAP,
+        )
+    return hard, uncapped, capped
+
+
+def _split(budget: Bound, o: MemoryPlanOptions) -> tuple[Bound, Bound]:
+    """Adapter pool = share of the budget, held to [one adapter, budget - one sequence's KV]; KV = rest."""
+    share = _scale(budget.value, o.adapter_pool_share)
+    lo, hi = o.min_adapter_pool_bytes, budget.value - o.min_kv_bytes
+    pool = Bound(min(max(share, lo), hi), budget.source if lo <= share <= hi else LIVE_STATE_MINIMUM)
+    kv = Bound(budget.value - pool.value, budget.source)
+    pool, kv = _cap(pool, o.max_adapter_pool_bytes), _cap(kv, o.max_kv_bytes)
+    for name, size, need in (("adapter pool", pool, lo), ("KV", kv, o.min_kv_bytes)):
+        if size.value < need:
+            raise MemoryPlanError(
+                f"the user's {name} cap {size.value} B is below the live-state minimum for it ({need} B)",
+                needed_bytes=need,
+                fits_bytes=size.value,
+                source=USER_CAP,
+            )
+    return pool, kv
+
+
+def _shared_host_tier(view: _DeviceView, quota: int, o: MemoryPlanOptions) -> Bound:
+    """Automatic host tier on a shared-memory device: half of what the device quotas of every local
+    rank leave of the measured host memory, per rank. Unmeasured host memory gives 0."""
+    host = view.host_available
+    if host is None:
+        return Bound(0, UNMEASURED)
+    per_rank = host.value // o.local_ranks
+    if per_rank <= quota:
+        return Bound(0, DEVICE_QUOTA)
+    return Bound(_scale(per_rank - quota, HOST_TIER_SHARE), host.source)
+
+
+def _discrete_host_tier(view: _DeviceView, snapshot: MemorySnapshot, o: MemoryPlanOptions) -> Bound:
+    """Automatic host tier beside a discrete GPU: min(device total, half the host memory available per
+    rank, 0.8 x RLIMIT_MEMLOCK). Unmeasured host memory gives 0."""
+    host = view.host_available
+    if host is None:
+        return Bound(0, UNMEASURED)
+    half = Bound(_scale(host.value // o.local_ranks, HOST_TIER_SHARE), host.source)
+    memlock = snapshot.rlimit_memlock_bytes
+    locked = None if memlock is None else Bound(_scale(memlock, MEMLOCK_SHARE), MEMLOCK)
+    return tightest(Bound(view.total, DEVICE_TOTAL), half, locked)  # type: ignore[return-value]
+
+
+def _explicit_host_tier(view: _DeviceView, quota: int, o: MemoryPlanOptions) -> Bound:
+    """Honour an explicit host tier, or raise where it over-commits a shared memory pool."""
+    want, ranks = o.host_tier_bytes, o.local_ranks
+    assert want is not None
+    if view.shared_pool is not None and ranks * (quota + want) > view.shared_pool:
+        fits = max(0, view.shared_pool // ranks - quota)
+        raise MemoryPlanError(
+            f"explicit host tier {_gib(want)} ({want} B) over-commits the shared memory pool: "
+            f"{ranks} rank(s) x (device quota {quota} B + host tier {want} B) = {ranks * (quota + want)} B "
+            f"> {view.shared_pool} B ({view.usable.source}); at most {fits} B fits per rank",
+            needed_bytes=want,
+            fits_bytes=fits,
+            source=view.usable.source,
+        )
+    return Bound(want, EXPLICIT)
+
+
+def _explicit_host_tier_notes(view: _DeviceView, snapshot: MemorySnapshot, want: int) -> tuple[str, ...]:
+    """Warnings for an explicit host tier beside a discrete GPU (honoured, but pinning may fail)."""
+    memlock = snapshot.rlimit_memlock_bytes
+    if view.kind == "discrete" and memlock is not None and want > memlock:
+        return (f"explicit host tier {want} B exceeds RLIMIT_MEMLOCK ({memlock} B): pinning it may fail",)
+    return ()
+
+
+def _torch_fraction(view: _DeviceView, snapshot: MemorySnapshot, host_tier: int) -> float | None:
+    """Cap of the PyTorch caching allocator, from the same estimate: what this process already holds
+    plus its usable memory (minus the host tier where host and device share one pool), / device total."""
+    if view.kind == "host" or view.total <= 0:
+        return None
+    own = snapshot.torch_reserved_bytes + view.usable.value
+    if view.kind == "integrated":
+        own -= host_tier
+    return min(1.0, math.floor(max(0, own) / view.total * 1e6) / 1e6)
+
+
+def compute_memory_plan(snapshot: MemorySnapshot, options: MemoryPlanOptions | None = None) -> MemoryPlan:
+    """The memory plan of ``snapshot`` under ``options`` (see the module docstring and docs/memory.md).
+
+    Raises MemoryPlanError when the live-state minimum does not fit (saying what fits and what bound
+    it), or when an explicit host tier would over-commit a shared memory pool.
+    """
+    o = options or MemoryPlanOptions()
+    view = device_view(snapshot, o.local_ranks)
+    hard, uncapped, budget = _budget(view, o)
+    pool, kv = _split(budget, o)
+    quota = uncapped.value + o.non_kv_reserve_bytes
+    notes = view.notes
+    if o.host_tier_bytes is not None:
+        host = _explicit_host_tier(view, quota, o)
+        notes += _explicit_host_tier_notes(view, snapshot, o.host_tier_bytes)
+    elif view.kind == "discrete":
+        host = _discrete_host_tier(view, snapshot, o)
+    else:
+        host = _shared_host_tier(view, quota, o)
+    return MemoryPlan(
+        kind=view.kind,
+        device_total_bytes=view.total,
+        usable_bytes=view.usable.value,
+        usable_source=view.usable.source,
+        hard_budget_bytes=hard,
+        budget_bytes=budget.value,
+        budget_source=budget.source,
+        device_quota_bytes=quota,
+        adapter_pool_bytes=pool.value,
+        adapter_pool_source=pool.source,
+        kv_bytes=kv.value,
+        kv_source=kv.source,
+        host_tier_bytes=host.value,
+        host_tier_source=host.source,
+        host_available_bytes=view.host_available.value if view.host_available else None,
+        shared_pool_bytes=view.shared_pool,
+        torch_memory_fraction=_torch_fraction(view, snapshot, host.value),
+        snapshot=snapshot,
+        options=o,
+        notes=notes,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# explain()
+# --------------------------------------------------------------------------------------------------
+
+_KIND_TEXT = {
+    "discrete": "discrete GPU",
+    "integrated": "integrated GPU (memory shared with the CPU)",
+    "host": "no GPU: the host is the device",
+}
+
+
+def _size_line(name: str, n: int, source: str = "") -> str:
+    bound = f"  bound by {source}" if source else ""
+    return f"  {name:<22}{n / GiB:10.2f} GiB {n:>18,d} B{bound}"
+
+
+def _input_lines(s: MemorySnapshot) -> list[str]:
+    lines = []
+    if s.has_gpu:
+        lines.append(_size_line("CUDA free", s.cuda_free_bytes or 0))
+        lines.append(_size_line("CUDA total", s.cuda_total_bytes or 0))
+        lines.append(_size_line("torch reserved", s.torch_reserved_bytes))
+    info = parse_meminfo(s.meminfo_text)
+    if not info:
+        lines.append("  /proc/meminfo          unreadable")
+    for key in ("MemTotal", "MemFree", "MemAvailable", "Cached", "Shmem", "Dirty", "Writeback"):
+        if key in info:
+            lines.append(_size_line(key, info[key]))
+    for prefix, levels in (("cgroup", s.cgroup_v2), ("cgroup_v1", s.cgroup_v1)):
+        for lv in levels:
+            room = level_headroom(lv, prefix)
+            room_text = "unlimited" if room is None else f"headroom {room.value:,d} B"
+            limit = (lv.limit or "(none)").strip()
+            lines.append(
+                f"  {prefix}:{lv.path}  limit {limit}, usage {(lv.usage or '?').strip()}, "
+                f"reclaimable {reclaimable_file_bytes(lv.stat):,d} B -> {room_text}"
+            )
+    memlock = "unlimited" if s.rlimit_memlock_bytes is None else f"{s.rlimit_memlock_bytes:,d} B"
+    lines.append(f"  RLIMIT_MEMLOCK         {memlock}")
+    return lines
+
+
+def _option_lines(o: MemoryPlanOptions) -> list[str]:
+    caps = {k: getattr(o, k) for k in ("max_adapter_pool_bytes", "max_kv_bytes", "max_total_bytes", "host_tier_bytes")}
+    cap_text = ", ".join(f"{k}={v:,d}" for k, v in caps.items() if v is not None) or "none"
+    return [
+        f"  fraction {o.fraction}, adapter pool share {o.adapter_pool_share}, local ranks {o.local_ranks}",
+        f"  non-KV reserve {o.non_kv_reserve_bytes:,d} B, live-state minimum {o.live_state_minimum_bytes:,d} B "
+        f"(adapter {o.min_adapter_pool_bytes:,d} B + KV {o.min_kv_bytes:,d} B)",
+        f"  caps / explicit sizes: {cap_text}",
+    ]
+
+
+def _explain_lines(p: MemoryPlan) -> list[str]:
+    name = f" {p.snapshot.device_name!r}" if p.snapshot.device_name else ""
+    lines = [f"memory plan: {_KIND_TEXT[p.kind]}{name}, per local rank ({p.options.local_ranks})"]
+    lines.append(_size_line("adapter pool", p.adapter_pool_bytes, p.adapter_pool_source))
+    lines.append(_size_line("KV cache", p.kv_bytes, p.kv_source))
+    lines.append(_size_line("host tier", p.host_tier_bytes, p.host_tier_source))
+    lines.append(_size_line("budget (pool + KV)", p.budget_bytes, p.budget_source))
+    lines.append(_size_line("hard budget", p.hard_budget_bytes))
+    lines.append(_size_line("device quota", p.device_quota_bytes))
+    lines.append(_size_line("usable", p.usable_bytes, p.usable_source))
+    lines.append(_size_line("device total", p.device_total_bytes))
+    if p.host_available_bytes is not None:
+        lines.append(_size_line("host available", p.host_available_bytes))
+    frac = "not applicable (no GPU)" if p.torch_memory_fraction is None else f"{p.torch_memory_fraction:.6f}"
+    lines.append(f"  torch memory fraction  {frac}")
+    lines += ["inputs:", *_input_lines(p.snapshot), "options:", *_option_lines(p.options)]
+    lines += [f"note: {n}" for n in p.notes]
+    return lines

@@ -1,0 +1,153 @@
+"""``multilora memory``: print the memory plan of this machine, or of a recorded snapshot.
+
+    multilora memory                                  # plan for this machine (cuda:0, else the CPU)
+    multilora memory --save-snapshot snap.json        # ... and record the snapshot it used
+    multilora memory --snapshot snap.json --json      # replay a recorded snapshot, machine-readable
+    multilora memory --kv-bytes 8GiB --fraction 0.8 --local-ranks 4
+
+Byte options take an integer or a number with a unit: B, KiB, MiB, GiB, TiB (powers of 1024),
+KB, MB, GB, TB (powers of 1000); K, M, G, T alone are read as KiB, MiB, GiB, TiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from multilora.memory.accounting import (
+    DEFAULT_ADAPTER_POOL_SHARE,
+    DEFAULT_FRACTION,
+    MemoryPlanError,
+    MemoryPlanOptions,
+    MemorySnapshot,
+    compute_memory_plan,
+)
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648, '512MiB', '1.5G', '4096'. Raises ValueError on anything else."""
+    m = _BYTES.match(text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"expected a byte count like 4096, 512MiB or 2GiB, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[unit]) if "." in m.group(1) else int(m.group(1)) * _UNITS[unit]
+
+
+def _bytes_arg(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_memory_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``memory`` subcommand to ``subparsers``; its handler is ``args.func = run_memory``."""
+    p = subparsers.add_parser("memory", help="print the memory plan (pool, KV, host tier) for this machine")
+    _add_arguments(p)
+    p.set_defaults(func=run_memory)
+    return p
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device", default=None, help="device to plan for: cuda:N or cpu (default: cuda:0 if present, else cpu)"
+    )
+    p.add_argument("--snapshot", type=Path, help="replay a recorded snapshot JSON instead of measuring this machine")
+    p.add_argument("--save-snapshot", type=Path, help="write the snapshot used to this JSON file")
+    p.add_argument("--json", action="store_true", help="print the plan (and its snapshot) as JSON")
+    p.add_argument(
+        "--fraction", type=float, default=DEFAULT_FRACTION, help="share of the hard budget for pool + KV (default 0.9)"
+    )
+    p.add_argument(
+        "--adapter-pool-share",
+        type=float,
+        default=DEFAULT_ADAPTER_POOL_SHARE,
+        help="share of the budget for the adapter pool (default 0.1)",
+    )
+    p.add_argument("--local-ranks", type=int, default=1, help="processes on this host sharing its memory (default 1)")
+    p.add_argument("--adapter-pool-bytes", type=_bytes_arg, help="cap on the adapter pool")
+    p.add_argument("--kv-bytes", type=_bytes_arg, help="cap on the KV cache")
+    p.add_argument("--total-bytes", type=_bytes_arg, help="cap on adapter pool + KV")
+    p.add_argument("--host-adapter-bytes", type=_bytes_arg, help="explicit host-tier size (default: automatic)")
+    p.add_argument("--non-kv-reserve-bytes", type=_bytes_arg, default=0, help="activations and workspaces (default 0)")
+    p.add_argument("--min-adapter-bytes", type=_bytes_arg, default=0, help="one max-size adapter (live-state minimum)")
+    p.add_argument(
+        "--min-kv-bytes", type=_bytes_arg, default=0, help="KV of one max-length sequence (live-state minimum)"
+    )
+
+
+def _options(args: argparse.Namespace) -> MemoryPlanOptions:
+    return MemoryPlanOptions(
+        fraction=args.fraction,
+        adapter_pool_share=args.adapter_pool_share,
+        non_kv_reserve_bytes=args.non_kv_reserve_bytes,
+        min_adapter_pool_bytes=args.min_adapter_bytes,
+        min_kv_bytes=args.min_kv_bytes,
+        max_adapter_pool_bytes=args.adapter_pool_bytes,
+        max_kv_bytes=args.kv_bytes,
+        max_total_bytes=args.total_bytes,
+        host_tier_bytes=args.host_adapter_bytes,
+        local_ranks=args.local_ranks,
+    )
+
+
+def _snapshot(args: argparse.Namespace) -> MemorySnapshot:
+    if args.snapshot is not None:
+        return MemorySnapshot.from_dict(json.loads(args.snapshot.read_text()))
+    from multilora.memory.snapshot import take_snapshot  # imports torch.cuda only when measuring
+
+    return take_snapshot(args.device)
+
+
+def run_memory(args: argparse.Namespace) -> int:
+    """Handler of ``multilora memory``: 0 on success, 2 on bad input or a plan that does not fit."""
+    try:
+        options = _options(args)
+        snapshot = _snapshot(args)
+    except (ValueError, OSError) as e:
+        print(f"multilora memory: {e}", file=sys.stderr)
+        return 2
+    if args.save_snapshot is not None:
+        args.save_snapshot.write_text(json.dumps(snapshot.to_dict(), indent=2) + "\n")
+    try:
+        plan = compute_memory_plan(snapshot, options)
+    except MemoryPlanError as e:
+        print(f"multilora memory: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"plan": plan.to_dict(), "snapshot": snapshot.to_dict()}, indent=2))
+    else:
+        print(plan.explain())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m multilora.runtime.cli_memory``), same options as ``multilora memory``."""
+    p = argparse.ArgumentParser(prog="multilora memory", description=__doc__.splitlines()[0])
+    _add_arguments(p)
+    return run_memory(p.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
