@@ -104,8 +104,9 @@ def gather_adapter(view: LoRAModuleView, slot: int) -> tuple[torch.Tensor, torch
     R = view.page_rows
     npg = -(-r // R)
     pages = view.page_table[slot, :npg].long()
-    a = view.buffer[pages, view.offset_a : view.offset_a + R * view.d_in].reshape(npg * R, view.d_in)[:r]
-    bt = view.buffer[pages, view.offset_b : view.offset_b + R * view.d_out].reshape(npg * R, view.d_out)[:r]
+    # narrow first (a view), then gather only this module's slice of each page
+    a = view.buffer.narrow(1, view.offset_a, R * view.d_in).index_select(0, pages).reshape(npg * R, view.d_in)[:r]
+    bt = view.buffer.narrow(1, view.offset_b, R * view.d_out).index_select(0, pages).reshape(npg * R, view.d_out)[:r]
     return a, bt, float(view.scalings[slot]), r
 
 

@@ -23,7 +23,7 @@ from multilora.runtime.config import TARGET_MODULES, ModelConfig
 DEMO_ADAPTERS: dict[str, tuple[int, float, tuple[str, ...]]] = {
     "demo-a": (1, 0.12, TARGET_MODULES),
     "demo-b": (2, 0.12, TARGET_MODULES),
-    "demo-c": (3, 0.12, ("q_proj", "v_proj", "down_proj")),
+    "demo-c": (3, 0.10, ("q_proj", "v_proj", "down_proj")),
 }
 
 DEMO_PROMPTS: list[tuple[str, str | None]] = [
