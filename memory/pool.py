@@ -136,7 +136,10 @@ class AdapterPool:
         self._module_prefix = prefix
         self.page_elems = page_rows * config.num_layers * self._layer_width
 
-        self.buffer = torch.zeros(num_pages, self.page_elems, dtype=dtype, device=self.device)
+        # Uninitialised on purpose (no pages touched until used): ``load`` writes every row a kernel may
+        # read (rank-rows >= r of a written module are zero-filled up to the page boundary; modules an
+        # adapter does not touch have rank 0 and are never read).
+        self.buffer = torch.empty(num_pages, self.page_elems, dtype=dtype, device=self.device)
         nl, nm = config.num_layers, len(TARGET_MODULES)
         self.page_table = torch.full(
             (self.max_slots, self.max_pages_per_slot), -1, dtype=torch.int32, device=self.device

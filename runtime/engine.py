@@ -35,6 +35,9 @@ from multilora.runtime.sampling import SamplingParams, make_generator, sample_to
 from multilora.runtime.scheduler import Request, Scheduler, Status, next_request_id
 from multilora.runtime.weights import load_model_files, load_tokenizer, resolve_model_path
 
+if False:  # typing only
+    from multilora.memory.accounting import MemoryPlan
+
 log = logging.getLogger("multilora")
 
 Prompt = Any  # str | list[dict] (chat messages) | list[int] (token ids)
@@ -73,10 +76,19 @@ class Engine:
         device: "cuda", "cpu", ... (default: CUDA when available).
         dtype: compute dtype (default: bfloat16 on CUDA, float32 on CPU).
         max_batch_size: most requests running at once (also the number of KV rows).
-        max_seq_len: most tokens (prompt + generated) per request; default min(model context, 2048).
+        max_seq_len: most tokens (prompt + generated) per request; default min(model context, 2048 on
+            GPU, 1024 on CPU).
         max_lora_rank: largest adapter rank accepted by ``load_adapter``.
-        adapter_slots: pool size in adapters of ``max_lora_rank`` when ``adapter_pool_bytes`` is None.
-        adapter_pool_bytes: bytes for the adapter pool (whole pages; at least one max-rank adapter).
+        adapter_slots: cap the adapter pool at this many adapters of ``max_lora_rank``.
+        adapter_pool_bytes: cap on the adapter pool's bytes. The pool takes the memory plan's share
+            (``multilora.memory.accounting``), lowered by these caps, in whole pages; it must hold at
+            least one max-rank adapter.
+        kv_cache_bytes: cap on the KV cache's bytes (also from the memory plan; never more than
+            ``max_batch_size`` rows of ``max_seq_len`` tokens are allocated).
+        host_adapter_bytes: explicit host-tier size, passed to the memory plan (which rejects one that
+            over-commits a shared-memory device); None = the plan's automatic size.
+        gpu_memory_fraction: share of usable device memory the plan may budget (default 0.9).
+        local_ranks: engine processes sharing this device/host (the plan divides host memory by it).
         page_rows: rank-rows per pool page (see ``multilora.memory.pool``).
         max_prefill_tokens: most prompt tokens in one prefill step.
         lora_backend: "torch", "triton" or None (triton on CUDA when available).
@@ -84,6 +96,8 @@ class Engine:
 
     Raises:
         ModelLoadError: the model cannot be found or read.
+        MemoryPlanError: one max-rank adapter plus KV for one max-length sequence does not fit (the
+            message says what would fit and which source bound it).
         ValueError: an argument out of range (named in the message).
     """
 
@@ -96,16 +110,20 @@ class Engine:
         max_batch_size: int = 16,
         max_seq_len: int | None = None,
         max_lora_rank: int = 64,
-        adapter_slots: int = 8,
+        adapter_slots: int | None = None,
         adapter_pool_bytes: int | None = None,
+        kv_cache_bytes: int | None = None,
+        host_adapter_bytes: int | None = None,
+        gpu_memory_fraction: float = 0.9,
+        local_ranks: int = 1,
         page_rows: int = 8,
         max_prefill_tokens: int = 4096,
         lora_backend: str | None = None,
         progress: bool = True,
     ) -> None:
         for arg, val in (("max_batch_size", max_batch_size), ("max_lora_rank", max_lora_rank),
-                         ("adapter_slots", adapter_slots), ("page_rows", page_rows),
-                         ("max_prefill_tokens", max_prefill_tokens)):
+                         ("adapter_slots", adapter_slots or 1), ("page_rows", page_rows),
+                         ("max_prefill_tokens", max_prefill_tokens), ("local_ranks", local_ranks)):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"Engine: {arg} must be an int >= 1, got {val!r}")
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -124,31 +142,50 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         self.load_seconds = time.perf_counter() - t0
 
-        self.max_seq_len = max_seq_len or min(config.max_position_embeddings, 2048)
+        default_len = 2048 if self.device.type == "cuda" else 1024
+        self.max_seq_len = max_seq_len or min(config.max_position_embeddings, default_len)
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
             raise ValueError(f"Engine: max_seq_len must be an int >= 2, got {max_seq_len!r}")
         self.max_batch_size = max_batch_size
         self.max_lora_rank = max_lora_rank
+        self.max_prefill_tokens = max_prefill_tokens
         pages_per_max = AdapterPool.pages_for_rank(max_lora_rank, page_rows)
-        probe = AdapterPool(config, num_pages=1, page_rows=page_rows, max_rank=max_lora_rank, dtype=self.dtype, device="meta")
-        if adapter_pool_bytes is None:
-            num_pages = adapter_slots * pages_per_max
-        else:
-            num_pages = int(adapter_pool_bytes) // probe.page_bytes
-            if num_pages < pages_per_max:
-                raise ValueError(
-                    f"Engine: adapter_pool_bytes={adapter_pool_bytes} holds {num_pages} page(s) of "
-                    f"{probe.page_bytes} bytes; one rank-{max_lora_rank} adapter needs {pages_per_max} "
-                    f"({pages_per_max * probe.page_bytes} bytes)"
-                )
+        page_bytes = AdapterPool(config, num_pages=1, page_rows=page_rows, max_rank=max_lora_rank,
+                                 dtype=self.dtype, device="meta").page_bytes
+        kv_token = KVCache.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
+        pool_cap = adapter_pool_bytes
+        if adapter_slots is not None:
+            slots_bytes = adapter_slots * pages_per_max * page_bytes
+            pool_cap = slots_bytes if pool_cap is None else min(pool_cap, slots_bytes)
+        kv_cap = max_batch_size * self.max_seq_len * kv_token
+        kv_cap = kv_cap if kv_cache_bytes is None else min(kv_cap, kv_cache_bytes)
+        self.memory_plan = self._plan_memory(
+            max_adapter_bytes=pages_per_max * page_bytes, kv_bytes_per_token=kv_token,
+            max_adapter_pool_bytes=pool_cap, max_kv_bytes=kv_cap, host_tier_bytes=host_adapter_bytes,
+            fraction=gpu_memory_fraction, local_ranks=local_ranks,
+        )
+        plan = self.memory_plan
+        num_pages = plan.adapter_pool_bytes // page_bytes if plan is not None else (pool_cap or 8 * pages_per_max * page_bytes) // page_bytes
+        if num_pages < pages_per_max:
+            raise ValueError(
+                f"Engine: the adapter pool gets {num_pages} page(s) of {page_bytes} bytes; one rank-{max_lora_rank} "
+                f"adapter needs {pages_per_max} ({pages_per_max * page_bytes} bytes): raise adapter_pool_bytes / "
+                f"adapter_slots or lower max_lora_rank"
+            )
+        kv_rows = min(max_batch_size, (plan.kv_bytes if plan is not None else kv_cap) // (kv_token * self.max_seq_len))
+        if kv_rows < 1:
+            raise ValueError(
+                f"Engine: the KV cache gets less than one row of max_seq_len={self.max_seq_len} tokens "
+                f"({kv_token * self.max_seq_len} bytes): raise kv_cache_bytes or lower max_seq_len"
+            )
         self.pool = AdapterPool(config, num_pages=num_pages, page_rows=page_rows, max_rank=max_lora_rank,
                                 dtype=self.dtype, device=self.device)
         self.model.bind_pool(self.pool)
         self.cache = AdapterCache(self.pool)
-        self.kv = KVCache(num_layers=config.num_layers, num_rows=max_batch_size, max_seq_len=self.max_seq_len,
+        self.kv = KVCache(num_layers=config.num_layers, num_rows=kv_rows, max_seq_len=self.max_seq_len,
                           num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=self.dtype, device=self.device)
         self.scheduler = Scheduler(self.cache, allocate_kv=self._try_allocate_kv, free_kv=self.kv.free,
-                                   max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens)
+                                   max_batch_size=min(max_batch_size, kv_rows), max_prefill_tokens=max_prefill_tokens)
         self._step_lock = threading.RLock()
         self._counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
                           "generated_tokens": 0, "requests_finished": 0, "requests_failed": 0}
@@ -156,8 +193,64 @@ class Engine:
         log.info(
             "multilora: %s (%d layers, hidden %d) on %s/%s; adapter pool %d pages x %.1f MB; KV %d rows x %d tokens (%.1f MB)",
             self.model_path.name, config.num_layers, config.hidden_size, self.device, str(self.dtype).replace("torch.", ""),
-            self.pool.num_pages, self.pool.page_bytes / 1e6, max_batch_size, self.max_seq_len, self.kv.nbytes / 1e6,
+            self.pool.num_pages, self.pool.page_bytes / 1e6, kv_rows, self.max_seq_len, self.kv.nbytes / 1e6,
         )
+        if plan is not None:
+            log.info("memory plan:\n%s", plan.explain())
+
+    # ------------------------------------------------------------------------------ memory plan
+    def _plan_memory(self, **kw: Any) -> "MemoryPlan | None":
+        """The memory plan for this device (``multilora.memory``), after the weights are loaded.
+
+        On CUDA the PyTorch memory-fraction cap is set from the plan first, then a profiling forward of
+        the largest prefill measures the non-KV reserve, and the plan is computed again with it. On the
+        CPU the reserve is estimated from the activation shapes. Where host memory cannot be measured
+        (no /proc/meminfo: not Linux), the CPU engine falls back to the caps and logs that.
+        """
+        from multilora.memory.accounting import MemoryPlanError
+        from multilora.memory.snapshot import apply_torch_memory_fraction, plan_for_engine
+
+        try:
+            plan = plan_for_engine(device=self.device, max_seq_len=self.max_seq_len, weights_bytes_loaded=True,
+                                   non_kv_reserve_bytes=self._activation_estimate(), **kw)
+        except MemoryPlanError:
+            if self.device.type == "cpu" and not os.path.exists("/proc/meminfo"):
+                log.warning("memory plan: host memory cannot be measured here; sizing from the Engine arguments")
+                return None
+            raise
+        if self.device.type == "cuda":
+            apply_torch_memory_fraction(plan, self.device)
+            reserve = self._profile_reserve()
+            plan = plan_for_engine(device=self.device, max_seq_len=self.max_seq_len, weights_bytes_loaded=True,
+                                   non_kv_reserve_bytes=reserve, **kw)
+            apply_torch_memory_fraction(plan, self.device)
+        return plan
+
+    def _activation_estimate(self) -> int:
+        """Bytes of activations of the largest prefill (max_prefill_tokens), from the layer shapes."""
+        c, T = self.config, min(self.max_prefill_tokens, self.max_seq_len)
+        per_token = 4 * c.hidden_size + 2 * (c.q_size + 2 * c.kv_size) + 3 * c.intermediate_size
+        attn = c.num_heads * T * T  # one padded score matrix of the longest prompt
+        return (T * per_token + attn) * self.model.embed.element_size() + c.vocab_size * 4 * self.max_batch_size
+
+    def _profile_reserve(self) -> int:
+        """Peak bytes a forward of the largest prefill allocates beyond what is live (CUDA only)."""
+        T = min(self.max_prefill_tokens, self.max_seq_len)
+        c = self.config
+        tmp_kv = KVCache(num_layers=c.num_layers, num_rows=1, max_seq_len=T, num_kv_heads=c.num_kv_heads,
+                         head_dim=c.head_dim, dtype=self.dtype, device=self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        plan = build_step_plan(self.model, token_ids=[[0] * T], start_positions=[0], kv_rows=[0],
+                               lora=build_lora_plan([-1] * T, device=self.device))
+        with torch.inference_mode():
+            self.model.compute_logits(self.model.forward(plan, tmp_kv)[-1:])
+        torch.cuda.synchronize(self.device)
+        reserve = torch.cuda.max_memory_allocated(self.device) - before
+        del tmp_kv, plan
+        torch.cuda.empty_cache()
+        return int(reserve)
 
     # ------------------------------------------------------------------------------------ adapters
     def load_adapter(self, name: str, path: str | os.PathLike, *, allow_pickle: bool = False) -> LoRAAdapter:
