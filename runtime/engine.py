@@ -139,6 +139,8 @@ class Engine:
         self.model = LlamaModel(config, weights, device=self.device, dtype=self.dtype)
         del weights
         self.tokenizer = load_tokenizer(self.model_path)
+        if self.tokenizer is None:
+            log.warning("%s has no tokenizer files: prompts must be token ids, outputs have no text", self.model_path)
         self.eos_token_ids = self._eos_ids()
         self.load_seconds = time.perf_counter() - t0
 
@@ -314,6 +316,8 @@ class Engine:
         Raises:
             ValueError: a prompt of another type, or empty.
         """
+        if self.tokenizer is None and not (isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)):
+            raise ValueError(f"prompt: {self.model_path} has no tokenizer, so prompts must be lists of token ids")
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -432,6 +436,8 @@ class Engine:
         return None
 
     def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _fail_unschedulable(self) -> list[Request]:

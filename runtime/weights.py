@@ -208,10 +208,19 @@ def _gguf_to_hf_name(name: str, path: Path) -> str:
     raise ModelLoadError(f"{path}: unexpected GGUF tensor {name!r} for a Llama model")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
 def load_tokenizer(path: Path) -> Any:
-    """The tokenizer for a model path, from ``transformers`` (it reads GGUF tokenizers too)."""
+    """The tokenizer for a model path, from ``transformers`` (it reads GGUF tokenizers too).
+
+    Returns None for a HF directory without tokenizer files (a random-weight model for tests or
+    benchmarks): the engine then takes token-id prompts only.
+    """
     from transformers import AutoTokenizer
 
+    if path.is_dir() and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
     try:
         if path.is_dir():
             return AutoTokenizer.from_pretrained(str(path))

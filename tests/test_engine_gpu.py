@@ -1,0 +1,115 @@
+"""The engine on a GPU against transformers + peft: a random-weight model of SmolLM2-135M's shape.
+
+Runs on the device machine (``python -m pytest -m gpu``); skipped on CPU. The engine uses the Triton
+LoRA kernels there. Reference: peft's mixed-batch forward on the same weights and adapters. In bf16 both
+sides round differently, so each is compared with a float32 peft reference and ours must be about as
+close as peft's own bf16 run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)"),
+]
+
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    max_position_embeddings=2048,
+)
+ADAPTERS = {
+    "attn-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "mlp-r16-rslora": dict(r=16, lora_alpha=8, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "all-r2": dict(r=2, lora_alpha=5, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "regex-r64": dict(r=64, lora_alpha=32, target_modules=r".*\.(q_proj|v_proj|down_proj)", rank_pattern={"v_proj": 4}),
+}
+ROW_ADAPTERS = ["attn-r8", None, "mlp-r16-rslora", "all-r2", "regex-r64", "attn-r8", None, "all-r2"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("gpu-model")
+    hf = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).eval()
+    hf.save_pretrained(str(d / "model"))
+    names = list(ADAPTERS)
+    model = get_peft_model(hf, LoraConfig(**ADAPTERS[names[0]]), adapter_name=names[0])
+    for n in names[1:]:
+        model.add_adapter(n, LoraConfig(**ADAPTERS[n]))
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "lora_B" in pname:
+                p.normal_(0.0, 0.05)
+            elif "lora_A" in pname:
+                p.normal_(0.0, 0.05)
+    model.eval()
+    model.save_pretrained(str(d / "adapters"), selected_adapters=names)
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 49152, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (len(ROW_ADAPTERS),), generator=g)]
+    return model, d, rows
+
+
+def _peft_logits(model, rows, dtype):
+    model = model.to(device="cuda", dtype=dtype)
+    L = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (L - len(r)) for r in rows], device="cuda")
+    mask = torch.tensor([[1] * len(r) + [0] * (L - len(r)) for r in rows], device="cuda")
+    with torch.no_grad():
+        lg = model(input_ids=ids, attention_mask=mask, adapter_names=[a or "__base__" for a in ROW_ADAPTERS]).logits
+    return torch.stack([lg[i, len(r) - 1].float().cpu() for i, r in enumerate(rows)])
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_engine_matches_peft_on_gpu(setup, dtype):
+    from multilora import Engine
+    from multilora.kernels import resolve_backend
+    from multilora.kernels.triton_sgmv import lora_apply_triton
+
+    model, d, rows = setup
+    ref32 = _peft_logits(model, rows, torch.float32)
+    engine = Engine(model=d / "model", device="cuda", dtype=dtype, progress=False, max_batch_size=8)
+    assert resolve_backend(None, torch.empty(1, device="cuda")) is lora_apply_triton
+    for n in ADAPTERS:
+        engine.load_adapter(n, d / "adapters" / n)
+    ours = engine.logits(rows, adapters=ROW_ADAPTERS)
+    if dtype == torch.float32:
+        for i, a in enumerate(ROW_ADAPTERS):  # TF32 may be used by GEMMs and tl.dot: a looser bound than CPU
+            assert _rel(ours[i], ref32[i]) < 2e-3, (a, _rel(ours[i], ref32[i]))
+    else:
+        theirs = _peft_logits(model, rows, dtype)
+        for i, a in enumerate(ROW_ADAPTERS):
+            ours_err, peft_err = _rel(ours[i], ref32[i]), _rel(theirs[i], ref32[i])
+            assert ours_err < 2 * peft_err + 1e-3, (a, ours_err, peft_err)
+    # each row of the mixed batch equals itself alone (rows with no adapter: the base model)
+    for i, a in enumerate(ROW_ADAPTERS):
+        alone = engine.logits([rows[i]], adapters=[a])[0]
+        assert _rel(ours[i], alone) < (1e-5 if dtype == torch.float32 else 1e-2)
+    # the plan sized the pool and the KV cache
+    plan = engine.memory_plan
+    assert plan is not None and engine.pool.bytes_total <= plan.adapter_pool_bytes
+    assert engine.kv.nbytes <= plan.kv_bytes
+
+
+def test_engine_generate_on_gpu(setup):
+    from multilora import Engine, SamplingParams
+
+    model, d, rows = setup
+    engine = Engine(model=d / "model", device="cuda", progress=False, max_batch_size=4)
+    for n in ADAPTERS:
+        engine.load_adapter(n, d / "adapters" / n)
+    outs = engine.generate(rows, adapters=ROW_ADAPTERS, sampling=SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [8] * len(rows)
+    alone = engine.generate([rows[2]], adapters=[ROW_ADAPTERS[2]], sampling=SamplingParams(max_tokens=8, ignore_eos=True))
+    assert alone[0].token_ids == outs[2].token_ids
+    assert engine.pool.pages_used <= engine.pool.num_pages and engine.stats()["running"] == 0
