@@ -64,9 +64,9 @@ def _sgmv_shrink_kernel(
     NUM_SLICES: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
-    chunk = tl.program_id(0)
+    chunk = tl.program_id(0) // NUM_SLICES
+    sid = tl.program_id(0) % NUM_SLICES
     split = tl.program_id(1)
-    sid = tl.program_id(2)
     slot = tl.load(cslot_ptr + chunk)
     if slot < 0:
         return
@@ -162,7 +162,7 @@ def _sgmv_expand_kernel(
 def block_m_for(num_tokens: int) -> int:
     """Tokens per chunk: 16 for decode-sized batches (one token per chunk when adapters are distinct),
     larger tiles for prefill. A function of the token count only (CUDA-graph friendly)."""
-    return 16 if num_tokens <= 256 else 64
+    return 16 if num_tokens <= 512 else 64
 
 
 def _chunk_table(token_slots: torch.Tensor, block_m: int, device: torch.device) -> torch.Tensor:
@@ -209,7 +209,7 @@ def _split_k(device: torch.device, programs: int, d_in: int, block_k: int) -> in
     """Split the shrink's K loop when too few programs would fill the GPU (decode). Depends on sizes only."""
     if device.type != "cuda":
         return 1
-    want = 2 * _num_sms(device.index or 0)
+    want = 4 * _num_sms(device.index or 0)  # 4 programs per SM: best of 1x/2x/4x in the H200 sweep
     split = 1
     while split * programs < want and d_in >= 2 * split * block_k and split < 32:
         split *= 2
@@ -261,7 +261,8 @@ def _pad3(vals: list[int], fill: int = 0) -> list[int]:
 
 
 def sgmv_shrink(x: torch.Tensor, views: Sequence[LoRAModuleView], table: torch.Tensor, *, block_m: int,
-                num_chunks: int) -> torch.Tensor:
+                num_chunks: int, block_k: int | None = None, split_k: int | None = None, num_warps: int = 4,
+                num_stages: int | None = None) -> torch.Tensor:
     """``v[sp, i, t, :r] = partial (over K split sp) of x[t] @ A_i[slot[t]].T``; fp32 ``[SPLIT, S, T, RMAX]``.
 
     ``table`` is the chunk table (module docstring), ``num_chunks`` the grid bound. Rows of ``v`` that no
@@ -270,32 +271,36 @@ def sgmv_shrink(x: torch.Tensor, views: Sequence[LoRAModuleView], table: torch.T
     v0 = views[0]
     T, d_in = x.shape
     rmax = v0.page_table.shape[1] * v0.page_rows
-    block_k = 128 if x.dtype == torch.float32 else 256
-    if x.device.type == "cpu":
-        block_k = 64
+    if block_k is None:
+        # measured on an H200 (bench/tune_lora_kernels.py): 128 for decode-sized batches, 256 for prefill
+        block_k = 64 if x.device.type == "cpu" else 128 if x.dtype == torch.float32 or T <= 512 else 256
     block_k = min(block_k, max(16, triton.next_power_of_2(d_in)))
-    split = _split_k(x.device, num_chunks * len(views), d_in, block_k)
+    split = split_k or _split_k(x.device, num_chunks * len(views), d_in, block_k)
     k_per = triton.cdiv(triton.cdiv(d_in, split), block_k) * block_k
     ranks, ro = _elem_offsets([v.ranks for v in views])
     v_out = torch.empty(split, len(views), T, rmax, dtype=torch.float32, device=x.device)
-    grid = (num_chunks, split, len(views))
+    grid = (num_chunks * len(views), split)
+    extra = {} if num_stages is None else {"num_stages": num_stages}
     _sgmv_shrink_kernel[grid](
         x, v0.buffer, v0.page_table, ranks, v_out, table[0], table[1], table[2], table[3],
         T, d_in, v0.page_elems, v0.page_rows, k_per,
         *_pad3([v.offset_a for v in views]), *_pad3(ro),
         x.stride(0), v0.page_table.stride(0),
         NUM_SLICES=len(views), RMAX=rmax, BLOCK_M=block_m, BLOCK_R=16, BLOCK_K=block_k,
-        IEEE=x.dtype == torch.float32, num_warps=4,
+        IEEE=x.dtype == torch.float32, num_warps=num_warps, **extra,
     )
     return v_out
 
 
 def sgmv_expand(y: torch.Tensor, v: torch.Tensor, views: Sequence[LoRAModuleView], table: torch.Tensor,
-                *, block_m: int, num_chunks: int, col0: int = 0) -> torch.Tensor:
+                *, block_m: int, num_chunks: int, col0: int = 0, block_n: int | None = None, num_warps: int = 4,
+                num_stages: int | None = None) -> torch.Tensor:
     """``y[t, c_i + n] += scalings_i[s] * sum_sp v[sp, i, t, :r] @ B_i[s].T[:r, n]`` in place; returns y."""
     v0 = views[0]
     split, _, T, rmax = v.shape
-    block_n = 128 if y.device.type == "cuda" else 64
+    if block_n is None:
+        # measured on an H200: 256-wide tiles for decode (fewer, larger B reads), 128 for prefill
+        block_n = 64 if y.device.type == "cpu" else 256 if T <= 512 else 128
     cols, c = [], col0
     for vw in views:
         cols.append(c)
@@ -304,6 +309,7 @@ def sgmv_expand(y: torch.Tensor, v: torch.Tensor, views: Sequence[LoRAModuleView
     ranks, ro = _elem_offsets([vw.ranks for vw in views])
     scal, so = _elem_offsets([vw.scalings for vw in views])
     grid = (num_chunks, sum(tiles))
+    extra = {} if num_stages is None else {"num_stages": num_stages}
     _sgmv_expand_kernel[grid](
         y, v0.buffer, v0.page_table, ranks, scal, v, table[0], table[1], table[2], table[3],
         T, v0.page_elems, v0.page_rows,
@@ -311,7 +317,7 @@ def sgmv_expand(y: torch.Tensor, v: torch.Tensor, views: Sequence[LoRAModuleView
         *_pad3(ro), *_pad3(so), *_pad3(tiles)[:2],
         y.stride(0), v0.page_table.stride(0),
         NUM_SLICES=len(views), SPLIT_K=split, RMAX=rmax, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=16,
-        IEEE=y.dtype == torch.float32, num_warps=4,
+        IEEE=y.dtype == torch.float32, num_warps=num_warps, **extra,
     )
     return y
 
