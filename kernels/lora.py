@@ -76,7 +76,7 @@ def build_lora_plan(token_slots: Sequence[int] | torch.Tensor, device: torch.dev
         token_index=index,
         has_lora=bool(ids),
     )
-    from multilora.kernels import _extend_plan  # backends add their metadata once per step
+    from multilora.kernels.backends import _extend_plan  # backends add their metadata once per step
 
     _extend_plan(plan)
     return plan
@@ -153,6 +153,6 @@ def lora_apply(
         ValueError: shapes that disagree with each other or with the plan.
     """
     _check(y, x, views, plan)
-    from multilora.kernels import resolve_backend
+    from multilora.kernels.backends import resolve_backend
 
     return resolve_backend(backend, x)(y, x, views, plan)

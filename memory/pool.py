@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 import threading
+from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,6 +84,30 @@ class LoRAModuleView:
     page_elems: int
     layer: int
     module: str
+
+
+@dataclass
+class PackedAdapter:
+    """An adapter laid out as the pool's pages, ready to copy in (the host tier's format).
+
+    ``pages``: ``[num_pages, page_elems]`` in the pool dtype, on the CPU (pinned when the pool is on
+    CUDA, so host -> GPU copies can be asynchronous); ``ranks`` int32 / ``scalings`` float32
+    ``[num_layers, 7]``. Loading it is one contiguous copy per page plus the metadata.
+    """
+
+    pages: torch.Tensor
+    ranks: torch.Tensor
+    scalings: torch.Tensor
+    max_rank: int
+    name: str | None = None
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.pages.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages.numel() * self.pages.element_size()
 
 
 class AdapterPool:
@@ -220,57 +245,82 @@ class AdapterPool:
         )
 
     # ------------------------------------------------------------------ load / free
-    def load(self, adapter: "LoRAAdapter") -> int:
-        """Copy an adapter's weights into free pages; return its slot.
+    def pack(self, adapter: "LoRAAdapter") -> PackedAdapter:
+        """Lay an adapter out as pool pages on the host (see ``PackedAdapter``).
+
+        Rank-rows ``r <= j < pages * R`` of every module the adapter touches are zero; regions of modules
+        it does not touch are zero and never read (rank 0).
 
         Raises:
-            ValueError: the adapter's rank exceeds ``max_rank`` or its shapes do not fit the model.
-            PoolFullError: not enough free pages or slots (nothing is changed).
+            ValueError: its rank exceeds ``max_rank``.
         """
         if adapter.max_rank > self.max_rank:
             raise ValueError(
                 f"adapter {adapter.name!r}: rank {adapter.max_rank} exceeds the pool's max_rank {self.max_rank}"
             )
-        need = self.pages_needed(adapter)
+        R = self.page_rows
+        npg = self.pages_needed(adapter)
+        pages = torch.zeros(npg, self.page_elems, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        nl, nm = self.config.num_layers, len(TARGET_MODULES)
+        ranks = torch.zeros(nl, nm, dtype=torch.int32)
+        scalings = torch.zeros(nl, nm, dtype=torch.float32)
+        for (layer, module), w in adapter.modules.items():
+            d_in, d_out = self.config.module_shape(module)
+            r = w.rank
+            n = self.pages_for_rank(r, R)
+            a = torch.zeros(n * R, d_in, dtype=self.dtype)
+            a[:r] = w.a.to(self.dtype)
+            bt = torch.zeros(n * R, d_out, dtype=self.dtype)
+            bt[:r] = w.b.t().to(self.dtype)
+            oa, ob = self.offset_a(layer, module), self.offset_b(layer, module)
+            pages[:n, oa : oa + R * d_in] = a.view(n, R * d_in)
+            pages[:n, ob : ob + R * d_out] = bt.view(n, R * d_out)
+            mi = MODULE_INDEX[module]
+            ranks[layer, mi] = r
+            scalings[layer, mi] = float(w.scaling)
+        return PackedAdapter(pages=pages, ranks=ranks, scalings=scalings, max_rank=adapter.max_rank, name=adapter.name)
+
+    def load(self, adapter: "LoRAAdapter | PackedAdapter", *, stream: "torch.cuda.Stream | None" = None) -> int:
+        """Copy an adapter into free pages; return its slot.
+
+        Args:
+            adapter: a ``LoRAAdapter`` (packed first) or a ``PackedAdapter``.
+            stream: a CUDA stream for the page copies (asynchronous from pinned memory); the caller must
+                make the consuming stream wait for it (``torch.cuda.Event``) before reading the slot.
+
+        Raises:
+            ValueError: the adapter's rank exceeds ``max_rank`` or its page size differs from the pool's.
+            PoolFullError: not enough free pages or slots (nothing is changed).
+        """
+        packed = adapter if isinstance(adapter, PackedAdapter) else self.pack(adapter)
+        if packed.pages.shape[1] != self.page_elems:
+            raise ValueError(f"adapter {packed.name!r}: packed for another pool layout ({packed.pages.shape[1]} != {self.page_elems} elements per page)")
+        need = packed.num_pages
         with self._lock:
             if not self._free_slots or need > len(self._free_pages):
                 raise PoolFullError(
-                    f"adapter pool full: adapter {adapter.name!r} needs {need} page(s) and a slot; "
+                    f"adapter pool full: adapter {packed.name!r} needs {need} page(s) and a slot; "
                     f"{len(self._free_pages)} page(s) and {len(self._free_slots)} slot(s) free"
                 )
             slot = self._free_slots.pop()
             pages = [self._free_pages.pop() for _ in range(need)]
             self._slot_pages[slot] = pages
         try:
-            self._write(slot, pages, adapter)
+            self._write(slot, pages, packed, stream)
         except BaseException:
             self.free(slot)
             raise
         return slot
 
-    def _write(self, slot: int, pages: list[int], adapter: "LoRAAdapter") -> None:
-        R = self.page_rows
+    def _write(self, slot: int, pages: list[int], packed: PackedAdapter, stream: "torch.cuda.Stream | None") -> None:
+        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+        with ctx:
+            for i, p in enumerate(pages):  # one contiguous copy per page, straight into the pool
+                self.buffer[p].copy_(packed.pages[i], non_blocking=stream is not None)
         row = torch.full((self.max_pages_per_slot,), -1, dtype=torch.int32)
         row[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.ranks[:, :, slot] = 0
-        self.scalings[:, :, slot] = 0.0
-        for (layer, module), w in adapter.modules.items():
-            d_in, d_out = self.config.module_shape(module)
-            r = w.rank
-            npg = self.pages_for_rank(r, R)
-            a = torch.zeros(npg * R, d_in, dtype=self.dtype)
-            a[:r] = w.a.to(self.dtype)
-            bt = torch.zeros(npg * R, d_out, dtype=self.dtype)
-            bt[:r] = w.b.t().to(self.dtype)
-            oa, ob = self.offset_a(layer, module), self.offset_b(layer, module)
-            a = a.view(npg, R * d_in).to(self.device)
-            bt = bt.view(npg, R * d_out).to(self.device)
-            for i in range(npg):  # direct writes into each page's slice: no page-sized copies
-                self.buffer[pages[i], oa : oa + R * d_in] = a[i]
-                self.buffer[pages[i], ob : ob + R * d_out] = bt[i]
-            mi = MODULE_INDEX[module]
-            self.ranks[layer, mi, slot] = r
-            self.scalings[layer, mi, slot] = float(w.scaling)
+        self.ranks[:, :, slot] = packed.ranks.to(self.device)
+        self.scalings[:, :, slot] = packed.scalings.to(self.device)
         self.page_table[slot] = row.to(self.device)
 
     def free(self, slot: int) -> None:
