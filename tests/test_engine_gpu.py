@@ -8,6 +8,8 @@ close as peft's own bf16 run.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -57,7 +59,7 @@ def setup(tmp_path_factory):
 
 
 def _peft_logits(model, rows, dtype):
-    model = model.to(device="cuda", dtype=dtype)
+    model = copy.deepcopy(model).to(device="cuda", dtype=dtype)  # a copy: .to() in place would round the reference
     L = max(map(len, rows))
     ids = torch.tensor([r + [0] * (L - len(r)) for r in rows], device="cuda")
     mask = torch.tensor([[1] * len(r) + [0] * (L - len(r)) for r in rows], device="cuda")
