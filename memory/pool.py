@@ -323,6 +323,16 @@ class AdapterPool:
         self.scalings[:, :, slot] = packed.scalings.to(self.device)
         self.page_table[slot] = row.to(self.device)
 
+    def unpack(self, slot: int, name: str | None = None) -> PackedAdapter:
+        """Copy a resident slot's pages and metadata back to the host (the inverse of ``load``)."""
+        pages = self._slot_pages[slot]
+        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+        host = torch.empty(len(pages), self.page_elems, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        host.copy_(self.buffer.index_select(0, idx))
+        ranks = self.ranks[:, :, slot].cpu()
+        return PackedAdapter(pages=host, ranks=ranks, scalings=self.scalings[:, :, slot].cpu(),
+                             max_rank=int(ranks.max()), name=name)
+
     def free(self, slot: int) -> None:
         """Return a slot's pages to the free list. Raises KeyError if the slot is not resident."""
         with self._lock:

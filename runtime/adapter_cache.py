@@ -1,27 +1,59 @@
-"""The adapter cache: which loaded adapters are resident in the GPU pool, with refcounts, pins and LRU.
+"""The tiered adapter cache: gpu (pool pages) -> host (packed page images, byte budget) -> disk (files).
 
-Tiers: ``host`` (every loaded adapter's validated weights, CPU float32, in a ``LoRAAdapter``) and
-``gpu`` (pages in the ``AdapterPool``; on a CPU-only machine the pool lives in host memory and plays
-the gpu tier's role). An adapter with running requests (refcount > 0) or pinned by the user is never
-evicted; others leave the pool in least-recently-used order when an adapter that is needed does not fit.
+Tiers
+-----
+- **gpu**: pages in the ``AdapterPool`` (on a CPU-only machine the pool lives in host memory and plays
+  this role). The pool is the only owner of device memory for adapter weights.
+- **host**: each adapter as a ``PackedAdapter`` (its pages laid out exactly as in the pool, pinned when
+  the pool is on CUDA so host -> GPU copies are asynchronous), bounded by ``host_bytes``.
+- **disk**: the adapter's own files. A host copy dropped from the host tier is reloaded from them on
+  demand, after checking that the files did not change since ``load_adapter`` (size and mtime); if they
+  did, the requests that need it fail cleanly instead of running other weights.
 
-Versions: every ``add`` makes a new ``AdapterHandle``. A request holds the handle it was admitted with, so
-reloading or unloading a name never changes the weights of a running request: the old handle stays
-resident until its last request releases it, then its pages are freed.
+Eviction (LRU)
+--------------
+gpu -> host: when a needed adapter does not fit in the pool, idle adapters leave it least recently used
+first; an evicted adapter keeps (or regains, by a device -> host copy, if the host budget allows) its
+host copy. An adapter is *idle* when no running request uses it (refcount 0) and the user has not pinned
+it (``pin``). host -> disk: when the host tier exceeds its budget, host copies leave least recently used
+first (copies of retired versions first).
 
-Thread safety: every public method takes the cache's lock, so ``load_adapter`` / ``unload_adapter`` /
-``pin_adapter`` may be called from another thread while the engine steps.
+Versions
+--------
+Every ``add`` makes a new ``AdapterHandle``; a request holds the handle it was submitted with, so
+reloading or unloading a name never changes the weights of a request already submitted: it is served
+with its version (from the pool, the host copy, or the files while they are unchanged). Retired versions
+leave the pool when their last request releases them.
+
+Prefetch
+--------
+``prefetch(handles)`` is called each step with the adapters of waiting requests: disk -> host loads run
+on a background thread; host -> GPU copies of adapters that fit in free pages run on a side CUDA stream
+and record an event; ``wait_ready`` makes the compute stream wait on those events (not on the device)
+before a step reads the slots.
+
+Thread safety: public methods take the cache's lock; ``load_adapter``/``unload_adapter``/``pin_adapter``
+may be called from another thread while the engine steps.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
-from multilora.memory.pool import AdapterPool, PoolFullError
-from multilora.runtime.adapters import LoRAAdapter
+import torch
+
+from multilora.memory.pool import AdapterPool, PackedAdapter, PoolFullError
+from multilora.runtime.adapters import AdapterError
+
+log = logging.getLogger("multilora")
 
 
 class UnknownAdapterError(KeyError):
@@ -31,57 +63,104 @@ class UnknownAdapterError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+def files_fingerprint(path: Path) -> tuple:
+    """(name, size, mtime_ns) of every regular file in an adapter directory: detects changed files."""
+    out = []
+    for f in sorted(Path(path).iterdir()) if Path(path).is_dir() else []:
+        if f.is_file():
+            st = f.stat()
+            out.append((f.name, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
 @dataclass(eq=False)
 class AdapterHandle:
-    """One loaded version of a named adapter."""
+    """One loaded version of a named adapter and where it lives."""
 
     name: str
-    adapter: LoRAAdapter
     version: int
-    refcount: int = 0
-    slot: int | None = None
-    retired: bool = False  # unloaded or replaced: no new requests; freed when refcount reaches 0
+    path: Path
+    allow_pickle: bool
+    fingerprint: tuple
+    max_rank: int
+    num_pages: int
+    summary: str
+    host: PackedAdapter | None = None  # host tier copy (None: on disk only)
+    refcount: int = 0  # running requests (and transient users) of this version
+    queued: int = 0  # waiting requests of this version
+    slot: int | None = None  # gpu tier
+    retired: bool = False  # unloaded or replaced: no new requests; freed when its requests are done
+    ready_event: object | None = None  # torch.cuda.Event of an asynchronous host -> GPU copy
+    loading: Future | None = None  # disk -> host load in flight
+    prefetched: bool = False  # made resident by prefetch and not used yet
+
+    @property
+    def tier(self) -> str:
+        return "gpu" if self.slot is not None else "host" if self.host is not None else "disk"
 
 
 @dataclass
 class CacheStats:
+    """Counters of the adapter cache (see ``AdapterCache``)."""
+
     gpu_hits: int = 0
     gpu_misses: int = 0
-    loads_to_gpu: int = 0
-    evictions: int = 0
-    bytes_to_gpu: int = 0
+    host_hits: int = 0
+    host_misses: int = 0
+    gpu_evictions: int = 0
+    host_evictions: int = 0
+    bytes_host_to_gpu: int = 0
+    bytes_gpu_to_host: int = 0
+    bytes_disk_to_host: int = 0
+    prefetch_gpu: int = 0
+    prefetch_host: int = 0
+    prefetch_hits: int = 0
+    load_failures: int = 0
     extra: dict = field(default_factory=dict)
 
 
 class AdapterCache:
-    """Registry of loaded adapters plus residency in the pool (see module docstring).
+    """Adapters by name, their tiers, refcounts, pins and LRU order (see the module docstring).
 
     Args:
-        pool: the adapter pool that holds resident adapters.
+        pool: the adapter pool (gpu tier).
+        host_bytes: host-tier budget in bytes (None: unbounded).
+        reload: ``reload(handle) -> PackedAdapter`` reads a handle's files again (disk -> host).
     """
 
-    def __init__(self, pool: AdapterPool) -> None:
+    def __init__(self, pool: AdapterPool, *, host_bytes: int | None, reload: Callable[[AdapterHandle], PackedAdapter]):
         self.pool = pool
+        self.host_budget = host_bytes
+        self._reload = reload
         self._lock = threading.RLock()
         self._by_name: dict[str, AdapterHandle] = {}
-        self._resident: "OrderedDict[int, AdapterHandle]" = OrderedDict()  # id(handle) -> handle, LRU first
+        self._gpu_lru: "OrderedDict[int, AdapterHandle]" = OrderedDict()  # id -> handle, least recent first
+        self._host_lru: "OrderedDict[int, AdapterHandle]" = OrderedDict()
         self._pinned: set[str] = set()
         self._versions = itertools.count(1)
+        self._stream = torch.cuda.Stream(device=pool.device) if pool.device.type == "cuda" else None
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="multilora-adapter-io")
         self.stats = CacheStats()
 
     # ------------------------------------------------------------------ registry
-    def add(self, name: str, adapter: LoRAAdapter) -> AdapterHandle:
-        """Register ``adapter`` under ``name``, replacing (retiring) any earlier version."""
+    def add(self, name: str, packed: PackedAdapter, *, path: Path, allow_pickle: bool, summary: str) -> AdapterHandle:
+        """Register a packed adapter under ``name`` (host tier), retiring any earlier version."""
         with self._lock:
-            handle = AdapterHandle(name=name, adapter=adapter, version=next(self._versions))
+            handle = AdapterHandle(
+                name=name, version=next(self._versions), path=Path(path), allow_pickle=allow_pickle,
+                fingerprint=files_fingerprint(Path(path)), max_rank=packed.max_rank, num_pages=packed.num_pages,
+                summary=summary,
+            )
             old = self._by_name.get(name)
             self._by_name[name] = handle
             if old is not None:
                 self._retire(old)
+            self._set_host(handle, packed)
+            self._enforce_host_budget(keep=handle)
             return handle
 
     def remove(self, name: str) -> None:
-        """Unregister ``name``. Running requests keep their version until they finish.
+        """Unregister ``name``; requests already submitted for it are still served with their version.
 
         Raises:
             UnknownAdapterError: no adapter of that name is loaded.
@@ -94,8 +173,26 @@ class AdapterCache:
 
     def _retire(self, handle: AdapterHandle) -> None:
         handle.retired = True
-        if handle.refcount == 0:
-            self._drop_from_pool(handle)
+        self._forget_if_done(handle)
+
+    def _forget_if_done(self, handle: AdapterHandle) -> None:
+        """A retired version leaves every tier once no request runs or waits with it."""
+        if not handle.retired or handle.refcount > 0:
+            return
+        self._drop_from_pool(handle)
+        if handle.queued == 0:
+            self._drop_host(handle)
+
+    def enqueue(self, handle: AdapterHandle) -> None:
+        """A request holding ``handle`` starts waiting (keeps a retired version's host copy)."""
+        with self._lock:
+            handle.queued += 1
+
+    def dequeue(self, handle: AdapterHandle) -> None:
+        """A request holding ``handle`` stops waiting (admitted or failed)."""
+        with self._lock:
+            handle.queued -= 1
+            self._forget_if_done(handle)
 
     def get(self, name: str) -> AdapterHandle:
         with self._lock:
@@ -110,58 +207,166 @@ class AdapterCache:
             return sorted(self._by_name)
 
     def pin(self, name: str, pinned: bool = True) -> None:
-        """Pin (or unpin) an adapter: a pinned adapter, once resident, is never evicted."""
-        with self._lock:
-            self.get(name)
-            (self._pinned.add if pinned else self._pinned.discard)(name)
-
-    # ------------------------------------------------------------------ residency
-    def _drop_from_pool(self, handle: AdapterHandle) -> None:
-        if handle.slot is not None:
-            self.pool.free(handle.slot)
-            self._resident.pop(id(handle), None)
-            handle.slot = None
-
-    def _evictable(self) -> list[AdapterHandle]:
-        return [
-            h for h in self._resident.values()
-            if h.refcount == 0 and not (h.name in self._pinned and self._by_name.get(h.name) is h)
-        ]
-
-    def acquire(self, handle: AdapterHandle) -> int:
-        """Make ``handle`` resident (evicting LRU idle adapters if needed), add a reference, return its slot.
+        """Pin an adapter: make it resident now and never evict it while pinned. ``pinned=False`` unpins.
 
         Raises:
-            PoolFullError: it cannot fit even after evicting every idle, unpinned adapter (nothing changes).
-            UnknownAdapterError: the handle was retired and is not resident (its name was unloaded).
+            UnknownAdapterError: not loaded. PoolFullError: it cannot be made resident (nothing changes).
+        """
+        with self._lock:
+            handle = self.get(name)
+            if not pinned:
+                self._pinned.discard(name)
+                return
+            self.acquire(handle)
+            self._pinned.add(name)
+            self.release(handle)
+
+    def is_pinned(self, handle: AdapterHandle) -> bool:
+        return handle.name in self._pinned and self._by_name.get(handle.name) is handle
+
+    # ------------------------------------------------------------------ host tier
+    @property
+    def host_bytes(self) -> int:
+        with self._lock:
+            return sum(h.host.nbytes for h in self._host_lru.values() if h.host is not None)
+
+    def _set_host(self, handle: AdapterHandle, packed: PackedAdapter) -> None:
+        handle.host = packed
+        self._host_lru[id(handle)] = handle
+        self._host_lru.move_to_end(id(handle))
+
+    def _drop_host(self, handle: AdapterHandle) -> None:
+        handle.host = None
+        self._host_lru.pop(id(handle), None)
+
+    def _enforce_host_budget(self, keep: AdapterHandle | None = None) -> None:
+        if self.host_budget is None:
+            return
+        over = self.host_bytes - self.host_budget
+        if over <= 0:
+            return
+        order = [h for h in self._host_lru.values() if h.retired] + [h for h in self._host_lru.values() if not h.retired]
+        for h in order:
+            if over <= 0:
+                break
+            if h is keep or h.host is None:
+                continue
+            over -= h.host.nbytes
+            self._drop_host(h)
+            self.stats.host_evictions += 1
+
+    def _ensure_host(self, handle: AdapterHandle) -> PackedAdapter:
+        """The handle's host copy, reading its files again (disk -> host) if it was dropped."""
+        if handle.host is not None:
+            self.stats.host_hits += 1
+            self._host_lru.move_to_end(id(handle))
+            return handle.host
+        if handle.loading is not None:  # a prefetch is reading it: wait for that instead of reading twice
+            try:
+                handle.loading.result()  # the I/O thread takes no lock, so waiting under ours is safe
+            except Exception:
+                pass  # read again below, reporting the error on this path
+            if self._collect(handle):
+                self.stats.prefetch_hits += 1
+                self.stats.host_hits += 1
+                return handle.host
+        self.stats.host_misses += 1
+        try:
+            packed = self._read_files(handle)
+        except Exception:
+            self.stats.load_failures += 1
+            raise
+        self.stats.bytes_disk_to_host += packed.nbytes
+        self._set_host(handle, packed)
+        self._enforce_host_budget(keep=handle)
+        return packed
+
+    def _collect(self, handle: AdapterHandle) -> bool:
+        """Take a finished prefetch read into the host tier; True if the handle now has a host copy."""
+        fut = handle.loading
+        if fut is None or not fut.done():
+            return handle.host is not None
+        handle.loading = None
+        try:
+            packed = fut.result()
+        except Exception:
+            return handle.host is not None
+        if handle.host is None:
+            self._set_host(handle, packed)
+            self.stats.prefetch_host += 1
+            self.stats.bytes_disk_to_host += packed.nbytes
+            self._enforce_host_budget(keep=handle)
+        return True
+
+    def _read_files(self, handle: AdapterHandle) -> PackedAdapter:
+        """disk -> host (no lock taken: runs on the I/O thread too)."""
+        if files_fingerprint(handle.path) != handle.fingerprint:
+            raise AdapterError(
+                f"{handle.path}: the files of adapter {handle.name!r} (version {handle.version}) changed or vanished "
+                f"since load_adapter, and its host copy was evicted: load_adapter it again",
+                path=handle.path,
+            )
+        return self._reload(handle)
+
+    # ------------------------------------------------------------------ gpu tier
+    def _drop_from_pool(self, handle: AdapterHandle) -> None:
+        if handle.slot is None:
+            return
+        if handle.host is None and not handle.retired and self.host_budget is not None:
+            room = self.host_budget - self.host_bytes
+            if room >= handle.num_pages * self.pool.page_bytes:  # gpu -> host: copy the pages back
+                self._set_host(handle, self.pool.unpack(handle.slot, name=handle.name))
+                self.stats.bytes_gpu_to_host += handle.host.nbytes
+        self.pool.free(handle.slot)
+        self._gpu_lru.pop(id(handle), None)
+        handle.slot = None
+        handle.ready_event = None
+        handle.prefetched = False
+
+    def _evictable(self) -> list[AdapterHandle]:
+        return [h for h in self._gpu_lru.values() if h.refcount == 0 and not self.is_pinned(h)]
+
+    def could_ever_fit(self, handle: AdapterHandle) -> bool:
+        """Whether the handle fits once every unpinned adapter has left the pool."""
+        with self._lock:
+            pinned = sum(len(self.pool.pages_of(h.slot)) for h in self._gpu_lru.values() if self.is_pinned(h))
+            return handle.num_pages <= self.pool.num_pages - pinned
+
+    def acquire(self, handle: AdapterHandle) -> int:
+        """Make ``handle`` resident (evicting idle adapters LRU first), take a reference, return its slot.
+
+        Raises:
+            PoolFullError: it does not fit even after evicting every idle adapter (nothing changes).
+            AdapterError: its host copy was evicted and its files changed since it was loaded.
         """
         with self._lock:
             if handle.slot is not None:
                 self.stats.gpu_hits += 1
+                if handle.prefetched:
+                    self.stats.prefetch_hits += 1
+                    handle.prefetched = False
             else:
-                if handle.retired:
-                    raise UnknownAdapterError(f"adapter {handle.name!r} was unloaded")
-                need = self.pool.pages_needed(handle.adapter)
                 victims = self._evictable()
                 free_pages = self.pool.pages_free + sum(len(self.pool.pages_of(h.slot)) for h in victims)
                 free_slots = self.pool.max_slots - self.pool.slots_used + len(victims)
-                if need > free_pages or free_slots < 1 or need > self.pool.num_pages:
+                if handle.num_pages > free_pages or free_slots < 1:
                     raise PoolFullError(
-                        f"adapter {handle.name!r} needs {need} page(s); {self.pool.pages_free} free and "
-                        f"{free_pages - self.pool.pages_free} more held by idle adapters, of {self.pool.num_pages}"
+                        f"adapter {handle.name!r} needs {handle.num_pages} page(s); {self.pool.pages_free} free and "
+                        f"{free_pages - self.pool.pages_free} held by idle adapters, of {self.pool.num_pages}"
                     )
-                for victim in victims:  # LRU order
-                    if self.pool.can_fit(handle.adapter):
+                packed = self._ensure_host(handle)
+                self.stats.gpu_misses += 1
+                for victim in victims:  # least recently used first
+                    if self.pool.pages_free >= handle.num_pages and self.pool.slots_used < self.pool.max_slots:
                         break
                     self._drop_from_pool(victim)
-                    self.stats.evictions += 1
-                handle.slot = self.pool.load(handle.adapter)
-                self._resident[id(handle)] = handle
-                self.stats.gpu_misses += 1
-                self.stats.loads_to_gpu += 1
-                self.stats.bytes_to_gpu += self.pool.pages_needed(handle.adapter) * self.pool.page_bytes
+                    self.stats.gpu_evictions += 1
+                handle.slot = self.pool.load(packed)
+                self._gpu_lru[id(handle)] = handle
+                self.stats.bytes_host_to_gpu += packed.nbytes
+                self._enforce_host_budget()
             handle.refcount += 1
-            self._resident.move_to_end(id(handle))
+            self._gpu_lru.move_to_end(id(handle))
             return handle.slot
 
     def release(self, handle: AdapterHandle) -> None:
@@ -170,9 +375,65 @@ class AdapterCache:
             if handle.refcount <= 0:
                 raise RuntimeError(f"adapter {handle.name!r}: release without acquire")
             handle.refcount -= 1
-            if handle.refcount == 0 and handle.retired:
-                self._drop_from_pool(handle)
+            self._forget_if_done(handle)
 
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, handles: list[AdapterHandle]) -> None:
+        """Start moving the adapters of waiting requests up a tier, without evicting anything.
+
+        disk -> host on the I/O thread; host -> GPU into free pages on the side stream (CUDA) or directly (CPU).
+        """
+        with self._lock:
+            for h in handles:
+                if h.slot is not None or h.retired:
+                    continue
+                self._collect(h)
+                if h.host is None:
+                    if h.loading is None:
+                        h.loading = self._io.submit(self._prefetch_read, h)
+                    continue
+                if h.num_pages > self.pool.pages_free or self.pool.slots_used >= self.pool.max_slots:
+                    continue
+                h.slot = self.pool.load(h.host, stream=self._stream)
+                if self._stream is not None:
+                    ev = torch.cuda.Event()
+                    ev.record(self._stream)
+                    h.ready_event = ev
+                h.prefetched = True
+                self._gpu_lru[id(h)] = h
+                self._gpu_lru.move_to_end(id(h), last=False)  # not used yet: first to leave if room is needed
+                self.stats.prefetch_gpu += 1
+                self.stats.bytes_host_to_gpu += h.host.nbytes
+                self._host_lru.move_to_end(id(h))
+
+    def _prefetch_read(self, handle: AdapterHandle) -> PackedAdapter:
+        try:
+            return self._read_files(handle)
+        except Exception as e:  # reported when a step needs it (acquire reads again and raises)
+            log.warning("prefetch of adapter %r failed: %s", handle.name, e)
+            raise
+
+    def wait_ready(self, handles: list[AdapterHandle]) -> None:
+        """Make the current CUDA stream wait for pending prefetch copies of these handles (no host sync)."""
+        with self._lock:
+            for h in handles:
+                ev = h.ready_event
+                if ev is not None:
+                    torch.cuda.current_stream(self.pool.device).wait_event(ev)
+                    h.ready_event = None
+
+    # ------------------------------------------------------------------ introspection
     def resident(self) -> list[str]:
         with self._lock:
-            return [h.name for h in self._resident.values() if not h.retired]
+            return [h.name for h in self._gpu_lru.values() if not h.retired]
+
+    def handles(self) -> list[AdapterHandle]:
+        """Live handles: registered ones plus retired ones still resident or held on the host."""
+        with self._lock:
+            seen = {id(h): h for h in self._by_name.values()}
+            seen.update({id(h): h for h in self._gpu_lru.values()})
+            seen.update({id(h): h for h in self._host_lru.values()})
+            return list(seen.values())
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)

@@ -124,7 +124,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps({"prompt": o.prompt, "adapter": o.adapter, "text": o.text, "token_ids": o.token_ids,
                               "finish_reason": o.finish_reason, "error": o.error}))
         else:
-            prompt = o.prompt if isinstance(o.prompt, str) else o.prompt[-1].get("content", o.prompt)
+            if isinstance(o.prompt, str):
+                prompt = o.prompt
+            elif o.prompt and isinstance(o.prompt[-1], dict):  # chat messages: show the last one
+                prompt = o.prompt[-1].get("content", o.prompt)
+            else:  # token ids
+                prompt = f"<{len(o.prompt)} token ids>"
             print(f"[{o.adapter or 'base'}] {prompt}\n    -> {o.text.strip()!r} ({o.finish_reason})")
             if o.error:
                 print(f"    error: {o.error}")

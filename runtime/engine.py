@@ -91,6 +91,9 @@ class Engine:
         local_ranks: engine processes sharing this device/host (the plan divides host memory by it).
         page_rows: rank-rows per pool page (see ``multilora.memory.pool``).
         max_prefill_tokens: most prompt tokens in one prefill step.
+        starvation_patience: steps a waiting request may be passed over before nothing behind it is
+            admitted (the scheduler's no-starvation bound, ``multilora.runtime.scheduler``).
+        prefetch_adapters: how many not-yet-resident adapters of waiting requests to prefetch per step.
         lora_backend: "torch", "triton" or None (triton on CUDA when available).
         progress: show a progress bar while loading the model.
 
@@ -118,6 +121,8 @@ class Engine:
         local_ranks: int = 1,
         page_rows: int = 8,
         max_prefill_tokens: int = 4096,
+        starvation_patience: int = 16,
+        prefetch_adapters: int = 4,
         lora_backend: str | None = None,
         progress: bool = True,
     ) -> None:
@@ -132,6 +137,7 @@ class Engine:
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model_path: Path = resolve_model_path(model)
         self.lora_backend = lora_backend
+        self.prefetch_adapters = prefetch_adapters
 
         t0 = time.perf_counter()
         config, weights = load_model_files(self.model_path, dtype=self.dtype, progress=progress)
@@ -183,12 +189,15 @@ class Engine:
         self.pool = AdapterPool(config, num_pages=num_pages, page_rows=page_rows, max_rank=max_lora_rank,
                                 dtype=self.dtype, device=self.device)
         self.model.bind_pool(self.pool)
-        self.cache = AdapterCache(self.pool)
+        host_bytes = host_adapter_bytes if host_adapter_bytes is not None else (plan.host_tier_bytes if plan is not None else None)
+        self.cache = AdapterCache(self.pool, host_bytes=host_bytes, reload=self._reload_adapter)
         self.kv = KVCache(num_layers=config.num_layers, num_rows=kv_rows, max_seq_len=self.max_seq_len,
                           num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=self.dtype, device=self.device)
         self.scheduler = Scheduler(self.cache, allocate_kv=self._try_allocate_kv, free_kv=self.kv.free,
-                                   max_batch_size=min(max_batch_size, kv_rows), max_prefill_tokens=max_prefill_tokens)
+                                   max_batch_size=min(max_batch_size, kv_rows), max_prefill_tokens=max_prefill_tokens,
+                                   patience=starvation_patience, on_error=self._on_request_error)
         self._step_lock = threading.RLock()
+        self._failed_in_admission: list[Request] = []
         self._counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
                           "generated_tokens": 0, "requests_finished": 0, "requests_failed": 0}
         self.last_run: dict[str, float] = {}
@@ -280,12 +289,23 @@ class Engine:
                 f"{path}: adapter rank {adapter.max_rank} exceeds the engine's max_lora_rank {self.max_lora_rank} "
                 f"(create the Engine with max_lora_rank={adapter.max_rank} or more)"
             )
-        self.cache.add(name, adapter)
+        packed = self.pool.pack(adapter)
+        self.cache.add(name, packed, path=Path(path), allow_pickle=allow_pickle, summary=adapter.target_summary())
         log.info("loaded adapter %r from %s: %s", name, path, adapter.target_summary())
         return adapter
 
+    def _reload_adapter(self, handle: Any) -> Any:
+        """disk -> host: read a handle's files again and lay them out as pool pages (the cache calls this)."""
+        adapter = load_peft_adapter(handle.path, self.config, name=handle.name, allow_pickle=handle.allow_pickle)
+        return self.pool.pack(adapter)
+
+    def _on_request_error(self, req: Request, message: str) -> None:
+        self._counters["requests_failed"] += 1
+        self._failed_in_admission.append(req)
+
     def unload_adapter(self, name: str) -> None:
-        """Unload an adapter. New requests for it fail; running ones finish with the weights they started with.
+        """Unload an adapter. New requests for it fail; requests already submitted (waiting or running)
+        finish with the weights they were submitted with.
 
         Raises:
             UnknownAdapterError (a KeyError): no adapter of that name is loaded.
@@ -293,7 +313,12 @@ class Engine:
         self.cache.remove(name)
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
-        """Keep an adapter resident in the pool once loaded there (never evicted while pinned)."""
+        """Make an adapter resident in the pool now and never evict it while pinned (``pinned=False`` unpins).
+
+        Raises:
+            UnknownAdapterError (a KeyError): not loaded.
+            PoolFullError: it cannot be made resident now (the pool is full of busy or pinned adapters).
+        """
         self.cache.pin(name, pinned)
 
     def list_adapters(self) -> list[str]:
@@ -349,6 +374,8 @@ class Engine:
         params = sampling or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling: expected SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"sampling.stop: {self.model_path} has no tokenizer, so stop strings cannot be matched")
         ids = self.tokenize(prompt)
         if len(ids) >= self.max_seq_len:
             raise ValueError(
@@ -367,9 +394,12 @@ class Engine:
         """Run one engine step (a prefill or a decode); return the requests that finished in it."""
         with self._step_lock:
             picked = self.scheduler.schedule()
+            failed, self._failed_in_admission = self._failed_in_admission, []
             if picked is None:
-                return self._fail_unschedulable()
+                return failed + self._fail_unschedulable()
             kind, batch = picked
+            self.cache.prefetch(self.scheduler.prefetch_candidates(self.prefetch_adapters))
+            self.cache.wait_ready([r.handle for r in batch if r.handle is not None])
             try:
                 logits = self._forward(kind, batch)
             except Exception as e:  # never leave a batch holding resources; report per request
@@ -382,7 +412,7 @@ class Engine:
             self._counters[f"{kind}_steps"] += 1
             if kind == "prefill":
                 self._counters["prompt_tokens"] += sum(len(r.prompt_ids) for r in batch)
-            return self._postprocess(batch, logits)
+            return failed + self._postprocess(batch, logits)
 
     def _forward(self, kind: str, batch: list[Request]) -> torch.Tensor:
         if kind == "prefill":
@@ -570,6 +600,7 @@ class Engine:
                             slot = -1
                         chunk.append((i, slot, self.kv.allocate()))
                         i += 1
+                    self.cache.wait_ready(taken)
                     ids = [rows[j] for j, _, _ in chunk]
                     lora = build_lora_plan([s for (j, s, _) in chunk for _ in rows[j]], device=self.device)
                     plan = build_step_plan(self.model, token_ids=ids, start_positions=[0] * len(chunk),
@@ -590,18 +621,38 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Counters since start: steps, tokens, requests, adapter-pool residency and cache traffic."""
         s = self.cache.stats
+        sch = self.scheduler
+        tiers = {"gpu": 0, "host": 0, "disk": 0}
+        for h in self.cache.handles():
+            if not h.retired:
+                tiers[h.tier] += 1
         return {
             **self._counters,
             "adapters_loaded": len(self.cache.names()),
             "adapters_resident": self.cache.resident(),
+            "adapters_per_tier": tiers,
             "pool_pages_total": self.pool.num_pages,
             "pool_pages_used": self.pool.pages_used,
             "pool_page_bytes": self.pool.page_bytes,
+            "host_tier_bytes": self.cache.host_bytes,
+            "host_tier_budget": self.cache.host_budget,
             "gpu_hits": s.gpu_hits,
             "gpu_misses": s.gpu_misses,
-            "evictions": s.evictions,
-            "bytes_to_gpu": s.bytes_to_gpu,
+            "host_hits": s.host_hits,
+            "host_misses": s.host_misses,
+            "gpu_evictions": s.gpu_evictions,
+            "host_evictions": s.host_evictions,
+            "bytes_host_to_gpu": s.bytes_host_to_gpu,
+            "bytes_gpu_to_host": s.bytes_gpu_to_host,
+            "bytes_disk_to_host": s.bytes_disk_to_host,
+            "prefetch_to_gpu": s.prefetch_gpu,
+            "prefetch_to_host": s.prefetch_host,
+            "prefetch_hits": s.prefetch_hits,
+            "adapter_load_failures": s.load_failures,
+            "queue_wait_seconds_total": sch.wait_seconds_total,
+            "queue_wait_seconds_max": sch.wait_seconds_max,
+            "queue_waits_for_adapter": sch.adapter_waits,
             "kv_rows_free": self.kv.rows_free,
-            "waiting": len(self.scheduler.waiting),
-            "running": len(self.scheduler.running),
+            "waiting": len(sch.waiting),
+            "running": len(sch.running),
         }

@@ -171,9 +171,6 @@ def test_generate_jsonl_input(tiny, demo_dir, engine, tmp_path, capsys):
         engine, ["first", "Once upon a time", msgs, "No adapter key"], ["demo-c", "demo-c", None, None], 3)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: cli._cmd_generate's text printer does o.prompt[-1].get(...) for any "
-                   "non-str prompt, so a JSONL token-id prompt (accepted by Engine and by --json) crashes with "
-                   "AttributeError after generating")
 def test_generate_jsonl_token_id_prompt_text_output(tiny, engine, tmp_path, capsys):
     f = tmp_path / "ids.jsonl"
     f.write_text(json.dumps({"prompt": [5, 6, 7], "adapter": None}) + "\n")

@@ -150,10 +150,12 @@ def test_greedy_generation_matches_peft(setup):
 
 
 def test_reference_adapter_files_round_trip_peft_names(setup):
+    from multilora.runtime.adapters import load_peft_adapter
+
     _, _, engine, dirs = setup
     assert set(engine.list_adapters()) == set(ADAPTERS)
-    a = engine.cache.get("regex-r64-patterns").adapter
+    a = load_peft_adapter(dirs["regex-r64-patterns"], engine.config)
     assert a.modules[(3, "q_proj")].rank == 12 and a.modules[(4, "q_proj")].rank == 64
     assert a.modules[(0, "v_proj")].rank == 4
     assert a.modules[(0, "down_proj")].scaling == pytest.approx(100 / 64)
-    assert (2, "up_proj") not in engine.cache.get("layers-r8").adapter.modules
+    assert (2, "up_proj") not in load_peft_adapter(dirs["layers-r8"], engine.config).modules
