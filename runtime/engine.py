@@ -89,6 +89,8 @@ class Engine:
             over-commits a shared-memory device); None = the plan's automatic size.
         gpu_memory_fraction: share of usable device memory the plan may budget (default 0.9).
         local_ranks: engine processes sharing this device/host (the plan divides host memory by it).
+        memory_snapshot: a recorded ``MemorySnapshot`` to plan from instead of measuring this machine
+            (replaying a user's machine; tests).
         page_rows: rank-rows per pool page (see ``multilora.memory.pool``).
         max_prefill_tokens: most prompt tokens in one prefill step.
         starvation_patience: steps a waiting request may be passed over before nothing behind it is
@@ -119,6 +121,7 @@ class Engine:
         host_adapter_bytes: int | None = None,
         gpu_memory_fraction: float = 0.9,
         local_ranks: int = 1,
+        memory_snapshot: Any = None,
         page_rows: int = 8,
         max_prefill_tokens: int = 4096,
         starvation_patience: int = 16,
@@ -170,7 +173,7 @@ class Engine:
         self.memory_plan = self._plan_memory(
             max_adapter_bytes=pages_per_max * page_bytes, kv_bytes_per_token=kv_token,
             max_adapter_pool_bytes=pool_cap, max_kv_bytes=kv_cap, host_tier_bytes=host_adapter_bytes,
-            fraction=gpu_memory_fraction, local_ranks=local_ranks,
+            fraction=gpu_memory_fraction, local_ranks=local_ranks, snapshot=memory_snapshot,
         )
         plan = self.memory_plan
         num_pages = plan.adapter_pool_bytes // page_bytes if plan is not None else (pool_cap or 8 * pages_per_max * page_bytes) // page_bytes
