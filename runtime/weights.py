@@ -227,3 +227,39 @@ def load_tokenizer(path: Path) -> Any:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot load its tokenizer with transformers ({type(e).__name__}: {e})") from e
+
+
+def random_weights(config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
+                   std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Seeded random HF-named weights of ``config``'s shape, made on ``device`` (N(0, std); norms = 1).
+
+    For benchmarks and GPU tests of real model shapes (e.g. Llama-3-8B) without weight files.
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+
+    c = config
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(c.vocab_size, c.hidden_size),
+                                  "model.norm.weight": torch.ones(c.hidden_size, dtype=dtype, device=device)}
+    if not c.tie_word_embeddings:
+        w["lm_head.weight"] = rnd(c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            d_in, d_out = c.module_shape(m)
+            w[f"{c.hf_module_name(i, m)}.weight"] = rnd(d_out, d_in)
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            w[f"model.layers.{i}.{n}.weight"] = torch.ones(c.hidden_size, dtype=dtype, device=device)
+    return w
+
+
+#: Shapes of real models, for random-weight benchmarks (from their published config.json).
+MODEL_SHAPES: dict[str, dict] = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                         num_kv_heads=3, rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=8192),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, rope_theta=500000.0, tie_word_embeddings=False, max_position_embeddings=8192),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 max_position_embeddings=1024),
+}

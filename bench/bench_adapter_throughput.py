@@ -1,0 +1,159 @@
+"""Engine throughput against the number of distinct adapters, with a pool that holds far fewer (issue 4).
+
+For each adapter count N (1, 8, 64, 512, 2048) and popularity (zipf, uniform), a batch of requests each
+names an adapter drawn from N (rank r on all seven projections, written as PEFT files), served by an
+engine whose pool holds ``--pool-adapters`` of them and whose host tier holds ``--host-adapters``.
+Reported per row: output tokens/s and its ratio to the same engine serving the same requests with no
+adapter, bytes moved between tiers per second, prefetch hit rate, and time requests waited.
+
+    python bench/bench_adapter_throughput.py --shape llama3-8b --out bench/results      # H200
+    python bench/bench_adapter_throughput.py --shape tiny --counts 1,8,64 --batch 8      # CPU smoke run
+
+Target (issue 4): at 2048 adapters, zipf popularity, decode throughput >= 85% of the no-adapter engine's.
+Disk: N adapters x r x sum(d_in + d_out) x layers x 2 bytes (Llama-3-8B, r=16: 84 MB each); the script
+refuses to start when the adapter directory's disk cannot hold them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from multilora import Engine, SamplingParams
+from multilora.runtime.adapters import save_peft_adapter
+from multilora.runtime.config import TARGET_MODULES, ModelConfig
+from multilora.runtime.weights import MODEL_SHAPES
+
+
+def popularity(kind: str, n: int, k: int, g: torch.Generator) -> list[int]:
+    """k adapter indices in [0, n): zipf (s = 1, Punica/S-LoRA style) or uniform."""
+    if kind == "uniform":
+        return torch.randint(0, n, (k,), generator=g).tolist()
+    w = 1.0 / torch.arange(1, n + 1, dtype=torch.float64)
+    return torch.multinomial(w / w.sum(), k, replacement=True, generator=g).tolist()
+
+
+def write_adapters(root: Path, config: ModelConfig, n: int, rank: int, dtype: torch.dtype) -> list[Path]:
+    per = rank * sum(sum(config.module_shape(m)) for m in TARGET_MODULES) * config.num_layers * torch.empty((), dtype=dtype).element_size()
+    free = shutil.disk_usage(root).free
+    if per * n > 0.9 * free:
+        raise SystemExit(f"--adapter-dir {root}: {n} adapters need {per * n / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+    dirs = []
+    for i in range(n):
+        d = root / f"a{i}"
+        if not (d / "adapter_config.json").is_file():
+            g = torch.Generator().manual_seed(i)
+            t = {}
+            for layer in range(config.num_layers):
+                for m in TARGET_MODULES:
+                    d_in, d_out = config.module_shape(m)
+                    t[(layer, m)] = ((torch.randn(rank, d_in, generator=g) / d_in**0.5).to(dtype),
+                                     (torch.randn(d_out, rank, generator=g) * 0.01).to(dtype))
+            save_peft_adapter(d, t, r=rank, lora_alpha=2 * rank, target_modules=list(TARGET_MODULES))
+        dirs.append(d)
+    return dirs
+
+
+def run_once(engine: Engine, prompts, names, gen: int) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, adapters=names, sampling=SamplingParams(max_tokens=gen, ignore_eos=True))
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(MODEL_SHAPES))
+    ap.add_argument("--counts", default="1,8,64,512,2048")
+    ap.add_argument("--popularity", default="zipf,uniform")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--pool-adapters", type=int, default=32)
+    ap.add_argument("--host-adapters", type=int, default=128)
+    ap.add_argument("--adapter-dir", help="where adapter files go (default: a temporary directory)")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    config = ModelConfig(**MODEL_SHAPES[args.shape])
+    counts = [int(c) for c in args.counts.split(",")]
+    root = Path(args.adapter_dir or tempfile.mkdtemp(prefix="multilora-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    dirs = write_adapters(root, config, max(counts), args.rank, dtype)
+
+    probe = Engine(config, device=device, dtype=dtype, progress=False, max_batch_size=args.batch,
+                   max_seq_len=args.prompt_len + args.gen + 1, max_lora_rank=args.rank, adapter_slots=1)
+    page_bytes = probe.pool.page_bytes * -(-args.rank // probe.pool.page_rows)
+    del probe
+    engine = Engine(config, device=device, dtype=dtype, progress=False, max_batch_size=args.batch,
+                    max_seq_len=args.prompt_len + args.gen + 1, max_lora_rank=args.rank,
+                    adapter_slots=args.pool_adapters, host_adapter_bytes=args.host_adapters * page_bytes)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, config.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
+    run_once(engine, prompts[:2], [None, None], 2)  # warm-up
+    base_s, base_tok = run_once(engine, prompts, [None] * args.batch, args.gen)
+    rows = []
+    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "shape": args.shape, "dtype": str(dtype), "rank": args.rank,
+            "batch": args.batch, "prompt_len": args.prompt_len, "gen": args.gen,
+            "pool_adapters": engine.pool.num_pages // -(-args.rank // engine.pool.page_rows),
+            "host_adapters": args.host_adapters, "base_tokens_per_s": base_tok / base_s}
+    for n in counts:
+        for name in engine.list_adapters():
+            engine.unload_adapter(name)
+        for i in range(n):
+            engine.load_adapter(f"a{i}", dirs[i])
+        for pop in args.popularity.split(","):
+            names = [f"a{i}" for i in popularity(pop, n, args.batch, g)]
+            before = engine.stats()
+            secs, toks = run_once(engine, prompts, names, args.gen)
+            after = engine.stats()
+            moved = sum(after[k] - before[k] for k in ("bytes_host_to_gpu", "bytes_gpu_to_host", "bytes_disk_to_host"))
+            loads = after["gpu_misses"] - before["gpu_misses"] + after["prefetch_to_gpu"] - before["prefetch_to_gpu"]
+            row = {**meta, "adapters": n, "distinct_in_batch": len(set(names)), "popularity": pop,
+                   "tokens_per_s": toks / secs, "vs_no_adapter": (toks / secs) / (base_tok / base_s),
+                   "bytes_moved_per_s": moved / secs,
+                   "prefetch_hit_rate": (after["prefetch_hits"] - before["prefetch_hits"]) / max(1, loads),
+                   "queue_wait_s_total": after["queue_wait_seconds_total"] - before["queue_wait_seconds_total"],
+                   "gpu_evictions": after["gpu_evictions"] - before["gpu_evictions"]}
+            rows.append(row)
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k not in meta}))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"adapter_throughput_{args.shape}"
+    (out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for pop in args.popularity.split(","):
+            pts = [(r["adapters"], r["vs_no_adapter"]) for r in rows if r["popularity"] == pop]
+            ax.plot(*zip(*pts), marker="o", label=pop)
+        ax.axhline(0.85, ls="--", c="gray", label="target 85%")
+        ax.set_xscale("log")
+        ax.set_xlabel("distinct adapters loaded")
+        ax.set_ylabel("tokens/s vs no adapter")
+        ax.set_title(f"{args.shape}, r={args.rank}, batch {args.batch}, pool {meta['pool_adapters']} adapters")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"{stem}.png", dpi=120)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+if __name__ == "__main__":
+    main()
