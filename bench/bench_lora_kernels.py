@@ -155,7 +155,7 @@ def bench_row(group, T, rank, n, popularity, ceil, *, providers=("ours", "loop",
     d_in, d_outs = GROUPS[group]
     d_out = sum(d_outs)
     n = min(n, T)
-    w_bytes = n * rank * (d_in + d_out) * 2  # distinct adapters' A and B, bf16
+    w_bytes = n * rank * (len(d_outs) * d_in + d_out) * 2  # distinct adapters' A (one per slice) and B, bf16
     act_bytes = (T * d_in + 2 * T * d_out) * 2  # x read, y read + written
     K = max(1, min(8, math.ceil(200e6 / (w_bytes + act_bytes))))
     pool, views = synthetic_pool(d_in, d_outs, K * n, rank)
@@ -187,8 +187,9 @@ def bench_row(group, T, rank, n, popularity, ceil, *, providers=("ours", "loop",
     finally:
         triton_sgmv.block_m_for = orig_bm
     # what must move and what must be computed (per call of one set)
-    w_bytes = distinct * rank * (d_in + d_out) * 2
-    flops = 2 * T * rank * (d_in + d_out)
+    # every fused slice has its own A [r, d_in] (q, k and v: three), so A bytes and FLOPs count it per slice
+    w_bytes = distinct * rank * (len(d_outs) * d_in + d_out) * 2
+    flops = 2 * T * rank * (len(d_outs) * d_in + d_out)
     t = row["ours_ms"] * 1e-3
     row.update(min_bytes=w_bytes + act_bytes, flops=flops, ours_gbps=(w_bytes + act_bytes) / t / GB,
                ours_tflops=flops / t / 1e12)
@@ -260,7 +261,7 @@ def ceilings():
     return {"copy_gbps": copy, "gemm_tflops": 2 * 8192**3 / t / 1e12}
 
 
-def sweep(quick: bool):
+def sweep(quick: bool, subset: str = "all"):
     """(kind, args) of every row; kinds: row, layer."""
     rows = []
     # target 1: decode, every request its own adapter
@@ -301,6 +302,8 @@ def sweep(quick: bool):
             rows.append(("variant", ("8b-qkv", T, 16, n, pop, bm)))
     if quick:
         rows = rows[::6]
+    if subset == "decode":  # the decode targets: every request its own adapter, the layer, popularity at 64/512
+        rows = [(k, a) for k, a in rows if k == "layer" or (k == "row" and a[1] <= 512 and a[0].startswith("8b"))]
     return rows
 
 
@@ -324,6 +327,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--quick", action="store_true", help="every sixth row only")
     ap.add_argument("--plot", help="only redraw the plot of this results JSON")
+    ap.add_argument("--subset", choices=("all", "decode"), default="all", help="decode: the decode rows only")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting rows after this many seconds")
     args = ap.parse_args(argv)
     if args.plot:
@@ -335,7 +339,7 @@ def main(argv=None):
     res = {"environment": environment(), "ceilings": ceilings(), "rows": [], "errors": []}
     print(json.dumps(res["environment"]), json.dumps(res["ceilings"]), flush=True)
     t0 = time.time()
-    for kind, a in sweep(args.quick):
+    for kind, a in sweep(args.quick, args.subset):
         if time.time() - t0 > args.budget_s:
             res["errors"].append(f"time budget reached before {kind} {a}")
             continue

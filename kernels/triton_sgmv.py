@@ -28,6 +28,10 @@ example with ``token_slots = [1, 2, 3, 2, 3, 2, 3, -1]`` and ``BLOCK_M = 2``::
 Shrink writes an fp32 intermediate ``v`` of shape ``[SPLIT_K, num_slices, T, RMAX]`` (``RMAX`` = the pool's
 ``max_pages_per_slot * R``); split-K partials are summed by expand, so nothing needs zeroing and results are
 deterministic. The per-slot scaling is applied inside expand; pages never hold scaled weights.
+
+``lora_fused`` does shrink and expand in one launch (each program recomputes the shrink of its chunk for
+its output tiles). It is tested but off by default (``FUSED_MAX_TOKENS = 0``): slower than the two launches
+on every decode case measured on an H200 (bench/README.md).
 """
 
 from __future__ import annotations
@@ -156,6 +160,104 @@ def _sgmv_expand_kernel(
     y_mask = m_mask[:, None] & n_mask[None, :]
     y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
     tl.store(y_ptrs, (y_old.to(tl.float32) + scale * acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _lora_fused_kernel(
+    # pointers
+    y_ptr, x_ptr, buf_ptr, pt_ptr, ranks_ptr, scal_ptr, w_ptr, sorted_ptr, cslot_ptr, cstart_ptr, clen_ptr,
+    # sizes
+    d_in, page_elems, page_rows,
+    oa0, oa1, oa2, ob0, ob1, ob2, do0, do1, do2, col0, col1, col2, ro0, ro1, ro2, so0, so1, so2,
+    groups0, groups1,
+    # strides
+    stride_xm, stride_ym, stride_pt,
+    # meta
+    NUM_SLICES: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One program = one chunk x ``TILES`` output tiles of one slice: shrink (full K) then expand, no
+    intermediate in HBM. Rank tile 0 of ``v`` stays in registers; further rank tiles (r > BLOCK_R) go
+    through the program's private rows of the fp32 workspace ``w``."""
+    chunk = tl.program_id(0)
+    grp = tl.program_id(1)  # tile groups of all slices, slice after slice
+    slot = tl.load(cslot_ptr + chunk)
+    if slot < 0:
+        return
+    sid = (grp >= groups0).to(tl.int32) + (grp >= groups0 + groups1).to(tl.int32)
+    g = grp - tl.where(sid == 0, 0, tl.where(sid == 1, groups0, groups0 + groups1))
+    r = tl.load(ranks_ptr + _slice_pick(sid, ro0, ro1, ro2) + slot)
+    if r == 0:
+        return
+    scale = tl.load(scal_ptr + _slice_pick(sid, so0, so1, so2) + slot)
+    off_a = _slice_pick(sid, oa0, oa1, oa2).to(tl.int64)
+    off_b = _slice_pick(sid, ob0, ob1, ob2).to(tl.int64)
+    d_out = _slice_pick(sid, do0, do1, do2)
+    col = _slice_pick(sid, col0, col1, col2)
+    start = tl.load(cstart_ptr + chunk)
+    n_tok = tl.load(clen_ptr + chunk)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < n_tok
+    tok = tl.load(sorted_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    x_rows = x_ptr + tok[:, None] * stride_xm  # [BLOCK_M, 1]
+    pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
+    pid = chunk.to(tl.int64) * tl.num_programs(1) + grp
+    w_rows = w_ptr + (pid * BLOCK_M + offs_m[:, None]) * (RMAX - BLOCK_R)  # rank tiles 1.. of this program
+    # shrink: v[m, j] = x[tok_m] . A[j]
+    v0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for j0 in range(0, r, BLOCK_R):
+        j = j0 + offs_r
+        j_mask = j < r
+        page = tl.load(pt_row + j // page_rows, mask=j_mask, other=0)
+        a_rows = buf_ptr + (page.to(tl.int64) * page_elems + off_a + (j % page_rows).to(tl.int64) * d_in)
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, d_in, BLOCK_K):
+            k = k0 + offs_k
+            k_mask = k < d_in
+            xt = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_rows[:, None] + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(xt, tl.trans(at), input_precision="ieee")
+            else:
+                acc += tl.dot(xt, tl.trans(at))
+        if j0 == 0:
+            v0 = acc
+        else:
+            tl.store(w_rows + (j - BLOCK_R)[None, :], acc, mask=j_mask[None, :])
+    if r > BLOCK_R:
+        tl.debug_barrier()  # the workspace rows written above are read back by other threads of this program
+    # expand: y[tok, col + n] += scale * v @ B^T[:, n], for this program's TILES tiles
+    j = offs_r
+    j_mask = j < r
+    page = tl.load(pt_row + j // page_rows, mask=j_mask, other=0)
+    b0_rows = buf_ptr + (page.to(tl.int64) * page_elems + off_b + (j % page_rows).to(tl.int64) * d_out)
+    if not IEEE:
+        v0 = v0.to(y_ptr.dtype.element_ty)
+    for t in range(TILES):
+        n = (g * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n < d_out
+        bt = tl.load(b0_rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
+        if IEEE:
+            out = tl.dot(v0, bt, input_precision="ieee")
+        else:
+            out = tl.dot(v0, bt)
+        for j0 in range(BLOCK_R, r, BLOCK_R):
+            jj = j0 + offs_r
+            jj_mask = jj < r
+            pg = tl.load(pt_row + jj // page_rows, mask=jj_mask, other=0)
+            b_rows = buf_ptr + (pg.to(tl.int64) * page_elems + off_b + (jj % page_rows).to(tl.int64) * d_out)
+            bt = tl.load(b_rows[:, None] + n[None, :], mask=jj_mask[:, None] & n_mask[None, :], other=0.0)
+            vt = tl.load(w_rows + (jj - BLOCK_R)[None, :], mask=jj_mask[None, :], other=0.0)
+            if IEEE:
+                out += tl.dot(vt, bt, input_precision="ieee")
+            else:
+                out += tl.dot(vt.to(bt.dtype), bt)
+        y_ptrs = y_ptr + tok[:, None] * stride_ym + (col + n)[None, :]
+        y_mask = m_mask[:, None] & n_mask[None, :]
+        y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
+        tl.store(y_ptrs, (y_old.to(tl.float32) + scale * out).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 # ---------------------------------------------------------------------------------------------- plan metadata
@@ -309,6 +411,10 @@ def sgmv_expand(y: torch.Tensor, v: torch.Tensor, views: Sequence[LoRAModuleView
     ranks, ro = _elem_offsets([vw.ranks for vw in views])
     scal, so = _elem_offsets([vw.scalings for vw in views])
     grid = (num_chunks, sum(tiles))
+    if num_stages is None and y.device.type == "cuda" and T <= 512:
+        # decode: one rank tile per program (r <= 16), nothing to pipeline; 2 stages leave more shared memory
+        # for resident programs (H200 sweep, bench/results/tune.log: 59 vs 80 us at T = 512 distinct)
+        num_stages = 2
     extra = {} if num_stages is None else {"num_stages": num_stages}
     _sgmv_expand_kernel[grid](
         y, v0.buffer, v0.page_table, ranks, scal, v, table[0], table[1], table[2], table[3],
@@ -320,6 +426,56 @@ def sgmv_expand(y: torch.Tensor, v: torch.Tensor, views: Sequence[LoRAModuleView
         IEEE=y.dtype == torch.float32, num_warps=num_warps, **extra,
     )
     return y
+
+
+def lora_fused(y: torch.Tensor, x: torch.Tensor, views: Sequence[LoRAModuleView], table: torch.Tensor, *,
+               block_m: int, num_chunks: int, col0: int = 0, block_n: int = 256, tiles: int = 1,
+               block_k: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+    """Shrink and expand in ONE launch (decode): ``y[t, c_i + n] += scalings_i[s] * (x[t] @ A_i[s].T) @ B_i[s].T``
+    in place; returns y. Grid ``(num_chunks, sum_i cdiv(cdiv(d_out_i, block_n), tiles))``: each program
+    recomputes the rank-r shrink of its chunk for its ``tiles`` output tiles (A re-reads mostly hit L2)."""
+    v0 = views[0]
+    T, d_in = x.shape
+    rmax = v0.page_table.shape[1] * v0.page_rows
+    block_r = 16
+    if block_k is None:
+        block_k = 64 if x.device.type == "cpu" else 256
+    block_k = min(block_k, max(16, triton.next_power_of_2(d_in)))
+    cols, c = [], col0
+    for vw in views:
+        cols.append(c)
+        c += vw.d_out
+    groups = [triton.cdiv(triton.cdiv(vw.d_out, block_n), tiles) for vw in views]
+    ranks, ro = _elem_offsets([vw.ranks for vw in views])
+    scal, so = _elem_offsets([vw.scalings for vw in views])
+    grid = (num_chunks, sum(groups))
+    # private fp32 rows for rank tiles beyond the first (only touched by slots with r > 16)
+    w_numel = grid[0] * grid[1] * block_m * (rmax - block_r) if rmax > block_r else 1
+    work = torch.empty(w_numel, dtype=torch.float32, device=x.device)
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    _lora_fused_kernel[grid](
+        y, x, v0.buffer, v0.page_table, ranks, scal, work, table[0], table[1], table[2], table[3],
+        d_in, v0.page_elems, v0.page_rows,
+        *_pad3([vw.offset_a for vw in views]), *_pad3([vw.offset_b for vw in views]),
+        *_pad3([vw.d_out for vw in views]), *_pad3(cols), *_pad3(ro), *_pad3(so), *_pad3(groups)[:2],
+        x.stride(0), y.stride(0), v0.page_table.stride(0),
+        NUM_SLICES=len(views), RMAX=max(rmax, block_r), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        BLOCK_K=block_k, TILES=tiles, IEEE=x.dtype == torch.float32, num_warps=num_warps, **extra,
+    )
+    return y
+
+
+# Fused (one-launch) decode path: used for token counts up to FUSED_MAX_TOKENS with these tiles; 0 = off.
+# Off by default: on an H200 (bench/bench_decode_fused.py, results/decode_fused.json) it was slower than the
+# two launches on every decode case (T = 1 q/k/v 12.1 vs 7.6 us; T = 512 distinct 206 vs 142 us; the 8B layer
+# +64..84% vs +26..40%): without split-K each program walks all of d_in serially, and re-reading A per
+# output tile multiplies L2 traffic, which costs more than the launch it saves.
+FUSED_MAX_TOKENS = 0
+FUSED_CONFIG = dict(block_n=256, tiles=1, block_k=256, num_warps=4)
+
+
+def _use_fused(T: int, device: torch.device) -> bool:
+    return T <= FUSED_MAX_TOKENS and device.type == "cuda"
 
 
 def lora_apply_triton(y: torch.Tensor, x: torch.Tensor, views: Sequence[LoRAModuleView], plan) -> torch.Tensor:
@@ -340,10 +496,14 @@ def lora_apply_triton(y: torch.Tensor, x: torch.Tensor, views: Sequence[LoRAModu
     block_m = block_m_for(T)
     table = _plan_table(plan, block_m, x.device)
     num_chunks = min(T, triton.cdiv(T, block_m) + views[0].page_table.shape[0])
+    fused = _use_fused(T, x.device)
     col = 0
     for g in range(0, len(views), MAX_SLICES):
         group = list(views[g : g + MAX_SLICES])
-        v = sgmv_shrink(x, group, table, block_m=block_m, num_chunks=num_chunks)
-        sgmv_expand(y, v, group, table, block_m=block_m, num_chunks=num_chunks, col0=col)
+        if fused:
+            lora_fused(y, x, group, table, block_m=block_m, num_chunks=num_chunks, col0=col, **FUSED_CONFIG)
+        else:
+            v = sgmv_shrink(x, group, table, block_m=block_m, num_chunks=num_chunks)
+            sgmv_expand(y, v, group, table, block_m=block_m, num_chunks=num_chunks, col0=col)
         col += sum(vw.d_out for vw in group)
     return y

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from multilora.kernels import build_lora_plan, lora_apply
+from multilora.kernels import triton_sgmv
 from multilora.kernels.triton_sgmv import _chunk_table, lora_apply_triton
 from multilora.memory.pool import AdapterPool
 from multilora.runtime.config import TARGET_MODULES, ModelConfig
@@ -284,6 +285,67 @@ def test_random_batches(ranks, picks, page_rows, module, dtype, seed):
              layer=seed % 2)
 
 
+# ---------------------------------------------------------------------------------------------- fused decode path
+# ``lora_fused``: shrink + expand in one launch per fused group (the decode path on GPU). Forced on here for
+# every token count and tile shape, on CPU too, against the same fp32 loop reference.
+FUSED_TILES = [
+    pytest.param(dict(block_n=16, tiles=1), id="n16x1"),  # many tile groups per slice: shrink recomputed
+    pytest.param(dict(block_n=32, tiles=3), id="n32x3"),  # several tiles per program, a partial last group
+]
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    def use(config):
+        monkeypatch.setattr(triton_sgmv, "_use_fused", lambda T, device: True)
+        monkeypatch.setattr(triton_sgmv, "FUSED_CONFIG", dict(triton_sgmv.FUSED_CONFIG, **config))
+    return use
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("tiles", FUSED_TILES)
+@pytest.mark.parametrize("rows", [1, 7, 77])
+@pytest.mark.parametrize("popularity", ["distinct", "zipf", "skewed"])
+def test_fused_popularity_and_rows(popularity, rows, tiles, device, dtype, fused):
+    fused(tiles if device == "cpu" else dict(tiles, block_n=tiles["block_n"] * 16))
+    cfg = SMALL if device == "cpu" else LLAMA8B
+    ranks = [1, 2, 4, 8, 12, 24, 16, 3] if device == "cpu" else [8, 16, 64, 12, 24, 1, 96, 16]
+    run_case(cfg, ranks, lambda s, g: popularity_slots(popularity, rows, s, g), QKV,
+             device=device, dtype=dtype, layer=cfg.num_layers - 1, seed=rows)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("page_rows", [3, 16])
+def test_fused_ranks_span_pages(page_rows, device, dtype, fused):
+    """Ranks above one rank tile (24, 40, 96) go through the program's workspace rows."""
+    fused(dict(block_n=32, tiles=2))
+    ranks = [1, 2, 4, 8, 12, 24, 40] + ([96] if device == "cuda" else [])
+    run_case(SMALL, ranks, lambda s, g: popularity_slots("distinct", 2 * len(s) + 1, s, g), QKV,
+             device=device, dtype=dtype, page_rows=page_rows, seed=page_rows, layer=1)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("modules", [GATE_UP, ("down_proj",), ("o_proj",)], ids=["gate_up", "down", "o"])
+def test_fused_odd_widths(modules, device, dtype, fused):
+    fused(dict(block_n=64, tiles=2) if device == "cpu" else {})
+    run_case(ODD, [8, 12, 1], lambda s, g: popularity_slots("uniform", 9, s, g), modules,
+             device=device, dtype=dtype, seed=3)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_fused_interleaved_none_and_untargeted(device, dtype, fused):
+    """Interleaved slot ids with -1 rows; a module an adapter does not target; four views (3 + 1)."""
+    fused(dict(block_n=16, tiles=2))
+    run_case(SMALL, [8, 12, 4], lambda s, g: [-1, 1, 2, 3, 2, -1, 3, 2, 3, 3, -1], GATE_UP, device=device, dtype=dtype)
+    run_case(SMALL, [8], lambda s, g: [-1] * 5, QKV, device=device, dtype=dtype)
+    y, y0 = run_case(SMALL, [8, 4], lambda s, g: [s[0], s[1], s[0], s[1]], QKV,
+                     device=device, dtype=dtype, skip={0: ("k_proj",)})
+    q, k = SMALL.q_size, SMALL.kv_size
+    assert torch.equal(y[0::2, q : q + k], y0[0::2, q : q + k])
+    run_case(SMALL, [8, 5], lambda s, g: [s[1], -1, s[0], s[1], s[0]], ("gate_proj", "up_proj", "gate_proj", "up_proj"),
+             device=device, dtype=dtype)
+
+
 # ---------------------------------------------------------------------------------------------- GPU only
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
@@ -316,8 +378,11 @@ def test_large_offsets(module):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
-def test_decode_cuda_graph_capture():
+@pytest.mark.parametrize("path", ["default", "fused", "two-launch"])
+def test_decode_cuda_graph_capture(path, monkeypatch):
     """A decode step (T = 64, distinct adapters) captured in a CUDA graph and replayed equals eager."""
+    if path != "default":
+        monkeypatch.setattr(triton_sgmv, "_use_fused", lambda T, device: path == "fused")
     dtype, device = torch.bfloat16, "cuda"
     pool, slots = make_pool(LLAMA8B, [16] * 8, dtype=dtype, device=device)
     token_slots = [slots[i % 8] if i % 5 else -1 for i in range(64)]
