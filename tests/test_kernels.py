@@ -182,6 +182,23 @@ def test_odd_widths(modules, rows, device, dtype):
              device=device, dtype=dtype, seed=rows)
 
 
+def _wide(width: int) -> ModelConfig:
+    """gate/up project 64 -> ``width`` (the vocab or MLP sizes of real models)."""
+    return ModelConfig(vocab_size=16, hidden_size=64, intermediate_size=width, num_layers=1, num_heads=1, num_kv_heads=1)
+
+
+@pytest.mark.parametrize("width,ranks,rows,device,dtype", [
+    pytest.param(7392, [1, 24], 5, "cpu", torch.float32, id="7392-cpu-fp32", marks=interp),
+    pytest.param(7392, [1, 96, 256], 133, "cuda", torch.bfloat16, id="7392-gpu-bf16", marks=gpu),
+    pytest.param(49152, [1, 96, 256], 133, "cuda", torch.bfloat16, id="49152-gpu-bf16", marks=gpu),
+    pytest.param(128256, [1, 96, 256], 133, "cuda", torch.float16, id="128256-gpu-fp16", marks=gpu),
+])
+def test_real_widths_and_ranks_up_to_256(width, ranks, rows, device, dtype):
+    """Output widths 7392, 49152, 128256 (not multiples of a tile) and ranks 1..256 in one batch."""
+    run_case(_wide(width), ranks, lambda s, g: popularity_slots("uniform", rows, s, g), GATE_UP,
+             device=device, dtype=dtype, page_rows=16, seed=width)
+
+
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("page_rows", [3, 8, 16])
 def test_mixed_ranks_span_pages(page_rows, device, dtype):
