@@ -329,9 +329,10 @@ class AdapterPool:
         idx = torch.tensor(pages, dtype=torch.long, device=self.device)
         host = torch.empty(len(pages), self.page_elems, dtype=self.dtype, pin_memory=self.device.type == "cuda")
         host.copy_(self.buffer.index_select(0, idx))
-        ranks = self.ranks[:, :, slot].cpu()
-        return PackedAdapter(pages=host, ranks=ranks, scalings=self.scalings[:, :, slot].cpu(),
-                             max_rank=int(ranks.max()), name=name)
+        # copies, not views: on a CPU pool .cpu() would alias the metadata that free() / the next load rewrite
+        ranks = self.ranks[:, :, slot].to("cpu", copy=True)
+        scalings = self.scalings[:, :, slot].to("cpu", copy=True)
+        return PackedAdapter(pages=host, ranks=ranks, scalings=scalings, max_rank=int(ranks.max()), name=name)
 
     def free(self, slot: int) -> None:
         """Return a slot's pages to the free list. Raises KeyError if the slot is not resident."""
