@@ -1,0 +1,232 @@
+"""Scheduler fairness and many adapters end to end (issue 4).
+
+- No starvation: with a pool for 2 adapters and a steady stream of requests for hot adapters A and B (new
+  ones every step, so the queue never empties), one request for a cold adapter C is admitted within the
+  bound of runtime/scheduler.py's docstring, ``(k + 1) * (patience + max_seq_len + 1)`` steps after it
+  arrives (k = requests ahead of it in the queue), and gives the same tokens as run alone.
+- End to end: 50 adapters through a pool for 8 (and a host tier for 12), ~100 mixed requests (some for
+  the base model) arriving in waves: every output equals its single-request reference; the stats show
+  evictions and consistent traffic counters; a pinned adapter never leaves its slot.
+
+The tiny model has a small vocabulary and no tokenizer (prompts are token ids), and runs on one thread.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from multilora import Engine, SamplingParams  # noqa: E402
+from multilora.runtime.adapters import save_peft_adapter  # noqa: E402
+from multilora.runtime.config import TARGET_MODULES  # noqa: E402
+from multilora.runtime.scheduler import Status  # noqa: E402
+
+VOCAB = 1024
+MAX_SEQ = 16
+N_ADAPTERS = 50
+MODULE_SETS = [("q_proj", "v_proj"), ("k_proj", "o_proj", "down_proj"), TARGET_MODULES, ("gate_proj", "up_proj")]
+
+
+def _greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _ids(n, seed):
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _write_adapter(out, config, seed, rank, modules):
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for m in modules:
+            d_in, d_out = config.module_shape(m)
+            tensors[(layer, m)] = (torch.randn(rank, d_in, generator=g) * 0.15, torch.randn(d_out, rank, generator=g) * 0.15)
+    return save_peft_adapter(out, tensors, r=rank, lora_alpha=2 * rank, target_modules=list(modules))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run ~20x faster on one intra-op thread than on two contended ones."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model dir, {name: adapter dir}, page bytes): a tiny random GQA Llama (as in test_engine_behaviour.py,
+    with a small vocabulary and no tokenizer) and 50 rank-4/8 adapters (one pool page each)."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+        initializer_range=0.2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("tiny-llama")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(d))
+    probe = Engine(model=str(d), device="cpu", progress=False, max_batch_size=1, max_seq_len=MAX_SEQ, max_lora_rank=8,
+                   adapter_slots=1)
+    root = tmp_path_factory.mktemp("fairness-adapters")
+    dirs = {f"ad{i:02d}": _write_adapter(root / f"ad{i:02d}", probe.config, 500 + i, 4 if i % 3 == 0 else 8,
+                                         MODULE_SETS[i % 4])
+            for i in range(N_ADAPTERS)}
+    return d, dirs, probe.pool.page_bytes
+
+
+@pytest.fixture(scope="module")
+def alone(tiny):
+    """tokens(prompt, adapter, max_tokens): the request run alone on an engine that holds every adapter."""
+    d, dirs, _ = tiny
+    ref = Engine(model=str(d), device="cpu", progress=False, max_batch_size=1, max_seq_len=MAX_SEQ, max_lora_rank=8,
+                 adapter_slots=N_ADAPTERS + 2)
+    for name, path in dirs.items():
+        ref.load_adapter(name, path)
+    memo = {}
+
+    def tokens(prompt, adapter, max_tokens):
+        key = (tuple(prompt), adapter, max_tokens)
+        if key not in memo:
+            out = ref.generate([list(prompt)], adapters=[adapter], sampling=_greedy(max_tokens))[0]
+            assert out.finish_reason == "length", out.error
+            memo[key] = out.token_ids
+        return memo[key]
+
+    return tokens
+
+
+# ---------------------------------------------------------------------------------------- starvation
+@pytest.mark.parametrize("patience", [0, 8])
+def test_cold_adapter_is_admitted_within_the_bound_under_a_hot_stream(tiny, alone, patience):
+    """patience 8: the stream overtakes C for a while (the scenario starves C without the bound); patience 0:
+    C is urgent at its first skip, so nothing that arrived after it is admitted before it."""
+    d, dirs, _ = tiny
+    hot_a, hot_b, cold = "ad01", "ad02", "ad05"
+    engine = Engine(model=str(d), device="cpu", progress=False, max_batch_size=4, max_seq_len=MAX_SEQ, max_lora_rank=8,
+                    adapter_slots=2, starvation_patience=patience)
+    assert engine.pool.num_pages == 2  # A and B fill the pool
+    for name in (hot_a, hot_b, cold):
+        engine.load_adapter(name, dirs[name])
+    hot, n = [], 0
+
+    def stream():  # two new hot requests every step: the queue never empties
+        nonlocal n
+        for name in (hot_a, hot_b):
+            prompt = _ids(3, 100 + n)
+            hot.append((engine.add_request(prompt, name, _greedy(4)), prompt, name))
+            n += 1
+
+    for _ in range(4):
+        stream()
+        engine.step()
+    stream()
+    k = len(engine.scheduler.waiting)  # requests ahead of C
+    assert k > 0
+    cold_prompt = _ids(5, 7)
+    c = engine.add_request(cold_prompt, cold, _greedy(3))
+    bound = (k + 1) * (engine.scheduler.patience + engine.max_seq_len + 1)
+
+    steps = 0
+    while c.status is Status.WAITING:
+        assert steps < bound, f"C not admitted within the scheduler's bound of {bound} steps (k={k})"
+        stream()
+        engine.step()
+        steps += 1
+        assert len(engine.scheduler.waiting) > 0
+    assert c.status is not Status.FINISHED or c.finish_reason != "error", c.error
+    assert steps <= bound
+    assert engine.stats()["queue_waits_for_adapter"] > 0  # C was passed over: its adapter did not fit
+    overtaken = any(r.admit_time is not None and r.admit_time < c.admit_time and r.arrival > c.arrival
+                    for r, _, _ in hot)
+    assert overtaken == (patience > 0)
+
+    while c.status is not Status.FINISHED:
+        stream()
+        engine.step()
+    for _ in range(500):  # the stream stops; everything drains
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished()
+    assert (c.finish_reason, c.error) == ("length", None)
+    assert c.output_ids == alone(cold_prompt, cold, 3)
+    for r, prompt, name in hot[:: max(1, len(hot) // 12)]:  # a sample of the hot requests: also as alone
+        assert r.finish_reason == "length" and r.output_ids == alone(prompt, name, 4)
+
+
+# ----------------------------------------------------------------------------------------- end to end
+def test_50_adapters_through_a_pool_for_8_every_output_as_alone(tiny, alone):
+    d, dirs, page_bytes = tiny
+    names = sorted(dirs)
+    pinned = names[0]
+    engine = Engine(model=str(d), device="cpu", progress=False, max_batch_size=10, max_seq_len=MAX_SEQ, max_lora_rank=8,
+                    adapter_slots=8, host_adapter_bytes=12 * page_bytes, starvation_patience=4)
+    assert engine.pool.num_pages == 8
+    for name in names:
+        engine.load_adapter(name, dirs[name])
+    engine.pin_adapter(pinned)
+    handle = engine.cache.get(pinned)
+    slot = handle.slot
+    assert slot is not None
+
+    g = torch.Generator().manual_seed(3)
+    plan = []  # (prompt, adapter, max_tokens): every adapter once, then random ones; ~15% for the base model
+    for i in range(100):
+        if i < N_ADAPTERS:
+            adapter = names[i]
+        elif int(torch.randint(0, 7, (1,), generator=g)) == 0:
+            adapter = None
+        else:
+            adapter = names[int(torch.randint(0, N_ADAPTERS, (1,), generator=g))]
+        plan.append((_ids(int(torch.randint(2, 9, (1,), generator=g)), 1000 + i), adapter,
+                     int(torch.randint(1, 5, (1,), generator=g))))
+    plan[10:10] = [(_ids(4, 77), None, 3), (_ids(6, 78), pinned, 4), (_ids(3, 79), None, 2)]
+    order = torch.randperm(len(plan), generator=g).tolist()
+    plan = [plan[i] for i in order]
+
+    reqs = []
+    budget = engine.cache.host_budget
+
+    def step():
+        engine.step()
+        assert handle.slot == slot, "the pinned adapter left its slot"
+        assert engine.pool.pages_used <= engine.pool.num_pages
+        assert engine.cache.host_bytes <= budget
+        assert len(engine.scheduler.running) <= 10
+
+    for wave in range(0, len(plan), 20):  # requests arrive in waves while others run
+        reqs += [engine.add_request(list(p), a, _greedy(n)) for p, a, n in plan[wave:wave + 20]]
+        for _ in range(4):
+            step()
+    for _ in range(1000):
+        if not engine.has_unfinished():
+            break
+        step()
+    assert not engine.has_unfinished()
+
+    for r, (p, a, n) in zip(reqs, plan):
+        assert (r.finish_reason, r.error) == ("length", None), (a, r.error)
+        assert r.output_ids == alone(p, a, n), f"request for {a!r} differs from its single-request reference"
+
+    s = engine.stats()
+    assert s["gpu_evictions"] > 0 and s["host_evictions"] > 0
+    assert s["queue_waits_for_adapter"] > 0  # 10 running requests, 8 slots: requests waited for the pool
+    assert s["bytes_host_to_gpu"] > 0 and s["bytes_disk_to_host"] > 0
+    for key in ("prefetch_to_gpu", "prefetch_to_host", "prefetch_hits"):
+        assert isinstance(s[key], int) and s[key] >= 0, key
+    # every adapter takes one page: each host -> gpu copy moves one page, each stored disk -> host read one page
+    assert s["bytes_host_to_gpu"] == (s["gpu_misses"] + s["prefetch_to_gpu"]) * page_bytes
+    assert s["bytes_disk_to_host"] == (s["host_misses"] - s["adapter_load_failures"] + s["prefetch_to_host"]) * page_bytes
+    assert s["bytes_gpu_to_host"] % page_bytes == 0 and s["bytes_gpu_to_host"] <= s["gpu_evictions"] * page_bytes
+    assert s["gpu_misses"] + s["prefetch_to_gpu"] >= N_ADAPTERS  # each adapter came up at least once
+    assert s["prefetch_hits"] <= s["prefetch_to_gpu"] + s["prefetch_to_host"]
+    assert s["adapter_load_failures"] == 0
+    assert sum(s["adapters_per_tier"].values()) == s["adapters_loaded"] == N_ADAPTERS
+    assert s["adapters_per_tier"]["gpu"] <= 8 and pinned in s["adapters_resident"]
+    assert s["requests_finished"] == len(plan) and s["requests_failed"] == 0
+    assert engine.kv.rows_free == engine.kv.num_rows
+    assert all(engine.cache.get(nm).refcount == 0 for nm in names)
+    engine.cache.close()
