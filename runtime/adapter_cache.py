@@ -5,7 +5,9 @@ Tiers
 - **gpu**: pages in the ``AdapterPool`` (on a CPU-only machine the pool lives in host memory and plays
   this role). The pool is the only owner of device memory for adapter weights.
 - **host**: each adapter as a ``PackedAdapter`` (its pages laid out exactly as in the pool, pinned when
-  the pool is on CUDA so host -> GPU copies are asynchronous), bounded by ``host_bytes``.
+  the pool is on CUDA so host -> GPU copies are asynchronous), bounded by ``host_bytes``. The one copy
+  just added or read back is never dropped to make room, so the budget can be exceeded only while that
+  single copy is all the host tier holds (an adapter larger than the whole budget).
 - **disk**: the adapter's own files. A host copy dropped from the host tier is reloaded from them on
   demand, after checking that the files did not change since ``load_adapter`` (size and mtime); if they
   did, the requests that need it fail cleanly instead of running other weights.
@@ -329,7 +331,10 @@ class AdapterCache:
     def could_ever_fit(self, handle: AdapterHandle) -> bool:
         """Whether the handle fits once every unpinned adapter has left the pool."""
         with self._lock:
-            pinned = sum(len(self.pool.pages_of(h.slot)) for h in self._gpu_lru.values() if self.is_pinned(h))
+            if handle.slot is not None:
+                return True
+            pinned = sum(len(self.pool.pages_of(h.slot)) for h in self._gpu_lru.values()
+                         if h is not handle and self.is_pinned(h))
             return handle.num_pages <= self.pool.num_pages - pinned
 
     def acquire(self, handle: AdapterHandle) -> int:

@@ -9,7 +9,7 @@ tokens per prefill step, and the adapter pool: every distinct adapter of the run
 at once. A request whose adapter cannot be made resident now (the pool is full of adapters that running
 requests use or the user pinned) is skipped and stays waiting: it is never served with other weights.
 
-No starvation. A request skipped for ``patience`` steps becomes *urgent*: from then on no request
+No starvation. A request that has waited ``patience`` scheduling steps becomes *urgent*: from then on no request
 behind it in the queue is admitted, so the running requests drain, free their pages and KV rows, and the
 urgent request is admitted as soon as its adapter fits. Every running request finishes within
 ``max_seq_len`` decode steps, so a request is admitted at most
@@ -62,7 +62,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     admit_time: float | None = None
-    skipped_steps: int = 0  # schedule() calls that passed this request over
+    skipped_steps: int = 0  # schedule() calls this request has waited through
 
     @property
     def num_tokens(self) -> int:
@@ -85,7 +85,7 @@ class Scheduler:
         max_batch_size: most running requests.
         max_prefill_tokens: most prompt tokens admitted in one prefill step (at least one request is
             always admitted when resources allow, whatever its length).
-        patience: steps a request may be passed over before it becomes urgent (see module docstring).
+        patience: scheduling steps a request may wait before it becomes urgent (see module docstring).
         on_error: ``on_error(request, message)`` is called for a request that fails at admission.
     """
 

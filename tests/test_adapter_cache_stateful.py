@@ -25,7 +25,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hypothesis import HealthCheck, Phase, seed, settings  # noqa: E402
+from hypothesis import HealthCheck, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import (  # noqa: E402
     RuleBasedStateMachine,
@@ -357,13 +357,6 @@ def _run(tiny, reference, pins, **overrides):
     run_state_machine_as_test(machine, settings=settings(STATEFUL, **overrides))
 
 
-PIN_BUG = (
-    "BUG: AdapterCache.could_ever_fit counts the request's own pinned, resident adapter among the pinned pages, "
-    "so a request for a pinned adapter fails as 'can never fit' once 2 * its pages + the other pinned pages "
-    "exceed the pool (e.g. pin a rank-16 adapter in a 3-page pool, then request it)")
-NO_SHRINK = [Phase.explicit, Phase.generate]  # xfail variant: a known bug, no minutes spent shrinking it
-
-
 def test_cache_state_machine_without_pins(tiny, reference):
     """Loads, reloads, unloads, requests and steps: every bookkeeping invariant, every output as alone."""
     _run(tiny, reference, "none")
@@ -375,13 +368,11 @@ def test_cache_state_machine_with_one_small_pin(tiny, reference):
     _run(tiny, reference, "small")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=PIN_BUG)
 def test_cache_state_machine_with_any_pins(tiny, reference):
     """Unrestricted pins: a request for a pinned adapter must be served (it is resident already)."""
-    _run(tiny, reference, "any", phases=NO_SHRINK)
+    _run(tiny, reference, "any")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=PIN_BUG)
 def test_request_for_a_pinned_adapter_is_served(tiny, reference):
     model_dir, dirs, page_bytes = tiny
     engine = Engine(model=str(model_dir), device="cpu", progress=False, max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ,
