@@ -189,6 +189,7 @@ def _wide(width: int) -> ModelConfig:
 
 @pytest.mark.parametrize("width,ranks,rows,device,dtype", [
     pytest.param(7392, [1, 24], 5, "cpu", torch.float32, id="7392-cpu-fp32", marks=interp),
+    pytest.param(200, [1, 256, 96], 4, "cpu", torch.float16, id="r256-cpu-fp16", marks=interp),
     pytest.param(7392, [1, 96, 256], 133, "cuda", torch.bfloat16, id="7392-gpu-bf16", marks=gpu),
     pytest.param(49152, [1, 96, 256], 133, "cuda", torch.bfloat16, id="49152-gpu-bf16", marks=gpu),
     pytest.param(128256, [1, 96, 256], 133, "cuda", torch.float16, id="128256-gpu-fp16", marks=gpu),
