@@ -42,11 +42,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -118,7 +117,6 @@ class CacheStats:
     prefetch_host: int = 0
     prefetch_hits: int = 0
     load_failures: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class AdapterCache:
@@ -328,13 +326,26 @@ class AdapterCache:
     def _evictable(self) -> list[AdapterHandle]:
         return [h for h in self._gpu_lru.values() if h.refcount == 0 and not self.is_pinned(h)]
 
+    def _fits_after_evicting(self, handle: AdapterHandle, victims: list[AdapterHandle]) -> bool:
+        """Whether ``handle`` gets its pages and a slot once every one of ``victims`` has left the pool."""
+        pages = self.pool.pages_free + sum(v.num_pages for v in victims)
+        slots = self.pool.max_slots - self.pool.slots_used + len(victims)
+        return handle.num_pages <= pages and slots >= 1
+
+    def _evict_until_fits(self, handle: AdapterHandle, victims: list[AdapterHandle]) -> None:
+        """Evict ``victims`` in order (least recently used first) until ``handle`` fits."""
+        for victim in victims:
+            if self.pool.pages_free >= handle.num_pages and self.pool.slots_used < self.pool.max_slots:
+                break
+            self._drop_from_pool(victim)
+            self.stats.gpu_evictions += 1
+
     def could_ever_fit(self, handle: AdapterHandle) -> bool:
         """Whether the handle fits once every unpinned adapter has left the pool."""
         with self._lock:
             if handle.slot is not None:
                 return True
-            pinned = sum(len(self.pool.pages_of(h.slot)) for h in self._gpu_lru.values()
-                         if h is not handle and self.is_pinned(h))
+            pinned = sum(h.num_pages for h in self._gpu_lru.values() if h is not handle and self.is_pinned(h))
             return handle.num_pages <= self.pool.num_pages - pinned
 
     def acquire(self, handle: AdapterHandle) -> int:
@@ -352,20 +363,14 @@ class AdapterCache:
                     handle.prefetched = False
             else:
                 victims = self._evictable()
-                free_pages = self.pool.pages_free + sum(len(self.pool.pages_of(h.slot)) for h in victims)
-                free_slots = self.pool.max_slots - self.pool.slots_used + len(victims)
-                if handle.num_pages > free_pages or free_slots < 1:
+                if not self._fits_after_evicting(handle, victims):
                     raise PoolFullError(
                         f"adapter {handle.name!r} needs {handle.num_pages} page(s); {self.pool.pages_free} free and "
-                        f"{free_pages - self.pool.pages_free} held by idle adapters, of {self.pool.num_pages}"
+                        f"{sum(v.num_pages for v in victims)} held by idle adapters, of {self.pool.num_pages}"
                     )
                 packed = self._ensure_host(handle)
                 self.stats.gpu_misses += 1
-                for victim in victims:  # least recently used first
-                    if self.pool.pages_free >= handle.num_pages and self.pool.slots_used < self.pool.max_slots:
-                        break
-                    self._drop_from_pool(victim)
-                    self.stats.gpu_evictions += 1
+                self._evict_until_fits(handle, victims)
                 handle.slot = self.pool.load(packed)
                 self._gpu_lru[id(handle)] = handle
                 self.stats.bytes_host_to_gpu += packed.nbytes
@@ -401,14 +406,9 @@ class AdapterCache:
                         h.loading = self._io.submit(self._prefetch_read, h)
                     continue
                 spare = [v for v in self._evictable() if id(v) not in wanted]
-                room = self.pool.pages_free + sum(v.num_pages for v in spare)
-                if h.num_pages > room or self.pool.max_slots - self.pool.slots_used + len(spare) < 1:
+                if not self._fits_after_evicting(h, spare):
                     continue
-                for victim in spare:  # least recently used first
-                    if self.pool.pages_free >= h.num_pages and self.pool.slots_used < self.pool.max_slots:
-                        break
-                    self._drop_from_pool(victim)
-                    self.stats.gpu_evictions += 1
+                self._evict_until_fits(h, spare)
                 h.slot = self.pool.load(h.host, stream=self._stream)
                 if self._stream is not None:
                     ev = torch.cuda.Event()

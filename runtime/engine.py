@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -32,11 +32,11 @@ from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
 from multilora.runtime.adapters import AdapterError, LoRAAdapter, load_peft_adapter
 from multilora.runtime.model import LlamaModel, build_step_plan
 from multilora.runtime.sampling import SamplingParams, make_generator, sample_token
-from multilora.runtime.scheduler import Request, Scheduler, Status, next_request_id
+from multilora.runtime.scheduler import Request, Scheduler, next_request_id
 from multilora.runtime.config import ModelConfig
 from multilora.runtime.weights import load_model_files, load_tokenizer, random_weights, resolve_model_path
 
-if False:  # typing only
+if TYPE_CHECKING:  # pragma: no cover
     from multilora.memory.accounting import MemoryPlan
 
 log = logging.getLogger("multilora")
@@ -263,13 +263,10 @@ class Engine:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        plan = build_step_plan(self.model, token_ids=[[0] * T], start_positions=[0], kv_rows=[0],
-                               lora=build_lora_plan([-1] * T, device=self.device))
-        with torch.inference_mode():
-            self.model.compute_logits(self.model.forward(plan, tmp_kv)[-1:])
+        self._run_forward([[0] * T], [0], [0], [-1], kv=tmp_kv)
         torch.cuda.synchronize(self.device)
         reserve = torch.cuda.max_memory_allocated(self.device) - before
-        del tmp_kv, plan
+        del tmp_kv
         torch.cuda.empty_cache()
         return int(reserve)
 
@@ -433,12 +430,16 @@ class Engine:
         else:
             token_ids = [[r.output_ids[-1]] for r in batch]
             starts = [r.num_tokens - 1 for r in batch]
-        slots = [r.slot for r, ids in zip(batch, token_ids) for _ in ids]
-        lora = build_lora_plan(slots, device=self.device)
-        plan = build_step_plan(self.model, token_ids=token_ids, start_positions=starts,
-                               kv_rows=[r.kv_row for r in batch], lora=lora)
+        return self._run_forward(token_ids, starts, [r.kv_row for r in batch], [r.slot for r in batch])
+
+    def _run_forward(self, token_ids: list[list[int]], starts: list[int], kv_rows: list[int], slots: list[int],
+                     kv: KVCache | None = None) -> torch.Tensor:
+        """Build the step plan once and run the model: float32 logits [B, vocab] (CPU) at each sequence's
+        last new token. ``slots[b]`` is sequence b's adapter slot (-1 = none)."""
+        lora = build_lora_plan([s for s, ids in zip(slots, token_ids) for _ in ids], device=self.device)
+        plan = build_step_plan(self.model, token_ids=token_ids, start_positions=starts, kv_rows=kv_rows, lora=lora)
         with torch.inference_mode():
-            hidden = self.model.forward(plan, self.kv, lora_backend=self.lora_backend)
+            hidden = self.model.forward(plan, kv if kv is not None else self.kv, lora_backend=self.lora_backend)
             return self.model.compute_logits(hidden.index_select(0, plan.last_index)).cpu()
 
     def _postprocess(self, batch: list[Request], logits: torch.Tensor) -> list[Request]:
@@ -613,13 +614,8 @@ class Engine:
                         chunk.append((i, slot, self.kv.allocate()))
                         i += 1
                     self.cache.wait_ready(taken)
-                    ids = [rows[j] for j, _, _ in chunk]
-                    lora = build_lora_plan([s for (j, s, _) in chunk for _ in rows[j]], device=self.device)
-                    plan = build_step_plan(self.model, token_ids=ids, start_positions=[0] * len(chunk),
-                                           kv_rows=[r for _, _, r in chunk], lora=lora)
-                    with torch.inference_mode():
-                        hidden = self.model.forward(plan, self.kv, lora_backend=self.lora_backend)
-                        lg = self.model.compute_logits(hidden.index_select(0, plan.last_index)).cpu()
+                    lg = self._run_forward([rows[j] for j, _, _ in chunk], [0] * len(chunk),
+                                           [r for _, _, r in chunk], [s for _, s, _ in chunk])
                     for k, (j, _, _) in enumerate(chunk):
                         out[j] = lg[k]
                 finally:

@@ -181,7 +181,6 @@ class Scheduler:
         return admitted
 
     def _fail(self, req: Request, message: str) -> None:
-        self.waiting.appendleft(req)  # finish() takes it out of the queue again
         self.finish(req, "error", message)
         if self._on_error is not None:
             self._on_error(req, message)
@@ -205,6 +204,7 @@ class Scheduler:
         """Mark a request finished and return its KV row and adapter reference."""
         if req.status is Status.FINISHED:
             return
+        was_waiting = req.status is Status.WAITING
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
         req.finish_time = time.perf_counter()
         if req.kv_row is not None:
@@ -215,7 +215,8 @@ class Scheduler:
             req.slot = -1
         if req in self.running:
             self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        elif was_waiting:  # in the queue, or already taken out of it by _admit
+            if req in self.waiting:
+                self.waiting.remove(req)
             if req.handle is not None:
                 self.cache.dequeue(req.handle)
