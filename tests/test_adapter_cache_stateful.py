@@ -38,9 +38,10 @@ from hypothesis.stateful import (  # noqa: E402
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.memory.pool import PoolFullError  # noqa: E402
 from multilora.runtime.adapter_cache import files_fingerprint  # noqa: E402
-from multilora.runtime.adapters import save_peft_adapter  # noqa: E402
 from multilora.runtime.config import TARGET_MODULES  # noqa: E402
 from multilora.runtime.scheduler import Status  # noqa: E402
+from testsupport import write_adapter as _write_adapter  # noqa: E402
+from testsupport import one_thread  # noqa: E402,F401 (autouse fixture)
 
 VOCAB = 1024
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -59,25 +60,6 @@ DRAIN_STEPS = 2000  # teardown: above 4 steps for each of the <= 120 requests ev
 
 
 # ------------------------------------------------------------------------------ tiny model and adapters
-def _write_adapter(out, config, seed, rank, modules):
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_layers):
-        for m in modules:
-            d_in, d_out = config.module_shape(m)
-            tensors[(layer, m)] = (torch.randn(rank, d_in, generator=g) * 0.15, torch.randn(d_out, rank, generator=g) * 0.15)
-    return save_peft_adapter(out, tensors, r=rank, lora_alpha=2 * rank, target_modules=list(modules))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run ~20x faster on one intra-op thread than on two contended ones."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(model dir, {name: [dir of version 0, dir of version 1]}, page bytes) of a tiny random GQA Llama.

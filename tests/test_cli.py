@@ -20,20 +20,10 @@ peft = pytest.importorskip("peft")
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.runtime.cli import main  # noqa: E402
-from multilora.runtime.weights import default_model_path  # noqa: E402
+from testsupport import tokenizer_dir as _tokenizer_dir  # noqa: E402
 
 VOCAB = 49152
 DEMO_NAMES = ("demo-a", "demo-b", "demo-c")
-
-
-def _tokenizer_dir(tmp_path_factory):
-    """The SmolLM2 tokenizer saved once per test session (reading it from the GGUF takes ~5 s)."""
-    d = tmp_path_factory.getbasetemp() / "smollm2-tokenizer"
-    if not (d / "tokenizer_config.json").is_file():
-        p = default_model_path()
-        tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-        tok.save_pretrained(str(d))
-    return d
 
 
 def _hf_config():

@@ -20,9 +20,10 @@ transformers = pytest.importorskip("transformers")
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.runtime.adapter_cache import UnknownAdapterError  # noqa: E402
-from multilora.runtime.adapters import AdapterError, save_peft_adapter  # noqa: E402
+from multilora.runtime.adapters import AdapterError  # noqa: E402
 from multilora.runtime.config import TARGET_MODULES  # noqa: E402
-from multilora.runtime.weights import default_model_path  # noqa: E402
+from testsupport import tokenizer_dir as _tokenizer_dir  # noqa: E402
+from testsupport import write_adapter as _write_adapter  # noqa: E402
 
 VOCAB = 49152
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -34,26 +35,6 @@ ADAPTERS = {
     "c": (3, 16, ("q_proj", "k_proj", "v_proj", "o_proj")),
     "a2": (4, 4, ("q_proj", "v_proj", "down_proj")),
 }
-
-
-def _tokenizer_dir(tmp_path_factory):
-    """The SmolLM2 tokenizer saved once per test session (reading it from the GGUF takes ~5 s)."""
-    d = tmp_path_factory.getbasetemp() / "smollm2-tokenizer"
-    if not (d / "tokenizer_config.json").is_file():
-        p = default_model_path()
-        tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-        tok.save_pretrained(str(d))
-    return d
-
-
-def _write_adapter(out, config, seed, rank, modules):
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_layers):
-        for m in modules:
-            d_in, d_out = config.module_shape(m)
-            tensors[(layer, m)] = (torch.randn(rank, d_in, generator=g) * 0.15, torch.randn(d_out, rank, generator=g) * 0.15)
-    return save_peft_adapter(out, tensors, r=rank, lora_alpha=2 * rank, target_modules=list(modules))
 
 
 @pytest.fixture(scope="module")

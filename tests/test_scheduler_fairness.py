@@ -19,9 +19,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from multilora import Engine, SamplingParams  # noqa: E402
-from multilora.runtime.adapters import save_peft_adapter  # noqa: E402
 from multilora.runtime.config import TARGET_MODULES  # noqa: E402
 from multilora.runtime.scheduler import Status  # noqa: E402
+from testsupport import write_adapter as _write_adapter  # noqa: E402
+from testsupport import one_thread  # noqa: E402,F401 (autouse fixture)
 
 VOCAB = 1024
 MAX_SEQ = 16
@@ -35,25 +36,6 @@ def _greedy(n):
 
 def _ids(n, seed):
     return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _write_adapter(out, config, seed, rank, modules):
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_layers):
-        for m in modules:
-            d_in, d_out = config.module_shape(m)
-            tensors[(layer, m)] = (torch.randn(rank, d_in, generator=g) * 0.15, torch.randn(d_out, rank, generator=g) * 0.15)
-    return save_peft_adapter(out, tensors, r=rank, lora_alpha=2 * rank, target_modules=list(modules))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run ~20x faster on one intra-op thread than on two contended ones."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
