@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from multilora import Engine, SamplingParams
+from multilora.memory.pool import AdapterPool
 from multilora.runtime.adapters import save_peft_adapter
 from multilora.runtime.config import TARGET_MODULES, ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
@@ -99,13 +100,11 @@ def main() -> None:
     n_files = args.distinct_files or max(counts)
     dirs = write_adapters(root, config, min(n_files, max(counts)), args.rank, dtype)
 
-    probe = Engine(config, device=device, dtype=dtype, progress=False, max_batch_size=args.batch,
-                   max_seq_len=args.prompt_len + args.gen + 1, max_lora_rank=args.rank, adapter_slots=1)
-    page_bytes = probe.pool.page_bytes * -(-args.rank // probe.pool.page_rows)
-    del probe
+    layout = AdapterPool(config, num_pages=1, max_rank=args.rank, dtype=dtype, device="meta")  # sizes only
+    adapter_bytes = layout.page_bytes * AdapterPool.pages_for_rank(args.rank, layout.page_rows)
     engine = Engine(config, device=device, dtype=dtype, progress=False, max_batch_size=args.batch,
                     max_seq_len=args.prompt_len + args.gen + 1, max_lora_rank=args.rank,
-                    adapter_slots=args.pool_adapters, host_adapter_bytes=args.host_adapters * page_bytes)
+                    adapter_slots=args.pool_adapters, host_adapter_bytes=args.host_adapters * adapter_bytes)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
     run_once(engine, prompts[:2], [None, None], 2)  # warm-up
