@@ -24,9 +24,11 @@ import platform
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from multilora import Engine, SamplingParams
 from multilora.memory.pool import AdapterPool
@@ -88,6 +90,8 @@ def main() -> None:
                     help="write only K adapter directories and load adapter i from directory i %% K (each name is "
                          "still a distinct adapter to the engine: its own pages, host copy and disk reloads); "
                          "0 = one directory per adapter. Makes 2048 Llama-3-8B adapters (84 MB each) fit one disk.")
+    ap.add_argument("--merge", action="store_true", help="merge rows into an existing result file (runs split by --counts)")
+    ap.add_argument("--load-threads", type=int, default=8, help="threads calling engine.load_adapter")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
 
@@ -115,11 +119,17 @@ def main() -> None:
             "batch": args.batch, "prompt_len": args.prompt_len, "gen": args.gen,
             "pool_adapters": engine.pool.num_pages // -(-args.rank // engine.pool.page_rows),
             "host_adapters": args.host_adapters, "base_tokens_per_s": base_tok / base_s}
-    for n in counts:
-        for name in engine.list_adapters():
-            engine.unload_adapter(name)
-        for i in range(n):
-            engine.load_adapter(f"a{i}", dirs[i % len(dirs)])
+    loaded = 0
+    for n in sorted(counts):
+        if n < loaded:  # counts ascend; start again only if asked for fewer
+            for name in engine.list_adapters():
+                engine.unload_adapter(name)
+            loaded = 0
+        t_load = time.perf_counter()
+        with ThreadPoolExecutor(args.load_threads) as ex:  # load_adapter is thread-safe
+            list(tqdm(ex.map(lambda i: engine.load_adapter(f"a{i}", dirs[i % len(dirs)]), range(loaded, n)),
+                      total=n - loaded, desc=f"loading adapters {loaded}..{n - 1}", disable=n - loaded < 64))
+        load_s, loaded = time.perf_counter() - t_load, n
         for pop in args.popularity.split(","):
             names = [f"a{i}" for i in popularity(pop, n, args.batch, g)]
             before = engine.stats()
@@ -127,7 +137,7 @@ def main() -> None:
             after = engine.stats()
             moved = sum(after[k] - before[k] for k in ("bytes_host_to_gpu", "bytes_gpu_to_host", "bytes_disk_to_host"))
             loads = after["gpu_misses"] - before["gpu_misses"] + after["prefetch_to_gpu"] - before["prefetch_to_gpu"]
-            row = {**meta, "adapters": n, "distinct_in_batch": len(set(names)), "popularity": pop,
+            row = {**meta, "adapters": n, "load_seconds_new_adapters": load_s, "distinct_in_batch": len(set(names)), "popularity": pop,
                    "tokens_per_s": toks / secs, "vs_no_adapter": (toks / secs) / (base_tok / base_s),
                    "bytes_moved_per_s": moved / secs,
                    "prefetch_hit_rate": (after["prefetch_hits"] - before["prefetch_hits"]) / max(1, loads),
@@ -138,7 +148,12 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"adapter_throughput_{args.shape}"
-    (out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+    path = out / f"{stem}.json"
+    if args.merge and path.is_file():  # keep rows of earlier runs (other counts) unless re-measured
+        done = {(r["adapters"], r["popularity"]) for r in rows}
+        rows = [r for r in json.loads(path.read_text()) if (r["adapters"], r["popularity"]) not in done] + rows
+        rows.sort(key=lambda r: (r["popularity"], r["adapters"]))
+    path.write_text(json.dumps(rows, indent=1))
     try:
         import matplotlib
 
