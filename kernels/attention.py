@@ -1,0 +1,259 @@
+"""Attention over a paged KV cache: the metadata built once per step, the cache write, and the op.
+
+Semantics, for sequence ``b`` with ``n_b = q_lens[b]`` new tokens and ``L_b = seq_lens[b]`` tokens of
+context after this step (past + new), query ``i`` (absolute position ``p = L_b - n_b + i``) and head ``h``::
+
+    out[t, h] = softmax_j( scale * q[t, h] . K_b[j, h // G] ) @ V_b[j, h // G]     over keys j with
+                j <= p  and  (sliding_window == 0  or  j > p - sliding_window)
+
+where ``t = query_start_loc[b] + i``, ``G = num_heads // num_kv_heads`` (GQA) and ``K_b[j]`` is cache row
+``k_cache[block_tables[b, j // block_size], j % block_size]``. Keys and values of the step's own tokens
+are written first (``write_kv``), so prefill (``n_b = L_b``), chunked prefill and decode (``n_b = 1``) are
+one op.
+
+Block tables, worked example with ``block_size = 4``: a sequence of 10 tokens holding blocks ``[7, 2, 5]``
+keeps tokens 0-3 in block 7, 4-7 in block 2 and 8-9 in rows 0-1 of block 5; token 9's cache slot is
+``5 * 4 + 1 = 21`` (``slot_mapping`` holds these flat slots for the step's new tokens). Rows of
+``block_tables`` are padded to a common width with any valid block id (never read past ``L_b``).
+
+Backends: ``"torch"`` (``paged_attention_torch``: gathers the blocks and calls SDPA; the CPU path and the
+test oracle) and ``"triton"`` (``multilora.kernels.triton_attention``, when present). ``backend=None``
+picks triton for CUDA tensors when importable, else torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step description of the batch for paged attention (built once, passed to every layer).
+
+    Attributes:
+        query_start_loc: int32 ``[B + 1]``, ``query_start_loc[0] == 0``, ``query_start_loc[B] == T``.
+        seq_lens: int32 ``[B]``, context length of each sequence after this step (past + new), ``>= q_len``.
+        block_tables: int32 ``[B, max_blocks]``, the cache blocks of each sequence in order.
+        slot_mapping: int64 ``[T]``, flat cache slot (``block * block_size + offset``) of each new token.
+        block_size: tokens per cache block.
+        q_lens, seq_lens_host: the same lengths as host tuples (for shapes and the torch path).
+        max_query_len, max_seq_len: their maxima.
+        extra: backend-specific metadata built once per step (e.g. a kernel's tile table).
+
+    All tensors are on the compute device. For a CUDA graph the tensors are static buffers updated in
+    place between replays; a backend that is graph-safe must not read the host fields inside the graph.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+    q_lens: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+    max_query_len: int
+    max_seq_len: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+
+def build_attention_metadata(
+    q_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    *,
+    block_size: int,
+    device: torch.device | str,
+    max_blocks: int | None = None,
+) -> AttentionMetadata:
+    """Build the step's metadata from host lists.
+
+    Args:
+        q_lens: new tokens per sequence (each >= 1).
+        seq_lens: context length per sequence after the step (each >= its q_len).
+        block_tables: the blocks of each sequence; must cover ``seq_lens[b]`` tokens.
+        block_size: tokens per block.
+        device: where the tensors go.
+        max_blocks: width of the block-table tensor (default: the longest table).
+
+    Raises:
+        ValueError: lengths that disagree, a q_len < 1 or > seq_len, or a block table too short.
+    """
+    B = len(q_lens)
+    if B == 0 or len(seq_lens) != B or len(block_tables) != B:
+        raise ValueError(
+            f"build_attention_metadata: q_lens, seq_lens and block_tables must be non-empty and equal in length, "
+            f"got {B}, {len(seq_lens)}, {len(block_tables)}"
+        )
+    for b, (n, L, bt) in enumerate(zip(q_lens, seq_lens, block_tables)):
+        if not 1 <= n <= L:
+            raise ValueError(f"build_attention_metadata: sequence {b} has q_len {n} and seq_len {L}; need 1 <= q_len <= seq_len")
+        if len(bt) * block_size < L:
+            raise ValueError(f"build_attention_metadata: sequence {b} needs {-(-L // block_size)} blocks for {L} tokens, "
+                             f"its block table has {len(bt)}")
+    width = max_blocks if max_blocks is not None else max(len(bt) for bt in block_tables)
+    table = torch.zeros(B, max(width, 1), dtype=torch.int32)
+    for b, bt in enumerate(block_tables):
+        table[b, : len(bt)] = torch.tensor(list(bt), dtype=torch.int32)
+    slots = []
+    for n, L, bt in zip(q_lens, seq_lens, block_tables):
+        for p in range(L - n, L):
+            slots.append(bt[p // block_size] * block_size + p % block_size)
+    qsl = torch.zeros(B + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(list(q_lens), dtype=torch.int32).cumsum(0)
+    meta = AttentionMetadata(
+        query_start_loc=qsl.to(device),
+        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32).to(device),
+        block_tables=table.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
+        block_size=block_size,
+        q_lens=tuple(int(n) for n in q_lens),
+        seq_lens_host=tuple(int(L) for L in seq_lens),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+    _extend_metadata(meta)
+    return meta
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write the step's keys and values into their cache slots, in place.
+
+    Args:
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (one layer; contiguous).
+        k, v: ``[T, num_kv_heads, head_dim]``, same dtype.
+        slot_mapping: int64 ``[T]`` flat slots (``block * block_size + offset``).
+    """
+    nb, bs = k_cache.shape[:2]
+    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def _torch_mask(meta: AttentionMetadata, sliding_window: int, device: torch.device) -> torch.Tensor:
+    """bool [B, 1, max_q, max_seq_len], True = may attend (cached in ``meta.extra``)."""
+    key = ("torch_mask", sliding_window)
+    mask = meta.extra.get(key)
+    if mask is None:
+        B, max_q = meta.num_seqs, meta.max_query_len
+        q_lens = torch.tensor(meta.q_lens)
+        start = torch.tensor(meta.seq_lens_host) - q_lens  # absolute position of each sequence's first query
+        qpos = start[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]
+        kpos = torch.arange(meta.max_seq_len)
+        m = kpos[None, None, :] <= qpos[:, :, None]
+        if sliding_window:
+            m &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
+        valid_q = torch.arange(max_q)[None, :] < q_lens[:, None]
+        m[:, :, 0] |= ~valid_q  # padded query rows see position 0 only (never all-masked; discarded)
+        mask = meta.extra[key] = m[:, None].to(device)
+    return mask
+
+
+def _pad_index(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
+    idx = meta.extra.get("torch_pad_index")
+    if idx is None:
+        idx = torch.cat([torch.arange(n) + b * meta.max_query_len for b, n in enumerate(meta.q_lens)])
+        idx = meta.extra["torch_pad_index"] = idx.to(device)
+    return idx
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
+                          scale: float, sliding_window: int = 0) -> torch.Tensor:
+    """Torch reference of ``paged_attention``: gather each sequence's blocks, pad the queries, one SDPA call."""
+    T, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    B, max_q, S = meta.num_seqs, meta.max_query_len, meta.max_seq_len
+    nblk = -(-S // meta.block_size)
+    tables = meta.block_tables[:, :nblk].long()
+    kc = k_cache[tables].reshape(B, nblk * meta.block_size, Hkv, D)[:, :S].transpose(1, 2)  # [B, Hkv, S, D]
+    vc = v_cache[tables].reshape(B, nblk * meta.block_size, Hkv, D)[:, :S].transpose(1, 2)
+    if H != Hkv:
+        kc = kc.repeat_interleave(H // Hkv, dim=1)
+        vc = vc.repeat_interleave(H // Hkv, dim=1)
+    pad = _pad_index(meta, q.device)
+    qp = q.new_zeros(B * max_q, H, D)
+    qp[pad] = q
+    qp = qp.view(B, max_q, H, D).transpose(1, 2)  # [B, H, max_q, D]
+    o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=_torch_mask(meta, sliding_window, q.device), scale=scale)
+    return o.transpose(1, 2).reshape(B * max_q, H, D).index_select(0, pad)  # [T, H, D]
+
+
+def _triton_backend() -> Callable | None:
+    try:
+        from multilora.kernels import triton_attention
+    except Exception:  # triton missing, or the kernel module not present
+        return None
+    return getattr(triton_attention, "paged_attention_triton", None)
+
+
+def _extend_metadata(meta: AttentionMetadata) -> None:
+    """Let the GPU backend add its per-step metadata (no-op on CPU)."""
+    if meta.seq_lens.is_cuda:
+        try:
+            from multilora.kernels import triton_attention
+        except Exception:
+            return
+        hook = getattr(triton_attention, "extend_metadata", None)
+        if hook is not None:
+            hook(meta)
+
+
+def resolve_attention_backend(backend: str | None, q: torch.Tensor) -> Callable:
+    """The attention function for ``backend`` ("torch", "triton", or None = triton on CUDA if available).
+
+    Raises:
+        ValueError: an unknown name, or "triton" when the kernel cannot be used.
+    """
+    if backend not in (None, "torch", "triton"):
+        raise ValueError(f"attention backend: expected 'torch', 'triton' or None, got {backend!r}")
+    if backend == "torch" or (backend is None and not q.is_cuda):
+        return paged_attention_torch
+    fn = _triton_backend()
+    if fn is None:
+        if backend == "triton":
+            raise ValueError("attention backend='triton': the Triton kernel is not available (is triton installed?)")
+        return paged_attention_torch
+    return fn
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
+                    scale: float, sliding_window: int = 0, backend: str | None = None) -> torch.Tensor:
+    """Causal (optionally sliding-window) GQA attention of the step's queries over the paged cache.
+
+    Semantics in the module docstring. The step's own keys/values must already be in the cache (``write_kv``).
+
+    Args:
+        q: ``[T, num_heads, head_dim]`` float16/bfloat16/float32, tokens of sequence b contiguous.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (one layer), q's dtype.
+        meta: the step's ``AttentionMetadata``.
+        scale: softmax scale (``head_dim ** -0.5`` for Llama).
+        sliding_window: 0 = full causal; else each query sees its last ``sliding_window`` positions.
+        backend: "torch", "triton" or None.
+
+    Returns:
+        ``[T, num_heads, head_dim]`` in q's dtype.
+
+    Raises:
+        ValueError: shapes that disagree (num_heads not a multiple of num_kv_heads, head_dim or block size
+            mismatch, T != sum(q_lens)) or an unknown backend.
+    """
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_attention: expected q [T, H, D] and caches [blocks, block_size, Hkv, D], got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    T, H, D = q.shape
+    if k_cache.shape[3] != D or H % k_cache.shape[2] or k_cache.shape[1] != meta.block_size:
+        raise ValueError(f"paged_attention: q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)} with "
+                         f"block_size {meta.block_size} (head_dim must match, num_heads a multiple of num_kv_heads)")
+    if T != meta.num_tokens:
+        raise ValueError(f"paged_attention: q has {T} tokens, the metadata {meta.num_tokens}")
+    return resolve_attention_backend(backend, q)(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window)
