@@ -268,13 +268,12 @@ class AdapterPool:
             d_in, d_out = self.config.module_shape(module)
             r = w.rank
             n = self.pages_for_rank(r, R)
-            a = torch.zeros(n * R, d_in, dtype=self.dtype)
-            a[:r] = w.a.to(self.dtype)
-            bt = torch.zeros(n * R, d_out, dtype=self.dtype)
-            bt[:r] = w.b.t().to(self.dtype)
             oa, ob = self.offset_a(layer, module), self.offset_b(layer, module)
-            pages[:n, oa : oa + R * d_in] = a.view(n, R * d_in)
-            pages[:n, ob : ob + R * d_out] = bt.view(n, R * d_out)
+            a, bt = w.a.to(self.dtype), w.b.t().to(self.dtype)  # [r, d_in], [r, d_out]
+            for p in range(n):  # page p holds rank-rows p*R .. p*R + R - 1 (rows >= r stay zero)
+                rows = min(R, r - p * R)
+                pages[p, oa : oa + rows * d_in] = a[p * R : p * R + rows].reshape(-1)
+                pages[p, ob : ob + rows * d_out] = bt[p * R : p * R + rows].reshape(-1)
             mi = MODULE_INDEX[module]
             ranks[layer, mi] = r
             scalings[layer, mi] = float(w.scaling)
