@@ -139,24 +139,31 @@ class AdapterCache:
         self._pinned: set[str] = set()
         self._versions = itertools.count(1)
         self._stream = torch.cuda.Stream(device=pool.device) if pool.device.type == "cuda" else None
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="multilora-adapter-io")
+        self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="multilora-adapter-io")
         self.stats = CacheStats()
 
     # ------------------------------------------------------------------ registry
-    def add(self, name: str, packed: PackedAdapter, *, path: Path, allow_pickle: bool, summary: str) -> AdapterHandle:
-        """Register a packed adapter under ``name`` (host tier), retiring any earlier version."""
+    def add(self, name: str, packed: PackedAdapter | None, *, path: Path, allow_pickle: bool, summary: str,
+            max_rank: int | None = None, num_pages: int | None = None) -> AdapterHandle:
+        """Register an adapter under ``name``, retiring any earlier version: packed (host tier), or with
+        ``packed=None`` on the disk tier only (``max_rank`` and ``num_pages`` then given; read on first use)."""
+        if packed is None and (max_rank is None or num_pages is None):
+            raise ValueError("AdapterCache.add: an adapter registered on disk (packed=None) needs max_rank and num_pages")
         with self._lock:
             handle = AdapterHandle(
                 name=name, version=next(self._versions), path=Path(path), allow_pickle=allow_pickle,
-                fingerprint=files_fingerprint(Path(path)), max_rank=packed.max_rank, num_pages=packed.num_pages,
+                fingerprint=files_fingerprint(Path(path)),
+                max_rank=packed.max_rank if packed is not None else max_rank,
+                num_pages=packed.num_pages if packed is not None else num_pages,
                 summary=summary,
             )
             old = self._by_name.get(name)
             self._by_name[name] = handle
             if old is not None:
                 self._retire(old)
-            self._set_host(handle, packed)
-            self._enforce_host_budget(keep=handle)
+            if packed is not None:
+                self._set_host(handle, packed)
+                self._enforce_host_budget(keep=handle)
             return handle
 
     def remove(self, name: str) -> None:

@@ -566,9 +566,16 @@ def _parse_key(key: str, config: ModelConfig, wpath: Path) -> tuple[int, str, st
     return layer, module, m["kind"][-1]
 
 
-def _read_weights(root: Path, allow_pickle: bool) -> tuple[Path, dict[str, torch.Tensor], list[str]]:
+#: safetensors header dtype names (https://github.com/huggingface/safetensors, format spec) -> torch dtypes
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def _read_weights(root: Path, allow_pickle: bool, header_only: bool = False) -> tuple[Path, dict[str, torch.Tensor], list[str]]:
     """Read the weight file: ``(path, key -> tensor, keys in file order)``. Keys are validated by the caller
-    before tensors are used; safetensors keys are listed before any tensor is read."""
+    before tensors are used; safetensors keys are listed before any tensor is read. With ``header_only``
+    a safetensors file gives ``meta``-device tensors of the header's shapes and dtypes (no data is read)."""
     st = root / SAFETENSORS_NAME
     pk = root / PICKLE_NAME
     if st.is_file():
@@ -577,6 +584,12 @@ def _read_weights(root: Path, allow_pickle: bool) -> tuple[Path, dict[str, torch
 
             with safe_open(str(st), framework="pt", device="cpu") as f:
                 keys = list(f.keys())
+                if header_only:
+                    out = {}
+                    for k in keys:
+                        sl = f.get_slice(k)
+                        out[k] = torch.empty(sl.get_shape(), dtype=_ST_DTYPES.get(sl.get_dtype(), torch.uint8), device="meta")
+                    return st, out, keys
                 return st, {k: f.get_tensor(k) for k in keys}, keys
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise AdapterError(f"{st}: cannot read the safetensors file: {e}", path=st) from e
@@ -692,6 +705,9 @@ def _build_modules(
                 raise AdapterError(
                     f"{wpath}: tensor {key!r}: expected a floating-point dtype, got {x.dtype}", path=wpath, key=key
                 )
+            if x.device.type == "meta":  # header-only validation: values are checked when they are read
+                pair[kind] = x
+                continue
             x = x.detach().to(device="cpu", dtype=torch.float32).contiguous()
             if not bool(torch.isfinite(x).all()):
                 bad = int((~torch.isfinite(x)).sum())
@@ -715,6 +731,7 @@ def load_peft_adapter(
     *,
     name: str | None = None,
     allow_pickle: bool = False,
+    header_only: bool = False,
 ) -> LoRAAdapter:
     """Load and validate a PEFT LoRA adapter directory for the base model ``config``.
 
@@ -724,6 +741,9 @@ def load_peft_adapter(
         name: stored as ``LoRAAdapter.name``.
         allow_pickle: if the directory has only ``adapter_model.bin`` (a pickle), load it with
             ``torch.load(weights_only=True, map_location="cpu")`` instead of refusing it.
+        header_only: validate everything but the values from the config and the safetensors header alone
+            (no tensor data is read): the returned modules hold ``meta``-device tensors of the right shapes.
+            The non-finite check then happens when the values are read. A pickle file is always read.
 
     Returns:
         A LoRAAdapter whose ``modules[(layer, module)]`` holds ``a`` [r, in] and ``b`` [out, r] (float32,
@@ -754,7 +774,7 @@ def load_peft_adapter(
     raw = _read_config(cfg_path)
     spec = _parse_config(raw, cfg_path)
     targets = _resolve_targets(spec, config, cfg_path)
-    wpath, tensors, keys = _read_weights(root, allow_pickle)
+    wpath, tensors, keys = _read_weights(root, allow_pickle, header_only)
     modules = _build_modules(wpath, tensors, keys, targets, config, spec, cfg_path)
     return LoRAAdapter(name=name, path=str(root), config=raw, modules=modules)
 

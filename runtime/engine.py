@@ -271,7 +271,8 @@ class Engine:
         return int(reserve)
 
     # ------------------------------------------------------------------------------------ adapters
-    def load_adapter(self, name: str, path: str | os.PathLike, *, allow_pickle: bool = False) -> LoRAAdapter:
+    def load_adapter(self, name: str, path: str | os.PathLike, *, allow_pickle: bool = False,
+                     preload: bool = True) -> LoRAAdapter:
         """Load (or replace) a PEFT LoRA adapter under ``name``.
 
         The adapter is read and validated completely before anything changes; a failed load leaves the
@@ -282,6 +283,11 @@ class Engine:
             name: the name requests use (non-empty string).
             path: a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
             allow_pickle: also accept ``adapter_model.bin`` (a pickle; only for files you trust).
+            preload: read the weights now and keep them in the host tier (default). ``False`` validates the
+                config and the safetensors header only (names, shapes, dtypes, rank; milliseconds, no tensor
+                data read) and registers the adapter on the disk tier; its values are read, checked for
+                non-finite numbers and packed when a request first needs it (a failure then fails that
+                request only). For registering thousands of adapters.
 
         Raises:
             AdapterError: missing or malformed files, unsupported features, shapes that do not fit the
@@ -290,14 +296,16 @@ class Engine:
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"load_adapter: name must be a non-empty string, got {name!r}")
-        adapter = load_peft_adapter(path, self.config, name=name, allow_pickle=allow_pickle)
+        adapter = load_peft_adapter(path, self.config, name=name, allow_pickle=allow_pickle, header_only=not preload)
         if adapter.max_rank > self.max_lora_rank:
             raise AdapterError(
                 f"{path}: adapter rank {adapter.max_rank} exceeds the engine's max_lora_rank {self.max_lora_rank} "
                 f"(create the Engine with max_lora_rank={adapter.max_rank} or more)"
             )
-        packed = self.pool.pack(adapter)
-        self.cache.add(name, packed, path=Path(path), allow_pickle=allow_pickle, summary=adapter.target_summary())
+        lazy = any(w.a.device.type == "meta" for w in adapter.modules.values())
+        packed = None if lazy else self.pool.pack(adapter)
+        self.cache.add(name, packed, path=Path(path), allow_pickle=allow_pickle, summary=adapter.target_summary(),
+                       max_rank=adapter.max_rank, num_pages=self.pool.pages_needed(adapter))
         log.info("loaded adapter %r from %s: %s", name, path, adapter.target_summary())
         return adapter
 
