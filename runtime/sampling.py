@@ -116,8 +116,8 @@ class SamplingTensors:
         any_top_k: host; some non-greedy row has top_k > 0.
         max_top_k: host; the largest top_k over non-greedy rows (0 when none).
 
-    The tensors are views of two buffers (float32 [2, B], int64 [3, B]), so ``copy_from`` refills a fixed
-    set of tensors in two copies, e.g. the static inputs of a captured CUDA graph.
+    ``from_params`` moves two packed buffers (float32 [2, B], int64 [3, B]) whose rows these tensors view;
+    ``copy_from`` refills a fixed set of tensors in place, e.g. the static inputs of a captured CUDA graph.
     """
 
     temperature: torch.Tensor
