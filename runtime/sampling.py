@@ -1,8 +1,19 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, per-request seeds)."""
+"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, per-request seeds).
+
+One call per step picks every request's next token on the device where the logits live, with no host sync:
+
+    t = SamplingTensors.from_params([r.params for r in batch], seeds, [len(r.output_ids) for r in batch], device)
+    next_ids = sample_batch(logits, t).tolist()   # the step's one sync
+
+Randomness is a pure function of (seed, step, vocab index) (a counter-based hash, not a generator with state),
+so a request's n-th token is the same whatever batch it runs in, at whatever row, on CPU or CUDA.
+"""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -52,7 +63,20 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def make_seed(params: SamplingParams) -> int:
+    """The request's sampling seed: ``params.seed``, or a fresh random 63-bit int when it is None.
+
+    Draw it once per request (at admission) and keep it: with ``SamplingTensors`` the token for
+    (seed, step) is then fixed, whatever the batch.
+    """
+    return params.seed if params.seed is not None else secrets.randbits(63)
+
+
 def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """A per-request CPU generator for ``sample_token`` (None when greedy); seeded by ``params.seed``.
+
+    Kept for the per-request path; the batched path uses ``make_seed`` and ``SamplingTensors`` instead.
+    """
     if params.greedy:
         return None
     g = torch.Generator(device="cpu")
@@ -63,18 +87,255 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return g
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick one token from float32 logits [vocab]."""
+# ------------------------------------------------------------------------------------- SamplingTensors
+def _int64(v: int, name: str, i: int) -> int:
+    """``v`` reduced mod 2**64 into int64's range (a bijection, so distinct seeds mod 2**64 stay distinct)."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name}[{i}]: expected an int, got {v!r}")
+    return (v + 2**63) % 2**64 - 2**63
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":  # pinned + non_blocking: the copy queues on the stream, the host does not wait
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+@dataclass
+class SamplingTensors:
+    """A batch's sampling parameters as device tensors, row b for request b, plus host flags for fast paths.
+
+    Attributes:
+        temperature: float32 [B]; 0 = greedy row.
+        top_p: float32 [B] in (0, 1]; 1 = off.
+        top_k: int64 [B] >= 0; 0 = off (values above the vocab size keep everything).
+        seed: int64 [B]; the request's seed reduced mod 2**64 into int64's range.
+        step: int64 [B] >= 0; index of the token being generated (0 = the first generated token).
+        all_greedy: host; every row is greedy (``sample_batch`` is one argmax).
+        any_top_p: host; some non-greedy row has top_p < 1 (needs a sort over the vocab).
+        any_top_k: host; some non-greedy row has top_k > 0.
+        max_top_k: host; the largest top_k over non-greedy rows (0 when none).
+
+    ``from_params`` moves two packed buffers (float32 [2, B], int64 [3, B]) whose rows these tensors view;
+    ``copy_from`` refills a fixed set of tensors in place, e.g. the static inputs of a captured CUDA graph.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    seed: torch.Tensor
+    step: torch.Tensor
+    all_greedy: bool
+    any_top_p: bool
+    any_top_k: bool
+    max_top_k: int
+
+    @staticmethod
+    def from_params(params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
+                    device: torch.device | str) -> SamplingTensors:
+        """Pack one ``SamplingParams``, seed and step per row onto ``device`` (no host sync on CUDA).
+
+        Args:
+            params: B requests' parameters.
+            seeds: B ints (any size; reduced mod 2**64), e.g. ``make_seed(params)`` drawn once per request.
+            steps: B ints >= 0: how many tokens each request has generated so far.
+            device: where the logits will be.
+
+        Raises:
+            ValueError: lengths differ, B == 0, a non-SamplingParams, a non-int seed, or a bad step.
+        """
+        b = len(params)
+        if b == 0:
+            raise ValueError("params: expected at least one row, got 0")
+        if len(seeds) != b or len(steps) != b:
+            raise ValueError(f"seeds, steps: expected {b} entries each (one per row), got {len(seeds)} and {len(steps)}")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"params[{i}]: expected SamplingParams, got {type(p).__name__}")
+        for i, s in enumerate(steps):
+            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+                raise ValueError(f"steps[{i}]: expected an int >= 0, got {s!r}")
+        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32)
+        ints = torch.tensor([[p.top_k for p in params], [_int64(s, "seeds", i) for i, s in enumerate(seeds)],
+                             list(steps)], dtype=torch.int64)
+        device = torch.device(device)
+        floats, ints = _to_device(floats, device), _to_device(ints, device)
+        sampled = [p for p in params if not p.greedy]
+        return SamplingTensors(
+            temperature=floats[0], top_p=floats[1], top_k=ints[0], seed=ints[1], step=ints[2],
+            all_greedy=not sampled, any_top_p=any(p.top_p < 1 for p in sampled),
+            any_top_k=any(p.top_k > 0 for p in sampled), max_top_k=max((p.top_k for p in sampled), default=0),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.temperature.device
+
+    def copy_from(self, other: SamplingTensors) -> None:
+        """Overwrite this batch's values (tensors in place, host flags) with ``other``'s.
+
+        A CUDA graph captured around ``sample_batch(logits, self)`` replays the path chosen by the host
+        flags at capture time: capture it with ``any_top_p`` (which also handles greedy rows, top-k rows
+        and top_p == 1 rows) to replay correctly for any later values.
+
+        Raises:
+            ValueError: a different batch size or device.
+        """
+        if other.batch_size != self.batch_size or other.device != self.device:
+            raise ValueError(f"other: expected batch size {self.batch_size} on {self.device}, "
+                             f"got {other.batch_size} on {other.device}")
+        for name in ("temperature", "top_p", "top_k", "seed", "step"):
+            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+        self.all_greedy, self.any_top_p = other.all_greedy, other.any_top_p
+        self.any_top_k, self.max_top_k = other.any_top_k, other.max_top_k
+
+
+# ------------------------------------------------------------------------------------------ the RNG
+def _s64(c: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return c - 2**64 if c >= 2**63 else c
+
+
+GOLDEN_GAMMA = _s64(0x9E3779B97F4A7C15)  # SplitMix64's increment: 2**64 / golden ratio, odd
+MIX_1 = _s64(0xBF58476D1CE4E5B9)  # Stafford's "Mix13" multipliers, as in SplitMix64 (Vigna's splitmix64.c)
+MIX_2 = _s64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic: mask off the copied sign bits)."""
+    return (x >> s).bitwise_and_((1 << (64 - s)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's output function, in place on int64 ``x`` (multiplications wrap mod 2**64)."""
+    x ^= _shr(x, 30)
+    x *= MIX_1
+    x ^= _shr(x, 27)
+    x *= MIX_2
+    x ^= _shr(x, 31)
+    return x
+
+
+def random_bits(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """64 random bits per (row, vocab index) as int64 [B, vocab]: a pure function of (seed, step, index).
+
+    SplitMix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014;
+    constants from Vigna's splitmix64.c) used as a counter-based hash, twice:
+
+        key[b]      = mix64(seed[b] + (step[b] + 1) * GAMMA)       # output step+1 of the stream seeded by seed
+        bits[b, v]  = mix64(key[b] + (v + 1) * GAMMA)              # output v+1 of the stream seeded by key
+
+    all mod 2**64, where mix64 is SplitMix64's bijective finalizer. Bit-identical on every device.
+
+    Args:
+        seed: int64 [B]; step: int64 [B] (same device); vocab: the number of columns.
+    """
+    key = _mix64(seed + (step + 1) * GOLDEN_GAMMA)  # [B]
+    col = torch.arange(1, vocab + 1, dtype=torch.int64, device=seed.device) * GOLDEN_GAMMA  # [vocab]
+    return _mix64(key[:, None] + col)  # [B, vocab]
+
+
+def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise float32 [B, vocab] from ``random_bits``: g = -log(-log(u)).
+
+    u = (top 53 bits + 0.5) / 2**53 lies strictly inside (0, 1), computed in float64 so the tails reach
+    |g| ~ 37 (a 24-bit u would cut the upper tail at 17, which the max of 128k draws passes 0.4% of the time).
+    """
+    u = _shr(random_bits(seed, step, vocab), 11).double().add_(0.5).mul_(2.0**-53)  # [B, vocab] in (0, 1)
+    return u.log_().neg_().log_().neg_().float()
+
+
+# ---------------------------------------------------------------------------------------- the sampler
+MIN_TEMPERATURE = 1e-6  # smaller temperatures act as this one, so that logits / temperature stays finite in float32
+def _keep_threshold(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Per row, the smallest scaled logit kept by top-k then top-p: float32 [B, 1] (-inf keeps all)."""
+    vocab = scaled.shape[-1]
+    k = torch.where(t.top_k > 0, t.top_k.clamp(max=vocab), vocab)  # [B], in [1, vocab]
+    if not t.any_top_p:  # top-k only: the k-th largest value, from a topk as wide as the largest k
+        top = torch.topk(scaled, min(t.max_top_k, vocab), dim=-1).values  # [B, max_k], descending
+        kth = top.gather(1, (k.clamp(max=top.shape[-1]) - 1)[:, None])
+        return torch.where((t.top_k > 0)[:, None], kth, float("-inf"))
+    s = torch.sort(scaled, dim=-1, descending=True).values  # [B, vocab]
+    pos = torch.arange(vocab, device=scaled.device)
+    s.masked_fill_(pos >= k[:, None], float("-inf"))  # top-k, then the nucleus among what is left
+    cum = torch.softmax(s, dim=-1).cumsum_(dim=-1)  # [B, vocab], non-decreasing
+    n_p = (cum < t.top_p[:, None]).sum(dim=-1) + 1  # the first position where the sum reaches top_p, + 1
+    n_p = torch.where(t.top_p < 1, n_p.clamp(max=vocab), vocab)  # top_p == 1: off (rounding must not cut tails)
+    n = torch.minimum(n_p, k)  # [B] >= 1: the most likely token is always kept
+    return s.gather(1, (n - 1)[:, None])
+
+
+def sample_batch(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Each row's next token: greedy, or temperature + top-k + top-p + seeded Gumbel-max sampling.
+
+    Semantics, per row b with l = logits[b]:
+
+        temperature[b] == 0:  out[b] = argmax(l)
+        otherwise:            z = l / max(temperature[b], MIN_TEMPERATURE)
+                              keep the top_k[b] largest z (ties with the k-th kept; 0 = all), then of those
+                              the fewest most likely whose softmax probabilities sum to >= top_p[b] (the most
+                              likely always; ties with the last kept are kept too)
+                              out[b] = argmax over kept v of z[v] + g[b, v],  g = gumbel_noise(seed, step)
+
+    The Gumbel-max trick (Gumbel 1954; Maddison, Tarlow and Minka, "A* sampling", NeurIPS 2014) makes
+    ``out[b]`` a draw from softmax(z) restricted to the kept tokens, and the noise g[b, v] depends only on
+    (seed[b], step[b], v) (``random_bits``), so the token is the same whatever the batch's other rows, its
+    row, or the device (CPU vs CUDA), up to float rounding of the logits and of the nucleus boundary.
+    Runs entirely on ``logits.device`` with no ``.item()``/``.tolist()``: the caller syncs once, reading
+    the result. Memory: a few [B, vocab] temporaries (int64 / float64 for the noise, float32 + int64 for
+    the sort when some row uses top-p).
+
+    Args:
+        logits: float32 (or float16 / bfloat16, computed in float32) [B, vocab], finite or -inf with at
+            least one finite value per row; on ``t``'s device. Not modified.
+        t: the batch's ``SamplingTensors`` (batch size B).
+
+    Returns:
+        int64 [B] token ids on ``logits.device``.
+
+    Raises:
+        ValueError: logits not 2-D floating, batch size differs from ``t``, or another device.
+    """
+    if logits.dim() != 2 or not logits.is_floating_point() or logits.shape[1] == 0:
+        raise ValueError(f"logits: expected a floating tensor [B, vocab], got {logits.dtype} {tuple(logits.shape)}")
+    if logits.shape[0] != t.batch_size or logits.device != t.device:
+        raise ValueError(f"logits: expected {t.batch_size} rows on {t.device} (as t), "
+                         f"got {logits.shape[0]} on {logits.device}")
+    logits = logits.float()
+    greedy_ids = logits.argmax(dim=-1)  # [B]
+    if t.all_greedy:
+        return greedy_ids
+    greedy = t.temperature == 0  # [B]
+    scaled = logits / torch.where(greedy, 1.0, t.temperature.clamp(min=MIN_TEMPERATURE))[:, None]  # [B, vocab]
+    if t.any_top_p or t.any_top_k:
+        scaled.masked_fill_(scaled < _keep_threshold(scaled, t), float("-inf"))
+    scaled += gumbel_noise(t.seed, t.step, scaled.shape[-1])
+    return torch.where(greedy, greedy_ids, scaled.argmax(dim=-1))
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None, *,
+                 seed: int | None = None, step: int = 0) -> int:
+    """One row of ``sample_batch``: the next token for float logits [vocab] (any device), as an int.
+
+    The noise comes from (seed, step): ``seed`` if given, else 63 bits drawn from ``generator`` (one draw
+    per call, so a per-request generator from ``make_generator`` gives a reproducible, batch-independent
+    sequence), else ``make_seed(params)``. Syncs (returns a Python int).
+
+    Raises:
+        ValueError: logits not 1-D floating, or a bad seed / step (see ``SamplingTensors.from_params``).
+    """
+    if logits.dim() != 1:
+        raise ValueError(f"logits: expected [vocab], got {tuple(logits.shape)}")
     if params.greedy:
         return int(torch.argmax(logits))
-    logits = logits.float().cpu() / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sp, si = torch.sort(probs, descending=True)
-        keep = (sp.cumsum(0) - sp) < params.top_p  # the first token is always kept
-        probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
-        probs = probs / probs.sum()
-    return int(torch.multinomial(probs, 1, generator=generator))
+    if seed is None:
+        if generator is not None:
+            seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator))
+        else:
+            seed = make_seed(params)
+    t = SamplingTensors.from_params([params], [seed], [step], logits.device)
+    return int(sample_batch(logits[None], t)[0])
