@@ -17,5 +17,5 @@ def test_adapter_throughput_bench_runs(tmp_path):
            "--distinct-files", "3", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(tmp_path / "out")]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     rows = json.loads((tmp_path / "out" / "adapter_throughput_tiny.json").read_text())
-    assert {(r["adapters"], r["popularity"]) for r in rows} == {(1, "zipf"), (1, "uniform"), (8, "zipf"), (8, "uniform")}
+    assert {(r["adapters"], r["popularity"], r["phase"]) for r in rows} == {(n, p, ph) for n in (1, 8) for p in ("zipf", "uniform") for ph in ("cold", "warm")}
     assert all(r["tokens_per_s"] > 0 and r["shape"] == "tiny" for r in rows)
