@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,9 +36,10 @@ from tqdm.auto import tqdm
 
 from multilora import Engine, SamplingParams
 from multilora.memory.pool import AdapterPool
-from multilora.runtime.adapters import save_peft_adapter
-from multilora.runtime.config import TARGET_MODULES, ModelConfig
+from multilora.runtime.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
+
+from _common import write_adapters  # bench/_common.py (bench/ is on sys.path when run as a script)
 
 
 def popularity(kind: str, n: int, k: int, g: torch.Generator) -> list[int]:
@@ -48,27 +48,6 @@ def popularity(kind: str, n: int, k: int, g: torch.Generator) -> list[int]:
         return torch.randint(0, n, (k,), generator=g).tolist()
     w = 1.0 / torch.arange(1, n + 1, dtype=torch.float64)
     return torch.multinomial(w / w.sum(), k, replacement=True, generator=g).tolist()
-
-
-def write_adapters(root: Path, config: ModelConfig, n: int, rank: int, dtype: torch.dtype) -> list[Path]:
-    per = rank * sum(sum(config.module_shape(m)) for m in TARGET_MODULES) * config.num_layers * torch.empty((), dtype=dtype).element_size()
-    free = shutil.disk_usage(root).free
-    if per * n > 0.9 * free:
-        raise SystemExit(f"--adapter-dir {root}: {n} adapters need {per * n / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
-    dirs = []
-    for i in range(n):
-        d = root / f"a{i}"
-        if not (d / "adapter_config.json").is_file():
-            g = torch.Generator().manual_seed(i)
-            t = {}
-            for layer in range(config.num_layers):
-                for m in TARGET_MODULES:
-                    d_in, d_out = config.module_shape(m)
-                    t[(layer, m)] = ((torch.randn(rank, d_in, generator=g) / d_in**0.5).to(dtype),
-                                     (torch.randn(d_out, rank, generator=g) * 0.01).to(dtype))
-            save_peft_adapter(d, t, r=rank, lora_alpha=2 * rank, target_modules=list(TARGET_MODULES))
-        dirs.append(d)
-    return dirs
 
 
 def run_once(engine: Engine, prompts, names, gen: int) -> tuple[float, int]:

@@ -4,9 +4,12 @@ Numbers from these runs mean nothing; the real ones come from the H200 (bench/re
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,3 +22,27 @@ def test_adapter_throughput_bench_runs(tmp_path):
     rows = json.loads((tmp_path / "out" / "adapter_throughput_tiny.json").read_text())
     assert {(r["adapters"], r["popularity"], r["phase"]) for r in rows} == {(n, p, ph) for n in (1, 8) for p in ("zipf", "uniform") for ph in ("cold", "warm")}
     assert all(r["tokens_per_s"] > 0 and r["shape"] == "tiny" for r in rows)
+
+
+def test_generate_bench_runs(tmp_path):
+    """All four providers, each group in its own child process as on the GPU; fp32, so the same weights and
+    adapters must give the same greedy tokens in multilora, transformers and peft."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_generate.py"), "--shape", "tiny", "--batches", "1,2",
+           "--prompt-len", "8", "--gen", "3", "--peft-gen", "2", "--dtype", "float32", "--device", "cpu",
+           "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models: one intra-op thread is far faster on a shared CPU
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    rows = json.loads((out / "generate_tiny.json").read_text())
+    providers = ("multilora", "multilora-lora", "hf", "peft")
+    assert sorted((r["provider"], r["batch"]) for r in rows) == sorted((q, b) for q in providers for b in (1, 2))
+    for r in rows:
+        assert r["status"] == "ok", (r["provider"], r["batch"], r.get("error"))
+        assert r["gen"] == (2 if r["provider"] == "peft" else 3) and r["shape"] == "tiny" and r["copy_gbps"] > 0
+        assert r["output_tokens_per_s"] > 0 and r["ttft_s"] > 0
+        if r["provider"] in ("hf", "peft"):
+            assert r["greedy_prefix_match_multilora"] == r["gen"], r
+    assert "| target |" in (out / "generate_tiny.md").read_text()

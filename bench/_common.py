@@ -1,0 +1,51 @@
+"""Helpers shared by the engine benchmarks (``bench_adapter_throughput.py``, ``bench_generate.py``).
+
+The scripts run as ``python bench/<script>.py``, so ``bench/`` is on ``sys.path`` and ``import _common`` works.
+"""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from multilora.runtime.adapters import save_peft_adapter
+from multilora.runtime.config import TARGET_MODULES, ModelConfig
+
+
+def adapter_bytes(config: ModelConfig, rank: int, dtype: torch.dtype) -> int:
+    """Bytes of one rank-``rank`` adapter on all seven projections of every layer: A [r, d_in] + B [d_out, r] each."""
+    per_layer = rank * sum(sum(config.module_shape(m)) for m in TARGET_MODULES)
+    return per_layer * config.num_layers * torch.empty((), dtype=dtype).element_size()
+
+
+def write_adapter(d: Path, config: ModelConfig, seed: int, rank: int, dtype: torch.dtype) -> Path:
+    """A seeded random PEFT adapter in ``d`` (kept if already there): rank ``rank`` on all seven projections,
+    A ~ N(0, 1/d_in), B ~ N(0, 0.01^2), lora_alpha = 2 r."""
+    if (d / "adapter_config.json").is_file():
+        return d
+    g = torch.Generator().manual_seed(seed)
+    t = {}
+    for layer in range(config.num_layers):
+        for m in TARGET_MODULES:
+            d_in, d_out = config.module_shape(m)
+            t[(layer, m)] = ((torch.randn(rank, d_in, generator=g) / d_in**0.5).to(dtype),
+                             (torch.randn(d_out, rank, generator=g) * 0.01).to(dtype))
+    return save_peft_adapter(d, t, r=rank, lora_alpha=2 * rank, target_modules=list(TARGET_MODULES))
+
+
+def write_adapters(root: Path, config: ModelConfig, n: int, rank: int, dtype: torch.dtype,
+                   threads: int = 1) -> list[Path]:
+    """Adapters ``root/a0`` .. ``root/a{n-1}`` (adapter i seeded with i; existing directories are kept).
+
+    Raises:
+        SystemExit: ``root``'s disk cannot hold them (more than 90% of its free space).
+    """
+    per = adapter_bytes(config, rank, dtype)
+    free = shutil.disk_usage(root).free
+    if per * n > 0.9 * free:
+        raise SystemExit(f"--adapter-dir {root}: {n} adapters need {per * n / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+    with ThreadPoolExecutor(max(1, threads)) as ex:  # torch.randn and the file writes release the GIL
+        return list(ex.map(lambda i: write_adapter(root / f"a{i}", config, i, rank, dtype), range(n)))

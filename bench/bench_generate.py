@@ -1,0 +1,754 @@
+"""End-to-end generation: this engine against transformers and peft, with and without adapters (issue 6).
+
+A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 64, 256; prompt 512 tokens
+(random ids, seeded), 128 output tokens, greedy, end-of-sequence ignored. Providers, side by side in one run:
+
+    multilora       this engine, no adapters
+    multilora-lora  this engine, request i on adapter a<i> (rank r, all seven projections): b distinct adapters
+    hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
+    peft            peft's mixed-batch generate (adapter_names=) with the same adapter files as multilora-lora
+
+Each (provider, batch) row runs the batch three times: 2 output tokens (untimed warm-up), 1 output token (TTFT:
+prefill and the first token) and gen tokens (T_total). TPOT = (T_total - TTFT) / (gen - 1); output tokens/s =
+batch * gen / T_total; decode tokens/s = batch / TPOT. Achieved bandwidth = bytes one decode step must read / TPOT:
+the weights (less the input embedding table, of which a step reads `batch` rows) + the KV of the mean decode
+context (batch x (prompt + gen / 2) tokens) + the distinct adapters of the batch, against the device-to-device
+copy bandwidth measured in the same run. peft's mixed batch loops over the batch's adapters in every module and
+is slow, so it generates --peft-gen tokens (default 16): compare it by TPOT and decode tokens/s (each row records
+its gen; output_tokens_per_s_projected extrapolates every row to --gen tokens from its TTFT and TPOT).
+
+    python bench/bench_generate.py --out bench/results        # H200, Llama-3-8B, all providers: ~4-5 min
+    python bench/bench_generate.py --shape tiny --batches 1,2 --prompt-len 8 --gen 3 --peft-gen 2   # CPU smoke run
+
+Targets (issue 6): batch 1 without adapters reads the weights at >= 70% of copy bandwidth; 64 requests on 64
+distinct adapters run >= 10x peft's mixed-batch tokens/s and >= 3x transformers' base-model tokens/s at batch 64.
+
+multilora (both variants: one engine) and transformers + peft (one model, peft wraps it in place) each run in a
+child process, so a crash or a broken CUDA context in one cannot lose the other's rows and all GPU memory is
+returned in between (--in-process: no children). Every row runs in its own try/except (an error is recorded in
+the row); rows that would start after --time-budget seconds are recorded as skipped. ``generate_<shape>.json`` is
+rewritten after every row (each row carries the hardware, versions, shape, dtype and copy bandwidth); at the end
+come ``generate_<shape>.md`` (the table and the targets, also printed) and ``generate_<shape>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from multilora import Engine, SamplingParams
+from multilora.memory.pool import AdapterPool
+from multilora.runtime.config import ModelConfig
+from multilora.runtime.weights import MODEL_SHAPES, random_weights
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import adapter_bytes, write_adapters  # noqa: E402  (bench/_common.py)
+
+PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora"), "hf": ("hf", "peft")}  # one engine / one HF model each
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+GB = 1e9
+TARGET_BATCH = 64  # the issue's multi-adapter targets are at 64 requests on 64 adapters
+
+
+# ------------------------------------------------------------------------------------------ measuring
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """Wall seconds of fn() between device synchronizations, and its result."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t0, out
+
+
+def copy_bandwidth(device: torch.device) -> tuple[float, str]:
+    """Bytes read + written per second by a large copy: GB/s and how it was measured."""
+    if device.type == "cuda":
+        n = 2 << 30
+        src = torch.ones(n, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        for _ in range(5):
+            dst.copy_(src)
+        times = []
+        for _ in range(20):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            dst.copy_(src)
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        del src, dst
+        torch.cuda.empty_cache()
+        return 2 * n / statistics.median(times) / GB, "2 GiB device-to-device copy_, CUDA events, median of 20"
+    n = 256 << 20
+    src = torch.ones(n // 4, dtype=torch.float32)
+    times = [timed(src.clone, device)[0] for _ in range(6)][1:]
+    return 2 * n / statistics.median(times) / GB, "256 MiB host tensor clone, median of 5"
+
+
+def measure(generate: Callable[[int], list[list[int]]], batch: int, gen: int, device: torch.device,
+            repeats: int = 1, warmup: bool = True) -> tuple[dict, list]:
+    """TTFT (a run with 1 output token), T_total (gen tokens), medians over ``repeats``, and what follows.
+
+    ``generate(n)`` runs the batch for n output tokens each and returns each request's output token ids. An
+    untimed 2-token run comes first (``warmup``), so first-use costs of this batch's shapes (allocator growth,
+    kernel selection, adapters not yet resident) land in neither timed run."""
+    if warmup:
+        generate(2)
+    ttfts, totals = [], []
+    for _ in range(repeats):
+        ttft, outs1 = timed(lambda: generate(1), device)
+        total, outs = timed(lambda: generate(gen), device)
+        for n, o in ((1, outs1), (gen, outs)):
+            lens = sorted({len(t) for t in o})
+            if len(o) != batch or lens != [n]:
+                raise RuntimeError(f"expected {batch} outputs of {n} tokens, got {len(o)} with lengths {lens}")
+        ttfts.append(ttft)
+        totals.append(total)
+    ttft, total = statistics.median(ttfts), statistics.median(totals)
+    tpot = (total - ttft) / (gen - 1)
+    row = {"ttft_s": ttft, "total_s": total, "tpot_ms": tpot * 1e3, "output_tokens_per_s": batch * gen / total,
+           "decode_tokens_per_s": batch / tpot if tpot > 0 else None, "repeats": repeats}
+    if tpot <= 0:
+        row["note"] = "T_total <= TTFT: timing noise larger than the decode time (no TPOT)"
+    return row, outs
+
+
+def traffic(row: dict, weight_read: int, kv_token: int, prompt_len: int, one_adapter: int, distinct: int,
+            copy_gbps: float, gen_target: int) -> dict:
+    """Bytes one decode step must read, achieved bandwidth and its fraction of copy bandwidth."""
+    kv = row["batch"] * (prompt_len + row["gen"] / 2) * kv_token
+    step = weight_read + kv + distinct * one_adapter
+    tpot = row["tpot_ms"] / 1e3
+    ok = tpot > 0
+    proj = row["ttft_s"] + (gen_target - 1) * tpot  # T_total had it run gen_target tokens
+    return {"weight_bytes_read": weight_read, "kv_bytes_per_step": int(kv), "adapter_bytes_per_step": distinct * one_adapter,
+            "bytes_per_step": int(step),
+            "achieved_gbps": step / tpot / GB if ok else None,
+            "frac_of_copy": step / tpot / GB / copy_gbps if ok else None,
+            "weights_frac_of_copy": weight_read / tpot / GB / copy_gbps if ok else None,
+            "output_tokens_per_s_projected": row["batch"] * gen_target / proj if ok else None}
+
+
+def matching_prefix(a: list[int] | None, b: list[int]) -> int | None:
+    """Leading tokens on which two greedy outputs agree (None: nothing to compare)."""
+    if a is None:
+        return None
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------- the run
+@dataclass
+class Run:
+    """What every row shares, and the rows so far (written to ``path`` after each one)."""
+
+    args: argparse.Namespace
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    prompts: list[list[int]]
+    meta: dict
+    path: Path
+    t0: float = field(default_factory=time.perf_counter)
+    rows: list[dict] = field(default_factory=list)
+    last: dict[str, tuple[int, float]] = field(default_factory=dict)  # provider -> (batch, seconds) of its last row
+    first_tokens: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # (provider, batch) -> request 0's ids
+
+    @property
+    def kv_token_bytes(self) -> int:
+        c = self.config
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def embed_bytes(self) -> int:
+        """The input embedding table when untied (a decode step reads `batch` rows of it, not all)."""
+        c = self.config
+        return 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+
+    def budget_reason(self, provider: str | None = None, batch: int = 0) -> str | None:
+        """Why a row (or a provider's setup, provider=None) should not start now; None = go."""
+        left = self.args.time_budget - (time.perf_counter() - self.t0)
+        if left <= 0:
+            return f"--time-budget {self.args.time_budget:.0f} s spent"
+        if provider in self.last:
+            b, s = self.last[provider]
+            est = s * max(1.0, batch / b)
+            if est > left:
+                return f"predicted {est:.0f} s (last row x batch ratio) > {left:.0f} s left of --time-budget"
+        return None
+
+    def record(self, row: dict) -> None:
+        row = {k: clean(v) for k, v in row.items()}
+        self.rows.append({**self.meta, **row})
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                          if k != "first_request_tokens"}), flush=True)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.rows, indent=1))
+        os.replace(tmp, self.path)  # atomic: a killed process never leaves half a file
+
+    def skip(self, provider: str, batches: list[int], gen: int, reason: str, status: str = "skipped") -> None:
+        for b in batches:
+            self.record({"provider": provider, "batch": b, "gen": gen, "status": status, "error": reason})
+
+    def row(self, provider: str, batch: int, gen: int, body: Callable[[], dict]) -> None:
+        """Run one row's body under the time budget and a try/except; record what it returns or its error."""
+        reason = self.budget_reason(provider, batch)
+        if reason:
+            self.skip(provider, [batch], gen, reason)
+            return
+        t = time.perf_counter()
+        try:
+            fields, status = body(), "ok"
+        except Exception as e:  # a failed row is a result too; the run goes on
+            traceback.print_exc()
+            fields, status = {"error": f"{type(e).__name__}: {e}"[:2000]}, "error"
+            free_memory()
+        wall = time.perf_counter() - t
+        if status == "ok":
+            self.last[provider] = (batch, wall)
+        self.record({"provider": provider, "batch": batch, "gen": gen, "status": status, "row_wall_s": wall, **fields})
+
+
+def clean(v: Any) -> Any:
+    """JSON-safe: non-finite floats become None."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+# --------------------------------------------------------------------------------------- multilora
+def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
+    """One engine for both variants, sized for the largest batch (all its adapters resident at once)."""
+    a, batches = run.args, run.args.batches
+    names = [f"a{i}" for i in range(max(batches))]
+    failed: dict[str, str] = {}  # variant -> why its rows cannot run
+    engine, info = None, {}
+    try:
+        engine = build_engine(run, lora="multilora-lora" in variants)
+        info = {"kv_rows": engine.stats()["kv_rows_free"], "weight_bytes": engine.model.nbytes}
+        warm_up_engine(engine, run.prompts, None)
+    except Exception as e:
+        traceback.print_exc()
+        failed = {v: f"engine setup failed: {type(e).__name__}: {e}"[:2000] for v in variants}
+    if engine is not None and "multilora-lora" in variants:
+        try:
+            info.update(load_engine_adapters(engine, names, dirs, a.load_threads, a.rank))
+            warm_up_engine(engine, run.prompts, names)
+        except Exception as e:  # the no-adapter rows can still run
+            traceback.print_exc()
+            failed["multilora-lora"] = f"adapter setup failed: {type(e).__name__}: {e}"[:2000]
+    for v in variants:
+        if v in failed:
+            run.skip(v, batches, a.gen, failed[v], status="error")
+            continue
+        for b in batches:
+            adapters = names[:b] if v == "multilora-lora" else None
+            run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters: multilora_row(run, engine, v, b, adapters, info))
+    engine = None  # free it before the caller goes on (in-process runs)
+    free_memory()
+    if run.device.type == "cuda":  # the engine capped this process's allocator from its memory plan
+        torch.cuda.set_per_process_memory_fraction(1.0, run.device)
+
+
+def build_engine(run: Run, lora: bool) -> Engine:
+    a, maxb = run.args, max(run.args.batches)
+    max_seq = a.prompt_len + a.gen + 8
+    return Engine(run.config, device=run.device, dtype=run.dtype, progress=False, max_batch_size=maxb,
+                  max_seq_len=max_seq, max_lora_rank=a.rank, adapter_slots=maxb if lora else 1,
+                  kv_cache_bytes=maxb * max_seq * run.kv_token_bytes)
+
+
+def load_engine_adapters(engine: Engine, names: list[str], dirs: list[Path], threads: int, rank: int) -> dict:
+    """Load adapter i from dirs[i % len(dirs)] (each name a distinct adapter: its own pages). When the pool
+    holds them all, pin them, so that all are resident before any timed run; otherwise pin none (a pool full
+    of pinned adapters would fail every other request) and let each row's warm-up make its adapters resident."""
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:  # load_adapter is thread-safe
+        list(ex.map(lambda i: engine.load_adapter(names[i], dirs[i % len(dirs)]), range(len(names))))
+    capacity = engine.stats()["pool_pages_total"] // AdapterPool.pages_for_rank(rank, engine.pool.page_rows)
+    info: dict[str, Any] = {"adapter_load_s": time.perf_counter() - t, "pool_adapters": capacity}
+    if capacity < len(names):
+        info["pin_error"] = (f"not pinned: the memory plan gave the pool {capacity} rank-{rank} adapters < {len(names)} "
+                             f"(Engine has no argument to raise the pool's share; adapter_slots only caps it)")
+        return info
+    try:
+        for n in names:
+            engine.pin_adapter(n)
+    except Exception as e:  # then they become resident on first use, in the warm-ups
+        info["pin_error"] = f"{type(e).__name__}: {e}"
+    return info
+
+
+def warm_up_engine(engine: Engine, prompts: list[list[int]], names: list[str] | None) -> None:
+    """First use of every kernel before timing: full prompts at a small batch, short ones at the largest
+    (with names: every adapter once, so all are resident)."""
+    def sp(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+
+    n = len(names) if names is not None else len(prompts)
+    small = min(n, 8 if names is not None else 2)
+    engine.generate(prompts[:small], adapters=names[:small] if names else None, sampling=sp(4))
+    engine.generate([p[:8] for p in prompts[:n]], adapters=names, sampling=sp(2))
+
+
+def multilora_row(run: Run, engine: Engine, provider: str, b: int, names: list[str] | None, info: dict) -> dict:
+    loop = {}
+
+    def generate(n: int) -> list[list[int]]:
+        outs = engine.generate(run.prompts[:b], adapters=names,
+                               sampling=SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0))
+        failed = [o.error for o in outs if o.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {b} requests failed: {failed[0]}")
+        loop[n] = engine.last_run["seconds"]
+        return [o.token_ids for o in outs]
+
+    generate(2)  # untimed: first use of this batch's shapes; makes its adapters resident
+    before = engine.stats()
+    row, outs = measure(generate, b, run.args.gen, run.device, run.args.repeats, warmup=False)
+    after = engine.stats()
+    run.first_tokens[(provider, b)] = outs[0]
+    row["first_request_tokens"] = outs[0]
+    d = {k: after[k] - before[k] for k in ("decode_steps", "prefill_steps", "bytes_host_to_gpu", "bytes_disk_to_host")}
+    distinct = len(set(names or []))
+    row.update({"engine_loop_ttft_s": loop[1], "engine_loop_total_s": loop[run.args.gen],
+                # timed runs: per repeat a 1-token and a gen-token run (gen - 1 decode steps if all ran at once)
+                "decode_steps_per_full_run": d["decode_steps"] / run.args.repeats,
+                "prefill_steps_per_run": d["prefill_steps"] / (2 * run.args.repeats),
+                "adapter_bytes_moved_in_timed_runs": d["bytes_host_to_gpu"] + d["bytes_disk_to_host"],
+                "adapters_in_batch": distinct, "adapters_resident_at_start": before["adapters_per_tier"]["gpu"], **info})
+    row.update(traffic({**row, "batch": b, "gen": run.args.gen}, info["weight_bytes"] - run.embed_bytes,
+                       run.kv_token_bytes, run.args.prompt_len, adapter_bytes(run.config, run.args.rank, run.dtype),
+                       distinct, run.meta["copy_gbps"], run.args.gen))
+    waves = [f"the engine got {info['kv_rows']} KV rows"] if info["kv_rows"] < b else []
+    if distinct > info.get("pool_adapters", distinct):
+        waves.append(f"its adapter pool holds {info['pool_adapters']} adapters")
+    if waves:  # not every request in every step: per-step bytes and bandwidth do not apply
+        row["note"] = f"{' and '.join(waves)} < batch {b}: requests ran in waves (only T_total and output tokens/s hold)"
+        row.update({k: None for k in ("tpot_ms", "decode_tokens_per_s", "achieved_gbps", "frac_of_copy",
+                                      "weights_frac_of_copy", "output_tokens_per_s_projected")})
+    return row
+
+
+# ----------------------------------------------------------------------------------- transformers, peft
+def hf_llama_config(c: ModelConfig):
+    """transformers' LlamaConfig of the same shape (sdpa attention; no end-of-sequence token: never stops early)."""
+    import transformers
+
+    kw = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+              num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+              head_dim=c.head_dim, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
+              tie_word_embeddings=c.tie_word_embeddings, max_position_embeddings=c.max_position_embeddings,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
+    if c.rope_scaling is not None:
+        kw["rope_scaling"] = dict(c.rope_scaling)
+    return transformers.LlamaConfig(**kw)
+
+
+def build_hf(run: Run):
+    """LlamaForCausalLM made directly on the device in the bench dtype (no CPU init), then given the
+    engine's weights (``random_weights``, same seed): both providers run the same model."""
+    import transformers
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(run.dtype)
+    try:
+        with torch.device(run.device):
+            model = transformers.LlamaForCausalLM(hf_llama_config(run.config))
+    finally:
+        torch.set_default_dtype(before)
+    weights = random_weights(run.config, dtype=run.dtype, device=run.device)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    del weights
+    allowed = {"lm_head.weight"} if run.config.tie_word_embeddings else set()
+    if set(missing) - allowed or unexpected:
+        raise RuntimeError(f"HF model weights: missing {sorted(set(missing) - allowed)[:5]}, unexpected {unexpected[:5]}")
+    model.eval().requires_grad_(False)
+    return model
+
+
+def hf_generate(model, ids: torch.Tensor, n: int, names: list[str] | None = None) -> list[list[int]]:
+    kw = {} if names is None else {"adapter_names": names}
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0, **kw)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def hf_row(run: Run, model, provider: str, b: int, gen: int, weight_bytes: int, names: list[str] | None) -> dict:
+    ids = torch.tensor(run.prompts[:b], device=run.device)
+    row, outs = measure(lambda n: hf_generate(model, ids, n, names), b, gen, run.device, run.args.repeats)
+    ours = run.first_tokens.get(("multilora" if names is None else "multilora-lora", b))
+    row.update({"weight_bytes": weight_bytes, "adapters_in_batch": len(set(names or [])),
+                "greedy_prefix_match_multilora": matching_prefix(ours, outs[0]), "first_request_tokens": outs[0]})
+    row.update(traffic({**row, "batch": b, "gen": gen}, weight_bytes - run.embed_bytes, run.kv_token_bytes,
+                       run.args.prompt_len, adapter_bytes(run.config, run.args.rank, run.dtype),
+                       len(set(names or [])), run.meta["copy_gbps"], run.args.gen))
+    return row
+
+
+def load_peft(model, dirs: list[Path], n: int):
+    """peft model with adapters a0..a{n-1} from the same files as multilora's (a<i> from dirs[i % len(dirs)]).
+    Adapter weights stay in the model dtype (autocast_adapter_dtype=False), as in multilora's pool."""
+    from peft import PeftModel
+
+    pm = PeftModel.from_pretrained(model, str(dirs[0]), adapter_name="a0", autocast_adapter_dtype=False)
+    for i in range(1, n):
+        pm.load_adapter(str(dirs[i % len(dirs)]), adapter_name=f"a{i}", autocast_adapter_dtype=False)
+    return pm.eval()  # peft refuses adapter_names= in training mode
+
+
+def bench_hf_peft(run: Run, want_hf: bool, want_peft: bool, dirs: list[Path]) -> None:
+    a = run.args
+    try:
+        hf_and_peft(run, want_hf, want_peft, dirs, [b for b in a.batches if b <= a.peft_max_batch])
+    finally:
+        if want_peft:
+            run.skip("peft", [b for b in a.batches if b > a.peft_max_batch], a.peft_gen,
+                     f"batch > --peft-max-batch {a.peft_max_batch} (peft's mixed batch loops over adapters per module)")
+
+
+def hf_and_peft(run: Run, want_hf: bool, want_peft: bool, dirs: list[Path], peft_batches: list[int]) -> None:
+    """One transformers model for both: hf rows on the base model, then peft wraps it (adapters injected in place)."""
+    a, batches = run.args, run.args.batches
+    wanted = ([("hf", batches, a.gen)] if want_hf else []) + ([("peft", peft_batches, a.peft_gen)] if want_peft else [])
+    reason = run.budget_reason()
+    if reason:
+        for p, bs, g in wanted:
+            run.skip(p, bs, g, reason)
+        return
+    try:
+        t = time.perf_counter()
+        model = build_hf(run)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        hf_generate(model, torch.tensor(run.prompts[:1], device=run.device), 2)  # warm-up
+        info = {"hf_build_s": time.perf_counter() - t}
+    except Exception as e:
+        traceback.print_exc()
+        for p, bs, g in wanted:
+            run.skip(p, bs, g, f"transformers model setup failed: {type(e).__name__}: {e}"[:2000], status="error")
+        free_memory()
+        return
+    if want_hf:
+        for b in batches:
+            run.row("hf", b, a.gen, lambda b=b: {**hf_row(run, model, "hf", b, a.gen, weight_bytes, None), **info})
+    if want_peft and peft_batches:
+        bench_peft(run, model, peft_batches, weight_bytes, dirs)
+    model = None
+    free_memory()
+
+
+def bench_peft(run: Run, model, batches: list[int], weight_bytes: int, dirs: list[Path]) -> None:
+    a = run.args
+    reason = run.budget_reason()
+    if reason:
+        run.skip("peft", batches, a.peft_gen, reason)
+        return
+    try:
+        t = time.perf_counter()
+        pm = load_peft(model, dirs, max(batches))
+        load_s = time.perf_counter() - t
+        hf_generate(pm, torch.tensor(run.prompts[:1], device=run.device), 2, ["a0"])  # warm-up
+    except Exception as e:
+        traceback.print_exc()
+        run.skip("peft", batches, a.peft_gen, f"peft setup failed: {type(e).__name__}: {e}"[:2000], status="error")
+        free_memory()
+        return
+    for b in batches:
+        names = [f"a{i}" for i in range(b)]
+        run.row("peft", b, a.peft_gen, lambda b=b, names=names: {
+            **hf_row(run, pm, "peft", b, a.peft_gen, weight_bytes, names), "peft_adapter_load_s": load_s})
+    pm = None
+    free_memory()
+
+
+# ---------------------------------------------------------------------------------------- reporting
+def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
+    """(target, met / missed / not measured, the numbers) for the issue's three targets."""
+    ok = {(r["provider"], r["batch"]): r for r in rows if r.get("status") == "ok"}
+    out = []
+
+    def verdict(x: float | None, need: float) -> str:
+        return "not measured" if x is None else ("met" if x >= need else "missed")
+
+    r = ok.get(("multilora", 1))
+    f = r and r.get("weights_frac_of_copy")
+    out.append(("batch 1, no adapters: weights read at >= 70% of copy bandwidth", verdict(f, 0.70),
+                f"{f:.1%} ({r['weight_bytes_read'] / r['tpot_ms'] / 1e6:.4g} GB/s of weights, TPOT {r['tpot_ms']:.2f} ms)"
+                if f is not None else ("no TPOT (see the row's note)" if r else "no multilora batch-1 row")))
+    lo, pe, hf = (ok.get((p, TARGET_BATCH)) for p in ("multilora-lora", "peft", "hf"))
+    x = lo and pe and lo.get("decode_tokens_per_s") and pe.get("decode_tokens_per_s") and \
+        pe.get("output_tokens_per_s_projected") and lo["decode_tokens_per_s"] / pe["decode_tokens_per_s"]
+    out.append((f"{TARGET_BATCH} requests on {TARGET_BATCH} adapters: >= 10x peft's mixed-batch tokens/s", verdict(x or None, 10),
+                f"{x:.3g}x decode tokens/s ({lo['decode_tokens_per_s']:.0f} vs {pe['decode_tokens_per_s']:.1f}); "
+                f"output tokens/s projected to gen {lo['gen']}: "
+                f"{lo['output_tokens_per_s'] / pe['output_tokens_per_s_projected']:.3g}x" if x else "a row is missing"))
+    x = lo and hf and lo.get("decode_tokens_per_s") and hf.get("decode_tokens_per_s") and \
+        lo["output_tokens_per_s"] / hf["output_tokens_per_s"]
+    out.append((f"{TARGET_BATCH} requests on {TARGET_BATCH} adapters: >= 3x transformers' base-model tokens/s",
+                verdict(x or None, 3),
+                f"{x:.3g}x output tokens/s ({lo['output_tokens_per_s']:.0f} vs {hf['output_tokens_per_s']:.0f}); "
+                f"decode tokens/s {lo['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.3g}x" if x else "a row is missing"))
+    return out
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    head = (f"{meta['shape']} ({meta['dtype']}), {meta['device']}, torch {meta['torch']}, transformers "
+            f"{meta['transformers']}, peft {meta['peft']}; prompt {meta['prompt_len']}, rank {meta['rank']}; "
+            f"copy bandwidth {meta['copy_gbps']:.0f} GB/s")
+    cols = ("provider", "batch", "gen", "TTFT s", "TPOT ms", "output tok/s", "decode tok/s", "GB/s", "% of copy",
+            "weights % of copy", "status")
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        why = r.get("error") or r.get("note")
+        status = f"{r['status']}: {why[:100]}" if why else r["status"]
+        frac = r.get("frac_of_copy")
+        wfrac = r.get("weights_frac_of_copy")
+        lines.append(f"| {r['provider']} | {r['batch']} | {r['gen']} | {f(r.get('ttft_s'), '.3f')} | "
+                     f"{f(r.get('tpot_ms'), '.2f')} | {f(r.get('output_tokens_per_s'), '.1f')} | "
+                     f"{f(r.get('decode_tokens_per_s'), '.1f')} | {f(r.get('achieved_gbps'), '.4g')} | "
+                     f"{f(frac and 100 * frac, '.1f')} | {f(wfrac and 100 * wfrac, '.1f')} | {status} |")
+    lines += ["", "| target | result | numbers |", "|---|---|---|"]
+    lines += [f"| {t} | **{v}** | {n} |" for t, v, n in targets(rows)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], meta: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import NullLocator
+    except ImportError:
+        print("matplotlib not installed: no plot", flush=True)
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    panels = (("output_tokens_per_s", "output tokens/s (batch x gen / T_total)", True),
+              ("decode_tokens_per_s", "decode tokens/s (batch / TPOT)", True),
+              ("frac_of_copy", "achieved bandwidth / copy bandwidth", False))
+    for ax, (key, label, logy) in zip(axes, panels):
+        for p in PROVIDERS:
+            pts = [(r["batch"], r[key]) for r in rows if r["provider"] == p and r.get(key)]
+            gens = sorted({r["gen"] for r in rows if r["provider"] == p and r.get(key)})
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{p} (gen {'/'.join(map(str, gens))})")
+        ax.set_xscale("log")
+        batches = sorted({r["batch"] for r in rows})
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.xaxis.set_minor_locator(NullLocator())
+        if logy:
+            ax.set_yscale("log")
+        else:
+            ax.axhline(0.7, ls="--", c="gray", label="70% (batch-1 weights target)")
+        ax.set_xlabel("batch (requests)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{meta['shape']} {meta['dtype']}, prompt {meta['prompt_len']}, r={meta['rank']}, {meta['device']}, "
+                 f"copy {meta['copy_gbps']:.0f} GB/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def environment(device: torch.device) -> dict:
+    def version(pkg: str) -> str | None:
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    return {"device": name, "device_type": device.type, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": version("transformers"),
+            "peft": version("peft"), "triton": version("triton"), "python": platform.python_version(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+# --------------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(MODEL_SHAPES))
+    ap.add_argument("--batches", default="1,8,64,256", help="comma-separated batch sizes")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=128, help="output tokens per request (>= 2)")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--providers", default=",".join(PROVIDERS), help=f"any of {','.join(PROVIDERS)}")
+    ap.add_argument("--peft-gen", type=int, default=16, help="output tokens per request for peft (>= 2; it is slow)")
+    ap.add_argument("--peft-max-batch", type=int, default=64, help="peft rows above this batch are skipped")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--adapter-dir", help="where adapter files go (default: a temporary directory, removed at the end)")
+    ap.add_argument("--adapter-files", type=int, default=64,
+                    help="write K adapter directories; adapter a<i> loads from directory i %% K (every name is still a "
+                         "distinct adapter to the engine and to peft: its own pages / LoRA modules); 0 = one per adapter")
+    ap.add_argument("--load-threads", type=int, default=8, help="threads writing adapter files and calling load_adapter")
+    ap.add_argument("--time-budget", type=float, default=480.0,
+                    help="seconds from start after which no row starts (recorded as skipped)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed (TTFT, T_total) pairs per row; medians are reported")
+    ap.add_argument("--seed", type=int, default=0, help="prompt token ids")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run multilora and transformers/peft in this process (default: one child process each, so a "
+                         "crash or a corrupted CUDA context in one cannot take the other's rows, and all GPU memory "
+                         "is returned between them)")
+    ap.add_argument("--child", choices=sorted(GROUPS), help=argparse.SUPPRESS)  # internal: run one group
+    ap.add_argument("--child-state", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.batches = sorted({int(b) for b in args.batches.split(",")})
+    args.providers = [p for p in args.providers.split(",") if p]
+    bad = [p for p in args.providers if p not in PROVIDERS]
+    if bad:
+        ap.error(f"--providers: unknown {bad}; expected any of {list(PROVIDERS)}")
+    if args.gen < 2 or args.peft_gen < 2:
+        ap.error(f"--gen and --peft-gen must be >= 2 (TPOT needs a decode step), got {args.gen}, {args.peft_gen}")
+    if min(args.batches) < 1 or args.prompt_len < 1 or args.rank < 1 or args.repeats < 1:
+        ap.error("--batches, --prompt-len, --rank and --repeats must be >= 1")
+    return args
+
+
+def run_group(run: Run, group: str, dirs: list[Path]) -> None:
+    want = [p for p in GROUPS[group] if p in run.args.providers]
+    if group == "multilora":
+        bench_multilora(run, want, dirs)
+    else:
+        bench_hf_peft(run, "hf" in want, "peft" in want, dirs)
+
+
+def expected_rows(args: argparse.Namespace, group: str) -> list[tuple[str, int, int]]:
+    return [(p, b, args.peft_gen if p == "peft" else args.gen)
+            for p in GROUPS[group] if p in args.providers for b in args.batches]
+
+
+def run_child(run: Run, group: str, argv: list[str], state: dict, state_path: Path) -> None:
+    """Run one group in a child process (same arguments); rows it did not record become error rows."""
+    reason = run.budget_reason()
+    if reason is None:
+        state["elapsed"] = time.perf_counter() - run.t0
+        state_path.write_text(json.dumps(state))
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", group, "--child-state", str(state_path)]
+        left = run.args.time_budget - state["elapsed"]
+        try:
+            ended = f"exit code {subprocess.run(cmd, check=False, timeout=max(60.0, left + 90)).returncode}"
+        except subprocess.TimeoutExpired:
+            ended = "killed after --time-budget + 90 s"
+        try:
+            run.rows = json.loads(run.path.read_text())
+        except (OSError, ValueError) as e:
+            print(f"cannot read {run.path} after the {group} process: {e}", flush=True)
+        reason = f"the {group} process ended ({ended}) before this row; see its log above"
+    done = {(r["provider"], r["batch"]) for r in run.rows}
+    for p, b, g in expected_rows(run.args, group):
+        if (p, b) not in done:
+            run.skip(p, [b], g, reason, status="error" if "process ended" in reason else "skipped")
+
+
+def setup(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, ModelConfig, list[list[int]]]:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    config = ModelConfig(**MODEL_SHAPES[args.shape])
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(0, config.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(max(args.batches))]
+    return device, dtype, config, prompts
+
+
+def child_main(args: argparse.Namespace) -> None:
+    """One group's rows, appended to the parent's result file (the parent waits; nothing else writes it)."""
+    state = json.loads(Path(args.child_state).read_text())
+    device, dtype, config, prompts = setup(args)
+    run = Run(args, config, device, dtype, prompts, state["meta"], Path(state["path"]),
+              t0=time.perf_counter() - state["elapsed"])
+    run.rows = json.loads(run.path.read_text())
+    run.first_tokens = {(r["provider"], r["batch"]): r["first_request_tokens"] for r in run.rows if r.get("first_request_tokens")}
+    run_group(run, args.child, [Path(d) for d in state["adapter_dirs"]])
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.child:
+        return child_main(args)
+    t0 = time.perf_counter()
+    device, dtype, config, prompts = setup(args)
+    copy_gbps, copy_how = copy_bandwidth(device)
+    meta = {**environment(device), "bench": "generate", "shape": args.shape, "dtype": str(dtype).replace("torch.", ""),
+            "model_config": {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                                             "num_heads", "num_kv_heads", "head_dim", "tie_word_embeddings")},
+            "rank": args.rank, "prompt_len": args.prompt_len, "gen_requested": args.gen, "peft_gen": args.peft_gen,
+            "copy_gbps": copy_gbps, "copy_method": copy_how,
+            "timing": "perf_counter between torch.cuda.synchronize() calls (CUDA)",
+            "hf_attention": "sdpa", "hf_cache": "DynamicCache (transformers' default)",
+            "peft_adapters": "PeftModel.from_pretrained + load_adapter, autocast_adapter_dtype=False, adapter_names=",
+            "isolation": "in-process" if args.in_process else "one child process per group (multilora; hf + peft)"}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    run = Run(args, config, device, dtype, prompts, meta, out / f"generate_{args.shape}.json", t0=t0)
+    run.path.write_text("[]")
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s ({copy_how}); {meta['device']}, {meta['dtype']}", flush=True)
+
+    temp = Path(tempfile.mkdtemp(prefix="multilora-bench-generate-"))
+    root = Path(args.adapter_dir) if args.adapter_dir else temp / "adapters"
+    try:
+        dirs: list[Path] = []
+        if set(args.providers) & {"multilora-lora", "peft"}:
+            root.mkdir(parents=True, exist_ok=True)
+            t = time.perf_counter()
+            n = min(args.adapter_files or max(args.batches), max(args.batches))
+            dirs = write_adapters(root, config, n, args.rank, dtype, threads=args.load_threads)
+            run.meta.update(adapter_files=len(dirs), adapter_write_s=time.perf_counter() - t)
+        state = {"meta": run.meta, "path": str(run.path), "adapter_dirs": [str(d) for d in dirs]}
+        for group in GROUPS:
+            if not expected_rows(args, group):
+                continue
+            if args.in_process:
+                run_group(run, group, dirs)
+            else:
+                run_child(run, group, argv, state, temp / "state.json")
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+        if run.rows:
+            md = markdown(run.rows, run.meta)
+            (out / f"generate_{args.shape}.md").write_text(md)
+            print("\n" + md, flush=True)
+            plot(run.rows, run.meta, out / f"generate_{args.shape}.png")
+        print(f"done in {time.perf_counter() - t0:.0f} s: {run.path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
