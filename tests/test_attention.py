@@ -9,6 +9,7 @@ marked ``gpu`` run bf16/fp16 against dense SDPA on contiguous K/V (Llama-3-8B he
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -142,7 +143,8 @@ def test_reference_random_shapes(seqs, heads, block_size, D, window, seed):
 
 
 # ---------------------------------------------------------------------------------------------- triton (CPU)
-CPU_DTYPES = [pytest.param(torch.float32, id="fp32", marks=interp), pytest.param(torch.float16, id="fp16", marks=interp)]
+CPU_DTYPES = [pytest.param(torch.float32, id="fp32", marks=interp),
+              pytest.param(torch.float16, id="fp16", marks=interp)]
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -497,3 +499,60 @@ def test_gpu_decode_cuda_graph_replay(B):
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
         torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+
+
+# ---------------------------------------------------------------------------------------------- benchmark script
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_script_formats_and_counts():
+    """bench/bench_attention.py (GPU only) imports on CPU, counts bytes and FLOPs, and formats rows with
+    errors and missing providers."""
+    mod = _bench_module()
+    assert mod.kv_bytes(2, 16) == 2 * 2 * 16 * 8 * 128 * 2  # K and V, bf16
+    assert mod.causal_flops(1, 3) == 4 * 32 * 128 * 6  # 3 + 2 + 1 visible pairs per head
+    rows = [dict(phase="decode", batch=8, context=512, errors={"flex": "skipped: time budget"}, ours_ms=0.0123,
+                 ours_gbps=2000.0, ours_copy_frac=0.47, ours_num_splits=2, sdpa_dense_ms=1.5, ours_max_abs_err=1e-3),
+            dict(phase="prefill", batch=1, context=512, errors={}, ours_ms=0.05, ours_tflops=300.0)]
+    text = mod.table({"rows": rows})
+    assert "12.3us" in text and "1.50ms" in text and "error" in text and "300 TFLOP/s" in text
+    assert all(mod.summary_line(r) for r in rows)
+    if not HAS_CUDA:
+        assert mod.main(["--out", "/nonexistent"]) == 2, "without CUDA the script says so and exits"
+
+
+@interp
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_bench_script_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
+    """main() end to end on tiny rows on the CPU (kernel under the interpreter, FlexAttention eager, fp16, timing
+    stubbed): every provider runs, rows carry their fields, the JSON is written. Numbers mean nothing."""
+    mod = _bench_module()
+    for name, value in dict(DEV="cpu", DTYPE=torch.float16, H=8, HKV=2, D=32, SCALE=32 ** -0.5, MAX_SETS=2,
+                            DECODE_ROWS=[("decode", 2, 32)], PREFILL_ROWS=[("prefill", 2, 32)],
+                            FLEX_ORDER=[("prefill", 2, 32), ("decode", 2, 32)]).items():
+        monkeypatch.setattr(mod, name, value)
+    monkeypatch.setattr(mod, "has_device", lambda: True)
+    monkeypatch.setattr(mod, "copy_bandwidth", lambda: 1000.0)
+    monkeypatch.setattr(mod, "environment", lambda: {"gpu": "cpu", "torch": torch.__version__, "triton": "-"})
+    monkeypatch.setattr(mod, "time_ms", lambda fn, graph: (fn(), (0.01, False))[1])
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # FlexAttention eager: the API, not the speed
+    assert mod.main(["--out", str(tmp_path)]) == 0
+    import json
+
+    res = json.loads((tmp_path / "attention.json").read_text())
+    assert [r["phase"] for r in res["rows"]] == ["decode", "prefill"]
+    for r in res["rows"]:
+        assert not r["errors"], r["errors"]
+        for name in mod.CORE + mod.FLEX:
+            assert r[f"{name}_ms"] == 0.01 / r["sets_per_call"]
+            assert r[f"{name}_max_abs_err"] < 1e-2, (name, r[f"{name}_max_abs_err"])
+    assert res["rows"][0]["ours_gbps"] > 0 and res["rows"][1]["ours_tflops"] > 0
