@@ -13,13 +13,15 @@ key tile and one division at the end.
 
 **Tiles and programs.** One program owns (a tile of query rows, one KV head, one split of the keys). Its
 ``BLOCK_M`` rows pack ``BLOCK_Q`` consecutive tokens of one sequence times the ``G`` query heads that
-share the KV head (row ``r`` = token ``q0 + r // G``, head ``kvh * G + r % G``; rows past ``BLOCK_Q * G``
-are padding), so a KV tile is read once per KV head and feeds an MMA of ``BLOCK_M`` useful-ish rows even at
-decode (Llama-3-8B, G = 4: 4 of 16 rows at decode; 32 tokens x 4 heads = 128 rows at prefill). When
-``G > BLOCK_M`` (MQA with many heads) the heads are cut into ``cdiv(G, G_TILE)`` groups, one per program.
-Each program walks its keys in ``BLOCK_N`` tiles, looking each key's block up in the block table (any
-power-of-two ``block_size``, 1 included; cache offsets in int64), in up to three ranges: keys inside every
-row's sliding window but before the causal edge (no mask), and the masked ranges before and after it.
+share the KV head: row ``r`` is token ``q0 + r // G`` and head ``kvh * G + r % G`` (``G`` need not be a
+power of two; rows past ``BLOCK_Q * G`` are padding). So each KV tile is read once per KV head and feeds
+one MMA for all ``G`` heads, at decode too (Llama-3-8B, G = 4: 4 of the 16 rows of an MMA at decode;
+32 tokens x 4 heads = 128 rows at prefill). When ``G`` exceeds a program's rows (MQA with many heads) the
+heads are cut into groups of ``G_TILE``, one group per program. Each program walks its keys in
+``BLOCK_N`` tiles, looking each key's block up in the block table (any power-of-two ``block_size``, 1
+included; cache offsets in int64), in up to three ranges: the keys every row of the tile may see
+(causally and inside its window: no mask, no bounds checks), and masked ranges before it (the window's
+edge) and after it (the causal diagonal).
 
 **Decode** (``T == B``: every sequence has one new token; a property of the shapes alone) needs no host
 metadata: program ``(b, kvh * groups + g, split)`` takes sequence ``b`` and loops to ``seq_lens[b]`` read

@@ -395,11 +395,12 @@ def _random_lengths(B, max_len, kind, gen):
 def test_gpu_matches_dense_sdpa(B, kind, window, dtype):
     """Llama-3-8B heads, block_size 16, random lengths up to 2048 against dense SDPA on contiguous K/V."""
     gen = torch.Generator().manual_seed(B * 7 + len(kind) + window)
+    dev = torch.Generator(device="cuda").manual_seed(B)
     q_lens, seq_lens = _random_lengths(B, 2048, kind, gen)
     H, Hkv, D = LLAMA8B["H"], LLAMA8B["Hkv"], LLAMA8B["D"]
-    ks = [torch.randn(L, Hkv, D, generator=gen).to("cuda", dtype) for L in seq_lens]
-    vs = [torch.randn(L, Hkv, D, generator=gen).to("cuda", dtype) for L in seq_lens]
-    q = torch.randn(sum(q_lens), H, D, generator=gen).to("cuda", dtype)
+    ks = [torch.randn(L, Hkv, D, generator=dev, device="cuda", dtype=dtype) for L in seq_lens]
+    vs = [torch.randn(L, Hkv, D, generator=dev, device="cuda", dtype=dtype) for L in seq_lens]
+    q = torch.randn(sum(q_lens), H, D, generator=dev, device="cuda", dtype=dtype)
     k_cache, v_cache, meta = _paged_from_dense(ks, vs, q_lens, block_size=16, dtype=dtype, seed=B)
     out = paged_attention_triton(q, k_cache, v_cache, meta, scale=D ** -0.5, sliding_window=window)
     ref = _dense_reference(q, ks, vs, q_lens, D ** -0.5, window)
