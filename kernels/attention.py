@@ -177,6 +177,11 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     tables = meta.block_tables[:, :nblk].long()
     kc = k_cache[tables].reshape(B, nblk * meta.block_size, Hkv, D)[:, :S].transpose(1, 2)  # [B, Hkv, S, D]
     vc = v_cache[tables].reshape(B, nblk * meta.block_size, Hkv, D)[:, :S].transpose(1, 2)
+    # rows past a sequence's length may hold anything (torch.empty storage, NaN): a masked score gives them
+    # weight 0, but 0 * NaN = NaN, so zero them first
+    invalid = (torch.arange(S, device=q.device)[None, :] >= meta.seq_lens[:, None].to(q.device))[:, None, :, None]
+    kc = kc.masked_fill(invalid, 0)
+    vc = vc.masked_fill(invalid, 0)
     if H != Hkv:
         kc = kc.repeat_interleave(H // Hkv, dim=1)
         vc = vc.repeat_interleave(H // Hkv, dim=1)

@@ -1,0 +1,458 @@
+"""Triton paged attention: prefill of variable-length prompts and decode, mixed in ONE launch for the batch.
+
+Semantics (``paged_attention`` in ``multilora.kernels.attention``; sequence ``b`` with ``n_b`` new tokens and
+``L_b`` tokens of context, query ``i`` at absolute position ``p = L_b - n_b + i``, head ``h``, ``G = H // Hkv``)::
+
+    out[t, h] = softmax_j( scale * q[t, h] . K_b[j, h // G] ) @ V_b[j, h // G]
+                over j <= p  and  (sliding_window == 0  or  j > p - sliding_window)
+
+with ``K_b[j] = k_cache[block_tables[b, j // block_size], j % block_size]``. The softmax is the online
+(streaming) softmax of FlashAttention-2 (Dao, 2023, arXiv:2307.08691): running row max ``m`` and sum ``l``
+in fp32, base-2 exponentials with ``log2(e)`` folded into the scale, one rescale of the accumulator per
+key tile and one division at the end.
+
+**Tiles and programs.** One program owns (a tile of query rows, one KV head, one split of the keys). Its
+``BLOCK_M`` rows pack ``BLOCK_Q`` consecutive tokens of one sequence times the ``G`` query heads that
+share the KV head: row ``r`` is token ``q0 + r // G`` and head ``kvh * G + r % G`` (``G`` need not be a
+power of two; rows past ``BLOCK_Q * G`` are padding). So each KV tile is read once per KV head and feeds
+one MMA for all ``G`` heads, at decode too (Llama-3-8B, G = 4: 4 of the 16 rows of an MMA at decode;
+32 tokens x 4 heads = 128 rows at prefill). When ``G`` exceeds a program's rows (MQA with many heads) the
+heads are cut into groups of ``G_TILE``, one group per program. Each program walks its keys in
+``BLOCK_N`` tiles, looking each key's block up in the block table (any power-of-two ``block_size``, 1
+included; cache offsets in int64), in up to three ranges: the keys every row of the tile may see
+(causally and inside its window: no mask, no bounds checks), and masked ranges before it (the window's
+edge) and after it (the causal diagonal).
+
+**Decode** (``T == B``: every sequence has one new token; a property of the shapes alone) needs no host
+metadata: program ``(b, kvh * groups + g, split)`` takes sequence ``b`` and loops to ``seq_lens[b]`` read
+from device memory. The grid and every argument depend only on ``(T, B, H, Hkv, D, block_size,
+block_tables.shape[1])`` and the device, never on the values of ``seq_lens`` or ``block_tables``: the
+engine captures one CUDA graph per batch size and updates ``seq_lens`` / ``block_tables`` in place before
+each replay. A sequence with ``seq_lens[b] == 0`` (a padding slot of a graph bucket) gets zeros.
+
+**Split-KV for decode** (flash-decoding, Dao, Haziza, Massa and Sizov, 2023): when ``B * Hkv`` programs
+would leave SMs idle, each sequence's keys are cut into ``num_splits`` equal runs of key tiles (computed in
+the kernel from ``seq_lens[b]``; ``num_splits`` itself from static sizes), each split writes its partial
+output and log-sum-exp in fp32, and a second small kernel combines them.
+
+**Prefill and mixed batches** use a tile table built on the host once per step (``extend_metadata``, in
+``meta.extra["triton_attention"][BLOCK_Q]``; built lazily by the launcher for a ``BLOCK_Q`` not prebuilt):
+int32 ``[2, num_tiles]``, ``tile_seq`` and ``tile_q0`` (first new token of the tile), one entry per
+``BLOCK_Q`` new tokens of each sequence, ordered by decreasing causal key count so that the longest tiles
+start first (the last tiles of long prompts would otherwise trail). Worked example with
+``q_lens = [5, 1, 3]``, ``seq_lens = [5, 9, 7]`` (a prompt, a decode, a chunked prefill) and ``BLOCK_Q = 2``::
+
+    tiles (seq, q0) by sequence:  (0, 0) (0, 2) (0, 4) | (1, 0) | (2, 0) (2, 2)
+    keys each tile reads:            2      4      5   |    9   |    6      7      # L - n + min(q0 + 2, n)
+    tile_seq = [1, 2, 2, 0, 0, 0]
+    tile_q0  = [0, 2, 0, 4, 2, 0]                                # longest first; ties keep sequence order
+
+The table reads ``seq_lens`` only for this order; a decode batch has no table (see above).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
+_TABLE_KEY = "triton_attention"
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _attend_range(
+    acc, m_i, l_i, q, pos, k_base, v_base, bt_row, lo, hi, kv_hi, qk_scale, window,
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    MASK: tl.constexpr, SLIDING: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Online-softmax update of (acc, m, l) over keys ``[lo, hi)`` in tiles of ``BLOCK_N`` (``lo`` aligned).
+    ``MASK``: apply the causal / window mask and bound loads by ``kv_hi``; else every key is visible."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n  # key positions [BLOCK_N]
+        if MASK:
+            j_ok = j < kv_hi
+            blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + j // BLOCK_SIZE).to(tl.int64)
+        slot = (j % BLOCK_SIZE).to(tl.int64)
+        k_rows = k_base + blk * stride_kb + slot * stride_ks  # [BLOCK_N]
+        v_rows = v_base + blk * stride_vb + slot * stride_vs
+        if MASK:
+            k = tl.load(k_rows[:, None] + offs_d[None, :], mask=j_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        else:
+            k = tl.load(k_rows[:, None] + offs_d[None, :])
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if MASK:
+            ok = j[None, :] <= pos[:, None]
+            if SLIDING:
+                ok = ok & (j[None, :] > pos[:, None] - window)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASK:  # a row may have seen no key yet: subtract 0 instead of -inf (m stays -inf until a key)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASK:
+            v = tl.load(v_rows[:, None] + offs_d[None, :], mask=j_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_rows[:, None] + offs_d[None, :])
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    # pointers
+    out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr, part_o_ptr, part_lse_ptr,
+    # sizes
+    num_tiles, num_heads, window, qk_scale,
+    # strides
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    # meta
+    G: tl.constexpr, G_TILE: tl.constexpr, GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, IEEE: tl.constexpr,
+):
+    kvh = tl.program_id(1) // GROUPS
+    grp = tl.program_id(1) % GROUPS
+    split = tl.program_id(2)
+    if DECODE:  # program = sequence, its one query at position L - 1; nothing read from the host
+        b = tl.program_id(0)
+        L = tl.load(seq_lens_ptr + b)
+        q0 = 0
+        qs = b
+        n = 1
+        first = L - 1
+        kv_hi = L
+    else:
+        b = tl.load(tiles_ptr + tl.program_id(0))
+        L = tl.load(seq_lens_ptr + b)
+        q0 = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
+        qs = tl.load(qsl_ptr + b)
+        n = tl.load(qsl_ptr + b + 1) - qs
+        first = L - n + q0  # position of the tile's first query
+        kv_hi = L - n + tl.minimum(q0 + BLOCK_Q, n)  # one past the position of its last query
+
+    # rows: token q0 + r // G_TILE, head kvh * G + grp * G_TILE + r % G_TILE
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ti = offs_m // G_TILE
+    g = grp * G_TILE + offs_m % G_TILE
+    i = q0 + ti
+    row_ok = (ti < BLOCK_Q) & (g < G) & (i < n)
+    h = kvh * G + g
+    pos = L - n + i  # absolute position of each row's query
+    tok = (qs + i).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    # key ranges: A = [kv_lo, a_hi) masked (window edge), U = [u_lo, u_hi) unmasked, B = [b_lo, kv_hi) masked
+    u_hi = (first + 1) // BLOCK_N * BLOCK_N  # keys below are causal-visible to every row
+    if SLIDING:
+        kv_lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+        u_lo = tl.cdiv(tl.maximum(kv_hi - window, 0), BLOCK_N) * BLOCK_N  # keys from here in every row's window
+    else:
+        kv_lo = 0
+        u_lo = 0
+    a_hi = tl.minimum(u_lo, kv_hi)
+    b_lo = tl.maximum(u_hi, u_lo)
+    if NUM_SPLITS > 1:  # this split's run of key tiles, from the device-side length
+        per = tl.cdiv(tl.cdiv(kv_hi - kv_lo, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        s_lo = kv_lo + split * per
+        s_hi = tl.minimum(s_lo + per, kv_hi)
+        a_lo = tl.maximum(kv_lo, s_lo)
+        a_hi = tl.minimum(a_hi, s_hi)
+        u_lo = tl.maximum(u_lo, s_lo)
+        u_hi = tl.minimum(u_hi, s_hi)
+        b_lo = tl.maximum(b_lo, s_lo)
+        b_hi = s_hi
+    else:
+        a_lo = kv_lo
+        b_hi = kv_hi
+
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if SLIDING:
+        acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, pos, k_base, v_base, bt_row, a_lo, a_hi, kv_hi, qk_scale,
+                                      window, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N=BLOCK_N,
+                                      HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, MASK=True, SLIDING=SLIDING, IEEE=IEEE)
+    acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, pos, k_base, v_base, bt_row, u_lo, u_hi, kv_hi, qk_scale,
+                                  window, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N=BLOCK_N,
+                                  HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, MASK=False, SLIDING=SLIDING, IEEE=IEEE)
+    acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, pos, k_base, v_base, bt_row, b_lo, b_hi, kv_hi, qk_scale,
+                                  window, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N=BLOCK_N,
+                                  HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, MASK=True, SLIDING=SLIDING, IEEE=IEEE)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with no key (empty split, seq_len 0) stays 0
+    o = acc / l_safe[:, None]
+    if NUM_SPLITS > 1:  # partial output and log2-sum-exp of this split, fp32 [B, H, NUM_SPLITS, (D)]
+        part = (b.to(tl.int64) * num_heads + h) * NUM_SPLITS + split
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + tok[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    # pointers
+    out_ptr, part_o_ptr, part_lse_ptr,
+    # sizes
+    num_heads,
+    # strides
+    stride_ot, stride_oh,
+    # meta
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """out[b, h] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse) (empty splits: lse = -inf)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < NUM_SPLITS
+    part = (b * num_heads + h) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)
+    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    den = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(den == 0.0, 1.0, den)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------------------------- configs
+# Tile sizes per phase, head_dim and dtype on an H100/H200 (sm_90). Decode is memory-bound: 64-key tiles
+# (2 x 16 KiB of K/V at D = 128 bf16) in a 3-stage cp.async pipeline, 4 warps, mma.sync on 16 rows.
+# Prefill: 128-row tiles (FA-2's choice for D <= 128), 64-key tiles, 8 warps (wgmma). D = 256 halves the
+# tiles; fp32 (IEEE dots on FMA units, a test path) uses small tiles. Every entry compiles for sm_90
+# without register spills (ptxas, Triton 3.9: 146 / 184 registers for bf16 decode / prefill at D = 128).
+# CPU (the interpreter) uses small tiles so that tests walk several.
+_GPU_CONFIGS = {
+    # (decode, head_dim <= 128, 16-bit): block_m, block_n, num_warps, num_stages
+    (True, True, True): (16, 64, 4, 3),
+    (True, False, True): (16, 32, 4, 2),
+    (True, True, False): (16, 32, 8, 1),
+    (True, False, False): (16, 16, 8, 1),
+    (False, True, True): (128, 64, 8, 3),
+    (False, False, True): (64, 32, 8, 2),
+    (False, True, False): (32, 32, 8, 1),
+    (False, False, False): (16, 16, 8, 1),
+}
+_CPU_CONFIG = {True: (16, 16, 1, 1), False: (32, 16, 1, 1)}
+DECODE_MAX_G_TILE = 64  # query heads per KV head that one decode program packs (more: head groups)
+_PREBUILT_G = (1, 2, 4, 8)  # group sizes whose prefill tile tables extend_metadata builds ahead
+
+
+def _config(decode: bool, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
+    if device.type != "cuda":
+        return _CPU_CONFIG[decode]
+    return _GPU_CONFIGS[(decode, head_dim <= 128, dtype != torch.float32)]
+
+
+def _tiling(decode: bool, G: int, block_m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_Q tokens, G_TILE heads, GROUPS head groups, BLOCK_M rows) of a program."""
+    if decode:
+        g_tile = min(G, DECODE_MAX_G_TILE)
+        return 1, g_tile, triton.cdiv(G, g_tile), max(16, triton.next_power_of_2(g_tile))
+    g_tile = min(G, block_m)
+    return block_m // g_tile, g_tile, triton.cdiv(G, g_tile), block_m
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_splits(device: torch.device, programs: int, capacity: int, block_n: int) -> int:
+    """Decode key splits from static sizes only: double while ``programs * splits`` is below one wave of
+    SMs, at most ``MAX_SPLITS`` and at most one split per two key tiles of the block table's capacity."""
+    if device.type != "cuda":
+        return 1
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    splits = 1
+    while splits < MAX_SPLITS and programs * splits < sms and 2 * splits * 2 * block_n <= capacity:
+        splits *= 2
+    return splits
+
+
+# ---------------------------------------------------------------------------------------------- tile table
+def tile_table(q_lens, seq_lens, block_q: int) -> torch.Tensor:
+    """int32 ``[2, num_tiles]`` on the CPU: ``tile_seq``, ``tile_q0`` (module docstring, worked example)."""
+    ql = torch.as_tensor(list(q_lens), dtype=torch.int64)
+    sl = torch.as_tensor(list(seq_lens), dtype=torch.int64)
+    per_seq = (ql + block_q - 1) // block_q
+    seq = torch.repeat_interleave(torch.arange(ql.numel()), per_seq)
+    first = torch.repeat_interleave(torch.cumsum(per_seq, 0) - per_seq, per_seq)
+    q0 = (torch.arange(seq.numel()) - first) * block_q
+    keys = sl[seq] - ql[seq] + torch.minimum(q0 + block_q, ql[seq])
+    order = torch.sort(-keys, stable=True).indices
+    return torch.stack([seq[order], q0[order]]).to(torch.int32)
+
+
+def _tables(meta) -> dict:
+    return meta.extra.setdefault(_TABLE_KEY, {})
+
+
+def _table_for(meta, block_q: int, device: torch.device) -> torch.Tensor:
+    tables = _tables(meta)
+    table = tables.get(block_q)
+    if table is None or table.device != device:
+        table = tables[block_q] = tile_table(meta.q_lens, meta.seq_lens_host, block_q).to(device)
+    return table
+
+
+def extend_metadata(meta) -> None:
+    """Add the prefill tile tables of this step to ``meta.extra`` (called once per step by
+    ``build_attention_metadata`` on CUDA). A decode batch (every q_len 1) needs none: nothing is added, so
+    the metadata of a captured decode step stays valid when ``seq_lens`` / ``block_tables`` change in place.
+    Tables for the ``BLOCK_Q`` of the GPU's prefill tiles with G in ``_PREBUILT_G`` are built together and
+    copied in one transfer; the launcher builds any other on first use."""
+    if meta.num_tokens == meta.num_seqs:
+        return
+    device = meta.seq_lens.device
+    block_m = _config(False, 128, torch.bfloat16, device)[0]
+    todo = sorted({_tiling(False, g, block_m)[0] for g in _PREBUILT_G} - set(_tables(meta)), reverse=True)
+    if not todo:
+        return
+    host = [tile_table(meta.q_lens, meta.seq_lens_host, bq) for bq in todo]
+    packed = torch.cat([t.flatten() for t in host]).to(device)
+    start = 0
+    for bq, t in zip(todo, host):  # contiguous [2, num_tiles] views (the kernel reads row 1 at offset num_tiles)
+        _tables(meta)[bq] = packed[start : start + t.numel()].view(t.shape)
+        start += t.numel()
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, sliding_window: int) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_attention_triton: expected q [T, H, D] and caches [blocks, block_size, Hkv, D] of "
+                         f"one shape, got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    T, H, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"paged_attention_triton: q, k_cache, v_cache must share one of float16/bfloat16/float32, "
+                         f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if D < 16 or D & (D - 1) or k_cache.shape[3] != D:
+        raise ValueError(f"paged_attention_triton: head_dim must be a power of two >= 16 and match the cache, "
+                         f"got q head_dim {D}, cache head_dim {k_cache.shape[3]}")
+    if H % Hkv:
+        raise ValueError(f"paged_attention_triton: num_heads {H} is not a multiple of num_kv_heads {Hkv}")
+    if bs & (bs - 1) or bs != meta.block_size:
+        raise ValueError(f"paged_attention_triton: block_size must be a power of two equal to meta.block_size, "
+                         f"got cache block_size {bs}, meta.block_size {meta.block_size}")
+    if sliding_window < 0:
+        raise ValueError(f"paged_attention_triton: sliding_window must be >= 0, got {sliding_window}")
+    B = meta.seq_lens.shape[0]
+    if T != meta.num_tokens or meta.query_start_loc.shape[0] != B + 1 or meta.block_tables.shape[0] != B:
+        raise ValueError(f"paged_attention_triton: q has {T} tokens; metadata has {meta.num_tokens} tokens, "
+                         f"{B} seq_lens, {meta.query_start_loc.shape[0]} query_start_loc, "
+                         f"{meta.block_tables.shape[0]} block-table rows")
+    for name in ("query_start_loc", "seq_lens", "block_tables"):
+        t = getattr(meta, name)
+        if t.dtype != torch.int32 or t.device != q.device:
+            raise ValueError(f"paged_attention_triton: meta.{name} must be int32 on {q.device}, "
+                             f"got {t.dtype} on {t.device}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.device != q.device:
+            raise ValueError(f"paged_attention_triton: {name} is on {t.device}, q on {q.device}")
+        if t.stride(3) != 1:
+            raise ValueError(f"paged_attention_triton: {name} needs unit stride along head_dim, got {t.stride()}")
+    if q.stride(2) != 1 or meta.block_tables.stride(1) != 1:
+        raise ValueError("paged_attention_triton: q and meta.block_tables need unit stride in their last dimension")
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, *, scale: float,
+                           sliding_window: int = 0, num_splits: int | None = None,
+                           block_n: int | None = None) -> torch.Tensor:
+    """Triton backend of ``paged_attention`` (semantics above and in ``multilora.kernels.attention``).
+
+    Args:
+        q: ``[T, H, D]`` float16/bfloat16/float32, tokens of sequence b at rows
+            ``query_start_loc[b] : query_start_loc[b + 1]``; D a power of two >= 16.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype, unit stride along D; ``H % Hkv == 0``.
+        meta: the step's ``AttentionMetadata`` (int32 tensors on q's device). The step's keys/values are
+            already in the cache (``write_kv``).
+        scale: softmax scale. sliding_window: 0 = full causal, else the last ``sliding_window`` positions.
+        num_splits: decode only, key splits per sequence (None: from static sizes and the SM count; 1 on CPU).
+        block_n: keys per tile (a power of two >= 16; None: the config for the device, phase and dtype).
+
+    Returns:
+        ``[T, H, D]`` in q's dtype (a new tensor).
+
+    Decode batches (``T == B``) launch a grid fixed by the shapes and read lengths and block ids from
+    device memory only, so the call can be captured in a CUDA graph and replayed after in-place updates of
+    ``meta.seq_lens`` / ``meta.block_tables``. fp32 inputs use IEEE fp32 dots (no TF32).
+
+    Raises:
+        ValueError: shapes, dtypes, devices or strides that do not fit (the message names the argument).
+    """
+    _check(q, k_cache, v_cache, meta, sliding_window)
+    T, H, D = q.shape
+    B, Hkv = meta.seq_lens.shape[0], k_cache.shape[2]
+    G = H // Hkv
+    decode = T == B
+    block_m, cfg_n, num_warps, num_stages = _config(decode, D, q.dtype, q.device)
+    block_n = block_n or cfg_n
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"paged_attention_triton: block_n must be a power of two >= 16, got {block_n}")
+    block_q, g_tile, groups, block_m = _tiling(decode, G, block_m)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if decode:
+        capacity = meta.block_tables.shape[1] * meta.block_size
+        splits = num_splits or _num_splits(q.device, B * Hkv * groups, capacity, block_n)
+        grid = (B, Hkv * groups, splits)
+        tiles, num_tiles = meta.seq_lens, 0  # unused
+    else:
+        splits = 1
+        tiles = _table_for(meta, block_q, q.device)
+        num_tiles = tiles.shape[1]
+        grid = (num_tiles, Hkv * groups, 1)
+    if splits > 1:
+        part_o = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _paged_attention_kernel[grid](
+        out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles, part_o, part_lse,
+        num_tiles, H, sliding_window, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), meta.block_tables.stride(0),
+        G=G, G_TILE=g_tile, GROUPS=groups, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D,
+        BLOCK_SIZE=meta.block_size, DECODE=decode, NUM_SPLITS=splits, SLIDING=sliding_window > 0,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(B, H)](
+            out, part_o, part_lse, H, out.stride(0), out.stride(1),
+            NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=D, num_warps=4,
+        )
+    return out
