@@ -21,7 +21,7 @@ adds the storage and a lock (its methods may be called from several threads).
 from __future__ import annotations
 
 import threading
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 

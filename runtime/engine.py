@@ -99,7 +99,8 @@ class Engine:
         memory_snapshot: a recorded ``MemorySnapshot`` to plan from instead of measuring this machine
             (replaying a user's machine; tests).
         page_rows: rank-rows per pool page (see ``multilora.memory.pool``).
-        max_prefill_tokens: most prompt tokens in one prefill step.
+        max_prefill_tokens: most tokens in one prefill step (a preempted request recomputes its prompt and
+            generated tokens; the first request of a step is admitted whatever its length).
         starvation_patience: steps a waiting request may be passed over before nothing behind it is
             admitted (the scheduler's no-starvation bound, ``multilora.runtime.scheduler``).
         prefetch_adapters: how many not-yet-resident adapters of waiting requests to prefetch per step.
