@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
         sp.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
         sp.add_argument("--max-batch-size", type=int, default=16)
+        sp.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV-cache block")
         sp.add_argument("--max-lora-rank", type=int, default=64)
 
     d = sub.add_parser("demo", help="run the main job on the default model with demo adapters")
@@ -114,7 +115,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=args.stop)
     engine = Engine(args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                    max_lora_rank=args.max_lora_rank)
+                    kv_block_size=args.kv_block_size, max_lora_rank=args.max_lora_rank)
     for name, path in args.adapter:
         engine.load_adapter(name, path)
     outs = engine.generate([p for p, _ in items], adapters=[a for _, a in items], sampling=sampling,

@@ -7,8 +7,8 @@
                            sampling=SamplingParams(max_tokens=32, temperature=0.0))
     logits = engine.logits([[1, 2, 3], [4, 5]], adapters=["support-bot", None])  # float32 [2, vocab]
 
-Every step runs schedule -> build the step plan once -> model forward (base GEMMs + per-token LoRA)
--> sample -> finish or continue (``Engine.step``).
+Every step runs schedule -> build the step plan once -> model forward (base GEMMs + per-token LoRA,
+attention over the paged KV cache) -> sample -> finish or continue (``Engine.step``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from multilora.kernels import build_lora_plan
-from multilora.memory.kv_cache import KVCache
+from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
 from multilora.runtime.adapters import AdapterError, LoRAAdapter, load_peft_adapter
@@ -77,16 +77,21 @@ class Engine:
             (seeded random weights of that shape, no tokenizer: benchmarks and tests).
         device: "cuda", "cpu", ... (default: CUDA when available).
         dtype: compute dtype (default: bfloat16 on CUDA, float32 on CPU).
-        max_batch_size: most requests running at once (also the number of KV rows).
+        max_batch_size: most requests running at once.
         max_seq_len: most tokens (prompt + generated) per request; default min(model context, 2048 on
             GPU, 1024 on CPU).
+        kv_block_size: tokens per KV-cache block (``multilora.memory.kv_cache``).
         max_lora_rank: largest adapter rank accepted by ``load_adapter``.
         adapter_slots: cap the adapter pool at this many adapters of ``max_lora_rank``.
         adapter_pool_bytes: cap on the adapter pool's bytes. The pool takes the memory plan's share
             (``multilora.memory.accounting``), lowered by these caps, in whole pages; it must hold at
             least one max-rank adapter.
-        kv_cache_bytes: cap on the KV cache's bytes (also from the memory plan; never more than
-            ``max_batch_size`` rows of ``max_seq_len`` tokens are allocated).
+        kv_cache_bytes: cap on the KV cache's bytes. The cache takes the memory plan's KV share, lowered by
+            this cap and by ``max_batch_size`` sequences of ``max_seq_len`` tokens, in whole blocks; the
+            reserved null block (block 0) is counted in these bytes. A cap below one ``max_seq_len``
+            sequence is honoured: requests that could never fit are then rejected at submission.
+            When running requests need more blocks than are free, the newest are preempted and
+            recomputed later (``multilora.runtime.scheduler``).
         host_adapter_bytes: explicit host-tier size, passed to the memory plan (which rejects one that
             over-commits a shared-memory device); None = the plan's automatic size.
         gpu_memory_fraction: share of usable device memory the plan may budget (default 0.9).
@@ -94,17 +99,20 @@ class Engine:
         memory_snapshot: a recorded ``MemorySnapshot`` to plan from instead of measuring this machine
             (replaying a user's machine; tests).
         page_rows: rank-rows per pool page (see ``multilora.memory.pool``).
-        max_prefill_tokens: most prompt tokens in one prefill step.
+        max_prefill_tokens: most tokens in one prefill step (a preempted request recomputes its prompt and
+            generated tokens; the first request of a step is admitted whatever its length).
         starvation_patience: steps a waiting request may be passed over before nothing behind it is
             admitted (the scheduler's no-starvation bound, ``multilora.runtime.scheduler``).
         prefetch_adapters: how many not-yet-resident adapters of waiting requests to prefetch per step.
         lora_backend: "torch", "triton" or None (triton on CUDA when available).
+        attention_backend: the paged-attention backend, "torch", "triton" or None (triton on CUDA when
+            available; ``multilora.kernels.attention``).
         progress: show a progress bar while loading the model.
 
     Raises:
         ModelLoadError: the model cannot be found or read.
-        MemoryPlanError: one max-rank adapter plus KV for one max-length sequence does not fit (the
-            message says what would fit and which source bound it).
+        MemoryPlanError: one max-rank adapter plus KV for one max-length sequence (or the ``kv_cache_bytes``
+            cap, if smaller) does not fit (the message says what would fit and which source bound it).
         ValueError: an argument out of range (named in the message).
     """
 
@@ -116,6 +124,7 @@ class Engine:
         dtype: torch.dtype | str | None = None,
         max_batch_size: int = 16,
         max_seq_len: int | None = None,
+        kv_block_size: int = 16,
         max_lora_rank: int = 64,
         adapter_slots: int | None = None,
         adapter_pool_bytes: int | None = None,
@@ -129,18 +138,23 @@ class Engine:
         starvation_patience: int = 16,
         prefetch_adapters: int = 4,
         lora_backend: str | None = None,
+        attention_backend: str | None = None,
         progress: bool = True,
     ) -> None:
-        for arg, val in (("max_batch_size", max_batch_size), ("max_lora_rank", max_lora_rank),
+        for arg, val in (("max_batch_size", max_batch_size), ("kv_block_size", kv_block_size),
+                         ("max_lora_rank", max_lora_rank),
                          ("adapter_slots", adapter_slots or 1), ("page_rows", page_rows),
                          ("max_prefill_tokens", max_prefill_tokens), ("local_ranks", local_ranks)):
-            if not isinstance(val, int) or val < 1:
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"Engine: {arg} must be an int >= 1, got {val!r}")
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if attention_backend not in (None, "torch", "triton"):
+            raise ValueError(f"Engine: attention_backend must be 'torch', 'triton' or None, got {attention_backend!r}")
         self.lora_backend = lora_backend
+        self.attention_backend = attention_backend
         self.prefetch_adapters = prefetch_adapters
 
         t0 = time.perf_counter()
@@ -164,21 +178,34 @@ class Engine:
         self.max_seq_len = max_seq_len or min(config.max_position_embeddings, default_len)
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
             raise ValueError(f"Engine: max_seq_len must be an int >= 2, got {max_seq_len!r}")
+        self.model.ensure_rope_positions(self.max_seq_len)  # the RoPE tables never move while serving
         self.max_batch_size = max_batch_size
+        self.kv_block_size = kv_block_size
         self.max_lora_rank = max_lora_rank
         self.max_prefill_tokens = max_prefill_tokens
         pages_per_max = AdapterPool.pages_for_rank(max_lora_rank, page_rows)
         page_bytes = AdapterPool(config, num_pages=1, page_rows=page_rows, max_rank=max_lora_rank,
                                  dtype=self.dtype, device="meta").page_bytes
-        kv_token = KVCache.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
+        kv_token = PagedKVCache.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, self.dtype)
+        block_bytes = kv_token * kv_block_size
+        seq_blocks = -(-self.max_seq_len // kv_block_size)  # blocks of one max_seq_len sequence
         pool_cap = adapter_pool_bytes
         if adapter_slots is not None:
             slots_bytes = adapter_slots * pages_per_max * page_bytes
             pool_cap = slots_bytes if pool_cap is None else min(pool_cap, slots_bytes)
-        kv_cap = max_batch_size * self.max_seq_len * kv_token
-        kv_cap = kv_cap if kv_cache_bytes is None else min(kv_cap, kv_cache_bytes)
+        kv_cap = (max_batch_size * seq_blocks + 1) * block_bytes  # + the null block
+        live_blocks = seq_blocks  # the plan's live state: one max_seq_len sequence (+ the null block)
+        if kv_cache_bytes is not None:
+            if kv_cache_bytes // block_bytes < 2:
+                raise ValueError(
+                    f"Engine: kv_cache_bytes={kv_cache_bytes} holds {kv_cache_bytes // block_bytes} KV block(s) of "
+                    f"{block_bytes} bytes ({kv_block_size} tokens); at least 2 are needed (block 0 is reserved)"
+                )
+            kv_cap = min(kv_cap, kv_cache_bytes)
+            live_blocks = min(live_blocks, kv_cap // block_bytes - 1)  # an explicit smaller cap is honoured
         self.memory_plan = self._plan_memory(
             max_adapter_bytes=pages_per_max * page_bytes, kv_bytes_per_token=kv_token,
+            live_kv_tokens=(live_blocks + 1) * kv_block_size,
             max_adapter_pool_bytes=pool_cap, max_kv_bytes=kv_cap, host_tier_bytes=host_adapter_bytes,
             fraction=gpu_memory_fraction, local_ranks=local_ranks, snapshot=memory_snapshot,
         )
@@ -190,31 +217,35 @@ class Engine:
                 f"adapter needs {pages_per_max} ({pages_per_max * page_bytes} bytes): raise adapter_pool_bytes / "
                 f"adapter_slots or lower max_lora_rank"
             )
-        kv_rows = min(max_batch_size, (plan.kv_bytes if plan is not None else kv_cap) // (kv_token * self.max_seq_len))
-        if kv_rows < 1:
+        num_blocks = (plan.kv_bytes if plan is not None else kv_cap) // block_bytes  # the null block included
+        if num_blocks < 2:
             raise ValueError(
-                f"Engine: the KV cache gets less than one row of max_seq_len={self.max_seq_len} tokens "
-                f"({kv_token * self.max_seq_len} bytes): raise kv_cache_bytes or lower max_seq_len"
+                f"Engine: the KV cache gets {num_blocks} block(s) of {block_bytes} bytes ({kv_block_size} tokens); "
+                f"at least 2 are needed (block 0 is reserved): raise kv_cache_bytes"
             )
         self.pool = AdapterPool(config, num_pages=num_pages, page_rows=page_rows, max_rank=max_lora_rank,
                                 dtype=self.dtype, device=self.device)
         self.model.bind_pool(self.pool)
         host_bytes = host_adapter_bytes if host_adapter_bytes is not None else (plan.host_tier_bytes if plan is not None else None)
         self.cache = AdapterCache(self.pool, host_bytes=host_bytes, reload=self._reload_adapter)
-        self.kv = KVCache(num_layers=config.num_layers, num_rows=kv_rows, max_seq_len=self.max_seq_len,
-                          num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=self.dtype, device=self.device)
-        self.scheduler = Scheduler(self.cache, allocate_kv=self._try_allocate_kv, free_kv=self.kv.free,
-                                   max_batch_size=min(max_batch_size, kv_rows), max_prefill_tokens=max_prefill_tokens,
-                                   patience=starvation_patience, on_error=self._on_request_error)
+        self.kv = PagedKVCache(num_layers=config.num_layers, num_blocks=num_blocks, block_size=kv_block_size,
+                               num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=self.dtype,
+                               device=self.device)
+        self.scheduler = Scheduler(self.cache, kv=self.kv, max_batch_size=max_batch_size,
+                                   max_prefill_tokens=max_prefill_tokens, patience=starvation_patience,
+                                   on_error=self._on_request_error)
         self._step_lock = threading.RLock()
         self._failed_in_admission: list[Request] = []
         self._counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
-                          "generated_tokens": 0, "requests_finished": 0, "requests_failed": 0}
+                          "recomputed_tokens": 0, "generated_tokens": 0, "requests_finished": 0,
+                          "requests_failed": 0}
         self.last_run: dict[str, float] = {}
         log.info(
-            "multilora: %s (%d layers, hidden %d) on %s/%s; adapter pool %d pages x %.1f MB; KV %d rows x %d tokens (%.1f MB)",
+            "multilora: %s (%d layers, hidden %d) on %s/%s; adapter pool %d pages x %.1f MB; KV %d blocks x %d tokens "
+            "(+1 reserved; %.1f MB, %.1f max_seq_len=%d sequences); max batch %d",
             self.model_path.name, config.num_layers, config.hidden_size, self.device, str(self.dtype).replace("torch.", ""),
-            self.pool.num_pages, self.pool.page_bytes / 1e6, kv_rows, self.max_seq_len, self.kv.nbytes / 1e6,
+            self.pool.num_pages, self.pool.page_bytes / 1e6, self.kv.num_usable_blocks, kv_block_size,
+            self.kv.nbytes / 1e6, self.kv.num_usable_blocks / seq_blocks, self.max_seq_len, max_batch_size,
         )
         if plan is not None:
             log.info("memory plan:\n%s", plan.explain())
@@ -231,8 +262,9 @@ class Engine:
         from multilora.memory.accounting import MemoryPlanError
         from multilora.memory.snapshot import apply_torch_memory_fraction, plan_for_engine
 
+        live_kv_tokens = kw.pop("live_kv_tokens")  # the live state's KV: whole blocks, the null block included
         try:
-            plan = plan_for_engine(device=self.device, max_seq_len=self.max_seq_len, weights_bytes_loaded=True,
+            plan = plan_for_engine(device=self.device, max_seq_len=live_kv_tokens, weights_bytes_loaded=True,
                                    non_kv_reserve_bytes=self._activation_estimate(), **kw)
         except MemoryPlanError:
             if self.device.type == "cpu" and not os.path.exists("/proc/meminfo"):
@@ -242,7 +274,7 @@ class Engine:
         if self.device.type == "cuda":
             apply_torch_memory_fraction(plan, self.device)
             reserve = self._profile_reserve()
-            plan = plan_for_engine(device=self.device, max_seq_len=self.max_seq_len, weights_bytes_loaded=True,
+            plan = plan_for_engine(device=self.device, max_seq_len=live_kv_tokens, weights_bytes_loaded=True,
                                    non_kv_reserve_bytes=reserve, **kw)
             apply_torch_memory_fraction(plan, self.device)
         return plan
@@ -258,12 +290,14 @@ class Engine:
         """Peak bytes a forward of the largest prefill allocates beyond what is live (CUDA only)."""
         T = min(self.max_prefill_tokens, self.max_seq_len)
         c = self.config
-        tmp_kv = KVCache(num_layers=c.num_layers, num_rows=1, max_seq_len=T, num_kv_heads=c.num_kv_heads,
-                         head_dim=c.head_dim, dtype=self.dtype, device=self.device)
+        blocks = -(-T // self.kv_block_size)
+        tmp_kv = PagedKVCache(num_layers=c.num_layers, num_blocks=blocks + 1, block_size=self.kv_block_size,
+                              num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype, device=self.device)
+        table = tmp_kv.allocate_seq("profile", T)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self._run_forward([[0] * T], [0], [0], [-1], kv=tmp_kv)
+        self._run_forward([[0] * T], [0], [table], [-1], kv=tmp_kv)
         torch.cuda.synchronize(self.device)
         reserve = torch.cuda.max_memory_allocated(self.device) - before
         del tmp_kv
@@ -346,9 +380,6 @@ class Engine:
             ids.add(int(self.tokenizer.eos_token_id))
         return ids
 
-    def _try_allocate_kv(self) -> int | None:
-        return self.kv.allocate() if self.kv.rows_free else None
-
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: text (tokenizer's special tokens), chat messages (the model's chat
         template with the generation prompt), or token ids (as given).
@@ -383,7 +414,9 @@ class Engine:
         """Queue one request (it runs on the next ``step`` calls).
 
         Raises:
-            ValueError: a bad prompt or a prompt that leaves no room to generate within ``max_seq_len``.
+            ValueError: a bad prompt, a prompt that leaves no room to generate within ``max_seq_len``, or a
+                request whose whole length (``min(prompt + max_tokens, max_seq_len)`` tokens) needs more KV
+                blocks than the whole cache has.
             UnknownAdapterError (a KeyError): ``adapter`` is not loaded.
         """
         params = sampling or SamplingParams()
@@ -395,6 +428,14 @@ class Engine:
         if len(ids) >= self.max_seq_len:
             raise ValueError(
                 f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len={self.max_seq_len}"
+            )
+        total = min(len(ids) + params.max_tokens, self.max_seq_len)
+        need = self.kv.blocks_for_tokens(total)
+        if need > self.kv.num_usable_blocks:
+            raise ValueError(
+                f"request: {len(ids)} prompt tokens + max_tokens={params.max_tokens} (at most max_seq_len="
+                f"{self.max_seq_len}) = {total} tokens need {need} KV blocks of {self.kv.block_size} tokens; the whole "
+                f"KV cache has {self.kv.num_usable_blocks}: lower max_tokens, shorten the prompt or raise kv_cache_bytes"
             )
         if adapter is not None and not isinstance(adapter, str):
             raise ValueError(f"adapters: expected a name (str) or None, got {type(adapter).__name__}")
@@ -428,26 +469,35 @@ class Engine:
             self._counters["steps"] += 1
             self._counters[f"{kind}_steps"] += 1
             if kind == "prefill":
-                self._counters["prompt_tokens"] += sum(len(r.prompt_ids) for r in batch)
+                for r in batch:
+                    if r.output_ids:  # re-admitted after a preemption: its generated tokens are recomputed
+                        self._counters["recomputed_tokens"] += r.num_tokens
+                    else:
+                        self._counters["prompt_tokens"] += len(r.prompt_ids)
             return failed + self._postprocess(batch, logits)
 
     def _forward(self, kind: str, batch: list[Request]) -> torch.Tensor:
-        if kind == "prefill":
-            token_ids = [r.prompt_ids for r in batch]
+        if kind == "prefill":  # prompt + any tokens generated before a preemption
+            token_ids = [r.prompt_ids + r.output_ids for r in batch]
             starts = [0] * len(batch)
         else:
             token_ids = [[r.output_ids[-1]] for r in batch]
             starts = [r.num_tokens - 1 for r in batch]
-        return self._run_forward(token_ids, starts, [r.kv_row for r in batch], [r.slot for r in batch])
+        tables = [self.kv.block_table(r.seq_id) for r in batch]
+        return self._run_forward(token_ids, starts, tables, [r.slot for r in batch])
 
-    def _run_forward(self, token_ids: list[list[int]], starts: list[int], kv_rows: list[int], slots: list[int],
-                     kv: KVCache | None = None) -> torch.Tensor:
+    def _run_forward(self, token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]],
+                     slots: list[int], kv: PagedKVCache | None = None) -> torch.Tensor:
         """Build the step plan once and run the model: float32 logits [B, vocab] (CPU) at each sequence's
-        last new token. ``slots[b]`` is sequence b's adapter slot (-1 = none)."""
+        last new token. ``block_tables[b]`` are sequence b's KV blocks in ``kv`` (default: the engine's
+        cache); ``slots[b]`` is its adapter slot (-1 = none)."""
+        kv = kv if kv is not None else self.kv
         lora = build_lora_plan([s for s, ids in zip(slots, token_ids) for _ in ids], device=self.device)
-        plan = build_step_plan(self.model, token_ids=token_ids, start_positions=starts, kv_rows=kv_rows, lora=lora)
+        plan = build_step_plan(self.model, token_ids=token_ids, start_positions=starts, block_tables=block_tables,
+                               block_size=kv.block_size, lora=lora)
         with torch.inference_mode():
-            hidden = self.model.forward(plan, kv if kv is not None else self.kv, lora_backend=self.lora_backend)
+            hidden = self.model.forward(plan, kv, lora_backend=self.lora_backend,
+                                        attention_backend=self.attention_backend)
             return self.model.compute_logits(hidden.index_select(0, plan.last_index)).cpu()
 
     def _postprocess(self, batch: list[Request], logits: torch.Tensor) -> list[Request]:
@@ -577,15 +627,17 @@ class Engine:
     def logits(self, token_ids: Sequence[Sequence[int]], adapters: Sequence[str | None] | str | None = None) -> torch.Tensor:
         """Next-token logits at each row's last prompt position, each row with its own adapter.
 
+        Rows run in chunks of at most ``max_batch_size`` whose blocks fit in the KV cache at once.
+
         Args:
-            token_ids: B rows of token ids (lengths may differ; each 1..max_seq_len).
+            token_ids: B rows of token ids (lengths may differ; each 1..max_seq_len, and within the KV cache).
             adapters: one name or None per row, or one for all.
 
         Returns:
             float32 tensor [B, vocab] on the CPU.
 
         Raises:
-            ValueError: empty rows, ids out of range, mismatched lengths.
+            ValueError: empty rows, ids out of range, a row longer than the KV cache holds, mismatched lengths.
             UnknownAdapterError (a KeyError): a named adapter is not loaded.
         """
         rows = [list(r) for r in token_ids]
@@ -598,6 +650,9 @@ class Engine:
                 raise ValueError(f"token_ids[{i}]: expected 1..{self.max_seq_len} tokens, got {len(r)}")
             if any(not isinstance(t, int) or not 0 <= t < self.config.vocab_size for t in r):
                 raise ValueError(f"token_ids[{i}]: ids must be ints in [0, {self.config.vocab_size})")
+            if self.kv.blocks_for_tokens(len(r)) > self.kv.num_usable_blocks:
+                raise ValueError(f"token_ids[{i}]: {len(r)} tokens need {self.kv.blocks_for_tokens(len(r))} KV blocks; "
+                                 f"the whole KV cache has {self.kv.num_usable_blocks}")
         handles = [self.cache.get(a) if a is not None else None for a in adapters_l]
         out = torch.empty(n, self.config.vocab_size, dtype=torch.float32)
         with self._step_lock:
@@ -605,9 +660,9 @@ class Engine:
                 raise RuntimeError("logits: cannot run while generate() has requests in flight")
             i = 0
             while i < n:
-                chunk, taken = [], []
+                chunk, taken = [], []  # chunk: (row index, slot, KV sequence id)
                 try:
-                    while i < n and len(chunk) < self.max_batch_size and self.kv.rows_free:
+                    while i < n and len(chunk) < self.max_batch_size and self.kv.can_fit(len(rows[i])):
                         h = handles[i]
                         if h is not None:
                             try:
@@ -619,23 +674,25 @@ class Engine:
                             taken.append(h)
                         else:
                             slot = -1
-                        chunk.append((i, slot, self.kv.allocate()))
+                        self.kv.allocate_seq(("logits", i), len(rows[i]))
+                        chunk.append((i, slot, ("logits", i)))
                         i += 1
                     self.cache.wait_ready(taken)
                     lg = self._run_forward([rows[j] for j, _, _ in chunk], [0] * len(chunk),
-                                           [r for _, _, r in chunk], [s for _, s, _ in chunk])
+                                           [self.kv.block_table(sid) for _, _, sid in chunk], [s for _, s, _ in chunk])
                     for k, (j, _, _) in enumerate(chunk):
                         out[j] = lg[k]
                 finally:
-                    for _, _, row in chunk:
-                        self.kv.free(row)
+                    for _, _, sid in chunk:
+                        self.kv.free_seq(sid)
                     for h in taken:
                         self.cache.release(h)
         return out
 
     # --------------------------------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
-        """Counters since start: steps, tokens, requests, adapter-pool residency and cache traffic."""
+        """Counters since start: steps, tokens, requests, adapter-pool residency and cache traffic, KV blocks
+        (``kv_blocks_total`` excludes the reserved null block) and preemptions."""
         s = self.cache.stats
         sch = self.scheduler
         tiers = {"gpu": 0, "host": 0, "disk": 0}
@@ -668,7 +725,10 @@ class Engine:
             "queue_wait_seconds_total": sch.wait_seconds_total,
             "queue_wait_seconds_max": sch.wait_seconds_max,
             "queue_waits_for_adapter": sch.adapter_waits,
-            "kv_rows_free": self.kv.rows_free,
+            "kv_blocks_total": self.kv.num_usable_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "kv_block_size": self.kv.block_size,
+            "preemptions": sch.preemptions,
             "waiting": len(sch.waiting),
             "running": len(sch.running),
         }

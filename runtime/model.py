@@ -2,7 +2,8 @@
 
 GQA attention with RoPE (the config's theta, optional llama3/linear scaling), RMSNorm, SwiGLU MLP,
 tied or untied embeddings. q/k/v and gate/up are fused GEMMs; LoRA is added to every projection
-through ``multilora.kernels.lora_apply`` with the step's plan, passed explicitly (``StepPlan``).
+through ``multilora.kernels.lora_apply`` and attention runs over the paged KV cache through
+``multilora.kernels.attention``, both with the step's plan, passed explicitly (``StepPlan``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from multilora.kernels import LoRAPlan, lora_apply
-from multilora.memory.kv_cache import KVCache
+from multilora.kernels.attention import AttentionMetadata, build_attention_metadata, paged_attention, write_kv
+from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool, LoRAModuleView
 from multilora.runtime.config import ModelConfig
 
@@ -76,33 +78,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class StepPlan:
     """Everything one forward step needs, built once and passed to every layer.
 
-    Tokens are flattened: ``T = sum(q_lens)``, sequence ``b``'s tokens are contiguous.
+    Tokens are flattened (varlen): ``T = sum(q_lens)``, sequence ``b``'s tokens are contiguous.
 
     Attributes:
         input_ids: int64 [T].
-        positions: int64 [T], absolute position of each token in its sequence.
-        cos, sin: float32 [T, head_dim] RoPE tables for ``positions``.
-        kv_rows: int64 [B] KV-cache row of each sequence.
-        token_rows: int64 [T] KV row of each token (for the cache write).
-        q_lens: host list [B]; max_q = max(q_lens); ctx_max = max context length (past + new).
-        pad_index: int64 [T], index of each token in the padded [B * max_q] query layout.
-        attn_mask: bool [B, 1, max_q, ctx_max], True = may attend.
+        positions: int64 [T], absolute position of each token in its sequence (the forward looks up the
+            model's RoPE tables with it, so a captured graph only needs this buffer updated).
+        q_lens: host tuple [B], new tokens per sequence.
         last_index: int64 [B], flat index of each sequence's last token (for logits).
+        attn: the step's paged-attention metadata (block tables, slot mapping, lengths).
         lora: the step's LoRA plan (token -> adapter slot).
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    kv_rows: torch.Tensor
-    token_rows: torch.Tensor
     q_lens: tuple[int, ...]
-    max_q: int
-    ctx_max: int
-    pad_index: torch.Tensor
-    attn_mask: torch.Tensor
     last_index: torch.Tensor
+    attn: AttentionMetadata
     lora: LoRAPlan
 
 
@@ -153,7 +145,21 @@ class LlamaModel:
             self._check_layer(i, layer)
             self.layers.append(layer)
         self.inv_freq = rope_inv_freq(config, weights.get("rope_freqs")).to(device)
+        self.rope_cos = self.rope_sin = torch.empty(0, config.head_dim, dtype=torch.float32, device=device)
+        self.ensure_rope_positions(256)
         self._views: list[dict[str, list[LoRAModuleView]]] | None = None
+
+    def ensure_rope_positions(self, n: int) -> None:
+        """Grow the RoPE tables ``rope_cos``/``rope_sin`` (float32 [n_positions, head_dim], on the model's
+        device) to cover positions ``0 .. n - 1``, doubling; they never shrink. A caller that captures
+        CUDA graphs grows them first (the engine does, to ``max_seq_len``), so their address stays put."""
+        have = self.rope_cos.shape[0]
+        if n <= have:
+            return
+        size = max(have, 1)
+        while size < n:
+            size *= 2
+        self.rope_cos, self.rope_sin = rope_cos_sin(self.inv_freq, torch.arange(size, device=self.device))
 
     def _check_layer(self, i: int, layer: dict[str, torch.Tensor]) -> None:
         c = self.config
@@ -194,37 +200,34 @@ class LlamaModel:
             lora_apply(y, x, self._views[layer][name], plan.lora, backend=lora_backend)
         return y
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, plan: StepPlan, kv: KVCache) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, plan: StepPlan,
+                   kv: PagedKVCache, backend: str | None) -> torch.Tensor:
         c = self.config
-        kv.k[layer].index_put_((plan.token_rows, plan.positions), k)
-        kv.v[layer].index_put_((plan.token_rows, plan.positions), v)
-        B = len(plan.q_lens)
-        qp = q.new_zeros(B * plan.max_q, c.num_heads, c.head_dim)
-        qp[plan.pad_index] = q
-        qp = qp.view(B, plan.max_q, c.num_heads, c.head_dim).transpose(1, 2)  # [B, H, Sq, D]
-        kc = kv.k[layer].index_select(0, plan.kv_rows)[:, : plan.ctx_max].transpose(1, 2)  # [B, Hkv, S, D]
-        vc = kv.v[layer].index_select(0, plan.kv_rows)[:, : plan.ctx_max].transpose(1, 2)
-        rep = c.num_heads // c.num_kv_heads
-        if rep > 1:
-            kc = kc.repeat_interleave(rep, dim=1)
-            vc = vc.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=plan.attn_mask)  # [B, H, Sq, D]
-        o = o.transpose(1, 2).reshape(B * plan.max_q, c.q_size)
-        return o.index_select(0, plan.pad_index)  # [T, q_size]
+        k_cache, v_cache = kv.layer(layer)  # [num_blocks, block_size, Hkv, D]
+        write_kv(k_cache, v_cache, k, v, plan.attn.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, plan.attn, scale=c.head_dim ** -0.5,
+                            sliding_window=c.sliding_window or 0, backend=backend)  # [T, H, D]
+        return o.reshape(q.shape[0], c.q_size)
 
-    def forward(self, plan: StepPlan, kv: KVCache, *, lora_backend: str | None = None) -> torch.Tensor:
-        """Run the decoder over the step's tokens; returns final hidden states [T, hidden] (normed)."""
+    def forward(self, plan: StepPlan, kv: PagedKVCache, *, lora_backend: str | None = None,
+                attention_backend: str | None = None) -> torch.Tensor:
+        """Run the decoder over the step's tokens; returns final hidden states [T, hidden] (normed).
+
+        Keys and values of the step's tokens are written into ``kv`` at ``plan.attn.slot_mapping``.
+        """
         c = self.config
         h = self.embed.index_select(0, plan.input_ids)  # [T, hidden]
         T = h.shape[0]
+        cos = self.rope_cos.index_select(0, plan.positions)  # [T, head_dim]
+        sin = self.rope_sin.index_select(0, plan.positions)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer["in_norm"], c.rms_norm_eps)
             qkv = self._linear(x, i, "qkv", plan, lora_backend)  # [T, q + 2 kv]
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q = apply_rope(q.reshape(T, c.num_heads, c.head_dim), plan.cos, plan.sin)
-            k = apply_rope(k.reshape(T, c.num_kv_heads, c.head_dim), plan.cos, plan.sin)
+            q = apply_rope(q.reshape(T, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.reshape(T, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.reshape(T, c.num_kv_heads, c.head_dim)
-            attn = self._attention(q, k, v, i, plan, kv)
+            attn = self._attention(q, k, v, i, plan, kv, attention_backend)
             h = h + self._linear(attn, i, "o", plan, lora_backend)
             x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
             gu = self._linear(x, i, "gate_up", plan, lora_backend)  # [T, 2 * inter]
@@ -242,51 +245,34 @@ def build_step_plan(
     *,
     token_ids: Sequence[Sequence[int]],
     start_positions: Sequence[int],
-    kv_rows: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
     lora: LoRAPlan,
 ) -> StepPlan:
     """Build the step plan for B sequences, each adding ``token_ids[b]`` at ``start_positions[b]`` onward.
 
+    ``block_tables[b]`` are sequence b's KV blocks; they must cover ``start_positions[b] + len(token_ids[b])``
+    positions. Grows the model's RoPE tables if a position is beyond them.
+
     Raises:
-        ValueError: empty input, or lengths that disagree.
+        ValueError: empty input, lengths that disagree, or a block table too short.
     """
     B = len(token_ids)
-    if B == 0 or len(start_positions) != B or len(kv_rows) != B:
-        raise ValueError("build_step_plan: token_ids, start_positions and kv_rows must be non-empty and equal in length")
-    dev = model.device
+    if B == 0 or len(start_positions) != B or len(block_tables) != B:
+        raise ValueError("build_step_plan: token_ids, start_positions and block_tables must be non-empty and equal in length")
     q_lens = tuple(len(t) for t in token_ids)
     if min(q_lens) == 0:
         raise ValueError("build_step_plan: every sequence must add at least one token")
-    max_q = max(q_lens)
-    ctx = [s + n for s, n in zip(start_positions, q_lens)]
-    ctx_max = max(ctx)
-    flat = [t for seq in token_ids for t in seq]
+    seq_lens = [s + n for s, n in zip(start_positions, q_lens)]
+    dev = model.device
+    model.ensure_rope_positions(max(seq_lens))
+    attn = build_attention_metadata(q_lens, seq_lens, block_tables, block_size=block_size, device=dev)
     positions = torch.cat([torch.arange(s, s + n) for s, n in zip(start_positions, q_lens)])
-    pad_index = torch.cat([torch.arange(n) + b * max_q for b, n in enumerate(q_lens)])
-    token_rows = torch.repeat_interleave(torch.tensor(list(kv_rows)), torch.tensor(q_lens))
-    # mask[b, i, j]: query i of sequence b (absolute position start_b + i) may see key position j
-    qpos = torch.tensor(list(start_positions))[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]
-    kpos = torch.arange(ctx_max)
-    mask = kpos[None, None, :] <= qpos[:, :, None]
-    win = model.config.sliding_window
-    if win:
-        mask &= kpos[None, None, :] > qpos[:, :, None] - win
-    valid_q = torch.arange(max_q)[None, :] < torch.tensor(q_lens)[:, None]
-    mask[:, :, 0] |= ~valid_q  # padded query rows see position 0 only (never all-masked; discarded)
-    last_index = torch.tensor(q_lens).cumsum(0) - 1
-    cos, sin = rope_cos_sin(model.inv_freq, positions.to(dev))
     return StepPlan(
-        input_ids=torch.tensor(flat, dtype=torch.long, device=dev),
+        input_ids=torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long, device=dev),
         positions=positions.to(dev),
-        cos=cos,
-        sin=sin,
-        kv_rows=torch.tensor(list(kv_rows), dtype=torch.long, device=dev),
-        token_rows=token_rows.to(dev),
         q_lens=q_lens,
-        max_q=max_q,
-        ctx_max=ctx_max,
-        pad_index=pad_index.to(dev),
-        attn_mask=mask[:, None].to(dev),
-        last_index=last_index.to(dev),
+        last_index=(torch.tensor(q_lens).cumsum(0) - 1).to(dev),
+        attn=attn,
         lora=lora,
     )

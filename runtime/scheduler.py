@@ -4,18 +4,41 @@ Each engine step is either a **prefill** step (newly admitted requests process t
 **decode** step (every running request adds one token). Waiting requests are admitted in arrival order
 whenever there is room, so a finished request leaves and a waiting one joins on the next step.
 
-Admission budgets: ``max_batch_size`` running requests, free KV rows, ``max_prefill_tokens`` prompt
-tokens per prefill step, and the adapter pool: every distinct adapter of the running batch is resident
-at once. A request whose adapter cannot be made resident now (the pool is full of adapters that running
+Admission budgets: ``max_batch_size`` running requests, ``max_prefill_tokens`` tokens per prefill step,
+free KV blocks (a request is admitted when the blocks for its tokens + 1 are free: its prefill and its
+first decode step never run out), and the adapter pool: every distinct adapter of the running batch is
+resident at once. The head of the queue waits for KV blocks (nothing behind it is admitted until they
+are free). A request whose adapter cannot be made resident now (the pool is full of adapters that running
 requests use or the user pinned) is skipped and stays waiting: it is never served with other weights.
 
-No starvation. A request that has waited ``patience`` scheduling steps becomes *urgent*: from then on no request
-behind it in the queue is admitted, so the running requests drain, free their pages and KV rows, and the
-urgent request is admitted as soon as its adapter fits. Every running request finishes within
-``max_seq_len`` decode steps, so a request is admitted at most
-``(k + 1) * (patience + max_seq_len + 1)`` steps after it arrives, where ``k`` is the number of requests
-ahead of it in the queue (each of those becomes admitted or fails first, within the same bound). A request
-whose adapter can never fit (larger than the pool minus pinned adapters) fails at once with an error.
+Preemption (recompute). Before a decode step every running request needs room for one more token. When
+blocks run out, the most recently admitted running request is preempted (again, until the others fit):
+it returns its KV blocks and its adapter reference and goes back to the FRONT of the waiting queue with
+its prompt, its generated tokens and its sampler state. When it is admitted again, its prefill processes
+prompt + generated tokens (all of them count against ``max_prefill_tokens``) and the logits at the last
+position give its next token, exactly as the decode step would have. The oldest running request is never
+preempted in favour of a newer one, and a request alone always fits (the engine rejects at submission a
+request whose whole length could never fit in the cache), so a decode step always runs at least one
+request and nothing is lost.
+
+No starvation. A request that has waited ``patience`` scheduling steps becomes *urgent*: from then on no
+request behind it in the queue is admitted, so the running requests drain, free their pages and blocks,
+and the urgent request is admitted as soon as its adapter fits. A request whose adapter can never fit
+(larger than the pool minus pinned adapters) fails at once with an error. Bounds on the steps from a
+request R's arrival to its (first) admission, where ``k`` is the number of requests ahead of it in the
+queue when it arrives, ``B = max_batch_size`` and ``L = max_seq_len``:
+
+- Without preemption (the KV cache never runs out): every running request finishes within ``L`` decode
+  steps, so R is admitted at most ``(k + 1) * (patience + L + 1)`` steps after it arrives (each of the k
+  requests ahead of it is admitted or fails first, within the same bound).
+- With preemption, a preempted request may re-enter the queue ahead of R, so the bound counts tokens
+  instead: R becomes urgent after ``patience`` steps; from then on only the set S of requests that are
+  running or ahead of R can be admitted (a preempted request is already in S), every step (a prefill
+  samples a token for each admitted request; a decode step keeps at least one request) generates at
+  least one token for a member of S, and each generates fewer than ``L`` tokens. S holds at most the
+  k requests ahead of R, the ``B`` running when R arrives and the ``B`` per step admitted while R was not
+  yet urgent, so R is admitted within ``patience + (k + (patience + 1) * B) * L + 1`` steps. Once
+  admitted, R is preempted only in favour of requests admitted before it, so it also finishes.
 """
 
 from __future__ import annotations
@@ -29,6 +52,7 @@ from typing import Any, Callable
 
 import torch
 
+from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import PoolFullError
 from multilora.runtime.adapter_cache import AdapterCache, AdapterHandle
 from multilora.runtime.sampling import SamplingParams
@@ -54,19 +78,25 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    kv_row: int | None = None
     slot: int = -1
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
     first_token_time: float | None = None
     finish_time: float | None = None
-    admit_time: float | None = None
+    admit_time: float | None = None  # first admission
+    queued_time: float | None = None  # when it last started waiting (arrival, or its latest preemption)
     skipped_steps: int = 0  # schedule() calls this request has waited through
+    preemptions: int = 0  # times it was preempted (its KV blocks taken back; recomputed on re-admission)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def seq_id(self) -> int:
+        """The KV cache's name for this request's blocks (the cache holds its block table)."""
+        return self.request_id
 
 
 _ids = itertools.count()
@@ -77,14 +107,15 @@ def next_request_id() -> int:
 
 
 class Scheduler:
-    """FIFO continuous batching under KV, batch-size, prefill-token and adapter-pool budgets.
+    """FIFO continuous batching under KV-block, batch-size, prefill-token and adapter-pool budgets.
 
     Args:
-        cache: the adapter cache (adapters are acquired at admission, released at finish).
-        allocate_kv, free_kv: take / return a KV row (``allocate_kv`` returns None when none is free).
+        cache: the adapter cache (adapters are acquired at admission, released at finish or preemption).
+        kv: the paged KV cache (blocks are allocated at admission, grown before each decode step, returned
+            at finish or preemption); sequences are named by ``Request.seq_id``.
         max_batch_size: most running requests.
-        max_prefill_tokens: most prompt tokens admitted in one prefill step (at least one request is
-            always admitted when resources allow, whatever its length).
+        max_prefill_tokens: most tokens admitted in one prefill step (at least one request is always
+            admitted when resources allow, whatever its length).
         patience: scheduling steps a request may wait before it becomes urgent (see module docstring).
         on_error: ``on_error(request, message)`` is called for a request that fails at admission.
     """
@@ -93,43 +124,71 @@ class Scheduler:
         self,
         cache: AdapterCache,
         *,
-        allocate_kv: Callable[[], int | None],
-        free_kv: Callable[[int], None],
+        kv: PagedKVCache,
         max_batch_size: int,
         max_prefill_tokens: int,
         patience: int = 16,
         on_error: Callable[["Request", str], None] | None = None,
     ) -> None:
         self.cache = cache
-        self._allocate_kv = allocate_kv
-        self._free_kv = free_kv
+        self.kv = kv
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.patience = patience
         self._on_error = on_error
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order (the last is preempted first)
         self.wait_seconds_total = 0.0
         self.wait_seconds_max = 0.0
         self.admitted_total = 0
         self.adapter_waits = 0  # times a request was passed over because its adapter did not fit
+        self.preemptions = 0
 
     def add(self, req: Request) -> None:
         if req.handle is not None:
             self.cache.enqueue(req.handle)
+        req.queued_time = req.arrival
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> tuple[str, list[Request]] | None:
-        """Pick the next step: ("prefill", admitted) if any request can be admitted, else ("decode", running)."""
+        """Pick the next step: ("prefill", admitted) if any request can be admitted, else ("decode", running)
+        after making room for one more token of each running request (preempting the newest if needed)."""
         admitted = self._admit()
         if admitted:
             return "prefill", admitted
         if self.running:
+            self._reserve_decode()
             return "decode", list(self.running)
         return None
+
+    def _reserve_decode(self) -> None:
+        """Give every running request room for its next token, oldest first; preempt the newest while
+        blocks run short. The oldest alone always fits (checked at submission), so one always stays."""
+        pending = list(self.running)
+        while pending:
+            req = pending.pop(0)
+            while not self.kv.ensure_capacity(req.seq_id, req.num_tokens):
+                victim = pending.pop() if pending else req
+                self._preempt(victim)
+                if victim is req:
+                    break
+        assert self.running, "decode step without a running request"
+
+    def _preempt(self, req: Request) -> None:
+        """Take a running request's blocks and adapter reference back; it waits at the front of the queue."""
+        self.kv.free_seq(req.seq_id)
+        if req.handle is not None:
+            self.cache.enqueue(req.handle)  # first: a retired version keeps its host copy for it
+            self.cache.release(req.handle)
+        self.running.remove(req)
+        req.slot, req.status = -1, Status.WAITING
+        req.queued_time = time.perf_counter()
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
 
     def _admit(self) -> list[Request]:
         admitted: list[Request] = []
@@ -137,8 +196,11 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             req = self.waiting[0]
-            if admitted and tokens + len(req.prompt_ids) > self.max_prefill_tokens:
+            n = req.num_tokens  # a preempted request recomputes its generated tokens too
+            if admitted and tokens + n > self.max_prefill_tokens:
                 break
+            if not self.kv.can_fit(n + 1):
+                break  # the head waits for blocks; nothing behind it is admitted
             slot = -1
             if req.handle is not None:
                 if not self.cache.could_ever_fit(req.handle):
@@ -158,22 +220,20 @@ class Scheduler:
                     self.waiting.popleft()
                     self._fail(req, f"{type(e).__name__}: {e}")
                     continue
-            row = self._allocate_kv()
-            if row is None:
-                if req.handle is not None:
-                    self.cache.release(req.handle)
-                break
+            self.kv.allocate_seq(req.seq_id, n + 1)  # fits: checked above, and nothing else allocates here
             self.waiting.popleft()
             if req.handle is not None:
                 self.cache.dequeue(req.handle)
-            req.slot, req.kv_row, req.status = slot, row, Status.RUNNING
-            req.admit_time = time.perf_counter()
-            wait = req.admit_time - req.arrival
+            req.slot, req.status = slot, Status.RUNNING
+            now = time.perf_counter()
+            if req.admit_time is None:
+                req.admit_time = now
+            wait = now - (req.queued_time if req.queued_time is not None else req.arrival)
             self.wait_seconds_total += wait
             self.wait_seconds_max = max(self.wait_seconds_max, wait)
             self.admitted_total += 1
             admitted.append(req)
-            tokens += len(req.prompt_ids)
+            tokens += n
         self.waiting.extendleft(reversed(skipped))  # keep arrival order
         for req in self.waiting:
             req.skipped_steps += 1
@@ -201,15 +261,14 @@ class Scheduler:
         return out
 
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        """Mark a request finished and return its KV row and adapter reference."""
+        """Mark a request finished and return its KV blocks and adapter reference."""
         if req.status is Status.FINISHED:
             return
         was_waiting = req.status is Status.WAITING
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
         req.finish_time = time.perf_counter()
-        if req.kv_row is not None:
-            self._free_kv(req.kv_row)
-            req.kv_row = None
+        if self.kv.has_seq(req.seq_id):
+            self.kv.free_seq(req.seq_id)
         if req.handle is not None and req.slot >= 0:
             self.cache.release(req.handle)
             req.slot = -1

@@ -9,6 +9,8 @@ that is not an error must equal the same request run alone on a reference engine
 adapter version loaded). The only error the design allows here is the scheduler's "can never fit": the
 request's adapter needs more pages than the pool holds besides the *other* pinned adapters
 (runtime/scheduler.py docstring). The adapter files never change here, so no "files changed" error may occur.
+A variant runs the same machine with a KV cache of a few blocks, so requests are preempted (their blocks and
+adapter references taken back, recomputed later) in between loads, reloads, unloads and pins.
 
 Host tier rule (runtime/adapter_cache.py, ``_enforce_host_budget(keep=...)``): the copy just added or read
 is never dropped by the budget, so ``host_bytes`` may exceed the budget, but only when that one copy is
@@ -36,6 +38,7 @@ from hypothesis.stateful import (  # noqa: E402
 )
 
 from multilora import Engine, SamplingParams  # noqa: E402
+from multilora.memory.kv_cache import PagedKVCache  # noqa: E402
 from multilora.memory.pool import PoolFullError  # noqa: E402
 from multilora.runtime.adapter_cache import files_fingerprint  # noqa: E402
 from multilora.runtime.config import TARGET_MODULES  # noqa: E402
@@ -57,6 +60,8 @@ POOL_PAGES, HOST_PAGES, MAX_BATCH, MAX_SEQ, PATIENCE = 3, 2, 3, 16, 2
 NEVER_FITS = "more than the adapter pool holds besides pinned adapters"
 STEPS = st.integers(0, 2)  # engine steps run before a rule's action (interleaving without a separate step rule)
 DRAIN_STEPS = 2000  # teardown: above 4 steps for each of the <= 120 requests even if served one at a time
+KV_BLOCK, KV_BLOCKS = 1, 10  # the preemption variant: 10 token positions for up to 3 requests of up to 9 tokens
+PREEMPTIONS: list[int] = []  # preemptions of each finished example of the preemption variant
 
 
 # ------------------------------------------------------------------------------ tiny model and adapters
@@ -116,10 +121,15 @@ def _pages(name, version):
     return max(1, -(-VERSIONS[name][version][1] // 8))
 
 
-def make_machine(tiny, reference, *, pins):
+def make_machine(tiny, reference, *, pins, kv_blocks=None):
     """The machine class; ``pins``: "none" (no pin rule), "small" (at most one pinned name, whose version
-    takes one page: the pinned adapter can never crowd out its own requests), "any" (unrestricted)."""
+    takes one page: the pinned adapter can never crowd out its own requests), "any" (unrestricted).
+    ``kv_blocks``: usable KV blocks of KV_BLOCK tokens (None: the default cache, which never runs out)."""
     model_dir, dirs, page_bytes = tiny
+    kv_kw = {}
+    if kv_blocks is not None:
+        per_token = PagedKVCache.bytes_per_token(2, 2, 16, torch.float32)
+        kv_kw = dict(kv_block_size=KV_BLOCK, kv_cache_bytes=(kv_blocks + 1) * KV_BLOCK * per_token)
 
     class CacheMachine(RuleBasedStateMachine):
         def __init__(self):
@@ -128,14 +138,17 @@ def make_machine(tiny, reference, *, pins):
                 model=str(model_dir), device="cpu", progress=False, max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ,
                 max_lora_rank=24, adapter_pool_bytes=POOL_PAGES * page_bytes,
                 host_adapter_bytes=HOST_PAGES * page_bytes, starvation_patience=PATIENCE, prefetch_adapters=2,
+                **kv_kw,
             )
             assert self.engine.pool.num_pages == POOL_PAGES
+            assert kv_blocks is None or self.engine.kv.num_usable_blocks == kv_blocks
             assert self.engine.scheduler.max_batch_size == MAX_BATCH
             self.loaded: dict[str, Path] = {}  # name -> the directory of the version loaded now
             self.requests: list[tuple] = []  # (request, adapter dir or None, prompt, max_tokens)
             self.pinned_slots: dict[int, tuple] = {}  # id(handle) -> (handle, slot) while pinned and resident
             self.checked_errors: set[int] = set()
             self.pinned_names: set[str] = set()
+            self.preemptions = PREEMPTIONS
 
         # ---------------------------------------------------------------- rules
         @initialize(versions=st.fixed_dictionaries({n: st.sampled_from([0, 1, None]) for n in sorted(VERSIONS)}))
@@ -248,16 +261,20 @@ def make_machine(tiny, reference, *, pins):
         def running_requests_hold_their_resident_adapter(self):
             sch, cache = self.engine.scheduler, self.engine.cache
             assert len(sch.running) <= MAX_BATCH
-            assert self.engine.kv.num_rows - self.engine.kv.rows_free == len(sch.running)
-            assert len({r.kv_row for r in sch.running}) == len(sch.running)
+            kv = self.engine.kv
+            assert sorted(kv.allocator.owners()) == sorted(r.seq_id for r in sch.running)  # blocks: running only
+            owned = [b for r in sch.running for b in kv.block_table(r.seq_id)]
+            assert len(owned) == len(set(owned)) and 0 not in owned  # no block owned twice, null block never
+            assert len(owned) + kv.num_free_blocks == kv.num_usable_blocks
             for r in sch.running:
-                assert r.status is Status.RUNNING and r.kv_row is not None
+                assert r.status is Status.RUNNING
+                assert len(kv.block_table(r.seq_id)) * kv.block_size >= r.num_tokens - 1  # the KV written so far
                 if r.handle is None:
                     assert r.slot == -1
                 else:
                     assert r.handle.slot is not None and r.handle.slot == r.slot, (r.adapter_name, r.handle.slot, r.slot)
             for r in sch.waiting:
-                assert r.status is Status.WAITING and r.kv_row is None and r.slot == -1
+                assert r.status is Status.WAITING and not kv.has_seq(r.seq_id) and r.slot == -1
             for h in cache.handles():  # references are exactly the running / waiting requests holding a version
                 assert h.refcount == sum(r.handle is h for r in sch.running), (h.name, h.version, h.refcount)
                 assert h.queued == sum(r.handle is h for r in sch.waiting), (h.name, h.version, h.queued)
@@ -320,7 +337,9 @@ def make_machine(tiny, reference, *, pins):
                         f"request for {req.adapter_name!r} ({None if path is None else path.name}) "
                         f"gave {req.output_ids}, alone {want}")
                 assert all(h.refcount == 0 and h.queued == 0 for h in engine.cache.handles())
-                assert engine.kv.rows_free == engine.kv.num_rows
+                assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
+                if kv_blocks is not None:
+                    self.preemptions.append(engine.stats()["preemptions"])
             finally:
                 engine.cache.close()
 
@@ -334,8 +353,8 @@ STATEFUL = settings(max_examples=50, stateful_step_count=40, deadline=None, data
 SEEDS = {"none": 7, "small": 1, "any": 1}
 
 
-def _run(tiny, reference, pins, **overrides):
-    machine = seed(SEEDS[pins])(make_machine(tiny, reference, pins=pins))
+def _run(tiny, reference, pins, kv_blocks=None, **overrides):
+    machine = seed(SEEDS[pins])(make_machine(tiny, reference, pins=pins, kv_blocks=kv_blocks))
     run_state_machine_as_test(machine, settings=settings(STATEFUL, **overrides))
 
 
@@ -353,6 +372,14 @@ def test_cache_state_machine_with_one_small_pin(tiny, reference):
 def test_cache_state_machine_with_any_pins(tiny, reference):
     """Unrestricted pins: a request for a pinned adapter must be served (it is resident already)."""
     _run(tiny, reference, "any")
+
+
+def test_cache_state_machine_with_kv_preemption(tiny, reference):
+    """The one-small-pin machine over a KV cache of 10 one-token blocks: requests are preempted and recomputed
+    while adapters are loaded, reloaded, unloaded and pinned; every invariant holds, every output is as alone."""
+    PREEMPTIONS.clear()
+    _run(tiny, reference, "small", kv_blocks=KV_BLOCKS)
+    assert sum(PREEMPTIONS) > 0, "the small KV cache never preempted a request"
 
 
 def test_request_for_a_pinned_adapter_is_served(tiny, reference):

@@ -243,7 +243,7 @@ def test_adapter_files_changed_after_host_eviction_fail_only_its_request(tiny, t
             assert o.token_ids == want[i]
     s = engine.stats()
     assert s["adapter_load_failures"] >= 1 and s["running"] == s["waiting"] == 0
-    assert engine.kv.rows_free == engine.kv.num_rows and engine.pool.pages_used <= engine.pool.num_pages
+    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks and engine.pool.pages_used <= engine.pool.num_pages
     assert x.refcount == 0 and x.queued == 0
 
     engine.load_adapter("x", path)  # loading it again serves the new files

@@ -82,7 +82,7 @@ def _ids(n, seed):
 def _assert_idle(engine):
     s = engine.stats()
     assert s["waiting"] == 0 and s["running"] == 0
-    assert s["kv_rows_free"] == engine.kv.num_rows
+    assert s["kv_blocks_free"] == s["kv_blocks_total"] == engine.kv.num_usable_blocks
     assert all(engine.cache.get(n).refcount == 0 for n in engine.list_adapters())
 
 
@@ -454,7 +454,7 @@ def test_pool_pages_return_after_requests_finish(tiny):
     for n in ("a", "b", "c"):
         engine.unload_adapter(n)
     assert engine.pool.pages_used == 0 and engine.pool.slots_used == 0
-    assert engine.stats()["kv_rows_free"] == engine.kv.num_rows
+    assert engine.stats()["kv_blocks_free"] == engine.kv.num_usable_blocks
 
 
 def test_more_adapters_than_the_pool_holds(tiny, engine):
@@ -529,7 +529,8 @@ def test_stats_keys(engine):
     for k in ("steps", "prefill_steps", "decode_steps", "prompt_tokens", "generated_tokens", "requests_finished",
               "requests_failed", "adapters_loaded", "adapters_resident", "pool_pages_total", "pool_pages_used",
               "pool_page_bytes", "gpu_hits", "gpu_misses", "gpu_evictions", "host_hits", "host_misses", "host_evictions",
-              "bytes_host_to_gpu", "bytes_disk_to_host", "prefetch_hits", "queue_wait_seconds_total", "kv_rows_free",
+              "bytes_host_to_gpu", "bytes_disk_to_host", "prefetch_hits", "queue_wait_seconds_total", "kv_blocks_total",
+              "kv_blocks_free", "kv_block_size", "preemptions", "recomputed_tokens",
               "waiting", "running"):
         assert k in s, k
     assert s["adapters_loaded"] == 3

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from multilora import Engine  # noqa: E402
 from multilora.memory.accounting import MemoryPlanError, MemorySnapshot  # noqa: E402
-from multilora.memory.kv_cache import KVCache  # noqa: E402
+from multilora.memory.kv_cache import PagedKVCache  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -48,8 +48,11 @@ def test_replayed_snapshot_sets_exact_sizes(tiny_dir):
     plan = e.memory_plan
     assert plan.usable_bytes == 1 * GiB and plan.usable_source == "mem_available"
     assert e.pool.num_pages == plan.adapter_pool_bytes // e.pool.page_bytes
-    kv_token = KVCache.bytes_per_token(2, 2, 16, torch.float32)
-    assert e.kv.num_rows == min(4, plan.kv_bytes // (kv_token * 128))
+    block = 16 * PagedKVCache.bytes_per_token(2, 2, 16, torch.float32)
+    assert e.kv.block_bytes == block and e.kv.block_size == 16
+    # the plan's KV bytes in whole blocks (the null block included), at most 4 sequences of 128 tokens + null
+    assert e.kv.num_blocks == min(4 * 128 // 16 + 1, plan.kv_bytes // block)
+    assert e.kv.nbytes <= plan.kv_bytes
     # less memory never gives a bigger pool
     small = Engine(model=tiny_dir, progress=False, max_seq_len=128, max_batch_size=4,
                    memory_snapshot=_host_snapshot(256 * MiB))
@@ -61,8 +64,9 @@ def test_caps_only_lower_sizes(tiny_dir):
     free = Engine(model=tiny_dir, progress=False, max_seq_len=128, memory_snapshot=snap)
     page = free.pool.page_bytes
     capped = Engine(model=tiny_dir, progress=False, max_seq_len=128, memory_snapshot=snap,
-                    adapter_pool_bytes=10 * page, kv_cache_bytes=2 * 128 * KVCache.bytes_per_token(2, 2, 16, torch.float32))
-    assert capped.pool.num_pages == 10 and capped.kv.num_rows == 2
+                    adapter_pool_bytes=10 * page, kv_cache_bytes=2 * 128 * PagedKVCache.bytes_per_token(2, 2, 16, torch.float32))
+    assert capped.pool.num_pages == 10 and capped.kv.num_blocks == 2 * 128 // 16  # the null block is one of them
+    assert capped.kv.nbytes == 2 * 128 * PagedKVCache.bytes_per_token(2, 2, 16, torch.float32)
     huge = Engine(model=tiny_dir, progress=False, max_seq_len=128, memory_snapshot=snap, adapter_pool_bytes=1 << 50)
     assert huge.pool.num_pages == free.pool.num_pages  # a cap above the plan does not raise the size
 
@@ -72,3 +76,22 @@ def test_live_state_that_does_not_fit_raises_a_clear_error(tiny_dir):
         Engine(model=tiny_dir, progress=False, max_seq_len=512, memory_snapshot=_host_snapshot(4 * MiB))
     msg = str(err.value)
     assert "mem_available" in msg and "fit" in msg
+
+
+def test_kv_blocks_follow_the_block_size_and_a_small_cap_is_honoured(tiny_dir):
+    snap = _host_snapshot(1 * GiB)
+    per_token = PagedKVCache.bytes_per_token(2, 2, 16, torch.float32)
+    for bs in (1, 4, 16):
+        e = Engine(model=tiny_dir, progress=False, max_seq_len=128, max_batch_size=3, kv_block_size=bs,
+                   memory_snapshot=snap)
+        assert e.kv.block_size == bs and e.kv.num_usable_blocks == 3 * 128 // bs  # the max_batch_size default cap
+        assert e.stats()["kv_blocks_total"] == e.stats()["kv_blocks_free"] == e.kv.num_usable_blocks
+    # a cap below one max_seq_len sequence: the engine starts, long requests are refused at submission
+    e = Engine(model=tiny_dir, progress=False, max_seq_len=128, kv_block_size=4, memory_snapshot=snap,
+               kv_cache_bytes=11 * 4 * per_token)
+    assert e.kv.num_usable_blocks == 10
+    with pytest.raises(ValueError, match="kv_cache_bytes=.*holds 1 KV block"):
+        Engine(model=tiny_dir, progress=False, max_seq_len=128, kv_block_size=4, kv_cache_bytes=4 * per_token + 1)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="kv_block_size must be an int >= 1"):
+            Engine(model=tiny_dir, progress=False, max_seq_len=128, kv_block_size=bad)

@@ -209,6 +209,6 @@ def test_50_adapters_through_a_pool_for_8_every_output_as_alone(tiny, alone):
     assert sum(s["adapters_per_tier"].values()) == s["adapters_loaded"] == N_ADAPTERS
     assert s["adapters_per_tier"]["gpu"] <= 8 and pinned in s["adapters_resident"]
     assert s["requests_finished"] == len(plan) and s["requests_failed"] == 0
-    assert engine.kv.rows_free == engine.kv.num_rows
+    assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
     assert all(engine.cache.get(nm).refcount == 0 for nm in names)
     engine.cache.close()
