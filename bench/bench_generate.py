@@ -258,7 +258,9 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     engine, info = None, {}
     try:
         engine = build_engine(run, lora="multilora-lora" in variants)
-        info = {"kv_rows": engine.stats()["kv_rows_free"], "weight_bytes": engine.model.nbytes}
+        st = engine.stats()
+        seq_blocks = -(-(a.prompt_len + a.gen) // st["kv_block_size"])  # blocks one request needs at its end
+        info = {"kv_seqs": st["kv_blocks_total"] // seq_blocks, "weight_bytes": engine.model.nbytes}
         warm_up_engine(engine, run.prompts, None)
     except Exception as e:
         traceback.print_exc()
@@ -286,9 +288,11 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
 def build_engine(run: Run, lora: bool) -> Engine:
     a, maxb = run.args, max(run.args.batches)
     max_seq = a.prompt_len + a.gen + 8
+    # KV: the engine's default cap (max_batch_size sequences of max_seq_len in whole blocks, + the null block);
+    # adapter pool: room for every request's own adapter (a larger share than the default 10% of the budget)
     return Engine(run.config, device=run.device, dtype=run.dtype, progress=False, max_batch_size=maxb,
                   max_seq_len=max_seq, max_lora_rank=a.rank, adapter_slots=maxb if lora else 1,
-                  kv_cache_bytes=maxb * max_seq * run.kv_token_bytes)
+                  adapter_pool_share=0.3 if lora else None)
 
 
 def load_engine_adapters(engine: Engine, names: list[str], dirs: list[Path], threads: int, rank: int) -> dict:
@@ -302,7 +306,7 @@ def load_engine_adapters(engine: Engine, names: list[str], dirs: list[Path], thr
     info: dict[str, Any] = {"adapter_load_s": time.perf_counter() - t, "pool_adapters": capacity}
     if capacity < len(names):
         info["pin_error"] = (f"not pinned: the memory plan gave the pool {capacity} rank-{rank} adapters < {len(names)} "
-                             f"(Engine has no argument to raise the pool's share; adapter_slots only caps it)")
+                             f"(raise Engine(adapter_pool_share=...))")
         return info
     try:
         for n in names:
@@ -353,7 +357,7 @@ def multilora_row(run: Run, engine: Engine, provider: str, b: int, names: list[s
     row.update(traffic({**row, "batch": b, "gen": run.args.gen}, info["weight_bytes"] - run.embed_bytes,
                        run.kv_token_bytes, run.args.prompt_len, adapter_bytes(run.config, run.args.rank, run.dtype),
                        distinct, run.meta["copy_gbps"], run.args.gen))
-    waves = [f"the engine got {info['kv_rows']} KV rows"] if info["kv_rows"] < b else []
+    waves = [f"the engine's KV cache holds {info['kv_seqs']} full-length requests"] if info["kv_seqs"] < b else []
     if distinct > info.get("pool_adapters", distinct):
         waves.append(f"its adapter pool holds {info['pool_adapters']} adapters")
     if waves:  # not every request in every step: per-step bytes and bandwidth do not apply

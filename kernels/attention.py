@@ -141,21 +141,25 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def _torch_mask(meta: AttentionMetadata, sliding_window: int, device: torch.device) -> torch.Tensor:
-    """bool [B, 1, max_q, max_seq_len], True = may attend (cached in ``meta.extra``)."""
+    """bool [B, 1, max_q, max_seq_len], True = may attend. Built from the metadata's tensors (so it is right
+    for buffers updated in place, e.g. a captured decode step) and cached in ``meta.extra`` unless
+    ``meta.extra["static"]`` says the tensors change between calls."""
     key = ("torch_mask", sliding_window)
     mask = meta.extra.get(key)
     if mask is None:
-        B, max_q = meta.num_seqs, meta.max_query_len
-        q_lens = torch.tensor(meta.q_lens)
-        start = torch.tensor(meta.seq_lens_host) - q_lens  # absolute position of each sequence's first query
-        qpos = start[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]
-        kpos = torch.arange(meta.max_seq_len)
+        max_q = meta.max_query_len
+        q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
+        start = meta.seq_lens.long() - q_lens  # absolute position of each sequence's first query
+        qpos = start[:, None] + torch.arange(max_q, device=start.device)[None, :]  # [B, max_q]
+        kpos = torch.arange(meta.max_seq_len, device=start.device)
         m = kpos[None, None, :] <= qpos[:, :, None]
         if sliding_window:
             m &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
-        valid_q = torch.arange(max_q)[None, :] < q_lens[:, None]
+        valid_q = torch.arange(max_q, device=start.device)[None, :] < q_lens[:, None]
         m[:, :, 0] |= ~valid_q  # padded query rows see position 0 only (never all-masked; discarded)
-        mask = meta.extra[key] = m[:, None].to(device)
+        mask = m[:, None].to(device)
+        if not meta.extra.get("static"):
+            meta.extra[key] = mask
     return mask
 
 

@@ -54,16 +54,19 @@ class DecodeGraphs:
         max_batch_size: the largest bucket.
         max_blocks: block-table width (blocks of a ``max_seq_len`` sequence).
         lora_backend, attention_backend: passed to the forward (must be graph-safe: "triton" or None on CUDA).
+        capture: False runs the same padded, static-buffer step eagerly instead of replaying a graph (with
+            a LoRA plan built per step): the buffer and padding logic, testable on a CPU.
     """
 
     def __init__(self, model, kv, *, max_batch_size: int, max_blocks: int, max_seq_len: int,
-                 lora_backend: str | None, attention_backend: str | None) -> None:
+                 lora_backend: str | None, attention_backend: str | None, capture: bool = True) -> None:
         self.model, self.kv = model, kv
         self.device = model.device
         self.buckets = bucket_sizes(max_batch_size)
         self.max_blocks = max_blocks
         self.max_seq_len = max_seq_len
         self.lora_backend, self.attention_backend = lora_backend, attention_backend
+        self.capture = capture
         n, dev = self.buckets[-1], self.device
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -74,7 +77,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.last_index = torch.arange(n, dtype=torch.int64, device=dev)
         # one pinned staging row per step: ids, positions, slots, seq_lens, token slots, then block tables
-        self._host = torch.zeros(5 * n + n * max_blocks, dtype=torch.int64, pin_memory=True)
+        self._host = torch.zeros(5 * n + n * max_blocks, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self._graphs: dict[tuple[int, bool], _Graph] = {}
         self._pool = None  # one memory pool shared by all graphs
         model.ensure_rope_positions(max_seq_len)  # never grown inside a capture
@@ -91,7 +94,7 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[: B + 1], seq_lens=self.seq_lens[:B],
             block_tables=self.block_tables[:B], slot_mapping=self.slot_mapping[:B],
             block_size=self.kv.block_size, q_lens=(1,) * B, seq_lens_host=(self.max_seq_len,) * B,
-            max_query_len=1, max_seq_len=self.max_seq_len,
+            max_query_len=1, max_seq_len=self.max_seq_len, extra={"static": True},
         )
         _extend_metadata(attn)  # static for a decode batch of B sequences
         extra = {"sgmv": {16: chunk_table}} if lora else {}
@@ -143,7 +146,7 @@ class DecodeGraphs:
         lora = chunk_table is not None
         key = (bucket, lora)
         g = self._graphs.get(key)
-        if g is None:
+        if g is None and self.capture:
             g = self._graphs[key] = self._capture(bucket, lora)
         n, w, bs = self.buckets[-1], self.max_blocks, self.kv.block_size
         h = self._host
@@ -167,6 +170,16 @@ class DecodeGraphs:
         self.seq_lens.copy_(dev[3 * n : 4 * n])
         self.token_slots.copy_(dev[4 * n : 5 * n])
         self.block_tables[:bucket].copy_(dev[5 * n : 5 * n + bucket * w].view(bucket, w))
+        if not self.capture:  # eager: the same buffers and padding, a LoRA plan of the padded slots
+            from multilora.kernels import build_lora_plan
+            from multilora.runtime.model import StepPlan
+
+            self._graphs[key] = None
+            plan = self._plans(bucket, False, None)
+            slots = list(token_slots) + [-1] * (bucket - B)
+            plan = StepPlan(input_ids=plan.input_ids, positions=plan.positions, q_lens=plan.q_lens,
+                            last_index=plan.last_index, attn=plan.attn, lora=build_lora_plan(slots, device=self.device))
+            return self._forward(plan)[:B]
         if lora:
             full = torch.zeros(4, bucket, dtype=torch.int32)
             full[1].fill_(-1)

@@ -31,7 +31,7 @@ from multilora.memory.pool import AdapterPool
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
 from multilora.runtime.adapters import AdapterError, LoRAAdapter, load_peft_adapter
 from multilora.runtime.model import LlamaModel, build_step_plan
-from multilora.runtime.sampling import SamplingParams, make_generator, sample_token
+from multilora.runtime.sampling import SamplingParams, SamplingTensors, make_seed, sample_batch
 from multilora.runtime.scheduler import Request, Scheduler, next_request_id
 from multilora.runtime.config import ModelConfig
 from multilora.runtime.weights import load_model_files, load_tokenizer, random_weights, resolve_model_path
@@ -107,6 +107,10 @@ class Engine:
         lora_backend: "torch", "triton" or None (triton on CUDA when available).
         attention_backend: the paged-attention backend, "torch", "triton" or None (triton on CUDA when
             available; ``multilora.kernels.attention``).
+        cuda_graphs: replay decode steps from CUDA graphs, one per batch-size bucket
+            (``multilora.runtime.cuda_graphs``); used on CUDA when both backends are Triton, ignored elsewhere.
+        adapter_pool_share: share of the memory budget for the adapter pool (default: the memory plan's,
+            0.1); the KV cache takes the rest. In (0, 1).
         progress: show a progress bar while loading the model.
 
     Raises:
@@ -139,6 +143,8 @@ class Engine:
         prefetch_adapters: int = 4,
         lora_backend: str | None = None,
         attention_backend: str | None = None,
+        cuda_graphs: bool = True,
+        adapter_pool_share: float | None = None,
         progress: bool = True,
     ) -> None:
         for arg, val in (("max_batch_size", max_batch_size), ("kv_block_size", kv_block_size),
@@ -156,6 +162,8 @@ class Engine:
         self.lora_backend = lora_backend
         self.attention_backend = attention_backend
         self.prefetch_adapters = prefetch_adapters
+        if adapter_pool_share is not None and not (isinstance(adapter_pool_share, (int, float)) and 0 < adapter_pool_share < 1):
+            raise ValueError(f"Engine: adapter_pool_share must be a number in (0, 1), got {adapter_pool_share!r}")
 
         t0 = time.perf_counter()
         if isinstance(model, ModelConfig):  # random weights of a real shape: benchmarks and GPU tests
@@ -208,6 +216,7 @@ class Engine:
             live_kv_tokens=(live_blocks + 1) * kv_block_size,
             max_adapter_pool_bytes=pool_cap, max_kv_bytes=kv_cap, host_tier_bytes=host_adapter_bytes,
             fraction=gpu_memory_fraction, local_ranks=local_ranks, snapshot=memory_snapshot,
+            **({} if adapter_pool_share is None else {"adapter_pool_share": float(adapter_pool_share)}),
         )
         plan = self.memory_plan
         num_pages = plan.adapter_pool_bytes // page_bytes if plan is not None else (pool_cap or 8 * pages_per_max * page_bytes) // page_bytes
@@ -235,6 +244,13 @@ class Engine:
                                    max_prefill_tokens=max_prefill_tokens, patience=starvation_patience,
                                    on_error=self._on_request_error)
         self._step_lock = threading.RLock()
+        self.graphs = None
+        if cuda_graphs and self._graphs_supported():
+            from multilora.runtime.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv, max_batch_size=max_batch_size, max_blocks=seq_blocks,
+                                       max_seq_len=self.max_seq_len, lora_backend=self.lora_backend,
+                                       attention_backend=self.attention_backend)
         self._failed_in_admission: list[Request] = []
         self._counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
                           "recomputed_tokens": 0, "generated_tokens": 0, "requests_finished": 0,
@@ -273,7 +289,7 @@ class Engine:
             raise
         if self.device.type == "cuda":
             apply_torch_memory_fraction(plan, self.device)
-            reserve = self._profile_reserve()
+            reserve = self._profile_reserve() + self._sampling_reserve()
             plan = plan_for_engine(device=self.device, max_seq_len=live_kv_tokens, weights_bytes_loaded=True,
                                    non_kv_reserve_bytes=reserve, **kw)
             apply_torch_memory_fraction(plan, self.device)
@@ -284,7 +300,13 @@ class Engine:
         c, T = self.config, min(self.max_prefill_tokens, self.max_seq_len)
         per_token = 4 * c.hidden_size + 2 * (c.q_size + 2 * c.kv_size) + 3 * c.intermediate_size
         attn = c.num_heads * T * T  # one padded score matrix of the longest prompt
-        return (T * per_token + attn) * self.model.embed.element_size() + c.vocab_size * 4 * self.max_batch_size
+        return (T * per_token + attn) * self.model.embed.element_size() + self._sampling_reserve()
+
+    def _sampling_reserve(self) -> int:
+        """Bytes of a decode step of ``max_batch_size`` beyond the model's activations: the float32 logits
+        (eager, and the CUDA graphs' static output) and the sampler's workspace (about 36 bytes per logit
+        with top-p, measured on an H200: ``multilora.runtime.sampling``)."""
+        return self.max_batch_size * self.config.vocab_size * (4 + 4 + 36)
 
     def _profile_reserve(self) -> int:
         """Peak bytes a forward of the largest prefill allocates beyond what is live (CUDA only)."""
@@ -441,7 +463,7 @@ class Engine:
             raise ValueError(f"adapters: expected a name (str) or None, got {type(adapter).__name__}")
         handle = self.cache.get(adapter) if adapter is not None else None
         req = Request(request_id=next_request_id(), prompt=prompt, prompt_ids=ids, adapter_name=adapter,
-                      handle=handle, params=params, generator=make_generator(params))
+                      handle=handle, params=params, seed=make_seed(params))
         self.scheduler.add(req)
         return req
 
@@ -477,20 +499,31 @@ class Engine:
             return failed + self._postprocess(batch, logits)
 
     def _forward(self, kind: str, batch: list[Request]) -> torch.Tensor:
+        """Run the step's forward: float32 logits [B, vocab] on the device, at each sequence's last token."""
+        tables = [self.kv.block_table(r.seq_id) for r in batch]
+        slots = [r.slot for r in batch]
+        if kind == "decode" and self.graphs is not None and self.graphs.bucket_for(len(batch)) is not None:
+            from multilora.kernels.triton_sgmv import _chunk_table
+
+            has_lora = any(s >= 0 for s in slots)
+            table = _chunk_table(torch.tensor(slots), 16, torch.device("cpu")) if has_lora else None
+            with torch.inference_mode():
+                return self.graphs.run(token_ids=[r.output_ids[-1] for r in batch],
+                                       positions=[r.num_tokens - 1 for r in batch],
+                                       block_tables=tables, token_slots=slots, chunk_table=table)
         if kind == "prefill":  # prompt + any tokens generated before a preemption
             token_ids = [r.prompt_ids + r.output_ids for r in batch]
             starts = [0] * len(batch)
         else:
             token_ids = [[r.output_ids[-1]] for r in batch]
             starts = [r.num_tokens - 1 for r in batch]
-        tables = [self.kv.block_table(r.seq_id) for r in batch]
-        return self._run_forward(token_ids, starts, tables, [r.slot for r in batch])
+        return self._run_forward(token_ids, starts, tables, slots, to_cpu=False)
 
     def _run_forward(self, token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]],
-                     slots: list[int], kv: PagedKVCache | None = None) -> torch.Tensor:
-        """Build the step plan once and run the model: float32 logits [B, vocab] (CPU) at each sequence's
-        last new token. ``block_tables[b]`` are sequence b's KV blocks in ``kv`` (default: the engine's
-        cache); ``slots[b]`` is its adapter slot (-1 = none)."""
+                     slots: list[int], kv: PagedKVCache | None = None, *, to_cpu: bool = True) -> torch.Tensor:
+        """Build the step plan once and run the model: float32 logits [B, vocab] at each sequence's last new
+        token (on the CPU, or on the device with ``to_cpu=False``). ``block_tables[b]`` are sequence b's KV
+        blocks in ``kv`` (default: the engine's cache); ``slots[b]`` is its adapter slot (-1 = none)."""
         kv = kv if kv is not None else self.kv
         lora = build_lora_plan([s for s, ids in zip(slots, token_ids) for _ in ids], device=self.device)
         plan = build_step_plan(self.model, token_ids=token_ids, start_positions=starts, block_tables=block_tables,
@@ -498,14 +531,39 @@ class Engine:
         with torch.inference_mode():
             hidden = self.model.forward(plan, kv, lora_backend=self.lora_backend,
                                         attention_backend=self.attention_backend)
-            return self.model.compute_logits(hidden.index_select(0, plan.last_index)).cpu()
+            logits = self.model.compute_logits(hidden.index_select(0, plan.last_index))
+            return logits.cpu() if to_cpu else logits
+
+    def _graphs_supported(self) -> bool:
+        """CUDA graphs need CUDA and graph-safe (Triton) LoRA and attention kernels."""
+        if self.device.type != "cuda":
+            return False
+        from multilora.kernels.attention import _triton_backend as attention_triton
+        from multilora.kernels.backends import _triton_backend as lora_triton
+
+        return (self.lora_backend in (None, "triton") and self.attention_backend in (None, "triton")
+                and lora_triton() is not None and attention_triton() is not None)
+
+    def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[int]:
+        """One batched draw on the logits' device (``multilora.runtime.sampling``); the only host sync of a
+        step is reading the new ids."""
+        t = SamplingTensors.from_params([r.params for r in batch], [r.seed for r in batch],
+                                        [len(r.output_ids) for r in batch], logits.device)
+        with torch.inference_mode():
+            return sample_batch(logits, t).tolist()
 
     def _postprocess(self, batch: list[Request], logits: torch.Tensor) -> list[Request]:
         finished = []
         now = time.perf_counter()
-        for i, req in enumerate(batch):
+        try:
+            tokens = self._sample(batch, logits)
+        except Exception as e:  # the sampler is batched: a failure here fails the step's requests
+            log.exception("sampling failed")
+            tokens = [e] * len(batch)
+        for req, tok in zip(batch, tokens):
             try:
-                tok = sample_token(logits[i], req.params, req.generator)
+                if isinstance(tok, Exception):
+                    raise tok
                 if req.first_token_time is None:
                     req.first_token_time = now
                 reason = self._check_stop(req, tok)

@@ -74,7 +74,7 @@ class Request:
     adapter_name: str | None
     handle: AdapterHandle | None
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int  # the sampler's per-request seed: token n is drawn from noise(seed, n), whatever the batch
     arrival: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
