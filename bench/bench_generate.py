@@ -282,7 +282,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     engine = None  # free it before the caller goes on (in-process runs)
     free_memory()
     if run.device.type == "cuda":  # the engine capped this process's allocator from its memory plan
-        torch.cuda.set_per_process_memory_fraction(1.0, run.device)
+        torch.cuda.set_per_process_memory_fraction(1.0, run.device.index if run.device.index is not None else torch.cuda.current_device())
 
 
 def build_engine(run: Run, lora: bool) -> Engine:
