@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--max-batch-size", type=int, default=16)
         sp.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV-cache block")
         sp.add_argument("--max-lora-rank", type=int, default=64)
+        sp.add_argument("--adapter-pool-share", type=float,
+                        help="share of the memory budget for the adapter pool (default: the memory plan's, 0.1)")
+        sp.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
 
     d = sub.add_parser("demo", help="run the main job on the default model with demo adapters")
     d.add_argument("--adapters-dir", help="where demo adapters are kept (default: ~/.cache/multilora/demo-adapters)")
@@ -115,7 +118,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=args.stop)
     engine = Engine(args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                    kv_block_size=args.kv_block_size, max_lora_rank=args.max_lora_rank)
+                    kv_block_size=args.kv_block_size, max_lora_rank=args.max_lora_rank,
+                    adapter_pool_share=args.adapter_pool_share, cuda_graphs=not args.no_cuda_graphs)
     for name, path in args.adapter:
         engine.load_adapter(name, path)
     outs = engine.generate([p for p, _ in items], adapters=[a for _, a in items], sampling=sampling,

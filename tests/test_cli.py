@@ -250,3 +250,11 @@ def test_memory_json_runs(capsys):
     assert code == 0, err
     obj = json.loads(out)
     assert "plan" in obj and "snapshot" in obj
+
+
+def test_generate_engine_flags(tiny, capsys):
+    code, out, err = run(capsys, "generate", "--model", tiny, "--prompt", "-", "Hi", "--max-tokens", 2,
+                         "--adapter-pool-share", "0.2", "--no-cuda-graphs", "--kv-block-size", "4")
+    assert code == 0, err
+    code, out, err = run(capsys, "generate", "--model", tiny, "--prompt", "-", "Hi", "--adapter-pool-share", "1.5")
+    assert code == 2 and "adapter_pool_share" in err
