@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ from multilora.runtime.adapters import (
     LoRAAdapter,
     LoRAModuleWeights,
     _all_finite,
+    _LazyTensors,
+    _read_weights,
     load_peft_adapter,
     load_peft_adapter_into,
     save_peft_adapter,
@@ -208,6 +211,47 @@ def test_pickle_file_takes_the_fast_path_too(tmp_path):
         read_packed_adapter(d, CFG, pool)
 
 
+def _rewrite_unaligned(d, pad=1):
+    """Rewrite the safetensors file by hand with the data section starting at an odd byte (the format
+    allows it; safetensors pads, other writers may not): no tensor can be viewed in place."""
+    t = {k: v.clone() for k, v in load_file(str(d / WTS)).items()}
+    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+    header, data = {}, b""
+    for k, x in t.items():
+        raw = x.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        header[k] = {"dtype": names[x.dtype], "shape": list(x.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    h = json.dumps(header).encode()
+    h += b" " * ((pad - 8 - len(h)) % 8)  # 8 + len(h) == pad (mod 8)
+    (d / WTS).write_bytes(struct.pack("<Q", len(h)) + h + data)
+
+
+@pytest.mark.parametrize("file_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_tensors_are_mapped_views_or_read_through_safetensors(file_dtype, tmp_path, monkeypatch):
+    d = _write_patterned(tmp_path / "a", file_dtype)
+    ref = {k: v.clone() for k, v in load_file(str(d / WTS)).items()}  # (load_file may map the file too)
+    pool = _pool(torch.float32)
+    want = _old_pack(pool, load_peft_adapter(d, CFG))
+
+    def check(expect_mapped: bool):
+        _, tensors, keys = _read_weights(d, False, lazy=True)
+        assert isinstance(tensors, _LazyTensors) and sorted(keys) == sorted(ref)
+        try:
+            assert (len(tensors._index) == len(ref)) == expect_mapped and (expect_mapped or not tensors._index)
+            for k in keys:
+                assert torch.equal(_bits(tensors[k]), _bits(ref[k])) and tensors[k].dtype == ref[k].dtype
+        finally:
+            tensors.close()
+        _assert_same_packed(read_packed_adapter(d, CFG, pool)[1], want)
+
+    check(expect_mapped=True)  # safetensors' own files: every tensor is a view of the mapped file
+    for pad in (1, 2, 6):
+        _rewrite_unaligned(d, pad)
+        check(expect_mapped=pad % file_dtype.itemsize == 0)
+    monkeypatch.setattr(torch, "from_file", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no mmap here")))
+    check(expect_mapped=False)  # no mapping at all: everything through safetensors
+
+
 # ----------------------------------------------------------------------------------------- same errors
 
 
@@ -227,7 +271,7 @@ def _assert_same_error(d, **kw):
 
 
 def _patch(d, fn):
-    t = load_file(str(d / WTS))
+    t = {k: v.clone() for k, v in load_file(str(d / WTS)).items()}  # not views of the file being rewritten
     fn(t)
     save_file(t, str(d / WTS), metadata={"format": "pt"})
 
