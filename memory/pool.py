@@ -110,6 +110,100 @@ class PackedAdapter:
         return self.pages.numel() * self.pages.element_size()
 
 
+class PagePacker:
+    """Builds one adapter's page image (a :class:`PackedAdapter`) module by module, copying straight from the
+    source tensors: one copy for A and one for B^T over a module's full pages (plus one each for a partial
+    last page). Sources may have any floating dtype; each value is rounded once, to the pool dtype.
+
+    The image is allocated uninitialised (pinned when the pool is on CUDA) and every element is written
+    once: the rows a module has, zeros for its rank-rows ``>= r``, and zeros for the modules never ``put``
+    (in ``finish``), so the result equals ``torch.zeros`` + copies bit for bit without a zero-fill pass.
+    The copies are torch ops (they release the GIL). Not thread-safe; one packer per adapter (packers of
+    one pool may run in parallel threads).
+    """
+
+    def __init__(self, pool: "AdapterPool", max_rank: int, name: str | None) -> None:
+        self.pool = pool
+        self.name = name
+        self.max_rank = max_rank
+        npg = pool.pages_for_rank(max_rank, pool.page_rows)
+        self.pages = torch.empty(npg, pool.page_elems, dtype=pool.dtype, pin_memory=pool.device.type == "cuda")
+        nl, nm = pool.config.num_layers, len(TARGET_MODULES)
+        self.ranks = torch.zeros(nl, nm, dtype=torch.int32)
+        self.scalings = torch.zeros(nl, nm, dtype=torch.float32)
+        self._written: set[tuple[int, str]] = set()
+
+    def put(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        """Write (layer, module)'s ``a`` [r, d_in] (PEFT's lora_A) and ``b`` [d_out, r] (lora_B; stored
+        transposed) into the image. The tensors are copied; they are not kept.
+
+        Raises:
+            ValueError: shapes that do not fit the module, a rank above the packer's, or a module put twice.
+        """
+        pool = self.pool
+        oa, ob, d_in, d_out = pool._layout[(layer, module)]
+        r = int(a.shape[0])
+        if a.shape != (r, d_in) or b.shape != (d_out, r) or not 0 < r <= self.max_rank:
+            raise ValueError(
+                f"adapter {self.name!r}: {module} of layer {layer}: expected A [r, {d_in}] and B [{d_out}, r] with "
+                f"0 < r <= {self.max_rank}, got A {list(a.shape)} and B {list(b.shape)}"
+            )
+        if (layer, module) in self._written:
+            raise ValueError(f"adapter {self.name!r}: {module} of layer {layer} packed twice")
+        self._written.add((layer, module))
+        R = pool.page_rows
+        pages = self.pages
+        pe = pages.shape[1]
+        # B is stored transposed: its copies are strided (element by element); narrowing the dtype first (one
+        # contiguous pass) makes them cheaper, widening happens in them (measured, bench/bench_adapter_load.py)
+        if pages.element_size() < b.element_size():
+            b = b.to(pages.dtype)
+        bt = b.t()  # [r, d_out]
+        full = r // R  # page p holds rank-rows p*R .. p*R + R - 1: pages [0, full) are full, one copy for all
+        if full:  # (as_strided: the same views as slicing + view, in one call; this runs ~10^3 times per adapter)
+            s0, s1 = b.stride()
+            pages.as_strided((full, R, d_in), (pe, d_in, 1), oa).copy_(a[: full * R].reshape(full, R, d_in))
+            pages.as_strided((full, R, d_out), (pe, d_out, 1), ob).copy_(
+                b.as_strided((full, R, d_out), (R * s1, s1, s0), b.storage_offset()))
+        rows = r - full * R
+        if rows:  # the last, partial page: its rows, then zeros for rank-rows >= r
+            page = pages[full]
+            page[oa : oa + rows * d_in].view(rows, d_in).copy_(a[full * R :])
+            page[ob : ob + rows * d_out].view(rows, d_out).copy_(bt[full * R :])
+            page[oa + rows * d_in : oa + R * d_in].zero_()
+            page[ob + rows * d_out : ob + R * d_out].zero_()
+            full += 1
+        if full < pages.shape[0]:  # pages past this module's rank (another module has a larger one): zeros
+            pages[full:, oa : oa + R * d_in].zero_()
+            pages[full:, ob : ob + R * d_out].zero_()
+        mi = MODULE_INDEX[module]
+        self.ranks[layer, mi] = r
+        self.scalings[layer, mi] = float(scaling)
+
+    def finish(self) -> PackedAdapter:
+        """Zero the regions of the modules never ``put`` (rank 0, never read) and return the image."""
+        pool = self.pool
+        R = pool.page_rows
+        start = None  # coalesce runs of untouched modules: they are contiguous in the layout
+        end = 0
+        for layer in range(pool.config.num_layers):
+            for module in TARGET_MODULES:
+                lo = pool.offset_a(layer, module)
+                hi = lo + R * sum(pool.config.module_shape(module))
+                if (layer, module) in self._written:
+                    if start is not None:
+                        self.pages[:, start:end].zero_()
+                        start = None
+                    continue
+                if start is None:
+                    start = lo
+                end = hi
+        if start is not None:
+            self.pages[:, start:end].zero_()
+        return PackedAdapter(pages=self.pages, ranks=self.ranks, scalings=self.scalings,
+                             max_rank=int(self.ranks.max()), name=self.name)
+
+
 class AdapterPool:
     """A fixed pool of ``num_pages`` pages for adapter weights (layout in the module docstring).
 
@@ -160,6 +254,9 @@ class AdapterPool:
             prefix.append(prefix[-1] + s)
         self._module_prefix = prefix
         self.page_elems = page_rows * config.num_layers * self._layer_width
+        #: (layer, module) -> (offset_a, offset_b, d_in, d_out), for the packer's per-module hot path
+        self._layout = {(layer, m): (self.offset_a(layer, m), self.offset_b(layer, m), *config.module_shape(m))
+                        for layer in range(config.num_layers) for m in TARGET_MODULES}
 
         # Uninitialised on purpose (no pages touched until used): ``load`` writes every row a kernel may
         # read (rank-rows >= r of a written module are zero-filled up to the page boundary; modules an
@@ -254,30 +351,21 @@ class AdapterPool:
         Raises:
             ValueError: its rank exceeds ``max_rank``.
         """
-        if adapter.max_rank > self.max_rank:
-            raise ValueError(
-                f"adapter {adapter.name!r}: rank {adapter.max_rank} exceeds the pool's max_rank {self.max_rank}"
-            )
-        R = self.page_rows
-        npg = self.pages_needed(adapter)
-        pages = torch.zeros(npg, self.page_elems, dtype=self.dtype, pin_memory=self.device.type == "cuda")
-        nl, nm = self.config.num_layers, len(TARGET_MODULES)
-        ranks = torch.zeros(nl, nm, dtype=torch.int32)
-        scalings = torch.zeros(nl, nm, dtype=torch.float32)
+        packer = self.packer(adapter.max_rank, name=adapter.name)
         for (layer, module), w in adapter.modules.items():
-            d_in, d_out = self.config.module_shape(module)
-            r = w.rank
-            n = self.pages_for_rank(r, R)
-            oa, ob = self.offset_a(layer, module), self.offset_b(layer, module)
-            a, bt = w.a.to(self.dtype), w.b.t().to(self.dtype)  # [r, d_in], [r, d_out]
-            for p in range(n):  # page p holds rank-rows p*R .. p*R + R - 1 (rows >= r stay zero)
-                rows = min(R, r - p * R)
-                pages[p, oa : oa + rows * d_in] = a[p * R : p * R + rows].reshape(-1)
-                pages[p, ob : ob + rows * d_out] = bt[p * R : p * R + rows].reshape(-1)
-            mi = MODULE_INDEX[module]
-            ranks[layer, mi] = r
-            scalings[layer, mi] = float(w.scaling)
-        return PackedAdapter(pages=pages, ranks=ranks, scalings=scalings, max_rank=adapter.max_rank, name=adapter.name)
+            packer.put(layer, module, w.a, w.b, w.scaling)
+        return packer.finish()
+
+    def packer(self, max_rank: int, *, name: str | None = None) -> "PagePacker":
+        """A :class:`PagePacker` for an adapter whose largest rank is ``max_rank`` (what ``pack`` uses;
+        ``load_peft_adapter_into`` streams a file's modules into one).
+
+        Raises:
+            ValueError: ``max_rank`` exceeds the pool's ``max_rank``.
+        """
+        if max_rank > self.max_rank:
+            raise ValueError(f"adapter {name!r}: rank {max_rank} exceeds the pool's max_rank {self.max_rank}")
+        return PagePacker(self, max_rank, name)
 
     def load(self, adapter: "LoRAAdapter | PackedAdapter", *, stream: "torch.cuda.Stream | None" = None) -> int:
         """Copy an adapter into free pages; return its slot.

@@ -27,9 +27,9 @@ from tqdm.auto import tqdm
 
 from multilora.kernels import build_lora_plan
 from multilora.memory.kv_cache import PagedKVCache
-from multilora.memory.pool import AdapterPool
+from multilora.memory.pool import AdapterPool, PackedAdapter
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
-from multilora.runtime.adapters import AdapterError, LoRAAdapter, load_peft_adapter
+from multilora.runtime.adapters import AdapterError, LoRAAdapter, load_peft_adapter, load_peft_adapter_into
 from multilora.runtime.model import LlamaModel, build_step_plan
 from multilora.runtime.sampling import SamplingParams, SamplingTensors, make_seed, sample_batch
 from multilora.runtime.scheduler import Request, Scheduler, next_request_id
@@ -66,6 +66,25 @@ class RequestOutput:
     prompt_token_ids: list[int]
     finish_reason: str
     error: str | None = None
+
+
+def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
+                        allow_pickle: bool = False) -> tuple[LoRAAdapter, PackedAdapter | None]:
+    """disk -> host: read, validate and lay out an adapter as ``pool``'s pages in one pass.
+
+    What the engine's reload and ``load_adapter(preload=True)`` run: :func:`load_peft_adapter_into` streams
+    each module, in the file's dtype, into ``pool.packer`` (no float32 copies, no zero-fill pass); the pages
+    are bit-identical to ``pool.pack(load_peft_adapter(...))`` and the errors are the same.
+
+    Returns:
+        ``(adapter, packed)``: the adapter's modules hold ``meta`` tensors (shapes, file dtypes) and the
+        scalings; ``packed`` is None when its rank exceeds ``pool.max_rank`` (the values are validated anyway).
+    """
+    def open_sink(max_rank: int):
+        return pool.packer(max_rank, name=name) if max_rank <= pool.max_rank else None
+
+    adapter, packer = load_peft_adapter_into(path, config, open_sink, name=name, allow_pickle=allow_pickle)
+    return adapter, None if packer is None else packer.finish()
 
 
 class Engine:
@@ -345,6 +364,11 @@ class Engine:
                 non-finite numbers and packed when a request first needs it (a failure then fails that
                 request only). For registering thousands of adapters.
 
+        Returns:
+            The validated adapter (config, ranks, scalings, ``target_summary``). Its modules hold ``meta``
+            tensors of the file's shapes and dtypes: the weights are kept only as pool pages in the host tier
+            (preload) or on disk. ``load_peft_adapter`` gives float32 copies of the weights.
+
         Raises:
             AdapterError: missing or malformed files, unsupported features, shapes that do not fit the
                 model (the message names the file, the key, what was expected and what was got).
@@ -352,14 +376,18 @@ class Engine:
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"load_adapter: name must be a non-empty string, got {name!r}")
-        adapter = load_peft_adapter(path, self.config, name=name, allow_pickle=allow_pickle, header_only=not preload)
+        if preload:  # read, check and pack in one pass, in the file's dtype
+            adapter, packed = read_packed_adapter(path, self.config, self.pool, name=name, allow_pickle=allow_pickle)
+        else:
+            adapter, packed = load_peft_adapter(path, self.config, name=name, allow_pickle=allow_pickle,
+                                                header_only=True), None
         if adapter.max_rank > self.max_lora_rank:
             raise AdapterError(
                 f"{path}: adapter rank {adapter.max_rank} exceeds the engine's max_lora_rank {self.max_lora_rank} "
                 f"(create the Engine with max_lora_rank={adapter.max_rank} or more)"
             )
-        lazy = any(w.a.device.type == "meta" for w in adapter.modules.values())
-        packed = None if lazy else self.pool.pack(adapter)
+        if packed is None and not any(w.a.device.type == "meta" for w in adapter.modules.values()):
+            packed = self.pool.pack(adapter)  # header_only still reads a pickle file whole
         self.cache.add(name, packed, path=Path(path), allow_pickle=allow_pickle, summary=adapter.target_summary(),
                        max_rank=adapter.max_rank, num_pages=self.pool.pages_needed(adapter))
         log.info("loaded adapter %r from %s: %s", name, path, adapter.target_summary())
@@ -367,8 +395,11 @@ class Engine:
 
     def _reload_adapter(self, handle: Any) -> Any:
         """disk -> host: read a handle's files again and lay them out as pool pages (the cache calls this)."""
-        adapter = load_peft_adapter(handle.path, self.config, name=handle.name, allow_pickle=handle.allow_pickle)
-        return self.pool.pack(adapter)
+        adapter, packed = read_packed_adapter(handle.path, self.config, self.pool, name=handle.name,
+                                              allow_pickle=handle.allow_pickle)
+        if packed is None:  # rank above the pool's (the files changed): pack's error
+            self.pool.packer(adapter.max_rank, name=handle.name)
+        return packed
 
     def _on_request_error(self, req: Request, message: str) -> None:
         self._counters["requests_failed"] += 1

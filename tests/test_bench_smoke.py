@@ -24,6 +24,18 @@ def test_adapter_throughput_bench_runs(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["shape"] == "tiny" for r in rows)
 
 
+@pytest.mark.parametrize("path", ["fast", "legacy"])
+def test_adapter_load_bench_runs(path, tmp_path):
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_adapter_load.py"), "--shape", "tiny", "--rank", "4",
+           "--file-dtype", "bfloat16,float32", "--pool-dtype", "float32", "--threads", "1,2", "--loads", "1",
+           "--runs", "1", "--path", path, "--adapter-dir", str(tmp_path / "adapters")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    rows = [line for line in p.stdout.splitlines() if " MB/s " in line]
+    assert len(rows) == 4 and all("adapters/s" in r for r in rows), p.stdout
+    assert f"path {path}" in p.stdout
+
+
 def test_generate_bench_runs(tmp_path):
     """All four providers, each group in its own child process as on the GPU; fp32, so the same weights and
     adapters must give the same greedy tokens in multilora, transformers and peft."""

@@ -1,0 +1,428 @@
+"""The disk -> host fast path: ``read_packed_adapter`` (``load_peft_adapter_into`` + ``AdapterPool.packer``).
+
+What the engine's reload and ``load_adapter(preload=True)`` run must give the same pool pages, bit for bit, as
+the path it replaced (``load_peft_adapter``'s float32 copies laid out by the old ``AdapterPool.pack``, kept
+here verbatim as the reference), for every file dtype into every pool dtype, with per-module ranks
+(``rank_pattern`` / ``alpha_pattern``) and partial pages; and it must refuse exactly what
+``load_peft_adapter`` refuses, with the same message, key and path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from multilora import Engine
+from multilora.memory.pool import AdapterPool, PackedAdapter
+from multilora.runtime.adapters import (
+    AdapterError,
+    LoRAAdapter,
+    LoRAModuleWeights,
+    _all_finite,
+    _LazyTensors,
+    _read_weights,
+    load_peft_adapter,
+    load_peft_adapter_into,
+    save_peft_adapter,
+)
+from multilora.runtime.config import MODULE_INDEX, MODULE_PARENT, TARGET_MODULES, ModelConfig
+from multilora.runtime.engine import read_packed_adapter
+from multilora.runtime.weights import MODEL_SHAPES
+from testsupport import one_thread  # noqa: F401 (autouse fixture)
+from testsupport import write_adapter
+
+# hidden 24, q 24, k/v 8, MLP 40: every module has its own (d_in, d_out)
+CFG = ModelConfig(vocab_size=32, hidden_size=24, intermediate_size=40, num_layers=3, num_heads=3, num_kv_heads=1)
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+WTS = "adapter_model.safetensors"
+
+
+def _old_pack(pool: AdapterPool, adapter: LoRAAdapter) -> PackedAdapter:
+    """``AdapterPool.pack`` before the packer (verbatim but for ``self`` -> ``pool``): the reference."""
+    if adapter.max_rank > pool.max_rank:
+        raise ValueError(
+            f"adapter {adapter.name!r}: rank {adapter.max_rank} exceeds the pool's max_rank {pool.max_rank}"
+        )
+    R = pool.page_rows
+    npg = pool.pages_needed(adapter)
+    pages = torch.zeros(npg, pool.page_elems, dtype=pool.dtype)
+    nl, nm = pool.config.num_layers, len(TARGET_MODULES)
+    ranks = torch.zeros(nl, nm, dtype=torch.int32)
+    scalings = torch.zeros(nl, nm, dtype=torch.float32)
+    for (layer, module), w in adapter.modules.items():
+        d_in, d_out = pool.config.module_shape(module)
+        r = w.rank
+        n = pool.pages_for_rank(r, R)
+        oa, ob = pool.offset_a(layer, module), pool.offset_b(layer, module)
+        a, bt = w.a.to(pool.dtype), w.b.t().to(pool.dtype)  # [r, d_in], [r, d_out]
+        for p in range(n):  # page p holds rank-rows p*R .. p*R + R - 1 (rows >= r stay zero)
+            rows = min(R, r - p * R)
+            pages[p, oa : oa + rows * d_in] = a[p * R : p * R + rows].reshape(-1)
+            pages[p, ob : ob + rows * d_out] = bt[p * R : p * R + rows].reshape(-1)
+        mi = MODULE_INDEX[module]
+        ranks[layer, mi] = r
+        scalings[layer, mi] = float(w.scaling)
+    return PackedAdapter(pages=pages, ranks=ranks, scalings=scalings, max_rank=adapter.max_rank, name=adapter.name)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _assert_same_packed(got: PackedAdapter, want: PackedAdapter) -> None:
+    assert got.pages.dtype == want.pages.dtype and got.pages.shape == want.pages.shape
+    assert torch.equal(_bits(got.pages), _bits(want.pages))  # bit for bit: -0.0, subnormals, inf from overflow
+    assert torch.equal(got.ranks, want.ranks)
+    assert torch.equal(got.scalings, want.scalings)
+    assert got.max_rank == want.max_rank and got.name == want.name
+
+
+def _values(shape, dtype, g) -> torch.Tensor:
+    """Values that stress conversions: a wide exponent range (subnormals of every dtype, values past
+    float16's / bfloat16's range where the file dtype holds them), signed zeros, exact ties."""
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    x = x * torch.pow(2.0, torch.randint(-150, 40, shape, generator=g).double())
+    x.view(-1)[::7] = 0.0
+    x.view(-1)[3::11] = -0.0
+    x.view(-1)[5::13] = 1.0 + 2.0**-8 + 2.0**-30  # rounds differently straight to bf16 than through float32
+    fmax = torch.finfo(dtype).max
+    return x.clamp(-fmax, fmax).to(dtype)
+
+
+def _modules(ranks: dict[tuple[int, str], int], dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for (layer, m), r in ranks.items():
+        d_in, d_out = CFG.module_shape(m)
+        out[(layer, m)] = (_values((r, d_in), dtype, g), _values((d_out, r), dtype, g))
+    return out
+
+
+def _write_patterned(path, dtype, seed=0):
+    """An adapter with rank_pattern / alpha_pattern and layers_to_transform: ranks 5 (q, layer-wise), 3 (v),
+    11 (down, alpha 7.5), on layers 0 and 2 only; layer 1 and k/o/gate/up untouched."""
+    ranks = {}
+    for layer in (0, 2):
+        ranks[(layer, "q_proj")] = 5
+        ranks[(layer, "v_proj")] = 3
+        ranks[(layer, "down_proj")] = 11
+    save_peft_adapter(path, _modules(ranks, dtype, seed), r=5, lora_alpha=10, target_modules=["q_proj", "v_proj",
+                      "down_proj"], rank_pattern={"v_proj": 3, "down_proj": 11}, alpha_pattern={"down_proj": 7.5},
+                      layers_to_transform=[0, 2])
+    return path
+
+
+def _write_uniform(path, dtype, r=8, seed=0):
+    ranks = {(layer, m): r for layer in range(CFG.num_layers) for m in TARGET_MODULES}
+    save_peft_adapter(path, _modules(ranks, dtype, seed), r=r, lora_alpha=2 * r, target_modules=list(TARGET_MODULES),
+                      use_rslora=True)
+    return path
+
+
+def _pool(dtype, page_rows=4, max_rank=16):
+    return AdapterPool(CFG, num_pages=4, page_rows=page_rows, max_rank=max_rank, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------- bit identity
+
+
+@pytest.mark.parametrize("pool_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("file_dtype", DTYPES + [torch.float64], ids=str)
+@pytest.mark.parametrize("layout", ["uniform", "patterned"])
+def test_fast_path_pages_are_bit_identical(layout, file_dtype, pool_dtype, tmp_path):
+    d = (_write_uniform if layout == "uniform" else _write_patterned)(tmp_path / "a", file_dtype)
+    for page_rows in (4, 8):  # r = 8 fills pages exactly at 4 and 8; 5, 3, 11 leave partial pages
+        pool = _pool(pool_dtype, page_rows=page_rows)
+        ref_adapter = load_peft_adapter(d, CFG, name="x")
+        want = _old_pack(pool, ref_adapter)
+        adapter, got = read_packed_adapter(d, CFG, pool, name="x")
+        _assert_same_packed(got, want)
+        _assert_same_packed(pool.pack(ref_adapter), want)  # the public pack uses the packer too
+        # the returned adapter: same modules, ranks and scalings, meta tensors of the file's shapes / dtype
+        assert list(adapter.modules) == list(ref_adapter.modules)
+        assert adapter.config == ref_adapter.config and adapter.name == "x" and adapter.path == ref_adapter.path
+        assert adapter.target_summary() == ref_adapter.target_summary()
+        for key, w in adapter.modules.items():
+            ref = ref_adapter.modules[key]
+            assert w.a.device.type == "meta" and w.b.device.type == "meta"
+            assert w.a.shape == ref.a.shape and w.b.shape == ref.b.shape and w.scaling == ref.scaling
+            assert w.a.dtype == w.b.dtype == file_dtype
+
+
+def test_pack_of_user_modules_is_bit_identical(tmp_path):
+    """``pool.pack`` on LoRAAdapters built in memory: any floating dtype, non-contiguous tensors, every
+    module rank against page_rows (full, partial, fewer pages than the adapter's), modules left out."""
+    g = torch.Generator().manual_seed(3)
+    for src_dtype in DTYPES:
+        mods = {}
+        for i, (layer, m) in enumerate((layer, m) for layer in range(CFG.num_layers) for m in TARGET_MODULES):
+            if i % 5 == 2:
+                continue  # untouched module: its region stays zero
+            r = 1 + (i * 7) % 13
+            d_in, d_out = CFG.module_shape(m)
+            a = _values((d_in, r), src_dtype, g).t()  # non-contiguous A
+            b = _values((r, d_out), src_dtype, g).t() if i % 2 else _values((d_out, r), src_dtype, g)
+            mods[(layer, m)] = LoRAModuleWeights(a=a, b=b, scaling=0.25 * r)
+        ad = LoRAAdapter(name="u", path="/nowhere", config={}, modules=mods)
+        f32 = LoRAAdapter(name="u", path="/nowhere", config={}, modules={
+            k: LoRAModuleWeights(a=w.a.float(), b=w.b.float(), scaling=w.scaling) for k, w in mods.items()})
+        for pool_dtype in DTYPES:
+            for page_rows in (1, 4, 5, 16):
+                pool = _pool(pool_dtype, page_rows=page_rows)
+                want = _old_pack(pool, f32)
+                _assert_same_packed(pool.pack(ad), want)
+                _assert_same_packed(pool.pack(f32), want)
+
+
+def test_empty_adapter_packs_one_zero_page():
+    pool = _pool(torch.float32)
+    got = pool.pack(LoRAAdapter(name=None, path="/nowhere", config={}, modules={}))
+    _assert_same_packed(got, _old_pack(pool, LoRAAdapter(name=None, path="/nowhere", config={}, modules={})))
+
+
+def test_packer_rejects_misuse():
+    pool = _pool(torch.float32)
+    with pytest.raises(ValueError, match=r"adapter 'big': rank 17 exceeds the pool's max_rank 16"):
+        pool.packer(17, name="big")
+    pk = pool.packer(4, name="p")
+    a, b = torch.zeros(4, 24), torch.zeros(24, 4)
+    pk.put(0, "q_proj", a, b, 1.0)
+    with pytest.raises(ValueError, match="packed twice"):
+        pk.put(0, "q_proj", a, b, 1.0)
+    with pytest.raises(ValueError, match=r"expected A \[r, 24\] and B \[8, r\]"):
+        pk.put(0, "k_proj", torch.zeros(4, 24), torch.zeros(24, 4), 1.0)  # k_proj: d_in 24, d_out 8
+    with pytest.raises(ValueError, match="0 < r <= 4"):
+        pk.put(0, "o_proj", torch.zeros(5, 24), torch.zeros(24, 5), 1.0)
+
+
+def test_pickle_file_takes_the_fast_path_too(tmp_path):
+    d = _write_patterned(tmp_path / "a", torch.bfloat16)
+    torch.save(load_file(str(d / WTS)), d / "adapter_model.bin")
+    (d / WTS).unlink()
+    pool = _pool(torch.bfloat16)
+    want = _old_pack(pool, load_peft_adapter(d, CFG, allow_pickle=True))
+    _assert_same_packed(read_packed_adapter(d, CFG, pool, allow_pickle=True)[1], want)
+    with pytest.raises(AdapterError, match="allow_pickle=True"):
+        read_packed_adapter(d, CFG, pool)
+
+
+def _rewrite_unaligned(d, pad=1):
+    """Rewrite the safetensors file by hand with the data section starting at an odd byte (the format
+    allows it; safetensors pads, other writers may not): no tensor can be viewed in place."""
+    t = {k: v.clone() for k, v in load_file(str(d / WTS)).items()}
+    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+    header, data = {}, b""
+    for k, x in t.items():
+        raw = x.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        header[k] = {"dtype": names[x.dtype], "shape": list(x.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    h = json.dumps(header).encode()
+    h += b" " * ((pad - 8 - len(h)) % 8)  # 8 + len(h) == pad (mod 8)
+    (d / WTS).write_bytes(struct.pack("<Q", len(h)) + h + data)
+
+
+@pytest.mark.parametrize("file_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_tensors_are_mapped_views_or_read_through_safetensors(file_dtype, tmp_path, monkeypatch):
+    d = _write_patterned(tmp_path / "a", file_dtype)
+    ref = {k: v.clone() for k, v in load_file(str(d / WTS)).items()}  # (load_file may map the file too)
+    pool = _pool(torch.float32)
+    want = _old_pack(pool, load_peft_adapter(d, CFG))
+
+    def check(expect_mapped: bool):
+        _, tensors, keys = _read_weights(d, False, lazy=True)
+        assert isinstance(tensors, _LazyTensors) and sorted(keys) == sorted(ref)
+        try:
+            assert (len(tensors._index) == len(ref)) == expect_mapped and (expect_mapped or not tensors._index)
+            for k in keys:
+                assert torch.equal(_bits(tensors[k]), _bits(ref[k])) and tensors[k].dtype == ref[k].dtype
+        finally:
+            tensors.close()
+        _assert_same_packed(read_packed_adapter(d, CFG, pool)[1], want)
+
+    check(expect_mapped=True)  # safetensors' own files: every tensor is a view of the mapped file
+    for pad in (1, 2, 6):
+        _rewrite_unaligned(d, pad)
+        check(expect_mapped=pad % file_dtype.itemsize == 0)
+    monkeypatch.setattr(torch, "from_file", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no mmap here")))
+    check(expect_mapped=False)  # no mapping at all: everything through safetensors
+
+
+# ----------------------------------------------------------------------------------------- same errors
+
+
+def _err(fn) -> AdapterError:
+    with pytest.raises(AdapterError) as ei:
+        fn()
+    return ei.value
+
+
+def _assert_same_error(d, **kw):
+    pool = _pool(torch.bfloat16)
+    want = _err(lambda: load_peft_adapter(d, CFG, **kw))
+    got = _err(lambda: read_packed_adapter(d, CFG, pool, **kw))
+    assert (str(got), got.key, got.path) == (str(want), want.key, want.path)
+    assert type(got) is type(want)
+    return got
+
+
+def _patch(d, fn):
+    t = {k: v.clone() for k, v in load_file(str(d / WTS)).items()}  # not views of the file being rewritten
+    fn(t)
+    save_file(t, str(d / WTS), metadata={"format": "pt"})
+
+
+def _key(layer, module, kind):
+    return f"base_model.model.model.layers.{layer}.{MODULE_PARENT[module]}.{module}.lora_{kind}.weight"
+
+
+@pytest.mark.parametrize("file_dtype", DTYPES + [torch.float64], ids=str)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", ["A-first", "B-last", "many"])
+def test_non_finite_rejected_with_the_same_message(where, bad, file_dtype, tmp_path):
+    d = _write_uniform(tmp_path / "a", file_dtype, r=4)
+    k = _key(0, "q_proj", "A") if where == "A-first" else _key(CFG.num_layers - 1, "down_proj", "B")
+
+    def poison(t):
+        x = t[k]
+        if where == "many":
+            x.view(-1)[::3] = bad
+        else:
+            x.view(-1)[-1] = bad  # the last element: the tail of any vectorised reduction
+        t[_key(1, "o_proj", "B")][0, 0] = 1.0  # later / earlier modules stay finite
+
+    _patch(d, poison)
+    err = _assert_same_error(d)
+    assert err.key == k and "expected finite values" in str(err)
+    n = math.ceil(load_file(str(d / WTS))[k].numel() / 3) if where == "many" else 1
+    assert f"got {n} non-finite (NaN/inf) of " in str(err)
+
+
+def test_float64_overflowing_float32_is_still_refused(tmp_path):
+    """A float64 value finite in the file but not in float32: refused before, refused now."""
+    d = _write_uniform(tmp_path / "a", torch.float64, r=4)
+    _patch(d, lambda t: t[_key(2, "up_proj", "A")].__setitem__((1, 2), 1e300))
+    assert "got 1 non-finite" in str(_assert_same_error(d))
+
+
+BREAKERS = {
+    "nan-before-bad-shape": lambda t: (t[_key(0, "k_proj", "B")].__setitem__((0, 0), float("nan")),
+                                       t.__setitem__(_key(2, "q_proj", "A"), torch.zeros(3, 24))),
+    "bad-shape-before-nan": lambda t: (t.__setitem__(_key(0, "k_proj", "B"), torch.zeros(8, 3)),
+                                       t[_key(2, "q_proj", "A")].__setitem__((0, 0), float("nan"))),
+    "integer": lambda t: t.__setitem__(_key(1, "v_proj", "A"), torch.ones(4, 24, dtype=torch.int32)),
+    "half-pair": lambda t: t.pop(_key(1, "gate_proj", "B")),
+    "missing-module": lambda t: (t.pop(_key(2, "o_proj", "A")), t.pop(_key(2, "o_proj", "B"))),
+    "extra-key": lambda t: t.__setitem__("base_model.model.model.norm.weight", torch.zeros(24)),
+    "nan-in-a-valid-adapter-then-extra-key": lambda t: (t[_key(0, "q_proj", "A")].__setitem__((0, 0), float("nan")),
+                                                        t.__setitem__(_key(5, "q_proj", "A"), torch.zeros(4, 24))),
+}
+
+
+@pytest.mark.parametrize("name", list(BREAKERS))
+def test_broken_files_fail_the_same_way(name, tmp_path):
+    d = _write_uniform(tmp_path / "a", torch.bfloat16, r=4)
+    _patch(d, BREAKERS[name])
+    _assert_same_error(d)
+
+
+def test_broken_directories_fail_the_same_way(tmp_path):
+    _assert_same_error(tmp_path / "nope")
+    d = _write_uniform(tmp_path / "a", torch.bfloat16, r=4)
+    (d / WTS).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    assert "cannot read the safetensors file" in str(_assert_same_error(d))
+    d = _write_uniform(tmp_path / "b", torch.bfloat16, r=4)
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    cfg["use_dora"] = True
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    _assert_same_error(d)
+
+
+def test_rank_above_the_pool_validates_values_first(tmp_path):
+    """open_sink may decline (rank above the pool): values are still checked, so the error a caller raises
+    afterwards for the rank comes after the value errors, as before."""
+    d = _write_uniform(tmp_path / "a", torch.float32, r=8)
+    pool = _pool(torch.float32, max_rank=4)
+    adapter, packed = read_packed_adapter(d, CFG, pool)
+    assert packed is None and adapter.max_rank == 8
+    _patch(d, lambda t: t[_key(1, "up_proj", "B")].__setitem__((0, 0), float("inf")))
+    with pytest.raises(AdapterError, match="non-finite"):
+        read_packed_adapter(d, CFG, pool)
+
+
+def test_sink_sees_modules_in_order_and_no_views_survive(tmp_path):
+    d = _write_patterned(tmp_path / "a", torch.float16)
+    seen = []
+
+    class Sink:
+        def put(self, layer, module, a, b, scaling):
+            seen.append((layer, module, a.dtype, tuple(a.shape), tuple(b.shape), scaling))
+
+    adapter, sink = load_peft_adapter_into(d, CFG, lambda r: (seen.append(r), Sink())[1])
+    ref = load_peft_adapter(d, CFG)
+    assert seen[0] == ref.max_rank == 11
+    assert [(layer, m) for layer, m, *_ in seen[1:]] == list(ref.modules)
+    for (layer, m, dt, sa, sb, s) in seen[1:]:
+        w = ref.modules[(layer, m)]
+        assert dt == torch.float16 and sa == tuple(w.a.shape) and sb == tuple(w.b.shape) and s == w.scaling
+    assert all(w.a.device.type == "meta" for w in adapter.modules.values())
+
+
+# ----------------------------------------------------------------------------------------- finiteness check
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
+def test_all_finite_matches_isfinite(dtype, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        for n in (1, 2, 7, 16, 31, 64, 257, 4099, 70_001):  # vector tails and multi-chunk reductions
+            x = _values((n,), dtype, g)
+            assert _all_finite(x)
+            for pos in sorted({0, n // 3, n // 2, n - 1}):
+                for bad in (float("nan"), float("inf"), -float("inf")):
+                    y = x.clone()
+                    y[pos] = bad
+                    assert not _all_finite(y), (n, pos, bad)
+                    assert not _all_finite(y.view(1, n).t())  # a strided view
+        assert _all_finite(torch.empty(0, dtype=dtype))
+    finally:
+        torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------------------- engine
+
+
+ECFG = ModelConfig(**MODEL_SHAPES["tiny"])
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(ECFG, device="cpu", progress=False, max_batch_size=4, max_seq_len=32, max_lora_rank=8, adapter_slots=2)
+
+
+def test_engine_preload_and_reload_use_the_fast_path(engine, tmp_path):
+    d = write_adapter(tmp_path / "a", ECFG, seed=5, rank=8, modules=("q_proj", "down_proj"))
+    adapter = engine.load_adapter("fast", d)
+    assert all(w.a.device.type == "meta" for w in adapter.modules.values())
+    assert "r=8" in adapter.target_summary()
+    want = _old_pack(engine.pool, load_peft_adapter(d, ECFG, name="fast"))
+    handle = engine.cache.get("fast")
+    _assert_same_packed(handle.host, want)
+    _assert_same_packed(engine._reload_adapter(handle), want)
+
+
+def test_engine_preload_errors_unchanged(engine, tmp_path):
+    d = write_adapter(tmp_path / "big", ECFG, seed=6, rank=16, modules=("v_proj",))
+    with pytest.raises(AdapterError, match="exceeds the engine's max_lora_rank 8"):
+        engine.load_adapter("big", d)
+    _patch(d, lambda t: t[next(k for k in t if "lora_B" in k)].__setitem__((0, 0), float("nan")))
+    with pytest.raises(AdapterError, match="non-finite"):  # values are checked before the rank, as before
+        engine.load_adapter("big", d)
+    assert "big" not in engine.list_adapters()
