@@ -67,14 +67,17 @@ def build_lora_plan(token_slots: Sequence[int] | torch.Tensor, device: torch.dev
         raise ValueError(f"token_slots: expected a 1-D sequence of slot ids, got shape {tuple(slots.shape)}")
     if slots.numel() and int(slots.min()) < -1:
         raise ValueError(f"token_slots: slot ids must be >= -1, got {int(slots.min())}")
-    ids = sorted({int(s) for s in slots.tolist() if s >= 0})
-    index = tuple(torch.nonzero(slots == s).flatten().to(device) for s in ids)
+    # tokens grouped by slot, ascending within each slot (stable sort); the -1 tokens sort first
+    order = torch.argsort(slots, stable=True)
+    skip = int((slots < 0).sum())
+    ids, counts = torch.unique_consecutive(slots[order[skip:]], return_counts=True)
+    index = order[skip:].to(device).split(counts.tolist()) if ids.numel() else ()
     plan = LoRAPlan(
         token_slots=slots.to(torch.int32).to(device),
         num_tokens=int(slots.numel()),
-        slot_ids=tuple(ids),
-        token_index=index,
-        has_lora=bool(ids),
+        slot_ids=tuple(ids.tolist()),
+        token_index=tuple(index),
+        has_lora=bool(ids.numel()),
     )
     from multilora.kernels.backends import _extend_plan  # backends add their metadata once per step
 

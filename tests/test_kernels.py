@@ -253,6 +253,27 @@ def test_chunk_table_example():
     assert t[3].tolist() == [1, 2, 1, 2, 1, 0, 0, 0]
 
 
+def test_lora_plan_worked_example():
+    """The example of the LoRAPlan docstring."""
+    plan = build_lora_plan([1, 2, 3, 2, 3, 2, 3, -1])
+    assert plan.slot_ids == (1, 2, 3) and plan.has_lora and plan.num_tokens == 8
+    assert [t.tolist() for t in plan.token_index] == [[0], [1, 3, 5], [2, 4, 6]]
+    assert plan.token_slots.dtype == torch.int32 and plan.token_slots.tolist() == [1, 2, 3, 2, 3, 2, 3, -1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(slots=st.lists(st.integers(-1, 12), max_size=120))
+def test_lora_plan_matches_set_and_nonzero_reference(slots):
+    """slot_ids and token_index as the per-token set + one nonzero per slot (the implementation before)."""
+    plan = build_lora_plan(torch.tensor(slots, dtype=torch.int64))
+    ids = sorted({s for s in slots if s >= 0})
+    assert plan.slot_ids == tuple(ids) and plan.has_lora == bool(ids) and plan.num_tokens == len(slots)
+    assert len(plan.token_index) == len(ids)
+    for s, idx in zip(ids, plan.token_index):
+        want = torch.nonzero(torch.tensor(slots) == s).flatten()
+        assert idx.dtype == torch.int64 and torch.equal(idx, want)
+
+
 def _chunk_table_loop(token_slots: torch.Tensor, block_m: int) -> torch.Tensor:
     """The chunk table built by a Python loop over runs and chunks (the implementation before numpy)."""
     slots = token_slots.detach().to("cpu", torch.int64)
