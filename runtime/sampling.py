@@ -164,18 +164,13 @@ class SamplingTensors:
         # one host buffer, one copy: int64 [3, B] (top_k, seed, step), then float32 [2, B] (temperature, top_p)
         host = torch.empty(32 * b, dtype=torch.uint8)
         buf = host.numpy()
-        ints = buf[: 24 * b].view(np.int64).reshape(3, b)
-        ints[0] = [p.top_k for p in params]
-        ints[1] = seeds
-        ints[2] = steps
-        floats = buf[24 * b :].view(np.float32).reshape(2, b)
-        floats[0] = [p.temperature for p in params]
-        floats[1] = [p.top_p for p in params]
+        buf[: 24 * b].view(np.int64)[:] = [p.top_k for p in params] + seeds + steps
+        buf[24 * b :].view(np.float32)[:] = [p.temperature for p in params] + [p.top_p for p in params]
         dev = _to_device(host, torch.device(device))
-        ints_d, floats_d = dev[: 24 * b].view(torch.int64).view(3, b), dev[24 * b :].view(torch.float32).view(2, b)
+        ints, floats = dev[: 24 * b].view(torch.int64), dev[24 * b :].view(torch.float32)
         sampled = [p for p in params if not p.greedy]
         return SamplingTensors(
-            temperature=floats_d[0], top_p=floats_d[1], top_k=ints_d[0], seed=ints_d[1], step=ints_d[2],
+            temperature=floats[:b], top_p=floats[b:], top_k=ints[:b], seed=ints[b : 2 * b], step=ints[2 * b :],
             all_greedy=not sampled, any_top_p=any(p.top_p < 1 for p in sampled),
             any_top_k=any(p.top_k > 0 for p in sampled), max_top_k=max((p.top_k for p in sampled), default=0),
         )
