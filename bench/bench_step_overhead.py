@@ -7,7 +7,7 @@ until the GPU is done, so the next step's host work is never overlapped with the
 This script measures that host work on the CPU alone.
 
 Setup: the ``tiny`` random model on the CPU (vocab 512), ``max_batch_size=64``, ``max_seq_len=2048``, prompts
-of 512 tokens (like bench_generate.py), greedy, end-of-sequence ignored; ``engine.graphs`` is a
+of 512 tokens (like bench_generate.py), greedy (``--temperature``), end-of-sequence ignored; ``engine.graphs`` is a
 ``DecodeGraphs`` whose forward is stubbed out:
 
     replay  (default) the real replay path of ``DecodeGraphs.run``, with ``_capture`` replaced by a fake graph
@@ -95,10 +95,13 @@ def build_engine(adapter_dir: Path | None, n_adapters: int, mode: str) -> tuple[
     return e, names
 
 
+TEMPERATURE = 0.0  # --temperature
+
+
 def start_batch(e: Engine, B: int, names: list[str], decode_steps: int) -> None:
     """Queue B requests (prompt 512) that generate decode_steps + 1 tokens, and run their prefill."""
     gen = torch.Generator().manual_seed(B)
-    sp = SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True, temperature=0.0)
+    sp = SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True, temperature=TEMPERATURE, seed=0)
     for i in range(B):
         ids = torch.randint(0, e.config.vocab_size, (PROMPT_LEN,), generator=gen).tolist()
         e.add_request(ids, names[i % len(names)] if names else None, sp)
@@ -226,8 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="also run a pass under cProfile and print the top functions")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (as bench_generate.py)")
     ap.add_argument("--out", type=Path, default=None, help="also write the rows (and part times) to this JSON file")
     args = ap.parse_args(argv)
+    global TEMPERATURE
+    TEMPERATURE = args.temperature
     logging.getLogger("multilora").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--steps + --warmup must stay below {MAX_SEQ_LEN - PROMPT_LEN - 1}")
     loras = {"both": (False, True), "off": (False,), "on": (True,)}[args.lora]
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, mode {args.mode}, {args.steps} steps per pass, "
-          f"{torch.get_num_threads()} thread(s)")
+          f"{torch.get_num_threads()} thread(s), temperature {args.temperature}")
     summary, rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for lora in loras:
@@ -253,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 med, mean = statistics.median(per) * 1e6, statistics.fmean(per) * 1e6
                 summary.append((B, lora, med, mean))
                 rows.append({"batch": B, "adapters": B if lora else 0, "mode": args.mode, "steps": args.steps,
+                             "temperature": args.temperature,
                              "us_per_step_median": med, "us_per_step_mean": mean,
                              "parts_us": {k: v * 1e6 for k, v in parts.items()}, "timed_pass_us": tot * 1e6})
                 print(f"\n== batch {B}, {'adapters (' + str(B) + ' distinct)' if lora else 'no adapters'}: "

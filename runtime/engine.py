@@ -558,9 +558,12 @@ class Engine:
     def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[int]:
         """One batched draw on the logits' device (``multilora.runtime.sampling``); the only host sync of a
         step is reading the new ids."""
-        t = SamplingTensors.from_params([r.params for r in batch], [r.seed for r in batch],
-                                        [len(r.output_ids) for r in batch], logits.device)
+        params = [r.params for r in batch]
         with torch.inference_mode():
+            if all(p.greedy for p in params):  # sample_batch's all-greedy path, without building its tensors
+                return logits.float().argmax(dim=-1).tolist()
+            t = SamplingTensors.from_params(params, [r.seed for r in batch], [len(r.output_ids) for r in batch],
+                                            logits.device)
             return sample_batch(logits, t).tolist()
 
     def _postprocess(self, batch: list[Request], logits: torch.Tensor) -> list[Request]:
