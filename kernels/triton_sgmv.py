@@ -295,7 +295,8 @@ def _chunk_table(token_slots: "torch.Tensor | Sequence[int]", block_m: int, devi
         c = first.size  # <= n <= T
         table[1, :c] = s[first]
         table[2, :c] = first
-        table[3, :c] = np.diff(first, append=n)  # chunks tile [0, n): each ends where the next starts
+        table[3, : c - 1] = first[1:] - first[:-1]  # chunks tile [0, n): each ends where the next starts
+        table[3, c - 1] = n - first[-1]
     return torch.from_numpy(table).to(device)
 
 
