@@ -4,11 +4,13 @@ A decode step of ``B`` sequences is padded up to the smallest bucket ``>= B`` (1
 of 16 up to ``max_batch_size``). Each bucket's graph is captured the first time it is needed, after one
 eager warm-up run, and replayed afterwards. Everything that changes between steps lives in static
 buffers written before the replay: input ids, positions, block tables, context lengths, KV slots, the
-tokens' adapter slots and the LoRA chunk table. All of them are views of one device byte buffer, filled from
-one pinned host buffer of the same layout by one host-to-device copy per step (the host side is written with
-numpy; a block-table row is rewritten only when that row's table changed). Padding rows use token 0 at position 0, context length 1,
+tokens' adapter slots and the LoRA chunk table. Padding rows use token 0 at position 0, context length 1,
 a block table of zeros and KV slot 0: they read and write only the cache's reserved null block 0
 (``multilora.memory.kv_cache``) and name no adapter (slot -1), so they never touch a real sequence.
+
+The static buffers are views of one device byte buffer, filled from a pinned host buffer of the same layout
+by one host-to-device copy per step. The host side is written with numpy, and a block-table row only when
+that row's table changed, so the host work of a step is a few dozen small numpy operations whatever the batch.
 
 The captured work is the model forward and the logits of every row (float32 ``[bucket, vocab]``), so a
 replay costs one launch; sampling runs after it on the same stream.
@@ -74,8 +76,9 @@ class DecodeGraphs:
         # One byte buffer per side, 64-byte aligned fields; a step copies the prefix up to its bucket's last
         # block-table row. The chunk field holds [4, bucket] for the bucket being replayed (contiguous): only
         # one graph runs at a time, so every LoRA graph reads the same field.
-        fields = [("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)), ("slot_mapping", torch.int64, (n,)),
-                  ("seq_lens", torch.int32, (n,)), ("token_slots", torch.int32, (n,)), ("chunk", torch.int32, (4 * n,)),
+        fields = [("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)),
+                  ("slot_mapping", torch.int64, (n,)), ("seq_lens", torch.int32, (n,)),
+                  ("token_slots", torch.int32, (n,)), ("chunk", torch.int32, (4 * n,)),
                   ("block_tables", torch.int32, (n, w))]
         spans, off = {}, 0
         for name, dtype, shape in fields:
@@ -90,9 +93,10 @@ class DecodeGraphs:
         for name, (o, nbytes, dtype, shape) in spans.items():
             views[name] = self._dev[o : o + nbytes].view(dtype).view(shape)
             self._h[name] = host[o : o + nbytes].view(np.dtype(str(dtype).replace("torch.", ""))).reshape(shape)
-        self.input_ids, self.positions, self.slot_mapping = views["input_ids"], views["positions"], views["slot_mapping"]
-        self.seq_lens, self.token_slots, self.block_tables = views["seq_lens"], views["token_slots"], views["block_tables"]
-        self._chunk = views["chunk"]
+        self.input_ids, self.positions = views["input_ids"], views["positions"]
+        self.slot_mapping, self.seq_lens = views["slot_mapping"], views["seq_lens"]
+        self.token_slots, self.block_tables = views["token_slots"], views["block_tables"]
+        self._chunk = views["chunk"]  # int32 [4 * n]: the replayed bucket's [4, bucket] chunk table
         self._h["seq_lens"][:] = 1
         self._h["token_slots"][:] = -1
         self._dev.copy_(self._host)

@@ -507,8 +507,8 @@ class Engine:
         if kind == "decode" and self.graphs is not None and self.graphs.bucket_for(len(batch)) is not None:
             with torch.inference_mode():
                 return self.graphs.run(token_ids=[r.output_ids[-1] for r in batch],
-                                       positions=[r.num_tokens - 1 for r in batch],
-                                       block_tables=tables, token_slots=slots, chunk_table=self._decode_chunk_table(slots))
+                                       positions=[r.num_tokens - 1 for r in batch], block_tables=tables,
+                                       token_slots=slots, chunk_table=self._decode_chunk_table(slots))
         if kind == "prefill":  # prompt + any tokens generated before a preemption
             token_ids = [r.prompt_ids + r.output_ids for r in batch]
             starts = [0] * len(batch)
