@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -77,7 +78,8 @@ def build_attention_metadata(
     device: torch.device | str,
     max_blocks: int | None = None,
 ) -> AttentionMetadata:
-    """Build the step's metadata from host lists.
+    """Build the step's metadata from host lists (numpy on the host, no Python loop over tokens; one copy to
+    ``device``: the four tensors are views of one buffer).
 
     Args:
         q_lens: new tokens per sequence (each >= 1).
@@ -102,21 +104,34 @@ def build_attention_metadata(
         if len(bt) * block_size < L:
             raise ValueError(f"build_attention_metadata: sequence {b} needs {-(-L // block_size)} blocks for {L} tokens, "
                              f"its block table has {len(bt)}")
-    width = max_blocks if max_blocks is not None else max(len(bt) for bt in block_tables)
-    table = torch.zeros(B, max(width, 1), dtype=torch.int32)
-    for b, bt in enumerate(block_tables):
-        table[b, : len(bt)] = torch.tensor(list(bt), dtype=torch.int32)
-    slots = []
-    for n, L, bt in zip(q_lens, seq_lens, block_tables):
-        for p in range(L - n, L):
-            slots.append(bt[p // block_size] * block_size + p % block_size)
-    qsl = torch.zeros(B + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(list(q_lens), dtype=torch.int32).cumsum(0)
+    width = max(max_blocks if max_blocks is not None else max(len(bt) for bt in block_tables), 1)
+    qn = np.fromiter(q_lens, dtype=np.int64, count=B)
+    ln = np.fromiter(seq_lens, dtype=np.int64, count=B)
+    T = int(qn.sum())
+    # one host buffer, one copy to the device (fields 64-byte aligned): int64 slot_mapping [T], then int32
+    # query_start_loc [B + 1], seq_lens [B] and block_tables [B, width]
+    o_qsl = _align64(8 * T)
+    o_len = o_qsl + _align64(4 * (B + 1))
+    o_tab = o_len + _align64(4 * B)
+    host = torch.zeros(o_tab + 4 * B * width, dtype=torch.uint8)
+    buf = host.numpy()
+    table = buf[o_tab:].view(np.int32).reshape(B, width)
+    for b, bt in enumerate(block_tables):  # one numpy row assignment per sequence
+        table[b, : len(bt)] = bt
+    qsl = buf[o_qsl : o_qsl + 4 * (B + 1)].view(np.int32)
+    qsl[1:] = np.cumsum(qn)
+    buf[o_len : o_len + 4 * B].view(np.int32)[:] = ln
+    # the new tokens' positions: sequence b's are L_b - q_b .. L_b - 1; position p sits in block p // block_size
+    first = np.cumsum(qn) - qn  # each sequence's first token
+    seq = np.repeat(np.arange(B), qn)
+    pos = np.arange(T) + np.repeat(ln - qn - first, qn)
+    buf[: 8 * T].view(np.int64)[:] = table[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    dev = host.to(device)
     meta = AttentionMetadata(
-        query_start_loc=qsl.to(device),
-        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32).to(device),
-        block_tables=table.to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
+        query_start_loc=dev[o_qsl : o_qsl + 4 * (B + 1)].view(torch.int32),
+        seq_lens=dev[o_len : o_len + 4 * B].view(torch.int32),
+        block_tables=dev[o_tab:].view(torch.int32).view(B, width),
+        slot_mapping=dev[: 8 * T].view(torch.int64),
         block_size=block_size,
         q_lens=tuple(int(n) for n in q_lens),
         seq_lens_host=tuple(int(L) for L in seq_lens),
@@ -125,6 +140,10 @@ def build_attention_metadata(
     )
     _extend_metadata(meta)
     return meta
+
+
+def _align64(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from multilora.memory.pool import LoRAModuleView
@@ -67,13 +68,25 @@ def build_lora_plan(token_slots: Sequence[int] | torch.Tensor, device: torch.dev
         raise ValueError(f"token_slots: expected a 1-D sequence of slot ids, got shape {tuple(slots.shape)}")
     if slots.numel() and int(slots.min()) < -1:
         raise ValueError(f"token_slots: slot ids must be >= -1, got {int(slots.min())}")
-    ids = sorted({int(s) for s in slots.tolist() if s >= 0})
-    index = tuple(torch.nonzero(slots == s).flatten().to(device) for s in ids)
+    # tokens grouped by slot, ascending within each slot (stable sort; the -1 tokens sort first), on the host
+    s = slots.numpy()
+    order = np.argsort(s, kind="stable")
+    order = order[np.count_nonzero(s < 0) :]
+    grouped = s[order]
+    starts = np.ones(grouped.size, dtype=bool)
+    np.not_equal(grouped[1:], grouped[:-1], out=starts[1:])
+    first = np.flatnonzero(starts)  # where each slot's run starts
+    ids = grouped[first].tolist()
+    ends = np.empty_like(first)
+    ends[:-1] = first[1:]
+    ends[-1:] = grouped.size
+    counts = (ends - first).tolist()
+    index = torch.from_numpy(order).to(device).split(counts) if ids else ()
     plan = LoRAPlan(
         token_slots=slots.to(torch.int32).to(device),
         num_tokens=int(slots.numel()),
         slot_ids=tuple(ids),
-        token_index=index,
+        token_index=tuple(index),
         has_lora=bool(ids),
     )
     from multilora.kernels.backends import _extend_plan  # backends add their metadata once per step

@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -267,23 +268,36 @@ def block_m_for(num_tokens: int) -> int:
     return 16 if num_tokens <= 512 else 64
 
 
-def _chunk_table(token_slots: torch.Tensor, block_m: int, device: torch.device) -> torch.Tensor:
-    """int32 ``[4, T]``: sorted_tokens, chunk_slot, chunk_start, chunk_len (see the module docstring)."""
-    slots = token_slots.detach().to("cpu", torch.int64)
-    T = int(slots.numel())
-    table = torch.zeros(4, max(T, 1), dtype=torch.int32)
-    table[1].fill_(-1)
-    order = torch.argsort(slots, stable=True)
+def _chunk_table(token_slots: "torch.Tensor | Sequence[int]", block_m: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[4, T]``: sorted_tokens, chunk_slot, chunk_start, chunk_len (see the module docstring).
+
+    ``token_slots`` is a tensor (any device; read back to the host) or a host sequence of ints. Built with
+    numpy in a fixed number of vectorised steps (no Python loop over tokens or chunks)."""
+    if isinstance(token_slots, torch.Tensor):
+        slots = token_slots.detach().to("cpu", torch.int64).numpy()
+    else:
+        slots = np.asarray(token_slots, dtype=np.int64)
+    slots = slots.reshape(-1)
+    T = slots.size
+    table = np.zeros((4, max(T, 1)), dtype=np.int32)
+    table[1] = -1
+    order = np.argsort(slots, kind="stable")
     order = order[slots[order] >= 0]
-    table[0, : order.numel()] = order.to(torch.int32)
-    ids, counts = torch.unique_consecutive(slots[order], return_counts=True)
-    c, seg = 0, 0
-    for s, cnt in zip(ids.tolist(), counts.tolist()):
-        for off in range(0, cnt, block_m):
-            table[1, c], table[2, c], table[3, c] = s, seg + off, min(block_m, cnt - off)
-            c += 1
-        seg += cnt
-    return table.to(device)
+    n = order.size
+    if n:
+        table[0, :n] = order
+        s = slots[order]
+        pos = np.arange(n)
+        starts = np.zeros(n, dtype=np.int64)  # the first sorted position of each position's run of one slot
+        np.copyto(starts[1:], pos[1:], where=s[1:] != s[:-1])
+        np.maximum.accumulate(starts, out=starts)
+        first = np.flatnonzero((pos - starts) % block_m == 0)  # chunk starts: a run's start, then every block_m
+        c = first.size  # <= n <= T
+        table[1, :c] = s[first]
+        table[2, :c] = first
+        table[3, : c - 1] = first[1:] - first[:-1]  # chunks tile [0, n): each ends where the next starts
+        table[3, c - 1] = n - first[-1]
+    return torch.from_numpy(table).to(device)
 
 
 def _plan_table(plan, block_m: int, device: torch.device) -> torch.Tensor:

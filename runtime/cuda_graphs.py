@@ -8,6 +8,10 @@ tokens' adapter slots and the LoRA chunk table. Padding rows use token 0 at posi
 a block table of zeros and KV slot 0: they read and write only the cache's reserved null block 0
 (``multilora.memory.kv_cache``) and name no adapter (slot -1), so they never touch a real sequence.
 
+The static buffers are views of one device byte buffer, filled from a pinned host buffer of the same layout
+by one host-to-device copy per step. The host side is written with numpy, and a block-table row only when
+that row's table changed, so the host work of a step is a few dozen small numpy operations whatever the batch.
+
 The captured work is the model forward and the logits of every row (float32 ``[bucket, vocab]``), so a
 replay costs one launch; sampling runs after it on the same stream.
 
@@ -21,6 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from multilora.kernels import LoRAPlan
@@ -41,7 +46,7 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # float32 [bucket, vocab], written by each replay
-    chunk_table: torch.Tensor | None  # int32 [4, bucket] LoRA chunk table, or None without LoRA
+    chunk_table: torch.Tensor | None  # int32 [4, bucket] LoRA chunk table (a view of the shared buffer), or None
     plan: object  # the captured StepPlan: keeps every tensor the graph reads (e.g. a kernel's tile table) alive
 
 
@@ -67,17 +72,40 @@ class DecodeGraphs:
         self.max_seq_len = max_seq_len
         self.lora_backend, self.attention_backend = lora_backend, attention_backend
         self.capture = capture
-        n, dev = self.buckets[-1], self.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=dev)
-        self.token_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        n, w, dev = self.buckets[-1], max_blocks, self.device
+        # One byte buffer per side, 64-byte aligned fields; a step copies the prefix up to its bucket's last
+        # block-table row. The chunk field holds [4, bucket] for the bucket being replayed (contiguous): only
+        # one graph runs at a time, so every LoRA graph reads the same field.
+        fields = [("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)),
+                  ("slot_mapping", torch.int64, (n,)), ("seq_lens", torch.int32, (n,)),
+                  ("token_slots", torch.int32, (n,)), ("chunk", torch.int32, (4 * n,)),
+                  ("block_tables", torch.int32, (n, w))]
+        spans, off = {}, 0
+        for name, dtype, shape in fields:
+            nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+            spans[name] = (off, nbytes, dtype, shape)
+            off += -(-nbytes // 64) * 64
+        self._dev = torch.zeros(off, dtype=torch.uint8, device=dev)
+        self._host = torch.zeros(off, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+        host = self._host.numpy()
+        self._h: dict[str, np.ndarray] = {}
+        views = {}
+        for name, (o, nbytes, dtype, shape) in spans.items():
+            views[name] = self._dev[o : o + nbytes].view(dtype).view(shape)
+            self._h[name] = host[o : o + nbytes].view(np.dtype(str(dtype).replace("torch.", ""))).reshape(shape)
+        self.input_ids, self.positions = views["input_ids"], views["positions"]
+        self.slot_mapping, self.seq_lens = views["slot_mapping"], views["seq_lens"]
+        self.token_slots, self.block_tables = views["token_slots"], views["block_tables"]
+        self._chunk = views["chunk"]  # int32 [4 * n]: the replayed bucket's [4, bucket] chunk table
+        self._h["seq_lens"][:] = 1
+        self._h["token_slots"][:] = -1
+        self._dev.copy_(self._host)
+        self._rows: list[list[int]] = [[] for _ in range(n)]  # each host block-table row as last written ([] = zeros)
+        self._bt_off, self._row_bytes = spans["block_tables"][0], 4 * w
+        self._arange = np.arange(n)
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None  # recorded after each host -> device copy
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.last_index = torch.arange(n, dtype=torch.int64, device=dev)
-        # one pinned staging row per step: ids, positions, slots, seq_lens, token slots, then block tables
-        self._host = torch.zeros(5 * n + n * max_blocks, dtype=torch.int64, pin_memory=dev.type == "cuda")
         self._graphs: dict[tuple[int, bool], _Graph] = {}
         self._pool = None  # one memory pool shared by all graphs
         model.ensure_rope_positions(max_seq_len)  # never grown inside a capture
@@ -112,10 +140,17 @@ class DecodeGraphs:
         from multilora.kernels.triton_sgmv import block_m_for
 
         assert block_m_for(B) == 16, "decode buckets are at most 512 rows"
-        table = torch.zeros(4, B, dtype=torch.int32, device=self.device) if lora else None
+        table = self._chunk[: 4 * B].view(4, B) if lora else None
         if table is not None:
-            table[1].fill_(-1)  # no chunks: padding-only warm-up
+            table.zero_()
+            table[1].fill_(-1)  # no chunks: padding-only warm-up (the step's own table is written after capture)
         plan = self._plans(B, lora, table)
+        graph, logits = self._record(plan)
+        log.debug("captured decode graph for batch %d (lora=%s)", B, lora)
+        return _Graph(graph, logits, table, plan)
+
+    def _record(self, plan) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up, then capture ``_forward(plan)`` in a CUDA graph; (graph, its logits buffer)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -126,8 +161,7 @@ class DecodeGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
             logits = self._forward(plan)
-        log.debug("captured decode graph for batch %d (lora=%s)", B, lora)
-        return _Graph(graph, logits, table, plan)
+        return graph, logits
 
     # ----------------------------------------------------------------------------------- replay
     def run(self, *, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
@@ -148,28 +182,10 @@ class DecodeGraphs:
         g = self._graphs.get(key)
         if g is None and self.capture:
             g = self._graphs[key] = self._capture(bucket, lora)
-        n, w, bs = self.buckets[-1], self.max_blocks, self.kv.block_size
-        h = self._host
-        h.zero_()
-        h[0:B] = torch.tensor(list(token_ids))
-        pos = torch.tensor(list(positions))
-        h[n : n + B] = pos
-        tables = torch.zeros(B, w, dtype=torch.int64)
-        for b, bt in enumerate(block_tables):
-            tables[b, : len(bt)] = torch.tensor(list(bt))
-        h[2 * n : 2 * n + B] = tables.gather(1, (pos // bs)[:, None]).squeeze(1) * bs + pos % bs
-        h[3 * n : 4 * n] = 1
-        h[3 * n : 3 * n + B] = pos + 1
-        h[4 * n : 5 * n] = -1
-        h[4 * n : 4 * n + B] = torch.tensor(list(token_slots))
-        h[5 * n : 5 * n + B * w] = tables.flatten()
-        dev = h[: 5 * n + bucket * w].to(self.device, non_blocking=True)
-        self.input_ids.copy_(dev[0:n])
-        self.positions.copy_(dev[n : 2 * n])
-        self.slot_mapping.copy_(dev[2 * n : 3 * n])
-        self.seq_lens.copy_(dev[3 * n : 4 * n])
-        self.token_slots.copy_(dev[4 * n : 5 * n])
-        self.block_tables[:bucket].copy_(dev[5 * n : 5 * n + bucket * w].view(bucket, w))
+        size = self._stage(B, bucket, token_ids, positions, block_tables, token_slots, chunk_table)
+        self._dev[:size].copy_(self._host[:size], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
         if not self.capture:  # eager: the same buffers and padding, a LoRA plan of the padded slots
             from multilora.kernels import build_lora_plan
             from multilora.runtime.model import StepPlan
@@ -180,13 +196,45 @@ class DecodeGraphs:
             plan = StepPlan(input_ids=plan.input_ids, positions=plan.positions, q_lens=plan.q_lens,
                             last_index=plan.last_index, attn=plan.attn, lora=build_lora_plan(slots, device=self.device))
             return self._forward(plan)[:B]
-        if lora:
-            full = torch.zeros(4, bucket, dtype=torch.int32)
-            full[1].fill_(-1)
-            full[:, :B] = chunk_table[:, :B]
-            g.chunk_table.copy_(full.to(self.device, non_blocking=True))
         g.graph.replay()
         return g.logits[:B]
+
+    def _stage(self, B: int, bucket: int, token_ids: Sequence[int], positions: Sequence[int],
+               block_tables: Sequence[Sequence[int]], token_slots: Sequence[int], chunk_table) -> int:
+        """Write the step into the pinned host buffer; return how many bytes of it the step's copy needs."""
+        if self._copied is not None:  # the previous step's copy reads this buffer (normally long done: the
+            self._copied.synchronize()  # engine reads each step's sampled ids back before the next step)
+        h, bs = self._h, self.kv.block_size
+        tables, rows = h["block_tables"], self._rows
+        for b in range(bucket):  # rows past B are padding: an empty table (zeros = the null block)
+            src = block_tables[b] if b < B else []
+            if not isinstance(src, list):
+                src = list(src)
+            if src != rows[b]:
+                tables[b, : len(src)] = src
+                tables[b, len(src) :] = 0
+                rows[b] = list(src)  # a copy: the caller may change its list later
+        ids, pos, slots = h["input_ids"], h["positions"], h["slot_mapping"]
+        ids[:B] = token_ids
+        ids[B:] = 0
+        pos[:B] = positions
+        pos[B:] = 0
+        p = pos[:B]
+        slots[:B] = tables[self._arange[:B], p // bs].astype(np.int64) * bs + p % bs
+        slots[B:] = 0
+        seq = h["seq_lens"]
+        seq[:B] = p + 1
+        seq[B:] = 1
+        ts = h["token_slots"]
+        ts[:B] = token_slots
+        ts[B:] = -1
+        if chunk_table is not None:
+            ct = chunk_table.numpy() if isinstance(chunk_table, torch.Tensor) else np.asarray(chunk_table)
+            c = h["chunk"][: 4 * bucket].reshape(4, bucket)
+            c[:, :B] = ct[:, :B]
+            c[:, B:] = 0
+            c[1, B:] = -1
+        return self._bt_off + bucket * self._row_bytes
 
     @property
     def captured(self) -> list[tuple[int, bool]]:

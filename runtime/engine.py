@@ -271,6 +271,8 @@ class Engine:
                                        max_seq_len=self.max_seq_len, lora_backend=self.lora_backend,
                                        attention_backend=self.attention_backend)
         self._failed_in_admission: list[Request] = []
+        self._chunk_key: tuple[int, ...] | None = None  # the slots of the last graph decode step's chunk table
+        self._chunk_value: torch.Tensor | None = None
         self._counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
                           "recomputed_tokens": 0, "generated_tokens": 0, "requests_finished": 0,
                           "requests_failed": 0}
@@ -534,14 +536,10 @@ class Engine:
         tables = [self.kv.block_table(r.seq_id) for r in batch]
         slots = [r.slot for r in batch]
         if kind == "decode" and self.graphs is not None and self.graphs.bucket_for(len(batch)) is not None:
-            from multilora.kernels.triton_sgmv import _chunk_table
-
-            has_lora = any(s >= 0 for s in slots)
-            table = _chunk_table(torch.tensor(slots), 16, torch.device("cpu")) if has_lora else None
             with torch.inference_mode():
                 return self.graphs.run(token_ids=[r.output_ids[-1] for r in batch],
-                                       positions=[r.num_tokens - 1 for r in batch],
-                                       block_tables=tables, token_slots=slots, chunk_table=table)
+                                       positions=[r.num_tokens - 1 for r in batch], block_tables=tables,
+                                       token_slots=slots, chunk_table=self._decode_chunk_table(slots))
         if kind == "prefill":  # prompt + any tokens generated before a preemption
             token_ids = [r.prompt_ids + r.output_ids for r in batch]
             starts = [0] * len(batch)
@@ -550,13 +548,26 @@ class Engine:
             starts = [r.num_tokens - 1 for r in batch]
         return self._run_forward(token_ids, starts, tables, slots, to_cpu=False)
 
+    def _decode_chunk_table(self, slots: list[int]) -> torch.Tensor | None:
+        """The LoRA chunk table of a graph decode step's slots (``triton_sgmv._chunk_table``, BLOCK_M 16, on the
+        host), None when no request has an adapter. Kept while the batch's slots stay the same (most steps)."""
+        key = tuple(slots)
+        if key != self._chunk_key:
+            from multilora.kernels.triton_sgmv import _chunk_table
+
+            self._chunk_key = key
+            self._chunk_value = _chunk_table(slots, 16, torch.device("cpu")) if any(s >= 0 for s in slots) else None
+        return self._chunk_value
+
     def _run_forward(self, token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]],
                      slots: list[int], kv: PagedKVCache | None = None, *, to_cpu: bool = True) -> torch.Tensor:
         """Build the step plan once and run the model: float32 logits [B, vocab] at each sequence's last new
         token (on the CPU, or on the device with ``to_cpu=False``). ``block_tables[b]`` are sequence b's KV
         blocks in ``kv`` (default: the engine's cache); ``slots[b]`` is its adapter slot (-1 = none)."""
         kv = kv if kv is not None else self.kv
-        lora = build_lora_plan([s for s, ids in zip(slots, token_ids) for _ in ids], device=self.device)
+        per_token = torch.tensor(slots, dtype=torch.int64).repeat_interleave(
+            torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64))
+        lora = build_lora_plan(per_token, device=self.device)
         plan = build_step_plan(self.model, token_ids=token_ids, start_positions=starts, block_tables=block_tables,
                                block_size=kv.block_size, lora=lora)
         with torch.inference_mode():
@@ -578,9 +589,12 @@ class Engine:
     def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[int]:
         """One batched draw on the logits' device (``multilora.runtime.sampling``); the only host sync of a
         step is reading the new ids."""
-        t = SamplingTensors.from_params([r.params for r in batch], [r.seed for r in batch],
-                                        [len(r.output_ids) for r in batch], logits.device)
+        params = [r.params for r in batch]
         with torch.inference_mode():
+            if all(p.greedy for p in params):  # sample_batch's all-greedy path, without building its tensors
+                return logits.float().argmax(dim=-1).tolist()
+            t = SamplingTensors.from_params(params, [r.seed for r in batch], [len(r.output_ids) for r in batch],
+                                            logits.device)
             return sample_batch(logits, t).tolist()
 
     def _postprocess(self, batch: list[Request], logits: torch.Tensor) -> list[Request]:

@@ -15,6 +15,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 
@@ -116,7 +117,7 @@ class SamplingTensors:
         any_top_k: host; some non-greedy row has top_k > 0.
         max_top_k: host; the largest top_k over non-greedy rows (0 when none).
 
-    ``from_params`` moves two packed buffers (float32 [2, B], int64 [3, B]) whose rows these tensors view;
+    ``from_params`` moves one packed buffer (int64 [3, B] then float32 [2, B]) whose rows these tensors view;
     ``copy_from`` refills a fixed set of tensors in place, e.g. the static inputs of a captured CUDA graph.
     """
 
@@ -152,17 +153,24 @@ class SamplingTensors:
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"params[{i}]: expected SamplingParams, got {type(p).__name__}")
-        for i, s in enumerate(steps):
-            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-                raise ValueError(f"steps[{i}]: expected an int >= 0, got {s!r}")
-        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32)
-        ints = torch.tensor([[p.top_k for p in params], [_int64(s, "seeds", i) for i, s in enumerate(seeds)],
-                             list(steps)], dtype=torch.int64)
-        device = torch.device(device)
-        floats, ints = _to_device(floats, device), _to_device(ints, device)
+        steps = list(steps)
+        if not all(type(s) is int and s >= 0 for s in steps):  # fast path for plain ints; else say which
+            for i, s in enumerate(steps):
+                if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+                    raise ValueError(f"steps[{i}]: expected an int >= 0, got {s!r}")
+        seeds = list(seeds)
+        if not all(type(s) is int and -(2**63) <= s < 2**63 for s in seeds):  # in range: reduction is the identity
+            seeds = [_int64(s, "seeds", i) for i, s in enumerate(seeds)]
+        # one host buffer, one copy: int64 [3, B] (top_k, seed, step), then float32 [2, B] (temperature, top_p)
+        host = torch.empty(32 * b, dtype=torch.uint8)
+        buf = host.numpy()
+        buf[: 24 * b].view(np.int64)[:] = [p.top_k for p in params] + seeds + steps
+        buf[24 * b :].view(np.float32)[:] = [p.temperature for p in params] + [p.top_p for p in params]
+        dev = _to_device(host, torch.device(device))
+        ints, floats = dev[: 24 * b].view(torch.int64), dev[24 * b :].view(torch.float32)
         sampled = [p for p in params if not p.greedy]
         return SamplingTensors(
-            temperature=floats[0], top_p=floats[1], top_k=ints[0], seed=ints[1], step=ints[2],
+            temperature=floats[:b], top_p=floats[b:], top_k=ints[:b], seed=ints[b : 2 * b], step=ints[2 * b :],
             all_greedy=not sampled, any_top_p=any(p.top_p < 1 for p in sampled),
             any_top_k=any(p.top_k > 0 for p in sampled), max_top_k=max((p.top_k for p in sampled), default=0),
         )

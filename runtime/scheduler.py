@@ -88,6 +88,7 @@ class Request:
     queued_time: float | None = None  # when it last started waiting (arrival, or its latest preemption)
     skipped_steps: int = 0  # schedule() calls this request has waited through
     preemptions: int = 0  # times it was preempted (its KV blocks taken back; recomputed on re-admission)
+    kv_tokens: int = 0  # positions its KV blocks are known to hold (0: unknown, ask the cache); scheduler-kept
 
     @property
     def num_tokens(self) -> int:
@@ -167,19 +168,26 @@ class Scheduler:
     def _reserve_decode(self) -> None:
         """Give every running request room for its next token, oldest first; preempt the newest while
         blocks run short. The oldest alone always fits (checked at submission), so one always stays."""
-        pending = list(self.running)
+        pending = deque(self.running)
+        bs = self.kv.block_size
         while pending:
-            req = pending.pop(0)
-            while not self.kv.ensure_capacity(req.seq_id, req.num_tokens):
+            req = pending.popleft()
+            n = req.num_tokens
+            if n <= req.kv_tokens:
+                continue  # its blocks already hold position n - 1: ensure_capacity would change nothing
+            while not self.kv.ensure_capacity(req.seq_id, n):
                 victim = pending.pop() if pending else req
                 self._preempt(victim)
                 if victim is req:
                     break
+            else:  # it holds max(what it had, the blocks for n tokens) now
+                req.kv_tokens = max(req.kv_tokens, -(-n // bs) * bs)
         assert self.running, "decode step without a running request"
 
     def _preempt(self, req: Request) -> None:
         """Take a running request's blocks and adapter reference back; it waits at the front of the queue."""
         self.kv.free_seq(req.seq_id)
+        req.kv_tokens = 0
         if req.handle is not None:
             self.cache.enqueue(req.handle)  # first: a retired version keeps its host copy for it
             self.cache.release(req.handle)
@@ -220,7 +228,7 @@ class Scheduler:
                     self.waiting.popleft()
                     self._fail(req, f"{type(e).__name__}: {e}")
                     continue
-            self.kv.allocate_seq(req.seq_id, n + 1)  # fits: checked above, and nothing else allocates here
+            req.kv_tokens = len(self.kv.allocate_seq(req.seq_id, n + 1)) * self.kv.block_size  # fits: checked above
             self.waiting.popleft()
             if req.handle is not None:
                 self.cache.dequeue(req.handle)
@@ -269,6 +277,7 @@ class Scheduler:
         req.finish_time = time.perf_counter()
         if self.kv.has_seq(req.seq_id):
             self.kv.free_seq(req.seq_id)
+        req.kv_tokens = 0
         if req.handle is not None and req.slot >= 0:
             self.cache.release(req.handle)
             req.slot = -1

@@ -76,6 +76,39 @@ def make_batch(q_lens, seq_lens, *, H, Hkv, D, block_size, dtype=torch.float32, 
                  list(q_lens), list(seq_lens))
 
 
+def _metadata_loop(q_lens, seq_lens, tables, block_size, max_blocks=None):
+    """(query_start_loc, seq_lens, block_tables, slot_mapping) built by Python loops (the implementation
+    before numpy): the reference for ``build_attention_metadata``'s tensors."""
+    width = max_blocks if max_blocks is not None else max(len(bt) for bt in tables)
+    table = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)
+    for b, bt in enumerate(tables):
+        table[b, : len(bt)] = torch.tensor(list(bt), dtype=torch.int32)
+    slots = []
+    for n, L, bt in zip(q_lens, seq_lens, tables):
+        for p in range(L - n, L):
+            slots.append(bt[p // block_size] * block_size + p % block_size)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(list(q_lens), dtype=torch.int32).cumsum(0)
+    return qsl, torch.tensor(list(seq_lens), dtype=torch.int32), table, torch.tensor(slots, dtype=torch.int64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), B=st.integers(1, 6), block_size=st.sampled_from([1, 2, 4, 16]), extra=st.integers(0, 3))
+def test_metadata_tensors_match_loop_reference(data, B, block_size, extra):
+    seq_lens = data.draw(st.lists(st.integers(1, 70), min_size=B, max_size=B))
+    q_lens = [data.draw(st.integers(1, L)) for L in seq_lens]
+    tables = [data.draw(st.lists(st.integers(1, 500), min_size=-(-L // block_size), max_size=-(-L // block_size) + 2))
+              for L in seq_lens]  # any block ids, possibly more blocks than needed
+    width = data.draw(st.sampled_from([None, max(len(t) for t in tables) + extra]))
+    meta = build_attention_metadata(q_lens, seq_lens, tables, block_size=block_size, device="cpu", max_blocks=width)
+    want = _metadata_loop(q_lens, seq_lens, tables, block_size, width)
+    got = (meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    assert (meta.q_lens, meta.seq_lens_host) == (tuple(q_lens), tuple(seq_lens))
+    assert (meta.max_query_len, meta.max_seq_len, meta.block_size) == (max(q_lens), max(seq_lens), block_size)
+
+
 def naive_attention(b: Batch, *, scale: float, sliding_window: int = 0) -> torch.Tensor:
     """fp64 loop: for every new token and head, softmax over its visible keys read one by one through the
     host block table. Reads no key beyond ``p``."""

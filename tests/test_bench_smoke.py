@@ -58,3 +58,15 @@ def test_generate_bench_runs(tmp_path):
         if r["provider"] in ("hf", "peft"):
             assert r["greedy_prefix_match_multilora"] == r["gen"], r
     assert "| target |" in (out / "generate_tiny.md").read_text()
+
+
+def test_step_overhead_bench_runs(tmp_path):
+    out = tmp_path / "step.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_step_overhead.py"), "--batches", "1,2", "--steps", "5",
+           "--warmup", "1", "--profile", "--top", "3", "--out", str(out)]
+    for mode in ("replay", "eager"):
+        p = subprocess.run(cmd + ["--mode", mode], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+        rows = json.loads(out.read_text())["rows"]
+        assert sorted((r["batch"], r["adapters"]) for r in rows) == [(1, 0), (1, 1), (2, 0), (2, 2)]
+        assert all(r["us_per_step_median"] > 0 and r["parts_us"] for r in rows)

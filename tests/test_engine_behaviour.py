@@ -542,3 +542,24 @@ def test_stats_keys(engine):
     assert s2["prompt_tokens"] - s["prompt_tokens"] == 3
     assert s2["requests_finished"] - s["requests_finished"] == 1
     assert engine.last_run["generated_tokens"] == 4 and engine.last_run["tokens_per_second"] > 0
+
+
+def test_all_greedy_step_samples_as_sample_batch():
+    """A step whose requests are all greedy skips the sampling tensors; its tokens are sample_batch's."""
+    from types import SimpleNamespace
+
+    from multilora.runtime.config import ModelConfig
+    from multilora.runtime.sampling import SamplingTensors, sample_batch
+    from multilora.runtime.weights import MODEL_SHAPES
+
+    e = Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", progress=False, max_batch_size=4, max_seq_len=32)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, e.config.vocab_size, generator=g)
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie: the first index wins in both
+    for temps in ([0, 0, 0, 0], [0, 0.8, 0, 1.0]):
+        batch = [SimpleNamespace(params=SamplingParams(temperature=t, seed=i), seed=100 + i, output_ids=[1] * i)
+                 for i, t in enumerate(temps)]
+        want = sample_batch(logits, SamplingTensors.from_params([r.params for r in batch], [r.seed for r in batch],
+                                                                [len(r.output_ids) for r in batch], "cpu")).tolist()
+        assert e._sample(batch, logits) == want
+    e.cache.close()

@@ -253,6 +253,67 @@ def test_chunk_table_example():
     assert t[3].tolist() == [1, 2, 1, 2, 1, 0, 0, 0]
 
 
+def test_lora_plan_worked_example():
+    """The example of the LoRAPlan docstring."""
+    plan = build_lora_plan([1, 2, 3, 2, 3, 2, 3, -1])
+    assert plan.slot_ids == (1, 2, 3) and plan.has_lora and plan.num_tokens == 8
+    assert [t.tolist() for t in plan.token_index] == [[0], [1, 3, 5], [2, 4, 6]]
+    assert plan.token_slots.dtype == torch.int32 and plan.token_slots.tolist() == [1, 2, 3, 2, 3, 2, 3, -1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(slots=st.lists(st.integers(-1, 12), max_size=120))
+def test_lora_plan_matches_set_and_nonzero_reference(slots):
+    """slot_ids and token_index as the per-token set + one nonzero per slot (the implementation before)."""
+    plan = build_lora_plan(torch.tensor(slots, dtype=torch.int64))
+    ids = sorted({s for s in slots if s >= 0})
+    assert plan.slot_ids == tuple(ids) and plan.has_lora == bool(ids) and plan.num_tokens == len(slots)
+    assert len(plan.token_index) == len(ids)
+    for s, idx in zip(ids, plan.token_index):
+        want = torch.nonzero(torch.tensor(slots) == s).flatten()
+        assert idx.dtype == torch.int64 and torch.equal(idx, want)
+
+
+def _chunk_table_loop(token_slots: torch.Tensor, block_m: int) -> torch.Tensor:
+    """The chunk table built by a Python loop over runs and chunks (the implementation before numpy)."""
+    slots = token_slots.detach().to("cpu", torch.int64)
+    T = int(slots.numel())
+    table = torch.zeros(4, max(T, 1), dtype=torch.int32)
+    table[1].fill_(-1)
+    order = torch.argsort(slots, stable=True)
+    order = order[slots[order] >= 0]
+    table[0, : order.numel()] = order.to(torch.int32)
+    ids, counts = torch.unique_consecutive(slots[order], return_counts=True)
+    c, seg = 0, 0
+    for s, cnt in zip(ids.tolist(), counts.tolist()):
+        for off in range(0, cnt, block_m):
+            table[1, c], table[2, c], table[3, c] = s, seg + off, min(block_m, cnt - off)
+            c += 1
+        seg += cnt
+    return table
+
+
+@settings(max_examples=300, deadline=None)
+@given(slots=st.lists(st.integers(-1, 9), max_size=80), block_m=st.sampled_from([1, 2, 3, 16, 64]))
+def test_chunk_table_matches_loop_reference(slots, block_m):
+    want = _chunk_table_loop(torch.tensor(slots, dtype=torch.int64), block_m)
+    for arg in (torch.tensor(slots, dtype=torch.int32), slots, tuple(slots)):  # tensor or host sequence
+        got = _chunk_table(arg, block_m, torch.device("cpu"))
+        assert got.dtype == torch.int32 and torch.equal(got, want), (slots, block_m)
+
+
+def test_chunk_table_random_decode_batches():
+    """Decode-sized batches (distinct, shared and no adapters) and long prefill-like runs, vs the loop."""
+    g = torch.Generator().manual_seed(3)
+    for T in (1, 2, 7, 8, 16, 63, 64, 65, 512, 700):
+        for hi in (0, 1, 4, T):  # slots drawn from [-1, hi): hi = 0 means no adapters at all
+            slots = torch.randint(-1, max(hi, 0), (T,), generator=g) if hi else torch.full((T,), -1)
+            for bm in (16, 64):
+                assert torch.equal(_chunk_table(slots, bm, torch.device("cpu")), _chunk_table_loop(slots, bm))
+    assert torch.equal(_chunk_table(torch.tensor([], dtype=torch.int64), 16, torch.device("cpu")),
+                       torch.tensor([[0], [-1], [0], [0]], dtype=torch.int32))
+
+
 @pytest.mark.parametrize("device,dtype", CPU_CASES[:1] + GPU_CASES[:1])
 def test_dtype_mismatch_is_a_value_error(device, dtype):
     pool, slots = make_pool(SMALL, [4], dtype=dtype, device=device)

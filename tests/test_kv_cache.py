@@ -253,8 +253,10 @@ def _check_kv(engine):
     assert len(sch.running) <= MAX_BATCH
     for r in sch.running:
         assert len(kv.block_table(r.seq_id)) * kv.block_size >= r.num_tokens - 1  # the KV written so far
+        # the scheduler's record (it skips ensure_capacity below it) never claims more than the table holds
+        assert 0 < r.kv_tokens <= len(kv.block_table(r.seq_id)) * kv.block_size
     for r in sch.waiting:
-        assert r.status is Status.WAITING and not kv.has_seq(r.seq_id) and r.slot == -1
+        assert r.status is Status.WAITING and not kv.has_seq(r.seq_id) and r.slot == -1 and r.kv_tokens == 0
 
 
 def _sampling(kind, max_tokens, seed):

@@ -240,6 +240,24 @@ def test_copy_from_refills_a_fixed_batch():
         static.copy_from(SamplingTensors.from_params([GREEDY], [0], [0], "cpu"))
 
 
+def test_from_params_values_match_the_per_field_construction():
+    """The packed single-buffer tensors hold what one torch.tensor per field gives (seeds reduced mod 2**64)."""
+    rng = random.Random(3)
+    for b in (1, 2, 7, 64):
+        params = [SamplingParams(temperature=rng.choice([0, 0.7, 1, 1.3e-7, 2.5]), top_p=rng.choice([1.0, 0.9, 0.123]),
+                                 top_k=rng.choice([0, 1, 50, 10**6])) for _ in range(b)]
+        seeds = [rng.choice([0, -1, 2**63 - 1, -(2**63), 2**63, 2**64 + 5, -(2**70), rng.getrandbits(63)]) for _ in range(b)]
+        steps = [rng.randrange(0, 10**9) for _ in range(b)]
+        t = SamplingTensors.from_params(params, seeds, steps, "cpu")
+        assert torch.equal(t.temperature, torch.tensor([p.temperature for p in params], dtype=torch.float32))
+        assert torch.equal(t.top_p, torch.tensor([p.top_p for p in params], dtype=torch.float32))
+        assert t.top_k.tolist() == [p.top_k for p in params] and t.step.tolist() == steps
+        assert t.seed.tolist() == [(s + 2**63) % 2**64 - 2**63 for s in seeds]
+        assert {x.dtype for x in (t.temperature, t.top_p)} == {torch.float32}
+        assert {x.dtype for x in (t.top_k, t.seed, t.step)} == {torch.int64}
+        assert all(x.shape == (b,) for x in (t.temperature, t.top_p, t.top_k, t.seed, t.step))
+
+
 # ------------------------------------------------------------------------------------------ errors
 @pytest.mark.parametrize("kwargs,match", [
     (dict(params=[]), "params: expected at least one row"),
@@ -247,6 +265,8 @@ def test_copy_from_refills_a_fixed_batch():
     (dict(steps=[0, -1]), r"steps\[1\]: expected an int >= 0"),
     (dict(steps=[0, 1.0]), r"steps\[1\]"),
     (dict(seeds=[1, "x"]), r"seeds\[1\]: expected an int"),
+    (dict(seeds=[True, 1]), r"seeds\[0\]: expected an int"),
+    (dict(steps=[False, 0]), r"steps\[0\]"),
     (dict(params=[GREEDY, {"temperature": 1.0}]), r"params\[1\]: expected SamplingParams"),
 ])
 def test_from_params_rejects_bad_input(kwargs, match):
