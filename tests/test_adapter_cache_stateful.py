@@ -37,7 +37,7 @@ from hypothesis.stateful import (  # noqa: E402
     run_state_machine_as_test,
 )
 
-from multilora import Engine, SamplingParams  # noqa: E402
+from multilora import Engine  # noqa: E402
 from multilora.memory.kv_cache import PagedKVCache  # noqa: E402
 from multilora.memory.pool import PoolFullError  # noqa: E402
 from multilora.runtime.adapter_cache import files_fingerprint  # noqa: E402
@@ -45,6 +45,7 @@ from multilora.runtime.config import TARGET_MODULES  # noqa: E402
 from multilora.runtime.scheduler import Status  # noqa: E402
 from testsupport import write_adapter as _write_adapter  # noqa: E402
 from testsupport import one_thread  # noqa: E402,F401 (autouse fixture)
+from testsupport import tiny_llama_dir, greedy as _greedy  # noqa: E402
 
 VOCAB = 1024
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -71,14 +72,7 @@ def tiny(tmp_path_factory):
 
     As in test_engine_behaviour.py, but with a small vocabulary and no tokenizer: prompts are token ids, and
     every Engine would read the tokenizer again (~0.4 s each; this file builds dozens of engines)."""
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-        initializer_range=0.2, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("tiny-llama")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(str(d))
+    d = tiny_llama_dir(tmp_path_factory, VOCAB)
     probe = Engine(model=str(d), device="cpu", progress=False, max_batch_size=1, max_seq_len=MAX_SEQ, max_lora_rank=24,
                    adapter_slots=1)
     root = tmp_path_factory.mktemp("stateful-adapters")
@@ -110,10 +104,6 @@ def reference(tiny):
         return memo[key]
 
     return tokens
-
-
-def _greedy(n):
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 # --------------------------------------------------------------------------------------- the machine

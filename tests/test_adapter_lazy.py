@@ -17,6 +17,7 @@ from multilora.runtime.config import ModelConfig, TARGET_MODULES
 from multilora.runtime.weights import MODEL_SHAPES
 from testsupport import one_thread  # noqa: F401 (autouse fixture)
 from testsupport import write_adapter
+from testsupport import token_ids
 
 CFG = ModelConfig(**MODEL_SHAPES["tiny"])
 
@@ -27,7 +28,7 @@ def engine():
 
 
 def _ids(n, seed):
-    return torch.randint(3, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return token_ids(n, seed, CFG.vocab_size)
 
 
 def test_lazy_adapter_registers_on_disk_and_matches_preloaded(engine, tmp_path):

@@ -24,6 +24,7 @@ from multilora.runtime.adapters import AdapterError  # noqa: E402
 from multilora.runtime.config import TARGET_MODULES  # noqa: E402
 from testsupport import tokenizer_dir as _tokenizer_dir  # noqa: E402
 from testsupport import write_adapter as _write_adapter  # noqa: E402
+from testsupport import tiny_llama_dir, token_ids  # noqa: E402
 
 VOCAB = 49152
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -40,14 +41,7 @@ ADAPTERS = {
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(model dir, {adapter name: dir}) of a tiny random GQA Llama with the SmolLM2 tokenizer."""
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-        initializer_range=0.2, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("tiny-llama")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(str(d))
+    d = tiny_llama_dir(tmp_path_factory, VOCAB)
     for f in _tokenizer_dir(tmp_path_factory).iterdir():
         shutil.copy(f, d)
     probe = Engine(model=str(d), progress=False, max_batch_size=1)
@@ -76,7 +70,7 @@ def _alone(engine, prompt, adapter, sampling=GREEDY):
 
 
 def _ids(n, seed):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return token_ids(n, seed, VOCAB)
 
 
 def _assert_idle(engine):

@@ -189,6 +189,7 @@ from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.runtime.scheduler import Status  # noqa: E402
 from testsupport import one_thread  # noqa: E402,F401 (autouse fixture)
 from testsupport import write_adapter as _write_adapter  # noqa: E402
+from testsupport import tiny_llama_dir, TINY_LLAMA  # noqa: E402
 
 VOCAB = 1024
 MAX_SEQ = 32
@@ -198,9 +199,7 @@ KV_TOKENS = 48  # 1.5 max-length sequences: random batches run out of blocks
 BLOCK_SIZES = (1, 4, 16)
 ADAPTERS = {"a": (61, 4, ("q_proj", "v_proj")), "b": (62, 4, ("o_proj", "down_proj")),
             "c": (63, 8, ("k_proj", "gate_proj", "up_proj"))}
-TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-            initializer_range=0.2, tie_word_embeddings=False)  # wide init: greedy top-2 gaps far above fp32 noise
+TINY = dict(vocab_size=VOCAB, **TINY_LLAMA)
 
 
 def _kv_bytes(blocks, block_size):
@@ -210,9 +209,7 @@ def _kv_bytes(blocks, block_size):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(model dir, {adapter name: dir}): a tiny random GQA Llama without tokenizer and three adapters."""
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("tiny-llama-kv")
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).save_pretrained(str(d))
+    d = tiny_llama_dir(tmp_path_factory, VOCAB, "tiny-llama-kv")
     probe = Engine(model=str(d), device="cpu", progress=False, max_batch_size=1, max_seq_len=MAX_SEQ, max_lora_rank=8)
     root = tmp_path_factory.mktemp("kv-adapters")
     return d, {n: _write_adapter(root / n, probe.config, *spec) for n, spec in ADAPTERS.items()}

@@ -18,11 +18,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from multilora import Engine, SamplingParams  # noqa: E402
+from multilora import Engine  # noqa: E402
 from multilora.runtime.config import TARGET_MODULES  # noqa: E402
 from multilora.runtime.scheduler import Status  # noqa: E402
 from testsupport import write_adapter as _write_adapter  # noqa: E402
 from testsupport import one_thread  # noqa: E402,F401 (autouse fixture)
+from testsupport import tiny_llama_dir, greedy as _greedy, token_ids  # noqa: E402
 
 VOCAB = 1024
 MAX_SEQ = 16
@@ -30,26 +31,15 @@ N_ADAPTERS = 50
 MODULE_SETS = [("q_proj", "v_proj"), ("k_proj", "o_proj", "down_proj"), TARGET_MODULES, ("gate_proj", "up_proj")]
 
 
-def _greedy(n):
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
 def _ids(n, seed):
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return token_ids(n, seed, VOCAB)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(model dir, {name: adapter dir}, page bytes): a tiny random GQA Llama (as in test_engine_behaviour.py,
     with a small vocabulary and no tokenizer) and 50 rank-4/8 adapters (one pool page each)."""
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-        initializer_range=0.2, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("tiny-llama")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(str(d))
+    d = tiny_llama_dir(tmp_path_factory, VOCAB)
     probe = Engine(model=str(d), device="cpu", progress=False, max_batch_size=1, max_seq_len=MAX_SEQ, max_lora_rank=8,
                    adapter_slots=1)
     root = tmp_path_factory.mktemp("fairness-adapters")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from multilora.runtime.adapters import save_peft_adapter
+from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.weights import default_model_path
 
 
@@ -39,3 +40,31 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+#: A tiny random GQA Llama (HF config fields without vocab_size); the wide init keeps greedy top-2 gaps far
+#: above fp32 noise.
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
+                  eos_token_id=2, initializer_range=0.2, tie_word_embeddings=False)
+
+
+def tiny_llama_dir(tmp_path_factory, vocab_size, name="tiny-llama"):
+    """A HF directory (config.json + safetensors, no tokenizer) of ``TINY_LLAMA`` with ``vocab_size``, weights
+    drawn after ``torch.manual_seed(0)`` (the same weights in every test module)."""
+    import transformers
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp(name)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=vocab_size, **TINY_LLAMA)).save_pretrained(str(d))
+    return d
+
+
+def greedy(n):
+    """Greedy sampling of exactly ``n`` tokens (end-of-sequence ignored)."""
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def token_ids(n, seed, vocab_size):
+    """``n`` seeded random token ids in [3, vocab_size) (ids 0-2 are pad/bos/eos)."""
+    return torch.randint(3, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
