@@ -572,66 +572,19 @@ def _parse_key(key: str, config: ModelConfig, wpath: Path) -> tuple[int, str, st
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool}
-_ST_ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in _ST_DTYPES.values()}
-
-
-def _mapped_index(path: Path) -> tuple[torch.Tensor, dict[str, tuple[torch.dtype, list[int], int, int]]] | None:
-    """The whole safetensors file as one memory-mapped uint8 tensor (``torch.from_file``, private mapping:
-    nothing is read until touched, nothing is written back) and ``key -> (dtype, shape, start, end)`` byte
-    ranges from its header, for zero-copy views. Only entries that are consistent and aligned for their
-    dtype are listed; the caller reads the others through safetensors. None when anything is off (the
-    file was already validated by ``safe_open``; this is a second, cheaper way to the same bytes)."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            size = os.fstat(fh.fileno()).st_size
-            n = int.from_bytes(head, "little")
-            if len(head) != 8 or 8 + n > size:
-                return None
-            header = json.loads(fh.read(n))
-        buf = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-    except (OSError, ValueError, RuntimeError):
-        return None
-    if not isinstance(header, dict):
-        return None
-    base, index = 8 + n, {}
-    for key, v in header.items():
-        try:
-            dtype = _ST_DTYPES[v["dtype"]]
-            shape = [int(d) for d in v["shape"]]
-            start, end = (int(o) for o in v["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            continue  # "__metadata__", or an entry safetensors understands better: read it through safetensors
-        item = _ST_ITEMSIZE[dtype]
-        if (base + start) % item or end - start != math.prod(shape) * item or not 0 <= start <= end <= size - base:
-            continue
-        index[key] = (dtype, shape, base + start, base + end)
-    return buf, index
-
 
 class _LazyTensors(Mapping):
-    """``key -> tensor`` of an open safetensors file, each tensor read when first asked for.
-
-    Lets the fast path validate, check and pack one tensor while it is still in cache instead of holding
-    every tensor of the file first. Tensors are zero-copy views of a private memory map of the file (see
-    :func:`_mapped_index`; ~5x less Python time per tensor than ``safe_open.get_tensor``, which matters
-    with hundreds of tensors per adapter and several loader threads sharing the GIL), or what
-    ``get_tensor`` returns for entries that cannot be viewed. ``close()`` releases the safetensors handle;
-    views keep their mapping alive for as long as they live."""
+    """``key -> tensor`` of an open safetensors file, each tensor read (``safe_open.get_tensor``) when first
+    asked for, so the fast path validates, checks and packs one tensor while it is still in cache instead of
+    holding every tensor of the file first. ``close()`` releases the safetensors handle."""
 
     def __init__(self, handle: Any, path: Path, keys: list[str]) -> None:
         self._f, self._path, self._keys = handle, path, keys
         self._keyset = set(keys)
-        mapped = _mapped_index(path)
-        self._buf, self._index = mapped if mapped is not None else (None, {})
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._keyset:
             raise KeyError(key)
-        hit = self._index.get(key)
-        if hit is not None:
-            dtype, shape, start, end = hit
-            return self._buf[start:end].view(dtype).view(shape)
         try:
             return self._f.get_tensor(key)
         except Exception as e:  # I/O errors surface here instead of in _read_weights
@@ -645,7 +598,6 @@ class _LazyTensors(Mapping):
 
     def close(self) -> None:
         self._f.__exit__(None, None, None)
-        self._buf = None  # views made so far keep the mapping
 
 
 def _read_weights(root: Path, allow_pickle: bool, header_only: bool = False,
