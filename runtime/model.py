@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from multilora.kernels import LoRAPlan, lora_apply
-from multilora.kernels.attention import AttentionMetadata, build_attention_metadata, paged_attention, write_kv
+from multilora.kernels.attention import AttentionMetadata, build_attention_metadata, paged_attention
+from multilora.kernels.fused import add_rms_norm, rms_norm, rope_write_kv, silu_mul
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool, LoRAModuleView
 from multilora.runtime.config import ModelConfig
@@ -56,21 +56,6 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     freqs = positions.float()[:, None] * inv_freq[None, :].to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, head_dim]."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    xf = x.float()
-    return (xf * cos[:, None, :] + rot.float() * sin[:, None, :]).to(x.dtype)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich 2019), computed in float32 as HF Llama does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------- step plan
@@ -200,40 +185,33 @@ class LlamaModel:
             lora_apply(y, x, self._views[layer][name], plan.lora, backend=lora_backend)
         return y
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, plan: StepPlan,
-                   kv: PagedKVCache, backend: str | None) -> torch.Tensor:
-        c = self.config
-        k_cache, v_cache = kv.layer(layer)  # [num_blocks, block_size, Hkv, D]
-        write_kv(k_cache, v_cache, k, v, plan.attn.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, plan.attn, scale=c.head_dim ** -0.5,
-                            sliding_window=c.sliding_window or 0, backend=backend)  # [T, H, D]
-        return o.reshape(q.shape[0], c.q_size)
-
     def forward(self, plan: StepPlan, kv: PagedKVCache, *, lora_backend: str | None = None,
-                attention_backend: str | None = None) -> torch.Tensor:
+                attention_backend: str | None = None, ops_backend: str | None = None) -> torch.Tensor:
         """Run the decoder over the step's tokens; returns final hidden states [T, hidden] (normed).
 
         Keys and values of the step's tokens are written into ``kv`` at ``plan.attn.slot_mapping``.
+        ``ops_backend`` picks the RMSNorm / RoPE + cache write / SiLU-mul ops (``multilora.kernels.fused``:
+        "torch", "triton", None = triton on CUDA).
         """
         c = self.config
-        h = self.embed.index_select(0, plan.input_ids)  # [T, hidden]
+        h = self.embed.index_select(0, plan.input_ids)  # [T, hidden]: the residual stream, updated in place
         T = h.shape[0]
-        cos = self.rope_cos.index_select(0, plan.positions)  # [T, head_dim]
-        sin = self.rope_sin.index_select(0, plan.positions)
+        x = rms_norm(h, self.layers[0]["in_norm"], c.rms_norm_eps, backend=ops_backend)
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer["in_norm"], c.rms_norm_eps)
             qkv = self._linear(x, i, "qkv", plan, lora_backend)  # [T, q + 2 kv]
-            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q = apply_rope(q.reshape(T, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(k.reshape(T, c.num_kv_heads, c.head_dim), cos, sin)
-            v = v.reshape(T, c.num_kv_heads, c.head_dim)
-            attn = self._attention(q, k, v, i, plan, kv, attention_backend)
-            h = h + self._linear(attn, i, "o", plan, lora_backend)
-            x = rms_norm(h, layer["post_norm"], c.rms_norm_eps)
+            k_cache, v_cache = kv.layer(i)  # [num_blocks, block_size, Hkv, D]
+            q = rope_write_kv(qkv, self.rope_cos, self.rope_sin, plan.positions, plan.attn.slot_mapping, k_cache,
+                              v_cache, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                              backend=ops_backend)  # [T, H, D]
+            attn = paged_attention(q, k_cache, v_cache, plan.attn, scale=c.head_dim ** -0.5,
+                                   sliding_window=c.sliding_window or 0, backend=attention_backend)
+            o = self._linear(attn.reshape(T, c.q_size), i, "o", plan, lora_backend)
+            x = add_rms_norm(h, o, layer["post_norm"], c.rms_norm_eps, backend=ops_backend)
             gu = self._linear(x, i, "gate_up", plan, lora_backend)  # [T, 2 * inter]
-            g, u = gu.chunk(2, dim=-1)
-            h = h + self._linear(F.silu(g) * u, i, "down", plan, lora_backend)
-        return rms_norm(h, self.norm, c.rms_norm_eps)
+            d = self._linear(silu_mul(gu, backend=ops_backend), i, "down", plan, lora_backend)
+            nxt = self.layers[i + 1]["in_norm"] if i + 1 < len(self.layers) else self.norm
+            x = add_rms_norm(h, d, nxt, c.rms_norm_eps, backend=ops_backend)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab]."""

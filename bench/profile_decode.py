@@ -1,0 +1,176 @@
+"""Where a decode step's GPU time goes: a kernel-level profile of the engine's decode step (issue 6).
+
+A random-weight model of a real shape (default Llama-3-8B, bf16) on CUDA; B requests of --prompt-len random
+tokens (no adapters, or request i on adapter a<i> with --lora), prefilled, then --steps decode steps run under
+``torch.profiler`` (CPU + CUDA activities; kernels replayed from CUDA graphs are traced too). Printed:
+
+- wall ms per step (host clock, between synchronizations) and GPU kernel ms per step (sum of kernel times);
+- the kernels grouped by name: calls per step, us per call, share of kernel time;
+- for each weight GEMM shape of the model at M = B tokens, ``x @ W.t()`` alone (CUDA events, median of 50):
+  its time and the weight bytes it reads over that time against the copy bandwidth (the ceiling of a
+  weight-bound step).
+
+    python bench/profile_decode.py                    # H200: ~1 min
+    python bench/profile_decode.py --batch 64 --lora
+    python bench/profile_decode.py --json bench/results/profile_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from multilora import Engine, SamplingParams
+from multilora.runtime.config import ModelConfig
+from multilora.runtime.weights import MODEL_SHAPES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_adapter  # noqa: E402
+
+
+def copy_gbps(device: torch.device) -> float:
+    n = 1 << 30
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ts = []
+    for i in range(15):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        e.synchronize()
+        if i >= 5:
+            ts.append(s.elapsed_time(e) / 1e3)
+    return 2 * n / statistics.median(ts) / 1e9
+
+
+def gemm_table(cfg: ModelConfig, B: int, dtype: torch.dtype, device: torch.device, bw: float) -> list[dict]:
+    shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "o": (cfg.hidden_size, cfg.q_size),
+              "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size), "down": (cfg.hidden_size, cfg.intermediate_size),
+              "lm_head": (cfg.vocab_size, cfg.hidden_size)}
+    rows = []
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=device, dtype=dtype)
+        x = torch.randn(B, k, device=device, dtype=dtype)
+        for _ in range(5):
+            x @ w.t()
+        ts = []
+        for _ in range(50):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            x @ w.t()
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e) / 1e3)
+        t = statistics.median(ts)
+        gbps = w.numel() * w.element_size() / t / 1e9
+        rows.append({"gemm": name, "n": n, "k": k, "us": t * 1e6, "weight_gbps": gbps, "frac_of_copy": gbps / bw})
+        del w, x
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(MODEL_SHAPES))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--lora", action="store_true", help="request i on its own rank-16 adapter (all seven projections)")
+    ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument("--torch-ops", action="store_true",
+                    help="RMSNorm / RoPE + KV write / SiLU-mul as torch ops instead of the fused Triton kernels")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    logging.getLogger("multilora").setLevel(logging.ERROR)
+    if not torch.cuda.is_available():
+        ap.error("needs CUDA")
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    if args.torch_ops:
+        from multilora.kernels import fused
+        fused.use_triton = lambda backend, x: False
+    cfg = ModelConfig(**MODEL_SHAPES[args.shape])
+    bw = copy_gbps(dev)
+    total_steps = args.steps + 8
+    engine = Engine(cfg, device=dev, dtype=dtype, progress=False,
+                    max_batch_size=max(args.batch, 1), max_seq_len=args.prompt_len + 2 * total_steps + 16,
+                    max_lora_rank=16, adapter_slots=args.batch if args.lora else 1,
+                    adapter_pool_share=0.3 if args.lora else None, cuda_graphs=not args.no_cuda_graphs)
+    names = None
+    tmp = tempfile.TemporaryDirectory()
+    if args.lora:
+        names = [f"a{i}" for i in range(args.batch)]
+        for i, n in enumerate(names):
+            engine.load_adapter(n, write_adapter(Path(tmp.name) / n, cfg, seed=i, rank=16, dtype=dtype))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
+    sp = SamplingParams(max_tokens=total_steps, ignore_eos=True, temperature=0.0)
+    engine.generate(prompts, adapters=names, sampling=SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
+    for i, p in enumerate(prompts):
+        engine.add_request(p, names[i] if names else None, sp)
+    while engine.scheduler.waiting:
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(4):
+            engine.step()
+        torch.cuda.synchronize()
+    kern: dict[str, list[float]] = defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kern[ev.name].append(ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total)
+    # steps the trace holds: the profiler can miss the first replay; each step reads its ids back once
+    steps_prof = max(1, sum(len(v) for n, v in kern.items() if "DtoH" in n)) if any("DtoH" in n for n in kern) else 4
+    total_us = sum(sum(v) for v in kern.values())
+    wall_ms = statistics.median(walls) * 1e3
+    print(f"profiled {steps_prof} steps")
+    print(f"{args.shape} bf16, batch {args.batch}, {'adapters' if args.lora else 'no adapters'}, "
+          f"cuda_graphs={not args.no_cuda_graphs}, ops={'torch' if args.torch_ops else 'triton'}; copy bandwidth {bw:.0f} GB/s")
+    wbytes = engine.model.nbytes - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2)
+    print(f"wall {wall_ms:.3f} ms/step (median of {args.steps}); GPU kernels {total_us / steps_prof / 1e3:.3f} ms/step "
+          f"over {sum(len(v) for v in kern.values()) / steps_prof:.0f} kernels/step; weights {wbytes / 1e9:.2f} GB -> "
+          f"{wbytes / (wall_ms / 1e3) / 1e9:.0f} GB/s = {wbytes / (wall_ms / 1e3) / 1e9 / bw:.1%} of copy")
+    rows = sorted(((n, len(v) / steps_prof, sum(v) / len(v), sum(v) / total_us) for n, v in kern.items()),
+                  key=lambda r: -r[2] * r[1])
+    print(f"\n{'calls/step':>10} {'us/call':>9} {'share':>7}  kernel")
+    for n, c, us, sh in rows[: args.top]:
+        print(f"{c:10.1f} {us:9.2f} {sh:7.1%}  {n[:110]}")
+    gt = gemm_table(cfg, args.batch, dtype, dev, bw)
+    print(f"\nGEMMs alone at M={args.batch}:")
+    for r in gt:
+        print(f"  {r['gemm']:<8} [{r['n']}x{r['k']}] {r['us']:8.1f} us  {r['weight_gbps']:6.0f} GB/s  {r['frac_of_copy']:.1%}")
+    per_layer = sum(r["us"] for r in gt if r["gemm"] != "lm_head")
+    lm = next(r["us"] for r in gt if r["gemm"] == "lm_head")
+    print(f"  GEMMs of one step: {(per_layer * cfg.num_layers + lm) / 1e3:.3f} ms")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"shape": args.shape, "batch": args.batch, "lora": args.lora,
+                                         "copy_gbps": bw, "wall_ms": wall_ms, "gpu_kernel_ms": total_us / steps_prof / 1e3,
+                                         "kernels": [{"name": n, "calls_per_step": c, "us_per_call": us, "share": sh}
+                                                     for n, c, us, sh in rows],
+                                         "gemms": gt, "torch": torch.__version__,
+                                         "gpu": torch.cuda.get_device_name()}, indent=1))
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

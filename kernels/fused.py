@@ -1,0 +1,146 @@
+"""The decoder's small per-token ops, each one launch on the GPU: RMSNorm (optionally after the residual add),
+RoPE of q and k with the cache write of k and v, and SiLU(gate) * up.
+
+At batch 1 a Llama-3-8B decode step is about 3.9 ms of weight GEMMs; written as plain torch ops these
+three steps were about 40 small kernels per layer (float casts, pow, mean, rsqrt, neg, cat, index_copy, ...),
+about 1,500 launches and 2.4 ms per step on an H200 (``bench/profile_decode.py``). Each op here is one
+Triton kernel (``multilora.kernels.triton_fused``) with the torch version as the CPU path and test oracle.
+
+Every op rounds where the HF Llama reference (``transformers`` ``LlamaRMSNorm``, ``apply_rotary_pos_emb``,
+``LlamaMLP``) rounds: RMSNorm in float32, cast to the activation dtype, then times the weight in that dtype;
+RoPE in float32 (rotate-half convention), cast once; SiLU cast to the dtype before the product with ``up``.
+The Triton kernels do the same float32 math, so they differ from torch only in reduction order (RMSNorm's
+mean of squares) and fused multiply-adds, within one unit in the last place of the output dtype.
+
+Backends (argument ``backend``): ``"torch"``, ``"triton"``, or None = triton for CUDA tensors when it
+imports, else torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+# --------------------------------------------------------------------------------------- torch (oracle)
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019): ``weight * (x / sqrt(mean(x^2) + eps))``, in float32 as HF Llama.
+
+    x [T, N] (any float dtype); weight [N], x's dtype. Returns [T, N] in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_torch(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The residual add, in place, then RMSNorm of the sum: ``h += delta; return rms_norm(h)``.
+
+    h, delta [T, N], same dtype (h is updated in place: the residual stream); weight [N]. Returns [T, N]."""
+    h.add_(delta)
+    return rms_norm_torch(h, weight, eps)
+
+
+def rope_write_kv_torch(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor,
+                        slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                        num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """RoPE (RoFormer, Su et al. 2021; rotate-half) on q and k, then k and v written to their cache slots.
+
+    Args:
+        qkv: [T, (num_heads + 2 * num_kv_heads) * head_dim], the fused q/k/v projection, rows contiguous.
+        rope_cos, rope_sin: float32 [n_positions, head_dim] (``cat(freqs, freqs)`` layout), rows by position.
+        positions: int64 [T], each token's absolute position (< n_positions).
+        slot_mapping: int64 [T], each token's flat cache slot (``block * block_size + offset``).
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
+
+    Returns:
+        q after RoPE, [T, num_heads, head_dim] in qkv's dtype (a new tensor).
+    """
+    T = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    cos = rope_cos.index_select(0, positions)[:, None, :]  # [T, 1, D]
+    sin = rope_sin.index_select(0, positions)[:, None, :]
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        half = head_dim // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+    q = rope(q.reshape(T, num_heads, head_dim))
+    k = rope(k.reshape(T, num_kv_heads, head_dim))
+    nb, bs = k_cache.shape[:2]
+    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slot_mapping,
+                                                          v.reshape(T, num_kv_heads, head_dim).to(v_cache.dtype))
+    return q
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate (Shazeer 2020): gate_up [T, 2 * I] = [gate | up] -> ``silu(gate) * up`` [T, I]."""
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+# ------------------------------------------------------------------------------------------- dispatch
+_TRITON: object | None = None
+
+
+def _triton():
+    global _TRITON
+    if _TRITON is None:
+        try:
+            from multilora.kernels import triton_fused
+        except Exception:  # triton missing
+            triton_fused = False
+        _TRITON = triton_fused
+    return _TRITON or None
+
+
+def use_triton(backend: str | None, x: torch.Tensor) -> bool:
+    """Whether ``backend`` ("torch", "triton", None) means the Triton kernels for tensor ``x``.
+
+    Raises:
+        ValueError: an unknown backend, or "triton" when triton does not import.
+    """
+    if backend not in (None, "torch", "triton"):
+        raise ValueError(f"backend: expected 'torch', 'triton' or None, got {backend!r}")
+    if backend == "torch" or (backend is None and not x.is_cuda):
+        return False
+    if _triton() is None:
+        if backend == "triton":
+            raise ValueError("backend='triton': the Triton kernels are not available (is triton installed?)")
+        return False
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str | None = None) -> torch.Tensor:
+    """``rms_norm_torch`` or its one-kernel Triton twin (see the module docstring for ``backend``)."""
+    if use_triton(backend, x):
+        return _triton().rms_norm(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 backend: str | None = None) -> torch.Tensor:
+    """``add_rms_norm_torch`` (``h += delta`` in place, returns the normed sum) or its one-kernel twin."""
+    if use_triton(backend, h):
+        return _triton().add_rms_norm(h, delta, weight, eps)
+    return add_rms_norm_torch(h, delta, weight, eps)
+
+
+def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor,
+                  slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int,
+                  num_kv_heads: int, head_dim: int, backend: str | None = None) -> torch.Tensor:
+    """``rope_write_kv_torch`` or its one-kernel Triton twin (one program per token)."""
+    if use_triton(backend, qkv):
+        return _triton().rope_write_kv(qkv, rope_cos, rope_sin, positions, slot_mapping, k_cache, v_cache,
+                                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    return rope_write_kv_torch(qkv, rope_cos, rope_sin, positions, slot_mapping, k_cache, v_cache,
+                               num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+
+def silu_mul(gate_up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """``silu_mul_torch`` or its one-kernel Triton twin."""
+    if use_triton(backend, gate_up):
+        return _triton().silu_mul(gate_up)
+    return silu_mul_torch(gate_up)

@@ -1,0 +1,191 @@
+"""Triton kernels for ``multilora.kernels.fused``: RMSNorm (with the residual add), RoPE + KV-cache write,
+SiLU * up. Semantics, shapes and rounding are those of the torch versions there (the oracle).
+
+Every grid depends only on tensor shapes, never on values, so the kernels are safe inside a CUDA graph whose
+buffers (positions, slots) are updated in place between replays.
+
+- ``_rms_norm_kernel``: one program per row; the row (``BLOCK = next_pow2(N)``, N <= 65536) is held in
+  registers, so the residual add, the sum of squares and the scaled store read and write the row once.
+- ``_rope_kv_kernel``: one program per token: all query heads and KV heads as one [heads, head_dim / 2] tile
+  each (the two halves of rotate-half loaded separately, so no permute), the rotated key and the value
+  stored at the token's cache slot, the rotated query to a new [T, H, D] tensor.
+- ``_silu_mul_kernel``: (token, column block) programs over [T, I].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_ROW = 65536
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, stride_x, stride_d, stride_o, N, eps,
+                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_DELTA:  # the residual add, rounded to the activation dtype as torch's h + delta is
+        d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    y = (xf * inv).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+
+
+@triton.jit
+def _rope_tile(src, c, s, rows, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
+    """Load [rows, head_dim] at src (heads contiguous) and rotate: (x1 * c - x2 * s, x2 * c + x1 * s), fp32."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    m = (offs_h[:, None] < rows) & (offs_d[None, :] < HALF)
+    p = src + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
+    return x1 * c + (-x2) * s, x2 * c + x1 * s, m, offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+
+
+@triton.jit
+def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr,
+                    stride_qkv, stride_cos, stride_sin, stride_kc, stride_vc,
+                    H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    dm = offs_d < HALF
+    c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=dm, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=dm, other=0.0)[None, :]
+    row = qkv_ptr + t * stride_qkv
+    # queries -> q [T, H, D]
+    o1, o2, m, off = _rope_tile(row, c, s, H, HALF, BLOCK_H, BLOCK_HALF, HEAD_DIM)
+    qd = q_ptr + t * (H * HEAD_DIM)
+    tl.store(qd + off, o1.to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(qd + off + HALF, o2.to(q_ptr.dtype.element_ty), mask=m)
+    # keys -> k_cache[slot]
+    o1, o2, m, off = _rope_tile(row + H * HEAD_DIM, c, s, HKV, HALF, BLOCK_HKV, BLOCK_HALF, HEAD_DIM)
+    kd = kc_ptr + slot * stride_kc
+    tl.store(kd + off, o1.to(q_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=m)
+    tl.store(kd + off + HALF, o2.to(q_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=m)
+    # values -> v_cache[slot], copied (both halves)
+    vs = row + (H + HKV) * HEAD_DIM
+    vd = vc_ptr + slot * stride_vc
+    for half in tl.static_range(2):
+        v = tl.load(vs + off + half * HALF, mask=m, other=0.0)
+        tl.store(vd + off + half * HALF, v.to(vc_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, I, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < I
+    g = tl.load(gu_ptr + t * stride_gu + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=m, other=0.0).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)  # F.silu, rounded as torch rounds it
+    tl.store(out_ptr + t * stride_o + offs, (a.to(tl.float32) * u).to(out_ptr.dtype.element_ty), mask=m)
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+def _check(name: str, x: torch.Tensor, ndim: int, dtype: torch.dtype | None = None) -> None:
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d tensor, got shape {tuple(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"{name}: expected float16, bfloat16 or float32, got {x.dtype}")
+    if dtype is not None and x.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {x.dtype}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {x.stride()}")
+
+
+def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check("x", x, 2)
+    N = x.shape[1]
+    if N > MAX_ROW:
+        raise ValueError(f"x: rows of at most {MAX_ROW} elements, got {N}")
+    if weight.shape != (N,) or weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError(f"weight: expected a contiguous [{N}] {x.dtype} tensor, got {tuple(weight.shape)} {weight.dtype}")
+    if delta is not None:
+        _check("delta", delta, 2, x.dtype)
+        if delta.shape != x.shape:
+            raise ValueError(f"delta: expected shape {tuple(x.shape)}, got {tuple(delta.shape)}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.shape[0] == 0:
+        return out
+    block = triton.next_power_of_2(N)
+    d = delta if delta is not None else x
+    _rms_norm_kernel[(x.shape[0],)](x, d, weight, out, x.stride(0), d.stride(0), out.stride(0), N, float(eps),
+                                    HAS_DELTA=delta is not None, BLOCK=block,
+                                    num_warps=max(1, min(16, block // 512)))
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton ``rms_norm_torch``: x [T, N] (last dim contiguous), weight [N] -> new [T, N]."""
+    return _norm(x, None, weight, eps)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton ``add_rms_norm_torch``: ``h += delta`` in place, returns RMSNorm(h) as a new [T, N]."""
+    return _norm(h, delta, weight, eps)
+
+
+def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor,
+                  slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int,
+                  num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Triton ``rope_write_kv_torch`` (same arguments and result); one program per token."""
+    _check("qkv", qkv, 2)
+    T, width = qkv.shape
+    if width != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv: expected {(num_heads + 2 * num_kv_heads) * head_dim} columns "
+                         f"((num_heads + 2 * num_kv_heads) * head_dim), got {width}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim: RoPE needs an even head_dim, got {head_dim}")
+    for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+        if t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != head_dim or t.stride(1) != 1:
+            raise ValueError(f"{name}: expected float32 [n_positions, {head_dim}] with contiguous rows, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if t.shape != (T,) or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: expected int32/int64 [{T}], got {t.dtype} {tuple(t.shape)}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (c.dim() != 4 or c.shape[2:] != (num_kv_heads, head_dim) or c.stride(3) != 1 or c.stride(2) != head_dim
+                or c.stride(0) != c.shape[1] * c.stride(1)):
+            raise ValueError(f"{name}: expected [num_blocks, block_size, {num_kv_heads}, {head_dim}] with rows of "
+                             f"contiguous heads, got shape {tuple(c.shape)} strides {c.stride()}")
+    q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q
+    half = head_dim // 2
+    _rope_kv_kernel[(T,)](qkv, rope_cos, rope_sin, positions, slot_mapping, q, k_cache, v_cache,
+                          qkv.stride(0), rope_cos.stride(0), rope_sin.stride(0), k_cache.stride(1), v_cache.stride(1),
+                          H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+                          BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+                          BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Triton ``silu_mul_torch``: gate_up [T, 2 I] -> new [T, I]."""
+    _check("gate_up", gate_up, 2)
+    T, two_i = gate_up.shape
+    if two_i % 2:
+        raise ValueError(f"gate_up: expected an even number of columns [gate | up], got {two_i}")
+    inter = two_i // 2
+    out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if T == 0:
+        return out
+    block = 1024
+    _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
+                                                     BLOCK=block, num_warps=4)
+    return out

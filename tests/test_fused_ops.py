@@ -1,0 +1,237 @@
+"""The decoder's small ops (kernels/fused.py): the torch versions and the Triton kernels against independent
+float64 references written another way:
+
+- RMSNorm as ``x / (||x||_2 / sqrt(N))``, the residual add in float64;
+- RoPE as complex multiplication of (x_i, x_{i + D/2}) pairs by ``exp(i * pos * theta_i)`` (the rotation
+  the rotate-half form computes), and the cache rows read back through the slot mapping;
+- SiLU as ``x * sigmoid(x)``.
+
+On CPU the Triton kernels run under TRITON_INTERPRET=1 (conftest) in fp32 and fp16; ``gpu`` tests run
+bf16/fp16 on CUDA, including the whole model forward with the kernels against the torch ops.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from multilora.kernels import fused
+
+HAS_CUDA = torch.cuda.is_available()
+interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU cases need TRITON_INTERPRET=1")
+DEV = "cuda" if HAS_CUDA else "cpu"
+# |out - ref| per output dtype, ref in float64 from the same rounded inputs, |ref| <~ 4: the output's own
+# rounding (half an ulp) plus float32 intermediate roundings (RMSNorm: the dtype-rounded normed value times
+# the weight rounds twice).
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=4e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=3e-2, rtol=1.6e-2)}
+BACKENDS = ["torch", pytest.param("triton", marks=interp)] if not HAS_CUDA else ["torch", "triton"]
+CPU_DTYPES = [torch.float32, torch.float16]
+
+
+def ref_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xd = x.double()
+    rms = torch.sqrt((xd.norm(dim=-1, keepdim=True) ** 2) / x.shape[-1] + eps)
+    return (xd / rms) * w.double()
+
+
+def ref_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] -> float64, pairs (i, i + D/2) rotated by pos * inv_freq[i] as complex numbers."""
+    half = x.shape[-1] // 2
+    xd = x.double()
+    z = torch.complex(xd[..., :half], xd[..., half:])
+    ang = pos.double()[:, None, None] * inv_freq.double()[None, None, :]
+    r = z * torch.polar(torch.ones_like(ang), ang)
+    return torch.cat((r.real, r.imag), dim=-1)
+
+
+def tables(inv_freq: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    f = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq.double()[None, :]
+    emb = torch.cat((f, f), dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+# -------------------------------------------------------------------------------------------- RMSNorm
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,N", [(1, 64), (5, 96), (3, 4096)])
+def test_rms_norm_matches_reference(backend, dtype, T, N):
+    g = torch.Generator().manual_seed(N + T)
+    x = (torch.randn(T, N, generator=g) * 3).to(dtype)
+    w = (1 + 0.5 * torch.randn(N, generator=g)).to(dtype)
+    out = fused.rms_norm(x, w, 1e-5, backend=backend)
+    assert out.dtype == dtype and out.shape == (T, N)
+    torch.testing.assert_close(out.double(), ref_rms_norm(x, w, 1e-5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_add_rms_norm_updates_residual_in_place(backend, dtype):
+    g = torch.Generator().manual_seed(1)
+    T, N = 4, 200
+    h = torch.randn(T, N, generator=g).to(dtype)
+    d = torch.randn(T, N, generator=g).to(dtype)
+    w = (1 + 0.5 * torch.randn(N, generator=g)).to(dtype)
+    h0 = h.clone()
+    out = fused.add_rms_norm(h, d, w, 1e-6, backend=backend)
+    summed = (h0.double() + d.double()).to(dtype)  # the sum, rounded to the dtype once
+    assert torch.equal(h, summed), "h must hold h + delta rounded to its dtype"
+    torch.testing.assert_close(out.double(), ref_rms_norm(summed, w, 1e-6), **TOL[dtype])
+
+
+@interp
+def test_rms_norm_triton_equals_torch_in_fp32():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(7, 300, generator=g), torch.randn(300, generator=g)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-5, backend="triton"), fused.rms_norm_torch(x, w, 1e-5),
+                               atol=2e-6, rtol=2e-6)
+
+
+# ------------------------------------------------------------------------------------------------ RoPE
+def _rope_case(T, H, Hkv, D, dtype, seed, block_size=4, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    n_pos = 64
+    cos, sin = tables(inv_freq, n_pos)
+    pos = torch.randint(0, n_pos, (T,), generator=g)
+    num_blocks = -(-T // block_size) + 2
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:T]  # distinct, scattered
+    kc = torch.full((num_blocks, block_size, Hkv, D), float("nan")).to(dtype)
+    vc = kc.clone()
+    to = lambda t: t.to(device)  # noqa: E731
+    return [to(t) for t in (qkv, cos, sin, pos, slots, kc, vc)], inv_freq
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,H,Hkv,D", [(1, 4, 2, 16), (6, 9, 3, 64), (3, 8, 8, 32)])
+def test_rope_write_kv_matches_reference(backend, dtype, T, H, Hkv, D):
+    (qkv, cos, sin, pos, slots, kc, vc), inv_freq = _rope_case(T, H, Hkv, D, dtype, seed=T * H + D)
+    q = fused.rope_write_kv(qkv, cos, sin, pos, slots, kc, vc, num_heads=H, num_kv_heads=Hkv, head_dim=D,
+                            backend=backend)
+    qr, kr, vr = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    assert q.shape == (T, H, D) and q.dtype == dtype
+    torch.testing.assert_close(q.double(), ref_rope(qr.reshape(T, H, D), pos, inv_freq), **TOL[dtype])
+    flat_k, flat_v = kc.view(-1, Hkv, D), vc.view(-1, Hkv, D)
+    torch.testing.assert_close(flat_k[slots].double(), ref_rope(kr.reshape(T, Hkv, D), pos, inv_freq), **TOL[dtype])
+    assert torch.equal(flat_v[slots], vr.reshape(T, Hkv, D)), "values are copied unchanged"
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all(), "a slot outside slot_mapping was written"
+
+
+@interp
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(T=st.integers(1, 5), Hkv=st.integers(1, 3), G=st.integers(1, 3), D=st.sampled_from([2, 8, 24]),
+       seed=st.integers(0, 1000))
+def test_rope_write_kv_triton_equals_torch_fp32(T, Hkv, G, D, seed):
+    args, _ = _rope_case(T, Hkv * G, Hkv, D, torch.float32, seed)
+    kw = dict(num_heads=Hkv * G, num_kv_heads=Hkv, head_dim=D)
+    a = [t.clone() for t in args]
+    q1 = fused.rope_write_kv(*args, backend="triton", **kw)
+    q2 = fused.rope_write_kv(*a, backend="torch", **kw)
+    torch.testing.assert_close(q1, q2, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(args[5], a[5], atol=1e-6, rtol=1e-6, equal_nan=True)
+    assert torch.equal(args[6].nan_to_num(), a[6].nan_to_num())
+
+
+@interp
+def test_rope_write_kv_rejects_bad_shapes():
+    (qkv, cos, sin, pos, slots, kc, vc), _ = _rope_case(2, 4, 2, 16, torch.float32, 0)
+    with pytest.raises(ValueError, match="qkv: expected 128 columns"):
+        fused.rope_write_kv(qkv[:, :-16], cos, sin, pos, slots, kc, vc, num_heads=4, num_kv_heads=2, head_dim=16,
+                            backend="triton")
+    with pytest.raises(ValueError, match="k_cache"):
+        fused.rope_write_kv(qkv, cos, sin, pos, slots, kc.transpose(1, 2), vc, num_heads=4, num_kv_heads=2,
+                            head_dim=16, backend="triton")
+    with pytest.raises(ValueError, match="rope_cos: expected float32"):
+        fused.rope_write_kv(qkv, cos.double(), sin, pos, slots, kc, vc, num_heads=4, num_kv_heads=2, head_dim=16,
+                            backend="triton")
+
+
+# ------------------------------------------------------------------------------------------- SiLU * up
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,inter", [(1, 8), (4, 1500)])
+def test_silu_mul_matches_reference(backend, dtype, T, inter):
+    g = torch.Generator().manual_seed(inter)
+    gu = (torch.randn(T, 2 * inter, generator=g) * 4).to(dtype)
+    out = fused.silu_mul(gu, backend=backend)
+    gd, ud = gu.double().chunk(2, dim=-1)
+    ref = gd * torch.sigmoid(gd) * ud
+    assert out.shape == (T, inter) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype]["atol"] * 4, rtol=TOL[dtype]["rtol"] * 2)
+
+
+def test_backend_argument_is_checked():
+    x = torch.ones(1, 4)
+    with pytest.raises(ValueError, match="backend: expected 'torch', 'triton' or None, got 'cuda'"):
+        fused.rms_norm(x, torch.ones(4), 1e-5, backend="cuda")
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_ops_match_torch_ops(dtype):
+    g = torch.Generator().manual_seed(0)
+    T, N, H, Hkv, D = 37, 4096, 32, 8, 128
+    x = torch.randn(T, N, generator=g).to(dtype).cuda()
+    w = (1 + 0.1 * torch.randn(N, generator=g)).to(dtype).cuda()
+    d = torch.randn(T, N, generator=g).to(dtype).cuda()
+    ulp = TOL[dtype]
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-5, backend="triton"), fused.rms_norm(x, w, 1e-5, backend="torch"), **ulp)
+    h1, h2 = x.clone(), x.clone()
+    o1 = fused.add_rms_norm(h1, d, w, 1e-5, backend="triton")
+    o2 = fused.add_rms_norm(h2, d, w, 1e-5, backend="torch")
+    assert torch.equal(h1, h2)
+    torch.testing.assert_close(o1, o2, **ulp)
+    torch.testing.assert_close(o1.double(), ref_rms_norm(h2, w, 1e-5), **TOL[dtype])
+    (qkv, cos, sin, pos, slots, kc, vc), inv_freq = _rope_case(T, H, Hkv, D, dtype, seed=3, block_size=16, device="cuda")
+    a = [t.clone() for t in (kc, vc)]
+    q1 = fused.rope_write_kv(qkv, cos, sin, pos, slots, kc, vc, num_heads=H, num_kv_heads=Hkv, head_dim=D, backend="triton")
+    q2 = fused.rope_write_kv(qkv, cos, sin, pos, slots, *a, num_heads=H, num_kv_heads=Hkv, head_dim=D, backend="torch")
+    torch.testing.assert_close(q1, q2, **ulp)
+    torch.testing.assert_close(kc, a[0], equal_nan=True, **ulp)
+    assert torch.equal(vc.nan_to_num(), a[1].nan_to_num())
+    torch.testing.assert_close(q1.double().cpu(), ref_rope(qkv[:, : H * D].reshape(T, H, D).cpu(), pos.cpu(), inv_freq),
+                               **TOL[dtype])
+    gu = (torch.randn(T, 2 * 14336, generator=g) * 4).to(dtype).cuda()
+    torch.testing.assert_close(fused.silu_mul(gu, backend="triton"), fused.silu_mul(gu, backend="torch"), **ulp)
+
+
+# ------------------------------------------------------------------------------------- whole forward
+@interp
+def test_model_forward_with_triton_ops_equals_torch_ops():
+    """The tiny random model, a prefill of two prompts then a decode step: hidden states and every KV-cache
+    row the same with the Triton ops (interpreter, fp32) as with the torch ops."""
+    from multilora import Engine
+    from multilora.kernels import build_lora_plan
+    from multilora.runtime.config import ModelConfig
+    from multilora.runtime.model import build_step_plan
+    from multilora.runtime.weights import MODEL_SHAPES
+
+    e = Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", progress=False, max_batch_size=2, max_seq_len=64,
+               kv_block_size=4)
+    steps = [([[5, 7, 9, 11, 13], [3, 1]], [0, 0]), ([[2], [4]], [5, 2])]
+    tables = [[1, 2], [3]]
+    out = {}
+    for backend in ("torch", "triton"):
+        for k, v in (e.kv.layer(i) for i in range(e.config.num_layers)):
+            k.fill_(float("nan"))
+            v.fill_(float("nan"))
+        hs = []
+        for ids, starts in steps:
+            plan = build_step_plan(e.model, token_ids=ids, start_positions=starts, block_tables=tables,
+                                   block_size=4, lora=build_lora_plan([-1] * sum(map(len, ids))))
+            hs.append(e.model.forward(plan, e.kv, ops_backend=backend))
+        out[backend] = hs, [t.clone() for i in range(e.config.num_layers) for t in e.kv.layer(i)]
+    for a, b in zip(out["torch"][0], out["triton"][0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(out["torch"][1], out["triton"][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, equal_nan=True)
