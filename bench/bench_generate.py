@@ -17,7 +17,7 @@ copy bandwidth measured in the same run. peft's mixed batch loops over the batch
 is slow, so it generates --peft-gen tokens (default 16): compare it by TPOT and decode tokens/s (each row records
 its gen; output_tokens_per_s_projected extrapolates every row to --gen tokens from its TTFT and TPOT).
 
-    python bench/bench_generate.py --out bench/results        # H200, Llama-3-8B, all providers: ~4-5 min
+    python bench/bench_generate.py --out bench/results        # H200, Llama-3-8B, all providers: ~7 min
     python bench/bench_generate.py --shape tiny --batches 1,2 --prompt-len 8 --gen 3 --peft-gen 2   # CPU smoke run
 
 Targets (issue 6): batch 1 without adapters reads the weights at >= 70% of copy bandwidth; 64 requests on 64
@@ -628,6 +628,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds from start after which no row starts (recorded as skipped)")
     ap.add_argument("--repeats", type=int, default=1, help="timed (TTFT, T_total) pairs per row; medians are reported")
     ap.add_argument("--seed", type=int, default=0, help="prompt token ids")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows already in generate_<shape>.json (except those this run redoes) and add this "
+                         "run's: for a run split over several calls (the table and plot then cover all rows)")
     ap.add_argument("--in-process", action="store_true",
                     help="run multilora and transformers/peft in this process (default: one child process each, so a "
                          "crash or a corrupted CUDA context in one cannot take the other's rows, and all GPU memory "
@@ -723,7 +726,14 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     run = Run(args, config, device, dtype, prompts, meta, out / f"generate_{args.shape}.json", t0=t0)
-    run.path.write_text("[]")
+    kept = []
+    if args.append and run.path.is_file():
+        redo = {(p, b) for g in GROUPS for p, b, _ in expected_rows(args, g)}
+        kept = [r for r in json.loads(run.path.read_text()) if (r.get("provider"), r.get("batch")) not in redo]
+        run.rows = kept
+        run.first_tokens = {(r["provider"], r["batch"]): r["first_request_tokens"] for r in kept
+                            if r.get("first_request_tokens")}
+    run.path.write_text(json.dumps(kept, indent=1))
     print(f"copy bandwidth {copy_gbps:.0f} GB/s ({copy_how}); {meta['device']}, {meta['dtype']}", flush=True)
 
     temp = Path(tempfile.mkdtemp(prefix="multilora-bench-generate-"))

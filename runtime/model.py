@@ -3,7 +3,9 @@
 GQA attention with RoPE (the config's theta, optional llama3/linear scaling), RMSNorm, SwiGLU MLP,
 tied or untied embeddings. q/k/v and gate/up are fused GEMMs; LoRA is added to every projection
 through ``multilora.kernels.lora_apply`` and attention runs over the paged KV cache through
-``multilora.kernels.attention``, both with the step's plan, passed explicitly (``StepPlan``).
+``multilora.kernels.attention``, both with the step's plan, passed explicitly (``StepPlan``). RMSNorm (fused
+with the residual add), RoPE with the KV-cache write, and SiLU * up come from ``multilora.kernels.fused``: one
+Triton kernel each on CUDA, torch ops on the CPU.
 """
 
 from __future__ import annotations
