@@ -50,8 +50,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import PoolFullError
 from multilora.runtime.adapter_cache import AdapterCache, AdapterHandle
