@@ -150,6 +150,26 @@ def test_cuda_graph_decode_matches_eager(setup, dtype):
         assert same >= 0.9 * sum(max_tokens), (outs[True], outs[False])
 
 
+def test_cuda_graph_decode_equals_same_padded_step_eager_bf16(setup):
+    """bf16, base model: greedy tokens with graph replay equal, token for token, those of the same padded
+    static-buffer decode step run eagerly (``DecodeGraphs(capture=False)``: same buckets, shapes and kernels,
+    no graph). Batch shrinking across buckets and preemption (a small KV cache) included."""
+    from multilora import Engine, SamplingParams
+
+    model, d, rows = setup
+    max_tokens = [12, 3, 7, 12, 1, 9, 5, 12]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outs = {}
+    for capture in (False, True):
+        engine = Engine(model=d / "model", device="cuda", dtype=torch.bfloat16, progress=False, max_batch_size=8,
+                        max_seq_len=64, kv_block_size=4, kv_cache_bytes=40 * 4 * 2 * 30 * 3 * 64 * 2)
+        engine.graphs.capture = capture
+        outs[capture] = [o.token_ids for o in engine.generate(rows, sampling=params)]
+        assert len(engine.graphs.captured) >= 2, engine.graphs.captured  # the batch crossed buckets
+    assert [len(t) for t in outs[True]] == max_tokens
+    assert outs[True] == outs[False]
+
+
 def test_cuda_graph_replay_matches_eager_logits(setup):
     """One decode step, replayed from the graph and run eagerly on the same KV state: bf16 logits agree to
     bf16 rounding, and the argmax agrees wherever the top-2 gap is above that rounding."""
