@@ -1,4 +1,4 @@
-"""Helpers shared by the engine benchmarks (``bench_adapter_throughput.py``, ``bench_generate.py``).
+"""Helpers shared by the engine benchmarks (``bench_adapter_throughput.py``, ``bench_generate.py``, ``profile_decode.py``).
 
 The scripts run as ``python bench/<script>.py``, so ``bench/`` is on ``sys.path`` and ``import _common`` works.
 """
@@ -6,6 +6,8 @@ The scripts run as ``python bench/<script>.py``, so ``bench/`` is on ``sys.path`
 from __future__ import annotations
 
 import shutil
+import statistics
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,3 +51,33 @@ def write_adapters(root: Path, config: ModelConfig, n: int, rank: int, dtype: to
         raise SystemExit(f"--adapter-dir {root}: {n} adapters need {per * n / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
     with ThreadPoolExecutor(max(1, threads)) as ex:  # torch.randn and the file writes release the GIL
         return list(ex.map(lambda i: write_adapter(root / f"a{i}", config, i, rank, dtype), range(n)))
+
+
+def copy_bandwidth(device: torch.device) -> tuple[float, str]:
+    """Bytes read + written per second by a large copy: GB/s and how it was measured."""
+    if device.type == "cuda":
+        n = 2 << 30
+        src = torch.ones(n, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        for _ in range(5):
+            dst.copy_(src)
+        times = []
+        for _ in range(20):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            dst.copy_(src)
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        del src, dst
+        torch.cuda.empty_cache()
+        return 2 * n / statistics.median(times) / 1e9, "2 GiB device-to-device copy_, CUDA events, median of 20"
+    n = 256 << 20
+    src = torch.ones(n // 4, dtype=torch.float32)
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        src.clone()
+        times.append(time.perf_counter() - t0)
+    times = times[1:]
+    return 2 * n / statistics.median(times) / 1e9, "256 MiB host tensor clone, median of 5"

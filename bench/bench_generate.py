@@ -60,7 +60,7 @@ from multilora.runtime.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES, random_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import adapter_bytes, write_adapters  # noqa: E402  (bench/_common.py)
+from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
 PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 GROUPS = {"multilora": ("multilora", "multilora-lora"), "hf": ("hf", "peft")}  # one engine / one HF model each
@@ -83,31 +83,6 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
     out = fn()
     sync(device)
     return time.perf_counter() - t0, out
-
-
-def copy_bandwidth(device: torch.device) -> tuple[float, str]:
-    """Bytes read + written per second by a large copy: GB/s and how it was measured."""
-    if device.type == "cuda":
-        n = 2 << 30
-        src = torch.ones(n, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        for _ in range(5):
-            dst.copy_(src)
-        times = []
-        for _ in range(20):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            dst.copy_(src)
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        del src, dst
-        torch.cuda.empty_cache()
-        return 2 * n / statistics.median(times) / GB, "2 GiB device-to-device copy_, CUDA events, median of 20"
-    n = 256 << 20
-    src = torch.ones(n // 4, dtype=torch.float32)
-    times = [timed(src.clone, device)[0] for _ in range(6)][1:]
-    return 2 * n / statistics.median(times) / GB, "256 MiB host tensor clone, median of 5"
 
 
 def measure(generate: Callable[[int], list[list[int]]], batch: int, gen: int, device: torch.device,

@@ -34,23 +34,7 @@ from multilora.runtime.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_adapter  # noqa: E402
-
-
-def copy_gbps(device: torch.device) -> float:
-    n = 1 << 30
-    src = torch.ones(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ts = []
-    for i in range(15):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        e.synchronize()
-        if i >= 5:
-            ts.append(s.elapsed_time(e) / 1e3)
-    return 2 * n / statistics.median(ts) / 1e9
+from _common import copy_bandwidth, write_adapter  # noqa: E402
 
 
 def gemm_table(cfg: ModelConfig, B: int, dtype: torch.dtype, device: torch.device, bw: float) -> list[dict]:
@@ -99,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         from multilora.kernels import fused
         fused.use_triton = lambda backend, x: False
     cfg = ModelConfig(**MODEL_SHAPES[args.shape])
-    bw = copy_gbps(dev)
+    bw, _ = copy_bandwidth(dev)
     total_steps = args.steps + 8
     engine = Engine(cfg, device=dev, dtype=dtype, progress=False,
                     max_batch_size=max(args.batch, 1), max_seq_len=args.prompt_len + 2 * total_steps + 16,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,7 +23,7 @@ BASE_NAMES = ("-", "none", "base")
 def _parse_adapter(spec: str) -> tuple[str, str]:
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--adapter: expected NAME=PATH, got {spec!r}")
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {spec!r}")
     return name, path
 
 
@@ -115,13 +116,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     unknown = sorted({a for _, a in items if a is not None and a not in known})
     if unknown:
         raise ValueError(f"generate: prompts name adapter(s) {unknown} not given with --adapter NAME=PATH")
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed, stop=args.stop)
+    try:
+        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                  top_k=args.top_k, seed=args.seed, stop=args.stop)
+    except ValueError as e:  # name the flag, not the dataclass field
+        raise ValueError(re.sub(r"SamplingParams\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from e
+    for name, path in args.adapter:  # before the model loads: a typo fails in a second, not after the load
+        if not Path(path).exists():
+            raise ValueError(f"--adapter {name}={path}: no such file or directory")
     engine = Engine(args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
                     kv_block_size=args.kv_block_size, max_lora_rank=args.max_lora_rank,
                     adapter_pool_share=args.adapter_pool_share, cuda_graphs=not args.no_cuda_graphs)
     for name, path in args.adapter:
-        engine.load_adapter(name, path)
+        try:
+            engine.load_adapter(name, path)
+        except ValueError as e:
+            raise ValueError(f"--adapter {name}={path}: {e}") from e
     outs = engine.generate([p for p, _ in items], adapters=[a for _, a in items], sampling=sampling,
                            progress=not args.json)
     for o in outs:

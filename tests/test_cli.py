@@ -185,6 +185,7 @@ def test_bad_adapter_spec_exits_2(tiny, capsys):
     code, _, err = run(capsys, "generate", "--model", tiny, "--adapter", "no-equals-sign", "--prompt", "-", "hi")
     assert code == 2
     assert "--adapter" in err and "NAME=PATH" in err and "no-equals-sign" in err
+    assert "argument --adapter: expected NAME=PATH, got 'no-equals-sign'" in err, err  # the option named once
 
 
 def test_unknown_adapter_name_exits_2(tiny, demo_dir, capsys):
@@ -197,7 +198,14 @@ def test_unknown_adapter_name_exits_2(tiny, demo_dir, capsys):
 def test_missing_adapter_dir_exits_2(tiny, tmp_path, capsys):
     missing = tmp_path / "nope"
     code, _, err = run(capsys, "generate", "--model", tiny, "--adapter", f"x={missing}", "--prompt", "x", "hi")
-    assert code == 2 and str(missing) in err
+    assert code == 2 and f"--adapter x={missing}: no such file or directory" in err, err
+
+
+def test_bad_adapter_dir_names_the_flag_and_name(tiny, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = run(capsys, "generate", "--model", tiny, "--adapter", f"x={empty}", "--prompt", "x", "hi")
+    assert code == 2 and f"--adapter x={empty}:" in err and "adapter_config.json" in err, err
 
 
 @pytest.mark.parametrize("line,match", [
@@ -218,7 +226,7 @@ def test_bad_jsonl_line_exits_2_naming_the_line(tiny, tmp_path, capsys, line, ma
                                              ("--top-p", 0, "top_p"), ("--top-k", -2, "top_k")])
 def test_bad_sampling_option_exits_2(tiny, capsys, opt, value, field):
     code, _, err = run(capsys, "generate", "--model", tiny, "--prompt", "-", "hi", opt, value)
-    assert code == 2 and field in err
+    assert code == 2 and f"{opt}: expected" in err and f"got {value}" in err, err
 
 
 def test_jsonl_file_missing_exits_2(tiny, tmp_path, capsys):
