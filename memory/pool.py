@@ -86,6 +86,18 @@ class LoRAModuleView:
     module: str
 
 
+def host_footprint(nbytes: int, pinned: bool) -> int:
+    """Bytes of host memory an allocation of ``nbytes`` really holds.
+
+    Pinned tensors (``pin_memory=True``) come from torch's caching host allocator, which rounds every block up
+    to the next power of two (``PowerOf2Ceil`` in ``aten/src/ATen/core/CachingHostAllocator.h``, torch 2.4-2.11
+    default), so an 84 MB Llama-3-8B rank-16 page image pins 128 MiB. Pageable memory is counted as asked.
+    """
+    if not pinned or nbytes <= 0:
+        return max(nbytes, 0)
+    return 1 << (nbytes - 1).bit_length()
+
+
 @dataclass
 class PackedAdapter:
     """An adapter laid out as the pool's pages, ready to copy in (the host tier's format).
@@ -108,6 +120,12 @@ class PackedAdapter:
     @property
     def nbytes(self) -> int:
         return self.pages.numel() * self.pages.element_size()
+
+    @property
+    def footprint(self) -> int:
+        """Host bytes the image holds (``host_footprint``: ``nbytes`` rounded up to a power of two when pinned):
+        what the host tier's byte budget counts."""
+        return host_footprint(self.nbytes, self.pages.is_pinned())
 
 
 class PagePacker:

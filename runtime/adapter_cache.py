@@ -5,7 +5,9 @@ Tiers
 - **gpu**: pages in the ``AdapterPool`` (on a CPU-only machine the pool lives in host memory and plays
   this role). The pool is the only owner of device memory for adapter weights.
 - **host**: each adapter as a ``PackedAdapter`` (its pages laid out exactly as in the pool, pinned when
-  the pool is on CUDA so host -> GPU copies are asynchronous), bounded by ``host_bytes``. The one copy
+  the pool is on CUDA so host -> GPU copies are asynchronous), bounded by ``host_bytes``, counted as the host
+  memory the copies really hold (``PackedAdapter.footprint``: pinned blocks are rounded up to a power of
+  two by torch's caching host allocator, so a budget of B holds fewer than B / nbytes copies). The one copy
   just added or read back is never dropped to make room, so the budget can be exceeded only while that
   single copy is all the host tier holds (an adapter larger than the whole budget).
 - **disk**: the adapter's own files. A host copy dropped from the host tier is reloaded from them on
@@ -51,7 +53,7 @@ from typing import Callable
 
 import torch
 
-from multilora.memory.pool import AdapterPool, PackedAdapter, PoolFullError
+from multilora.memory.pool import AdapterPool, PackedAdapter, PoolFullError, host_footprint
 from multilora.runtime.adapters import AdapterError
 
 log = logging.getLogger("multilora")
@@ -235,7 +237,7 @@ class AdapterCache:
     @property
     def host_bytes(self) -> int:
         with self._lock:
-            return sum(h.host.nbytes for h in self._host_lru.values() if h.host is not None)
+            return sum(h.host.footprint for h in self._host_lru.values() if h.host is not None)
 
     def _set_host(self, handle: AdapterHandle, packed: PackedAdapter) -> None:
         handle.host = packed
@@ -258,7 +260,7 @@ class AdapterCache:
                 break
             if h is keep or h.host is None:
                 continue
-            over -= h.host.nbytes
+            over -= h.host.footprint
             self._drop_host(h)
             self.stats.host_evictions += 1
 
@@ -321,7 +323,8 @@ class AdapterCache:
             return
         if handle.host is None and not handle.retired and self.host_budget is not None:
             room = self.host_budget - self.host_bytes
-            if room >= handle.num_pages * self.pool.page_bytes:  # gpu -> host: copy the pages back
+            need = host_footprint(handle.num_pages * self.pool.page_bytes, pinned=self.pool.device.type == "cuda")
+            if room >= need:  # gpu -> host: copy the pages back
                 self._set_host(handle, self.pool.unpack(handle.slot, name=handle.name))
                 self.stats.bytes_gpu_to_host += handle.host.nbytes
         self.pool.free(handle.slot)
