@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     dev, dtype = torch.device("cuda"), torch.bfloat16
     if args.torch_ops:
         from multilora.kernels import fused
-        fused.use_triton = lambda backend, x: False
+        fused._kernels = lambda backend, x: None
     cfg = ModelConfig(**MODEL_SHAPES[args.shape])
     bw, _ = copy_bandwidth(dev)
     total_steps = args.steps + 8
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             kern[ev.name].append(ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total)
     # steps the trace holds: the profiler can miss the first replay; each step reads its ids back once
-    steps_prof = max(1, sum(len(v) for n, v in kern.items() if "DtoH" in n)) if any("DtoH" in n for n in kern) else 4
+    steps_prof = sum(len(v) for n, v in kern.items() if "DtoH" in n) or 4
     total_us = sum(sum(v) for v in kern.values())
     wall_ms = statistics.median(walls) * 1e3
     print(f"profiled {steps_prof} steps")

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from multilora.kernels.backends import run_cuda_hook, select_triton
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -216,24 +218,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return o.transpose(1, 2).reshape(B * max_q, H, D).index_select(0, pad)  # [T, H, D]
 
 
-def _triton_backend() -> Callable | None:
-    try:
-        from multilora.kernels import triton_attention
-    except Exception:  # triton missing, or the kernel module not present
-        return None
-    return getattr(triton_attention, "paged_attention_triton", None)
-
-
 def _extend_metadata(meta: AttentionMetadata) -> None:
     """Let the GPU backend add its per-step metadata (no-op on CPU)."""
-    if meta.seq_lens.is_cuda:
-        try:
-            from multilora.kernels import triton_attention
-        except Exception:
-            return
-        hook = getattr(triton_attention, "extend_metadata", None)
-        if hook is not None:
-            hook(meta)
+    run_cuda_hook("triton_attention", "extend_metadata", meta, meta.seq_lens)
 
 
 def resolve_attention_backend(backend: str | None, q: torch.Tensor) -> Callable:
@@ -242,16 +229,9 @@ def resolve_attention_backend(backend: str | None, q: torch.Tensor) -> Callable:
     Raises:
         ValueError: an unknown name, or "triton" when the kernel cannot be used.
     """
-    if backend not in (None, "torch", "triton"):
-        raise ValueError(f"attention backend: expected 'torch', 'triton' or None, got {backend!r}")
-    if backend == "torch" or (backend is None and not q.is_cuda):
-        return paged_attention_torch
-    fn = _triton_backend()
-    if fn is None:
-        if backend == "triton":
-            raise ValueError("attention backend='triton': the Triton kernel is not available (is triton installed?)")
-        return paged_attention_torch
-    return fn
+    mod = select_triton(backend, q, "triton_attention", label="attention backend",
+                        unavailable="the Triton kernel is not available")
+    return paged_attention_torch if mod is None else mod.paged_attention_triton
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from multilora.kernels.backends import select_triton
+
 
 # --------------------------------------------------------------------------------------- torch (oracle)
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,65 +84,39 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------- dispatch
-_TRITON: object | None = None
-
-
-def _triton():
-    global _TRITON
-    if _TRITON is None:
-        try:
-            from multilora.kernels import triton_fused
-        except Exception:  # triton missing
-            triton_fused = False
-        _TRITON = triton_fused
-    return _TRITON or None
-
-
-def use_triton(backend: str | None, x: torch.Tensor) -> bool:
-    """Whether ``backend`` ("torch", "triton", None) means the Triton kernels for tensor ``x``.
+def _kernels(backend: str | None, x: torch.Tensor):
+    """``multilora.kernels.triton_fused`` when ``backend`` means Triton for ``x``, else None (the torch path).
 
     Raises:
-        ValueError: an unknown backend, or "triton" when triton does not import.
+        ValueError: an unknown backend, or "triton" when triton does not import (``backends.select_triton``).
     """
-    if backend not in (None, "torch", "triton"):
-        raise ValueError(f"backend: expected 'torch', 'triton' or None, got {backend!r}")
-    if backend == "torch" or (backend is None and not x.is_cuda):
-        return False
-    if _triton() is None:
-        if backend == "triton":
-            raise ValueError("backend='triton': the Triton kernels are not available (is triton installed?)")
-        return False
-    return True
+    return select_triton(backend, x, "triton_fused")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str | None = None) -> torch.Tensor:
     """``rms_norm_torch`` or its one-kernel Triton twin (see the module docstring for ``backend``)."""
-    if use_triton(backend, x):
-        return _triton().rms_norm(x, weight, eps)
-    return rms_norm_torch(x, weight, eps)
+    k = _kernels(backend, x)
+    return rms_norm_torch(x, weight, eps) if k is None else k.rms_norm(x, weight, eps)
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
                  backend: str | None = None) -> torch.Tensor:
     """``add_rms_norm_torch`` (``h += delta`` in place, returns the normed sum) or its one-kernel twin."""
-    if use_triton(backend, h):
-        return _triton().add_rms_norm(h, delta, weight, eps)
-    return add_rms_norm_torch(h, delta, weight, eps)
+    k = _kernels(backend, h)
+    return add_rms_norm_torch(h, delta, weight, eps) if k is None else k.add_rms_norm(h, delta, weight, eps)
 
 
 def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor,
                   slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int,
                   num_kv_heads: int, head_dim: int, backend: str | None = None) -> torch.Tensor:
     """``rope_write_kv_torch`` or its one-kernel Triton twin (one program per token)."""
-    if use_triton(backend, qkv):
-        return _triton().rope_write_kv(qkv, rope_cos, rope_sin, positions, slot_mapping, k_cache, v_cache,
-                                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    return rope_write_kv_torch(qkv, rope_cos, rope_sin, positions, slot_mapping, k_cache, v_cache,
-                               num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    k = _kernels(backend, qkv)
+    fn = rope_write_kv_torch if k is None else k.rope_write_kv
+    return fn(qkv, rope_cos, rope_sin, positions, slot_mapping, k_cache, v_cache,
+              num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
 
 def silu_mul(gate_up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """``silu_mul_torch`` or its one-kernel Triton twin."""
-    if use_triton(backend, gate_up):
-        return _triton().silu_mul(gate_up)
-    return silu_mul_torch(gate_up)
+    k = _kernels(backend, gate_up)
+    return silu_mul_torch(gate_up) if k is None else k.silu_mul(gate_up)

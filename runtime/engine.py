@@ -580,11 +580,10 @@ class Engine:
         """CUDA graphs need CUDA and graph-safe (Triton) LoRA and attention kernels."""
         if self.device.type != "cuda":
             return False
-        from multilora.kernels.attention import _triton_backend as attention_triton
-        from multilora.kernels.backends import _triton_backend as lora_triton
+        from multilora.kernels.backends import triton_module
 
         return (self.lora_backend in (None, "triton") and self.attention_backend in (None, "triton")
-                and lora_triton() is not None and attention_triton() is not None)
+                and triton_module("triton_sgmv") is not None and triton_module("triton_attention") is not None)
 
     def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[int]:
         """One batched draw on the logits' device (``multilora.runtime.sampling``); the only host sync of a
