@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from multilora.runtime.adapters import save_peft_adapter
-from multilora.runtime.config import TARGET_MODULES, ModelConfig
+from multilora.config import TARGET_MODULES, ModelConfig
 
 
 def adapter_bytes(config: ModelConfig, rank: int, dtype: torch.dtype) -> int:

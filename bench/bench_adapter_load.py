@@ -38,7 +38,7 @@ import torch
 
 from multilora.memory.pool import AdapterPool
 from multilora.runtime.adapters import load_peft_adapter
-from multilora.runtime.config import ModelConfig
+from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_common.py, also under ``python -P``

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from multilora import Engine, SamplingParams
 from multilora.memory.pool import AdapterPool
-from multilora.runtime.config import ModelConfig
+from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
 
 from _common import write_adapters  # bench/_common.py (bench/ is on sys.path when run as a script)

@@ -56,7 +56,7 @@ import torch
 
 from multilora import Engine, SamplingParams
 from multilora.memory.pool import AdapterPool
-from multilora.runtime.config import ModelConfig
+from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES, random_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -49,7 +49,7 @@ LAYER_8B = ["8b-qkv", "8b-o", "8b-gate_up", "8b-down"]  # the seven projections 
 # ---------------------------------------------------------------------------------------------- setup
 def group_config(d_in: int, d_outs: list[int]):
     """A one-layer ModelConfig whose q/k/v (or gate/up, or o/down) modules have the group's shapes."""
-    from multilora.runtime.config import ModelConfig
+    from multilora.config import ModelConfig
 
     if len(d_outs) == 3:  # q/k/v: hidden = d_in, q = heads * head_dim, kv = kv_heads * head_dim
         hd = 128

@@ -48,7 +48,7 @@ from typing import Any, Callable
 import torch
 
 from multilora import Engine, SamplingParams
-from multilora.runtime.config import ModelConfig
+from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from multilora import Engine, SamplingParams
-from multilora.runtime.config import ModelConfig
+from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -26,7 +26,29 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from multilora.memory.pool import LoRAModuleView
+
+
+@dataclass(frozen=True)
+class LoRAModuleView:
+    """Where one (layer, module) lives in the paged adapter pool: what a kernel needs to read every slot's A
+    and B (layout: ``multilora.memory.pool``, which builds these with ``AdapterPool.module_view``).
+
+    All tensors are shared with the pool (no copies). ``ranks[slot]`` and ``scalings[slot]`` are this
+    module's entries; ``page_table`` is the pool's.
+    """
+
+    buffer: torch.Tensor  # [num_pages, page_elems]
+    page_table: torch.Tensor  # int32 [max_slots, max_pages_per_slot]
+    ranks: torch.Tensor  # int32 [max_slots]
+    scalings: torch.Tensor  # float32 [max_slots]
+    offset_a: int
+    offset_b: int
+    d_in: int
+    d_out: int
+    page_rows: int
+    page_elems: int
+    layer: int
+    module: str
 
 
 @dataclass(frozen=True)

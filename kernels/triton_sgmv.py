@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from multilora.memory.pool import LoRAModuleView
+from multilora.kernels.lora import LoRAModuleView
 
 MAX_SLICES = 3  # q/k/v; more views are launched in groups of three
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -50,40 +50,34 @@ import math
 import threading
 from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Mapping, Protocol
 
 import torch
 
-from multilora.runtime.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
-
-if TYPE_CHECKING:  # pragma: no cover
-    from multilora.runtime.adapters import LoRAAdapter
+from multilora.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
+from multilora.kernels.lora import LoRAModuleView
 
 
 class PoolFullError(RuntimeError):
     """Not enough free pages or slots in the adapter pool for an adapter."""
 
 
-@dataclass(frozen=True)
-class LoRAModuleView:
-    """Where one (layer, module) lives in the pool: what a kernel needs to read every slot's A and B.
+class ModuleWeights(Protocol):
+    """One (layer, module) of an adapter as ``pack`` reads it (``runtime.adapters.LoRAModuleWeights``)."""
 
-    All tensors are shared with the pool (no copies). ``ranks[slot]`` and ``scalings[slot]`` are this
-    module's entries; ``page_table`` is the pool's.
-    """
+    a: torch.Tensor  # [r, d_in], PEFT's lora_A.weight
+    b: torch.Tensor  # [d_out, r], PEFT's lora_B.weight
+    scaling: float
 
-    buffer: torch.Tensor  # [num_pages, page_elems]
-    page_table: torch.Tensor  # int32 [max_slots, max_pages_per_slot]
-    ranks: torch.Tensor  # int32 [max_slots]
-    scalings: torch.Tensor  # float32 [max_slots]
-    offset_a: int
-    offset_b: int
-    d_in: int
-    d_out: int
-    page_rows: int
-    page_elems: int
-    layer: int
-    module: str
+
+class AdapterWeights(Protocol):
+    """An adapter as ``pack`` / ``pages_needed`` read it (``runtime.adapters.LoRAAdapter``)."""
+
+    name: str | None
+    modules: Mapping[tuple[int, str], ModuleWeights]
+
+    @property
+    def max_rank(self) -> int: ...
 
 
 def host_footprint(nbytes: int, pinned: bool) -> int:
@@ -325,11 +319,11 @@ class AdapterPool:
     def pages_for_rank(rank: int, page_rows: int) -> int:
         return max(1, math.ceil(rank / page_rows))
 
-    def pages_needed(self, adapter: "LoRAAdapter") -> int:
+    def pages_needed(self, adapter: "AdapterWeights") -> int:
         """Pages an adapter takes: ``ceil(max rank over its modules / page_rows)``, at least 1."""
         return self.pages_for_rank(adapter.max_rank, self.page_rows)
 
-    def can_fit(self, adapter: "LoRAAdapter") -> bool:
+    def can_fit(self, adapter: "AdapterWeights") -> bool:
         return bool(self._free_slots) and self.pages_needed(adapter) <= len(self._free_pages)
 
     # ------------------------------------------------------------------ layout
@@ -360,7 +354,7 @@ class AdapterPool:
         )
 
     # ------------------------------------------------------------------ load / free
-    def pack(self, adapter: "LoRAAdapter") -> PackedAdapter:
+    def pack(self, adapter: "AdapterWeights") -> PackedAdapter:
         """Lay an adapter out as pool pages on the host (see ``PackedAdapter``).
 
         Rank-rows ``r <= j < pages * R`` of every module the adapter touches are zero; regions of modules
@@ -385,7 +379,7 @@ class AdapterPool:
             raise ValueError(f"adapter {name!r}: rank {max_rank} exceeds the pool's max_rank {self.max_rank}")
         return PagePacker(self, max_rank, name)
 
-    def load(self, adapter: "LoRAAdapter | PackedAdapter", *, stream: "torch.cuda.Stream | None" = None) -> int:
+    def load(self, adapter: "AdapterWeights | PackedAdapter", *, stream: "torch.cuda.Stream | None" = None) -> int:
         """Copy an adapter into free pages; return its slot.
 
         Args:

@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import torch
 
-from multilora.runtime.config import MODULE_INDEX, MODULE_PARENT, TARGET_MODULES, ModelConfig
+from multilora.config import MODULE_INDEX, MODULE_PARENT, TARGET_MODULES, ModelConfig
 
 __all__ = [
     "AdapterError",

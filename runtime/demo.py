@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from multilora.runtime.adapters import save_peft_adapter
-from multilora.runtime.config import TARGET_MODULES, ModelConfig
+from multilora.config import TARGET_MODULES, ModelConfig
 
 #: name -> (seed, relative_norm, target modules). Different seeds give different completions.
 DEMO_ADAPTERS: dict[str, tuple[int, float, tuple[str, ...]]] = {

@@ -33,7 +33,7 @@ from multilora.runtime.adapters import AdapterError, LoRAAdapter, load_peft_adap
 from multilora.runtime.model import LlamaModel, build_step_plan
 from multilora.runtime.sampling import SamplingParams, SamplingTensors, make_seed, sample_batch
 from multilora.runtime.scheduler import Request, Scheduler, next_request_id
-from multilora.runtime.config import ModelConfig
+from multilora.config import ModelConfig
 from multilora.runtime.weights import load_model_files, load_tokenizer, random_weights, resolve_model_path
 
 if TYPE_CHECKING:  # pragma: no cover

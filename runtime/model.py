@@ -20,8 +20,9 @@ from multilora.kernels import LoRAPlan, lora_apply
 from multilora.kernels.attention import AttentionMetadata, build_attention_metadata, paged_attention
 from multilora.kernels.fused import add_rms_norm, rms_norm, rope_write_kv, silu_mul
 from multilora.memory.kv_cache import PagedKVCache
-from multilora.memory.pool import AdapterPool, LoRAModuleView
-from multilora.runtime.config import ModelConfig
+from multilora.kernels.lora import LoRAModuleView
+from multilora.memory.pool import AdapterPool
+from multilora.config import ModelConfig
 
 
 # ----------------------------------------------------------------------------------------- RoPE

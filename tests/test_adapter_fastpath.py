@@ -30,7 +30,7 @@ from multilora.runtime.adapters import (
     load_peft_adapter_into,
     save_peft_adapter,
 )
-from multilora.runtime.config import MODULE_INDEX, MODULE_PARENT, TARGET_MODULES, ModelConfig
+from multilora.config import MODULE_INDEX, MODULE_PARENT, TARGET_MODULES, ModelConfig
 from multilora.runtime.engine import read_packed_adapter
 from multilora.runtime.weights import MODEL_SHAPES
 from testsupport import one_thread  # noqa: F401 (autouse fixture)

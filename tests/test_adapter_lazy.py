@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from multilora import Engine, SamplingParams
 from multilora.runtime.adapters import AdapterError
-from multilora.runtime.config import ModelConfig, TARGET_MODULES
+from multilora.config import ModelConfig, TARGET_MODULES
 from multilora.runtime.weights import MODEL_SHAPES
 from testsupport import one_thread  # noqa: F401 (autouse fixture)
 from testsupport import write_adapter

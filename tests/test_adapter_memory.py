@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 from multilora import Engine  # noqa: E402
 from multilora.memory.pool import PackedAdapter, host_footprint  # noqa: E402
 from multilora.runtime.adapter_cache import files_fingerprint  # noqa: E402
-from multilora.runtime.config import TARGET_MODULES  # noqa: E402
+from multilora.config import TARGET_MODULES  # noqa: E402
 from testsupport import write_adapter as _write_adapter  # noqa: E402
 from testsupport import one_thread  # noqa: E402,F401 (autouse fixture)
 from testsupport import tiny_llama_dir, greedy as _greedy, token_ids  # noqa: E402

@@ -34,7 +34,7 @@ from multilora.runtime.adapters import (  # noqa: E402
     load_peft_adapter,
     save_peft_adapter,
 )
-from multilora.runtime.config import MODULE_PARENT, TARGET_MODULES, ModelConfig  # noqa: E402
+from multilora.config import MODULE_PARENT, TARGET_MODULES, ModelConfig  # noqa: E402
 
 NUM_LAYERS = 3
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from multilora import Engine, SamplingParams
-from multilora.runtime.config import TARGET_MODULES, ModelConfig
+from multilora.config import TARGET_MODULES, ModelConfig
 from multilora.runtime.cuda_graphs import DecodeGraphs, bucket_sizes
 from multilora.runtime.weights import MODEL_SHAPES
 from testsupport import one_thread  # noqa: F401 (autouse fixture)

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.runtime.adapter_cache import UnknownAdapterError  # noqa: E402
 from multilora.runtime.adapters import AdapterError  # noqa: E402
-from multilora.runtime.config import TARGET_MODULES  # noqa: E402
+from multilora.config import TARGET_MODULES  # noqa: E402
 from testsupport import tokenizer_dir as _tokenizer_dir  # noqa: E402
 from testsupport import write_adapter as _write_adapter  # noqa: E402
 from testsupport import tiny_llama_dir, token_ids  # noqa: E402
@@ -542,7 +542,7 @@ def test_all_greedy_step_samples_as_sample_batch():
     """A step whose requests are all greedy skips the sampling tensors; its tokens are sample_batch's."""
     from types import SimpleNamespace
 
-    from multilora.runtime.config import ModelConfig
+    from multilora.config import ModelConfig
     from multilora.runtime.sampling import SamplingTensors, sample_batch
     from multilora.runtime.weights import MODEL_SHAPES
 

@@ -212,7 +212,7 @@ def test_model_forward_with_triton_ops_equals_torch_ops():
     row the same with the Triton ops (interpreter, fp32) as with the torch ops."""
     from multilora import Engine
     from multilora.kernels import build_lora_plan
-    from multilora.runtime.config import ModelConfig
+    from multilora.config import ModelConfig
     from multilora.runtime.model import build_step_plan
     from multilora.runtime.weights import MODEL_SHAPES
 

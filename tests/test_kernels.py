@@ -20,7 +20,7 @@ from multilora.kernels import build_lora_plan, lora_apply
 from multilora.kernels import triton_sgmv
 from multilora.kernels.triton_sgmv import _chunk_table, lora_apply_triton
 from multilora.memory.pool import AdapterPool
-from multilora.runtime.config import TARGET_MODULES, ModelConfig
+from multilora.config import TARGET_MODULES, ModelConfig
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from multilora.memory.pool import AdapterPool, PoolFullError
 from multilora.runtime.adapters import LoRAAdapter, LoRAModuleWeights
-from multilora.runtime.config import TARGET_MODULES, ModelConfig
+from multilora.config import TARGET_MODULES, ModelConfig
 
 # hidden 24, q 24, k/v 8 (GQA 3:1), MLP 40: every module has its own (d_in, d_out), none a power of two
 CFG = ModelConfig(vocab_size=32, hidden_size=24, intermediate_size=40, num_layers=3, num_heads=3, num_kv_heads=1)

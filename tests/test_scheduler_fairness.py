@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from multilora import Engine  # noqa: E402
-from multilora.runtime.config import TARGET_MODULES  # noqa: E402
+from multilora.config import TARGET_MODULES  # noqa: E402
 from multilora.runtime.scheduler import Status  # noqa: E402
 from testsupport import write_adapter as _write_adapter  # noqa: E402
 from testsupport import one_thread  # noqa: E402,F401 (autouse fixture)
