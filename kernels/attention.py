@@ -23,14 +23,14 @@ picks triton for CUDA tensors when importable, else torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from multilora.kernels.backends import run_cuda_hook, select_triton
+from multilora.kernels.backends import select_triton
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,13 @@ class AttentionMetadata:
         block_size: tokens per cache block.
         q_lens, seq_lens_host: the same lengths as host tuples (for shapes and the torch path).
         max_query_len, max_seq_len: their maxima.
-        extra: backend-specific metadata built once per step (e.g. a kernel's tile table).
+        tiles: int32 ``[2, num_tiles]``, the Triton kernel's prefill tile table (``tile_table`` with
+            ``tiles_block_q``), or None (decode steps need none; the torch path never reads it).
+        tiles_block_q: the ``BLOCK_Q`` ``tiles`` was built for (0 = no table).
 
     All tensors are on the compute device. For a CUDA graph the tensors are static buffers updated in
-    place between replays; a backend that is graph-safe must not read the host fields inside the graph.
+    place between replays; a backend that is graph-safe must not read the host fields inside the graph,
+    and nothing derived from the tensors' values is kept in the metadata.
     """
 
     query_start_loc: torch.Tensor
@@ -60,7 +63,8 @@ class AttentionMetadata:
     seq_lens_host: tuple[int, ...]
     max_query_len: int
     max_seq_len: int
-    extra: dict = field(default_factory=dict)
+    tiles: torch.Tensor | None = None
+    tiles_block_q: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -79,9 +83,10 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str,
     max_blocks: int | None = None,
+    tiles_block_q: int = 0,
 ) -> AttentionMetadata:
     """Build the step's metadata from host lists (numpy on the host, no Python loop over tokens; one copy to
-    ``device``: the four tensors are views of one buffer).
+    ``device``: the tensors are views of one buffer).
 
     Args:
         q_lens: new tokens per sequence (each >= 1).
@@ -90,6 +95,8 @@ def build_attention_metadata(
         block_size: tokens per block.
         device: where the tensors go.
         max_blocks: width of the block-table tensor (default: the longest table).
+        tiles_block_q: also build the Triton kernel's prefill tile table for this ``BLOCK_Q``
+            (``triton_attention.prefill_block_q``) when the step has a prompt (not every q_len 1); 0 = none.
 
     Raises:
         ValueError: lengths that disagree, a q_len < 1 or > seq_len, or a block table too short.
@@ -110,14 +117,16 @@ def build_attention_metadata(
     qn = np.fromiter(q_lens, dtype=np.int64, count=B)
     ln = np.fromiter(seq_lens, dtype=np.int64, count=B)
     T = int(qn.sum())
+    tiles = tile_table(q_lens, seq_lens, tiles_block_q).numpy() if tiles_block_q and T != B else None
     # one host buffer, one copy to the device (fields 64-byte aligned): int64 slot_mapping [T], then int32
-    # query_start_loc [B + 1], seq_lens [B] and block_tables [B, width]
+    # query_start_loc [B + 1], seq_lens [B], block_tables [B, width] and the tile table [2, num_tiles]
     o_qsl = _align64(8 * T)
     o_len = o_qsl + _align64(4 * (B + 1))
     o_tab = o_len + _align64(4 * B)
-    host = torch.zeros(o_tab + 4 * B * width, dtype=torch.uint8)
+    o_tiles = o_tab + _align64(4 * B * width)
+    host = torch.zeros(o_tiles + (0 if tiles is None else 4 * tiles.size), dtype=torch.uint8)
     buf = host.numpy()
-    table = buf[o_tab:].view(np.int32).reshape(B, width)
+    table = buf[o_tab : o_tab + 4 * B * width].view(np.int32).reshape(B, width)
     for b, bt in enumerate(block_tables):  # one numpy row assignment per sequence
         table[b, : len(bt)] = bt
     qsl = buf[o_qsl : o_qsl + 4 * (B + 1)].view(np.int32)
@@ -128,20 +137,38 @@ def build_attention_metadata(
     seq = np.repeat(np.arange(B), qn)
     pos = np.arange(T) + np.repeat(ln - qn - first, qn)
     buf[: 8 * T].view(np.int64)[:] = table[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    if tiles is not None:
+        buf[o_tiles:].view(np.int32)[:] = tiles.reshape(-1)
     dev = host.to(device)
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         query_start_loc=dev[o_qsl : o_qsl + 4 * (B + 1)].view(torch.int32),
         seq_lens=dev[o_len : o_len + 4 * B].view(torch.int32),
-        block_tables=dev[o_tab:].view(torch.int32).view(B, width),
+        block_tables=dev[o_tab : o_tab + 4 * B * width].view(torch.int32).view(B, width),
         slot_mapping=dev[: 8 * T].view(torch.int64),
         block_size=block_size,
         q_lens=tuple(int(n) for n in q_lens),
         seq_lens_host=tuple(int(L) for L in seq_lens),
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
+        tiles=None if tiles is None else dev[o_tiles:].view(torch.int32).view(tiles.shape),
+        tiles_block_q=tiles_block_q if tiles is not None else 0,
     )
-    _extend_metadata(meta)
-    return meta
+
+
+def tile_table(q_lens: Sequence[int], seq_lens: Sequence[int], block_q: int) -> torch.Tensor:
+    """The Triton kernel's prefill tile table, int32 ``[2, num_tiles]`` on the CPU: ``tile_seq`` and ``tile_q0``
+    (first new token of the tile), one entry per ``block_q`` new tokens of each sequence, ordered by decreasing
+    causal key count (the longest tiles start first; ties keep sequence order). Worked example in
+    ``multilora.kernels.triton_attention``."""
+    ql = np.fromiter(q_lens, dtype=np.int64)
+    sl = np.fromiter(seq_lens, dtype=np.int64)
+    per_seq = (ql + block_q - 1) // block_q
+    seq = np.repeat(np.arange(ql.size), per_seq)
+    first = np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    q0 = (np.arange(seq.size) - first) * block_q
+    keys = sl[seq] - ql[seq] + np.minimum(q0 + block_q, ql[seq])
+    order = np.argsort(-keys, kind="stable")
+    return torch.from_numpy(np.stack([seq[order], q0[order]]).astype(np.int32))
 
 
 def _align64(nbytes: int) -> int:
@@ -162,34 +189,26 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def _torch_mask(meta: AttentionMetadata, sliding_window: int, device: torch.device) -> torch.Tensor:
-    """bool [B, 1, max_q, max_seq_len], True = may attend. Built from the metadata's tensors (so it is right
-    for buffers updated in place, e.g. a captured decode step) and cached in ``meta.extra`` unless
-    ``meta.extra["static"]`` says the tensors change between calls."""
-    key = ("torch_mask", sliding_window)
-    mask = meta.extra.get(key)
-    if mask is None:
-        max_q = meta.max_query_len
-        q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
-        start = meta.seq_lens.long() - q_lens  # absolute position of each sequence's first query
-        qpos = start[:, None] + torch.arange(max_q, device=start.device)[None, :]  # [B, max_q]
-        kpos = torch.arange(meta.max_seq_len, device=start.device)
-        m = kpos[None, None, :] <= qpos[:, :, None]
-        if sliding_window:
-            m &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
-        valid_q = torch.arange(max_q, device=start.device)[None, :] < q_lens[:, None]
-        m[:, :, 0] |= ~valid_q  # padded query rows see position 0 only (never all-masked; discarded)
-        mask = m[:, None].to(device)
-        if not meta.extra.get("static"):
-            meta.extra[key] = mask
-    return mask
+    """bool [B, 1, max_q, max_seq_len], True = may attend. Built from the metadata's tensors at each call, so it
+    is right for buffers updated in place (a captured decode step's)."""
+    max_q = meta.max_query_len
+    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
+    start = meta.seq_lens.long() - q_lens  # absolute position of each sequence's first query
+    qpos = start[:, None] + torch.arange(max_q, device=start.device)[None, :]  # [B, max_q]
+    kpos = torch.arange(meta.max_seq_len, device=start.device)
+    m = kpos[None, None, :] <= qpos[:, :, None]
+    if sliding_window:
+        m &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
+    valid_q = torch.arange(max_q, device=start.device)[None, :] < q_lens[:, None]
+    m[:, :, 0] |= ~valid_q  # padded query rows see position 0 only (never all-masked; discarded)
+    return m[:, None].to(device)
 
 
 def _pad_index(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
-    idx = meta.extra.get("torch_pad_index")
-    if idx is None:
-        idx = torch.cat([torch.arange(n) + b * meta.max_query_len for b, n in enumerate(meta.q_lens)])
-        idx = meta.extra["torch_pad_index"] = idx.to(device)
-    return idx
+    """Row of each query in the padded [B * max_q] layout: sequence b's i-th query goes to b * max_q + i."""
+    q = np.fromiter(meta.q_lens, dtype=np.int64)
+    idx = np.arange(q.sum()) + np.repeat(np.arange(q.size) * meta.max_query_len - (np.cumsum(q) - q), q)
+    return torch.from_numpy(idx).to(device)
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
@@ -216,11 +235,6 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     qp = qp.view(B, max_q, H, D).transpose(1, 2)  # [B, H, max_q, D]
     o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=_torch_mask(meta, sliding_window, q.device), scale=scale)
     return o.transpose(1, 2).reshape(B * max_q, H, D).index_select(0, pad)  # [T, H, D]
-
-
-def _extend_metadata(meta: AttentionMetadata) -> None:
-    """Let the GPU backend add its per-step metadata (no-op on CPU)."""
-    run_cuda_hook("triton_attention", "extend_metadata", meta, meta.seq_lens)
 
 
 def resolve_attention_backend(backend: str | None, q: torch.Tensor) -> Callable:

@@ -35,12 +35,13 @@ would leave SMs idle, each sequence's keys are cut into ``num_splits`` equal run
 the kernel from ``seq_lens[b]``; ``num_splits`` itself from static sizes), each split writes its partial
 output and log-sum-exp in fp32, and a second small kernel combines them.
 
-**Prefill and mixed batches** use a tile table built on the host once per step (``extend_metadata``, in
-``meta.extra["triton_attention"][BLOCK_Q]``; built lazily by the launcher for a ``BLOCK_Q`` not prebuilt):
-int32 ``[2, num_tiles]``, ``tile_seq`` and ``tile_q0`` (first new token of the tile), one entry per
-``BLOCK_Q`` new tokens of each sequence, ordered by decreasing causal key count so that the longest tiles
-start first (the last tiles of long prompts would otherwise trail). Worked example with
-``q_lens = [5, 1, 3]``, ``seq_lens = [5, 9, 7]`` (a prompt, a decode, a chunked prefill) and ``BLOCK_Q = 2``::
+**Prefill and mixed batches** use a tile table built on the host with the step's metadata
+(``build_attention_metadata(..., tiles_block_q=prefill_block_q(...))``, ``meta.tiles``; a launch whose
+metadata carries no table for its ``BLOCK_Q`` builds one for that call): int32 ``[2, num_tiles]``,
+``tile_seq`` and ``tile_q0`` (first new token of the tile), one entry per ``BLOCK_Q`` new tokens of each
+sequence, ordered by decreasing causal key count so that the longest tiles start first (the last tiles of
+long prompts would otherwise trail). Worked example with ``q_lens = [5, 1, 3]``, ``seq_lens = [5, 9, 7]``
+(a prompt, a decode, a chunked prefill) and ``BLOCK_Q = 2``::
 
     tiles (seq, q0) by sequence:  (0, 0) (0, 2) (0, 4) | (1, 0) | (2, 0) (2, 2)
     keys each tile reads:            2      4      5   |    9   |    6      7      # L - n + min(q0 + 2, n)
@@ -58,10 +59,11 @@ import torch
 import triton
 import triton.language as tl
 
+from multilora.kernels.attention import tile_table
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
-_TABLE_KEY = "triton_attention"
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -268,7 +270,6 @@ _GPU_CONFIGS = {
 }
 _CPU_CONFIG = {True: (16, 16, 1, 1), False: (32, 16, 1, 1)}
 DECODE_MAX_G_TILE = 64  # query heads per KV head that one decode program packs (more: head groups)
-_PREBUILT_G = (1, 2, 4, 8)  # group sizes whose prefill tile tables extend_metadata builds ahead
 
 
 def _config(decode: bool, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
@@ -303,51 +304,12 @@ def _num_splits(device: torch.device, programs: int, capacity: int, block_n: int
     return splits
 
 
-# ---------------------------------------------------------------------------------------------- tile table
-def tile_table(q_lens, seq_lens, block_q: int) -> torch.Tensor:
-    """int32 ``[2, num_tiles]`` on the CPU: ``tile_seq``, ``tile_q0`` (module docstring, worked example)."""
-    ql = torch.as_tensor(list(q_lens), dtype=torch.int64)
-    sl = torch.as_tensor(list(seq_lens), dtype=torch.int64)
-    per_seq = (ql + block_q - 1) // block_q
-    seq = torch.repeat_interleave(torch.arange(ql.numel()), per_seq)
-    first = torch.repeat_interleave(torch.cumsum(per_seq, 0) - per_seq, per_seq)
-    q0 = (torch.arange(seq.numel()) - first) * block_q
-    keys = sl[seq] - ql[seq] + torch.minimum(q0 + block_q, ql[seq])
-    order = torch.sort(-keys, stable=True).indices
-    return torch.stack([seq[order], q0[order]]).to(torch.int32)
-
-
-def _tables(meta) -> dict:
-    return meta.extra.setdefault(_TABLE_KEY, {})
-
-
-def _table_for(meta, block_q: int, device: torch.device) -> torch.Tensor:
-    tables = _tables(meta)
-    table = tables.get(block_q)
-    if table is None or table.device != device:
-        table = tables[block_q] = tile_table(meta.q_lens, meta.seq_lens_host, block_q).to(device)
-    return table
-
-
-def extend_metadata(meta) -> None:
-    """Add the prefill tile tables of this step to ``meta.extra`` (called once per step by
-    ``build_attention_metadata`` on CUDA). A decode batch (every q_len 1) needs none: nothing is added, so
-    the metadata of a captured decode step stays valid when ``seq_lens`` / ``block_tables`` change in place.
-    Tables for the ``BLOCK_Q`` of the GPU's prefill tiles with G in ``_PREBUILT_G`` are built together and
-    copied in one transfer; the launcher builds any other on first use."""
-    if meta.num_tokens == meta.num_seqs:
-        return
-    device = meta.seq_lens.device
-    block_m = _config(False, 128, torch.bfloat16, device)[0]
-    todo = sorted({_tiling(False, g, block_m)[0] for g in _PREBUILT_G} - set(_tables(meta)), reverse=True)
-    if not todo:
-        return
-    host = [tile_table(meta.q_lens, meta.seq_lens_host, bq) for bq in todo]
-    packed = torch.cat([t.flatten() for t in host]).to(device)
-    start = 0
-    for bq, t in zip(todo, host):  # contiguous [2, num_tiles] views (the kernel reads row 1 at offset num_tiles)
-        _tables(meta)[bq] = packed[start : start + t.numel()].view(t.shape)
-        start += t.numel()
+def prefill_block_q(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    device: torch.device | str) -> int:
+    """Tokens per prefill program (``BLOCK_Q``) for this model shape, dtype and device: the ``tiles_block_q`` a
+    step's metadata needs so that the launch reads its tile table instead of building one."""
+    block_m = _config(False, head_dim, dtype, torch.device(device))[0]
+    return _tiling(False, num_heads // num_kv_heads, block_m)[0]
 
 
 # ---------------------------------------------------------------------------------------------- launcher
@@ -432,7 +394,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         tiles, num_tiles = meta.seq_lens, 0  # unused
     else:
         splits = 1
-        tiles = _table_for(meta, block_q, q.device)
+        tiles = meta.tiles
+        if tiles is None or meta.tiles_block_q != block_q:  # metadata built without this table: build it here
+            tiles = tile_table(meta.q_lens, meta.seq_lens_host, block_q).to(q.device)
         num_tiles = tiles.shape[1]
         grid = (num_tiles, Hkv * groups, 1)
     if splits > 1:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from multilora.kernels import LoRAPlan
-from multilora.kernels.attention import AttentionMetadata, _extend_metadata
+from multilora.kernels.attention import AttentionMetadata
 
 log = logging.getLogger("multilora")
 
@@ -122,9 +122,8 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[: B + 1], seq_lens=self.seq_lens[:B],
             block_tables=self.block_tables[:B], slot_mapping=self.slot_mapping[:B],
             block_size=self.kv.block_size, q_lens=(1,) * B, seq_lens_host=(self.max_seq_len,) * B,
-            max_query_len=1, max_seq_len=self.max_seq_len, extra={"static": True},
+            max_query_len=1, max_seq_len=self.max_seq_len,
         )
-        _extend_metadata(attn)  # static for a decode batch of B sequences
         extra = {"sgmv": {16: chunk_table}} if lora else {}
         plan = LoRAPlan(token_slots=self.token_slots[:B], num_tokens=B, slot_ids=(0,) if lora else (),
                         token_index=(), has_lora=lora, extra=extra)

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from multilora.kernels import triton_attention
 from multilora.kernels.attention import (AttentionMetadata, build_attention_metadata, paged_attention,
                                          paged_attention_torch, write_kv)
-from multilora.kernels.triton_attention import extend_metadata, paged_attention_triton, tile_table
+from multilora.kernels.attention import tile_table
+from multilora.kernels.triton_attention import paged_attention_triton, prefill_block_q
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")]
@@ -293,8 +294,8 @@ def test_decode_metadata_updated_in_place(splits, monkeypatch):
     rec = _Recorder(triton_attention._paged_attention_kernel)
     monkeypatch.setattr(triton_attention, "_paged_attention_kernel", rec)
     b = make_batch([1] * 4, [3, 17, 9, 1], H=8, Hkv=2, D=16, block_size=4, spare_blocks=12, extra_width=3)
-    extend_metadata(b.meta)
-    assert "triton_attention" not in b.meta.extra, "a decode step must carry no host-built table"
+    asked = build_attention_metadata(b.q_lens, b.seq_lens, b.tables, block_size=4, device="cpu", tiles_block_q=4)
+    assert asked.tiles is None and asked.tiles_block_q == 0, "a decode step must carry no host-built table"
     first = paged_attention_triton(b.q, b.k_cache, b.v_cache, b.meta, scale=0.25, num_splits=splits)
     check(first, naive_attention(b, scale=0.25), torch.float32)
     for step, lens in enumerate(([4, 18, 10, 2], [24, 1, 30, 7])):  # grow by one, then anything that fits
@@ -327,17 +328,35 @@ def test_tile_table_example():
     assert t[1].tolist() == [0, 2, 0, 4, 2, 0]
 
 
+def _tile_table_loop(q_lens, seq_lens, block_q):
+    """The tile table by a Python loop over sequences and tiles, sorted by key count (stable)."""
+    tiles = [(L - n + min(q0 + block_q, n), b, q0) for b, (n, L) in enumerate(zip(q_lens, seq_lens))
+             for q0 in range(0, n, block_q)]
+    tiles.sort(key=lambda t: -t[0])  # stable: ties keep sequence, then tile order
+    return [[b for _, b, _ in tiles], [q0 for _, _, q0 in tiles]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 30)), min_size=1, max_size=6),
+       block_q=st.sampled_from([1, 2, 3, 16]))
+def test_tile_table_matches_loop_reference(lens, block_q):
+    q_lens = [n for n, _ in lens]
+    seq_lens = [n + past for n, past in lens]
+    assert tile_table(q_lens, seq_lens, block_q).tolist() == _tile_table_loop(q_lens, seq_lens, block_q)
+
+
 @interp
-def test_extend_metadata_prebuilds_prefill_tables(monkeypatch):
-    b = make_batch(*MIXED, H=8, Hkv=2, D=16, block_size=4)
-    extend_metadata(b.meta)
-    tables = b.meta.extra["triton_attention"]
-    block_m = triton_attention._CPU_CONFIG[False][0]
-    assert set(tables) == {block_m // g for g in (1, 2, 4, 8)}
-    for bq, t in tables.items():
-        assert torch.equal(t, tile_table(*MIXED, bq))
-    monkeypatch.setattr(triton_attention, "tile_table", None)  # the launcher must not rebuild a prebuilt table
-    out = paged_attention_triton(b.q, b.k_cache, b.v_cache, b.meta, scale=0.25)
+@pytest.mark.parametrize("G", [1, 4])
+def test_prefill_metadata_carries_the_launch_tile_table(G, monkeypatch):
+    """``build_attention_metadata(tiles_block_q=prefill_block_q(...))`` puts the launch's table in the metadata
+    (one buffer, one copy), and the launcher reads it instead of building one."""
+    b = make_batch(*MIXED, H=2 * G, Hkv=2, D=16, block_size=4)
+    bq = prefill_block_q(2 * G, 2, 16, torch.float32, "cpu")
+    meta = build_attention_metadata(b.q_lens, b.seq_lens, b.tables, block_size=4, device="cpu", tiles_block_q=bq)
+    assert meta.tiles_block_q == bq and torch.equal(meta.tiles, tile_table(*MIXED, bq))
+    assert meta.tiles.untyped_storage().data_ptr() == meta.seq_lens.untyped_storage().data_ptr()
+    monkeypatch.setattr(triton_attention, "tile_table", None)  # the launcher must not rebuild the table it has
+    out = paged_attention_triton(b.q, b.k_cache, b.v_cache, meta, scale=0.25)
     check(out, naive_attention(b, scale=0.25), torch.float32)
 
 
