@@ -1,5 +1,6 @@
-"""Loading: validate an adapter's tensors against its targets and build its modules (float32 copies for
-:func:`load_peft_adapter`, streamed into the caller's sink for :func:`load_peft_adapter_into`)."""
+"""Loading: one path that validates an adapter's tensors against its targets and hands each module to a
+sink: float32 copies for :func:`load_peft_adapter`, the caller's sink for :func:`load_peft_adapter_into`,
+none for a header-only validation."""
 
 from __future__ import annotations
 
@@ -110,31 +111,33 @@ def _all_finite(x: torch.Tensor) -> bool:
 
 
 class ModuleSink(Protocol):
-    """Where :func:`load_peft_adapter_into` puts each validated module (e.g. ``AdapterPool.packer``)."""
+    """Where the loading path puts each validated module: the caller's for :func:`load_peft_adapter_into`
+    (e.g. ``AdapterPool.packer``), float32 copies for :func:`load_peft_adapter`."""
 
     def put(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None: ...
 
 
-def _build_modules(
-    wpath: Path,
-    tensors: Mapping[str, torch.Tensor],
-    keys: list[str],
-    targets: dict[tuple[int, str], _Target],
-    config: ModelConfig,
-    spec: _Spec,
-    cfg_path: Path,
-    *,
-    native: bool = False,
-    open_sink: Callable[[int], ModuleSink | None] | None = None,
-) -> tuple[dict[tuple[int, str], LoRAModuleWeights], ModuleSink | None]:
-    """Validate the tensors against the targets and build the modules (float32 CPU copies): ``(modules,
-    None)``.
+class _Float32Copies:
+    """:func:`load_peft_adapter`'s sink: keeps each module as float32, CPU, contiguous tensors in ``modules``
+    (in ``put`` order). A tensor that already is one is kept as it is, not copied: ``load_peft_adapter``
+    reads the file whole, so its tensors are its own."""
 
-    With ``native`` (the fast path) values stay in the file's dtype (float32 for dtypes float32 does not
-    hold exactly, as before); once every key is validated, ``open_sink(max rank)`` gives a sink (or None),
-    then each module's values are checked and handed to ``sink.put``, and the returned modules hold
-    ``meta`` tensors of the file's shapes and dtypes: nothing is kept. Returns ``(modules, sink)``.
-    Checks, their order and their messages are the same in both modes."""
+    def __init__(self) -> None:
+        self.modules: dict[tuple[int, str], LoRAModuleWeights] = {}
+
+    def put(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        self.modules[(layer, module)] = LoRAModuleWeights(
+            a=a.to(torch.float32).contiguous(), b=b.to(torch.float32).contiguous(), scaling=scaling
+        )
+
+
+def _match_keys(
+    wpath: Path, keys: list[str], targets: dict[tuple[int, str], _Target], config: ModelConfig, cfg_path: Path
+) -> dict[tuple[int, str], dict[str, str]]:
+    """Check every tensor key against the targets: ``(layer, module) -> {"A": key, "B": key}``.
+
+    Raises AdapterError for a key that names no targeted module's lora_A / lora_B, a duplicate, a targeted
+    module without tensors, and a lora_A without its lora_B or the reverse."""
     found: dict[tuple[int, str], dict[str, str]] = {}
     for key in keys:
         layer, module, kind = _parse_key(key, config, wpath)
@@ -173,13 +176,66 @@ def _build_modules(
                     path=wpath,
                     key=kinds[have],
                 )
+    return found
 
-    sink = open_sink(max(t.r for t in targets.values())) if native and open_sink is not None else None
+
+def _checked_values(x: torch.Tensor, key: str, wpath: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check a tensor's dtype and values: ``(values, meta)``.
+
+    ``values`` is ``x`` on the CPU in the file's dtype, or float32 for dtypes float32 does not hold exactly
+    (float64, ...), so that rounding it to a pool dtype later rounds once, as a float32 copy did; ``meta`` is
+    a ``meta`` tensor of ``x``'s shape and file dtype. A ``meta`` ``x`` (a header-only read) is both, its
+    values unchecked: they are checked when they are read. Raises AdapterError: not a floating-point dtype;
+    non-finite values."""
+    if not x.is_floating_point():
+        raise AdapterError(
+            f"{wpath}: tensor {key!r}: expected a floating-point dtype, got {x.dtype}", path=wpath, key=key
+        )
+    if x.device.type == "meta":
+        return x, x
+    file_dtype = x.dtype
+    # (no-op calls skipped: this runs for every tensor, hundreds per adapter)
+    if x.requires_grad:
+        x = x.detach()
+    if x.device.type != "cpu":
+        x = x.to(device="cpu")
+    if file_dtype not in _EXACT_IN_F32:
+        x = x.to(torch.float32)
+    if not _all_finite(x):
+        bad = int((~torch.isfinite(x)).sum())
+        raise AdapterError(
+            f"{wpath}: tensor {key!r}: expected finite values, got {bad} non-finite (NaN/inf) of {x.numel()}",
+            path=wpath,
+            key=key,
+        )
+    return x, torch.empty(x.shape, dtype=file_dtype, device="meta")
+
+
+def _build_modules(
+    wpath: Path,
+    tensors: Mapping[str, torch.Tensor],
+    keys: list[str],
+    targets: dict[tuple[int, str], _Target],
+    config: ModelConfig,
+    spec: _Spec,
+    cfg_path: Path,
+    open_sink: Callable[[int], ModuleSink | None] | None = None,
+) -> tuple[dict[tuple[int, str], LoRAModuleWeights], ModuleSink | None]:
+    """The loading path: validate the tensors against the targets and hand each module to a sink.
+
+    Every key is checked first (:func:`_match_keys`); then ``open_sink(max rank)``, if given, gives the sink
+    (or None); then, module by module in layer, then ``TARGET_MODULES`` order, lora_A then lora_B is taken from
+    ``tensors`` (so a lazy mapping reads one tensor at a time), its shape, dtype and values checked
+    (:func:`_checked_values`), and the pair goes to ``sink.put(layer, module, a, b, scaling)``. Nothing is
+    kept: returns ``(modules, sink)``, the modules holding ``meta`` tensors of the file's shapes and dtypes
+    and the scalings."""
+    found = _match_keys(wpath, keys, targets, config, cfg_path)
+    sink = None if open_sink is None else open_sink(max(t.r for t in targets.values()))
     modules: dict[tuple[int, str], LoRAModuleWeights] = {}
     for (layer, module) in sorted(targets, key=lambda lm: (lm[0], MODULE_INDEX[lm[1]])):
         t = targets[(layer, module)]
         d_in, d_out = config.module_shape(module)
-        pair, meta = {}, {}
+        pair = []
         for kind, expect, what in (("A", (t.r, d_in), "[r, in_features]"), ("B", (d_out, t.r), "[out_features, r]")):
             key = found[(layer, module)][kind]
             x = tensors[key]
@@ -191,39 +247,12 @@ def _build_modules(
                     path=wpath,
                     key=key,
                 )
-            if not x.is_floating_point():
-                raise AdapterError(
-                    f"{wpath}: tensor {key!r}: expected a floating-point dtype, got {x.dtype}", path=wpath, key=key
-                )
-            if x.device.type == "meta":  # header-only validation: values are checked when they are read
-                pair[kind] = x
-                continue
-            if native:  # (no-op calls skipped: this runs for every tensor, hundreds per adapter)
-                file_dtype = x.dtype
-                if x.requires_grad:
-                    x = x.detach()
-                if x.device.type != "cpu":
-                    x = x.to(device="cpu")
-                if file_dtype not in _EXACT_IN_F32:
-                    x = x.to(torch.float32)
-            else:
-                x = x.detach().to(device="cpu", dtype=torch.float32).contiguous()
-            if not _all_finite(x):
-                bad = int((~torch.isfinite(x)).sum())
-                raise AdapterError(
-                    f"{wpath}: tensor {key!r}: expected finite values, got {bad} non-finite (NaN/inf) of {x.numel()}",
-                    path=wpath,
-                    key=key,
-                )
-            pair[kind] = x
-            if native:
-                meta[kind] = torch.empty(x.shape, dtype=file_dtype, device="meta")
+            pair.append(_checked_values(x, key, wpath))
+        (a, meta_a), (b, meta_b) = pair
         scaling = float(t.scaling(spec.use_rslora))
-        if native and meta:
-            if sink is not None:
-                sink.put(layer, module, pair["A"], pair["B"], scaling)
-            pair = meta
-        modules[(layer, module)] = LoRAModuleWeights(a=pair["A"], b=pair["B"], scaling=scaling)
+        if sink is not None:
+            sink.put(layer, module, a, b, scaling)
+        modules[(layer, module)] = LoRAModuleWeights(a=meta_a, b=meta_b, scaling=scaling)
     return modules, sink
 
 
@@ -265,8 +294,12 @@ def load_peft_adapter(
     """
     root, cfg_path, raw, spec, targets = _read_spec(path, config)
     wpath, tensors, keys = _read_weights(root, allow_pickle, header_only)
-    modules, _ = _build_modules(wpath, tensors, keys, targets, config, spec, cfg_path)
-    return LoRAAdapter(name=name, path=str(root), config=raw, modules=modules)
+    if header_only and wpath.name == SAFETENSORS_NAME:  # meta tensors, no values: nothing to keep
+        modules, _ = _build_modules(wpath, tensors, keys, targets, config, spec, cfg_path)
+        return LoRAAdapter(name=name, path=str(root), config=raw, modules=modules)
+    copies = _Float32Copies()  # (a pickle file is always read whole)
+    _build_modules(wpath, tensors, keys, targets, config, spec, cfg_path, lambda _max_rank: copies)
+    return LoRAAdapter(name=name, path=str(root), config=raw, modules=copies.modules)
 
 
 def load_peft_adapter_into(
@@ -302,8 +335,7 @@ def load_peft_adapter_into(
     root, cfg_path, raw, spec, targets = _read_spec(path, config)
     wpath, tensors, keys = _read_weights(root, allow_pickle, lazy=True)
     try:
-        modules, sink = _build_modules(wpath, tensors, keys, targets, config, spec, cfg_path, native=True,
-                                       open_sink=open_sink)
+        modules, sink = _build_modules(wpath, tensors, keys, targets, config, spec, cfg_path, open_sink)
     finally:
         if isinstance(tensors, _LazyTensors):
             tensors.close()
