@@ -40,7 +40,8 @@ One module per job; each imports only the ones listed above it:
   and which ``(layer, module)`` a tensor key names.
 - ``files``: the weight file: safetensors (whole, header-only or lazily), a pickle only when allowed.
 - ``load``: one loading path that validates every tensor and hands each module to a sink:
-  :func:`load_peft_adapter` (float32 copies) and :func:`load_peft_adapter_into` (the caller's sink).
+  :func:`load_peft_adapter` (float32 copies), :func:`load_peft_adapter_into` (the caller's sink) and
+  :func:`read_packed_adapter` (the pool's pages: the engine's disk -> host path).
 - ``writer``: :func:`save_peft_adapter`.
 """
 
@@ -51,6 +52,7 @@ from multilora.runtime.adapters.load import (
     ModuleSink,
     load_peft_adapter,
     load_peft_adapter_into,
+    read_packed_adapter,
 )
 from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError
 from multilora.runtime.adapters.writer import save_peft_adapter
@@ -66,4 +68,5 @@ __all__ = [
     "CONFIG_NAME",
     "SAFETENSORS_NAME",
     "PICKLE_NAME",
+    "read_packed_adapter",
 ]

@@ -1,6 +1,7 @@
 """Loading: one path that validates an adapter's tensors against its targets and hands each module to a
-sink: float32 copies for :func:`load_peft_adapter`, the caller's sink for :func:`load_peft_adapter_into`,
-none for a header-only validation."""
+sink: float32 copies for :func:`load_peft_adapter`, the caller's sink for :func:`load_peft_adapter_into`
+(``AdapterPool.packer`` for :func:`read_packed_adapter`, the engine's disk -> host path), none for a
+header-only validation."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Callable, Mapping, Protocol
 import torch
 
 from multilora.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
+from multilora.memory.pool import AdapterPool, PackedAdapter
 from multilora.runtime.adapters.files import SAFETENSORS_NAME, _LazyTensors, _read_weights
 from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _fmt_shape, _parse_config, _read_config, _Spec
 from multilora.runtime.adapters.targets import _PEFT_PREFIX, _overlap_hint, _parse_key, _resolve_targets, _Target
@@ -340,6 +342,25 @@ def load_peft_adapter_into(
         if isinstance(tensors, _LazyTensors):
             tensors.close()
     return LoRAAdapter(name=name, path=str(root), config=raw, modules=modules), sink
+
+
+def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
+                        allow_pickle: bool = False) -> tuple[LoRAAdapter, PackedAdapter | None]:
+    """disk -> host: read, validate and lay out an adapter as ``pool``'s pages in one pass.
+
+    What the engine's reload and ``load_adapter(preload=True)`` run: :func:`load_peft_adapter_into` streams
+    each module, in the file's dtype, into ``pool.packer`` (no float32 copies, no zero-fill pass); the pages
+    are bit-identical to ``pool.pack(load_peft_adapter(...))`` and the errors are the same.
+
+    Returns:
+        ``(adapter, packed)``: the adapter's modules hold ``meta`` tensors (shapes, file dtypes) and the
+        scalings; ``packed`` is None when its rank exceeds ``pool.max_rank`` (the values are validated anyway).
+    """
+    def open_sink(max_rank: int):
+        return pool.packer(max_rank, name=name) if max_rank <= pool.max_rank else None
+
+    adapter, packer = load_peft_adapter_into(path, config, open_sink, name=name, allow_pickle=allow_pickle)
+    return adapter, None if packer is None else packer.finish()
 
 
 def _read_spec(path: str | os.PathLike, config: ModelConfig) -> tuple[Path, Path, dict, _Spec, dict[tuple[int, str], _Target]]:
