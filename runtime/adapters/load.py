@@ -352,9 +352,18 @@ def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: Adap
     each module, in the file's dtype, into ``pool.packer`` (no float32 copies, no zero-fill pass); the pages
     are bit-identical to ``pool.pack(load_peft_adapter(...))`` and the errors are the same.
 
+    Args:
+        pool: the pool whose layout and dtype the pages take (only its ``packer`` is used; nothing is loaded).
+        path, config, name, allow_pickle: as for :func:`load_peft_adapter`.
+
     Returns:
         ``(adapter, packed)``: the adapter's modules hold ``meta`` tensors (shapes, file dtypes) and the
-        scalings; ``packed`` is None when its rank exceeds ``pool.max_rank`` (the values are validated anyway).
+        scalings; ``packed`` is None when its rank exceeds ``pool.max_rank`` (the values are validated anyway),
+        else its ``pages`` are ``[num_pages, page_elems]`` in the pool dtype on the CPU (pinned for a CUDA
+        pool) and its ``ranks`` int32 / ``scalings`` float32 are ``[num_layers, 7]``.
+
+    Raises:
+        AdapterError: as :func:`load_peft_adapter`.
     """
     def open_sink(max_rank: int):
         return pool.packer(max_rank, name=name) if max_rank <= pool.max_rank else None
