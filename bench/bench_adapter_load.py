@@ -2,7 +2,7 @@
 
 This is what the adapter cache's I/O threads run for every host-tier miss (``Engine._reload_adapter``) and
 what ``Engine.load_adapter(preload=True)`` runs at registration: with this branch
-``multilora.runtime.engine.read_packed_adapter`` (file dtype kept, finiteness checked in it, rows copied
+``multilora.runtime.adapters.read_packed_adapter`` (file dtype kept, finiteness checked in it, rows copied
 straight into the page image); ``--path legacy`` times the public route instead, ``load_peft_adapter``
 (float32 copies) then ``AdapterPool.pack``. On a tree without ``read_packed_adapter`` (before this branch)
 the fast path falls back to the legacy route, so the same command gives the before / after numbers.
@@ -44,10 +44,13 @@ from multilora.runtime.weights import MODEL_SHAPES
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_common.py, also under ``python -P``
 from _common import adapter_bytes, write_adapter  # noqa: E402
 
-try:  # this branch's fast path (the engine's reload / preload)
-    from multilora.runtime.engine import read_packed_adapter
-except ImportError:  # an older tree: the engine packed load_peft_adapter's float32 copies
-    read_packed_adapter = None
+try:  # the fast path (the engine's reload / preload)
+    from multilora.runtime.adapters import read_packed_adapter
+except ImportError:
+    try:  # a tree where it lived in the engine
+        from multilora.runtime.engine import read_packed_adapter
+    except ImportError:  # an older tree: the engine packed load_peft_adapter's float32 copies
+        read_packed_adapter = None
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -23,15 +23,14 @@ from multilora.runtime.adapters import (
     AdapterError,
     LoRAAdapter,
     LoRAModuleWeights,
-    _all_finite,
-    _LazyTensors,
-    _read_weights,
     load_peft_adapter,
     load_peft_adapter_into,
+    read_packed_adapter,
     save_peft_adapter,
 )
+from multilora.runtime.adapters.files import _LazyTensors, _read_weights
+from multilora.runtime.adapters.load import _all_finite
 from multilora.config import MODULE_INDEX, MODULE_PARENT, TARGET_MODULES, ModelConfig
-from multilora.runtime.engine import read_packed_adapter
 from multilora.runtime.weights import MODEL_SHAPES
 from testsupport import one_thread  # noqa: F401 (autouse fixture)
 from testsupport import write_adapter

@@ -1,4 +1,4 @@
-"""PEFT adapter loading and validation (runtime/adapters.py).
+"""PEFT adapter loading and validation (runtime/adapters/).
 
 The independent reference is peft itself: adapters are made with ``peft.get_peft_model`` on a tiny random
 Llama, saved with ``save_pretrained``, and what ``load_peft_adapter`` returns is compared with the weights,
@@ -30,10 +30,10 @@ from multilora.runtime.adapters import (  # noqa: E402
     AdapterError,
     LoRAAdapter,
     LoRAModuleWeights,
-    _llama_module_names,
     load_peft_adapter,
     save_peft_adapter,
 )
+from multilora.runtime.adapters.targets import _llama_module_names  # noqa: E402
 from multilora.config import MODULE_PARENT, TARGET_MODULES, ModelConfig  # noqa: E402
 
 NUM_LAYERS = 3

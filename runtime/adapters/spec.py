@@ -1,0 +1,242 @@
+"""adapter_config.json: reading it, validating it, and the table of PEFT features this runtime refuses.
+
+:class:`AdapterError` (every loading error) and the message helpers live here too: every other module of
+the package imports this one, and it imports none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from multilora.config import TARGET_MODULES
+
+CONFIG_NAME = "adapter_config.json"
+
+#: ``target_modules`` shorthand PEFT expands to every linear layer but the output head.
+_ALL_LINEAR = "all-linear"
+
+
+class AdapterError(ValueError):
+    """An adapter could not be loaded. The message names the file, the key (config field or tensor
+    name), what was expected and what was found.
+
+    Attributes:
+        path: the file or directory at fault, or None.
+        key: the ``adapter_config.json`` field or tensor key at fault, or None.
+    """
+
+    def __init__(self, message: str, *, path: str | os.PathLike | None = None, key: str | None = None) -> None:
+        super().__init__(message)
+        self.path: str | None = None if path is None else str(path)
+        self.key: str | None = key
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """The parts of ``adapter_config.json`` that decide targets, ranks and scalings."""
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...] | str
+    exclude_modules: tuple[str, ...] | str | None
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    layers_to_transform: int | tuple[int, ...] | None
+    layers_pattern: tuple[str, ...] | None
+
+
+def _jd(value: Any) -> str:
+    """A config value as JSON text, for messages."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _read_config(cfg_path: Path) -> dict:
+    try:
+        text = cfg_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{cfg_path}: cannot read the adapter config: {e}", path=cfg_path) from e
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise AdapterError(
+            f"{cfg_path}: malformed JSON at line {e.lineno} column {e.colno} (char {e.pos}): {e.msg}",
+            path=cfg_path,
+        ) from e
+    if not isinstance(raw, dict):
+        raise AdapterError(
+            f"{cfg_path}: expected a JSON object (the PEFT LoraConfig), got {type(raw).__name__}", path=cfg_path
+        )
+    return raw
+
+
+def _check_regex(pattern: str, cfg_path: Path, key: str, wrap: bool = False) -> None:
+    try:
+        re.compile(rf"(.*\.)?({pattern})$" if wrap else pattern)
+    except re.error as e:
+        raise AdapterError(
+            f"{cfg_path}: {key}: {pattern!r} is not a valid regular expression ({e})", path=cfg_path, key=key
+        ) from e
+
+
+def _str_or_list(raw: dict, key: str, cfg_path: Path, *, allow_none: bool) -> tuple[str, ...] | str | None:
+    v = raw.get(key)
+    if v is None:
+        if allow_none:
+            return None
+        got = "null" if key in raw else "nothing (the field is missing)"
+        raise AdapterError(
+            f"{cfg_path}: {key}: expected a list of module names or a regex string, got {got}",
+            path=cfg_path,
+            key=key,
+        )
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and all(isinstance(x, str) for x in v):
+        return tuple(dict.fromkeys(v))
+    raise AdapterError(
+        f"{cfg_path}: {key}: expected a list of strings or a string, got {_jd(v)}", path=cfg_path, key=key
+    )
+
+
+#: Config fields that switch on something this runtime cannot serve: (field, off values, expected, why).
+#: "off values" == () means any falsy value (null, false, [], {}) is off.
+_FLAG = (None, False)
+_UNSUPPORTED: tuple[tuple[str, tuple, str, str], ...] = (
+    ("use_dora", _FLAG, "false", "DoRA (weight-decomposed LoRA) is not supported"),
+    ("fan_in_fan_out", _FLAG, "false", "transposed (Conv1D-style) weights are not supported; Llama projections "
+     "are nn.Linear"),
+    ("bias", (None, "none"), '"none"', "training biases changes the base model's biases, which is not supported"),
+    ("lora_bias", _FLAG, "false", "a bias on lora_B is not supported"),
+    ("modules_to_save", (), "null or []", "fully fine-tuned extra modules (modules_to_save) are not supported"),
+    ("target_parameters", (), "null or []", "LoRA on raw parameters (target_parameters) is not supported"),
+    ("trainable_token_indices", (), "null", "trained embedding rows (trainable_token_indices) are not supported"),
+    ("layer_replication", (), "null", "a model with replicated layers (layer_replication) is not supported"),
+    ("use_qalora", _FLAG, "false", "QALoRA is not supported"),
+    ("alora_invocation_tokens", (), "null", "activated LoRA (alora_invocation_tokens) is not supported"),
+    ("velora_config", (), "null", "the VeLoRA variant is not supported"),
+    ("monteclora_config", (), "null", "the MonteCLoRA variant is not supported"),
+    ("use_bdlora", (), "null", "block-diagonal LoRA (use_bdlora) is not supported"),
+    ("arrow_config", (), "null", "Arrow routing is not supported"),
+    ("kasa_config", (), "null", "the KaSA variant is not supported"),
+)
+
+#: ``init_lora_weights`` values whose adapters only work on a base model they modified at init.
+_MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
+
+
+def _parse_config(raw: dict, cfg_path: Path) -> _Spec:
+    """Validate the LoraConfig dict and extract what loading needs. Raises AdapterError."""
+
+    def fail(key: str, msg: str) -> AdapterError:
+        return AdapterError(f"{cfg_path}: {key}: {msg}", path=cfg_path, key=key)
+
+    pt = raw.get("peft_type")
+    if pt is not None and pt != "LORA":
+        raise fail("peft_type", f"expected \"LORA\", got {_jd(pt)} (only LoRA adapters are supported)")
+    for key, off, expected, why in _UNSUPPORTED:
+        v = raw.get(key)
+        if not (any(v is o or v == o and type(v) is type(o) for o in off) if off else not v):
+            raise fail(key, f"expected {expected}, got {_jd(v)}: {why}")
+    init = raw.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_MUTATING_INITS):
+        raise fail(
+            "init_lora_weights",
+            f"got {_jd(init)}: this initialisation modifies the base weights, so the adapter only works on that "
+            "modified base model; expected true (convert it with PEFT's save_pretrained("
+            "path_initial_model_for_weight_conversion=...) first)",
+        )
+
+    for key in ("r", "lora_alpha"):
+        if key not in raw:
+            raise fail(key, "missing (a PEFT LoraConfig always has it)")
+    r = raw["r"]
+    if not _is_int(r) or r <= 0:
+        raise fail("r", f"expected a positive integer rank, got {_jd(r)}")
+    alpha = raw["lora_alpha"]
+    if not _is_number(alpha) or not math.isfinite(alpha):
+        raise fail("lora_alpha", f"expected a finite number, got {_jd(alpha)}")
+    rslora = raw.get("use_rslora", False)
+    if rslora is None:
+        rslora = False
+    if not isinstance(rslora, bool):
+        raise fail("use_rslora", f"expected true or false, got {_jd(rslora)}")
+
+    target = _str_or_list(raw, "target_modules", cfg_path, allow_none=False)
+    assert target is not None
+    if isinstance(target, str):
+        if target.lower() == _ALL_LINEAR:
+            target = TARGET_MODULES
+        else:
+            _check_regex(target, cfg_path, "target_modules")
+    exclude = _str_or_list(raw, "exclude_modules", cfg_path, allow_none=True)
+    if isinstance(exclude, str):
+        _check_regex(exclude, cfg_path, "exclude_modules")
+
+    patterns: dict[str, dict] = {}
+    for key, ok, what in (
+        ("rank_pattern", lambda v: _is_int(v) and v > 0, "a positive integer rank"),
+        ("alpha_pattern", lambda v: _is_number(v) and math.isfinite(v), "a finite number"),
+    ):
+        pat = raw.get(key) or {}
+        if not isinstance(pat, dict):
+            raise fail(key, f"expected an object {{pattern: value}}, got {_jd(pat)}")
+        for k, v in pat.items():
+            _check_regex(k, cfg_path, key, wrap=True)
+            if not ok(v):
+                raise fail(key, f"value for {k!r}: expected {what}, got {_jd(v)}")
+        patterns[key] = dict(pat)
+
+    ltt = raw.get("layers_to_transform")
+    if ltt is not None:
+        if _is_int(ltt):
+            pass
+        elif isinstance(ltt, list) and all(_is_int(x) for x in ltt):
+            ltt = tuple(ltt)
+        else:
+            raise fail("layers_to_transform", f"expected an integer or a list of integers, got {_jd(ltt)}")
+    lpat = raw.get("layers_pattern")
+    if lpat is not None:
+        if isinstance(lpat, str):
+            lpat = (lpat,)
+        elif isinstance(lpat, list) and all(isinstance(x, str) for x in lpat):
+            lpat = tuple(lpat)
+        else:
+            raise fail("layers_pattern", f"expected a string or a list of strings, got {_jd(lpat)}")
+    if isinstance(target, str) and (ltt is not None or lpat is not None):
+        key = "layers_to_transform" if ltt is not None else "layers_pattern"
+        raise fail(key, f"cannot be used when target_modules is a regex string (got {_jd(raw[key])} with "
+                   f"target_modules {_jd(raw['target_modules'])}); PEFT refuses this combination too")
+
+    return _Spec(
+        r=r,
+        lora_alpha=alpha,
+        use_rslora=rslora,
+        target_modules=target,
+        exclude_modules=exclude,
+        rank_pattern=patterns["rank_pattern"],
+        alpha_pattern=patterns["alpha_pattern"],
+        layers_to_transform=ltt,
+        layers_pattern=lpat,
+    )
+
+
+def _fmt_shape(shape: Any) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"

@@ -1,0 +1,226 @@
+"""PEFT's target rules: which ``(layer, module)`` of the base model an adapter targets, with which rank
+and alpha (``target_modules``, ``exclude_modules``, ``layers_to_transform`` / ``layers_pattern``,
+``rank_pattern`` / ``alpha_pattern``), and which ``(layer, module)`` a tensor key names."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from multilora.config import MODULE_INDEX, MODULE_PARENT, TARGET_MODULES, ModelConfig
+from multilora.runtime.adapters.spec import AdapterError, _jd, _Spec
+
+#: Prefix PEFT puts in front of the base model's module names in ``adapter_model.safetensors``.
+_PEFT_PREFIX = "base_model.model."
+#: Non-projection modules a user may mean to target that this runtime cannot serve yet.
+_NOT_YET = ("embed_tokens", "lm_head")
+
+
+def _llama_module_names(config: ModelConfig) -> list[tuple[str, tuple[int, str] | None]]:
+    """Every module name of a HF ``LlamaForCausalLM`` (as ``named_modules`` lists them), each with its
+    ``(layer, module)`` if it is one of the seven projections, else None."""
+    names: list[tuple[str, tuple[int, str] | None]] = [
+        ("", None), ("model", None), ("model.embed_tokens", None), ("model.layers", None),
+    ]
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}"
+        names += [(p, None), (f"{p}.self_attn", None)]
+        attn = [m for m in TARGET_MODULES if MODULE_PARENT[m] == "self_attn"]
+        mlp = [m for m in TARGET_MODULES if MODULE_PARENT[m] == "mlp"]
+        names += [(config.hf_module_name(layer, m), (layer, m)) for m in attn]
+        names.append((f"{p}.mlp", None))
+        names += [(config.hf_module_name(layer, m), (layer, m)) for m in mlp]
+        names += [(f"{p}.mlp.act_fn", None), (f"{p}.input_layernorm", None), (f"{p}.post_attention_layernorm", None)]
+    names += [("model.norm", None), ("model.rotary_emb", None), ("lm_head", None)]
+    return names
+
+
+def _suffix_match(entry: str, name: str) -> bool:
+    return name == entry or name.endswith("." + entry)
+
+
+def _excluded(spec: _Spec, name: str) -> bool:
+    ex = spec.exclude_modules
+    if not ex:
+        return False
+    if isinstance(ex, str):
+        return re.fullmatch(ex, name) is not None
+    return any(_suffix_match(e, name) for e in ex)
+
+
+def _layer_selected(spec: _Spec, name: str) -> bool:
+    """PEFT's ``layers_to_transform`` / ``layers_pattern`` rule for a module name."""
+    ltt = spec.layers_to_transform
+    if ltt is None or (isinstance(ltt, tuple) and len(ltt) == 0):
+        return True
+    if not spec.layers_pattern:
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)  # first numbered segment: the layer index
+    else:
+        m = None
+        for pat in spec.layers_pattern:
+            m = re.match(rf"(?:^|.*?\.){pat}\.(?P<idx>\d+)\.", name)
+            if m is not None:
+                break
+    if m is None:
+        return False
+    idx = int(m.group("idx"))
+    return idx == ltt if isinstance(ltt, int) else idx in ltt
+
+
+def _is_targeted(spec: _Spec, name: str) -> bool:
+    """Whether PEFT would put a LoRA layer on the module ``name``."""
+    if _excluded(spec, name):
+        return False
+    tm = spec.target_modules
+    if isinstance(tm, str):
+        return re.fullmatch(tm, name) is not None
+    if name in tm:
+        return True  # a full module name: PEFT skips the layer filter for it
+    return any(name.endswith("." + t) for t in tm) and _layer_selected(spec, name)
+
+
+def _pattern_value(pattern: Mapping[str, Any], name: str, default: Any) -> tuple[Any, str | None]:
+    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup: the first key (dict order) that matches."""
+    for k, v in pattern.items():
+        if re.match(rf"(.*\.)?({k})$", name):
+            return v, k
+    return default, None
+
+
+@dataclass(frozen=True)
+class _Target:
+    name: str  # HF module name
+    r: int
+    alpha: float
+    r_source: str  # for messages: where r came from
+
+    def scaling(self, rslora: bool) -> float:
+        return self.alpha / math.sqrt(self.r) if rslora else self.alpha / self.r
+
+
+def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[tuple[int, str], _Target]:
+    """The (layer, module) pairs the config targets on this model, with each one's r and alpha."""
+    names = _llama_module_names(config)
+
+    def reject(key: str, what: str, hits: list[str]) -> AdapterError:
+        shown = ", ".join(hits[:4]) + (", ..." if len(hits) > 4 else "")
+        later = [n for n in hits if n.rsplit(".", 1)[-1] in _NOT_YET]
+        why = (
+            "LoRA on embed_tokens / lm_head is not supported yet"
+            if later
+            else "only the seven Llama projections can carry LoRA here"
+        )
+        return AdapterError(
+            f"{cfg_path}: target_modules: {what} matches {shown}, which is not one of "
+            f"{', '.join(TARGET_MODULES)}: {why}",
+            path=cfg_path,
+            key=key,
+        )
+
+    tm = spec.target_modules
+    if isinstance(tm, str):
+        hits = [n for n, proj in names if proj is None and _is_targeted(spec, n)]
+        if hits:
+            raise reject("target_modules", f"the regex {tm!r}", hits)
+    else:
+        for entry in tm:
+            all_hits = [(n, proj) for n, proj in names if _suffix_match(entry, n)]
+            if not all_hits:
+                raise AdapterError(
+                    f"{cfg_path}: target_modules: {entry!r} matches no module of this Llama model "
+                    f"({config.num_layers} layers); expected one of {', '.join(TARGET_MODULES)} "
+                    "(or a suffix of a module name such as self_attn.q_proj)",
+                    path=cfg_path,
+                    key="target_modules",
+                )
+            bad = [n for n, proj in all_hits if proj is None and not _excluded(spec, n)]
+            if bad:
+                raise reject("target_modules", f"the entry {entry!r}", bad)
+
+    targets: dict[tuple[int, str], _Target] = {}
+    for n, proj in names:
+        if proj is None or not _is_targeted(spec, n):
+            continue
+        r, rkey = _pattern_value(spec.rank_pattern, n, spec.r)
+        alpha, _ = _pattern_value(spec.alpha_pattern, n, spec.lora_alpha)
+        src = f"rank_pattern[{rkey!r}]" if rkey is not None else "r"
+        targets[proj] = _Target(name=n, r=r, alpha=alpha, r_source=src)
+    if not targets:
+        detail = f"target_modules {_jd(tm if isinstance(tm, str) else list(tm))}"
+        if spec.layers_to_transform is not None:
+            lt = spec.layers_to_transform
+            detail += f", layers_to_transform {_jd(lt if isinstance(lt, int) else list(lt))}"
+        if spec.layers_pattern is not None:
+            detail += f", layers_pattern {_jd(list(spec.layers_pattern))}"
+        if spec.exclude_modules:
+            ex = spec.exclude_modules
+            detail += f", exclude_modules {_jd(ex if isinstance(ex, str) else list(ex))}"
+        raise AdapterError(
+            f"{cfg_path}: the adapter targets no module of this model ({config.num_layers} layers) with {detail}; "
+            "expected at least one Llama projection (serving it would silently give base-model output)",
+            path=cfg_path,
+            key="target_modules",
+        )
+    return targets
+
+
+def _overlap_hint(pattern: Mapping[str, Any], name: str) -> str:
+    """A note for rank errors when several ``rank_pattern`` keys match one module: the first in file order
+    wins, and PEFT writes ``adapter_config.json`` with sorted keys, so the order can differ from training."""
+    hits = [k for k in pattern if re.match(rf"(.*\.)?({k})$", name)]
+    if len(hits) < 2:
+        return ""
+    return (
+        f"; note: rank_pattern keys {hits} all match {name} and the first one in the file wins; PEFT saves "
+        "the config with sorted keys, so overlapping patterns may resolve differently than during training"
+    )
+
+
+_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>[^.]+)\.(?P<module>[^.]+)"
+    r"\.(?P<kind>lora_A|lora_B)(?:\.(?P<adapter>[^.]+))?\.weight$"
+)
+
+
+def _parse_key(key: str, config: ModelConfig, wpath: Path) -> tuple[int, str, str]:
+    """``(layer, module, "A" | "B")`` of a tensor key, or AdapterError saying why it does not map."""
+
+    def fail(why: str) -> AdapterError:
+        return AdapterError(f"{wpath}: tensor {key!r}: {why}", path=wpath, key=key)
+
+    m = _KEY_RE.match(key)
+    if m is None:
+        parts = key.split(".")
+        expected = ("expected keys like 'base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight' "
+                    "(lora_A / lora_B of a Llama projection)")
+        for special, why in (
+            ("lora_embedding_A", "unsupported tensor lora_embedding_A (LoRA on an embedding): not supported yet"),
+            ("lora_embedding_B", "unsupported tensor lora_embedding_B (LoRA on an embedding): not supported yet"),
+            ("lora_magnitude_vector", "unsupported tensor lora_magnitude_vector (DoRA): DoRA is not supported"),
+            ("modules_to_save", "unsupported tensor of modules_to_save (a fully trained module): not supported"),
+        ):
+            if special in parts:
+                raise fail(why)
+        if "lora_B" in parts and parts[-1] == "bias":
+            raise fail("unsupported tensor lora_B.bias (lora_bias): not supported")
+        for mod in _NOT_YET:
+            if mod in parts:
+                raise fail(f"LoRA on {mod} is not supported yet; {expected}")
+        other = [p for p in parts if p.startswith("lora_") and p not in ("lora_A", "lora_B")]
+        if other:
+            raise fail(f"unsupported tensor {other[0]} (a LoRA variant this runtime cannot serve); {expected}")
+        raise fail(f"does not name a LoRA weight of a decoder-layer projection; {expected}")
+    layer, parent, module = int(m["layer"]), m["parent"], m["module"]
+    if m["adapter"] not in (None, "default"):
+        raise fail(f"unexpected adapter-name segment {m['adapter']!r}; expected none or 'default'")
+    if module not in MODULE_INDEX:
+        raise fail(f"unknown module {module!r}; expected one of {', '.join(TARGET_MODULES)}")
+    if parent != MODULE_PARENT[module]:
+        raise fail(f"{module} sits under {MODULE_PARENT[module]!r} in a Llama layer, got {parent!r}")
+    if layer >= config.num_layers:
+        n = config.num_layers
+        raise fail(f"layer {layer} out of range: the base model has {n} layers (0..{n - 1})")
+    return layer, module, m["kind"][-1]
