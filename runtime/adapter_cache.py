@@ -460,5 +460,25 @@ class AdapterCache:
             seen.update({id(h): h for h in self._host_lru.values()})
             return list(seen.values())
 
+    def report(self) -> dict:
+        """The cache's part of ``Engine.stats()``: adapters per tier, pool pages, host-tier bytes, hits and misses
+        per tier, evictions, bytes moved per tier, prefetches and load failures (key names are a contract)."""
+        s, pool = self.stats, self.pool
+        tiers = {"gpu": 0, "host": 0, "disk": 0}
+        for h in self.handles():
+            if not h.retired:
+                tiers[h.tier] += 1
+        return {
+            "adapters_loaded": len(self.names()), "adapters_resident": self.resident(), "adapters_per_tier": tiers,
+            "pool_pages_total": pool.num_pages, "pool_pages_used": pool.pages_used, "pool_page_bytes": pool.page_bytes,
+            "host_tier_bytes": self.host_bytes, "host_tier_budget": self.host_budget, "gpu_hits": s.gpu_hits,
+            "gpu_misses": s.gpu_misses, "host_hits": s.host_hits, "host_misses": s.host_misses,
+            "gpu_evictions": s.gpu_evictions, "host_evictions": s.host_evictions,
+            "bytes_host_to_gpu": s.bytes_host_to_gpu, "bytes_gpu_to_host": s.bytes_gpu_to_host,
+            "bytes_disk_to_host": s.bytes_disk_to_host, "prefetch_to_gpu": s.prefetch_gpu,
+            "prefetch_to_host": s.prefetch_host, "prefetch_hits": s.prefetch_hits,
+            "adapter_load_failures": s.load_failures,
+        }
+
     def close(self) -> None:
         self._io.shutdown(wait=True)

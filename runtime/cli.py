@@ -55,15 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def engine_args(sp: argparse.ArgumentParser) -> None:
+        from multilora.runtime.config import EngineConfig
+
         sp.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-        sp.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
-        sp.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
-        sp.add_argument("--max-batch-size", type=int, default=16)
-        sp.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV-cache block")
-        sp.add_argument("--max-lora-rank", type=int, default=64)
-        sp.add_argument("--adapter-pool-share", type=float,
-                        help="share of the memory budget for the adapter pool (default: the memory plan's, 0.1)")
-        sp.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
+        EngineConfig.add_cli_flags(sp.add_argument_group("engine options (EngineConfig)"))
 
     d = sub.add_parser("demo", help="run the main job on the default model with demo adapters")
     d.add_argument("--adapters-dir", help="where demo adapters are kept (default: ~/.cache/multilora/demo-adapters)")
@@ -102,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from multilora.runtime.config import EngineConfig
     from multilora.runtime.engine import Engine
     from multilora.runtime.sampling import SamplingParams
 
@@ -124,9 +120,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for name, path in args.adapter:  # before the model loads: a typo fails in a second, not after the load
         if not Path(path).exists():
             raise ValueError(f"--adapter {name}={path}: no such file or directory")
-    engine = Engine(args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                    kv_block_size=args.kv_block_size, max_lora_rank=args.max_lora_rank,
-                    adapter_pool_share=args.adapter_pool_share, cuda_graphs=not args.no_cuda_graphs)
+    try:
+        config = EngineConfig.from_cli(args)
+    except ValueError as e:  # name the flag, not the field
+        raise ValueError(re.sub(r"Engine: (\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from e
+    engine = Engine(args.model, config=config)
     for name, path in args.adapter:
         try:
             engine.load_adapter(name, path)

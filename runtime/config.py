@@ -1,8 +1,172 @@
-"""Configuration of the runtime. The model configuration lives in ``multilora.config`` (shared with
-``memory/``); it is re-exported here so ``multilora.runtime.config.ModelConfig`` keeps working."""
+"""How an engine is built and runs: ``EngineConfig``, one dataclass for every ``Engine(...)`` keyword.
+
+    Engine(model, max_batch_size=64, kv_block_size=16)          # keywords: an EngineConfig is built from them
+    Engine(model, config=EngineConfig(max_batch_size=64))       # the same
+    EngineConfig.add_cli_flags(parser); EngineConfig.from_cli(args)   # the CLI's engine flags, made from the fields
+
+Values are validated when the config is made (``__post_init__``), before any model is loaded. The model
+configuration lives in ``multilora.config`` (shared with ``memory/``); it is re-exported here so
+``multilora.runtime.config.ModelConfig`` keeps working.
+"""
 
 from __future__ import annotations
 
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
 from multilora.config import MODULE_INDEX, MODULE_PARENT, TARGET_MODULES, ModelConfig
 
-__all__ = ["MODULE_INDEX", "MODULE_PARENT", "TARGET_MODULES", "ModelConfig"]
+if TYPE_CHECKING:  # pragma: no cover  (torch is imported only to check a dtype: the CLI parser stays light)
+    import torch
+
+__all__ = ["EngineConfig", "MODULE_INDEX", "MODULE_PARENT", "TARGET_MODULES", "ModelConfig"]
+
+_DTYPES = ("float32", "float16", "bfloat16")
+_BACKENDS = ("torch", "triton")
+
+
+def _opt(default: Any, help: str, *, cli: bool = True, choices: tuple[str, ...] | None = None, kind: type | None = None):
+    """A field with its CLI flag's help text (``cli=False``: no flag, the value is not a plain string/number)."""
+    return field(default=default, metadata={"help": help, "cli": cli, "choices": choices, "kind": kind})
+
+
+@dataclass
+class EngineConfig:
+    """Everything an ``Engine`` is built with, besides the model.
+
+    Attributes:
+        device: "cuda", "cpu", ... (None: CUDA when available).
+        dtype: compute dtype, a ``torch.dtype`` or "float32" / "float16" / "bfloat16" (None: bfloat16 on CUDA,
+            float32 on CPU).
+        max_batch_size: most requests running at once.
+        max_seq_len: most tokens (prompt + generated) per request; None = min(model context, 2048 on GPU,
+            1024 on CPU).
+        kv_block_size: tokens per KV-cache block (``multilora.memory.kv_cache``).
+        max_lora_rank: largest adapter rank accepted by ``load_adapter``.
+        adapter_slots: cap the adapter pool at this many adapters of ``max_lora_rank``.
+        adapter_pool_bytes: cap on the adapter pool's bytes. The pool takes the memory plan's share
+            (``multilora.memory.accounting``), lowered by these caps, in whole pages; it must hold at least one
+            max-rank adapter.
+        kv_cache_bytes: cap on the KV cache's bytes. The cache takes the memory plan's KV share, lowered by this
+            cap and by ``max_batch_size`` sequences of ``max_seq_len`` tokens, in whole blocks; the reserved null
+            block (block 0) is counted in these bytes. A cap below one ``max_seq_len`` sequence is honoured:
+            requests that could never fit are then rejected at submission. When running requests need more
+            blocks than are free, the newest are preempted and recomputed later (``multilora.runtime.scheduler``).
+        host_adapter_bytes: explicit host-tier size, passed to the memory plan (which rejects one that
+            over-commits a shared-memory device); None = the plan's automatic size.
+        gpu_memory_fraction: share of usable device memory the plan may budget, in (0, 1].
+        local_ranks: engine processes sharing this device/host (the plan divides host memory by it).
+        memory_snapshot: a recorded ``MemorySnapshot`` to plan from instead of measuring this machine
+            (replaying a user's machine; tests).
+        page_rows: rank-rows per pool page (see ``multilora.memory.pool``).
+        max_prefill_tokens: most tokens in one prefill step (a preempted request recomputes its prompt and
+            generated tokens; the first request of a step is admitted whatever its length).
+        starvation_patience: steps a waiting request may be passed over before nothing behind it is admitted
+            (the scheduler's no-starvation bound, ``multilora.runtime.scheduler``).
+        prefetch_adapters: how many not-yet-resident adapters of waiting requests to prefetch per step.
+        lora_backend: "torch", "triton" or None (triton on CUDA when available).
+        attention_backend: the paged-attention backend, "torch", "triton" or None (triton on CUDA when
+            available; ``multilora.kernels.attention``).
+        cuda_graphs: replay decode steps from CUDA graphs, one per batch-size bucket
+            (``multilora.runtime.cuda_graphs``); used on CUDA when both backends are Triton, ignored elsewhere.
+        adapter_pool_share: share of the memory budget for the adapter pool, in (0, 1) (None: the memory
+            plan's default, 0.1); the KV cache takes the rest.
+        progress: show a progress bar while loading the model.
+
+    Raises:
+        ValueError: a value of the wrong type or out of range (the message names the field, with the
+            ``Engine:`` prefix the engine's errors have always had).
+    """
+
+    device: str | torch.device | None = _opt(None, "cuda, cpu, ... (default: cuda when available)", kind=str)
+    dtype: torch.dtype | str | None = _opt(None, "default: bfloat16 on GPU, float32 on CPU", choices=_DTYPES)
+    max_batch_size: int = _opt(16, "most requests running at once")
+    max_seq_len: int | None = _opt(None, "most tokens per request, prompt + generated (default: min(model context, "
+                                         "2048 on GPU, 1024 on CPU))", kind=int)
+    kv_block_size: int = _opt(16, "tokens per KV-cache block")
+    max_lora_rank: int = _opt(64, "largest adapter rank accepted")
+    adapter_slots: int | None = _opt(None, "cap the adapter pool at this many max-rank adapters", kind=int)
+    adapter_pool_bytes: int | None = _opt(None, "cap on the adapter pool's bytes", kind=int)
+    kv_cache_bytes: int | None = _opt(None, "cap on the KV cache's bytes (the reserved null block included)", kind=int)
+    host_adapter_bytes: int | None = _opt(None, "host-tier size in bytes (default: the memory plan's)", kind=int)
+    gpu_memory_fraction: float = _opt(0.9, "share of usable device memory the memory plan may budget")
+    local_ranks: int = _opt(1, "engine processes sharing this device / host")
+    memory_snapshot: Any = _opt(None, "", cli=False)
+    page_rows: int = _opt(8, "rank-rows per adapter-pool page")
+    max_prefill_tokens: int = _opt(4096, "most tokens in one prefill step")
+    starvation_patience: int = _opt(16, "steps a waiting request may be passed over before it is urgent")
+    prefetch_adapters: int = _opt(4, "adapters of waiting requests prefetched per step")
+    lora_backend: str | None = _opt(None, "LoRA kernels (default: triton on CUDA)", choices=_BACKENDS)
+    attention_backend: str | None = _opt(None, "paged attention (default: triton on CUDA)", choices=_BACKENDS)
+    cuda_graphs: bool = _opt(True, "run decode steps eagerly (no CUDA graphs)")
+    adapter_pool_share: float | None = _opt(None, "share of the memory budget for the adapter pool (default: the "
+                                                  "memory plan's, 0.1)", kind=float)
+    progress: bool = _opt(True, "", cli=False)
+
+    def __post_init__(self) -> None:
+        def fail(name: str, want: str) -> ValueError:
+            return ValueError(f"Engine: {name} must be {want}, got {getattr(self, name)!r}")
+
+        for name in ("max_batch_size", "kv_block_size", "max_lora_rank", "adapter_slots", "page_rows",
+                     "max_prefill_tokens", "local_ranks"):
+            v = getattr(self, name)
+            if not (v is None and name == "adapter_slots") and (not _is_int(v) or v < 1):
+                raise fail(name, "an int >= 1")
+        for name in ("starvation_patience", "prefetch_adapters"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise fail(name, "an int >= 0")
+        for name in ("adapter_pool_bytes", "kv_cache_bytes", "host_adapter_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise fail(name, "None or an int >= 0 (bytes)")
+        if self.max_seq_len is not None and (not _is_int(self.max_seq_len) or self.max_seq_len < 2):
+            raise fail("max_seq_len", "an int >= 2")
+        if not (_is_number(self.gpu_memory_fraction) and 0 < self.gpu_memory_fraction <= 1):
+            raise fail("gpu_memory_fraction", "a number in (0, 1]")
+        if self.adapter_pool_share is not None and not (_is_number(self.adapter_pool_share) and 0 < self.adapter_pool_share < 1):
+            raise fail("adapter_pool_share", "a number in (0, 1)")
+        for name in ("lora_backend", "attention_backend"):
+            if getattr(self, name) not in (None, *_BACKENDS):
+                raise fail(name, "'torch', 'triton' or None")
+        if self.dtype is not None:
+            import torch
+
+            name = self.dtype if isinstance(self.dtype, str) else str(self.dtype).replace("torch.", "")
+            if name not in _DTYPES or not isinstance(self.dtype, (str, torch.dtype)):
+                raise fail("dtype", f"a torch dtype or a name, one of {list(_DTYPES)}")
+            self.dtype = getattr(torch, name)
+        if not isinstance(self.cuda_graphs, bool):
+            raise fail("cuda_graphs", "True or False")
+
+    # ------------------------------------------------------------------------------------------ CLI
+    @classmethod
+    def add_cli_flags(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field (``max_batch_size`` -> ``--max-batch-size``; ``cuda_graphs`` -> ``--no-cuda-graphs``),
+        with the field's default, type and help; fields that are not plain values have no flag."""
+        for f in fields(cls):
+            meta = f.metadata
+            if not meta.get("cli"):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(f.default, bool):
+                parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                                    help=meta["help"])
+                continue
+            kind = meta["kind"] or (type(f.default) if f.default is not None and f.default is not MISSING else str)
+            parser.add_argument(flag, dest=f.name, type=None if meta["choices"] else kind, default=f.default,
+                                choices=meta["choices"], help=meta["help"])
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace, **overrides: Any) -> "EngineConfig":
+        """The config of the flags ``add_cli_flags`` added (and ``overrides``)."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if f.metadata.get("cli") and hasattr(args, f.name)}
+        return cls(**{**values, **overrides})
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

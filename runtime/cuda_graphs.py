@@ -2,15 +2,9 @@
 
 A decode step of ``B`` sequences is padded up to the smallest bucket ``>= B`` (1, 2, 4, 8, then multiples
 of 16 up to ``max_batch_size``). Each bucket's graph is captured the first time it is needed, after one
-eager warm-up run, and replayed afterwards. Everything that changes between steps lives in static
-buffers written before the replay: input ids, positions, block tables, context lengths, KV slots, the
-tokens' adapter slots and the LoRA chunk table. Padding rows use token 0 at position 0, context length 1,
-a block table of zeros and KV slot 0: they read and write only the cache's reserved null block 0
-(``multilora.memory.kv_cache``) and name no adapter (slot -1), so they never touch a real sequence.
-
-The static buffers are views of one device byte buffer, filled from a pinned host buffer of the same layout
-by one host-to-device copy per step. The host side is written with numpy, and a block-table row only when
-that row's table changed, so the host work of a step is a few dozen small numpy operations whatever the batch.
+eager warm-up run, and replayed afterwards. What a graph reads is its static plan: the runner's
+``DecodeBuffers`` (``multilora.runtime.runner``), written in place before each replay; this module only
+captures and replays.
 
 The captured work is the model forward and the logits of every row (float32 ``[bucket, vocab]``), so a
 replay costs one launch; sampling runs after it on the same stream.
@@ -23,13 +17,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Hashable
 
-import numpy as np
 import torch
-
-from multilora.kernels import LoRAPlan
-from multilora.kernels.attention import AttentionMetadata
 
 log = logging.getLogger("multilora")
 
@@ -44,112 +34,51 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    graph: Any  # torch.cuda.CUDAGraph (or a stand-in with replay(), in tests)
     logits: torch.Tensor  # float32 [bucket, vocab], written by each replay
-    chunk_table: torch.Tensor | None  # int32 [4, bucket] LoRA chunk table (a view of the shared buffer), or None
-    plan: object  # the captured StepPlan: keeps every tensor the graph reads (e.g. a kernel's tile table) alive
+    plan: Any  # the captured plan: keeps every tensor the graph reads alive
 
 
 class DecodeGraphs:
-    """Captured decode steps for one engine (model, KV cache, adapter pool).
+    """Captured decode steps, keyed by (bucket, lora).
 
     Args:
-        model: the ``LlamaModel`` (its pool views bound).
-        kv: the ``PagedKVCache``; block 0 is the null block padding rows write to.
-        max_batch_size: the largest bucket.
-        max_blocks: block-table width (blocks of a ``max_seq_len`` sequence).
-        lora_backend, attention_backend: passed to the forward (must be graph-safe: "triton" or None on CUDA).
-        capture: False runs the same padded, static-buffer step eagerly instead of replaying a graph (with
-            a LoRA plan built per step): the buffer and padding logic, testable on a CPU.
+        forward: ``forward(plan) -> logits`` float32 [bucket, vocab]: what is captured (the runner's).
+        buckets: the batch sizes that get a graph (``bucket_sizes``).
+        device: the CUDA device.
+        capture: False runs ``forward(plan)`` eagerly at every step instead of replaying a graph: the same
+            padded static-buffer step, testable on a CPU.
     """
 
-    def __init__(self, model, kv, *, max_batch_size: int, max_blocks: int, max_seq_len: int,
-                 lora_backend: str | None, attention_backend: str | None, capture: bool = True) -> None:
-        self.model, self.kv = model, kv
-        self.device = model.device
-        self.buckets = bucket_sizes(max_batch_size)
-        self.max_blocks = max_blocks
-        self.max_seq_len = max_seq_len
-        self.lora_backend, self.attention_backend = lora_backend, attention_backend
+    def __init__(self, forward: Callable[[Any], torch.Tensor], buckets: list[int], device: torch.device, *,
+                 capture: bool = True) -> None:
+        self._forward = forward
+        self.buckets = buckets
+        self.device = device
         self.capture = capture
-        n, w, dev = self.buckets[-1], max_blocks, self.device
-        # One byte buffer per side, 64-byte aligned fields; a step copies the prefix up to its bucket's last
-        # block-table row. The chunk field holds [4, bucket] for the bucket being replayed (contiguous): only
-        # one graph runs at a time, so every LoRA graph reads the same field.
-        fields = [("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)),
-                  ("slot_mapping", torch.int64, (n,)), ("seq_lens", torch.int32, (n,)),
-                  ("token_slots", torch.int32, (n,)), ("chunk", torch.int32, (4 * n,)),
-                  ("block_tables", torch.int32, (n, w))]
-        spans, off = {}, 0
-        for name, dtype, shape in fields:
-            nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-            spans[name] = (off, nbytes, dtype, shape)
-            off += -(-nbytes // 64) * 64
-        self._dev = torch.zeros(off, dtype=torch.uint8, device=dev)
-        self._host = torch.zeros(off, dtype=torch.uint8, pin_memory=dev.type == "cuda")
-        host = self._host.numpy()
-        self._h: dict[str, np.ndarray] = {}
-        views = {}
-        for name, (o, nbytes, dtype, shape) in spans.items():
-            views[name] = self._dev[o : o + nbytes].view(dtype).view(shape)
-            self._h[name] = host[o : o + nbytes].view(np.dtype(str(dtype).replace("torch.", ""))).reshape(shape)
-        self.input_ids, self.positions = views["input_ids"], views["positions"]
-        self.slot_mapping, self.seq_lens = views["slot_mapping"], views["seq_lens"]
-        self.token_slots, self.block_tables = views["token_slots"], views["block_tables"]
-        self._chunk = views["chunk"]  # int32 [4 * n]: the replayed bucket's [4, bucket] chunk table
-        self._h["seq_lens"][:] = 1
-        self._h["token_slots"][:] = -1
-        self._dev.copy_(self._host)
-        self._rows: list[list[int]] = [[] for _ in range(n)]  # each host block-table row as last written ([] = zeros)
-        self._bt_off, self._row_bytes = spans["block_tables"][0], 4 * w
-        self._arange = np.arange(n)
-        self._copied = torch.cuda.Event() if dev.type == "cuda" else None  # recorded after each host -> device copy
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.last_index = torch.arange(n, dtype=torch.int64, device=dev)
-        self._graphs: dict[tuple[int, bool], _Graph] = {}
+        self._graphs: dict[Hashable, _Graph] = {}
         self._pool = None  # one memory pool shared by all graphs
-        model.ensure_rope_positions(max_seq_len)  # never grown inside a capture
 
     def bucket_for(self, batch: int) -> int | None:
         """The smallest bucket holding ``batch`` rows, or None if it is larger than every bucket."""
         return next((b for b in self.buckets if b >= batch), None)
 
-    # ------------------------------------------------------------------------------- plan views
-    def _plans(self, B: int, lora: bool, chunk_table: torch.Tensor | None):
-        from multilora.runtime.model import StepPlan
+    def replay(self, key: Hashable, make_plan: Callable[[], Any]) -> torch.Tensor:
+        """The logits of ``key``'s step, its static inputs already written: the graph is captured from
+        ``make_plan()`` on first use, then replayed (``capture=False``: that plan is run eagerly)."""
+        g = self._graphs.get(key)
+        if g is None:
+            plan = make_plan()
+            graph, logits = self._record(plan) if self.capture else (None, None)
+            g = self._graphs[key] = _Graph(graph, logits, plan)
+            log.debug("decode graph for %s (capture=%s)", key, self.capture)
+        if g.graph is None:
+            return self._forward(g.plan)
+        g.graph.replay()
+        return g.logits
 
-        attn = AttentionMetadata(
-            query_start_loc=self.query_start_loc[: B + 1], seq_lens=self.seq_lens[:B],
-            block_tables=self.block_tables[:B], slot_mapping=self.slot_mapping[:B],
-            block_size=self.kv.block_size, q_lens=(1,) * B, seq_lens_host=(self.max_seq_len,) * B,
-            max_query_len=1, max_seq_len=self.max_seq_len,
-        )
-        extra = {"sgmv": {16: chunk_table}} if lora else {}
-        plan = LoRAPlan(token_slots=self.token_slots[:B], num_tokens=B, slot_ids=(0,) if lora else (),
-                        token_index=(), has_lora=lora, extra=extra)
-        return StepPlan(input_ids=self.input_ids[:B], positions=self.positions[:B], q_lens=(1,) * B,
-                        last_index=self.last_index[:B], attn=attn, lora=plan)
-
-    def _forward(self, plan) -> torch.Tensor:
-        hidden = self.model.forward(plan, self.kv, lora_backend=self.lora_backend,
-                                    attention_backend=self.attention_backend)
-        return self.model.compute_logits(hidden)
-
-    def _capture(self, B: int, lora: bool) -> _Graph:
-        from multilora.kernels.triton_sgmv import block_m_for
-
-        assert block_m_for(B) == 16, "decode buckets are at most 512 rows"
-        table = self._chunk[: 4 * B].view(4, B) if lora else None
-        if table is not None:
-            table.zero_()
-            table[1].fill_(-1)  # no chunks: padding-only warm-up (the step's own table is written after capture)
-        plan = self._plans(B, lora, table)
-        graph, logits = self._record(plan)
-        log.debug("captured decode graph for batch %d (lora=%s)", B, lora)
-        return _Graph(graph, logits, table, plan)
-
-    def _record(self, plan) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up, then capture ``_forward(plan)`` in a CUDA graph; (graph, its logits buffer)."""
+    def _record(self, plan: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up, then capture ``forward(plan)`` in a CUDA graph; (graph, its logits buffer)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -162,79 +91,7 @@ class DecodeGraphs:
             logits = self._forward(plan)
         return graph, logits
 
-    # ----------------------------------------------------------------------------------- replay
-    def run(self, *, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
-            token_slots: Sequence[int], chunk_table: torch.Tensor | None) -> torch.Tensor:
-        """Replay the decode step for ``B = len(token_ids)`` sequences; float32 logits ``[B, vocab]`` (device).
-
-        Args:
-            token_ids: the token each sequence adds; positions: its position (= context length - 1).
-            block_tables: each sequence's blocks (covering position + 1 tokens).
-            token_slots: each sequence's adapter slot (-1 = none).
-            chunk_table: the LoRA chunk table (``triton_sgmv._chunk_table`` of ``token_slots`` with
-                ``BLOCK_M = 16``, int32 [4, B] on the host) or None when no sequence has an adapter.
-        """
-        B = len(token_ids)
-        bucket = self.bucket_for(B)
-        lora = chunk_table is not None
-        key = (bucket, lora)
-        g = self._graphs.get(key)
-        if g is None and self.capture:
-            g = self._graphs[key] = self._capture(bucket, lora)
-        size = self._stage(B, bucket, token_ids, positions, block_tables, token_slots, chunk_table)
-        self._dev[:size].copy_(self._host[:size], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record(torch.cuda.current_stream(self.device))
-        if not self.capture:  # eager: the same buffers and padding, a LoRA plan of the padded slots
-            from multilora.kernels import build_lora_plan
-            from multilora.runtime.model import StepPlan
-
-            self._graphs[key] = None
-            plan = self._plans(bucket, False, None)
-            slots = list(token_slots) + [-1] * (bucket - B)
-            plan = StepPlan(input_ids=plan.input_ids, positions=plan.positions, q_lens=plan.q_lens,
-                            last_index=plan.last_index, attn=plan.attn, lora=build_lora_plan(slots, device=self.device))
-            return self._forward(plan)[:B]
-        g.graph.replay()
-        return g.logits[:B]
-
-    def _stage(self, B: int, bucket: int, token_ids: Sequence[int], positions: Sequence[int],
-               block_tables: Sequence[Sequence[int]], token_slots: Sequence[int], chunk_table) -> int:
-        """Write the step into the pinned host buffer; return how many bytes of it the step's copy needs."""
-        if self._copied is not None:  # the previous step's copy reads this buffer (normally long done: the
-            self._copied.synchronize()  # engine reads each step's sampled ids back before the next step)
-        h, bs = self._h, self.kv.block_size
-        tables, rows = h["block_tables"], self._rows
-        for b in range(bucket):  # rows past B are padding: an empty table (zeros = the null block)
-            src = block_tables[b] if b < B else []
-            if not isinstance(src, list):
-                src = list(src)
-            if src != rows[b]:
-                tables[b, : len(src)] = src
-                tables[b, len(src) :] = 0
-                rows[b] = list(src)  # a copy: the caller may change its list later
-        ids, pos, slots = h["input_ids"], h["positions"], h["slot_mapping"]
-        ids[:B] = token_ids
-        ids[B:] = 0
-        pos[:B] = positions
-        pos[B:] = 0
-        p = pos[:B]
-        slots[:B] = tables[self._arange[:B], p // bs].astype(np.int64) * bs + p % bs
-        slots[B:] = 0
-        seq = h["seq_lens"]
-        seq[:B] = p + 1
-        seq[B:] = 1
-        ts = h["token_slots"]
-        ts[:B] = token_slots
-        ts[B:] = -1
-        if chunk_table is not None:
-            ct = chunk_table.numpy() if isinstance(chunk_table, torch.Tensor) else np.asarray(chunk_table)
-            c = h["chunk"][: 4 * bucket].reshape(4, bucket)
-            c[:, :B] = ct[:, :B]
-            c[:, B:] = 0
-            c[1, B:] = -1
-        return self._bt_off + bucket * self._row_bytes
-
     @property
-    def captured(self) -> list[tuple[int, bool]]:
+    def captured(self) -> list[Hashable]:
+        """The keys (bucket, lora) that have a graph (or, with ``capture=False``, a plan)."""
         return sorted(self._graphs)

@@ -3,7 +3,8 @@
 GQA attention with RoPE (the config's theta, optional llama3/linear scaling), RMSNorm, SwiGLU MLP,
 tied or untied embeddings. q/k/v and gate/up are fused GEMMs; LoRA is added to every projection
 through ``multilora.kernels.lora_apply`` and attention runs over the paged KV cache through
-``multilora.kernels.attention``, both with the step's plan, passed explicitly (``StepPlan``). RMSNorm (fused
+``multilora.kernels.attention``, both with the step's plan, passed explicitly (``runner.StepPlan``, built by
+the runner only). RMSNorm (fused
 with the residual add), RoPE with the KV-cache write, and SiLU * up come from ``multilora.kernels.fused``: one
 Triton kernel each on CUDA, torch ops on the CPU.
 """
@@ -11,18 +12,27 @@ Triton kernel each on CUDA, torch ops on the CPU.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from multilora.kernels import LoRAPlan, lora_apply
-from multilora.kernels.attention import AttentionMetadata, build_attention_metadata, paged_attention
-from multilora.kernels.fused import add_rms_norm, rms_norm, rope_write_kv, silu_mul
-from multilora.memory.kv_cache import PagedKVCache
-from multilora.kernels.lora import LoRAModuleView
-from multilora.memory.pool import AdapterPool
 from multilora.config import ModelConfig
+from multilora.kernels.attention import paged_attention
+from multilora.kernels.fused import add_rms_norm, rms_norm, rope_write_kv, silu_mul
+from multilora.kernels.lora import LoRASlices, lora_apply, lora_slices
+from multilora.memory.kv_cache import PagedKVCache
+from multilora.memory.pool import AdapterPool
+
+if TYPE_CHECKING:  # pragma: no cover
+    from multilora.runtime.runner import StepPlan
+
+#: The fused projections of a layer and the target modules whose LoRA slices each one carries, in column order.
+FUSED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 
 
 # ----------------------------------------------------------------------------------------- RoPE
@@ -59,31 +69,6 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     freqs = positions.float()[:, None] * inv_freq[None, :].to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
-
-
-# ----------------------------------------------------------------------------------- step plan
-@dataclass(frozen=True)
-class StepPlan:
-    """Everything one forward step needs, built once and passed to every layer.
-
-    Tokens are flattened (varlen): ``T = sum(q_lens)``, sequence ``b``'s tokens are contiguous.
-
-    Attributes:
-        input_ids: int64 [T].
-        positions: int64 [T], absolute position of each token in its sequence (the forward looks up the
-            model's RoPE tables with it, so a captured graph only needs this buffer updated).
-        q_lens: host tuple [B], new tokens per sequence.
-        last_index: int64 [B], flat index of each sequence's last token (for logits).
-        attn: the step's paged-attention metadata (block tables, slot mapping, lengths).
-        lora: the step's LoRA plan (token -> adapter slot).
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    q_lens: tuple[int, ...]
-    last_index: torch.Tensor
-    attn: AttentionMetadata
-    lora: LoRAPlan
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -135,7 +120,7 @@ class LlamaModel:
         self.inv_freq = rope_inv_freq(config, weights.get("rope_freqs")).to(device)
         self.rope_cos = self.rope_sin = torch.empty(0, config.head_dim, dtype=torch.float32, device=device)
         self.ensure_rope_positions(256)
-        self._views: list[dict[str, list[LoRAModuleView]]] | None = None
+        self._lora: list[dict[str, LoRASlices]] | None = None
 
     def ensure_rope_positions(self, n: int) -> None:
         """Grow the RoPE tables ``rope_cos``/``rope_sin`` (float32 [n_positions, head_dim], on the model's
@@ -170,25 +155,19 @@ class LlamaModel:
         return total * self.embed.element_size()
 
     def bind_pool(self, pool: AdapterPool) -> None:
-        """Cache the pool views (per layer: qkv, o, gate_up, down slices); they never change."""
-        self._views = [
-            {
-                "qkv": [pool.module_view(i, m) for m in ("q_proj", "k_proj", "v_proj")],
-                "o": [pool.module_view(i, "o_proj")],
-                "gate_up": [pool.module_view(i, m) for m in ("gate_proj", "up_proj")],
-                "down": [pool.module_view(i, "down_proj")],
-            }
-            for i in range(self.config.num_layers)
-        ]
+        """Describe where each fused projection's LoRA slices live in the pool (``FUSED_MODULES``; one small device
+        table per layer and projection, built once: they never change)."""
+        self._lora = [{name: lora_slices([pool.module_view(i, m) for m in modules])
+                       for name, modules in FUSED_MODULES.items()} for i in range(self.config.num_layers)]
 
     # ------------------------------------------------------------------------------ forward
-    def _linear(self, x: torch.Tensor, layer: int, name: str, plan: StepPlan, lora_backend: str | None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, layer: int, name: str, plan: "StepPlan", lora_backend: str | None) -> torch.Tensor:
         y = x @ self.layers[layer][name].t()
-        if plan.lora.has_lora and self._views is not None:
-            lora_apply(y, x, self._views[layer][name], plan.lora, backend=lora_backend)
+        if plan.lora.has_lora and self._lora is not None:
+            lora_apply(y, x, self._lora[layer][name], plan.lora, backend=lora_backend)
         return y
 
-    def forward(self, plan: StepPlan, kv: PagedKVCache, *, lora_backend: str | None = None,
+    def forward(self, plan: "StepPlan", kv: PagedKVCache, *, lora_backend: str | None = None,
                 attention_backend: str | None = None, ops_backend: str | None = None) -> torch.Tensor:
         """Run the decoder over the step's tokens; returns final hidden states [T, hidden] (normed).
 
@@ -219,41 +198,3 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab]."""
         return (hidden @ self.lm_head.t()).float()
-
-
-def build_step_plan(
-    model: LlamaModel,
-    *,
-    token_ids: Sequence[Sequence[int]],
-    start_positions: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
-    block_size: int,
-    lora: LoRAPlan,
-) -> StepPlan:
-    """Build the step plan for B sequences, each adding ``token_ids[b]`` at ``start_positions[b]`` onward.
-
-    ``block_tables[b]`` are sequence b's KV blocks; they must cover ``start_positions[b] + len(token_ids[b])``
-    positions. Grows the model's RoPE tables if a position is beyond them.
-
-    Raises:
-        ValueError: empty input, lengths that disagree, or a block table too short.
-    """
-    B = len(token_ids)
-    if B == 0 or len(start_positions) != B or len(block_tables) != B:
-        raise ValueError("build_step_plan: token_ids, start_positions and block_tables must be non-empty and equal in length")
-    q_lens = tuple(len(t) for t in token_ids)
-    if min(q_lens) == 0:
-        raise ValueError("build_step_plan: every sequence must add at least one token")
-    seq_lens = [s + n for s, n in zip(start_positions, q_lens)]
-    dev = model.device
-    model.ensure_rope_positions(max(seq_lens))
-    attn = build_attention_metadata(q_lens, seq_lens, block_tables, block_size=block_size, device=dev)
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(start_positions, q_lens)])
-    return StepPlan(
-        input_ids=torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long, device=dev),
-        positions=positions.to(dev),
-        q_lens=q_lens,
-        last_index=(torch.tensor(q_lens).cumsum(0) - 1).to(dev),
-        attn=attn,
-        lora=lora,
-    )

@@ -48,7 +48,9 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+
+import torch
 
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import PoolFullError
@@ -87,10 +89,18 @@ class Request:
     skipped_steps: int = 0  # schedule() calls this request has waited through
     preemptions: int = 0  # times it was preempted (its KV blocks taken back; recomputed on re-admission)
     kv_tokens: int = 0  # positions its KV blocks are known to hold (0: unknown, ask the cache); scheduler-kept
+    logits_only: bool = False  # Engine.logits: one prefill, its last position's logits kept, nothing sampled
+    logits: torch.Tensor | None = None  # float32 [vocab] on the CPU, set when a logits_only request finishes
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def kv_need(self) -> int:
+        """Positions its KV blocks must hold when it is admitted: its tokens, + 1 for the first decode step
+        (a logits_only request never decodes)."""
+        return self.num_tokens + (0 if self.logits_only else 1)
 
     @property
     def seq_id(self) -> int:
@@ -105,6 +115,18 @@ def next_request_id() -> int:
     return next(_ids)
 
 
+@dataclass
+class Schedule:
+    """One step's work: ``kind`` "prefill" (``batch`` = the requests admitted now, whole prompts), "decode"
+    (``batch`` = every running request, one token each) or None (nothing to run); ``failed`` = requests that
+    failed in this call (finished with reason "error" and a message: an adapter that can never fit, files
+    that changed on disk, or, when nothing runs and nothing can be admitted, every waiting request)."""
+
+    kind: str | None
+    batch: list[Request]
+    failed: list[Request]
+
+
 class Scheduler:
     """FIFO continuous batching under KV-block, batch-size, prefill-token and adapter-pool budgets.
 
@@ -116,7 +138,6 @@ class Scheduler:
         max_prefill_tokens: most tokens admitted in one prefill step (at least one request is always
             admitted when resources allow, whatever its length).
         patience: scheduling steps a request may wait before it becomes urgent (see module docstring).
-        on_error: ``on_error(request, message)`` is called for a request that fails at admission.
     """
 
     def __init__(
@@ -127,14 +148,12 @@ class Scheduler:
         max_batch_size: int,
         max_prefill_tokens: int,
         patience: int = 16,
-        on_error: Callable[["Request", str], None] | None = None,
     ) -> None:
         self.cache = cache
         self.kv = kv
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.patience = patience
-        self._on_error = on_error
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order (the last is preempted first)
         self.wait_seconds_total = 0.0
@@ -152,16 +171,21 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[str, list[Request]] | None:
-        """Pick the next step: ("prefill", admitted) if any request can be admitted, else ("decode", running)
-        after making room for one more token of each running request (preempting the newest if needed)."""
-        admitted = self._admit()
+    def schedule(self) -> Schedule:
+        """Pick the next step: a prefill of the requests that can be admitted now, else a decode of the running
+        requests after making room for one more token of each (preempting the newest if needed). When nothing
+        runs and nothing can be admitted (the pool is full of pinned adapters), the waiting requests fail."""
+        failed: list[Request] = []
+        admitted = self._admit(failed)
         if admitted:
-            return "prefill", admitted
+            return Schedule("prefill", admitted, failed)
         if self.running:
             self._reserve_decode()
-            return "decode", list(self.running)
-        return None
+            return Schedule("decode", list(self.running), failed)
+        while self.waiting:
+            req = self.waiting[0]
+            self._fail(req, "request cannot be scheduled: its adapter does not fit in the adapter pool", failed)
+        return Schedule(None, [], failed)
 
     def _reserve_decode(self) -> None:
         """Give every running request room for its next token, oldest first; preempt the newest while
@@ -196,7 +220,7 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(req)
 
-    def _admit(self) -> list[Request]:
+    def _admit(self, failed: list[Request]) -> list[Request]:
         admitted: list[Request] = []
         tokens = 0
         skipped: list[Request] = []
@@ -205,14 +229,15 @@ class Scheduler:
             n = req.num_tokens  # a preempted request recomputes its generated tokens too
             if admitted and tokens + n > self.max_prefill_tokens:
                 break
-            if not self.kv.can_fit(n + 1):
+            if not self.kv.can_fit(req.kv_need):
                 break  # the head waits for blocks; nothing behind it is admitted
             slot = -1
             if req.handle is not None:
                 if not self.cache.could_ever_fit(req.handle):
                     self.waiting.popleft()
                     self._fail(req, f"adapter {req.adapter_name!r} needs {req.handle.num_pages} page(s): more than the "
-                                    f"adapter pool holds besides pinned adapters ({self.cache.pool.num_pages} pages)")
+                                    f"adapter pool holds besides pinned adapters ({self.cache.pool.num_pages} pages)",
+                               failed)
                     continue
                 try:
                     slot = self.cache.acquire(req.handle)
@@ -224,9 +249,9 @@ class Scheduler:
                     continue
                 except Exception as e:  # e.g. its files changed on disk: fail this request only
                     self.waiting.popleft()
-                    self._fail(req, f"{type(e).__name__}: {e}")
+                    self._fail(req, f"{type(e).__name__}: {e}", failed)
                     continue
-            req.kv_tokens = len(self.kv.allocate_seq(req.seq_id, n + 1)) * self.kv.block_size  # fits: checked above
+            req.kv_tokens = len(self.kv.allocate_seq(req.seq_id, req.kv_need)) * self.kv.block_size  # fits: checked above
             self.waiting.popleft()
             if req.handle is not None:
                 self.cache.dequeue(req.handle)
@@ -246,10 +271,19 @@ class Scheduler:
         self.running.extend(admitted)
         return admitted
 
-    def _fail(self, req: Request, message: str) -> None:
+    def _fail(self, req: Request, message: str, failed: list[Request]) -> None:
         self.finish(req, "error", message)
-        if self._on_error is not None:
-            self._on_error(req, message)
+        failed.append(req)
+
+    def report(self) -> dict:
+        """The scheduler's part of ``Engine.stats()``: queue waits, KV blocks (``kv_blocks_total`` excludes the
+        reserved null block), preemptions, waiting and running requests (key names are a contract)."""
+        return {
+            "queue_wait_seconds_total": self.wait_seconds_total, "queue_wait_seconds_max": self.wait_seconds_max,
+            "queue_waits_for_adapter": self.adapter_waits, "kv_blocks_total": self.kv.num_usable_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks, "kv_block_size": self.kv.block_size,
+            "preemptions": self.preemptions, "waiting": len(self.waiting), "running": len(self.running),
+        }
 
     def waiting_handles(self) -> set[int]:
         """ids of the adapter handles of all waiting requests (prefetch never evicts these)."""

@@ -96,6 +96,23 @@ def load_model_files(
     return _load_gguf(path, dtype=dtype, progress=progress)
 
 
+def load_model(model: "str | os.PathLike | ModelConfig | None", *, dtype: torch.dtype, device: torch.device,
+               progress: bool = True) -> tuple[Path, ModelConfig, dict[str, torch.Tensor], Any]:
+    """What the engine loads: ``(path, config, weights, tokenizer)`` for ``model``.
+
+    ``model``: None (the embedded default), a HF directory or ``.gguf`` file (weights on the CPU in ``dtype``,
+    the tokenizer from the same files), or a ``ModelConfig`` (seeded ``random_weights`` made on ``device``, no
+    tokenizer; ``path`` then describes the shape). Raises ModelLoadError (as ``resolve_model_path``,
+    ``load_model_files`` and ``load_tokenizer``).
+    """
+    if isinstance(model, ModelConfig):  # random weights of a real shape: benchmarks and GPU tests
+        path = Path(f"<random {model.architecture}: {model.num_layers} layers, hidden {model.hidden_size}>")
+        return path, model, random_weights(model, dtype=dtype, device=device), None
+    path = resolve_model_path(model)
+    config, weights = load_model_files(path, dtype=dtype, progress=progress)
+    return path, config, weights, load_tokenizer(path)
+
+
 # ---------------------------------------------------------------------------------------------- HF
 def _load_hf_dir(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors import safe_open

@@ -1,8 +1,9 @@
-"""The CUDA-graph decode runner's bookkeeping, on the CPU (the graphs themselves: tests/test_engine_gpu.py).
+"""The CUDA-graph decode path's bookkeeping, on the CPU (the graphs themselves: tests/test_engine_gpu.py).
 
-``DecodeGraphs(capture=False)`` runs exactly the step a graph would replay (static buffers, batch padded
-to its bucket, padding rows pointed at the KV cache's null block with no adapter) but eagerly, so the
-buffer filling and padding are checked here against the engine's ordinary decode path.
+``runner.enable_graphs(capture=False)`` runs exactly the step a graph would replay (the static plan of the
+runner's ``DecodeBuffers``, batch padded to its bucket, padding rows pointed at the KV cache's null block with
+no adapter) but eagerly, so the buffer filling, the padding and the static plan itself (through the torch
+backends) are checked here against the engine's ordinary decode path.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 
 from multilora import Engine, SamplingParams
 from multilora.config import TARGET_MODULES, ModelConfig
-from multilora.runtime.cuda_graphs import DecodeGraphs, bucket_sizes
+from multilora.kernels.lora import chunk_table
+from multilora.runtime.cuda_graphs import bucket_sizes
 from multilora.runtime.weights import MODEL_SHAPES
 from testsupport import one_thread  # noqa: F401 (autouse fixture)
 from testsupport import write_adapter
@@ -30,14 +32,13 @@ def test_bucket_sizes():
         assert b == sorted(set(b)) and b[-1] == n and all(1 <= x <= n for x in b)
 
 
-def _engine(tmp_path, graphs: bool):
+def _engine(tmp_path, graphs: bool, **kw):
     e = Engine(CFG, device="cpu", progress=False, max_batch_size=6, max_seq_len=48, kv_block_size=4, max_lora_rank=8,
-               adapter_slots=3, kv_cache_bytes=12 * 4 * CFG.num_layers * 2 * CFG.num_kv_heads * CFG.head_dim * 4)
+               adapter_slots=3, kv_cache_bytes=12 * 4 * CFG.num_layers * 2 * CFG.num_kv_heads * CFG.head_dim * 4, **kw)
     for i in range(3):
         e.load_adapter(f"a{i}", write_adapter(tmp_path / f"a{i}", CFG, seed=i, rank=4 + 2 * i, modules=TARGET_MODULES))
     if graphs:
-        e.graphs = DecodeGraphs(e.model, e.kv, max_batch_size=6, max_blocks=12, max_seq_len=48, lora_backend=None,
-                                attention_backend=None, capture=False)
+        e.runner.enable_graphs(capture=False)
     return e
 
 
@@ -65,7 +66,8 @@ def test_padding_rows_touch_only_the_null_block(tmp_path):
     e = _engine(tmp_path, graphs=True)
     tables = [e.kv.allocate_seq(("s", i), 6) for i in range(3)]  # bucket 4: one padding row
     before_k = e.kv.k.clone()
-    e.graphs.run(token_ids=[5, 6, 7], positions=[5, 2, 0], block_tables=tables, token_slots=[-1, 0, -1], chunk_table=None)
+    with torch.inference_mode():
+        e.runner.decode_graph([5, 6, 7], [5, 2, 0], tables, [-1, 0, -1])
     changed = (e.kv.k != before_k).any(dim=(0, 3, 4)).nonzero().tolist()  # (block, offset) pairs written
     want = {(tables[0][1], 1), (tables[1][0], 2), (tables[2][0], 0)}
     assert set(map(tuple, changed)) - {(0, 0)} == want
@@ -75,30 +77,28 @@ class _EagerReplay:
     """Stands in for a captured CUDA graph on the CPU: ``replay()`` runs the captured plan again, reading the
     static buffers as the graph would, and writes the same logits buffer."""
 
-    def __init__(self, graphs: DecodeGraphs, plan):
-        self.graphs, self.plan = graphs, plan
+    def __init__(self, forward, plan):
+        self.forward, self.plan = forward, plan
         with torch.inference_mode():
-            self.logits = graphs._forward(plan).clone()  # the warm-up run of _record
+            self.logits = forward(plan).clone()  # the warm-up run of _record
 
     def replay(self) -> None:
         with torch.inference_mode():
-            self.logits.copy_(self.graphs._forward(self.plan))
+            self.logits.copy_(self.forward(self.plan))
 
 
 def _replay_engine(tmp_path):
-    """An engine whose decode steps take the graph path of ``DecodeGraphs.run`` (capture, staging, one copy of
-    the shared buffer, replay) with the graph replaced by ``_EagerReplay``; Triton LoRA (interpreted on the
-    CPU) reads the chunk table from the shared buffer, as the captured kernels do."""
-    e = _engine(tmp_path, graphs=False)
-    g = DecodeGraphs(e.model, e.kv, max_batch_size=6, max_blocks=12, max_seq_len=48, lora_backend="triton",
-                     attention_backend="torch", capture=True)
+    """An engine whose decode steps take the graph path of ``ModelRunner.decode_graph`` (capture, staging, one
+    copy of the shared buffer, replay) with the graph replaced by ``_EagerReplay``; Triton LoRA (interpreted on
+    the CPU) reads the chunk table from the shared buffer, as the captured kernels do."""
+    e = _engine(tmp_path, graphs=False, lora_backend="triton", attention_backend="torch")
+    g = e.runner.enable_graphs(capture=True)
 
     def record(plan):
-        r = _EagerReplay(g, plan)
+        r = _EagerReplay(g._forward, plan)
         return r, r.logits
 
     g._record = record
-    e.graphs = g
     return e
 
 
@@ -130,33 +130,54 @@ def test_graph_replay_logits_and_staging(tmp_path):
     pytest.importorskip("triton")
     if torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU check under the Triton interpreter")
-    from multilora.kernels.triton_sgmv import _chunk_table
 
     e = _replay_engine(tmp_path)
     rows = [[5, 9, 11, 3, 7], [4, 4, 8], [10, 2, 6, 6, 1, 12, 13]]
     slots = [e.cache.acquire(e.cache.get("a1")), -1, e.cache.acquire(e.cache.get("a0"))]
     tables = [e.kv.allocate_seq(("s", i), len(r) + 1) for i, r in enumerate(rows)]
-    e._run_forward(rows, [0] * 3, tables, slots)  # prefill: fills the KV cache
+    e.runner.run_eager(rows, [0] * 3, tables, slots)  # prefill: fills the KV cache
     nxt, pos = [7, 8, 9], [len(r) for r in rows]
     for sl in (slots, [-1, -1, -1], slots):  # LoRA, no LoRA, LoRA again: the chunk field is rewritten
-        eager = e._run_forward([[t] for t in nxt], pos, tables, sl)
-        table = _chunk_table(sl, 16, torch.device("cpu")) if any(s >= 0 for s in sl) else None
+        eager = e.runner.run_eager([[t] for t in nxt], pos, tables, sl)
         with torch.inference_mode():
-            got = e.graphs.run(token_ids=nxt, positions=pos, block_tables=tables, token_slots=sl, chunk_table=table)
+            got = e.runner.decode_graph(nxt, pos, tables, sl)
         torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
-    gr = e.graphs
+    gr = e.runner.buffers.d
     bs = e.kv.block_size
-    assert gr.input_ids[:4].tolist() == nxt + [0] and gr.positions[:4].tolist() == pos + [0]
-    assert gr.slot_mapping[:4].tolist() == [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)] + [0]
-    assert gr.seq_lens[:4].tolist() == [p + 1 for p in pos] + [1] and gr.token_slots[:4].tolist() == slots + [-1]
-    assert gr.block_tables[:4].tolist() == [t + [0] * (12 - len(t)) for t in tables] + [[0] * 12]
+    assert gr["input_ids"][:4].tolist() == nxt + [0] and gr["positions"][:4].tolist() == pos + [0]
+    assert gr["slot_mapping"][:4].tolist() == [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)] + [0]
+    assert gr["seq_lens"][:4].tolist() == [p + 1 for p in pos] + [1]
+    assert gr["token_slots"][:4].tolist() == slots + [-1]
+    assert gr["block_tables"][:4].tolist() == [t + [0] * (12 - len(t)) for t in tables] + [[0] * 12]
     want = torch.full((4, 4), 0, dtype=torch.int32)
     want[1] = -1
-    want[:, :3] = _chunk_table(slots, 16, torch.device("cpu"))
-    assert torch.equal(gr._graphs[(4, True)].chunk_table, want)
+    want[:, :3] = chunk_table(slots, 16, torch.device("cpu"))
+    assert torch.equal(e.graphs._graphs[(4, True)].plan.lora.chunks, want)
     # a shorter table in the same row is zero-filled past its end (rows are rewritten only when they change)
     short = [tables[1], tables[0], tables[2]]  # row 0: 2 blocks -> 1
     assert len(short[0]) < len(tables[0])
     with torch.inference_mode():
-        gr.run(token_ids=nxt, positions=[3, 2, 1], block_tables=short, token_slots=slots, chunk_table=None)
-    assert gr.block_tables[:3].tolist() == [t + [0] * (12 - len(t)) for t in short]
+        e.runner.decode_graph(nxt, [3, 2, 1], short, slots)
+    assert gr["block_tables"][:3].tolist() == [t + [0] * (12 - len(t)) for t in short]
+
+
+def test_static_graph_plan_applies_adapters_through_the_torch_backend(tmp_path):
+    """The graph path's plan is its static buffers, complete: run through the torch LoRA and attention
+    backends (``capture=False``) it gives the adapter's output, as the eager plan does; a placeholder LoRA plan
+    would give the base model's. The plan's tensors are views of the runner's one device buffer."""
+    e = _engine(tmp_path, graphs=True, lora_backend="torch", attention_backend="torch")
+    rows = [[5, 9, 11, 3, 7], [4, 4, 8]]
+    slots = [e.cache.acquire(e.cache.get("a2")), e.cache.acquire(e.cache.get("a0"))]
+    tables = [e.kv.allocate_seq(("s", i), len(r) + 1) for i, r in enumerate(rows)]
+    e.runner.run_eager(rows, [0, 0], tables, slots)
+    nxt, pos = [7, 8], [len(r) for r in rows]
+    with torch.inference_mode():
+        got = e.runner.decode_graph(nxt, pos, tables, slots)
+    adapted = e.runner.run_eager([[t] for t in nxt], pos, tables, slots)
+    base = e.runner.run_eager([[t] for t in nxt], pos, tables, [-1, -1])
+    torch.testing.assert_close(got, adapted, atol=1e-5, rtol=1e-5)
+    assert float((adapted - base).norm() / base.norm()) > 1e-2  # the adapters change the output
+    plan = e.graphs._graphs[(2, True)].plan
+    buf = e.runner.buffers._dev.untyped_storage().data_ptr()
+    assert plan.lora.has_lora and all(t.untyped_storage().data_ptr() == buf for t in (
+        plan.lora.chunks, plan.lora.token_slots, plan.input_ids, plan.attn.block_tables, plan.attn.seq_lens))

@@ -152,7 +152,7 @@ def test_cuda_graph_decode_matches_eager(setup, dtype):
 
 def test_cuda_graph_decode_equals_same_padded_step_eager_bf16(setup):
     """bf16, base model: greedy tokens with graph replay equal, token for token, those of the same padded
-    static-buffer decode step run eagerly (``DecodeGraphs(capture=False)``: same buckets, shapes and kernels,
+    static-buffer decode step run eagerly (``DecodeGraphs.capture = False``: same buckets, shapes and kernels,
     no graph). Batch shrinking across buckets and preemption (a small KV cache) included."""
     from multilora import Engine, SamplingParams
 
@@ -174,7 +174,6 @@ def test_cuda_graph_replay_matches_eager_logits(setup):
     """One decode step, replayed from the graph and run eagerly on the same KV state: bf16 logits agree to
     bf16 rounding, and the argmax agrees wherever the top-2 gap is above that rounding."""
     from multilora import Engine
-    from multilora.kernels.triton_sgmv import _chunk_table
 
     model, d, rows = setup
     engine = Engine(model=d / "model", device="cuda", progress=False, max_batch_size=8, max_seq_len=64)
@@ -184,14 +183,12 @@ def test_cuda_graph_replay_matches_eager_logits(setup):
     for i, (r, a) in enumerate(zip(rows, ROW_ADAPTERS)):
         slots.append(engine.cache.acquire(engine.cache.get(a)) if a else -1)
         tables.append(engine.kv.allocate_seq(("probe", i), len(r) + 1))
-    engine._run_forward(rows, [0] * len(rows), tables, slots)  # prefill: fills the KV cache
+    engine.runner.run_eager(rows, [0] * len(rows), tables, slots)  # prefill: fills the KV cache
     nxt = [7 + i for i in range(len(rows))]
     for B in (len(rows), 5, 1):  # buckets 8, 8 (padded), 1
-        eager = engine._run_forward([[t] for t in nxt[:B]], [len(r) for r in rows[:B]], tables[:B], slots[:B])
-        table = _chunk_table(torch.tensor(slots[:B]), 16, torch.device("cpu"))
+        eager = engine.runner.run_eager([[t] for t in nxt[:B]], [len(r) for r in rows[:B]], tables[:B], slots[:B])
         with torch.inference_mode():
-            graph = engine.graphs.run(token_ids=nxt[:B], positions=[len(r) for r in rows[:B]], block_tables=tables[:B],
-                                      token_slots=slots[:B], chunk_table=table).cpu()
+            graph = engine.runner.decode_graph(nxt[:B], [len(r) for r in rows[:B]], tables[:B], slots[:B]).cpu()
         assert _rel(graph, eager) < 2e-2, (B, _rel(graph, eager))
         top2 = eager.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 0.05 * top2[:, 0].abs().clamp(min=1)

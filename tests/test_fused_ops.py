@@ -211,9 +211,7 @@ def test_model_forward_with_triton_ops_equals_torch_ops():
     """The tiny random model, a prefill of two prompts then a decode step: hidden states and every KV-cache
     row the same with the Triton ops (interpreter, fp32) as with the torch ops."""
     from multilora import Engine
-    from multilora.kernels import build_lora_plan
     from multilora.config import ModelConfig
-    from multilora.runtime.model import build_step_plan
     from multilora.runtime.weights import MODEL_SHAPES
 
     e = Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", progress=False, max_batch_size=2, max_seq_len=64,
@@ -227,8 +225,7 @@ def test_model_forward_with_triton_ops_equals_torch_ops():
             v.fill_(float("nan"))
         hs = []
         for ids, starts in steps:
-            plan = build_step_plan(e.model, token_ids=ids, start_positions=starts, block_tables=tables,
-                                   block_size=4, lora=build_lora_plan([-1] * sum(map(len, ids))))
+            plan = e.runner.build_plan(ids, starts, tables, [-1] * len(ids), block_size=4)
             hs.append(e.model.forward(plan, e.kv, ops_backend=backend))
         out[backend] = hs, [t.clone() for i in range(e.config.num_layers) for t in e.kv.layer(i)]
     for a, b in zip(out["torch"][0], out["triton"][0]):

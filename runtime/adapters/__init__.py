@@ -41,7 +41,8 @@ One module per job; each imports only the ones listed above it:
 - ``files``: the weight file: safetensors (whole, header-only or lazily), a pickle only when allowed.
 - ``load``: one loading path that validates every tensor and hands each module to a sink:
   :func:`load_peft_adapter` (float32 copies), :func:`load_peft_adapter_into` (the caller's sink) and
-  :func:`read_packed_adapter` (the pool's pages: the engine's disk -> host path).
+  :func:`read_packed_adapter` (the pool's pages: the engine's disk -> host path), and :func:`read_adapter`
+  (``Engine.load_adapter``'s read: the pages, or only the header).
 - ``writer``: :func:`save_peft_adapter`.
 """
 
@@ -52,6 +53,7 @@ from multilora.runtime.adapters.load import (
     ModuleSink,
     load_peft_adapter,
     load_peft_adapter_into,
+    read_adapter,
     read_packed_adapter,
 )
 from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError
@@ -68,5 +70,6 @@ __all__ = [
     "CONFIG_NAME",
     "SAFETENSORS_NAME",
     "PICKLE_NAME",
+    "read_adapter",
     "read_packed_adapter",
 ]

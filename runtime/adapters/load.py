@@ -372,6 +372,32 @@ def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: Adap
     return adapter, None if packer is None else packer.finish()
 
 
+def read_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
+                 allow_pickle: bool = False, preload: bool = True,
+                 max_rank: int | None = None) -> tuple[LoRAAdapter, PackedAdapter | None]:
+    """What ``Engine.load_adapter`` reads: with ``preload``, the whole adapter validated and laid out as ``pool``'s
+    pages (:func:`read_packed_adapter`); without, the config and the safetensors header only (names, shapes,
+    dtypes, ranks: no tensor data; a pickle file is read whole and packed anyway).
+
+    Returns:
+        ``(adapter, packed)``: ``adapter``'s modules hold ``meta`` tensors for a safetensors file; ``packed`` is
+        the host page image, or None when nothing was read (header only).
+
+    Raises:
+        AdapterError: as :func:`load_peft_adapter`, or a rank above ``max_rank`` (the engine's max_lora_rank).
+    """
+    if preload:  # read, check and pack in one pass, in the file's dtype
+        adapter, packed = read_packed_adapter(path, config, pool, name=name, allow_pickle=allow_pickle)
+    else:
+        adapter, packed = load_peft_adapter(path, config, name=name, allow_pickle=allow_pickle, header_only=True), None
+    if max_rank is not None and adapter.max_rank > max_rank:
+        raise AdapterError(f"{path}: adapter rank {adapter.max_rank} exceeds the engine's max_lora_rank {max_rank} "
+                           f"(create the Engine with max_lora_rank={adapter.max_rank} or more)")
+    if packed is None and not any(w.a.device.type == "meta" for w in adapter.modules.values()):
+        packed = pool.pack(adapter)  # header_only still reads a pickle file whole
+    return adapter, packed
+
+
 def _read_spec(path: str | os.PathLike, config: ModelConfig) -> tuple[Path, Path, dict, _Spec, dict[tuple[int, str], _Target]]:
     """The directory checks, the config and the targets: ``(root, config path, raw config, spec, targets)``."""
     root = Path(path)

@@ -1,0 +1,145 @@
+"""After a step's forward: sample each request's next token, check its stop conditions, and build outputs.
+
+A step's logits (float32 ``[B, vocab]`` on the device, row ``i`` for ``batch[i]``) are sampled in one batched
+draw (``multilora.runtime.sampling``); the only host sync of a step is reading the new ids back. A request
+ends with "stop" at an end-of-sequence token (unless ``ignore_eos``; the token is not kept) or when its text
+contains a stop string (the text is cut before it), and with "length" at ``max_tokens`` or ``max_seq_len``
+tokens. One request's failure (a bad stop check, say) fails that request only. A ``logits_only`` request
+(``Engine.logits``) keeps its row of logits and finishes without sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from multilora.runtime.sampling import SamplingTensors, sample_batch
+from multilora.runtime.scheduler import Request
+from multilora.runtime.tokenizer import Prompt, PromptTokenizer
+
+log = logging.getLogger("multilora")
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request.
+
+    Attributes:
+        prompt: what was given (text, chat messages or token ids).
+        adapter: the adapter name, or None for the base model.
+        text: the completion (special tokens removed, cut before a stop string).
+        token_ids: generated token ids (the end-of-sequence token, when hit, is not included).
+        prompt_token_ids: the prompt after tokenization (and chat templating).
+        finish_reason: "stop" (end-of-sequence or a stop string), "length" (max_tokens or the
+            engine's max_seq_len), or "error" (see ``error``; other requests are unaffected).
+    """
+
+    request_id: int
+    prompt: Prompt
+    adapter: str | None
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    error: str | None = None
+
+
+def sample_tokens(batch: list[Request], logits: torch.Tensor) -> list[int]:
+    """One batched draw on the logits' device: the next token of each request (``multilora.runtime.sampling``)."""
+    params = [r.params for r in batch]
+    with torch.inference_mode():
+        if all(p.greedy for p in params):  # sample_batch's all-greedy path, without building its tensors
+            return logits.float().argmax(dim=-1).tolist()
+        t = SamplingTensors.from_params(params, [r.seed for r in batch], [len(r.output_ids) for r in batch],
+                                        logits.device)
+        return sample_batch(logits, t).tolist()
+
+
+class Postprocessor:
+    """Turns a step's logits into tokens, finished requests and outputs.
+
+    Args:
+        tokenizer: decodes generated ids (stop strings, output text); its ``eos_ids`` end requests.
+        max_seq_len: the engine's most tokens per request.
+        counters: the engine's counters (``generated_tokens``, ``requests_finished``, ``requests_failed`` are
+            updated here).
+        finish: ``finish(request, reason, error)`` returns a request's KV blocks and adapter (the scheduler's).
+    """
+
+    def __init__(self, tokenizer: PromptTokenizer, *, max_seq_len: int, counters: dict[str, int],
+                 finish: Callable[[Request, str, str | None], None]) -> None:
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.counters = counters
+        self._finish = finish
+
+    def __call__(self, batch: list[Request], logits: torch.Tensor) -> list[Request]:
+        """Sample, append and check each request of ``batch``; return the requests that finished."""
+        finished = []
+        scored = [i for i, r in enumerate(batch) if r.logits_only]
+        if scored:  # Engine.logits: keep the rows, sample nothing
+            rows = logits[scored].float().cpu()
+            for k, i in enumerate(scored):
+                batch[i].logits = rows[k]
+                self.finish(batch[i], "length")
+                finished.append(batch[i])
+            keep = [i for i, r in enumerate(batch) if not r.logits_only]
+            if not keep:
+                return finished
+            batch, logits = [batch[i] for i in keep], logits[keep]
+        now = time.perf_counter()
+        try:
+            tokens: list[int | Exception] = list(sample_tokens(batch, logits))
+        except Exception as e:  # the sampler is batched: a failure here fails the step's requests
+            log.exception("sampling failed")
+            tokens = [e] * len(batch)
+        for req, tok in zip(batch, tokens):
+            try:
+                if isinstance(tok, Exception):
+                    raise tok
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                reason = self.check_stop(req, tok)
+            except Exception as e:  # one request's failure never affects the others
+                log.exception("request %d failed", req.request_id)
+                reason, req.error = "error", f"{type(e).__name__}: {e}"
+            if reason is not None:
+                self.finish(req, reason, req.error)
+                finished.append(req)
+        return finished
+
+    def finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        """End a request (its resources go back) and count it."""
+        self._finish(req, reason, error)
+        self.counters["requests_finished" if reason != "error" else "requests_failed"] += 1
+
+    def check_stop(self, req: Request, tok: int) -> str | None:
+        """Append ``tok`` to the request unless it ends it; the finish reason, or None to continue."""
+        p = req.params
+        if tok in self.tokenizer.eos_ids and not p.ignore_eos:
+            req.text = self.tokenizer.decode(req.output_ids)
+            return "stop"
+        req.output_ids.append(tok)
+        self.counters["generated_tokens"] += 1
+        if p.stop:
+            text = self.tokenizer.decode(req.output_ids)
+            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                req.text = text[:cut]
+                return "stop"
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_seq_len:
+            req.text = self.tokenizer.decode(req.output_ids)
+            return "length"
+        return None
+
+    def output(self, r: Request) -> RequestOutput:
+        """The caller's view of a finished request."""
+        if r.finish_reason == "error" and not r.text:
+            r.text = self.tokenizer.decode(r.output_ids)
+        return RequestOutput(request_id=r.request_id, prompt=r.prompt, adapter=r.adapter_name, text=r.text,
+                             token_ids=list(r.output_ids), prompt_token_ids=list(r.prompt_ids),
+                             finish_reason=r.finish_reason or "error", error=r.error)

@@ -1,0 +1,317 @@
+"""The model runner: owns the model, the KV cache, the CUDA graphs and the backend choice, and is the ONLY place
+that builds step plans.
+
+One plan type (``StepPlan``) serves every step. An eager step's plan is built from the batch's host lists
+(``build_plan``: one attention-metadata copy, one LoRA-plan copy, the ids and positions). A CUDA-graph decode
+step's plan IS its static buffers (``DecodeBuffers``): made once at the largest bucket, viewed per bucket, and
+filled in place before each replay by one pinned host-to-device copy; its LoRA plan is a real one over those
+buffers, so the same plan runs through the torch backends too (``tests/test_cuda_graphs.py``). Plans are complete
+when built: the kernels read them and add nothing to them.
+
+    runner = ModelRunner(model, max_batch_size=16, max_seq_len=2048, lora_backend=None, attention_backend=None)
+    reserve = runner.profile_reserve(tokens, block_size)     # the memory plan's profiling forward (CUDA)
+    runner.bind(kv, pool, cuda_graphs=True)                  # after sizing: pool views, graphs
+    logits = runner.run("decode", batch)                     # float32 [B, vocab] on the device
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from multilora.kernels.attention import AttentionMetadata, build_attention_metadata
+from multilora.kernels.backends import select_triton, triton_module
+from multilora.kernels.lora import LoRAPlan, block_m_for, build_lora_plan, fill_chunk_table
+from multilora.memory.kv_cache import PagedKVCache
+from multilora.memory.pool import AdapterPool
+from multilora.runtime.cuda_graphs import DecodeGraphs, bucket_sizes
+from multilora.runtime.model import LlamaModel
+from multilora.runtime.scheduler import Request
+
+log = logging.getLogger("multilora")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything one forward step needs, built once (by ``ModelRunner``) and passed to every layer.
+
+    Tokens are flattened (varlen): ``T = sum(q_lens)``, sequence ``b``'s tokens are contiguous.
+
+    Attributes:
+        input_ids: int64 [T].
+        positions: int64 [T], absolute position of each token in its sequence (the forward looks up the
+            model's RoPE tables with it, so a captured graph only needs this buffer updated).
+        q_lens: host tuple [B], new tokens per sequence.
+        last_index: int64 [B], flat index of each sequence's last token (for logits).
+        attn: the step's paged-attention metadata (block tables, slot mapping, lengths).
+        lora: the step's LoRA plan (token -> adapter slot, SGMV chunk table).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    q_lens: tuple[int, ...]
+    last_index: torch.Tensor
+    attn: AttentionMetadata
+    lora: LoRAPlan
+
+
+class DecodeBuffers:
+    """The static inputs of CUDA-graph decode steps: made once for the largest bucket, filled in place per step.
+
+    Everything that changes between steps lives here: input ids, positions, KV slots, context lengths, block
+    tables, the tokens' adapter slots and the LoRA chunk table. Padding rows (``B .. bucket - 1``) get token 0
+    at position 0, context length 1, a block table of zeros, KV slot 0 and no adapter (slot -1): they read and
+    write only the cache's reserved null block 0 (``multilora.memory.kv_cache``) and never touch a real sequence.
+
+    The buffers are views of one device byte buffer, filled from a pinned host buffer of the same layout by one
+    host-to-device copy per step. The host side is written with numpy, a block-table row only when that row's
+    table changed and the chunk table only when the batch's slots changed, so a step's host work is a few dozen
+    small numpy operations whatever the batch. The chunk field holds the replayed bucket's ``[4, bucket]``
+    table (contiguous); only one graph runs at a time, so every bucket's plan reads the same field.
+
+    Args:
+        max_batch: the largest bucket. max_blocks: block-table width (blocks of a ``max_seq_len`` sequence).
+        block_size: KV tokens per block. max_seq_len: the plans' ``max_seq_len`` (attention's key bound).
+        device: where the plans' tensors live.
+    """
+
+    BLOCK_M = block_m_for(1)  # decode buckets are at most 512 rows: one chunk size for every bucket
+
+    def __init__(self, *, max_batch: int, max_blocks: int, block_size: int, max_seq_len: int,
+                 device: torch.device) -> None:
+        assert block_m_for(max_batch) == self.BLOCK_M, "decode buckets are at most 512 rows"
+        n, w = max_batch, max_blocks
+        self.block_size, self.max_seq_len, self.device = block_size, max_seq_len, device
+        fields = [("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)),
+                  ("slot_mapping", torch.int64, (n,)), ("seq_lens", torch.int32, (n,)),
+                  ("token_slots", torch.int32, (n,)), ("chunk", torch.int32, (4 * n,)),
+                  ("block_tables", torch.int32, (n, w))]
+        spans, off = {}, 0
+        for name, dtype, shape in fields:  # 64-byte aligned fields; a step copies up to its last table row
+            nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+            spans[name] = (off, nbytes, dtype, shape)
+            off += -(-nbytes // 64) * 64
+        self._dev = torch.zeros(off, dtype=torch.uint8, device=device)
+        self._host = torch.zeros(off, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        host = self._host.numpy()
+        self.h: dict[str, np.ndarray] = {}  # host views, by field
+        self.d: dict[str, torch.Tensor] = {}  # device views, by field
+        for name, (o, nbytes, dtype, shape) in spans.items():
+            self.d[name] = self._dev[o : o + nbytes].view(dtype).view(shape)
+            self.h[name] = host[o : o + nbytes].view(np.dtype(str(dtype).replace("torch.", ""))).reshape(shape)
+        self.h["seq_lens"][:] = 1
+        self.h["token_slots"][:] = -1
+        self._dev.copy_(self._host)
+        self._rows: list[list[int]] = [[] for _ in range(n)]  # each host block-table row as last written
+        self._chunk_key: tuple[int, ...] | None = None  # the slots whose chunk table the host field holds
+        self._bt_off, self._row_bytes = spans["block_tables"][0], 4 * w
+        self._arange = np.arange(n)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None  # after each host -> device copy
+        self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self._last_index = torch.arange(n, dtype=torch.int64, device=device)
+
+    def plan(self, B: int, lora: bool) -> StepPlan:
+        """The static plan of a ``B``-row bucket (views of the buffers; ``lora``: whether it applies adapters)."""
+        d = self.d
+        attn = AttentionMetadata(
+            query_start_loc=self._query_start_loc[: B + 1], seq_lens=d["seq_lens"][:B],
+            block_tables=d["block_tables"][:B], slot_mapping=d["slot_mapping"][:B], block_size=self.block_size,
+            q_lens=(1,) * B, seq_lens_host=(self.max_seq_len,) * B, max_query_len=1, max_seq_len=self.max_seq_len,
+        )
+        lora_plan = LoRAPlan(token_slots=d["token_slots"][:B], chunks=d["chunk"][: 4 * B].view(4, B),
+                             block_m=self.BLOCK_M, has_lora=lora)
+        return StepPlan(input_ids=d["input_ids"][:B], positions=d["positions"][:B], q_lens=(1,) * B,
+                        last_index=self._last_index[:B], attn=attn, lora=lora_plan)
+
+    def stage(self, bucket: int, token_ids: Sequence[int], positions: Sequence[int],
+              block_tables: Sequence[Sequence[int]], token_slots: Sequence[int]) -> None:
+        """Write a step of ``B = len(token_ids)`` rows, padded to ``bucket``, and copy it to the device."""
+        if self._copied is not None:  # the previous step's copy reads this buffer (normally long done: the
+            self._copied.synchronize()  # engine reads each step's sampled ids back before the next step)
+        B, h, bs = len(token_ids), self.h, self.block_size
+        tables, rows = h["block_tables"], self._rows
+        for b in range(bucket):  # rows past B are padding: an empty table (zeros = the null block)
+            src = block_tables[b] if b < B else []
+            if not isinstance(src, list):
+                src = list(src)
+            if src != rows[b]:
+                tables[b, : len(src)] = src
+                tables[b, len(src) :] = 0
+                rows[b] = list(src)  # a copy: the caller may change its list later
+        ids, pos, slots = h["input_ids"], h["positions"], h["slot_mapping"]
+        ids[:B] = token_ids
+        ids[B:] = 0
+        pos[:B] = positions
+        pos[B:] = 0
+        p = pos[:B]
+        slots[:B] = tables[self._arange[:B], p // bs].astype(np.int64) * bs + p % bs
+        slots[B:] = 0
+        h["seq_lens"][:B] = p + 1
+        h["seq_lens"][B:] = 1
+        h["token_slots"][:B] = token_slots
+        h["token_slots"][B:] = -1
+        key = (bucket, *token_slots)
+        if key != self._chunk_key and any(s >= 0 for s in token_slots):
+            fill_chunk_table(h["chunk"][: 4 * bucket].reshape(4, bucket), h["token_slots"][:bucket], self.BLOCK_M)
+            self._chunk_key = key
+        size = self._bt_off + bucket * self._row_bytes
+        self._dev[:size].copy_(self._host[:size], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
+
+
+class ModelRunner:
+    """Runs the model for the engine: plans, eager forwards, CUDA-graph decode steps, the profiling forward.
+
+    Args:
+        model: the ``LlamaModel``.
+        max_batch_size: the largest decode batch (the largest graph bucket).
+        max_seq_len: most tokens per sequence (RoPE tables, graph block tables and attention bounds).
+        lora_backend, attention_backend: "torch", "triton" or None (Triton on CUDA when it imports).
+    """
+
+    def __init__(self, model: LlamaModel, *, max_batch_size: int, max_seq_len: int, lora_backend: str | None,
+                 attention_backend: str | None) -> None:
+        self.model, self.device = model, model.device
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.lora_backend, self.attention_backend = lora_backend, attention_backend
+        self.kv: PagedKVCache | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.buffers: DecodeBuffers | None = None
+        model.ensure_rope_positions(max_seq_len)  # the RoPE tables never move while serving (graphs read them)
+        c = model.config
+        attn = select_triton(attention_backend, self.device, "triton_attention", label="attention backend",
+                             unavailable="the Triton kernel is not available")
+        self._tiles_block_q = 0 if attn is None else attn.prefill_block_q(
+            c.num_heads, c.num_kv_heads, c.head_dim, model.dtype, self.device)
+
+    def bind(self, kv: PagedKVCache, pool: AdapterPool, *, cuda_graphs: bool) -> None:
+        """Attach the sized KV cache and adapter pool; capture decode graphs when ``cuda_graphs`` and every kernel
+        of the step is graph-safe (CUDA, Triton LoRA and attention)."""
+        self.kv = kv
+        self.model.bind_pool(pool)
+        if cuda_graphs and self.graphs_supported():
+            self.enable_graphs()
+
+    def graphs_supported(self) -> bool:
+        """CUDA graphs need CUDA and graph-safe (Triton) LoRA and attention kernels."""
+        return (self.device.type == "cuda" and self.lora_backend in (None, "triton")
+                and self.attention_backend in (None, "triton")
+                and triton_module("triton_sgmv") is not None and triton_module("triton_attention") is not None)
+
+    def enable_graphs(self, *, capture: bool = True) -> DecodeGraphs:
+        """Run decode steps of up to ``max_batch_size`` rows through the static buffers and graphs.
+        ``capture=False`` runs the same padded static-buffer step eagerly (no CUDA needed: the CPU tests'
+        view of exactly what a graph replays)."""
+        c = self.model.config
+        blocks = -(-self.max_seq_len // self.kv.block_size)
+        self.buffers = DecodeBuffers(max_batch=max(bucket_sizes(self.max_batch_size)), max_blocks=blocks,
+                                     block_size=self.kv.block_size, max_seq_len=self.max_seq_len, device=self.device)
+        self.graphs = DecodeGraphs(self._logits_of, bucket_sizes(self.max_batch_size), self.device, capture=capture)
+        log.debug("decode graphs for %s (%d layers)", self.graphs.buckets, c.num_layers)
+        return self.graphs
+
+    # ------------------------------------------------------------------------------------- plans
+    def build_plan(self, token_ids: Sequence[Sequence[int]], starts: Sequence[int],
+                   block_tables: Sequence[Sequence[int]], slots: Sequence[int], *, block_size: int) -> StepPlan:
+        """The eager plan of B sequences, each adding ``token_ids[b]`` at ``starts[b]`` onward with adapter slot
+        ``slots[b]`` (-1 = none) and KV blocks ``block_tables[b]`` (covering ``starts[b] + len(token_ids[b])``).
+
+        Raises:
+            ValueError: empty input, lengths that disagree, or a block table too short.
+        """
+        B = len(token_ids)
+        if B == 0 or len(starts) != B or len(block_tables) != B or len(slots) != B:
+            raise ValueError("build_plan: token_ids, starts, block_tables and slots must be non-empty and equal in length")
+        q_lens = tuple(len(t) for t in token_ids)
+        if min(q_lens) == 0:
+            raise ValueError("build_plan: every sequence must add at least one token")
+        qn = np.fromiter(q_lens, dtype=np.int64, count=B)
+        st = np.fromiter(starts, dtype=np.int64, count=B)
+        seq_lens = (st + qn).tolist()
+        dev = self.device
+        self.model.ensure_rope_positions(max(seq_lens))
+        attn = build_attention_metadata(q_lens, seq_lens, block_tables, block_size=block_size, device=dev,
+                                        tiles_block_q=self._tiles_block_q)
+        first = np.cumsum(qn) - qn
+        positions = np.arange(qn.sum()) + np.repeat(st - first, qn)
+        lora = build_lora_plan(np.repeat(np.fromiter(slots, dtype=np.int64, count=B), qn), device=dev)
+        return StepPlan(
+            input_ids=torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long, device=dev),
+            positions=torch.from_numpy(positions).to(dev),
+            q_lens=q_lens,
+            last_index=torch.from_numpy(np.cumsum(qn) - 1).to(dev),
+            attn=attn,
+            lora=lora,
+        )
+
+    # -------------------------------------------------------------------------------------- runs
+    def forward(self, plan: StepPlan, kv: PagedKVCache | None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden] of a plan (keys and values written into ``kv``, default the engine's)."""
+        return self.model.forward(plan, kv if kv is not None else self.kv, lora_backend=self.lora_backend,
+                                  attention_backend=self.attention_backend)
+
+    def _logits_of(self, plan: StepPlan) -> torch.Tensor:
+        """float32 logits [B, vocab] at each sequence's last token (what a graph captures: every row)."""
+        hidden = self.forward(plan)
+        if plan.last_index.shape[0] != hidden.shape[0]:
+            hidden = hidden.index_select(0, plan.last_index)
+        return self.model.compute_logits(hidden)
+
+    def run(self, kind: str, batch: list[Request]) -> torch.Tensor:
+        """The forward of a scheduled step: float32 logits [B, vocab] on the device, row b for ``batch[b]``.
+        A decode step that fits a graph bucket replays it; everything else runs eagerly."""
+        tables = [self.kv.block_table(r.seq_id) for r in batch]
+        slots = [r.slot for r in batch]
+        with torch.inference_mode():
+            if kind == "decode" and self.graphs is not None and self.graphs.bucket_for(len(batch)) is not None:
+                return self.decode_graph([r.output_ids[-1] for r in batch], [r.num_tokens - 1 for r in batch],
+                                         tables, slots)
+            if kind == "prefill":  # prompt + any tokens generated before a preemption
+                token_ids, starts = [r.prompt_ids + r.output_ids for r in batch], [0] * len(batch)
+            else:
+                token_ids, starts = [[r.output_ids[-1]] for r in batch], [r.num_tokens - 1 for r in batch]
+            return self._logits_of(self.build_plan(token_ids, starts, tables, slots, block_size=self.kv.block_size))
+
+    def decode_graph(self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
+                     slots: Sequence[int]) -> torch.Tensor:
+        """One decode step through the static buffers and its bucket's graph: float32 logits [B, vocab]."""
+        B = len(token_ids)
+        bucket = self.graphs.bucket_for(B)
+        lora = any(s >= 0 for s in slots)
+        self.buffers.stage(bucket, token_ids, positions, block_tables, slots)
+        return self.graphs.replay((bucket, lora), lambda: self.buffers.plan(bucket, lora))[:B]
+
+    def run_eager(self, token_ids: Sequence[Sequence[int]], starts: Sequence[int], block_tables: Sequence[Sequence[int]],
+                  slots: Sequence[int], kv: PagedKVCache | None = None) -> torch.Tensor:
+        """An eager step of host lists (``build_plan``'s arguments) in ``kv`` (default: the engine's cache):
+        float32 logits [B, vocab] on the CPU."""
+        kv = kv if kv is not None else self.kv
+        with torch.inference_mode():
+            plan = self.build_plan(token_ids, starts, block_tables, slots, block_size=kv.block_size)
+            hidden = self.model.forward(plan, kv, lora_backend=self.lora_backend,
+                                        attention_backend=self.attention_backend)
+            return self.model.compute_logits(hidden.index_select(0, plan.last_index)).cpu()
+
+    def profile_reserve(self, tokens: int, block_size: int) -> int:
+        """Peak bytes a forward of one ``tokens``-token prefill allocates beyond what is live (CUDA only): the
+        memory plan's measured non-KV reserve. Runs in a temporary KV cache of just those blocks."""
+        c = self.model.config
+        blocks = -(-tokens // block_size)
+        tmp_kv = PagedKVCache(num_layers=c.num_layers, num_blocks=blocks + 1, block_size=block_size,
+                              num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.model.dtype,
+                              device=self.device)
+        table = tmp_kv.allocate_seq("profile", tokens)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.run_eager([[0] * tokens], [0], [table], [-1], kv=tmp_kv)
+        torch.cuda.synchronize(self.device)
+        reserve = torch.cuda.max_memory_allocated(self.device) - before
+        del tmp_kv
+        torch.cuda.empty_cache()
+        return int(reserve)

@@ -1,0 +1,189 @@
+"""How big the adapter pool and the KV cache are: a pure function of the model shape, the engine options and a
+memory snapshot, so every case can be checked on a CPU from a recorded snapshot.
+
+    request = memory_request(model_config, engine_config, dtype=..., max_seq_len=...)   # bytes per page, block, ...
+    sizes = size_engine(request, engine_config, snapshot, reserve_bytes=request.activation_bytes)
+    sizes.num_pages, sizes.num_blocks, sizes.plan                                     # plan: multilora.memory.accounting
+
+``measure_and_size`` is the engine's driver around it: it measures the two inputs that are not pure
+(``multilora.memory.snapshot.take_snapshot``, and on CUDA a profiling forward of the largest prefill through
+the runner for ``reserve_bytes``) and sizes twice on CUDA: once with the activation estimate, once with the
+measured reserve.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from multilora.config import ModelConfig
+from multilora.memory.accounting import (MemoryPlan, MemoryPlanError, MemoryPlanOptions, MemorySnapshot,
+                                         compute_memory_plan)
+from multilora.memory.snapshot import apply_torch_memory_fraction, take_snapshot
+from multilora.memory.kv_cache import PagedKVCache
+from multilora.memory.pool import AdapterPool
+from multilora.runtime.config import EngineConfig
+
+log = logging.getLogger("multilora")
+
+#: Bytes of sampler workspace per logit with top-p (measured on an H200; ``multilora.runtime.sampling``).
+SAMPLER_BYTES_PER_LOGIT = 36
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    """What the engine asks of the memory plan, derived from the model and the options (all bytes).
+
+    Attributes:
+        page_bytes: one adapter-pool page; ``pages_per_adapter`` pages hold one ``max_lora_rank`` adapter.
+        kv_token_bytes: K and V of one token over all layers; ``block_bytes = kv_token_bytes * kv_block_size``.
+        seq_blocks: KV blocks of one ``max_seq_len`` sequence.
+        pool_cap: the user's cap on the pool (``adapter_pool_bytes``, ``adapter_slots``), or None.
+        kv_cap: the cap on the KV cache: ``max_batch_size`` sequences + the null block, lowered by ``kv_cache_bytes``.
+        live_blocks: blocks of the live state the plan must fit (one sequence, or fewer under an explicit cap).
+        activation_bytes: the estimated activations of the largest prefill + the sampler's reserve.
+        sampling_bytes: float32 logits (eager and graph) + sampler workspace of a ``max_batch_size`` step.
+    """
+
+    page_bytes: int
+    pages_per_adapter: int
+    kv_token_bytes: int
+    block_bytes: int
+    seq_blocks: int
+    pool_cap: int | None
+    kv_cap: int
+    live_blocks: int
+    activation_bytes: int
+    sampling_bytes: int
+
+
+@dataclass(frozen=True)
+class EngineSizes:
+    """The sizing result: ``num_pages`` pool pages, ``num_blocks`` KV blocks (the null block included), the host
+    tier's byte budget (None: the cache's default) and the memory plan they came from (None: no plan, sized
+    from the caps)."""
+
+    num_pages: int
+    num_blocks: int
+    host_bytes: int | None
+    plan: MemoryPlan | None
+    request: MemoryRequest
+
+
+def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype, max_seq_len: int) -> MemoryRequest:
+    """The byte sizes the memory plan is asked for (pure).
+
+    Raises:
+        ValueError: ``kv_cache_bytes`` holds fewer than 2 KV blocks (block 0 is reserved).
+    """
+    pages_per = AdapterPool.pages_for_rank(cfg.max_lora_rank, cfg.page_rows)
+    page_bytes = AdapterPool(model, num_pages=1, page_rows=cfg.page_rows, max_rank=cfg.max_lora_rank, dtype=dtype,
+                             device="meta").page_bytes
+    kv_token = PagedKVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+    block_bytes = kv_token * cfg.kv_block_size
+    seq_blocks = -(-max_seq_len // cfg.kv_block_size)
+    pool_cap = cfg.adapter_pool_bytes
+    if cfg.adapter_slots is not None:
+        slots_bytes = cfg.adapter_slots * pages_per * page_bytes
+        pool_cap = slots_bytes if pool_cap is None else min(pool_cap, slots_bytes)
+    kv_cap = (cfg.max_batch_size * seq_blocks + 1) * block_bytes  # + the null block
+    live_blocks = seq_blocks  # the plan's live state: one max_seq_len sequence (+ the null block)
+    if cfg.kv_cache_bytes is not None:
+        if cfg.kv_cache_bytes // block_bytes < 2:
+            raise ValueError(
+                f"Engine: kv_cache_bytes={cfg.kv_cache_bytes} holds {cfg.kv_cache_bytes // block_bytes} KV block(s) of "
+                f"{block_bytes} bytes ({cfg.kv_block_size} tokens); at least 2 are needed (block 0 is reserved)"
+            )
+        kv_cap = min(kv_cap, cfg.kv_cache_bytes)
+        live_blocks = min(live_blocks, kv_cap // block_bytes - 1)  # an explicit smaller cap is honoured
+    sampling = cfg.max_batch_size * model.vocab_size * (4 + 4 + SAMPLER_BYTES_PER_LOGIT)
+    return MemoryRequest(page_bytes=page_bytes, pages_per_adapter=pages_per, kv_token_bytes=kv_token,
+                         block_bytes=block_bytes, seq_blocks=seq_blocks, pool_cap=pool_cap, kv_cap=kv_cap,
+                         live_blocks=live_blocks,
+                         activation_bytes=activation_bytes(model, cfg, dtype, max_seq_len) + sampling,
+                         sampling_bytes=sampling)
+
+
+def activation_bytes(model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, max_seq_len: int) -> int:
+    """Bytes of activations of the largest prefill (``max_prefill_tokens`` tokens), from the layer shapes: the
+    residual stream, norms, q/k/v, the MLP's gate/up and one padded score matrix of the longest prompt."""
+    c, T = model, min(cfg.max_prefill_tokens, max_seq_len)
+    per_token = 4 * c.hidden_size + 2 * (c.q_size + 2 * c.kv_size) + 3 * c.intermediate_size
+    attn = c.num_heads * T * T
+    return (T * per_token + attn) * torch.empty((), dtype=dtype).element_size()
+
+
+def plan_options(request: MemoryRequest, cfg: EngineConfig, reserve_bytes: int) -> MemoryPlanOptions:
+    """The memory plan's options for ``request`` with ``reserve_bytes`` of non-KV working memory (pure). The
+    model weights are resident when the snapshot is taken, so they are not added to the reserve."""
+    kw = {} if cfg.adapter_pool_share is None else {"adapter_pool_share": float(cfg.adapter_pool_share)}
+    return MemoryPlanOptions(
+        fraction=cfg.gpu_memory_fraction,
+        non_kv_reserve_bytes=reserve_bytes,
+        min_adapter_pool_bytes=request.pages_per_adapter * request.page_bytes,
+        min_kv_bytes=(request.live_blocks + 1) * request.block_bytes,  # whole blocks, the null block included
+        max_adapter_pool_bytes=request.pool_cap,
+        max_kv_bytes=request.kv_cap,
+        host_tier_bytes=cfg.host_adapter_bytes,
+        local_ranks=cfg.local_ranks,
+        **kw,
+    )
+
+
+def size_engine(request: MemoryRequest, cfg: EngineConfig, snapshot: MemorySnapshot | None, *,
+                reserve_bytes: int) -> EngineSizes:
+    """Pool pages and KV blocks from the memory plan of ``snapshot`` (pure; ``snapshot=None``: no plan, the caps
+    alone, with 8 max-rank adapters when the pool has no cap).
+
+    Raises:
+        MemoryPlanError: the live state (one max-rank adapter + KV of one sequence) does not fit
+            (``multilora.memory.accounting``; the message says what would fit and which source bound it).
+        ValueError: the pool gets fewer pages than one max-rank adapter, or the KV cache fewer than 2 blocks.
+    """
+    plan = None if snapshot is None else compute_memory_plan(snapshot, plan_options(request, cfg, reserve_bytes))
+    r = request
+    pool_bytes = plan.adapter_pool_bytes if plan is not None else (r.pool_cap or 8 * r.pages_per_adapter * r.page_bytes)
+    num_pages = pool_bytes // r.page_bytes
+    if num_pages < r.pages_per_adapter:
+        raise ValueError(
+            f"Engine: the adapter pool gets {num_pages} page(s) of {r.page_bytes} bytes; one rank-{cfg.max_lora_rank} "
+            f"adapter needs {r.pages_per_adapter} ({r.pages_per_adapter * r.page_bytes} bytes): raise adapter_pool_bytes / "
+            f"adapter_slots or lower max_lora_rank"
+        )
+    num_blocks = (plan.kv_bytes if plan is not None else r.kv_cap) // r.block_bytes  # the null block included
+    if num_blocks < 2:
+        raise ValueError(
+            f"Engine: the KV cache gets {num_blocks} block(s) of {r.block_bytes} bytes ({cfg.kv_block_size} tokens); "
+            f"at least 2 are needed (block 0 is reserved): raise kv_cache_bytes"
+        )
+    host = cfg.host_adapter_bytes if cfg.host_adapter_bytes is not None else (plan.host_tier_bytes if plan else None)
+    return EngineSizes(num_pages=num_pages, num_blocks=num_blocks, host_bytes=host, plan=plan, request=request)
+
+
+def measure_and_size(request: MemoryRequest, cfg: EngineConfig, device: torch.device, *,
+                     profile_reserve: Callable[[], int]) -> EngineSizes:
+    """Size an engine on this machine (after its weights are loaded): a snapshot (``cfg.memory_snapshot`` or this
+    machine's), then ``size_engine``. On CUDA the PyTorch memory-fraction cap is set from the plan, the caller's
+    ``profile_reserve()`` (a forward of the largest prefill) measures the non-KV reserve, and the plan is made
+    again with it. Where host memory cannot be measured (no /proc/meminfo: not Linux), a CPU engine is sized
+    from the options alone. Raises as ``size_engine``."""
+    def snapshot() -> MemorySnapshot:
+        return cfg.memory_snapshot if cfg.memory_snapshot is not None else take_snapshot(device)
+
+    try:
+        sizes = size_engine(request, cfg, snapshot(), reserve_bytes=request.activation_bytes)
+    except MemoryPlanError:
+        if device.type == "cpu" and not os.path.exists("/proc/meminfo"):
+            log.warning("memory plan: host memory cannot be measured here; sizing from the Engine arguments")
+            return size_engine(request, cfg, None, reserve_bytes=0)
+        raise
+    if device.type == "cuda":
+        apply_torch_memory_fraction(sizes.plan, device)
+        reserve = profile_reserve() + request.sampling_bytes
+        sizes = size_engine(request, cfg, snapshot(), reserve_bytes=reserve)
+        apply_torch_memory_fraction(sizes.plan, device)
+    return sizes

@@ -1,0 +1,72 @@
+"""Prompts to token ids and generated ids back to text, over the model's Hugging Face tokenizer (or none).
+
+A prompt is text (the tokenizer adds its special tokens), a list of chat messages (the model's chat template
+with the generation prompt) or a list of token ids (used as given). A model without a tokenizer (random
+weights, a GGUF or HF directory without tokenizer files) serves token ids only, and its outputs have no text.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+Prompt = Any  # str | list[dict] (chat messages) | list[int] (token ids)
+
+
+class PromptTokenizer:
+    """The engine's view of a tokenizer.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer, or None.
+        vocab_size: the model's vocabulary (token ids must be in ``[0, vocab_size)``).
+        eos_token_ids: the model config's end-of-sequence ids (the tokenizer's own is added).
+        source: what the model was loaded from (named in errors).
+    """
+
+    def __init__(self, tokenizer: Any, *, vocab_size: int, eos_token_ids: Iterable[int], source: object) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.source = source
+        self.eos_ids = set(eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos_ids.add(int(tokenizer.eos_token_id))
+
+    @property
+    def has_text(self) -> bool:
+        return self.tokenizer is not None
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt (see the module docstring).
+
+        Raises:
+            ValueError: a prompt of another type, ids out of range, chat messages without 'role'/'content', text
+                for a model without a tokenizer, or a prompt that tokenizes to nothing.
+        """
+        listed = isinstance(prompt, (list, tuple))
+        if self.tokenizer is None and not (listed and all(isinstance(t, int) for t in prompt)):
+            raise ValueError(f"prompt: {self.source} has no tokenizer, so prompts must be lists of token ids")
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt)["input_ids"]
+        elif listed and prompt and all(isinstance(m, dict) for m in prompt):
+            if not all("role" in m and "content" in m for m in prompt):
+                raise ValueError("prompt: chat messages must be dicts with 'role' and 'content'")
+            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif listed and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        else:
+            raise ValueError(
+                f"prompt: expected a string, a list of chat messages ({{'role', 'content'}} dicts) or a list of "
+                f"token ids, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError("prompt: tokenizes to zero tokens")
+        return list(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of generated ids, special tokens removed ("" without a tokenizer)."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
