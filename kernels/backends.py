@@ -16,10 +16,11 @@ from multilora.kernels.lora import LoRAPlan, lora_apply_torch
 @functools.cache
 def triton_module(name: str) -> ModuleType | None:
     """``multilora.kernels.<name>`` (a module of Triton kernels), or None when it does not import (triton
-    missing, or no backend for this platform). Imported once per process."""
+    missing, or no backend for this platform: an ``ImportError``). Any other error while importing it is a
+    bug in that module and propagates. Imported once per process."""
     try:
         return importlib.import_module(f"multilora.kernels.{name}")
-    except Exception:
+    except ImportError:
         return None
 
 

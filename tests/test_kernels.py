@@ -330,6 +330,23 @@ def test_dtype_mismatch_is_a_value_error(device, dtype):
         lora_apply_triton(y.to(other), x.to(other), views, plan)
 
 
+def test_triton_module_hides_only_import_errors(monkeypatch):
+    """A missing Triton (ImportError) selects the torch path; any other error in a Triton module propagates
+    instead of silently falling back."""
+    from multilora.kernels import backends
+
+    def import_module(name):
+        if name.endswith("broken"):
+            raise RuntimeError("a bug in a Triton file")
+        raise ModuleNotFoundError(f"No module named {name!r}", name="triton")
+
+    monkeypatch.setattr(backends.importlib, "import_module", import_module)
+    uncached = backends.triton_module.__wrapped__
+    assert uncached("triton_missing") is None
+    with pytest.raises(RuntimeError, match="a bug in a Triton file"):
+        uncached("triton_broken")
+
+
 @pytest.mark.parametrize("device,dtype", CASES)
 def test_torch_and_triton_backends_agree(device, dtype):
     pool, slots = make_pool(SMALL, [8, 16, 3], dtype=dtype, device=device, seed=5)
