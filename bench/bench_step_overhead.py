@@ -129,7 +129,6 @@ def drain(e: Engine) -> None:
 # ----------------------------------------------------------------------------------------- part timers
 def _parts(e: Engine) -> list[tuple[str, int, Any, str]]:
     """(label, depth, owner, attribute): the functions timed, inclusive; depth = nesting for the printout."""
-    from multilora.kernels import triton_sgmv
     from multilora.runtime import cuda_graphs, engine, sampling, scheduler
 
     return [
@@ -140,7 +139,7 @@ def _parts(e: Engine) -> list[tuple[str, int, Any, str]]:
         ("wait_ready", 0, e.cache, "wait_ready"),
         ("forward, host side (Engine._forward)", 0, engine.Engine, "_forward"),
         ("block tables (kv.block_table)", 1, e.kv, "block_table"),
-        ("chunk table (_chunk_table)", 1, triton_sgmv, "_chunk_table"),
+        ("chunk table (chunk_table)", 1, engine, "chunk_table"),
         ("graph staging + replay (DecodeGraphs.run)", 1, cuda_graphs.DecodeGraphs, "run"),
         ("postprocess (Engine._postprocess)", 0, engine.Engine, "_postprocess"),
         ("sample (Engine._sample)", 1, engine.Engine, "_sample"),

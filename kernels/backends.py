@@ -1,16 +1,13 @@
 """Backend selection: the torch version of an op (CPU, oracle) or its Triton kernels (CUDA), for the LoRA
-apply op here and, through ``select_triton``, for attention and the fused per-token ops."""
+apply op (``multilora.kernels.lora.resolve_backend``), attention and the fused per-token ops."""
 
 from __future__ import annotations
 
 import functools
 import importlib
 from types import ModuleType
-from typing import Callable
 
 import torch
-
-from multilora.kernels.lora import LoRAPlan, lora_apply_torch
 
 
 @functools.cache
@@ -46,23 +43,8 @@ def select_triton(backend: str | None, x: torch.Tensor, module: str, *, label: s
 
 def run_cuda_hook(module: str, hook: str, arg: object, x: torch.Tensor) -> None:
     """Call ``multilora.kernels.<module>.<hook>(arg)`` when ``x`` is on CUDA and the module imports: a GPU
-    backend adding its per-step metadata to a new plan (no-op on CPU)."""
+    backend adding its per-step metadata to a new plan (no-op on CPU). Used by attention's metadata."""
     if x.is_cuda:
         fn = getattr(triton_module(module), hook, None)
         if fn is not None:
             fn(arg)
-
-
-def resolve_backend(backend: str | None, x: torch.Tensor) -> Callable:
-    """The apply function for ``backend`` ("torch", "triton" or None = triton on CUDA if available).
-
-    Raises:
-        ValueError: an unknown backend name, or "triton" when it cannot be used.
-    """
-    mod = select_triton(backend, x, "triton_sgmv")
-    return lora_apply_torch if mod is None else mod.lora_apply_triton
-
-
-def _extend_plan(plan: LoRAPlan) -> None:
-    """Let a GPU backend add its per-step metadata to a new plan (no-op on CPU)."""
-    run_cuda_hook("triton_sgmv", "extend_plan", plan, plan.token_slots)

@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from multilora.kernels import LoRAPlan
+from multilora.kernels import LoRAPlan, block_m_for
 from multilora.kernels.attention import AttentionMetadata, _extend_metadata
 
 log = logging.getLogger("multilora")
@@ -59,8 +59,8 @@ class DecodeGraphs:
         max_batch_size: the largest bucket.
         max_blocks: block-table width (blocks of a ``max_seq_len`` sequence).
         lora_backend, attention_backend: passed to the forward (must be graph-safe: "triton" or None on CUDA).
-        capture: False runs the same padded, static-buffer step eagerly instead of replaying a graph (with
-            a LoRA plan built per step): the buffer and padding logic, testable on a CPU.
+        capture: False runs the same padded, static-buffer step eagerly instead of replaying a graph (the
+            same static plan, any LoRA backend): the buffer and padding logic, testable on a CPU.
     """
 
     def __init__(self, model, kv, *, max_batch_size: int, max_blocks: int, max_seq_len: int,
@@ -115,7 +115,7 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= batch), None)
 
     # ------------------------------------------------------------------------------- plan views
-    def _plans(self, B: int, lora: bool, chunk_table: torch.Tensor | None):
+    def _plans(self, B: int, lora: bool):
         from multilora.runtime.model import StepPlan
 
         attn = AttentionMetadata(
@@ -125,9 +125,9 @@ class DecodeGraphs:
             max_query_len=1, max_seq_len=self.max_seq_len, extra={"static": True},
         )
         _extend_metadata(attn)  # static for a decode batch of B sequences
-        extra = {"sgmv": {16: chunk_table}} if lora else {}
-        plan = LoRAPlan(token_slots=self.token_slots[:B], num_tokens=B, slot_ids=(0,) if lora else (),
-                        token_index=(), has_lora=lora, extra=extra)
+        # the static buffers themselves: each step's slots and chunk table are staged into them before it runs
+        plan = LoRAPlan(token_slots=self.token_slots[:B], chunks=self._chunk[: 4 * B].view(4, B), block_m=16,
+                        has_lora=lora)
         return StepPlan(input_ids=self.input_ids[:B], positions=self.positions[:B], q_lens=(1,) * B,
                         last_index=self.last_index[:B], attn=attn, lora=plan)
 
@@ -137,14 +137,12 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     def _capture(self, B: int, lora: bool) -> _Graph:
-        from multilora.kernels.triton_sgmv import block_m_for
-
         assert block_m_for(B) == 16, "decode buckets are at most 512 rows"
-        table = self._chunk[: 4 * B].view(4, B) if lora else None
+        plan = self._plans(B, lora)
+        table = plan.lora.chunks if lora else None
         if table is not None:
             table.zero_()
             table[1].fill_(-1)  # no chunks: padding-only warm-up (the step's own table is written after capture)
-        plan = self._plans(B, lora, table)
         graph, logits = self._record(plan)
         log.debug("captured decode graph for batch %d (lora=%s)", B, lora)
         return _Graph(graph, logits, table, plan)
@@ -172,8 +170,8 @@ class DecodeGraphs:
             token_ids: the token each sequence adds; positions: its position (= context length - 1).
             block_tables: each sequence's blocks (covering position + 1 tokens).
             token_slots: each sequence's adapter slot (-1 = none).
-            chunk_table: the LoRA chunk table (``triton_sgmv._chunk_table`` of ``token_slots`` with
-                ``BLOCK_M = 16``, int32 [4, B] on the host) or None when no sequence has an adapter.
+            chunk_table: the LoRA chunk table (``multilora.kernels.chunk_table`` of ``token_slots`` with
+                ``block_m = 16``, int32 [4, B] on the host) or None when no sequence has an adapter.
         """
         B = len(token_ids)
         bucket = self.bucket_for(B)
@@ -186,16 +184,9 @@ class DecodeGraphs:
         self._dev[:size].copy_(self._host[:size], non_blocking=True)
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
-        if not self.capture:  # eager: the same buffers and padding, a LoRA plan of the padded slots
-            from multilora.kernels import build_lora_plan
-            from multilora.runtime.model import StepPlan
-
+        if not self.capture:  # eager: the same buffers, padding and static plan, run instead of replayed
             self._graphs[key] = None
-            plan = self._plans(bucket, False, None)
-            slots = list(token_slots) + [-1] * (bucket - B)
-            plan = StepPlan(input_ids=plan.input_ids, positions=plan.positions, q_lens=plan.q_lens,
-                            last_index=plan.last_index, attn=plan.attn, lora=build_lora_plan(slots, device=self.device))
-            return self._forward(plan)[:B]
+            return self._forward(self._plans(bucket, lora))[:B]
         g.graph.replay()
         return g.logits[:B]
 

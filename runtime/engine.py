@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from multilora.kernels import build_lora_plan
+from multilora.kernels import build_lora_plan, chunk_table
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool, PackedAdapter
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
@@ -549,14 +549,12 @@ class Engine:
         return self._run_forward(token_ids, starts, tables, slots, to_cpu=False)
 
     def _decode_chunk_table(self, slots: list[int]) -> torch.Tensor | None:
-        """The LoRA chunk table of a graph decode step's slots (``triton_sgmv._chunk_table``, BLOCK_M 16, on the
+        """The LoRA chunk table of a graph decode step's slots (``multilora.kernels.chunk_table``, BLOCK_M 16, on the
         host), None when no request has an adapter. Kept while the batch's slots stay the same (most steps)."""
         key = tuple(slots)
         if key != self._chunk_key:
-            from multilora.kernels.triton_sgmv import _chunk_table
-
             self._chunk_key = key
-            self._chunk_value = _chunk_table(slots, 16, torch.device("cpu")) if any(s >= 0 for s in slots) else None
+            self._chunk_value = chunk_table(slots, 16, torch.device("cpu")) if any(s >= 0 for s in slots) else None
         return self._chunk_value
 
     def _run_forward(self, token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]],

@@ -16,11 +16,10 @@ from typing import Sequence
 
 import torch
 
-from multilora.kernels import LoRAPlan, lora_apply
+from multilora.kernels import LoRAPlan, LoRASlices, lora_apply, lora_slices
 from multilora.kernels.attention import AttentionMetadata, build_attention_metadata, paged_attention
 from multilora.kernels.fused import add_rms_norm, rms_norm, rope_write_kv, silu_mul
 from multilora.memory.kv_cache import PagedKVCache
-from multilora.kernels.lora import LoRAModuleView
 from multilora.memory.pool import AdapterPool
 from multilora.config import ModelConfig
 
@@ -135,7 +134,7 @@ class LlamaModel:
         self.inv_freq = rope_inv_freq(config, weights.get("rope_freqs")).to(device)
         self.rope_cos = self.rope_sin = torch.empty(0, config.head_dim, dtype=torch.float32, device=device)
         self.ensure_rope_positions(256)
-        self._views: list[dict[str, list[LoRAModuleView]]] | None = None
+        self._views: list[dict[str, LoRASlices]] | None = None
 
     def ensure_rope_positions(self, n: int) -> None:
         """Grow the RoPE tables ``rope_cos``/``rope_sin`` (float32 [n_positions, head_dim], on the model's
@@ -170,13 +169,13 @@ class LlamaModel:
         return total * self.embed.element_size()
 
     def bind_pool(self, pool: AdapterPool) -> None:
-        """Cache the pool views (per layer: qkv, o, gate_up, down slices); they never change."""
+        """Cache the pool's fused slices (per layer: qkv, o, gate_up, down); they never change."""
         self._views = [
             {
-                "qkv": [pool.module_view(i, m) for m in ("q_proj", "k_proj", "v_proj")],
-                "o": [pool.module_view(i, "o_proj")],
-                "gate_up": [pool.module_view(i, m) for m in ("gate_proj", "up_proj")],
-                "down": [pool.module_view(i, "down_proj")],
+                "qkv": lora_slices([pool.module_view(i, m) for m in ("q_proj", "k_proj", "v_proj")]),
+                "o": lora_slices([pool.module_view(i, "o_proj")]),
+                "gate_up": lora_slices([pool.module_view(i, m) for m in ("gate_proj", "up_proj")]),
+                "down": lora_slices([pool.module_view(i, "down_proj")]),
             }
             for i in range(self.config.num_layers)
         ]

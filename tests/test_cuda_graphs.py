@@ -130,7 +130,7 @@ def test_graph_replay_logits_and_staging(tmp_path):
     pytest.importorskip("triton")
     if torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU check under the Triton interpreter")
-    from multilora.kernels.triton_sgmv import _chunk_table
+    from multilora.kernels import chunk_table
 
     e = _replay_engine(tmp_path)
     rows = [[5, 9, 11, 3, 7], [4, 4, 8], [10, 2, 6, 6, 1, 12, 13]]
@@ -140,7 +140,7 @@ def test_graph_replay_logits_and_staging(tmp_path):
     nxt, pos = [7, 8, 9], [len(r) for r in rows]
     for sl in (slots, [-1, -1, -1], slots):  # LoRA, no LoRA, LoRA again: the chunk field is rewritten
         eager = e._run_forward([[t] for t in nxt], pos, tables, sl)
-        table = _chunk_table(sl, 16, torch.device("cpu")) if any(s >= 0 for s in sl) else None
+        table = chunk_table(sl, 16, torch.device("cpu")) if any(s >= 0 for s in sl) else None
         with torch.inference_mode():
             got = e.graphs.run(token_ids=nxt, positions=pos, block_tables=tables, token_slots=sl, chunk_table=table)
         torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
@@ -152,7 +152,7 @@ def test_graph_replay_logits_and_staging(tmp_path):
     assert gr.block_tables[:4].tolist() == [t + [0] * (12 - len(t)) for t in tables] + [[0] * 12]
     want = torch.full((4, 4), 0, dtype=torch.int32)
     want[1] = -1
-    want[:, :3] = _chunk_table(slots, 16, torch.device("cpu"))
+    want[:, :3] = chunk_table(slots, 16, torch.device("cpu"))
     assert torch.equal(gr._graphs[(4, True)].chunk_table, want)
     # a shorter table in the same row is zero-filled past its end (rows are rewritten only when they change)
     short = [tables[1], tables[0], tables[2]]  # row 0: 2 blocks -> 1

@@ -174,7 +174,7 @@ def test_cuda_graph_replay_matches_eager_logits(setup):
     """One decode step, replayed from the graph and run eagerly on the same KV state: bf16 logits agree to
     bf16 rounding, and the argmax agrees wherever the top-2 gap is above that rounding."""
     from multilora import Engine
-    from multilora.kernels.triton_sgmv import _chunk_table
+    from multilora.kernels import chunk_table
 
     model, d, rows = setup
     engine = Engine(model=d / "model", device="cuda", progress=False, max_batch_size=8, max_seq_len=64)
@@ -188,7 +188,7 @@ def test_cuda_graph_replay_matches_eager_logits(setup):
     nxt = [7 + i for i in range(len(rows))]
     for B in (len(rows), 5, 1):  # buckets 8, 8 (padded), 1
         eager = engine._run_forward([[t] for t in nxt[:B]], [len(r) for r in rows[:B]], tables[:B], slots[:B])
-        table = _chunk_table(torch.tensor(slots[:B]), 16, torch.device("cpu"))
+        table = chunk_table(torch.tensor(slots[:B]), 16, torch.device("cpu"))
         with torch.inference_mode():
             graph = engine.graphs.run(token_ids=nxt[:B], positions=[len(r) for r in rows[:B]], block_tables=tables[:B],
                                       token_slots=slots[:B], chunk_table=table).cpu()
