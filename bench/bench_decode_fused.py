@@ -12,6 +12,7 @@ Usage: python bench/bench_decode_fused.py --out bench/results   (writes decode_f
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -35,19 +36,16 @@ CONFIGS = {  # name -> lora_fused tiles
 }
 
 
-def set_path(name):
-    from multilora.kernels import triton_sgmv
+def apply_op(name):
+    """The apply op of a path: the product's two launches, or ``lora_fused`` with one of ``CONFIGS``."""
+    from multilora.kernels.experimental.lora_fused import lora_fused
+    from multilora.kernels.triton_sgmv import lora_apply_triton
 
-    if name == TWO_LAUNCH:
-        triton_sgmv._use_fused = lambda T, device: False
-    else:
-        triton_sgmv._use_fused = lambda T, device: True
-        triton_sgmv.FUSED_CONFIG = dict(CONFIGS[name])
+    return lora_apply_triton if name == TWO_LAUNCH else functools.partial(lora_fused, **CONFIGS[name])
 
 
 def bench_case(group, T, n, popularity, ceil, rank=16):
     from multilora.kernels import build_lora_plan
-    from multilora.kernels.triton_sgmv import lora_apply_triton
 
     d_in, d_outs = GROUPS[group]
     d_out = sum(d_outs)
@@ -55,7 +53,7 @@ def bench_case(group, T, n, popularity, ceil, rank=16):
     w_bytes = n * rank * (len(d_outs) * d_in + d_out) * 2
     act_bytes = (T * d_in + 2 * T * d_out) * 2
     K = max(1, min(8, math.ceil(200e6 / (w_bytes + act_bytes))))
-    pool, views = synthetic_pool(d_in, d_outs, K * n, rank)
+    pool, slices = synthetic_pool(d_in, d_outs, K * n, rank)
     gen = torch.Generator().manual_seed(T * 131 + n)
     slot_lists = [assign(popularity, T, n, gen) + k * n for k in range(K)]
     plans = [build_lora_plan(sl, device="cuda") for sl in slot_lists]
@@ -64,30 +62,30 @@ def bench_case(group, T, n, popularity, ceil, rank=16):
     distinct = int(torch.unique(slot_lists[0]).numel())
     must = distinct * rank * (len(d_outs) * d_in + d_out) * 2 + act_bytes
 
-    def fn():
+    def fn(apply):
         for p, x, y in zip(plans, xs, ys):
-            lora_apply_triton(y, x, views, p)
+            apply(y, x, slices, p)
 
     row = dict(group=group, tokens=T, adapters=n, distinct_in_batch=distinct, popularity=popularity, rank=rank,
                min_bytes=must, sets_per_call=K, us={}, bw_frac={})
     ref, y_fresh = None, ys[0].clone()
     for name in [TWO_LAUNCH, *CONFIGS]:
-        set_path(name)
+        apply = apply_op(name)
         try:
             y_chk = y_fresh.clone()  # ys are updated in place by every timed call: check on a fresh copy
-            lora_apply_triton(y_chk, xs[0], views, plans[0])
+            apply(y_chk, xs[0], slices, plans[0])
             if ref is None:
                 ref = y_chk
             else:  # same result as the two-launch path (bf16 rounding of v differs: loose bound)
                 err = (y_chk.float() - ref.float()).abs().max().item()
                 row.setdefault("max_abs_diff", {})[name] = err
-            t = time_ms(fn, True) / K * 1e3
+            t = time_ms(functools.partial(fn, apply), True) / K * 1e3
         except Exception as exc:  # noqa: BLE001
             row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:300]
             continue
         row["us"][name] = t
         row["bw_frac"][name] = must / (t * 1e-6) / GB / ceil["copy_gbps"]
-    del pool, views, xs, ys
+    del pool, slices, xs, ys
     torch.cuda.empty_cache()
     return row
 
@@ -95,7 +93,6 @@ def bench_case(group, T, n, popularity, ceil, rank=16):
 def bench_layer(T, n, configs):
     """LoRA on the seven projections of a Llama-3-8B layer, as one CUDA graph, vs the base GEMMs."""
     from multilora.kernels import build_lora_plan
-    from multilora.kernels.triton_sgmv import lora_apply_triton
 
     n = min(n, T)
     gen = torch.Generator().manual_seed(T)
@@ -103,11 +100,11 @@ def bench_layer(T, n, configs):
     parts = []
     for g in LAYER_8B:
         d_in, d_outs = GROUPS[g]
-        pool, views = synthetic_pool(d_in, d_outs, K * n, 16)
+        pool, slices = synthetic_pool(d_in, d_outs, K * n, 16)
         ws = [torch.randn(sum(d_outs), d_in, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(K)]
         xs = [torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
         ys = [torch.empty(T, sum(d_outs), device="cuda", dtype=torch.bfloat16) for _ in range(K)]
-        parts.append((pool, views, ws, xs, ys))
+        parts.append((pool, slices, ws, xs, ys))
     plans = [build_lora_plan(assign("uniform", T, n, gen) + k * n, device="cuda") for k in range(K)]
 
     def base():
@@ -115,17 +112,16 @@ def bench_layer(T, n, configs):
             for _, _, ws, xs, ys in parts:
                 torch.matmul(xs[k], ws[k].t(), out=ys[k])
 
-    def with_lora():
+    def with_lora(apply):
         for k in range(K):
-            for _, views, ws, xs, ys in parts:
+            for _, slices, ws, xs, ys in parts:
                 torch.matmul(xs[k], ws[k].t(), out=ys[k])
-                lora_apply_triton(ys[k], xs[k], views, plans[k])
+                apply(ys[k], xs[k], slices, plans[k])
 
     tb = time_ms(base, True) / K * 1e3
     row = dict(group="8b-layer-7proj", tokens=T, adapters=n, popularity="uniform", base_us=tb, us={}, added={})
     for name in [TWO_LAUNCH, *configs]:
-        set_path(name)
-        t = time_ms(with_lora, True) / K * 1e3
+        t = time_ms(functools.partial(with_lora, apply_op(name)), True) / K * 1e3
         row["us"][name] = t
         row["added"][name] = (t - tb) / tb
     del parts
@@ -139,9 +135,6 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--layer-configs", default="f256x1,f256x4,f512x2w8")
     args = ap.parse_args(argv)
-    from multilora.kernels import triton_sgmv
-
-    saved = (triton_sgmv._use_fused, dict(triton_sgmv.FUSED_CONFIG))
     res = {"environment": environment(), "ceilings": ceilings(), "configs": CONFIGS, "rows": [], "layer": []}
     print(json.dumps(res["ceilings"]), flush=True)
     cases = [("8b-qkv", T, T, "distinct") for T in (1, 16, 64, 128, 256, 512)]
@@ -168,7 +161,6 @@ def main(argv=None):
             print(f"layer T={T:<4} base={row['base_us']:.1f}us "
                   + " ".join(f"{k}=+{v:.1%}" for k, v in row["added"].items()), flush=True)
     finally:
-        triton_sgmv._use_fused, triton_sgmv.FUSED_CONFIG = saved[0], saved[1]
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "decode_fused.json"), "w") as f:
             json.dump(res, f, indent=1)

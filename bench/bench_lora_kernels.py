@@ -64,7 +64,9 @@ def group_config(d_in: int, d_outs: list[int]):
 
 def synthetic_pool(d_in, d_outs, n_adapters, rank, page_rows=16):
     """A pool with ``n_adapters`` resident adapters of one rank, random weights written straight into the
-    pages on the GPU (bench only: page_table/ranks/scalings are set as ``AdapterPool.load`` would)."""
+    pages on the GPU (bench only: page_table/ranks/scalings are set as ``AdapterPool.load`` would).
+    Returns (pool, the group's ``LoRASlices``)."""
+    from multilora.kernels import lora_slices
     from multilora.memory.pool import AdapterPool
 
     cfg, modules = group_config(d_in, d_outs)
@@ -76,8 +78,7 @@ def synthetic_pool(d_in, d_outs, n_adapters, rank, page_rows=16):
     pool.page_table[:, :npg] = perm.view(n_adapters, npg)
     pool.ranks.fill_(rank)
     pool.scalings.fill_(2.0)
-    views = [pool.module_view(0, m) for m in modules]
-    return pool, views
+    return pool, lora_slices([pool.module_view(0, m) for m in modules])
 
 
 def assign(popularity, T, n, gen):
@@ -93,10 +94,11 @@ def assign(popularity, T, n, gen):
 
 
 # ---------------------------------------------------------------------------------------------- providers
-def make_providers(views, plans, xs, ys, slot_lists, weights):
+def make_providers(slices, plans, xs, ys, slot_lists, weights):
     from multilora.kernels import gather_adapter
     from multilora.kernels.triton_sgmv import lora_apply_triton
 
+    views = slices.views
     d_outs = [v.d_out for v in views]
     cols = [sum(d_outs[:i]) for i in range(len(d_outs))]
     dense = []  # per slice: A [n_all, r, d_in], Bt [n_all, r, d_out], scaling [n_all]
@@ -113,7 +115,7 @@ def make_providers(views, plans, xs, ys, slot_lists, weights):
 
     def ours():
         for p, x, y in zip(plans, xs, ys):
-            lora_apply_triton(y, x, views, p)
+            lora_apply_triton(y, x, slices, p)
 
     def loop():
         for lp, x, y in zip(loops, xs, ys):
@@ -150,7 +152,6 @@ def time_ms(fn, graph: bool) -> float:
 # ---------------------------------------------------------------------------------------------- rows
 def bench_row(group, T, rank, n, popularity, ceil, *, providers=("ours", "loop", "gather_bmm", "base"), block_m=None):
     from multilora.kernels import build_lora_plan
-    from multilora.kernels import triton_sgmv
 
     d_in, d_outs = GROUPS[group]
     d_out = sum(d_outs)
@@ -158,34 +159,28 @@ def bench_row(group, T, rank, n, popularity, ceil, *, providers=("ours", "loop",
     w_bytes = n * rank * (len(d_outs) * d_in + d_out) * 2  # distinct adapters' A (one per slice) and B, bf16
     act_bytes = (T * d_in + 2 * T * d_out) * 2  # x read, y read + written
     K = max(1, min(8, math.ceil(200e6 / (w_bytes + act_bytes))))
-    pool, views = synthetic_pool(d_in, d_outs, K * n, rank)
+    pool, slices = synthetic_pool(d_in, d_outs, K * n, rank)
     gen = torch.Generator().manual_seed(T * 131 + n)
     slot_lists = [assign(popularity, T, n, gen) + k * n for k in range(K)]
-    orig_bm = triton_sgmv.block_m_for
-    if block_m is not None:
-        triton_sgmv.block_m_for = lambda t: block_m
-    try:
-        plans = [build_lora_plan(sl, device="cuda") for sl in slot_lists]
-        xs = [torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
-        ys = [torch.randn(T, d_out, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
-        weights = [torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16) * 0.02
-                   for _ in range(K if "base" in providers else 0)]
-        fns = make_providers(views, plans, xs, ys, slot_lists, weights)
-        distinct = int(torch.unique(slot_lists[0]).numel())
-        row = dict(group=group, d_in=d_in, d_outs=d_outs, tokens=T, rank=rank, adapters=n,
-                   distinct_in_batch=distinct, popularity=popularity, sets_per_call=K, dtype="bfloat16",
-                   block_m=block_m or orig_bm(T), graph=T <= 512)
-        for name in providers:
-            if name == "gather_bmm" and T * rank * (d_in + d_out) * 2 > 16e9:
-                row["gather_bmm_ms"] = None  # the gathered weights would not fit: skipped
-                continue
-            if name == "loop" and distinct * len(d_outs) > 2048 and T > 512:
-                row["loop_ms"] = None
-                continue
-            graph = T <= 512 and name != "loop"
-            row[f"{name}_ms"] = time_ms(fns[name], graph) / K
-    finally:
-        triton_sgmv.block_m_for = orig_bm
+    plans = [build_lora_plan(sl, device="cuda", block_m=block_m) for sl in slot_lists]
+    xs = [torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
+    ys = [torch.randn(T, d_out, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
+    weights = [torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16) * 0.02
+               for _ in range(K if "base" in providers else 0)]
+    fns = make_providers(slices, plans, xs, ys, slot_lists, weights)
+    distinct = int(torch.unique(slot_lists[0]).numel())
+    row = dict(group=group, d_in=d_in, d_outs=d_outs, tokens=T, rank=rank, adapters=n,
+               distinct_in_batch=distinct, popularity=popularity, sets_per_call=K, dtype="bfloat16",
+               block_m=plans[0].block_m, graph=T <= 512)
+    for name in providers:
+        if name == "gather_bmm" and T * rank * (d_in + d_out) * 2 > 16e9:
+            row["gather_bmm_ms"] = None  # the gathered weights would not fit: skipped
+            continue
+        if name == "loop" and distinct * len(d_outs) > 2048 and T > 512:
+            row["loop_ms"] = None
+            continue
+        graph = T <= 512 and name != "loop"
+        row[f"{name}_ms"] = time_ms(fns[name], graph) / K
     # what must move and what must be computed (per call of one set)
     # every fused slice has its own A [r, d_in] (q, k and v: three), so A bytes and FLOPs count it per slice
     w_bytes = distinct * rank * (len(d_outs) * d_in + d_out) * 2
@@ -202,7 +197,7 @@ def bench_row(group, T, rank, n, popularity, ceil, *, providers=("ours", "loop",
             row[f"speedup_vs_{other}"] = row[f"{other}_ms"] / row["ours_ms"]
     if row.get("base_ms"):
         row["lora_over_base"] = row["ours_ms"] / row["base_ms"]
-    del pool, views, fns
+    del pool, slices, fns
     torch.cuda.empty_cache()
     return row
 
@@ -219,11 +214,11 @@ def bench_layer(T, n, ceil):
     parts = []
     for g in LAYER_8B:
         d_in, d_outs = GROUPS[g]
-        pool, views = synthetic_pool(d_in, d_outs, K * n, 16)
+        pool, slices = synthetic_pool(d_in, d_outs, K * n, 16)
         ws = [torch.randn(sum(d_outs), d_in, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(K)]
         xs = [torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
         ys = [torch.empty(T, sum(d_outs), device="cuda", dtype=torch.bfloat16) for _ in range(K)]
-        parts.append((pool, views, ws, xs, ys))
+        parts.append((pool, slices, ws, xs, ys))
     plans = [build_lora_plan(assign("uniform", T, n, gen) + k * n, device="cuda") for k in range(K)]
 
     def base():
@@ -233,9 +228,9 @@ def bench_layer(T, n, ceil):
 
     def with_lora():
         for k in range(K):
-            for _, views, ws, xs, ys in parts:
+            for _, slices, ws, xs, ys in parts:
                 torch.matmul(xs[k], ws[k].t(), out=ys[k])
-                lora_apply_triton(ys[k], xs[k], views, plans[k])
+                lora_apply_triton(ys[k], xs[k], slices, plans[k])
 
     tb, tl_ = time_ms(base, True) / K, time_ms(with_lora, True) / K
     row = dict(group="8b-layer-7proj", tokens=T, rank=16, adapters=n, popularity="uniform", dtype="bfloat16",

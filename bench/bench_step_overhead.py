@@ -7,14 +7,15 @@ until the GPU is done, so the next step's host work is never overlapped with the
 This script measures that host work on the CPU alone.
 
 Setup: the ``tiny`` random model on the CPU (vocab 512), ``max_batch_size=64``, ``max_seq_len=2048``, prompts
-of 512 tokens (like bench_generate.py), greedy (``--temperature``), end-of-sequence ignored; ``engine.graphs`` is a
-``DecodeGraphs`` whose forward is stubbed out:
+of 512 tokens (like bench_generate.py), greedy (``--temperature``), end-of-sequence ignored; the engine's runner
+takes the graph path (``runner.enable_graphs``) with its forward stubbed out:
 
-    replay  (default) the real replay path of ``DecodeGraphs.run``, with ``_capture`` replaced by a fake graph
-            whose ``replay()`` does nothing and whose logits are a preallocated tensor: exactly the host work
-            of a CUDA-graph decode step (less the CUDA calls themselves: launches, pinned copies)
-    eager   ``DecodeGraphs(capture=False)`` with ``_forward`` returning a preallocated logits tensor (the eager
-            path also builds a LoRA plan per step, which the graph path does not)
+    replay  (default) the real replay path of ``ModelRunner.decode_graph``, with ``DecodeGraphs._record``
+            replaced by a fake graph whose ``replay()`` does nothing and whose logits are a preallocated tensor:
+            exactly the host work of a CUDA-graph decode step (less the CUDA calls themselves: launches, pinned
+            copies)
+    eager   ``enable_graphs(capture=False)`` with the forward returning a preallocated logits tensor (the same
+            static plan, run without a graph)
 
 For each batch size (default 1, 8, 64) and with / without adapters (request i on adapter a<i>, rank 16: B
 distinct adapters), a fresh set of B requests is prefilled (the real tiny forward), then ``--steps`` decode
@@ -65,9 +66,6 @@ class _FakeGraph:
 
 
 def build_engine(adapter_dir: Path | None, n_adapters: int, mode: str) -> tuple[Engine, list[str]]:
-    from multilora.runtime import cuda_graphs
-    from multilora.runtime.cuda_graphs import DecodeGraphs
-
     cfg = ModelConfig(**{**MODEL_SHAPES["tiny"], "max_position_embeddings": MAX_SEQ_LEN})
     e = Engine(cfg, device="cpu", progress=False, max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ_LEN, kv_block_size=16,
                max_lora_rank=16, adapter_slots=max(n_adapters, 1), max_prefill_tokens=4096)
@@ -76,22 +74,13 @@ def build_engine(adapter_dir: Path | None, n_adapters: int, mode: str) -> tuple[
         for i in range(n_adapters):
             names.append(f"a{i}")
             e.load_adapter(names[-1], write_adapter(adapter_dir / names[-1], cfg, seed=i, rank=16, dtype=torch.float32))
-    g = DecodeGraphs(e.model, e.kv, max_batch_size=MAX_BATCH, max_blocks=MAX_SEQ_LEN // 16, max_seq_len=MAX_SEQ_LEN,
-                     lora_backend=None, attention_backend=None, capture=mode == "replay")
+    g = e.runner.enable_graphs(capture=mode == "replay")  # the graph path, on the CPU
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(MAX_BATCH, cfg.vocab_size, generator=gen)
-    if mode == "replay":
-        if hasattr(g, "_record"):  # the capture bookkeeping runs; only the CUDA recording is faked
-            g._record = lambda plan: (_FakeGraph(), logits[: plan.input_ids.shape[0]].clone())
-        else:  # older DecodeGraphs (before _record): fake the whole capture
-            def capture(self, B: int, lora: bool):
-                table = torch.zeros(4, B, dtype=torch.int32) if lora else None
-                return cuda_graphs._Graph(_FakeGraph(), logits[:B].clone(), table, None)
-
-            g._capture = capture.__get__(g)
+    if mode == "replay":  # the capture bookkeeping runs; only the CUDA recording is faked
+        g._record = lambda plan: (_FakeGraph(), logits[: plan.input_ids.shape[0]].clone())
     else:
         g._forward = lambda plan: logits[: plan.input_ids.shape[0]]
-    e.graphs = g
     return e, names
 
 
@@ -112,12 +101,12 @@ def start_batch(e: Engine, B: int, names: list[str], decode_steps: int) -> None:
 def time_steps(e: Engine, n: int) -> list[float]:
     """Wall time of n decode steps, one by one (seconds)."""
     out = []
-    d0 = e._counters["decode_steps"]
+    d0 = e.stats()["decode_steps"]
     for _ in range(n):
         t0 = time.perf_counter()
         e.step()
         out.append(time.perf_counter() - t0)
-    assert e._counters["decode_steps"] - d0 == n, "a timed step was not a decode step"
+    assert e.stats()["decode_steps"] - d0 == n, "a timed step was not a decode step"
     return out
 
 
@@ -129,8 +118,7 @@ def drain(e: Engine) -> None:
 # ----------------------------------------------------------------------------------------- part timers
 def _parts(e: Engine) -> list[tuple[str, int, Any, str]]:
     """(label, depth, owner, attribute): the functions timed, inclusive; depth = nesting for the printout."""
-    from multilora.kernels import triton_sgmv
-    from multilora.runtime import cuda_graphs, engine, sampling, scheduler
+    from multilora.runtime import cuda_graphs, postprocess, runner, sampling, scheduler
 
     return [
         ("schedule (scheduler.schedule)", 0, scheduler.Scheduler, "schedule"),
@@ -138,15 +126,16 @@ def _parts(e: Engine) -> list[tuple[str, int, Any, str]]:
         ("prefetch (candidates, waiting, prefetch)", 0, scheduler.Scheduler, "waiting_handles"),
         ("prefetch (candidates, waiting, prefetch)", 0, e.cache, "prefetch"),
         ("wait_ready", 0, e.cache, "wait_ready"),
-        ("forward, host side (Engine._forward)", 0, engine.Engine, "_forward"),
+        ("forward, host side (ModelRunner.run)", 0, runner.ModelRunner, "run"),
         ("block tables (kv.block_table)", 1, e.kv, "block_table"),
-        ("chunk table (_chunk_table)", 1, triton_sgmv, "_chunk_table"),
-        ("graph staging + replay (DecodeGraphs.run)", 1, cuda_graphs.DecodeGraphs, "run"),
-        ("postprocess (Engine._postprocess)", 0, engine.Engine, "_postprocess"),
-        ("sample (Engine._sample)", 1, engine.Engine, "_sample"),
+        ("graph staging (DecodeBuffers.stage)", 1, runner.DecodeBuffers, "stage"),
+        ("chunk table (fill_chunk_table)", 2, runner, "fill_chunk_table"),
+        ("replay (DecodeGraphs.replay)", 1, cuda_graphs.DecodeGraphs, "replay"),
+        ("postprocess (Postprocessor)", 0, postprocess.Postprocessor, "__call__"),
+        ("sample (sample_tokens)", 1, postprocess, "sample_tokens"),
         ("SamplingTensors.from_params", 2, sampling.SamplingTensors, "from_params"),
-        ("sample_batch", 2, engine, "sample_batch"),
-        ("stop checks (Engine._check_stop)", 1, engine.Engine, "_check_stop"),
+        ("sample_batch", 2, postprocess, "sample_batch"),
+        ("stop checks (Postprocessor.check_stop)", 1, postprocess.Postprocessor, "check_stop"),
     ]
 
 

@@ -37,15 +37,13 @@ def main():
     for group, T, n, pop in SCENARIOS:
         d_in, d_outs = GROUPS[group]
         K = 4 if T <= 512 else 1
-        pool, views = synthetic_pool(d_in, d_outs, K * n, 16)
+        pool, slices = synthetic_pool(d_in, d_outs, K * n, 16)
         gen = torch.Generator().manual_seed(T)
         plans = [build_lora_plan(assign(pop, T, n, gen) + k * n, device="cuda") for k in range(K)]
         xs = [torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
         ys = [torch.randn(T, sum(d_outs), device="cuda", dtype=torch.bfloat16) for _ in range(K)]
-        bm = ts.block_m_for(T)
-        tabs = [ts._plan_table(p, bm, xs[0].device) for p in plans]
-        nc = min(T, -(-T // bm) + views[0].page_table.shape[0])
-        auto_split = ts._split_k(xs[0].device, nc * len(views), d_in, 256)
+        nc = ts.num_chunks(plans[0], slices)
+        auto_split = ts._split_k(xs[0].device, nc * slices.num_slices, d_in, 256)
         for bk, nw, ns, sm in itertools.product((128, 256, 512), (4, 8), (2, 3, 4), (1, 2, 4)):
             split = auto_split * sm
             if split * bk > d_in:
@@ -54,7 +52,7 @@ def main():
 
             def shrink():
                 for k in range(K):
-                    ts.sgmv_shrink(xs[k], views, tabs[k], block_m=bm, num_chunks=nc, **cfg)
+                    ts.sgmv_shrink(xs[k], slices, plans[k], **cfg)
 
             try:
                 t = time_ms(shrink, T <= 512) / K
@@ -64,14 +62,14 @@ def main():
             res.append(dict(op="shrink", group=group, tokens=T, adapters=n, popularity=pop, ms=t, **cfg))
         v_s = {}
         for split in sorted({auto_split, 1}):
-            v_s[split] = [ts.sgmv_shrink(xs[k], views, tabs[k], block_m=bm, num_chunks=nc, split_k=split)
+            v_s[split] = [ts.sgmv_shrink(xs[k], slices, plans[k], split_k=split)
                           for k in range(K)]
         for bn, nw, ns, split in itertools.product((64, 128, 256, 512), (4, 8), (2, 3), sorted(v_s)):
             cfg = dict(block_n=bn, num_warps=nw, num_stages=ns)
 
             def expand():
                 for k in range(K):
-                    ts.sgmv_expand(ys[k], v_s[split][k], views, tabs[k], block_m=bm, num_chunks=nc, **cfg)
+                    ts.sgmv_expand(ys[k], v_s[split][k], slices, plans[k], **cfg)
 
             try:
                 t = time_ms(expand, T <= 512) / K
@@ -91,7 +89,7 @@ def main():
                   f"default={default[0]['ms'] * 1e3 if default else float('nan'):.1f}us best:",
                   [(round(r["ms"] * 1e3, 1), {k: r[k] for k in r if k in
                     ("block_k", "block_n", "split_k", "num_warps", "num_stages")}) for r in rows[:3]], flush=True)
-        del pool, views
+        del pool, slices
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "tune.json"), "w") as f:
         json.dump(res, f, indent=1)

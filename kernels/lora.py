@@ -10,22 +10,28 @@ Semantics (for each fused slice ``i`` with output columns ``[c_i, c_i + d_out_i)
 ``page_table[s]`` (layout: ``multilora.memory.pool``); shrink is ``v = x A^T`` (d_in -> r),
 expand is ``y += scaling * v B^T`` (r -> d_out). Accumulation is in float32.
 
-The per-step ``LoRAPlan`` is built ONCE per engine step (``build_lora_plan``) and passed explicitly
-to every layer; nothing is read from module-global state.
+Two descriptors feed the op, both passed explicitly (nothing is read from module-global state):
 
-Backends: ``"torch"`` (this file; the CPU path and the test oracle) and ``"triton"`` (GPU kernels in
-``multilora.kernels.triton_sgmv`` when present). ``lora_apply(..., backend=None)`` picks triton for CUDA
-tensors when it is importable, else torch.
+- ``LoRASlices`` (``lora_slices``): one layer's fused projection in the pool, built once when the pool is
+  bound and validated then; it never changes.
+- ``LoRAPlan`` (``build_lora_plan``): which slot each token of the step uses, with its chunk table, built
+  once per engine step. Its tensors may also be static buffers rewritten in place between calls (a
+  CUDA-graph decode step): no backend caches anything derived from their values.
+
+Backends: ``"torch"`` (``lora_apply_torch``, this file; the CPU path and the test oracle) and ``"triton"``
+(``multilora.kernels.triton_sgmv``). ``lora_apply(..., backend=None)`` picks triton for CUDA tensors when it
+is importable, else torch (``resolve_backend``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from multilora.kernels.backends import select_triton
 
 
 @dataclass(frozen=True)
@@ -51,36 +57,269 @@ class LoRAModuleView:
     module: str
 
 
+# ---------------------------------------------------------------------------------------------- fused slices
+@dataclass(frozen=True)
+class LoRASlices:
+    """One layer's fused projection in the paged pool (q/k/v, gate/up, o or down): any number of slices
+    ``>= 1``, all from one pool and with one ``d_in``, laid side by side in the columns of ``y``.
+
+    Build it with ``lora_slices(views)``, which validates everything that cannot change between calls.
+
+    Attributes:
+        views: one ``LoRAModuleView`` per slice, in the column order of ``y``.
+        table: int64 ``[6, num_slices]`` on the pool's device, contiguous, one row per field:
+            ``0`` offset_a, ``1`` offset_b (elements into a page), ``2`` d_out, ``3`` col (the slice's first
+            column in ``y``), ``4`` the element offset of the slice's ``ranks`` from ``views[0].ranks``,
+            ``5`` the same for ``scalings`` from ``views[0].scalings``. Kernels read per-slice values here.
+        d_in: the input width every slice shares.
+        d_out: the sum of the slices' widths (columns of ``y``).
+
+    Example: q/k/v of layer 1 of SmolLM2-135M (hidden 576, q 576, k/v 192) in a pool with ``page_rows = 8``
+    and ``max_slots = 8`` (``ranks``/``scalings`` are ``[layers, 7, max_slots]``, so module ``m``'s row sits
+    ``8 * m`` elements after q's)::
+
+        table = [[81408, 90624,  96768],    # offset_a = 8 * (1 * 10176 + sum of earlier S(m))
+                 [86016, 95232, 101376],    # offset_b = offset_a + 8 * 576
+                 [  576,   192,    192],    # d_out
+                 [    0,   576,    768],    # col
+                 [    0,     8,     16],    # ranks offset from q's
+                 [    0,     8,     16]]    # scalings offset from q's
+    """
+
+    views: tuple[LoRAModuleView, ...]
+    table: torch.Tensor
+    d_in: int
+    d_out: int
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.views)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The pool buffer ``[num_pages, page_elems]`` every slice reads."""
+        return self.views[0].buffer
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        """int32 ``[max_slots, max_pages_per_slot]``."""
+        return self.views[0].page_table
+
+    @property
+    def page_rows(self) -> int:
+        return self.views[0].page_rows
+
+    @property
+    def page_elems(self) -> int:
+        return self.views[0].page_elems
+
+    @property
+    def ranks(self) -> torch.Tensor:
+        """The base the ranks offsets (``table[4]``) count from: ``views[0].ranks``."""
+        return self.views[0].ranks
+
+    @property
+    def scalings(self) -> torch.Tensor:
+        """The base the scalings offsets (``table[5]``) count from: ``views[0].scalings``."""
+        return self.views[0].scalings
+
+    @property
+    def max_rank_rows(self) -> int:
+        """Rank-rows a slot's page table can hold: ``max_pages_per_slot * page_rows``."""
+        return self.page_table.shape[1] * self.page_rows
+
+
+def _elem_offset(t: torch.Tensor, base: torch.Tensor, what: str) -> int:
+    delta = t.data_ptr() - base.data_ptr()
+    if delta % t.element_size():
+        raise ValueError(f"views: {what} is not a whole number of elements away from the first slice's")
+    return delta // t.element_size()
+
+
+def lora_slices(views: Sequence[LoRAModuleView]) -> LoRASlices:
+    """Describe the fused slices ``views`` (in the column order of ``y``) for ``lora_apply``; checked once here.
+
+    Raises:
+        ValueError: no views; views from different pools (buffer or page table) or with different page
+            geometry or ``d_in``; ranks that are not int32 or scalings that are not float32, not contiguous
+            ``[max_slots]`` or not on the pool's device; a non-contiguous pool buffer or page table; an A or B
+            region outside a page. Each message names the module.
+    """
+    views = tuple(views)
+    if not views:
+        raise ValueError("views: expected at least one LoRAModuleView (fused slice)")
+    v0 = views[0]
+    device, max_slots = v0.buffer.device, v0.page_table.shape[0]
+    if not v0.buffer.is_contiguous() or not v0.page_table.is_contiguous():
+        raise ValueError(f"views: the pool buffer and page_table of {v0.module} must be contiguous")
+    if v0.page_table.dtype != torch.int32 or v0.page_table.device != device:
+        raise ValueError(f"views: the page_table of {v0.module} must be int32 on {device}, got "
+                         f"{v0.page_table.dtype} on {v0.page_table.device}")
+    ro, so = [], []
+    for v in views:
+        if v.buffer.data_ptr() != v0.buffer.data_ptr() or v.page_table.data_ptr() != v0.page_table.data_ptr():
+            raise ValueError(f"views: fused slices must come from one pool ({v.module} does not)")
+        if v.page_rows != v0.page_rows or v.page_elems != v0.page_elems:
+            raise ValueError(f"views: page geometry of {v.module} differs from {v0.module}")
+        if v.d_in != v0.d_in:
+            raise ValueError(f"views: fused slices share one d_in; {v.module} has {v.d_in}, {v0.module} {v0.d_in}")
+        if v.ranks.dtype != torch.int32 or v.scalings.dtype != torch.float32:
+            raise ValueError(f"views: {v.module} ranks must be int32 and scalings float32")
+        for name, t in (("ranks", v.ranks), ("scalings", v.scalings)):
+            if t.dim() != 1 or t.shape[0] != max_slots or t.stride(0) != 1 or t.device != device:
+                raise ValueError(f"views: {v.module} {name} must be contiguous [{max_slots}] on {device}, got "
+                                 f"shape {tuple(t.shape)}, stride {t.stride()} on {t.device}")
+        for name, off, width in (("A", v.offset_a, v.d_in), ("B", v.offset_b, v.d_out)):
+            if off < 0 or off + v.page_rows * width > v.page_elems:
+                raise ValueError(f"views: {v.module} {name} rows [{off}, {off + v.page_rows * width}) lie outside "
+                                 f"a page of {v.page_elems} elements")
+        ro.append(_elem_offset(v.ranks, v0.ranks, f"{v.module} ranks"))
+        so.append(_elem_offset(v.scalings, v0.scalings, f"{v.module} scalings"))
+    widths = [v.d_out for v in views]
+    cols = np.cumsum([0] + widths[:-1]).tolist()
+    rows = [[v.offset_a for v in views], [v.offset_b for v in views], widths, cols, ro, so]
+    table = torch.tensor(rows, dtype=torch.int64).to(device)
+    return LoRASlices(views=views, table=table, d_in=v0.d_in, d_out=sum(widths))
+
+
+# ---------------------------------------------------------------------------------------------- step plan
 @dataclass(frozen=True)
 class LoRAPlan:
-    """The frozen per-step description of which adapter slot each token uses.
+    """Which adapter slot each token of a step uses, and the chunk table the kernels walk.
 
     Attributes:
         token_slots: int32 ``[num_tokens]`` on the compute device; ``-1`` = no adapter.
-        num_tokens: ``T``.
-        slot_ids: the distinct slots ``>= 0`` of the batch, ascending (host ints).
-        token_index: for each entry of ``slot_ids``, int64 ``[n_s]`` indices of its tokens (device).
+        chunks: int32 ``[4, max(num_tokens, 1)]`` on the same device, contiguous; rows ``sorted_tokens``,
+            ``chunk_slot``, ``chunk_start``, ``chunk_len`` (below).
+        block_m: the most tokens a chunk holds (what ``chunks`` was built with).
         has_lora: False when no token has an adapter (every op is then a no-op).
-        extra: backend-specific metadata built once per step (e.g. sorted token order, segments).
 
-    Example: ``token_slots = [1, 2, 3, 2, 3, 2, 3, -1]`` gives ``slot_ids = (1, 2, 3)`` and
-    ``token_index = ([0], [1, 3, 5], [2, 4, 6])``; token 7 is untouched.
+    Chunk table. Tokens are stably sorted by slot (tokens with slot -1 dropped) and cut into **chunks** of at
+    most ``block_m`` tokens of one slot, chunk after chunk in sorted order; a kernel program takes one chunk
+    (for decode with distinct adapters a chunk is one token: BGMV). Entries past the chunks hold slot ``-1``
+    (start 0, length 0), and sorted entries past the adapted tokens hold token 0. Worked example with
+    ``token_slots = [1, 2, 3, 2, 3, 2, 3, -1]`` and ``block_m = 2``::
+
+        sorted_tokens = [0, 1, 3, 5, 2, 4, 6, 0]     # tokens grouped by slot (stable); tail padded with 0
+        chunk_slot    = [1, 2, 2, 3, 3, -1, -1, -1]   # one entry per possible chunk, -1 = none
+        chunk_start   = [0, 1, 3, 4, 6, 0, 0, 0]      # into sorted_tokens
+        chunk_len     = [1, 2, 1, 2, 1, 0, 0, 0]
+
+    Invariants: the chunks tile ``sorted_tokens[:n]`` (``n`` adapted tokens) in order, slots ascending;
+    ``chunk_len <= block_m``. Token 7 (slot -1) is in no chunk and is never touched.
+
+    The tensors may be static buffers rewritten in place between calls (a CUDA-graph decode step): every
+    backend derives what it needs from them at call time, nothing is cached from their values.
     """
 
     token_slots: torch.Tensor
-    num_tokens: int
-    slot_ids: tuple[int, ...]
-    token_index: tuple[torch.Tensor, ...]
+    chunks: torch.Tensor
+    block_m: int
     has_lora: bool
-    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        ts, c = self.token_slots, self.chunks
+        if ts.dim() != 1 or ts.dtype != torch.int32:
+            raise ValueError(f"token_slots: expected int32 [num_tokens], got {ts.dtype} {tuple(ts.shape)}")
+        want = (4, max(ts.shape[0], 1))
+        if tuple(c.shape) != want or c.dtype != torch.int32 or not c.is_contiguous() or c.device != ts.device:
+            raise ValueError(f"chunks: expected contiguous int32 {list(want)} on {ts.device}, got {c.dtype} "
+                             f"{tuple(c.shape)} strides {c.stride()} on {c.device}")
+        if self.block_m < 1:
+            raise ValueError(f"block_m: expected >= 1, got {self.block_m}")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_slots.shape[0]
+
+    def slot_groups(self) -> list[tuple[int, torch.Tensor]]:
+        """For each distinct slot ``>= 0`` in ascending order, the int64 indices of its tokens (ascending, on
+        the plan's device), read from ``chunks`` now (a host sync on a GPU). For the example above:
+        ``[(1, [0]), (2, [1, 3, 5]), (3, [2, 4, 6])]``."""
+        c = self.chunks.cpu().numpy()
+        live = np.flatnonzero(c[1] >= 0)
+        if not live.size:
+            return []
+        slot, start, length = c[1, live], c[2, live], c[3, live]
+        first = np.ones(live.size, dtype=bool)
+        np.not_equal(slot[1:], slot[:-1], out=first[1:])
+        first = np.flatnonzero(first)  # each slot's first chunk
+        ends = np.empty_like(first)  # one past each slot's last token in sorted_tokens
+        ends[:-1] = start[first[1:]]
+        ends[-1] = start[-1] + length[-1]
+        assert start[0] == 0, "chunks tile sorted_tokens from its start"
+        index = torch.from_numpy(c[0, : ends[-1]].astype(np.int64)).to(self.token_slots.device)
+        counts = (ends - start[first]).tolist()
+        return list(zip(slot[first].tolist(), index.split(counts)))
 
 
-def build_lora_plan(token_slots: Sequence[int] | torch.Tensor, device: torch.device | str = "cpu") -> LoRAPlan:
+def block_m_for(num_tokens: int) -> int:
+    """Tokens per chunk: 16 for decode-sized batches (one token per chunk when adapters are distinct),
+    larger tiles for prefill. A function of the token count only (CUDA-graph friendly)."""
+    return 16 if num_tokens <= 512 else 64
+
+
+def _host_slots(token_slots: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(token_slots, torch.Tensor):
+        return token_slots.detach().to("cpu", torch.int64).numpy().reshape(-1)
+    return np.asarray(token_slots, dtype=np.int64).reshape(-1)
+
+
+def fill_chunk_table(out: np.ndarray, token_slots: Sequence[int] | np.ndarray | torch.Tensor, block_m: int) -> None:
+    """Write the chunk table of ``token_slots`` (``LoRAPlan``) into ``out`` in place: int32 ``[4, n]`` with
+    ``n >= len(token_slots)``; entries past the chunks are padding (sorted 0, slot -1, start 0, len 0) up to
+    ``n``. ``token_slots``: host ints (sequence or ndarray) or a tensor (read back to the host). Built with
+    numpy in a fixed number of vectorised steps (no Python loop over tokens or chunks).
+
+    Raises:
+        ValueError: ``out`` is not an int32 ndarray of shape ``[4, n >= T]``, or ``block_m < 1``.
+    """
+    slots = _host_slots(token_slots)
+    T = slots.size
+    if not isinstance(out, np.ndarray) or out.dtype != np.int32 or out.ndim != 2 or out.shape[0] != 4 or out.shape[1] < T:
+        got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise ValueError(f"out: expected an int32 numpy array of shape [4, n >= {T}], got {got}")
+    if block_m < 1:
+        raise ValueError(f"block_m: expected >= 1, got {block_m}")
+    order = np.argsort(slots, kind="stable")
+    order = order[np.count_nonzero(slots < 0) :]  # the -1 tokens sort first
+    n = order.size
+    out[0, :n] = order
+    out[0, n:] = 0
+    c = 0
+    if n:
+        s = slots[order]
+        pos = np.arange(n)
+        starts = np.zeros(n, dtype=np.int64)  # the first sorted position of each position's run of one slot
+        np.copyto(starts[1:], pos[1:], where=s[1:] != s[:-1])
+        np.maximum.accumulate(starts, out=starts)
+        first = np.flatnonzero((pos - starts) % block_m == 0)  # chunk starts: a run's start, then every block_m
+        c = first.size  # <= n <= T
+        out[1, :c] = s[first]
+        out[2, :c] = first
+        out[3, : c - 1] = first[1:] - first[:-1]  # chunks tile [0, n): each ends where the next starts
+        out[3, c - 1] = n - first[-1]
+    out[1, c:] = -1
+    out[2:, c:] = 0
+
+
+def chunk_table(token_slots: Sequence[int] | np.ndarray | torch.Tensor, block_m: int,
+                device: torch.device | str) -> torch.Tensor:
+    """The chunk table of ``token_slots`` (``LoRAPlan``): int32 ``[4, max(T, 1)]`` on ``device``."""
+    slots = _host_slots(token_slots)
+    out = np.empty((4, max(slots.size, 1)), dtype=np.int32)
+    fill_chunk_table(out, slots, block_m)
+    return torch.from_numpy(out).to(device)
+
+
+def build_lora_plan(token_slots: Sequence[int] | torch.Tensor, device: torch.device | str = "cpu", *,
+                    block_m: int | None = None) -> LoRAPlan:
     """Build the per-step LoRA plan from one slot id per token (``-1`` = no adapter).
 
     Args:
         token_slots: ``[num_tokens]`` ints (list or tensor), each ``-1`` or a resident slot.
-        device: where the plan's tensors live (the model's device).
+        device: where the plan's tensors live (the model's device); both go in one host-to-device copy.
+        block_m: tokens per chunk (default ``block_m_for(num_tokens)``).
 
     Raises:
         ValueError: a slot id below -1 or a tensor that is not 1-D.
@@ -90,47 +329,32 @@ def build_lora_plan(token_slots: Sequence[int] | torch.Tensor, device: torch.dev
         raise ValueError(f"token_slots: expected a 1-D sequence of slot ids, got shape {tuple(slots.shape)}")
     if slots.numel() and int(slots.min()) < -1:
         raise ValueError(f"token_slots: slot ids must be >= -1, got {int(slots.min())}")
-    # tokens grouped by slot, ascending within each slot (stable sort; the -1 tokens sort first), on the host
     s = slots.numpy()
-    order = np.argsort(s, kind="stable")
-    order = order[np.count_nonzero(s < 0) :]
-    grouped = s[order]
-    starts = np.ones(grouped.size, dtype=bool)
-    np.not_equal(grouped[1:], grouped[:-1], out=starts[1:])
-    first = np.flatnonzero(starts)  # where each slot's run starts
-    ids = grouped[first].tolist()
-    ends = np.empty_like(first)
-    ends[:-1] = first[1:]
-    ends[-1:] = grouped.size
-    counts = (ends - first).tolist()
-    index = torch.from_numpy(order).to(device).split(counts) if ids else ()
-    plan = LoRAPlan(
-        token_slots=slots.to(torch.int32).to(device),
-        num_tokens=int(slots.numel()),
-        slot_ids=tuple(ids),
-        token_index=tuple(index),
-        has_lora=bool(ids),
-    )
-    from multilora.kernels.backends import _extend_plan  # backends add their metadata once per step
-
-    _extend_plan(plan)
-    return plan
+    T, W = s.size, max(s.size, 1)
+    bm = block_m_for(T) if block_m is None else block_m
+    host = np.empty(4 * W + T, dtype=np.int32)  # [chunks (4 x W) | token_slots (T)]: one copy to the device
+    chunks = host[: 4 * W].reshape(4, W)
+    fill_chunk_table(chunks, s, bm)
+    host[4 * W :] = s
+    dev = torch.from_numpy(host).to(device)
+    return LoRAPlan(token_slots=dev[4 * W :], chunks=dev[: 4 * W].view(4, W), block_m=bm,
+                    has_lora=bool(chunks[1, 0] >= 0))
 
 
-def _check(y: torch.Tensor, x: torch.Tensor, views: Sequence[LoRAModuleView], plan: LoRAPlan) -> None:
+# ---------------------------------------------------------------------------------------------- the op
+def _check(y: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan) -> None:
+    if not isinstance(slices, LoRASlices):
+        raise ValueError(f"slices: expected a LoRASlices (lora_slices(views)), got {type(slices).__name__}")
     if x.dim() != 2 or y.dim() != 2:
         raise ValueError(f"x and y must be 2-D [num_tokens, features], got {tuple(x.shape)} and {tuple(y.shape)}")
     if x.shape[0] != plan.num_tokens or y.shape[0] != plan.num_tokens:
         raise ValueError(
             f"plan has {plan.num_tokens} tokens but x has {x.shape[0]} rows and y has {y.shape[0]} rows"
         )
-    if not views:
-        raise ValueError("views: expected at least one LoRAModuleView (fused slice)")
-    if any(v.d_in != x.shape[1] for v in views):
-        raise ValueError(f"x: expected {views[0].d_in} features for module {views[0].module}, got {x.shape[1]}")
-    total = sum(v.d_out for v in views)
-    if y.shape[1] != total:
-        raise ValueError(f"y: expected {total} columns (sum of fused slice widths), got {y.shape[1]}")
+    if x.shape[1] != slices.d_in:
+        raise ValueError(f"x: expected {slices.d_in} features for module {slices.views[0].module}, got {x.shape[1]}")
+    if y.shape[1] != slices.d_out:
+        raise ValueError(f"y: expected {slices.d_out} columns (sum of fused slice widths), got {y.shape[1]}")
 
 
 def gather_adapter(view: LoRAModuleView, slot: int) -> tuple[torch.Tensor, torch.Tensor, float, int]:
@@ -145,14 +369,16 @@ def gather_adapter(view: LoRAModuleView, slot: int) -> tuple[torch.Tensor, torch
     return a, bt, float(view.scalings[slot]), r
 
 
-def lora_apply_torch(y: torch.Tensor, x: torch.Tensor, views: Sequence[LoRAModuleView], plan: LoRAPlan) -> torch.Tensor:
-    """Torch reference of ``lora_apply``: a loop over the distinct slots of the batch (fp32 math)."""
+def lora_apply_torch(y: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan) -> torch.Tensor:
+    """Torch reference of ``lora_apply``: a loop over the distinct slots of the batch (fp32 math), read from
+    ``plan.chunks`` at call time (``LoRAPlan.slot_groups``)."""
     if not plan.has_lora:
         return y
+    groups = plan.slot_groups()
     col = 0
-    for v in views:
+    for v in slices.views:
         ys = y[:, col : col + v.d_out]
-        for slot, idx in zip(plan.slot_ids, plan.token_index):
+        for slot, idx in groups:
             a, bt, scaling, r = gather_adapter(v, slot)
             if r == 0:
                 continue
@@ -164,10 +390,20 @@ def lora_apply_torch(y: torch.Tensor, x: torch.Tensor, views: Sequence[LoRAModul
     return y
 
 
+def resolve_backend(backend: str | None, x: torch.Tensor) -> Callable:
+    """The apply function for ``backend`` ("torch", "triton" or None = triton on CUDA if available).
+
+    Raises:
+        ValueError: an unknown backend name, or "triton" when it cannot be used.
+    """
+    mod = select_triton(backend, x, "triton_sgmv")
+    return lora_apply_torch if mod is None else mod.lora_apply_triton
+
+
 def lora_apply(
     y: torch.Tensor,
     x: torch.Tensor,
-    views: Sequence[LoRAModuleView],
+    slices: LoRASlices,
     plan: LoRAPlan,
     *,
     backend: str | None = None,
@@ -175,9 +411,9 @@ def lora_apply(
     """Add every token's LoRA delta to ``y`` in place (semantics in the module docstring).
 
     Args:
-        y: ``[num_tokens, sum(v.d_out for v in views)]`` base output, float16/bfloat16/float32; updated in place.
-        x: ``[num_tokens, d_in]`` layer input, same device.
-        views: one ``LoRAModuleView`` per fused slice (e.g. q, k, v), in the column order of ``y``.
+        y: ``[num_tokens, slices.d_out]`` base output, float16/bfloat16/float32; updated in place.
+        x: ``[num_tokens, slices.d_in]`` layer input, same device.
+        slices: the fused slices (``lora_slices``: e.g. q, k, v), in the column order of ``y``.
         plan: the step's ``LoRAPlan``.
         backend: ``"torch"``, ``"triton"`` or None (triton on CUDA when available, else torch).
 
@@ -185,9 +421,8 @@ def lora_apply(
         ``y``.
 
     Raises:
-        ValueError: shapes that disagree with each other or with the plan.
+        ValueError: shapes that disagree with each other, with the slices or with the plan; ``slices`` not a
+            ``LoRASlices``; an unknown backend.
     """
-    _check(y, x, views, plan)
-    from multilora.kernels.backends import resolve_backend
-
-    return resolve_backend(backend, x)(y, x, views, plan)
+    _check(y, x, slices, plan)
+    return resolve_backend(backend, x)(y, x, slices, plan)

@@ -122,8 +122,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise ValueError(f"--adapter {name}={path}: no such file or directory")
     try:
         config = EngineConfig.from_cli(args)
-    except ValueError as e:  # name the flag, not the field
-        raise ValueError(re.sub(r"Engine: (\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from e
+    except ValueError as e:  # name the flag too (checked before the model loads)
+        field = re.search(r"Engine: (\w+)", str(e))
+        raise ValueError(f"--{field.group(1).replace('_', '-')}: {e}" if field else str(e)) from e
     engine = Engine(args.model, config=config)
     for name, path in args.adapter:
         try:

@@ -543,6 +543,7 @@ def test_all_greedy_step_samples_as_sample_batch():
     from types import SimpleNamespace
 
     from multilora.config import ModelConfig
+    from multilora.runtime.postprocess import sample_tokens
     from multilora.runtime.sampling import SamplingTensors, sample_batch
     from multilora.runtime.weights import MODEL_SHAPES
 
@@ -555,5 +556,5 @@ def test_all_greedy_step_samples_as_sample_batch():
                  for i, t in enumerate(temps)]
         want = sample_batch(logits, SamplingTensors.from_params([r.params for r in batch], [r.seed for r in batch],
                                                                 [len(r.output_ids) for r in batch], "cpu")).tolist()
-        assert e._sample(batch, logits) == want
+        assert sample_tokens(batch, logits) == want
     e.cache.close()

@@ -1,4 +1,5 @@
-"""Triton SGMV kernels (kernels/triton_sgmv.py) against an independent fp32 per-token loop reference.
+"""Triton SGMV kernels (kernels/triton_sgmv.py, and the experimental one-launch kernel) against an independent
+fp32 per-token loop reference; the LoRA plan, its chunk table and the fused-slices descriptor.
 
 On CPU the real kernels run under TRITON_INTERPRET=1 (conftest) in fp32 and fp16 on small shapes; tests
 marked ``gpu`` run the same cases in bf16/fp16 on Llama-3-8B-sized modules, plus the large-offset case.
@@ -7,18 +8,23 @@ The reference reads A and B back with ``AdapterPool.read_module`` and loops over
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from multilora.kernels import build_lora_plan, lora_apply
+from multilora.kernels import (LoRAPlan, block_m_for, build_lora_plan, chunk_table, fill_chunk_table, lora_apply,
+                               lora_apply_torch, lora_slices)
 from multilora.kernels import triton_sgmv
-from multilora.kernels.triton_sgmv import _chunk_table, lora_apply_triton
+from multilora.kernels.experimental.lora_fused import lora_fused
+from multilora.kernels.triton_sgmv import lora_apply_triton
 from multilora.memory.pool import AdapterPool
 from multilora.config import TARGET_MODULES, ModelConfig
 
@@ -141,16 +147,18 @@ def reference(y0, x, pool, layer, modules, token_slots):
     return out
 
 
-def run_case(cfg, ranks, token_slots_fn, modules, *, device, dtype, layer=0, page_rows=8, seed=0, skip=None):
+def run_case(cfg, ranks, token_slots_fn, modules, *, device, dtype, layer=0, page_rows=8, seed=0, skip=None,
+             apply=lora_apply_triton):
+    """``apply(y, x, slices, plan)`` (default: the Triton backend) against ``reference``; returns (y, y0)."""
     gen = torch.Generator().manual_seed(seed + 1)
     pool, slots = make_pool(cfg, ranks, dtype=dtype, device=device, page_rows=page_rows, seed=seed, skip=skip)
     token_slots = token_slots_fn(slots, gen)
-    views = [pool.module_view(layer, m) for m in modules]
+    slices = lora_slices([pool.module_view(layer, m) for m in modules])
     T = len(token_slots)
-    x = torch.randn(T, views[0].d_in, generator=gen).to(device, dtype)
-    y0 = torch.randn(T, sum(v.d_out for v in views), generator=gen).to(device, dtype)
+    x = torch.randn(T, slices.d_in, generator=gen).to(device, dtype)
+    y0 = torch.randn(T, slices.d_out, generator=gen).to(device, dtype)
     plan = build_lora_plan(token_slots, device=device)
-    y = lora_apply_triton(y0.clone(), x, views, plan)
+    y = apply(y0.clone(), x, slices, plan)
     ref = reference(y0, x, pool, layer, modules, token_slots)
     torch.testing.assert_close(y.float(), ref, **TOL[dtype])
     none = torch.tensor([s < 0 for s in token_slots], device=device)
@@ -237,16 +245,36 @@ def test_module_not_targeted(device, dtype):
     assert torch.equal(y[0::2, q : q + k], y0[0::2, q : q + k])
 
 
+class _CountLaunches:
+    """Stands in for a @triton.jit kernel in its module: counts ``kernel[grid](...)`` launches, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
 @pytest.mark.parametrize("device,dtype", CASES)
-def test_more_than_three_slices(device, dtype):
-    """Four fused views are launched as a group of three plus one, columns in order."""
+def test_more_than_three_slices(device, dtype, monkeypatch):
+    """Four fused views are one shrink and one expand launch (no grouping by three), columns in order."""
+    shrink = _CountLaunches(triton_sgmv._sgmv_shrink_kernel)
+    expand = _CountLaunches(triton_sgmv._sgmv_expand_kernel)
+    monkeypatch.setattr(triton_sgmv, "_sgmv_shrink_kernel", shrink)
+    monkeypatch.setattr(triton_sgmv, "_sgmv_expand_kernel", expand)
     run_case(SMALL, [8, 5], lambda s, g: [s[1], -1, s[0], s[1], s[0]], ("gate_proj", "up_proj", "gate_proj", "up_proj"),
              device=device, dtype=dtype)
+    assert len(shrink.grids) == 1 and len(expand.grids) == 1
+    chunks = min(5, 1 + 4)  # min(T, cdiv(T, 16) + max_slots) with 4 slots (make_pool: 2 adapters + 2)
+    block_n = 64 if device == "cpu" else 256  # the expand default for T <= 512
+    assert shrink.grids[0][0] == chunks * 4  # (chunk, slice) programs
+    assert expand.grids[0] == (chunks, 4 * -(-SMALL.intermediate_size // block_n))  # every slice's tiles
 
 
 def test_chunk_table_example():
-    """The worked example of the module docstring."""
-    t = _chunk_table(torch.tensor([1, 2, 3, 2, 3, 2, 3, -1]), 2, torch.device("cpu"))
+    """The worked example of the LoRAPlan docstring."""
+    t = chunk_table(torch.tensor([1, 2, 3, 2, 3, 2, 3, -1]), 2, torch.device("cpu"))
     assert t[0].tolist() == [0, 1, 3, 5, 2, 4, 6, 0]
     assert t[1].tolist() == [1, 2, 2, 3, 3, -1, -1, -1]
     assert t[2].tolist() == [0, 1, 3, 4, 6, 0, 0, 0]
@@ -254,24 +282,30 @@ def test_chunk_table_example():
 
 
 def test_lora_plan_worked_example():
-    """The example of the LoRAPlan docstring."""
-    plan = build_lora_plan([1, 2, 3, 2, 3, 2, 3, -1])
-    assert plan.slot_ids == (1, 2, 3) and plan.has_lora and plan.num_tokens == 8
-    assert [t.tolist() for t in plan.token_index] == [[0], [1, 3, 5], [2, 4, 6]]
+    """The example of the LoRAPlan docstring: the chunk table of the plan and its slot groups."""
+    plan = build_lora_plan([1, 2, 3, 2, 3, 2, 3, -1], block_m=2)
+    assert plan.has_lora and plan.num_tokens == 8 and plan.block_m == 2
+    assert [(s, t.tolist()) for s, t in plan.slot_groups()] == [(1, [0]), (2, [1, 3, 5]), (3, [2, 4, 6])]
     assert plan.token_slots.dtype == torch.int32 and plan.token_slots.tolist() == [1, 2, 3, 2, 3, 2, 3, -1]
+    assert plan.chunks.dtype == torch.int32 and plan.chunks.is_contiguous()
+    assert torch.equal(plan.chunks, chunk_table([1, 2, 3, 2, 3, 2, 3, -1], 2, "cpu"))
+    assert build_lora_plan([1] * 512).block_m == 16 and build_lora_plan([1] * 513).block_m == 64
+    assert block_m_for(512) == 16 and block_m_for(513) == 64
 
 
 @settings(max_examples=200, deadline=None)
-@given(slots=st.lists(st.integers(-1, 12), max_size=120))
-def test_lora_plan_matches_set_and_nonzero_reference(slots):
-    """slot_ids and token_index as the per-token set + one nonzero per slot (the implementation before)."""
-    plan = build_lora_plan(torch.tensor(slots, dtype=torch.int64))
+@given(slots=st.lists(st.integers(-1, 12), max_size=120), block_m=st.sampled_from([None, 1, 3, 64]))
+def test_lora_plan_matches_set_and_nonzero_reference(slots, block_m):
+    """slot_groups() as the per-token set + one nonzero per slot (the implementation before), whatever block_m."""
+    plan = build_lora_plan(torch.tensor(slots, dtype=torch.int64), block_m=block_m)
     ids = sorted({s for s in slots if s >= 0})
-    assert plan.slot_ids == tuple(ids) and plan.has_lora == bool(ids) and plan.num_tokens == len(slots)
-    assert len(plan.token_index) == len(ids)
-    for s, idx in zip(ids, plan.token_index):
+    groups = plan.slot_groups()
+    assert [s for s, _ in groups] == ids and plan.has_lora == bool(ids) and plan.num_tokens == len(slots)
+    for s, idx in groups:
         want = torch.nonzero(torch.tensor(slots) == s).flatten()
         assert idx.dtype == torch.int64 and torch.equal(idx, want)
+    assert torch.equal(plan.chunks, chunk_table(slots, block_m or block_m_for(len(slots)), "cpu"))
+    assert plan.token_slots.tolist() == slots
 
 
 def _chunk_table_loop(token_slots: torch.Tensor, block_m: int) -> torch.Tensor:
@@ -297,9 +331,32 @@ def _chunk_table_loop(token_slots: torch.Tensor, block_m: int) -> torch.Tensor:
 @given(slots=st.lists(st.integers(-1, 9), max_size=80), block_m=st.sampled_from([1, 2, 3, 16, 64]))
 def test_chunk_table_matches_loop_reference(slots, block_m):
     want = _chunk_table_loop(torch.tensor(slots, dtype=torch.int64), block_m)
-    for arg in (torch.tensor(slots, dtype=torch.int32), slots, tuple(slots)):  # tensor or host sequence
-        got = _chunk_table(arg, block_m, torch.device("cpu"))
+    for arg in (torch.tensor(slots, dtype=torch.int32), slots, tuple(slots), np.array(slots)):  # tensor or host ints
+        got = chunk_table(arg, block_m, torch.device("cpu"))
         assert got.dtype == torch.int32 and torch.equal(got, want), (slots, block_m)
+
+
+@settings(max_examples=200, deadline=None)
+@given(slots=st.lists(st.integers(-1, 9), max_size=40), extra=st.integers(0, 9), block_m=st.sampled_from([1, 2, 16]))
+def test_fill_chunk_table_pads_a_wider_array(slots, extra, block_m):
+    """Written into a wider [4, n] array (a graph's staging buffer, old values in it): the loop reference in
+    the first T columns, padding (sorted 0, slot -1, start 0, len 0) in the rest."""
+    T = len(slots)
+    out = np.full((4, max(T, 1) + extra), 77, dtype=np.int32)  # stale values everywhere
+    fill_chunk_table(out, slots, block_m)
+    want = torch.zeros(4, out.shape[1], dtype=torch.int32)
+    want[1] = -1
+    want[:, : max(T, 1)] = _chunk_table_loop(torch.tensor(slots, dtype=torch.int64), block_m)
+    assert torch.equal(torch.from_numpy(out), want), (slots, extra, block_m)
+
+
+def test_fill_chunk_table_rejects_bad_output():
+    with pytest.raises(ValueError, match="out: expected an int32 numpy array of shape \\[4, n >= 3\\]"):
+        fill_chunk_table(np.zeros((4, 2), dtype=np.int32), [0, 1, 2], 16)
+    with pytest.raises(ValueError, match="out: expected an int32"):
+        fill_chunk_table(np.zeros((4, 3), dtype=np.int64), [0, 1, 2], 16)
+    with pytest.raises(ValueError, match="out: expected an int32"):
+        fill_chunk_table(np.zeros((3, 3), dtype=np.int32), [0, 1, 2], 16)
 
 
 def test_chunk_table_random_decode_batches():
@@ -309,25 +366,129 @@ def test_chunk_table_random_decode_batches():
         for hi in (0, 1, 4, T):  # slots drawn from [-1, hi): hi = 0 means no adapters at all
             slots = torch.randint(-1, max(hi, 0), (T,), generator=g) if hi else torch.full((T,), -1)
             for bm in (16, 64):
-                assert torch.equal(_chunk_table(slots, bm, torch.device("cpu")), _chunk_table_loop(slots, bm))
-    assert torch.equal(_chunk_table(torch.tensor([], dtype=torch.int64), 16, torch.device("cpu")),
+                assert torch.equal(chunk_table(slots, bm, torch.device("cpu")), _chunk_table_loop(slots, bm))
+    assert torch.equal(chunk_table(torch.tensor([], dtype=torch.int64), 16, torch.device("cpu")),
                        torch.tensor([[0], [-1], [0], [0]], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("device,dtype", CPU_CASES[:1] + GPU_CASES[:1])
 def test_dtype_mismatch_is_a_value_error(device, dtype):
     pool, slots = make_pool(SMALL, [4], dtype=dtype, device=device)
-    views = [pool.module_view(0, "q_proj")]
+    slices = lora_slices([pool.module_view(0, "q_proj")])
     plan = build_lora_plan([slots[0]] * 3, device=device)
     other = torch.float16 if dtype != torch.float16 else torch.float32
     x = torch.randn(3, SMALL.hidden_size, device=device)
     y = torch.zeros(3, SMALL.q_size, device=device)
     with pytest.raises(ValueError, match="dtype"):
-        lora_apply_triton(y.to(dtype), x.to(other), views, plan)
+        lora_apply_triton(y.to(dtype), x.to(other), slices, plan)
     with pytest.raises(ValueError, match="dtype"):
-        lora_apply_triton(y.to(other), x.to(dtype), views, plan)
+        lora_apply_triton(y.to(other), x.to(dtype), slices, plan)
     with pytest.raises(ValueError, match="dtype"):
-        lora_apply_triton(y.to(other), x.to(other), views, plan)
+        lora_apply_triton(y.to(other), x.to(other), slices, plan)
+
+
+@interp
+def test_per_call_checks_of_the_triton_launcher():
+    """What can change per call is checked per call: a non-unit feature stride; a plan on another device."""
+    pool, slots = make_pool(SMALL, [4], dtype=torch.float32, device="cpu")
+    slices = lora_slices([pool.module_view(0, "q_proj")])
+    plan = build_lora_plan([slots[0]] * 3)
+    x, y = torch.randn(3, 2 * SMALL.hidden_size)[:, ::2], torch.zeros(3, SMALL.q_size)
+    with pytest.raises(ValueError, match="x: expected unit stride along features"):
+        lora_apply_triton(y, x, slices, plan)
+    meta = torch.device("meta")
+    elsewhere = LoRAPlan(token_slots=plan.token_slots.to(meta), chunks=plan.chunks.to(meta), block_m=16, has_lora=True)
+    with pytest.raises(ValueError, match="plan.chunks: expected device cpu"):
+        lora_apply_triton(y, x.contiguous(), slices, elsewhere)
+
+
+def test_lora_slices_table_and_checks():
+    """The table of q/k/v (rows: offset_a, offset_b, d_out, col, ranks / scalings offsets), and what
+    lora_slices refuses: no views, views of two pools, mismatched d_in, wrong metadata dtypes."""
+    pool, _ = make_pool(SMALL, [4], dtype=torch.float32, device="cpu")
+    views = [pool.module_view(1, m) for m in QKV]
+    s = lora_slices(views)
+    q, kv, S = SMALL.q_size, SMALL.kv_size, pool.max_slots
+    assert s.table.dtype == torch.int64 and s.table.is_contiguous() and s.table.shape == (6, 3)
+    assert s.table.tolist() == [[v.offset_a for v in views], [v.offset_b for v in views], [q, kv, kv],
+                                [0, q, q + kv], [0, S, 2 * S], [0, S, 2 * S]]
+    assert (s.d_in, s.d_out, s.num_slices) == (SMALL.hidden_size, q + 2 * kv, 3)
+    assert all(a is b for a, b in zip(s.views, views, strict=True))
+    assert s.max_rank_rows == pool.page_table.shape[1] * pool.page_rows
+    other, _ = make_pool(SMALL, [4], dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="views: expected at least one"):
+        lora_slices([])
+    with pytest.raises(ValueError, match="one pool \\(k_proj does not\\)"):
+        lora_slices([views[0], other.module_view(1, "k_proj")])
+    with pytest.raises(ValueError, match="share one d_in; down_proj has 72, q_proj 40"):
+        lora_slices([views[0], pool.module_view(1, "down_proj")])
+    with pytest.raises(ValueError, match="k_proj ranks must be int32"):
+        lora_slices([views[0], replace(views[1], ranks=views[1].ranks.long())])
+    with pytest.raises(ValueError, match="v_proj B rows"):
+        lora_slices([views[0], replace(views[2], offset_b=pool.page_elems)])
+    with pytest.raises(ValueError, match="slices: expected a LoRASlices"):
+        lora_apply(torch.zeros(1, q), torch.zeros(1, SMALL.hidden_size), views[:1], build_lora_plan([0]))
+
+
+def test_lora_plan_checks_its_tensors():
+    plan = build_lora_plan([0, -1, 1])
+    with pytest.raises(ValueError, match="chunks: expected contiguous int32 \\[4, 3\\]"):
+        replace(plan, chunks=plan.chunks[:, :2])
+    with pytest.raises(ValueError, match="chunks: expected contiguous int32"):
+        replace(plan, chunks=plan.chunks.t().contiguous().t())
+    with pytest.raises(ValueError, match="token_slots: expected int32"):
+        replace(plan, token_slots=plan.token_slots.long())
+    with pytest.raises(ValueError, match="block_m"):
+        replace(plan, block_m=0)
+    empty = build_lora_plan([])
+    assert empty.num_tokens == 0 and not empty.has_lora and empty.chunks.shape == (4, 1) and empty.slot_groups() == []
+
+
+@pytest.mark.parametrize("device,dtype", CPU_CASES[:1] + GPU_CASES[:1])
+def test_static_plan_rewritten_in_place(device, dtype):
+    """A plan over static buffers (as a CUDA-graph step holds it), rewritten in place after it was built, gives
+    the new slots' result with both backends: nothing is cached from the values it was built with."""
+    pool, slots = make_pool(SMALL, [8, 4, 6], dtype=dtype, device=device, seed=2)
+    slices = lora_slices([pool.module_view(0, m) for m in QKV])
+    gen = torch.Generator().manual_seed(4)
+    T = 6
+    token_slots = torch.full((T,), slots[0], dtype=torch.int32, device=device)  # the static buffers
+    chunks = chunk_table([slots[0]] * T, 16, device)
+    plan = LoRAPlan(token_slots=token_slots, chunks=chunks, block_m=16, has_lora=True)
+    x = torch.randn(T, slices.d_in, generator=gen).to(device, dtype)
+    y0 = torch.randn(T, slices.d_out, generator=gen).to(device, dtype)
+    for apply in (lora_apply_torch, lora_apply_triton):
+        apply(y0.clone(), x, slices, plan)  # with the first slots (a torch plan would have grouped them now)
+    for new in ([slots[2], -1, slots[1], slots[2], -1, slots[0]], [slots[1]] * 3 + [-1] * 3):
+        token_slots.copy_(torch.tensor(new, dtype=torch.int32))
+        chunks.copy_(chunk_table(new, 16, device))
+        ref = reference(y0, x, pool, 0, QKV, new)
+        none = torch.tensor([s < 0 for s in new], device=device)
+        for apply in (lora_apply_torch, lora_apply_triton):
+            y = apply(y0.clone(), x, slices, plan)
+            torch.testing.assert_close(y.float(), ref, **TOL[dtype])
+            assert torch.equal(y[none], y0[none])
+
+
+def test_triton_module_hides_only_import_errors(monkeypatch):
+    """A missing Triton (ImportError) selects the torch path; any other error in a Triton module, or an
+    ImportError of one of our own modules (a stale import), propagates instead of silently falling back."""
+    from multilora.kernels import backends
+
+    def import_module(name):
+        if name.endswith("broken"):
+            raise RuntimeError("a bug in a Triton file")
+        if name.endswith("stale"):
+            raise ImportError("cannot import name 'gone' from 'multilora.kernels.lora'", name="multilora.kernels.lora")
+        raise ModuleNotFoundError(f"No module named {name!r}", name="triton")
+
+    monkeypatch.setattr(backends.importlib, "import_module", import_module)
+    uncached = backends.triton_module.__wrapped__
+    assert uncached("triton_missing") is None
+    with pytest.raises(RuntimeError, match="a bug in a Triton file"):
+        uncached("triton_broken")
+    with pytest.raises(ImportError, match="gone"):
+        uncached("triton_stale")
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
@@ -336,11 +497,11 @@ def test_torch_and_triton_backends_agree(device, dtype):
     gen = torch.Generator().manual_seed(9)
     token_slots = [slots[1], -1, slots[0], slots[2], slots[1], slots[1], -1, slots[0]]
     plan = build_lora_plan(token_slots, device=device)
-    views = [pool.module_view(1, m) for m in QKV]
+    slices = lora_slices([pool.module_view(1, m) for m in QKV])
     x = torch.randn(8, SMALL.hidden_size, generator=gen).to(device, dtype)
-    y0 = torch.randn(8, sum(v.d_out for v in views), generator=gen).to(device, dtype)
-    yt = lora_apply(y0.clone(), x, views, plan, backend="torch")
-    yk = lora_apply(y0.clone(), x, views, plan, backend="triton")
+    y0 = torch.randn(8, slices.d_out, generator=gen).to(device, dtype)
+    yt = lora_apply(y0.clone(), x, slices, plan, backend="torch")
+    yk = lora_apply(y0.clone(), x, slices, plan, backend="triton")
     torch.testing.assert_close(yk.float(), yt.float(), **TOL[dtype])
     assert torch.equal(yk[1], y0[1]) and torch.equal(yk[6], y0[6])
 
@@ -365,64 +526,61 @@ def test_random_batches(ranks, picks, page_rows, module, dtype, seed):
 
 
 # ---------------------------------------------------------------------------------------------- fused decode path
-# ``lora_fused``: shrink + expand in one launch per fused group (the decode path on GPU). Forced on here for
-# every token count and tile shape, on CPU too, against the same fp32 loop reference.
+# ``multilora.kernels.experimental.lora_fused``: shrink + expand in one launch (off by default in the product).
+# Run directly here for every token count and tile shape, on CPU too, against the same fp32 loop reference.
 FUSED_TILES = [
     pytest.param(dict(block_n=16, tiles=1), id="n16x1"),  # many tile groups per slice: shrink recomputed
     pytest.param(dict(block_n=32, tiles=3), id="n32x3"),  # several tiles per program, a partial last group
 ]
 
 
-@pytest.fixture
-def fused(monkeypatch):
-    def use(config):
-        monkeypatch.setattr(triton_sgmv, "_use_fused", lambda T, device: True)
-        monkeypatch.setattr(triton_sgmv, "FUSED_CONFIG", dict(triton_sgmv.FUSED_CONFIG, **config))
-    return use
+def fused(**config):
+    """``lora_fused`` with these tiles, as a ``run_case`` apply function."""
+    return functools.partial(lora_fused, **config)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("tiles", FUSED_TILES)
 @pytest.mark.parametrize("rows", [1, 7, 77])
 @pytest.mark.parametrize("popularity", ["distinct", "zipf", "skewed"])
-def test_fused_popularity_and_rows(popularity, rows, tiles, device, dtype, fused):
-    fused(tiles if device == "cpu" else dict(tiles, block_n=tiles["block_n"] * 16))
+def test_fused_popularity_and_rows(popularity, rows, tiles, device, dtype):
+    apply = fused(**(tiles if device == "cpu" else dict(tiles, block_n=tiles["block_n"] * 16)))
     cfg = SMALL if device == "cpu" else LLAMA8B
     ranks = [1, 2, 4, 8, 12, 24, 16, 3] if device == "cpu" else [8, 16, 64, 12, 24, 1, 96, 16]
     run_case(cfg, ranks, lambda s, g: popularity_slots(popularity, rows, s, g), QKV,
-             device=device, dtype=dtype, layer=cfg.num_layers - 1, seed=rows)
+             device=device, dtype=dtype, layer=cfg.num_layers - 1, seed=rows, apply=apply)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("page_rows", [3, 16])
-def test_fused_ranks_span_pages(page_rows, device, dtype, fused):
+def test_fused_ranks_span_pages(page_rows, device, dtype):
     """Ranks above one rank tile (24, 40, 96) go through the program's workspace rows."""
-    fused(dict(block_n=32, tiles=2))
     ranks = [1, 2, 4, 8, 12, 24, 40] + ([96] if device == "cuda" else [])
     run_case(SMALL, ranks, lambda s, g: popularity_slots("distinct", 2 * len(s) + 1, s, g), QKV,
-             device=device, dtype=dtype, page_rows=page_rows, seed=page_rows, layer=1)
+             device=device, dtype=dtype, page_rows=page_rows, seed=page_rows, layer=1,
+             apply=fused(block_n=32, tiles=2))
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("modules", [GATE_UP, ("down_proj",), ("o_proj",)], ids=["gate_up", "down", "o"])
-def test_fused_odd_widths(modules, device, dtype, fused):
-    fused(dict(block_n=64, tiles=2) if device == "cpu" else {})
+def test_fused_odd_widths(modules, device, dtype):
     run_case(ODD, [8, 12, 1], lambda s, g: popularity_slots("uniform", 9, s, g), modules,
-             device=device, dtype=dtype, seed=3)
+             device=device, dtype=dtype, seed=3, apply=fused(block_n=64, tiles=2) if device == "cpu" else lora_fused)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
-def test_fused_interleaved_none_and_untargeted(device, dtype, fused):
-    """Interleaved slot ids with -1 rows; a module an adapter does not target; four views (3 + 1)."""
-    fused(dict(block_n=16, tiles=2))
-    run_case(SMALL, [8, 12, 4], lambda s, g: [-1, 1, 2, 3, 2, -1, 3, 2, 3, 3, -1], GATE_UP, device=device, dtype=dtype)
-    run_case(SMALL, [8], lambda s, g: [-1] * 5, QKV, device=device, dtype=dtype)
+def test_fused_interleaved_none_and_untargeted(device, dtype):
+    """Interleaved slot ids with -1 rows; a module an adapter does not target; four views in one launch."""
+    apply = fused(block_n=16, tiles=2)
+    run_case(SMALL, [8, 12, 4], lambda s, g: [-1, 1, 2, 3, 2, -1, 3, 2, 3, 3, -1], GATE_UP, device=device, dtype=dtype,
+             apply=apply)
+    run_case(SMALL, [8], lambda s, g: [-1] * 5, QKV, device=device, dtype=dtype, apply=apply)
     y, y0 = run_case(SMALL, [8, 4], lambda s, g: [s[0], s[1], s[0], s[1]], QKV,
-                     device=device, dtype=dtype, skip={0: ("k_proj",)})
+                     device=device, dtype=dtype, skip={0: ("k_proj",)}, apply=apply)
     q, k = SMALL.q_size, SMALL.kv_size
     assert torch.equal(y[0::2, q : q + k], y0[0::2, q : q + k])
     run_case(SMALL, [8, 5], lambda s, g: [s[1], -1, s[0], s[1], s[0]], ("gate_proj", "up_proj", "gate_proj", "up_proj"),
-             device=device, dtype=dtype)
+             device=device, dtype=dtype, apply=apply)
 
 
 # ---------------------------------------------------------------------------------------------- GPU only
@@ -442,7 +600,7 @@ def test_large_offsets(module):
     x = torch.randn(T, view.d_in, generator=gen, device=device, dtype=dtype)
     y0 = torch.randn(T, view.d_out, generator=gen, device=device, dtype=dtype)
     plan = build_lora_plan(token_slots, device=device)
-    y = lora_apply_triton(y0.clone(), x, [view], plan)
+    y = lora_apply_triton(y0.clone(), x, lora_slices([view]), plan)
     ref = y0.float().clone()
     for s in slots:  # per-slot fp32 reference (vectorized over tokens: 90k rows)
         a, b, sc = pool.read_module(s, 0, module)
@@ -457,25 +615,25 @@ def test_large_offsets(module):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
-@pytest.mark.parametrize("path", ["default", "fused", "two-launch"])
-def test_decode_cuda_graph_capture(path, monkeypatch):
-    """A decode step (T = 64, distinct adapters) captured in a CUDA graph and replayed equals eager."""
-    if path != "default":
-        monkeypatch.setattr(triton_sgmv, "_use_fused", lambda T, device: path == "fused")
+@pytest.mark.parametrize("path", ["default", "fused"])
+def test_decode_cuda_graph_capture(path):
+    """A decode step (T = 64, distinct adapters) captured in a CUDA graph and replayed equals eager: the two
+    launches of the product path, and the experimental one-launch kernel."""
+    apply = lora_fused if path == "fused" else lora_apply_triton
     dtype, device = torch.bfloat16, "cuda"
     pool, slots = make_pool(LLAMA8B, [16] * 8, dtype=dtype, device=device)
     token_slots = [slots[i % 8] if i % 5 else -1 for i in range(64)]
     plan = build_lora_plan(token_slots, device=device)
-    views = [pool.module_view(0, m) for m in QKV]
+    slices = lora_slices([pool.module_view(0, m) for m in QKV])
     x = torch.randn(64, 4096, device=device, dtype=dtype)
-    y0 = torch.randn(64, sum(v.d_out for v in views), device=device, dtype=dtype)
-    y_eager = lora_apply_triton(y0.clone(), x, views, plan)
+    y0 = torch.randn(64, slices.d_out, device=device, dtype=dtype)
+    y_eager = apply(y0.clone(), x, slices, plan)
     y = y0.clone()
-    lora_apply_triton(y, x, views, plan)  # warm-up (compiles) before capture
+    apply(y, x, slices, plan)  # warm-up (compiles) before capture
     y.copy_(y0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        lora_apply_triton(y, x, views, plan)
+        apply(y, x, slices, plan)
     y.copy_(y0)
     graph.replay()
     torch.cuda.synchronize()

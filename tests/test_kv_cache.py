@@ -281,8 +281,8 @@ def test_random_requests_through_a_small_cache_finish_as_alone(tiny, alone, bloc
 
     def checked_schedule():  # a prefill of several requests keeps within max_prefill_tokens (recomputed ones too)
         picked = schedule()
-        if picked is not None and picked[0] == "prefill" and len(picked[1]) > 1:
-            assert sum(r.num_tokens for r in picked[1]) <= MAX_PREFILL
+        if picked.kind == "prefill" and len(picked.batch) > 1:
+            assert sum(r.num_tokens for r in picked.batch) <= MAX_PREFILL
         return picked
 
     sch.schedule = checked_schedule
