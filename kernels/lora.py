@@ -73,6 +73,10 @@ class LoRASlices:
             ``5`` the same for ``scalings`` from ``views[0].scalings``. Kernels read per-slice values here.
         d_in: the input width every slice shares.
         d_out: the sum of the slices' widths (columns of ``y``).
+        align: the largest power of two up to 16 dividing every offset, width and column of the table: what the
+            kernels may assume of the values they read from it (Triton specialises integer arguments on
+            divisibility by 16 and vectorises the row loads and stores with it; values read from memory carry
+            no such fact unless it is declared).
 
     Example: q/k/v of layer 1 of SmolLM2-135M (hidden 576, q 576, k/v 192) in a pool with ``page_rows = 8``
     and ``max_slots = 8`` (``ranks``/``scalings`` are ``[layers, 7, max_slots]``, so module ``m``'s row sits
@@ -90,6 +94,7 @@ class LoRASlices:
     table: torch.Tensor
     d_in: int
     d_out: int
+    align: int = 1
 
     @property
     def num_slices(self) -> int:
@@ -179,7 +184,10 @@ def lora_slices(views: Sequence[LoRAModuleView]) -> LoRASlices:
     cols = np.cumsum([0] + widths[:-1]).tolist()
     rows = [[v.offset_a for v in views], [v.offset_b for v in views], widths, cols, ro, so]
     table = torch.tensor(rows, dtype=torch.int64).to(device)
-    return LoRASlices(views=views, table=table, d_in=v0.d_in, d_out=sum(widths))
+    align = 16
+    while align > 1 and any(v % align for v in rows[0] + rows[1] + widths + cols):
+        align //= 2
+    return LoRASlices(views=views, table=table, d_in=v0.d_in, d_out=sum(widths), align=align)
 
 
 # ---------------------------------------------------------------------------------------------- step plan

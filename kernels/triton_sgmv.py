@@ -49,11 +49,14 @@ def _pick(hit, vec):
 
 
 @triton.jit
-def _tile_slice(tab_ptr, tile, NUM_SLICES: tl.constexpr, SLICES_P2: tl.constexpr, TILE_N: tl.constexpr):
+def _tile_slice(tab_ptr, tile, NUM_SLICES: tl.constexpr, SLICES_P2: tl.constexpr, TILE_N: tl.constexpr,
+                ALIGN: tl.constexpr):
     """Map ``tile``, an index over the output tiles of all slices (slice after slice, ``cdiv(d_out_i, TILE_N)``
     each), to its slice. Returns (slice id, tile within the slice, offset_a, offset_b, d_out, col, ranks
     offset, scalings offset). Each row of the ``[6, NUM_SLICES]`` table is read as one small vector (loads
-    that depend on nothing); the slice and its fields are picked in registers."""
+    that depend on nothing); the slice and its fields are picked in registers. The offsets, width and column
+    are declared multiples of ``ALIGN`` (``LoRASlices.align``): values read from memory carry no divisibility
+    the compiler can see, and without it the row loads and stores are not vectorised."""
     s = tl.arange(0, SLICES_P2)
     s_mask = s < NUM_SLICES
     oa = tl.load(tab_ptr + s, mask=s_mask, other=0)
@@ -67,8 +70,9 @@ def _tile_slice(tab_ptr, tile, NUM_SLICES: tl.constexpr, SLICES_P2: tl.constexpr
     sid = tl.sum((end <= tile).to(tl.int32), axis=0)
     hit = s == sid
     local = (tile - _pick(hit, end - tiles)).to(tl.int32)
-    return (sid, local, _pick(hit, oa), _pick(hit, ob), _pick(hit, d_out).to(tl.int32),
-            _pick(hit, col).to(tl.int32), _pick(hit, ro), _pick(hit, so))
+    return (sid, local, tl.multiple_of(_pick(hit, oa), ALIGN), tl.multiple_of(_pick(hit, ob), ALIGN),
+            tl.multiple_of(_pick(hit, d_out).to(tl.int32), ALIGN), tl.multiple_of(_pick(hit, col).to(tl.int32), ALIGN),
+            _pick(hit, ro), _pick(hit, so))
 
 
 @triton.jit
@@ -133,13 +137,14 @@ def _sgmv_shrink_kernel(
     stride_xm, stride_pt, stride_c,
     # meta
     NUM_SLICES: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_K: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr,
 ):
     chunk = tl.program_id(0) // NUM_SLICES
     sid = tl.program_id(0) % NUM_SLICES
     split = tl.program_id(1)
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
-    off_a = tl.load(tab_ptr + sid)  # the slice's fields do not depend on the slot: loaded alongside it
+    off_a = tl.multiple_of(tl.load(tab_ptr + sid), ALIGN)  # the slice's fields do not depend on the slot: loaded
+    # alongside it (ALIGN: see _tile_slice)
     ro = tl.load(tab_ptr + 4 * NUM_SLICES + sid)
     if slot < 0:
         return
@@ -170,12 +175,12 @@ def _sgmv_expand_kernel(
     stride_ym, stride_pt, stride_c,
     # meta
     NUM_SLICES: tl.constexpr, SLICES_P2: tl.constexpr, SPLIT_K: tl.constexpr, RMAX: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)  # n tiles of all slices, slice after slice
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
-    sid, n_tile, _, off_b, d_out, col, ro, so = _tile_slice(tab_ptr, tile, NUM_SLICES, SLICES_P2, BLOCK_N)
+    sid, n_tile, _, off_b, d_out, col, ro, so = _tile_slice(tab_ptr, tile, NUM_SLICES, SLICES_P2, BLOCK_N, ALIGN)
     if slot < 0:
         return
     r = tl.load(ranks_ptr + ro + slot)
@@ -271,7 +276,7 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
         x, slices.buffer, slices.page_table, slices.ranks, slices.table, v_out, plan.chunks,
         T, d_in, slices.page_elems, slices.page_rows, k_per,
         x.stride(0), slices.page_table.stride(0), plan.chunks.stride(0),
-        NUM_SLICES=S, RMAX=rmax, BLOCK_M=plan.block_m, BLOCK_R=16, BLOCK_K=block_k,
+        NUM_SLICES=S, RMAX=rmax, BLOCK_M=plan.block_m, BLOCK_R=16, BLOCK_K=block_k, ALIGN=slices.align,
         IEEE=x.dtype == torch.float32, num_warps=num_warps, **extra,
     )
     return v_out
@@ -294,7 +299,8 @@ def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan
         T, slices.page_elems, slices.page_rows,
         y.stride(0), slices.page_table.stride(0), plan.chunks.stride(0),
         NUM_SLICES=S, SLICES_P2=triton.next_power_of_2(S), SPLIT_K=split, RMAX=rmax, BLOCK_M=plan.block_m,
-        BLOCK_N=block_n, BLOCK_R=16, IEEE=y.dtype == torch.float32, num_warps=num_warps, **extra,
+        BLOCK_N=block_n, BLOCK_R=16, ALIGN=slices.align, IEEE=y.dtype == torch.float32, num_warps=num_warps,
+        **extra,
     )
     return y
 

@@ -430,6 +430,20 @@ def test_lora_slices_table_and_checks():
         lora_apply(torch.zeros(1, q), torch.zeros(1, SMALL.hidden_size), views[:1], build_lora_plan([0]))
 
 
+@pytest.mark.parametrize("cfg,page_rows", [(SMALL, 8), (SMALL, 3), (ODD, 8), (LLAMA8B, 8)])
+def test_lora_slices_align_divides_every_offset_width_and_column(cfg, page_rows):
+    """``align`` (what the kernels declare of the table's values) is the largest power of two up to 16 that
+    divides every offset, width and column: a larger one would be a false promise to the compiler."""
+    pool = AdapterPool(cfg, num_pages=1, page_rows=page_rows, max_rank=8, dtype=torch.float16, device="cpu")
+    for modules in (QKV, GATE_UP, ("o_proj",), ("down_proj",)):
+        s = lora_slices([pool.module_view(cfg.num_layers - 1, m) for m in modules])
+        values = [int(v) for v in s.table[:4].flatten()]
+        want = max(a for a in (1, 2, 4, 8, 16) if all(v % a == 0 for v in values))
+        assert s.align == want, (modules, values)
+    if cfg is LLAMA8B:
+        assert s.align == 16  # real shapes keep the vectorised loads
+
+
 def test_lora_plan_checks_its_tensors():
     plan = build_lora_plan([0, -1, 1])
     with pytest.raises(ValueError, match="chunks: expected contiguous int32 \\[4, 3\\]"):

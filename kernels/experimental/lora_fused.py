@@ -37,7 +37,8 @@ def _lora_fused_kernel(
     stride_xm, stride_ym, stride_pt, stride_c,
     # meta
     NUM_SLICES: tl.constexpr, SLICES_P2: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, ALIGN: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """One program = one chunk x ``TILES`` output tiles of one slice: shrink (full K) then expand, no
     intermediate in HBM. Rank tile 0 of ``v`` stays in registers; further rank tiles (r > BLOCK_R) go
@@ -45,7 +46,7 @@ def _lora_fused_kernel(
     chunk = tl.program_id(0)
     grp = tl.program_id(1)  # tile groups of all slices, slice after slice
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
-    sid, g, off_a, off_b, d_out, col, ro, so = _tile_slice(tab_ptr, grp, NUM_SLICES, SLICES_P2, BLOCK_N * TILES)
+    sid, g, off_a, off_b, d_out, col, ro, so = _tile_slice(tab_ptr, grp, NUM_SLICES, SLICES_P2, BLOCK_N * TILES, ALIGN)
     if slot < 0:
         return
     r = tl.load(ranks_ptr + ro + slot)
@@ -133,7 +134,7 @@ def lora_fused(y: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan: LoRAP
         d_in, slices.page_elems, slices.page_rows,
         x.stride(0), y.stride(0), slices.page_table.stride(0), plan.chunks.stride(0),
         NUM_SLICES=S, SLICES_P2=triton.next_power_of_2(S), RMAX=max(rmax, block_r), BLOCK_M=plan.block_m,
-        BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k, TILES=tiles, IEEE=x.dtype == torch.float32,
-        num_warps=num_warps, **extra,
+        BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k, TILES=tiles, ALIGN=slices.align,
+        IEEE=x.dtype == torch.float32, num_warps=num_warps, **extra,
     )
     return y
