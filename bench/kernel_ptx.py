@@ -28,8 +28,8 @@ PTRS = {"x_ptr": "*bf16", "y_ptr": "*bf16", "buf_ptr": "*bf16", "pt_ptr": "*i32"
 DIV16 = {"T", "d_in", "page_elems", "k_per_split", "stride_xm", "stride_ym", "stride_pt", "stride_c"}
 KERNELS = {
     "shrink": ("_sgmv_shrink_kernel", dict(NUM_SLICES=3, RMAX=16, BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, IEEE=False)),
-    "expand": ("_sgmv_expand_kernel", dict(NUM_SLICES=3, SLICES_P2=4, SPLIT_K=2, RMAX=16, BLOCK_M=16, BLOCK_N=256,
-                                           BLOCK_R=16, IEEE=False)),
+    "expand": ("_sgmv_expand_kernel", dict(NUM_SLICES=3, SPLIT_K=2, RMAX=16, BLOCK_M=16, BLOCK_N=256, BLOCK_R=16,
+                                           IEEE=False)),
 }
 
 

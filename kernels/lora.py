@@ -58,10 +58,15 @@ class LoRAModuleView:
 
 
 # ---------------------------------------------------------------------------------------------- fused slices
+#: Most slices of one fused projection (q/k/v is 3): the kernels find an output tile's slice from three
+#: boundaries passed as scalars (no memory read before the tile's first load).
+MAX_SLICES = 4
+
+
 @dataclass(frozen=True)
 class LoRASlices:
-    """One layer's fused projection in the paged pool (q/k/v, gate/up, o or down): any number of slices
-    ``>= 1``, all from one pool and with one ``d_in``, laid side by side in the columns of ``y``.
+    """One layer's fused projection in the paged pool (q/k/v, gate/up, o or down): 1 to ``MAX_SLICES`` slices,
+    all from one pool and with one ``d_in``, laid side by side in the columns of ``y``.
 
     Build it with ``lora_slices(views)``, which validates everything that cannot change between calls.
 
@@ -145,14 +150,14 @@ def lora_slices(views: Sequence[LoRAModuleView]) -> LoRASlices:
     """Describe the fused slices ``views`` (in the column order of ``y``) for ``lora_apply``; checked once here.
 
     Raises:
-        ValueError: no views; views from different pools (buffer or page table) or with different page
+        ValueError: no views or more than ``MAX_SLICES``; views from different pools (buffer or page table) or with different page
             geometry or ``d_in``; ranks that are not int32 or scalings that are not float32, not contiguous
             ``[max_slots]`` or not on the pool's device; a non-contiguous pool buffer or page table; an A or B
             region outside a page. Each message names the module.
     """
     views = tuple(views)
-    if not views:
-        raise ValueError("views: expected at least one LoRAModuleView (fused slice)")
+    if not 1 <= len(views) <= MAX_SLICES:
+        raise ValueError(f"views: expected 1 to {MAX_SLICES} LoRAModuleViews (fused slices), got {len(views)}")
     v0 = views[0]
     device, max_slots = v0.buffer.device, v0.page_table.shape[0]
     if not v0.buffer.is_contiguous() or not v0.page_table.is_contiguous():

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from multilora.kernels.lora import LoRAPlan, LoRASlices
+from multilora.kernels.lora import MAX_SLICES, LoRAPlan, LoRASlices
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -43,36 +44,31 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # ---------------------------------------------------------------------------------------------- kernels
 # Building blocks (inlined by Triton), shared with ``multilora.kernels.experimental.lora_fused``.
 @triton.jit
-def _pick(hit, vec):
-    """The entry of ``vec`` where ``hit`` is true (exactly one), as a scalar."""
-    return tl.sum(tl.where(hit, vec, 0), axis=0)
+def _field(tab_ptr, f: tl.constexpr, sid, NUM_SLICES: tl.constexpr, ALIGN: tl.constexpr):
+    """Field ``f`` of slice ``sid`` from the ``[6, NUM_SLICES]`` table, declared a multiple of ``ALIGN``
+    (``LoRASlices.align``): values read from memory carry no divisibility the compiler can see, and without it
+    the row loads and stores are not vectorised. ``ALIGN = 1`` for the ranks / scalings offsets."""
+    return tl.multiple_of(tl.load(tab_ptr + f * NUM_SLICES + sid), ALIGN)
 
 
 @triton.jit
-def _tile_slice(tab_ptr, tile, NUM_SLICES: tl.constexpr, SLICES_P2: tl.constexpr, TILE_N: tl.constexpr,
-                ALIGN: tl.constexpr):
-    """Map ``tile``, an index over the output tiles of all slices (slice after slice, ``cdiv(d_out_i, TILE_N)``
-    each), to its slice. Returns (slice id, tile within the slice, offset_a, offset_b, d_out, col, ranks
-    offset, scalings offset). Each row of the ``[6, NUM_SLICES]`` table is read as one small vector (loads
-    that depend on nothing); the slice and its fields are picked in registers. The offsets, width and column
-    are declared multiples of ``ALIGN`` (``LoRASlices.align``): values read from memory carry no divisibility
-    the compiler can see, and without it the row loads and stores are not vectorised."""
-    s = tl.arange(0, SLICES_P2)
-    s_mask = s < NUM_SLICES
-    oa = tl.load(tab_ptr + s, mask=s_mask, other=0)
-    ob = tl.load(tab_ptr + NUM_SLICES + s, mask=s_mask, other=0)
-    d_out = tl.load(tab_ptr + 2 * NUM_SLICES + s, mask=s_mask, other=0)
-    col = tl.load(tab_ptr + 3 * NUM_SLICES + s, mask=s_mask, other=0)
-    ro = tl.load(tab_ptr + 4 * NUM_SLICES + s, mask=s_mask, other=0)
-    so = tl.load(tab_ptr + 5 * NUM_SLICES + s, mask=s_mask, other=0)
-    tiles = (d_out + TILE_N - 1) // TILE_N  # padding slices: 0 tiles
-    end = tl.cumsum(tiles, axis=0)  # one past each slice's last tile
-    sid = tl.sum((end <= tile).to(tl.int32), axis=0)
-    hit = s == sid
-    local = (tile - _pick(hit, end - tiles)).to(tl.int32)
-    return (sid, local, tl.multiple_of(_pick(hit, oa), ALIGN), tl.multiple_of(_pick(hit, ob), ALIGN),
-            tl.multiple_of(_pick(hit, d_out).to(tl.int32), ALIGN), tl.multiple_of(_pick(hit, col).to(tl.int32), ALIGN),
-            _pick(hit, ro), _pick(hit, so))
+def _tile_slice(tab_ptr, tile, e0, e1, e2, NUM_SLICES: tl.constexpr, ALIGN: tl.constexpr):
+    """Map ``tile``, an index over the output tiles of all slices (slice after slice), to its slice from the
+    host's tile boundaries ``e0 <= e1 <= e2`` (one past the last tile of slices 0, 1, 2; ``tile_ends``), with no
+    memory read; then read the slice's fields (loads that do not depend on the slot: issued alongside it).
+    Returns (slice id, tile within the slice, offset_b, d_out, col, ranks offset, scalings offset)."""
+    sid = (tile >= e0).to(tl.int32) + (tile >= e1).to(tl.int32) + (tile >= e2).to(tl.int32)
+    first = tl.where(sid == 0, 0, tl.where(sid == 1, e0, tl.where(sid == 2, e1, e2)))
+    return (sid, tile - first, _field(tab_ptr, 1, sid, NUM_SLICES, ALIGN),
+            _field(tab_ptr, 2, sid, NUM_SLICES, ALIGN).to(tl.int32), _field(tab_ptr, 3, sid, NUM_SLICES, ALIGN).to(tl.int32),
+            _field(tab_ptr, 4, sid, NUM_SLICES, 1), _field(tab_ptr, 5, sid, NUM_SLICES, 1))
+
+
+def tile_ends(slices: LoRASlices, tile_n: int) -> list[int]:
+    """The ``e0, e1, e2`` of ``_tile_slice`` for output tiles ``tile_n`` wide: cumulative tile counts of slices 0..2
+    (``2**30`` for slices that do not exist: at most ``MAX_SLICES`` slices, so three boundaries suffice)."""
+    ends = np.cumsum([triton.cdiv(v.d_out, tile_n) for v in slices.views]).tolist()[: MAX_SLICES - 1]
+    return ends + [1 << 30] * (MAX_SLICES - 1 - len(ends))
 
 
 @triton.jit
@@ -143,9 +139,8 @@ def _sgmv_shrink_kernel(
     sid = tl.program_id(0) % NUM_SLICES
     split = tl.program_id(1)
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
-    off_a = tl.multiple_of(tl.load(tab_ptr + sid), ALIGN)  # the slice's fields do not depend on the slot: loaded
-    # alongside it (ALIGN: see _tile_slice)
-    ro = tl.load(tab_ptr + 4 * NUM_SLICES + sid)
+    off_a = _field(tab_ptr, 0, sid, NUM_SLICES, ALIGN)  # the slice's fields do not depend on the slot: loaded
+    ro = _field(tab_ptr, 4, sid, NUM_SLICES, 1)  # alongside it
     if slot < 0:
         return
     r = tl.load(ranks_ptr + ro + slot)
@@ -170,17 +165,17 @@ def _sgmv_expand_kernel(
     # pointers
     y_ptr, buf_ptr, pt_ptr, ranks_ptr, scal_ptr, tab_ptr, v_ptr, chunks_ptr,
     # sizes
-    T, page_elems, page_rows,
+    T, page_elems, page_rows, e0, e1, e2,
     # strides
     stride_ym, stride_pt, stride_c,
     # meta
-    NUM_SLICES: tl.constexpr, SLICES_P2: tl.constexpr, SPLIT_K: tl.constexpr, RMAX: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr,
+    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)  # n tiles of all slices, slice after slice
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
-    sid, n_tile, _, off_b, d_out, col, ro, so = _tile_slice(tab_ptr, tile, NUM_SLICES, SLICES_P2, BLOCK_N, ALIGN)
+    sid, n_tile, off_b, d_out, col, ro, so = _tile_slice(tab_ptr, tile, e0, e1, e2, NUM_SLICES, ALIGN)
     if slot < 0:
         return
     r = tl.load(ranks_ptr + ro + slot)
@@ -296,9 +291,9 @@ def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan
     extra = {} if num_stages is None else {"num_stages": num_stages}
     _sgmv_expand_kernel[(num_chunks(plan, slices), tiles)](
         y, slices.buffer, slices.page_table, slices.ranks, slices.scalings, slices.table, v, plan.chunks,
-        T, slices.page_elems, slices.page_rows,
+        T, slices.page_elems, slices.page_rows, *tile_ends(slices, block_n),
         y.stride(0), slices.page_table.stride(0), plan.chunks.stride(0),
-        NUM_SLICES=S, SLICES_P2=triton.next_power_of_2(S), SPLIT_K=split, RMAX=rmax, BLOCK_M=plan.block_m,
+        NUM_SLICES=S, SPLIT_K=split, RMAX=rmax, BLOCK_M=plan.block_m,
         BLOCK_N=block_n, BLOCK_R=16, ALIGN=slices.align, IEEE=y.dtype == torch.float32, num_warps=num_warps,
         **extra,
     )

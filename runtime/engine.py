@@ -112,14 +112,12 @@ class Engine:
                                          finish=self.scheduler.finish)
         self._step_lock = threading.RLock()
         self.last_run: dict[str, float] = {}
-        seq_blocks = sizes.request.seq_blocks
         log.info("multilora: %s (%d layers, hidden %d) on %s/%s; adapter pool %d pages x %.1f MB; KV %d blocks x %d "
-                 "tokens (+1 reserved; %.1f MB, %.1f max_seq_len=%d sequences); max batch %d", self.model_path.name,
+                 "tokens (+1 reserved; %.1f MB, %.1f max_seq_len=%d sequences); max batch %d%s", self.model_path.name,
                  config_.num_layers, config_.hidden_size, self.device, str(self.dtype).replace("torch.", ""),
                  self.pool.num_pages, self.pool.page_bytes / 1e6, self.kv.num_usable_blocks, cfg.kv_block_size,
-                 self.kv.nbytes / 1e6, self.kv.num_usable_blocks / seq_blocks, self.max_seq_len, cfg.max_batch_size)
-        if self.memory_plan is not None:
-            log.info("memory plan:\n%s", self.memory_plan.explain())
+                 self.kv.nbytes / 1e6, self.kv.num_usable_blocks / sizes.request.seq_blocks, self.max_seq_len,
+                 cfg.max_batch_size, "" if sizes.plan is None else "\nmemory plan:\n" + sizes.plan.explain())
 
     # ------------------------------------------------------------------------------------ adapters
     def load_adapter(self, name: str, path: str | os.PathLike, *, allow_pickle: bool = False,
@@ -140,9 +138,8 @@ class Engine:
                 numbers and packed when a request first needs it (a failure then fails that request only).
 
         Returns:
-            The validated adapter (config, ranks, scalings, ``target_summary``). Its modules hold ``meta`` tensors
-            of the file's shapes and dtypes: the weights are kept only as pool pages in the host tier (preload)
-            or on disk. ``load_peft_adapter`` gives float32 copies of the weights.
+            The validated adapter (config, ranks, scalings, ``target_summary``); its modules hold ``meta`` tensors
+            (the weights are kept only as pool pages in the host tier, or on disk; ``load_peft_adapter`` gives copies).
 
         Raises:
             AdapterError: missing or malformed files, unsupported features, shapes that do not fit the model
@@ -210,11 +207,9 @@ class Engine:
                 f"shorten the prompt or raise kv_cache_bytes")
         if adapter is not None and not isinstance(adapter, str):
             raise ValueError(f"adapters: expected a name (str) or None, got {type(adapter).__name__}")
-        return self._submit(Request(request_id=next_request_id(), prompt=prompt, prompt_ids=ids, adapter_name=adapter,
-                                    handle=self.cache.get(adapter) if adapter is not None else None, params=params,
-                                    seed=make_seed(params)))
-
-    def _submit(self, req: Request) -> Request:
+        req = Request(request_id=next_request_id(), prompt=prompt, prompt_ids=ids, adapter_name=adapter,
+                      handle=self.cache.get(adapter) if adapter is not None else None, params=params,
+                      seed=make_seed(params))
         self.scheduler.add(req)
         return req
 
@@ -351,7 +346,7 @@ class Engine:
                 for r, a, h in zip(rows, adapters_l, handles)]
         with self._step_lock:
             for r in reqs:
-                self._submit(r)
+                self.scheduler.add(r)
             self._run_until_done(reqs, progress=False)
         for i, r in enumerate(reqs):
             if r.logits is None:

@@ -416,8 +416,10 @@ def test_lora_slices_table_and_checks():
     assert all(a is b for a, b in zip(s.views, views, strict=True))
     assert s.max_rank_rows == pool.page_table.shape[1] * pool.page_rows
     other, _ = make_pool(SMALL, [4], dtype=torch.float32, device="cpu")
-    with pytest.raises(ValueError, match="views: expected at least one"):
+    with pytest.raises(ValueError, match="views: expected 1 to 4 LoRAModuleViews"):
         lora_slices([])
+    with pytest.raises(ValueError, match="views: expected 1 to 4 LoRAModuleViews .* got 5"):
+        lora_slices(views + views[:2])
     with pytest.raises(ValueError, match="one pool \\(k_proj does not\\)"):
         lora_slices([views[0], other.module_view(1, "k_proj")])
     with pytest.raises(ValueError, match="share one d_in; down_proj has 72, q_proj 40"):

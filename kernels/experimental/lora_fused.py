@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from multilora.kernels.lora import LoRAPlan, LoRASlices
-from multilora.kernels.triton_sgmv import (_add_scaled, _chunk_tokens, _dot, _rank_rows, _shrink_tile, _tile_slice,
-                                          check_io, num_chunks)
+from multilora.kernels.triton_sgmv import (_add_scaled, _chunk_tokens, _dot, _field, _rank_rows, _shrink_tile,
+                                          _tile_slice, check_io, num_chunks, tile_ends)
 
 
 @triton.jit
@@ -32,11 +32,11 @@ def _lora_fused_kernel(
     # pointers
     y_ptr, x_ptr, buf_ptr, pt_ptr, ranks_ptr, scal_ptr, tab_ptr, w_ptr, chunks_ptr,
     # sizes
-    d_in, page_elems, page_rows,
+    d_in, page_elems, page_rows, e0, e1, e2,
     # strides
     stride_xm, stride_ym, stride_pt, stride_c,
     # meta
-    NUM_SLICES: tl.constexpr, SLICES_P2: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr,
+    NUM_SLICES: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, ALIGN: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -46,7 +46,8 @@ def _lora_fused_kernel(
     chunk = tl.program_id(0)
     grp = tl.program_id(1)  # tile groups of all slices, slice after slice
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
-    sid, g, off_a, off_b, d_out, col, ro, so = _tile_slice(tab_ptr, grp, NUM_SLICES, SLICES_P2, BLOCK_N * TILES, ALIGN)
+    sid, g, off_b, d_out, col, ro, so = _tile_slice(tab_ptr, grp, e0, e1, e2, NUM_SLICES, ALIGN)
+    off_a = _field(tab_ptr, 0, sid, NUM_SLICES, ALIGN)
     if slot < 0:
         return
     r = tl.load(ranks_ptr + ro + slot)
@@ -131,9 +132,9 @@ def lora_fused(y: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan: LoRAP
     extra = {} if num_stages is None else {"num_stages": num_stages}
     _lora_fused_kernel[grid](
         y, x, slices.buffer, slices.page_table, slices.ranks, slices.scalings, slices.table, work, plan.chunks,
-        d_in, slices.page_elems, slices.page_rows,
+        d_in, slices.page_elems, slices.page_rows, *tile_ends(slices, block_n * tiles),
         x.stride(0), y.stride(0), slices.page_table.stride(0), plan.chunks.stride(0),
-        NUM_SLICES=S, SLICES_P2=triton.next_power_of_2(S), RMAX=max(rmax, block_r), BLOCK_M=plan.block_m,
+        NUM_SLICES=S, RMAX=max(rmax, block_r), BLOCK_M=plan.block_m,
         BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k, TILES=tiles, ALIGN=slices.align,
         IEEE=x.dtype == torch.float32, num_warps=num_warps, **extra,
     )
