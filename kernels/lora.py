@@ -72,10 +72,15 @@ class LoRASlices:
 
     Attributes:
         views: one ``LoRAModuleView`` per slice, in the column order of ``y``.
-        table: int64 ``[6, num_slices]`` on the pool's device, contiguous, one row per field:
+        table: int64 ``[4, num_slices]`` on the pool's device, contiguous, one row per field:
             ``0`` offset_a, ``1`` offset_b (elements into a page), ``2`` d_out, ``3`` col (the slice's first
-            column in ``y``), ``4`` the element offset of the slice's ``ranks`` from ``views[0].ranks``,
-            ``5`` the same for ``scalings`` from ``views[0].scalings``. Kernels read per-slice values here.
+            column in ``y``). Kernels read per-slice values here.
+        meta_stride: elements from one slice's ``ranks`` (and ``scalings``) row to the next's: slice ``i`` reads
+            ``ranks[i * meta_stride + slot]`` from ``views[0].ranks``. The slices of a fused projection are
+            consecutive target modules of one layer, so their rows are evenly spaced in the pool's
+            ``[layers, 7, max_slots]`` tables (``meta_stride = max_slots``); a kernel then finds a slot's rank
+            without waiting for a table read (the table is cold in L2 at each launch: one DRAM round trip that
+            gated the rank load cost 2-4 us per layer at batch 1 on an H200).
         d_in: the input width every slice shares.
         d_out: the sum of the slices' widths (columns of ``y``).
         align: the largest power of two up to 16 dividing every offset, width and column of the table: what the
@@ -85,20 +90,19 @@ class LoRASlices:
 
     Example: q/k/v of layer 1 of SmolLM2-135M (hidden 576, q 576, k/v 192) in a pool with ``page_rows = 8``
     and ``max_slots = 8`` (``ranks``/``scalings`` are ``[layers, 7, max_slots]``, so module ``m``'s row sits
-    ``8 * m`` elements after q's)::
+    ``8 * m`` elements after q's: ``meta_stride = 8``)::
 
         table = [[81408, 90624,  96768],    # offset_a = 8 * (1 * 10176 + sum of earlier S(m))
                  [86016, 95232, 101376],    # offset_b = offset_a + 8 * 576
                  [  576,   192,    192],    # d_out
-                 [    0,   576,    768],    # col
-                 [    0,     8,     16],    # ranks offset from q's
-                 [    0,     8,     16]]    # scalings offset from q's
+                 [    0,   576,    768]]    # col
     """
 
     views: tuple[LoRAModuleView, ...]
     table: torch.Tensor
     d_in: int
     d_out: int
+    meta_stride: int
     align: int = 1
 
     @property
@@ -125,12 +129,12 @@ class LoRASlices:
 
     @property
     def ranks(self) -> torch.Tensor:
-        """The base the ranks offsets (``table[4]``) count from: ``views[0].ranks``."""
+        """Slice ``i``'s ranks start ``i * meta_stride`` elements after this: ``views[0].ranks``."""
         return self.views[0].ranks
 
     @property
     def scalings(self) -> torch.Tensor:
-        """The base the scalings offsets (``table[5]``) count from: ``views[0].scalings``."""
+        """Slice ``i``'s scalings start ``i * meta_stride`` elements after this: ``views[0].scalings``."""
         return self.views[0].scalings
 
     @property
@@ -152,8 +156,9 @@ def lora_slices(views: Sequence[LoRAModuleView]) -> LoRASlices:
     Raises:
         ValueError: no views or more than ``MAX_SLICES``; views from different pools (buffer or page table) or with different page
             geometry or ``d_in``; ranks that are not int32 or scalings that are not float32, not contiguous
-            ``[max_slots]`` or not on the pool's device; a non-contiguous pool buffer or page table; an A or B
-            region outside a page. Each message names the module.
+            ``[max_slots]`` or not on the pool's device; ranks / scalings rows that are not evenly spaced (slices
+            that are not consecutive target modules of one layer); a non-contiguous pool buffer or page table; an
+            A or B region outside a page. Each message names the module.
     """
     views = tuple(views)
     if not 1 <= len(views) <= MAX_SLICES:
@@ -185,14 +190,20 @@ def lora_slices(views: Sequence[LoRAModuleView]) -> LoRASlices:
                                  f"a page of {v.page_elems} elements")
         ro.append(_elem_offset(v.ranks, v0.ranks, f"{v.module} ranks"))
         so.append(_elem_offset(v.scalings, v0.scalings, f"{v.module} scalings"))
+    stride = ro[1] if len(ro) > 1 else 0
+    for i, v in enumerate(views):
+        if ro[i] != i * stride or so[i] != i * stride:
+            raise ValueError(f"views: the slices' ranks and scalings rows must be evenly spaced (consecutive target "
+                             f"modules of one layer); {v.module}'s are {ro[i]} and {so[i]} elements from "
+                             f"{v0.module}'s, expected {i * stride}")
     widths = [v.d_out for v in views]
     cols = np.cumsum([0] + widths[:-1]).tolist()
-    rows = [[v.offset_a for v in views], [v.offset_b for v in views], widths, cols, ro, so]
+    rows = [[v.offset_a for v in views], [v.offset_b for v in views], widths, cols]
     table = torch.tensor(rows, dtype=torch.int64).to(device)
     align = 16
-    while align > 1 and any(v % align for v in rows[0] + rows[1] + widths + cols):
+    while align > 1 and any(v % align for row in rows for v in row):
         align //= 2
-    return LoRASlices(views=views, table=table, d_in=v0.d_in, d_out=sum(widths), align=align)
+    return LoRASlices(views=views, table=table, d_in=v0.d_in, d_out=sum(widths), meta_stride=stride, align=align)
 
 
 # ---------------------------------------------------------------------------------------------- step plan

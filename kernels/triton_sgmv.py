@@ -10,8 +10,10 @@ Semantics (``lora_apply`` in ``multilora.kernels.lora``; slice ``i`` owns column
 ``A_i[s]`` row ``j`` and ``B_i[s]^T`` row ``j`` live on page ``page_table[s, j // R]`` at row ``j % R``
 (layout and worked example: ``multilora.memory.pool``), so a rank tile may span pages and every rank-row
 finds its own page. Rank loops stop at the slot's real rank ``r``: bytes and work are proportional to ``r``.
-Per-slice values (offsets in a page, widths, columns, where each slice's ranks and scalings sit) come from
-``LoRASlices.table``; a fused group of any number of slices is one shrink and one expand launch.
+Per-slice values (offsets in a page, widths, columns) come from ``LoRASlices.table``, read beside the chunk's
+slot; the slot's rank and scaling sit ``meta_stride`` elements apart per slice, and an output tile's slice comes
+from three host-computed tile boundaries (``tile_ends``), so no table read gates a load that needs the slot. A
+fused group of 1 to ``MAX_SLICES`` slices is one shrink and one expand launch.
 
 One kernel family serves prefill (SGMV) and decode (BGMV). Each program takes one chunk of the plan's chunk
 table (``LoRAPlan``: at most ``block_m`` tokens of one slot, worked example there). The grid is
@@ -45,9 +47,9 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Building blocks (inlined by Triton), shared with ``multilora.kernels.experimental.lora_fused``.
 @triton.jit
 def _field(tab_ptr, f: tl.constexpr, sid, NUM_SLICES: tl.constexpr, ALIGN: tl.constexpr):
-    """Field ``f`` of slice ``sid`` from the ``[6, NUM_SLICES]`` table, declared a multiple of ``ALIGN``
+    """Field ``f`` of slice ``sid`` from the ``[4, NUM_SLICES]`` table, declared a multiple of ``ALIGN``
     (``LoRASlices.align``): values read from memory carry no divisibility the compiler can see, and without it
-    the row loads and stores are not vectorised. ``ALIGN = 1`` for the ranks / scalings offsets."""
+    the row loads and stores are not vectorised."""
     return tl.multiple_of(tl.load(tab_ptr + f * NUM_SLICES + sid), ALIGN)
 
 
@@ -56,12 +58,11 @@ def _tile_slice(tab_ptr, tile, e0, e1, e2, NUM_SLICES: tl.constexpr, ALIGN: tl.c
     """Map ``tile``, an index over the output tiles of all slices (slice after slice), to its slice from the
     host's tile boundaries ``e0 <= e1 <= e2`` (one past the last tile of slices 0, 1, 2; ``tile_ends``), with no
     memory read; then read the slice's fields (loads that do not depend on the slot: issued alongside it).
-    Returns (slice id, tile within the slice, offset_b, d_out, col, ranks offset, scalings offset)."""
+    Returns (slice id, tile within the slice, offset_b, d_out, col)."""
     sid = (tile >= e0).to(tl.int32) + (tile >= e1).to(tl.int32) + (tile >= e2).to(tl.int32)
     first = tl.where(sid == 0, 0, tl.where(sid == 1, e0, tl.where(sid == 2, e1, e2)))
     return (sid, tile - first, _field(tab_ptr, 1, sid, NUM_SLICES, ALIGN),
-            _field(tab_ptr, 2, sid, NUM_SLICES, ALIGN).to(tl.int32), _field(tab_ptr, 3, sid, NUM_SLICES, ALIGN).to(tl.int32),
-            _field(tab_ptr, 4, sid, NUM_SLICES, 1), _field(tab_ptr, 5, sid, NUM_SLICES, 1))
+            _field(tab_ptr, 2, sid, NUM_SLICES, ALIGN).to(tl.int32), _field(tab_ptr, 3, sid, NUM_SLICES, ALIGN).to(tl.int32))
 
 
 def tile_ends(slices: LoRASlices, tile_n: int) -> list[int]:
@@ -128,7 +129,7 @@ def _sgmv_shrink_kernel(
     # pointers
     x_ptr, buf_ptr, pt_ptr, ranks_ptr, tab_ptr, v_ptr, chunks_ptr,
     # sizes
-    T, d_in, page_elems, page_rows, k_per_split,
+    T, d_in, page_elems, page_rows, k_per_split, meta_stride,
     # strides
     stride_xm, stride_pt, stride_c,
     # meta
@@ -139,11 +140,10 @@ def _sgmv_shrink_kernel(
     sid = tl.program_id(0) % NUM_SLICES
     split = tl.program_id(1)
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
-    off_a = _field(tab_ptr, 0, sid, NUM_SLICES, ALIGN)  # the slice's fields do not depend on the slot: loaded
-    ro = _field(tab_ptr, 4, sid, NUM_SLICES, 1)  # alongside it
+    off_a = _field(tab_ptr, 0, sid, NUM_SLICES, ALIGN)  # does not depend on the slot: loaded alongside it
     if slot < 0:
         return
-    r = tl.load(ranks_ptr + ro + slot)
+    r = tl.load(ranks_ptr + sid * meta_stride + slot)  # no table read on the way to the rank
     if r == 0:
         return
     tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
@@ -165,7 +165,7 @@ def _sgmv_expand_kernel(
     # pointers
     y_ptr, buf_ptr, pt_ptr, ranks_ptr, scal_ptr, tab_ptr, v_ptr, chunks_ptr,
     # sizes
-    T, page_elems, page_rows, e0, e1, e2,
+    T, page_elems, page_rows, e0, e1, e2, meta_stride,
     # strides
     stride_ym, stride_pt, stride_c,
     # meta
@@ -175,13 +175,13 @@ def _sgmv_expand_kernel(
     chunk = tl.program_id(0)
     tile = tl.program_id(1)  # n tiles of all slices, slice after slice
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
-    sid, n_tile, off_b, d_out, col, ro, so = _tile_slice(tab_ptr, tile, e0, e1, e2, NUM_SLICES, ALIGN)
+    sid, n_tile, off_b, d_out, col = _tile_slice(tab_ptr, tile, e0, e1, e2, NUM_SLICES, ALIGN)
     if slot < 0:
         return
-    r = tl.load(ranks_ptr + ro + slot)
+    r = tl.load(ranks_ptr + sid * meta_stride + slot)
     if r == 0:
         return
-    scale = tl.load(scal_ptr + so + slot)
+    scale = tl.load(scal_ptr + sid * meta_stride + slot)
     tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
     n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < d_out
@@ -269,7 +269,7 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
     extra = {} if num_stages is None else {"num_stages": num_stages}
     _sgmv_shrink_kernel[(chunks * S, split)](
         x, slices.buffer, slices.page_table, slices.ranks, slices.table, v_out, plan.chunks,
-        T, d_in, slices.page_elems, slices.page_rows, k_per,
+        T, d_in, slices.page_elems, slices.page_rows, k_per, slices.meta_stride,
         x.stride(0), slices.page_table.stride(0), plan.chunks.stride(0),
         NUM_SLICES=S, RMAX=rmax, BLOCK_M=plan.block_m, BLOCK_R=16, BLOCK_K=block_k, ALIGN=slices.align,
         IEEE=x.dtype == torch.float32, num_warps=num_warps, **extra,
@@ -291,7 +291,7 @@ def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan
     extra = {} if num_stages is None else {"num_stages": num_stages}
     _sgmv_expand_kernel[(num_chunks(plan, slices), tiles)](
         y, slices.buffer, slices.page_table, slices.ranks, slices.scalings, slices.table, v, plan.chunks,
-        T, slices.page_elems, slices.page_rows, *tile_ends(slices, block_n),
+        T, slices.page_elems, slices.page_rows, *tile_ends(slices, block_n), slices.meta_stride,
         y.stride(0), slices.page_table.stride(0), plan.chunks.stride(0),
         NUM_SLICES=S, SPLIT_K=split, RMAX=rmax, BLOCK_M=plan.block_m,
         BLOCK_N=block_n, BLOCK_R=16, ALIGN=slices.align, IEEE=y.dtype == torch.float32, num_warps=num_warps,

@@ -167,7 +167,8 @@ def run_case(cfg, ranks, token_slots_fn, modules, *, device, dtype, layer=0, pag
 
 
 # ---------------------------------------------------------------------------------------------- cases
-QKV = ("q_proj", "k_proj", "v_proj")  # unequal widths under GQA: 40, 8, 8 (SMALL); 4096, 1024, 1024 (8B)
+QKV = ("q_proj", "k_proj", "v_proj")
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")  # one d_in in SMALL (q_size == hidden): four consecutive slices  # unequal widths under GQA: 40, 8, 8 (SMALL); 4096, 1024, 1024 (8B)
 GATE_UP = ("gate_proj", "up_proj")
 
 
@@ -263,13 +264,14 @@ def test_more_than_three_slices(device, dtype, monkeypatch):
     expand = _CountLaunches(triton_sgmv._sgmv_expand_kernel)
     monkeypatch.setattr(triton_sgmv, "_sgmv_shrink_kernel", shrink)
     monkeypatch.setattr(triton_sgmv, "_sgmv_expand_kernel", expand)
-    run_case(SMALL, [8, 5], lambda s, g: [s[1], -1, s[0], s[1], s[0]], ("gate_proj", "up_proj", "gate_proj", "up_proj"),
+    run_case(SMALL, [8, 5], lambda s, g: [s[1], -1, s[0], s[1], s[0]], QKVO,
              device=device, dtype=dtype)
     assert len(shrink.grids) == 1 and len(expand.grids) == 1
     chunks = min(5, 1 + 4)  # min(T, cdiv(T, 16) + max_slots) with 4 slots (make_pool: 2 adapters + 2)
     block_n = 64 if device == "cpu" else 256  # the expand default for T <= 512
     assert shrink.grids[0][0] == chunks * 4  # (chunk, slice) programs
-    assert expand.grids[0] == (chunks, 4 * -(-SMALL.intermediate_size // block_n))  # every slice's tiles
+    widths = (SMALL.q_size, SMALL.kv_size, SMALL.kv_size, SMALL.hidden_size)
+    assert expand.grids[0] == (chunks, sum(-(-w // block_n) for w in widths))  # every slice's tiles
 
 
 def test_chunk_table_example():
@@ -403,15 +405,16 @@ def test_per_call_checks_of_the_triton_launcher():
 
 
 def test_lora_slices_table_and_checks():
-    """The table of q/k/v (rows: offset_a, offset_b, d_out, col, ranks / scalings offsets), and what
-    lora_slices refuses: no views, views of two pools, mismatched d_in, wrong metadata dtypes."""
+    """The table of q/k/v (rows: offset_a, offset_b, d_out, col) and the ranks / scalings spacing, and what
+    lora_slices refuses: no views or too many, views of two pools, mismatched d_in, wrong metadata dtypes, slices
+    that are not consecutive modules."""
     pool, _ = make_pool(SMALL, [4], dtype=torch.float32, device="cpu")
     views = [pool.module_view(1, m) for m in QKV]
     s = lora_slices(views)
     q, kv, S = SMALL.q_size, SMALL.kv_size, pool.max_slots
-    assert s.table.dtype == torch.int64 and s.table.is_contiguous() and s.table.shape == (6, 3)
-    assert s.table.tolist() == [[v.offset_a for v in views], [v.offset_b for v in views], [q, kv, kv],
-                                [0, q, q + kv], [0, S, 2 * S], [0, S, 2 * S]]
+    assert s.table.dtype == torch.int64 and s.table.is_contiguous() and s.table.shape == (4, 3)
+    assert s.table.tolist() == [[v.offset_a for v in views], [v.offset_b for v in views], [q, kv, kv], [0, q, q + kv]]
+    assert s.meta_stride == S and views[2].ranks.data_ptr() == views[0].ranks.data_ptr() + 4 * 2 * S  # int32: 4 bytes
     assert (s.d_in, s.d_out, s.num_slices) == (SMALL.hidden_size, q + 2 * kv, 3)
     assert all(a is b for a, b in zip(s.views, views, strict=True))
     assert s.max_rank_rows == pool.page_table.shape[1] * pool.page_rows
@@ -426,6 +429,8 @@ def test_lora_slices_table_and_checks():
         lora_slices([views[0], pool.module_view(1, "down_proj")])
     with pytest.raises(ValueError, match="k_proj ranks must be int32"):
         lora_slices([views[0], replace(views[1], ranks=views[1].ranks.long())])
+    with pytest.raises(ValueError, match=f"evenly spaced .* k_proj's are {S} and {S} elements from q_proj's, expected {4 * S}"):
+        lora_slices([views[0], views[2], views[1]])  # q, v, k: not consecutive
     with pytest.raises(ValueError, match="v_proj B rows"):
         lora_slices([views[0], replace(views[2], offset_b=pool.page_elems)])
     with pytest.raises(ValueError, match="slices: expected a LoRASlices"):
@@ -595,7 +600,7 @@ def test_fused_interleaved_none_and_untargeted(device, dtype):
                      device=device, dtype=dtype, skip={0: ("k_proj",)}, apply=apply)
     q, k = SMALL.q_size, SMALL.kv_size
     assert torch.equal(y[0::2, q : q + k], y0[0::2, q : q + k])
-    run_case(SMALL, [8, 5], lambda s, g: [s[1], -1, s[0], s[1], s[0]], ("gate_proj", "up_proj", "gate_proj", "up_proj"),
+    run_case(SMALL, [8, 5], lambda s, g: [s[1], -1, s[0], s[1], s[0]], QKVO,
              device=device, dtype=dtype, apply=apply)
 
 

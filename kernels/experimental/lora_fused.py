@@ -32,7 +32,7 @@ def _lora_fused_kernel(
     # pointers
     y_ptr, x_ptr, buf_ptr, pt_ptr, ranks_ptr, scal_ptr, tab_ptr, w_ptr, chunks_ptr,
     # sizes
-    d_in, page_elems, page_rows, e0, e1, e2,
+    d_in, page_elems, page_rows, e0, e1, e2, meta_stride,
     # strides
     stride_xm, stride_ym, stride_pt, stride_c,
     # meta
@@ -46,14 +46,14 @@ def _lora_fused_kernel(
     chunk = tl.program_id(0)
     grp = tl.program_id(1)  # tile groups of all slices, slice after slice
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
-    sid, g, off_b, d_out, col, ro, so = _tile_slice(tab_ptr, grp, e0, e1, e2, NUM_SLICES, ALIGN)
+    sid, g, off_b, d_out, col = _tile_slice(tab_ptr, grp, e0, e1, e2, NUM_SLICES, ALIGN)
     off_a = _field(tab_ptr, 0, sid, NUM_SLICES, ALIGN)
     if slot < 0:
         return
-    r = tl.load(ranks_ptr + ro + slot)
+    r = tl.load(ranks_ptr + sid * meta_stride + slot)
     if r == 0:
         return
-    scale = tl.load(scal_ptr + so + slot)
+    scale = tl.load(scal_ptr + sid * meta_stride + slot)
     tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     x_rows = x_ptr + tok[:, None] * stride_xm  # [BLOCK_M, 1]
@@ -132,7 +132,7 @@ def lora_fused(y: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan: LoRAP
     extra = {} if num_stages is None else {"num_stages": num_stages}
     _lora_fused_kernel[grid](
         y, x, slices.buffer, slices.page_table, slices.ranks, slices.scalings, slices.table, work, plan.chunks,
-        d_in, slices.page_elems, slices.page_rows, *tile_ends(slices, block_n * tiles),
+        d_in, slices.page_elems, slices.page_rows, *tile_ends(slices, block_n * tiles), slices.meta_stride,
         x.stride(0), y.stride(0), slices.page_table.stride(0), plan.chunks.stride(0),
         NUM_SLICES=S, RMAX=max(rmax, block_r), BLOCK_M=plan.block_m,
         BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k, TILES=tiles, ALIGN=slices.align,
