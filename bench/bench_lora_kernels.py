@@ -317,14 +317,43 @@ def environment():
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
+def compare(before_path: str, after_path: str) -> int:
+    """Print the rows of two runs side by side: our time per case (or the LoRA time a layer adds), and the ratio."""
+    with open(before_path) as f:
+        before = json.load(f)["rows"]
+    with open(after_path) as f:
+        after = {_row_key(r): r for r in json.load(f)["rows"]}
+    print("| case | before | after | after / before |\n|---|---|---|---|")
+    for b in before:
+        a = after.get(_row_key(b))
+        if a is None:
+            continue
+        if b.get("ours_ms") is not None and a.get("ours_ms") is not None:
+            tb, ta = b["ours_ms"] * 1e3, a["ours_ms"] * 1e3
+        elif "base_plus_lora_ms" in b and "base_plus_lora_ms" in a:  # whole layer: the LoRA time it adds
+            tb, ta = (b["base_plus_lora_ms"] - b["base_ms"]) * 1e3, (a["base_plus_lora_ms"] - a["base_ms"]) * 1e3
+        else:
+            continue
+        print(f"| {' '.join(str(v) for v in _row_key(b))} | {tb:.1f} us | {ta:.1f} us | {ta / tb:.2f} |")
+    return 0
+
+
+def _row_key(r: dict) -> tuple:
+    return (r["group"], f"T={r['tokens']}", f"r={r['rank']}", f"n={r['adapters']}", r["popularity"])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--quick", action="store_true", help="every sixth row only")
     ap.add_argument("--plot", help="only redraw the plot of this results JSON")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                    help="only print two results JSONs of the same rows side by side (after / before per row)")
     ap.add_argument("--subset", choices=("all", "decode"), default="all", help="decode: the decode rows only")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting rows after this many seconds")
     args = ap.parse_args(argv)
+    if args.compare:
+        return compare(*args.compare)
     if args.plot:
         with open(args.plot) as f:
             plot(json.load(f), os.path.join(os.path.dirname(args.plot), "lora_kernels.png"))

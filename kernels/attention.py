@@ -8,8 +8,8 @@ context after this step (past + new), query ``i`` (absolute position ``p = L_b -
 
 where ``t = query_start_loc[b] + i``, ``G = num_heads // num_kv_heads`` (GQA) and ``K_b[j]`` is cache row
 ``k_cache[block_tables[b, j // block_size], j % block_size]``. Keys and values of the step's own tokens
-are written first (``write_kv``), so prefill (``n_b = L_b``), chunked prefill and decode (``n_b = 1``) are
-one op.
+are written first (``multilora.kernels.fused.rope_write_kv``), so prefill (``n_b = L_b``), chunked prefill
+and decode (``n_b = 1``) are one op.
 
 Block tables, worked example with ``block_size = 4``: a sequence of 10 tokens holding blocks ``[7, 2, 5]``
 keeps tokens 0-3 in block 7, 4-7 in block 2 and 8-9 in rows 0-1 of block 5; token 9's cache slot is
@@ -175,19 +175,6 @@ def _align64(nbytes: int) -> int:
     return -(-nbytes // 64) * 64
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write the step's keys and values into their cache slots, in place.
-
-    Args:
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (one layer; contiguous).
-        k, v: ``[T, num_kv_heads, head_dim]``, same dtype.
-        slot_mapping: int64 ``[T]`` flat slots (``block * block_size + offset``).
-    """
-    nb, bs = k_cache.shape[:2]
-    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
-
-
 def _torch_mask(meta: AttentionMetadata, sliding_window: int, device: torch.device) -> torch.Tensor:
     """bool [B, 1, max_q, max_seq_len], True = may attend. Built from the metadata's tensors at each call, so it
     is right for buffers updated in place (a captured decode step's)."""
@@ -252,7 +239,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, sliding_window: int = 0, backend: str | None = None) -> torch.Tensor:
     """Causal (optionally sliding-window) GQA attention of the step's queries over the paged cache.
 
-    Semantics in the module docstring. The step's own keys/values must already be in the cache (``write_kv``).
+    Semantics in the module docstring. The step's own keys/values must already be in the cache (``rope_write_kv``).
 
     Args:
         q: ``[T, num_heads, head_dim]`` float16/bfloat16/float32, tokens of sequence b contiguous.

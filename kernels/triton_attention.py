@@ -361,7 +361,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             ``query_start_loc[b] : query_start_loc[b + 1]``; D a power of two >= 16.
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype, unit stride along D; ``H % Hkv == 0``.
         meta: the step's ``AttentionMetadata`` (int32 tensors on q's device). The step's keys/values are
-            already in the cache (``write_kv``).
+            already in the cache (``rope_write_kv``).
         scale: softmax scale. sliding_window: 0 = full causal, else the last ``sliding_window`` positions.
         num_splits: decode only, key splits per sequence (None: from static sizes and the SM count; 1 on CPU).
         block_n: keys per tile (a power of two >= 16; None: the config for the device, phase and dtype).

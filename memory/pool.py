@@ -442,19 +442,3 @@ class AdapterPool:
             self.scalings[:, :, slot] = 0.0
             self._free_pages.extend(reversed(pages))
             self._free_slots.append(slot)
-
-    # ------------------------------------------------------------------ reading back (tests, debugging)
-    def read_module(self, slot: int, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Gather (A [r, d_in], B [d_out, r], scaling) of a resident slot back out of the pages."""
-        v = self.module_view(layer, module)
-        r = int(v.ranks[slot])
-        R = self.page_rows
-        pages = self._slot_pages[slot]
-        a_rows, b_rows = [], []
-        for j in range(r):
-            page = self.buffer[pages[j // R]]
-            a_rows.append(page[v.offset_a + (j % R) * v.d_in : v.offset_a + (j % R + 1) * v.d_in])
-            b_rows.append(page[v.offset_b + (j % R) * v.d_out : v.offset_b + (j % R + 1) * v.d_out])
-        a = torch.stack(a_rows) if a_rows else self.buffer.new_zeros(0, v.d_in)
-        bt = torch.stack(b_rows) if b_rows else self.buffer.new_zeros(0, v.d_out)
-        return a, bt.t(), float(v.scalings[slot])

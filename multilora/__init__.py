@@ -1,8 +1,8 @@
-"""multilora: batched multi-LoRA inference. ``from multilora import Engine, SamplingParams``."""
+"""multilora: batched multi-LoRA inference. ``from multilora import Engine, EngineConfig, SamplingParams``."""
 
 from __future__ import annotations
 
-__all__ = ["Engine", "RequestOutput", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 
@@ -11,6 +11,10 @@ def __getattr__(name: str):  # lazy: importing multilora.kernels must not load t
         from multilora.runtime import engine
 
         return getattr(engine, name)
+    if name == "EngineConfig":
+        from multilora.runtime.config import EngineConfig
+
+        return EngineConfig
     if name == "SamplingParams":
         from multilora.runtime.sampling import SamplingParams
 

@@ -73,21 +73,6 @@ def make_seed(params: SamplingParams) -> int:
     return params.seed if params.seed is not None else secrets.randbits(63)
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A per-request CPU generator for ``sample_token`` (None when greedy); seeded by ``params.seed``.
-
-    Kept for the per-request path; the batched path uses ``make_seed`` and ``SamplingTensors`` instead.
-    """
-    if params.greedy:
-        return None
-    g = torch.Generator(device="cpu")
-    if params.seed is not None:
-        g.manual_seed(params.seed)
-    else:
-        g.seed()
-    return g
-
-
 # ------------------------------------------------------------------------------------- SamplingTensors
 def _int64(v: int, name: str, i: int) -> int:
     """``v`` reduced mod 2**64 into int64's range (a bijection, so distinct seeds mod 2**64 stay distinct)."""
@@ -117,8 +102,7 @@ class SamplingTensors:
         any_top_k: host; some non-greedy row has top_k > 0.
         max_top_k: host; the largest top_k over non-greedy rows (0 when none).
 
-    ``from_params`` moves one packed buffer (int64 [3, B] then float32 [2, B]) whose rows these tensors view;
-    ``copy_from`` refills a fixed set of tensors in place, e.g. the static inputs of a captured CUDA graph.
+    ``from_params`` moves one packed buffer (int64 [3, B] then float32 [2, B]) whose rows these tensors view.
     """
 
     temperature: torch.Tensor
@@ -182,25 +166,6 @@ class SamplingTensors:
     @property
     def device(self) -> torch.device:
         return self.temperature.device
-
-    def copy_from(self, other: SamplingTensors) -> None:
-        """Overwrite this batch's values (tensors in place, host flags) with ``other``'s.
-
-        A CUDA graph captured around ``sample_batch(logits, self)`` replays the path chosen by the host
-        flags at capture time: capture it with ``any_top_p`` (which also handles greedy rows, top-k rows
-        and top_p == 1 rows) to replay correctly for any later values.
-
-        Raises:
-            ValueError: a different batch size or device.
-        """
-        if other.batch_size != self.batch_size or other.device != self.device:
-            raise ValueError(f"other: expected batch size {self.batch_size} on {self.device}, "
-                             f"got {other.batch_size} on {other.device}")
-        for name in ("temperature", "top_p", "top_k", "seed", "step"):
-            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
-        self.all_greedy, self.any_top_p = other.all_greedy, other.any_top_p
-        self.any_top_k, self.max_top_k = other.any_top_k, other.max_top_k
-
 
 # ------------------------------------------------------------------------------------------ the RNG
 def _s64(c: int) -> int:
@@ -323,27 +288,3 @@ def sample_batch(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         scaled.masked_fill_(scaled < _keep_threshold(scaled, t), float("-inf"))
     scaled += gumbel_noise(t.seed, t.step, scaled.shape[-1])
     return torch.where(greedy, greedy_ids, scaled.argmax(dim=-1))
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None, *,
-                 seed: int | None = None, step: int = 0) -> int:
-    """One row of ``sample_batch``: the next token for float logits [vocab] (any device), as an int.
-
-    The noise comes from (seed, step): ``seed`` if given, else 63 bits drawn from ``generator`` (one draw
-    per call, so a per-request generator from ``make_generator`` gives a reproducible, batch-independent
-    sequence), else ``make_seed(params)``. Syncs (returns a Python int).
-
-    Raises:
-        ValueError: logits not 1-D floating, or a bad seed / step (see ``SamplingTensors.from_params``).
-    """
-    if logits.dim() != 1:
-        raise ValueError(f"logits: expected [vocab], got {tuple(logits.shape)}")
-    if params.greedy:
-        return int(torch.argmax(logits))
-    if seed is None:
-        if generator is not None:
-            seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator))
-        else:
-            seed = make_seed(params)
-    t = SamplingTensors.from_params([params], [seed], [step], logits.device)
-    return int(sample_batch(logits[None], t)[0])

@@ -4,9 +4,13 @@ Each engine step is either a **prefill** step (newly admitted requests process t
 **decode** step (every running request adds one token). Waiting requests are admitted in arrival order
 whenever there is room, so a finished request leaves and a waiting one joins on the next step.
 
+``Scheduler.schedule`` returns the step's work as a ``Schedule``: its kind, its batch and the requests that
+failed in this call (the engine reports them; the scheduler calls nothing back).
+
 Admission budgets: ``max_batch_size`` running requests, ``max_prefill_tokens`` tokens per prefill step,
 free KV blocks (a request is admitted when the blocks for its tokens + 1 are free: its prefill and its
-first decode step never run out), and the adapter pool: every distinct adapter of the running batch is
+first decode step never run out; a ``logits_only`` request of ``Engine.logits`` never decodes and needs
+blocks for its tokens only), and the adapter pool: every distinct adapter of the running batch is
 resident at once. The head of the queue waits for KV blocks (nothing behind it is admitted until they
 are free). A request whose adapter cannot be made resident now (the pool is full of adapters that running
 requests use or the user pinned) is skipped and stays waiting: it is never served with other weights.

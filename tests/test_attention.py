@@ -20,9 +20,15 @@ from hypothesis import strategies as st
 
 from multilora.kernels import triton_attention
 from multilora.kernels.attention import (AttentionMetadata, build_attention_metadata, paged_attention,
-                                         paged_attention_torch, write_kv)
-from multilora.kernels.attention import tile_table
+                                         paged_attention_torch, tile_table)
 from multilora.kernels.triton_attention import paged_attention_triton, prefill_block_q
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
+    """Write keys and values [T, Hkv, D] into their flat cache slots (``block * block_size + offset``), in place."""
+    nb, bs = k_cache.shape[:2]
+    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")]

@@ -3,7 +3,7 @@ fp32 per-token loop reference; the LoRA plan, its chunk table and the fused-slic
 
 On CPU the real kernels run under TRITON_INTERPRET=1 (conftest) in fp32 and fp16 on small shapes; tests
 marked ``gpu`` run the same cases in bf16/fp16 on Llama-3-8B-sized modules, plus the large-offset case.
-The reference reads A and B back with ``AdapterPool.read_module`` and loops over tokens in fp32.
+The reference reads A and B back with ``testsupport.read_module`` and loops over tokens in fp32.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from multilora.kernels.experimental.lora_fused import lora_fused
 from multilora.kernels.triton_sgmv import lora_apply_triton
 from multilora.memory.pool import AdapterPool
 from multilora.config import TARGET_MODULES, ModelConfig
+from testsupport import read_module
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")]
@@ -136,7 +137,7 @@ def reference(y0, x, pool, layer, modules, token_slots):
             if s < 0:
                 continue
             if (s, m) not in weights:
-                a, b, sc = pool.read_module(s, layer, m)
+                a, b, sc = read_module(pool, s, layer, m)
                 weights[(s, m)] = (a.float(), b.float(), sc)
             a, b, sc = weights[(s, m)]
             if a.shape[0] == 0:
@@ -624,7 +625,7 @@ def test_large_offsets(module):
     y = lora_apply_triton(y0.clone(), x, lora_slices([view]), plan)
     ref = y0.float().clone()
     for s in slots:  # per-slot fp32 reference (vectorized over tokens: 90k rows)
-        a, b, sc = pool.read_module(s, 0, module)
+        a, b, sc = read_module(pool, s, 0, module)
         idx = (token_slots == s).nonzero().flatten().to(device)
         ref[idx] += sc * (x[idx].float() @ a.float().t()) @ b.float().t()
     tail = slice(87_000, T)

@@ -3,7 +3,8 @@
 - ``kernels/`` imports neither ``memory/`` nor ``runtime/`` (it takes tensors and plain descriptors);
 - ``memory/`` does not import ``runtime/``;
 - no product module imports (or reaches through an imported module for) a ``_private`` name of another folder;
-- the product modules have no import cycle (function-level imports count; ``if TYPE_CHECKING:`` ones do not).
+- the product modules have no import cycle (function-level imports count; ``if TYPE_CHECKING:`` ones do not);
+- outside ``kernels/``, only ``runtime/runner.py`` builds step plans.
 
 ("No Triton" means an ``ImportError`` only: ``tests/test_kernels.py::test_triton_module_hides_only_import_errors``.)
 """
@@ -175,3 +176,23 @@ def test_the_checks_catch_a_violation(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, "multilora.kernels.fake_x", ("kernels", src))
     with pytest.raises(AssertionError, match="imports multilora.runtime"):
         test_layers_point_one_way()
+
+
+PLAN_BUILDERS = {"StepPlan", "LoRAPlan", "AttentionMetadata", "build_lora_plan", "build_attention_metadata",
+                 "chunk_table", "fill_chunk_table", "tile_table"}
+
+
+def test_step_plans_are_built_only_by_the_runner():
+    """Outside ``kernels/`` (which defines the plan parts and their builders), only ``runtime/runner.py`` makes a
+    plan or calls a plan builder: one home for the step plan."""
+    bad = []
+    for module, (folder, path) in MODULES.items():
+        if folder == "kernels" or module == "multilora.runtime.runner":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else None
+                if name in PLAN_BUILDERS:
+                    bad.append(f"{_rel(path)}:{node.lineno} calls {name}")
+    assert not bad, "plans built outside runtime/runner.py:\n" + "\n".join(bad)

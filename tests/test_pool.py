@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from multilora.memory.pool import AdapterPool, PoolFullError
 from multilora.runtime.adapters import LoRAAdapter, LoRAModuleWeights
 from multilora.config import TARGET_MODULES, ModelConfig
+from testsupport import read_module
 
 # hidden 24, q 24, k/v 8 (GQA 3:1), MLP 40: every module has its own (d_in, d_out), none a power of two
 CFG = ModelConfig(vocab_size=32, hidden_size=24, intermediate_size=40, num_layers=3, num_heads=3, num_kv_heads=1)
@@ -48,7 +49,7 @@ def _pool(num_pages=16, **kw):
 def _check_round_trip(pool, slot, adapter):
     for layer in range(CFG.num_layers):
         for m in TARGET_MODULES:
-            a, b, s = pool.read_module(slot, layer, m)
+            a, b, s = read_module(pool, slot, layer, m)
             w = adapter.modules.get((layer, m))
             if w is None:
                 assert a.shape[0] == 0 and b.shape[1] == 0 and s == 0.0, (layer, m)
@@ -293,5 +294,5 @@ def test_random_load_free_sequences(ops, page_rows, num_pages, max_slots):
         assert pool.pages_used == sum(math.ceil(a.max_rank / page_rows) for a in live.values())
         for slot, ad in live.items():  # no load ever overwrote another adapter's pages
             for (layer, m), w in ad.modules.items():
-                a, b, _ = pool.read_module(slot, layer, m)
+                a, b, _ = read_module(pool, slot, layer, m)
                 assert torch.equal(a, w.a) and torch.equal(b, w.b)

@@ -20,19 +20,51 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from multilora.runtime.sampling import (
-    SamplingParams,
-    SamplingTensors,
-    make_generator,
-    make_seed,
-    random_bits,
-    sample_batch,
-    sample_token,
-)
+from multilora.runtime.sampling import SamplingParams, SamplingTensors, make_seed, random_bits, sample_batch
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")]
 GREEDY = SamplingParams(temperature=0.0)
+
+
+
+# ---------------------------------------------------------------- single-row helpers (tests only; no product caller)
+def make_generator(params):
+    """A per-request CPU generator for ``sample_token`` (None when greedy), seeded by ``params.seed``."""
+    if params.greedy:
+        return None
+    g = torch.Generator(device="cpu")
+    if params.seed is not None:
+        g.manual_seed(params.seed)
+    else:
+        g.seed()
+    return g
+
+
+def sample_token(logits, params, generator=None, *, seed=None, step=0):
+    """One row of ``sample_batch`` for float logits [vocab]: noise from (seed, step), the seed given, drawn from
+    ``generator`` (one draw per call) or ``make_seed(params)``."""
+    if logits.dim() != 1:
+        raise ValueError(f"logits: expected [vocab], got {tuple(logits.shape)}")
+    if params.greedy:
+        return int(torch.argmax(logits))
+    if seed is None:
+        seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator)) if generator is not None else make_seed(params)
+    t = SamplingTensors.from_params([params], [seed], [step], logits.device)
+    return int(sample_batch(logits[None], t)[0])
+
+
+def copy_into(static, other):
+    """Overwrite a fixed batch's tensors in place (and its host flags) with ``other``'s: what a CUDA graph captured
+    around ``sample_batch(logits, static)`` needs to replay with new values (capture it with ``any_top_p``, the
+    general path). Raises ValueError for another batch size or device."""
+    if other.batch_size != static.batch_size or other.device != static.device:
+        raise ValueError(f"other: expected batch size {static.batch_size} on {static.device}, "
+                         f"got {other.batch_size} on {other.device}")
+    for name in ("temperature", "top_p", "top_k", "seed", "step"):
+        getattr(static, name).copy_(getattr(other, name), non_blocking=True)
+    static.all_greedy, static.any_top_p = other.all_greedy, other.any_top_p
+    static.any_top_k, static.max_top_k = other.any_top_k, other.max_top_k
 
 
 def _sample(rows, params, seeds, steps, device="cpu"):
@@ -226,18 +258,18 @@ def test_make_seed():
     assert len(seeds) == 10 and all(0 <= s < 2**63 for s in seeds)
 
 
-def test_copy_from_refills_a_fixed_batch():
+def test_copy_into_refills_a_fixed_batch():
     rows = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(5))
     static = SamplingTensors.from_params([SamplingParams(temperature=1.0, top_p=0.9)] * 3, [0] * 3, [0] * 3, "cpu")
     ids = [t.data_ptr() for t in (static.temperature, static.seed)]
     params = [GREEDY, SamplingParams(temperature=0.8, top_k=7), SamplingParams(temperature=1.2)]
     new = SamplingTensors.from_params(params, [1, 2, 3], [4, 5, 6], "cpu")
-    static.copy_from(new)
+    copy_into(static, new)
     assert [t.data_ptr() for t in (static.temperature, static.seed)] == ids
     assert static.step.tolist() == [4, 5, 6] and (static.any_top_p, static.max_top_k) == (False, 7)
     assert sample_batch(rows, static).tolist() == sample_batch(rows, new).tolist()
     with pytest.raises(ValueError, match="batch size 3"):
-        static.copy_from(SamplingTensors.from_params([GREEDY], [0], [0], "cpu"))
+        copy_into(static, SamplingTensors.from_params([GREEDY], [0], [0], "cpu"))
 
 
 def test_from_params_values_match_the_per_field_construction():
@@ -380,6 +412,6 @@ def test_cuda_graph_replays_with_new_values(mark):
         new_params = new_params[::-1]
         new = SamplingTensors.from_params(new_params, [seed + i for i in range(16)], [seed] * 16, "cuda")
         static_logits.copy_(new_logits)
-        static.copy_from(new)
+        copy_into(static, new)
         graph.replay()
         assert static_out.tolist() == sample_batch(new_logits.cuda(), new).tolist()

@@ -68,3 +68,19 @@ def greedy(n):
 def token_ids(n, seed, vocab_size):
     """``n`` seeded random token ids in [3, vocab_size) (ids 0-2 are pad/bos/eos)."""
     return torch.randint(3, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def read_module(pool, slot, layer, module):
+    """(A [r, d_in], B [d_out, r], scaling) of a resident slot read back out of the pool's pages, row by row from
+    the layout documented in ``multilora.memory.pool`` (the kernel tests' reference reads its weights here)."""
+    v = pool.module_view(layer, module)
+    r, R = int(v.ranks[slot]), pool.page_rows
+    pages = pool.pages_of(slot)
+    a_rows, b_rows = [], []
+    for j in range(r):
+        page = pool.buffer[pages[j // R]]
+        a_rows.append(page[v.offset_a + (j % R) * v.d_in : v.offset_a + (j % R + 1) * v.d_in])
+        b_rows.append(page[v.offset_b + (j % R) * v.d_out : v.offset_b + (j % R + 1) * v.d_out])
+    a = torch.stack(a_rows) if a_rows else pool.buffer.new_zeros(0, v.d_in)
+    bt = torch.stack(b_rows) if b_rows else pool.buffer.new_zeros(0, v.d_out)
+    return a, bt.t(), float(v.scalings[slot])

@@ -1,0 +1,99 @@
+"""Pool and KV sizing (``runtime/sizing.py``) as the pure function it is: model shape + options + a recorded
+memory snapshot in, pages and blocks out, with no model loaded and no machine measured. The byte sizes are
+checked against formulas written here from the pool layout (``memory/pool.py``) and the KV layout
+(``memory/kv_cache.py``); the engine's own sizes against the function's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from multilora.config import TARGET_MODULES, ModelConfig
+from multilora.memory.accounting import MemoryPlanError, MemorySnapshot
+from multilora.runtime.config import EngineConfig
+from multilora.runtime.sizing import measure_and_size, memory_request, size_engine
+from multilora.runtime.weights import MODEL_SHAPES
+
+GiB, MiB = 1 << 30, 1 << 20
+TINY = ModelConfig(**MODEL_SHAPES["tiny"])
+SMOL = ModelConfig(**MODEL_SHAPES["smollm2-135m"])
+
+
+def _host(mem_available: int) -> MemorySnapshot:
+    return MemorySnapshot(has_gpu=False, meminfo_text=f"MemTotal: {64 * GiB // 1024} kB\n"
+                                                      f"MemAvailable: {mem_available // 1024} kB\n")
+
+
+@pytest.mark.parametrize("cfg", [TINY, SMOL], ids=["tiny", "smollm2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_request_bytes_follow_the_layouts(cfg, dtype):
+    ec = EngineConfig(max_batch_size=3, kv_block_size=4, max_lora_rank=20, page_rows=8)
+    r = memory_request(cfg, ec, dtype=dtype, max_seq_len=50)
+    e = torch.empty((), dtype=dtype).element_size()
+    width = sum(sum(cfg.module_shape(m)) for m in TARGET_MODULES)  # A rows + B^T rows of every module
+    assert r.page_bytes == 8 * cfg.num_layers * width * e
+    assert r.pages_per_adapter == 3  # ceil(20 / 8)
+    assert r.kv_token_bytes == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * e
+    assert r.block_bytes == 4 * r.kv_token_bytes and r.seq_blocks == 13  # ceil(50 / 4)
+    assert r.kv_cap == (3 * 13 + 1) * r.block_bytes and r.pool_cap is None and r.live_blocks == 13
+    assert r.sampling_bytes == 3 * cfg.vocab_size * (4 + 4 + 36)
+
+
+def test_caps_lower_the_request():
+    ec = EngineConfig(max_batch_size=3, kv_block_size=4, max_lora_rank=16, adapter_slots=2,
+                      adapter_pool_bytes=10 ** 12, kv_cache_bytes=None)
+    r = memory_request(TINY, ec, dtype=torch.float32, max_seq_len=64)
+    assert r.pool_cap == 2 * r.pages_per_adapter * r.page_bytes  # adapter_slots binds before the byte cap
+    small = memory_request(TINY, EngineConfig(kv_block_size=4, kv_cache_bytes=5 * r.block_bytes + 7),
+                           dtype=torch.float32, max_seq_len=64)
+    assert small.kv_cap == 5 * r.block_bytes + 7 and small.live_blocks == 4  # an explicit smaller cap is honoured
+    with pytest.raises(ValueError, match="kv_cache_bytes=.* holds 1 KV block"):
+        memory_request(TINY, EngineConfig(kv_block_size=4, kv_cache_bytes=r.block_bytes), dtype=torch.float32,
+                       max_seq_len=64)
+
+
+@settings(max_examples=40, deadline=None)
+@given(avail=st.integers(64 * MiB, 8 * GiB), more=st.integers(0, 4 * GiB), batch=st.integers(1, 64),
+       share=st.sampled_from([None, 0.05, 0.3]), pool_cap=st.sampled_from([None, 3 * MiB, 40 * MiB]))
+def test_sizes_fit_the_plan_and_grow_with_memory(avail, more, batch, share, pool_cap):
+    ec = EngineConfig(max_batch_size=batch, adapter_pool_share=share, adapter_pool_bytes=pool_cap, max_lora_rank=16)
+    r = memory_request(SMOL, ec, dtype=torch.float32, max_seq_len=256)
+    try:
+        a = size_engine(r, ec, _host(avail), reserve_bytes=r.activation_bytes)
+    except (MemoryPlanError, ValueError):
+        return  # too little memory for one adapter and one sequence: refused, as the engine refuses it
+    b = size_engine(r, ec, _host(avail + more), reserve_bytes=r.activation_bytes)
+    for s in (a, b):
+        assert s.num_pages * r.page_bytes <= s.plan.adapter_pool_bytes and s.num_pages >= r.pages_per_adapter
+        assert s.num_blocks * r.block_bytes <= s.plan.kv_bytes and s.num_blocks >= 2
+        assert s.num_blocks <= batch * r.seq_blocks + 1  # never more than max_batch_size sequences + null block
+        assert pool_cap is None or s.num_pages * r.page_bytes <= pool_cap
+    assert b.num_pages >= a.num_pages and b.num_blocks >= a.num_blocks
+
+
+def test_without_a_snapshot_the_caps_alone_size_the_engine():
+    ec = EngineConfig(max_lora_rank=16, kv_block_size=16, max_batch_size=2)
+    r = memory_request(TINY, ec, dtype=torch.float32, max_seq_len=64)
+    s = size_engine(r, ec, None, reserve_bytes=0)
+    assert s.plan is None and s.host_bytes is None
+    assert s.num_pages == 8 * r.pages_per_adapter  # 8 max-rank adapters when the pool has no cap
+    assert s.num_blocks == 2 * 4 + 1
+    tiny_pool = EngineConfig(max_lora_rank=16, adapter_pool_bytes=r.page_bytes)
+    with pytest.raises(ValueError, match="one rank-16 adapter needs 2"):
+        size_engine(memory_request(TINY, tiny_pool, dtype=torch.float32, max_seq_len=64), tiny_pool, None,
+                    reserve_bytes=0)
+
+
+def test_measure_and_size_replays_a_snapshot_and_the_engine_uses_its_sizes():
+    from multilora import Engine
+
+    snap = _host(1 * GiB)
+    ec = EngineConfig(device="cpu", max_seq_len=128, max_batch_size=4, memory_snapshot=snap, progress=False)
+    r = memory_request(TINY, ec, dtype=torch.float32, max_seq_len=128)
+    want = size_engine(r, ec, snap, reserve_bytes=r.activation_bytes)
+    got = measure_and_size(r, ec, torch.device("cpu"), profile_reserve=lambda: pytest.fail("CPU never profiles"))
+    assert (got.num_pages, got.num_blocks, got.host_bytes) == (want.num_pages, want.num_blocks, want.host_bytes)
+    e = Engine(TINY, config=ec)
+    assert (e.pool.num_pages, e.kv.num_blocks, e.cache.host_budget) == (want.num_pages, want.num_blocks, want.host_bytes)
