@@ -1,11 +1,5 @@
-"""The engine: one base model, many LoRA adapters, batched generation. A thin facade over the parts.
-
-    from multilora import Engine, SamplingParams
-    engine = Engine()                                   # embedded default model (SmolLM2-135M-Instruct)
-    engine.load_adapter("support-bot", "path/to/peft_adapter_dir")
-    outs = engine.generate(["Hi", "Bonjour"], adapters=["support-bot", None],
-                           sampling=SamplingParams(max_tokens=32, temperature=0.0))
-    logits = engine.logits([[1, 2, 3], [4, 5]], adapters=["support-bot", None])  # float32 [2, vocab]
+"""The engine: one base model, many LoRA adapters, batched generation. A thin facade over the parts (usage: the
+README's "Python API").
 
 The data path of a step (``Engine.step``): requests -> scheduler (``runtime.scheduler``: admission under the
 KV-block, batch, prefill-token and adapter-pool budgets) -> adapter cache (``runtime.adapter_cache``: the
@@ -132,10 +126,9 @@ class Engine:
             name: the name requests use (non-empty string).
             path: a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
             allow_pickle: also accept ``adapter_model.bin`` (a pickle; only for files you trust).
-            preload: read the weights now and keep them in the host tier (default). ``False`` validates the
-                config and the safetensors header only (names, shapes, dtypes, rank; milliseconds, no tensor data
-                read) and registers the adapter on the disk tier; its values are read, checked for non-finite
-                numbers and packed when a request first needs it (a failure then fails that request only).
+            preload: read the weights now into the host tier (default). ``False`` validates the config and the
+                safetensors header only (milliseconds) and registers the adapter on the disk tier; its values are
+                read, checked and packed when a request first needs it (a failure then fails that request only).
 
         Returns:
             The validated adapter (config, ranks, scalings, ``target_summary``); its modules hold ``meta`` tensors
@@ -269,12 +262,10 @@ class Engine:
         """Generate for a batch of prompts, each with its own adapter (or None), in one batched run.
 
         Args:
-            prompts: a list of prompts; each is a string, a list of chat messages
-                (``[{"role": "user", "content": "..."}]``, the model's chat template is applied) or a list of
-                token ids. A single string or message list is also accepted.
+            prompts: a list of prompts, each a string, chat messages (``[{"role": "user", "content": "..."}]``:
+                the chat template is applied) or token ids; a single string or message list is also accepted.
             adapters: one adapter name (or None = base model) per prompt, or one name for all.
-            sampling: one ``SamplingParams`` for all, or one per prompt.
-            progress: show a progress bar of finished requests.
+            sampling: one ``SamplingParams`` for all, or one per prompt. progress: a bar of finished requests.
 
         Returns:
             One ``RequestOutput`` per prompt, in order.
