@@ -186,6 +186,7 @@ class Engine:
         params = sampling or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling: expected SamplingParams, got {type(params).__name__}")
+        params.check()  # again: a field may have been changed since construction
         if params.stop and not self.text.has_text:
             raise ValueError(f"sampling.stop: {self.model_path} has no tokenizer, so stop strings cannot be matched")
         ids = self.tokenize(prompt)
@@ -247,13 +248,20 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def _run_until_done(self, reqs: list[Request], progress: bool) -> None:
-        """Step (holding the step lock) until every request of ``reqs`` has finished."""
-        with tqdm(total=len(reqs), desc="Generating", unit="req", disable=not progress) as bar:
-            pending = set(reqs)
-            while pending:
-                done = self.step()
-                bar.update(len(pending.intersection(done)))
-                pending.difference_update(done)
+        """Step (holding the step lock) until every request of ``reqs`` has finished. If this is interrupted or
+        raises (KeyboardInterrupt, any exception), the unfinished ones are withdrawn (their KV blocks and adapter
+        references go back, other callers' requests are untouched) before the exception propagates."""
+        try:
+            with tqdm(total=len(reqs), desc="Generating", unit="req", disable=not progress) as bar:
+                pending = set(reqs)
+                while pending:
+                    done = self.step()
+                    bar.update(len(pending.intersection(done)))
+                    pending.difference_update(done)
+        except BaseException as e:
+            for r in reqs:
+                self.scheduler.finish(r, "error", f"withdrawn: interrupted by {type(e).__name__}")
+            raise
 
     # ------------------------------------------------------------------------------------ generate
     def generate(self, prompts: Prompt | Sequence[Prompt], adapters: str | None | Sequence[str | None] = None,
@@ -274,8 +282,12 @@ class Engine:
             ValueError: mismatched list lengths or a bad prompt (nothing is run; the message names the index).
             UnknownAdapterError (a KeyError): a named adapter is not loaded (nothing is run).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], dict)):
+        if isinstance(prompts, dict):  # one chat message
+            prompts = [[prompts]]
+        elif isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], dict)):
             prompts = [prompts]
+        elif not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts: expected a prompt or a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
         adapters_l = _per_row(adapters, len(prompts), "adapters", "prompt")
         sampling_l = _per_row(sampling, len(prompts), "sampling", "prompt")

@@ -4,8 +4,10 @@ A step's logits (float32 ``[B, vocab]`` on the device, row ``i`` for ``batch[i]`
 draw (``multilora.runtime.sampling``); the only host sync of a step is reading the new ids back. A request
 ends with "stop" at an end-of-sequence token (unless ``ignore_eos``; the token is not kept) or when its text
 contains a stop string (the text is cut before it), and with "length" at ``max_tokens`` or ``max_seq_len``
-tokens. One request's failure (a bad stop check, say) fails that request only. A ``logits_only`` request
-(``Engine.logits``) keeps its row of logits and finishes without sampling.
+tokens. One request's failure fails that request only, with reason "error" and a message: logits that are not
+finite (an adapter whose weights overflow in compute), a draw that fails (each request is then drawn alone), a
+stop check that raises. A ``logits_only`` request (``Engine.logits``) keeps its row of logits and finishes
+without sampling.
 """
 
 from __future__ import annotations
@@ -48,15 +50,19 @@ class RequestOutput:
     error: str | None = None
 
 
-def sample_tokens(batch: list[Request], logits: torch.Tensor) -> list[int]:
-    """One batched draw on the logits' device: the next token of each request (``multilora.runtime.sampling``)."""
+def sample_tokens(batch: list[Request], logits: torch.Tensor) -> list[int | None]:
+    """One batched draw on the logits' device: the next token of each request (``multilora.runtime.sampling``),
+    or None for a row whose logits are not finite (a NaN, an inf, or every entry -inf: no token can be drawn).
+    The row maxima that tell this are the greedy path's own reduction; the step's only host sync reads both."""
     params = [r.params for r in batch]
     with torch.inference_mode():
-        if all(p.greedy for p in params):  # sample_batch's all-greedy path, without building its tensors
-            return logits.float().argmax(dim=-1).tolist()
-        t = SamplingTensors.from_params(params, [r.seed for r in batch], [len(r.output_ids) for r in batch],
-                                        logits.device)
-        return sample_batch(logits, t).tolist()
+        top, ids = logits.float().max(dim=-1)  # the greedy tokens (first of ties, as argmax) and each row's max
+        if not all(p.greedy for p in params):
+            t = SamplingTensors.from_params(params, [r.seed for r in batch], [len(r.output_ids) for r in batch],
+                                            logits.device)
+            ids = sample_batch(logits, t)
+        out = torch.where(torch.isfinite(top), ids, -1).tolist()
+    return [t if t >= 0 else None for t in out]
 
 
 class Postprocessor:
@@ -92,25 +98,43 @@ class Postprocessor:
                 return finished
             batch, logits = [batch[i] for i in keep], logits[keep]
         now = time.perf_counter()
-        try:
-            tokens: list[int | Exception] = list(sample_tokens(batch, logits))
-        except Exception as e:  # the sampler is batched: a failure here fails the step's requests
-            log.exception("sampling failed")
-            tokens = [e] * len(batch)
+        tokens = self._sample(batch, logits)
         for req, tok in zip(batch, tokens):
             try:
                 if isinstance(tok, Exception):
                     raise tok
+                if tok is None:
+                    raise FloatingPointError(
+                        f"the logits of this request are not finite (NaN or inf) with "
+                        f"{'adapter ' + repr(req.adapter_name) if req.adapter_name else 'the base model'}: its weights "
+                        f"overflow in compute, so no token can be drawn")
                 if req.first_token_time is None:
                     req.first_token_time = now
                 reason = self.check_stop(req, tok)
             except Exception as e:  # one request's failure never affects the others
-                log.exception("request %d failed", req.request_id)
+                if not isinstance(e, FloatingPointError):
+                    log.exception("request %d failed", req.request_id)
                 reason, req.error = "error", f"{type(e).__name__}: {e}"
             if reason is not None:
                 self.finish(req, reason, req.error)
                 finished.append(req)
         return finished
+
+    @staticmethod
+    def _sample(batch: list[Request], logits: torch.Tensor) -> list[int | None | Exception]:
+        """``sample_tokens`` for the batch; if the batched draw fails, each request is drawn alone, so one
+        request's parameters can fail that request only."""
+        try:
+            return sample_tokens(batch, logits)
+        except Exception:
+            log.exception("batched sampling failed; sampling each request alone")
+        out: list[int | None | Exception] = []
+        for i, req in enumerate(batch):
+            try:
+                out.extend(sample_tokens([req], logits[i : i + 1]))
+            except Exception as e:
+                out.append(e)
+        return out
 
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:
         """End a request (its resources go back) and count it."""

@@ -11,6 +11,8 @@ so a request's n-th token is the same whatever batch it runs in, at whatever row
 
 from __future__ import annotations
 
+import math
+import numbers
 import secrets
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -29,12 +31,16 @@ class SamplingParams:
         top_p: nucleus sampling (Holtzman et al. 2019): keep the smallest set of tokens whose
             probability sums to at least top_p; 1.0 = off. In (0, 1].
         top_k: keep the k most likely tokens; 0 = off.
-        seed: seeds this request's own generator (reproducible sampling whatever the batch); None = random.
-        stop: strings that end generation; the text is cut before the first occurrence.
+        seed: any int (reduced mod 2**64) seeds this request's noise (reproducible sampling whatever the
+            batch); None = random.
+        stop: strings that end generation (one string, a list, or None = none); the text is cut before the
+            first occurrence.
         ignore_eos: keep going past the model's end-of-sequence token.
 
+    Every field is checked here, type and range, so the batched sampler never meets a value it cannot use.
+
     Raises:
-        ValueError: an out-of-range value (the message names the field).
+        ValueError: a value of the wrong type or out of range (the message names the field).
     """
 
     max_tokens: int = 64
@@ -46,22 +52,59 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
+        self.check()
+
+    def check(self) -> None:
+        """Check every field (type and range) and normalise it (``stop`` to a list, numpy scalars to Python
+        ones); run at construction and again when a request is submitted (the fields may have been changed since).
+
+        Raises:
+            ValueError: ``SamplingParams.<field>: expected ..., got ...``.
+        """
+        def fail(name: str, want: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}: expected {want}, got {getattr(self, name)!r}")
+
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens: expected an int >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"SamplingParams.temperature: expected >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p: expected a value in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k: expected an int >= 0, got {self.top_k!r}")
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise fail("stop", "a string, a list of strings or None")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise fail("max_tokens", "an int >= 1")
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise fail("temperature", "a finite number >= 0")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise fail("top_p", "a number in (0, 1]")
+        if not _is_int(self.top_k) or not 0 <= self.top_k < 2**63:
+            raise fail("top_k", "an int in [0, 2**63)")
+        if self.seed is not None and not _is_int(self.seed):
+            raise fail("seed", "an int or None")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise fail("ignore_eos", "True or False")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"SamplingParams.stop: expected non-empty strings, got {self.stop!r}")
+            raise fail("stop", "non-empty strings")
+        # numpy scalars become Python ones: the sampler packs them with the others
+        self.max_tokens, self.top_k, self.ignore_eos = int(self.max_tokens), int(self.top_k), bool(self.ignore_eos)
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        if self.seed is not None:
+            self.seed = int(self.seed)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(v: object) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v: object) -> bool:
+    """A real number (Python or numpy), not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
 
 
 def make_seed(params: SamplingParams) -> int:

@@ -93,6 +93,7 @@ class Request:
     skipped_steps: int = 0  # schedule() calls this request has waited through
     preemptions: int = 0  # times it was preempted (its KV blocks taken back; recomputed on re-admission)
     kv_tokens: int = 0  # positions its KV blocks are known to hold (0: unknown, ask the cache); scheduler-kept
+    admitted_tokens: int = -1  # num_tokens when last admitted: still equal at the next schedule() = no token yet
     logits_only: bool = False  # Engine.logits: one prefill, its last position's logits kept, nothing sampled
     logits: torch.Tensor | None = None  # float32 [vocab] on the CPU, set when a logits_only request finishes
 
@@ -179,6 +180,8 @@ class Scheduler:
         """Pick the next step: a prefill of the requests that can be admitted now, else a decode of the running
         requests after making room for one more token of each (preempting the newest if needed). When nothing
         runs and nothing can be admitted (the pool is full of pinned adapters), the waiting requests fail."""
+        for req in [r for r in self.running if r.num_tokens == r.admitted_tokens]:
+            self._preempt(req, count=False)  # its prefill step was interrupted: it has no token to decode from
         failed: list[Request] = []
         admitted = self._admit(failed)
         if admitted:
@@ -210,8 +213,9 @@ class Scheduler:
                 req.kv_tokens = max(req.kv_tokens, -(-n // bs) * bs)
         assert self.running, "decode step without a running request"
 
-    def _preempt(self, req: Request) -> None:
-        """Take a running request's blocks and adapter reference back; it waits at the front of the queue."""
+    def _preempt(self, req: Request, *, count: bool = True) -> None:
+        """Take a running request's blocks and adapter reference back; it waits at the front of the queue
+        (``count=False``: a request whose prefill step was interrupted goes back without counting a preemption)."""
         self.kv.free_seq(req.seq_id)
         req.kv_tokens = 0
         if req.handle is not None:
@@ -220,46 +224,47 @@ class Scheduler:
         self.running.remove(req)
         req.slot, req.status = -1, Status.WAITING
         req.queued_time = time.perf_counter()
-        req.preemptions += 1
-        self.preemptions += 1
+        if count:
+            req.preemptions += 1
+            self.preemptions += 1
         self.waiting.appendleft(req)
 
     def _admit(self, failed: list[Request]) -> list[Request]:
+        """Admit waiting requests in order while the budgets allow (module docstring). Every request is, at every
+        point, either in ``waiting`` or in ``running`` with its resources, so an exception (an interrupt) in the
+        middle leaves the scheduler consistent."""
         admitted: list[Request] = []
-        tokens = 0
-        skipped: list[Request] = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
-            req = self.waiting[0]
+        tokens, i = 0, 0
+        while i < len(self.waiting) and len(self.running) < self.max_batch_size:
+            req = self.waiting[i]
             n = req.num_tokens  # a preempted request recomputes its generated tokens too
             if admitted and tokens + n > self.max_prefill_tokens:
                 break
             if not self.kv.can_fit(req.kv_need):
                 break  # the head waits for blocks; nothing behind it is admitted
-            slot = -1
-            if req.handle is not None:
+            if req.handle is not None and req.slot < 0:  # (a slot kept from an interrupted admission is reused)
                 if not self.cache.could_ever_fit(req.handle):
-                    self.waiting.popleft()
                     self._fail(req, f"adapter {req.adapter_name!r} needs {req.handle.num_pages} page(s): more than the "
                                     f"adapter pool holds besides pinned adapters ({self.cache.pool.num_pages} pages)",
                                failed)
                     continue
                 try:
-                    slot = self.cache.acquire(req.handle)
+                    req.slot = self.cache.acquire(req.handle)
                 except PoolFullError:
-                    self.adapter_waits += 1
-                    skipped.append(self.waiting.popleft())  # wait for running requests to release pages
-                    if skipped[-1].skipped_steps >= self.patience:
+                    self.adapter_waits += 1  # it waits for running requests to release pages
+                    i += 1
+                    if req.skipped_steps >= self.patience:
                         break  # urgent: admit nobody behind it
                     continue
                 except Exception as e:  # e.g. its files changed on disk: fail this request only
-                    self.waiting.popleft()
                     self._fail(req, f"{type(e).__name__}: {e}", failed)
                     continue
             req.kv_tokens = len(self.kv.allocate_seq(req.seq_id, req.kv_need)) * self.kv.block_size  # fits: checked above
-            self.waiting.popleft()
+            del self.waiting[i]
+            req.status, req.admitted_tokens = Status.RUNNING, n
+            self.running.append(req)
             if req.handle is not None:
                 self.cache.dequeue(req.handle)
-            req.slot, req.status = slot, Status.RUNNING
             now = time.perf_counter()
             if req.admit_time is None:
                 req.admit_time = now
@@ -269,10 +274,8 @@ class Scheduler:
             self.admitted_total += 1
             admitted.append(req)
             tokens += n
-        self.waiting.extendleft(reversed(skipped))  # keep arrival order
         for req in self.waiting:
             req.skipped_steps += 1
-        self.running.extend(admitted)
         return admitted
 
     def _fail(self, req: Request, message: str, failed: list[Request]) -> None:

@@ -12,6 +12,14 @@ from typing import Any, Iterable
 Prompt = Any  # str | list[dict] (chat messages) | list[int] (token ids)
 
 
+def _check_text(text: str, where: str) -> None:
+    """Raise ValueError if ``text`` is not valid Unicode (a lone surrogate: the tokenizer cannot encode it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: not valid Unicode text ({e.reason} at index {e.start})") from None
+
+
 class PromptTokenizer:
     """The engine's view of a tokenizer.
 
@@ -38,17 +46,25 @@ class PromptTokenizer:
         """Token ids of a prompt (see the module docstring).
 
         Raises:
-            ValueError: a prompt of another type, ids out of range, chat messages without 'role'/'content', text
-                for a model without a tokenizer, or a prompt that tokenizes to nothing.
+            ValueError: a prompt of another type, ids out of range, chat messages without string 'role' and
+                'content', text that is not valid Unicode (a lone surrogate), text for a model without a
+                tokenizer, or a prompt that tokenizes to nothing.
         """
         listed = isinstance(prompt, (list, tuple))
         if self.tokenizer is None and not (listed and all(isinstance(t, int) for t in prompt)):
             raise ValueError(f"prompt: {self.source} has no tokenizer, so prompts must be lists of token ids")
         if isinstance(prompt, str):
+            _check_text(prompt, "prompt")
             ids = self.tokenizer(prompt)["input_ids"]
         elif listed and prompt and all(isinstance(m, dict) for m in prompt):
             if not all("role" in m and "content" in m for m in prompt):
                 raise ValueError("prompt: chat messages must be dicts with 'role' and 'content'")
+            for i, m in enumerate(prompt):
+                for key in ("role", "content"):
+                    if not isinstance(m[key], str):
+                        raise ValueError(f"prompt: chat message {i}: {key!r} must be a string, got "
+                                         f"{type(m[key]).__name__}")
+                    _check_text(m[key], f"prompt: chat message {i}: {key!r}")
             text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         elif listed and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
