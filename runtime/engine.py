@@ -35,7 +35,7 @@ from multilora.runtime.runner import ModelRunner
 from multilora.runtime.sampling import SamplingParams, make_seed
 from multilora.runtime.scheduler import Request, Schedule, Scheduler, next_request_id
 from multilora.runtime.sizing import measure_and_size, memory_request
-from multilora.runtime.tokenizer import Prompt, PromptTokenizer
+from multilora.runtime.tokenizer import Prompt, PromptTokenizer, prompt_list
 from multilora.runtime.weights import load_model
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput"]
@@ -282,13 +282,7 @@ class Engine:
             ValueError: mismatched list lengths or a bad prompt (nothing is run; the message names the index).
             UnknownAdapterError (a KeyError): a named adapter is not loaded (nothing is run).
         """
-        if isinstance(prompts, dict):  # one chat message
-            prompts = [[prompts]]
-        elif isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], dict)):
-            prompts = [prompts]
-        elif not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts: expected a prompt or a list of prompts, got {type(prompts).__name__}")
-        prompts = list(prompts)
+        prompts = prompt_list(prompts)
         adapters_l = _per_row(adapters, len(prompts), "adapters", "prompt")
         sampling_l = _per_row(sampling, len(prompts), "sampling", "prompt")
         with self._step_lock:
@@ -363,12 +357,10 @@ class Engine:
         return {**self._counters, **self.cache.report(), **self.scheduler.report()}
 
     # --------------------------------------------------------------------- the options, by their old names
-    max_batch_size = property(lambda self: self.engine_config.max_batch_size)
-    kv_block_size = property(lambda self: self.engine_config.kv_block_size)
-    max_lora_rank = property(lambda self: self.engine_config.max_lora_rank)
-    max_prefill_tokens = property(lambda self: self.engine_config.max_prefill_tokens)
-    lora_backend = property(lambda self: self.engine_config.lora_backend)
-    attention_backend = property(lambda self: self.engine_config.attention_backend)
+    for _name in ("max_batch_size", "kv_block_size", "max_lora_rank", "max_prefill_tokens", "lora_backend",  # engine.<option>
+                  "attention_backend"):
+        locals()[_name] = property(lambda self, _n=_name: getattr(self.engine_config, _n))
+    del _name
     eos_token_ids = property(lambda self: self.text.eos_ids)
     graphs = property(lambda self: self.runner.graphs, doc="the runner's CUDA-graph decode steps, or None")
 

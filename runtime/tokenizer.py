@@ -12,6 +12,18 @@ from typing import Any, Iterable
 Prompt = Any  # str | list[dict] (chat messages) | list[int] (token ids)
 
 
+def prompt_list(prompts: Any) -> list:
+    """``generate``'s ``prompts`` as a list of prompts: a list as given; one string, one list of chat messages or one
+    message dict as a list of one prompt. Raises ValueError for anything else (None, a number, ...)."""
+    if isinstance(prompts, dict):  # one chat message
+        return [[prompts]]
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], dict)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts: expected a prompt or a list of prompts, got {type(prompts).__name__}")
+    return list(prompts)
+
+
 def _check_text(text: str, where: str) -> None:
     """Raise ValueError if ``text`` is not valid Unicode (a lone surrogate: the tokenizer cannot encode it)."""
     try:
