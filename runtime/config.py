@@ -65,6 +65,8 @@ class EngineConfig:
         starvation_patience: steps a waiting request may be passed over before nothing behind it is admitted
             (the scheduler's no-starvation bound, ``multilora.runtime.scheduler``).
         prefetch_adapters: how many not-yet-resident adapters of waiting requests to prefetch per step.
+        max_waiting_requests: most requests waiting at once; ``add_request`` / ``generate`` beyond it raise
+            ``EngineOverloadedError`` (a server answers 429) instead of queueing without bound.
         lora_backend: "torch", "triton" or None (triton on CUDA when available).
         attention_backend: the paged-attention backend, "torch", "triton" or None (triton on CUDA when
             available; ``multilora.kernels.attention``).
@@ -97,6 +99,7 @@ class EngineConfig:
     max_prefill_tokens: int = _opt(4096, "most tokens in one prefill step")
     starvation_patience: int = _opt(16, "steps a waiting request may be passed over before it is urgent")
     prefetch_adapters: int = _opt(4, "adapters of waiting requests prefetched per step")
+    max_waiting_requests: int = _opt(16384, "most requests waiting at once (more: an 'overloaded' error)")
     lora_backend: str | None = _opt(None, "LoRA kernels (default: triton on CUDA)", choices=_BACKENDS)
     attention_backend: str | None = _opt(None, "paged attention (default: triton on CUDA)", choices=_BACKENDS)
     cuda_graphs: bool = _opt(True, "run decode steps eagerly (no CUDA graphs)")
@@ -109,7 +112,7 @@ class EngineConfig:
             return ValueError(f"Engine: {name} must be {want}, got {getattr(self, name)!r}")
 
         for name in ("max_batch_size", "kv_block_size", "max_lora_rank", "adapter_slots", "page_rows",
-                     "max_prefill_tokens", "local_ranks"):
+                     "max_prefill_tokens", "local_ranks", "max_waiting_requests"):
             v = getattr(self, name)
             if not (v is None and name == "adapter_slots") and (not _is_int(v) or v < 1):
                 raise fail(name, "an int >= 1")

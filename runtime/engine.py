@@ -33,14 +33,18 @@ from multilora.runtime.model import LlamaModel
 from multilora.runtime.postprocess import Postprocessor, RequestOutput
 from multilora.runtime.runner import ModelRunner
 from multilora.runtime.sampling import SamplingParams, make_seed
-from multilora.runtime.scheduler import Request, Schedule, Scheduler, next_request_id
+from multilora.runtime.scheduler import Request, Schedule, Scheduler, Status, next_request_id
 from multilora.runtime.sizing import measure_and_size, memory_request
 from multilora.runtime.tokenizer import Prompt, PromptTokenizer, prompt_list
 from multilora.runtime.weights import load_model
 
-__all__ = ["Engine", "EngineConfig", "RequestOutput"]
+__all__ = ["Engine", "EngineConfig", "EngineOverloadedError", "RequestOutput"]
 
 log = logging.getLogger("multilora")
+
+class EngineOverloadedError(RuntimeError):
+    """More requests are waiting than ``EngineConfig.max_waiting_requests`` allows: try again later."""
+
 
 _COUNTERS = ("steps", "prefill_steps", "decode_steps", "prompt_tokens", "recomputed_tokens", "generated_tokens",
              "requests_finished", "requests_failed")
@@ -182,6 +186,7 @@ class Engine:
                 request whose whole length (``min(prompt + max_tokens, max_seq_len)`` tokens) needs more KV
                 blocks than the whole cache has.
             UnknownAdapterError (a KeyError): ``adapter`` is not loaded.
+            EngineOverloadedError: ``max_waiting_requests`` requests are already waiting.
         """
         params = sampling or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -201,6 +206,9 @@ class Engine:
                 f"shorten the prompt or raise kv_cache_bytes")
         if adapter is not None and not isinstance(adapter, str):
             raise ValueError(f"adapters: expected a name (str) or None, got {type(adapter).__name__}")
+        if len(self.scheduler.waiting) >= self.engine_config.max_waiting_requests:
+            raise EngineOverloadedError(f"engine overloaded: {len(self.scheduler.waiting)} requests are waiting "
+                                        f"(max_waiting_requests={self.engine_config.max_waiting_requests}); retry later")
         req = Request(request_id=next_request_id(), prompt=prompt, prompt_ids=ids, adapter_name=adapter,
                       handle=self.cache.get(adapter) if adapter is not None else None, params=params,
                       seed=make_seed(params))
@@ -247,17 +255,27 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort(self, request_id: int) -> bool:
+        """Withdraw a request (from any thread): it leaves before the next step, with ``finish_reason="abort"``;
+        its KV blocks and adapter reference go back. Returns False when no unfinished request has that id."""
+        with self._step_lock:
+            req = self.scheduler.get(request_id)
+            if req is not None:
+                self.scheduler.finish(req, "abort", "aborted")
+            return req is not None
+
     def _run_until_done(self, reqs: list[Request], progress: bool) -> None:
-        """Step (holding the step lock) until every request of ``reqs`` has finished. If this is interrupted or
+        """Step until every request of ``reqs`` has finished (whoever's step finishes it). If this is interrupted or
         raises (KeyboardInterrupt, any exception), the unfinished ones are withdrawn (their KV blocks and adapter
         references go back, other callers' requests are untouched) before the exception propagates."""
-        try:
+        try:  # one step at a time under the lock: callers in other threads batch with these requests
             with tqdm(total=len(reqs), desc="Generating", unit="req", disable=not progress) as bar:
-                pending = set(reqs)
+                pending = list(reqs)
                 while pending:
-                    done = self.step()
-                    bar.update(len(pending.intersection(done)))
-                    pending.difference_update(done)
+                    self.step()
+                    left = [r for r in pending if r.status is not Status.FINISHED]
+                    bar.update(len(pending) - len(left))
+                    pending = left
         except BaseException as e:
             for r in reqs:
                 self.scheduler.finish(r, "error", f"withdrawn: interrupted by {type(e).__name__}")
@@ -276,11 +294,13 @@ class Engine:
             sampling: one ``SamplingParams`` for all, or one per prompt. progress: a bar of finished requests.
 
         Returns:
-            One ``RequestOutput`` per prompt, in order.
+            One ``RequestOutput`` per prompt, in order. Calls from several threads at once share the engine's steps
+            (their requests are batched together); ``last_run`` counts every token the engine made meanwhile.
 
         Raises:
             ValueError: mismatched list lengths or a bad prompt (nothing is run; the message names the index).
             UnknownAdapterError (a KeyError): a named adapter is not loaded (nothing is run).
+            EngineOverloadedError: too many requests waiting (nothing is run).
         """
         prompts = prompt_list(prompts)
         adapters_l = _per_row(adapters, len(prompts), "adapters", "prompt")
@@ -299,9 +319,9 @@ class Engine:
                 for r in reqs:  # nothing was run: withdraw what was queued
                     self.scheduler.finish(r, "error", "withdrawn")
                 raise
-            t0, gen0 = time.perf_counter(), self._counters["generated_tokens"]
-            self._run_until_done(reqs, progress)
-            elapsed = time.perf_counter() - t0
+        t0, gen0 = time.perf_counter(), self._counters["generated_tokens"]
+        self._run_until_done(reqs, progress)
+        elapsed = time.perf_counter() - t0
         generated = self._counters["generated_tokens"] - gen0
         self.last_run = {"seconds": elapsed, "generated_tokens": generated,
                          "prompt_tokens": sum(len(r.prompt_ids) for r in reqs),
@@ -344,7 +364,7 @@ class Engine:
         with self._step_lock:
             for r in reqs:
                 self.scheduler.add(r)
-            self._run_until_done(reqs, progress=False)
+        self._run_until_done(reqs, progress=False)
         for i, r in enumerate(reqs):
             if r.logits is None:
                 raise RuntimeError(f"logits: token_ids[{i}] failed: {r.error}")
@@ -362,6 +382,8 @@ class Engine:
         locals()[_name] = property(lambda self, _n=_name: getattr(self.engine_config, _n))
     del _name
     eos_token_ids = property(lambda self: self.text.eos_ids)
+    step_lock = property(lambda self: self._step_lock, doc="held by every step: hold it to make several calls "
+                                                             "(add_request, abort, ...) atomic with respect to steps")
     graphs = property(lambda self: self.runner.graphs, doc="the runner's CUDA-graph decode steps, or None")
 
 

@@ -37,7 +37,8 @@ class RequestOutput:
         token_ids: generated token ids (the end-of-sequence token, when hit, is not included).
         prompt_token_ids: the prompt after tokenization (and chat templating).
         finish_reason: "stop" (end-of-sequence or a stop string), "length" (max_tokens or the
-            engine's max_seq_len), or "error" (see ``error``; other requests are unaffected).
+            engine's max_seq_len), "abort" (``Engine.abort``), or "error" (see ``error``; other requests are
+            unaffected).
     """
 
     request_id: int
@@ -162,7 +163,7 @@ class Postprocessor:
 
     def output(self, r: Request) -> RequestOutput:
         """The caller's view of a finished request."""
-        if r.finish_reason == "error" and not r.text:
+        if r.finish_reason in ("error", "abort") and not r.text:
             r.text = self.tokenizer.decode(r.output_ids)
         return RequestOutput(request_id=r.request_id, prompt=r.prompt, adapter=r.adapter_name, text=r.text,
                              token_ids=list(r.output_ids), prompt_token_ids=list(r.prompt_ids),

@@ -161,6 +161,7 @@ class Scheduler:
         self.patience = patience
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order (the last is preempted first)
+        self._live: dict[int, Request] = {}  # unfinished requests by id
         self.wait_seconds_total = 0.0
         self.wait_seconds_max = 0.0
         self.admitted_total = 0
@@ -168,10 +169,16 @@ class Scheduler:
         self.preemptions = 0
 
     def add(self, req: Request) -> None:
+        """Queue a request (at the back)."""
         if req.handle is not None:
             self.cache.enqueue(req.handle)
         req.queued_time = req.arrival
         self.waiting.append(req)
+        self._live[req.request_id] = req
+
+    def get(self, request_id: int) -> Request | None:
+        """The unfinished request of that id (waiting or running), or None."""
+        return self._live.get(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -313,6 +320,7 @@ class Scheduler:
             return
         was_waiting = req.status is Status.WAITING
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
+        self._live.pop(req.request_id, None)
         req.finish_time = time.perf_counter()
         if self.kv.has_seq(req.seq_id):
             self.kv.free_seq(req.seq_id)

@@ -98,3 +98,43 @@ class PromptTokenizer:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class TextStream:
+    """A request's output text, streamed: ``push(ids)`` with the ids generated so far returns the text not yet
+    given out. Text is held back while it ends in an incomplete character (the tokenizer decodes a partial UTF-8
+    sequence to U+FFFD) or in the start of a stop string (a stop string may span tokens, and the final text is cut
+    before it); ``close(final_text)`` gives the rest of the request's final text.
+
+    Args:
+        tokenizer: decodes the ids (``PromptTokenizer.decode``; no tokenizer: no text).
+        stop: the request's stop strings.
+    """
+
+    def __init__(self, tokenizer: PromptTokenizer, stop: Iterable[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.sent = ""  # the text given out so far
+
+    def push(self, ids: list[int]) -> str:
+        """The new text of ``ids`` (all the ids generated so far)."""
+        text = self.tokenizer.decode(ids)
+        end = len(text)
+        while end and text[end - 1] == "\ufffd":  # a multi-byte character whose bytes have not all arrived
+            end -= 1
+        for s in self.stop:  # keep back a tail that could be the beginning of a stop string
+            k = next((k for k in range(min(len(s) - 1, end), 0, -1) if text.endswith(s[:k], 0, end)), 0)
+            end -= k
+        return self._take(text[:end])
+
+    def close(self, final_text: str) -> str:
+        """The rest of the request's final text (``RequestOutput.text``)."""
+        return self._take(final_text)
+
+    def _take(self, text: str) -> str:
+        # Text already given out is never taken back; if an earlier piece decodes differently now (rare), only
+        # what lies beyond the text given out is new.
+        new = text[len(self.sent):]
+        if new:
+            self.sent = text
+        return new

@@ -1,0 +1,229 @@
+"""A background loop that steps an engine while it has work, and streams every request's output as it comes.
+
+    loop = EngineLoop(engine)                            # a daemon thread; loop.close() stops it
+    stream = loop.submit("Hi", adapter="bot", sampling=SamplingParams(max_tokens=32))
+    for delta in stream:                                 # any thread: new token ids and text, step by step
+        print(delta.text, end="")
+    out = loop.submit(prompt).result()                   # or wait for the whole RequestOutput
+    async for delta in loop.submit(prompt): ...          # from an asyncio event loop, without blocking it
+
+Requests from any number of threads and event loops are batched together by the engine's scheduler (the loop
+steps once for all of them). A stream's consumer that stops early (breaks out, is cancelled, disconnects)
+aborts its request: its KV blocks and adapter reference go back at once (``Engine.abort``). Submission errors
+(bad prompt, unknown adapter, ``EngineOverloadedError``) are raised by ``submit`` in the caller's thread; a
+request that fails later ends its stream with ``finish_reason="error"`` and the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterator
+
+from multilora.runtime.postprocess import RequestOutput
+from multilora.runtime.sampling import SamplingParams
+from multilora.runtime.scheduler import Request, Status
+from multilora.runtime.tokenizer import Prompt, TextStream
+
+log = logging.getLogger("multilora")
+
+
+@dataclass
+class RequestDelta:
+    """What one request produced since its previous delta.
+
+    Attributes:
+        request_id: the request's id (``RequestOutput.request_id``).
+        token_ids: the ids generated since the previous delta (an end-of-sequence token is never included).
+        text: the text since the previous delta; never a split character, never the start of a stop string
+            (``runtime.tokenizer.TextStream``); all deltas' texts joined = the final ``RequestOutput.text``.
+        finish_reason: None while the request runs; on its last delta "stop", "length", "abort" or "error".
+        error: the error message of a failed request (last delta only).
+        output: the whole ``RequestOutput`` (last delta only).
+    """
+
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+    output: RequestOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestStream:
+    """The deltas of one request, in order: iterate it (``for``, or ``async for`` inside an event loop), or call
+    ``result()``. Leaving an iteration before the last delta aborts the request."""
+
+    def __init__(self, loop: "EngineLoop", request_id: int) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._cond = threading.Condition()
+        self._deltas: deque[RequestDelta] = deque()
+        self._done = False  # the last delta has been taken by the consumer
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+
+    def _deliver(self, delta: RequestDelta) -> None:  # (the loop's thread)
+        with self._cond:
+            self._deltas.append(delta)
+            self._cond.notify_all()
+            waiter = self._async
+        if waiter is not None:
+            try:
+                waiter[0].call_soon_threadsafe(waiter[1].set)
+            except RuntimeError:  # the consumer's event loop has closed: nobody is waiting any more
+                pass
+
+    def _take(self, delta: RequestDelta) -> RequestDelta:
+        self._done = delta.finished
+        return delta
+
+    def __iter__(self) -> Iterator[RequestDelta]:
+        try:
+            while not self._done:
+                with self._cond:
+                    while not self._deltas:
+                        self._cond.wait()
+                    delta = self._deltas.popleft()
+                yield self._take(delta)
+        finally:
+            if not self._done:
+                self.abort()
+
+    async def __aiter__(self) -> AsyncIterator[RequestDelta]:
+        event = asyncio.Event()
+        with self._cond:
+            self._async = (asyncio.get_running_loop(), event)
+        try:
+            while not self._done:
+                with self._cond:
+                    delta = self._deltas.popleft() if self._deltas else None
+                    if delta is None:
+                        event.clear()  # under the lock: a delivery after this sets it again
+                if delta is None:
+                    await event.wait()
+                    continue
+                yield self._take(delta)
+        finally:
+            with self._cond:
+                self._async = None
+            if not self._done:
+                self.abort()
+
+    def result(self) -> RequestOutput:
+        """Wait for the request to finish; its ``RequestOutput``."""
+        last = None
+        for last in self:
+            pass
+        return last.output
+
+    def abort(self) -> bool:
+        """Withdraw the request now (``Engine.abort``); the stream then ends with ``finish_reason="abort"``."""
+        return self._loop.abort(self.request_id)
+
+
+@dataclass
+class _Tracked:
+    stream: RequestStream
+    req: Request
+    text: TextStream
+    sent: int = 0  # token ids given out
+
+
+class EngineLoop:
+    """Steps ``engine`` on a background thread while it has unfinished requests and streams their outputs.
+
+    Args:
+        engine: a ``multilora.Engine``; other threads may keep using it (``generate`` batches with the loop).
+        poll_seconds: how long the thread sleeps when idle before it looks again (a submission wakes it at once).
+    """
+
+    def __init__(self, engine: Any, *, poll_seconds: float = 0.05) -> None:
+        self.engine = engine
+        self.poll_seconds = poll_seconds
+        self._tracked: dict[int, _Tracked] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="multilora-engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: Prompt, adapter: str | None = None, sampling: SamplingParams | None = None) -> RequestStream:
+        """Queue a request (``Engine.add_request``'s arguments and errors) and return its stream.
+
+        Raises:
+            RuntimeError: the loop is closed. Otherwise as ``Engine.add_request``.
+        """
+        if self._closed:
+            raise RuntimeError("EngineLoop: closed")
+        with self.engine.step_lock:  # no step can run the request before its stream is registered
+            req = self.engine.add_request(prompt, adapter, sampling)
+            stream = RequestStream(self, req.request_id)
+            with self._lock:
+                self._tracked[req.request_id] = _Tracked(stream, req, TextStream(self.engine.text, req.params.stop))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: int) -> bool:
+        """Withdraw a request (``Engine.abort``); its stream ends with ``finish_reason="abort"``."""
+        found = self.engine.abort(request_id)
+        self._wake.set()
+        return found
+
+    @property
+    def num_streams(self) -> int:
+        """Requests whose streams have not delivered their last delta yet."""
+        with self._lock:
+            return len(self._tracked)
+
+    def close(self) -> None:
+        """Abort what is still running and stop the thread."""
+        self._closed = True
+        with self._lock:
+            ids = list(self._tracked)
+        for rid in ids:
+            self.engine.abort(rid)
+        self._wake.set()
+        self._thread.join()
+        self._publish()
+
+    def _run(self) -> None:
+        while not self._closed:
+            try:
+                if self.engine.has_unfinished():
+                    self.engine.step()
+                else:
+                    self._wake.wait(self.poll_seconds)
+                    self._wake.clear()
+                self._publish()
+            except Exception:  # a bug: never leave streams waiting forever, keep serving new requests
+                log.exception("engine loop: a step failed; failing its streamed requests")
+                with self._lock:
+                    ids = list(self._tracked)
+                for rid in ids:
+                    req = self.engine.scheduler.get(rid)
+                    if req is not None:
+                        self.engine.scheduler.finish(req, "error", "the engine loop failed (see the log)")
+
+    def _publish(self) -> None:
+        """Deliver each tracked request's new ids and text; the last delta of the finished ones."""
+        with self._lock:
+            items = list(self._tracked.values())
+        for t in items:
+            req = t.req
+            if req.status is Status.FINISHED:
+                out = self.engine.postprocess.output(req)
+                t.stream._deliver(RequestDelta(req.request_id, list(req.output_ids[t.sent :]), t.text.close(out.text),
+                                               out.finish_reason, out.error, out))
+                with self._lock:
+                    self._tracked.pop(req.request_id, None)
+            elif len(req.output_ids) > t.sent:
+                ids = list(req.output_ids)
+                t.stream._deliver(RequestDelta(req.request_id, ids[t.sent :], t.text.push(ids)))
+                t.sent = len(ids)

@@ -1,0 +1,231 @@
+"""The streaming engine (issue 14, "the engine, streaming and asynchronous"): ``EngineLoop`` steps on its own
+thread, streams every request's tokens and text, serves threads and asyncio callers together, aborts; text
+streaming never splits a character and holds back a stop string that spans tokens; concurrent ``generate()``
+calls are batched; a bounded waiting queue refuses with ``EngineOverloadedError``.
+
+The reference is ``Engine.generate`` of the same request alone (greedy or seeded: batch-invariant)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import time
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from multilora import Engine, SamplingParams  # noqa: E402
+from multilora.runtime.engine import EngineOverloadedError  # noqa: E402
+from multilora.runtime.engine_loop import EngineLoop  # noqa: E402
+from multilora.runtime.tokenizer import TextStream  # noqa: E402
+from testsupport import tiny_llama_dir, token_ids, tokenizer_dir, write_adapter  # noqa: E402
+
+VOCAB = 49152
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    d = tiny_llama_dir(tmp_path_factory, VOCAB, name="tiny-loop")
+    for f in tokenizer_dir(tmp_path_factory).iterdir():
+        shutil.copy(f, d)
+    e = Engine(model=str(d), progress=False, max_batch_size=8)
+    root = tmp_path_factory.mktemp("loop-adapters")
+    for i, name in enumerate(("a", "b", "c")):
+        e.load_adapter(name, write_adapter(root / name, e.config, seed=i, rank=4 + 4 * i, modules=("q_proj", "v_proj")))
+    return e
+
+
+@pytest.fixture
+def loop(engine):
+    lp = EngineLoop(engine)
+    yield lp
+    lp.close()
+    assert engine.stats()["running"] == engine.stats()["waiting"] == 0
+
+
+def _alone(engine, prompt, adapter=None, sampling=GREEDY):
+    return engine.generate([prompt], adapters=[adapter], sampling=sampling)[0]
+
+
+def _idle(engine):
+    s = engine.stats()
+    assert s["waiting"] == s["running"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
+    assert all(engine.cache.get(n).refcount == 0 for n in engine.list_adapters())
+
+
+# ---------------------------------------------------------------------------------------------- text stream
+class _Bytes:  # a tokenizer whose tokens are UTF-8 bytes: characters split across tokens
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("text,stop", [("héllo wörld 🙂 done", []), ("abc END def", ["END"]), ("xxENxEND", ["END"]),
+                                       ("a😀b", ["😀b"]), ("no stop here", ["here!"])])
+def test_text_stream_never_splits_a_character_nor_gives_out_a_stop_string(text, stop):
+    """Byte by byte, as the engine would push it (until the text holds a stop string: the request then
+    finishes with its text cut before it): no piece holds a split character, the pieces are always a prefix of
+    the final text, and the final text is the pieces plus what ``close`` gives."""
+    data = list(text.encode())
+    ts = TextStream(_Bytes(), stop)
+    joined = ""
+    for i in range(1, len(data) + 1):
+        if any(s in bytes(data[:i]).decode("utf-8", errors="replace") for s in stop):
+            break  # check_stop finishes the request at this token
+        piece = ts.push(data[:i])
+        assert "\ufffd" not in piece
+        joined += piece
+    final = text[: min([text.find(s) for s in stop if s in text], default=len(text))]
+    assert final.startswith(joined)
+    assert joined + ts.close(final) == final
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+def test_stream_equals_generate_token_for_token(engine, loop):
+    prompt = token_ids(7, 1, VOCAB)
+    want = _alone(engine, prompt, "b")
+    deltas = list(loop.submit(prompt, "b", GREEDY))
+    assert [t for d in deltas for t in d.token_ids] == want.token_ids
+    assert "".join(d.text for d in deltas) == want.text
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length" and deltas[-1].output.token_ids == want.token_ids
+    assert sum(1 for d in deltas if d.token_ids) >= 2  # streamed, not delivered at the end
+    _idle(engine)
+
+
+def test_chat_stream_with_a_stop_string(engine, loop):
+    msgs = [{"role": "user", "content": "Write a list."}]
+    free = _alone(engine, msgs, None, SamplingParams(max_tokens=12, ignore_eos=True))
+    stop = free.text[3:6] if len(free.text) > 6 else None
+    if not stop or not stop.strip():
+        pytest.skip("the tiny model's text has no usable stop string")
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop])
+    want = _alone(engine, msgs, None, sp)
+    deltas = list(loop.submit(msgs, None, sp))
+    assert "".join(d.text for d in deltas) == want.text and deltas[-1].finish_reason == want.finish_reason == "stop"
+    assert all(stop not in d.text for d in deltas)
+
+
+def test_threads_are_batched_and_short_requests_come_back_first(engine, loop):
+    """8 threads stream on different adapters at once: every result is its reference, they shared steps
+    (fewer steps than run one after the other), and short requests finished before the long ones."""
+    jobs = [(token_ids(5 + i, 10 + i, VOCAB), ("a", "b", "c", None)[i % 4], 2 if i % 2 else 24) for i in range(8)]
+    want = [_alone(engine, p, a, SamplingParams(max_tokens=n, ignore_eos=True)).token_ids for p, a, n in jobs]
+    got, finished_at = [None] * 8, [0.0] * 8
+    steps0 = engine.stats()["steps"]
+
+    def run(i):
+        p, a, n = jobs[i]
+        ids = []
+        for d in loop.submit(p, a, SamplingParams(max_tokens=n, ignore_eos=True)):
+            ids += d.token_ids
+        got[i], finished_at[i] = ids, time.perf_counter()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == want
+    assert engine.stats()["steps"] - steps0 < sum(n for _, _, n in jobs)  # batched, not serialised
+    assert max(finished_at[1::2]) < max(finished_at[0::2])  # the 2-token requests were not held back by the 24s
+
+
+def test_asyncio_streams_together(engine, loop):
+    prompts = [token_ids(4 + i, 30 + i, VOCAB) for i in range(4)]
+    want = [_alone(engine, p, "a").token_ids for p in prompts]
+
+    async def one(p):
+        ids = []
+        async for d in loop.submit(p, "a", GREEDY):
+            ids += d.token_ids
+        return ids
+
+    async def main():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(main()) == want
+
+
+def _slow_steps(engine, monkeypatch, seconds=0.01):
+    """Each step takes at least ``seconds``: a long request then runs for seconds, so aborts land mid-stream."""
+    run = engine.runner.run
+
+    def slow(kind, batch):
+        time.sleep(seconds)
+        return run(kind, batch)
+
+    monkeypatch.setattr(engine.runner, "run", slow)
+
+
+def test_abort_and_leaving_a_stream_free_the_request(engine, loop, monkeypatch):
+    _slow_steps(engine, monkeypatch)
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    s = loop.submit(token_ids(6, 50, VOCAB), "c", long)
+    deltas = iter(s)
+    first = next(deltas)
+    assert not first.finished
+    assert s.abort()
+    rest = list(deltas)
+    assert rest and rest[-1].finish_reason == "abort"
+    it = iter(loop.submit(token_ids(6, 51, VOCAB), "a", long))  # a consumer that goes away mid-stream
+    next(it)
+    it.close()
+    deadline = time.time() + 30
+    while loop.num_streams and time.time() < deadline:
+        time.sleep(0.01)
+    _idle(engine)
+    assert not engine.abort(10**9)  # unknown id
+
+
+def test_async_consumer_cancelled_aborts(engine, loop, monkeypatch):
+    _slow_steps(engine, monkeypatch)
+
+    async def main():
+        async def consume():
+            async for _ in loop.submit(token_ids(6, 60, VOCAB), "b", SamplingParams(max_tokens=200, ignore_eos=True)):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    deadline = time.time() + 30
+    while loop.num_streams and time.time() < deadline:
+        time.sleep(0.01)
+    _idle(engine)
+
+
+def test_concurrent_generate_calls_share_steps(engine):
+    prompts = [token_ids(5, 70 + i, VOCAB) for i in range(4)]
+    want = [_alone(engine, p, "b").token_ids for p in prompts]
+    out, steps0 = [None] * 4, engine.stats()["steps"]
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, _alone(engine, prompts[i], "b").token_ids))
+               for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert out == want
+    assert engine.stats()["steps"] - steps0 < 4 * 8  # fewer steps than four generate() calls one after another
+
+
+def test_bounded_waiting_queue(engine):
+    e = engine
+    old = e.engine_config.max_waiting_requests
+    e.engine_config.max_waiting_requests = 2
+    try:
+        reqs = [e.add_request(token_ids(4, 80 + i, VOCAB), None, GREEDY) for i in range(2)]
+        with pytest.raises(EngineOverloadedError, match="2 requests are waiting"):
+            e.add_request(token_ids(4, 90, VOCAB), None, GREEDY)
+        with pytest.raises(EngineOverloadedError):
+            e.generate([token_ids(4, 91, VOCAB)], sampling=GREEDY)
+    finally:
+        e.engine_config.max_waiting_requests = old
+    for r in reqs:
+        assert e.abort(r.request_id)
+    _idle(e)
