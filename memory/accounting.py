@@ -7,7 +7,7 @@ It reads no files; ``multilora.memory.snapshot`` gathers snapshots on the runnin
 The formulae, with their sources, are in ``docs/memory.md``; in short (all per local rank)::
 
     discrete GPU:    usable = cuda_free
-    integrated GPU:  usable = max(cuda_free, min(MemAvailable, device_total, cgroup_headroom)) / ranks
+    integrated GPU:  usable = min(max(cuda_free, min(MemAvailable, device_total)), cgroup_headroom) / ranks
     no GPU (host):   usable = min(MemAvailable, MemTotal, cgroup_headroom) / ranks
     hard budget      = usable - non_kv_reserve
     budget           = max(fraction * hard budget, live_state_minimum)      (raises if minimum > hard)
@@ -347,11 +347,25 @@ def level_headroom(level: CgroupLevel, prefix: str) -> Bound | None:
     return Bound(max(0, min(limit, limit - usage + reclaimable)), source)
 
 
+def _cgroup_levels(snapshot: MemorySnapshot) -> list[tuple[str, CgroupLevel]]:
+    """(source prefix, level) of every cgroup of the snapshot, v2 then v1, leaf first."""
+    return [("cgroup", lv) for lv in snapshot.cgroup_v2] + [("cgroup_v1", lv) for lv in snapshot.cgroup_v1]
+
+
+def cgroup_notes(snapshot: MemorySnapshot) -> tuple[str, ...]:
+    """Why a cgroup gives zero headroom without being full: a malformed limit, or unreadable usage."""
+    notes = []
+    for prefix, lv in _cgroup_levels(snapshot):
+        room = level_headroom(lv, prefix)
+        if room is not None and (parse_int(lv.limit) is None or parse_int(lv.usage) is None):
+            what = "memory limit is not a number" if parse_int(lv.limit) is None else "usage cannot be read"
+            notes.append(f"{prefix}:{lv.path}: its {what}: no headroom is assumed there")
+    return tuple(notes)
+
+
 def cgroup_headroom(snapshot: MemorySnapshot) -> Bound | None:
     """The minimum headroom over the process's cgroups and their ancestors (v2 and v1); None = no limit."""
-    bounds = [level_headroom(lv, "cgroup") for lv in snapshot.cgroup_v2]
-    bounds += [level_headroom(lv, "cgroup_v1") for lv in snapshot.cgroup_v1]
-    return tightest(*bounds)
+    return tightest(*(level_headroom(lv, prefix) for prefix, lv in _cgroup_levels(snapshot)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -369,12 +383,16 @@ class _DeviceView:
     notes: tuple[str, ...]
 
 
+def _mem_available(snapshot: MemorySnapshot, total: Bound | None) -> Bound | None:
+    """min(MemAvailable, total); None when MemAvailable cannot be read."""
+    mem_available = parse_meminfo(snapshot.meminfo_text).get("MemAvailable")
+    return None if mem_available is None else tightest(Bound(mem_available, MEM_AVAILABLE), total)
+
+
 def _host_available(snapshot: MemorySnapshot, total: Bound | None) -> Bound | None:
     """min(MemAvailable, total, cgroup headroom); None when MemAvailable cannot be read."""
-    mem_available = parse_meminfo(snapshot.meminfo_text).get("MemAvailable")
-    if mem_available is None:
-        return None
-    return tightest(Bound(mem_available, MEM_AVAILABLE), total, cgroup_headroom(snapshot))
+    mem = _mem_available(snapshot, total)
+    return None if mem is None else tightest(mem, cgroup_headroom(snapshot))
 
 
 def _discrete_view(s: MemorySnapshot, ranks: int) -> _DeviceView:
@@ -387,11 +405,21 @@ def _discrete_view(s: MemorySnapshot, ranks: int) -> _DeviceView:
 
 
 def _integrated_view(s: MemorySnapshot, ranks: int) -> _DeviceView:
+    """min(max(CUDA free, min(MemAvailable, device total)), cgroup headroom), per rank.
+
+    CUDA free is the floor against MemAvailable and the fallback when MemAvailable cannot be read; a
+    finite cgroup headroom is applied last, so a larger CUDA-free reading cannot override it (the final
+    rule of TensorRT-LLM's integrated-GPU change: inside a container the cgroup limit is what the kernel
+    enforces). See docs/memory.md, "Usable memory".
+    """
     total = s.cuda_total_bytes
     cuda_free = Bound(min(s.cuda_free_bytes, total), CUDA_FREE)
-    host = _host_available(s, Bound(total, DEVICE_TOTAL))
-    notes = () if host else ("/proc/meminfo has no MemAvailable: CUDA free is the fallback, no automatic host tier",)
-    pool = cuda_free if host is None or host.value <= cuda_free.value else host
+    mem = _mem_available(s, Bound(total, DEVICE_TOTAL))
+    notes = () if mem else ("/proc/meminfo has no MemAvailable: CUDA free is the fallback, no automatic host tier",)
+    estimate = cuda_free if mem is None or mem.value <= cuda_free.value else mem
+    cgroup = cgroup_headroom(s)
+    pool = tightest(estimate, cgroup)
+    host = None if mem is None else tightest(mem, cgroup)
     usable = Bound(pool.value // ranks, pool.source)
     return _DeviceView("integrated", total, usable, host, pool.value, notes)
 
@@ -558,7 +586,7 @@ def compute_memory_plan(snapshot: MemorySnapshot, options: MemoryPlanOptions | N
     hard, uncapped, budget = _budget(view, o)
     pool, kv = _split(budget, o)
     quota = uncapped.value + o.non_kv_reserve_bytes
-    notes = view.notes
+    notes = view.notes + cgroup_notes(snapshot)
     if o.host_tier_bytes is not None:
         host = _explicit_host_tier(view, quota, o)
         notes += _explicit_host_tier_notes(view, snapshot, o.host_tier_bytes)
@@ -618,15 +646,14 @@ def _input_lines(s: MemorySnapshot) -> list[str]:
     for key in ("MemTotal", "MemFree", "MemAvailable", "Cached", "Shmem", "Dirty", "Writeback"):
         if key in info:
             lines.append(_size_line(key, info[key]))
-    for prefix, levels in (("cgroup", s.cgroup_v2), ("cgroup_v1", s.cgroup_v1)):
-        for lv in levels:
-            room = level_headroom(lv, prefix)
-            room_text = "unlimited" if room is None else f"headroom {room.value:,d} B"
-            limit = (lv.limit or "(none)").strip()
-            lines.append(
-                f"  {prefix}:{lv.path}  limit {limit}, usage {(lv.usage or '?').strip()}, "
-                f"reclaimable {reclaimable_file_bytes(lv.stat):,d} B -> {room_text}"
-            )
+    for prefix, lv in _cgroup_levels(s):
+        room = level_headroom(lv, prefix)
+        room_text = "unlimited" if room is None else f"headroom {room.value:,d} B"
+        limit = (lv.limit or "(none)").strip()
+        lines.append(
+            f"  {prefix}:{lv.path}  limit {limit}, usage {(lv.usage or '?').strip()}, "
+            f"reclaimable {reclaimable_file_bytes(lv.stat):,d} B -> {room_text}"
+        )
     memlock = "unlimited" if s.rlimit_memlock_bytes is None else f"{s.rlimit_memlock_bytes:,d} B"
     lines.append(f"  RLIMIT_MEMLOCK         {memlock}")
     return lines

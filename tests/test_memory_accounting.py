@@ -17,6 +17,7 @@ from multilora.memory.accounting import (
     MemoryPlanError,
     MemoryPlanOptions,
     MemorySnapshot,
+    cgroup_headroom,
     compute_memory_plan,
     level_headroom,
     parse_meminfo,
@@ -257,6 +258,21 @@ def test_local_ranks_share_an_integrated_device():
     assert 2 * (plan.device_quota_bytes + plan.host_tier_bytes) <= 90 * GiB
 
 
+def test_integrated_cgroup_headroom_is_applied_after_the_cuda_free_fallback():
+    # Issue 15 item 11 (TensorRT-LLM's final rule): a finite cgroup bound comes last, so a larger CUDA-free
+    # reading cannot override it: CUDA free 20, cgroup headroom 10 (16 - 6) gives 10, not 20.
+    ctr = CgroupLevel("/ctr", str(16 * GiB), str(6 * GiB), None)
+    plan = compute_memory_plan(integrated(cuda_free=20, total=120, available=90, cgroup_v2=(ctr,)), NO_POOL)
+    assert gib(plan.usable_bytes) == 10 and plan.usable_source == "cgroup:/ctr" and gib(plan.kv_bytes) == 9
+    # MemAvailable unreadable: CUDA free is the fallback, and the cgroup still bounds it.
+    plan = compute_memory_plan(integrated(cuda_free=20, total=120, available=None, cgroup_v2=(ctr,)), NO_POOL)
+    assert gib(plan.usable_bytes) == 10 and plan.usable_source == "cgroup:/ctr"
+    # A looser cgroup leaves CUDA free the floor against a smaller MemAvailable.
+    loose = CgroupLevel("/ctr", str(64 * GiB), str(4 * GiB), None)
+    plan = compute_memory_plan(integrated(cuda_free=20, total=120, available=15, cgroup_v2=(loose,)), NO_POOL)
+    assert gib(plan.usable_bytes) == 20 and plan.usable_source == "cuda_free"
+
+
 def test_amd_apu_driver_free_above_mem_available_takes_the_max():
     plan = compute_memory_plan(integrated(cuda_free=50, total=64, available=40), NO_POOL)
     assert gib(plan.usable_bytes) == 50 and plan.usable_source == "cuda_free"
@@ -333,7 +349,7 @@ def test_gb10_measurement_from_the_reference():
         (str(10 * GiB), str(4 * GiB), stat(shmem=3 * GiB), 6 * GiB),  # shmem never counts
         (str(10 * GiB), None, None, 0),  # finite limit, usage unreadable: zero headroom
         (str(10 * GiB), "garbage", None, 0),
-        ("garbage", str(GiB), None, 0),  # malformed limit: zero headroom (CUDA free then holds)
+        ("garbage", str(GiB), None, 0),  # malformed limit: zero headroom (applied last, also on integrated GPUs)
         (str(4 * GiB), str(6 * GiB), None, 0),  # over the limit
         (str(4 * GiB), str(2 * GiB), stat(active=2 * GiB, inactive=9 * GiB), 4 * GiB),  # never above the limit
     ],
@@ -357,7 +373,7 @@ def test_nested_cgroups_take_the_minimum_headroom():
         CgroupLevel("/", None, str(50 * GiB), None),
     )
     plan = compute_memory_plan(integrated(10, 120, 90, cgroup_v2=levels), NO_POOL)
-    assert gib(plan.usable_bytes) == 10 and plan.usable_source == "cuda_free"  # headroom 7 < CUDA free 10
+    assert gib(plan.usable_bytes) == 7 and plan.usable_source == "cgroup:/a"  # the cgroup bound comes last
     plan = compute_memory_plan(integrated(5, 120, 90, cgroup_v2=levels), NO_POOL)
     assert gib(plan.usable_bytes) == 7 and plan.usable_source == "cgroup:/a"
 
@@ -507,11 +523,13 @@ def test_prop_discrete_device_sizes_ignore_meminfo_and_cgroups(snap, other, opts
 
 @PROPERTY
 @given(snapshots("integrated"), st.integers(1, 8))
-def test_prop_integrated_usable_at_least_cuda_free(snap, ranks):
+def test_prop_integrated_usable_at_least_cuda_free_within_the_cgroup(snap, ranks):
     plan = compute_memory_plan(snap, MemoryPlanOptions(local_ranks=ranks))
-    assert plan.usable_bytes >= snap.cuda_free_bytes // ranks
-    if ranks == 1:
-        assert plan.usable_bytes >= snap.cuda_free_bytes
+    room = cgroup_headroom(snap)
+    bound = snap.cuda_free_bytes if room is None else min(snap.cuda_free_bytes, room.value)
+    assert plan.usable_bytes >= bound // ranks
+    if room is not None:  # a finite cgroup bound is applied last: CUDA free never lifts usable above it
+        assert plan.usable_bytes <= room.value // ranks
 
 
 @st.composite

@@ -174,7 +174,10 @@ def test_cgroup_v2_missing_usage_and_garbage_give_no_headroom(tmp_path):
         cgroup_v2=v2,
     )
     plan = compute_memory_plan(snap)
-    assert plan.usable_bytes == 30 * GiB and plan.usable_source == "cuda_free"  # CUDA free is the floor
+    # The cgroup bound is applied last, above CUDA free: no provable headroom gives nothing (issue 15 item 11).
+    assert plan.usable_bytes == 0 and plan.usable_source == "cgroup:/job/step"
+    assert any("cgroup:/job:" in n and "no headroom" in n for n in plan.notes)
+    assert any("cgroup:/job/step:" in n and "no headroom" in n for n in plan.notes)
 
 
 def test_cgroup_v2_container_sees_its_own_root(tmp_path):
