@@ -22,7 +22,7 @@ import torch
 
 from multilora.config import ModelConfig
 from multilora.memory.accounting import (MemoryPlan, MemoryPlanError, MemoryPlanOptions, MemorySnapshot,
-                                         compute_memory_plan)
+                                         MemorySnapshotError, compute_memory_plan, describe)
 from multilora.memory.snapshot import apply_torch_memory_fraction, take_snapshot
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
@@ -164,15 +164,29 @@ def size_engine(request: MemoryRequest, cfg: EngineConfig, snapshot: MemorySnaps
     return EngineSizes(num_pages=num_pages, num_blocks=num_blocks, host_bytes=host, plan=plan, request=request)
 
 
+def recorded_snapshot(cfg: EngineConfig) -> MemorySnapshot:
+    """``cfg.memory_snapshot``, checked: a ``MemorySnapshot`` (its fields are checked when it is made).
+
+    Raises:
+        MemorySnapshotError: it is something else (a dict, a path, ...).
+    """
+    if not isinstance(cfg.memory_snapshot, MemorySnapshot):
+        raise MemorySnapshotError(
+            "Engine(memory_snapshot=...)", "a MemorySnapshot (MemorySnapshot.from_dict(json.load(f)) reads a "
+            "recorded one; multilora memory --snapshot FILE replays a file)", describe(cfg.memory_snapshot))
+    return cfg.memory_snapshot
+
+
 def measure_and_size(request: MemoryRequest, cfg: EngineConfig, device: torch.device, *,
                      profile_reserve: Callable[[], int]) -> EngineSizes:
     """Size an engine on this machine (after its weights are loaded): a snapshot (``cfg.memory_snapshot`` or this
     machine's), then ``size_engine``. On CUDA the PyTorch memory-fraction cap is set from the plan, the caller's
     ``profile_reserve()`` (a forward of the largest prefill) measures the non-KV reserve, and the plan is made
     again with it. Where host memory cannot be measured (no /proc/meminfo: not Linux), a CPU engine is sized
-    from the options alone. Raises as ``size_engine``."""
+    from the options alone. Raises as ``size_engine``, and MemorySnapshotError for a ``cfg.memory_snapshot``
+    that is not a ``MemorySnapshot``."""
     def snapshot() -> MemorySnapshot:
-        return cfg.memory_snapshot if cfg.memory_snapshot is not None else take_snapshot(device)
+        return recorded_snapshot(cfg) if cfg.memory_snapshot is not None else take_snapshot(device)
 
     try:
         sizes = size_engine(request, cfg, snapshot(), reserve_bytes=request.activation_bytes)

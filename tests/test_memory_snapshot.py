@@ -111,7 +111,10 @@ def test_find_cgroup_mounts(tmp_path):
     assert find_cgroup_mounts(tmp_path / "none")["v2"] == ("/sys/fs/cgroup", "/")  # usual place
 
 
-@pytest.mark.parametrize("soft, expected", [("8388608", 8388608), ("unlimited", None), ("garbage", None)])
+@pytest.mark.parametrize(
+    "soft, expected",
+    [("8388608", 8388608), ("unlimited", None), ("garbage", None), ("\u00b2", None), ("9" * 5000, None)],
+)
 def test_read_rlimit_memlock(tmp_path, soft, expected):
     root = tree(tmp_path, {"/proc/self/limits": LIMITS.format(soft=soft, hard="unlimited")})
     assert read_rlimit_memlock(root) == expected
