@@ -264,7 +264,7 @@ def _snapshot_kwargs(d: Any) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise MemorySnapshotError(None, "a JSON object at the top level", describe(d))
     if d.get("schema", _MISSING) != SNAPSHOT_SCHEMA:
-        hint = " (this is `multilora memory --json` output: its \"snapshot\" member is the snapshot)" if "plan" in d else ""
+        hint = ' (this is `multilora memory --json` output: its "snapshot" member is the snapshot)' if "plan" in d else ""
         raise MemorySnapshotError("schema", repr(SNAPSHOT_SCHEMA), describe(d.get("schema", _MISSING)) + hint)
     version = d.get("schema_version", _MISSING)
     if type(version) is not int or not 1 <= version <= SNAPSHOT_SCHEMA_VERSION:
@@ -664,12 +664,27 @@ def _budget(view: _DeviceView, o: MemoryPlanOptions) -> tuple[int, Bound, Bound]
     if capped.value < need:
         raise MemoryPlanError(
             f"live-state minimum {_gib(need)} ({need} B) does not fit under the user's total cap "
-            f"{capped.value} B (max_total_bytes)",
+            f"{capped.value} B (max_total_bytes; multilora memory --total-bytes): raise it to at least {need} B "
+            f"or lower the minimum (min_adapter_pool_bytes + min_kv_bytes)",
             needed_bytes=need,
             fits_bytes=capped.value,
             source=USER_CAP,
         )
     return hard, uncapped, capped
+
+
+#: The two parts of the live state: (name, cap option and flag, minimum option and flag, what the minimum
+#: is and how the engine computes it; runtime/sizing.py, docs/memory.md "The KV cache in blocks").
+_LIVE_PARTS = (
+    ("adapter pool", "max_adapter_pool_bytes; multilora memory --adapter-pool-bytes",
+     "min_adapter_pool_bytes; --min-adapter-bytes",
+     "one max-size adapter; the engine's is pages per adapter x page bytes, with pages per adapter = "
+     "ceil(max_lora_rank / page_rows) and page bytes = page_rows x layers x sum over the target modules of "
+     "(d_in + d_out) x dtype bytes"),
+    ("KV", "max_kv_bytes; multilora memory --kv-bytes", "min_kv_bytes; --min-kv-bytes",
+     "KV for one max-length sequence; the engine's is (ceil(max_seq_len / kv_block_size) + 1) x block bytes, "
+     "the null block included"),
+)
 
 
 def _split(budget: Bound, o: MemoryPlanOptions) -> tuple[Bound, Bound]:
@@ -679,10 +694,11 @@ def _split(budget: Bound, o: MemoryPlanOptions) -> tuple[Bound, Bound]:
     pool = Bound(min(max(share, lo), hi), budget.source if lo <= share <= hi else LIVE_STATE_MINIMUM)
     kv = Bound(budget.value - pool.value, budget.source)
     pool, kv = _cap(pool, o.max_adapter_pool_bytes), _cap(kv, o.max_kv_bytes)
-    for name, size, need in (("adapter pool", pool, lo), ("KV", kv, o.min_kv_bytes)):
+    for (name, cap, minimum, what), size, need in zip(_LIVE_PARTS, (pool, kv), (lo, o.min_kv_bytes)):
         if size.value < need:
             raise MemoryPlanError(
-                f"the user's {name} cap {size.value} B is below the live-state minimum for it ({need} B)",
+                f"the user's {name} cap {size.value} B ({cap}) is below the live-state minimum for it, {need} B "
+                f"({minimum}: {what}): raise the cap to at least {need} B or lower the minimum",
                 needed_bytes=need,
                 fits_bytes=size.value,
                 source=USER_CAP,

@@ -233,6 +233,31 @@ def test_pool_is_lifted_to_one_adapter_and_caps_below_the_live_state_raise():
         compute_memory_plan(snap, dataclasses.replace(options, max_total_bytes=GiB))
 
 
+@pytest.mark.parametrize(
+    "cap, words",
+    [
+        ({"max_adapter_pool_bytes": GiB}, [
+            "max_adapter_pool_bytes", "--adapter-pool-bytes", "min_adapter_pool_bytes", "--min-adapter-bytes",
+            "ceil(max_lora_rank / page_rows)", f"at least {2 * GiB} B",
+            "page_rows x layers x sum over the target modules of (d_in + d_out) x dtype bytes"]),
+        ({"max_kv_bytes": GiB}, [
+            "max_kv_bytes", "--kv-bytes", "min_kv_bytes", "--min-kv-bytes", f"at least {3 * GiB} B",
+            "ceil(max_seq_len / kv_block_size) + 1"]),
+        ({"max_total_bytes": GiB}, ["max_total_bytes", "--total-bytes", f"at least {5 * GiB} B"]),
+    ],
+    ids=["adapter pool", "KV", "total"],
+)
+def test_a_cap_below_the_live_state_names_the_option_the_flag_and_how_the_minimum_is_made(cap, words):
+    # Issue 15 item 12: the message says which option (and `multilora memory` flag) to change, and how the
+    # engine computes the minimum it is compared with.
+    snap = MemorySnapshot(has_gpu=True, cuda_free_bytes=10 * GiB, cuda_total_bytes=80 * GiB)
+    options = MemoryPlanOptions(min_adapter_pool_bytes=2 * GiB, min_kv_bytes=3 * GiB, **cap)
+    with pytest.raises(MemoryPlanError) as err:
+        compute_memory_plan(snap, options)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
 def test_no_gpu_plans_from_host_memory_and_cgroup():
     limit, usage = 16 * GiB, 10 * GiB
     level = CgroupLevel("/job", str(limit), str(usage), stat(active=GiB, inactive=3 * GiB, dirty=GiB))

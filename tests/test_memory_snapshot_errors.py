@@ -82,8 +82,10 @@ MALFORMED = [
     ("schema_version 1.0", snapshot_dict(schema_version=1.0), ["schema_version", "1.0"]),
     ("schema_version newer", snapshot_dict(schema_version=2), ["schema_version", "2"]),
     ("schema missing", snapshot_dict(schema=_DROP), ["schema", "missing"]),
-    ("unknown key", snapshot_dict(meminfo_txt="MemAvailable: 1 kB"), ["unknown key", "'meminfo_txt'", "'meminfo_text'"]),
-    ("unknown level key", snapshot_dict(cgroup_v2=[{"path": "/a", "limt": "5"}]), ["cgroup_v2[0]", "'limt'", "'limit'"]),
+    ("unknown key", snapshot_dict(meminfo_txt="MemAvailable: 1 kB"),
+     ["unknown key", "'meminfo_txt'", "'meminfo_text'"]),
+    ("unknown level key", snapshot_dict(cgroup_v2=[{"path": "/a", "limt": "5"}]),
+     ["cgroup_v2[0]", "'limt'", "'limit'"]),
     ("meminfo_text a list", snapshot_dict(meminfo_text=["MemTotal: 1 kB"]), ["meminfo_text", "text or null"]),
     ("lone surrogate", snapshot_dict(device_name="\ud800"), ["device_name", "surrogate"]),
 ]
@@ -141,7 +143,8 @@ def test_unreadable_json_names_the_file(text, words, tmp_path, capsys):
 def test_unreadable_files_name_the_file(tmp_path, capsys):
     binary = tmp_path / "binary.json"
     binary.write_bytes(b"\xff\xfe\x00{")
-    for path, words in [(binary, ["UTF-8"]), (tmp_path / "missing.json", ["cannot be read"]), (tmp_path, ["cannot be read"])]:
+    cases = [(binary, ["UTF-8"]), (tmp_path / "missing.json", ["cannot be read"]), (tmp_path, ["cannot be read"])]
+    for path, words in cases:
         assert cli_memory.main(["--snapshot", str(path)]) == 2
         err = capsys.readouterr().err
         assert f"memory snapshot {path}: " in err and "Traceback" not in err
@@ -207,7 +210,8 @@ HUGE = "9" * 5000  # above Python's int-string limit (4,300 digits)
 
 
 def test_numbers_beyond_64_bits_in_raw_text_are_garbage():
-    assert parse_int(HUGE) is None and parse_int(str(1 << 64)) is None and parse_int(str((1 << 64) - 1)) == (1 << 64) - 1
+    assert parse_int(HUGE) is None and parse_int(str(1 << 64)) is None
+    assert parse_int(str((1 << 64) - 1)) == (1 << 64) - 1
     assert parse_int("\u0663") is None  # an Arabic-Indic digit is not what the kernel writes
     assert parse_meminfo(f"MemAvailable: {HUGE} kB\nMemTotal: 4 kB\n") == {"MemTotal": 4096}
     assert parse_stat(f"active_file {HUGE}\ninactive_file 3\n") == {"inactive_file": 3}
@@ -228,7 +232,8 @@ def test_duplicated_keys_count_at_their_least_favourable_value():
     level = CgroupLevel("/a", str(10 * GiB), str(9 * GiB), f"active_file 0\ninactive_file 0\n"
                         f"file_dirty 0\nfile_writeback 0\ninactive_file {4 * GiB}\n")
     assert level_headroom(level, "cgroup").value == GiB  # "last one wins" gave 5 GiB
-    assert parse_meminfo("MemAvailable: 100 kB\nMemAvailable: 40 kB\nMemAvailable: 70 kB\n") == {"MemAvailable": 40 * 1024}
+    meminfo = "MemAvailable: 100 kB\nMemAvailable: 40 kB\nMemAvailable: 70 kB\n"
+    assert parse_meminfo(meminfo) == {"MemAvailable": 40 * 1024}
 
 
 # ----------------------------------------------------------------------------------------------
