@@ -3,7 +3,9 @@
 This module is the PURE core: ``compute_memory_plan(snapshot, options)`` maps an explicit
 ``MemorySnapshot`` (everything measured on a machine, as raw numbers and raw file text) and
 ``MemoryPlanOptions`` (caps, fraction, reserve, live-state minimum, local ranks) to a ``MemoryPlan``.
-It reads no files; ``multilora.memory.snapshot`` gathers snapshots on the running machine.
+It reads no files; ``multilora.memory.snapshot`` gathers snapshots on the running machine. A malformed
+snapshot is refused with ``MemorySnapshotError`` (a ValueError naming the file, the field, what was
+expected and what was got); raw file text inside a snapshot is never refused: garbage reads as None.
 The formulae, with their sources, are in ``docs/memory.md``; in short (all per local rank)::
 
     discrete GPU:    usable = cuda_free
