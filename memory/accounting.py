@@ -3,11 +3,13 @@
 This module is the PURE core: ``compute_memory_plan(snapshot, options)`` maps an explicit
 ``MemorySnapshot`` (everything measured on a machine, as raw numbers and raw file text) and
 ``MemoryPlanOptions`` (caps, fraction, reserve, live-state minimum, local ranks) to a ``MemoryPlan``.
-It reads no files; ``multilora.memory.snapshot`` gathers snapshots on the running machine.
+It reads no files; ``multilora.memory.snapshot`` gathers snapshots on the running machine. A malformed
+snapshot is refused with ``MemorySnapshotError`` (a ValueError naming the file, the field, what was
+expected and what was got); raw file text inside a snapshot is never refused: garbage reads as None.
 The formulae, with their sources, are in ``docs/memory.md``; in short (all per local rank)::
 
     discrete GPU:    usable = cuda_free
-    integrated GPU:  usable = max(cuda_free, min(MemAvailable, device_total, cgroup_headroom)) / ranks
+    integrated GPU:  usable = min(max(cuda_free, min(MemAvailable, device_total)), cgroup_headroom) / ranks
     no GPU (host):   usable = min(MemAvailable, MemTotal, cgroup_headroom) / ranks
     hard budget      = usable - non_kv_reserve
     budget           = max(fraction * hard budget, live_state_minimum)      (raises if minimum > hard)
@@ -24,6 +26,8 @@ budget = KV = 81, host tier = (90 - 81) / 2 = 4.5, torch fraction = (90 - 4.5) /
 
 from __future__ import annotations
 
+import difflib
+import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -47,6 +51,9 @@ DEFAULT_FRACTION = 0.9
 
 SNAPSHOT_SCHEMA = "multilora-memory-snapshot"
 SNAPSHOT_SCHEMA_VERSION = 1
+#: Largest byte count a snapshot may hold: the kernel and CUDA report unsigned 64-bit values, so a
+#: larger one cannot have been measured (in raw text it is garbage, in a snapshot field an error).
+MAX_MEASURED_BYTES = (1 << 64) - 1
 
 # Binding sources (a size's ``*_source``). cgroup sources carry the cgroup path: "cgroup:/a/b".
 CUDA_FREE = "cuda_free"
@@ -75,6 +82,76 @@ class MemoryPlanError(ValueError):
         self.source = source
 
 
+class MemorySnapshotError(ValueError):
+    """A memory snapshot that cannot be read: not JSON, another shape, or a field of the wrong type or range.
+
+    The message reads ``memory snapshot FILE: FIELD: expected WHAT, got WHAT`` (no FILE when the snapshot
+    did not come from a file, no FIELD when the whole document is wrong); the four parts are kept as
+    ``file``, ``field`` (a path such as ``cgroup_v2[0].path``), ``expected`` and ``got``.
+    """
+
+    def __init__(self, field: str | None, expected: str, got: str, *, file: str | None = None) -> None:
+        self.field, self.expected, self.got, self.file = field, expected, got, file
+        where = "memory snapshot" + (f" {file}" if file else "")
+        super().__init__(": ".join([where, *([field] if field else []), f"expected {expected}, got {got}"]))
+
+    def located(self, *, file: str | None = None, within: str | None = None) -> MemorySnapshotError:
+        """The same error for a field inside ``within`` (a field path) of a snapshot read from ``file``."""
+        inner = self.field if within is None else (within if self.field is None else f"{within}.{self.field}")
+        return MemorySnapshotError(inner, self.expected, self.got, file=file or self.file)
+
+
+_MISSING = object()
+
+
+def describe(value: object) -> str:
+    """A short JSON-flavoured account of ``value`` for an error message, never the whole of a big one."""
+    if value is _MISSING:
+        return "nothing (the key is missing)"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int):
+        if value.bit_length() > 14_000:  # str() refuses more than 4,300 digits
+            return "an integer of more than 4,000 digits"
+        return repr(value) if abs(value) < 10**30 else f"an integer of {len(str(abs(value)))} digits"
+    if isinstance(value, str):
+        return f"the string {value[:60]!r}" + ("..." if len(value) > 60 else "")
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} item(s)"
+    if isinstance(value, dict):
+        keys = ", ".join(repr(k)[:40] for k in list(value)[:6]) + (", ..." if len(value) > 6 else "")
+        return f"an object with keys {keys}" if value else "an empty object"
+    return repr(value) if isinstance(value, float) else f"a {type(value).__name__}"
+
+
+def _check_measured(name: str, value: object, *, nullable: bool = True) -> None:
+    """A snapshot's byte count: an int in [0, 2^64) (None too where ``nullable``)."""
+    if value is None and nullable:
+        return
+    if type(value) is not int or not 0 <= value <= MAX_MEASURED_BYTES:
+        null = " or null" if nullable else ""
+        raise MemorySnapshotError(name, f"a non-negative integer byte count below 2^64{null}", describe(value))
+
+
+def _check_text(name: str, value: object) -> None:
+    """A snapshot's raw file text: a str of valid Unicode, or None."""
+    if value is not None and not isinstance(value, str):
+        raise MemorySnapshotError(name, "text or null", describe(value))
+    try:
+        (value or "").encode("utf-8")
+    except UnicodeEncodeError:
+        raise MemorySnapshotError(name, "text or null (valid Unicode)", "a string with a lone surrogate") from None
+
+
+def _check_keys(d: dict, known: tuple[str, ...], where: str | None) -> None:
+    """Unknown keys are refused (a misspelt one would otherwise be read as absent), naming the closest."""
+    for key in d:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1) if isinstance(key, str) else []
+            expected = f"a key of the schema (did you mean {close[0]!r}?)" if close else f"one of {', '.join(known)}"
+            raise MemorySnapshotError(where, expected, f"the unknown key {key!r}")
+
+
 # --------------------------------------------------------------------------------------------------
 # Snapshot: the measured inputs, raw.
 # --------------------------------------------------------------------------------------------------
@@ -93,6 +170,12 @@ class CgroupLevel:
     limit: str | None = None
     usage: str | None = None
     stat: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str):
+            raise MemorySnapshotError("path", "a string (the cgroup path)", describe(self.path))
+        for name in ("path", "limit", "usage", "stat"):
+            _check_text(name, getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -117,21 +200,26 @@ class MemorySnapshot:
     rlimit_memlock_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("cuda_free_bytes", "cuda_total_bytes", "torch_reserved_bytes", "rlimit_memlock_bytes"):
-            value = getattr(self, name)
-            if value is not None:
-                _check_bytes(name, value)
+        """Checks every field (MemorySnapshotError naming it); lists of levels become tuples."""
         for name in ("has_gpu", "is_integrated"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
-        if self.has_gpu and (self.cuda_free_bytes is None or self.cuda_total_bytes is None):
-            raise ValueError("MemorySnapshot: has_gpu=True needs cuda_free_bytes and cuda_total_bytes")
-        object.__setattr__(self, "cgroup_v2", tuple(self.cgroup_v2))
-        object.__setattr__(self, "cgroup_v1", tuple(self.cgroup_v1))
-        texts = [self.meminfo_text, self.device_name]
-        texts += [t for lv in self.cgroup_v2 + self.cgroup_v1 for t in (lv.limit, lv.usage, lv.stat)]
-        if any(t is not None and not isinstance(t, str) for t in texts):
-            raise ValueError("MemorySnapshot: meminfo_text, device_name and cgroup files must be text or null")
+                raise MemorySnapshotError(name, "true or false", describe(getattr(self, name)))
+        for name in ("cuda_free_bytes", "cuda_total_bytes", "rlimit_memlock_bytes"):
+            _check_measured(name, getattr(self, name))
+        _check_measured("torch_reserved_bytes", self.torch_reserved_bytes, nullable=False)
+        for name in ("cuda_free_bytes", "cuda_total_bytes"):
+            if self.has_gpu and getattr(self, name) is None:
+                raise MemorySnapshotError(name, "a byte count (has_gpu is true)", "null")
+        for name in ("device_name", "meminfo_text"):
+            _check_text(name, getattr(self, name))
+        for name in ("cgroup_v2", "cgroup_v1"):
+            levels = getattr(self, name)
+            if not isinstance(levels, (list, tuple)):
+                raise MemorySnapshotError(name, "a list of cgroup levels, leaf first", describe(levels))
+            for i, level in enumerate(levels):
+                if not isinstance(level, CgroupLevel):
+                    raise MemorySnapshotError(f"{name}[{i}]", "a CgroupLevel", describe(level))
+            object.__setattr__(self, name, tuple(levels))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; the schema is documented in docs/memory.md."""
@@ -141,24 +229,87 @@ class MemorySnapshot:
         return {"schema": SNAPSHOT_SCHEMA, "schema_version": SNAPSHOT_SCHEMA_VERSION, **d}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> MemorySnapshot:
-        """Inverse of ``to_dict``. Raises ValueError on another schema or a newer schema version."""
-        if d.get("schema") != SNAPSHOT_SCHEMA:
-            raise ValueError(f"snapshot: expected schema {SNAPSHOT_SCHEMA!r}, got {d.get('schema')!r}")
-        version = d.get("schema_version")
-        if not isinstance(version, int) or not 1 <= version <= SNAPSHOT_SCHEMA_VERSION:
-            raise ValueError(
-                f"snapshot: schema_version {version!r} is not supported (this reader: 1..{SNAPSHOT_SCHEMA_VERSION})"
-            )
-        known = {f for f in cls.__dataclass_fields__} - {"cgroup_v2", "cgroup_v1"}
-        kwargs = {k: v for k, v in d.items() if k in known}
-        kwargs["cgroup_v2"] = tuple(_level_from_dict(c) for c in d.get("cgroup_v2") or ())
-        kwargs["cgroup_v1"] = tuple(_level_from_dict(c) for c in d.get("cgroup_v1") or ())
-        return cls(**kwargs)
+    def from_dict(cls, d: Any, *, file: str | None = None) -> MemorySnapshot:
+        """Inverse of ``to_dict`` (``file``: where ``d`` was read, for the messages).
+
+        Required: ``schema``, ``schema_version`` (an integer this reader knows) and ``has_gpu``; the other
+        keys take their defaults when absent (``cgroup_v2`` / ``cgroup_v1`` null or absent = none). Raises
+        MemorySnapshotError for anything else: another schema or a newer version, an unknown key (a
+        misspelt one would be read as absent), a value of the wrong type or beyond 2^64 bytes.
+        """
+        try:
+            return cls(**_snapshot_kwargs(d))
+        except MemorySnapshotError as e:
+            raise e.located(file=file) from None
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, file: str | None = None) -> MemorySnapshot:
+        """The snapshot in JSON ``text`` (strict JSON: no NaN, no key twice in one object); as ``from_dict``."""
+        try:
+            d = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        except MemorySnapshotError as e:
+            raise e.located(file=file) from None
+        except RecursionError:
+            raise MemorySnapshotError(None, "a JSON object", "JSON nested too deeply to read", file=file) from None
+        except ValueError as e:  # JSONDecodeError, or a number of more than 4,300 digits
+            got = f"text that is not valid JSON ({str(e).split(';')[0]})"
+            raise MemorySnapshotError(None, "a JSON object", got, file=file) from None
+        return cls.from_dict(d, file=file)
 
 
-def _level_from_dict(d: dict[str, Any]) -> CgroupLevel:
-    return CgroupLevel(path=str(d["path"]), limit=d.get("limit"), usage=d.get("usage"), stat=d.get("stat"))
+_SNAPSHOT_KEYS = ("schema", "schema_version", *MemorySnapshot.__dataclass_fields__)
+_LEVEL_KEYS = tuple(CgroupLevel.__dataclass_fields__)
+
+
+def _snapshot_kwargs(d: Any) -> dict[str, Any]:
+    """``MemorySnapshot`` keywords of a snapshot document; the values are checked by the dataclasses."""
+    if not isinstance(d, dict):
+        raise MemorySnapshotError(None, "a JSON object at the top level", describe(d))
+    if d.get("schema", _MISSING) != SNAPSHOT_SCHEMA:
+        hint = ' (this is `multilora memory --json` output: its "snapshot" member is the snapshot)' if "plan" in d else ""
+        raise MemorySnapshotError("schema", repr(SNAPSHOT_SCHEMA), describe(d.get("schema", _MISSING)) + hint)
+    version = d.get("schema_version", _MISSING)
+    if type(version) is not int or not 1 <= version <= SNAPSHOT_SCHEMA_VERSION:
+        known = "1" if SNAPSHOT_SCHEMA_VERSION == 1 else f"an integer from 1 to {SNAPSHOT_SCHEMA_VERSION}"
+        raise MemorySnapshotError("schema_version", f"{known} (the versions this reader knows)", describe(version))
+    _check_keys(d, _SNAPSHOT_KEYS, None)
+    if "has_gpu" not in d:
+        raise MemorySnapshotError("has_gpu", "true or false", describe(_MISSING))
+    kwargs = {k: v for k, v in d.items() if k not in ("schema", "schema_version")}
+    for name in ("cgroup_v2", "cgroup_v1"):
+        kwargs[name] = _levels_from_json(name, d.get(name))
+    return kwargs
+
+
+def _levels_from_json(name: str, value: Any) -> tuple[CgroupLevel, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise MemorySnapshotError(name, "a list of cgroup levels (objects), leaf first", describe(value))
+    levels = []
+    for i, item in enumerate(value):
+        where = f"{name}[{i}]"
+        if not isinstance(item, dict):
+            raise MemorySnapshotError(where, f"an object with keys {', '.join(_LEVEL_KEYS)}", describe(item))
+        _check_keys(item, _LEVEL_KEYS, where)
+        try:
+            levels.append(CgroupLevel(**{"path": _MISSING, **item}))
+        except MemorySnapshotError as e:
+            raise e.located(within=where) from None
+    return tuple(levels)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in d:
+            raise MemorySnapshotError(None, "each key once per object", f"a duplicate key {key!r}")
+        d[key] = value
+    return d
+
+
+def _no_constant(name: str) -> None:
+    raise MemorySnapshotError(None, "standard JSON numbers", f"{name}, which JSON does not have")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -264,49 +415,69 @@ class MemoryPlan:
 # Parsing raw text (garbage -> None / empty, never an exception).
 # --------------------------------------------------------------------------------------------------
 
-_MEMINFO_LINE = re.compile(r"^(\S+):\s+(\d+)\s+kB\s*$")
-_INT = re.compile(r"^\d+$")
+_MEMINFO_LINE = re.compile(r"^(\S+):\s+([0-9]{1,20})\s+kB\s*$")
+_INT = re.compile(r"^[0-9]{1,20}$")  # ASCII digits, at most 2^64 - 1 (checked after int())
+
+
+def _u64(digits: str) -> int | None:
+    n = int(digits)  # at most 20 digits: never near Python's int-string limit
+    return n if n <= MAX_MEASURED_BYTES else None
 
 
 def parse_meminfo(text: str | None) -> dict[str, int]:
-    """/proc/meminfo text -> {field: bytes} for its ``kB`` lines; {} for None or garbage."""
+    """/proc/meminfo text -> {field: bytes} for its ``kB`` lines; {} for None or garbage.
+
+    A value that does not fit in 64 bits is garbage (its line is skipped); a field listed twice keeps
+    its smaller value (the fields read here, MemAvailable, MemFree and MemTotal, only bound sizes).
+    """
     out: dict[str, int] = {}
     for line in (text or "").splitlines():
         m = _MEMINFO_LINE.match(line.strip())
-        if m:
-            out[m.group(1)] = int(m.group(2)) * 1024
+        kb = _u64(m.group(2)) if m else None
+        if kb is not None:
+            out[m.group(1)] = min(out.get(m.group(1), kb * 1024), kb * 1024)
     return out
 
 
 def parse_int(text: str | None) -> int | None:
-    """A file holding one non-negative integer -> that integer; None if missing or malformed."""
+    """A file holding one non-negative integer below 2^64 -> that integer; None if missing or malformed."""
     s = (text or "").strip()
-    return int(s) if _INT.match(s) else None
+    return _u64(s) if _INT.match(s) else None
+
+
+def _stat_values(text: str | None) -> dict[str, list[int]]:
+    """memory.stat text (``key value`` lines) -> {key: every value it is given}; malformed lines skipped."""
+    out: dict[str, list[int]] = {}
+    for line in (text or "").splitlines():
+        parts = line.split()
+        value = parse_int(parts[1]) if len(parts) == 2 else None
+        if value is not None:
+            out.setdefault(parts[0], []).append(value)
+    return out
 
 
 def parse_stat(text: str | None) -> dict[str, int]:
-    """memory.stat text (``key value`` lines) -> dict; malformed lines are skipped."""
-    out: dict[str, int] = {}
-    for line in (text or "").splitlines():
-        parts = line.split()
-        if len(parts) == 2 and _INT.match(parts[1]):
-            out[parts[0]] = int(parts[1])
-    return out
+    """memory.stat text (``key value`` lines) -> dict; malformed lines are skipped, a key given twice
+    keeps its smaller value."""
+    return {key: min(values) for key, values in _stat_values(text).items()}
 
 
 def reclaimable_file_bytes(stat_text: str | None) -> int:
     """active_file + inactive_file - file_dirty - file_writeback from memory.stat (v2 or v1 names).
 
-    Dirty, writeback, unevictable and shmem pages never count. Any field missing -> 0 (no credit).
+    Dirty, writeback, unevictable and shmem pages never count. Any field missing -> 0 (no credit). A
+    key given twice counts at its least favourable value (the smaller active / inactive, the larger
+    dirty / writeback), so a duplicate never raises the figure.
     """
-    stat = parse_stat(stat_text)
+    stat = _stat_values(stat_text)
     for keys in (
         ("active_file", "inactive_file", "file_dirty", "file_writeback"),  # cgroup v2
         ("total_active_file", "total_inactive_file", "total_dirty", "total_writeback"),  # v1, hierarchical
         ("active_file", "inactive_file", "dirty", "writeback"),  # v1, this cgroup only
     ):
         if all(k in stat for k in keys):
-            active, inactive, dirty, writeback = (stat[k] for k in keys)
+            active, inactive = (min(stat[k]) for k in keys[:2])
+            dirty, writeback = (max(stat[k]) for k in keys[2:])
             return max(0, active + inactive - dirty - writeback)
     return 0
 
@@ -347,11 +518,25 @@ def level_headroom(level: CgroupLevel, prefix: str) -> Bound | None:
     return Bound(max(0, min(limit, limit - usage + reclaimable)), source)
 
 
+def _cgroup_levels(snapshot: MemorySnapshot) -> list[tuple[str, CgroupLevel]]:
+    """(source prefix, level) of every cgroup of the snapshot, v2 then v1, leaf first."""
+    return [("cgroup", lv) for lv in snapshot.cgroup_v2] + [("cgroup_v1", lv) for lv in snapshot.cgroup_v1]
+
+
+def cgroup_notes(snapshot: MemorySnapshot) -> tuple[str, ...]:
+    """Why a cgroup gives zero headroom without being full: a malformed limit, or unreadable usage."""
+    notes = []
+    for prefix, lv in _cgroup_levels(snapshot):
+        room = level_headroom(lv, prefix)
+        if room is not None and (parse_int(lv.limit) is None or parse_int(lv.usage) is None):
+            what = "memory limit is not a number" if parse_int(lv.limit) is None else "usage cannot be read"
+            notes.append(f"{prefix}:{lv.path}: its {what}: no headroom is assumed there")
+    return tuple(notes)
+
+
 def cgroup_headroom(snapshot: MemorySnapshot) -> Bound | None:
     """The minimum headroom over the process's cgroups and their ancestors (v2 and v1); None = no limit."""
-    bounds = [level_headroom(lv, "cgroup") for lv in snapshot.cgroup_v2]
-    bounds += [level_headroom(lv, "cgroup_v1") for lv in snapshot.cgroup_v1]
-    return tightest(*bounds)
+    return tightest(*(level_headroom(lv, prefix) for prefix, lv in _cgroup_levels(snapshot)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -369,12 +554,16 @@ class _DeviceView:
     notes: tuple[str, ...]
 
 
+def _mem_available(snapshot: MemorySnapshot, total: Bound | None) -> Bound | None:
+    """min(MemAvailable, total); None when MemAvailable cannot be read."""
+    mem_available = parse_meminfo(snapshot.meminfo_text).get("MemAvailable")
+    return None if mem_available is None else tightest(Bound(mem_available, MEM_AVAILABLE), total)
+
+
 def _host_available(snapshot: MemorySnapshot, total: Bound | None) -> Bound | None:
     """min(MemAvailable, total, cgroup headroom); None when MemAvailable cannot be read."""
-    mem_available = parse_meminfo(snapshot.meminfo_text).get("MemAvailable")
-    if mem_available is None:
-        return None
-    return tightest(Bound(mem_available, MEM_AVAILABLE), total, cgroup_headroom(snapshot))
+    mem = _mem_available(snapshot, total)
+    return None if mem is None else tightest(mem, cgroup_headroom(snapshot))
 
 
 def _discrete_view(s: MemorySnapshot, ranks: int) -> _DeviceView:
@@ -387,11 +576,21 @@ def _discrete_view(s: MemorySnapshot, ranks: int) -> _DeviceView:
 
 
 def _integrated_view(s: MemorySnapshot, ranks: int) -> _DeviceView:
+    """min(max(CUDA free, min(MemAvailable, device total)), cgroup headroom), per rank.
+
+    CUDA free is the floor against MemAvailable and the fallback when MemAvailable cannot be read; a
+    finite cgroup headroom is applied last, so a larger CUDA-free reading cannot override it (the final
+    rule of TensorRT-LLM's integrated-GPU change: inside a container the cgroup limit is what the kernel
+    enforces). See docs/memory.md, "Usable memory".
+    """
     total = s.cuda_total_bytes
     cuda_free = Bound(min(s.cuda_free_bytes, total), CUDA_FREE)
-    host = _host_available(s, Bound(total, DEVICE_TOTAL))
-    notes = () if host else ("/proc/meminfo has no MemAvailable: CUDA free is the fallback, no automatic host tier",)
-    pool = cuda_free if host is None or host.value <= cuda_free.value else host
+    mem = _mem_available(s, Bound(total, DEVICE_TOTAL))
+    notes = () if mem else ("/proc/meminfo has no MemAvailable: CUDA free is the fallback, no automatic host tier",)
+    estimate = cuda_free if mem is None or mem.value <= cuda_free.value else mem
+    cgroup = cgroup_headroom(s)
+    pool = tightest(estimate, cgroup)
+    host = None if mem is None else tightest(mem, cgroup)
     usable = Bound(pool.value // ranks, pool.source)
     return _DeviceView("integrated", total, usable, host, pool.value, notes)
 
@@ -436,8 +635,14 @@ def _cap(size: Bound, cap: int | None) -> Bound:
     return size if cap is None or cap >= size.value else Bound(cap, USER_CAP)
 
 
+def _gib_number(n: int) -> str:
+    """``n`` bytes in GiB with two decimals, exact for any integer (a float would overflow near 1e308)."""
+    hundredths = round(Fraction(abs(n) * 100, GiB))  # round half to even, as float formatting does
+    return f"{'-' if n < 0 else ''}{hundredths // 100}.{hundredths % 100:02d}"
+
+
 def _gib(n: int) -> str:
-    return f"{n / GiB:.2f} GiB"
+    return f"{_gib_number(n)} GiB"
 
 
 def _budget(view: _DeviceView, o: MemoryPlanOptions) -> tuple[int, Bound, Bound]:
@@ -461,12 +666,27 @@ def _budget(view: _DeviceView, o: MemoryPlanOptions) -> tuple[int, Bound, Bound]
     if capped.value < need:
         raise MemoryPlanError(
             f"live-state minimum {_gib(need)} ({need} B) does not fit under the user's total cap "
-            f"{capped.value} B (max_total_bytes)",
+            f"{capped.value} B (max_total_bytes; multilora memory --total-bytes): raise it to at least {need} B "
+            f"or lower the minimum (min_adapter_pool_bytes + min_kv_bytes)",
             needed_bytes=need,
             fits_bytes=capped.value,
             source=USER_CAP,
         )
     return hard, uncapped, capped
+
+
+#: The two parts of the live state: (name, cap option and flag, minimum option and flag, what the minimum
+#: is and how the engine computes it; runtime/sizing.py, docs/memory.md "The KV cache in blocks").
+_LIVE_PARTS = (
+    ("adapter pool", "max_adapter_pool_bytes; multilora memory --adapter-pool-bytes",
+     "min_adapter_pool_bytes; --min-adapter-bytes",
+     "one max-size adapter; the engine's is pages per adapter x page bytes, with pages per adapter = "
+     "ceil(max_lora_rank / page_rows) and page bytes = page_rows x layers x sum over the target modules of "
+     "(d_in + d_out) x dtype bytes"),
+    ("KV", "max_kv_bytes; multilora memory --kv-bytes", "min_kv_bytes; --min-kv-bytes",
+     "KV for one max-length sequence; the engine's is (ceil(max_seq_len / kv_block_size) + 1) x block bytes, "
+     "the null block included"),
+)
 
 
 def _split(budget: Bound, o: MemoryPlanOptions) -> tuple[Bound, Bound]:
@@ -476,10 +696,11 @@ def _split(budget: Bound, o: MemoryPlanOptions) -> tuple[Bound, Bound]:
     pool = Bound(min(max(share, lo), hi), budget.source if lo <= share <= hi else LIVE_STATE_MINIMUM)
     kv = Bound(budget.value - pool.value, budget.source)
     pool, kv = _cap(pool, o.max_adapter_pool_bytes), _cap(kv, o.max_kv_bytes)
-    for name, size, need in (("adapter pool", pool, lo), ("KV", kv, o.min_kv_bytes)):
+    for (name, cap, minimum, what), size, need in zip(_LIVE_PARTS, (pool, kv), (lo, o.min_kv_bytes)):
         if size.value < need:
             raise MemoryPlanError(
-                f"the user's {name} cap {size.value} B is below the live-state minimum for it ({need} B)",
+                f"the user's {name} cap {size.value} B ({cap}) is below the live-state minimum for it, {need} B "
+                f"({minimum}: {what}): raise the cap to at least {need} B or lower the minimum",
                 needed_bytes=need,
                 fits_bytes=size.value,
                 source=USER_CAP,
@@ -558,7 +779,7 @@ def compute_memory_plan(snapshot: MemorySnapshot, options: MemoryPlanOptions | N
     hard, uncapped, budget = _budget(view, o)
     pool, kv = _split(budget, o)
     quota = uncapped.value + o.non_kv_reserve_bytes
-    notes = view.notes
+    notes = view.notes + cgroup_notes(snapshot)
     if o.host_tier_bytes is not None:
         host = _explicit_host_tier(view, quota, o)
         notes += _explicit_host_tier_notes(view, snapshot, o.host_tier_bytes)
@@ -603,7 +824,13 @@ _KIND_TEXT = {
 
 def _size_line(name: str, n: int, source: str = "") -> str:
     bound = f"  bound by {source}" if source else ""
-    return f"  {name:<22}{n / GiB:10.2f} GiB {n:>18,d} B{bound}"
+    return f"  {name:<22}{_gib_number(n):>10} GiB {n:>18,d} B{bound}"
+
+
+def _shown(text: str | None, absent: str) -> str:
+    """Raw file text as the summary shows it: itself when short and printable, else a cut repr."""
+    t = absent if text is None else text.strip()
+    return t if len(t) <= 40 and t.isprintable() else repr(t[:40]) + ("..." if len(t) > 40 else "")
 
 
 def _input_lines(s: MemorySnapshot) -> list[str]:
@@ -618,15 +845,13 @@ def _input_lines(s: MemorySnapshot) -> list[str]:
     for key in ("MemTotal", "MemFree", "MemAvailable", "Cached", "Shmem", "Dirty", "Writeback"):
         if key in info:
             lines.append(_size_line(key, info[key]))
-    for prefix, levels in (("cgroup", s.cgroup_v2), ("cgroup_v1", s.cgroup_v1)):
-        for lv in levels:
-            room = level_headroom(lv, prefix)
-            room_text = "unlimited" if room is None else f"headroom {room.value:,d} B"
-            limit = (lv.limit or "(none)").strip()
-            lines.append(
-                f"  {prefix}:{lv.path}  limit {limit}, usage {(lv.usage or '?').strip()}, "
-                f"reclaimable {reclaimable_file_bytes(lv.stat):,d} B -> {room_text}"
-            )
+    for prefix, lv in _cgroup_levels(s):
+        room = level_headroom(lv, prefix)
+        room_text = "unlimited" if room is None else f"headroom {room.value:,d} B"
+        lines.append(
+            f"  {prefix}:{lv.path}  limit {_shown(lv.limit, '(none)')}, usage {_shown(lv.usage, '?')}, "
+            f"reclaimable {reclaimable_file_bytes(lv.stat):,d} B -> {room_text}"
+        )
     memlock = "unlimited" if s.rlimit_memlock_bytes is None else f"{s.rlimit_memlock_bytes:,d} B"
     lines.append(f"  RLIMIT_MEMLOCK         {memlock}")
     return lines

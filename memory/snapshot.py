@@ -38,6 +38,7 @@ from multilora.memory.accounting import (
     MemoryPlanOptions,
     MemorySnapshot,
     compute_memory_plan,
+    parse_int,
 )
 
 
@@ -149,8 +150,8 @@ def read_rlimit_memlock(root: str | os.PathLike = "/") -> int | None:
         return None if soft == resource.RLIM_INFINITY else soft
     for line in text.splitlines():
         if line.startswith("Max locked memory"):
-            soft = line[len("Max locked memory") :].split()[0]
-            return int(soft) if soft.isdigit() else None
+            fields = line[len("Max locked memory") :].split()
+            return parse_int(fields[0]) if fields else None  # "unlimited" or garbage -> None
     return None
 
 

@@ -6,7 +6,10 @@
     multilora memory --kv-bytes 8GiB --fraction 0.8 --local-ranks 4
 
 Byte options take an integer or a number with a unit: B, KiB, MiB, GiB, TiB (powers of 1024),
-KB, MB, GB, TB (powers of 1000); K, M, G, T alone are read as KiB, MiB, GiB, TiB.
+KB, MB, GB, TB (powers of 1000); K, M, G, T alone are read as KiB, MiB, GiB, TiB; at most 2^64 - 1.
+
+Exit status 2, with one line that names the file or the option, for a snapshot that cannot be read
+(``MemorySnapshotError``), a plan that does not fit (``MemoryPlanError``) or a bad option.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ import argparse
 import json
 import re
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 from multilora.memory.accounting import (
     DEFAULT_ADAPTER_POOL_SHARE,
     DEFAULT_FRACTION,
+    MAX_MEASURED_BYTES,
     MemoryPlanError,
     MemoryPlanOptions,
     MemorySnapshot,
+    MemorySnapshotError,
     compute_memory_plan,
 )
 
@@ -46,12 +52,19 @@ _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(text: str) -> int:
-    """'2GiB' -> 2147483648, '512MiB', '1.5G', '4096'. Raises ValueError on anything else."""
+    """'2GiB' -> 2147483648, '512MiB', '1.5G', '4096' (exact: a decimal is not read as a float).
+
+    Raises ValueError on anything else, or on a count above 2^64 - 1 (16 EiB).
+    """
     m = _BYTES.match(text)
     unit = m.group(2).lower() if m else None
+    shown = repr(text[:40]) + ("..." if len(text) > 40 else "")
     if m is None or unit not in _UNITS:
-        raise ValueError(f"expected a byte count like 4096, 512MiB or 2GiB, got {text!r}")
-    return int(float(m.group(1)) * _UNITS[unit]) if "." in m.group(1) else int(m.group(1)) * _UNITS[unit]
+        raise ValueError(f"expected a byte count like 4096, 512MiB or 2GiB, got {shown}")
+    value = int(Fraction(m.group(1)) * _UNITS[unit]) if len(m.group(1)) <= 40 else None
+    if value is None or value > MAX_MEASURED_BYTES:
+        raise ValueError(f"expected a byte count below 2^64 (16 EiB), got {shown}")
+    return value
 
 
 def _bytes_arg(text: str) -> int:
@@ -112,9 +125,25 @@ def _options(args: argparse.Namespace) -> MemoryPlanOptions:
     )
 
 
+def read_snapshot_file(path: Path) -> MemorySnapshot:
+    """The snapshot recorded in ``path``; MemorySnapshotError naming the file when it cannot be read,
+    is not UTF-8 JSON or is not a snapshot (``MemorySnapshot.from_json``)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise MemorySnapshotError(None, "a snapshot file", f"a file that cannot be read ({e.strerror or e})",
+                                  file=str(path)) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MemorySnapshotError(None, "UTF-8 JSON text", f"bytes that are not UTF-8 (at byte {e.start})",
+                                  file=str(path)) from None
+    return MemorySnapshot.from_json(text, file=str(path))
+
+
 def _snapshot(args: argparse.Namespace) -> MemorySnapshot:
     if args.snapshot is not None:
-        return MemorySnapshot.from_dict(json.loads(args.snapshot.read_text()))
+        return read_snapshot_file(args.snapshot)
     from multilora.memory.snapshot import take_snapshot  # imports torch.cuda only when measuring
 
     return take_snapshot(args.device)
@@ -129,7 +158,12 @@ def run_memory(args: argparse.Namespace) -> int:
         print(f"multilora memory: {e}", file=sys.stderr)
         return 2
     if args.save_snapshot is not None:
-        args.save_snapshot.write_text(json.dumps(snapshot.to_dict(), indent=2) + "\n")
+        try:
+            args.save_snapshot.write_text(json.dumps(snapshot.to_dict(), indent=2) + "\n")
+        except OSError as e:
+            print(f"multilora memory: cannot write the snapshot to {args.save_snapshot}: {e.strerror or e}",
+                  file=sys.stderr)
+            return 2
     try:
         plan = compute_memory_plan(snapshot, options)
     except MemoryPlanError as e:

@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 
 from multilora.config import ModelConfig
-from multilora.memory.accounting import (MemoryPlan, MemoryPlanError, MemoryPlanOptions, MemorySnapshot,
-                                         compute_memory_plan)
+from multilora.memory.accounting import (USER_CAP, MemoryPlan, MemoryPlanError, MemoryPlanOptions, MemorySnapshot,
+                                         MemorySnapshotError, compute_memory_plan, describe)
 from multilora.memory.snapshot import apply_torch_memory_fraction, take_snapshot
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
@@ -39,7 +39,10 @@ class MemoryRequest:
     """What the engine asks of the memory plan, derived from the model and the options (all bytes).
 
     Attributes:
-        page_bytes: one adapter-pool page; ``pages_per_adapter`` pages hold one ``max_lora_rank`` adapter.
+        page_bytes: one adapter-pool page, ``page_rows * layers * module_width * dtype_bytes`` (``memory/pool.py``);
+            ``pages_per_adapter = ceil(max_lora_rank / page_rows)`` pages hold one ``max_lora_rank`` adapter.
+        layers, module_width, dtype_bytes: the model's layers, the sum over the target modules of (d_in + d_out),
+            the bytes of one element: the page's factors, for the messages.
         kv_token_bytes: K and V of one token over all layers; ``block_bytes = kv_token_bytes * kv_block_size``.
         seq_blocks: KV blocks of one ``max_seq_len`` sequence.
         pool_cap: the user's cap on the pool (``adapter_pool_bytes``, ``adapter_slots``), or None.
@@ -51,6 +54,9 @@ class MemoryRequest:
 
     page_bytes: int
     pages_per_adapter: int
+    layers: int
+    module_width: int
+    dtype_bytes: int
     kv_token_bytes: int
     block_bytes: int
     seq_blocks: int
@@ -81,8 +87,9 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
         ValueError: ``kv_cache_bytes`` holds fewer than 2 KV blocks (block 0 is reserved).
     """
     pages_per = AdapterPool.pages_for_rank(cfg.max_lora_rank, cfg.page_rows)
-    page_bytes = AdapterPool(model, num_pages=1, page_rows=cfg.page_rows, max_rank=cfg.max_lora_rank, dtype=dtype,
-                             device="meta").page_bytes
+    pool = AdapterPool(model, num_pages=1, page_rows=cfg.page_rows, max_rank=cfg.max_lora_rank, dtype=dtype,
+                       device="meta")
+    page_bytes = pool.page_bytes
     kv_token = PagedKVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
     block_bytes = kv_token * cfg.kv_block_size
     seq_blocks = -(-max_seq_len // cfg.kv_block_size)
@@ -101,7 +108,9 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
         kv_cap = min(kv_cap, cfg.kv_cache_bytes)
         live_blocks = min(live_blocks, kv_cap // block_bytes - 1)  # an explicit smaller cap is honoured
     sampling = cfg.max_batch_size * model.vocab_size * (4 + 4 + SAMPLER_BYTES_PER_LOGIT)
-    return MemoryRequest(page_bytes=page_bytes, pages_per_adapter=pages_per, kv_token_bytes=kv_token,
+    return MemoryRequest(page_bytes=page_bytes, pages_per_adapter=pages_per, layers=model.num_layers,
+                         module_width=pool.page_elems // (cfg.page_rows * model.num_layers),
+                         dtype_bytes=page_bytes // pool.page_elems, kv_token_bytes=kv_token,
                          block_bytes=block_bytes, seq_blocks=seq_blocks, pool_cap=pool_cap, kv_cap=kv_cap,
                          live_blocks=live_blocks,
                          activation_bytes=activation_bytes(model, cfg, dtype, max_seq_len) + sampling,
@@ -134,6 +143,25 @@ def plan_options(request: MemoryRequest, cfg: EngineConfig, reserve_bytes: int) 
     )
 
 
+def pool_below_one_adapter(r: MemoryRequest, cfg: EngineConfig) -> MemoryPlanError:
+    """The error for an ``adapter_pool_bytes`` cap below one ``max_lora_rank`` adapter: what to change (Engine
+    keyword and CLI flag) and how the bytes were computed. Only this cap can be the cause: ``adapter_slots`` >= 1
+    holds one adapter, and the plan lifts its share of the budget (``adapter_pool_share`` of
+    ``gpu_memory_fraction`` x usable memory) to one adapter."""
+    pages, need, pr = r.pool_cap // r.page_bytes, r.pages_per_adapter * r.page_bytes, cfg.page_rows
+    rank = (f" or lower max_lora_rank to at most {pages * pr} (Engine(max_lora_rank=...), --max-lora-rank)"
+            if pages else "")
+    return MemoryPlanError(
+        f"Engine: the adapter pool gets {pages} page(s) of {r.page_bytes} bytes under "
+        f"adapter_pool_bytes={cfg.adapter_pool_bytes}; one rank-{cfg.max_lora_rank} adapter needs {r.pages_per_adapter} "
+        f"({need} bytes). Page bytes = page_rows {pr} x layers {r.layers} x sum over the target modules of "
+        f"(d_in + d_out) {r.module_width} x dtype bytes {r.dtype_bytes} = {r.page_bytes}; pages per adapter = "
+        f"ceil(max_lora_rank {cfg.max_lora_rank} / page_rows {pr}) = {r.pages_per_adapter}. Raise adapter_pool_bytes to at least {need} (Engine(adapter_pool_bytes=...), "
+        f"multilora generate --adapter-pool-bytes){rank}. (adapter_slots, adapter_pool_share and gpu_memory_fraction "
+        f"are not the cause: each leaves room for one adapter at least.)",
+        needed_bytes=need, fits_bytes=r.pool_cap, source=USER_CAP)
+
+
 def size_engine(request: MemoryRequest, cfg: EngineConfig, snapshot: MemorySnapshot | None, *,
                 reserve_bytes: int) -> EngineSizes:
     """Pool pages and KV blocks from the memory plan of ``snapshot`` (pure; ``snapshot=None``: no plan, the caps
@@ -142,18 +170,17 @@ def size_engine(request: MemoryRequest, cfg: EngineConfig, snapshot: MemorySnaps
     Raises:
         MemoryPlanError: the live state (one max-rank adapter + KV of one sequence) does not fit
             (``multilora.memory.accounting``; the message says what would fit and which source bound it).
-        ValueError: the pool gets fewer pages than one max-rank adapter, or the KV cache fewer than 2 blocks.
+        MemoryPlanError: ``adapter_pool_bytes`` holds fewer pages than one max-rank adapter
+            (``pool_below_one_adapter``).
+        ValueError: the KV cache gets fewer than 2 blocks.
     """
-    plan = None if snapshot is None else compute_memory_plan(snapshot, plan_options(request, cfg, reserve_bytes))
     r = request
+    if r.pool_cap is not None and r.pool_cap // r.page_bytes < r.pages_per_adapter:
+        raise pool_below_one_adapter(r, cfg)
+    plan = None if snapshot is None else compute_memory_plan(snapshot, plan_options(request, cfg, reserve_bytes))
     pool_bytes = plan.adapter_pool_bytes if plan is not None else (r.pool_cap or 8 * r.pages_per_adapter * r.page_bytes)
     num_pages = pool_bytes // r.page_bytes
-    if num_pages < r.pages_per_adapter:
-        raise ValueError(
-            f"Engine: the adapter pool gets {num_pages} page(s) of {r.page_bytes} bytes; one rank-{cfg.max_lora_rank} "
-            f"adapter needs {r.pages_per_adapter} ({r.pages_per_adapter * r.page_bytes} bytes): raise adapter_pool_bytes / "
-            f"adapter_slots or lower max_lora_rank"
-        )
+    assert num_pages >= r.pages_per_adapter, "the plan holds its pool to one max-rank adapter at least"
     num_blocks = (plan.kv_bytes if plan is not None else r.kv_cap) // r.block_bytes  # the null block included
     if num_blocks < 2:
         raise ValueError(
@@ -164,15 +191,29 @@ def size_engine(request: MemoryRequest, cfg: EngineConfig, snapshot: MemorySnaps
     return EngineSizes(num_pages=num_pages, num_blocks=num_blocks, host_bytes=host, plan=plan, request=request)
 
 
+def recorded_snapshot(cfg: EngineConfig) -> MemorySnapshot:
+    """``cfg.memory_snapshot``, checked: a ``MemorySnapshot`` (its fields are checked when it is made).
+
+    Raises:
+        MemorySnapshotError: it is something else (a dict, a path, ...).
+    """
+    if not isinstance(cfg.memory_snapshot, MemorySnapshot):
+        raise MemorySnapshotError(
+            "Engine(memory_snapshot=...)", "a MemorySnapshot (MemorySnapshot.from_dict(json.load(f)) reads a "
+            "recorded one; multilora memory --snapshot FILE replays a file)", describe(cfg.memory_snapshot))
+    return cfg.memory_snapshot
+
+
 def measure_and_size(request: MemoryRequest, cfg: EngineConfig, device: torch.device, *,
                      profile_reserve: Callable[[], int]) -> EngineSizes:
     """Size an engine on this machine (after its weights are loaded): a snapshot (``cfg.memory_snapshot`` or this
     machine's), then ``size_engine``. On CUDA the PyTorch memory-fraction cap is set from the plan, the caller's
     ``profile_reserve()`` (a forward of the largest prefill) measures the non-KV reserve, and the plan is made
     again with it. Where host memory cannot be measured (no /proc/meminfo: not Linux), a CPU engine is sized
-    from the options alone. Raises as ``size_engine``."""
+    from the options alone. Raises as ``size_engine``, and MemorySnapshotError for a ``cfg.memory_snapshot``
+    that is not a ``MemorySnapshot``."""
     def snapshot() -> MemorySnapshot:
-        return cfg.memory_snapshot if cfg.memory_snapshot is not None else take_snapshot(device)
+        return recorded_snapshot(cfg) if cfg.memory_snapshot is not None else take_snapshot(device)
 
     try:
         sizes = size_engine(request, cfg, snapshot(), reserve_bytes=request.activation_bytes)

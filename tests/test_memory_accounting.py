@@ -17,6 +17,7 @@ from multilora.memory.accounting import (
     MemoryPlanError,
     MemoryPlanOptions,
     MemorySnapshot,
+    cgroup_headroom,
     compute_memory_plan,
     level_headroom,
     parse_meminfo,
@@ -232,6 +233,31 @@ def test_pool_is_lifted_to_one_adapter_and_caps_below_the_live_state_raise():
         compute_memory_plan(snap, dataclasses.replace(options, max_total_bytes=GiB))
 
 
+@pytest.mark.parametrize(
+    "cap, words",
+    [
+        ({"max_adapter_pool_bytes": GiB}, [
+            "max_adapter_pool_bytes", "--adapter-pool-bytes", "min_adapter_pool_bytes", "--min-adapter-bytes",
+            "ceil(max_lora_rank / page_rows)", f"at least {2 * GiB} B",
+            "page_rows x layers x sum over the target modules of (d_in + d_out) x dtype bytes"]),
+        ({"max_kv_bytes": GiB}, [
+            "max_kv_bytes", "--kv-bytes", "min_kv_bytes", "--min-kv-bytes", f"at least {3 * GiB} B",
+            "ceil(max_seq_len / kv_block_size) + 1"]),
+        ({"max_total_bytes": GiB}, ["max_total_bytes", "--total-bytes", f"at least {5 * GiB} B"]),
+    ],
+    ids=["adapter pool", "KV", "total"],
+)
+def test_a_cap_below_the_live_state_names_the_option_the_flag_and_how_the_minimum_is_made(cap, words):
+    # Issue 15 item 12: the message says which option (and `multilora memory` flag) to change, and how the
+    # engine computes the minimum it is compared with.
+    snap = MemorySnapshot(has_gpu=True, cuda_free_bytes=10 * GiB, cuda_total_bytes=80 * GiB)
+    options = MemoryPlanOptions(min_adapter_pool_bytes=2 * GiB, min_kv_bytes=3 * GiB, **cap)
+    with pytest.raises(MemoryPlanError) as err:
+        compute_memory_plan(snap, options)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
 def test_no_gpu_plans_from_host_memory_and_cgroup():
     limit, usage = 16 * GiB, 10 * GiB
     level = CgroupLevel("/job", str(limit), str(usage), stat(active=GiB, inactive=3 * GiB, dirty=GiB))
@@ -255,6 +281,21 @@ def test_local_ranks_share_an_integrated_device():
     assert gib(plan.usable_bytes) == 45 and gib(plan.device_quota_bytes) == 40.5
     assert gib(plan.host_tier_bytes) == 2.25  # (90 / 2 - 40.5) / 2
     assert 2 * (plan.device_quota_bytes + plan.host_tier_bytes) <= 90 * GiB
+
+
+def test_integrated_cgroup_headroom_is_applied_after_the_cuda_free_fallback():
+    # Issue 15 item 11 (TensorRT-LLM's final rule): a finite cgroup bound comes last, so a larger CUDA-free
+    # reading cannot override it: CUDA free 20, cgroup headroom 10 (16 - 6) gives 10, not 20.
+    ctr = CgroupLevel("/ctr", str(16 * GiB), str(6 * GiB), None)
+    plan = compute_memory_plan(integrated(cuda_free=20, total=120, available=90, cgroup_v2=(ctr,)), NO_POOL)
+    assert gib(plan.usable_bytes) == 10 and plan.usable_source == "cgroup:/ctr" and gib(plan.kv_bytes) == 9
+    # MemAvailable unreadable: CUDA free is the fallback, and the cgroup still bounds it.
+    plan = compute_memory_plan(integrated(cuda_free=20, total=120, available=None, cgroup_v2=(ctr,)), NO_POOL)
+    assert gib(plan.usable_bytes) == 10 and plan.usable_source == "cgroup:/ctr"
+    # A looser cgroup leaves CUDA free the floor against a smaller MemAvailable.
+    loose = CgroupLevel("/ctr", str(64 * GiB), str(4 * GiB), None)
+    plan = compute_memory_plan(integrated(cuda_free=20, total=120, available=15, cgroup_v2=(loose,)), NO_POOL)
+    assert gib(plan.usable_bytes) == 20 and plan.usable_source == "cuda_free"
 
 
 def test_amd_apu_driver_free_above_mem_available_takes_the_max():
@@ -333,7 +374,7 @@ def test_gb10_measurement_from_the_reference():
         (str(10 * GiB), str(4 * GiB), stat(shmem=3 * GiB), 6 * GiB),  # shmem never counts
         (str(10 * GiB), None, None, 0),  # finite limit, usage unreadable: zero headroom
         (str(10 * GiB), "garbage", None, 0),
-        ("garbage", str(GiB), None, 0),  # malformed limit: zero headroom (CUDA free then holds)
+        ("garbage", str(GiB), None, 0),  # malformed limit: zero headroom (applied last, also on integrated GPUs)
         (str(4 * GiB), str(6 * GiB), None, 0),  # over the limit
         (str(4 * GiB), str(2 * GiB), stat(active=2 * GiB, inactive=9 * GiB), 4 * GiB),  # never above the limit
     ],
@@ -357,7 +398,7 @@ def test_nested_cgroups_take_the_minimum_headroom():
         CgroupLevel("/", None, str(50 * GiB), None),
     )
     plan = compute_memory_plan(integrated(10, 120, 90, cgroup_v2=levels), NO_POOL)
-    assert gib(plan.usable_bytes) == 10 and plan.usable_source == "cuda_free"  # headroom 7 < CUDA free 10
+    assert gib(plan.usable_bytes) == 7 and plan.usable_source == "cgroup:/a"  # the cgroup bound comes last
     plan = compute_memory_plan(integrated(5, 120, 90, cgroup_v2=levels), NO_POOL)
     assert gib(plan.usable_bytes) == 7 and plan.usable_source == "cgroup:/a"
 
@@ -387,7 +428,7 @@ def test_snapshot_json_round_trip_and_versioning():
         MemorySnapshot.from_dict({**d, "schema": "something else"})
     with pytest.raises(ValueError, match="cuda_free_bytes"):
         MemorySnapshot.from_dict({**d, "cuda_free_bytes": "30GiB"})
-    with pytest.raises(ValueError, match="cgroup files"):
+    with pytest.raises(ValueError, match=r"cgroup_v2\[0\]\.limit: expected text or null, got 5"):
         MemorySnapshot.from_dict({**d, "cgroup_v2": [{"path": "/a", "limit": 5}]})
 
 
@@ -507,11 +548,13 @@ def test_prop_discrete_device_sizes_ignore_meminfo_and_cgroups(snap, other, opts
 
 @PROPERTY
 @given(snapshots("integrated"), st.integers(1, 8))
-def test_prop_integrated_usable_at_least_cuda_free(snap, ranks):
+def test_prop_integrated_usable_at_least_cuda_free_within_the_cgroup(snap, ranks):
     plan = compute_memory_plan(snap, MemoryPlanOptions(local_ranks=ranks))
-    assert plan.usable_bytes >= snap.cuda_free_bytes // ranks
-    if ranks == 1:
-        assert plan.usable_bytes >= snap.cuda_free_bytes
+    room = cgroup_headroom(snap)
+    bound = snap.cuda_free_bytes if room is None else min(snap.cuda_free_bytes, room.value)
+    assert plan.usable_bytes >= bound // ranks
+    if room is not None:  # a finite cgroup bound is applied last: CUDA free never lifts usable above it
+        assert plan.usable_bytes <= room.value // ranks
 
 
 @st.composite

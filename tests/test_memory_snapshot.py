@@ -111,7 +111,10 @@ def test_find_cgroup_mounts(tmp_path):
     assert find_cgroup_mounts(tmp_path / "none")["v2"] == ("/sys/fs/cgroup", "/")  # usual place
 
 
-@pytest.mark.parametrize("soft, expected", [("8388608", 8388608), ("unlimited", None), ("garbage", None)])
+@pytest.mark.parametrize(
+    "soft, expected",
+    [("8388608", 8388608), ("unlimited", None), ("garbage", None), ("\u00b2", None), ("9" * 5000, None)],
+)
 def test_read_rlimit_memlock(tmp_path, soft, expected):
     root = tree(tmp_path, {"/proc/self/limits": LIMITS.format(soft=soft, hard="unlimited")})
     assert read_rlimit_memlock(root) == expected
@@ -174,7 +177,10 @@ def test_cgroup_v2_missing_usage_and_garbage_give_no_headroom(tmp_path):
         cgroup_v2=v2,
     )
     plan = compute_memory_plan(snap)
-    assert plan.usable_bytes == 30 * GiB and plan.usable_source == "cuda_free"  # CUDA free is the floor
+    # The cgroup bound is applied last, above CUDA free: no provable headroom gives nothing (issue 15 item 11).
+    assert plan.usable_bytes == 0 and plan.usable_source == "cgroup:/job/step"
+    assert any("cgroup:/job:" in n and "no headroom" in n for n in plan.notes)
+    assert any("cgroup:/job/step:" in n and "no headroom" in n for n in plan.notes)
 
 
 def test_cgroup_v2_container_sees_its_own_root(tmp_path):

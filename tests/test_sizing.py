@@ -97,3 +97,34 @@ def test_measure_and_size_replays_a_snapshot_and_the_engine_uses_its_sizes():
     assert (got.num_pages, got.num_blocks, got.host_bytes) == (want.num_pages, want.num_blocks, want.host_bytes)
     e = Engine(TINY, config=ec)
     assert (e.pool.num_pages, e.kv.num_blocks, e.cache.host_budget) == (want.num_pages, want.num_blocks, want.host_bytes)
+
+
+@pytest.mark.parametrize("replayed", [True, False], ids=["memory plan", "caps alone"])
+def test_a_pool_cap_below_one_adapter_names_the_argument_and_the_formula(replayed):
+    # Issue 15 item 12: adapter_pool_bytes holding 1 page of a rank-16 adapter's 2 (page_rows 8).
+    one_page = memory_request(TINY, EngineConfig(max_lora_rank=16), dtype=torch.float32, max_seq_len=64).page_bytes
+    ec = EngineConfig(max_lora_rank=16, page_rows=8, adapter_pool_bytes=one_page + 7)
+    r = memory_request(TINY, ec, dtype=torch.float32, max_seq_len=64)
+    width = sum(sum(TINY.module_shape(m)) for m in TARGET_MODULES)
+    with pytest.raises(MemoryPlanError) as err:
+        size_engine(r, ec, _host(1 * GiB) if replayed else None, reserve_bytes=0)
+    msg = str(err.value)
+    for words in (
+        "the adapter pool gets 1 page(s)", "one rank-16 adapter needs 2", f"adapter_pool_bytes={one_page + 7}",
+        f"page_rows 8 x layers {TINY.num_layers} x sum over the target modules of (d_in + d_out) {width} x dtype "
+        f"bytes 4 = {one_page}", "ceil(max_lora_rank 16 / page_rows 8) = 2", f"at least {2 * one_page}",
+        "Engine(adapter_pool_bytes=...)", "--adapter-pool-bytes", "lower max_lora_rank to at most 8",
+        "Engine(max_lora_rank=...)", "--max-lora-rank",
+    ):
+        assert words in msg, (words, msg)
+    assert err.value.needed_bytes == 2 * one_page and err.value.fits_bytes == one_page + 7
+    assert isinstance(err.value, ValueError)
+
+
+def test_the_engine_raises_the_same_for_its_keyword():
+    from multilora import Engine
+
+    r = memory_request(TINY, EngineConfig(max_lora_rank=16), dtype=torch.float32, max_seq_len=64)
+    with pytest.raises(MemoryPlanError, match=r"the adapter pool gets 0 page\(s\).*at least"):
+        Engine(TINY, device="cpu", max_seq_len=64, max_lora_rank=16, memory_snapshot=_host(1 * GiB),
+               adapter_pool_bytes=r.page_bytes - 1, progress=False)
