@@ -104,6 +104,19 @@ class MemorySnapshotError(ValueError):
 _MISSING = object()
 
 
+def require_snapshot(value: object, where: str) -> "MemorySnapshot":
+    """``value`` if it is a ``MemorySnapshot`` (whose fields were checked when it was made).
+
+    Raises:
+        MemorySnapshotError: it is something else (a dict, a path, ...); ``where`` names the argument.
+    """
+    if not isinstance(value, MemorySnapshot):
+        raise MemorySnapshotError(
+            where, "a MemorySnapshot (MemorySnapshot.from_dict(json.load(f)) reads a recorded one; "
+                   "multilora memory --snapshot FILE replays a file)", describe(value))
+    return value
+
+
 def describe(value: object) -> str:
     """A short JSON-flavoured account of ``value`` for an error message, never the whole of a big one."""
     if value is _MISSING:

@@ -79,6 +79,7 @@ class EngineConfig:
     Raises:
         ValueError: a value of the wrong type or out of range (the message names the field, with the
             ``Engine:`` prefix the engine's errors have always had).
+        MemorySnapshotError (a ValueError): ``memory_snapshot`` is not a ``MemorySnapshot``.
     """
 
     device: str | torch.device | None = _opt(None, "cuda, cpu, ... (default: cuda when available)", kind=str)
@@ -141,6 +142,10 @@ class EngineConfig:
             self.dtype = getattr(torch, name)
         if not isinstance(self.cuda_graphs, bool):
             raise fail("cuda_graphs", "True or False")
+        if self.memory_snapshot is not None:  # checked before any weights load
+            from multilora.memory.accounting import require_snapshot
+
+            require_snapshot(self.memory_snapshot, "Engine(memory_snapshot=...)")
 
     # ------------------------------------------------------------------------------------------ CLI
     @classmethod

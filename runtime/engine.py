@@ -64,7 +64,8 @@ class Engine:
         ModelLoadError: the model cannot be found or read.
         MemoryPlanError: one max-rank adapter plus KV for one max-length sequence (or the ``kv_cache_bytes``
             cap, if smaller) does not fit (the message says what would fit and which source bound it).
-        ValueError: an option out of range (named in the message).
+        ValueError: an option out of range (named in the message); MemorySnapshotError (a ValueError): a
+            ``memory_snapshot`` that is not a ``MemorySnapshot``.
         TypeError: an unknown option.
     """
 

@@ -22,7 +22,7 @@ import torch
 
 from multilora.config import ModelConfig
 from multilora.memory.accounting import (USER_CAP, MemoryPlan, MemoryPlanError, MemoryPlanOptions, MemorySnapshot,
-                                         MemorySnapshotError, compute_memory_plan, describe)
+                                         compute_memory_plan, require_snapshot)
 from multilora.memory.snapshot import apply_torch_memory_fraction, take_snapshot
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
@@ -197,11 +197,7 @@ def recorded_snapshot(cfg: EngineConfig) -> MemorySnapshot:
     Raises:
         MemorySnapshotError: it is something else (a dict, a path, ...).
     """
-    if not isinstance(cfg.memory_snapshot, MemorySnapshot):
-        raise MemorySnapshotError(
-            "Engine(memory_snapshot=...)", "a MemorySnapshot (MemorySnapshot.from_dict(json.load(f)) reads a "
-            "recorded one; multilora memory --snapshot FILE replays a file)", describe(cfg.memory_snapshot))
-    return cfg.memory_snapshot
+    return require_snapshot(cfg.memory_snapshot, "Engine(memory_snapshot=...)")
 
 
 def measure_and_size(request: MemoryRequest, cfg: EngineConfig, device: torch.device, *,

@@ -194,9 +194,10 @@ def test_engine_refuses_a_snapshot_that_is_not_one():
     from multilora.runtime.config import EngineConfig
     from multilora.runtime.weights import MODEL_SHAPES
 
-    ec = EngineConfig(device="cpu", max_seq_len=64, memory_snapshot=dict(GOOD), progress=False)
     with pytest.raises(MemorySnapshotError, match="Engine.*memory_snapshot.*MemorySnapshot.from_dict"):
-        Engine(ModelConfig(**MODEL_SHAPES["tiny"]), config=ec)
+        EngineConfig(device="cpu", max_seq_len=64, memory_snapshot=dict(GOOD), progress=False)  # before any load
+    with pytest.raises(MemorySnapshotError, match="Engine.*memory_snapshot.*MemorySnapshot.from_dict"):
+        Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", memory_snapshot=dict(GOOD))
     with pytest.raises(MemorySnapshotError, match="has_gpu"):
         Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu",
                memory_snapshot=MemorySnapshot.from_dict(snapshot_dict(has_gpu=_DROP)))
