@@ -461,8 +461,9 @@ class AdapterCache:
             return list(seen.values())
 
     def report(self) -> dict:
-        """The cache's part of ``Engine.stats()``: adapters per tier, pool pages, host-tier bytes, hits and misses
-        per tier, evictions, bytes moved per tier, prefetches and load failures (key names are a contract)."""
+        """The cache's part of ``Engine.stats()``: adapters per tier, pool pages (and ``pool_max_rank_adapters``, how
+        many adapters of the pool's max rank it holds at once), host-tier bytes, hits and misses per tier, evictions,
+        bytes moved per tier, prefetches and load failures (key names are a contract)."""
         s, pool = self.stats, self.pool
         tiers = {"gpu": 0, "host": 0, "disk": 0}
         for h in self.handles():
@@ -471,6 +472,8 @@ class AdapterCache:
         return {
             "adapters_loaded": len(self.names()), "adapters_resident": self.resident(), "adapters_per_tier": tiers,
             "pool_pages_total": pool.num_pages, "pool_pages_used": pool.pages_used, "pool_page_bytes": pool.page_bytes,
+            "pool_max_rank_adapters": min(pool.max_slots, pool.num_pages // pool.pages_for_rank(pool.max_rank,
+                                                                                              pool.page_rows)),
             "host_tier_bytes": self.host_bytes, "host_tier_budget": self.host_budget, "gpu_hits": s.gpu_hits,
             "gpu_misses": s.gpu_misses, "host_hits": s.host_hits, "host_misses": s.host_misses,
             "gpu_evictions": s.gpu_evictions, "host_evictions": s.host_evictions,

@@ -39,6 +39,8 @@ class RequestOutput:
         finish_reason: "stop" (end-of-sequence or a stop string), "length" (max_tokens or the
             engine's max_seq_len), "abort" (``Engine.abort``), or "error" (see ``error``; other requests are
             unaffected).
+        arrival_time, first_token_time, finish_time: ``time.perf_counter()`` seconds when the request was
+            submitted, got its first token (None if it got none) and finished: TTFT, TPOT and end-to-end time.
     """
 
     request_id: int
@@ -49,6 +51,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     finish_reason: str
     error: str | None = None
+    arrival_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
 
 
 def sample_tokens(batch: list[Request], logits: torch.Tensor) -> list[int | None]:
@@ -167,4 +172,5 @@ class Postprocessor:
             r.text = self.tokenizer.decode(r.output_ids)
         return RequestOutput(request_id=r.request_id, prompt=r.prompt, adapter=r.adapter_name, text=r.text,
                              token_ids=list(r.output_ids), prompt_token_ids=list(r.prompt_ids),
-                             finish_reason=r.finish_reason or "error", error=r.error)
+                             finish_reason=r.finish_reason or "error", error=r.error, arrival_time=r.arrival,
+                             first_token_time=r.first_token_time, finish_time=r.finish_time)

@@ -291,12 +291,17 @@ class Scheduler:
 
     def report(self) -> dict:
         """The scheduler's part of ``Engine.stats()``: queue waits, KV blocks (``kv_blocks_total`` excludes the
-        reserved null block), preemptions, waiting and running requests (key names are a contract)."""
+        reserved null block), preemptions, waiting and running requests, and the distinct adapter names of the
+        running and of the waiting requests (``running_adapters``, ``waiting_adapters``: sorted; what an
+        adapter-aware router reads). Key names are a contract."""
+        running, waiting = list(self.running), list(self.waiting)  # snapshots: another thread may be stepping
         return {
             "queue_wait_seconds_total": self.wait_seconds_total, "queue_wait_seconds_max": self.wait_seconds_max,
             "queue_waits_for_adapter": self.adapter_waits, "kv_blocks_total": self.kv.num_usable_blocks,
             "kv_blocks_free": self.kv.num_free_blocks, "kv_block_size": self.kv.block_size,
-            "preemptions": self.preemptions, "waiting": len(self.waiting), "running": len(self.running),
+            "preemptions": self.preemptions, "waiting": len(waiting), "running": len(running),
+            "running_adapters": sorted({r.adapter_name for r in running if r.adapter_name is not None}),
+            "waiting_adapters": sorted({r.adapter_name for r in waiting if r.adapter_name is not None}),
         }
 
     def waiting_handles(self) -> set[int]:
