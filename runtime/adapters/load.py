@@ -15,8 +15,9 @@ import torch
 
 from multilora.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
 from multilora.memory.pool import AdapterPool, PackedAdapter
+from multilora.runtime.adapters.disk import FileStamp, check_directory, read_whole
 from multilora.runtime.adapters.files import SAFETENSORS_NAME, _LazyTensors, _read_weights
-from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _fmt_shape, _parse_config, _read_config, _Spec
+from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _config_json, _fmt_shape, _parse_config, _Spec
 from multilora.runtime.adapters.targets import _PEFT_PREFIX, _overlap_hint, _parse_key, _resolve_targets, _Target
 
 
@@ -52,12 +53,16 @@ class LoRAAdapter:
         config: the raw ``adapter_config.json`` dict.
         modules: ``(layer, module) -> LoRAModuleWeights`` for every targeted projection, ``module`` one of
             ``TARGET_MODULES``; ordered by layer, then ``TARGET_MODULES`` order.
+        files: the stamps (device, inode, size, mtime_ns, ctime_ns) of ``adapter_config.json`` and of the weight
+            file as they were read (``()`` for an adapter not read from files); equal to
+            ``multilora.runtime.adapter_cache.files_fingerprint(path)`` while neither file changes.
     """
 
     name: str | None
     path: str
     config: dict = field(repr=False)
     modules: dict[tuple[int, str], LoRAModuleWeights] = field(repr=False)
+    files: tuple[FileStamp, ...] = field(default=(), repr=False)
 
     @property
     def max_rank(self) -> int:
@@ -292,16 +297,20 @@ def load_peft_adapter(
             no targeted module at all; a tensor key that does not map to a targeted (layer, module) lora_A /
             lora_B weight; a shape that does not fit (expected vs got); lora_A without lora_B or the reverse;
             a targeted module without tensors; non-finite or non-float values; a pickle without
-            ``allow_pickle``. The message names the file and key.
+            ``allow_pickle``; odd paths (a symlink loop, a dangling symlink, a directory or FIFO where a file
+            belongs: said as such); a malformed safetensors file (header length past the end, bad JSON,
+            unknown dtypes, offsets that overlap, leave gaps or run past the end, sizes that disagree with
+            shapes); a file that changed while it was read (rewritten in place). The message names the file
+            and key.
     """
-    root, cfg_path, raw, spec, targets = _read_spec(path, config)
-    wpath, tensors, keys = _read_weights(root, allow_pickle, header_only)
+    root, cfg_path, raw, spec, targets, cfg_stamp = _read_spec(path, config)
+    wpath, tensors, keys, stamp = _read_weights(root, allow_pickle, header_only)
     if header_only and wpath.name == SAFETENSORS_NAME:  # meta tensors, no values: nothing to keep
         modules, _ = _build_modules(wpath, tensors, keys, targets, config, spec, cfg_path)
-        return LoRAAdapter(name=name, path=str(root), config=raw, modules=modules)
+        return LoRAAdapter(name=name, path=str(root), config=raw, modules=modules, files=(cfg_stamp, stamp))
     copies = _Float32Copies()  # (a pickle file is always read whole)
     _build_modules(wpath, tensors, keys, targets, config, spec, cfg_path, lambda _max_rank: copies)
-    return LoRAAdapter(name=name, path=str(root), config=raw, modules=copies.modules)
+    return LoRAAdapter(name=name, path=str(root), config=raw, modules=copies.modules, files=(cfg_stamp, stamp))
 
 
 def load_peft_adapter_into(
@@ -334,14 +343,21 @@ def load_peft_adapter_into(
     Raises:
         AdapterError: as :func:`load_peft_adapter`. Whatever ``open_sink`` or ``sink.put`` raise.
     """
-    root, cfg_path, raw, spec, targets = _read_spec(path, config)
-    wpath, tensors, keys = _read_weights(root, allow_pickle, lazy=True)
+    root, cfg_path, raw, spec, targets, cfg_stamp = _read_spec(path, config)
+    wpath, tensors, keys, stamp = _read_weights(root, allow_pickle, lazy=True)
+    lazy = tensors if isinstance(tensors, _LazyTensors) else None
     try:
         modules, sink = _build_modules(wpath, tensors, keys, targets, config, spec, cfg_path, open_sink)
+        if lazy is not None:
+            lazy.check_unchanged()
+    except AdapterError:
+        if lazy is not None:  # a file written while it was read explains any error on its values better
+            lazy.check_unchanged()
+        raise
     finally:
-        if isinstance(tensors, _LazyTensors):
-            tensors.close()
-    return LoRAAdapter(name=name, path=str(root), config=raw, modules=modules), sink
+        if lazy is not None:
+            lazy.close()
+    return LoRAAdapter(name=name, path=str(root), config=raw, modules=modules, files=(cfg_stamp, stamp)), sink
 
 
 def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
@@ -398,18 +414,14 @@ def read_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool
     return adapter, packed
 
 
-def _read_spec(path: str | os.PathLike, config: ModelConfig) -> tuple[Path, Path, dict, _Spec, dict[tuple[int, str], _Target]]:
-    """The directory checks, the config and the targets: ``(root, config path, raw config, spec, targets)``."""
+def _read_spec(path: str | os.PathLike,
+               config: ModelConfig) -> tuple[Path, Path, dict, _Spec, dict[tuple[int, str], _Target], FileStamp]:
+    """The directory checks, the config and the targets: ``(root, config path, raw config, spec, targets,
+    the config's stamp as read)``."""
     root = Path(path)
-    if not root.exists():
-        raise AdapterError(f"{root}: adapter directory does not exist", path=root)
-    if not root.is_dir():
-        raise AdapterError(
-            f"{root}: expected a directory holding {CONFIG_NAME} and {SAFETENSORS_NAME}, got a file", path=root
-        )
+    check_directory(root)
     cfg_path = root / CONFIG_NAME
-    if not cfg_path.is_file():
-        raise AdapterError(f"{cfg_path}: missing: an adapter directory must hold {CONFIG_NAME}", path=cfg_path)
-    raw = _read_config(cfg_path)
+    data, stamp = read_whole(cfg_path, missing=f"missing: an adapter directory must hold {CONFIG_NAME}")
+    raw = _config_json(data, cfg_path)
     spec = _parse_config(raw, cfg_path)
-    return root, cfg_path, raw, spec, _resolve_targets(spec, config, cfg_path)
+    return root, cfg_path, raw, spec, _resolve_targets(spec, config, cfg_path), stamp

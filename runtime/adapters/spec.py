@@ -1,4 +1,4 @@
-"""adapter_config.json: reading it, validating it, and the table of PEFT features this runtime refuses.
+"""adapter_config.json: parsing it, validating it, and the table of PEFT features this runtime refuses.
 
 :class:`AdapterError` (every loading error) and the message helpers live here too: every other module of
 the package imports this one, and it imports none of them.
@@ -68,18 +68,21 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _read_config(cfg_path: Path) -> dict:
+def _config_json(data: bytes, cfg_path: Path) -> dict:
+    """``adapter_config.json``'s bytes as a dict. Raises AdapterError: not UTF-8, malformed (or absurdly deeply
+    nested) JSON, not an object."""
     try:
-        text = cfg_path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
         raise AdapterError(f"{cfg_path}: cannot read the adapter config: {e}", path=cfg_path) from e
-    try:
-        raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise AdapterError(
             f"{cfg_path}: malformed JSON at line {e.lineno} column {e.colno} (char {e.pos}): {e.msg}",
             path=cfg_path,
         ) from e
+    except (ValueError, RecursionError) as e:  # e.g. an integer of over 4300 digits; nesting past the stack
+        raise AdapterError(f"{cfg_path}: malformed JSON: {str(e) or 'nested too deeply to parse'}"[:300],
+                           path=cfg_path) from e
     if not isinstance(raw, dict):
         raise AdapterError(
             f"{cfg_path}: expected a JSON object (the PEFT LoraConfig), got {type(raw).__name__}", path=cfg_path

@@ -1,0 +1,145 @@
+"""Adapter files as a hostile but fair user leaves them (issue 15, items 1, 6, 7, 9).
+
+- Plain reads, checked: a file that changes while it is read fails that load with "changed while it was
+  being read"; a header-only registration reads the header's bytes and nothing else.
+- File-change detection (the disk tier): a change to ``adapter_config.json`` or the weight file is caught even
+  with the size and mtime put back (inode / ctime), and named in the error; an unrelated file added to the
+  directory changes nothing; the error says whether there was a host copy at all.
+- float8 files: accepted alike with and without preload (cast exactly); F8_E8M0 and integer dtypes refused
+  alike, naming the file's dtype.
+- Odd paths: a symlink loop, a dangling symlink, a directory or FIFO where a file belongs: said as such.
+
+(The two-process in-place rewrite is tests/test_adapter_rewrite.py; random malformed files are
+tests/test_fuzz_adapter_files.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from multilora import Engine
+from multilora.config import TARGET_MODULES, ModelConfig
+from multilora.memory.pool import AdapterPool
+from multilora.runtime.adapter_cache import files_fingerprint
+from multilora.runtime.adapters import (AdapterError, CONFIG_NAME, SAFETENSORS_NAME, load_peft_adapter,
+                                        load_peft_adapter_into, read_adapter)
+from multilora.runtime.weights import MODEL_SHAPES
+from testsupport import one_thread  # noqa: F401 (autouse fixture)
+from testsupport import greedy, token_ids, write_adapter
+
+CFG = ModelConfig(**MODEL_SHAPES["tiny"])
+MODS = ("q_proj", "v_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(CFG, device="cpu", progress=False, max_batch_size=4, max_seq_len=32, max_lora_rank=8, adapter_slots=2)
+
+
+def _ids(seed):
+    return token_ids(5, seed, CFG.vocab_size)
+
+
+def _pool():
+    return AdapterPool(CFG, num_pages=2, page_rows=8, max_rank=8, dtype=torch.float32)
+
+
+def _err(fn) -> str:
+    with pytest.raises(AdapterError) as ei:
+        fn()
+    return str(ei.value)
+
+
+def _all_loads(d):
+    """The message of every load path the engine has for ``d`` (they must agree)."""
+    return [_err(lambda: load_peft_adapter(d, CFG)), _err(lambda: load_peft_adapter(d, CFG, header_only=True)),
+            _err(lambda: read_adapter(d, CFG, _pool(), preload=True)),
+            _err(lambda: read_adapter(d, CFG, _pool(), preload=False))]
+
+
+# ------------------------------------------------------------------------------------- plain, checked reads
+def test_a_file_written_during_the_read_fails_that_load(tmp_path):
+    d = write_adapter(tmp_path / "a", CFG, seed=1, rank=8, modules=MODS)
+    other = (write_adapter(tmp_path / "b", CFG, seed=2, rank=8, modules=MODS) / SAFETENSORS_NAME).read_bytes()
+
+    class RewritingSink:  # rewrites the file in place after the first module: the rest is the other version
+        def put(self, layer, module, a, b, scaling):
+            if layer == 0 and module == "q_proj":
+                with open(d / SAFETENSORS_NAME, "r+b") as f:
+                    f.write(other)
+
+    msg = _err(lambda: load_peft_adapter_into(d, CFG, lambda r: RewritingSink()))
+    assert f"{d / SAFETENSORS_NAME}: changed while it was being read" in msg, msg
+    assert load_peft_adapter(d, CFG).modules  # once written it loads again
+
+
+def test_header_only_registration_reads_only_the_header(tmp_path, monkeypatch):
+    d = write_adapter(tmp_path / "a", CFG, seed=1, rank=8, modules=TARGET_MODULES)
+    raw = (d / SAFETENSORS_NAME).read_bytes()
+    header = 8 + struct.unpack("<Q", raw[:8])[0]
+    seen = []
+    real = os.preadv
+
+    def counting(fd, bufs, offset):
+        n = real(fd, bufs, offset)
+        seen.append((offset, n))
+        return n
+
+    monkeypatch.setattr(os, "preadv", counting)
+    read_adapter(d, CFG, _pool(), preload=False)
+    config_bytes = (d / CONFIG_NAME).stat().st_size
+    assert sum(n for _, n in seen) == config_bytes + header < len(raw) // 10, (seen, len(raw))
+    assert not any(o >= header for o, _ in seen)
+
+
+# ------------------------------------------------------------------------------------- odd paths
+def _valid(tmp_path, name="a"):
+    return write_adapter(tmp_path / name, CFG, seed=1, rank=8, modules=MODS)
+
+
+def test_a_directory_that_is_a_symlink_loop(tmp_path):
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    for msg in _all_loads(loop):
+        assert f"{loop}: a symlink loop" in msg and "does not exist" not in msg, msg
+    dangling = tmp_path / "dangling"
+    os.symlink(tmp_path / "nowhere", dangling)
+    for msg in _all_loads(dangling):
+        assert f"{dangling}: a symlink to " in msg and "nowhere" in msg and "which does not exist" in msg, msg
+
+
+@pytest.mark.parametrize("entry", [CONFIG_NAME, SAFETENSORS_NAME])
+def test_a_directory_where_a_file_belongs(tmp_path, entry):
+    d = _valid(tmp_path)
+    (d / entry).unlink()
+    (d / entry).mkdir()
+    for msg in _all_loads(d):
+        assert f"{d / entry}: expected a file, got a directory" in msg, msg
+
+
+@pytest.mark.parametrize("entry", [CONFIG_NAME, SAFETENSORS_NAME])
+def test_a_fifo_or_a_symlink_loop_where_a_file_belongs(tmp_path, entry):
+    d = _valid(tmp_path)
+    (d / entry).unlink()
+    os.mkfifo(d / entry)  # opened without blocking, then refused
+    for msg in _all_loads(d):
+        assert f"{d / entry}: expected a file, got a named pipe (FIFO)" in msg, msg
+    (d / entry).unlink()
+    os.symlink(d / entry, d / entry)
+    for msg in _all_loads(d):
+        assert f"{d / entry}: a symlink loop" in msg, msg
+
+
+def test_the_engine_reports_odd_paths_the_same(engine, tmp_path):
+    d = _valid(tmp_path)
+    (d / SAFETENSORS_NAME).unlink()
+    (d / SAFETENSORS_NAME).mkdir()
+    for preload in (True, False):
+        with pytest.raises(AdapterError, match="expected a file, got a directory"):
+            engine.load_adapter("odd", d, preload=preload)
+    assert "odd" not in engine.list_adapters()
