@@ -97,6 +97,46 @@ def test_header_only_registration_reads_only_the_header(tmp_path, monkeypatch):
     assert not any(o >= header for o, _ in seen)
 
 
+# ------------------------------------------------------------------------------------- float8 files
+def _float8_adapter(tmp_path, dtype):
+    d = write_adapter(tmp_path / str(dtype), CFG, seed=3, rank=8, modules=MODS)
+    t = load_file(str(d / SAFETENSORS_NAME))
+    save_file({k: (v * 8).to(dtype) for k, v in t.items()}, str(d / SAFETENSORS_NAME))
+    exact = write_adapter(tmp_path / f"{dtype}-as-f32", CFG, seed=3, rank=8, modules=MODS)
+    save_file({k: (v * 8).to(dtype).float() for k, v in t.items()}, str(exact / SAFETENSORS_NAME))
+    return d, exact
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_float8_files_are_accepted_alike_and_cast_exactly(engine, tmp_path, dtype):
+    d, exact = _float8_adapter(tmp_path, dtype)
+    adapter = engine.load_adapter("f8-lazy", d, preload=False)
+    assert {w.a.dtype for w in adapter.modules.values()} == {dtype}
+    engine.load_adapter("f8-eager", d)
+    engine.load_adapter("f8-as-f32", exact)
+    rows = [_ids(4), _ids(5)]
+    want = engine.logits(rows, adapters=["f8-as-f32"] * 2)
+    assert torch.equal(engine.logits(rows, adapters=["f8-eager"] * 2), want)
+    assert torch.equal(engine.logits(rows, adapters=["f8-lazy"] * 2), want)
+    assert not torch.equal(want, engine.logits(rows))
+    ref = load_peft_adapter(exact, CFG)
+    for k, w in load_peft_adapter(d, CFG).modules.items():
+        assert torch.equal(w.a, ref.modules[k].a) and torch.equal(w.b, ref.modules[k].b)
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.float8_e8m0fnu, "F8_E8M0"), (torch.int32, "I32"), (torch.uint8, "U8")])
+def test_other_dtypes_are_refused_alike_naming_the_dtype(tmp_path, dtype, name):
+    d = write_adapter(tmp_path / "a", CFG, seed=3, rank=8, modules=MODS)
+    t = load_file(str(d / SAFETENSORS_NAME))
+    k = sorted(t)[0]
+    t[k] = t[k].abs().to(dtype)
+    save_file(t, str(d / SAFETENSORS_NAME))
+    msgs = _all_loads(d)
+    assert len(set(msgs)) == 1, msgs  # preload or not, header only or not: one message
+    assert f"expected a floating-point dtype" in msgs[0] and f"got {name} ({dtype})" in msgs[0], msgs[0]
+    assert k in msgs[0] and str(d / SAFETENSORS_NAME) in msgs[0]
+
+
 # ------------------------------------------------------------------------------------- odd paths
 def _valid(tmp_path, name="a"):
     return write_adapter(tmp_path / name, CFG, seed=1, rank=8, modules=MODS)

@@ -16,7 +16,7 @@ import torch
 from multilora.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
 from multilora.memory.pool import AdapterPool, PackedAdapter
 from multilora.runtime.adapters.disk import FileStamp, check_directory, read_whole
-from multilora.runtime.adapters.files import SAFETENSORS_NAME, _LazyTensors, _read_weights
+from multilora.runtime.adapters.files import SAFETENSORS_NAME, _LazyTensors, _read_weights, dtype_name
 from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _config_json, _fmt_shape, _parse_config, _Spec
 from multilora.runtime.adapters.targets import _PEFT_PREFIX, _overlap_hint, _parse_key, _resolve_targets, _Target
 
@@ -101,8 +101,14 @@ class LoRAAdapter:
 
 
 #: File dtypes whose values float32 holds exactly: converting them straight to the pool dtype rounds once,
-#: exactly as the float32 copy then the pool dtype did. Others (float64, ...) still go through float32 first.
+#: exactly as the float32 copy then the pool dtype did. Others (float64, float8) still go through float32 first.
 _EXACT_IN_F32 = (torch.float32, torch.bfloat16, torch.float16)
+
+#: File dtypes read as LoRA weights. The float8 formats (safetensors F8_E4M3, F8_E5M2 and their FNUZ variants)
+#: are cast to float32, then to the pool dtype, exactly: every float8 value is a float16, bfloat16 and float32
+#: value. Refused: integers, bool, complex, and F8_E8M0 (a power-of-two scale format, up to 2^127: no float16).
+_WEIGHT_DTYPES = (torch.float64, *_EXACT_IN_F32) + tuple(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
 
 
 def _all_finite(x: torch.Tensor) -> bool:
@@ -192,11 +198,13 @@ def _checked_values(x: torch.Tensor, key: str, wpath: Path) -> tuple[torch.Tenso
     ``values`` is ``x`` on the CPU in the file's dtype, or float32 for dtypes float32 does not hold exactly
     (float64, ...), so that rounding it to a pool dtype later rounds once, as a float32 copy did; ``meta`` is
     a ``meta`` tensor of ``x``'s shape and file dtype. A ``meta`` ``x`` (a header-only read) is both, its
-    values unchecked: they are checked when they are read. Raises AdapterError: not a floating-point dtype;
-    non-finite values."""
-    if not x.is_floating_point():
+    values unchecked: they are checked when they are read. Raises AdapterError: a dtype not in
+    ``_WEIGHT_DTYPES`` (named as the file names it and as torch does); non-finite values."""
+    if x.dtype not in _WEIGHT_DTYPES:
         raise AdapterError(
-            f"{wpath}: tensor {key!r}: expected a floating-point dtype, got {x.dtype}", path=wpath, key=key
+            f"{wpath}: tensor {key!r}: expected a floating-point dtype ("
+            f"{', '.join(dtype_name(d).split(' ')[0] for d in _WEIGHT_DTYPES)}), got {dtype_name(x.dtype)}",
+            path=wpath, key=key,
         )
     if x.device.type == "meta":
         return x, x
