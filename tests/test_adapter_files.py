@@ -97,6 +97,77 @@ def test_header_only_registration_reads_only_the_header(tmp_path, monkeypatch):
     assert not any(o >= header for o, _ in seen)
 
 
+def test_the_adapter_records_the_files_it_read(engine, tmp_path):
+    d = write_adapter(tmp_path / "a", CFG, seed=1, rank=8, modules=MODS)
+    for preload in (True, False):
+        adapter = engine.load_adapter("rec", d, preload=preload)
+        assert adapter.files == files_fingerprint(d) == engine.cache.get("rec").fingerprint
+        assert [s.name for s in adapter.files] == [CONFIG_NAME, SAFETENSORS_NAME]
+    engine.unload_adapter("rec")
+
+
+# ------------------------------------------------------------------------------------- file-change detection
+def _lazy_then_change(engine, tmp_path, change):
+    """Register an adapter with preload=False, ``change(dir)``, then serve it with a base request beside it."""
+    d = write_adapter(tmp_path / "a", CFG, seed=1, rank=8, modules=MODS)
+    engine.load_adapter("lazy", d, preload=False)
+    change(d)
+    outs = engine.generate([_ids(1), _ids(2)], adapters=["lazy", None], sampling=greedy(3))
+    assert outs[1].finish_reason == "length"
+    return d, outs[0]
+
+
+def _same_size_other_values(d, tmp_path):
+    other = write_adapter(tmp_path / "other", CFG, seed=9, rank=8, modules=MODS) / SAFETENSORS_NAME
+    data = other.read_bytes()
+    assert len(data) == (d / SAFETENSORS_NAME).stat().st_size
+    return data
+
+
+def test_same_size_rewrite_with_mtime_put_back_is_caught(engine, tmp_path):
+    def rewrite(d):
+        w = d / SAFETENSORS_NAME
+        st = os.stat(w)
+        data = _same_size_other_values(d, tmp_path)
+        with open(w, "r+b") as f:  # in place: same inode
+            f.write(data)
+        os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    d, out = _lazy_then_change(engine, tmp_path, rewrite)
+    assert out.finish_reason == "error", out
+    assert f"{SAFETENSORS_NAME}: rewritten with the same size and mtime" in out.error, out.error
+    assert "preload=False" in out.error and "evicted" not in out.error, out.error
+
+
+def test_same_size_replace_by_rename_with_mtime_put_back_is_caught(engine, tmp_path):
+    def replace(d):
+        w = d / SAFETENSORS_NAME
+        st = os.stat(w)
+        tmp = d / ".new"
+        tmp.write_bytes(_same_size_other_values(d, tmp_path))
+        os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(tmp, w)
+
+    _, out = _lazy_then_change(engine, tmp_path, replace)
+    assert out.finish_reason == "error" and f"{SAFETENSORS_NAME}: replaced by another file" in out.error, out
+
+
+def test_config_change_is_named(engine, tmp_path):
+    def edit(d):
+        p = d / CONFIG_NAME
+        p.write_text(p.read_text().replace('"lora_alpha": 16', '"lora_alpha": 17'))
+
+    _, out = _lazy_then_change(engine, tmp_path, edit)
+    assert out.finish_reason == "error" and f"{CONFIG_NAME}: " in out.error and "mtime" in out.error, out
+
+
+def test_an_unrelated_new_file_changes_nothing(engine, tmp_path):
+    d, out = _lazy_then_change(engine, tmp_path, lambda d: (d / "README.md").write_text("notes\n"))
+    assert out.finish_reason == "length", out.error
+    engine.load_adapter("eager", d)
+    assert out.token_ids == engine.generate([_ids(1)], adapters=["eager"], sampling=greedy(3))[0].token_ids
+
+
 # ------------------------------------------------------------------------------------- float8 files
 def _float8_adapter(tmp_path, dtype):
     d = write_adapter(tmp_path / str(dtype), CFG, seed=3, rank=8, modules=MODS)
