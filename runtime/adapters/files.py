@@ -69,7 +69,7 @@ def _parse_entry(f: OpenFile, key: str, e: Any, data_start: int) -> _Entry:
     if not isinstance(e, dict):
         raise bad(f"expected an object with dtype, shape and data_offsets, got {_jd(e)[:80]}")
     dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-    if dtype not in _ST_DTYPES:
+    if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
         raise bad(f"dtype {_jd(dtype)[:40]} is not one this runtime reads (known: {', '.join(_ST_DTYPES)})")
     if not (isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape)):
         raise bad(f"expected a shape of non-negative integers, got {_jd(shape)[:80]}")

@@ -416,7 +416,7 @@ def read_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool
         adapter, packed = load_peft_adapter(path, config, name=name, allow_pickle=allow_pickle, header_only=True), None
     if max_rank is not None and adapter.max_rank > max_rank:
         raise AdapterError(f"{path}: adapter rank {adapter.max_rank} exceeds the engine's max_lora_rank {max_rank} "
-                           f"(create the Engine with max_lora_rank={adapter.max_rank} or more)")
+                           f"(create the Engine with max_lora_rank={adapter.max_rank} or more)", path=path)
     if packed is None and not any(w.a.device.type == "meta" for w in adapter.modules.values()):
         packed = pool.pack(adapter)  # header_only still reads a pickle file whole
     return adapter, packed
