@@ -97,6 +97,15 @@ def test_header_only_registration_reads_only_the_header(tmp_path, monkeypatch):
     assert not any(o >= header for o, _ in seen)
 
 
+@pytest.mark.parametrize("missing", [("preadv",), ("preadv", "pread")], ids=["pread", "lseek-read"])
+def test_platforms_without_preadv_read_the_same(tmp_path, monkeypatch, missing):
+    d = write_adapter(tmp_path / "a", CFG, seed=1, rank=8, modules=MODS)
+    want = read_adapter(d, CFG, _pool())[1].pages
+    for name in missing:
+        monkeypatch.delattr(os, name)
+    assert torch.equal(read_adapter(d, CFG, _pool())[1].pages, want)
+
+
 def test_the_adapter_records_the_files_it_read(engine, tmp_path):
     d = write_adapter(tmp_path / "a", CFG, seed=1, rank=8, modules=MODS)
     for preload in (True, False):

@@ -135,6 +135,23 @@ def files_fingerprint(root: str | os.PathLike) -> tuple[FileStamp, FileStamp]:
     return stamp_of(root / CONFIG_NAME), stamp_of(weights_path(root) or root / SAFETENSORS_NAME)
 
 
+#: never block opening a FIFO; binary mode and no inheritance where the platform has the flags
+_OPEN_FLAGS = sum(getattr(os, flag, 0) for flag in ("O_NONBLOCK", "O_CLOEXEC", "O_BINARY"))
+
+
+def _read_at(fd: int, buf: memoryview, pos: int) -> int:
+    """One read of up to ``len(buf)`` bytes at byte ``pos`` into ``buf``: how many were read (0: end of file)."""
+    if hasattr(os, "preadv"):  # Linux, BSDs: straight into buf
+        return os.preadv(fd, [buf], pos)
+    if hasattr(os, "pread"):
+        data = os.pread(fd, len(buf), pos)
+    else:  # Windows: every OpenFile has its own descriptor, so seeking it is safe
+        os.lseek(fd, pos, os.SEEK_SET)
+        data = os.read(fd, len(buf))
+    buf[: len(data)] = data
+    return len(data)
+
+
 class OpenFile:
     """A regular file open for plain reads, with its stamp taken at open.
 
@@ -145,7 +162,7 @@ class OpenFile:
     def __init__(self, path: Path, missing: str = "does not exist") -> None:
         self.path = path
         try:
-            self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            self._fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
         except OSError as e:
             raise AdapterError(f"{path}: {_os_problem(path, e, missing)}", path=path) from e
         st = os.fstat(self._fd)
@@ -166,7 +183,7 @@ class OpenFile:
         want, pos = len(buf), offset
         while len(buf):
             try:
-                n = os.preadv(self._fd, [buf], pos)
+                n = _read_at(self._fd, buf, pos)
             except OSError as e:
                 raise self.fault(f"a read at byte {pos} failed: {e.strerror or e}") from e
             if n == 0:
