@@ -116,19 +116,34 @@ def _parse_header(f: OpenFile) -> dict[str, _Entry]:
 
 
 class _LazyTensors(Mapping):
-    """``key -> tensor`` of an open safetensors file, each tensor read (one plain read into a fresh CPU tensor of
-    the file's dtype and shape, owned by the caller) when asked for, so the fast path validates, checks and
-    packs one tensor while it is still in cache instead of holding every tensor of the file first. Keys are
-    sorted, as safetensors lists them. ``check_unchanged()`` raises AdapterError if the file changed since it
-    was opened; ``close()`` closes it."""
+    """``key -> tensor`` of an open safetensors file, each tensor read (one plain read into a CPU tensor of the
+    file's dtype and shape) when asked for, so the fast path validates, checks and packs one tensor while it
+    is still in cache instead of holding every tensor of the file first. Keys are sorted, as safetensors lists
+    them. ``check_unchanged()`` raises AdapterError if the file changed since it was opened; ``close()``
+    closes it.
 
-    def __init__(self, f: OpenFile, entries: dict[str, _Entry]) -> None:
+    With ``scratch`` the tensors are read into two buffers used in turn, so a tensor stays valid only until
+    the next-but-one is read (a lora_A / lora_B pair until the next pair): no fresh memory, no page faults, the
+    buffer still in cache (what mmap's page-cache mappings gave). Without it every tensor is a fresh one that
+    the caller owns."""
+
+    def __init__(self, f: OpenFile, entries: dict[str, _Entry], scratch: bool = False) -> None:
         self._f, self._entries = f, entries
         self.stamp: FileStamp = f.stamp
+        self._scratch = [torch.empty(0, dtype=torch.uint8)] * 2 if scratch else None
+        self._turn = 0
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        if self._scratch is None:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        self._turn ^= 1
+        if self._scratch[self._turn].numel() < nbytes:
+            self._scratch[self._turn] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[self._turn][:nbytes]
 
     def __getitem__(self, key: str) -> torch.Tensor:
         e = self._entries[key]
-        buf = torch.empty(e.end - e.begin, dtype=torch.uint8)
+        buf = self._buffer(e.end - e.begin)
         if e.end > e.begin:
             self._f.read_into(memoryview(buf.numpy()), e.begin)
         return buf.view(e.dtype).reshape(e.shape)
@@ -151,10 +166,10 @@ class _LazyTensors(Mapping):
         self._f.close()
 
 
-def _open_safetensors(path: Path) -> _LazyTensors:
+def _open_safetensors(path: Path, scratch: bool) -> _LazyTensors:
     f = OpenFile(path)
     try:
-        return _LazyTensors(f, _parse_header(f))
+        return _LazyTensors(f, _parse_header(f), scratch)
     except BaseException:
         f.close()
         raise
@@ -184,7 +199,8 @@ def _read_weights(root: Path, allow_pickle: bool, header_only: bool = False,
     Keys are validated by the caller before tensors are used; safetensors keys are listed (sorted) before any
     tensor is read. With ``header_only`` a safetensors file gives ``meta``-device tensors of the header's shapes
     and dtypes (only the header's bytes are read). With ``lazy`` a safetensors file gives a
-    :class:`_LazyTensors` (the caller checks it unchanged and closes it); a pickle file is read whole either way.
+    :class:`_LazyTensors` reading into two scratch buffers (each tensor valid until the next-but-one is read;
+    the caller checks it unchanged and closes it); a pickle file is read whole either way.
 
     Raises AdapterError: no weight file; a pickle without ``allow_pickle``; an entry that is no readable file;
     a malformed file; a file that changed while it was read. The message names the file."""
@@ -205,7 +221,7 @@ def _read_weights(root: Path, allow_pickle: bool, header_only: bool = False,
             )
         tensors, stamp = _read_pickle(wpath)
         return wpath, tensors, list(tensors), stamp
-    lazy_tensors = _open_safetensors(wpath)
+    lazy_tensors = _open_safetensors(wpath, scratch=lazy)
     keys = list(lazy_tensors)
     if lazy:
         return wpath, lazy_tensors, keys, lazy_tensors.stamp

@@ -241,7 +241,8 @@ def _build_modules(
     Every key is checked first (:func:`_match_keys`); then ``open_sink(max rank)``, if given, gives the sink
     (or None); then, module by module in layer, then ``TARGET_MODULES`` order, lora_A then lora_B is taken from
     ``tensors`` (so a lazy mapping reads one tensor at a time), its shape, dtype and values checked
-    (:func:`_checked_values`), and the pair goes to ``sink.put(layer, module, a, b, scaling)``. Nothing is
+    (:func:`_checked_values`), and the pair goes to ``sink.put(layer, module, a, b, scaling)`` (a lazy mapping's
+    scratch buffers hold one pair: two tensors are taken per ``put``, no more). Nothing is
     kept: returns ``(modules, sink)``, the modules holding ``meta`` tensors of the file's shapes and dtypes
     and the scalings."""
     found = _match_keys(wpath, keys, targets, config, cfg_path)
@@ -336,8 +337,8 @@ def load_peft_adapter_into(
     exactly, such as float64, are still rounded to float32 first, so the pool gets bit-identical values),
     are read one at a time, checked (same checks, order and messages as :func:`load_peft_adapter`,
     non-finite values included) and passed to ``sink.put(layer, module, a, b, scaling)`` in layer, then
-    ``TARGET_MODULES`` order. ``a`` / ``b`` may be views of file buffers that are dropped afterwards: the sink
-    must copy them.
+    ``TARGET_MODULES`` order. ``a`` / ``b`` may be views of read buffers that are reused for the next module's:
+    the sink must copy them before it returns.
 
     Args:
         open_sink: called with the adapter's largest rank once the config and every tensor key are validated,
