@@ -1,7 +1,9 @@
 """Adapter files as a hostile but fair user leaves them (issue 15, items 1, 6, 7, 9).
 
 - Plain reads, checked: a file that changes while it is read fails that load with "changed while it was
-  being read"; a header-only registration reads the header's bytes and nothing else.
+  being read"; a file modified within the last ``SETTLE_S`` is read once it has been left alone that long, and
+  one that keeps changing is refused "is being written"; a header-only registration reads the header's bytes
+  and nothing else.
 - File-change detection (the disk tier): a change to ``adapter_config.json`` or the weight file is caught even
   with the size and mtime put back (inode / ctime), and named in the error; an unrelated file added to the
   directory changes nothing; the error says whether there was a host copy at all.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 
 import pytest
 import torch
@@ -26,6 +29,7 @@ from multilora import Engine
 from multilora.config import TARGET_MODULES, ModelConfig
 from multilora.memory.pool import AdapterPool
 from multilora.runtime.adapter_cache import files_fingerprint
+from multilora.runtime.adapters import disk
 from multilora.runtime.adapters import (AdapterError, CONFIG_NAME, SAFETENSORS_NAME, load_peft_adapter,
                                         load_peft_adapter_into, read_adapter)
 from multilora.runtime.weights import MODEL_SHAPES
@@ -95,6 +99,42 @@ def test_header_only_registration_reads_only_the_header(tmp_path, monkeypatch):
     config_bytes = (d / CONFIG_NAME).stat().st_size
     assert sum(n for _, n in seen) == config_bytes + header < len(raw) // 10, (seen, len(raw))
     assert not any(o >= header for o, _ in seen)
+
+
+def _age(d, seconds):
+    """Date every file of ``d`` ``seconds`` back."""
+    t = time.time_ns() - int(seconds * 1e9)
+    for p in d.iterdir():
+        os.utime(p, ns=(t, t))
+
+
+def test_a_freshly_written_file_is_read_once_it_settled(tmp_path, monkeypatch):
+    d = write_adapter(tmp_path / "a", CFG, seed=1, rank=8, modules=MODS)
+    slept, real_sleep = [], time.sleep
+    monkeypatch.setattr(disk.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
+    _age(d, 2 * disk.SETTLE_S)
+    read_adapter(d, CFG, _pool())
+    assert slept == []  # older than SETTLE_S: read at once
+    _age(d, disk.SETTLE_S / 5)
+    want = read_adapter(d, CFG, _pool())[1].pages  # written just now: waits out the rest, then reads
+    assert len(slept) == 1 and 0 < slept[0] <= disk.SETTLE_S, slept
+    assert torch.equal(read_adapter(d, CFG, _pool())[1].pages, want)
+
+
+def test_a_file_that_keeps_changing_is_refused(tmp_path, monkeypatch):
+    d = write_adapter(tmp_path / "a", CFG, seed=1, rank=8, modules=MODS)
+    monkeypatch.setattr(disk, "SETTLE_MAX_S", 0.3)
+    w = d / SAFETENSORS_NAME
+    real_sleep = time.sleep
+
+    def sleep_while_written(s):  # a writer that rewrites the file while the load waits for it to settle
+        real_sleep(s)
+        os.utime(w)
+
+    monkeypatch.setattr(disk.time, "sleep", sleep_while_written)
+    os.utime(w)
+    msg = _err(lambda: read_adapter(d, CFG, _pool()))
+    assert f"{w}: is being written (it changed " in msg and "load it again once it is complete" in msg, msg
 
 
 @pytest.mark.parametrize("missing", [("preadv",), ("preadv", "pread")], ids=["pread", "lseek-read"])

@@ -6,7 +6,8 @@ truncation), alternating two versions of the same size and shapes. A loader proc
 directory over and over through every path the engine takes (``read_adapter`` with and without preload,
 ``read_packed_adapter`` as the reload does, ``load_peft_adapter``). Each load must either give one of the two
 versions exactly (bit-identical pages, the right header) or raise ``AdapterError`` naming the file; the loader
-must never die. With memory-mapped reads it did: a page past the new end of the file faults (SIGBUS, exit
+must never die. (The writer leaves the file alone for 120 ms now and then, longer than the 50 ms a file must
+be quiet to be read, ``runtime/adapters/disk.py``'s ``SETTLE_S``: that is when loads can succeed.) With memory-mapped reads it did: a page past the new end of the file faults (SIGBUS, exit
 -7). The loader runs as a child of pytest so that a crash fails this test instead of killing the run.
 
 ``MULTILORA_REWRITE_SECONDS`` sets how long the two race (default 8 s).
@@ -117,7 +118,7 @@ WRITER = textwrap.dedent(r'''
             with open(target, "r+b") as f:
                 for k in range(0, len(data), 1 << 16):
                     f.write(data[k:k + (1 << 16)])
-        time.sleep(0.0005 * (i % 3))
+        time.sleep(0.0005 * (i % 3) if i % 8 else 0.12)  # now and then quiet for longer than SETTLE_S
 ''')
 
 

@@ -7,11 +7,18 @@ are caught here: :class:`OpenFile` takes the file's stamp when it opens it and a
 and refuses the read (:class:`AdapterError` "changed while it was being read") if the two differ or a read
 came up short.
 
+A writer that pauses between its writes leaves the file half old, half new with a stamp that no longer moves;
+so a file is read only once it has been left alone for ``SETTLE_S`` (50 ms, by its mtime: at once for a file
+older than that; a freshly written one waits out the rest), and refused "is being written" if it keeps
+changing for ``SETTLE_MAX_S``. A writer paused for longer than that in the middle of a rewrite can still hand
+a load a mix of its old and new bytes: to replace an adapter that is being served, write the new files
+elsewhere and rename them into place (``save_peft_adapter`` does), which every read survives.
+
 A :class:`FileStamp` is (device, inode, size, mtime_ns, ctime_ns): another file (a replace by rename), another
 size, another mtime, or another ctime, which every write and every metadata change (``touch -d`` setting mtime
-back included) moves and which a user cannot set. On Linux 6.13+ (multigrain timestamps on ext4, xfs, btrfs,
-tmpfs) a write right after a stat always gets a newer timestamp; older kernels stamp files with the clock tick
-(1-10 ms), so a same-size rewrite within one tick of the stat can go unseen there.
+back included) moves and which a user cannot set. (Kernels before Linux 6.13, without multigrain timestamps,
+stamp files with the clock tick, 1-10 ms, so a write in the tick of an earlier one leaves the stamp as it
+was; a file read only after it settled is older than a tick, so any write gives it a newer stamp.)
 
 Odd paths get messages that say what is there: nothing, a dangling symlink, a symlink loop, a directory,
 a FIFO or device (opened without blocking, then refused), a path component that is not a directory.
@@ -23,6 +30,7 @@ import datetime
 import errno
 import os
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,6 +143,10 @@ def files_fingerprint(root: str | os.PathLike) -> tuple[FileStamp, FileStamp]:
     return stamp_of(root / CONFIG_NAME), stamp_of(weights_path(root) or root / SAFETENSORS_NAME)
 
 
+#: how long a file must have been left alone (by its mtime) before it is read, and how long to wait for that
+SETTLE_S = 0.05
+SETTLE_MAX_S = 1.0
+
 #: never block opening a FIFO; binary mode and no inheritance where the platform has the flags
 _OPEN_FLAGS = sum(getattr(os, flag, 0) for flag in ("O_NONBLOCK", "O_CLOEXEC", "O_BINARY"))
 
@@ -170,6 +182,31 @@ class OpenFile:
             os.close(self._fd)
             raise AdapterError(f"{path}: expected a file, got {_kind(st)}", path=path)
         self.stamp = FileStamp.of(path.name, st)
+        try:
+            self._settle()
+        except BaseException:
+            self.close()
+            raise
+
+    def _settle(self) -> None:
+        """Return once the file has been quiet for ``SETTLE_S``: at once if its mtime is older than that, else
+        after waiting out the rest (a file modified that recently may be mid-rewrite by a writer that paused
+        between writes: its stamp would not move while it is read, the bytes being half old, half new).
+        Raises AdapterError "is being written" if it keeps changing for ``SETTLE_MAX_S``."""
+        changes, deadline = 0, time.monotonic() + SETTLE_MAX_S
+        while True:
+            age = time.time_ns() - (self.stamp.mtime_ns or 0)
+            if age >= SETTLE_S * 1e9:
+                return
+            if time.monotonic() > deadline:
+                raise AdapterError(f"{self.path}: is being written (it changed {changes} times in the last "
+                                   f"{SETTLE_MAX_S:g} s): load it again once it is complete", path=self.path)
+            # (a file stamped in the future, by a skewed clock of a network filesystem: one full wait)
+            time.sleep(SETTLE_S - age / 1e9 if age >= 0 else SETTLE_S)
+            now = FileStamp.of(self.path.name, os.fstat(self._fd))
+            if now == self.stamp:
+                return
+            self.stamp, changes = now, changes + 1
 
     @property
     def size(self) -> int:
