@@ -320,19 +320,13 @@ ODD = {"dir-loop": ("a symlink loop",) * 2, "dir-dangling": ("which does not exi
 
 
 # ------------------------------------------------------------------------------------- the tests
+@pytest.mark.parametrize("name", [CONFIG_NAME, SAFETENSORS_NAME])
 @FUZZ
 @given(data=st.data())
-def test_fuzz_configs(engine, good, scratch, data):
+def test_fuzz_file(engine, good, scratch, name, data):
+    broken = _config_text(good[1]) if name == CONFIG_NAME else _weights_bytes(good[2])
     d = _fresh_dir(scratch, good)
-    (d / CONFIG_NAME).write_bytes(data.draw(_config_text(good[1]), label="adapter_config.json"))
-    _check(engine, d)
-
-
-@FUZZ
-@given(data=st.data())
-def test_fuzz_safetensors_files(engine, good, scratch, data):
-    d = _fresh_dir(scratch, good)
-    (d / SAFETENSORS_NAME).write_bytes(data.draw(_weights_bytes(good[2]), label="adapter_model.safetensors"))
+    (d / name).write_bytes(data.draw(broken, label=name))
     _check(engine, d)
 
 

@@ -35,7 +35,7 @@ and any tensor that does not fit the base model. Loading is all-or-nothing and t
 
 One module per job; each imports only the ones listed above it:
 
-- ``spec``: ``adapter_config.json`` read and validated, the table of PEFT features refused, :class:`AdapterError`.
+- ``spec``: ``adapter_config.json`` parsed and validated, the table of PEFT features refused, :class:`AdapterError`.
 - ``targets``: PEFT's target rules: which ``(layer, module)`` an adapter targets, with which rank and alpha,
   and which ``(layer, module)`` a tensor key names.
 - ``disk``: the files as plain reads (never memory-mapped): odd paths said as such, the files' stamps

@@ -70,7 +70,8 @@ class FileStamp:
         if now.mtime_ns != self.mtime_ns:
             parts.append(f"mtime {_when(self.mtime_ns)} -> {_when(now.mtime_ns)}")
         if now.ctime_ns != self.ctime_ns and not parts:
-            parts.append(f"rewritten with the same size and mtime (ctime {_when(self.ctime_ns)} -> {_when(now.ctime_ns)})")
+            parts.append(f"rewritten with the same size and mtime (ctime {_when(self.ctime_ns)} -> "
+                         f"{_when(now.ctime_ns)})")
         return f"{self.name}: " + ", ".join(parts or ["unchanged"])
 
 
@@ -92,9 +93,10 @@ def _kind(st: os.stat_result) -> str:
 def _os_problem(path: Path, e: OSError, missing: str) -> str:
     """Why ``path`` cannot be opened or stat-ed, in words; ``missing`` when nothing is there."""
     if e.errno == errno.ENOENT:
-        if os.path.islink(path):
+        try:
             return f"a symlink to {os.readlink(path)!r}, which does not exist"
-        return missing
+        except OSError:  # not a symlink (or no longer there)
+            return missing
     if e.errno == errno.ELOOP:
         return "a symlink loop (too many levels of symbolic links)"
     if e.errno in (errno.EACCES, errno.EPERM):

@@ -107,8 +107,8 @@ _EXACT_IN_F32 = (torch.float32, torch.bfloat16, torch.float16)
 #: File dtypes read as LoRA weights. The float8 formats (safetensors F8_E4M3, F8_E5M2 and their FNUZ variants)
 #: are cast to float32, then to the pool dtype, exactly: every float8 value is a float16, bfloat16 and float32
 #: value. Refused: integers, bool, complex, and F8_E8M0 (a power-of-two scale format, up to 2^127: no float16).
-_WEIGHT_DTYPES = (torch.float64, *_EXACT_IN_F32) + tuple(
-    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
+_WEIGHT_DTYPES = (torch.float64, *_EXACT_IN_F32) + tuple(getattr(torch, n) for n in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
 
 
 def _all_finite(x: torch.Tensor) -> bool:
