@@ -17,6 +17,7 @@ tests/test_fuzz_adapter_files.py.)
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import time
@@ -255,6 +256,20 @@ def test_other_dtypes_are_refused_alike_naming_the_dtype(tmp_path, dtype, name):
     assert len(set(msgs)) == 1, msgs  # preload or not, header only or not: one message
     assert f"expected a floating-point dtype" in msgs[0] and f"got {name} ({dtype})" in msgs[0], msgs[0]
     assert k in msgs[0] and str(d / SAFETENSORS_NAME) in msgs[0]
+
+
+# ------------------------------------------------------------------------------------- found by the fuzz suite
+@pytest.mark.parametrize("field,value", [("lora_alpha", 1.4e39), ("lora_alpha", 10**400),
+                                         ("alpha_pattern", {"q_proj": -1e39})], ids=["1.4e39", "400-digits", "pattern"])
+def test_an_alpha_beyond_float32_is_refused_by_name(tmp_path, field, value):
+    """Found by tests/test_fuzz_adapter_files.py: a lora_alpha finite in JSON but not in float32 reached the
+    pool's float32 scaling table (RuntimeError from the packer); a 400-digit integer one raised OverflowError."""
+    d = write_adapter(tmp_path / "a", CFG, seed=1, rank=8, modules=MODS)
+    cfg = json.loads((d / CONFIG_NAME).read_text())
+    cfg[field] = value
+    (d / CONFIG_NAME).write_text(json.dumps(cfg))
+    for msg in _all_loads(d):
+        assert f"{d / CONFIG_NAME}: {field}: " in msg and "finite number (a float32" in msg, msg
 
 
 # ------------------------------------------------------------------------------------- odd paths

@@ -138,7 +138,8 @@ def _assert_names(e: AdapterError, d: Path) -> None:
 _NAMES = st.sampled_from(["q_proj", "v_proj", "down_proj", "lm_head", "embed_tokens", "mlp", "", "q_proj.x"])
 # regex-ish text without quantifiers (no catastrophic backtracking), often invalid: "(", "[", "\\"
 _PATTERNS = st.text(alphabet="qvkodwnpmrj_.|()[]^$\\0123", max_size=12)
-_SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8)
+_SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.sampled_from([10**400, -(10**400), 2**64])
+            | st.floats() | st.floats(3e38, 4e38) | st.text(max_size=8)
             | _NAMES | _PATTERNS)
 _JSON = st.recursive(_SCALARS, lambda c: st.lists(c, max_size=4) | st.dictionaries(_PATTERNS | _NAMES, c, max_size=3),
                      max_leaves=8)

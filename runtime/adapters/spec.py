@@ -7,7 +7,6 @@ the package imports this one, and it imports none of them.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -66,6 +65,14 @@ def _is_int(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+#: the largest float32: a lora_alpha beyond it makes a scaling the pool's float32 tables cannot hold
+_F32_MAX = 3.4028234663852886e38
+
+
+def _is_alpha(v: Any) -> bool:
+    return _is_number(v) and abs(v) <= _F32_MAX  # (False for NaN and inf; no float() of a 400-digit int)
 
 
 def _config_json(data: bytes, cfg_path: Path) -> dict:
@@ -174,8 +181,9 @@ def _parse_config(raw: dict, cfg_path: Path) -> _Spec:
     if not _is_int(r) or r <= 0:
         raise fail("r", f"expected a positive integer rank, got {_jd(r)}")
     alpha = raw["lora_alpha"]
-    if not _is_number(alpha) or not math.isfinite(alpha):
-        raise fail("lora_alpha", f"expected a finite number, got {_jd(alpha)}")
+    if not _is_alpha(alpha):
+        raise fail("lora_alpha", f"expected a finite number (a float32: |lora_alpha| <= {_F32_MAX:.4g}), "
+                   f"got {_jd(alpha)}")
     rslora = raw.get("use_rslora", False)
     if rslora is None:
         rslora = False
@@ -196,7 +204,7 @@ def _parse_config(raw: dict, cfg_path: Path) -> _Spec:
     patterns: dict[str, dict] = {}
     for key, ok, what in (
         ("rank_pattern", lambda v: _is_int(v) and v > 0, "a positive integer rank"),
-        ("alpha_pattern", lambda v: _is_number(v) and math.isfinite(v), "a finite number"),
+        ("alpha_pattern", _is_alpha, f"a finite number (a float32: |alpha| <= {_F32_MAX:.4g})"),
     ):
         pat = raw.get(key) or {}
         if not isinstance(pat, dict):
