@@ -10,9 +10,12 @@ Tiers
   two by torch's caching host allocator, so a budget of B holds fewer than B / nbytes copies). The one copy
   just added or read back is never dropped to make room, so the budget can be exceeded only while that
   single copy is all the host tier holds (an adapter larger than the whole budget).
-- **disk**: the adapter's own files. A host copy dropped from the host tier is reloaded from them on
-  demand, after checking that the files did not change since ``load_adapter`` (size and mtime); if they
-  did, the requests that need it fail cleanly instead of running other weights.
+- **disk**: the adapter's own files. A host copy dropped from the host tier (or never made:
+  ``load_adapter(preload=False)``) is read from them on demand, after checking that the two files the
+  adapter is read from (``adapter_config.json`` and its weight file; other files of the directory do not
+  count) are the ones ``load_adapter`` read: same inode, size, mtime_ns and ctime_ns (``files_fingerprint``),
+  before and after the read; if not, the requests that need it fail cleanly, with an error saying which file
+  changed and how, instead of running other weights.
 
 Eviction (LRU)
 --------------
@@ -55,6 +58,7 @@ import torch
 
 from multilora.memory.pool import AdapterPool, PackedAdapter, PoolFullError, host_footprint
 from multilora.runtime.adapters import AdapterError
+from multilora.runtime.adapters.disk import FileStamp, files_fingerprint
 
 log = logging.getLogger("multilora")
 
@@ -66,14 +70,7 @@ class UnknownAdapterError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def files_fingerprint(path: Path) -> tuple:
-    """(name, size, mtime_ns) of every regular file in an adapter directory: detects changed files."""
-    out = []
-    for f in sorted(Path(path).iterdir()) if Path(path).is_dir() else []:
-        if f.is_file():
-            st = f.stat()
-            out.append((f.name, st.st_size, st.st_mtime_ns))
-    return tuple(out)
+__all__ = ["AdapterCache", "AdapterHandle", "CacheStats", "UnknownAdapterError", "files_fingerprint"]
 
 
 @dataclass(eq=False)
@@ -84,7 +81,7 @@ class AdapterHandle:
     version: int
     path: Path
     allow_pickle: bool
-    fingerprint: tuple
+    fingerprint: tuple[FileStamp, ...]  # the files as load_adapter read them (files_fingerprint)
     max_rank: int
     num_pages: int
     summary: str
@@ -96,6 +93,7 @@ class AdapterHandle:
     ready_event: object | None = None  # torch.cuda.Event of an asynchronous host -> GPU copy
     loading: Future | None = None  # disk -> host load in flight
     prefetched: bool = False  # made resident by prefetch and not used yet
+    had_host: bool = False  # has had a host copy (False: registered on disk and never read since)
 
     @property
     def tier(self) -> str:
@@ -146,15 +144,18 @@ class AdapterCache:
 
     # ------------------------------------------------------------------ registry
     def add(self, name: str, packed: PackedAdapter | None, *, path: Path, allow_pickle: bool, summary: str,
-            max_rank: int | None = None, num_pages: int | None = None) -> AdapterHandle:
+            max_rank: int | None = None, num_pages: int | None = None,
+            fingerprint: tuple[FileStamp, ...] | None = None) -> AdapterHandle:
         """Register an adapter under ``name``, retiring any earlier version: packed (host tier), or with
-        ``packed=None`` on the disk tier only (``max_rank`` and ``num_pages`` then given; read on first use)."""
+        ``packed=None`` on the disk tier only (``max_rank`` and ``num_pages`` then given; read on first use).
+        ``fingerprint``: the files' stamps as they were read (``LoRAAdapter.files``); default
+        ``files_fingerprint(path)`` now."""
         if packed is None and (max_rank is None or num_pages is None):
             raise ValueError("AdapterCache.add: an adapter registered on disk (packed=None) needs max_rank and num_pages")
         with self._lock:
             handle = AdapterHandle(
                 name=name, version=next(self._versions), path=Path(path), allow_pickle=allow_pickle,
-                fingerprint=files_fingerprint(Path(path)),
+                fingerprint=tuple(fingerprint) if fingerprint else files_fingerprint(Path(path)),
                 max_rank=packed.max_rank if packed is not None else max_rank,
                 num_pages=packed.num_pages if packed is not None else num_pages,
                 summary=summary,
@@ -241,6 +242,7 @@ class AdapterCache:
 
     def _set_host(self, handle: AdapterHandle, packed: PackedAdapter) -> None:
         handle.host = packed
+        handle.had_host = True
         self._host_lru[id(handle)] = handle
         self._host_lru.move_to_end(id(handle))
 
@@ -308,14 +310,27 @@ class AdapterCache:
         return True
 
     def _read_files(self, handle: AdapterHandle) -> PackedAdapter:
-        """disk -> host (no lock taken: runs on the I/O thread too)."""
-        if files_fingerprint(handle.path) != handle.fingerprint:
-            raise AdapterError(
-                f"{handle.path}: the files of adapter {handle.name!r} (version {handle.version}) changed or vanished "
-                f"since load_adapter, and its host copy was evicted: load_adapter it again",
-                path=handle.path,
-            )
-        return self._reload(handle)
+        """disk -> host, if the files are still those ``load_adapter`` read, before and after the read (a file
+        replaced and put back in between gets a new ctime). No lock taken: runs on the I/O thread too."""
+        self._check_files(handle, "since load_adapter")
+        packed = self._reload(handle)
+        self._check_files(handle, "while it was read again")
+        return packed
+
+    @staticmethod
+    def _check_files(handle: AdapterHandle, when: str) -> None:
+        """Raise AdapterError naming the file that changed and how, unless the files match the fingerprint."""
+        now = files_fingerprint(handle.path)
+        if now == handle.fingerprint:
+            return
+        how = "; ".join(was.change_to(new) for was, new in zip(handle.fingerprint, now) if was != new)
+        why = ("its host copy was evicted" if handle.had_host else
+               "it was registered on the disk tier (load_adapter(preload=False)) and not read since")
+        raise AdapterError(
+            f"{handle.path}: the files of adapter {handle.name!r} (version {handle.version}) changed {when} ({how}); "
+            f"it has no host copy to serve instead ({why}): load_adapter it again",
+            path=handle.path,
+        )
 
     # ------------------------------------------------------------------ gpu tier
     def _drop_from_pool(self, handle: AdapterHandle) -> None:
@@ -363,7 +378,7 @@ class AdapterCache:
 
         Raises:
             PoolFullError: it does not fit even after evicting every idle adapter (nothing changes).
-            AdapterError: its host copy was evicted and its files changed since it was loaded.
+            AdapterError: it has no host copy and its files changed since it was loaded (or cannot be read).
         """
         with self._lock:
             if handle.slot is not None:

@@ -233,7 +233,7 @@ def test_lazy_tensors_equal_safetensors_also_unaligned(file_dtype, tmp_path):
     want = _old_pack(pool, load_peft_adapter(d, CFG))
 
     def check():
-        _, tensors, keys = _read_weights(d, False, lazy=True)
+        _, tensors, keys, _ = _read_weights(d, False, lazy=True)
         assert isinstance(tensors, _LazyTensors) and sorted(keys) == sorted(ref)
         try:
             for k in keys:

@@ -262,6 +262,10 @@ def test_adapter_files_changed_after_host_eviction_fail_only_its_request(tiny, t
         if batch[i][1] == "x":
             assert o.finish_reason == "error" and o.token_ids == [], (o.finish_reason, o.token_ids)
             assert str(path) in o.error, o.error
+            # which files changed and how (save_peft_adapter replaces both by rename), and what tier it lost
+            assert "adapter_config.json: replaced by another file" in o.error, o.error
+            assert "adapter_model.safetensors: replaced by another file" in o.error, o.error
+            assert "its host copy was evicted" in o.error, o.error
         else:
             assert (o.finish_reason, o.error) == ("length", None)
             assert o.token_ids == want[i]

@@ -35,9 +35,11 @@ and any tensor that does not fit the base model. Loading is all-or-nothing and t
 
 One module per job; each imports only the ones listed above it:
 
-- ``spec``: ``adapter_config.json`` read and validated, the table of PEFT features refused, :class:`AdapterError`.
+- ``spec``: ``adapter_config.json`` parsed and validated, the table of PEFT features refused, :class:`AdapterError`.
 - ``targets``: PEFT's target rules: which ``(layer, module)`` an adapter targets, with which rank and alpha,
   and which ``(layer, module)`` a tensor key names.
+- ``disk``: the files as plain reads (never memory-mapped): odd paths said as such, the files' stamps
+  (inode, size, mtime, ctime), reads that fail "changed while it was being read" under a concurrent writer.
 - ``files``: the weight file: safetensors (whole, header-only or lazily), a pickle only when allowed.
 - ``load``: one loading path that validates every tensor and hands each module to a sink:
   :func:`load_peft_adapter` (float32 copies), :func:`load_peft_adapter_into` (the caller's sink) and
@@ -46,7 +48,7 @@ One module per job; each imports only the ones listed above it:
 - ``writer``: :func:`save_peft_adapter`.
 """
 
-from multilora.runtime.adapters.files import PICKLE_NAME, SAFETENSORS_NAME
+from multilora.runtime.adapters.disk import PICKLE_NAME, SAFETENSORS_NAME
 from multilora.runtime.adapters.load import (
     LoRAAdapter,
     LoRAModuleWeights,

@@ -15,8 +15,9 @@ import torch
 
 from multilora.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
 from multilora.memory.pool import AdapterPool, PackedAdapter
-from multilora.runtime.adapters.files import SAFETENSORS_NAME, _LazyTensors, _read_weights
-from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _fmt_shape, _parse_config, _read_config, _Spec
+from multilora.runtime.adapters.disk import FileStamp, check_directory, read_whole
+from multilora.runtime.adapters.files import SAFETENSORS_NAME, _LazyTensors, _read_weights, dtype_name
+from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _config_json, _fmt_shape, _parse_config, _Spec
 from multilora.runtime.adapters.targets import _PEFT_PREFIX, _overlap_hint, _parse_key, _resolve_targets, _Target
 
 
@@ -52,12 +53,16 @@ class LoRAAdapter:
         config: the raw ``adapter_config.json`` dict.
         modules: ``(layer, module) -> LoRAModuleWeights`` for every targeted projection, ``module`` one of
             ``TARGET_MODULES``; ordered by layer, then ``TARGET_MODULES`` order.
+        files: the stamps (device, inode, size, mtime_ns, ctime_ns) of ``adapter_config.json`` and of the weight
+            file as they were read (``()`` for an adapter not read from files); equal to
+            ``multilora.runtime.adapter_cache.files_fingerprint(path)`` while neither file changes.
     """
 
     name: str | None
     path: str
     config: dict = field(repr=False)
     modules: dict[tuple[int, str], LoRAModuleWeights] = field(repr=False)
+    files: tuple[FileStamp, ...] = field(default=(), repr=False)
 
     @property
     def max_rank(self) -> int:
@@ -96,8 +101,14 @@ class LoRAAdapter:
 
 
 #: File dtypes whose values float32 holds exactly: converting them straight to the pool dtype rounds once,
-#: exactly as the float32 copy then the pool dtype did. Others (float64, ...) still go through float32 first.
+#: exactly as the float32 copy then the pool dtype did. Others (float64, float8) still go through float32 first.
 _EXACT_IN_F32 = (torch.float32, torch.bfloat16, torch.float16)
+
+#: File dtypes read as LoRA weights. The float8 formats (safetensors F8_E4M3, F8_E5M2 and their FNUZ variants)
+#: are cast to float32, then to the pool dtype, exactly: every float8 value is a float16, bfloat16 and float32
+#: value. Refused: integers, bool, complex, and F8_E8M0 (a power-of-two scale format, up to 2^127: no float16).
+_WEIGHT_DTYPES = (torch.float64, *_EXACT_IN_F32) + tuple(getattr(torch, n) for n in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
 
 
 def _all_finite(x: torch.Tensor) -> bool:
@@ -187,11 +198,13 @@ def _checked_values(x: torch.Tensor, key: str, wpath: Path) -> tuple[torch.Tenso
     ``values`` is ``x`` on the CPU in the file's dtype, or float32 for dtypes float32 does not hold exactly
     (float64, ...), so that rounding it to a pool dtype later rounds once, as a float32 copy did; ``meta`` is
     a ``meta`` tensor of ``x``'s shape and file dtype. A ``meta`` ``x`` (a header-only read) is both, its
-    values unchecked: they are checked when they are read. Raises AdapterError: not a floating-point dtype;
-    non-finite values."""
-    if not x.is_floating_point():
+    values unchecked: they are checked when they are read. Raises AdapterError: a dtype not in
+    ``_WEIGHT_DTYPES`` (named as the file names it and as torch does); non-finite values."""
+    if x.dtype not in _WEIGHT_DTYPES:
         raise AdapterError(
-            f"{wpath}: tensor {key!r}: expected a floating-point dtype, got {x.dtype}", path=wpath, key=key
+            f"{wpath}: tensor {key!r}: expected a floating-point dtype ("
+            f"{', '.join(dtype_name(d).split(' ')[0] for d in _WEIGHT_DTYPES)}), got {dtype_name(x.dtype)}",
+            path=wpath, key=key,
         )
     if x.device.type == "meta":
         return x, x
@@ -228,7 +241,8 @@ def _build_modules(
     Every key is checked first (:func:`_match_keys`); then ``open_sink(max rank)``, if given, gives the sink
     (or None); then, module by module in layer, then ``TARGET_MODULES`` order, lora_A then lora_B is taken from
     ``tensors`` (so a lazy mapping reads one tensor at a time), its shape, dtype and values checked
-    (:func:`_checked_values`), and the pair goes to ``sink.put(layer, module, a, b, scaling)``. Nothing is
+    (:func:`_checked_values`), and the pair goes to ``sink.put(layer, module, a, b, scaling)`` (a lazy mapping's
+    scratch buffers hold one pair: two tensors are taken per ``put``, no more). Nothing is
     kept: returns ``(modules, sink)``, the modules holding ``meta`` tensors of the file's shapes and dtypes
     and the scalings."""
     found = _match_keys(wpath, keys, targets, config, cfg_path)
@@ -292,16 +306,20 @@ def load_peft_adapter(
             no targeted module at all; a tensor key that does not map to a targeted (layer, module) lora_A /
             lora_B weight; a shape that does not fit (expected vs got); lora_A without lora_B or the reverse;
             a targeted module without tensors; non-finite or non-float values; a pickle without
-            ``allow_pickle``. The message names the file and key.
+            ``allow_pickle``; odd paths (a symlink loop, a dangling symlink, a directory or FIFO where a file
+            belongs: said as such); a malformed safetensors file (header length past the end, bad JSON,
+            unknown dtypes, offsets that overlap, leave gaps or run past the end, sizes that disagree with
+            shapes); a file that changed while it was read (rewritten in place). The message names the file
+            and key.
     """
-    root, cfg_path, raw, spec, targets = _read_spec(path, config)
-    wpath, tensors, keys = _read_weights(root, allow_pickle, header_only)
+    root, cfg_path, raw, spec, targets, cfg_stamp = _read_spec(path, config)
+    wpath, tensors, keys, stamp = _read_weights(root, allow_pickle, header_only)
     if header_only and wpath.name == SAFETENSORS_NAME:  # meta tensors, no values: nothing to keep
         modules, _ = _build_modules(wpath, tensors, keys, targets, config, spec, cfg_path)
-        return LoRAAdapter(name=name, path=str(root), config=raw, modules=modules)
+        return LoRAAdapter(name=name, path=str(root), config=raw, modules=modules, files=(cfg_stamp, stamp))
     copies = _Float32Copies()  # (a pickle file is always read whole)
     _build_modules(wpath, tensors, keys, targets, config, spec, cfg_path, lambda _max_rank: copies)
-    return LoRAAdapter(name=name, path=str(root), config=raw, modules=copies.modules)
+    return LoRAAdapter(name=name, path=str(root), config=raw, modules=copies.modules, files=(cfg_stamp, stamp))
 
 
 def load_peft_adapter_into(
@@ -319,8 +337,8 @@ def load_peft_adapter_into(
     exactly, such as float64, are still rounded to float32 first, so the pool gets bit-identical values),
     are read one at a time, checked (same checks, order and messages as :func:`load_peft_adapter`,
     non-finite values included) and passed to ``sink.put(layer, module, a, b, scaling)`` in layer, then
-    ``TARGET_MODULES`` order. ``a`` / ``b`` may be views of file buffers that are dropped afterwards: the sink
-    must copy them.
+    ``TARGET_MODULES`` order. ``a`` / ``b`` may be views of read buffers that are reused for the next module's:
+    the sink must copy them before it returns.
 
     Args:
         open_sink: called with the adapter's largest rank once the config and every tensor key are validated,
@@ -334,14 +352,21 @@ def load_peft_adapter_into(
     Raises:
         AdapterError: as :func:`load_peft_adapter`. Whatever ``open_sink`` or ``sink.put`` raise.
     """
-    root, cfg_path, raw, spec, targets = _read_spec(path, config)
-    wpath, tensors, keys = _read_weights(root, allow_pickle, lazy=True)
+    root, cfg_path, raw, spec, targets, cfg_stamp = _read_spec(path, config)
+    wpath, tensors, keys, stamp = _read_weights(root, allow_pickle, lazy=True)
+    lazy = tensors if isinstance(tensors, _LazyTensors) else None
     try:
         modules, sink = _build_modules(wpath, tensors, keys, targets, config, spec, cfg_path, open_sink)
+        if lazy is not None:
+            lazy.check_unchanged()
+    except AdapterError:
+        if lazy is not None:  # a file written while it was read explains any error on its values better
+            lazy.check_unchanged()
+        raise
     finally:
-        if isinstance(tensors, _LazyTensors):
-            tensors.close()
-    return LoRAAdapter(name=name, path=str(root), config=raw, modules=modules), sink
+        if lazy is not None:
+            lazy.close()
+    return LoRAAdapter(name=name, path=str(root), config=raw, modules=modules, files=(cfg_stamp, stamp)), sink
 
 
 def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
@@ -392,24 +417,20 @@ def read_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool
         adapter, packed = load_peft_adapter(path, config, name=name, allow_pickle=allow_pickle, header_only=True), None
     if max_rank is not None and adapter.max_rank > max_rank:
         raise AdapterError(f"{path}: adapter rank {adapter.max_rank} exceeds the engine's max_lora_rank {max_rank} "
-                           f"(create the Engine with max_lora_rank={adapter.max_rank} or more)")
+                           f"(create the Engine with max_lora_rank={adapter.max_rank} or more)", path=path)
     if packed is None and not any(w.a.device.type == "meta" for w in adapter.modules.values()):
         packed = pool.pack(adapter)  # header_only still reads a pickle file whole
     return adapter, packed
 
 
-def _read_spec(path: str | os.PathLike, config: ModelConfig) -> tuple[Path, Path, dict, _Spec, dict[tuple[int, str], _Target]]:
-    """The directory checks, the config and the targets: ``(root, config path, raw config, spec, targets)``."""
+def _read_spec(path: str | os.PathLike,
+               config: ModelConfig) -> tuple[Path, Path, dict, _Spec, dict[tuple[int, str], _Target], FileStamp]:
+    """The directory checks, the config and the targets: ``(root, config path, raw config, spec, targets,
+    the config's stamp as read)``."""
     root = Path(path)
-    if not root.exists():
-        raise AdapterError(f"{root}: adapter directory does not exist", path=root)
-    if not root.is_dir():
-        raise AdapterError(
-            f"{root}: expected a directory holding {CONFIG_NAME} and {SAFETENSORS_NAME}, got a file", path=root
-        )
+    check_directory(root)
     cfg_path = root / CONFIG_NAME
-    if not cfg_path.is_file():
-        raise AdapterError(f"{cfg_path}: missing: an adapter directory must hold {CONFIG_NAME}", path=cfg_path)
-    raw = _read_config(cfg_path)
+    data, stamp = read_whole(cfg_path, missing=f"missing: an adapter directory must hold {CONFIG_NAME}")
+    raw = _config_json(data, cfg_path)
     spec = _parse_config(raw, cfg_path)
-    return root, cfg_path, raw, spec, _resolve_targets(spec, config, cfg_path)
+    return root, cfg_path, raw, spec, _resolve_targets(spec, config, cfg_path), stamp

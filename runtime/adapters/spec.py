@@ -1,4 +1,4 @@
-"""adapter_config.json: reading it, validating it, and the table of PEFT features this runtime refuses.
+"""adapter_config.json: parsing it, validating it, and the table of PEFT features this runtime refuses.
 
 :class:`AdapterError` (every loading error) and the message helpers live here too: every other module of
 the package imports this one, and it imports none of them.
@@ -7,7 +7,6 @@ the package imports this one, and it imports none of them.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -68,18 +67,29 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _read_config(cfg_path: Path) -> dict:
+#: the largest float32: a lora_alpha beyond it makes a scaling the pool's float32 tables cannot hold
+_F32_MAX = 3.4028234663852886e38
+
+
+def _is_alpha(v: Any) -> bool:
+    return _is_number(v) and abs(v) <= _F32_MAX  # (False for NaN and inf; no float() of a 400-digit int)
+
+
+def _config_json(data: bytes, cfg_path: Path) -> dict:
+    """``adapter_config.json``'s bytes as a dict. Raises AdapterError: not UTF-8, malformed (or absurdly deeply
+    nested) JSON, not an object."""
     try:
-        text = cfg_path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
         raise AdapterError(f"{cfg_path}: cannot read the adapter config: {e}", path=cfg_path) from e
-    try:
-        raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise AdapterError(
             f"{cfg_path}: malformed JSON at line {e.lineno} column {e.colno} (char {e.pos}): {e.msg}",
             path=cfg_path,
         ) from e
+    except (ValueError, RecursionError) as e:  # e.g. an integer of over 4300 digits; nesting past the stack
+        raise AdapterError(f"{cfg_path}: malformed JSON: {str(e) or 'nested too deeply to parse'}"[:300],
+                           path=cfg_path) from e
     if not isinstance(raw, dict):
         raise AdapterError(
             f"{cfg_path}: expected a JSON object (the PEFT LoraConfig), got {type(raw).__name__}", path=cfg_path
@@ -171,8 +181,9 @@ def _parse_config(raw: dict, cfg_path: Path) -> _Spec:
     if not _is_int(r) or r <= 0:
         raise fail("r", f"expected a positive integer rank, got {_jd(r)}")
     alpha = raw["lora_alpha"]
-    if not _is_number(alpha) or not math.isfinite(alpha):
-        raise fail("lora_alpha", f"expected a finite number, got {_jd(alpha)}")
+    if not _is_alpha(alpha):
+        raise fail("lora_alpha", f"expected a finite number (a float32: |lora_alpha| <= {_F32_MAX:.4g}), "
+                   f"got {_jd(alpha)}")
     rslora = raw.get("use_rslora", False)
     if rslora is None:
         rslora = False
@@ -193,7 +204,7 @@ def _parse_config(raw: dict, cfg_path: Path) -> _Spec:
     patterns: dict[str, dict] = {}
     for key, ok, what in (
         ("rank_pattern", lambda v: _is_int(v) and v > 0, "a positive integer rank"),
-        ("alpha_pattern", lambda v: _is_number(v) and math.isfinite(v), "a finite number"),
+        ("alpha_pattern", _is_alpha, f"a finite number (a float32: |alpha| <= {_F32_MAX:.4g})"),
     ):
         pat = raw.get(key) or {}
         if not isinstance(pat, dict):

@@ -11,7 +11,7 @@ from typing import Mapping
 import torch
 
 from multilora.config import MODULE_INDEX, MODULE_PARENT, TARGET_MODULES
-from multilora.runtime.adapters.files import SAFETENSORS_NAME
+from multilora.runtime.adapters.disk import SAFETENSORS_NAME
 from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _fmt_shape, _is_int, _parse_config
 from multilora.runtime.adapters.targets import _PEFT_PREFIX, _is_targeted, _overlap_hint, _pattern_value
 
