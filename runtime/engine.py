@@ -149,7 +149,8 @@ class Engine:
         adapter, packed = read_adapter(path, self.config, self.pool, name=name, allow_pickle=allow_pickle,
                                        preload=preload, max_rank=self.engine_config.max_lora_rank)
         self.cache.add(name, packed, path=Path(path), allow_pickle=allow_pickle, summary=adapter.target_summary(),
-                       max_rank=adapter.max_rank, num_pages=self.pool.pages_needed(adapter))
+                       max_rank=adapter.max_rank, num_pages=self.pool.pages_needed(adapter),
+                       fingerprint=adapter.files)  # the files as they were read, not as they are now
         log.info("loaded adapter %r from %s: %s", name, path, adapter.target_summary())
         return adapter
 
