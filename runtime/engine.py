@@ -31,9 +31,10 @@ from multilora.runtime.adapters import LoRAAdapter, read_adapter, read_packed_ad
 from multilora.runtime.config import EngineConfig
 from multilora.runtime.model import LlamaModel
 from multilora.runtime.postprocess import Postprocessor, RequestOutput
+from multilora.runtime.requests import RequestFactory, per_row
 from multilora.runtime.runner import ModelRunner
-from multilora.runtime.sampling import SamplingParams, make_seed
-from multilora.runtime.scheduler import Request, Schedule, Scheduler, Status, next_request_id
+from multilora.runtime.sampling import SamplingParams
+from multilora.runtime.scheduler import Request, Schedule, Scheduler, Status
 from multilora.runtime.sizing import measure_and_size, memory_request
 from multilora.runtime.tokenizer import Prompt, PromptTokenizer, prompt_list
 from multilora.runtime.weights import load_model
@@ -109,6 +110,7 @@ class Engine:
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self.postprocess = Postprocessor(self.text, max_seq_len=self.max_seq_len, counters=self._counters,
                                          finish=self.scheduler.finish)
+        self.requests = RequestFactory(self.text, self.cache, self.kv, max_seq_len=self.max_seq_len)
         self._step_lock = threading.RLock()
         self.last_run: dict[str, float] = {}
         log.info("multilora: %s (%d layers, hidden %d) on %s/%s; adapter pool %d pages x %.1f MB; KV %d blocks x %d "
@@ -190,30 +192,10 @@ class Engine:
             UnknownAdapterError (a KeyError): ``adapter`` is not loaded.
             EngineOverloadedError: ``max_waiting_requests`` requests are already waiting.
         """
-        params = sampling or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling: expected SamplingParams, got {type(params).__name__}")
-        params.check()  # again: a field may have been changed since construction
-        if params.stop and not self.text.has_text:
-            raise ValueError(f"sampling.stop: {self.model_path} has no tokenizer, so stop strings cannot be matched")
-        ids = self.tokenize(prompt)
-        if len(ids) >= self.max_seq_len:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len={self.max_seq_len}")
-        total = min(len(ids) + params.max_tokens, self.max_seq_len)
-        if self.kv.blocks_for_tokens(total) > self.kv.num_usable_blocks:
-            raise ValueError(
-                f"request: {len(ids)} prompt tokens + max_tokens={params.max_tokens} (at most max_seq_len="
-                f"{self.max_seq_len}) = {total} tokens need {self.kv.blocks_for_tokens(total)} KV blocks of "
-                f"{self.kv.block_size} tokens; the whole KV cache has {self.kv.num_usable_blocks}: lower max_tokens, "
-                f"shorten the prompt or raise kv_cache_bytes")
-        if adapter is not None and not isinstance(adapter, str):
-            raise ValueError(f"adapters: expected a name (str) or None, got {type(adapter).__name__}")
         if len(self.scheduler.waiting) >= self.engine_config.max_waiting_requests:
             raise EngineOverloadedError(f"engine overloaded: {len(self.scheduler.waiting)} requests are waiting "
                                         f"(max_waiting_requests={self.engine_config.max_waiting_requests}); retry later")
-        req = Request(request_id=next_request_id(), prompt=prompt, prompt_ids=ids, adapter_name=adapter,
-                      handle=self.cache.get(adapter) if adapter is not None else None, params=params,
-                      seed=make_seed(params))
+        req = self.requests.generation(prompt, adapter, sampling)
         self.scheduler.add(req)
         return req
 
@@ -305,8 +287,8 @@ class Engine:
             EngineOverloadedError: too many requests waiting (nothing is run).
         """
         prompts = prompt_list(prompts)
-        adapters_l = _per_row(adapters, len(prompts), "adapters", "prompt")
-        sampling_l = _per_row(sampling, len(prompts), "sampling", "prompt")
+        adapters_l = per_row(adapters, len(prompts), "adapters", "prompt")
+        sampling_l = per_row(sampling, len(prompts), "sampling", "prompt")
         with self._step_lock:
             reqs = []
             try:
@@ -349,20 +331,7 @@ class Engine:
             UnknownAdapterError (a KeyError): a named adapter is not loaded.
             RuntimeError: a row failed (its adapter can never fit, or its files changed; the message says which).
         """
-        rows = [list(r) for r in token_ids]
-        adapters_l = _per_row(adapters, len(rows), "adapters", "row")
-        for i, r in enumerate(rows):
-            if not r or len(r) > self.max_seq_len:
-                raise ValueError(f"token_ids[{i}]: expected 1..{self.max_seq_len} tokens, got {len(r)}")
-            if any(not isinstance(t, int) or not 0 <= t < self.config.vocab_size for t in r):
-                raise ValueError(f"token_ids[{i}]: ids must be ints in [0, {self.config.vocab_size})")
-            if self.kv.blocks_for_tokens(len(r)) > self.kv.num_usable_blocks:
-                raise ValueError(f"token_ids[{i}]: {len(r)} tokens need {self.kv.blocks_for_tokens(len(r))} KV blocks; "
-                                 f"the whole KV cache has {self.kv.num_usable_blocks}")
-        handles = [self.cache.get(a) if a is not None else None for a in adapters_l]
-        reqs = [Request(request_id=next_request_id(), prompt=r, prompt_ids=r, adapter_name=a, handle=h,
-                        params=SamplingParams(max_tokens=1), seed=0, logits_only=True)
-                for r, a, h in zip(rows, adapters_l, handles)]
+        reqs = self.requests.logits_rows(token_ids, adapters)
         with self._step_lock:
             for r in reqs:
                 self.scheduler.add(r)
@@ -387,12 +356,3 @@ class Engine:
     step_lock = property(lambda self: self._step_lock, doc="held by every step: hold it to make several calls "
                                                              "(add_request, abort, ...) atomic with respect to steps")
     graphs = property(lambda self: self.runner.graphs, doc="the runner's CUDA-graph decode steps, or None")
-
-
-def _per_row(value: Any, n: int, name: str, what: str) -> list:
-    """``value`` as one entry per row: a list/tuple of ``n`` entries, or one value for all.
-    Raises ValueError for a list of another length."""
-    out = list(value) if isinstance(value, (list, tuple)) else [value] * n
-    if len(out) != n:
-        raise ValueError(f"{name}: expected {n} entries (one per {what}), got {len(out)}")
-    return out

@@ -1,0 +1,96 @@
+"""Requests from what callers give: every prompt, sampling value, length and adapter name checked before anything
+is queued, then made into the scheduler's ``Request`` (``runtime.scheduler``).
+
+A check that fails raises at once (``ValueError`` naming the field, ``UnknownAdapterError`` for a name that is not
+loaded), so a call of several prompts can be refused whole with nothing run (the README's "Errors" section).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from multilora.memory.kv_cache import PagedKVCache
+from multilora.runtime.adapter_cache import AdapterCache
+from multilora.runtime.sampling import SamplingParams, make_seed
+from multilora.runtime.scheduler import Request, next_request_id
+from multilora.runtime.tokenizer import Prompt, PromptTokenizer
+
+
+def per_row(value: Any, n: int, name: str, what: str) -> list:
+    """``value`` as one entry per row: a list/tuple of ``n`` entries, or one value for all.
+    Raises ValueError for a list of another length."""
+    out = list(value) if isinstance(value, (list, tuple)) else [value] * n
+    if len(out) != n:
+        raise ValueError(f"{name}: expected {n} entries (one per {what}), got {len(out)}")
+    return out
+
+
+class RequestFactory:
+    """Makes the engine's requests.
+
+    Args:
+        tokenizer: encodes prompts (and says whether stop strings can be matched).
+        cache: the adapter cache (a name -> its current version's handle).
+        kv: the KV cache (a request that could never fit it is refused).
+        max_seq_len: most tokens per request.
+    """
+
+    def __init__(self, tokenizer: PromptTokenizer, cache: AdapterCache, kv: PagedKVCache, *, max_seq_len: int) -> None:
+        self.tokenizer, self.cache, self.kv, self.max_seq_len = tokenizer, cache, kv, max_seq_len
+
+    def generation(self, prompt: Prompt, adapter: str | None, sampling: SamplingParams | None) -> Request:
+        """A generation request (``Engine.add_request``'s checks).
+
+        Raises:
+            ValueError: a bad prompt or sampling value, a prompt that leaves no room to generate within
+                ``max_seq_len``, or a request whose whole length (``min(prompt + max_tokens, max_seq_len)`` tokens)
+                needs more KV blocks than the whole cache has.
+            UnknownAdapterError (a KeyError): ``adapter`` is not loaded.
+        """
+        params = sampling or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling: expected SamplingParams, got {type(params).__name__}")
+        params.check()  # again: a field may have been changed since construction
+        if params.stop and not self.tokenizer.has_text:
+            raise ValueError(f"sampling.stop: {self.tokenizer.source} has no tokenizer, so stop strings cannot be "
+                             f"matched")
+        ids = self.tokenizer.encode(prompt)
+        if len(ids) >= self.max_seq_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len={self.max_seq_len}")
+        total = min(len(ids) + params.max_tokens, self.max_seq_len)
+        kv = self.kv
+        if kv.blocks_for_tokens(total) > kv.num_usable_blocks:
+            raise ValueError(
+                f"request: {len(ids)} prompt tokens + max_tokens={params.max_tokens} (at most max_seq_len="
+                f"{self.max_seq_len}) = {total} tokens need {kv.blocks_for_tokens(total)} KV blocks of "
+                f"{kv.block_size} tokens; the whole KV cache has {kv.num_usable_blocks}: lower max_tokens, "
+                f"shorten the prompt or raise kv_cache_bytes")
+        if adapter is not None and not isinstance(adapter, str):
+            raise ValueError(f"adapters: expected a name (str) or None, got {type(adapter).__name__}")
+        return Request(request_id=next_request_id(), prompt=prompt, prompt_ids=ids, adapter_name=adapter,
+                       handle=self.cache.get(adapter) if adapter is not None else None, params=params,
+                       seed=make_seed(params))
+
+    def logits_rows(self, token_ids: Sequence[Sequence[int]], adapters: Any) -> list[Request]:
+        """One ``logits_only`` request per row of token ids (``Engine.logits``'s checks).
+
+        Raises:
+            ValueError: empty rows, ids out of range, a row longer than ``max_seq_len`` or than the KV cache holds,
+                mismatched lengths.
+            UnknownAdapterError (a KeyError): a named adapter is not loaded.
+        """
+        rows = [list(r) for r in token_ids]
+        names = per_row(adapters, len(rows), "adapters", "row")
+        vocab, kv = self.tokenizer.vocab_size, self.kv
+        for i, r in enumerate(rows):
+            if not r or len(r) > self.max_seq_len:
+                raise ValueError(f"token_ids[{i}]: expected 1..{self.max_seq_len} tokens, got {len(r)}")
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in r):
+                raise ValueError(f"token_ids[{i}]: ids must be ints in [0, {vocab})")
+            if kv.blocks_for_tokens(len(r)) > kv.num_usable_blocks:
+                raise ValueError(f"token_ids[{i}]: {len(r)} tokens need {kv.blocks_for_tokens(len(r))} KV blocks; "
+                                 f"the whole KV cache has {kv.num_usable_blocks}")
+        handles = [self.cache.get(a) if a is not None else None for a in names]
+        return [Request(request_id=next_request_id(), prompt=r, prompt_ids=r, adapter_name=a, handle=h,
+                        params=SamplingParams(max_tokens=1), seed=0, logits_only=True)
+                for r, a, h in zip(rows, names, handles)]
