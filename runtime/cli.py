@@ -201,7 +201,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     engine = _load_engine(args, progress=True)
     app = create_app(engine, served_model_name=served or engine.model_path.stem, api_key=args.api_key,
                      adapter_root=args.adapter_root, allow_runtime_adapters=args.allow_runtime_adapters)
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None)  # our logging (timestamps, levels) for all
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_config=None)  # our logging (timestamps, levels) for all
+    except KeyboardInterrupt:  # uvicorn shut down gracefully on Ctrl-C, then raised it again
+        pass
     return 0
 
 
