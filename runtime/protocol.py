@@ -114,7 +114,7 @@ CHAT_UNSUPPORTED = {
 }
 
 
-def check_supported(body: _Body, unsupported: dict[str, tuple]) -> None:
+def check_supported(body: _Generate, unsupported: dict[str, tuple]) -> None:
     """Raise a 400 naming the first known-unsupported parameter set to a value other than "off"; log the unknown
     fields that are ignored."""
     extra = body.model_extra or {}
@@ -144,6 +144,24 @@ def sampling_params(body: _Generate, max_tokens: int) -> SamplingParams:
                               ignore_eos=body.ignore_eos)
     except ValueError as e:
         raise bad_value(e) from None
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """A 400 naming the fields pydantic refused (``messages[0].content: Input should be ...``)."""
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
+                        code="invalid_json")
+
+    def where(loc: tuple) -> str:
+        out = ""
+        for k in loc[1:] if loc and loc[0] == "body" else loc:
+            out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
+        return out or "body"
+
+    message = "; ".join(f"{where(x['loc'])}: {x['msg']}" for x in errors[:4])
+    loc = first["loc"]
+    return APIError(400, message, code="invalid_type", param=str(loc[1]) if len(loc) > 1 else None)
 
 
 def bad_value(e: ValueError) -> APIError:

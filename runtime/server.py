@@ -58,6 +58,7 @@ from multilora.runtime.protocol import (
     completion_prompts,
     sampling_params,
     usage,
+    validation_error,
 )
 from multilora.runtime.sampling import SamplingParams
 
@@ -202,7 +203,7 @@ class _Server:
                 err = bad_value(e)
                 err.param = prompt_param if err.param == "prompt" else err.param
                 raise err from None
-            if self.closing or "closed" in str(e):
+            if self.closing:  # the loop closed meanwhile ("EngineLoop: closed")
                 raise APIError(503, "the server is shutting down", code="unavailable") from None
             raise
         return streams
@@ -413,7 +414,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        return reply(_validation_error(e.errors()))
+        return reply(validation_error(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -423,21 +424,3 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def internal(request: Request, e: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
         return reply(APIError(500, f"internal error: {type(e).__name__}: {e}"))
-
-
-def _validation_error(errors: list[dict]) -> APIError:
-    """A 400 naming the fields pydantic refused (``messages[0].content: Input should be ...``)."""
-    first = errors[0]
-    if first["type"] == "json_invalid":
-        return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
-                        code="invalid_json")
-
-    def where(loc: tuple) -> str:
-        out = ""
-        for k in loc[1:] if loc and loc[0] == "body" else loc:
-            out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
-        return out or "body"
-
-    message = "; ".join(f"{where(x['loc'])}: {x['msg']}" for x in errors[:4])
-    loc = first["loc"]
-    return APIError(400, message, code="invalid_type", param=str(loc[1]) if len(loc) > 1 else None)
