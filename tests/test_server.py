@@ -36,6 +36,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from multilora import Engine, SamplingParams  # noqa: E402
+from multilora.runtime.cli import main as cli_main  # noqa: E402
 from multilora.runtime.server import create_app  # noqa: E402
 from testsupport import one_thread, tiny_llama_dir, token_ids, tokenizer_dir, write_adapter  # noqa: E402,F401
 
@@ -532,3 +533,14 @@ def test_the_multilora_serve_command(model_dir, adapter_root, engine, tmp_path):
     assert code == 0, out
     assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO multilora\.server: serving 'tiny'", out, re.M), out
     assert "Registering adapters" in out and "Loading" in out  # progress: adapters, model files
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--adapter", "x=/no/such/dir"], "--adapter x=/no/such/dir: no such file or directory"),
+    (["--adapter-root", "/no/such/dir"], "--adapter-root /no/such/dir: not a directory"),
+    (["--served-model-name", "ad0", "--adapter", "ad0=."], "the base model's served name"),
+    (["--max-waiting-requests", "0"], "--max-waiting-requests"),
+])
+def test_serve_command_errors_exit_2_before_the_model_loads(capsys, args, message):
+    assert cli_main(["serve", "--model", "/no/such/model", *args]) == 2
+    assert message in capsys.readouterr().err
