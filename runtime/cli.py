@@ -5,6 +5,7 @@
     multilora generate --adapter bot=./bot --prompt bot "Hi" --prompt - "Hello"
     multilora generate --adapter bot=./bot --jsonl requests.jsonl --json
     multilora memory                                 # the memory plan for this machine
+    multilora serve --adapter bot=./bot --port 8000  # an OpenAI-compatible HTTP server (runtime/server.py)
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -49,16 +52,20 @@ def _read_jsonl(path: str) -> list[tuple[Any, str | None]]:
     return items
 
 
+def _engine_args(sp: argparse.ArgumentParser) -> None:
+    """--model, --adapter NAME=PATH and one flag per EngineConfig field."""
+    from multilora.runtime.config import EngineConfig
+
+    sp.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    sp.add_argument("--adapter", action="append", default=[], type=_parse_adapter, metavar="NAME=PATH",
+                    help="load a PEFT adapter directory under NAME (repeatable)")
+    EngineConfig.add_cli_flags(sp.add_argument_group("engine options (EngineConfig)"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="multilora", description="Batched multi-LoRA inference.")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     sub = p.add_subparsers(dest="command", required=True)
-
-    def engine_args(sp: argparse.ArgumentParser) -> None:
-        from multilora.runtime.config import EngineConfig
-
-        sp.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-        EngineConfig.add_cli_flags(sp.add_argument_group("engine options (EngineConfig)"))
 
     d = sub.add_parser("demo", help="run the main job on the default model with demo adapters")
     d.add_argument("--adapters-dir", help="where demo adapters are kept (default: ~/.cache/multilora/demo-adapters)")
@@ -71,9 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--rank", type=int, default=8)
 
     g = sub.add_parser("generate", help="generate for prompts, each with its own adapter, in one batch")
-    engine_args(g)
-    g.add_argument("--adapter", action="append", default=[], type=_parse_adapter, metavar="NAME=PATH",
-                   help="load a PEFT adapter directory under NAME (repeatable)")
+    _engine_args(g)
     g.add_argument("--prompt", action="append", nargs=2, default=[], metavar=("ADAPTER", "TEXT"),
                    help="a prompt and its adapter name ('-' for the base model); repeatable")
     g.add_argument("--jsonl", help='file of {"prompt": ..., "adapter": NAME|null} lines (prompt: text or chat messages)')
@@ -87,6 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object per request")
     g.add_argument("--stats", action="store_true", help="print engine statistics at the end")
 
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (adapter = the request's model)")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", help="the base model's name in requests (default: --model as given, or "
+                                               "the embedded model's file name)")
+    s.add_argument("--api-key", default=os.environ.get("MULTILORA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $MULTILORA_API_KEY)")
+    s.add_argument("--adapter-root", help="runtime-loaded adapter paths must resolve inside this directory")
+    s.add_argument("--allow-runtime-adapters", action="store_true",
+                   help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+
     try:
         from multilora.runtime.cli_memory import add_memory_parser
     except ImportError:
@@ -97,8 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from multilora.runtime.config import EngineConfig
-    from multilora.runtime.engine import Engine
     from multilora.runtime.sampling import SamplingParams
 
     items: list[tuple[Any, str | None]] = [(text, None if a in BASE_NAMES else a) for a, text in args.prompt]
@@ -117,20 +132,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                   top_k=args.top_k, seed=args.seed, stop=args.stop)
     except ValueError as e:  # name the flag, not the dataclass field
         raise ValueError(re.sub(r"SamplingParams\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from e
-    for name, path in args.adapter:  # before the model loads: a typo fails in a second, not after the load
-        if not Path(path).exists():
-            raise ValueError(f"--adapter {name}={path}: no such file or directory")
-    try:
-        config = EngineConfig.from_cli(args)
-    except ValueError as e:  # name the flag too (checked before the model loads)
-        field = re.search(r"Engine: (\w+)", str(e))
-        raise ValueError(f"--{field.group(1).replace('_', '-')}: {e}" if field else str(e)) from e
-    engine = Engine(args.model, config=config)
-    for name, path in args.adapter:
-        try:
-            engine.load_adapter(name, path)
-        except ValueError as e:
-            raise ValueError(f"--adapter {name}={path}: {e}") from e
+    engine = _load_engine(args)
     outs = engine.generate([p for p, _ in items], adapters=[a for _, a in items], sampling=sampling,
                            progress=not args.json)
     for o in outs:
@@ -155,6 +157,57 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_engine(args: argparse.Namespace, *, progress: bool = False) -> Any:
+    """The engine of --model and the engine flags, with every --adapter loaded. The adapter paths and the flags are
+    checked before the model loads (a typo fails in a second, not after the load); errors name the flag."""
+    from tqdm.auto import tqdm
+
+    from multilora.runtime.config import EngineConfig
+    from multilora.runtime.engine import Engine
+
+    for name, path in args.adapter:
+        if not Path(path).exists():
+            raise ValueError(f"--adapter {name}={path}: no such file or directory")
+    try:
+        config = EngineConfig.from_cli(args)
+    except ValueError as e:
+        field = re.search(r"Engine: (\w+)", str(e))
+        raise ValueError(f"--{field.group(1).replace('_', '-')}: {e}" if field else str(e)) from e
+    engine = Engine(args.model, config=config)
+    t0 = time.perf_counter()
+    for name, path in tqdm(args.adapter, desc="Registering adapters", unit="adapter", disable=not progress):
+        try:
+            engine.load_adapter(name, path)
+        except ValueError as e:
+            raise ValueError(f"--adapter {name}={path}: {e}") from e
+    if args.adapter:
+        logging.getLogger("multilora").info("registered %d adapters in %.2f s", len(args.adapter),
+                                            time.perf_counter() - t0)
+    return engine
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from multilora.runtime.server import create_app
+    except ImportError as e:
+        raise ValueError(f"serve: {e.name} is not installed (pip install 'multilora[serve]')") from e
+    if args.adapter_root is not None and not Path(args.adapter_root).is_dir():
+        raise ValueError(f"--adapter-root {args.adapter_root}: not a directory")
+    served = args.served_model_name or args.model
+    if served in {n for n, _ in args.adapter}:
+        raise ValueError(f"--adapter {served}=...: that name is the base model's served name")
+    engine = _load_engine(args, progress=True)
+    app = create_app(engine, served_model_name=served or engine.model_path.stem, api_key=args.api_key,
+                     adapter_root=args.adapter_root, allow_runtime_adapters=args.allow_runtime_adapters)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_config=None)  # our logging (timestamps, levels) for all
+    except KeyboardInterrupt:  # uvicorn shut down gracefully on Ctrl-C, then raised it again
+        pass
+    return 0
+
+
 def _cmd_make(args: argparse.Namespace) -> int:
     import torch
 
@@ -171,7 +224,12 @@ def _cmd_make(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":  # a long-running process: what it does, when
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    else:
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s")
     from multilora.runtime.adapter_cache import UnknownAdapterError
     from multilora.runtime.weights import ModelLoadError
 
@@ -184,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_make(args)
         if args.command == "generate":
             return _cmd_generate(args)
+        if args.command == "serve":
+            return _cmd_serve(args)
         if args.command == "memory":
             from multilora.runtime.cli_memory import run_memory
 

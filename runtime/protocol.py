@@ -1,0 +1,257 @@
+"""The OpenAI-compatible request and response bodies of ``multilora serve`` (``runtime.server``).
+
+Requests are pydantic models in strict mode (a string where a number belongs is a 400 naming the field, never a
+coercion). Fields we implement are declared; parameters we know and do not implement are listed in
+``COMPLETION_UNSUPPORTED`` / ``CHAT_UNSUPPORTED`` with the values that mean "off" (any other value is a 400 naming
+it); other unknown fields are ignored with a warning, as vLLM does. Responses are plain dicts in OpenAI's shapes
+(``text_completion``, ``chat.completion``, ``chat.completion.chunk``); errors are
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from multilora.runtime.sampling import SamplingParams
+
+log = logging.getLogger("multilora.server")
+
+#: The OpenAI error ``type`` of each status we answer with.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+# ------------------------------------------------------------------------------------------------- requests
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False  # a last chunk with the usage (OpenAI)
+    continuous_usage_stats: bool = False  # vLLM's usage in every chunk: not supported (400 when true)
+
+
+class _Generate(_Body):
+    """The fields both generation routes share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None  # default 1.0, as OpenAI
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's extension; -1 or 0 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extension
+    user: str | None = None  # accepted, unused
+
+
+class CompletionRequest(_Generate):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Generate):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens (wins when both are given)
+
+
+class LoadLoRARequest(_Body):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # vLLM: replace an adapter of that name instead of refusing
+
+
+class UnloadLoRARequest(_Body):
+    lora_name: str
+
+
+#: Known parameters we do not implement: name -> the values accepted because they mean "off" (null always is).
+_UNSUPPORTED = {
+    "n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "repetition_penalty": (1,), "length_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,),
+    "stop_token_ids": ([],), "bad_words": ([],), "allowed_token_ids": ([],), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "prompt_logprobs": (), "truncate_prompt_tokens": (), "echo": (False,),
+    "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "structured_outputs": (), "logits_processors": (), "return_tokens_as_token_ids": (False,),
+}
+COMPLETION_UNSUPPORTED = {**_UNSUPPORTED, "logprobs": (), "suffix": ("",)}
+CHAT_UNSUPPORTED = {
+    **_UNSUPPORTED, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",), "modalities": (["text"],), "audio": (), "prediction": (),
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+    "chat_template_kwargs": ({},), "documents": (), "reasoning_effort": (), "web_search_options": (),
+}
+
+
+def check_supported(body: _Generate, unsupported: dict[str, tuple]) -> None:
+    """Raise a 400 naming the first known-unsupported parameter set to a value other than "off"; log the unknown
+    fields that are ignored."""
+    extra = body.model_extra or {}
+    for name, off in unsupported.items():
+        value = extra.get(name)
+        if value is not None and value not in off:
+            only = f" (only {' or '.join(map(repr, off))} is accepted)" if off else ""
+            raise APIError(400, f"{name}={value!r} is not supported by multilora{only}", code="unsupported_parameter",
+                           param=name)
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options")
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        raise APIError(400, "stream_options.continuous_usage_stats=True is not supported by multilora (the usage comes "
+                            "in the last chunk with include_usage)", code="unsupported_parameter", param="stream_options")
+    ignored = sorted(set(extra) - set(unsupported))
+    if ignored:
+        log.warning("ignoring unknown request fields %s", ignored)
+
+
+def sampling_params(body: _Generate, max_tokens: int) -> SamplingParams:
+    """The request's ``SamplingParams`` (OpenAI's defaults: temperature 1, top_p 1; ``max_tokens`` when the request
+    names none). Raises a 400 with the engine's message, naming the field."""
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                              top_p=1.0 if body.top_p is None else body.top_p,
+                              top_k=0 if body.top_k in (None, -1) else body.top_k, seed=body.seed, stop=body.stop,
+                              ignore_eos=body.ignore_eos)
+    except ValueError as e:
+        raise bad_value(e) from None
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """A 400 naming the fields pydantic refused (``messages[0].content: Input should be ...``)."""
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
+                        code="invalid_json")
+
+    def where(loc: tuple) -> str:
+        out = ""
+        for k in loc[1:] if loc and loc[0] == "body" else loc:
+            out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
+        return out or "body"
+
+    message = "; ".join(f"{where(x['loc'])}: {x['msg']}" for x in errors[:4])
+    loc = first["loc"]
+    return APIError(400, message, code="invalid_type", param=str(loc[1]) if len(loc) > 1 else None)
+
+
+def bad_value(e: ValueError) -> APIError:
+    """A 400 for an engine ``ValueError``: its message, ``SamplingParams.`` dropped, the field as ``param``."""
+    message = str(e).replace("SamplingParams.", "")
+    field = re.match(r"(\w+):", message)
+    return APIError(400, message, code="invalid_value", param=field.group(1) if field else None)
+
+
+def completion_prompts(prompt: Any) -> list:
+    """A completion request's prompt as a list of engine prompts: one text or token-id list, or a list of them."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: expected a prompt, got an empty list", param="prompt")
+    return list(prompt)
+
+
+def chat_prompt(messages: list[ChatMessage]) -> list[dict]:
+    """The engine's chat prompt (``{"role", "content"}`` dicts; the engine applies the chat template). Text content
+    parts are joined by newlines; other parts, and tool calls, are a 400 naming them."""
+    if not messages:
+        raise APIError(400, "messages: expected at least one message", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        for key in ("tool_calls", "function_call", "audio"):
+            if (m.model_extra or {}).get(key):
+                raise APIError(400, f"messages[{i}].{key} is not supported by multilora", code="unsupported_parameter",
+                               param=f"messages[{i}].{key}")
+        content = m.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported, got type "
+                                        f"{part.type!r}", code="unsupported_parameter", param=f"messages[{i}].content")
+            content = "\n".join(part.text for part in content)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ responses
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Responses:
+    """Builds one request's response body or stream chunks, in OpenAI's shapes.
+
+    Args:
+        chat: ``chat.completion`` (``message`` / ``delta``) instead of ``text_completion`` (``text``).
+        model: the request's ``model``, echoed.
+        stream_options: the request's; with ``include_usage`` every chunk carries ``"usage": null`` and a last
+            chunk the usage.
+    """
+
+    def __init__(self, *, chat: bool, model: str, stream_options: StreamOptions | None = None) -> None:
+        self.chat, self.model = chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.include_usage = stream_options is not None and stream_options.include_usage
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def response(self, outputs: list) -> dict:
+        """The whole response of finished ``RequestOutput``s (one choice each)."""
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
+                        "finish_reason": o.finish_reason} for i, o in enumerate(outputs)]
+        else:
+            choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
+                       for i, o in enumerate(outputs)]
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": usage(sum(len(o.prompt_token_ids) for o in outputs), sum(len(o.token_ids) for o in outputs))}
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict:
+        """One stream chunk: new ``text`` of choice ``index`` (chat: ``role`` opens the message; ``text=None`` is an
+        empty delta, for the chunk that carries the finish reason)."""
+        if self.chat:
+            delta = ({"role": "assistant"} if role else {}) | ({} if text is None else {"content": text})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, total: dict) -> dict:
+        """The last chunk with ``stream_options.include_usage``: no choices, the request's usage."""
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": total}

@@ -1,0 +1,426 @@
+"""``multilora serve``: an OpenAI-compatible HTTP server on the streaming engine (``runtime.engine_loop``).
+
+    app = create_app(engine, served_model_name="smol", api_key="sk-...", allow_runtime_adapters=True)
+    uvicorn.run(app, host="127.0.0.1", port=8000)        # what `multilora serve` runs
+
+Routes (bodies as OpenAI's and vLLM's; the README's "Serve" section has examples): ``GET /health``,
+``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``model`` = an adapter name or the base
+model's served name; ``stream`` gives server-sent events ending in ``data: [DONE]``), ``POST /v1/load_lora_adapter``
+and ``POST /v1/unload_lora_adapter`` (only with ``allow_runtime_adapters``; paths must resolve inside
+``adapter_root`` when it is given), ``GET /metrics`` (``runtime.metrics``). Request bodies and their errors:
+``runtime.protocol``.
+
+One ``EngineLoop`` serves every request (started with the app, closed at its shutdown). A request's engine requests
+are aborted as soon as nobody waits for them: a client that disconnects (streaming or not), an error mid-stream;
+their KV blocks and adapter references go back at once. Errors are ``{"error": {"message", "type", "param",
+"code"}}``: 400 bad request (malformed JSON, a wrong type, an unsupported parameter, a bad prompt or sampling value:
+the engine's message), 401 missing or wrong API key (every route but ``/health``), 403 an adapter path outside the
+adapter root, 404 unknown model or adapter (and runtime adapter routes when disabled), 429 the engine's waiting
+queue is full (``EngineOverloadedError``), 500 a request that failed in the engine, 503 shutting down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from multilora.runtime.adapter_cache import UnknownAdapterError
+from multilora.runtime.engine import EngineOverloadedError
+from multilora.runtime.engine_loop import EngineLoop, RequestDelta, RequestStream
+from multilora.runtime.metrics import ServerMetrics
+from multilora.runtime.postprocess import RequestOutput
+from multilora.runtime.protocol import (
+    CHAT_UNSUPPORTED,
+    COMPLETION_UNSUPPORTED,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRARequest,
+    Responses,
+    UnloadLoRARequest,
+    bad_value,
+    chat_prompt,
+    check_supported,
+    completion_prompts,
+    sampling_params,
+    usage,
+    validation_error,
+)
+from multilora.runtime.sampling import SamplingParams
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("multilora.server")
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+_pumps: set[asyncio.Task] = set()  # the tasks reading engine streams (the event loop keeps only weak references)
+
+
+def create_app(engine: Any, *, served_model_name: str, api_key: str | None = None,
+               adapter_root: str | Path | None = None, allow_runtime_adapters: bool = False) -> FastAPI:
+    """The ASGI app of ``multilora serve`` for ``engine`` (run it with uvicorn; see the module docstring).
+
+    Args:
+        engine: a ``multilora.Engine``; its loaded adapters are served under their names.
+        served_model_name: the ``model`` name of the base model (no adapter).
+        api_key: when given, every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
+        adapter_root: runtime-loaded adapter paths must resolve (``..`` and symlinks followed) inside this directory;
+            a relative ``lora_path`` is taken relative to it.
+        allow_runtime_adapters: enable ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+    """
+    server = _Server(engine, served_model_name, adapter_root, allow_runtime_adapters)
+    app = FastAPI(title="multilora", lifespan=server.lifespan)
+    app.state.server = server
+    app.get("/health")(server.health)
+    app.get("/metrics")(server.metrics_text)
+    app.get("/v1/models")(server.models)
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat_completions)
+    app.post("/v1/load_lora_adapter")(server.load_lora_adapter)
+    app.post("/v1/unload_lora_adapter")(server.unload_lora_adapter)
+    _add_error_handlers(app)
+    if api_key is not None:
+        app.add_middleware(_APIKey, api_key=api_key)
+    return app
+
+
+class _Server:
+    """The routes' state: the engine, its loop (while the app runs) and the metrics."""
+
+    def __init__(self, engine: Any, served_model_name: str, adapter_root: str | Path | None,
+                 allow_runtime_adapters: bool) -> None:
+        self.engine, self.served_model_name = engine, served_model_name
+        self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
+        self.allow_runtime_adapters = allow_runtime_adapters
+        self.metrics = ServerMetrics(engine, served_model_name)
+        self.loop: EngineLoop | None = None
+        self.closing = False
+        self.created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self.loop = EngineLoop(self.engine)
+        log.info("serving %r (base model) and %d adapters", self.served_model_name, len(self.engine.list_adapters()))
+        try:
+            yield
+        finally:
+            self.closing = True
+            await run_in_threadpool(self.loop.close)  # aborts what still runs
+            log.info("engine loop closed")
+
+    def _running_loop(self) -> EngineLoop:
+        if self.closing or self.loop is None:
+            raise APIError(503, "the server is shutting down" if self.closing else "the server is not started",
+                           code="unavailable")
+        return self.loop
+
+    # ---------------------------------------------------------------------------------------- info
+    async def health(self) -> Response:
+        self._running_loop()
+        return Response(status_code=200)
+
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self) -> dict:
+        def card(name: str, root: str | None, parent: str | None) -> dict:
+            return {"id": name, "object": "model", "created": self.created, "owned_by": "multilora", "root": root,
+                    "parent": parent, "max_model_len": self.engine.max_seq_len}
+
+        return {"object": "list", "data": [card(self.served_model_name, str(self.engine.model_path), None),
+                                           *(card(n, None, self.served_model_name) for n in self.engine.list_adapters())]}
+
+    # ---------------------------------------------------------------------------------- generation
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        check_supported(body, COMPLETION_UNSUPPORTED)
+        prompts = completion_prompts(body.prompt)
+        sampling = sampling_params(body, COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens)
+        return await self._generate(request, body.model, prompts, sampling, body.stream,
+                                    Responses(chat=False, model=body.model, stream_options=body.stream_options), "prompt")
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
+        check_supported(body, CHAT_UNSUPPORTED)
+        prompt = chat_prompt(body.messages)
+        asked = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        sampling = sampling_params(body, self.engine.max_seq_len if asked is None else asked)  # None: to the end
+        return await self._generate(request, body.model, [prompt], sampling, body.stream,
+                                    Responses(chat=True, model=body.model, stream_options=body.stream_options), "messages")
+
+    async def _generate(self, request: Request, model: str, prompts: list, sampling: SamplingParams, stream: bool,
+                        out: Responses, prompt_param: str) -> Any:
+        loop = self._running_loop()
+        adapter = self._adapter(model)
+        streams = await run_in_threadpool(self._submit, loop, prompts, adapter, sampling, prompt_param)
+        reqs = _Requests(streams, model, self.metrics)
+        if stream:
+            return _EventStream(self._events(reqs, out), reqs.close, media_type="text/event-stream")
+        outputs = await _collect(request, reqs)
+        if outputs is None:  # the client went away; its requests were aborted
+            return Response(status_code=499)
+        for o in outputs:
+            if o.finish_reason in ("error", "abort"):
+                raise _failure(o)
+        return out.response(outputs)
+
+    def _adapter(self, model: str) -> str | None:
+        if model == self.served_model_name:
+            return None
+        if model in self.engine.list_adapters():
+            return model
+        raise APIError(404, f"The model `{model}` does not exist: serving {self.served_model_name!r} and the adapters "
+                            f"listed by GET /v1/models", code="model_not_found", param="model")
+
+    def _submit(self, loop: EngineLoop, prompts: list, adapter: str | None, sampling: SamplingParams,
+                prompt_param: str) -> list[RequestStream]:
+        """Queue one engine request per prompt (in a worker thread: submitting waits for the current step); on any
+        refusal the ones already queued are withdrawn and the refusal becomes an ``APIError``."""
+        streams: list[RequestStream] = []
+        try:
+            for p in prompts:
+                streams.append(loop.submit(p, adapter, sampling))
+        except Exception as e:
+            for s in streams:
+                s.abort()
+            if isinstance(e, EngineOverloadedError):
+                raise APIError(429, str(e), code="engine_overloaded") from None
+            if isinstance(e, UnknownAdapterError):  # unloaded since _adapter looked
+                raise APIError(404, str(e.args[0]), code="model_not_found", param="model") from None
+            if isinstance(e, ValueError):
+                err = bad_value(e)
+                err.param = prompt_param if err.param == "prompt" else err.param
+                raise err from None
+            if self.closing:  # the loop closed meanwhile ("EngineLoop: closed")
+                raise APIError(503, "the server is shutting down", code="unavailable") from None
+            raise
+        return streams
+
+    async def _events(self, reqs: "_Requests", out: Responses) -> AsyncIterator[str]:
+        """The server-sent events of a streamed response: text chunks as they come, one chunk with each choice's
+        finish reason, the usage chunk when asked, ``[DONE]``; a failed request ends the stream with an error event."""
+        prompt_tokens = completion_tokens = 0
+        try:
+            if out.chat:
+                yield _sse(out.chunk(0, "", role=True))
+            async with contextlib.aclosing(reqs.deltas()) as deltas:
+                async for i, d in deltas:
+                    if d.text:
+                        yield _sse(out.chunk(i, d.text))
+                    if d.finished:
+                        if d.finish_reason in ("error", "abort"):
+                            yield _sse(_failure(d.output).body())
+                            break
+                        prompt_tokens += len(d.output.prompt_token_ids)
+                        completion_tokens += len(d.output.token_ids)
+                        yield _sse(out.chunk(i, None, d.finish_reason))
+                else:
+                    if out.include_usage:
+                        yield _sse(out.usage_chunk(usage(prompt_tokens, completion_tokens)))
+        except Exception as e:  # a bug: tell the client rather than cut the stream
+            log.exception("streaming a response failed")
+            yield _sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
+        finally:
+            reqs.close()
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------------------------ adapters
+    async def load_lora_adapter(self, body: LoadLoRARequest) -> PlainTextResponse:
+        self._check_runtime_adapters()
+        name = body.lora_name
+        if not name or name == self.served_model_name:
+            raise APIError(400, f"lora_name: {name!r} is empty or the base model's served name", param="lora_name")
+        if name in self.engine.list_adapters() and not body.load_inplace:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded (load_inplace=true replaces it).",
+                           param="lora_name")
+        path = self._adapter_path(body.lora_path)
+        try:
+            await run_in_threadpool(self.engine.load_adapter, name, path)
+        except (ValueError, OSError) as e:  # AdapterError is a ValueError
+            raise APIError(400, f"lora_path: {e}", code="invalid_adapter", param="lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, body: UnloadLoRARequest) -> PlainTextResponse:
+        self._check_runtime_adapters()
+        try:
+            await run_in_threadpool(self.engine.unload_adapter, body.lora_name)
+        except UnknownAdapterError:
+            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", code="model_not_found",
+                           param="lora_name") from None
+        log.info("unloaded adapter %r", body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    def _check_runtime_adapters(self) -> None:
+        if not self.allow_runtime_adapters:
+            raise APIError(404, "runtime adapter loading is disabled: start `multilora serve` with "
+                                "--allow-runtime-adapters", code="runtime_adapters_disabled")
+
+    def _adapter_path(self, lora_path: str) -> Path:
+        """The adapter directory to load; with an adapter root, it and every file in it must resolve inside it
+        (403 otherwise: no ``..`` traversal, no symlink out)."""
+        root = self.adapter_root
+        if root is None:
+            return Path(lora_path)
+        path = (root / lora_path).resolve()  # an absolute lora_path stays itself
+        try:
+            entries = [path, *(path.iterdir() if path.is_dir() else ())]
+            outside = next((p for p in entries if not p.resolve().is_relative_to(root)), None)
+        except OSError as e:
+            raise APIError(400, f"lora_path {lora_path!r}: {e.strerror}", param="lora_path") from None
+        if outside is not None:
+            what = "it" if outside == path else f"its entry {outside.name!r}"
+            raise APIError(403, f"lora_path {lora_path!r}: {what} resolves outside the server's adapter root "
+                                f"('..' and symlinks are followed)", code="path_outside_adapter_root",
+                           param="lora_path")
+        return path
+
+
+class _Requests:
+    """The engine requests of one HTTP request, counted in the metrics when each ends. ``deltas()`` merges their
+    deltas as they come; ``close()`` aborts those not ended (a disconnect, an error, a shutdown)."""
+
+    def __init__(self, streams: list[RequestStream], model: str, metrics: ServerMetrics) -> None:
+        self.streams, self.model, self.metrics = streams, model, metrics
+        self.left = set(range(len(streams)))
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """(index of the stream, delta), in arrival order, until every stream has ended."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:  # ends with the stream's last delta
+            async for d in stream:
+                queue.put_nowait((i, d))
+
+        for i, s in enumerate(self.streams):  # each ends with its stream (an aborted one: at the engine's next step)
+            task = asyncio.ensure_future(pump(i, s))
+            _pumps.add(task)
+            task.add_done_callback(_pumps.discard)
+        try:
+            while self.left:
+                i, d = await queue.get()
+                if d.finished:
+                    self.left.discard(i)
+                    self.metrics.observe(self.model, d.finish_reason, d.output)
+                yield i, d
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort the requests that have not ended; their KV blocks and adapter references go back. The aborts run on
+        a worker thread (``Engine.abort`` waits for the current step), so this never blocks the event loop."""
+        for i in sorted(self.left):
+            asyncio.get_running_loop().run_in_executor(None, self.streams[i].abort)
+            self.metrics.observe(self.model, "abort")
+        self.left.clear()
+
+
+async def _collect(request: Request, reqs: _Requests) -> list[RequestOutput] | None:
+    """Every request's ``RequestOutput``, or None when the client disconnected first (the requests are then aborted)."""
+    outputs: list[Any] = [None] * len(reqs.streams)
+
+    async def consume() -> None:
+        async with contextlib.aclosing(reqs.deltas()) as deltas:
+            async for i, d in deltas:
+                if d.finished:
+                    outputs[i] = d.output
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    done, gone = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        done.cancel()
+        reqs.close()
+    if not done.done() or done.cancelled():
+        return None
+    done.result()
+    return outputs
+
+
+def _failure(out: RequestOutput) -> APIError:
+    """The error of a request that ended with "error" (500) or "abort" (503: the server is shutting down)."""
+    if out.finish_reason == "abort":
+        return APIError(503, "the request was aborted: the server is shutting down", code="aborted")
+    return APIError(500, f"the request failed in the engine: {out.error}", code="engine_error")
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """A streamed response whose requests are aborted when it ends however it ends (a disconnect cancels the send;
+    the generator is then closed at once, not when it is garbage-collected)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self._on_close()
+
+
+class _APIKey:
+    """ASGI middleware: every HTTP route but ``/health`` needs ``Authorization: Bearer <key>`` (401 otherwise),
+    checked before the body is read."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            header = Headers(scope=scope).get("authorization")
+            scheme, _, token = (header or "").partition(" ")
+            if not header:
+                err = APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                               code="missing_api_key")
+            elif scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.key):
+                err = APIError(401, "invalid API key", code="invalid_api_key")
+            else:
+                err = None
+            if err is not None:
+                response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def reply(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return reply(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return reply(validation_error(e.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return reply(APIError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return reply(APIError(500, f"internal error: {type(e).__name__}: {e}"))
