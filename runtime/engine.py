@@ -113,7 +113,7 @@ class Engine:
         self.requests = RequestFactory(self.text, self.cache, self.kv, max_seq_len=self.max_seq_len)
         self._step_lock = threading.RLock()
         self.last_run: dict[str, float] = {}
-        log.info("multilora: %s (%d layers, hidden %d) on %s/%s; adapter pool %d pages x %.1f MB; KV %d blocks x %d "
+        log.info("%s (%d layers, hidden %d) on %s/%s; adapter pool %d pages x %.1f MB; KV %d blocks x %d "
                  "tokens (+1 reserved; %.1f MB, %.1f max_seq_len=%d sequences); max batch %d%s", self.model_path.name,
                  config_.num_layers, config_.hidden_size, self.device, str(self.dtype).replace("torch.", ""),
                  self.pool.num_pages, self.pool.page_bytes / 1e6, self.kv.num_usable_blocks, cfg.kv_block_size,
