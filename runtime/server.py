@@ -217,7 +217,9 @@ class _Server:
                 yield _sse(out.chunk(0, "", role=True))
             async with contextlib.aclosing(reqs.deltas()) as deltas:
                 async for i, d in deltas:
-                    if d.text:
+                    # a model without a tokenizer (random weights of a shape) has no text: a chunk per delta of
+                    # ids still tells the client a token came (its text is "")
+                    if d.text or (d.token_ids and self.engine.tokenizer is None):
                         yield _sse(out.chunk(i, d.text))
                     if d.finished:
                         if d.finish_reason in ("error", "abort"):

@@ -476,6 +476,26 @@ def test_runtime_adapter_routes_are_refused_unless_allowed(engine):
     assert "ad0" in engine.list_adapters()
 
 
+def test_a_model_without_a_tokenizer_streams_a_chunk_per_token(tmp_path):
+    """Random weights of a shape have no tokenizer (what bench/bench_serving.py serves): token-id prompts work, and a
+    streamed response still has one (empty-text) chunk per token, so a client sees when each token came."""
+    from multilora.config import ModelConfig
+    from multilora.runtime.weights import MODEL_SHAPES
+
+    e = Engine(ModelConfig(**MODEL_SHAPES["tiny"]), progress=False, max_batch_size=4)
+    e.load_adapter("a", write_adapter(tmp_path / "a", e.config, seed=3, rank=4, modules=("q_proj", "v_proj")))
+    ref = e.generate([[5, 6, 7]], adapters=["a"], sampling=SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    with serving(create_app(e, served_model_name="rand")) as u, httpx.Client(base_url=u, timeout=60) as c:
+        body = {"model": "a", "prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        plain = c.post("/v1/completions", json=body).json()
+        assert plain["usage"]["completion_tokens"] == len(ref.token_ids) == 5 and plain["choices"][0]["text"] == ""
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    chunks = [ev for ev in events if ev["choices"] and ev["choices"][0]["finish_reason"] is None]
+    assert 1 <= len(chunks) <= 5 and all(ch["choices"][0]["text"] == "" for ch in chunks)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
 # ------------------------------------------------------------------------------------------ metrics
 def test_metrics_parse_and_hold_the_gateway_api_names(http, engine):
     _serves(http)

@@ -1,0 +1,465 @@
+"""Serving benchmark: a reproducible trace of requests arriving over time, each naming one of N adapters, served by
+the engine in-process (``EngineLoop``, mode ``engine``) or over HTTP by ``multilora serve``'s app in a child process
+driven like a load generator (mode ``http``). Issue 14 (the HTTP layer's cost) and the start of issue 13.
+
+    python bench/bench_serving.py --shape llama3-8b --adapters 5 --modes engine,http --out bench/results   # H200
+    python bench/bench_serving.py --shape tiny --adapters 3 --requests 12 --modes engine,http               # CPU smoke
+
+The trace (seeded: the same arguments give the same requests): arrivals Poisson at ``--rate`` req/s (or gamma with
+coefficient of variation 2, ``--arrival gamma``: burstier), adapter popularity power law with alpha = 1 (``zipf``)
+or ``uniform``, input and output lengths uniform in ``--input-len`` / ``--output-len`` (default [8, 512]; every
+request runs to its output length: ``ignore_eos``). Prompts are random token ids (random-weight models of real
+shapes have no tokenizer). Adapter sets: ``S1`` rank 8 on q/k/v/o; ``S4`` ranks 16, 32 and 64 in turn, on q/k/v/o.
+
+``--rate burst`` sends every request at t = 0: the engine runs at its ``--max-batch-size`` and the row's achieved
+req/s is its capacity. ``--rate auto`` first measures that capacity with a burst in mode ``engine`` and then offers
+``--rate-fraction`` (default 0.9) of it to every mode, so rows compare at one offered rate.
+
+Reported per row: offered and achieved req/s, output tokens/s, TTFT p50/p90/p99, TPOT p50/p99, end-to-end latency
+p50/p99 (all seconds, measured by the client: from the request's scheduled arrival to its first token / last byte),
+adapter bytes moved per tier and per second, pool / host-tier hit rates. Both modes time the same thing from the
+outside (an ``async for`` over the engine's stream in-process; server-sent events over HTTP), so the difference is
+the HTTP layer: FastAPI + uvicorn + JSON + SSE, a socket and a second process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from multilora import Engine, SamplingParams
+from multilora.config import ModelConfig
+from multilora.runtime.adapters import save_peft_adapter
+from multilora.runtime.weights import MODEL_SHAPES
+
+ADAPTER_SETS = {"S1": ((8,), ("q_proj", "k_proj", "v_proj", "o_proj")),
+                "S4": ((16, 32, 64), ("q_proj", "k_proj", "v_proj", "o_proj"))}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ------------------------------------------------------------------------------------------------ the trace
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival: float  # seconds after the start
+    adapter: int  # index into the adapter names
+    prompt: list[int]
+    output_len: int
+
+
+def make_trace(*, n_requests: int, rate: float, arrival: str, popularity: str, n_adapters: int,
+               input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int) -> list[TraceRequest]:
+    """``n_requests`` requests; ``rate`` = inf puts every arrival at 0. Gamma arrivals have shape 1/cv^2 = 0.25
+    (cv 2) and the same mean gap 1/rate as Poisson's exponential gaps."""
+    g = torch.Generator().manual_seed(seed)
+    if math.isinf(rate):
+        times = [0.0] * n_requests
+    else:
+        if arrival == "poisson":
+            gaps = torch.distributions.Exponential(torch.tensor(rate)).sample((n_requests,))
+        else:  # gamma, cv 2: shape k = 1/cv^2, scale = 1/(rate k)
+            k = 0.25
+            gaps = torch.distributions.Gamma(torch.tensor(k), torch.tensor(rate * k)).sample((n_requests,))
+        times = torch.cumsum(gaps.double(), 0).tolist()
+        times = [t - times[0] for t in times]
+    # torch.distributions draws from the global generator: the gaps above are seeded by this
+    if popularity == "uniform":
+        adapters = torch.randint(0, n_adapters, (n_requests,), generator=g).tolist()
+    else:
+        w = 1.0 / torch.arange(1, n_adapters + 1, dtype=torch.float64)
+        adapters = torch.multinomial(w / w.sum(), n_requests, replacement=True, generator=g).tolist()
+    ins = torch.randint(input_len[0], input_len[1] + 1, (n_requests,), generator=g).tolist()
+    outs = torch.randint(output_len[0], output_len[1] + 1, (n_requests,), generator=g).tolist()
+    return [TraceRequest(t, a, torch.randint(0, vocab, (n,), generator=g).tolist(), o)
+            for t, a, n, o in zip(times, adapters, ins, outs)]
+
+
+# ------------------------------------------------------------------------------------------------ adapters
+def write_adapter_set(root: Path, config: ModelConfig, kind: str, n_files: int, dtype: torch.dtype) -> list[Path]:
+    """``n_files`` seeded random PEFT adapters of set ``kind`` under ``root`` (kept when already there)."""
+    ranks, modules = ADAPTER_SETS[kind]
+    out = []
+    for i in range(n_files):
+        d = root / f"{kind}-{i}"
+        out.append(d)
+        if (d / "adapter_config.json").is_file():
+            continue
+        r = ranks[i % len(ranks)]
+        g = torch.Generator().manual_seed(i)
+        t = {}
+        for layer in range(config.num_layers):
+            for m in modules:
+                d_in, d_out = config.module_shape(m)
+                t[(layer, m)] = ((torch.randn(r, d_in, generator=g) / d_in**0.5).to(dtype),
+                                 (torch.randn(d_out, r, generator=g) * 0.01).to(dtype))
+        save_peft_adapter(d, t, r=r, lora_alpha=2 * r, target_modules=list(modules))
+    return out
+
+
+def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path], n_adapters: int) -> Engine:
+    """The engine of every row: adapters ``a0 .. a{N-1}`` registered (adapter i from ``files[i % len(files)]``;
+    each a distinct adapter to the engine), warmed up on every kernel shape the trace can reach."""
+    ranks, _ = ADAPTER_SETS[args.adapter_set]
+    max_seq = args.input_len[1] + args.output_len[1] + 8
+    engine = Engine(config, device=args.device, dtype=DTYPES[args.dtype], progress=False,
+                    max_batch_size=args.max_batch_size, max_seq_len=max_seq, max_lora_rank=max(ranks),
+                    adapter_pool_share=args.adapter_pool_share)
+    for i in range(n_adapters):
+        engine.load_adapter(f"a{i}", files[i % len(files)], preload=i < args.preload)
+    warm = [[1] * args.input_len[1], [2] * 8]
+    for i in range(min(n_adapters, 4)):
+        engine.generate(warm, adapters=[f"a{i}", None], sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    b = args.max_batch_size
+    engine.generate([[3] * 8] * b, adapters=[f"a{i % n_adapters}" for i in range(b)], sampling=sp)
+    return engine
+
+
+# ------------------------------------------------------------------------------------------------ clients
+@dataclass
+class Result:
+    scheduled: float  # perf_counter() seconds
+    first: float | None = None
+    end: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+
+async def _pace(t0: float, req: TraceRequest) -> float:
+    at = t0 + req.arrival
+    delay = at - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    return at
+
+
+async def run_engine(engine: Engine, trace: list[TraceRequest]) -> tuple[list[Result], float]:
+    """The trace through an ``EngineLoop`` in this process; returns per-request results and the wall time."""
+    from multilora.runtime.engine_loop import EngineLoop
+
+    loop = EngineLoop(engine, poll_seconds=0.002)
+    t0 = time.perf_counter() + 0.05
+
+    async def one(req: TraceRequest) -> Result:
+        res = Result(await _pace(t0, req))
+        try:
+            stream = await asyncio.to_thread(loop.submit, req.prompt, f"a{req.adapter}",
+                                             SamplingParams(max_tokens=req.output_len, ignore_eos=True))
+            async for d in stream:
+                if d.token_ids and res.first is None:
+                    res.first = time.perf_counter()
+                res.tokens += len(d.token_ids)
+                if d.finished and d.error:
+                    res.error = d.error
+        except Exception as e:  # a refused request is a result, not the end of the run
+            res.error = f"{type(e).__name__}: {e}"
+        res.end = time.perf_counter()
+        return res
+
+    try:
+        results = await asyncio.gather(*(one(r) for r in trace))
+    finally:
+        await asyncio.to_thread(loop.close)
+    return list(results), time.perf_counter() - t0
+
+
+async def run_http(url: str, trace: list[TraceRequest], timeout: float) -> tuple[list[Result], float]:
+    """The trace as streaming ``POST /v1/completions`` (token-id prompts) against ``url``."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(trace) + 8, max_keepalive_connections=len(trace) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        t0 = time.perf_counter() + 0.05
+
+        async def one(req: TraceRequest) -> Result:
+            res = Result(await _pace(t0, req))
+            body = {"model": f"a{req.adapter}", "prompt": req.prompt, "max_tokens": req.output_len,
+                    "temperature": 0.0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            try:
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        res.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+                    else:
+                        async for line in r.aiter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            ev = json.loads(line[6:])
+                            if "error" in ev:
+                                res.error = ev["error"].get("message")
+                            elif ev.get("usage"):
+                                res.tokens = ev["usage"]["completion_tokens"]
+                            elif ev.get("choices") and res.first is None:
+                                res.first = time.perf_counter()
+            except Exception as e:
+                res.error = f"{type(e).__name__}: {e}"
+            res.end = time.perf_counter()
+            return res
+
+        results = await asyncio.gather(*(one(r) for r in trace))
+    return list(results), time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------------ the server child
+def serve_child(args: argparse.Namespace) -> None:
+    """``--serve-child PORT``: build the same engine, serve it with uvicorn on 127.0.0.1:PORT until killed."""
+    import uvicorn
+
+    from multilora.runtime.server import create_app
+
+    config, files = setup(args)
+    engine = build_engine(args, config, files, args.n_adapters)
+    app = create_app(engine, served_model_name="base")
+    uvicorn.run(app, host="127.0.0.1", port=args.serve_child, log_level="warning")
+
+
+def start_server(argv: list[str], n_adapters: int, timeout: float) -> tuple[subprocess.Popen, str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    cmd = [sys.executable, __file__, *argv, "--serve-child", str(port), "--n-adapters", str(n_adapters)]
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server child exited with {proc.returncode} before serving")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"the server child did not answer /health within {timeout:.0f} s")
+
+
+# ------------------------------------------------------------------------------------------------ the report
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def summarize(results: list[Result], wall: float, offered: float, before: dict | None, after: dict | None) -> dict:
+    ok = [r for r in results if r.error is None and r.first is not None]
+    ttft = [r.first - r.scheduled for r in ok]
+    tpot = [(r.end - r.first) / (r.tokens - 1) for r in ok if r.tokens > 1]
+    e2e = [r.end - r.scheduled for r in ok]
+    tokens = sum(r.tokens for r in ok)
+    span = max((r.end for r in ok), default=0) - min((r.scheduled for r in results), default=0)
+    keys = ("bytes_host_to_gpu", "bytes_disk_to_host", "bytes_gpu_to_host")
+    # the engine's counters (mode engine); an HTTP row passes None: its engine lives in the server's process
+    moved = {k: (after[k] - before[k]) if before is not None else None for k in keys}
+
+    def rate(hits: str, misses: str) -> float | None:
+        if before is None:
+            return None
+        h, m = after[hits] - before[hits], after[misses] - before[misses]
+        return h / (h + m) if h + m else None
+
+    row = {"requests": len(results), "failed": len(results) - len(ok), "offered_rps": offered,
+           "achieved_rps": len(ok) / span if span > 0 else None, "output_tok_s": tokens / span if span > 0 else None,
+           "wall_s": wall, "output_tokens": tokens}
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
+        for q in ((50, 90, 99) if name == "ttft" else (50, 99)):
+            row[f"{name}_p{q}_s"] = pct(xs, q)
+    for k, v in moved.items():
+        row[k] = v
+        row[f"{k}_per_s"] = v / span if v is not None and span > 0 else None
+    row["pool_hit_rate"] = rate("gpu_hits", "gpu_misses")
+    row["host_hit_rate"] = rate("host_hits", "host_misses")
+    errors = sorted({r.error for r in results if r.error})[:3]
+    if errors:
+        row["errors"] = errors
+    return row
+
+
+def fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| mode | N | set | rate | offered req/s | achieved req/s | out tok/s | TTFT p50 / p90 / p99 (s) "
+            "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | failed |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['n_adapters']} | {r['adapter_set']} | {r['rate']} | {fmt(r['offered_rps'], '.2f')} "
+            f"| {fmt(r['achieved_rps'], '.2f')} | {fmt(r['output_tok_s'], '.0f')} "
+            f"| {fmt(r['ttft_p50_s'], '.3f')} / {fmt(r['ttft_p90_s'], '.3f')} / {fmt(r['ttft_p99_s'], '.3f')} "
+            f"| {fmt(r['tpot_p50_s'] and r['tpot_p50_s'] * 1e3, '.2f')} / {fmt(r['tpot_p99_s'] and r['tpot_p99_s'] * 1e3, '.2f')} "
+            f"| {fmt(r['e2e_p50_s'], '.2f')} / {fmt(r['e2e_p99_s'], '.2f')} | {r['failed']} |")
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    for pkg in ("triton", "fastapi", "uvicorn", "httpx"):
+        try:
+            env[pkg] = __import__(pkg).__version__
+        except Exception:
+            env[pkg] = None
+    return env
+
+
+# ------------------------------------------------------------------------------------------------ main
+def pair(s: str) -> tuple[int, int]:
+    lo, _, hi = s.partition(",")
+    a, b = int(lo), int(hi or lo)
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {s!r}")
+    return a, b
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(MODEL_SHAPES))
+    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--adapters", default="5", help="comma-separated adapter counts N (rows)")
+    ap.add_argument("--adapter-set", default="S1", choices=sorted(ADAPTER_SETS))
+    ap.add_argument("--adapter-files", type=int, default=8, help="distinct adapter directories written; adapter i "
+                    "loads directory i %% K (each name is still its own adapter to the engine)")
+    ap.add_argument("--adapter-dir", help="where adapter files go (default: a temporary directory)")
+    ap.add_argument("--preload", type=int, default=10**9, help="adapters read at registration (the rest on first use)")
+    ap.add_argument("--adapter-pool-share", type=float, default=0.3)
+    ap.add_argument("--popularity", default="zipf", choices=("zipf", "uniform"))
+    ap.add_argument("--arrival", default="poisson", choices=("poisson", "gamma"))
+    ap.add_argument("--rate", default="auto", help="req/s, 'burst' (all at t = 0) or 'auto' (a fraction of the "
+                    "burst capacity of mode engine at the first N)")
+    ap.add_argument("--rate-fraction", type=float, default=0.9)
+    ap.add_argument("--no-burst-rows", dest="burst_rows", action="store_false",
+                    help="skip the burst (capacity) row of each mode before its fixed-rate row")
+    ap.add_argument("--requests", type=int, default=256, help="requests per row")
+    ap.add_argument("--input-len", type=pair, default=(8, 512), help="LO,HI (uniform)")
+    ap.add_argument("--output-len", type=pair, default=(8, 512), help="LO,HI (uniform)")
+    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--modes", default="engine,http")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds: server start, and one HTTP request")
+    ap.add_argument("--out", default=None, help="write serving_<tag>.json / .md here")
+    ap.add_argument("--tag", default=None, help="default: the shape")
+    ap.add_argument("--serve-child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--n-adapters", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    args.counts = [int(x) for x in args.adapters.split(",")]
+    args.mode_list = [m.strip() for m in args.modes.split(",")]
+    bad = [m for m in args.mode_list if m not in ("engine", "http")]
+    if bad:
+        ap.error(f"--modes: expected engine and/or http, got {bad}")
+    if args.rate not in ("auto", "burst"):
+        try:
+            if float(args.rate) <= 0:
+                raise ValueError
+        except ValueError:
+            ap.error(f"--rate: expected a positive number, 'burst' or 'auto', got {args.rate!r}")
+    return args
+
+
+def setup(args: argparse.Namespace) -> tuple[ModelConfig, list[Path]]:
+    torch.manual_seed(args.seed)  # the random base weights and the trace's gaps
+    config = ModelConfig(**MODEL_SHAPES[args.shape])
+    root = Path(args.adapter_dir or os.environ.setdefault("MULTILORA_BENCH_ADAPTERS", tempfile.mkdtemp()))
+    root.mkdir(parents=True, exist_ok=True)
+    return config, write_adapter_set(root, config, args.adapter_set, args.adapter_files, DTYPES[args.dtype])
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.serve_child is not None:
+        serve_child(args)
+        return []
+    config, files = setup(args)
+    # the child reuses the parent's adapter files (and torch seed: the same random base weights)
+    child_argv = [a for a in argv] + (["--adapter-dir", os.environ["MULTILORA_BENCH_ADAPTERS"]]
+                                      if args.adapter_dir is None else [])
+    rows: list[dict] = []
+    rate: float | None = None if args.rate == "auto" else (math.inf if args.rate == "burst" else float(args.rate))
+    for n in args.counts:
+        def trace_at(r: float) -> list[TraceRequest]:
+            return make_trace(n_requests=args.requests, rate=r, arrival=args.arrival, popularity=args.popularity,
+                              n_adapters=n, input_len=args.input_len, output_len=args.output_len,
+                              vocab=config.vocab_size, seed=args.seed)
+
+        def record(mode: str, r: float, results: list[Result], wall: float, before: dict | None,
+                   after: dict | None) -> dict:
+            row = {"mode": mode, "n_adapters": n, "adapter_set": args.adapter_set, "popularity": args.popularity,
+                   "arrival": args.arrival, "rate": "burst" if math.isinf(r) else f"{r:.2f}",
+                   **summarize(results, wall, r, before, after)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            write(args, argv, config, rows)
+            return row
+
+        def rates() -> list[float]:  # each mode: a burst row (its capacity), then the fixed-rate row
+            return [math.inf, rate] if args.burst_rows and not math.isinf(rate) else [rate]
+
+        if "engine" in args.mode_list or rate is None:
+            engine = build_engine(args, config, files, n)
+            todo = rates() if rate is not None else []
+            if rate is None:  # --rate auto: a burst fixes the rate every later row is offered
+                before = engine.stats()
+                res, wall = asyncio.run(run_engine(engine, trace_at(math.inf)))
+                rate = args.rate_fraction * record("engine", math.inf, res, wall, before, engine.stats())["achieved_rps"]
+                todo = [rate]
+            for r in todo if "engine" in args.mode_list else []:
+                before = engine.stats()
+                res, wall = asyncio.run(run_engine(engine, trace_at(r)))
+                record("engine", r, res, wall, before, engine.stats())
+            del engine
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if "http" in args.mode_list:
+            proc, url = start_server(child_argv, n, args.timeout)
+            try:
+                for r in rates():
+                    res, wall = asyncio.run(run_http(url, trace_at(r), args.timeout))
+                    record("http", r, res, wall, None, None)
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    print(markdown(rows))
+    return rows
+
+
+def write(args: argparse.Namespace, argv: list[str], config: ModelConfig, rows: list[dict]) -> None:
+    """``serving_<tag>.json`` / ``.md`` in ``--out`` (rewritten after every row: a cut-off run keeps its rows)."""
+    if not args.out:
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or args.shape
+    meta = {"command": "python bench/bench_serving.py " + " ".join(argv), "environment": environment(),
+            "shape": args.shape, "config": {k: v for k, v in vars(config).items() if not k.startswith("_")}}
+    (out / f"serving_{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    (out / f"serving_{tag}.md").write_text(f"`{meta['command']}`\n\n{markdown(rows)}\n")
+
+
+if __name__ == "__main__":
+    main()
