@@ -220,6 +220,8 @@ def serve_child(args: argparse.Namespace) -> None:
 
     from multilora.runtime.server import create_app
 
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     config, files = setup(args)
     engine = build_engine(args, config, files, args.n_adapters)
     app = create_app(engine, served_model_name="base")
@@ -359,6 +361,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds: server start, and one HTTP request")
     ap.add_argument("--out", default=None, help="write serving_<tag>.json / .md here")
     ap.add_argument("--tag", default=None, help="default: the shape")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval in the server's process (seconds; Python's default is 0.005)")
     ap.add_argument("--serve-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--n-adapters", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

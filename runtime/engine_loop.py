@@ -69,16 +69,13 @@ class RequestStream:
         self._done = False  # the last delta has been taken by the consumer
         self._async: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
 
-    def _deliver(self, delta: RequestDelta) -> None:  # (the loop's thread)
+    def _deliver(self, delta: RequestDelta) -> "tuple[asyncio.AbstractEventLoop, asyncio.Event] | None":
+        """Queue a delta (the loop's thread); returns the asyncio waiter to wake, if an ``async for`` waits: the
+        caller wakes all of one step's waiters with one ``call_soon_threadsafe`` per event loop (``_wake_all``)."""
         with self._cond:
             self._deltas.append(delta)
             self._cond.notify_all()
-            waiter = self._async
-        if waiter is not None:
-            try:
-                waiter[0].call_soon_threadsafe(waiter[1].set)
-            except RuntimeError:  # the consumer's event loop has closed: nobody is waiting any more
-                pass
+            return self._async
 
     def _take(self, delta: RequestDelta) -> RequestDelta:
         self._done = delta.finished
@@ -102,8 +99,9 @@ class RequestStream:
             self._async = (asyncio.get_running_loop(), event)
         try:
             while not self._done:
-                with self._cond:
-                    delta = self._deltas.popleft() if self._deltas else None
+                with self._cond:  # a consumer that fell behind gets its backlog as one delta (fewer wake-ups)
+                    delta = _merge(self._deltas) if self._deltas else None
+                    self._deltas.clear()
                     if delta is None:
                         event.clear()  # under the lock: a delivery after this sets it again
                 if delta is None:
@@ -126,6 +124,27 @@ class RequestStream:
     def abort(self) -> bool:
         """Withdraw the request now (``Engine.abort``); the stream then ends with ``finish_reason="abort"``."""
         return self._loop.abort(self.request_id)
+
+
+def _merge(deltas: "deque[RequestDelta]") -> RequestDelta:
+    """Consecutive deltas of one request as one: their ids and texts joined, the last one's ending."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    return RequestDelta(last.request_id, [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas),
+                        last.finish_reason, last.error, last.output)
+
+
+def _wake_all(waiters: "list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]") -> None:
+    """Set the events of one publish, with one ``call_soon_threadsafe`` per event loop (not one per stream)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+    for loop, event in waiters:
+        by_loop.setdefault(loop, []).append(event)
+    for loop, events in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(lambda events=events: [e.set() for e in events])
+        except RuntimeError:  # the consumer's event loop has closed: nobody is waiting any more
+            pass
 
 
 @dataclass
@@ -215,15 +234,21 @@ class EngineLoop:
         """Deliver each tracked request's new ids and text; the last delta of the finished ones."""
         with self._lock:
             items = list(self._tracked.values())
+        waiters = []
         for t in items:
             req = t.req
+            waiter = None
             if req.status is Status.FINISHED:
                 out = self.engine.postprocess.output(req)
-                t.stream._deliver(RequestDelta(req.request_id, list(req.output_ids[t.sent :]), t.text.close(out.text),
-                                               out.finish_reason, out.error, out))
+                waiter = t.stream._deliver(RequestDelta(req.request_id, list(req.output_ids[t.sent :]),
+                                                        t.text.close(out.text), out.finish_reason, out.error, out))
                 with self._lock:
                     self._tracked.pop(req.request_id, None)
             elif len(req.output_ids) > t.sent:
                 ids = list(req.output_ids)
-                t.stream._deliver(RequestDelta(req.request_id, ids[t.sent :], t.text.push(ids)))
+                waiter = t.stream._deliver(RequestDelta(req.request_id, ids[t.sent :], t.text.push(ids)))
                 t.sent = len(ids)
+            if waiter is not None:
+                waiters.append(waiter)
+        if waiters:
+            _wake_all(waiters)

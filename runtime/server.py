@@ -299,6 +299,16 @@ class _Requests:
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(index of the stream, delta), in arrival order, until every stream has ended."""
+        if len(self.streams) == 1:  # the common case: no pump task and queue between the stream and the response
+            try:
+                async for d in self.streams[0]:
+                    if d.finished:
+                        self.left.discard(0)
+                        self.metrics.observe(self.model, d.finish_reason, d.output)
+                    yield 0, d
+            finally:
+                self.close()
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, stream: RequestStream) -> None:  # ends with the stream's last delta

@@ -148,6 +148,23 @@ def test_asyncio_streams_together(engine, loop):
     assert asyncio.run(main()) == want
 
 
+def test_an_async_consumer_that_fell_behind_gets_its_backlog_as_one_delta(engine, loop):
+    """Deltas queued while an ``async for`` was not looking come as one: ids and text joined, the last one's end."""
+    prompt = token_ids(9, 12, VOCAB)
+    want = _alone(engine, prompt, "a", SamplingParams(max_tokens=6, ignore_eos=True))
+    stream = loop.submit(prompt, "a", SamplingParams(max_tokens=6, ignore_eos=True))
+    deadline = time.time() + 30
+    while loop.num_streams and time.time() < deadline:  # the request finishes before anyone reads its stream
+        time.sleep(0.01)
+
+    async def read():
+        return [d async for d in stream]
+
+    (d,) = asyncio.run(read())
+    assert d.token_ids == want.token_ids and d.text == want.text and d.finish_reason == "length"
+    assert d.output.token_ids == want.token_ids
+
+
 def _slow_steps(engine, monkeypatch, seconds=0.01):
     """Each step takes at least ``seconds``: a long request then runs for seconds, so aborts land mid-stream."""
     run = engine.runner.run
