@@ -119,12 +119,15 @@ def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path
                     adapter_pool_share=args.adapter_pool_share)
     for i in range(n_adapters):
         engine.load_adapter(f"a{i}", files[i % len(files)], preload=i < args.preload)
-    warm = [[1] * args.input_len[1], [2] * 8]
-    for i in range(min(n_adapters, 4)):
-        engine.generate(warm, adapters=[f"a{i}", None], sampling=SamplingParams(max_tokens=4, ignore_eos=True))
-    sp = SamplingParams(max_tokens=2, ignore_eos=True)
-    b = args.max_batch_size
-    engine.generate([[3] * 8] * b, adapters=[f"a{i % n_adapters}" for i in range(b)], sampling=sp)
+    # warm-up, untimed: Triton compiles a kernel variant per block size and per integer-argument divisibility, so the
+    # first steps of each new prefill size are slow; a burst drawn like the trace (another seed) reaches most of them
+    warm = make_trace(n_requests=args.warmup_requests, rate=math.inf, arrival="poisson", popularity="uniform",
+                      n_adapters=n_adapters, input_len=args.input_len, output_len=(2, 16), vocab=config.vocab_size,
+                      seed=args.seed + 1)
+    for i in range(0, len(warm), 4 * args.max_batch_size):
+        part = warm[i : i + 4 * args.max_batch_size]
+        engine.generate([r.prompt for r in part], adapters=[f"a{r.adapter}" for r in part],
+                        sampling=[SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in part])
     return engine
 
 
@@ -356,6 +359,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--input-len", type=pair, default=(8, 512), help="LO,HI (uniform)")
     ap.add_argument("--output-len", type=pair, default=(8, 512), help="LO,HI (uniform)")
     ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--warmup-requests", type=int, default=192, help="untimed requests before the rows (per engine)")
     ap.add_argument("--modes", default="engine,http")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds: server start, and one HTTP request")
