@@ -124,10 +124,17 @@ def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path
     warm = make_trace(n_requests=args.warmup_requests, rate=math.inf, arrival="poisson", popularity="uniform",
                       n_adapters=n_adapters, input_len=args.input_len, output_len=(2, 16), vocab=config.vocab_size,
                       seed=args.seed + 1)
-    for i in range(0, len(warm), 4 * args.max_batch_size):
-        part = warm[i : i + 4 * args.max_batch_size]
+    def run(part: list[TraceRequest], max_tokens: int | None = None) -> None:
         engine.generate([r.prompt for r in part], adapters=[f"a{r.adapter}" for r in part],
-                        sampling=[SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in part])
+                        sampling=[SamplingParams(max_tokens=max_tokens or r.output_len, ignore_eos=True) for r in part])
+
+    for i in range(0, len(warm), 4 * args.max_batch_size):  # large prefill steps, decode at every batch size
+        run(warm[i : i + 4 * args.max_batch_size])
+    i = 0
+    while i < len(warm):  # the small prefill steps of a running server: 1 to 3 new prompts at a time
+        k = 1 + i % 3
+        run(warm[i : i + k], max_tokens=2)
+        i += k
     return engine
 
 
