@@ -29,7 +29,7 @@ from multilora.memory.pool import AdapterPool
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
 from multilora.runtime.adapters import LoRAAdapter, read_adapter, read_packed_adapter
 from multilora.runtime.config import EngineConfig
-from multilora.runtime.model import LlamaModel
+from multilora.runtime.model import DecoderModel
 from multilora.runtime.postprocess import Postprocessor, RequestOutput
 from multilora.runtime.requests import RequestFactory, per_row
 from multilora.runtime.runner import ModelRunner
@@ -83,7 +83,7 @@ class Engine:
         self.model_path, config_, weights, self.tokenizer = load_model(model, dtype=self.dtype, device=self.device,
                                                                        progress=cfg.progress)
         self.config: ModelConfig = config_
-        self.model = LlamaModel(config_, weights, device=self.device, dtype=self.dtype)
+        self.model = DecoderModel(config_, weights, device=self.device, dtype=self.dtype)
         del weights
         if self.tokenizer is None:
             log.warning("%s has no tokenizer: prompts must be token ids, outputs have no text", self.model_path)
