@@ -5,8 +5,8 @@ GQA attention with RoPE (the config's theta, optional llama3/linear scaling), RM
 tied or untied embeddings. The family differences are config flags read here, never a second decoder:
 biases on the base projections (``qkv_bias``, ``o_bias``: added by the GEMM itself, ``torch.addmm``; LoRA
 has none), per-head q/k RMSNorm before RoPE (``qk_norm``: fused into the RoPE + cache-write op), and a
-sliding window per layer (``ModelConfig.window``). q/k/v and gate/up are fused GEMMs; LoRA is added to every projection
-through ``multilora.kernels.lora_apply`` and attention runs over the paged KV cache through
+sliding window per layer (``ModelConfig.window``). q/k/v and gate/up are fused GEMMs; LoRA is added to
+every projection through ``multilora.kernels.lora_apply`` and attention runs over the paged KV cache through
 ``multilora.kernels.attention``, both with the step's plan, passed explicitly (``runner.StepPlan``, built by
 the runner only). RMSNorm (fused
 with the residual add), RoPE with the KV-cache write, and SiLU * up come from ``multilora.kernels.fused``: one
@@ -124,7 +124,8 @@ class DecoderModel:
                 "down": put(w(p + "mlp.down_proj.weight")),  # [hidden, inter]
             }
             if config.qkv_bias:
-                layer["qkv_bias"] = put(torch.cat([w(p + f"self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")]))
+                qkv_b = [w(p + f"self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")]
+                layer["qkv_bias"] = put(torch.cat(qkv_b))  # [q + 2 kv]
             if config.o_bias:
                 layer["o_bias"] = put(w(p + "self_attn.o_proj.bias"))  # [hidden]
             if config.qk_norm:
