@@ -132,10 +132,9 @@ def test_greedy_generate_matches_transformers(case):
     ("llama-attention-bias", "bias"), ("qwen2-sliding", "window"),
 ])
 def test_family_knob_changes_the_reference(name, what):
-    """Sanity: each family difference changes transformers' logits on these prompts (biases zeroed, q/k norm
-    weights reset to 1 -- a model without them would still differ through the normalisation itself, so this
-    checks the weights -- or the window switched off), so the comparisons above would catch a runtime that
-    ignored it."""
+    """Sanity: each family difference changes transformers' logits on these prompts, so the comparisons above
+    would catch a runtime that ignored it: biases zeroed; q/k norm weights reset to 1 (a runtime that skipped
+    the q/k norm altogether differs even more); the sliding window switched off."""
     model = _make_model(name)
     other = _make_model(name, **({"use_sliding_window": False} if what == "window" else {}))
     other.load_state_dict(model.state_dict())
