@@ -343,8 +343,14 @@ def multilora_row(run: Run, engine: Engine, provider: str, b: int, names: list[s
 
 
 # ----------------------------------------------------------------------------------- transformers, peft
+#: ModelConfig.architecture -> transformers' config and model class names.
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+
+
 def hf_llama_config(c: ModelConfig):
-    """transformers' LlamaConfig of the same shape (sdpa attention; no end-of-sequence token: never stops early)."""
+    """transformers' config of the same family and shape (sdpa attention; no end-of-sequence token: never stops
+    early). Qwen2's q/k/v biases are implied by its class; Llama / Qwen3 biases come from ``attention_bias``."""
     import transformers
 
     kw = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -354,11 +360,15 @@ def hf_llama_config(c: ModelConfig):
               bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
     if c.rope_scaling is not None:
         kw["rope_scaling"] = dict(c.rope_scaling)
-    return transformers.LlamaConfig(**kw)
+    if c.architecture in ("llama", "qwen3"):
+        kw["attention_bias"] = c.qkv_bias
+    if c.architecture == "qwen2":
+        kw.pop("head_dim")  # Qwen2Config derives it (hidden / heads)
+    return getattr(transformers, HF_CLASSES[c.architecture][0])(**kw)
 
 
 def build_hf(run: Run):
-    """LlamaForCausalLM made directly on the device in the bench dtype (no CPU init), then given the
+    """The HF ``*ForCausalLM`` of the config's family made directly on the device in the bench dtype (no CPU init), then given the
     engine's weights (``random_weights``, same seed): both providers run the same model."""
     import transformers
 
@@ -366,7 +376,7 @@ def build_hf(run: Run):
     torch.set_default_dtype(run.dtype)
     try:
         with torch.device(run.device):
-            model = transformers.LlamaForCausalLM(hf_llama_config(run.config))
+            model = getattr(transformers, HF_CLASSES[run.config.architecture][1])(hf_llama_config(run.config))
     finally:
         torch.set_default_dtype(before)
     weights = random_weights(run.config, dtype=run.dtype, device=run.device)

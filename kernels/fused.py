@@ -1,5 +1,6 @@
 """The decoder's small per-token ops, each one launch on the GPU: RMSNorm (optionally after the residual add),
-RoPE of q and k with the cache write of k and v, and SiLU(gate) * up.
+RoPE of q and k with the cache write of k and v (optionally after a per-head RMSNorm of q and k, Qwen3's
+``q_norm`` / ``k_norm``), and SiLU(gate) * up.
 
 At batch 1 a Llama-3-8B decode step is about 3.9 ms of weight GEMMs; written as plain torch ops these
 three steps were about 40 small kernels per layer (float casts, pow, mean, rsqrt, neg, cat, index_copy, ...),
@@ -44,8 +45,13 @@ def add_rms_norm_torch(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tenso
 
 def rope_write_kv_torch(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor,
                         slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
-                        num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                        num_heads: int, num_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None = None,
+                        k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
     """RoPE (RoFormer, Su et al. 2021; rotate-half) on q and k, then k and v written to their cache slots.
+
+    With ``q_norm`` / ``k_norm`` (both or neither), each q head and each k head is first RMS-normalised over its
+    ``head_dim`` values and scaled by that weight (``rms_norm_torch`` per head, as HF Qwen3's ``q_norm`` /
+    ``k_norm``): ``q[t, h] = rope(rms_norm(q[t, h], q_norm))``.
 
     Args:
         qkv: [T, (num_heads + 2 * num_kv_heads) * head_dim], the fused q/k/v projection, rows contiguous.
@@ -53,6 +59,7 @@ def rope_write_kv_torch(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: tor
         positions: int64 [T], each token's absolute position (< n_positions).
         slot_mapping: int64 [T], each token's flat cache slot (``block * block_size + offset``).
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
+        q_norm, k_norm: None, or [head_dim] in qkv's dtype; norm_eps: their epsilon.
 
     Returns:
         q after RoPE, [T, num_heads, head_dim] in qkv's dtype (a new tensor).
@@ -68,8 +75,13 @@ def rope_write_kv_torch(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: tor
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return (x.float() * cos + rot.float() * sin).to(x.dtype)
 
-    q = rope(q.reshape(T, num_heads, head_dim))
-    k = rope(k.reshape(T, num_kv_heads, head_dim))
+    q, k = q.reshape(T, num_heads, head_dim), k.reshape(T, num_kv_heads, head_dim)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("rope_write_kv: pass both q_norm and k_norm, or neither")
+    if q_norm is not None:
+        q, k = rms_norm_torch(q, q_norm, norm_eps), rms_norm_torch(k, k_norm, norm_eps)
+    q = rope(q)
+    k = rope(k)
     nb, bs = k_cache.shape[:2]
     k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slot_mapping,
@@ -108,12 +120,15 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor,
                   slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int,
-                  num_kv_heads: int, head_dim: int, backend: str | None = None) -> torch.Tensor:
-    """``rope_write_kv_torch`` or its one-kernel Triton twin (one program per token)."""
+                  num_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None = None,
+                  k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6,
+                  backend: str | None = None) -> torch.Tensor:
+    """``rope_write_kv_torch`` or its one-kernel Triton twin (one program per token; the q/k norm, when given,
+    is in the same kernel)."""
     k = _kernels(backend, qkv)
     fn = rope_write_kv_torch if k is None else k.rope_write_kv
-    return fn(qkv, rope_cos, rope_sin, positions, slot_mapping, k_cache, v_cache,
-              num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    return fn(qkv, rope_cos, rope_sin, positions, slot_mapping, k_cache, v_cache, num_heads=num_heads,
+              num_kv_heads=num_kv_heads, head_dim=head_dim, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps)
 
 
 def silu_mul(gate_up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:

@@ -8,7 +8,8 @@ buffers (positions, slots) are updated in place between replays.
   registers, so the residual add, the sum of squares and the scaled store read and write the row once.
 - ``_rope_kv_kernel``: one program per token: all query heads and KV heads as one [heads, head_dim / 2] tile
   each (the two halves of rotate-half loaded separately, so no permute), the rotated key and the value
-  stored at the token's cache slot, the rotated query to a new [T, H, D] tensor.
+  stored at the token's cache slot, the rotated query to a new [T, H, D] tensor. With ``HAS_NORM`` (Qwen3)
+  each head is RMS-normalised first: its sum of squares is the two half-tiles' row sums, in registers.
 - ``_silu_mul_kernel``: (token, column block) programs over [T, I].
 """
 
@@ -42,23 +43,33 @@ def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, stride_x, stride_d, stride_o,
 
 
 @triton.jit
-def _rope_tile(src, c, s, rows, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-               HEAD_DIM: tl.constexpr):
-    """Load [rows, head_dim] at src (heads contiguous) and rotate: (x1 * c - x2 * s, x2 * c + x1 * s), fp32."""
+def _rope_tile(src, c, s, w_ptr, eps, rows, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+               HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Load [rows, head_dim] at src (heads contiguous), RMS-normalise each head by w (``HAS_NORM``; rounded to
+    src's dtype where ``rms_norm_torch`` rounds), and rotate: (x1 * c - x2 * s, x2 * c + x1 * s), fp32."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     m = (offs_h[:, None] < rows) & (offs_d[None, :] < HALF)
     p = src + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
     x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        dt = src.dtype.element_ty
+        inv = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+        dm = offs_d < HALF
+        w1 = tl.load(w_ptr + offs_d, mask=dm, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d, mask=dm, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * inv).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * inv).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
     return x1 * c + (-x2) * s, x2 * c + x1 * s, m, offs_h[:, None] * HEAD_DIM + offs_d[None, :]
 
 
 @triton.jit
-def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr,
-                    stride_qkv, stride_cos, stride_sin, stride_kc, stride_vc,
+def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr,
+                    stride_qkv, stride_cos, stride_sin, stride_kc, stride_vc, eps,
                     H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                    BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                    HAS_NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -68,12 +79,13 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr,
     s = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=dm, other=0.0)[None, :]
     row = qkv_ptr + t * stride_qkv
     # queries -> q [T, H, D]
-    o1, o2, m, off = _rope_tile(row, c, s, H, HALF, BLOCK_H, BLOCK_HALF, HEAD_DIM)
+    o1, o2, m, off = _rope_tile(row, c, s, qn_ptr, eps, H, HALF, BLOCK_H, BLOCK_HALF, HEAD_DIM, HAS_NORM)
     qd = q_ptr + t * (H * HEAD_DIM)
     tl.store(qd + off, o1.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(qd + off + HALF, o2.to(q_ptr.dtype.element_ty), mask=m)
     # keys -> k_cache[slot]
-    o1, o2, m, off = _rope_tile(row + H * HEAD_DIM, c, s, HKV, HALF, BLOCK_HKV, BLOCK_HALF, HEAD_DIM)
+    o1, o2, m, off = _rope_tile(row + H * HEAD_DIM, c, s, kn_ptr, eps, HKV, HALF, BLOCK_HKV, BLOCK_HALF, HEAD_DIM,
+                                HAS_NORM)
     kd = kc_ptr + slot * stride_kc
     tl.store(kd + off, o1.to(q_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=m)
     tl.store(kd + off + HALF, o2.to(q_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=m)
@@ -142,7 +154,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor,
                   slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int,
-                  num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                  num_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None = None,
+                  k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
     """Triton ``rope_write_kv_torch`` (same arguments and result); one program per token."""
     _check("qkv", qkv, 2)
     T, width = qkv.shape
@@ -163,15 +176,23 @@ def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Ten
                 or c.stride(0) != c.shape[1] * c.stride(1)):
             raise ValueError(f"{name}: expected [num_blocks, block_size, {num_kv_heads}, {head_dim}] with rows of "
                              f"contiguous heads, got shape {tuple(c.shape)} strides {c.stride()}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("rope_write_kv: pass both q_norm and k_norm, or neither")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and (w.shape != (head_dim,) or w.dtype != qkv.dtype or not w.is_contiguous()):
+            raise ValueError(f"{name}: expected a contiguous [{head_dim}] {qkv.dtype} tensor, got "
+                             f"{tuple(w.shape)} {w.dtype}")
     q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if T == 0:
         return q
     half = head_dim // 2
+    has_norm = q_norm is not None
     _rope_kv_kernel[(T,)](qkv, rope_cos, rope_sin, positions, slot_mapping, q, k_cache, v_cache,
+                          q_norm if has_norm else rope_cos, k_norm if has_norm else rope_cos,
                           qkv.stride(0), rope_cos.stride(0), rope_sin.stride(0), k_cache.stride(1), v_cache.stride(1),
-                          H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+                          float(norm_eps), H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
                           BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-                          BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+                          BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=4)
     return q
 
 

@@ -1,4 +1,15 @@
-"""Model configuration of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2), and the target-module names.
+"""Model configuration of the decoders multilora serves, and the target-module names.
+
+One decoder serves every family (``runtime.model``); a family is a few flags on ``ModelConfig``:
+
+| ``model_type`` | families | what differs from Llama |
+|---|---|---|
+| ``llama`` | Llama 2 / 3 / 3.1, SmolLM2 | (``attention_bias``: biases on q/k/v/o) |
+| ``mistral`` | Mistral 7B | one sliding window for every layer |
+| ``qwen2`` | Qwen2, Qwen2.5 | biases on q/k/v; sliding window on layers ``>= max_window_layers`` when ``use_sliding_window`` |
+| ``qwen3`` | Qwen3 (dense) | RMSNorm of each q and k head before RoPE; ``head_dim`` of its own; ``attention_bias`` |
+
+Any other ``model_type`` is refused by ``ModelConfig.from_hf_dict`` with the list above (``SERVED_MODEL_TYPES``).
 
 Shared by every part of multilora (``memory/`` sizes the adapter pool from it, ``runtime/`` builds the model
 from it), so it lives above them: ``kernels/`` and ``memory/`` never import ``runtime/``.
@@ -24,6 +35,15 @@ TARGET_MODULES: tuple[str, ...] = (
     "down_proj",
 )
 MODULE_INDEX: dict[str, int] = {m: i for i, m in enumerate(TARGET_MODULES)}
+#: HF ``model_type`` values served, each with the HF class of its checkpoints (for messages and the README).
+SERVED_MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+#: HF ``layer_types`` entries: a layer attends causally to every earlier position, or to the last ``sliding_window``.
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 #: The submodule that holds each projection in HF Llama module names (``model.layers.N.<parent>.<module>``).
 MODULE_PARENT: dict[str, str] = {
     "q_proj": "self_attn",
@@ -38,11 +58,15 @@ MODULE_PARENT: dict[str, str] = {
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder.
+    """Shape and numerics of a decoder of one of the served families (see the module docstring).
 
     Derived fields (``head_dim`` when not given) are filled in ``__post_init__``.
     ``rope_scaling`` is the HF dict (``{"rope_type": "llama3", "factor": ..., ...}``) or None.
-    ``sliding_window`` (Mistral v0.1) limits attention to the last N positions; None = full causal.
+    ``sliding_window`` limits attention to the last N positions (None = full causal) on the layers
+    ``layer_types`` marks ``"sliding_attention"``; ``layer_types`` None = every layer (Mistral v0.1).
+    ``qkv_bias`` / ``o_bias``: the base q/k/v (o) projections have a bias (Qwen2: q/k/v; Llama and Qwen3
+    ``attention_bias``: all four); LoRA adapters never have one. ``qk_norm`` (Qwen3): an RMSNorm with a
+    [head_dim] weight on every q and k head before RoPE (``rms_norm_eps``).
     """
 
     vocab_size: int
@@ -61,6 +85,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "llama"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    layer_types: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim <= 0:
@@ -69,6 +97,24 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.architecture not in SERVED_MODEL_TYPES:
+            raise ValueError(_not_served(self.architecture, "ModelConfig.architecture"))
+        if self.layer_types is not None:
+            self.layer_types = list(self.layer_types)
+            bad = [t for t in self.layer_types if t not in (FULL_ATTENTION, SLIDING_ATTENTION)]
+            if len(self.layer_types) != self.num_layers or bad:
+                raise ValueError(
+                    f"layer_types must list {self.num_layers} entries (one per layer), each {FULL_ATTENTION!r} or "
+                    f"{SLIDING_ATTENTION!r}; got {self.layer_types!r}"
+                )
+
+    def window(self, layer: int) -> int:
+        """The sliding window of ``layer`` in tokens (0 = full causal attention)."""
+        if not self.sliding_window:
+            return 0
+        if self.layer_types is not None and self.layer_types[layer] != SLIDING_ATTENTION:
+            return 0
+        return int(self.sliding_window)
 
     @property
     def q_size(self) -> int:
@@ -97,19 +143,23 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from a HF ``config.json`` dict (``model_type`` llama, mistral or qwen-free Llama clones).
+        """Build from a HF ``config.json`` dict of a served ``model_type`` (``SERVED_MODEL_TYPES``).
+
+        Reads the family flags as transformers does: Qwen2's q/k/v biases; ``attention_bias`` (Llama, Qwen3);
+        Qwen3's q/k norms; the sliding window of Qwen2/Qwen3 only when ``use_sliding_window`` is true, on the
+        layers ``layer_types`` names (or, without it, the layers ``>= max_window_layers``).
 
         Raises:
-            ValueError: the architecture is not a Llama-family decoder, or a required field is missing.
+            ValueError: a ``model_type`` not served (the message names it and lists the served ones), a
+                feature of a served family that is not supported, or a required field missing.
         """
         mt = cfg.get("model_type", "llama")
-        if mt not in ("llama", "mistral"):
-            raise ValueError(
-                f"config.json: model_type must be 'llama' or 'mistral' (Llama-family decoders), got {mt!r}"
-            )
-        for key in ("attention_bias", "mlp_bias"):
-            if cfg.get(key):
-                raise ValueError(f"config.json: {key}=true is not supported (Llama projections have no bias)")
+        if mt not in SERVED_MODEL_TYPES:
+            raise ValueError(_not_served(mt, "config.json", cfg.get("architectures")))
+        if cfg.get("mlp_bias"):
+            raise ValueError("config.json: mlp_bias=true is not supported (the MLP projections have no bias here)")
+        if mt == "mistral" and cfg.get("attention_bias"):
+            raise ValueError("config.json: attention_bias=true is not supported for mistral")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config.json: hidden_act must be 'silu' (SwiGLU), got {act!r}")
@@ -130,6 +180,8 @@ class ModelConfig:
                 )
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        bias = bool(cfg.get("attention_bias", False))
+        window, layer_types = _hf_sliding_window(mt, cfg)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -143,8 +195,38 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            sliding_window=cfg.get("sliding_window"),
+            sliding_window=window,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=mt,
+            qkv_bias=True if mt == "qwen2" else bias,
+            o_bias=False if mt == "qwen2" else bias,
+            qk_norm=mt == "qwen3",
+            layer_types=layer_types,
         )
+
+
+def _not_served(model_type: Any, where: str, architectures: Any = None) -> str:
+    arch = f" (architectures {architectures!r})" if architectures else ""
+    served = ", ".join(f"{k} ({v})" for k, v in SERVED_MODEL_TYPES.items())
+    return f"{where}: model_type {model_type!r}{arch} is not served by multilora; served model types: {served}"
+
+
+def _hf_sliding_window(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, list[str] | None]:
+    """``(sliding_window, layer_types)`` as transformers reads them for ``model_type``.
+
+    Llama / Mistral: ``sliding_window`` (if any) on every layer. Qwen2 / Qwen3: no window unless
+    ``use_sliding_window`` (their shipped configs carry ``sliding_window: 32768`` with it false); with it, the
+    layers ``layer_types`` marks sliding, or (older files without ``layer_types``) those ``>= max_window_layers``.
+    """
+    window = cfg.get("sliding_window")
+    if model_type in ("llama", "mistral"):
+        return window, None
+    if not cfg.get("use_sliding_window", False) or window is None:
+        return None, None
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        first = int(cfg.get("max_window_layers", 28))
+        types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(n)]
+    return int(window), list(types)

@@ -52,11 +52,16 @@ def _read_jsonl(path: str) -> list[tuple[Any, str | None]]:
     return items
 
 
+_SERVED = ("model_type llama: Llama 2/3, SmolLM2; mistral; qwen2: Qwen2/2.5; qwen3: Qwen3 dense "
+           "(multilora.config.SERVED_MODEL_TYPES)")
+_MODEL_HELP = f"HF model directory or .gguf file of a served family ({_SERVED}; default: embedded SmolLM2-135M-Instruct)"
+
+
 def _engine_args(sp: argparse.ArgumentParser) -> None:
     """--model, --adapter NAME=PATH and one flag per EngineConfig field."""
     from multilora.runtime.config import EngineConfig
 
-    sp.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    sp.add_argument("--model", help=_MODEL_HELP)
     sp.add_argument("--adapter", action="append", default=[], type=_parse_adapter, metavar="NAME=PATH",
                     help="load a PEFT adapter directory under NAME (repeatable)")
     EngineConfig.add_cli_flags(sp.add_argument_group("engine options (EngineConfig)"))
@@ -70,11 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run the main job on the default model with demo adapters")
     d.add_argument("--adapters-dir", help="where demo adapters are kept (default: ~/.cache/multilora/demo-adapters)")
     d.add_argument("--max-tokens", type=int, default=32)
-    d.add_argument("--model", help="another Llama-family model instead of the default")
+    d.add_argument("--model", help="another model instead of the default (" + _SERVED + ")")
 
     m = sub.add_parser("make-demo-adapters", help="write seeded random PEFT adapters for a model")
     m.add_argument("out_dir")
-    m.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    m.add_argument("--model", help=_MODEL_HELP)
     m.add_argument("--rank", type=int, default=8)
 
     g = sub.add_parser("generate", help="generate for prompts, each with its own adapter, in one batch")

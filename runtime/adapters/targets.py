@@ -19,8 +19,9 @@ _PEFT_PREFIX = "base_model.model."
 _NOT_YET = ("embed_tokens", "lm_head")
 
 
-def _llama_module_names(config: ModelConfig) -> list[tuple[str, tuple[int, str] | None]]:
-    """Every module name of a HF ``LlamaForCausalLM`` (as ``named_modules`` lists them), each with its
+def _decoder_module_names(config: ModelConfig) -> list[tuple[str, tuple[int, str] | None]]:
+    """Every module name of the HF ``*ForCausalLM`` of ``config``'s family (as ``named_modules`` lists them: Llama,
+    Mistral and Qwen2 share the layout, Qwen3 adds ``self_attn.q_norm`` / ``k_norm``), each with its
     ``(layer, module)`` if it is one of the seven projections, else None."""
     names: list[tuple[str, tuple[int, str] | None]] = [
         ("", None), ("model", None), ("model.embed_tokens", None), ("model.layers", None),
@@ -31,6 +32,8 @@ def _llama_module_names(config: ModelConfig) -> list[tuple[str, tuple[int, str] 
         attn = [m for m in TARGET_MODULES if MODULE_PARENT[m] == "self_attn"]
         mlp = [m for m in TARGET_MODULES if MODULE_PARENT[m] == "mlp"]
         names += [(config.hf_module_name(layer, m), (layer, m)) for m in attn]
+        if config.qk_norm:
+            names += [(f"{p}.self_attn.q_norm", None), (f"{p}.self_attn.k_norm", None)]
         names.append((f"{p}.mlp", None))
         names += [(config.hf_module_name(layer, m), (layer, m)) for m in mlp]
         names += [(f"{p}.mlp.act_fn", None), (f"{p}.input_layernorm", None), (f"{p}.post_attention_layernorm", None)]
@@ -103,7 +106,7 @@ class _Target:
 
 def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[tuple[int, str], _Target]:
     """The (layer, module) pairs the config targets on this model, with each one's r and alpha."""
-    names = _llama_module_names(config)
+    names = _decoder_module_names(config)
 
     def reject(key: str, what: str, hits: list[str]) -> AdapterError:
         shown = ", ".join(hits[:4]) + (", ..." if len(hits) > 4 else "")
@@ -111,7 +114,7 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
         why = (
             "LoRA on embed_tokens / lm_head is not supported yet"
             if later
-            else "only the seven Llama projections can carry LoRA here"
+            else "only the seven Llama projections (q/k/v/o, gate/up/down) can carry LoRA here"
         )
         return AdapterError(
             f"{cfg_path}: target_modules: {what} matches {shown}, which is not one of "
@@ -130,7 +133,7 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
             all_hits = [(n, proj) for n, proj in names if _suffix_match(entry, n)]
             if not all_hits:
                 raise AdapterError(
-                    f"{cfg_path}: target_modules: {entry!r} matches no module of this Llama model "
+                    f"{cfg_path}: target_modules: {entry!r} matches no module of this {config.architecture} model "
                     f"({config.num_layers} layers); expected one of {', '.join(TARGET_MODULES)} "
                     "(or a suffix of a module name such as self_attn.q_proj)",
                     path=cfg_path,
@@ -224,3 +227,7 @@ def _parse_key(key: str, config: ModelConfig, wpath: Path) -> tuple[int, str, st
         n = config.num_layers
         raise fail(f"layer {layer} out of range: the base model has {n} layers (0..{n - 1})")
     return layer, module, m["kind"][-1]
+
+
+#: The name ``_decoder_module_names`` had while only Llama-family configs were served.
+_llama_module_names = _decoder_module_names
