@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -263,7 +264,8 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
         from ray import serve
     except ImportError as e:
         raise ValueError(f"serve-ray: {e.name} is not installed (pip install 'multilora[ray]')") from e
-    ray.init(address=args.address, log_to_driver=True)
+    ray.init(address=args.address)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SIGTERM (a service manager, a container stop): shut down as on Ctrl-C
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(spec), name="multilora", route_prefix="/")
