@@ -6,7 +6,7 @@
     multilora generate --adapter bot=./bot --jsonl requests.jsonl --json
     multilora memory                                 # the memory plan for this machine
     multilora serve --adapter bot=./bot --port 8000  # an OpenAI-compatible HTTP server (runtime/server.py)
-    multilora serve-ray --replicas 2 --adapter bot=./bot   # the same routes on Ray Serve replicas (runtime/ray_serve.py)
+    multilora serve-ray --replicas 2 --adapter bot=./bot   # the same routes on Ray Serve replicas (ray_serve.py)
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--adapters-per-replica", type=int, default=16,
                    help="adapters registered on one replica at once; past it the least recently used is unloaded")
     r.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica (default 1)")
-    r.add_argument("--replica-gpus", type=float, help="Ray GPUs per replica (default: 1 if this machine has CUDA, else 0)")
+    r.add_argument("--replica-gpus", type=float,
+                   help="Ray GPUs per replica (default: 1 if this machine has CUDA, else 0)")
     r.add_argument("--max-ongoing-requests", type=int, default=64, help="HTTP requests one replica takes at once")
     r.add_argument("--address", help="a running Ray cluster (e.g. 'auto'; default: start one on this machine)")
     for flag in ("--adapter-root", "--allow-runtime-adapters"):  # serve's; refused with the reason
@@ -265,7 +266,7 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise ValueError(f"serve-ray: {e.name} is not installed (pip install 'multilora[ray]')") from e
     ray.init(address=args.address)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # SIGTERM (a service manager, a container stop): shut down as on Ctrl-C
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a service manager's stop: as Ctrl-C
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(spec), name="multilora", route_prefix="/")

@@ -1,6 +1,7 @@
 """The Ray Serve app (issue 14, "replicas by adapter"), live on a local Ray cluster (2 CPUs): 2 replicas of the default
-model (the embedded SmolLM2-135M GGUF, as the issue asks; loading it twice is most of this module's ~60 s), a catalog
-of 5 adapters, driven by raw HTTP (httpx) through Ray Serve's proxy.
+model (the embedded SmolLM2-135M GGUF, as the issue asks), a catalog of 5 adapters, driven by raw HTTP (httpx) through
+Ray Serve's proxy. About 80 s on 2 cores: starting the replicas (a worker process, imports and a model load each) is
+~30 s of it, the reference engine ~12 s, Ray's start and stop ~12 s.
 
 References, all independent of the app: ``Engine.generate`` (greedy) on an engine in this process with the same
 adapters, for every text and token count; ``multilora serve``'s own app (``create_app`` on that engine, through
@@ -13,6 +14,7 @@ import json
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -33,7 +35,7 @@ from testsupport import one_thread, write_adapter  # noqa: E402,F401
 KEY = "sk-ray"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 APP = "multilora-test"
-ROUTED = ("a0", "a1", "a2", "a3")  # requested by the routing test
+ROUTED = ("a0", "a1", "a2", "a3")  # requested with the API key
 SPARE = "spare"  # in the catalog, only ever requested without the API key
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name a colour."}]
@@ -175,19 +177,49 @@ def test_routes_the_ray_app_does_not_serve_say_why(http):
         assert r.status_code == 404 and "Ray app" in r.json()["error"]["message"]
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_request(http):
-    body = {"model": "a2", "prompt": PROMPT, "max_tokens": 400, "temperature": 0.0, "ignore_eos": True, "stream": True}
-    with http.stream("POST", "/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith("data: "))  # it runs
-        assert _replica_stats("a2")["running"] == 1
-    deadline = time.time() + 20  # the 400 tokens would take far longer than this
+def test_concurrent_requests_on_every_adapter_are_each_correct_and_routed(url, ref):
+    jobs = [(name, f"{PROMPT} {i}") for name in ROUTED for i in range(2)]  # 8 at once, 2 per adapter
+    refs = ref.generate([p for _, p in jobs], adapters=[a for a, _ in jobs], sampling=SamplingParams(**GREEDY))
+
+    def post(job):
+        body = {"model": job[0], "prompt": job[1], **GREEDY}
+        return httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        replies = list(pool.map(post, jobs))
+    by_adapter: dict[str, set[str]] = {}
+    for (name, prompt), r, want in zip(jobs, replies, refs):  # a mixed batch's rows equal each row alone
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want.text, (name, prompt)
+        by_adapter.setdefault(name, set()).add(r.headers[REPLICA_HEADER])
+    assert all(len(replicas) == 1 for replicas in by_adapter.values()), by_adapter
+
+
+def _idle(adapter):
+    """Wait until the replica that holds ``adapter`` runs nothing and holds no KV block."""
+    deadline = time.time() + 20  # the 400 tokens asked for would take far longer than this
     while time.time() < deadline:
-        s = _replica_stats("a2")
+        s = _replica_stats(adapter)
         if s["running"] == s["waiting"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]:
             break
         time.sleep(0.1)
     assert s["running"] == s["waiting"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"], s
+
+
+LONG = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_request(http):
+    with http.stream("POST", "/v1/completions", json={"model": "a2", "stream": True, **LONG}) as r:
+        assert next(line for line in r.iter_lines() if line.startswith("data: "))  # it runs
+        assert _replica_stats("a2")["running"] == 1
+    _idle("a2")
+
+
+def test_a_client_that_gives_up_on_a_plain_request_frees_it(url):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json={"model": "a3", **LONG}, headers=AUTH, timeout=2)
+    _idle("a3")
 
 
 @pytest.mark.parametrize("args, message", [
