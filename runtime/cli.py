@@ -265,7 +265,7 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
         from ray import serve
     except ImportError as e:
         raise ValueError(f"serve-ray: {e.name} is not installed (pip install 'multilora[ray]')") from e
-    ray.init(address=args.address)
+    ray.init(address=args.address or "local")  # local: a new cluster of our own, even if `ray start` made one
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a service manager's stop: as Ctrl-C
     try:
         serve.start(http_options={"host": args.host, "port": args.port})

@@ -106,8 +106,16 @@ class RayAppSpec:
 
 
 def build_app(spec: RayAppSpec) -> Any:
-    """The Ray Serve application of ``spec`` (a ``ray.serve.Application``: ``serve.run(build_app(spec))``)."""
-    from ray import serve
+    """The Ray Serve application of ``spec`` (a ``ray.serve.Application``: ``serve.run(build_app(spec))``).
+
+    Raises:
+        ImportError: Ray Serve is not installed (``pip install 'multilora[ray]'``).
+    """
+    try:
+        from ray import serve
+    except ImportError as e:
+        raise ImportError(f"build_app needs Ray Serve, but {e.name} is not installed: pip install 'multilora[ray]'",
+                          name=e.name) from e
 
     replica = serve.deployment(_Replica, name="MultiLoRAReplica").options(
         num_replicas=spec.replicas, max_ongoing_requests=spec.max_ongoing_requests,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -63,7 +64,7 @@ def url(catalog):
     down after the module, which ends every process Ray started."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     assert not ray.is_initialized()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # our own cluster
     try:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -231,3 +232,11 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_it(url):
 def test_serve_ray_command_errors_exit_2_before_ray_starts(capsys, args, message):
     assert cli_main(["serve-ray", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_without_ray_the_command_says_what_to_install(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError, as when it is not installed
+    assert cli_main(["serve-ray"]) == 2
+    assert "ray is not installed (pip install 'multilora[ray]')" in capsys.readouterr().err
+    with pytest.raises(ImportError, match=r"pip install 'multilora\[ray\]'"):
+        build_app(RayAppSpec())
