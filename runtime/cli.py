@@ -6,6 +6,7 @@
     multilora generate --adapter bot=./bot --jsonl requests.jsonl --json
     multilora memory                                 # the memory plan for this machine
     multilora serve --adapter bot=./bot --port 8000  # an OpenAI-compatible HTTP server (runtime/server.py)
+    multilora serve-ray --replicas 2 --adapter bot=./bot   # the same routes on Ray Serve replicas (ray_serve.py)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -67,6 +69,16 @@ def _engine_args(sp: argparse.ArgumentParser) -> None:
     EngineConfig.add_cli_flags(sp.add_argument_group("engine options (EngineConfig)"))
 
 
+def _http_args(sp: argparse.ArgumentParser) -> None:
+    """The flags of the HTTP server that serve and serve-ray share."""
+    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument("--served-model-name", help="the base model's name in requests (default: --model as given, or "
+                                                "the embedded model's file name)")
+    sp.add_argument("--api-key", default=os.environ.get("MULTILORA_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $MULTILORA_API_KEY)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="multilora", description="Batched multi-LoRA inference.")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
@@ -99,15 +111,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (adapter = the request's model)")
     _engine_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", help="the base model's name in requests (default: --model as given, or "
-                                               "the embedded model's file name)")
-    s.add_argument("--api-key", default=os.environ.get("MULTILORA_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $MULTILORA_API_KEY)")
+    _http_args(s)
     s.add_argument("--adapter-root", help="runtime-loaded adapter paths must resolve inside this directory")
     s.add_argument("--allow-runtime-adapters", action="store_true",
                    help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+
+    r = sub.add_parser("serve-ray", help="the server's routes on N engine replicas under Ray Serve, each request "
+                                         "routed to a replica that holds its adapter (runtime/ray_serve.py)")
+    _engine_args(r)
+    _http_args(r)
+    r.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1)")
+    r.add_argument("--adapters-per-replica", type=int, default=16,
+                   help="adapters registered on one replica at once; past it the least recently used is unloaded")
+    r.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica (default 1)")
+    r.add_argument("--replica-gpus", type=float,
+                   help="Ray GPUs per replica (default: 1 if this machine has CUDA, else 0)")
+    r.add_argument("--max-ongoing-requests", type=int, default=64, help="HTTP requests one replica takes at once")
+    r.add_argument("--address", help="a running Ray cluster (e.g. 'auto'; default: start one on this machine)")
+    for flag in ("--adapter-root", "--allow-runtime-adapters"):  # serve's; refused with the reason
+        r.add_argument(flag, nargs="?", const=True, help=argparse.SUPPRESS)
 
     try:
         from multilora.runtime.cli_memory import add_memory_parser
@@ -213,6 +235,61 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve_ray(args: argparse.Namespace) -> int:
+    from multilora.runtime.config import EngineConfig
+    from multilora.runtime.ray_serve import RayAppSpec, build_app
+
+    for flag in ("adapter_root", "allow_runtime_adapters"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')}: not supported by serve-ray: an adapter loaded at run time "
+                             f"would reach one replica only; give the catalog with --adapter NAME=PATH")
+    if args.replica_gpus is None:
+        import torch
+
+        args.replica_gpus = 1.0 if torch.cuda.is_available() else 0.0
+    names = [n for n, _ in args.adapter]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--adapter: a name given twice in {names}")
+    try:
+        config = EngineConfig.from_cli(args, progress=False)
+    except ValueError as e:
+        field = re.search(r"Engine: (\w+)", str(e))
+        raise ValueError(f"--{field.group(1).replace('_', '-')}: {e}" if field else str(e)) from e
+    try:
+        spec = RayAppSpec(model=args.model, config=config, adapters=dict(args.adapter),
+                          served_model_name=args.served_model_name, api_key=args.api_key, replicas=args.replicas,
+                          adapters_per_replica=args.adapters_per_replica, replica_cpus=args.replica_cpus,
+                          replica_gpus=args.replica_gpus, max_ongoing_requests=args.max_ongoing_requests)
+    except ValueError as e:  # name the flag, not the field
+        def flag(m: re.Match) -> str:
+            return "--" + ("adapter" if m.group(1) == "adapters" else m.group(1).replace("_", "-"))
+
+        raise ValueError(re.sub(r"RayAppSpec\.(\w+)", flag, str(e))) from e
+    try:
+        import ray
+        from ray import serve
+    except ImportError as e:
+        raise ValueError(f"serve-ray: {e.name} is not installed (pip install 'multilora[ray]')") from e
+    ray.init(address=args.address or "local")  # local: a new cluster of our own, even if `ray start` made one
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a service manager's stop: as Ctrl-C
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(spec), name="multilora", route_prefix="/")
+        logging.getLogger("multilora").info("serving on http://%s:%d with %d replicas; Ctrl-C stops", args.host,
+                                            args.port, args.replicas)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if args.address is None:  # our own cluster
+            serve.shutdown()
+        else:  # someone's cluster: take away only this app
+            serve.delete("multilora")
+        ray.shutdown()
+    return 0
+
+
 def _cmd_make(args: argparse.Namespace) -> int:
     import torch
 
@@ -229,7 +306,7 @@ def _cmd_make(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "serve":  # a long-running process: what it does, when
+    if args.command in ("serve", "serve-ray"):  # a long-running process: what it does, when
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     else:
@@ -249,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_generate(args)
         if args.command == "serve":
             return _cmd_serve(args)
+        if args.command == "serve-ray":
+            return _cmd_serve_ray(args)
         if args.command == "memory":
             from multilora.runtime.cli_memory import run_memory
 

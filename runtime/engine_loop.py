@@ -201,6 +201,11 @@ class EngineLoop:
         with self._lock:
             return len(self._tracked)
 
+    @property
+    def running(self) -> bool:
+        """The loop's thread is alive (False once closed, or if it died)."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
         """Abort what is still running and stop the thread."""
         self._closed = True

@@ -28,7 +28,7 @@ import logging
 import secrets
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -62,7 +62,7 @@ from multilora.runtime.protocol import (
 )
 from multilora.runtime.sampling import SamplingParams
 
-__all__ = ["create_app"]
+__all__ = ["api_key_error", "create_app"]
 
 log = logging.getLogger("multilora.server")
 
@@ -71,7 +71,8 @@ _pumps: set[asyncio.Task] = set()  # the tasks reading engine streams (the event
 
 
 def create_app(engine: Any, *, served_model_name: str, api_key: str | None = None,
-               adapter_root: str | Path | None = None, allow_runtime_adapters: bool = False) -> FastAPI:
+               adapter_root: str | Path | None = None, allow_runtime_adapters: bool = False,
+               listed_adapters: Callable[[], Iterable[str]] | None = None) -> FastAPI:
     """The ASGI app of ``multilora serve`` for ``engine`` (run it with uvicorn; see the module docstring).
 
     Args:
@@ -81,8 +82,11 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         adapter_root: runtime-loaded adapter paths must resolve (``..`` and symlinks followed) inside this directory;
             a relative ``lora_path`` is taken relative to it.
         allow_runtime_adapters: enable ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+        listed_adapters: the adapter names ``/v1/models`` lists (default: the engine's loaded adapters). The Ray app
+            (``runtime.ray_serve``) lists its whole catalog: a replica loads a catalog adapter when it is routed one.
     """
-    server = _Server(engine, served_model_name, adapter_root, allow_runtime_adapters)
+    server = _Server(engine, served_model_name, adapter_root, allow_runtime_adapters,
+                     listed_adapters or engine.list_adapters)
     app = FastAPI(title="multilora", lifespan=server.lifespan)
     app.state.server = server
     app.get("/health")(server.health)
@@ -102,8 +106,8 @@ class _Server:
     """The routes' state: the engine, its loop (while the app runs) and the metrics."""
 
     def __init__(self, engine: Any, served_model_name: str, adapter_root: str | Path | None,
-                 allow_runtime_adapters: bool) -> None:
-        self.engine, self.served_model_name = engine, served_model_name
+                 allow_runtime_adapters: bool, listed_adapters: Callable[[], Iterable[str]]) -> None:
+        self.engine, self.served_model_name, self.listed_adapters = engine, served_model_name, listed_adapters
         self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
         self.allow_runtime_adapters = allow_runtime_adapters
         self.metrics = ServerMetrics(engine, served_model_name)
@@ -142,7 +146,7 @@ class _Server:
                     "parent": parent, "max_model_len": self.engine.max_seq_len}
 
         return {"object": "list", "data": [card(self.served_model_name, str(self.engine.model_path), None),
-                                           *(card(n, None, self.served_model_name) for n in self.engine.list_adapters())]}
+                                           *(card(n, None, self.served_model_name) for n in self.listed_adapters())]}
 
     # ---------------------------------------------------------------------------------- generation
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
@@ -397,23 +401,25 @@ class _APIKey:
     checked before the body is read."""
 
     def __init__(self, app: Any, api_key: str) -> None:
-        self.app, self.key = app, api_key.encode()
+        self.app, self.key = app, api_key
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            header = Headers(scope=scope).get("authorization")
-            scheme, _, token = (header or "").partition(" ")
-            if not header:
-                err = APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                               code="missing_api_key")
-            elif scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.key):
-                err = APIError(401, "invalid API key", code="invalid_api_key")
-            else:
-                err = None
+            err = api_key_error(Headers(scope=scope).get("authorization"), self.key)
             if err is not None:
                 response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def api_key_error(authorization: str | None, api_key: str) -> APIError | None:
+    """The 401 for an ``Authorization`` header value that is not ``Bearer <api_key>`` (None: it is)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if not authorization:
+        return APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'", code="missing_api_key")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        return APIError(401, "invalid API key", code="invalid_api_key")
+    return None
 
 
 def _add_error_handlers(app: FastAPI) -> None:
