@@ -8,6 +8,7 @@ One decoder serves every family (``runtime.model``); a family is a few flags on 
 | ``mistral`` | Mistral 7B | one sliding window for every layer |
 | ``qwen2`` | Qwen2, Qwen2.5 | biases on q/k/v; sliding window on layers ``>= max_window_layers`` when ``use_sliding_window`` |
 | ``qwen3`` | Qwen3 (dense) | RMSNorm of each q and k head before RoPE; ``head_dim`` of its own; ``attention_bias`` |
+| ``phi3`` | Phi-3 mini / medium | fused ``qkv_proj`` / ``gate_up_proj`` (weights and adapters); ``longrope`` RoPE scaling |
 
 Any other ``model_type`` is refused by ``ModelConfig.from_hf_dict`` with the list above (``SERVED_MODEL_TYPES``).
 
@@ -41,6 +42,14 @@ SERVED_MODEL_TYPES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+#: Fused projections of Phi-3 checkpoints (``fused_projections``) and the target modules they hold, in row order:
+#: ``qkv_proj.weight`` [q + 2 kv, hidden] is ``q_proj`` / ``k_proj`` / ``v_proj`` stacked; ``gate_up_proj.weight``
+#: [2 inter, hidden] is ``gate_proj`` then ``up_proj`` (HF ``Phi3MLP`` chunks it in that order).
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
 }
 #: HF ``layer_types`` entries: a layer attends causally to every earlier position, or to the last ``sliding_window``.
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -54,6 +63,9 @@ MODULE_PARENT: dict[str, str] = {
     "up_proj": "mlp",
     "down_proj": "mlp",
 }
+_HF_PARENT: dict[str, str] = {**MODULE_PARENT, "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+#: RoPE scaling types read from ``rope_scaling`` / ``rope_parameters`` (``su`` is ``longrope``'s old name).
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass
@@ -89,6 +101,7 @@ class ModelConfig:
     o_bias: bool = False
     qk_norm: bool = False
     layer_types: list[str] | None = None
+    fused_projections: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim <= 0:
@@ -107,6 +120,37 @@ class ModelConfig:
                     f"layer_types must list {self.num_layers} entries (one per layer), each {FULL_ATTENTION!r} or "
                     f"{SLIDING_ATTENTION!r}; got {self.layer_types!r}"
                 )
+        if self.rope_scaling is not None and self.rope_type == "longrope":
+            sc = self.rope_scaling
+            for key in ("short_factor", "long_factor"):
+                f = sc.get(key)
+                if not isinstance(f, (list, tuple)) or len(f) != self.head_dim // 2:
+                    raise ValueError(
+                        f"rope_scaling (longrope): {key} must list head_dim / 2 = {self.head_dim // 2} numbers, "
+                        f"got {f!r}"
+                    )
+            if not isinstance(sc.get("original_max_position_embeddings"), int):
+                raise ValueError("rope_scaling (longrope): original_max_position_embeddings must be an integer, "
+                                 f"got {sc.get('original_max_position_embeddings')!r}")
+
+    @property
+    def rope_type(self) -> str:
+        """The RoPE scaling type: one of ``ROPE_TYPES`` (``"default"`` without ``rope_scaling``)."""
+        sc = self.rope_scaling or {}
+        return sc.get("rope_type", sc.get("type", "default"))
+
+    @property
+    def lora_modules(self) -> tuple[str, ...]:
+        """The projection names of one layer that a PEFT adapter may target, in HF ``named_modules`` order: the
+        seven ``TARGET_MODULES``, or Phi-3's ``o_proj``, ``qkv_proj``, ``gate_up_proj``, ``down_proj``."""
+        if self.fused_projections:
+            return ("o_proj", "qkv_proj", "gate_up_proj", "down_proj")
+        return TARGET_MODULES
+
+    @staticmethod
+    def lora_slices(module: str) -> tuple[str, ...]:
+        """The target modules a projection name stands for, in row order (``FUSED_PROJECTIONS``, else itself)."""
+        return FUSED_PROJECTIONS.get(module, (module,))
 
     def window(self, layer: int) -> int:
         """The sliding window of ``layer`` in tokens (0 = full causal attention)."""
@@ -135,18 +179,21 @@ class ModelConfig:
             "gate_proj": (h, i),
             "up_proj": (h, i),
             "down_proj": (i, h),
+            "qkv_proj": (h, self.q_size + 2 * self.kv_size),
+            "gate_up_proj": (h, 2 * i),
         }[module]
 
     def hf_module_name(self, layer: int, module: str) -> str:
-        """The HF/PEFT module path of a projection, e.g. ``model.layers.3.self_attn.q_proj``."""
-        return f"model.layers.{layer}.{MODULE_PARENT[module]}.{module}"
+        """The HF/PEFT module path of a projection, e.g. ``model.layers.3.self_attn.q_proj`` (or Phi-3's
+        ``model.layers.3.self_attn.qkv_proj``)."""
+        return f"model.layers.{layer}.{_HF_PARENT[module]}.{module}"
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Build from a HF ``config.json`` dict of a served ``model_type`` (``SERVED_MODEL_TYPES``).
 
         Reads the family flags as transformers does: Qwen2's q/k/v biases; ``attention_bias`` (Llama, Qwen3);
-        Qwen3's q/k norms; the sliding window of Qwen2/Qwen3 only when ``use_sliding_window`` is true, on the
+        Qwen3's q/k norms; Phi-3's fused projections and ``longrope`` scaling (``_hf_rope_scaling``); the sliding window of Qwen2/Qwen3 only when ``use_sliding_window`` is true, on the
         layers ``layer_types`` names (or, without it, the layers ``>= max_window_layers``).
 
         Raises:
@@ -169,15 +216,13 @@ class ModelConfig:
             raise ValueError(f"config.json: missing required field(s) {missing}")
         rope = cfg.get("rope_parameters") or {}
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling")
-        if scaling is None and rope.get("rope_type", "default") != "default":
-            scaling = dict(rope)
-        if scaling is not None:
-            rtype = scaling.get("rope_type", scaling.get("type", "default"))
-            if rtype not in ("default", "llama3", "linear"):
-                raise ValueError(
-                    f"config.json: rope_scaling type {rtype!r} is not supported (default, linear, llama3)"
-                )
+        scaling = _hf_rope_scaling(mt, cfg, rope)
+        partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+        if partial is not None and float(partial) != 1.0:
+            raise ValueError(
+                f"config.json: partial_rotary_factor {partial!r} is not supported (RoPE on part of each head, e.g. "
+                "Phi-4-mini); multilora rotates the whole head (partial_rotary_factor 1.0)"
+            )
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         bias = bool(cfg.get("attention_bias", False))
@@ -203,6 +248,7 @@ class ModelConfig:
             o_bias=False if mt == "qwen2" else bias,
             qk_norm=mt == "qwen3",
             layer_types=layer_types,
+            fused_projections=mt == "phi3",
         )
 
 
@@ -212,15 +258,47 @@ def _not_served(model_type: Any, where: str, architectures: Any = None) -> str:
     return f"{where}: model_type {model_type!r}{arch} is not served by multilora; served model types: {served}"
 
 
+def _hf_rope_scaling(model_type: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any] | None:
+    """The RoPE scaling dict of a ``config.json`` as transformers reads it, or None for plain RoPE.
+
+    ``rope_scaling`` (transformers 4.x files) or, without it, a non-default ``rope_parameters`` (5.x). ``su`` is
+    ``longrope``'s old name, and Phi-3 configs also map ``yarn`` to it (``Phi3Config.convert_rope_params_to_dict``).
+    A ``longrope`` dict gets ``original_max_position_embeddings`` as transformers' ``standardize_rope_params``
+    gives it: the config's top-level field when there is one (Phi-3 writes it there), else the dict's own, else
+    ``max_position_embeddings``.
+
+    Raises:
+        ValueError: a type not in ``ROPE_TYPES`` (the message names it and ``rope_scaling``).
+    """
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and rope.get("rope_type", rope.get("type", "default")) != "default":
+        scaling = rope
+    if scaling is None:
+        return None
+    scaling = dict(scaling)
+    rtype = scaling.get("rope_type", scaling.get("type", "default"))
+    if rtype == "su" or (model_type == "phi3" and rtype == "yarn"):
+        rtype = "longrope"
+    if rtype not in ROPE_TYPES:
+        raise ValueError(
+            f"config.json: rope_scaling type {rtype!r} is not supported; supported: {', '.join(ROPE_TYPES)} (and su)"
+        )
+    scaling["rope_type"] = rtype
+    if rtype == "longrope":
+        orig = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = int(orig or cfg.get("max_position_embeddings", 4096))
+    return scaling
+
+
 def _hf_sliding_window(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, list[str] | None]:
     """``(sliding_window, layer_types)`` as transformers reads them for ``model_type``.
 
-    Llama / Mistral: ``sliding_window`` (if any) on every layer. Qwen2 / Qwen3: no window unless
+    Llama / Mistral / Phi-3: ``sliding_window`` (if any) on every layer. Qwen2 / Qwen3: no window unless
     ``use_sliding_window`` (their shipped configs carry ``sliding_window: 32768`` with it false); with it, the
     layers ``layer_types`` marks sliding, or (older files without ``layer_types``) those ``>= max_window_layers``.
     """
     window = cfg.get("sliding_window")
-    if model_type in ("llama", "mistral"):
+    if model_type in ("llama", "mistral", "phi3"):
         return window, None
     if not cfg.get("use_sliding_window", False) or window is None:
         return None, None

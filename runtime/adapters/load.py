@@ -52,7 +52,9 @@ class LoRAAdapter:
         path: the directory it was loaded from.
         config: the raw ``adapter_config.json`` dict.
         modules: ``(layer, module) -> LoRAModuleWeights`` for every targeted projection, ``module`` one of
-            ``TARGET_MODULES``; ordered by layer, then ``TARGET_MODULES`` order.
+            ``TARGET_MODULES``; ordered by layer, then ``TARGET_MODULES`` order. A target of Phi-3's fused
+            ``qkv_proj`` / ``gate_up_proj`` is here as its slices (q/k/v, gate/up), each with the shared A and its
+            rows of B (see ``_build_modules``).
         files: the stamps (device, inode, size, mtime_ns, ctime_ns) of ``adapter_config.json`` and of the weight
             file as they were read (``()`` for an adapter not read from files); equal to
             ``multilora.runtime.adapter_cache.files_fingerprint(path)`` while neither file changes.
@@ -244,11 +246,19 @@ def _build_modules(
     (:func:`_checked_values`), and the pair goes to ``sink.put(layer, module, a, b, scaling)`` (a lazy mapping's
     scratch buffers hold one pair: two tensors are taken per ``put``, no more). Nothing is
     kept: returns ``(modules, sink)``, the modules holding ``meta`` tensors of the file's shapes and dtypes
-    and the scalings."""
+    and the scalings.
+
+    A target of a fused projection (Phi-3's ``qkv_proj`` [q + 2 kv, hidden], ``gate_up_proj`` [2 inter, hidden];
+    ``ModelConfig.lora_slices``) is read as one pair, A [r, hidden] and B [fused_out, r], and put as one module
+    per slice: each slice carries the same A and its own rows of B (``q_proj`` rows ``[0, q)``, ``k_proj``
+    ``[q, q + kv)``, ...), with the projection's scaling. ``y[:, rows] += s * (x A^T) B[rows]^T`` slice by slice
+    is peft's ``s * (x A^T) B^T`` on the fused output, the same numbers; the cost is that A's bytes are then held
+    once per slice (three times for qkv_proj, twice for gate_up_proj) in the pool and in the modules."""
     found = _match_keys(wpath, keys, targets, config, cfg_path)
     sink = None if open_sink is None else open_sink(max(t.r for t in targets.values()))
     modules: dict[tuple[int, str], LoRAModuleWeights] = {}
-    for (layer, module) in sorted(targets, key=lambda lm: (lm[0], MODULE_INDEX[lm[1]])):
+    order = {m: MODULE_INDEX[config.lora_slices(m)[0]] for m in config.lora_modules}
+    for (layer, module) in sorted(targets, key=lambda lm: (lm[0], order[lm[1]])):
         t = targets[(layer, module)]
         d_in, d_out = config.module_shape(module)
         pair = []
@@ -266,9 +276,13 @@ def _build_modules(
             pair.append(_checked_values(x, key, wpath))
         (a, meta_a), (b, meta_b) = pair
         scaling = float(t.scaling(spec.use_rslora))
-        if sink is not None:
-            sink.put(layer, module, a, b, scaling)
-        modules[(layer, module)] = LoRAModuleWeights(a=meta_a, b=meta_b, scaling=scaling)
+        row = 0
+        for part in config.lora_slices(module):  # a fused projection: one module per slice, A shared
+            rows = slice(row, row + config.module_shape(part)[1])
+            row = rows.stop
+            if sink is not None:
+                sink.put(layer, part, a, b[rows], scaling)
+            modules[(layer, part)] = LoRAModuleWeights(a=meta_a, b=meta_b[rows], scaling=scaling)
     return modules, sink
 
 

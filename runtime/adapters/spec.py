@@ -49,6 +49,7 @@ class _Spec:
     alpha_pattern: dict[str, float]
     layers_to_transform: int | tuple[int, ...] | None
     layers_pattern: tuple[str, ...] | None
+    all_linear: bool = False  # target_modules "all-linear": every projection of the family (config.lora_modules)
 
 
 def _jd(value: Any) -> str:
@@ -192,8 +193,10 @@ def _parse_config(raw: dict, cfg_path: Path) -> _Spec:
 
     target = _str_or_list(raw, "target_modules", cfg_path, allow_none=False)
     assert target is not None
+    all_linear = False
     if isinstance(target, str):
-        if target.lower() == _ALL_LINEAR:
+        all_linear = target.lower() == _ALL_LINEAR
+        if all_linear:
             target = TARGET_MODULES
         else:
             _check_regex(target, cfg_path, "target_modules")
@@ -246,6 +249,7 @@ def _parse_config(raw: dict, cfg_path: Path) -> _Spec:
         alpha_pattern=patterns["alpha_pattern"],
         layers_to_transform=ltt,
         layers_pattern=lpat,
+        all_linear=all_linear,
     )
 
 

@@ -4,13 +4,14 @@ and alpha (``target_modules``, ``exclude_modules``, ``layers_to_transform`` / ``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from multilora.config import MODULE_INDEX, MODULE_PARENT, TARGET_MODULES, ModelConfig
+from multilora.config import MODULE_PARENT, ModelConfig
 from multilora.runtime.adapters.spec import AdapterError, _jd, _Spec
 
 #: Prefix PEFT puts in front of the base model's module names in ``adapter_model.safetensors``.
@@ -21,22 +22,28 @@ _NOT_YET = ("embed_tokens", "lm_head")
 
 def _decoder_module_names(config: ModelConfig) -> list[tuple[str, tuple[int, str] | None]]:
     """Every module name of the HF ``*ForCausalLM`` of ``config``'s family (as ``named_modules`` lists them: Llama,
-    Mistral and Qwen2 share the layout, Qwen3 adds ``self_attn.q_norm`` / ``k_norm``), each with its
-    ``(layer, module)`` if it is one of the seven projections, else None."""
+    Mistral and Qwen2 share the layout, Qwen3 adds ``self_attn.q_norm`` / ``k_norm``, Phi-3 has ``o_proj`` before
+    its fused ``qkv_proj``, a fused ``gate_up_proj``, ``activation_fn`` and two residual dropouts), each with its
+    ``(layer, module)`` if it is a projection that may carry LoRA (``module`` one of ``config.lora_modules``:
+    Phi-3's fused names stay fused here), else None."""
     names: list[tuple[str, tuple[int, str] | None]] = [
         ("", None), ("model", None), ("model.embed_tokens", None), ("model.layers", None),
     ]
+    phi3 = config.fused_projections
     for layer in range(config.num_layers):
         p = f"model.layers.{layer}"
         names += [(p, None), (f"{p}.self_attn", None)]
-        attn = [m for m in TARGET_MODULES if MODULE_PARENT[m] == "self_attn"]
-        mlp = [m for m in TARGET_MODULES if MODULE_PARENT[m] == "mlp"]
+        attn = [m for m in config.lora_modules if m in ("o_proj", "qkv_proj") or MODULE_PARENT.get(m) == "self_attn"]
+        mlp = [m for m in config.lora_modules if m not in attn]
         names += [(config.hf_module_name(layer, m), (layer, m)) for m in attn]
         if config.qk_norm:
             names += [(f"{p}.self_attn.q_norm", None), (f"{p}.self_attn.k_norm", None)]
         names.append((f"{p}.mlp", None))
         names += [(config.hf_module_name(layer, m), (layer, m)) for m in mlp]
-        names += [(f"{p}.mlp.act_fn", None), (f"{p}.input_layernorm", None), (f"{p}.post_attention_layernorm", None)]
+        names += [(f"{p}.mlp.{'activation_fn' if phi3 else 'act_fn'}", None), (f"{p}.input_layernorm", None),
+                  (f"{p}.post_attention_layernorm", None)]
+        if phi3:
+            names += [(f"{p}.resid_attn_dropout", None), (f"{p}.resid_mlp_dropout", None)]
     names += [("model.norm", None), ("model.rotary_emb", None), ("lm_head", None)]
     return names
 
@@ -107,6 +114,8 @@ class _Target:
 def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[tuple[int, str], _Target]:
     """The (layer, module) pairs the config targets on this model, with each one's r and alpha."""
     names = _decoder_module_names(config)
+    if spec.all_linear:  # PEFT's "all-linear": every linear layer but the output head, in this family's names
+        spec = dataclasses.replace(spec, target_modules=config.lora_modules)
 
     def reject(key: str, what: str, hits: list[str]) -> AdapterError:
         shown = ", ".join(hits[:4]) + (", ..." if len(hits) > 4 else "")
@@ -114,11 +123,13 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
         why = (
             "LoRA on embed_tokens / lm_head is not supported yet"
             if later
+            else f"only the {config.architecture} projections ({', '.join(config.lora_modules)}) can carry LoRA here"
+            if config.fused_projections
             else "only the seven Llama projections (q/k/v/o, gate/up/down) can carry LoRA here"
         )
         return AdapterError(
             f"{cfg_path}: target_modules: {what} matches {shown}, which is not one of "
-            f"{', '.join(TARGET_MODULES)}: {why}",
+            f"{', '.join(config.lora_modules)}: {why}",
             path=cfg_path,
             key=key,
         )
@@ -134,7 +145,7 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
             if not all_hits:
                 raise AdapterError(
                     f"{cfg_path}: target_modules: {entry!r} matches no module of this {config.architecture} model "
-                    f"({config.num_layers} layers); expected one of {', '.join(TARGET_MODULES)} "
+                    f"({config.num_layers} layers); expected one of {', '.join(config.lora_modules)} "
                     "(or a suffix of a module name such as self_attn.q_proj)",
                     path=cfg_path,
                     key="target_modules",
@@ -189,7 +200,8 @@ _KEY_RE = re.compile(
 
 
 def _parse_key(key: str, config: ModelConfig, wpath: Path) -> tuple[int, str, str]:
-    """``(layer, module, "A" | "B")`` of a tensor key, or AdapterError saying why it does not map."""
+    """``(layer, module, "A" | "B")`` of a tensor key (``module`` one of ``config.lora_modules``), or AdapterError
+    saying why it does not map."""
 
     def fail(why: str) -> AdapterError:
         return AdapterError(f"{wpath}: tensor {key!r}: {why}", path=wpath, key=key)
@@ -219,10 +231,12 @@ def _parse_key(key: str, config: ModelConfig, wpath: Path) -> tuple[int, str, st
     layer, parent, module = int(m["layer"]), m["parent"], m["module"]
     if m["adapter"] not in (None, "default"):
         raise fail(f"unexpected adapter-name segment {m['adapter']!r}; expected none or 'default'")
-    if module not in MODULE_INDEX:
-        raise fail(f"unknown module {module!r}; expected one of {', '.join(TARGET_MODULES)}")
-    if parent != MODULE_PARENT[module]:
-        raise fail(f"{module} sits under {MODULE_PARENT[module]!r} in a Llama layer, got {parent!r}")
+    if module not in config.lora_modules:
+        raise fail(f"unknown module {module!r}; expected one of {', '.join(config.lora_modules)} "
+                   f"(the projections of a {config.architecture} layer)")
+    want = config.hf_module_name(layer, module).split(".")[-2]
+    if parent != want:
+        raise fail(f"{module} sits under {want!r} in a {config.architecture} layer, got {parent!r}")
     if layer >= config.num_layers:
         n = config.num_layers
         raise fail(f"layer {layer} out of range: the base model has {n} layers (0..{n - 1})")

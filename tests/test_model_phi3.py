@@ -1,0 +1,425 @@
+"""Phi-3 on the one decoder, against HF transformers and peft (fp32, CPU).
+
+Tiny random models made with transformers' own ``Phi3Config`` / ``Phi3ForCausalLM``, saved with
+``save_pretrained`` and loaded with ``Engine(model=dir)``: the checkpoint's fused ``qkv_proj`` / ``gate_up_proj``
+weights, plain RoPE and ``longrope`` (short / long factors around ``original_max_position_embeddings``, the
+attention factor), a sliding window, tied embeddings. transformers initialises norm weights to 1, which would
+hide a runtime that ignored them, so every norm weight is redrawn before saving. References: transformers'
+forward and greedy ``generate`` (which, for longrope, drops its cache and recomputes the sequence when it passes
+the original length), and peft's mixed-batch ``adapter_names=`` forward for adapters on the fused names.
+Also: the refused configurations and adapters, and the Triton ops (interpreter) against the torch ops.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from testsupport import one_thread  # noqa: E402,F401  (autouse: one intra-op thread)
+
+from multilora import Engine, SamplingParams  # noqa: E402
+from multilora.config import ModelConfig  # noqa: E402
+
+VOCAB = 1000
+REL_TOL = 1e-5  # fp32 vs fp32: observed <= 1e-6 (GEMM reduction order)
+GEN_TOKENS = 10
+ORIG = 16  # original_max_position_embeddings of the longrope cases
+HEAD_DIM = 16  # hidden 64 / 4 heads: longrope factors have 8 entries
+
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0, initializer_range=0.2)  # a wide init: greedy top-2 gaps far above fp32 noise
+
+
+def _longrope(seed=0, **extra):
+    g = torch.Generator().manual_seed(seed)
+    return dict(rope_type="longrope", rope_theta=10000.0, short_factor=(1 + torch.rand(8, generator=g)).tolist(),
+                long_factor=(2 + 6 * torch.rand(8, generator=g)).tolist(), **extra)
+
+
+# name -> (config overrides, prompt lengths). The longrope prompts sit below, at and above ORIG; with
+# GEN_TOKENS new tokens the first two pass ORIG while generating.
+CASES = {
+    "phi3": (dict(), (9, 17, 1)),
+    "phi3-tied-mha": (dict(tie_word_embeddings=True, num_key_value_heads=4), (10, 3)),
+    "phi3-sliding": (dict(sliding_window=4), (12, 11, 5)),
+    # factor from max_position_embeddings / original (64 / 16 = 4): attention factor sqrt(1 + ln 4 / ln 16)
+    "phi3-longrope": (dict(max_position_embeddings=64, original_max_position_embeddings=ORIG,
+                           rope_parameters=_longrope()), (10, 16, 20, 5)),
+    # explicit attention_factor, GQA 4:1
+    "phi3-longrope-af": (dict(max_position_embeddings=64, original_max_position_embeddings=ORIG,
+                              num_key_value_heads=1, rope_parameters=_longrope(1, attention_factor=1.3)), (14, 23)),
+}
+
+
+def _make_model(name, **extra):
+    overrides, _ = CASES[name]
+    cfg = transformers.Phi3Config(**{**BASE, **overrides, **extra})
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # norm weights ~ 1 + N(0, 0.3^2): not the init's 1
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1 + torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def _rows(name, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in CASES[name][1]]
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def _hf_last_logits(model, rows, **kw):
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([r]), **kw).logits[0, -1].float() for r in rows]
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    name = request.param
+    model = _make_model(name)
+    d = tmp_path_factory.mktemp(name)
+    model.save_pretrained(str(d))
+    engine = Engine(model=str(d), progress=False, max_batch_size=4)
+    return name, model, engine, _rows(name)
+
+
+def test_config_read_from_config_json(case):
+    name, model, engine, _ = case
+    hf, c = model.config, engine.config
+    assert c.architecture == "phi3" and c.fused_projections
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (hf.num_attention_heads, hf.num_key_value_heads, HEAD_DIM)
+    assert (engine.model.lm_head is engine.model.embed) == bool(hf.tie_word_embeddings)
+    assert [c.window(i) for i in range(c.num_layers)] == [hf.sliding_window or 0] * c.num_layers
+    rot = model.model.rotary_emb
+    assert engine.model.rope_scale == pytest.approx(rot.attention_scaling, rel=1e-12)
+    if "longrope" in name:
+        assert c.rope_type == "longrope" and engine.model.rope_long_after == ORIG
+        assert engine.scheduler.recompute_after == ORIG
+        torch.testing.assert_close(engine.model.inv_freq.cpu(), rot.original_inv_freq.float(), rtol=1e-6, atol=0)
+    else:
+        assert c.rope_type == "default" and engine.model.rope_long_after == 0 and engine.model.rope_scale == 1.0
+
+
+def test_logits_match_transformers(case):
+    name, model, engine, rows = case
+    ours = engine.logits(rows, adapters=None)
+    assert ours.dtype == torch.float32 and ours.shape == (len(rows), VOCAB)
+    for i, ref in enumerate(_hf_last_logits(model, rows)):
+        assert _rel(ours[i], ref) < REL_TOL, (name, i, _rel(ours[i], ref))
+
+
+def test_greedy_generate_matches_transformers(case):
+    """One batch of every prompt; for longrope the prompts of 10 and 16 tokens pass ORIG while generating (HF then
+    recomputes the whole sequence with the long factors, and so does our scheduler)."""
+    name, model, engine, rows = case
+    outs = engine.generate(rows, adapters=None,
+                           sampling=SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True))
+    for r, out in zip(rows, outs):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([r]), max_new_tokens=GEN_TOKENS, min_new_tokens=GEN_TOKENS,
+                                 do_sample=False, pad_token_id=0)
+        assert out.token_ids == ref[0, len(r):].tolist(), (name, len(r))
+
+
+@pytest.mark.parametrize("what", ["norms", "long_factor", "short_factor", "attention_factor", "window"])
+def test_family_knob_changes_the_reference(what):
+    """Sanity: each piece changes transformers' logits, so the comparisons above would catch a runtime that
+    ignored it: norm weights reset to 1; longrope's long factors (a prompt longer than ORIG) or short factors
+    (a shorter one) swapped for the other set; the attention factor set to 1; the sliding window off."""
+    name = {"norms": "phi3", "window": "phi3-sliding"}.get(what, "phi3-longrope")
+    model = _make_model(name)
+    rp = dict(CASES[name][0].get("rope_parameters") or {})
+    extra = {}
+    if what == "window":
+        extra = dict(sliding_window=None)
+    elif what in ("long_factor", "short_factor"):
+        other = "short_factor" if what == "long_factor" else "long_factor"
+        extra = dict(rope_parameters={**rp, what: rp[other]})
+    elif what == "attention_factor":
+        extra = dict(rope_parameters={**rp, "attention_factor": 1.0})
+    other = _make_model(name, **extra)
+    other.load_state_dict(model.state_dict())
+    if what == "norms":
+        with torch.no_grad():
+            for pname, p in other.named_parameters():
+                if pname.endswith("norm.weight"):
+                    p.fill_(1.0)
+    rows = _rows(name)  # lengths 10 (short factors) and 20 (long factors) among them
+    row = [next(r for r in rows if len(r) == 10)] if what == "short_factor" else [max(rows, key=len)]
+    a, b = _hf_last_logits(model, row)[0], _hf_last_logits(other, row)[0]
+    assert _rel(a, b) > 1e-3, f"{name}: {what} barely changes the reference ({_rel(a, b):.2e})"
+
+
+# ------------------------------------------------------------------------------------- longrope choice
+def test_longrope_factor_choice_per_sequence_length(tmp_path):
+    """Which RoPE table row each token reads (``DecoderModel._rope_rows``): the short-factor rows while its sequence
+    has at most ORIG tokens after the step, the long-factor rows (``rope_long_offset`` further) beyond; decided per
+    sequence in a mixed prefill and from the positions in a decode step. The tables equal transformers' cos / sin
+    (short from ``original_inv_freq``, long from its ``long_inv_freq``), both times the attention factor."""
+    model = _make_model("phi3-longrope")
+    model.save_pretrained(str(tmp_path))
+    e = Engine(model=str(tmp_path), progress=False, max_batch_size=4, max_seq_len=64, kv_block_size=4)
+    m = e.model
+    n = m.rope_long_offset
+    assert e.kv.num_blocks > 45, e.kv.num_blocks
+    assert n >= 64 and m.rope_cos.shape == (2 * n, HEAD_DIM)
+    lens = [ORIG - 1, ORIG, ORIG + 1, 3]
+    ids = [[5] * k for k in lens]
+    plan = e.runner.build_plan(ids, [0] * 4, [list(range(1 + 5 * i, 6 + 5 * i)) for i in range(4)], [-1] * 4,
+                               block_size=4)
+    rows = m._rope_rows(plan).tolist()
+    want = [p + (n if k > ORIG else 0) for k in lens for p in range(k)]
+    assert rows == want
+    # decode: one token per sequence at position p, its sequence then has p + 1 tokens
+    starts = [ORIG - 2, ORIG - 1, ORIG, 40]
+    plan = e.runner.build_plan([[5]] * 4, starts, [list(range(1 + 11 * i, 12 + 11 * i)) for i in range(4)],
+                               [-1] * 4, block_size=4)
+    assert m._rope_rows(plan).tolist() == [ORIG - 2, ORIG - 1, ORIG + n, 40 + n]
+    # the tables against transformers' own frequencies
+    rot = model.model.rotary_emb
+    with torch.no_grad():
+        cos_long, sin_long = rot(torch.zeros(1), torch.arange(30)[None])  # its sequence length 30 > ORIG: long
+        cos_short, sin_short = rot(torch.zeros(1), torch.arange(ORIG)[None])  # ORIG: short
+    for ours, ref in ((m.rope_cos[n:n + 30], cos_long), (m.rope_sin[n:n + 30], sin_long),
+                      (m.rope_cos[:ORIG], cos_short), (m.rope_sin[:ORIG], sin_short)):
+        torch.testing.assert_close(ours.cpu(), ref[0], rtol=1e-5, atol=1e-5)
+    af = math.sqrt(1 + math.log(64 / ORIG) / math.log(ORIG))
+    assert m.rope_scale == pytest.approx(af) and float(m.rope_cos[0, 0]) == pytest.approx(af)
+
+
+def test_longrope_recompute_when_a_sequence_passes_the_original_length(tmp_path):
+    """A sequence admitted with at most ORIG tokens is recomputed (prefilled again whole, not counted as a
+    preemption) at the step that takes it past ORIG, exactly once; one admitted longer never is."""
+    model = _make_model("phi3-longrope")
+    model.save_pretrained(str(tmp_path))
+    e = Engine(model=str(tmp_path), progress=False, max_batch_size=4)
+    prefills = []
+    sched = e.scheduler.schedule
+
+    def spy():
+        s = sched()
+        if s.kind == "prefill":
+            prefills.append(sorted(r.num_tokens for r in s.batch))
+        return s
+
+    e.scheduler.schedule = spy
+    e.generate([[7] * 12, [9] * 20], adapters=None, sampling=SamplingParams(max_tokens=8, ignore_eos=True))
+    assert prefills == [[12, 20], [ORIG + 1]] and e.scheduler.preemptions == 0
+
+
+# ----------------------------------------------------------------- peft adapters on the fused projections
+PEFT_ADAPTERS = {
+    "qkv-r4": dict(r=4, lora_alpha=8, target_modules=["qkv_proj"]),
+    "all-r8-rslora": dict(r=8, lora_alpha=5, use_rslora=True,
+                          target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    "mlp-o-r2-patterns": dict(r=2, lora_alpha=4, target_modules=["gate_up_proj", "o_proj", "down_proj"],
+                              rank_pattern={"gate_up_proj": 6}, alpha_pattern={"down_proj": 3},
+                              layers_to_transform=[1]),
+    "all-linear-r3": dict(r=3, lora_alpha=6, target_modules="all-linear", rank_pattern={"layers.0.self_attn.qkv_proj": 5}),
+}
+
+
+@pytest.fixture(scope="module", params=["phi3", "phi3-longrope"])
+def peft_setup(request, tmp_path_factory):
+    name = request.param
+    base = _make_model(name)
+    d = tmp_path_factory.mktemp(f"peft-base-{name}")
+    base.save_pretrained(str(d))
+    names = list(PEFT_ADAPTERS)
+    model = get_peft_model(base, LoraConfig(**PEFT_ADAPTERS[names[0]]), adapter_name=names[0])
+    for n in names[1:]:
+        model.add_adapter(n, LoraConfig(**PEFT_ADAPTERS[n]))
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # nonzero B (peft initialises B = 0)
+        for pname, p in model.named_parameters():
+            if "lora_A" in pname or "lora_B" in pname:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    model.eval()
+    out = tmp_path_factory.mktemp(f"peft-adapters-{name}")
+    model.save_pretrained(str(out), selected_adapters=names)
+    engine = Engine(model=str(d), progress=False, max_batch_size=8)
+    for n in names:
+        engine.load_adapter(n, out / n)
+    return name, model, engine, out
+
+
+BATCH = [("qkv-r4", 9), (None, 4), ("all-r8-rslora", 19), ("mlp-o-r2-patterns", 7), (None, 12), ("qkv-r4", 1),
+         ("all-linear-r3", 15)]
+
+
+def _batch_rows(seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for _, n in BATCH]
+
+
+def test_fused_adapter_is_held_as_slices_sharing_a(peft_setup):
+    """A ``qkv_proj`` adapter is q/k/v modules that each carry the file's A and their rows of its B; the
+    all-linear one targets the four Phi-3 projections, with its rank_pattern."""
+    from safetensors.torch import load_file
+
+    from multilora.runtime.adapters import load_peft_adapter
+
+    name, model, engine, out = peft_setup
+    c = engine.config
+    ad = load_peft_adapter(out / "qkv-r4", c)
+    assert list(ad.modules) == [(i, m) for i in range(2) for m in ("q_proj", "k_proj", "v_proj")]
+    t = load_file(str(out / "qkv-r4" / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.1.self_attn.qkv_proj.lora_{}.weight"
+    a, b = t[key.format("A")], t[key.format("B")]
+    row = 0
+    for m in ("q_proj", "k_proj", "v_proj"):
+        w = ad.modules[(1, m)]
+        n = c.module_shape(m)[1]
+        assert torch.equal(w.a, a) and torch.equal(w.b, b[row:row + n]) and w.scaling == 2.0
+        row += n
+    assert row == b.shape[0]
+    al = load_peft_adapter(out / "all-linear-r3", c)
+    assert len(al.modules) == 2 * 7
+    assert {m: w.rank for (i, m), w in al.modules.items() if i == 0} == dict(
+        q_proj=5, k_proj=5, v_proj=5, o_proj=3, gate_proj=3, up_proj=3, down_proj=3)
+    pat = load_peft_adapter(out / "mlp-o-r2-patterns", c)
+    assert list(pat.modules) == [(1, m) for m in ("o_proj", "gate_proj", "up_proj", "down_proj")]
+    assert pat.modules[(1, "gate_proj")].rank == 6 and pat.modules[(1, "down_proj")].scaling == 1.5
+
+
+def test_peft_adapters_mixed_batch_logits(peft_setup):
+    name, model, engine, _ = peft_setup
+    rows = _batch_rows()
+    ours = engine.logits(rows, adapters=[a for a, _ in BATCH])
+    for i, ((a, _), r) in enumerate(zip(BATCH, rows)):
+        ref = _hf_last_logits(model, [r], adapter_names=[a or "__base__"])[0]
+        assert _rel(ours[i], ref) < REL_TOL, (name, a, _rel(ours[i], ref))
+        if a is not None:  # the adapter visibly changes the output (an ignored adapter would fail)
+            base = _hf_last_logits(model, [r], adapter_names=["__base__"])[0]
+            assert _rel(ref, base) > 1e-2, (name, a)
+    alone = engine.logits([rows[1], rows[4]], adapters=None)  # rows without an adapter: the base model
+    assert _rel(ours[1], alone[0]) < REL_TOL and _rel(ours[4], alone[1]) < REL_TOL
+
+
+def test_peft_adapters_greedy_generate(peft_setup):
+    name, model, engine, _ = peft_setup
+    rows = _batch_rows(seed=6)
+    outs = engine.generate(rows, adapters=[a for a, _ in BATCH],
+                           sampling=SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True))
+    for (a, _), r, out in zip(BATCH, rows, outs):
+        with torch.no_grad():
+            ref = model.generate(input_ids=torch.tensor([r]), adapter_names=[a or "__base__"],
+                                 max_new_tokens=GEN_TOKENS, min_new_tokens=GEN_TOKENS, do_sample=False, pad_token_id=0)
+        assert out.token_ids == ref[0, len(r):].tolist(), (name, a)
+
+
+def test_module_names_match_transformers():
+    """The module list the PEFT target rules match against is the HF Phi-3 model's own ``named_modules``."""
+    from multilora.runtime.adapters.targets import _decoder_module_names
+
+    model = _make_model("phi3")
+    ours = _decoder_module_names(ModelConfig.from_hf_dict(model.config.to_dict()))
+    assert [n for n, _ in ours] == [n for n, _ in model.named_modules()]
+
+
+# ----------------------------------------------------------------------------------- refused, clearly
+def _phi3_dict(**kw):
+    return dict(model_type="phi3", vocab_size=10, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, **kw)
+
+
+def test_rope_scaling_read_as_transformers_reads_it():
+    lr = _longrope()
+    lr.pop("rope_type")
+    # transformers 4.x files: rope_scaling with the old name "su" (or "longrope"), top-level original length
+    for t in ("su", "longrope"):
+        c = ModelConfig.from_hf_dict(_phi3_dict(rope_scaling={"type": t, **lr}, original_max_position_embeddings=8))
+        assert c.rope_type == "longrope" and c.rope_scaling["original_max_position_embeddings"] == 8
+    # Phi-3 configs map "yarn" to longrope too (Phi3Config.convert_rope_params_to_dict)
+    c = ModelConfig.from_hf_dict(_phi3_dict(rope_scaling={"type": "yarn", **lr}))
+    assert c.rope_type == "longrope" and c.rope_scaling["original_max_position_embeddings"] == 64
+    # transformers 5.x files: rope_parameters; plain Phi-3 (rope_type default) has no scaling
+    hf = transformers.Phi3Config(**{k: v for k, v in _phi3_dict().items() if k != "model_type"}).to_dict()
+    assert ModelConfig.from_hf_dict(hf).rope_scaling is None
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (_phi3_dict(rope_scaling={"type": "dynamic", "factor": 2.0}), r"rope_scaling type 'dynamic' is not supported"),
+    ({**_phi3_dict(rope_parameters={"rope_type": "yarn", "factor": 2.0}), "model_type": "llama"},
+     r"rope_scaling type 'yarn' is not supported"),
+    (_phi3_dict(partial_rotary_factor=0.75), r"partial_rotary_factor 0.75 is not supported"),
+    (_phi3_dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}),
+     r"partial_rotary_factor 0.5 is not supported"),
+    (_phi3_dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8}),
+     r"short_factor must list head_dim / 2 = 8 numbers"),
+    (_phi3_dict(hidden_act="gelu"), r"hidden_act must be 'silu'"),
+])
+def test_refused_configs_name_the_field(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def test_adapter_on_unfused_names_is_refused_for_phi3(tmp_path):
+    """Phi-3 has no q_proj / gate_proj module: an adapter naming them matches nothing and is refused, naming
+    the Phi-3 projections; a key of a split module in a qkv_proj adapter is refused as unknown."""
+    from multilora.runtime.adapters import AdapterError, load_peft_adapter
+    from safetensors.torch import save_file
+
+    c = ModelConfig.from_hf_dict(_phi3_dict())
+    (tmp_path / "adapter_config.json").write_text(json.dumps(dict(peft_type="LORA", r=2, lora_alpha=2,
+                                                                  target_modules=["q_proj", "v_proj"])))
+    save_file({}, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match=r"'q_proj' matches no module of this phi3 model.*qkv_proj, gate_up_proj"):
+        load_peft_adapter(tmp_path, c)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(dict(peft_type="LORA", r=2, lora_alpha=2,
+                                                                  target_modules=["qkv_proj"])))
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 32)},
+              str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match=r"unknown module 'q_proj'; expected one of o_proj, qkv_proj"):
+        load_peft_adapter(tmp_path, c)
+
+
+def test_wrong_fused_b_shape_is_refused(tmp_path):
+    from multilora.runtime.adapters import AdapterError, load_peft_adapter
+    from safetensors.torch import save_file
+
+    c = ModelConfig.from_hf_dict(_phi3_dict())
+    (tmp_path / "adapter_config.json").write_text(json.dumps(dict(peft_type="LORA", r=2, lora_alpha=2,
+                                                                  target_modules=["gate_up_proj"])))
+    key = "base_model.model.model.layers.{}.mlp.gate_up_proj.lora_{}.weight"
+    t = {key.format(i, "A"): torch.zeros(2, 32) for i in range(2)}
+    t |= {key.format(i, "B"): torch.zeros(16, 2) for i in range(2)}  # [inter, r], not [2 * inter, r]
+    save_file(t, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match=r"gate_up_proj.lora_B.weight'.*expected shape \[32, 2\]"):
+        load_peft_adapter(tmp_path, c)
+
+
+# ------------------------------------------------------------------------------- Triton ops (interpreter)
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the Triton kernels need TRITON_INTERPRET=1 on a CPU")
+def test_phi3_longrope_forward_with_triton_ops_equals_torch_ops(tmp_path):
+    """The whole tiny longrope Phi-3 with the Triton ops (the RoPE kernel reading long-factor rows of the stacked
+    table) equals the torch ops: a prefill of a short and a long prompt, then a decode step (fp32, interpreter)."""
+    model = _make_model("phi3-longrope")
+    model.save_pretrained(str(tmp_path))
+    e = Engine(model=str(tmp_path), device="cpu", progress=False, max_batch_size=2, max_seq_len=64, kv_block_size=4)
+    steps = [([list(range(3, 8)), list(range(3, 21))], [0, 0]), ([[2], [4]], [5, 18])]
+    tables = [[1, 2], [3, 4, 5, 6, 7]]
+    out = {}
+    for backend in ("torch", "triton"):
+        hs = []
+        for ids, starts in steps:
+            plan = e.runner.build_plan(ids, starts, tables, [-1] * len(ids), block_size=4)
+            hs.append(e.model.forward(plan, e.kv, ops_backend=backend))
+        out[backend] = hs
+    for a, b in zip(out["torch"], out["triton"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
