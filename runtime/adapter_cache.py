@@ -370,12 +370,13 @@ class AdapterCache:
             self.stats.gpu_evictions += 1
 
     def could_ever_fit(self, handle: AdapterHandle) -> bool:
-        """Whether the handle fits once every unpinned adapter has left the pool."""
+        """Whether the handle fits (its bytes and a slot) once every unpinned adapter has left the pool."""
         with self._lock:
             if handle.slot is not None:
                 return True
-            pinned = sum(h.pool_bytes for h in self._gpu_lru.values() if h is not handle and self.is_pinned(h))
-            return handle.pool_bytes <= self.pool.bytes_total - pinned
+            pinned = [h for h in self._gpu_lru.values() if h is not handle and self.is_pinned(h)]
+            return (handle.pool_bytes <= self.pool.bytes_total - sum(h.pool_bytes for h in pinned)
+                    and len(pinned) < self.pool.max_slots)
 
     def acquire(self, handle: AdapterHandle) -> int:
         """Make ``handle`` resident (evicting idle adapters LRU first), take a reference, return its slot.

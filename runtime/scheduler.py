@@ -251,9 +251,10 @@ class Scheduler:
                 break  # the head waits for blocks; nothing behind it is admitted
             if req.handle is not None and req.slot < 0:  # (a slot kept from an interrupted admission is reused)
                 if not self.cache.could_ever_fit(req.handle):
-                    self._fail(req, f"adapter {req.adapter_name!r} needs {req.handle.pool_bytes} bytes of the adapter "
-                                    f"pool: more than it holds besides pinned adapters ({self.cache.pool.bytes_total} "
-                                    f"bytes; raise adapter_pool_bytes)",
+                    pool = self.cache.pool
+                    self._fail(req, f"adapter {req.adapter_name!r} needs {req.handle.pool_bytes} bytes and a slot: "
+                                    f"more than the adapter pool holds besides pinned adapters ({pool.bytes_total} "
+                                    f"bytes, {pool.max_slots} slot(s); raise adapter_pool_bytes or adapter_slots)",
                                failed)
                     continue
                 try:

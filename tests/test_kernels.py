@@ -696,3 +696,76 @@ def test_decode_cuda_graph_capture(path):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(y.float(), y_eager.float(), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- compaction
+def _compaction_case(device, dtype, apply, capture=False):
+    """One slices descriptor and one plan, applied before and after the pool compacts (every adapter moves, the
+    offsets are rewritten in place): both results equal the dense fp32 reference of the ORIGINAL A / B tensors. With
+    ``capture`` the call is a CUDA graph captured before the compaction and replayed after it."""
+    cfg = SMALL if device == "cpu" else LLAMA8B
+    gen = torch.Generator().manual_seed(11)
+    filler = random_adapter(cfg, "filler", 4, gen)
+    ads = [random_adapter(cfg, f"a{i}", r, gen, vary=i % 2 == 1) for i, r in enumerate([8, 16, 3, 24])]
+    size = sum(_pages(cfg, a) for a in ads + [filler, filler])
+    pool = AdapterPool(cfg, num_bytes=size * PAGE_ELEMS * torch.empty((), dtype=dtype).element_size(),
+                       max_rank=24, max_slots=8, dtype=dtype, device=device)
+    first = pool.load(filler)
+    slots = [pool.load(a) for a in ads]
+    layer = cfg.num_layers - 1
+    slices = lora_slices([pool.module_view(layer, m) for m in QKV])
+    token_slots = [slots[i % 4] if i % 5 else -1 for i in range(13)]
+    plan = build_lora_plan(token_slots, device=device)
+    x = torch.randn(13, slices.d_in, generator=gen).to(device, dtype)
+    y0 = torch.randn(13, slices.d_out, generator=gen).to(device, dtype)
+    ref = y0.float().clone()
+    for t, s in enumerate(token_slots):  # dense per-token fp32 reference from the adapters' own tensors
+        if s < 0:
+            continue
+        col = 0
+        for m in QKV:
+            w = ads[slots.index(s)].modules[(layer, m)]
+            a, b = w.a.to(dtype).float().to(device), w.b.to(dtype).float().to(device)
+            ref[t, col : col + b.shape[0]] += w.scaling * (x[t].float() @ a.t()) @ b.t()
+            col += b.shape[0]
+    y = y0.clone()
+    if capture:
+        apply(y, x, slices, plan)  # compile before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            apply(y, x, slices, plan)
+        y.copy_(y0)
+        graph.replay()
+    else:
+        apply(y, x, slices, plan)
+    torch.testing.assert_close(y.float(), ref, **TOL[dtype])
+    before = {s: pool.extent_of(s) for s in slots}
+    pool.free(first)
+    pool.load(filler)  # goes into the hole at page 0 ...
+    pool.free(slots[0])
+    pool.compact()  # ... and now everything after it slides down
+    assert all(pool.extent_of(s) != before[s] for s in slots[1:])
+    slots[0] = pool.load(ads[0])  # reloaded at the top, into the same slot
+    y.copy_(y0)
+    if capture:
+        graph.replay()
+    else:
+        apply(y, x, slices, plan)
+    torch.testing.assert_close(y.float(), ref, **TOL[dtype])
+    none = torch.tensor([s < 0 for s in token_slots], device=device)
+    assert torch.equal(y[none], y0[none])
+
+
+@pytest.mark.parametrize("device,dtype", CPU_CASES)
+@pytest.mark.parametrize("path", ["triton", "torch", "fused"])
+def test_compaction_between_calls_is_seen_by_the_next_call(path, device, dtype):
+    apply = {"triton": lora_apply_triton, "torch": lora_apply_torch, "fused": fused(block_n=32, tiles=2)}[path]
+    _compaction_case(device, dtype, apply)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
+@pytest.mark.parametrize("path", ["default", "fused"])
+def test_cuda_graph_replayed_after_compaction(path):
+    """A graph captured before the pool compacts, replayed after: it reads the rewritten offsets in place."""
+    _compaction_case("cuda", torch.bfloat16, lora_fused if path == "fused" else lora_apply_triton, capture=True)
