@@ -75,14 +75,14 @@ def synthetic_pool(d_in, d_outs, n_adapters, rank):
     pool = AdapterPool(cfg, num_bytes=n_adapters * pages * PAGE_ELEMS * 2, max_rank=rank, max_slots=n_adapters,
                        dtype=torch.bfloat16, device="cuda")
     pool.buffer.normal_(0, 0.02)
-    place = torch.randperm(n_adapters).tolist()
-    for slot in range(n_adapters):
-        for m in modules:
-            mi = MODULE_INDEX[m]
-            pool.offsets_a[0, mi, slot] = place[slot] * pages * PAGE_ELEMS + rel[(0, m)]
-            pool.offsets_b[0, mi, slot] = pool.offsets_a[0, mi, slot] + rank * cfg.module_shape(m)[0]
-            pool.ranks[0, mi, slot] = rank
-            pool.scalings[0, mi, slot] = 2.0
+    base = torch.randperm(n_adapters, dtype=torch.int64) * pages * PAGE_ELEMS  # [n_adapters] extent starts
+    for m in modules:
+        mi = MODULE_INDEX[m]
+        off_a = base + rel[(0, m)]
+        pool.offsets_a[0, mi] = off_a.to(pool.device)
+        pool.offsets_b[0, mi] = (off_a + rank * cfg.module_shape(m)[0]).to(pool.device)
+        pool.ranks[0, mi] = rank
+        pool.scalings[0, mi] = 2.0
     return pool, lora_slices([pool.module_view(0, m) for m in modules])
 
 
