@@ -95,17 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         dirs = [write_adapter(args.adapter_dir / f"{args.shape}-r{args.rank}-{fdt_name}-{i}", config, i, args.rank, fdt)
                 for i in range(max(threads))]
         for pdt_name in args.pool_dtype.split(","):
-            pool = AdapterPool(config, num_pages=1, page_rows=8, max_rank=args.rank, dtype=DTYPES[pdt_name],
+            pool = AdapterPool(config, num_bytes=1 << 20, max_rank=args.rank, dtype=DTYPES[pdt_name],
                                device=args.pool_device)
+            image = pool.max_adapter_pages * pool.page_elems  # elements of one rank-r adapter on every module
             if pool.device.type == "cuda":
                 t0 = time.perf_counter()
-                torch.empty(pool.page_elems * AdapterPool.pages_for_rank(args.rank, 8), dtype=pool.dtype,
-                            pin_memory=True)
+                torch.empty(image, dtype=pool.dtype, pin_memory=True)
                 first = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                torch.empty(pool.page_elems * AdapterPool.pages_for_rank(args.rank, 8), dtype=pool.dtype,
-                            pin_memory=True)
-                print(f"pinned page image ({pool.dtype}): first allocation {first * 1e3:.1f} ms, "
+                torch.empty(image, dtype=pool.dtype, pin_memory=True)
+                print(f"pinned image ({pool.dtype}): first allocation {first * 1e3:.1f} ms, "
                       f"reused {(time.perf_counter() - t0) * 1e3:.2f} ms", flush=True)
             fn(dirs[0], config, pool, "warmup")
             for nt in threads:

@@ -35,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from multilora import Engine, SamplingParams
-from multilora.memory.pool import AdapterPool
+from multilora.memory.pool import AdapterPool, max_adapter_pages
 from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
 
@@ -90,8 +90,8 @@ def main() -> None:
     n_files = args.distinct_files or max(counts)
     dirs = write_adapters(root, config, min(n_files, max(counts)), args.rank, dtype)
 
-    layout = AdapterPool(config, num_pages=1, max_rank=args.rank, dtype=dtype, device="meta")  # sizes only
-    adapter_bytes = layout.page_bytes * AdapterPool.pages_for_rank(args.rank, layout.page_rows)
+    layout = AdapterPool(config, num_bytes=1 << 20, max_rank=args.rank, dtype=dtype, device="meta")  # sizes only
+    adapter_bytes = layout.page_bytes * layout.max_adapter_pages
     engine = Engine(config, device=device, dtype=dtype, progress=False, max_batch_size=args.batch,
                     max_seq_len=args.prompt_len + args.gen + 1, max_lora_rank=args.rank,
                     adapter_slots=args.pool_adapters, host_adapter_bytes=args.host_adapters * adapter_bytes)
@@ -103,7 +103,7 @@ def main() -> None:
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "shape": args.shape, "dtype": str(dtype), "rank": args.rank,
             "batch": args.batch, "prompt_len": args.prompt_len, "gen": args.gen,
-            "pool_adapters": engine.pool.num_pages // -(-args.rank // engine.pool.page_rows),
+            "pool_adapters": engine.pool.num_pages // max_adapter_pages(config, args.rank),
             "host_adapters": args.host_adapters, "base_tokens_per_s": base_tok / base_s}
     # warm-up of the LoRA kernels (Triton compiles per shape) on a throw-away adapter, unloaded again
     engine.load_adapter("warmup", dirs[0])

@@ -55,7 +55,7 @@ from typing import Any, Callable
 import torch
 
 from multilora import Engine, SamplingParams
-from multilora.memory.pool import AdapterPool
+from multilora.memory.pool import max_adapter_pages
 from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES, random_weights
 
@@ -277,7 +277,7 @@ def load_engine_adapters(engine: Engine, names: list[str], dirs: list[Path], thr
     t = time.perf_counter()
     with ThreadPoolExecutor(threads) as ex:  # load_adapter is thread-safe
         list(ex.map(lambda i: engine.load_adapter(names[i], dirs[i % len(dirs)]), range(len(names))))
-    capacity = engine.stats()["pool_pages_total"] // AdapterPool.pages_for_rank(rank, engine.pool.page_rows)
+    capacity = engine.stats()["pool_pages_total"] // max_adapter_pages(engine.pool.config, rank)
     info: dict[str, Any] = {"adapter_load_s": time.perf_counter() - t, "pool_adapters": capacity}
     if capacity < len(names):
         info["pin_error"] = (f"not pinned: the memory plan gave the pool {capacity} rank-{rank} adapters < {len(names)} "

@@ -62,22 +62,27 @@ def group_config(d_in: int, d_outs: list[int]):
     return ModelConfig(16, d_outs[0], 256, 1, 1, 1, head_dim=d_in), ["o_proj"]
 
 
-def synthetic_pool(d_in, d_outs, n_adapters, rank, page_rows=16):
-    """A pool with ``n_adapters`` resident adapters of one rank, random weights written straight into the
-    pages on the GPU (bench only: page_table/ranks/scalings are set as ``AdapterPool.load`` would).
-    Returns (pool, the group's ``LoRASlices``)."""
+def synthetic_pool(d_in, d_outs, n_adapters, rank):
+    """A pool with ``n_adapters`` resident adapters of one rank on the group's modules, random weights written
+    straight into the buffer on the GPU (bench only: ranks / scalings / offsets are set as ``AdapterPool.load``
+    would, with the adapters' extents in a shuffled order). Returns (pool, the group's ``LoRASlices``)."""
+    from multilora.config import MODULE_INDEX
     from multilora.kernels import lora_slices
-    from multilora.memory.pool import AdapterPool
+    from multilora.memory.pool import PAGE_ELEMS, AdapterPool, image_layout
 
     cfg, modules = group_config(d_in, d_outs)
-    npg = -(-rank // page_rows)
-    pool = AdapterPool(cfg, num_pages=n_adapters * npg, page_rows=page_rows, max_rank=rank,
-                       max_slots=n_adapters, dtype=torch.bfloat16, device="cuda")
+    rel, pages = image_layout(cfg, {(0, m): rank for m in modules})
+    pool = AdapterPool(cfg, num_bytes=n_adapters * pages * PAGE_ELEMS * 2, max_rank=rank, max_slots=n_adapters,
+                       dtype=torch.bfloat16, device="cuda")
     pool.buffer.normal_(0, 0.02)
-    perm = torch.randperm(n_adapters * npg, device="cuda").to(torch.int32)
-    pool.page_table[:, :npg] = perm.view(n_adapters, npg)
-    pool.ranks.fill_(rank)
-    pool.scalings.fill_(2.0)
+    base = torch.randperm(n_adapters, dtype=torch.int64) * pages * PAGE_ELEMS  # [n_adapters] extent starts
+    for m in modules:
+        mi = MODULE_INDEX[m]
+        off_a = base + rel[(0, m)]
+        pool.offsets_a[0, mi] = off_a.to(pool.device)
+        pool.offsets_b[0, mi] = (off_a + rank * cfg.module_shape(m)[0]).to(pool.device)
+        pool.ranks[0, mi] = rank
+        pool.scalings[0, mi] = 2.0
     return pool, lora_slices([pool.module_view(0, m) for m in modules])
 
 
@@ -102,7 +107,7 @@ def make_providers(slices, plans, xs, ys, slot_lists, weights):
     d_outs = [v.d_out for v in views]
     cols = [sum(d_outs[:i]) for i in range(len(d_outs))]
     dense = []  # per slice: A [n_all, r, d_in], Bt [n_all, r, d_out], scaling [n_all]
-    n_all = views[0].page_table.shape[0]
+    n_all = slices.max_slots
     for v in views:
         ab = [gather_adapter(v, s) for s in range(n_all)]
         dense.append((torch.stack([a for a, _, _, _ in ab]), torch.stack([bt for _, bt, _, _ in ab]),

@@ -6,14 +6,15 @@ Semantics (for each fused slice ``i`` with output columns ``[c_i, c_i + d_out_i)
         y[t, c_i : c_i + d_out_i] += scalings_i[s] * (x[t] @ A_i[s].T) @ B_i[s].T
     rows with s == -1 (and modules an adapter does not touch, r == 0) are left exactly as they were.
 
-``A_i[s]`` [r, d_in] and ``B_i[s]`` [d_out_i, r] are read from the paged adapter pool through
-``page_table[s]`` (layout: ``multilora.memory.pool``); shrink is ``v = x A^T`` (d_in -> r),
+``A_i[s]`` [r, d_in] and ``B_i[s]`` [d_out_i, r] are read from the adapter pool at the slot's per-module offsets
+(``offsets_a_i[s]``, ``offsets_b_i[s]``; layout: ``multilora.memory.pool``); shrink is ``v = x A^T`` (d_in -> r),
 expand is ``y += scaling * v B^T`` (r -> d_out). Accumulation is in float32.
 
 Two descriptors feed the op, both passed explicitly (nothing is read from module-global state):
 
 - ``LoRASlices`` (``lora_slices``): one layer's fused projection in the pool, built once when the pool is
-  bound and validated then; it never changes.
+  bound and validated then; it never changes (the metadata tensors it points at are rewritten in place by the
+  pool when adapters load, leave or move, and read at every call).
 - ``LoRAPlan`` (``build_lora_plan``): which slot each token of the step uses, with its chunk table, built
   once per engine step. Its tensors may also be static buffers rewritten in place between calls (a
   CUDA-graph decode step): no backend caches anything derived from their values.
@@ -36,23 +37,24 @@ from multilora.kernels.backends import select_triton
 
 @dataclass(frozen=True)
 class LoRAModuleView:
-    """Where one (layer, module) lives in the paged adapter pool: what a kernel needs to read every slot's A
-    and B (layout: ``multilora.memory.pool``, which builds these with ``AdapterPool.module_view``).
+    """Where one (layer, module) lives in the adapter pool: what a kernel needs to read every slot's A and B
+    (layout: ``multilora.memory.pool``, which builds these with ``AdapterPool.module_view``).
 
-    All tensors are shared with the pool (no copies). ``ranks[slot]`` and ``scalings[slot]`` are this
-    module's entries; ``page_table`` is the pool's.
+    All tensors are shared with the pool (no copies) and read in place at every call: the pool may rewrite the
+    offsets between calls (compaction). For a slot ``s`` of rank ``r = ranks[s] > 0``, row ``j < r`` of A is
+    ``buffer[offsets_a[s] + j * d_in : ... + d_in]`` and row ``j`` of B^T is
+    ``buffer[offsets_b[s] + j * d_out : ... + d_out]``.
     """
 
-    buffer: torch.Tensor  # [num_pages, page_elems]
-    page_table: torch.Tensor  # int32 [max_slots, max_pages_per_slot]
+    buffer: torch.Tensor  # [num_elems], the pool's flat buffer
     ranks: torch.Tensor  # int32 [max_slots]
     scalings: torch.Tensor  # float32 [max_slots]
-    offset_a: int
-    offset_b: int
+    offsets_a: torch.Tensor  # int64 [max_slots], elements into buffer; a multiple of offset_align
+    offsets_b: torch.Tensor  # int64 [max_slots]; offsets_a + r * d_in
     d_in: int
     d_out: int
-    page_rows: int
-    page_elems: int
+    max_rank: int  # the pool's largest rank (rows of the kernels' rank intermediate)
+    offset_align: int  # every offsets_a value is a multiple of this (the pool's page, 64 elements)
     layer: int
     module: str
 
@@ -65,37 +67,36 @@ MAX_SLICES = 4
 
 @dataclass(frozen=True)
 class LoRASlices:
-    """One layer's fused projection in the paged pool (q/k/v, gate/up, o or down): 1 to ``MAX_SLICES`` slices,
-    all from one pool and with one ``d_in``, laid side by side in the columns of ``y``.
+    """One layer's fused projection in the pool (q/k/v, gate/up, o or down): 1 to ``MAX_SLICES`` slices, all from
+    one pool and with one ``d_in``, laid side by side in the columns of ``y``.
 
     Build it with ``lora_slices(views)``, which validates everything that cannot change between calls.
 
     Attributes:
         views: one ``LoRAModuleView`` per slice, in the column order of ``y``.
-        table: int64 ``[4, num_slices]`` on the pool's device, contiguous, one row per field:
-            ``0`` offset_a, ``1`` offset_b (elements into a page), ``2`` d_out, ``3`` col (the slice's first
-            column in ``y``). Kernels read per-slice values here.
-        meta_stride: elements from one slice's ``ranks`` (and ``scalings``) row to the next's: slice ``i`` reads
-            ``ranks[i * meta_stride + slot]`` from ``views[0].ranks``. The slices of a fused projection are
-            consecutive target modules of one layer, so their rows are evenly spaced in the pool's
-            ``[layers, 7, max_slots]`` tables (``meta_stride = max_slots``); a kernel then finds a slot's rank
-            without waiting for a table read (the table is cold in L2 at each launch: one DRAM round trip that
-            gated the rank load cost 2-4 us per layer at batch 1 on an H200).
+        table: int64 ``[2, num_slices]`` on the pool's device, contiguous, one row per field: ``0`` d_out, ``1``
+            col (the slice's first column in ``y``). Kernels read per-slice values here.
+        meta_stride: elements from one slice's ``ranks`` (and ``scalings``, ``offsets_a``, ``offsets_b``) row to the
+            next's: slice ``i`` reads ``ranks[i * meta_stride + slot]`` from ``views[0].ranks`` (and likewise the
+            offsets). The slices of a fused projection are consecutive target modules of one layer, so their rows
+            are evenly spaced in the pool's ``[layers, 7, max_slots]`` tables (``meta_stride = max_slots``); a
+            kernel then finds a slot's rank and offsets without waiting for a table read (the table is cold in L2
+            at each launch: one DRAM round trip that gated the rank load cost 2-4 us per layer at batch 1 on an
+            H200).
         d_in: the input width every slice shares.
         d_out: the sum of the slices' widths (columns of ``y``).
-        align: the largest power of two up to 16 dividing every offset, width and column of the table: what the
-            kernels may assume of the values they read from it (Triton specialises integer arguments on
-            divisibility by 16 and vectorises the row loads and stores with it; values read from memory carry
-            no such fact unless it is declared).
+        align: the largest power of two up to 16 dividing ``d_in``, every width and column of the table and the
+            pool's ``offset_align``, so it divides every ``offsets_a`` and ``offsets_b`` value too (``offsets_b =
+            offsets_a + r * d_in``): what the kernels may assume of the offsets and widths they read (Triton
+            specialises integer arguments on divisibility by 16 and vectorises the row loads and stores with it;
+            values read from memory carry no such fact unless it is declared).
 
-    Example: q/k/v of layer 1 of SmolLM2-135M (hidden 576, q 576, k/v 192) in a pool with ``page_rows = 8``
-    and ``max_slots = 8`` (``ranks``/``scalings`` are ``[layers, 7, max_slots]``, so module ``m``'s row sits
-    ``8 * m`` elements after q's: ``meta_stride = 8``)::
+    Example: q/k/v of layer 1 of SmolLM2-135M (hidden 576, q 576, k/v 192) in a pool with ``max_slots = 8``
+    (``ranks``/``offsets`` are ``[layers, 7, max_slots]``, so module ``m``'s row sits ``8 * m`` elements after
+    q's: ``meta_stride = 8``; ``align = 16``)::
 
-        table = [[81408, 90624,  96768],    # offset_a = 8 * (1 * 10176 + sum of earlier S(m))
-                 [86016, 95232, 101376],    # offset_b = offset_a + 8 * 576
-                 [  576,   192,    192],    # d_out
-                 [    0,   576,    768]]    # col
+        table = [[576, 192, 192],    # d_out
+                 [  0, 576, 768]]    # col
     """
 
     views: tuple[LoRAModuleView, ...]
@@ -111,21 +112,8 @@ class LoRASlices:
 
     @property
     def buffer(self) -> torch.Tensor:
-        """The pool buffer ``[num_pages, page_elems]`` every slice reads."""
+        """The pool's flat buffer ``[num_elems]`` every slice reads."""
         return self.views[0].buffer
-
-    @property
-    def page_table(self) -> torch.Tensor:
-        """int32 ``[max_slots, max_pages_per_slot]``."""
-        return self.views[0].page_table
-
-    @property
-    def page_rows(self) -> int:
-        return self.views[0].page_rows
-
-    @property
-    def page_elems(self) -> int:
-        return self.views[0].page_elems
 
     @property
     def ranks(self) -> torch.Tensor:
@@ -138,9 +126,23 @@ class LoRASlices:
         return self.views[0].scalings
 
     @property
+    def offsets_a(self) -> torch.Tensor:
+        """Slice ``i``'s A offsets start ``i * meta_stride`` elements after this: ``views[0].offsets_a``."""
+        return self.views[0].offsets_a
+
+    @property
+    def offsets_b(self) -> torch.Tensor:
+        """Slice ``i``'s B^T offsets start ``i * meta_stride`` elements after this: ``views[0].offsets_b``."""
+        return self.views[0].offsets_b
+
+    @property
+    def max_slots(self) -> int:
+        return self.views[0].ranks.shape[0]
+
+    @property
     def max_rank_rows(self) -> int:
-        """Rank-rows a slot's page table can hold: ``max_pages_per_slot * page_rows``."""
-        return self.page_table.shape[1] * self.page_rows
+        """Rank rows of the kernels' intermediate per token and slice: the pool's ``max_rank``."""
+        return self.views[0].max_rank
 
 
 def _elem_offset(t: torch.Tensor, base: torch.Tensor, what: str) -> int:
@@ -150,58 +152,56 @@ def _elem_offset(t: torch.Tensor, base: torch.Tensor, what: str) -> int:
     return delta // t.element_size()
 
 
+_META = (("ranks", torch.int32), ("scalings", torch.float32), ("offsets_a", torch.int64), ("offsets_b", torch.int64))
+
+
 def lora_slices(views: Sequence[LoRAModuleView]) -> LoRASlices:
     """Describe the fused slices ``views`` (in the column order of ``y``) for ``lora_apply``; checked once here.
 
     Raises:
-        ValueError: no views or more than ``MAX_SLICES``; views from different pools (buffer or page table) or with different page
-            geometry or ``d_in``; ranks that are not int32 or scalings that are not float32, not contiguous
-            ``[max_slots]`` or not on the pool's device; ranks / scalings rows that are not evenly spaced (slices
-            that are not consecutive target modules of one layer); a non-contiguous pool buffer or page table; an
-            A or B region outside a page. Each message names the module.
+        ValueError: no views or more than ``MAX_SLICES``; views from different pools (buffer) or with different
+            ``d_in`` or ``max_rank``; ranks that are not int32, scalings that are not float32 or offsets that are
+            not int64, not contiguous ``[max_slots]`` or not on the pool's device; metadata rows that are not
+            evenly spaced (slices that are not consecutive target modules of one layer); a non-contiguous or
+            non-1-D pool buffer. Each message names the module.
     """
     views = tuple(views)
     if not 1 <= len(views) <= MAX_SLICES:
         raise ValueError(f"views: expected 1 to {MAX_SLICES} LoRAModuleViews (fused slices), got {len(views)}")
     v0 = views[0]
-    device, max_slots = v0.buffer.device, v0.page_table.shape[0]
-    if not v0.buffer.is_contiguous() or not v0.page_table.is_contiguous():
-        raise ValueError(f"views: the pool buffer and page_table of {v0.module} must be contiguous")
-    if v0.page_table.dtype != torch.int32 or v0.page_table.device != device:
-        raise ValueError(f"views: the page_table of {v0.module} must be int32 on {device}, got "
-                         f"{v0.page_table.dtype} on {v0.page_table.device}")
-    ro, so = [], []
+    device, max_slots = v0.buffer.device, v0.ranks.shape[0]
+    if v0.buffer.dim() != 1 or not v0.buffer.is_contiguous():
+        raise ValueError(f"views: the pool buffer of {v0.module} must be contiguous and 1-D, got shape "
+                         f"{tuple(v0.buffer.shape)}")
+    spacing = {name: [] for name, _ in _META}
     for v in views:
-        if v.buffer.data_ptr() != v0.buffer.data_ptr() or v.page_table.data_ptr() != v0.page_table.data_ptr():
+        if v.buffer.data_ptr() != v0.buffer.data_ptr():
             raise ValueError(f"views: fused slices must come from one pool ({v.module} does not)")
-        if v.page_rows != v0.page_rows or v.page_elems != v0.page_elems:
-            raise ValueError(f"views: page geometry of {v.module} differs from {v0.module}")
         if v.d_in != v0.d_in:
             raise ValueError(f"views: fused slices share one d_in; {v.module} has {v.d_in}, {v0.module} {v0.d_in}")
-        if v.ranks.dtype != torch.int32 or v.scalings.dtype != torch.float32:
-            raise ValueError(f"views: {v.module} ranks must be int32 and scalings float32")
-        for name, t in (("ranks", v.ranks), ("scalings", v.scalings)):
+        if v.max_rank != v0.max_rank or v.offset_align != v0.offset_align:
+            raise ValueError(f"views: max_rank / offset_align of {v.module} differ from {v0.module}'s")
+        for name, dtype in _META:
+            t = getattr(v, name)
+            if t.dtype != dtype:
+                raise ValueError(f"views: {v.module} {name} must be {dtype}, got {t.dtype}")
             if t.dim() != 1 or t.shape[0] != max_slots or t.stride(0) != 1 or t.device != device:
                 raise ValueError(f"views: {v.module} {name} must be contiguous [{max_slots}] on {device}, got "
                                  f"shape {tuple(t.shape)}, stride {t.stride()} on {t.device}")
-        for name, off, width in (("A", v.offset_a, v.d_in), ("B", v.offset_b, v.d_out)):
-            if off < 0 or off + v.page_rows * width > v.page_elems:
-                raise ValueError(f"views: {v.module} {name} rows [{off}, {off + v.page_rows * width}) lie outside "
-                                 f"a page of {v.page_elems} elements")
-        ro.append(_elem_offset(v.ranks, v0.ranks, f"{v.module} ranks"))
-        so.append(_elem_offset(v.scalings, v0.scalings, f"{v.module} scalings"))
-    stride = ro[1] if len(ro) > 1 else 0
+            spacing[name].append(_elem_offset(t, getattr(v0, name), f"{v.module} {name}"))
+    stride = spacing["ranks"][1] if len(views) > 1 else 0
     for i, v in enumerate(views):
-        if ro[i] != i * stride or so[i] != i * stride:
-            raise ValueError(f"views: the slices' ranks and scalings rows must be evenly spaced (consecutive target "
-                             f"modules of one layer); {v.module}'s are {ro[i]} and {so[i]} elements from "
-                             f"{v0.module}'s, expected {i * stride}")
+        for name, _ in _META:
+            if spacing[name][i] != i * stride:
+                raise ValueError(f"views: the slices' ranks, scalings and offsets rows must be evenly spaced "
+                                 f"(consecutive target modules of one layer); {v.module}'s {name} row is "
+                                 f"{spacing[name][i]} elements from {v0.module}'s, expected {i * stride}")
     widths = [v.d_out for v in views]
     cols = np.cumsum([0] + widths[:-1]).tolist()
-    rows = [[v.offset_a for v in views], [v.offset_b for v in views], widths, cols]
+    rows = [widths, cols]
     table = torch.tensor(rows, dtype=torch.int64).to(device)
     align = 16
-    while align > 1 and any(v % align for row in rows for v in row):
+    while align > 1 and any(v % align for v in [v0.d_in, v0.offset_align, *widths, *cols]):
         align //= 2
     return LoRASlices(views=views, table=table, d_in=v0.d_in, d_out=sum(widths), meta_stride=stride, align=align)
 
@@ -382,14 +382,12 @@ def _check(y: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan)
 
 
 def gather_adapter(view: LoRAModuleView, slot: int) -> tuple[torch.Tensor, torch.Tensor, float, int]:
-    """(A [r, d_in], B^T [r, d_out], scaling, r) of one slot for one module, gathered from the pool pages."""
+    """(A [r, d_in], B^T [r, d_out], scaling, r) of one slot for one module: views of the pool buffer at the
+    slot's offsets (read now: a host sync on a GPU)."""
     r = int(view.ranks[slot])
-    R = view.page_rows
-    npg = -(-r // R)
-    pages = view.page_table[slot, :npg].long()
-    # narrow first (a view), then gather only this module's slice of each page
-    a = view.buffer.narrow(1, view.offset_a, R * view.d_in).index_select(0, pages).reshape(npg * R, view.d_in)[:r]
-    bt = view.buffer.narrow(1, view.offset_b, R * view.d_out).index_select(0, pages).reshape(npg * R, view.d_out)[:r]
+    oa, ob = int(view.offsets_a[slot]), int(view.offsets_b[slot])
+    a = view.buffer[oa : oa + r * view.d_in].view(r, view.d_in)
+    bt = view.buffer[ob : ob + r * view.d_out].view(r, view.d_out)
     return a, bt, float(view.scalings[slot]), r
 
 

@@ -1,4 +1,4 @@
-"""Triton SGMV kernels: LoRA shrink and expand for a batch of per-token adapter slots, read from the paged pool.
+"""Triton SGMV kernels: LoRA shrink and expand for a batch of per-token adapter slots, read from the adapter pool.
 
 Semantics (``lora_apply`` in ``multilora.kernels.lora``; slice ``i`` owns columns ``[c_i, c_i + d_out_i)`` of y)::
 
@@ -7,13 +7,14 @@ Semantics (``lora_apply`` in ``multilora.kernels.lora``; slice ``i`` owns column
         y[t, c_i : c_i + d_out_i] += scalings_i[s] * v[t, i, :r] @ B_i[s].T     # expand, in place
     rows with s == -1 (and slices with r == 0) are never read or written.
 
-``A_i[s]`` row ``j`` and ``B_i[s]^T`` row ``j`` live on page ``page_table[s, j // R]`` at row ``j % R``
-(layout and worked example: ``multilora.memory.pool``), so a rank tile may span pages and every rank-row
-finds its own page. Rank loops stop at the slot's real rank ``r``: bytes and work are proportional to ``r``.
-Per-slice values (offsets in a page, widths, columns) come from ``LoRASlices.table``, read beside the chunk's
-slot; the slot's rank and scaling sit ``meta_stride`` elements apart per slice, and an output tile's slice comes
-from three host-computed tile boundaries (``tile_ends``), so no table read gates a load that needs the slot. A
-fused group of 1 to ``MAX_SLICES`` slices is one shrink and one expand launch.
+``A_i[s]`` row ``j`` is ``buffer[offsets_a_i[s] + j * d_in ...]`` and ``B_i[s]^T`` row ``j`` is
+``buffer[offsets_b_i[s] + j * d_out_i ...]`` (layout and worked example: ``multilora.memory.pool``): one offset
+per (slot, slice), loaded beside the rank, then contiguous rows (``_rank_rows``). Rank loops stop at the slot's
+real rank ``r``: bytes and work are proportional to ``r``. Per-slice widths and columns come from
+``LoRASlices.table``; the slot's rank, scaling and offsets sit ``meta_stride`` elements apart per slice, and an
+output tile's slice comes from three host-computed tile boundaries (``tile_ends``), so no table read gates a
+load that needs the slot. Offsets and widths are declared multiples of ``LoRASlices.align``. A fused group of 1
+to ``MAX_SLICES`` slices is one shrink and one expand launch.
 
 One kernel family serves prefill (SGMV) and decode (BGMV). Each program takes one chunk of the plan's chunk
 table (``LoRAPlan``: at most ``block_m`` tokens of one slot, worked example there). The grid is
@@ -23,8 +24,8 @@ The launchers read nothing back from the device, so a decode step can be capture
 replayed with the plan's tensors rewritten in place.
 
 Shrink writes an fp32 intermediate ``v`` of shape ``[SPLIT_K, num_slices, T, RMAX]`` (``RMAX`` = the pool's
-``max_pages_per_slot * R``); split-K partials are summed by expand, so nothing needs zeroing and results are
-deterministic. The per-slot scaling is applied inside expand; pages never hold scaled weights.
+``max_rank``); split-K partials are summed by expand, so nothing needs zeroing and results are
+deterministic. The per-slot scaling is applied inside expand; the pool never holds scaled weights.
 
 A one-launch shrink + expand kernel was tried and is off by default: ``multilora.kernels.experimental``.
 """
@@ -47,7 +48,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Building blocks (inlined by Triton), shared with ``multilora.kernels.experimental.lora_fused``.
 @triton.jit
 def _field(tab_ptr, f: tl.constexpr, sid, NUM_SLICES: tl.constexpr, ALIGN: tl.constexpr):
-    """Field ``f`` of slice ``sid`` from the ``[4, NUM_SLICES]`` table, declared a multiple of ``ALIGN``
+    """Field ``f`` of slice ``sid`` from the ``[2, NUM_SLICES]`` table, declared a multiple of ``ALIGN``
     (``LoRASlices.align``): values read from memory carry no divisibility the compiler can see, and without it
     the row loads and stores are not vectorised."""
     return tl.multiple_of(tl.load(tab_ptr + f * NUM_SLICES + sid), ALIGN)
@@ -58,11 +59,11 @@ def _tile_slice(tab_ptr, tile, e0, e1, e2, NUM_SLICES: tl.constexpr, ALIGN: tl.c
     """Map ``tile``, an index over the output tiles of all slices (slice after slice), to its slice from the
     host's tile boundaries ``e0 <= e1 <= e2`` (one past the last tile of slices 0, 1, 2; ``tile_ends``), with no
     memory read; then read the slice's fields (loads that do not depend on the slot: issued alongside it).
-    Returns (slice id, tile within the slice, offset_b, d_out, col)."""
+    Returns (slice id, tile within the slice, d_out, col)."""
     sid = (tile >= e0).to(tl.int32) + (tile >= e1).to(tl.int32) + (tile >= e2).to(tl.int32)
     first = tl.where(sid == 0, 0, tl.where(sid == 1, e0, tl.where(sid == 2, e1, e2)))
-    return (sid, tile - first, _field(tab_ptr, 1, sid, NUM_SLICES, ALIGN),
-            _field(tab_ptr, 2, sid, NUM_SLICES, ALIGN).to(tl.int32), _field(tab_ptr, 3, sid, NUM_SLICES, ALIGN).to(tl.int32))
+    return (sid, tile - first, _field(tab_ptr, 0, sid, NUM_SLICES, ALIGN).to(tl.int32),
+            _field(tab_ptr, 1, sid, NUM_SLICES, ALIGN).to(tl.int32))
 
 
 def tile_ends(slices: LoRASlices, tile_n: int) -> list[int]:
@@ -84,11 +85,17 @@ def _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _rank_rows(buf_ptr, pt_row, j, j_mask, page_rows, page_elems, offset, width):
-    """Pointers to rank-rows ``j`` of one slot's region at ``offset`` in a page (rows of ``width``): row ``j``
-    lives on page ``pt_row[j // page_rows]`` (``pt_row``: the slot's page-table row) at row ``j % page_rows``."""
-    page = tl.load(pt_row + j // page_rows, mask=j_mask, other=0)
-    return buf_ptr + (page.to(tl.int64) * page_elems + offset + (j % page_rows).to(tl.int64) * width)
+def _slot_offset(off_ptr, sid, meta_stride, slot, ALIGN: tl.constexpr):
+    """The int64 element offset of slice ``sid``'s region of ``slot`` in the pool buffer (``offsets_a`` or
+    ``offsets_b``), declared a multiple of ``ALIGN`` (``LoRASlices.align``, which the pool's layout holds)."""
+    return tl.multiple_of(tl.load(off_ptr + sid * meta_stride + slot), ALIGN)
+
+
+@triton.jit
+def _rank_rows(buf_ptr, offset, j, width):
+    """Pointers to rank-rows ``j`` of one slot's region: row ``j`` starts ``j * width`` elements after the region's
+    ``offset`` (int64) in the flat pool buffer (``multilora.memory.pool``)."""
+    return buf_ptr + (offset + j.to(tl.int64) * width)
 
 
 @triton.jit
@@ -127,11 +134,11 @@ def _add_scaled(y_ptr, stride_ym, tok, m_mask, n, n_mask, scale, acc):
 @triton.jit
 def _sgmv_shrink_kernel(
     # pointers
-    x_ptr, buf_ptr, pt_ptr, ranks_ptr, tab_ptr, v_ptr, chunks_ptr,
+    x_ptr, buf_ptr, offa_ptr, ranks_ptr, v_ptr, chunks_ptr,
     # sizes
-    T, d_in, page_elems, page_rows, k_per_split, meta_stride,
+    T, d_in, k_per_split, meta_stride,
     # strides
-    stride_xm, stride_pt, stride_c,
+    stride_xm, stride_c,
     # meta
     NUM_SLICES: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr,
@@ -140,10 +147,10 @@ def _sgmv_shrink_kernel(
     sid = tl.program_id(0) % NUM_SLICES
     split = tl.program_id(1)
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
-    off_a = _field(tab_ptr, 0, sid, NUM_SLICES, ALIGN)  # does not depend on the slot: loaded alongside it
     if slot < 0:
         return
     r = tl.load(ranks_ptr + sid * meta_stride + slot)  # no table read on the way to the rank
+    off_a = _slot_offset(offa_ptr, sid, meta_stride, slot, ALIGN)  # independent of r: loaded alongside it
     if r == 0:
         return
     tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
@@ -151,11 +158,10 @@ def _sgmv_shrink_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, d_in)
     x_rows = x_ptr + tok[:, None] * stride_xm  # [BLOCK_M, 1]
     v_rows = v_ptr + ((split * NUM_SLICES + sid).to(tl.int64) * T + tok[:, None]) * RMAX
-    pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
     for j0 in range(0, r, BLOCK_R):
         j = j0 + tl.arange(0, BLOCK_R)
         j_mask = j < r
-        a_rows = _rank_rows(buf_ptr, pt_row, j, j_mask, page_rows, page_elems, off_a, d_in)
+        a_rows = _rank_rows(buf_ptr, off_a, j, d_in)
         acc = _shrink_tile(x_rows, a_rows, m_mask, j_mask, k_lo, k_hi, BLOCK_M, BLOCK_R, BLOCK_K, IEEE)
         tl.store(v_rows + j[None, :], acc, mask=m_mask[:, None] & j_mask[None, :])
 
@@ -163,11 +169,11 @@ def _sgmv_shrink_kernel(
 @triton.jit
 def _sgmv_expand_kernel(
     # pointers
-    y_ptr, buf_ptr, pt_ptr, ranks_ptr, scal_ptr, tab_ptr, v_ptr, chunks_ptr,
+    y_ptr, buf_ptr, offb_ptr, ranks_ptr, scal_ptr, tab_ptr, v_ptr, chunks_ptr,
     # sizes
-    T, page_elems, page_rows, e0, e1, e2, meta_stride,
+    T, e0, e1, e2, meta_stride,
     # strides
-    stride_ym, stride_pt, stride_c,
+    stride_ym, stride_c,
     # meta
     NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr,
@@ -175,22 +181,22 @@ def _sgmv_expand_kernel(
     chunk = tl.program_id(0)
     tile = tl.program_id(1)  # n tiles of all slices, slice after slice
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
-    sid, n_tile, off_b, d_out, col = _tile_slice(tab_ptr, tile, e0, e1, e2, NUM_SLICES, ALIGN)
+    sid, n_tile, d_out, col = _tile_slice(tab_ptr, tile, e0, e1, e2, NUM_SLICES, ALIGN)
     if slot < 0:
         return
     r = tl.load(ranks_ptr + sid * meta_stride + slot)
+    off_b = _slot_offset(offb_ptr, sid, meta_stride, slot, ALIGN)
+    scale = tl.load(scal_ptr + sid * meta_stride + slot)
     if r == 0:
         return
-    scale = tl.load(scal_ptr + sid * meta_stride + slot)
     tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
     n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < d_out
-    pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j0 in range(0, r, BLOCK_R):
         j = j0 + tl.arange(0, BLOCK_R)
         j_mask = j < r
-        b_rows = _rank_rows(buf_ptr, pt_row, j, j_mask, page_rows, page_elems, off_b, d_out)
+        b_rows = _rank_rows(buf_ptr, off_b, j, d_out)
         bt = tl.load(b_rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
         vm = m_mask[:, None] & j_mask[None, :]
         vt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -222,7 +228,7 @@ def num_chunks(plan: LoRAPlan, slices: LoRASlices) -> int:
     """The grid's chunk count: ``min(T, cdiv(T, block_m) + max_slots)``, enough for any grouping of T tokens
     (a function of the token count and the pool only, so CUDA-graph safe)."""
     T = plan.num_tokens
-    return min(T, triton.cdiv(T, plan.block_m) + slices.page_table.shape[0])
+    return min(T, triton.cdiv(T, plan.block_m) + slices.max_slots)
 
 
 def check_io(slices: LoRASlices, plan: LoRAPlan, **tensors: torch.Tensor) -> None:
@@ -268,9 +274,9 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
     v_out = torch.empty(split, S, T, rmax, dtype=torch.float32, device=x.device)
     extra = {} if num_stages is None else {"num_stages": num_stages}
     _sgmv_shrink_kernel[(chunks * S, split)](
-        x, slices.buffer, slices.page_table, slices.ranks, slices.table, v_out, plan.chunks,
-        T, d_in, slices.page_elems, slices.page_rows, k_per, slices.meta_stride,
-        x.stride(0), slices.page_table.stride(0), plan.chunks.stride(0),
+        x, slices.buffer, slices.offsets_a, slices.ranks, v_out, plan.chunks,
+        T, d_in, k_per, slices.meta_stride,
+        x.stride(0), plan.chunks.stride(0),
         NUM_SLICES=S, RMAX=rmax, BLOCK_M=plan.block_m, BLOCK_R=16, BLOCK_K=block_k, ALIGN=slices.align,
         IEEE=x.dtype == torch.float32, num_warps=num_warps, **extra,
     )
@@ -290,9 +296,9 @@ def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan
         num_stages = 2
     extra = {} if num_stages is None else {"num_stages": num_stages}
     _sgmv_expand_kernel[(num_chunks(plan, slices), tiles)](
-        y, slices.buffer, slices.page_table, slices.ranks, slices.scalings, slices.table, v, plan.chunks,
-        T, slices.page_elems, slices.page_rows, *tile_ends(slices, block_n), slices.meta_stride,
-        y.stride(0), slices.page_table.stride(0), plan.chunks.stride(0),
+        y, slices.buffer, slices.offsets_b, slices.ranks, slices.scalings, slices.table, v, plan.chunks,
+        T, *tile_ends(slices, block_n), slices.meta_stride,
+        y.stride(0), plan.chunks.stride(0),
         NUM_SLICES=S, SPLIT_K=split, RMAX=rmax, BLOCK_M=plan.block_m,
         BLOCK_N=block_n, BLOCK_R=16, ALIGN=slices.align, IEEE=y.dtype == torch.float32, num_warps=num_warps,
         **extra,

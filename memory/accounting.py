@@ -693,9 +693,9 @@ def _budget(view: _DeviceView, o: MemoryPlanOptions) -> tuple[int, Bound, Bound]
 _LIVE_PARTS = (
     ("adapter pool", "max_adapter_pool_bytes; multilora memory --adapter-pool-bytes",
      "min_adapter_pool_bytes; --min-adapter-bytes",
-     "one max-size adapter; the engine's is pages per adapter x page bytes, with pages per adapter = "
-     "ceil(max_lora_rank / page_rows) and page bytes = page_rows x layers x sum over the target modules of "
-     "(d_in + d_out) x dtype bytes"),
+     "one max-size adapter; the engine's is the largest adapter max_lora_rank allows, max_lora_rank on every "
+     "target module of every layer: layers x sum over the target modules of ceil(max_lora_rank x (d_in + d_out) "
+     "/ 64) pages x page bytes (64 elements x dtype bytes)"),
     ("KV", "max_kv_bytes; multilora memory --kv-bytes", "min_kv_bytes; --min-kv-bytes",
      "KV for one max-length sequence; the engine's is (ceil(max_seq_len / kv_block_size) + 1) x block bytes, "
      "the null block included"),

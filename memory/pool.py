@@ -1,61 +1,87 @@
-"""The paged adapter weight pool: one buffer of device memory, cut into pages, indexed by slot.
+"""The adapter weight pool: one flat buffer of device memory holding every resident adapter at its exact size.
 
 Layout (the contract between this pool and the kernels in ``multilora.kernels``)
 ---------------------------------------------------------------------------------
-The pool is ONE tensor ``buffer`` of shape ``[num_pages, page_elems]`` (dtype = model dtype), allocated
-once. A *page* holds ``page_rows`` (R) consecutive **rank-rows** of one adapter, for EVERY layer and
-every target module, so a rank-r adapter owns ``ceil(r_max / R)`` pages (``r_max`` = its largest rank
-over modules) and any free page can serve any adapter: churn never fragments the pool.
+The pool is ONE 1-D tensor ``buffer`` of ``num_pages * PAGE_ELEMS`` elements (dtype = model dtype), allocated
+once. A **page** is ``PAGE_ELEMS = 64`` elements (128 B in bf16/fp16, 256 B in fp32): the unit of allocation.
+A resident adapter owns ONE **extent**: a run of consecutive pages holding its **image**, which is, for each
+(layer, module) it targets (layers outermost, modules in ``TARGET_MODULES`` order), with ``r`` = the rank of
+THAT module::
 
-Inside a page, for layer ``l`` and module ``m`` (in ``TARGET_MODULES`` order, layers outermost)::
+    [ A: r x d_in ][ B^T: r x d_out ][ zeros up to the next page boundary ]       (row-major)
 
-    [ A rows: R x d_in(m) ][ B^T rows: R x d_out(m) ]      (row-major)
+where ``A`` is PEFT's ``lora_A.weight`` [r, d_in] and ``B`` is ``lora_B.weight`` [d_out, r] (stored transposed,
+so the expand kernel reads rows of B^T contiguously). Modules and layers the adapter does not target take no
+space. Per-(layer, module, slot) metadata, on the pool's device, say where each region is::
 
-so with ``S(m) = d_in(m) + d_out(m)`` and ``W = sum_m S(m)``::
+    ranks     int32   [num_layers, 7, max_slots]   0 = the slot's adapter does not touch (l, m)
+    scalings  float32 [num_layers, 7, max_slots]   lora_alpha / r (rsLoRA: / sqrt(r)); applied by the kernels
+    offsets_a int64   [num_layers, 7, max_slots]   element offset of A in ``buffer`` (a multiple of PAGE_ELEMS)
+    offsets_b int64   [num_layers, 7, max_slots]   = offsets_a + r * d_in
 
-    offset_a(l, m) = R * (l * W + sum_{m' < m} S(m'))
-    offset_b(l, m) = offset_a(l, m) + R * d_in(m)
-    page_elems     = R * num_layers * W
+Element addresses (int64: pools exceed 2^31 elements)::
 
-Element addresses (int64: ``num_pages * page_elems`` exceeds 2^31 on large pools)::
+    A[slot](l, m)[j, k] = buffer[offsets_a[l, m, slot] + j * d_in  + k]
+    B[slot](l, m)[n, j] = buffer[offsets_b[l, m, slot] + j * d_out + n]
 
-    A[slot](l, m)[j, k]   = buffer.flat[page_table[slot, j // R] * page_elems + offset_a(l, m) + (j % R) * d_in  + k]
-    B[slot](l, m)[n, j]   = buffer.flat[page_table[slot, j // R] * page_elems + offset_b(l, m) + (j % R) * d_out + n]
+so a kernel reads one offset per (slot, module), beside the rank, and then walks contiguous rows: there is no
+per-rank-row indirection. Rows ``j >= r`` do not exist (no padding of ranks: bytes and reads are proportional to
+each module's real rank); the image never holds scaled weights.
 
-where ``A`` is PEFT's ``lora_A.weight`` [r, d_in] and ``B`` is ``lora_B.weight`` [d_out, r] (stored
-transposed, so the expand kernel reads rows of B^T contiguously). Rank-rows ``j >= rank(l, m)`` of an
-adapter's last page are never read; pages never hold scaled weights: the per-(layer, module, slot)
-``scalings`` are applied by the kernels.
+Alignment. Each (layer, module) starts on a page boundary, so ``offsets_a`` is a multiple of 64 elements and
+``offsets_b`` a multiple of ``gcd(64, d_in)``; the kernels declare their offsets a multiple of
+``LoRASlices.align`` (a power of two up to 16 dividing d_in, every d_out and column, and 64), which this holds.
 
-Worked example (SmolLM2-135M: 30 layers, hidden 576, q 576, k/v 192, MLP 1536; R = 8):
-``S = [1152, 768, 768, 1152, 2112, 2112, 2112]``, ``W = 10176``, ``page_elems = 8 * 30 * 10176 =
-2,442,240`` (9.8 MB in fp32). An adapter with r = 16 owns 2 pages, say ``page_table[slot] = [5, 2, -1, ...]``.
-Its k_proj A row j = 11 of layer 1 lives on page ``page_table[slot, 1] = 2`` at
-``offset_a(1, k_proj) = 8 * (1 * 10176 + 1152) = 90,624``, row ``11 % 8 = 3``: elements
-``2 * 2,442,240 + 90,624 + 3 * 576 + [0, 576)``.
+Occupancy. An adapter takes ``sum over its (l, m) of ceil(r * (d_in + d_out) / 64)`` pages: its weight bytes in
+the pool dtype plus less than one page of padding per (layer, module) it targets, zero when
+``r * (d_in + d_out)`` is a multiple of 64 (every module of every Llama-family model: their widths are).
 
-Metadata tensors (on the pool's device):
+Worked example (SmolLM2-135M: 30 layers, hidden 576, q 576, k/v 192, MLP 1536; bf16). An adapter with
+q_proj and v_proj at r = 8 on every layer has images of 8 * (576 + 576) = 9216 (144 pages) and
+8 * (576 + 192) = 6144 (96 pages) elements per layer: 30 * 240 = 7200 pages = 921,600 B, exactly its weights.
+Loaded at page 1000 into slot 3: layer 1's v_proj A is at ``offsets_a[1, v, 3] = (1000 + 240 + 144) * 64 =
+88,576``, its B^T at ``offsets_b[1, v, 3] = 88,576 + 8 * 576 = 93,184``; row j = 5 of A is elements
+``88,576 + 5 * 576 + [0, 576)``.
 
-- ``page_table``: int32 ``[max_slots, max_pages_per_slot]``, ``-1`` = unused entry.
-- ``ranks``: int32 ``[num_layers, 7, max_slots]``; 0 = the slot's adapter does not touch (l, m).
-- ``scalings``: float32 ``[num_layers, 7, max_slots]`` (lora_alpha / r, or / sqrt(r) for rsLoRA).
+Allocation and compaction
+-------------------------
+Extents are placed first fit over a sorted list of free holes (pages); freeing merges a hole with its
+neighbours. When a load finds no hole large enough but the free pages suffice, the pool **compacts**: it slides
+every live extent down to the lowest free page in address order (device copies on the current stream, each
+overlap-safe) and rewrites the moved slots' ``offsets_a`` / ``offsets_b`` in place, leaving one hole at the top.
+So churn never leaves memory unusable: a load fails only when the pages or the slots do not suffice. The
+metadata tensors are never reallocated, so CUDA graphs and kernels, which read them in place at every launch,
+see the new offsets at the next step; the moves are ordered after earlier work on the current stream (kernels
+of the previous step still reading the old places) and before later work.
 
-The pool is the only owner of device memory for adapter weights: ``load`` copies into pages and keeps
-no reference to the source tensors.
+Asynchronous loads. ``load(..., stream=s)`` copies on side stream ``s`` and records an event; compaction first
+makes the current stream wait on every such event still pending (so no extent moves before its copy landed),
+and a later side-stream load waits on the last compaction (so its copy cannot land in a place that a move is
+still reading). ``free`` of a slot whose copy is pending makes the current stream wait on it too, so the next
+owner's copy cannot be overtaken. Nothing here synchronises the host.
+
+The pool is the only owner of device memory for adapter weights: ``load`` copies the image and keeps no
+reference to the source tensors.
 """
 
 from __future__ import annotations
 
-import math
+import bisect
 import threading
 from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Any, Mapping, Protocol
 
 import torch
 
 from multilora.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
 from multilora.kernels.lora import LoRAModuleView
+
+#: Elements per page: the allocation unit and the alignment of every (layer, module) region.
+PAGE_ELEMS = 64
+
+#: Slots of a pool built without ``max_slots`` (metadata is 24 bytes per slot and (layer, module)).
+DEFAULT_MAX_SLOTS = 256
 
 
 class PoolFullError(RuntimeError):
@@ -65,7 +91,7 @@ class PoolFullError(RuntimeError):
 class ModuleWeights(Protocol):
     """One (layer, module) of an adapter as ``pack`` reads it (``runtime.adapters.LoRAModuleWeights``)."""
 
-    a: torch.Tensor  # [r, d_in], PEFT's lora_A.weight
+    a: torch.Tensor  # [r, d_in], PEFT's lora_A.weight (a meta tensor is enough for sizes)
     b: torch.Tensor  # [d_out, r], PEFT's lora_B.weight
     scaling: float
 
@@ -85,64 +111,90 @@ def host_footprint(nbytes: int, pinned: bool) -> int:
 
     Pinned tensors (``pin_memory=True``) come from torch's caching host allocator, which rounds every block up
     to the next power of two (``PowerOf2Ceil`` in ``aten/src/ATen/core/CachingHostAllocator.h``, torch 2.4-2.11
-    default), so an 84 MB Llama-3-8B rank-16 page image pins 128 MiB. Pageable memory is counted as asked.
+    default), so an 84 MB Llama-3-8B rank-16 image pins 128 MiB. Pageable memory is counted as asked.
     """
     if not pinned or nbytes <= 0:
         return max(nbytes, 0)
     return 1 << (nbytes - 1).bit_length()
 
 
+def _pages(elems: int) -> int:
+    return -(-elems // PAGE_ELEMS)
+
+
+def image_layout(config: ModelConfig, ranks: Mapping[tuple[int, str], int]) -> tuple[dict[tuple[int, str], int], int]:
+    """Where each (layer, module) of an adapter with these per-module ``ranks`` sits in its image:
+    ``(offsets of A relative to the image start, image pages)``, in layer then ``TARGET_MODULES`` order."""
+    offsets: dict[tuple[int, str], int] = {}
+    pos = 0
+    for key in sorted(ranks, key=lambda lm: (lm[0], MODULE_INDEX[lm[1]])):
+        d_in, d_out = config.module_shape(key[1])
+        offsets[key] = pos * PAGE_ELEMS
+        pos += _pages(ranks[key] * (d_in + d_out))
+    return offsets, pos
+
+
+def max_adapter_pages(config: ModelConfig, max_rank: int) -> int:
+    """Pages of the largest adapter ``max_rank`` allows: every target module of every layer at ``max_rank``:
+    ``layers * sum over the 7 modules of ceil(max_rank * (d_in + d_out) / PAGE_ELEMS)``."""
+    return config.num_layers * sum(_pages(max_rank * sum(config.module_shape(m))) for m in TARGET_MODULES)
+
+
 @dataclass
 class PackedAdapter:
-    """An adapter laid out as the pool's pages, ready to copy in (the host tier's format).
+    """An adapter laid out as its pool image, ready to copy in (the host tier's format).
 
-    ``pages``: ``[num_pages, page_elems]`` in the pool dtype, on the CPU (pinned when the pool is on
-    CUDA, so host -> GPU copies can be asynchronous); ``ranks`` int32 / ``scalings`` float32
-    ``[num_layers, 7]``. Loading it is one contiguous copy per page plus the metadata.
+    ``data``: the image (module docstring), 1-D ``[num_pages * PAGE_ELEMS]`` in the pool dtype, on the CPU
+    (pinned when the pool is on CUDA, so the host -> GPU copy is one asynchronous copy); ``ranks`` int32 /
+    ``scalings`` float32 / ``offsets`` int64 (A's element offset relative to the image start; 0 where the rank
+    is 0) ``[num_layers, 7]``.
     """
 
-    pages: torch.Tensor
+    data: torch.Tensor
     ranks: torch.Tensor
     scalings: torch.Tensor
+    offsets: torch.Tensor
     max_rank: int
     name: str | None = None
 
     @property
     def num_pages(self) -> int:
-        return int(self.pages.shape[0])
+        return self.data.numel() // PAGE_ELEMS
 
     @property
     def nbytes(self) -> int:
-        return self.pages.numel() * self.pages.element_size()
+        """Bytes of the image: also what it occupies in the pool."""
+        return self.data.numel() * self.data.element_size()
 
     @property
     def footprint(self) -> int:
         """Host bytes the image holds (``host_footprint``: ``nbytes`` rounded up to a power of two when pinned):
         what the host tier's byte budget counts."""
-        return host_footprint(self.nbytes, self.pages.is_pinned())
+        return host_footprint(self.nbytes, self.data.is_pinned())
 
 
 class PagePacker:
-    """Builds one adapter's page image (a :class:`PackedAdapter`) module by module, copying straight from the
-    source tensors: one copy for A and one for B^T over a module's full pages (plus one each for a partial
-    last page). Sources may have any floating dtype; each value is rounded once, to the pool dtype.
+    """Builds one adapter's image (a :class:`PackedAdapter`) module by module, copying straight from the source
+    tensors: one copy for A and one for B^T per module. Sources may have any floating dtype; each value is rounded
+    once, to the pool dtype.
 
-    The image is allocated uninitialised (pinned when the pool is on CUDA) and every element is written
-    once: the rows a module has, zeros for its rank-rows ``>= r``, and zeros for the modules never ``put``
-    (in ``finish``), so the result equals ``torch.zeros`` + copies bit for bit without a zero-fill pass.
-    The copies are torch ops (they release the GIL). Not thread-safe; one packer per adapter (packers of
-    one pool may run in parallel threads).
+    The image is sized from the per-module ranks given up front, allocated uninitialised (pinned when the pool is
+    on CUDA) and every element is written once: the module's rows, then zeros up to its page boundary, so the
+    result equals ``torch.zeros`` + copies bit for bit without a zero-fill pass. ``finish`` refuses an image with
+    a declared module never ``put``. The copies are torch ops (they release the GIL). Not thread-safe; one packer
+    per adapter (packers of one pool may run in parallel threads).
     """
 
-    def __init__(self, pool: "AdapterPool", max_rank: int, name: str | None) -> None:
+    def __init__(self, pool: "AdapterPool", ranks: Mapping[tuple[int, str], int], name: str | None) -> None:
         self.pool = pool
         self.name = name
-        self.max_rank = max_rank
-        npg = pool.pages_for_rank(max_rank, pool.page_rows)
-        self.pages = torch.empty(npg, pool.page_elems, dtype=pool.dtype, pin_memory=pool.device.type == "cuda")
+        self._ranks = dict(ranks)
+        self._offsets, pages = image_layout(pool.config, self._ranks)
+        self.data = torch.empty(pages * PAGE_ELEMS, dtype=pool.dtype, pin_memory=pool.device.type == "cuda")
         nl, nm = pool.config.num_layers, len(TARGET_MODULES)
         self.ranks = torch.zeros(nl, nm, dtype=torch.int32)
         self.scalings = torch.zeros(nl, nm, dtype=torch.float32)
+        self.offsets = torch.zeros(nl, nm, dtype=torch.int64)
         self._written: set[tuple[int, str]] = set()
 
     def put(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
@@ -150,87 +202,95 @@ class PagePacker:
         transposed) into the image. The tensors are copied; they are not kept.
 
         Raises:
-            ValueError: shapes that do not fit the module, a rank above the packer's, or a module put twice.
+            ValueError: a module not declared, shapes that do not fit it (or another rank than declared), or a
+                module put twice.
         """
-        pool = self.pool
-        oa, ob, d_in, d_out = pool._layout[(layer, module)]
-        r = int(a.shape[0])
-        if a.shape != (r, d_in) or b.shape != (d_out, r) or not 0 < r <= self.max_rank:
+        d_in, d_out = self.pool.config.module_shape(module)
+        r = self._ranks.get((layer, module))
+        if r is None:
+            raise ValueError(f"adapter {self.name!r}: {module} of layer {layer} was not declared to the packer")
+        if tuple(a.shape) != (r, d_in) or tuple(b.shape) != (d_out, r):
             raise ValueError(
-                f"adapter {self.name!r}: {module} of layer {layer}: expected A [r, {d_in}] and B [{d_out}, r] with "
-                f"0 < r <= {self.max_rank}, got A {list(a.shape)} and B {list(b.shape)}"
+                f"adapter {self.name!r}: {module} of layer {layer}: expected A [{r}, {d_in}] and B [{d_out}, {r}] "
+                f"(r = {r} as declared), got A {list(a.shape)} and B {list(b.shape)}"
             )
         if (layer, module) in self._written:
             raise ValueError(f"adapter {self.name!r}: {module} of layer {layer} packed twice")
         self._written.add((layer, module))
-        R = pool.page_rows
-        pages = self.pages
-        pe = pages.shape[1]
-        # B is stored transposed: its copies are strided (element by element); narrowing the dtype first (one
-        # contiguous pass) makes them cheaper, widening happens in them (measured, bench/bench_adapter_load.py)
-        if pages.element_size() < b.element_size():
-            b = b.to(pages.dtype)
-        bt = b.t()  # [r, d_out]
-        full = r // R  # page p holds rank-rows p*R .. p*R + R - 1: pages [0, full) are full, one copy for all
-        if full:  # (as_strided: the same views as slicing + view, in one call; this runs ~10^3 times per adapter)
-            s0, s1 = b.stride()
-            pages.as_strided((full, R, d_in), (pe, d_in, 1), oa).copy_(a[: full * R].reshape(full, R, d_in))
-            pages.as_strided((full, R, d_out), (pe, d_out, 1), ob).copy_(
-                b.as_strided((full, R, d_out), (R * s1, s1, s0), b.storage_offset()))
-        rows = r - full * R
-        if rows:  # the last, partial page: its rows, then zeros for rank-rows >= r
-            page = pages[full]
-            page[oa : oa + rows * d_in].view(rows, d_in).copy_(a[full * R :])
-            page[ob : ob + rows * d_out].view(rows, d_out).copy_(bt[full * R :])
-            page[oa + rows * d_in : oa + R * d_in].zero_()
-            page[ob + rows * d_out : ob + R * d_out].zero_()
-            full += 1
-        if full < pages.shape[0]:  # pages past this module's rank (another module has a larger one): zeros
-            pages[full:, oa : oa + R * d_in].zero_()
-            pages[full:, ob : ob + R * d_out].zero_()
+        data = self.data
+        # B is stored transposed: its copy is strided (element by element); narrowing the dtype first (one
+        # contiguous pass) makes it cheaper, widening happens in it (measured, bench/bench_adapter_load.py)
+        if data.element_size() < b.element_size():
+            b = b.to(data.dtype)
+        oa = self._offsets[(layer, module)]
+        ob = oa + r * d_in
+        end = ob + r * d_out
+        data[oa:ob].view(r, d_in).copy_(a)
+        data[ob:end].view(r, d_out).copy_(b.t())
+        data[end : oa + _pages(end - oa) * PAGE_ELEMS].zero_()  # to the page boundary: never read
         mi = MODULE_INDEX[module]
         self.ranks[layer, mi] = r
         self.scalings[layer, mi] = float(scaling)
+        self.offsets[layer, mi] = oa
 
     def finish(self) -> PackedAdapter:
-        """Zero the regions of the modules never ``put`` (rank 0, never read) and return the image."""
-        pool = self.pool
-        R = pool.page_rows
-        start = None  # coalesce runs of untouched modules: they are contiguous in the layout
-        end = 0
-        for layer in range(pool.config.num_layers):
-            for module in TARGET_MODULES:
-                lo = pool.offset_a(layer, module)
-                hi = lo + R * sum(pool.config.module_shape(module))
-                if (layer, module) in self._written:
-                    if start is not None:
-                        self.pages[:, start:end].zero_()
-                        start = None
-                    continue
-                if start is None:
-                    start = lo
-                end = hi
-        if start is not None:
-            self.pages[:, start:end].zero_()
-        return PackedAdapter(pages=self.pages, ranks=self.ranks, scalings=self.scalings,
-                             max_rank=int(self.ranks.max()), name=self.name)
+        """The image, once every declared module was ``put``.
+
+        Raises:
+            ValueError: a declared module was never put (its region would hold uninitialised memory).
+        """
+        missing = sorted(set(self._ranks) - self._written, key=lambda lm: (lm[0], MODULE_INDEX[lm[1]]))
+        if missing:
+            layer, module = missing[0]
+            raise ValueError(f"adapter {self.name!r}: {len(missing)} declared module(s) never packed, the first "
+                             f"{module} of layer {layer}")
+        return PackedAdapter(data=self.data, ranks=self.ranks, scalings=self.scalings, offsets=self.offsets,
+                             max_rank=int(self.ranks.max()) if self.ranks.numel() else 0, name=self.name)
+
+
+class StreamOrder:
+    """How the pool orders its copies against side streams: CUDA events (no host sync). For a CPU pool every copy
+    is synchronous and these are no-ops. Tests substitute a recording fake to check the ordering logic."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def on(self, stream: Any):
+        """Context in which copies go to ``stream`` (None: the current stream)."""
+        return torch.cuda.stream(stream) if stream is not None and self.cuda else _nullcontext()
+
+    def record(self, stream: Any = None) -> Any:
+        """An event after the work queued so far on ``stream`` (None: the current stream); None on a CPU pool."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        return ev
+
+    def wait(self, event: Any, stream: Any = None) -> None:
+        """Make ``stream`` (None: the current stream) wait for ``event``."""
+        if event is not None and self.cuda:
+            (stream if stream is not None else torch.cuda.current_stream(self.device)).wait_event(event)
 
 
 class AdapterPool:
-    """A fixed pool of ``num_pages`` pages for adapter weights (layout in the module docstring).
+    """A fixed pool of ``num_pages`` pages for adapter weights, one exact-size extent per resident adapter
+    (layout, compaction and stream ordering in the module docstring).
 
     Args:
         config: the base model's configuration (layers, module shapes).
-        num_pages: pages in the pool; the pool takes ``num_pages * page_bytes`` bytes, allocated now.
-        page_rows: rank-rows per page (R). A rank-r adapter wastes less than one page.
-        max_rank: the largest rank an adapter may have (sets ``max_pages_per_slot``).
-        max_slots: most adapters resident at once (default: ``num_pages``).
+        num_bytes: the pool's size; it takes ``num_bytes // page_bytes`` pages (``page_bytes = PAGE_ELEMS`` x
+            element size), allocated now.
+        max_rank: the largest rank an adapter may have (sets the rows of the kernels' rank intermediate).
+        max_slots: most adapters resident at once (default ``DEFAULT_MAX_SLOTS``).
         dtype, device: of the buffer (the model's).
+        order: how copies are ordered against side streams (default ``StreamOrder(device)``; tests pass fakes).
 
     Raises:
-        ValueError: a non-positive size.
+        ValueError: a non-positive size, or ``num_bytes`` below one page.
 
-    Thread safety: ``load``/``free`` hold an internal lock; readers of the metadata tensors must not
+    Thread safety: ``load``/``free``/``compact`` hold an internal lock; readers of the metadata tensors must not
     race with ``free`` of a slot they use (the adapter cache guarantees this with refcounts).
     """
 
@@ -238,207 +298,315 @@ class AdapterPool:
         self,
         config: ModelConfig,
         *,
-        num_pages: int,
-        page_rows: int = 8,
+        num_bytes: int,
         max_rank: int = 256,
         max_slots: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        order: StreamOrder | None = None,
     ) -> None:
-        for arg, val in (("num_pages", num_pages), ("page_rows", page_rows), ("max_rank", max_rank)):
-            if not isinstance(val, int) or val <= 0:
+        max_slots = DEFAULT_MAX_SLOTS if max_slots is None else max_slots
+        for arg, val in (("num_bytes", num_bytes), ("max_rank", max_rank), ("max_slots", max_slots)):
+            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
                 raise ValueError(f"AdapterPool: {arg} must be a positive int, got {val!r}")
         self.config = config
-        self.page_rows = page_rows
         self.max_rank = max_rank
-        self.num_pages = num_pages
-        self.max_slots = max_slots if max_slots is not None else num_pages
-        if self.max_slots <= 0:
-            raise ValueError(f"AdapterPool: max_slots must be positive, got {self.max_slots}")
-        self.max_pages_per_slot = math.ceil(max_rank / page_rows)
+        self.max_slots = max_slots
         self.dtype = dtype
         self.device = torch.device(device)
+        self.page_elems = PAGE_ELEMS
+        self.num_pages = num_bytes // self.page_bytes
+        if self.num_pages < 1:
+            raise ValueError(f"AdapterPool: num_bytes={num_bytes} is below one page ({self.page_bytes} bytes)")
+        self.order = order if order is not None else StreamOrder(self.device)
 
-        sizes = [sum(config.module_shape(m)) for m in TARGET_MODULES]
-        self._layer_width = sum(sizes)
-        prefix = [0]
-        for s in sizes[:-1]:
-            prefix.append(prefix[-1] + s)
-        self._module_prefix = prefix
-        self.page_elems = page_rows * config.num_layers * self._layer_width
-        #: (layer, module) -> (offset_a, offset_b, d_in, d_out), for the packer's per-module hot path
-        self._layout = {(layer, m): (self.offset_a(layer, m), self.offset_b(layer, m), *config.module_shape(m))
-                        for layer in range(config.num_layers) for m in TARGET_MODULES}
-
-        # Uninitialised on purpose (no pages touched until used): ``load`` writes every row a kernel may
-        # read (rank-rows >= r of a written module are zero-filled up to the page boundary; modules an
-        # adapter does not touch have rank 0 and are never read).
-        self.buffer = torch.empty(num_pages, self.page_elems, dtype=dtype, device=self.device)
+        # Uninitialised on purpose: ``load`` writes a whole image (its padding included) before any slot reads it.
+        self.buffer = torch.empty(self.num_pages * PAGE_ELEMS, dtype=dtype, device=self.device)
         nl, nm = config.num_layers, len(TARGET_MODULES)
-        self.page_table = torch.full(
-            (self.max_slots, self.max_pages_per_slot), -1, dtype=torch.int32, device=self.device
-        )
-        self.ranks = torch.zeros(nl, nm, self.max_slots, dtype=torch.int32, device=self.device)
-        self.scalings = torch.zeros(nl, nm, self.max_slots, dtype=torch.float32, device=self.device)
+        self.ranks = torch.zeros(nl, nm, max_slots, dtype=torch.int32, device=self.device)
+        self.scalings = torch.zeros(nl, nm, max_slots, dtype=torch.float32, device=self.device)
+        self.offsets_a = torch.zeros(nl, nm, max_slots, dtype=torch.int64, device=self.device)
+        self.offsets_b = torch.zeros(nl, nm, max_slots, dtype=torch.int64, device=self.device)
+        self._d_in = torch.tensor([config.module_shape(m)[0] for m in TARGET_MODULES], dtype=torch.int64)
 
-        self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives low pages first
-        self._free_slots: list[int] = list(range(self.max_slots - 1, -1, -1))
-        self._slot_pages: dict[int, list[int]] = {}
-        self._lock = threading.Lock()
+        self._holes: list[list[int]] = [[0, self.num_pages]]  # [start, pages], sorted by start, never adjacent
+        self._free_slots: list[int] = list(range(max_slots - 1, -1, -1))  # pop() gives low slots first
+        self._extents: dict[int, tuple[int, int]] = {}  # slot -> (first page, pages)
+        self._meta: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> host (ranks, relative offsets)
+        self._pending: dict[int, Any] = {}  # slot -> event of its side-stream copy
+        self._last_compaction: Any = None  # event after the last compaction's moves
+        self.compactions = 0
+        self.bytes_moved = 0
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ accounting
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page (``page_elems * element size``)."""
-        return self.page_elems * self.buffer.element_size()
+        """Bytes of one page (``PAGE_ELEMS * element size``)."""
+        return PAGE_ELEMS * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def bytes_total(self) -> int:
         return self.num_pages * self.page_bytes
 
     @property
-    def pages_used(self) -> int:
-        return self.num_pages - len(self._free_pages)
+    def pages_free(self) -> int:
+        return sum(n for _, n in self._holes)
 
     @property
-    def pages_free(self) -> int:
-        return len(self._free_pages)
+    def pages_used(self) -> int:
+        return self.num_pages - self.pages_free
+
+    @property
+    def bytes_used(self) -> int:
+        return self.pages_used * self.page_bytes
+
+    @property
+    def bytes_free(self) -> int:
+        return self.pages_free * self.page_bytes
+
+    @property
+    def largest_hole_pages(self) -> int:
+        """The largest run of free pages (what a load can take without compacting)."""
+        return max((n for _, n in self._holes), default=0)
 
     @property
     def slots_used(self) -> int:
-        return len(self._slot_pages)
+        return len(self._extents)
 
-    def pages_of(self, slot: int) -> list[int]:
-        """The page table of a resident slot (a copy), in rank-row order."""
-        return list(self._slot_pages[slot])
+    def extent_of(self, slot: int) -> tuple[int, int]:
+        """(first page, pages) of a resident slot's extent."""
+        return self._extents[slot]
+
+    def holes(self) -> list[tuple[int, int]]:
+        """The free runs ``(first page, pages)``, by address."""
+        return [(s, n) for s, n in self._holes]
 
     def resident_slots(self) -> list[int]:
-        return sorted(self._slot_pages)
-
-    @staticmethod
-    def pages_for_rank(rank: int, page_rows: int) -> int:
-        return max(1, math.ceil(rank / page_rows))
+        return sorted(self._extents)
 
     def pages_needed(self, adapter: "AdapterWeights") -> int:
-        """Pages an adapter takes: ``ceil(max rank over its modules / page_rows)``, at least 1."""
-        return self.pages_for_rank(adapter.max_rank, self.page_rows)
+        """Pages an adapter's image takes (module docstring, "Occupancy"); ``a`` may be a meta tensor."""
+        return image_layout(self.config, _module_ranks(adapter))[1]
+
+    def bytes_needed(self, adapter: "AdapterWeights") -> int:
+        return self.pages_needed(adapter) * self.page_bytes
+
+    @property
+    def max_adapter_pages(self) -> int:
+        """Pages of the largest adapter ``max_rank`` allows (``max_adapter_pages``)."""
+        return max_adapter_pages(self.config, self.max_rank)
 
     def can_fit(self, adapter: "AdapterWeights") -> bool:
-        return bool(self._free_slots) and self.pages_needed(adapter) <= len(self._free_pages)
+        """Whether ``load`` would succeed now (compacting if it has to)."""
+        return bool(self._free_slots) and self.pages_needed(adapter) <= self.pages_free
 
-    # ------------------------------------------------------------------ layout
-    def offset_a(self, layer: int, module: str) -> int:
-        """Element offset of (layer, module)'s A rows inside a page."""
-        return self.page_rows * (layer * self._layer_width + self._module_prefix[MODULE_INDEX[module]])
-
-    def offset_b(self, layer: int, module: str) -> int:
-        """Element offset of (layer, module)'s B^T rows inside a page."""
-        return self.offset_a(layer, module) + self.page_rows * self.config.module_shape(module)[0]
-
+    # ------------------------------------------------------------------ views
     def module_view(self, layer: int, module: str) -> LoRAModuleView:
         d_in, d_out = self.config.module_shape(module)
         mi = MODULE_INDEX[module]
         return LoRAModuleView(
             buffer=self.buffer,
-            page_table=self.page_table,
             ranks=self.ranks[layer, mi],
             scalings=self.scalings[layer, mi],
-            offset_a=self.offset_a(layer, module),
-            offset_b=self.offset_b(layer, module),
+            offsets_a=self.offsets_a[layer, mi],
+            offsets_b=self.offsets_b[layer, mi],
             d_in=d_in,
             d_out=d_out,
-            page_rows=self.page_rows,
-            page_elems=self.page_elems,
+            max_rank=self.max_rank,
+            offset_align=PAGE_ELEMS,
             layer=layer,
             module=module,
         )
 
-    # ------------------------------------------------------------------ load / free
+    # ------------------------------------------------------------------ pack
     def pack(self, adapter: "AdapterWeights") -> PackedAdapter:
-        """Lay an adapter out as pool pages on the host (see ``PackedAdapter``).
-
-        Rank-rows ``r <= j < pages * R`` of every module the adapter touches are zero; regions of modules
-        it does not touch are zero and never read (rank 0).
+        """Lay an adapter out as its pool image on the host (see ``PackedAdapter``).
 
         Raises:
             ValueError: its rank exceeds ``max_rank``.
         """
-        packer = self.packer(adapter.max_rank, name=adapter.name)
+        packer = self.packer(_module_ranks(adapter), name=adapter.name)
         for (layer, module), w in adapter.modules.items():
             packer.put(layer, module, w.a, w.b, w.scaling)
         return packer.finish()
 
-    def packer(self, max_rank: int, *, name: str | None = None) -> "PagePacker":
-        """A :class:`PagePacker` for an adapter whose largest rank is ``max_rank`` (what ``pack`` uses;
+    def check_rank(self, max_rank: int, name: str | None = None) -> None:
+        """Raises ValueError when ``max_rank`` exceeds the pool's ``max_rank``."""
+        if max_rank > self.max_rank:
+            raise ValueError(f"adapter {name!r}: rank {max_rank} exceeds the pool's max_rank {self.max_rank}")
+
+    def packer(self, ranks: Mapping[tuple[int, str], int], *, name: str | None = None) -> PagePacker:
+        """A :class:`PagePacker` for an adapter with these per-(layer, module) ranks (what ``pack`` uses;
         ``load_peft_adapter_into`` streams a file's modules into one).
 
         Raises:
-            ValueError: ``max_rank`` exceeds the pool's ``max_rank``.
+            ValueError: a rank above the pool's ``max_rank`` or below 1, or an unknown layer or module.
         """
-        if max_rank > self.max_rank:
-            raise ValueError(f"adapter {name!r}: rank {max_rank} exceeds the pool's max_rank {self.max_rank}")
-        return PagePacker(self, max_rank, name)
+        self.check_rank(max(ranks.values(), default=0), name)
+        for (layer, module), r in ranks.items():
+            if module not in MODULE_INDEX or not 0 <= layer < self.config.num_layers or r < 1:
+                raise ValueError(f"adapter {name!r}: no ({layer}, {module!r}) of rank {r} in this model's pool")
+        return PagePacker(self, ranks, name)
 
-    def load(self, adapter: "AdapterWeights | PackedAdapter", *, stream: "torch.cuda.Stream | None" = None) -> int:
-        """Copy an adapter into free pages; return its slot.
+    # ------------------------------------------------------------------ allocation
+    def _take(self, pages: int) -> int | None:
+        """First fit: the first page of a run of ``pages`` free pages, removed from the holes; None if no hole fits."""
+        for i, (start, n) in enumerate(self._holes):
+            if n >= pages:
+                if n == pages:
+                    del self._holes[i]
+                else:
+                    self._holes[i] = [start + pages, n - pages]
+                return start
+        return None
+
+    def _give(self, start: int, pages: int) -> None:
+        """Return pages ``[start, start + pages)`` to the holes, merged with adjacent ones."""
+        if pages == 0:
+            return
+        i = bisect.bisect_left(self._holes, [start, 0])
+        if i > 0 and self._holes[i - 1][0] + self._holes[i - 1][1] == start:
+            i -= 1
+            self._holes[i][1] += pages
+        else:
+            self._holes.insert(i, [start, pages])
+        if i + 1 < len(self._holes) and self._holes[i][0] + self._holes[i][1] == self._holes[i + 1][0]:
+            self._holes[i][1] += self._holes.pop(i + 1)[1]
+
+    def _move(self, dst: int, src: int, n: int) -> None:
+        """Copy elements ``[src, src + n)`` to ``[dst, dst + n)`` with ``dst < src`` on the current stream, in
+        pieces that never overlap (each piece's source lies past its destination and later pieces read only
+        elements no earlier piece wrote); at most 8 pieces, else through one temporary copy of the source."""
+        gap = src - dst
+        buf = self.buffer
+        if gap >= n:
+            buf[dst : dst + n].copy_(buf[src : src + n])
+        elif -(-n // gap) <= 8:
+            for k in range(0, n, gap):
+                m = min(gap, n - k)
+                buf[dst + k : dst + k + m].copy_(buf[src + k : src + k + m])
+        else:
+            buf[dst : dst + n].copy_(buf[src : src + n].clone())
+
+    def compact(self) -> int:
+        """Slide every live extent down to the lowest free page (address order), rewriting the moved slots' offsets
+        in place; afterwards the free pages form one hole at the top. Returns the pages moved.
+
+        First makes the current stream wait on every pending side-stream load (no extent moves before its copy
+        has landed); records an event that later side-stream loads wait on."""
+        with self._lock:
+            for ev in self._pending.values():
+                self.order.wait(ev)
+            self._pending.clear()
+            cursor = moved = 0
+            for slot, (start, n) in sorted(self._extents.items(), key=lambda kv: kv[1][0]):
+                if n == 0:
+                    continue
+                if start != cursor:
+                    self._move(cursor * PAGE_ELEMS, start * PAGE_ELEMS, n * PAGE_ELEMS)
+                    self._extents[slot] = (cursor, n)
+                    self._write_offsets(slot)
+                    moved += n
+                cursor += n
+            self._holes = [[cursor, self.num_pages - cursor]] if cursor < self.num_pages else []
+            self.compactions += 1
+            self.bytes_moved += moved * self.page_bytes
+            self._last_compaction = self.order.record()
+            return moved
+
+    # ------------------------------------------------------------------ load / free
+    def load(self, adapter: "AdapterWeights | PackedAdapter", *, stream: Any = None) -> int:
+        """Copy an adapter's image into an extent (compacting first if no hole fits but the free pages do);
+        return its slot.
 
         Args:
             adapter: a ``LoRAAdapter`` (packed first) or a ``PackedAdapter``.
-            stream: a CUDA stream for the page copies (asynchronous from pinned memory); the caller must
-                make the consuming stream wait for it (``torch.cuda.Event``) before reading the slot.
+            stream: a CUDA stream for the copy (asynchronous from pinned memory); the caller must make the
+                consuming stream wait for it (``torch.cuda.Event``) before reading the slot.
 
         Raises:
-            ValueError: the adapter's rank exceeds ``max_rank`` or its page size differs from the pool's.
+            ValueError: the adapter's rank exceeds ``max_rank``, or its image is not in the pool's dtype.
             PoolFullError: not enough free pages or slots (nothing is changed).
         """
         packed = adapter if isinstance(adapter, PackedAdapter) else self.pack(adapter)
-        if packed.pages.shape[1] != self.page_elems:
-            raise ValueError(f"adapter {packed.name!r}: packed for another pool layout ({packed.pages.shape[1]} != {self.page_elems} elements per page)")
+        self.check_rank(packed.max_rank, packed.name)
+        if packed.data.dtype != self.dtype or packed.data.dim() != 1 or packed.data.numel() % PAGE_ELEMS:
+            raise ValueError(f"adapter {packed.name!r}: packed for another pool (image {packed.data.dtype} "
+                             f"{tuple(packed.data.shape)}, pool {self.dtype} in pages of {PAGE_ELEMS} elements)")
         need = packed.num_pages
         with self._lock:
-            if not self._free_slots or need > len(self._free_pages):
+            if not self._free_slots or need > self.pages_free:
                 raise PoolFullError(
-                    f"adapter pool full: adapter {packed.name!r} needs {need} page(s) and a slot; "
-                    f"{len(self._free_pages)} page(s) and {len(self._free_slots)} slot(s) free"
+                    f"adapter pool full: adapter {packed.name!r} needs {need} page(s) ({need * self.page_bytes} "
+                    f"bytes) and a slot; {self.pages_free} page(s) ({self.bytes_free} bytes) and "
+                    f"{len(self._free_slots)} slot(s) free"
                 )
+            start = self._take(need) if need else 0
+            if start is None:  # the free pages suffice but no hole does
+                self.compact()
+                start = self._take(need)
+                assert start is not None, "after compaction the free pages are one hole"
             slot = self._free_slots.pop()
-            pages = [self._free_pages.pop() for _ in range(need)]
-            self._slot_pages[slot] = pages
-        try:
-            self._write(slot, pages, packed, stream)
-        except BaseException:
-            self.free(slot)
-            raise
+            self._extents[slot] = (start, need)
+            self._meta[slot] = (packed.ranks.to(torch.int32).clone(), packed.offsets.to(torch.int64).clone())
+            try:
+                self._write(slot, start, packed, stream)
+            except BaseException:
+                self.free(slot)
+                raise
         return slot
 
-    def _write(self, slot: int, pages: list[int], packed: PackedAdapter, stream: "torch.cuda.Stream | None") -> None:
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
-        with ctx:
-            for i, p in enumerate(pages):  # one contiguous copy per page, straight into the pool
-                self.buffer[p].copy_(packed.pages[i], non_blocking=stream is not None)
-        row = torch.full((self.max_pages_per_slot,), -1, dtype=torch.int32)
-        row[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    def _write(self, slot: int, start: int, packed: PackedAdapter, stream: Any) -> None:
+        lo = start * PAGE_ELEMS
+        if stream is not None:
+            self.order.wait(self._last_compaction, stream)  # not before the moves out of these pages
+        with self.order.on(stream):
+            self.buffer[lo : lo + packed.data.numel()].copy_(packed.data, non_blocking=stream is not None)
+        if stream is not None:
+            self._pending[slot] = self.order.record(stream)
         self.ranks[:, :, slot] = packed.ranks.to(self.device)
         self.scalings[:, :, slot] = packed.scalings.to(self.device)
-        self.page_table[slot] = row.to(self.device)
+        self._write_offsets(slot)
+
+    def _write_offsets(self, slot: int) -> None:
+        """``offsets_a`` / ``offsets_b`` of a slot from its extent and its image's relative offsets (0 where the
+        rank is 0), written in place."""
+        ranks, rel = self._meta[slot]
+        used = ranks > 0
+        a = torch.where(used, rel + self._extents[slot][0] * PAGE_ELEMS, 0)
+        b = torch.where(used, a + ranks.to(torch.int64) * self._d_in, 0)
+        self.offsets_a[:, :, slot] = a.to(self.device)
+        self.offsets_b[:, :, slot] = b.to(self.device)
 
     def unpack(self, slot: int, name: str | None = None) -> PackedAdapter:
-        """Copy a resident slot's pages and metadata back to the host (the inverse of ``load``)."""
-        pages = self._slot_pages[slot]
-        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
-        host = torch.empty(len(pages), self.page_elems, dtype=self.dtype, pin_memory=self.device.type == "cuda")
-        host.copy_(self.buffer.index_select(0, idx))
-        # copies, not views: on a CPU pool .cpu() would alias the metadata that free() / the next load rewrite
-        ranks = self.ranks[:, :, slot].to("cpu", copy=True)
-        scalings = self.scalings[:, :, slot].to("cpu", copy=True)
-        return PackedAdapter(pages=host, ranks=ranks, scalings=scalings, max_rank=int(ranks.max()), name=name)
+        """Copy a resident slot's image and metadata back to the host (the inverse of ``load``: loading the result
+        gives the same bits)."""
+        with self._lock:
+            start, n = self._extents[slot]
+            ev = self._pending.get(slot)
+            self.order.wait(ev)
+            host = torch.empty(n * PAGE_ELEMS, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+            host.copy_(self.buffer[start * PAGE_ELEMS : (start + n) * PAGE_ELEMS])
+            ranks, rel = self._meta[slot]
+            # copies, not views: on a CPU pool .cpu() would alias the metadata that free() / the next load rewrite
+            scalings = self.scalings[:, :, slot].to("cpu", copy=True)
+            return PackedAdapter(data=host, ranks=ranks.clone(), scalings=scalings, offsets=rel.clone(),
+                                 max_rank=int(ranks.max()), name=name)
 
     def free(self, slot: int) -> None:
-        """Return a slot's pages to the free list. Raises KeyError if the slot is not resident."""
+        """Return a slot's extent to the holes. Raises KeyError if the slot is not resident."""
         with self._lock:
-            pages = self._slot_pages.pop(slot)
-            self.page_table[slot] = -1
+            start, n = self._extents.pop(slot)
+            self.order.wait(self._pending.pop(slot, None))  # the next owner's copy comes after this one
+            del self._meta[slot]
             self.ranks[:, :, slot] = 0
             self.scalings[:, :, slot] = 0.0
-            self._free_pages.extend(reversed(pages))
+            self.offsets_a[:, :, slot] = 0
+            self.offsets_b[:, :, slot] = 0
+            self._give(start, n)
             self._free_slots.append(slot)
+
+
+def _module_ranks(adapter: "AdapterWeights") -> dict[tuple[int, str], int]:
+    return {key: int(w.a.shape[0]) for key, w in adapter.modules.items()}

@@ -1,10 +1,12 @@
-"""The tiered adapter cache: gpu (pool pages) -> host (packed page images, byte budget) -> disk (files).
+"""The tiered adapter cache: gpu (pool extents) -> host (packed images, byte budget) -> disk (files).
 
 Tiers
 -----
-- **gpu**: pages in the ``AdapterPool`` (on a CPU-only machine the pool lives in host memory and plays
-  this role). The pool is the only owner of device memory for adapter weights.
-- **host**: each adapter as a ``PackedAdapter`` (its pages laid out exactly as in the pool, pinned when
+- **gpu**: an exact-size extent in the ``AdapterPool`` (on a CPU-only machine the pool lives in host memory and
+  plays this role). The pool is the only owner of device memory for adapter weights. Fit and eviction count
+  bytes (``AdapterHandle.pool_bytes``: the adapter's image, what it occupies in the pool) against the pool's free
+  bytes: the pool compacts itself when the free bytes suffice but no hole does, so free bytes are usable bytes.
+- **host**: each adapter as a ``PackedAdapter`` (its image laid out exactly as in the pool, pinned when
   the pool is on CUDA so host -> GPU copies are asynchronous), bounded by ``host_bytes``, counted as the host
   memory the copies really hold (``PackedAdapter.footprint``: pinned blocks are rounded up to a power of
   two by torch's caching host allocator, so a budget of B holds fewer than B / nbytes copies). The one copy
@@ -19,8 +21,8 @@ Tiers
 
 Eviction (LRU)
 --------------
-gpu -> host: when a needed adapter does not fit in the pool, idle adapters leave it least recently used
-first; an evicted adapter keeps (or regains, by a device -> host copy, if the host budget allows) its
+gpu -> host: when a needed adapter does not fit in the pool's free bytes, idle adapters leave it least recently
+used first; an evicted adapter keeps (or regains, by a device -> host copy, if the host budget allows) its
 host copy. An adapter is *idle* when no running request uses it (refcount 0) and the user has not pinned
 it (``pin``). host -> disk: when the host tier exceeds its budget, host copies leave least recently used
 first (copies of retired versions first).
@@ -35,9 +37,11 @@ leave the pool when their last request releases them.
 Prefetch
 --------
 ``prefetch(handles)`` is called each step with the adapters of waiting requests: disk -> host loads run
-on a background thread; host -> GPU copies of adapters that fit in free pages run on a side CUDA stream
+on a background thread; host -> GPU copies of adapters that fit in free bytes run on a side CUDA stream
 and record an event; ``wait_ready`` makes the compute stream wait on those events (not on the device)
-before a step reads the slots.
+before a step reads the slots. Compaction is serialised with copies still in flight by the pool itself
+(``multilora.memory.pool``, "Asynchronous loads"): it makes the compute stream wait on every pending side-stream
+copy before moving anything, and later side-stream copies wait on the moves.
 
 Thread safety: public methods take the cache's lock; ``load_adapter``/``unload_adapter``/``pin_adapter``
 may be called from another thread while the engine steps.
@@ -83,7 +87,7 @@ class AdapterHandle:
     allow_pickle: bool
     fingerprint: tuple[FileStamp, ...]  # the files as load_adapter read them (files_fingerprint)
     max_rank: int
-    num_pages: int
+    pool_bytes: int  # bytes its image occupies in the pool
     summary: str
     host: PackedAdapter | None = None  # host tier copy (None: on disk only)
     refcount: int = 0  # running requests (and transient users) of this version
@@ -144,20 +148,20 @@ class AdapterCache:
 
     # ------------------------------------------------------------------ registry
     def add(self, name: str, packed: PackedAdapter | None, *, path: Path, allow_pickle: bool, summary: str,
-            max_rank: int | None = None, num_pages: int | None = None,
+            max_rank: int | None = None, pool_bytes: int | None = None,
             fingerprint: tuple[FileStamp, ...] | None = None) -> AdapterHandle:
         """Register an adapter under ``name``, retiring any earlier version: packed (host tier), or with
-        ``packed=None`` on the disk tier only (``max_rank`` and ``num_pages`` then given; read on first use).
+        ``packed=None`` on the disk tier only (``max_rank`` and ``pool_bytes`` then given; read on first use).
         ``fingerprint``: the files' stamps as they were read (``LoRAAdapter.files``); default
         ``files_fingerprint(path)`` now."""
-        if packed is None and (max_rank is None or num_pages is None):
-            raise ValueError("AdapterCache.add: an adapter registered on disk (packed=None) needs max_rank and num_pages")
+        if packed is None and (max_rank is None or pool_bytes is None):
+            raise ValueError("AdapterCache.add: an adapter registered on disk (packed=None) needs max_rank and pool_bytes")
         with self._lock:
             handle = AdapterHandle(
                 name=name, version=next(self._versions), path=Path(path), allow_pickle=allow_pickle,
                 fingerprint=tuple(fingerprint) if fingerprint else files_fingerprint(Path(path)),
                 max_rank=packed.max_rank if packed is not None else max_rank,
-                num_pages=packed.num_pages if packed is not None else num_pages,
+                pool_bytes=packed.nbytes if packed is not None else pool_bytes,
                 summary=summary,
             )
             old = self._by_name.get(name)
@@ -338,8 +342,8 @@ class AdapterCache:
             return
         if handle.host is None and not handle.retired and self.host_budget is not None:
             room = self.host_budget - self.host_bytes
-            need = host_footprint(handle.num_pages * self.pool.page_bytes, pinned=self.pool.device.type == "cuda")
-            if room >= need:  # gpu -> host: copy the pages back
+            need = host_footprint(handle.pool_bytes, pinned=self.pool.device.type == "cuda")
+            if room >= need:  # gpu -> host: copy the image back
                 self._set_host(handle, self.pool.unpack(handle.slot, name=handle.name))
                 self.stats.bytes_gpu_to_host += handle.host.nbytes
         self.pool.free(handle.slot)
@@ -352,26 +356,27 @@ class AdapterCache:
         return [h for h in self._gpu_lru.values() if h.refcount == 0 and not self.is_pinned(h)]
 
     def _fits_after_evicting(self, handle: AdapterHandle, victims: list[AdapterHandle]) -> bool:
-        """Whether ``handle`` gets its pages and a slot once every one of ``victims`` has left the pool."""
-        pages = self.pool.pages_free + sum(v.num_pages for v in victims)
+        """Whether ``handle`` gets its bytes and a slot once every one of ``victims`` has left the pool."""
+        free = self.pool.bytes_free + sum(v.pool_bytes for v in victims)
         slots = self.pool.max_slots - self.pool.slots_used + len(victims)
-        return handle.num_pages <= pages and slots >= 1
+        return handle.pool_bytes <= free and slots >= 1
 
     def _evict_until_fits(self, handle: AdapterHandle, victims: list[AdapterHandle]) -> None:
         """Evict ``victims`` in order (least recently used first) until ``handle`` fits."""
         for victim in victims:
-            if self.pool.pages_free >= handle.num_pages and self.pool.slots_used < self.pool.max_slots:
+            if self.pool.bytes_free >= handle.pool_bytes and self.pool.slots_used < self.pool.max_slots:
                 break
             self._drop_from_pool(victim)
             self.stats.gpu_evictions += 1
 
     def could_ever_fit(self, handle: AdapterHandle) -> bool:
-        """Whether the handle fits once every unpinned adapter has left the pool."""
+        """Whether the handle fits (its bytes and a slot) once every unpinned adapter has left the pool."""
         with self._lock:
             if handle.slot is not None:
                 return True
-            pinned = sum(h.num_pages for h in self._gpu_lru.values() if h is not handle and self.is_pinned(h))
-            return handle.num_pages <= self.pool.num_pages - pinned
+            pinned = [h for h in self._gpu_lru.values() if h is not handle and self.is_pinned(h)]
+            return (handle.pool_bytes <= self.pool.bytes_total - sum(h.pool_bytes for h in pinned)
+                    and len(pinned) < self.pool.max_slots)
 
     def acquire(self, handle: AdapterHandle) -> int:
         """Make ``handle`` resident (evicting idle adapters LRU first), take a reference, return its slot.
@@ -390,8 +395,9 @@ class AdapterCache:
                 victims = self._evictable()
                 if not self._fits_after_evicting(handle, victims):
                     raise PoolFullError(
-                        f"adapter {handle.name!r} needs {handle.num_pages} page(s); {self.pool.pages_free} free and "
-                        f"{sum(v.num_pages for v in victims)} held by idle adapters, of {self.pool.num_pages}"
+                        f"adapter {handle.name!r} needs {handle.pool_bytes} bytes of the adapter pool; "
+                        f"{self.pool.bytes_free} free and {sum(v.pool_bytes for v in victims)} held by idle adapters, "
+                        f"of {self.pool.bytes_total}"
                     )
                 packed = self._ensure_host(handle)
                 self.stats.gpu_misses += 1
@@ -417,7 +423,7 @@ class AdapterCache:
         """Start moving the adapters of waiting requests up a tier.
 
         disk -> host on the I/O thread; host -> GPU on the side stream (CUDA) or directly (CPU), into free
-        pages or pages of idle adapters that no waiting request wants (``wanted``: ids of the handles of
+        bytes or bytes of idle adapters that no waiting request wants (``wanted``: ids of the handles of
         all waiting requests), least recently used first.
         """
         wanted = wanted if wanted is not None else {id(h) for h in handles}
@@ -476,8 +482,9 @@ class AdapterCache:
             return list(seen.values())
 
     def report(self) -> dict:
-        """The cache's part of ``Engine.stats()``: adapters per tier, pool pages (and ``pool_max_rank_adapters``, how
-        many adapters of the pool's max rank it holds at once), host-tier bytes, hits and misses per tier, evictions,
+        """The cache's part of ``Engine.stats()``: adapters per tier, pool pages (``PAGE_ELEMS`` elements each, the
+        pool's allocation unit) and bytes, compactions and the bytes they moved (and ``pool_max_rank_adapters``, how
+        many adapters of the pool's max rank on every module it holds at once), host-tier bytes, hits and misses per tier, evictions,
         bytes moved per tier, prefetches and load failures (key names are a contract)."""
         s, pool = self.stats, self.pool
         tiers = {"gpu": 0, "host": 0, "disk": 0}
@@ -487,8 +494,9 @@ class AdapterCache:
         return {
             "adapters_loaded": len(self.names()), "adapters_resident": self.resident(), "adapters_per_tier": tiers,
             "pool_pages_total": pool.num_pages, "pool_pages_used": pool.pages_used, "pool_page_bytes": pool.page_bytes,
-            "pool_max_rank_adapters": min(pool.max_slots, pool.num_pages // pool.pages_for_rank(pool.max_rank,
-                                                                                              pool.page_rows)),
+            "pool_bytes_total": pool.bytes_total, "pool_bytes_used": pool.bytes_used,
+            "pool_compactions": pool.compactions, "pool_bytes_compacted": pool.bytes_moved,
+            "pool_max_rank_adapters": min(pool.max_slots, pool.num_pages // pool.max_adapter_pages),
             "host_tier_bytes": self.host_bytes, "host_tier_budget": self.host_budget, "gpu_hits": s.gpu_hits,
             "gpu_misses": s.gpu_misses, "host_hits": s.host_hits, "host_misses": s.host_misses,
             "gpu_evictions": s.gpu_evictions, "host_evictions": s.host_evictions,

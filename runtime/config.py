@@ -44,10 +44,11 @@ class EngineConfig:
             1024 on CPU).
         kv_block_size: tokens per KV-cache block (``multilora.memory.kv_cache``).
         max_lora_rank: largest adapter rank accepted by ``load_adapter``.
-        adapter_slots: cap the adapter pool at this many adapters of ``max_lora_rank``.
+        adapter_slots: at most this many adapters resident at once (the pool's slots; default 256), and a cap on
+            the pool's bytes at this many of the largest ``max_lora_rank`` adapters.
         adapter_pool_bytes: cap on the adapter pool's bytes. The pool takes the memory plan's share
-            (``multilora.memory.accounting``), lowered by these caps, in whole pages; it must hold at least one
-            max-rank adapter.
+            (``multilora.memory.accounting``), lowered by these caps, in whole pages of 64 elements; it must hold at
+            least the largest adapter ``max_lora_rank`` allows (every target module of every layer at that rank).
         kv_cache_bytes: cap on the KV cache's bytes. The cache takes the memory plan's KV share, lowered by this
             cap and by ``max_batch_size`` sequences of ``max_seq_len`` tokens, in whole blocks; the reserved null
             block (block 0) is counted in these bytes. A cap below one ``max_seq_len`` sequence is honoured:
@@ -59,7 +60,9 @@ class EngineConfig:
         local_ranks: engine processes sharing this device/host (the plan divides host memory by it).
         memory_snapshot: a recorded ``MemorySnapshot`` to plan from instead of measuring this machine
             (replaying a user's machine; tests).
-        page_rows: rank-rows per pool page (see ``multilora.memory.pool``).
+        page_rows: ignored (accepted so existing callers and ``--page-rows`` keep working). It was the rank-rows per
+            pool page of the fixed-page pool; the pool now stores each adapter at its exact size in pages of 64
+            elements (``multilora.memory.pool``), so there is nothing to choose.
         max_prefill_tokens: most tokens in one prefill step (a preempted request recomputes its prompt and
             generated tokens; the first request of a step is admitted whatever its length).
         starvation_patience: steps a waiting request may be passed over before nothing behind it is admitted
@@ -89,14 +92,15 @@ class EngineConfig:
                                          "2048 on GPU, 1024 on CPU))", kind=int)
     kv_block_size: int = _opt(16, "tokens per KV-cache block")
     max_lora_rank: int = _opt(64, "largest adapter rank accepted")
-    adapter_slots: int | None = _opt(None, "cap the adapter pool at this many max-rank adapters", kind=int)
+    adapter_slots: int | None = _opt(None, "most adapters resident at once; also caps the pool at this many "
+                                           "max-rank adapters", kind=int)
     adapter_pool_bytes: int | None = _opt(None, "cap on the adapter pool's bytes", kind=int)
     kv_cache_bytes: int | None = _opt(None, "cap on the KV cache's bytes (the reserved null block included)", kind=int)
     host_adapter_bytes: int | None = _opt(None, "host-tier size in bytes (default: the memory plan's)", kind=int)
     gpu_memory_fraction: float = _opt(0.9, "share of usable device memory the memory plan may budget")
     local_ranks: int = _opt(1, "engine processes sharing this device / host")
     memory_snapshot: Any = _opt(None, "", cli=False)
-    page_rows: int = _opt(8, "rank-rows per adapter-pool page")
+    page_rows: int = _opt(8, "ignored: the adapter pool stores adapters at their exact size (kept for old scripts)")
     max_prefill_tokens: int = _opt(4096, "most tokens in one prefill step")
     starvation_patience: int = _opt(16, "steps a waiting request may be passed over before it is urgent")
     prefetch_adapters: int = _opt(4, "adapters of waiting requests prefetched per step")

@@ -100,8 +100,9 @@ class Engine:
         sizes = measure_and_size(memory_request(config_, cfg, dtype=self.dtype, max_seq_len=self.max_seq_len), cfg,
                                  self.device, profile_reserve=lambda: self.runner.profile_reserve(tokens, cfg.kv_block_size))
         self.memory_plan = sizes.plan
-        self.pool = AdapterPool(config_, num_pages=sizes.num_pages, page_rows=cfg.page_rows,
-                                max_rank=cfg.max_lora_rank, dtype=self.dtype, device=self.device)
+        self.pool = AdapterPool(config_, num_bytes=sizes.num_pages * sizes.request.page_bytes,
+                                max_rank=cfg.max_lora_rank, max_slots=cfg.adapter_slots, dtype=self.dtype,
+                                device=self.device)
         self.kv = PagedKVCache(num_layers=config_.num_layers, num_blocks=sizes.num_blocks, block_size=cfg.kv_block_size,
                                num_kv_heads=config_.num_kv_heads, head_dim=config_.head_dim, dtype=self.dtype,
                                device=self.device)
@@ -116,10 +117,10 @@ class Engine:
         self.requests = RequestFactory(self.text, self.cache, self.kv, max_seq_len=self.max_seq_len)
         self._step_lock = threading.RLock()
         self.last_run: dict[str, float] = {}
-        log.info("%s (%d layers, hidden %d) on %s/%s; adapter pool %d pages x %.1f MB; KV %d blocks x %d "
+        log.info("%s (%d layers, hidden %d) on %s/%s; adapter pool %.1f MB (%d pages of %d B); KV %d blocks x %d "
                  "tokens (+1 reserved; %.1f MB, %.1f max_seq_len=%d sequences); max batch %d%s", self.model_path.name,
                  config_.num_layers, config_.hidden_size, self.device, str(self.dtype).replace("torch.", ""),
-                 self.pool.num_pages, self.pool.page_bytes / 1e6, self.kv.num_usable_blocks, cfg.kv_block_size,
+                 self.pool.bytes_total / 1e6, self.pool.num_pages, self.pool.page_bytes, self.kv.num_usable_blocks, cfg.kv_block_size,
                  self.kv.nbytes / 1e6, self.kv.num_usable_blocks / sizes.request.seq_blocks, self.max_seq_len,
                  cfg.max_batch_size, "" if sizes.plan is None else "\nmemory plan:\n" + sizes.plan.explain())
 
@@ -142,7 +143,7 @@ class Engine:
 
         Returns:
             The validated adapter (config, ranks, scalings, ``target_summary``); its modules hold ``meta`` tensors
-            (the weights are kept only as pool pages in the host tier, or on disk; ``load_peft_adapter`` gives copies).
+            (the weights are kept only as pool images in the host tier, or on disk; ``load_peft_adapter`` gives copies).
 
         Raises:
             AdapterError: missing or malformed files, unsupported features, shapes that do not fit the model
@@ -154,17 +155,17 @@ class Engine:
         adapter, packed = read_adapter(path, self.config, self.pool, name=name, allow_pickle=allow_pickle,
                                        preload=preload, max_rank=self.engine_config.max_lora_rank)
         self.cache.add(name, packed, path=Path(path), allow_pickle=allow_pickle, summary=adapter.target_summary(),
-                       max_rank=adapter.max_rank, num_pages=self.pool.pages_needed(adapter),
+                       max_rank=adapter.max_rank, pool_bytes=self.pool.bytes_needed(adapter),
                        fingerprint=adapter.files)  # the files as they were read, not as they are now
         log.info("loaded adapter %r from %s: %s", name, path, adapter.target_summary())
         return adapter
 
     def _reload_adapter(self, handle: Any) -> Any:
-        """disk -> host: read a handle's files again and lay them out as pool pages (the cache calls this)."""
+        """disk -> host: read a handle's files again and lay them out as a pool image (the cache calls this)."""
         adapter, packed = read_packed_adapter(handle.path, self.config, self.pool, name=handle.name,
                                               allow_pickle=handle.allow_pickle)
         if packed is None:  # rank above the pool's (the files changed): pack's error
-            self.pool.packer(adapter.max_rank, name=handle.name)
+            self.pool.check_rank(adapter.max_rank, name=handle.name)
         return packed
 
     def unload_adapter(self, name: str) -> None:

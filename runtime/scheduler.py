@@ -262,14 +262,16 @@ class Scheduler:
                 break  # the head waits for blocks; nothing behind it is admitted
             if req.handle is not None and req.slot < 0:  # (a slot kept from an interrupted admission is reused)
                 if not self.cache.could_ever_fit(req.handle):
-                    self._fail(req, f"adapter {req.adapter_name!r} needs {req.handle.num_pages} page(s): more than the "
-                                    f"adapter pool holds besides pinned adapters ({self.cache.pool.num_pages} pages)",
+                    pool = self.cache.pool
+                    self._fail(req, f"adapter {req.adapter_name!r} needs {req.handle.pool_bytes} bytes and a slot: "
+                                    f"more than the adapter pool holds besides pinned adapters ({pool.bytes_total} "
+                                    f"bytes, {pool.max_slots} slot(s); raise adapter_pool_bytes or adapter_slots)",
                                failed)
                     continue
                 try:
                     req.slot = self.cache.acquire(req.handle)
                 except PoolFullError:
-                    self.adapter_waits += 1  # it waits for running requests to release pages
+                    self.adapter_waits += 1  # it waits for running requests to release pool bytes
                     i += 1
                     if req.skipped_steps >= self.patience:
                         break  # urgent: admit nobody behind it

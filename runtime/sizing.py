@@ -1,7 +1,7 @@
 """How big the adapter pool and the KV cache are: a pure function of the model shape, the engine options and a
 memory snapshot, so every case can be checked on a CPU from a recorded snapshot.
 
-    request = memory_request(model_config, engine_config, dtype=..., max_seq_len=...)   # bytes per page, block, ...
+    request = memory_request(model_config, engine_config, dtype=..., max_seq_len=...)   # bytes per adapter, block, ...
     sizes = size_engine(request, engine_config, snapshot, reserve_bytes=request.activation_bytes)
     sizes.num_pages, sizes.num_blocks, sizes.plan                                     # plan: multilora.memory.accounting
 
@@ -20,12 +20,12 @@ from typing import Callable
 
 import torch
 
-from multilora.config import ModelConfig
+from multilora.config import TARGET_MODULES, ModelConfig
 from multilora.memory.accounting import (USER_CAP, MemoryPlan, MemoryPlanError, MemoryPlanOptions, MemorySnapshot,
                                          compute_memory_plan, require_snapshot)
 from multilora.memory.snapshot import apply_torch_memory_fraction, take_snapshot
 from multilora.memory.kv_cache import PagedKVCache
-from multilora.memory.pool import AdapterPool
+from multilora.memory.pool import PAGE_ELEMS, max_adapter_pages
 from multilora.runtime.config import EngineConfig
 
 log = logging.getLogger("multilora")
@@ -39,13 +39,17 @@ class MemoryRequest:
     """What the engine asks of the memory plan, derived from the model and the options (all bytes).
 
     Attributes:
-        page_bytes: one adapter-pool page, ``page_rows * layers * module_width * dtype_bytes`` (``memory/pool.py``);
-            ``pages_per_adapter = ceil(max_lora_rank / page_rows)`` pages hold one ``max_lora_rank`` adapter.
+        page_bytes: one adapter-pool page, ``PAGE_ELEMS * dtype_bytes`` (64 elements: the pool's allocation unit,
+            ``memory/pool.py``); ``pages_per_adapter`` pages hold the largest adapter ``max_lora_rank`` allows (every
+            target module of every layer at ``max_lora_rank``): ``layers * sum over the target modules of
+            ceil(max_lora_rank * (d_in + d_out) / PAGE_ELEMS)`` (``max_adapter_pages``).
         layers, module_width, dtype_bytes: the model's layers, the sum over the target modules of (d_in + d_out),
-            the bytes of one element: the page's factors, for the messages.
+            the bytes of one element: the factors, for the messages.
         kv_token_bytes: K and V of one token over all layers; ``block_bytes = kv_token_bytes * kv_block_size``.
         seq_blocks: KV blocks of one ``max_seq_len`` sequence.
         pool_cap: the user's cap on the pool (``adapter_pool_bytes``, ``adapter_slots``), or None.
+        pool_cap_rank: the largest rank whose largest adapter fits under ``pool_cap`` (``largest_rank_that_fits``),
+            or None without a cap: what the too-small-pool message suggests.
         kv_cap: the cap on the KV cache: ``max_batch_size`` sequences + the null block, lowered by ``kv_cache_bytes``.
         live_blocks: blocks of the live state the plan must fit (one sequence, or fewer under an explicit cap).
         activation_bytes: the estimated activations of the largest prefill + the sampler's reserve.
@@ -61,6 +65,7 @@ class MemoryRequest:
     block_bytes: int
     seq_blocks: int
     pool_cap: int | None
+    pool_cap_rank: int | None
     kv_cap: int
     live_blocks: int
     activation_bytes: int
@@ -86,10 +91,9 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
     Raises:
         ValueError: ``kv_cache_bytes`` holds fewer than 2 KV blocks (block 0 is reserved).
     """
-    pages_per = AdapterPool.pages_for_rank(cfg.max_lora_rank, cfg.page_rows)
-    pool = AdapterPool(model, num_pages=1, page_rows=cfg.page_rows, max_rank=cfg.max_lora_rank, dtype=dtype,
-                       device="meta")
-    page_bytes = pool.page_bytes
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    pages_per = max_adapter_pages(model, cfg.max_lora_rank)
+    page_bytes = PAGE_ELEMS * dtype_bytes
     kv_token = PagedKVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
     block_bytes = kv_token * cfg.kv_block_size
     seq_blocks = -(-max_seq_len // cfg.kv_block_size)
@@ -109,9 +113,12 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
         live_blocks = min(live_blocks, kv_cap // block_bytes - 1)  # an explicit smaller cap is honoured
     sampling = cfg.max_batch_size * model.vocab_size * (4 + 4 + SAMPLER_BYTES_PER_LOGIT)
     return MemoryRequest(page_bytes=page_bytes, pages_per_adapter=pages_per, layers=model.num_layers,
-                         module_width=pool.page_elems // (cfg.page_rows * model.num_layers),
-                         dtype_bytes=page_bytes // pool.page_elems, kv_token_bytes=kv_token,
-                         block_bytes=block_bytes, seq_blocks=seq_blocks, pool_cap=pool_cap, kv_cap=kv_cap,
+                         module_width=sum(sum(model.module_shape(m)) for m in TARGET_MODULES),
+                         dtype_bytes=dtype_bytes, kv_token_bytes=kv_token,
+                         block_bytes=block_bytes, seq_blocks=seq_blocks, pool_cap=pool_cap,
+                         pool_cap_rank=None if pool_cap is None else largest_rank_that_fits(
+                             model, pool_cap, dtype_bytes, cfg.max_lora_rank),
+                         kv_cap=kv_cap,
                          live_blocks=live_blocks,
                          activation_bytes=activation_bytes(model, cfg, dtype, max_seq_len) + sampling,
                          sampling_bytes=sampling)
@@ -143,22 +150,39 @@ def plan_options(request: MemoryRequest, cfg: EngineConfig, reserve_bytes: int) 
     )
 
 
+def largest_rank_that_fits(model: ModelConfig, pool_bytes: int, dtype_bytes: int, max_rank: int) -> int:
+    """The largest rank ``r <= max_rank`` whose largest adapter (every module of every layer at r) fits in
+    ``pool_bytes``; 0 if none does."""
+    page_bytes = PAGE_ELEMS * dtype_bytes
+    lo, hi = 0, max_rank  # max_adapter_pages grows with the rank: bisect
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if max_adapter_pages(model, mid) * page_bytes <= pool_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def pool_below_one_adapter(r: MemoryRequest, cfg: EngineConfig) -> MemoryPlanError:
-    """The error for an ``adapter_pool_bytes`` cap below one ``max_lora_rank`` adapter: what to change (Engine
-    keyword and CLI flag) and how the bytes were computed. Only this cap can be the cause: ``adapter_slots`` >= 1
-    holds one adapter, and the plan lifts its share of the budget (``adapter_pool_share`` of
+    """The error for an ``adapter_pool_bytes`` cap below the largest adapter ``max_lora_rank`` allows: what to change
+    (Engine keyword and CLI flag) and how the bytes were computed. Only this cap can be the cause: ``adapter_slots``
+    >= 1 holds one adapter, and the plan lifts its share of the budget (``adapter_pool_share`` of
     ``gpu_memory_fraction`` x usable memory) to one adapter."""
-    pages, need, pr = r.pool_cap // r.page_bytes, r.pages_per_adapter * r.page_bytes, cfg.page_rows
-    rank = (f" or lower max_lora_rank to at most {pages * pr} (Engine(max_lora_rank=...), --max-lora-rank)"
-            if pages else "")
+    need, R = r.pages_per_adapter * r.page_bytes, cfg.max_lora_rank
+    per_layer = r.pages_per_adapter // r.layers
+    fit = r.pool_cap_rank
+    rank = (f" or lower max_lora_rank to at most {fit} (Engine(max_lora_rank=...), --max-lora-rank)" if fit else "")
     return MemoryPlanError(
-        f"Engine: the adapter pool gets {pages} page(s) of {r.page_bytes} bytes under "
-        f"adapter_pool_bytes={cfg.adapter_pool_bytes}; one rank-{cfg.max_lora_rank} adapter needs {r.pages_per_adapter} "
-        f"({need} bytes). Page bytes = page_rows {pr} x layers {r.layers} x sum over the target modules of "
-        f"(d_in + d_out) {r.module_width} x dtype bytes {r.dtype_bytes} = {r.page_bytes}; pages per adapter = "
-        f"ceil(max_lora_rank {cfg.max_lora_rank} / page_rows {pr}) = {r.pages_per_adapter}. Raise adapter_pool_bytes to at least {need} (Engine(adapter_pool_bytes=...), "
-        f"multilora generate --adapter-pool-bytes){rank}. (adapter_slots, adapter_pool_share and gpu_memory_fraction "
-        f"are not the cause: each leaves room for one adapter at least.)",
+        f"Engine: adapter_pool_bytes={cfg.adapter_pool_bytes} is below the largest adapter max_lora_rank={R} allows "
+        f"(rank {R} on all {len(TARGET_MODULES)} target modules of all {r.layers} layers), which needs {need} bytes = "
+        f"layers {r.layers} x sum over the target modules of ceil(max_lora_rank {R} x (d_in + d_out) / {PAGE_ELEMS}) "
+        f"{per_layer} pages x page bytes {r.page_bytes} ({PAGE_ELEMS} elements x dtype bytes {r.dtype_bytes}) "
+        f"(its weight bytes, {R} x {r.module_width} x {r.layers} x {r.dtype_bytes} = "
+        f"{R * r.module_width * r.layers * r.dtype_bytes}, rounded up to whole pages per module). Raise "
+        f"adapter_pool_bytes to at least {need} (Engine(adapter_pool_bytes=...), multilora generate "
+        f"--adapter-pool-bytes){rank}. (adapter_slots, adapter_pool_share and gpu_memory_fraction are not the "
+        f"cause: each leaves room for one adapter at least.)",
         needed_bytes=need, fits_bytes=r.pool_cap, source=USER_CAP)
 
 
@@ -170,7 +194,7 @@ def size_engine(request: MemoryRequest, cfg: EngineConfig, snapshot: MemorySnaps
     Raises:
         MemoryPlanError: the live state (one max-rank adapter + KV of one sequence) does not fit
             (``multilora.memory.accounting``; the message says what would fit and which source bound it).
-        MemoryPlanError: ``adapter_pool_bytes`` holds fewer pages than one max-rank adapter
+        MemoryPlanError: ``adapter_pool_bytes`` holds fewer bytes than the largest max-rank adapter
             (``pool_below_one_adapter``).
         ValueError: the KV cache gets fewer than 2 blocks.
     """

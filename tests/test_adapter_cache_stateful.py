@@ -2,19 +2,21 @@
 
 Random loads (each name from one of two pre-written directories: its two versions), unloads, pins and
 unpins, requests (a loaded adapter or None, a short token-id prompt, greedy, 1-3 tokens) and steps run
-against an engine whose pool holds 3 pages (three rank-8 adapters; ranks 4/8 take 1 page, 16 two, 24 three)
-and whose host tier holds 2 pages. After every rule the bookkeeping is checked against the pool, the
+against an engine whose pool holds 3 "units" (a unit: the bytes of a rank-8 adapter on every module; the pool
+then holds exactly one rank-24 adapter on every module, the largest max_lora_rank=24 allows) and whose host tier
+holds 2 units. Each adapter takes exactly its image (rank x (d_in + d_out) per module it targets), so partial
+adapters pack densely and churn leaves holes that the pool compacts away. After every rule the bookkeeping is checked against the pool, the
 cache's handles, the scheduler and the KV cache; at teardown every request must finish, and every output
 that is not an error must equal the same request run alone on a reference engine (big pool, the request's
 adapter version loaded). The only error the design allows here is the scheduler's "can never fit": the
-request's adapter needs more pages than the pool holds besides the *other* pinned adapters
+request's adapter needs more bytes than the pool holds besides the *other* pinned adapters
 (runtime/scheduler.py docstring). The adapter files never change here, so no "files changed" error may occur.
 A variant runs the same machine with a KV cache of a few blocks, so requests are preempted (their blocks and
 adapter references taken back, recomputed later) in between loads, reloads, unloads and pins.
 
 Host tier rule (runtime/adapter_cache.py, ``_enforce_host_budget(keep=...)``): the copy just added or read
 is never dropped by the budget, so ``host_bytes`` may exceed the budget, but only when that one copy is
-all the host tier holds (a rank-24 adapter is 3 pages > the 2-page budget). The module docstring states a
+all the host tier holds (a rank-24 adapter may exceed the 2-unit budget). The module docstring states a
 plain bound ("bounded by host_bytes"); this exception is the code's.
 """
 
@@ -39,7 +41,7 @@ from hypothesis.stateful import (  # noqa: E402
 
 from multilora import Engine  # noqa: E402
 from multilora.memory.kv_cache import PagedKVCache  # noqa: E402
-from multilora.memory.pool import PoolFullError  # noqa: E402
+from multilora.memory.pool import PoolFullError, max_adapter_pages  # noqa: E402
 from multilora.runtime.adapter_cache import files_fingerprint  # noqa: E402
 from multilora.config import TARGET_MODULES  # noqa: E402
 from multilora.runtime.scheduler import Status  # noqa: E402
@@ -50,7 +52,7 @@ from testsupport import tiny_llama_dir, greedy as _greedy  # noqa: E402
 VOCAB = 1024
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
-# name -> its two versions (seed, rank, target modules); pages (page_rows 8): r4/r8 -> 1, r16 -> 2, r24 -> 3
+# name -> its two versions (seed, rank, target modules); bytes: rank x the (d_in + d_out) of its modules
 VERSIONS = {
     "a": [(11, 8, ("q_proj", "v_proj")), (12, 8, ("q_proj", "v_proj"))],
     "b": [(21, 8, TARGET_MODULES), (22, 4, ("k_proj", "o_proj"))],
@@ -68,7 +70,8 @@ PREEMPTIONS: list[int] = []  # preemptions of each finished example of the preem
 # ------------------------------------------------------------------------------ tiny model and adapters
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(model dir, {name: [dir of version 0, dir of version 1]}, page bytes) of a tiny random GQA Llama.
+    """(model dir, {name: [dir of version 0, dir of version 1]}, unit bytes) of a tiny random GQA Llama (a unit:
+    a rank-8 adapter on every module, what one page of the old fixed-page pool held).
 
     As in test_engine_behaviour.py, but with a small vocabulary and no tokenizer: prompts are token ids, and
     every Engine would read the tokenizer again (~0.4 s each; this file builds dozens of engines)."""
@@ -78,7 +81,7 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("stateful-adapters")
     dirs = {n: [_write_adapter(root / f"{n}{v}", probe.config, *spec) for v, spec in enumerate(specs)]
             for n, specs in VERSIONS.items()}
-    return d, dirs, probe.pool.page_bytes
+    return d, dirs, max_adapter_pages(probe.config, 8) * probe.pool.page_bytes
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +110,16 @@ def reference(tiny):
 
 
 # --------------------------------------------------------------------------------------- the machine
-def _pages(name, version):
-    return max(1, -(-VERSIONS[name][version][1] // 8))
+def _rank(name, version):
+    return VERSIONS[name][version][1]
 
 
 def make_machine(tiny, reference, *, pins, kv_blocks=None):
     """The machine class; ``pins``: "none" (no pin rule), "small" (at most one pinned name, whose version
-    takes one page: the pinned adapter can never crowd out its own requests), "any" (unrestricted).
+    has rank 8 at most, at most one unit: the pinned adapter can never crowd out its own requests), "any"
+    (unrestricted).
     ``kv_blocks``: usable KV blocks of KV_BLOCK tokens (None: the default cache, which never runs out)."""
-    model_dir, dirs, page_bytes = tiny
+    model_dir, dirs, unit = tiny
     kv_kw = {}
     if kv_blocks is not None:
         per_token = PagedKVCache.bytes_per_token(2, 2, 16, torch.float32)
@@ -126,11 +130,12 @@ def make_machine(tiny, reference, *, pins, kv_blocks=None):
             super().__init__()
             self.engine = Engine(
                 model=str(model_dir), device="cpu", progress=False, max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ,
-                max_lora_rank=24, adapter_pool_bytes=POOL_PAGES * page_bytes,
-                host_adapter_bytes=HOST_PAGES * page_bytes, starvation_patience=PATIENCE, prefetch_adapters=2,
+                max_lora_rank=24, adapter_pool_bytes=POOL_PAGES * unit,
+                host_adapter_bytes=HOST_PAGES * unit, starvation_patience=PATIENCE, prefetch_adapters=2,
                 **kv_kw,
             )
-            assert self.engine.pool.num_pages == POOL_PAGES
+            assert self.engine.pool.bytes_total == POOL_PAGES * unit == self.engine.pool.max_adapter_pages * \
+                self.engine.pool.page_bytes  # the pool's minimum: one rank-24 adapter on every module
             assert kv_blocks is None or self.engine.kv.num_usable_blocks == kv_blocks
             assert self.engine.scheduler.max_batch_size == MAX_BATCH
             self.loaded: dict[str, Path] = {}  # name -> the directory of the version loaded now
@@ -150,7 +155,7 @@ def make_machine(tiny, reference, *, pins, kv_blocks=None):
         @rule(name=st.sampled_from(sorted(VERSIONS)), version=st.integers(0, 1), then=STEPS)
         def load(self, name, version, then=0):
             self._advance(then)
-            if pins == "small" and name in self.pinned_names and _pages(name, version) > 1:
+            if pins == "small" and name in self.pinned_names and _rank(name, version) > 8:
                 return  # the pin passes to the new version (the cache pins by name)
             path = dirs[name][version]
             self.engine.load_adapter(name, path)
@@ -174,7 +179,7 @@ def make_machine(tiny, reference, *, pins, kv_blocks=None):
                     return
                 name = data.draw(st.sampled_from(sorted(self.loaded)), label="pin")
                 if pins == "small" and pinned and (
-                        self.pinned_names - {name} or _pages(name, dirs[name].index(self.loaded[name])) > 1):
+                        self.pinned_names - {name} or _rank(name, dirs[name].index(self.loaded[name])) > 8):
                     return
                 pages = self.engine.pool.pages_used
                 try:
@@ -212,40 +217,41 @@ def make_machine(tiny, reference, *, pins, kv_blocks=None):
                 self._check_errors()
 
         # ---------------------------------------------------------------- checks
-        def _other_pinned_pages(self, handle):
+        def _other_pinned_bytes(self, handle):
             cache = self.engine.cache
-            return sum(h.num_pages for h in cache.handles()
+            return sum(h.pool_bytes for h in cache.handles()
                        if h is not handle and h.slot is not None and cache.is_pinned(h))
 
         def _check_errors(self):
-            """A request may fail only when its adapter needs more pages than the pool holds besides the
+            """A request may fail only when its adapter needs more bytes than the pool holds besides the
             other pinned adapters (checked right after the step that failed it: pins do not change in a step)."""
             for req, path, _, _ in self.requests:
                 if req.finish_reason != "error" or req.request_id in self.checked_errors:
                     continue
                 self.checked_errors.add(req.request_id)
                 assert req.handle is not None, f"a base-model request failed: {req.error}"
-                need, other = req.handle.num_pages, self._other_pinned_pages(req.handle)
-                assert need > self.engine.pool.num_pages - other, (
-                    f"request for {req.adapter_name!r} ({path.name}, {need} page(s), pinned="
+                need, other = req.handle.pool_bytes, self._other_pinned_bytes(req.handle)
+                assert need > self.engine.pool.bytes_total - other, (
+                    f"request for {req.adapter_name!r} ({path.name}, {need} bytes, pinned="
                     f"{self.engine.cache.is_pinned(req.handle)}, resident={req.handle.slot is not None}) failed "
-                    f"although it fits beside the other pinned adapters ({other} of {self.engine.pool.num_pages} "
-                    f"pages): {req.error}"
+                    f"although it fits beside the other pinned adapters ({other} of {self.engine.pool.bytes_total} "
+                    f"bytes): {req.error}"
                 )
                 assert NEVER_FITS in req.error, req.error
 
         @invariant()
-        def pool_pages_match_resident_handles(self):
+        def pool_bytes_match_resident_handles(self):
             pool, cache = self.engine.pool, self.engine.cache
             resident = [h for h in cache.handles() if h.slot is not None]
             assert sorted(h.slot for h in resident) == pool.resident_slots()  # no orphan slot, no shared slot
-            assert pool.pages_used == sum(h.num_pages for h in resident)
-            assert pool.pages_used == sum(len(pool.pages_of(h.slot)) for h in resident)
-            owned = [p for s in pool.resident_slots() for p in pool.pages_of(s)]
-            assert len(owned) == len(set(owned)), f"a page has two owners: {owned}"
-            assert all(0 <= p < pool.num_pages for p in owned)
-            assert pool.pages_used + pool.pages_free == pool.num_pages
-            assert pool.pages_used <= pool.num_pages
+            assert pool.bytes_used == sum(h.pool_bytes for h in resident)
+            assert all(pool.extent_of(h.slot)[1] * pool.page_bytes == h.pool_bytes for h in resident)
+            runs = sorted([pool.extent_of(s) for s in pool.resident_slots() if pool.extent_of(s)[1]] + pool.holes())
+            pos = 0
+            for start, n in runs:  # extents and holes tile the pool: no page has two owners, none is lost
+                assert start == pos and n > 0, runs
+                pos += n
+            assert pos == pool.num_pages and pool.pages_used + pool.pages_free == pool.num_pages
 
         @invariant()
         def running_requests_hold_their_resident_adapter(self):
@@ -275,7 +281,7 @@ def make_machine(tiny, reference, *, pins, kv_blocks=None):
         def host_tier_within_budget(self):
             cache = self.engine.cache
             budget = cache.host_budget
-            assert budget == HOST_PAGES * page_bytes
+            assert budget == HOST_PAGES * unit
             copies = [h for h in cache.handles() if h.host is not None]
             assert cache.host_bytes == sum(h.host.nbytes for h in copies)
             if cache.host_bytes > budget:  # only the one kept copy may exceed it on its own
@@ -314,7 +320,7 @@ def make_machine(tiny, reference, *, pins, kv_blocks=None):
                         break
                     engine.step()
                     self._check_errors()
-                    self.pool_pages_match_resident_handles()
+                    self.pool_bytes_match_resident_handles()
                     self.running_requests_hold_their_resident_adapter()
                 assert not engine.has_unfinished(), f"requests still unfinished after {DRAIN_STEPS} steps"
                 for req, path, prompt, max_tokens in self.requests:
@@ -349,12 +355,13 @@ def _run(tiny, reference, pins, kv_blocks=None, **overrides):
 
 
 def test_cache_state_machine_without_pins(tiny, reference):
-    """Loads, reloads, unloads, requests and steps: every bookkeeping invariant, every output as alone."""
+    """Loads, reloads, unloads, requests and steps: every bookkeeping invariant, every output as alone (also for
+    adapters the pool moved when it compacted)."""
     _run(tiny, reference, "none")
 
 
 def test_cache_state_machine_with_one_small_pin(tiny, reference):
-    """The same with pins and unpins of at most one one-page adapter at a time (pinning may raise
+    """The same with pins and unpins of at most one adapter of rank <= 8 at a time (pinning may raise
     PoolFullError, which changes nothing); a pinned resident adapter never leaves its slot."""
     _run(tiny, reference, "small")
 
@@ -373,10 +380,10 @@ def test_cache_state_machine_with_kv_preemption(tiny, reference):
 
 
 def test_request_for_a_pinned_adapter_is_served(tiny, reference):
-    model_dir, dirs, page_bytes = tiny
+    model_dir, dirs, unit = tiny
     engine = Engine(model=str(model_dir), device="cpu", progress=False, max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ,
-                    max_lora_rank=24, adapter_pool_bytes=POOL_PAGES * page_bytes)
-    engine.load_adapter("c", dirs["c"][0])  # rank 16: 2 of the 3 pages
+                    max_lora_rank=24, adapter_pool_bytes=POOL_PAGES * unit)
+    engine.load_adapter("c", dirs["c"][0])  # rank 16 on the attention modules
     engine.pin_adapter("c")
     assert engine.cache.get("c").slot is not None
     out = engine.generate([[5, 6, 7]], adapters=["c"], sampling=_greedy(3))[0]

@@ -1,10 +1,10 @@
 """The disk -> host fast path: ``read_packed_adapter`` (``load_peft_adapter_into`` + ``AdapterPool.packer``).
 
-What the engine's reload and ``load_adapter(preload=True)`` run must give the same pool pages, bit for bit, as
-the path it replaced (``load_peft_adapter``'s float32 copies laid out by the old ``AdapterPool.pack``, kept
-here verbatim as the reference), for every file dtype into every pool dtype, with per-module ranks
-(``rank_pattern`` / ``alpha_pattern``) and partial pages; and it must refuse exactly what
-``load_peft_adapter`` refuses, with the same message, key and path.
+What the engine's reload and ``load_adapter(preload=True)`` run must give the same pool image, bit for bit, as
+``load_peft_adapter``'s float32 copies laid out by a plain reference packer written from the layout of
+``multilora.memory.pool`` (zeros, then each module's A and B^T at its page-aligned offset), for every file dtype
+into every pool dtype, with per-module ranks (``rank_pattern`` / ``alpha_pattern``) and partial pages; and it must
+refuse exactly what ``load_peft_adapter`` refuses, with the same message, key and path.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from multilora import Engine
-from multilora.memory.pool import AdapterPool, PackedAdapter
+from multilora.memory.pool import PAGE_ELEMS, AdapterPool, PackedAdapter
 from multilora.runtime.adapters import (
     AdapterError,
     LoRAAdapter,
@@ -41,32 +41,34 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 WTS = "adapter_model.safetensors"
 
 
-def _old_pack(pool: AdapterPool, adapter: LoRAAdapter) -> PackedAdapter:
-    """``AdapterPool.pack`` before the packer (verbatim but for ``self`` -> ``pool``): the reference."""
+def _reference_pack(pool: AdapterPool, adapter: LoRAAdapter) -> PackedAdapter:
+    """The reference image, from the pool docstring's layout: for each (layer, module) in layer, then TARGET_MODULES
+    order, A [r, d_in] then B^T [r, d_out] from a page boundary, zeros to the next one."""
     if adapter.max_rank > pool.max_rank:
         raise ValueError(
             f"adapter {adapter.name!r}: rank {adapter.max_rank} exceeds the pool's max_rank {pool.max_rank}"
         )
-    R = pool.page_rows
-    npg = pool.pages_needed(adapter)
-    pages = torch.zeros(npg, pool.page_elems, dtype=pool.dtype)
+    keys = sorted(adapter.modules, key=lambda lm: (lm[0], MODULE_INDEX[lm[1]]))
+    sizes = [-(-adapter.modules[k].rank * sum(pool.config.module_shape(k[1])) // PAGE_ELEMS) * PAGE_ELEMS for k in keys]
+    data = torch.zeros(sum(sizes), dtype=pool.dtype)
     nl, nm = pool.config.num_layers, len(TARGET_MODULES)
     ranks = torch.zeros(nl, nm, dtype=torch.int32)
     scalings = torch.zeros(nl, nm, dtype=torch.float32)
-    for (layer, module), w in adapter.modules.items():
+    offsets = torch.zeros(nl, nm, dtype=torch.int64)
+    pos = 0
+    for (layer, module), size in zip(keys, sizes):
+        w = adapter.modules[(layer, module)]
         d_in, d_out = pool.config.module_shape(module)
         r = w.rank
-        n = pool.pages_for_rank(r, R)
-        oa, ob = pool.offset_a(layer, module), pool.offset_b(layer, module)
-        a, bt = w.a.to(pool.dtype), w.b.t().to(pool.dtype)  # [r, d_in], [r, d_out]
-        for p in range(n):  # page p holds rank-rows p*R .. p*R + R - 1 (rows >= r stay zero)
-            rows = min(R, r - p * R)
-            pages[p, oa : oa + rows * d_in] = a[p * R : p * R + rows].reshape(-1)
-            pages[p, ob : ob + rows * d_out] = bt[p * R : p * R + rows].reshape(-1)
+        data[pos : pos + r * d_in] = w.a.to(pool.dtype).reshape(-1)
+        data[pos + r * d_in : pos + r * (d_in + d_out)] = w.b.t().to(pool.dtype).reshape(-1)
         mi = MODULE_INDEX[module]
         ranks[layer, mi] = r
         scalings[layer, mi] = float(w.scaling)
-    return PackedAdapter(pages=pages, ranks=ranks, scalings=scalings, max_rank=adapter.max_rank, name=adapter.name)
+        offsets[layer, mi] = pos
+        pos += size
+    return PackedAdapter(data=data, ranks=ranks, scalings=scalings, offsets=offsets, max_rank=adapter.max_rank,
+                         name=adapter.name)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -74,10 +76,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _assert_same_packed(got: PackedAdapter, want: PackedAdapter) -> None:
-    assert got.pages.dtype == want.pages.dtype and got.pages.shape == want.pages.shape
-    assert torch.equal(_bits(got.pages), _bits(want.pages))  # bit for bit: -0.0, subnormals, inf from overflow
+    assert got.data.dtype == want.data.dtype and got.data.shape == want.data.shape
+    assert torch.equal(_bits(got.data), _bits(want.data))  # bit for bit: -0.0, subnormals, inf from overflow
     assert torch.equal(got.ranks, want.ranks)
     assert torch.equal(got.scalings, want.scalings)
+    assert torch.equal(got.offsets, want.offsets)
     assert got.max_rank == want.max_rank and got.name == want.name
 
 
@@ -123,8 +126,8 @@ def _write_uniform(path, dtype, r=8, seed=0):
     return path
 
 
-def _pool(dtype, page_rows=4, max_rank=16):
-    return AdapterPool(CFG, num_pages=4, page_rows=page_rows, max_rank=max_rank, dtype=dtype)
+def _pool(dtype, max_rank=16):
+    return AdapterPool(CFG, num_bytes=1 << 20, max_rank=max_rank, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------- bit identity
@@ -135,27 +138,27 @@ def _pool(dtype, page_rows=4, max_rank=16):
 @pytest.mark.parametrize("layout", ["uniform", "patterned"])
 def test_fast_path_pages_are_bit_identical(layout, file_dtype, pool_dtype, tmp_path):
     d = (_write_uniform if layout == "uniform" else _write_patterned)(tmp_path / "a", file_dtype)
-    for page_rows in (4, 8):  # r = 8 fills pages exactly at 4 and 8; 5, 3, 11 leave partial pages
-        pool = _pool(pool_dtype, page_rows=page_rows)
-        ref_adapter = load_peft_adapter(d, CFG, name="x")
-        want = _old_pack(pool, ref_adapter)
-        adapter, got = read_packed_adapter(d, CFG, pool, name="x")
-        _assert_same_packed(got, want)
-        _assert_same_packed(pool.pack(ref_adapter), want)  # the public pack uses the packer too
-        # the returned adapter: same modules, ranks and scalings, meta tensors of the file's shapes / dtype
-        assert list(adapter.modules) == list(ref_adapter.modules)
-        assert adapter.config == ref_adapter.config and adapter.name == "x" and adapter.path == ref_adapter.path
-        assert adapter.target_summary() == ref_adapter.target_summary()
-        for key, w in adapter.modules.items():
-            ref = ref_adapter.modules[key]
-            assert w.a.device.type == "meta" and w.b.device.type == "meta"
-            assert w.a.shape == ref.a.shape and w.b.shape == ref.b.shape and w.scaling == ref.scaling
-            assert w.a.dtype == w.b.dtype == file_dtype
+    # r * (d_in + d_out) is never a multiple of 64 here: every module ends in a partial page
+    pool = _pool(pool_dtype)
+    ref_adapter = load_peft_adapter(d, CFG, name="x")
+    want = _reference_pack(pool, ref_adapter)
+    adapter, got = read_packed_adapter(d, CFG, pool, name="x")
+    _assert_same_packed(got, want)
+    _assert_same_packed(pool.pack(ref_adapter), want)  # the public pack uses the packer too
+    # the returned adapter: same modules, ranks and scalings, meta tensors of the file's shapes / dtype
+    assert list(adapter.modules) == list(ref_adapter.modules)
+    assert adapter.config == ref_adapter.config and adapter.name == "x" and adapter.path == ref_adapter.path
+    assert adapter.target_summary() == ref_adapter.target_summary()
+    for key, w in adapter.modules.items():
+        ref = ref_adapter.modules[key]
+        assert w.a.device.type == "meta" and w.b.device.type == "meta"
+        assert w.a.shape == ref.a.shape and w.b.shape == ref.b.shape and w.scaling == ref.scaling
+        assert w.a.dtype == w.b.dtype == file_dtype
 
 
 def test_pack_of_user_modules_is_bit_identical(tmp_path):
     """``pool.pack`` on LoRAAdapters built in memory: any floating dtype, non-contiguous tensors, every
-    module rank against page_rows (full, partial, fewer pages than the adapter's), modules left out."""
+    module rank (partial pages of every size), modules left out."""
     g = torch.Generator().manual_seed(3)
     for src_dtype in DTYPES:
         mods = {}
@@ -171,32 +174,37 @@ def test_pack_of_user_modules_is_bit_identical(tmp_path):
         f32 = LoRAAdapter(name="u", path="/nowhere", config={}, modules={
             k: LoRAModuleWeights(a=w.a.float(), b=w.b.float(), scaling=w.scaling) for k, w in mods.items()})
         for pool_dtype in DTYPES:
-            for page_rows in (1, 4, 5, 16):
-                pool = _pool(pool_dtype, page_rows=page_rows)
-                want = _old_pack(pool, f32)
-                _assert_same_packed(pool.pack(ad), want)
-                _assert_same_packed(pool.pack(f32), want)
+            pool = _pool(pool_dtype)
+            want = _reference_pack(pool, f32)
+            _assert_same_packed(pool.pack(ad), want)
+            _assert_same_packed(pool.pack(f32), want)
 
 
-def test_empty_adapter_packs_one_zero_page():
+def test_empty_adapter_packs_an_empty_image():
     pool = _pool(torch.float32)
     got = pool.pack(LoRAAdapter(name=None, path="/nowhere", config={}, modules={}))
-    _assert_same_packed(got, _old_pack(pool, LoRAAdapter(name=None, path="/nowhere", config={}, modules={})))
+    _assert_same_packed(got, _reference_pack(pool, LoRAAdapter(name=None, path="/nowhere", config={}, modules={})))
 
 
 def test_packer_rejects_misuse():
     pool = _pool(torch.float32)
     with pytest.raises(ValueError, match=r"adapter 'big': rank 17 exceeds the pool's max_rank 16"):
-        pool.packer(17, name="big")
-    pk = pool.packer(4, name="p")
+        pool.packer({(0, "q_proj"): 17}, name="big")
+    with pytest.raises(ValueError, match=r"no \(5, 'q_proj'\) of rank 2"):
+        pool.packer({(5, "q_proj"): 2}, name="x")
+    pk = pool.packer({(0, "q_proj"): 4, (0, "k_proj"): 4, (0, "o_proj"): 4, (1, "v_proj"): 2}, name="p")
     a, b = torch.zeros(4, 24), torch.zeros(24, 4)
     pk.put(0, "q_proj", a, b, 1.0)
     with pytest.raises(ValueError, match="packed twice"):
         pk.put(0, "q_proj", a, b, 1.0)
-    with pytest.raises(ValueError, match=r"expected A \[r, 24\] and B \[8, r\]"):
+    with pytest.raises(ValueError, match=r"expected A \[4, 24\] and B \[8, 4\]"):
         pk.put(0, "k_proj", torch.zeros(4, 24), torch.zeros(24, 4), 1.0)  # k_proj: d_in 24, d_out 8
-    with pytest.raises(ValueError, match="0 < r <= 4"):
+    with pytest.raises(ValueError, match=r"\(r = 4 as declared\)"):
         pk.put(0, "o_proj", torch.zeros(5, 24), torch.zeros(24, 5), 1.0)
+    with pytest.raises(ValueError, match="up_proj of layer 0 was not declared"):
+        pk.put(0, "up_proj", torch.zeros(4, 24), torch.zeros(40, 4), 1.0)
+    with pytest.raises(ValueError, match="3 declared module.* never packed, the first k_proj of layer 0"):
+        pk.finish()
 
 
 def test_pickle_file_takes_the_fast_path_too(tmp_path):
@@ -204,7 +212,7 @@ def test_pickle_file_takes_the_fast_path_too(tmp_path):
     torch.save(load_file(str(d / WTS)), d / "adapter_model.bin")
     (d / WTS).unlink()
     pool = _pool(torch.bfloat16)
-    want = _old_pack(pool, load_peft_adapter(d, CFG, allow_pickle=True))
+    want = _reference_pack(pool, load_peft_adapter(d, CFG, allow_pickle=True))
     _assert_same_packed(read_packed_adapter(d, CFG, pool, allow_pickle=True)[1], want)
     with pytest.raises(AdapterError, match="allow_pickle=True"):
         read_packed_adapter(d, CFG, pool)
@@ -230,7 +238,7 @@ def test_lazy_tensors_equal_safetensors_also_unaligned(file_dtype, tmp_path):
     d = _write_patterned(tmp_path / "a", file_dtype)
     ref = {k: v.clone() for k, v in load_file(str(d / WTS)).items()}  # (load_file may map the file too)
     pool = _pool(torch.float32)
-    want = _old_pack(pool, load_peft_adapter(d, CFG))
+    want = _reference_pack(pool, load_peft_adapter(d, CFG))
 
     def check():
         _, tensors, keys, _ = _read_weights(d, False, lazy=True)
@@ -360,7 +368,8 @@ def test_sink_sees_modules_in_order_and_no_views_survive(tmp_path):
 
     adapter, sink = load_peft_adapter_into(d, CFG, lambda r: (seen.append(r), Sink())[1])
     ref = load_peft_adapter(d, CFG)
-    assert seen[0] == ref.max_rank == 11
+    assert max(seen[0].values()) == ref.max_rank == 11
+    assert list(seen[0]) == list(ref.modules) and all(r == ref.modules[k].rank for k, r in seen[0].items())
     assert [(layer, m) for layer, m, *_ in seen[1:]] == list(ref.modules)
     for (layer, m, dt, sa, sb, s) in seen[1:]:
         w = ref.modules[(layer, m)]
@@ -408,7 +417,7 @@ def test_engine_preload_and_reload_use_the_fast_path(engine, tmp_path):
     adapter = engine.load_adapter("fast", d)
     assert all(w.a.device.type == "meta" for w in adapter.modules.values())
     assert "r=8" in adapter.target_summary()
-    want = _old_pack(engine.pool, load_peft_adapter(d, ECFG, name="fast"))
+    want = _reference_pack(engine.pool, load_peft_adapter(d, ECFG, name="fast"))
     handle = engine.cache.get("fast")
     _assert_same_packed(handle.host, want)
     _assert_same_packed(engine._reload_adapter(handle), want)

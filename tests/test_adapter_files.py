@@ -51,7 +51,7 @@ def _ids(seed):
 
 
 def _pool():
-    return AdapterPool(CFG, num_pages=2, page_rows=8, max_rank=8, dtype=torch.float32)
+    return AdapterPool(CFG, num_bytes=1 << 20, max_rank=8, dtype=torch.float32)
 
 
 def _err(fn) -> str:
@@ -117,9 +117,9 @@ def test_a_freshly_written_file_is_read_once_it_settled(tmp_path, monkeypatch):
     read_adapter(d, CFG, _pool())
     assert slept == []  # older than SETTLE_S: read at once
     _age(d, disk.SETTLE_S / 5)
-    want = read_adapter(d, CFG, _pool())[1].pages  # written just now: waits out the rest, then reads
+    want = read_adapter(d, CFG, _pool())[1].data  # written just now: waits out the rest, then reads
     assert len(slept) == 1 and 0 < slept[0] <= disk.SETTLE_S, slept
-    assert torch.equal(read_adapter(d, CFG, _pool())[1].pages, want)
+    assert torch.equal(read_adapter(d, CFG, _pool())[1].data, want)
 
 
 def test_a_file_that_keeps_changing_is_refused(tmp_path, monkeypatch):
@@ -141,10 +141,10 @@ def test_a_file_that_keeps_changing_is_refused(tmp_path, monkeypatch):
 @pytest.mark.parametrize("missing", [("preadv",), ("preadv", "pread")], ids=["pread", "lseek-read"])
 def test_platforms_without_preadv_read_the_same(tmp_path, monkeypatch, missing):
     d = write_adapter(tmp_path / "a", CFG, seed=1, rank=8, modules=MODS)
-    want = read_adapter(d, CFG, _pool())[1].pages
+    want = read_adapter(d, CFG, _pool())[1].data
     for name in missing:
         monkeypatch.delattr(os, name)
-    assert torch.equal(read_adapter(d, CFG, _pool())[1].pages, want)
+    assert torch.equal(read_adapter(d, CFG, _pool())[1].data, want)
 
 
 def test_the_adapter_records_the_files_it_read(engine, tmp_path):

@@ -5,7 +5,7 @@ A writer process rewrites ``adapter_model.safetensors`` in place in a loop, the 
 truncation), alternating two versions of the same size and shapes. A loader process meanwhile reads the
 directory over and over through every path the engine takes (``read_adapter`` with and without preload,
 ``read_packed_adapter`` as the reload does, ``load_peft_adapter``). Each load must either give one of the two
-versions exactly (bit-identical pages, the right header) or raise ``AdapterError`` naming the file; the loader
+versions exactly (bit-identical images, the right header) or raise ``AdapterError`` naming the file; the loader
 must never die. (The writer leaves the file alone for 120 ms now and then, longer than the 50 ms a file must
 be quiet to be read, ``runtime/adapters/disk.py``'s ``SETTLE_S``: that is when loads can succeed.) With memory-mapped reads it did: a page past the new end of the file faults (SIGBUS, exit
 -7). The loader runs as a child of pytest so that a crash fails this test instead of killing the run.
@@ -34,7 +34,7 @@ LOADER = textwrap.dedent(r'''
     root, seconds = Path(sys.argv[1]), float(sys.argv[2])
     torch.set_num_threads(1)
     cfg = ModelConfig(vocab_size=32, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4, num_kv_heads=2)
-    pool = AdapterPool(cfg, num_pages=1, page_rows=8, max_rank=16, dtype=torch.float32)
+    pool = AdapterPool(cfg, num_bytes=1 << 20, max_rank=16, dtype=torch.float32)
 
     def version(seed):  # same shapes and file size, other values
         g = torch.Generator().manual_seed(seed)
@@ -42,7 +42,7 @@ LOADER = textwrap.dedent(r'''
                          torch.randn(cfg.module_shape(m)[1], 16, generator=g).to(torch.bfloat16))
                 for l in range(cfg.num_layers) for m in TARGET_MODULES}
         d = save_peft_adapter(root / f"v{seed}", mods, r=16, lora_alpha=32, target_modules=list(TARGET_MODULES))
-        return d, read_packed_adapter(d, cfg, pool)[1].pages, load_peft_adapter(d, cfg)
+        return d, read_packed_adapter(d, cfg, pool)[1].data, load_peft_adapter(d, cfg)
     versions = [version(1), version(2)]
     blobs = [(d / SAFETENSORS_NAME).read_bytes() for d, _, _ in versions]
     assert len(blobs[0]) == len(blobs[1]) and blobs[0] != blobs[1]
@@ -68,10 +68,10 @@ LOADER = textwrap.dedent(r'''
             try:
                 if i % 4 == 0:
                     _, packed = read_adapter(live, cfg, pool, preload=True)
-                    ok = same_as_a_version("pages", packed.pages)
+                    ok = same_as_a_version("pages", packed.data)
                 elif i % 4 == 1:
                     _, packed = read_packed_adapter(live, cfg, pool)
-                    ok = same_as_a_version("pages", packed.pages)
+                    ok = same_as_a_version("pages", packed.data)
                 elif i % 4 == 2:
                     adapter, packed = read_adapter(live, cfg, pool, preload=False)
                     ok = packed is None and all(w.a.shape == (16, cfg.module_shape(m)[0])

@@ -443,8 +443,12 @@ def test_pool_pages_return_after_requests_finish(tiny):
     _assert_idle(engine)
     resident = engine.cache.resident()
     assert sorted(resident) == ["a", "b", "c"]
-    expected = sum(engine.cache.get(n).num_pages for n in resident)
-    assert engine.pool.pages_used == expected == engine.stats()["pool_pages_used"] == 1 + 1 + 2
+    expected = sum(engine.cache.get(n).pool_bytes for n in resident) // engine.pool.page_bytes
+    cfg = engine.config  # each adapter: its rank x (d_in + d_out) per module it targets, in 64-element pages
+    exact = sum(cfg.num_layers * sum(-(-r * sum(cfg.module_shape(m)) // 64) for m in modules)
+                for n, (_, r, modules) in ADAPTERS.items() if n in resident)
+    assert engine.pool.pages_used == expected == engine.stats()["pool_pages_used"] == exact
+    assert engine.stats()["pool_bytes_used"] == exact * engine.pool.page_bytes
     for n in ("a", "b", "c"):
         engine.unload_adapter(n)
     assert engine.pool.pages_used == 0 and engine.pool.slots_used == 0
@@ -452,9 +456,9 @@ def test_pool_pages_return_after_requests_finish(tiny):
 
 
 def test_more_adapters_than_the_pool_holds(tiny, engine):
-    """A pool of 2 pages (one rank-16 adapter): a(1 page), b(1 page) and c(2 pages) take turns."""
+    """A pool of one slot (and the bytes of one rank-16 adapter on every module): a, b and c take turns."""
     small = _engine(tiny, adapter_slots=1, max_lora_rank=16, max_batch_size=4)
-    assert small.pool.num_pages == 2
+    assert small.pool.max_slots == 1 and small.pool.num_pages == small.pool.max_adapter_pages
     batch = [("c", 5, 1), ("a", 7, 2), (None, 3, 3), ("b", 6, 4), ("c", 9, 5), ("a", 4, 6), ("b", 2, 7)]
     prompts = [_ids(n, s) for _, n, s in batch]
     adapters = [a for a, _, _ in batch]
@@ -464,7 +468,7 @@ def test_more_adapters_than_the_pool_holds(tiny, engine):
     assert [o.finish_reason for o in outs] == ["length"] * len(batch)
     assert [o.token_ids for o in outs] == want
     assert small.stats()["gpu_evictions"] > 0
-    assert small.pool.pages_used <= 2
+    assert small.pool.pages_used <= small.pool.num_pages and small.pool.slots_used <= 1
     logits = small.logits(prompts, adapters=adapters)
     ref = engine.logits(prompts, adapters=adapters)
     assert float((logits - ref).norm() / ref.norm()) < 1e-5
@@ -472,7 +476,7 @@ def test_more_adapters_than_the_pool_holds(tiny, engine):
 
 def test_pinned_adapter_filling_the_pool_fails_others_cleanly(tiny):
     engine = _engine(tiny, names=("a", "b"), adapter_slots=1, max_lora_rank=8, max_batch_size=2)
-    assert engine.pool.num_pages == 1
+    assert engine.pool.max_slots == 1
     engine.pin_adapter("a")
     p = _ids(4, 60)
     want_base = _alone(engine, p, None).token_ids
@@ -490,7 +494,7 @@ def test_pool_rows_an_adapter_does_not_write_are_never_read(tiny, engine):
     poisoned = _engine(tiny, names=())
     poisoned.pool.buffer.fill_(float("nan"))
     _, dirs = tiny
-    for n in ("a", "b", "c"):  # a and c leave modules (and c's ranks leave rows) unwritten in their pages
+    for n in ("a", "b", "c"):  # a and c leave modules out: nothing of them is in the pool, and padding is never read
         poisoned.load_adapter(n, dirs[n])
     prompts, adapters = [_ids(5, 90), _ids(8, 91), _ids(3, 92), _ids(6, 93)], ["a", None, "c", "b"]
     want = [o.token_ids for o in engine.generate(prompts, adapters=adapters, sampling=GREEDY)]

@@ -62,10 +62,11 @@ def test_replayed_snapshot_sets_exact_sizes(tiny_dir):
 def test_caps_only_lower_sizes(tiny_dir):
     snap = _host_snapshot(1 * GiB)
     free = Engine(model=tiny_dir, progress=False, max_seq_len=128, memory_snapshot=snap)
-    page = free.pool.page_bytes
+    page, one = free.pool.page_bytes, free.pool.max_adapter_pages  # one = pages of the largest max-rank adapter
     capped = Engine(model=tiny_dir, progress=False, max_seq_len=128, memory_snapshot=snap,
-                    adapter_pool_bytes=10 * page, kv_cache_bytes=2 * 128 * PagedKVCache.bytes_per_token(2, 2, 16, torch.float32))
-    assert capped.pool.num_pages == 10 and capped.kv.num_blocks == 2 * 128 // 16  # the null block is one of them
+                    adapter_pool_bytes=(one + 10) * page + 7,
+                    kv_cache_bytes=2 * 128 * PagedKVCache.bytes_per_token(2, 2, 16, torch.float32))
+    assert capped.pool.num_pages == one + 10 and capped.kv.num_blocks == 2 * 128 // 16  # the null block is one of them
     assert capped.kv.nbytes == 2 * 128 * PagedKVCache.bytes_per_token(2, 2, 16, torch.float32)
     huge = Engine(model=tiny_dir, progress=False, max_seq_len=128, memory_snapshot=snap, adapter_pool_bytes=1 << 50)
     assert huge.pool.num_pages == free.pool.num_pages  # a cap above the plan does not raise the size

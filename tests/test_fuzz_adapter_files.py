@@ -101,7 +101,7 @@ def _check(engine, d: Path, allow_pickle: bool = False) -> list[str | None]:
     """Every load path on ``d``: success, or AdapterError naming ``d`` (or a file in it); nothing else. Returns
     each path's error message (None: it loaded)."""
     _settled(d)
-    pool = AdapterPool(CFG, num_pages=2, page_rows=8, max_rank=8, dtype=torch.float32)
+    pool = AdapterPool(CFG, num_bytes=1 << 20, max_rank=8, dtype=torch.float32)
     loads = [lambda: load_peft_adapter(d, CFG, allow_pickle=allow_pickle),
              lambda: load_peft_adapter(d, CFG, allow_pickle=allow_pickle, header_only=True),
              lambda: read_adapter(d, CFG, pool, allow_pickle=allow_pickle, preload=True, max_rank=8),

@@ -25,7 +25,7 @@ from multilora.kernels import (LoRAPlan, block_m_for, build_lora_plan, chunk_tab
 from multilora.kernels import triton_sgmv
 from multilora.kernels.experimental.lora_fused import lora_fused
 from multilora.kernels.triton_sgmv import lora_apply_triton
-from multilora.memory.pool import AdapterPool
+from multilora.memory.pool import PAGE_ELEMS, AdapterPool, image_layout
 from multilora.config import TARGET_MODULES, ModelConfig
 from testsupport import read_module
 
@@ -52,7 +52,7 @@ TOL = {
     torch.bfloat16: dict(atol=6e-2, rtol=3e-2),  # as fp16 with 8-bit mantissas (eps 7.8e-3), looser than fp16
 }
 
-# Model shapes: one layer is enough (layers only shift page offsets; layer 1 of 2 tests a non-zero offset).
+# Model shapes: one layer is enough (layers only shift offsets; layer 1 of 2 tests a non-zero offset).
 SMALL = ModelConfig(vocab_size=16, hidden_size=40, intermediate_size=72, num_layers=2, num_heads=5, num_kv_heads=1)
 ODD = ModelConfig(vocab_size=16, hidden_size=2049, intermediate_size=3424, num_layers=1, num_heads=1, num_kv_heads=1)
 LLAMA8B = ModelConfig(vocab_size=16, hidden_size=4096, intermediate_size=14336, num_layers=1, num_heads=32, num_kv_heads=8)
@@ -91,20 +91,44 @@ def random_adapter(cfg: ModelConfig, name: str, rank: int, gen: torch.Generator,
     return StandInAdapter(name, rank, mods)
 
 
-def make_pool(cfg, ranks, *, dtype, device, page_rows=8, seed=0, first_slot=1, skip=None):
+def make_pool(cfg, ranks, *, dtype, device, churn=1, seed=0, first_slot=1, skip=None):
     """A pool holding one adapter per entry of ``ranks`` (odd entries with per-module ranks) in slots
-    ``first_slot, first_slot + 1, ...``, with pages handed out in a shuffled order (page tables neither contiguous nor monotonic).
-    Returns (pool, slots)."""
+    ``first_slot, first_slot + 1, ...``, placed after ``churn`` rounds of random filler adapters loaded and freed
+    around them (``churn >= 2``: the pool then compacts, moving the adapters and rewriting their offsets), so
+    the adapters' extents are neither at page 0 nor in slot order. Returns (pool, slots)."""
     gen = torch.Generator().manual_seed(seed)
-    pages = sum(-(-r // page_rows) for r in ranks) + first_slot + 2
-    pool = AdapterPool(cfg, num_pages=pages, page_rows=page_rows, max_rank=max(ranks),
-                       max_slots=len(ranks) + first_slot + 1, dtype=dtype, device=device)
-    pool._free_pages = [pool._free_pages[i] for i in torch.randperm(pages, generator=gen).tolist()]  # test-only
-    fillers = [pool.load(random_adapter(cfg, f"filler{i}", 1, gen)) for i in range(first_slot)]
-    slots = [pool.load(random_adapter(cfg, f"a{i}", r, gen, (skip or {}).get(i, ()), vary=i % 2 == 1)) for i, r in enumerate(ranks)]
-    for s in fillers:
-        pool.free(s)
+    ads = [random_adapter(cfg, f"a{i}", r, gen, (skip or {}).get(i, ()), vary=i % 2 == 1) for i, r in enumerate(ranks)]
+
+    def filler(i):
+        r = int(torch.randint(1, 4, (), generator=gen))
+        return random_adapter(cfg, f"filler{i}", r, gen, skip=TARGET_MODULES[int(torch.randint(1, 8, (), generator=gen)):])
+
+    fillers = [filler(i) for i in range(first_slot + len(ranks) * max(churn, 1))]
+    size = sum(_pages(cfg, a) for a in ads + fillers) + 2
+    pool = AdapterPool(cfg, num_bytes=size * PAGE_ELEMS * torch.empty((), dtype=dtype).element_size(),
+                       max_rank=max(*ranks, 3), max_slots=len(ranks) + len(fillers) + 1, dtype=dtype, device=device)
+    held = [pool.load(f) for f in fillers[:first_slot]]
+    rest = iter(fillers[first_slot:])
+    slots = []
+    for a in ads:
+        slots.append(pool.load(a))
+        for _ in range(max(churn, 1)):
+            held.append(pool.load(next(rest)))
+    order = torch.randperm(len(held), generator=gen).tolist()
+    gone = set(order[len(order) // 3:]) if churn >= 1 else set()  # holes between the adapters
+    if churn >= 2:
+        gone.add(0)  # the filler at page 0: compaction then moves every adapter
+    for i in sorted(gone):
+        pool.free(held[i])
+    if churn >= 2:
+        before = {s: pool.extent_of(s) for s in slots}
+        pool.compact()
+        assert all(pool.extent_of(s) != before[s] for s in slots), "compaction left an adapter in place"
     return pool, slots
+
+
+def _pages(cfg, adapter):
+    return image_layout(cfg, {k: w.rank for k, w in adapter.modules.items()})[1]
 
 
 def popularity_slots(kind: str, n_tokens: int, slots: list[int], gen: torch.Generator) -> list[int]:
@@ -148,11 +172,11 @@ def reference(y0, x, pool, layer, modules, token_slots):
     return out
 
 
-def run_case(cfg, ranks, token_slots_fn, modules, *, device, dtype, layer=0, page_rows=8, seed=0, skip=None,
+def run_case(cfg, ranks, token_slots_fn, modules, *, device, dtype, layer=0, churn=1, seed=0, skip=None,
              apply=lora_apply_triton):
     """``apply(y, x, slices, plan)`` (default: the Triton backend) against ``reference``; returns (y, y0)."""
     gen = torch.Generator().manual_seed(seed + 1)
-    pool, slots = make_pool(cfg, ranks, dtype=dtype, device=device, page_rows=page_rows, seed=seed, skip=skip)
+    pool, slots = make_pool(cfg, ranks, dtype=dtype, device=device, churn=churn, seed=seed, skip=skip)
     token_slots = token_slots_fn(slots, gen)
     slices = lora_slices([pool.module_view(layer, m) for m in modules])
     T = len(token_slots)
@@ -207,25 +231,28 @@ def _wide(width: int) -> ModelConfig:
 def test_real_widths_and_ranks_up_to_256(width, ranks, rows, device, dtype):
     """Output widths 7392, 49152, 128256 (not multiples of a tile) and ranks 1..256 in one batch."""
     run_case(_wide(width), ranks, lambda s, g: popularity_slots("uniform", rows, s, g), GATE_UP,
-             device=device, dtype=dtype, page_rows=16, seed=width)
+             device=device, dtype=dtype, churn=0, seed=width)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("page_rows", [3, 8, 16])
-def test_mixed_ranks_span_pages(page_rows, device, dtype):
-    """Ranks 1..96 with rank tiles of 16 that span pages of 3 or 8 rank-rows (each row finds its page)."""
+@pytest.mark.parametrize("churn", [0, 1, 3])
+def test_mixed_ranks_after_churn(churn, device, dtype):
+    """Ranks 1..96 (several rank tiles of 16) at extents placed by no churn, by churn with holes, and by churn
+    then compaction (offsets rewritten in place)."""
     ranks = [1, 2, 4, 8, 12, 24, 40] + ([96] if device == "cuda" else [])
     run_case(SMALL, ranks, lambda s, g: popularity_slots("distinct", 2 * len(s) + 1, s, g), QKV,
-             device=device, dtype=dtype, page_rows=page_rows, seed=page_rows, layer=1)
+             device=device, dtype=dtype, churn=churn, seed=churn, layer=1)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("with_none", [False, True])
 def test_interleaved_slots(with_none, device, dtype):
-    """Slot ids that do not start at 0 and interleave: [1, 2, 3, 2, 3, 2, 3, 3] (and with -1 rows)."""
+    """Slot ids that do not start at 0 and interleave: [a, b, c, b, c, b, c, c] for the adapters' slots a < b < c
+    (1, 3, 5: fillers hold the slots between them), and with -1 rows."""
     def slots_fn(s, g):
-        assert s[:3] == [1, 2, 3]
-        out = [1, 2, 3, 2, 3, 2, 3, 3]
+        assert s[0] > 0 and s == sorted(s)
+        a, b, c = s[:3]
+        out = [a, b, c, b, c, b, c, c]
         return [-1, *out[:4], -1, *out[4:], -1] if with_none else out
 
     run_case(SMALL, [8, 12, 4], slots_fn, GATE_UP, device=device, dtype=dtype)
@@ -268,7 +295,7 @@ def test_more_than_three_slices(device, dtype, monkeypatch):
     run_case(SMALL, [8, 5], lambda s, g: [s[1], -1, s[0], s[1], s[0]], QKVO,
              device=device, dtype=dtype)
     assert len(shrink.grids) == 1 and len(expand.grids) == 1
-    chunks = min(5, 1 + 4)  # min(T, cdiv(T, 16) + max_slots) with 4 slots (make_pool: 2 adapters + 2)
+    chunks = min(5, 1 + 6)  # min(T, cdiv(T, 16) + max_slots) with 6 slots (make_pool: 2 adapters, 3 fillers, + 1)
     block_n = 64 if device == "cpu" else 256  # the expand default for T <= 512
     assert shrink.grids[0][0] == chunks * 4  # (chunk, slice) programs
     widths = (SMALL.q_size, SMALL.kv_size, SMALL.kv_size, SMALL.hidden_size)
@@ -406,19 +433,21 @@ def test_per_call_checks_of_the_triton_launcher():
 
 
 def test_lora_slices_table_and_checks():
-    """The table of q/k/v (rows: offset_a, offset_b, d_out, col) and the ranks / scalings spacing, and what
-    lora_slices refuses: no views or too many, views of two pools, mismatched d_in, wrong metadata dtypes, slices
-    that are not consecutive modules."""
+    """The table of q/k/v (rows: d_out, col) and the ranks / scalings / offsets spacing, and what lora_slices
+    refuses: no views or too many, views of two pools, mismatched d_in, wrong metadata dtypes, slices that are not
+    consecutive modules, a buffer that is not flat."""
     pool, _ = make_pool(SMALL, [4], dtype=torch.float32, device="cpu")
     views = [pool.module_view(1, m) for m in QKV]
     s = lora_slices(views)
     q, kv, S = SMALL.q_size, SMALL.kv_size, pool.max_slots
-    assert s.table.dtype == torch.int64 and s.table.is_contiguous() and s.table.shape == (4, 3)
-    assert s.table.tolist() == [[v.offset_a for v in views], [v.offset_b for v in views], [q, kv, kv], [0, q, q + kv]]
+    assert s.table.dtype == torch.int64 and s.table.is_contiguous() and s.table.shape == (2, 3)
+    assert s.table.tolist() == [[q, kv, kv], [0, q, q + kv]]
     assert s.meta_stride == S and views[2].ranks.data_ptr() == views[0].ranks.data_ptr() + 4 * 2 * S  # int32: 4 bytes
+    assert views[2].offsets_a.data_ptr() == views[0].offsets_a.data_ptr() + 8 * 2 * S  # int64: 8 bytes
+    assert s.offsets_a is views[0].offsets_a and s.offsets_b is views[0].offsets_b
     assert (s.d_in, s.d_out, s.num_slices) == (SMALL.hidden_size, q + 2 * kv, 3)
     assert all(a is b for a, b in zip(s.views, views, strict=True))
-    assert s.max_rank_rows == pool.page_table.shape[1] * pool.page_rows
+    assert s.max_rank_rows == pool.max_rank and s.max_slots == S
     other, _ = make_pool(SMALL, [4], dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="views: expected 1 to 4 LoRAModuleViews"):
         lora_slices([])
@@ -428,26 +457,33 @@ def test_lora_slices_table_and_checks():
         lora_slices([views[0], other.module_view(1, "k_proj")])
     with pytest.raises(ValueError, match="share one d_in; down_proj has 72, q_proj 40"):
         lora_slices([views[0], pool.module_view(1, "down_proj")])
-    with pytest.raises(ValueError, match="k_proj ranks must be int32"):
+    with pytest.raises(ValueError, match="k_proj ranks must be torch.int32"):
         lora_slices([views[0], replace(views[1], ranks=views[1].ranks.long())])
-    with pytest.raises(ValueError, match=f"evenly spaced .* k_proj's are {S} and {S} elements from q_proj's, expected {4 * S}"):
+    with pytest.raises(ValueError, match="k_proj offsets_a must be torch.int64"):
+        lora_slices([views[0], replace(views[1], offsets_a=views[1].offsets_a.int())])
+    with pytest.raises(ValueError, match=f"evenly spaced .* k_proj's ranks row is {S} elements from q_proj's, expected {4 * S}"):
         lora_slices([views[0], views[2], views[1]])  # q, v, k: not consecutive
-    with pytest.raises(ValueError, match="v_proj B rows"):
-        lora_slices([views[0], replace(views[2], offset_b=pool.page_elems)])
+    with pytest.raises(ValueError, match="v_proj's offsets_b row is"):
+        lora_slices([views[0], views[1], replace(views[2], offsets_b=pool.offsets_b[1, 5])])
+    with pytest.raises(ValueError, match="contiguous and 1-D"):
+        lora_slices([replace(views[0], buffer=pool.buffer.view(-1, 16))])
     with pytest.raises(ValueError, match="slices: expected a LoRASlices"):
         lora_apply(torch.zeros(1, q), torch.zeros(1, SMALL.hidden_size), views[:1], build_lora_plan([0]))
 
 
-@pytest.mark.parametrize("cfg,page_rows", [(SMALL, 8), (SMALL, 3), (ODD, 8), (LLAMA8B, 8)])
-def test_lora_slices_align_divides_every_offset_width_and_column(cfg, page_rows):
-    """``align`` (what the kernels declare of the table's values) is the largest power of two up to 16 that
-    divides every offset, width and column: a larger one would be a false promise to the compiler."""
-    pool = AdapterPool(cfg, num_pages=1, page_rows=page_rows, max_rank=8, dtype=torch.float16, device="cpu")
+@pytest.mark.parametrize("cfg", [SMALL, ODD, LLAMA8B], ids=["small", "odd", "llama8b"])
+def test_lora_slices_align_divides_every_offset_width_and_column(cfg):
+    """``align`` (what the kernels declare of the offsets and widths they read) is the largest power of two up to
+    16 that divides d_in, every width and column; and every offset the pool writes, for any rank, is a multiple
+    of it: a larger one would be a false promise to the compiler."""
+    pool, slots = make_pool(cfg, [1, 3, 5, 7], dtype=torch.float16, device="cpu", churn=2)
     for modules in (QKV, GATE_UP, ("o_proj",), ("down_proj",)):
         s = lora_slices([pool.module_view(cfg.num_layers - 1, m) for m in modules])
-        values = [int(v) for v in s.table[:4].flatten()]
+        values = [s.d_in] + [int(v) for v in s.table.flatten()]
         want = max(a for a in (1, 2, 4, 8, 16) if all(v % a == 0 for v in values))
         assert s.align == want, (modules, values)
+        offs = torch.cat([torch.cat([v.offsets_a[slots], v.offsets_b[slots]]) for v in s.views])
+        assert bool((offs % s.align == 0).all()), (modules, offs)
     if cfg is LLAMA8B:
         assert s.align == 16  # real shapes keep the vectorised loads
 
@@ -533,17 +569,17 @@ def test_torch_and_triton_backends_agree(device, dtype):
 @given(
     ranks=st.lists(st.integers(1, 24), min_size=1, max_size=5),
     picks=st.lists(st.integers(-1, 4), min_size=1, max_size=40),
-    page_rows=st.sampled_from([2, 5, 8]),
+    churn=st.sampled_from([0, 1, 2]),
     module=st.sampled_from([QKV, GATE_UP, ("down_proj",), ("o_proj",)]),
     dtype=st.sampled_from([torch.float32, torch.float16]),
     seed=st.integers(0, 2**16),
 )
-def test_random_batches(ranks, picks, page_rows, module, dtype, seed):
-    """Random batches: any ranks, any mix of slots and -1 rows, any page size (CPU interpreter)."""
+def test_random_batches(ranks, picks, churn, module, dtype, seed):
+    """Random batches: any ranks, any mix of slots and -1 rows, any placement (CPU interpreter)."""
     def slots_fn(s, g):
         return [-1 if p < 0 else s[p % len(s)] for p in picks]
 
-    run_case(SMALL, ranks, slots_fn, module, device="cpu", dtype=dtype, page_rows=page_rows, seed=seed,
+    run_case(SMALL, ranks, slots_fn, module, device="cpu", dtype=dtype, churn=churn, seed=seed,
              layer=seed % 2)
 
 
@@ -574,12 +610,12 @@ def test_fused_popularity_and_rows(popularity, rows, tiles, device, dtype):
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("page_rows", [3, 16])
-def test_fused_ranks_span_pages(page_rows, device, dtype):
+@pytest.mark.parametrize("churn", [0, 2])
+def test_fused_ranks_after_churn(churn, device, dtype):
     """Ranks above one rank tile (24, 40, 96) go through the program's workspace rows."""
     ranks = [1, 2, 4, 8, 12, 24, 40] + ([96] if device == "cuda" else [])
     run_case(SMALL, ranks, lambda s, g: popularity_slots("distinct", 2 * len(s) + 1, s, g), QKV,
-             device=device, dtype=dtype, page_rows=page_rows, seed=page_rows, layer=1,
+             device=device, dtype=dtype, churn=churn, seed=churn, layer=1,
              apply=fused(block_n=32, tiles=2))
 
 
@@ -660,3 +696,76 @@ def test_decode_cuda_graph_capture(path):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(y.float(), y_eager.float(), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- compaction
+def _compaction_case(device, dtype, apply, capture=False):
+    """One slices descriptor and one plan, applied before and after the pool compacts (every adapter moves, the
+    offsets are rewritten in place): both results equal the dense fp32 reference of the ORIGINAL A / B tensors. With
+    ``capture`` the call is a CUDA graph captured before the compaction and replayed after it."""
+    cfg = SMALL if device == "cpu" else LLAMA8B
+    gen = torch.Generator().manual_seed(11)
+    filler = random_adapter(cfg, "filler", 4, gen)
+    ads = [random_adapter(cfg, f"a{i}", r, gen, vary=i % 2 == 1) for i, r in enumerate([8, 16, 3, 24])]
+    size = sum(_pages(cfg, a) for a in ads + [filler, filler])
+    pool = AdapterPool(cfg, num_bytes=size * PAGE_ELEMS * torch.empty((), dtype=dtype).element_size(),
+                       max_rank=24, max_slots=8, dtype=dtype, device=device)
+    first = pool.load(filler)
+    slots = [pool.load(a) for a in ads]
+    layer = cfg.num_layers - 1
+    slices = lora_slices([pool.module_view(layer, m) for m in QKV])
+    token_slots = [slots[i % 4] if i % 5 else -1 for i in range(13)]
+    plan = build_lora_plan(token_slots, device=device)
+    x = torch.randn(13, slices.d_in, generator=gen).to(device, dtype)
+    y0 = torch.randn(13, slices.d_out, generator=gen).to(device, dtype)
+    ref = y0.float().clone()
+    for t, s in enumerate(token_slots):  # dense per-token fp32 reference from the adapters' own tensors
+        if s < 0:
+            continue
+        col = 0
+        for m in QKV:
+            w = ads[slots.index(s)].modules[(layer, m)]
+            a, b = w.a.to(dtype).float().to(device), w.b.to(dtype).float().to(device)
+            ref[t, col : col + b.shape[0]] += w.scaling * (x[t].float() @ a.t()) @ b.t()
+            col += b.shape[0]
+    y = y0.clone()
+    if capture:
+        apply(y, x, slices, plan)  # compile before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            apply(y, x, slices, plan)
+        y.copy_(y0)
+        graph.replay()
+    else:
+        apply(y, x, slices, plan)
+    torch.testing.assert_close(y.float(), ref, **TOL[dtype])
+    before = {s: pool.extent_of(s) for s in slots}
+    pool.free(first)
+    pool.load(filler)  # goes into the hole at page 0 ...
+    pool.free(slots[0])
+    pool.compact()  # ... and now everything after it slides down
+    assert all(pool.extent_of(s) != before[s] for s in slots[1:])
+    slots[0] = pool.load(ads[0])  # reloaded at the top, into the same slot
+    y.copy_(y0)
+    if capture:
+        graph.replay()
+    else:
+        apply(y, x, slices, plan)
+    torch.testing.assert_close(y.float(), ref, **TOL[dtype])
+    none = torch.tensor([s < 0 for s in token_slots], device=device)
+    assert torch.equal(y[none], y0[none])
+
+
+@pytest.mark.parametrize("device,dtype", CPU_CASES)
+@pytest.mark.parametrize("path", ["triton", "torch", "fused"])
+def test_compaction_between_calls_is_seen_by_the_next_call(path, device, dtype):
+    apply = {"triton": lora_apply_triton, "torch": lora_apply_torch, "fused": fused(block_n=32, tiles=2)}[path]
+    _compaction_case(device, dtype, apply)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
+@pytest.mark.parametrize("path", ["default", "fused"])
+def test_cuda_graph_replayed_after_compaction(path):
+    """A graph captured before the pool compacts, replayed after: it reads the rewritten offsets in place."""
+    _compaction_case("cuda", torch.bfloat16, lora_fused if path == "fused" else lora_apply_triton, capture=True)

@@ -238,8 +238,8 @@ def test_pool_is_lifted_to_one_adapter_and_caps_below_the_live_state_raise():
     [
         ({"max_adapter_pool_bytes": GiB}, [
             "max_adapter_pool_bytes", "--adapter-pool-bytes", "min_adapter_pool_bytes", "--min-adapter-bytes",
-            "ceil(max_lora_rank / page_rows)", f"at least {2 * GiB} B",
-            "page_rows x layers x sum over the target modules of (d_in + d_out) x dtype bytes"]),
+            "the largest adapter max_lora_rank allows", f"at least {2 * GiB} B",
+            "layers x sum over the target modules of ceil(max_lora_rank x (d_in + d_out) / 64) pages x page bytes"]),
         ({"max_kv_bytes": GiB}, [
             "max_kv_bytes", "--kv-bytes", "min_kv_bytes", "--min-kv-bytes", f"at least {3 * GiB} B",
             "ceil(max_seq_len / kv_block_size) + 1"]),

@@ -37,8 +37,8 @@ def _ids(n, seed):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(model dir, {name: adapter dir}, page bytes): a tiny random GQA Llama (as in test_engine_behaviour.py,
-    with a small vocabulary and no tokenizer) and 50 rank-4/8 adapters (one pool page each)."""
+    """(model dir, {name: adapter dir}, bytes of the largest adapter image): a tiny random GQA Llama (as in
+    test_engine_behaviour.py, with a small vocabulary and no tokenizer) and 50 rank-4/8 adapters."""
     d = tiny_llama_dir(tmp_path_factory, VOCAB)
     probe = Engine(model=str(d), device="cpu", progress=False, max_batch_size=1, max_seq_len=MAX_SEQ, max_lora_rank=8,
                    adapter_slots=1)
@@ -46,7 +46,9 @@ def tiny(tmp_path_factory):
     dirs = {f"ad{i:02d}": _write_adapter(root / f"ad{i:02d}", probe.config, 500 + i, 4 if i % 3 == 0 else 8,
                                          MODULE_SETS[i % 4])
             for i in range(N_ADAPTERS)}
-    return d, dirs, probe.pool.page_bytes
+    for name, path in dirs.items():
+        probe.load_adapter(name, path, preload=False)
+    return d, dirs, max(probe.cache.get(name).pool_bytes for name in dirs)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,7 @@ def test_cold_adapter_is_admitted_within_the_bound_under_a_hot_stream(tiny, alon
     hot_a, hot_b, cold = "ad01", "ad02", "ad05"
     engine = Engine(model=str(d), device="cpu", progress=False, max_batch_size=4, max_seq_len=MAX_SEQ, max_lora_rank=8,
                     adapter_slots=2, starvation_patience=patience)
-    assert engine.pool.num_pages == 2  # A and B fill the pool
+    assert engine.pool.max_slots == 2  # A and B fill the pool's slots
     for name in (hot_a, hot_b, cold):
         engine.load_adapter(name, dirs[name])
     hot, n = [], 0
@@ -131,12 +133,12 @@ def test_cold_adapter_is_admitted_within_the_bound_under_a_hot_stream(tiny, alon
 
 # ----------------------------------------------------------------------------------------- end to end
 def test_50_adapters_through_a_pool_for_8_every_output_as_alone(tiny, alone):
-    d, dirs, page_bytes = tiny
+    d, dirs, image_bytes = tiny
     names = sorted(dirs)
     pinned = names[0]
     engine = Engine(model=str(d), device="cpu", progress=False, max_batch_size=10, max_seq_len=MAX_SEQ, max_lora_rank=8,
-                    adapter_slots=8, host_adapter_bytes=12 * page_bytes, starvation_patience=4)
-    assert engine.pool.num_pages == 8
+                    adapter_slots=8, host_adapter_bytes=12 * image_bytes, starvation_patience=4)
+    assert engine.pool.max_slots == 8
     for name in names:
         engine.load_adapter(name, dirs[name])
     engine.pin_adapter(pinned)
@@ -189,10 +191,13 @@ def test_50_adapters_through_a_pool_for_8_every_output_as_alone(tiny, alone):
     assert s["bytes_host_to_gpu"] > 0 and s["bytes_disk_to_host"] > 0
     for key in ("prefetch_to_gpu", "prefetch_to_host", "prefetch_hits"):
         assert isinstance(s[key], int) and s[key] >= 0, key
-    # every adapter takes one page: each host -> gpu copy moves one page, each stored disk -> host read one page
-    assert s["bytes_host_to_gpu"] == (s["gpu_misses"] + s["prefetch_to_gpu"]) * page_bytes
-    assert s["bytes_disk_to_host"] == (s["host_misses"] - s["adapter_load_failures"] + s["prefetch_to_host"]) * page_bytes
-    assert s["bytes_gpu_to_host"] % page_bytes == 0 and s["bytes_gpu_to_host"] <= s["gpu_evictions"] * page_bytes
+    # each host -> gpu copy moves one adapter image, each stored disk -> host read one image, whole pages each
+    page, small = engine.pool.page_bytes, min(engine.cache.get(n).pool_bytes for n in names)
+    copies = s["gpu_misses"] + s["prefetch_to_gpu"]
+    assert copies * small <= s["bytes_host_to_gpu"] <= copies * image_bytes and s["bytes_host_to_gpu"] % page == 0
+    reads = s["host_misses"] - s["adapter_load_failures"] + s["prefetch_to_host"]
+    assert reads * small <= s["bytes_disk_to_host"] <= reads * image_bytes and s["bytes_disk_to_host"] % page == 0
+    assert s["bytes_gpu_to_host"] % page == 0 and s["bytes_gpu_to_host"] <= s["gpu_evictions"] * image_bytes
     assert s["gpu_misses"] + s["prefetch_to_gpu"] >= N_ADAPTERS  # each adapter came up at least once
     assert s["prefetch_hits"] <= s["prefetch_to_gpu"] + s["prefetch_to_host"]
     assert s["adapter_load_failures"] == 0

@@ -33,8 +33,11 @@ def test_request_bytes_follow_the_layouts(cfg, dtype):
     r = memory_request(cfg, ec, dtype=dtype, max_seq_len=50)
     e = torch.empty((), dtype=dtype).element_size()
     width = sum(sum(cfg.module_shape(m)) for m in TARGET_MODULES)  # A rows + B^T rows of every module
-    assert r.page_bytes == 8 * cfg.num_layers * width * e
-    assert r.pages_per_adapter == 3  # ceil(20 / 8)
+    assert r.page_bytes == 64 * e  # the pool's allocation unit: 64 elements
+    # the largest rank-20 adapter: every module of every layer, its weights in whole 64-element pages per module
+    assert r.pages_per_adapter == cfg.num_layers * sum(-(-20 * sum(cfg.module_shape(m)) // 64) for m in TARGET_MODULES)
+    assert r.pages_per_adapter * r.page_bytes < (20 * width + 64 * len(TARGET_MODULES)) * cfg.num_layers * e
+    assert r.module_width == width and r.dtype_bytes == e
     assert r.kv_token_bytes == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * e
     assert r.block_bytes == 4 * r.kv_token_bytes and r.seq_blocks == 13  # ceil(50 / 4)
     assert r.kv_cap == (3 * 13 + 1) * r.block_bytes and r.pool_cap is None and r.live_blocks == 13
@@ -81,7 +84,7 @@ def test_without_a_snapshot_the_caps_alone_size_the_engine():
     assert s.num_pages == 8 * r.pages_per_adapter  # 8 max-rank adapters when the pool has no cap
     assert s.num_blocks == 2 * 4 + 1
     tiny_pool = EngineConfig(max_lora_rank=16, adapter_pool_bytes=r.page_bytes)
-    with pytest.raises(ValueError, match="one rank-16 adapter needs 2"):
+    with pytest.raises(ValueError, match="below the largest adapter max_lora_rank=16 allows"):
         size_engine(memory_request(TINY, tiny_pool, dtype=torch.float32, max_seq_len=64), tiny_pool, None,
                     reserve_bytes=0)
 
@@ -101,23 +104,32 @@ def test_measure_and_size_replays_a_snapshot_and_the_engine_uses_its_sizes():
 
 @pytest.mark.parametrize("replayed", [True, False], ids=["memory plan", "caps alone"])
 def test_a_pool_cap_below_one_adapter_names_the_argument_and_the_formula(replayed):
-    # Issue 15 item 12: adapter_pool_bytes holding 1 page of a rank-16 adapter's 2 (page_rows 8).
-    one_page = memory_request(TINY, EngineConfig(max_lora_rank=16), dtype=torch.float32, max_seq_len=64).page_bytes
-    ec = EngineConfig(max_lora_rank=16, page_rows=8, adapter_pool_bytes=one_page + 7)
+    # Issue 15 item 12 / issue 12: adapter_pool_bytes a page short of the largest rank-16 adapter.
+    probe = memory_request(TINY, EngineConfig(max_lora_rank=16), dtype=torch.float32, max_seq_len=64)
+    need = probe.pages_per_adapter * probe.page_bytes
+    ec = EngineConfig(max_lora_rank=16, page_rows=8, adapter_pool_bytes=need - probe.page_bytes + 7)
     r = memory_request(TINY, ec, dtype=torch.float32, max_seq_len=64)
     width = sum(sum(TINY.module_shape(m)) for m in TARGET_MODULES)
+    per_layer = sum(-(-16 * sum(TINY.module_shape(m)) // 64) for m in TARGET_MODULES)
+    assert need == TINY.num_layers * per_layer * 64 * 4
+    # the largest rank whose largest adapter fits, computed independently
+    fit = max(k for k in range(17) if TINY.num_layers * sum(-(-k * sum(TINY.module_shape(m)) // 64)
+                                                        for m in TARGET_MODULES) * 256 <= ec.adapter_pool_bytes)
+    assert r.pool_cap_rank == fit and 0 < fit < 16
     with pytest.raises(MemoryPlanError) as err:
         size_engine(r, ec, _host(1 * GiB) if replayed else None, reserve_bytes=0)
     msg = str(err.value)
     for words in (
-        "the adapter pool gets 1 page(s)", "one rank-16 adapter needs 2", f"adapter_pool_bytes={one_page + 7}",
-        f"page_rows 8 x layers {TINY.num_layers} x sum over the target modules of (d_in + d_out) {width} x dtype "
-        f"bytes 4 = {one_page}", "ceil(max_lora_rank 16 / page_rows 8) = 2", f"at least {2 * one_page}",
-        "Engine(adapter_pool_bytes=...)", "--adapter-pool-bytes", "lower max_lora_rank to at most 8",
-        "Engine(max_lora_rank=...)", "--max-lora-rank",
+        f"adapter_pool_bytes={ec.adapter_pool_bytes} is below the largest adapter max_lora_rank=16 allows",
+        f"(rank 16 on all 7 target modules of all {TINY.num_layers} layers), which needs {need} bytes",
+        f"layers {TINY.num_layers} x sum over the target modules of ceil(max_lora_rank 16 x (d_in + d_out) / 64) "
+        f"{per_layer} pages x page bytes 256 (64 elements x dtype bytes 4)",
+        f"its weight bytes, 16 x {width} x {TINY.num_layers} x 4 = {16 * width * TINY.num_layers * 4}",
+        f"at least {need}", "Engine(adapter_pool_bytes=...)", "--adapter-pool-bytes",
+        f"lower max_lora_rank to at most {fit}", "Engine(max_lora_rank=...)", "--max-lora-rank",
     ):
         assert words in msg, (words, msg)
-    assert err.value.needed_bytes == 2 * one_page and err.value.fits_bytes == one_page + 7
+    assert err.value.needed_bytes == need and err.value.fits_bytes == ec.adapter_pool_bytes
     assert isinstance(err.value, ValueError)
 
 
@@ -125,6 +137,6 @@ def test_the_engine_raises_the_same_for_its_keyword():
     from multilora import Engine
 
     r = memory_request(TINY, EngineConfig(max_lora_rank=16), dtype=torch.float32, max_seq_len=64)
-    with pytest.raises(MemoryPlanError, match=r"the adapter pool gets 0 page\(s\).*at least"):
+    with pytest.raises(MemoryPlanError, match=r"adapter_pool_bytes=255 is below the largest adapter.*at least"):
         Engine(TINY, device="cpu", max_seq_len=64, max_lora_rank=16, memory_snapshot=_host(1 * GiB),
                adapter_pool_bytes=r.page_bytes - 1, progress=False)

@@ -71,16 +71,23 @@ def token_ids(n, seed, vocab_size):
 
 
 def read_module(pool, slot, layer, module):
-    """(A [r, d_in], B [d_out, r], scaling) of a resident slot read back out of the pool's pages, row by row from
-    the layout documented in ``multilora.memory.pool`` (the kernel tests' reference reads its weights here)."""
-    v = pool.module_view(layer, module)
-    r, R = int(v.ranks[slot]), pool.page_rows
-    pages = pool.pages_of(slot)
-    a_rows, b_rows = [], []
-    for j in range(r):
-        page = pool.buffer[pages[j // R]]
-        a_rows.append(page[v.offset_a + (j % R) * v.d_in : v.offset_a + (j % R + 1) * v.d_in])
-        b_rows.append(page[v.offset_b + (j % R) * v.d_out : v.offset_b + (j % R + 1) * v.d_out])
-    a = torch.stack(a_rows) if a_rows else pool.buffer.new_zeros(0, v.d_in)
-    bt = torch.stack(b_rows) if b_rows else pool.buffer.new_zeros(0, v.d_out)
-    return a, bt.t(), float(v.scalings[slot])
+    """(A [r, d_in], B [d_out, r], scaling) of a resident slot read back out of the pool's flat buffer, row by row
+    from the layout documented in ``multilora.memory.pool`` (the kernel tests' reference reads its weights here);
+    checks the layout's promises on the way: A on a page boundary inside the slot's extent, B^T right after A."""
+    from multilora.config import MODULE_INDEX
+    from multilora.memory.pool import PAGE_ELEMS
+
+    mi = MODULE_INDEX[module]
+    d_in, d_out = pool.config.module_shape(module)
+    r = int(pool.ranks[layer, mi, slot])
+    oa, ob = int(pool.offsets_a[layer, mi, slot]), int(pool.offsets_b[layer, mi, slot])
+    if r:
+        start, n = pool.extent_of(slot)
+        assert oa % PAGE_ELEMS == 0 and ob == oa + r * d_in, (oa, ob, r, d_in)
+        assert start * PAGE_ELEMS <= oa and ob + r * d_out <= (start + n) * PAGE_ELEMS, "outside the slot's extent"
+    flat = pool.buffer
+    a_rows = [flat[oa + j * d_in : oa + (j + 1) * d_in] for j in range(r)]
+    b_rows = [flat[ob + j * d_out : ob + (j + 1) * d_out] for j in range(r)]
+    a = torch.stack(a_rows) if a_rows else flat.new_zeros(0, d_in)
+    bt = torch.stack(b_rows) if b_rows else flat.new_zeros(0, d_out)
+    return a, bt.t(), float(pool.scalings[layer, mi, slot])

@@ -23,18 +23,18 @@ import triton
 import triton.language as tl
 
 from multilora.kernels.lora import LoRAPlan, LoRASlices
-from multilora.kernels.triton_sgmv import (_add_scaled, _chunk_tokens, _dot, _field, _rank_rows, _shrink_tile,
+from multilora.kernels.triton_sgmv import (_add_scaled, _chunk_tokens, _dot, _rank_rows, _shrink_tile, _slot_offset,
                                           _tile_slice, check_io, num_chunks, tile_ends)
 
 
 @triton.jit
 def _lora_fused_kernel(
     # pointers
-    y_ptr, x_ptr, buf_ptr, pt_ptr, ranks_ptr, scal_ptr, tab_ptr, w_ptr, chunks_ptr,
+    y_ptr, x_ptr, buf_ptr, offa_ptr, offb_ptr, ranks_ptr, scal_ptr, tab_ptr, w_ptr, chunks_ptr,
     # sizes
-    d_in, page_elems, page_rows, e0, e1, e2, meta_stride,
+    d_in, e0, e1, e2, meta_stride,
     # strides
-    stride_xm, stride_ym, stride_pt, stride_c,
+    stride_xm, stride_ym, stride_c,
     # meta
     NUM_SLICES: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, ALIGN: tl.constexpr,
@@ -46,18 +46,18 @@ def _lora_fused_kernel(
     chunk = tl.program_id(0)
     grp = tl.program_id(1)  # tile groups of all slices, slice after slice
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
-    sid, g, off_b, d_out, col = _tile_slice(tab_ptr, grp, e0, e1, e2, NUM_SLICES, ALIGN)
-    off_a = _field(tab_ptr, 0, sid, NUM_SLICES, ALIGN)
+    sid, g, d_out, col = _tile_slice(tab_ptr, grp, e0, e1, e2, NUM_SLICES, ALIGN)
     if slot < 0:
         return
     r = tl.load(ranks_ptr + sid * meta_stride + slot)
+    off_a = _slot_offset(offa_ptr, sid, meta_stride, slot, ALIGN)
+    off_b = _slot_offset(offb_ptr, sid, meta_stride, slot, ALIGN)
     if r == 0:
         return
     scale = tl.load(scal_ptr + sid * meta_stride + slot)
     tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     x_rows = x_ptr + tok[:, None] * stride_xm  # [BLOCK_M, 1]
-    pt_row = pt_ptr + slot.to(tl.int64) * stride_pt
     pid = chunk.to(tl.int64) * tl.num_programs(1) + grp
     w_rows = w_ptr + (pid * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]) * (RMAX - BLOCK_R)  # rank tiles 1..
     # shrink: v[m, j] = x[tok_m] . A[j]
@@ -65,7 +65,7 @@ def _lora_fused_kernel(
     for j0 in range(0, r, BLOCK_R):
         j = j0 + offs_r
         j_mask = j < r
-        a_rows = _rank_rows(buf_ptr, pt_row, j, j_mask, page_rows, page_elems, off_a, d_in)
+        a_rows = _rank_rows(buf_ptr, off_a, j, d_in)
         acc = _shrink_tile(x_rows, a_rows, m_mask, j_mask, 0, d_in, BLOCK_M, BLOCK_R, BLOCK_K, IEEE)
         if j0 == 0:
             v0 = acc
@@ -75,7 +75,7 @@ def _lora_fused_kernel(
         tl.debug_barrier()  # the workspace rows written above are read back by other threads of this program
     # expand: y[tok, col + n] += scale * v @ B^T[:, n], for this program's TILES tiles
     j_mask = offs_r < r
-    b0_rows = _rank_rows(buf_ptr, pt_row, offs_r, j_mask, page_rows, page_elems, off_b, d_out)
+    b0_rows = _rank_rows(buf_ptr, off_b, offs_r, d_out)
     v0 = v0.to(y_ptr.dtype.element_ty)  # IEEE: fp32 already
     for t in range(TILES):
         n = (g * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -85,7 +85,7 @@ def _lora_fused_kernel(
         for j0 in range(BLOCK_R, r, BLOCK_R):
             jj = j0 + offs_r
             jj_mask = jj < r
-            b_rows = _rank_rows(buf_ptr, pt_row, jj, jj_mask, page_rows, page_elems, off_b, d_out)
+            b_rows = _rank_rows(buf_ptr, off_b, jj, d_out)
             bt = tl.load(b_rows[:, None] + n[None, :], mask=jj_mask[:, None] & n_mask[None, :], other=0.0)
             vt = tl.load(w_rows + (jj - BLOCK_R)[None, :], mask=jj_mask[None, :], other=0.0)
             out += _dot(vt.to(bt.dtype), bt, IEEE)
@@ -131,9 +131,9 @@ def lora_fused(y: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan: LoRAP
     work = torch.empty(w_numel, dtype=torch.float32, device=x.device)
     extra = {} if num_stages is None else {"num_stages": num_stages}
     _lora_fused_kernel[grid](
-        y, x, slices.buffer, slices.page_table, slices.ranks, slices.scalings, slices.table, work, plan.chunks,
-        d_in, slices.page_elems, slices.page_rows, *tile_ends(slices, block_n * tiles), slices.meta_stride,
-        x.stride(0), y.stride(0), slices.page_table.stride(0), plan.chunks.stride(0),
+        y, x, slices.buffer, slices.offsets_a, slices.offsets_b, slices.ranks, slices.scalings, slices.table, work,
+        plan.chunks, d_in, *tile_ends(slices, block_n * tiles), slices.meta_stride,
+        x.stride(0), y.stride(0), plan.chunks.stride(0),
         NUM_SLICES=S, RMAX=max(rmax, block_r), BLOCK_M=plan.block_m,
         BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k, TILES=tiles, ALIGN=slices.align,
         IEEE=x.dtype == torch.float32, num_warps=num_warps, **extra,

@@ -43,8 +43,8 @@ One module per job; each imports only the ones listed above it:
 - ``files``: the weight file: safetensors (whole, header-only or lazily), a pickle only when allowed.
 - ``load``: one loading path that validates every tensor and hands each module to a sink:
   :func:`load_peft_adapter` (float32 copies), :func:`load_peft_adapter_into` (the caller's sink) and
-  :func:`read_packed_adapter` (the pool's pages: the engine's disk -> host path), and :func:`read_adapter`
-  (``Engine.load_adapter``'s read: the pages, or only the header).
+  :func:`read_packed_adapter` (the pool image: the engine's disk -> host path), and :func:`read_adapter`
+  (``Engine.load_adapter``'s read: the image, or only the header).
 - ``writer``: :func:`save_peft_adapter`.
 """
 

@@ -236,11 +236,12 @@ def _build_modules(
     config: ModelConfig,
     spec: _Spec,
     cfg_path: Path,
-    open_sink: Callable[[int], ModuleSink | None] | None = None,
+    open_sink: Callable[[dict[tuple[int, str], int]], ModuleSink | None] | None = None,
 ) -> tuple[dict[tuple[int, str], LoRAModuleWeights], ModuleSink | None]:
     """The loading path: validate the tensors against the targets and hand each module to a sink.
 
-    Every key is checked first (:func:`_match_keys`); then ``open_sink(max rank)``, if given, gives the sink
+    Every key is checked first (:func:`_match_keys`); then ``open_sink(ranks)`` (``(layer, module) -> r`` of every
+    targeted module, in layer then ``TARGET_MODULES`` order), if given, gives the sink
     (or None); then, module by module in layer, then ``TARGET_MODULES`` order, lora_A then lora_B is taken from
     ``tensors`` (so a lazy mapping reads one tensor at a time), its shape, dtype and values checked
     (:func:`_checked_values`), and the pair goes to ``sink.put(layer, module, a, b, scaling)`` (a lazy mapping's
@@ -255,7 +256,8 @@ def _build_modules(
     is peft's ``s * (x A^T) B^T`` on the fused output, the same numbers; the cost is that A's bytes are then held
     once per slice (three times for qkv_proj, twice for gate_up_proj) in the pool and in the modules."""
     found = _match_keys(wpath, keys, targets, config, cfg_path)
-    sink = None if open_sink is None else open_sink(max(t.r for t in targets.values()))
+    order = sorted(targets, key=lambda lm: (lm[0], MODULE_INDEX[lm[1]]))
+    sink = None if open_sink is None else open_sink({key: targets[key].r for key in order})
     modules: dict[tuple[int, str], LoRAModuleWeights] = {}
     order = {m: MODULE_INDEX[config.lora_slices(m)[0]] for m in config.lora_modules}
     for (layer, module) in sorted(targets, key=lambda lm: (lm[0], order[lm[1]])):
@@ -339,7 +341,7 @@ def load_peft_adapter(
 def load_peft_adapter_into(
     path: str | os.PathLike,
     config: ModelConfig,
-    open_sink: Callable[[int], ModuleSink | None],
+    open_sink: Callable[[dict[tuple[int, str], int]], ModuleSink | None],
     *,
     name: str | None = None,
     allow_pickle: bool = False,
@@ -355,8 +357,9 @@ def load_peft_adapter_into(
     the sink must copy them before it returns.
 
     Args:
-        open_sink: called with the adapter's largest rank once the config and every tensor key are validated,
-            before any value is read; returns the sink, or None to validate without keeping values.
+        open_sink: called with the rank of every targeted (layer, module) (a dict in layer, then ``TARGET_MODULES``
+            order) once the config and every tensor key are validated, before any value is read; returns the sink,
+            or None to validate without keeping values.
         path, config, name, allow_pickle: as for :func:`load_peft_adapter`.
 
     Returns:
@@ -385,27 +388,27 @@ def load_peft_adapter_into(
 
 def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
                         allow_pickle: bool = False) -> tuple[LoRAAdapter, PackedAdapter | None]:
-    """disk -> host: read, validate and lay out an adapter as ``pool``'s pages in one pass.
+    """disk -> host: read, validate and lay out an adapter as its ``pool`` image in one pass.
 
     What the engine's reload and ``load_adapter(preload=True)`` run: :func:`load_peft_adapter_into` streams
-    each module, in the file's dtype, into ``pool.packer`` (no float32 copies, no zero-fill pass); the pages
-    are bit-identical to ``pool.pack(load_peft_adapter(...))`` and the errors are the same.
+    each module, in the file's dtype, into ``pool.packer`` (no float32 copies, no zero-fill pass); the image
+    is bit-identical to ``pool.pack(load_peft_adapter(...))`` and the errors are the same.
 
     Args:
-        pool: the pool whose layout and dtype the pages take (only its ``packer`` is used; nothing is loaded).
+        pool: the pool whose layout and dtype the image takes (only its ``packer`` is used; nothing is loaded).
         path, config, name, allow_pickle: as for :func:`load_peft_adapter`.
 
     Returns:
         ``(adapter, packed)``: the adapter's modules hold ``meta`` tensors (shapes, file dtypes) and the
         scalings; ``packed`` is None when its rank exceeds ``pool.max_rank`` (the values are validated anyway),
-        else its ``pages`` are ``[num_pages, page_elems]`` in the pool dtype on the CPU (pinned for a CUDA
-        pool) and its ``ranks`` int32 / ``scalings`` float32 are ``[num_layers, 7]``.
+        else its ``data`` is the exact-size image (``multilora.memory.pool``) in the pool dtype on the CPU (pinned
+        for a CUDA pool) and its ``ranks`` int32 / ``scalings`` float32 / ``offsets`` int64 are ``[num_layers, 7]``.
 
     Raises:
         AdapterError: as :func:`load_peft_adapter`.
     """
-    def open_sink(max_rank: int):
-        return pool.packer(max_rank, name=name) if max_rank <= pool.max_rank else None
+    def open_sink(ranks: dict[tuple[int, str], int]):
+        return pool.packer(ranks, name=name) if max(ranks.values(), default=0) <= pool.max_rank else None
 
     adapter, packer = load_peft_adapter_into(path, config, open_sink, name=name, allow_pickle=allow_pickle)
     return adapter, None if packer is None else packer.finish()
@@ -415,12 +418,12 @@ def read_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool
                  allow_pickle: bool = False, preload: bool = True,
                  max_rank: int | None = None) -> tuple[LoRAAdapter, PackedAdapter | None]:
     """What ``Engine.load_adapter`` reads: with ``preload``, the whole adapter validated and laid out as ``pool``'s
-    pages (:func:`read_packed_adapter`); without, the config and the safetensors header only (names, shapes,
+    image (:func:`read_packed_adapter`); without, the config and the safetensors header only (names, shapes,
     dtypes, ranks: no tensor data; a pickle file is read whole and packed anyway).
 
     Returns:
         ``(adapter, packed)``: ``adapter``'s modules hold ``meta`` tensors for a safetensors file; ``packed`` is
-        the host page image, or None when nothing was read (header only).
+        the host image, or None when nothing was read (header only).
 
     Raises:
         AdapterError: as :func:`load_peft_adapter`, or a rank above ``max_rank`` (the engine's max_lora_rank).
