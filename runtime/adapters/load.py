@@ -256,11 +256,14 @@ def _build_modules(
     is peft's ``s * (x A^T) B^T`` on the fused output, the same numbers; the cost is that A's bytes are then held
     once per slice (three times for qkv_proj, twice for gate_up_proj) in the pool and in the modules."""
     found = _match_keys(wpath, keys, targets, config, cfg_path)
-    order = sorted(targets, key=lambda lm: (lm[0], MODULE_INDEX[lm[1]]))
-    sink = None if open_sink is None else open_sink({key: targets[key].r for key in order})
-    modules: dict[tuple[int, str], LoRAModuleWeights] = {}
     order = {m: MODULE_INDEX[config.lora_slices(m)[0]] for m in config.lora_modules}
-    for (layer, module) in sorted(targets, key=lambda lm: (lm[0], order[lm[1]])):
+    targeted = sorted(targets, key=lambda lm: (lm[0], order[lm[1]]))
+    # the sink sees the modules it is given: a fused target's slices (q/k/v, gate/up), each at the target's rank
+    ranks = {(layer, part): targets[(layer, module)].r for layer, module in targeted
+             for part in config.lora_slices(module)}
+    sink = None if open_sink is None else open_sink(ranks)
+    modules: dict[tuple[int, str], LoRAModuleWeights] = {}
+    for (layer, module) in targeted:
         t = targets[(layer, module)]
         d_in, d_out = config.module_shape(module)
         pair = []
