@@ -213,6 +213,9 @@ LONG = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0.0, "ignore_eos": T
 def test_a_client_that_disconnects_mid_stream_frees_its_request(http):
     with http.stream("POST", "/v1/completions", json={"model": "a2", "stream": True, **LONG}) as r:
         assert next(line for line in r.iter_lines() if line.startswith("data: "))  # it runs
+        deadline = time.time() + 20  # the replica's stats are read through Ray: they may trail the first chunk
+        while _replica_stats("a2")["running"] != 1 and time.time() < deadline:
+            time.sleep(0.05)
         assert _replica_stats("a2")["running"] == 1
     _idle("a2")
 
