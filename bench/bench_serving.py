@@ -17,7 +17,8 @@ req/s is its capacity. ``--rate auto`` first measures that capacity with a burst
 
 Reported per row: offered and achieved req/s, output tokens/s, TTFT p50/p90/p99, TPOT p50/p99, end-to-end latency
 p50/p99 (all seconds, measured by the client: from the request's scheduled arrival to its first token / last byte),
-adapter bytes moved per tier and per second, pool / host-tier hit rates. Both modes time the same thing from the
+adapter bytes moved per tier and per second, pool / host-tier hit rates, and the share of requests within an SLO
+(issue 13's: TTFT <= 5x and TPOT <= 2x the p50s of the first N's row of the same mode and rate kind). Both modes time the same thing from the
 outside (an ``async for`` over the engine's stream in-process; server-sent events over HTTP), so the difference is
 the HTTP layer: FastAPI + uvicorn + JSON + SSE, a socket and a second process.
 """
@@ -304,13 +305,25 @@ def summarize(results: list[Result], wall: float, offered: float, before: dict |
     return row
 
 
+def slo_share(results: list[Result], ttft_max: float | None, tpot_max: float | None) -> float | None:
+    """Share of all requests (failed ones count as missed) with TTFT <= ``ttft_max`` and TPOT <= ``tpot_max``."""
+    if ttft_max is None or tpot_max is None or not results:
+        return None
+    met = 0
+    for r in results:
+        if r.error is None and r.first is not None and r.first - r.scheduled <= ttft_max:
+            tpot = (r.end - r.first) / (r.tokens - 1) if r.tokens > 1 else 0.0
+            met += tpot <= tpot_max
+    return met / len(results)
+
+
 def fmt(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
 def markdown(rows: list[dict]) -> str:
     head = ("| mode | N | set | rate | offered req/s | achieved req/s | out tok/s | TTFT p50 / p90 / p99 (s) "
-            "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | failed |")
+            "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | within SLO | failed |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
@@ -318,7 +331,8 @@ def markdown(rows: list[dict]) -> str:
             f"| {fmt(r['achieved_rps'], '.2f')} | {fmt(r['output_tok_s'], '.0f')} "
             f"| {fmt(r['ttft_p50_s'], '.3f')} / {fmt(r['ttft_p90_s'], '.3f')} / {fmt(r['ttft_p99_s'], '.3f')} "
             f"| {fmt(r['tpot_p50_s'] and r['tpot_p50_s'] * 1e3, '.2f')} / {fmt(r['tpot_p99_s'] and r['tpot_p99_s'] * 1e3, '.2f')} "
-            f"| {fmt(r['e2e_p50_s'], '.2f')} / {fmt(r['e2e_p99_s'], '.2f')} | {r['failed']} |")
+            f"| {fmt(r['e2e_p50_s'], '.2f')} / {fmt(r['e2e_p99_s'], '.2f')} "
+            f"| {'-' if r.get('slo_share') is None else format(100 * r['slo_share'], '.1f') + '%'} | {r['failed']} |")
     return "\n".join(lines)
 
 
@@ -412,6 +426,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     child_argv = [a for a in argv] + (["--adapter-dir", os.environ["MULTILORA_BENCH_ADAPTERS"]]
                                       if args.adapter_dir is None else [])
     rows: list[dict] = []
+    slo_ref: dict[tuple[str, bool], tuple[float | None, float | None]] = {}
     rate: float | None = None if args.rate == "auto" else (math.inf if args.rate == "burst" else float(args.rate))
     for n in args.counts:
         def trace_at(r: float) -> list[TraceRequest]:
@@ -424,6 +439,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row = {"mode": mode, "n_adapters": n, "adapter_set": args.adapter_set, "popularity": args.popularity,
                    "arrival": args.arrival, "rate": "burst" if math.isinf(r) else f"{r:.2f}",
                    **summarize(results, wall, r, before, after)}
+            # SLO (issue 13): TTFT <= 5x and TPOT <= 2x the p50s of the first N's row of this mode and rate kind
+            ref = slo_ref.setdefault((mode, row["rate"] == "burst"), (row["ttft_p50_s"], row["tpot_p50_s"]))
+            row["slo_ttft_s"], row["slo_tpot_s"] = (None, None) if None in ref else (5 * ref[0], 2 * ref[1])
+            row["slo_share"] = slo_share(results, row["slo_ttft_s"], row["slo_tpot_s"])
             rows.append(row)
             print(json.dumps(row), flush=True)
             write(args, argv, config, rows)

@@ -95,3 +95,29 @@ def test_serving_bench_runs(tmp_path):
         assert 0 < r["ttft_p50_s"] <= r["ttft_p90_s"] <= r["ttft_p99_s"] and r["tpot_p50_s"] > 0
         assert (r["pool_hit_rate"] is None) == (r["mode"] == "http")
     assert "| http | 3 | S1 | burst |" in (out / "serving_tiny.md").read_text()
+    for r in rows:  # the first N's rows are their own SLO reference (issue 13: 5x its TTFT p50, 2x its TPOT p50)
+        assert r["slo_ttft_s"] == pytest.approx(5 * r["ttft_p50_s"]) and r["slo_tpot_s"] == pytest.approx(2 * r["tpot_p50_s"])
+        assert 0 <= r["slo_share"] <= 1
+
+
+def test_serving_bench_slo_share():
+    """``slo_share`` by hand: TTFT from the scheduled arrival, TPOT over the tokens after the first, failures miss."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "bench" / "bench_serving.py")
+    bs = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving"] = bs  # dataclasses look their module up there
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec.loader.exec_module(bs)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+        sys.modules.pop("bench_serving", None)
+    R = bs.Result
+    results = [R(0.0, first=0.5, end=1.5, tokens=11),   # TTFT 0.5, TPOT 0.1: in
+               R(1.0, first=2.1, end=2.2, tokens=2),    # TTFT 1.1: out
+               R(2.0, first=2.2, end=4.2, tokens=11),   # TPOT 0.2: out
+               R(3.0, first=3.1, end=3.1, tokens=1),    # one token (no TPOT): in
+               R(4.0, error="boom")]                    # failed: out
+    assert bs.slo_share(results, ttft_max=1.0, tpot_max=0.15) == pytest.approx(2 / 5)
+    assert bs.slo_share(results, None, 0.1) is None
