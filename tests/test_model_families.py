@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from peft import LoraConfig, get_peft_model  # noqa: E402
-from testsupport import one_thread  # noqa: E402,F401  (autouse: one intra-op thread)
+from testsupport import hf_last_logits, one_thread, rel_err  # noqa: E402,F401  (one_thread: autouse)
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.config import SERVED_MODEL_TYPES, ModelConfig  # noqa: E402
@@ -72,15 +72,6 @@ def _rows(name, seed=7):
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in CASES[name][3]]
 
 
-def _rel(a, b):
-    return float((a - b).norm() / b.norm())
-
-
-def _hf_last_logits(model, rows, **kw):
-    with torch.no_grad():
-        return [model(input_ids=torch.tensor([r]), **kw).logits[0, -1].float() for r in rows]
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     name = request.param
@@ -112,8 +103,8 @@ def test_logits_match_transformers(case):
     name, model, engine, rows = case
     ours = engine.logits(rows, adapters=None)
     assert ours.dtype == torch.float32 and ours.shape == (len(rows), VOCAB)
-    for i, ref in enumerate(_hf_last_logits(model, rows)):
-        assert _rel(ours[i], ref) < REL_TOL, (name, i, _rel(ours[i], ref))
+    for i, ref in enumerate(hf_last_logits(model, rows)):
+        assert rel_err(ours[i], ref) < REL_TOL, (name, i, rel_err(ours[i], ref))
 
 
 def test_greedy_generate_matches_transformers(case):
@@ -145,8 +136,8 @@ def test_family_knob_changes_the_reference(name, what):
             elif what == "qk_norm" and pname.endswith(("q_norm.weight", "k_norm.weight")):
                 p.fill_(1.0)
     row = [max(_rows(name), key=len)]
-    a, b = _hf_last_logits(model, row)[0], _hf_last_logits(other, row)[0]
-    assert _rel(a, b) > 1e-3, f"{name}: {what} barely changes the reference ({_rel(a, b):.2e})"
+    a, b = hf_last_logits(model, row)[0], hf_last_logits(other, row)[0]
+    assert rel_err(a, b) > 1e-3, f"{name}: {what} barely changes the reference ({rel_err(a, b):.2e})"
 
 
 # --------------------------------------------------------------------- peft adapters on biased q/k/v
@@ -196,13 +187,13 @@ def test_peft_adapters_mixed_batch_logits(peft_setup):
     rows = _batch_rows()
     ours = engine.logits(rows, adapters=[a for a, _ in BATCH])
     for i, ((a, _), r) in enumerate(zip(BATCH, rows)):
-        ref = _hf_last_logits(model, [r], adapter_names=[a or "__base__"])[0]
-        assert _rel(ours[i], ref) < REL_TOL, (name, a, _rel(ours[i], ref))
+        ref = hf_last_logits(model, [r], adapter_names=[a or "__base__"])[0]
+        assert rel_err(ours[i], ref) < REL_TOL, (name, a, rel_err(ours[i], ref))
         if a is not None:  # the adapter visibly changes the output (an ignored adapter would fail)
-            base = _hf_last_logits(model, [r], adapter_names=["__base__"])[0]
-            assert _rel(ref, base) > 1e-2, (name, a)
+            base = hf_last_logits(model, [r], adapter_names=["__base__"])[0]
+            assert rel_err(ref, base) > 1e-2, (name, a)
     alone = engine.logits([rows[1], rows[4]], adapters=None)  # rows without an adapter: the base model
-    assert _rel(ours[1], alone[0]) < REL_TOL and _rel(ours[4], alone[1]) < REL_TOL
+    assert rel_err(ours[1], alone[0]) < REL_TOL and rel_err(ours[4], alone[1]) < REL_TOL
 
 
 def test_peft_adapters_greedy_generate(peft_setup):

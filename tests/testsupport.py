@@ -91,3 +91,15 @@ def read_module(pool, slot, layer, module):
     a = torch.stack(a_rows) if a_rows else flat.new_zeros(0, d_in)
     bt = torch.stack(b_rows) if b_rows else flat.new_zeros(0, d_out)
     return a, bt.t(), float(pool.scalings[layer, mi, slot])
+
+
+def rel_err(a, b):
+    """Relative error ``||a - b|| / ||b||`` (b the reference), a float."""
+    return float((a - b).norm() / b.norm())
+
+
+def hf_last_logits(model, rows, **kw):
+    """A transformers causal LM's float last-position logits of each token-id row, one forward per row."""
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([r]), **kw).logits[0, -1].float() for r in rows]
+
