@@ -74,7 +74,7 @@ def _http_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8000)
     sp.add_argument("--served-model-name", help="the base model's name in requests (default: --model as given, or "
-                                                "the embedded model's file name)")
+                                                "the embedded model's file name without .gguf)")
     sp.add_argument("--api-key", default=os.environ.get("MULTILORA_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on every route but /health (default: $MULTILORA_API_KEY)")
 
@@ -250,8 +250,19 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
     names = [n for n, _ in args.adapter]
     if len(set(names)) != len(names):
         raise ValueError(f"--adapter: a name given twice in {names}")
+    overrides: dict = {}
+    if args.address is None and args.replicas > 1:
+        # its own local cluster: every replica is on this host. Each engine's memory plan would otherwise budget the
+        # whole host (and the whole GPU for a fraction of one), and N of them would over-commit it N times
+        if args.local_ranks == 1:
+            overrides["local_ranks"] = args.replicas
+        if 0 < args.replica_gpus < 1:
+            overrides["gpu_memory_fraction"] = args.gpu_memory_fraction * args.replica_gpus
+        if overrides:
+            logging.getLogger("multilora").info("serve-ray: %d replicas on this host: each engine plans with %s",
+                                                args.replicas, ", ".join(f"{k}={v:g}" for k, v in overrides.items()))
     try:
-        config = EngineConfig.from_cli(args, progress=False)
+        config = EngineConfig.from_cli(args, progress=False, **overrides)
     except ValueError as e:
         field = re.search(r"Engine: (\w+)", str(e))
         raise ValueError(f"--{field.group(1).replace('_', '-')}: {e}" if field else str(e)) from e

@@ -242,6 +242,30 @@ def test_serve_ray_command_errors_exit_2_before_ray_starts(capsys, args, message
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, want", [
+    (["--replicas", "3"], {"local_ranks": 3, "gpu_memory_fraction": 0.9}),
+    (["--replicas", "2", "--replica-gpus", "0.5"], {"local_ranks": 2, "gpu_memory_fraction": 0.45}),
+    (["--replicas", "2", "--local-ranks", "4"], {"local_ranks": 4, "gpu_memory_fraction": 0.9}),
+    (["--replicas", "2", "--address", "auto"], {"local_ranks": 1, "gpu_memory_fraction": 0.9}),  # other hosts too
+    (["--replicas", "1", "--replica-gpus", "0.5"], {"local_ranks": 1, "gpu_memory_fraction": 0.9}),
+])
+def test_replicas_of_one_host_share_its_memory_plan(monkeypatch, args, want):
+    """On its own local cluster every replica is on this host: each engine budgets its share, not the whole host
+    (``local_ranks``) nor a whole GPU it has a fraction of (``gpu_memory_fraction``)."""
+    import multilora.runtime.ray_serve as ray_serve
+
+    seen = {}
+
+    def spec(**kw):
+        seen.update(kw)
+        raise ValueError("RayAppSpec.replicas: stop here")  # before Ray starts
+
+    monkeypatch.setattr(ray_serve, "RayAppSpec", spec)
+    assert cli_main(["serve-ray", *args]) == 2
+    cfg = seen["config"]
+    assert {"local_ranks": cfg.local_ranks, "gpu_memory_fraction": cfg.gpu_memory_fraction} == pytest.approx(want)
+
+
 def test_without_ray_the_command_says_what_to_install(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError, as when it is not installed
     assert cli_main(["serve-ray"]) == 2
