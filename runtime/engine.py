@@ -122,7 +122,7 @@ class Engine:
                  config_.num_layers, config_.hidden_size, self.device, str(self.dtype).replace("torch.", ""),
                  self.pool.bytes_total / 1e6, self.pool.num_pages, self.pool.page_bytes, self.kv.num_usable_blocks, cfg.kv_block_size,
                  self.kv.nbytes / 1e6, self.kv.num_usable_blocks / sizes.request.seq_blocks, self.max_seq_len,
-                 cfg.max_batch_size, "" if sizes.plan is None else "\nmemory plan:\n" + sizes.plan.explain())
+                 cfg.max_batch_size, "" if sizes.plan is None else "\n" + sizes.plan.explain())
 
     # ------------------------------------------------------------------------------------ adapters
     def load_adapter(self, name: str, path: str | os.PathLike, *, allow_pickle: bool = False,

@@ -125,7 +125,8 @@ def check_supported(body: _Generate, unsupported: dict[str, tuple]) -> None:
             raise APIError(400, f"{name}={value!r} is not supported by multilora{only}", code="unsupported_parameter",
                            param=name)
     if body.stream_options is not None and not body.stream:
-        raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options")
+        raise APIError(400, "stream_options: only allowed when stream is true", code="invalid_value",
+                       param="stream_options")
     if body.stream_options is not None and body.stream_options.continuous_usage_stats:
         raise APIError(400, "stream_options.continuous_usage_stats=True is not supported by multilora (the usage comes "
                             "in the last chunk with include_usage)", code="unsupported_parameter", param="stream_options")
@@ -176,7 +177,7 @@ def completion_prompts(prompt: Any) -> list:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         return [prompt]
     if not prompt:
-        raise APIError(400, "prompt: expected a prompt, got an empty list", param="prompt")
+        raise APIError(400, "prompt: expected a prompt, got an empty list", code="invalid_value", param="prompt")
     return list(prompt)
 
 
@@ -184,7 +185,7 @@ def chat_prompt(messages: list[ChatMessage]) -> list[dict]:
     """The engine's chat prompt (``{"role", "content"}`` dicts; the engine applies the chat template). Text content
     parts are joined by newlines; other parts, and tool calls, are a 400 naming them."""
     if not messages:
-        raise APIError(400, "messages: expected at least one message", param="messages")
+        raise APIError(400, "messages: expected at least one message", code="invalid_value", param="messages")
     out = []
     for i, m in enumerate(messages):
         for key in ("tool_calls", "function_call", "audio"):

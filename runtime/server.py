@@ -247,10 +247,11 @@ class _Server:
         self._check_runtime_adapters()
         name = body.lora_name
         if not name or name == self.served_model_name:
-            raise APIError(400, f"lora_name: {name!r} is empty or the base model's served name", param="lora_name")
+            raise APIError(400, f"lora_name: {name!r} is empty or the base model's served name",
+                           code="invalid_value", param="lora_name")
         if name in self.engine.list_adapters() and not body.load_inplace:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded (load_inplace=true replaces it).",
-                           param="lora_name")
+                           code="invalid_value", param="lora_name")
         path = self._adapter_path(body.lora_path)
         try:
             await run_in_threadpool(self.engine.load_adapter, name, path)
@@ -284,7 +285,8 @@ class _Server:
             entries = [path, *(path.iterdir() if path.is_dir() else ())]
             outside = next((p for p in entries if not p.resolve().is_relative_to(root)), None)
         except OSError as e:
-            raise APIError(400, f"lora_path {lora_path!r}: {e.strerror}", param="lora_path") from None
+            raise APIError(400, f"lora_path {lora_path!r}: {e.strerror}", code="invalid_value",
+                           param="lora_path") from None
         if outside is not None:
             what = "it" if outside == path else f"its entry {outside.name!r}"
             raise APIError(403, f"lora_path {lora_path!r}: {what} resolves outside the server's adapter root "

@@ -327,7 +327,8 @@ ERRORS = [  # (route, body, status, param, code)
     ("completions", {"model": BASE, "prompt": "Hi", "frequency_penalty": -1}, 400, "frequency_penalty",
      "unsupported_parameter"),
     ("completions", {"model": BASE, "prompt": "Hi", "stream_options": {"include_usage": True}}, 400,
-     "stream_options", None),
+     "stream_options", "invalid_value"),
+    ("completions", {"model": BASE, "prompt": []}, 400, "prompt", "invalid_value"),
     ("chat/completions", {"model": BASE, "messages": CHAT, "n": 3}, 400, "n", "unsupported_parameter"),
     ("chat/completions", {"model": BASE, "messages": CHAT, "logprobs": True}, 400, "logprobs",
      "unsupported_parameter"),
@@ -338,7 +339,7 @@ ERRORS = [  # (route, body, status, param, code)
     ("chat/completions", {"model": BASE, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages[0].content",
      "unsupported_parameter"),
-    ("chat/completions", {"model": BASE, "messages": [{"role": "user"}] * 0}, 400, "messages", None),
+    ("chat/completions", {"model": BASE, "messages": [{"role": "user"}] * 0}, 400, "messages", "invalid_value"),
     ("chat/completions", {"model": BASE, "messages": [{"content": "hi"}]}, 400, "messages", "invalid_type"),
 ]
 
