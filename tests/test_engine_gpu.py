@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+from testsupport import peft_adapters, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,25 +35,13 @@ ROW_ADAPTERS = ["attn-r8", None, "mlp-r16-rslora", "all-r2", "regex-r64", "attn-
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     d = tmp_path_factory.mktemp("gpu-model")
     hf = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).eval()
     hf.save_pretrained(str(d / "model"))
-    names = list(ADAPTERS)
-    model = get_peft_model(hf, LoraConfig(**ADAPTERS[names[0]]), adapter_name=names[0])
-    for n in names[1:]:
-        model.add_adapter(n, LoraConfig(**ADAPTERS[n]))
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "lora_B" in pname:
-                p.normal_(0.0, 0.05)
-            elif "lora_A" in pname:
-                p.normal_(0.0, 0.05)
-    model.eval()
-    model.save_pretrained(str(d / "adapters"), selected_adapters=names)
+    model = peft_adapters(hf, ADAPTERS, d / "adapters", std=0.05)
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, 49152, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (len(ROW_ADAPTERS),), generator=g)]
     return model, d, rows
@@ -66,10 +55,6 @@ def _peft_logits(model, rows, dtype):
     with torch.no_grad():
         lg = model(input_ids=ids, attention_mask=mask, adapter_names=[a or "__base__" for a in ROW_ADAPTERS]).logits
     return torch.stack([lg[i, len(r) - 1].float().cpu() for i, r in enumerate(rows)])
-
-
-def _rel(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -87,18 +72,18 @@ def test_engine_matches_peft_on_gpu(setup, dtype):
     ours = engine.logits(rows, adapters=ROW_ADAPTERS)
     if dtype == torch.float32:
         for i, a in enumerate(ROW_ADAPTERS):  # TF32 may be used by GEMMs and tl.dot: a looser bound than CPU
-            assert _rel(ours[i], ref32[i]) < 2e-3, (a, _rel(ours[i], ref32[i]))
+            assert rel_err(ours[i], ref32[i]) < 2e-3, (a, rel_err(ours[i], ref32[i]))
     else:
         theirs = _peft_logits(model, rows, dtype)
         for i, a in enumerate(ROW_ADAPTERS):
-            ours_err, peft_err = _rel(ours[i], ref32[i]), _rel(theirs[i], ref32[i])
+            ours_err, peft_err = rel_err(ours[i], ref32[i]), rel_err(theirs[i], ref32[i])
             assert ours_err < 2 * peft_err + 1e-3, (a, ours_err, peft_err)
     # each row of the mixed batch equals itself alone (rows with no adapter: the base model), up to the
     # dtype's own rounding level: GEMMs of another row count round differently (bf16: ~1e-2 relative)
     for i, a in enumerate(ROW_ADAPTERS):
         alone = engine.logits([rows[i]], adapters=[a])[0]
-        bound = 1e-5 if dtype == torch.float32 else 2 * _rel(ours[i], ref32[i])
-        assert _rel(ours[i], alone) <= bound, (a, _rel(ours[i], alone), bound)
+        bound = 1e-5 if dtype == torch.float32 else 2 * rel_err(ours[i], ref32[i])
+        assert rel_err(ours[i], alone) <= bound, (a, rel_err(ours[i], alone), bound)
     # the plan sized the pool and the KV cache
     plan = engine.memory_plan
     assert plan is not None and engine.pool.bytes_total <= plan.adapter_pool_bytes
@@ -189,7 +174,7 @@ def test_cuda_graph_replay_matches_eager_logits(setup):
         eager = engine.runner.run_eager([[t] for t in nxt[:B]], [len(r) for r in rows[:B]], tables[:B], slots[:B])
         with torch.inference_mode():
             graph = engine.runner.decode_graph(nxt[:B], [len(r) for r in rows[:B]], tables[:B], slots[:B]).cpu()
-        assert _rel(graph, eager) < 2e-2, (B, _rel(graph, eager))
+        assert rel_err(graph, eager) < 2e-2, (B, rel_err(graph, eager))
         top2 = eager.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 0.05 * top2[:, 0].abs().clamp(min=1)
         assert torch.equal(graph.argmax(-1)[clear], eager.argmax(-1)[clear])

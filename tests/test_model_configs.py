@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from peft import LoraConfig, get_peft_model  # noqa: E402
+from testsupport import peft_adapters, rel_err  # noqa: E402
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.runtime.weights import default_model_path  # noqa: E402
@@ -90,10 +90,6 @@ def case(request, tmp_path_factory, tok_dir):
     return name, model, engine, rows
 
 
-def _rel(a, b):
-    return float((a - b).norm() / b.norm())
-
-
 def _hf_last_logits(model, rows):
     with torch.no_grad():
         return [model(input_ids=torch.tensor([r])).logits[0, -1].float() for r in rows]
@@ -118,7 +114,7 @@ def test_logits_match_transformers(case):
     ours = engine.logits(rows, adapters=None)
     assert ours.dtype == torch.float32 and ours.shape == (len(rows), VOCAB)
     for i, ref in enumerate(_hf_last_logits(model, rows)):
-        assert _rel(ours[i], ref) < REL_TOL, (name, i, _rel(ours[i], ref))
+        assert rel_err(ours[i], ref) < REL_TOL, (name, i, rel_err(ours[i], ref))
 
 
 def test_greedy_generate_matches_transformers(case):
@@ -150,7 +146,7 @@ def test_config_knob_changes_the_reference(name, knob, tmp_path_factory):
     g = torch.Generator().manual_seed(7)
     row = torch.randint(3, VOCAB, (max(CASES[name][3]),), generator=g).tolist()
     a, b = _hf_last_logits(with_knob, [row])[0], _hf_last_logits(without, [row])[0]
-    assert _rel(a, b) > 1e-3, f"{name}: {knob} barely changes the reference ({_rel(a, b):.2e})"
+    assert rel_err(a, b) > 1e-3, f"{name}: {knob} barely changes the reference ({rel_err(a, b):.2e})"
 
 
 @pytest.mark.parametrize("case", ["llama31-rope-llama3", "llama-rope-linear"], indirect=True)
@@ -173,7 +169,7 @@ def test_transformers_4_style_config_json(case, tmp_path):
     assert e.config.rope_scaling["rope_type"] == rope["rope_type"] and e.config.rope_theta == cfg["rope_theta"]
     ours = e.logits(rows)
     for i, ref in enumerate(_hf_last_logits(model, rows)):
-        assert _rel(ours[i], ref) < REL_TOL, (name, i)
+        assert rel_err(ours[i], ref) < REL_TOL, (name, i)
 
 
 # ------------------------------------------------------------------------------ peft on a GQA Llama
@@ -194,17 +190,8 @@ def peft_setup(tmp_path_factory, tok_dir):
     for f in tok_dir.iterdir():
         shutil.copy(f, d)
     names = list(PEFT_ADAPTERS)
-    model = get_peft_model(base, LoraConfig(**PEFT_ADAPTERS[names[0]]), adapter_name=names[0])
-    for n in names[1:]:
-        model.add_adapter(n, LoraConfig(**PEFT_ADAPTERS[n]))
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():  # nonzero B (peft initialises B = 0)
-        for pname, p in model.named_parameters():
-            if "lora_A" in pname or "lora_B" in pname:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    model.eval()
     out = tmp_path_factory.mktemp("peft-adapters")
-    model.save_pretrained(str(out), selected_adapters=names)
+    model = peft_adapters(base, PEFT_ADAPTERS, out, std=0.3, seed=11)
     engine = Engine(model=str(d), progress=False, max_batch_size=8)
     for n in names:
         engine.load_adapter(n, out / n)
@@ -220,7 +207,7 @@ def test_peft_adapters_mixed_batch_logits(peft_setup):
     with torch.no_grad():
         for i, ((a, _), r) in enumerate(zip(batch, rows)):
             ref = model(input_ids=torch.tensor([r]), adapter_names=[a or "__base__"]).logits[0, -1]
-            assert _rel(ours[i], ref) < REL_TOL, (a, _rel(ours[i], ref))
+            assert rel_err(ours[i], ref) < REL_TOL, (a, rel_err(ours[i], ref))
             if a is not None:  # the adapter visibly changes the output (an ignored adapter would fail)
                 base = model(input_ids=torch.tensor([r]), adapter_names=["__base__"]).logits[0, -1]
-                assert _rel(ref, base) > 1e-2, a
+                assert rel_err(ref, base) > 1e-2, a

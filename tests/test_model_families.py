@@ -22,8 +22,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from peft import LoraConfig, get_peft_model  # noqa: E402
-from testsupport import hf_last_logits, one_thread, rel_err  # noqa: E402,F401  (one_thread: autouse)
+from testsupport import hf_last_logits, one_thread, peft_adapters, rel_err  # noqa: E402,F401  (one_thread: autouse)
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.config import SERVED_MODEL_TYPES, ModelConfig  # noqa: E402
@@ -157,17 +156,8 @@ def peft_setup(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"peft-base-{name}")
     base.save_pretrained(str(d))
     names = list(PEFT_ADAPTERS)
-    model = get_peft_model(base, LoraConfig(**PEFT_ADAPTERS[names[0]]), adapter_name=names[0])
-    for n in names[1:]:
-        model.add_adapter(n, LoraConfig(**PEFT_ADAPTERS[n]))
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():  # nonzero B (peft initialises B = 0)
-        for pname, p in model.named_parameters():
-            if "lora_A" in pname or "lora_B" in pname:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    model.eval()
     out = tmp_path_factory.mktemp(f"peft-adapters-{name}")
-    model.save_pretrained(str(out), selected_adapters=names)
+    model = peft_adapters(base, PEFT_ADAPTERS, out, std=0.3, seed=11)
     engine = Engine(model=str(d), progress=False, max_batch_size=8)
     for n in names:
         engine.load_adapter(n, out / n)

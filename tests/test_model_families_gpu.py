@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from testsupport import peft_adapters, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,7 +39,6 @@ ROW_ADAPTERS = ["qkv-r8", None, "all-r16-rslora", "kv-mlp-r4", "qkv-r8", None]
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def setup(request, tmp_path_factory):
     import transformers
-    from peft import LoraConfig, get_peft_model
 
     cls_name, cfg_name, extra = FAMILIES[request.param]
     torch.manual_seed(0)
@@ -51,16 +51,7 @@ def setup(request, tmp_path_factory):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
     d = tmp_path_factory.mktemp(f"gpu-{request.param}")
     hf.save_pretrained(str(d / "model"))
-    names = list(ADAPTERS)
-    model = get_peft_model(hf, LoraConfig(**ADAPTERS[names[0]]), adapter_name=names[0])
-    for n in names[1:]:
-        model.add_adapter(n, LoraConfig(**ADAPTERS[n]))
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "lora_A" in pname or "lora_B" in pname:
-                p.normal_(0.0, 0.05)
-    model.eval()
-    model.save_pretrained(str(d / "adapters"), selected_adapters=names)
+    model = peft_adapters(hf, ADAPTERS, d / "adapters", std=0.05)
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(3, SHAPE["vocab_size"], (int(n),), generator=g).tolist()
             for n in torch.randint(3, 40, (len(ROW_ADAPTERS),), generator=g)]
@@ -75,10 +66,6 @@ def _peft_logits(model, rows, dtype):
     with torch.no_grad():
         lg = model(input_ids=ids, attention_mask=mask, adapter_names=[a or "__base__" for a in ROW_ADAPTERS]).logits
     return torch.stack([lg[i, len(r) - 1].float().cpu() for i, r in enumerate(rows)])
-
-
-def _rel(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 def _engine(d, dtype, **kw):
@@ -99,11 +86,11 @@ def test_qwen_engine_matches_peft_on_gpu(setup, dtype):
     ours = engine.logits(rows, adapters=ROW_ADAPTERS)
     if dtype == torch.float32:
         for i, a in enumerate(ROW_ADAPTERS):  # TF32 may be used by GEMMs and tl.dot: looser than the CPU's 1e-5
-            assert _rel(ours[i], ref32[i]) < 2e-3, (family, a, _rel(ours[i], ref32[i]))
+            assert rel_err(ours[i], ref32[i]) < 2e-3, (family, a, rel_err(ours[i], ref32[i]))
     else:
         theirs = _peft_logits(model, rows, dtype)
         for i, a in enumerate(ROW_ADAPTERS):
-            ours_err, peft_err = _rel(ours[i], ref32[i]), _rel(theirs[i], ref32[i])
+            ours_err, peft_err = rel_err(ours[i], ref32[i]), rel_err(theirs[i], ref32[i])
             assert ours_err < 2 * peft_err + 1e-3, (family, a, ours_err, peft_err)
 
 
@@ -117,7 +104,7 @@ def test_qwen_fused_ops_triton_equal_torch_on_gpu(setup):
     with torch.inference_mode():
         a = engine.model.forward(plan, engine.kv, ops_backend="torch").float()
         b = engine.model.forward(plan, engine.kv, ops_backend="triton").float()
-    assert _rel(b, a) < 2e-2, (family, _rel(b, a))
+    assert rel_err(b, a) < 2e-2, (family, rel_err(b, a))
 
 
 def test_qwen_cuda_graph_decode_matches_eager(setup):

@@ -20,7 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from testsupport import one_thread  # noqa: E402,F401  (autouse: one intra-op thread)
+from testsupport import one_thread, rel_err  # noqa: E402,F401  (one_thread: autouse, one intra-op thread)
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.runtime.weights import ModelLoadError, load_model_files  # noqa: E402
@@ -104,10 +104,6 @@ def write_gguf(model, path, arch: str) -> None:
     w.close()
 
 
-def _rel(a, b):
-    return float((a - b).norm() / b.norm())
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     name = request.param
@@ -145,9 +141,9 @@ def test_gguf_logits_match_the_hf_model_and_transformers_gguf_loader(case):
     with torch.no_grad():
         for i, r in enumerate(rows):
             ref = model(input_ids=torch.tensor([r])).logits[0, -1]
-            assert _rel(ours[i], ref) < REL_TOL, (name, i, _rel(ours[i], ref))
+            assert rel_err(ours[i], ref) < REL_TOL, (name, i, rel_err(ours[i], ref))
             if theirs is not None:
-                assert _rel(ours[i], theirs(input_ids=torch.tensor([r])).logits[0, -1]) < REL_TOL, (name, i)
+                assert rel_err(ours[i], theirs(input_ids=torch.tensor([r])).logits[0, -1]) < REL_TOL, (name, i)
     out = engine.generate([rows[0]], sampling=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
     with torch.no_grad():
         ref_ids = model.generate(torch.tensor([rows[0]]), max_new_tokens=6, min_new_tokens=6, do_sample=False,

@@ -103,3 +103,27 @@ def hf_last_logits(model, rows, **kw):
     with torch.no_grad():
         return [model(input_ids=torch.tensor([r]), **kw).logits[0, -1].float() for r in rows]
 
+
+def peft_adapters(base, configs, out, *, std, seed=None):
+    """A peft model of ``base`` with one LoRA adapter per ``configs`` entry (name -> ``LoraConfig`` keyword
+    arguments), every lora_A / lora_B redrawn from N(0, std^2) (peft starts B at 0, which would hide a runtime that
+    ignores the adapter), saved as PEFT directories ``out/<name>``. ``seed``: draw from a generator of that seed;
+    None: from torch's global generator (``normal_``). Returns the model in eval mode."""
+    from peft import LoraConfig, get_peft_model
+
+    names = list(configs)
+    model = get_peft_model(base, LoraConfig(**configs[names[0]]), adapter_name=names[0])
+    for n in names[1:]:
+        model.add_adapter(n, LoraConfig(**configs[n]))
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "lora_A" in pname or "lora_B" in pname:
+                if gen is None:
+                    p.normal_(0.0, std)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+    model.eval()
+    model.save_pretrained(str(out), selected_adapters=names)
+    return model
+
