@@ -305,15 +305,24 @@ class _Requests:
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(index of the stream, delta), in arrival order, until every stream has ended."""
-        if len(self.streams) == 1:  # the common case: no pump task and queue between the stream and the response
-            try:
-                async for d in self.streams[0]:
+        try:
+            async with contextlib.aclosing(self._arrivals()) as arrivals:
+                async for i, d in arrivals:
                     if d.finished:
-                        self.left.discard(0)
+                        self.left.discard(i)
                         self.metrics.observe(self.model, d.finish_reason, d.output)
-                    yield 0, d
-            finally:
-                self.close()
+                    yield i, d
+                    if not self.left:
+                        return
+        finally:
+            self.close()
+
+    async def _arrivals(self) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """Every stream's deltas as they come: one stream is read directly (the common case: no pump task and queue
+        between it and the response); several are pumped into one queue."""
+        if len(self.streams) == 1:
+            async for d in self.streams[0]:
+                yield 0, d
             return
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -325,15 +334,8 @@ class _Requests:
             task = asyncio.ensure_future(pump(i, s))
             _pumps.add(task)
             task.add_done_callback(_pumps.discard)
-        try:
-            while self.left:
-                i, d = await queue.get()
-                if d.finished:
-                    self.left.discard(i)
-                    self.metrics.observe(self.model, d.finish_reason, d.output)
-                yield i, d
-        finally:
-            self.close()
+        while True:
+            yield await queue.get()
 
     def close(self) -> None:
         """Abort the requests that have not ended; their KV blocks and adapter references go back. The aborts run on
