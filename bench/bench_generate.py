@@ -5,6 +5,8 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
 
     multilora       this engine, no adapters
     multilora-lora  this engine, request i on adapter a<i> (rank r, all seven projections): b distinct adapters
+    multilora-fp8, multilora-fp8-lora   the same two with Engine(weight_dtype="fp8") (issue 16; not in the default
+                    --providers: ask for them)
     hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
     peft            peft's mixed-batch generate (adapter_names=) with the same adapter files as multilora-lora
 
@@ -62,8 +64,10 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora"), "hf": ("hf", "peft")}  # one engine / one HF model each
+PROVIDERS = ("multilora", "multilora-lora", "multilora-fp8", "multilora-fp8-lora", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora"),
+          "hf": ("hf", "peft")}  # one engine / one HF model each
+DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
 GB = 1e9
@@ -231,8 +235,9 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     names = [f"a{i}" for i in range(max(batches))]
     failed: dict[str, str] = {}  # variant -> why its rows cannot run
     engine, info = None, {}
+    lora_variant = next((v for v in variants if v.endswith("-lora")), None)
     try:
-        engine = build_engine(run, lora="multilora-lora" in variants)
+        engine = build_engine(run, lora=lora_variant is not None, fp8=variants[0].startswith("multilora-fp8"))
         st = engine.stats()
         seq_blocks = -(-(a.prompt_len + a.gen) // st["kv_block_size"])  # blocks one request needs at its end
         info = {"kv_seqs": st["kv_blocks_total"] // seq_blocks, "weight_bytes": engine.model.nbytes}
@@ -240,19 +245,19 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     except Exception as e:
         traceback.print_exc()
         failed = {v: f"engine setup failed: {type(e).__name__}: {e}"[:2000] for v in variants}
-    if engine is not None and "multilora-lora" in variants:
+    if engine is not None and lora_variant is not None:
         try:
             info.update(load_engine_adapters(engine, names, dirs, a.load_threads, a.rank))
             warm_up_engine(engine, run.prompts, names)
         except Exception as e:  # the no-adapter rows can still run
             traceback.print_exc()
-            failed["multilora-lora"] = f"adapter setup failed: {type(e).__name__}: {e}"[:2000]
+            failed[lora_variant] = f"adapter setup failed: {type(e).__name__}: {e}"[:2000]
     for v in variants:
         if v in failed:
             run.skip(v, batches, a.gen, failed[v], status="error")
             continue
         for b in batches:
-            adapters = names[:b] if v == "multilora-lora" else None
+            adapters = names[:b] if v.endswith("-lora") else None
             run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters: multilora_row(run, engine, v, b, adapters, info))
     engine = None  # free it before the caller goes on (in-process runs)
     free_memory()
@@ -260,14 +265,14 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         torch.cuda.set_per_process_memory_fraction(1.0, run.device.index if run.device.index is not None else torch.cuda.current_device())
 
 
-def build_engine(run: Run, lora: bool) -> Engine:
+def build_engine(run: Run, lora: bool, fp8: bool = False) -> Engine:
     a, maxb = run.args, max(run.args.batches)
     max_seq = a.prompt_len + a.gen + 8
     # KV: the engine's default cap (max_batch_size sequences of max_seq_len in whole blocks, + the null block);
     # adapter pool: room for every request's own adapter (a larger share than the default 10% of the budget)
     return Engine(run.config, device=run.device, dtype=run.dtype, progress=False, max_batch_size=maxb,
                   max_seq_len=max_seq, max_lora_rank=a.rank, adapter_slots=maxb if lora else 1,
-                  adapter_pool_share=0.3 if lora else None)
+                  adapter_pool_share=0.3 if lora else None, weight_dtype="fp8" if fp8 else None)
 
 
 def load_engine_adapters(engine: Engine, names: list[str], dirs: list[Path], threads: int, rank: int) -> dict:
@@ -510,6 +515,16 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                 verdict(x or None, 3),
                 f"{x:.3g}x output tokens/s ({lo['output_tokens_per_s']:.0f} vs {hf['output_tokens_per_s']:.0f}); "
                 f"decode tokens/s {lo['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.3g}x" if x else "a row is missing"))
+    for b, need in ((1, 1.7), (TARGET_BATCH, 1.3)):  # issue 16: fp8 base weights against bf16, decode tokens/s
+        for base, fp8 in (("multilora", "multilora-fp8"), ("multilora-lora", "multilora-fp8-lora")):
+            lo, hi = ok.get((base, b)), ok.get((fp8, b))
+            if hi is None:
+                continue
+            x = lo and lo.get("decode_tokens_per_s") and hi.get("decode_tokens_per_s") and \
+                hi["decode_tokens_per_s"] / lo["decode_tokens_per_s"]
+            out.append((f"{fp8} batch {b}: >= {need}x {base}'s decode tokens/s", verdict(x or None, need),
+                        f"{x:.3g}x ({hi['decode_tokens_per_s']:.0f} vs {lo['decode_tokens_per_s']:.0f}; TPOT "
+                        f"{hi['tpot_ms']:.2f} vs {lo['tpot_ms']:.2f} ms)" if x else "a row is missing"))
     return out
 
 
@@ -598,7 +613,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen", type=int, default=128, help="output tokens per request (>= 2)")
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--providers", default=",".join(PROVIDERS), help=f"any of {','.join(PROVIDERS)}")
+    ap.add_argument("--providers", default=",".join(DEFAULT_PROVIDERS), help=f"any of {','.join(PROVIDERS)}")
     ap.add_argument("--peft-gen", type=int, default=16, help="output tokens per request for peft (>= 2; it is slow)")
     ap.add_argument("--peft-max-batch", type=int, default=64, help="peft rows above this batch are skipped")
     ap.add_argument("--out", default="bench/results")
@@ -637,8 +652,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_group(run: Run, group: str, dirs: list[Path]) -> None:
     want = [p for p in GROUPS[group] if p in run.args.providers]
-    if group == "multilora":
-        bench_multilora(run, want, dirs)
+    if group in ("multilora", "multilora-fp8"):
+        if want:
+            bench_multilora(run, want, dirs)
     else:
         bench_hf_peft(run, "hf" in want, "peft" in want, dirs)
 
@@ -725,7 +741,7 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(args.adapter_dir) if args.adapter_dir else temp / "adapters"
     try:
         dirs: list[Path] = []
-        if set(args.providers) & {"multilora-lora", "peft"}:
+        if set(args.providers) & {"multilora-lora", "multilora-fp8-lora", "peft"}:
             root.mkdir(parents=True, exist_ok=True)
             t = time.perf_counter()
             n = min(args.adapter_files or max(args.batches), max(args.batches))

@@ -39,6 +39,12 @@ class EngineConfig:
         device: "cuda", "cpu", ... (None: CUDA when available).
         dtype: compute dtype, a ``torch.dtype`` or "float32" / "float16" / "bfloat16" (None: bfloat16 on CUDA,
             float32 on CPU).
+        weight_dtype: None (base weights in ``dtype``) or "fp8": the base projections (q/k/v, o, gate/up, down) as
+            float8 e4m3 with per-output-channel scales, quantized at load (``multilora.kernels.fp8``; CUDA compute
+            capability 8.9+, or the CPU); LoRA, embeddings, norms, the LM head and activations stay in ``dtype``.
+        fp8_gemm: the fp8 GEMM: "scaled_mm" (per-token fp8 activations, ``torch._scaled_mm``), "weight_only" (bf16
+            activations, fp8 weights widened in a Triton kernel), or None = weight_only for decode-sized steps on
+            CUDA, scaled_mm otherwise (``multilora.kernels.fp8``).
         max_batch_size: most requests running at once.
         max_seq_len: most tokens (prompt + generated) per request; None = min(model context, 2048 on GPU,
             1024 on CPU).
@@ -87,6 +93,10 @@ class EngineConfig:
 
     device: str | torch.device | None = _opt(None, "cuda, cpu, ... (default: cuda when available)", kind=str)
     dtype: torch.dtype | str | None = _opt(None, "default: bfloat16 on GPU, float32 on CPU", choices=_DTYPES)
+    weight_dtype: str | None = _opt(None, "base weights: fp8 = float8 e4m3 with per-channel scales (default: dtype)",
+                                    choices=("fp8",))
+    fp8_gemm: str | None = _opt(None, "the fp8 GEMM (default: weight_only for decode steps on CUDA, else scaled_mm)",
+                                choices=("scaled_mm", "weight_only"))
     max_batch_size: int = _opt(16, "most requests running at once")
     max_seq_len: int | None = _opt(None, "most tokens per request, prompt + generated (default: min(model context, "
                                          "2048 on GPU, 1024 on CPU))", kind=int)
@@ -144,6 +154,12 @@ class EngineConfig:
             if name not in _DTYPES or not isinstance(self.dtype, (str, torch.dtype)):
                 raise fail("dtype", f"a torch dtype or a name, one of {list(_DTYPES)}")
             self.dtype = getattr(torch, name)
+        if self.weight_dtype not in (None, "fp8"):
+            raise fail("weight_dtype", "None or 'fp8'")
+        if self.fp8_gemm not in (None, "scaled_mm", "weight_only"):
+            raise fail("fp8_gemm", "None, 'scaled_mm' or 'weight_only'")
+        if self.fp8_gemm is not None and self.weight_dtype != "fp8":
+            raise fail("fp8_gemm", "None unless weight_dtype='fp8'")
         if not isinstance(self.cuda_graphs, bool):
             raise fail("cuda_graphs", "True or False")
         if self.memory_snapshot is not None:  # checked before any weights load

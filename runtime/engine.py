@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from multilora.config import ModelConfig
+from multilora.kernels.fp8 import fp8_supported
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
@@ -81,11 +82,17 @@ class Engine:
         self.device = torch.device(cfg.device) if cfg.device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = cfg.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if cfg.weight_dtype == "fp8":
+            ok, why = fp8_supported(self.device)
+            if not ok:
+                raise ValueError(f"Engine: weight_dtype='fp8' is not available here: {why}; leave weight_dtype unset "
+                                 f"to run the base weights in {str(self.dtype).replace('torch.', '')}")
         t0 = time.perf_counter()
         self.model_path, config_, weights, self.tokenizer = load_model(model, dtype=self.dtype, device=self.device,
                                                                        progress=cfg.progress)
         self.config: ModelConfig = config_
-        self.model = DecoderModel(config_, weights, device=self.device, dtype=self.dtype)
+        self.model = DecoderModel(config_, weights, device=self.device, dtype=self.dtype, weight_dtype=cfg.weight_dtype,
+                                  fp8_method=cfg.fp8_gemm)
         del weights
         if self.tokenizer is None:
             log.warning("%s has no tokenizer: prompts must be token ids, outputs have no text", self.model_path)
@@ -119,7 +126,8 @@ class Engine:
         self.last_run: dict[str, float] = {}
         log.info("%s (%d layers, hidden %d) on %s/%s; adapter pool %.1f MB (%d pages of %d B); KV %d blocks x %d "
                  "tokens (+1 reserved; %.1f MB, %.1f max_seq_len=%d sequences); max batch %d%s", self.model_path.name,
-                 config_.num_layers, config_.hidden_size, self.device, str(self.dtype).replace("torch.", ""),
+                 config_.num_layers, config_.hidden_size, self.device,
+                 str(self.dtype).replace("torch.", "") + (" (fp8 base weights)" if cfg.weight_dtype else ""),
                  self.pool.bytes_total / 1e6, self.pool.num_pages, self.pool.page_bytes, self.kv.num_usable_blocks, cfg.kv_block_size,
                  self.kv.nbytes / 1e6, self.kv.num_usable_blocks / sizes.request.seq_blocks, self.max_seq_len,
                  cfg.max_batch_size, "" if sizes.plan is None else "\n" + sizes.plan.explain())

@@ -23,6 +23,7 @@ import torch
 
 from multilora.config import ModelConfig
 from multilora.kernels.attention import paged_attention
+from multilora.kernels.fp8 import Fp8Weight, fp8_linear, quantize_weight
 from multilora.kernels.fused import add_rms_norm, rms_norm, rope_write_kv, silu_mul
 from multilora.kernels.lora import LoRASlices, lora_apply, lora_slices
 from multilora.memory.kv_cache import PagedKVCache
@@ -110,12 +111,22 @@ class DecoderModel:
         config: the model's configuration.
         weights: HF-named weights (see ``runtime.weights``); consumed (fused copies are made).
         device, dtype: where and in which dtype the model runs.
+        weight_dtype: None (the base projections in ``dtype``) or "fp8": the four fused projections of every layer
+            (qkv, o, gate_up, down) stored as float8 e4m3 with per-output-channel scales
+            (``multilora.kernels.fp8``), quantized here once; embeddings, norms, biases, the LM head, the LoRA
+            pool and the activations stay in ``dtype``.
+        fp8_method: the fp8 GEMM (``multilora.kernels.fp8.fp8_linear``'s ``method``; None = by rows and device).
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device, dtype: torch.dtype,
+                 weight_dtype: str | None = None, fp8_method: str | None = None):
+        if weight_dtype not in (None, "fp8"):
+            raise ValueError(f"DecoderModel: weight_dtype must be None or 'fp8', got {weight_dtype!r}")
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.weight_dtype = weight_dtype
+        self.fp8_method = fp8_method
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -158,6 +169,9 @@ class DecoderModel:
                 layer["q_norm"] = put(w(p + "self_attn.q_norm.weight"))  # [head_dim]
                 layer["k_norm"] = put(w(p + "self_attn.k_norm.weight"))
             self._check_layer(i, layer)
+            if weight_dtype == "fp8":
+                for name in FUSED_MODULES:
+                    layer[name] = quantize_weight(layer[name])  # the model-dtype copy is freed here
             self.layers.append(layer)
         self.inv_freq = rope_inv_freq(config, weights.get("rope_freqs")).to(device)
         longrope = config.rope_type == "longrope"
@@ -231,11 +245,13 @@ class DecoderModel:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the base weights as stored (fp8 projections at 1 byte per weight plus their float32 scales)."""
         total = self.embed.numel() + self.norm.numel()
         if self.lm_head is not self.embed:
             total += self.lm_head.numel()
-        total += sum(t.numel() for layer in self.layers for t in layer.values())
-        return total * self.embed.element_size()
+        total += sum(t.numel() for layer in self.layers for t in layer.values() if isinstance(t, torch.Tensor))
+        fp8 = sum(t.nbytes for layer in self.layers for t in layer.values() if isinstance(t, Fp8Weight))
+        return total * self.embed.element_size() + fp8
 
     def bind_pool(self, pool: AdapterPool) -> None:
         """Describe where each fused projection's LoRA slices live in the pool (``FUSED_MODULES``; one small device
@@ -246,9 +262,13 @@ class DecoderModel:
     # ------------------------------------------------------------------------------ forward
     def _linear(self, x: torch.Tensor, layer: int, name: str, plan: "StepPlan", lora_backend: str | None) -> torch.Tensor:
         """``x W^T (+ b)`` of a fused projection, then its LoRA. The bias is the GEMM's own epilogue (addmm: one
-        launch, graph-safe), added before the LoRA delta as peft does (``base_layer(x) + lora``)."""
+        launch, graph-safe), added before the LoRA delta as peft does (``base_layer(x) + lora``); fp8 weights go
+        through ``fp8_linear`` (its bias in the GEMM's epilogue where it can be)."""
         w, b = self.layers[layer][name], self.layers[layer].get(name + "_bias")
-        y = x @ w.t() if b is None else torch.addmm(b, x, w.t())
+        if isinstance(w, Fp8Weight):
+            y = fp8_linear(x, w, b, method=self.fp8_method)
+        else:
+            y = x @ w.t() if b is None else torch.addmm(b, x, w.t())
         if plan.lora.has_lora and self._lora is not None:
             lora_apply(y, x, self._lora[layer][name], plan.lora, backend=lora_backend)
         return y
