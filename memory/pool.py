@@ -420,15 +420,17 @@ class AdapterPool:
         )
 
     # ------------------------------------------------------------------ pack
-    def pack(self, adapter: "AdapterWeights") -> PackedAdapter:
-        """Lay an adapter out as its pool image on the host (see ``PackedAdapter``).
+    def pack(self, adapter: "AdapterWeights", *, transform: Any = None) -> PackedAdapter:
+        """Lay an adapter out as its pool image on the host (see ``PackedAdapter``). ``transform(module, a, b) ->
+        (a, b)``, if given, maps each module's factors first (a tensor-parallel rank keeps its shard of them).
 
         Raises:
             ValueError: its rank exceeds ``max_rank``.
         """
         packer = self.packer(_module_ranks(adapter), name=adapter.name)
         for (layer, module), w in adapter.modules.items():
-            packer.put(layer, module, w.a, w.b, w.scaling)
+            a, b = (w.a, w.b) if transform is None else transform(module, w.a, w.b)
+            packer.put(layer, module, a, b, w.scaling)
         return packer.finish()
 
     def check_rank(self, max_rank: int, name: str | None = None) -> None:
@@ -516,12 +518,13 @@ class AdapterPool:
             return moved
 
     # ------------------------------------------------------------------ load / free
-    def load(self, adapter: "AdapterWeights | PackedAdapter", *, stream: Any = None) -> int:
+    def load(self, adapter: "AdapterWeights | PackedAdapter", *, stream: Any = None, slot: int | None = None) -> int:
         """Copy an adapter's image into an extent (compacting first if no hole fits but the free pages do);
         return its slot.
 
         Args:
             adapter: a ``LoRAAdapter`` (packed first) or a ``PackedAdapter``.
+            slot: a free slot to use (a tensor-parallel worker mirrors rank 0's slots); None = the lowest free one.
             stream: a CUDA stream for the copy (asynchronous from pinned memory); the caller must make the
                 consuming stream wait for it (``torch.cuda.Event``) before reading the slot.
 
@@ -536,6 +539,8 @@ class AdapterPool:
                              f"{tuple(packed.data.shape)}, pool {self.dtype} in pages of {PAGE_ELEMS} elements)")
         need = packed.num_pages
         with self._lock:
+            if slot is not None and slot not in self._free_slots:
+                raise ValueError(f"AdapterPool.load: slot {slot} is not free (resident: {sorted(self._extents)})")
             if not self._free_slots or need > self.pages_free:
                 raise PoolFullError(
                     f"adapter pool full: adapter {packed.name!r} needs {need} page(s) ({need * self.page_bytes} "
@@ -547,7 +552,10 @@ class AdapterPool:
                 self.compact()
                 start = self._take(need)
                 assert start is not None, "after compaction the free pages are one hole"
-            slot = self._free_slots.pop()
+            if slot is None:
+                slot = self._free_slots.pop()
+            else:
+                self._free_slots.remove(slot)
             self._extents[slot] = (start, need)
             self._meta[slot] = (packed.ranks.to(torch.int32).clone(), packed.offsets.to(torch.int64).clone())
             try:

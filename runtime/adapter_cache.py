@@ -98,6 +98,7 @@ class AdapterHandle:
     loading: Future | None = None  # disk -> host load in flight
     prefetched: bool = False  # made resident by prefetch and not used yet
     had_host: bool = False  # has had a host copy (False: registered on disk and never read since)
+    failed: str | None = None  # why it can never be served (a tensor-parallel worker could not read it): acquire raises
 
     @property
     def tier(self) -> str:
@@ -386,6 +387,8 @@ class AdapterCache:
             AdapterError: it has no host copy and its files changed since it was loaded (or cannot be read).
         """
         with self._lock:
+            if handle.failed is not None:
+                raise AdapterError(handle.failed)
             if handle.slot is not None:
                 self.stats.gpu_hits += 1
                 if handle.prefetched:
@@ -429,7 +432,7 @@ class AdapterCache:
         wanted = wanted if wanted is not None else {id(h) for h in handles}
         with self._lock:
             for h in handles:
-                if h.slot is not None or h.retired:
+                if h.slot is not None or h.retired or h.failed is not None:
                     continue
                 self._collect(h)
                 if h.host is None:

@@ -64,6 +64,9 @@ class EngineConfig:
             over-commits a shared-memory device); None = the plan's automatic size.
         gpu_memory_fraction: share of usable device memory the plan may budget, in (0, 1].
         local_ranks: engine processes sharing this device/host (the plan divides host memory by it).
+        tensor_parallel_size: ranks the model is split over (``runtime.parallel``: Megatron-style shards, one
+            process per rank, rank r on ``cuda:r``, gloo on the CPU); 1 = no tensor parallelism. Each rank's memory
+            plan counts ``local_ranks * tensor_parallel_size`` processes on the host.
         memory_snapshot: a recorded ``MemorySnapshot`` to plan from instead of measuring this machine
             (replaying a user's machine; tests).
         page_rows: ignored (accepted so existing callers and ``--page-rows`` keep working). It was the rank-rows per
@@ -109,6 +112,7 @@ class EngineConfig:
     host_adapter_bytes: int | None = _opt(None, "host-tier size in bytes (default: the memory plan's)", kind=int)
     gpu_memory_fraction: float = _opt(0.9, "share of usable device memory the memory plan may budget")
     local_ranks: int = _opt(1, "engine processes sharing this device / host")
+    tensor_parallel_size: int = _opt(1, "ranks (processes, GPUs) the model is split over")
     memory_snapshot: Any = _opt(None, "", cli=False)
     page_rows: int = _opt(8, "ignored: the adapter pool stores adapters at their exact size (kept for old scripts)")
     max_prefill_tokens: int = _opt(4096, "most tokens in one prefill step")
@@ -127,7 +131,7 @@ class EngineConfig:
             return ValueError(f"Engine: {name} must be {want}, got {getattr(self, name)!r}")
 
         for name in ("max_batch_size", "kv_block_size", "max_lora_rank", "adapter_slots", "page_rows",
-                     "max_prefill_tokens", "local_ranks", "max_waiting_requests"):
+                     "max_prefill_tokens", "local_ranks", "max_waiting_requests", "tensor_parallel_size"):
             v = getattr(self, name)
             if not (v is None and name == "adapter_slots") and (not _is_int(v) or v < 1):
                 raise fail(name, "an int >= 1")

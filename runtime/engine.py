@@ -11,6 +11,7 @@ once, and the forward: base GEMMs + per-token LoRA, attention over the paged KV 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import math
@@ -31,6 +32,8 @@ from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
 from multilora.runtime.adapters import LoRAAdapter, read_adapter, read_packed_adapter
 from multilora.runtime.config import EngineConfig
 from multilora.runtime.model import DecoderModel
+from multilora.runtime.parallel import TensorParallel, TensorParallelError, TPGroup
+from multilora.runtime.sharding import check_tp_size, shard_weights, tp_rank_config
 from multilora.runtime.postprocess import Postprocessor, RequestOutput
 from multilora.runtime.requests import RequestFactory, per_row
 from multilora.runtime.runner import ModelRunner
@@ -88,11 +91,34 @@ class Engine:
                 raise ValueError(f"Engine: weight_dtype='fp8' is not available here: {why}; leave weight_dtype unset "
                                  f"to run the base weights in {str(self.dtype).replace('torch.', '')}")
         t0 = time.perf_counter()
+        self.tp: TensorParallel | None = None
+        tp = cfg.tensor_parallel_size
+        if tp > 1:  # the workers load their shards while this process loads its own (runtime.parallel)
+            if isinstance(model, ModelConfig):
+                check_tp_size(model, tp)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", 0)
+            self.tp = TensorParallel(tp, model, cfg, self.device)
+            atexit.register(TensorParallel.close, self.tp)  # idempotent: stops the workers at interpreter exit
+        try:
+            self._build(model, cfg, t0)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
+
+    def _build(self, model: Any, cfg: EngineConfig, t0: float) -> None:
+        tp = cfg.tensor_parallel_size
         self.model_path, config_, weights, self.tokenizer = load_model(model, dtype=self.dtype, device=self.device,
                                                                        progress=cfg.progress)
         self.config: ModelConfig = config_
-        self.model = DecoderModel(config_, weights, device=self.device, dtype=self.dtype, weight_dtype=cfg.weight_dtype,
-                                  fp8_method=cfg.fp8_gemm)
+        shard_cfg = tp_rank_config(config_, tp)  # = config_ without tensor parallelism
+        if self.tp is not None:
+            weights = shard_weights(weights, config_, 0, tp)
+            self.tp.wait_loaded()
+            self.tp.connect()
+        self.model = DecoderModel(shard_cfg, weights, device=self.device, dtype=self.dtype, weight_dtype=cfg.weight_dtype,
+                                  fp8_method=cfg.fp8_gemm, tp_group=TPGroup(0, tp) if self.tp is not None else None)
         del weights
         if self.tokenizer is None:
             log.warning("%s has no tokenizer: prompts must be token ids, outputs have no text", self.model_path)
@@ -104,16 +130,26 @@ class Engine:
         self.runner = ModelRunner(self.model, max_batch_size=cfg.max_batch_size, max_seq_len=self.max_seq_len,
                                   lora_backend=cfg.lora_backend, attention_backend=cfg.attention_backend)
         tokens = min(cfg.max_prefill_tokens, self.max_seq_len)  # the largest prefill, profiled on CUDA
-        sizes = measure_and_size(memory_request(config_, cfg, dtype=self.dtype, max_seq_len=self.max_seq_len), cfg,
-                                 self.device, profile_reserve=lambda: self.runner.profile_reserve(tokens, cfg.kv_block_size))
+
+        def profile() -> int:
+            if self.tp is not None:  # the workers run the same forward (its collectives pair up)
+                self.tp.profile(tokens, cfg.kv_block_size)
+            return self.runner.profile_reserve(tokens, cfg.kv_block_size)
+
+        plan_cfg = cfg if tp == 1 else dataclasses.replace(cfg, local_ranks=cfg.local_ranks * tp)
+        sizes = measure_and_size(memory_request(shard_cfg, plan_cfg, dtype=self.dtype, max_seq_len=self.max_seq_len),
+                                 plan_cfg, self.device, profile_reserve=profile)
         self.memory_plan = sizes.plan
-        self.pool = AdapterPool(config_, num_bytes=sizes.num_pages * sizes.request.page_bytes,
-                                max_rank=cfg.max_lora_rank, max_slots=cfg.adapter_slots, dtype=self.dtype,
-                                device=self.device)
-        self.kv = PagedKVCache(num_layers=config_.num_layers, num_blocks=sizes.num_blocks, block_size=cfg.kv_block_size,
-                               num_kv_heads=config_.num_kv_heads, head_dim=config_.head_dim, dtype=self.dtype,
-                               device=self.device)
+        pool_bytes = sizes.num_pages * sizes.request.page_bytes
+        self.pool = AdapterPool(shard_cfg, num_bytes=pool_bytes, max_rank=cfg.max_lora_rank,
+                                max_slots=cfg.adapter_slots, dtype=self.dtype, device=self.device)
+        self.kv = PagedKVCache(num_layers=shard_cfg.num_layers, num_blocks=sizes.num_blocks,
+                               block_size=cfg.kv_block_size, num_kv_heads=shard_cfg.num_kv_heads,
+                               head_dim=shard_cfg.head_dim, dtype=self.dtype, device=self.device)
         self.runner.bind(self.kv, self.pool, cuda_graphs=cfg.cuda_graphs)
+        if self.tp is not None:
+            self.tp.configure(num_blocks=sizes.num_blocks, pool_bytes=pool_bytes, max_seq_len=self.max_seq_len)
+            self.runner.tp = self.tp
         self.cache = AdapterCache(self.pool, host_bytes=sizes.host_bytes, reload=self._reload_adapter)
         self.scheduler = Scheduler(self.cache, kv=self.kv, max_batch_size=cfg.max_batch_size,
                                    max_prefill_tokens=cfg.max_prefill_tokens, patience=cfg.starvation_patience,
@@ -161,17 +197,25 @@ class Engine:
         if not isinstance(name, str) or not name:
             raise ValueError(f"load_adapter: name must be a non-empty string, got {name!r}")
         adapter, packed = read_adapter(path, self.config, self.pool, name=name, allow_pickle=allow_pickle,
-                                       preload=preload, max_rank=self.engine_config.max_lora_rank)
-        self.cache.add(name, packed, path=Path(path), allow_pickle=allow_pickle, summary=adapter.target_summary(),
-                       max_rank=adapter.max_rank, pool_bytes=self.pool.bytes_needed(adapter),
-                       fingerprint=adapter.files)  # the files as they were read, not as they are now
+                                       preload=preload, max_rank=self.engine_config.max_lora_rank, shard=self._shard)
+
+        def add() -> Any:
+            return self.cache.add(name, packed, path=Path(path), allow_pickle=allow_pickle,
+                                  summary=adapter.target_summary(), max_rank=adapter.max_rank,
+                                  pool_bytes=self.pool.bytes_needed(adapter),
+                                  fingerprint=adapter.files)  # the files as they were read, not as they are now
+        if self.tp is None:
+            add()
+        else:  # between steps: the workers read it at the next step, before any request can use it
+            with self._step_lock:
+                self.tp.add_adapter(add())
         log.info("loaded adapter %r from %s: %s", name, path, adapter.target_summary())
         return adapter
 
     def _reload_adapter(self, handle: Any) -> Any:
         """disk -> host: read a handle's files again and lay them out as a pool image (the cache calls this)."""
         adapter, packed = read_packed_adapter(handle.path, self.config, self.pool, name=handle.name,
-                                              allow_pickle=handle.allow_pickle)
+                                              allow_pickle=handle.allow_pickle, shard=self._shard)
         if packed is None:  # rank above the pool's (the files changed): pack's error
             self.pool.check_rank(adapter.max_rank, name=handle.name)
         return packed
@@ -215,11 +259,18 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one engine step (a prefill or a decode); return the requests that finished in it."""
         with self._step_lock:
+            if self.tp is not None:
+                if self.tp.dead:  # nothing can run: every request fails with the workers' error
+                    return self._fail_all(list(self.scheduler.running) + list(self.scheduler.waiting),
+                                          TensorParallelError(self.tp.dead), log_it=False)
+                self._sync_workers()
             sched = self.scheduler.schedule()
             self._counters["requests_failed"] += len(sched.failed)
             if sched.kind is None:
                 return sched.failed
             self._make_resident(sched.batch)
+            if self.tp is not None:
+                self.tp.set_slot_map({h.slot: (h.name, h.version) for h in self.cache.handles() if h.slot is not None})
             try:
                 logits = self.runner.run(sched.kind, sched.batch)
             except Exception as e:  # never leave a batch holding resources; report per request
@@ -234,8 +285,44 @@ class Engine:
                                 self.scheduler.waiting_handles())
         self.cache.wait_ready([r.handle for r in batch if r.handle is not None])
 
-    def _fail_all(self, batch: list[Request], e: Exception) -> list[Request]:
-        log.exception("engine step failed")
+    def _sync_workers(self) -> None:
+        """Tensor parallelism: send the adapter changes since the last step (the workers read new adapters, drop
+        those no request can use any more); an adapter a worker could not read fails its requests."""
+        live = {(h.name, h.version) for h in self.cache.handles()}
+        live |= {(r.handle.name, r.handle.version) for r in (*self.scheduler.running, *self.scheduler.waiting)
+                 if r.handle is not None}
+        self.tp.retain(live)
+        failed = self.tp.sync_adapters()
+        for h in self.cache.handles():
+            why = failed.get((h.name, h.version))
+            if why is not None:
+                h.failed = f"adapter {h.name!r}: {why}"
+        for r in (*self.scheduler.running, *self.scheduler.waiting):
+            why = r.handle is not None and failed.get((r.handle.name, r.handle.version))
+            if why:
+                r.handle.failed = f"adapter {r.handle.name!r}: {why}"
+
+    @property
+    def _shard(self) -> tuple[int, int] | None:
+        """(rank, size) of this process's adapter shards under tensor parallelism, else None."""
+        return None if self.tp is None else (0, self.engine_config.tensor_parallel_size)
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process's memory: a tensor-parallel engine's worker processes
+        and process group (``runtime.parallel``). Idempotent; the engine cannot step afterwards when it had workers.
+        Also called at interpreter exit."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _fail_all(self, batch: list[Request], e: Exception, log_it: bool = True) -> list[Request]:
+        if log_it:
+            log.exception("engine step failed")
         for req in batch:
             self.postprocess.finish(req, "error", f"{type(e).__name__}: {e}")
         return batch
@@ -357,7 +444,8 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Counters since start: steps, tokens, requests (``runtime.postprocess``), adapter-pool residency and cache
         traffic (``AdapterCache.report``), queue waits, KV blocks and preemptions (``Scheduler.report``)."""
-        return {**self._counters, **self.cache.report(), **self.scheduler.report()}
+        return {**self._counters, **self.cache.report(), **self.scheduler.report(),
+                "tensor_parallel_size": self.engine_config.tensor_parallel_size}
 
     # --------------------------------------------------------------------- the options, by their old names
     for _name in ("max_batch_size", "kv_block_size", "max_lora_rank", "max_prefill_tokens", "lora_backend",  # engine.<option>

@@ -17,7 +17,7 @@ Triton kernel each on CUDA, torch ops on the CPU.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -116,10 +116,12 @@ class DecoderModel:
             (``multilora.kernels.fp8``), quantized here once; embeddings, norms, biases, the LM head, the LoRA
             pool and the activations stay in ``dtype``.
         fp8_method: the fp8 GEMM (``multilora.kernels.fp8.fp8_linear``'s ``method``; None = by rows and device).
+        tp_group: None, or a tensor-parallel rank's group (``runtime.parallel.TPGroup``): ``config`` and ``weights``
+            are then that rank's shard, and the outputs of o and down (partial sums, LoRA included) are all-reduced.
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device, dtype: torch.dtype,
-                 weight_dtype: str | None = None, fp8_method: str | None = None):
+                 weight_dtype: str | None = None, fp8_method: str | None = None, tp_group: Any = None):
         if weight_dtype not in (None, "fp8"):
             raise ValueError(f"DecoderModel: weight_dtype must be None or 'fp8', got {weight_dtype!r}")
         self.config = config
@@ -127,6 +129,8 @@ class DecoderModel:
         self.dtype = dtype
         self.weight_dtype = weight_dtype
         self.fp8_method = fp8_method
+        self.tp_group = tp_group
+        self.skip_logits = False  # a tensor-parallel worker: rank 0 alone computes logits
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -296,15 +300,21 @@ class DecoderModel:
             attn = paged_attention(q, k_cache, v_cache, plan.attn, scale=c.head_dim ** -0.5,
                                    sliding_window=c.window(i), backend=attention_backend)
             o = self._linear(attn.reshape(T, c.q_size), i, "o", plan, lora_backend)
+            if self.tp_group is not None:
+                self.tp_group.all_reduce(o)  # row-parallel: the ranks' partial sums (base + LoRA)
             x = add_rms_norm(h, o, layer["post_norm"], c.rms_norm_eps, backend=ops_backend)
             gu = self._linear(x, i, "gate_up", plan, lora_backend)  # [T, 2 * inter]
             d = self._linear(silu_mul(gu, backend=ops_backend), i, "down", plan, lora_backend)
+            if self.tp_group is not None:
+                self.tp_group.all_reduce(d)
             nxt = self.layers[i + 1]["in_norm"] if i + 1 < len(self.layers) else self.norm
             x = add_rms_norm(h, d, nxt, c.rms_norm_eps, backend=ops_backend)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] -> float32 logits [n, vocab]."""
+        """hidden [n, hidden_size] -> float32 logits [n, vocab] (a tensor-parallel worker: [n, 1] of nothing)."""
+        if self.skip_logits:
+            return hidden[:, :1].float()
         return (hidden @ self.lm_head.t()).float()
 
 

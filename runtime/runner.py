@@ -182,6 +182,7 @@ class ModelRunner:
         self.kv: PagedKVCache | None = None
         self.graphs: DecodeGraphs | None = None
         self.buffers: DecodeBuffers | None = None
+        self.tp = None  # rank 0 of a tensor-parallel engine: its ``runtime.parallel.TensorParallel`` (set by Engine)
         model.ensure_rope_positions(max_seq_len)  # the RoPE tables never move while serving (graphs read them)
         c = model.config
         attn = select_triton(attention_backend, self.device, "triton_attention", label="attention backend",
@@ -269,12 +270,16 @@ class ModelRunner:
         slots = [r.slot for r in batch]
         with torch.inference_mode():
             if kind == "decode" and self.graphs is not None and self.graphs.bucket_for(len(batch)) is not None:
-                return self.decode_graph([r.output_ids[-1] for r in batch], [r.num_tokens - 1 for r in batch],
-                                         tables, slots)
+                args = ([r.output_ids[-1] for r in batch], [r.num_tokens - 1 for r in batch], tables, slots)
+                if self.tp is not None:  # tensor-parallel workers run the same step (runtime.parallel)
+                    self.tp.step("graph", args)
+                return self.decode_graph(*args)
             if kind == "prefill":  # prompt + any tokens generated before a preemption
                 token_ids, starts = [r.prompt_ids + r.output_ids for r in batch], [0] * len(batch)
             else:
                 token_ids, starts = [[r.output_ids[-1]] for r in batch], [r.num_tokens - 1 for r in batch]
+            if self.tp is not None:
+                self.tp.step("eager", (token_ids, starts, tables, slots))
             return self._logits_of(self.build_plan(token_ids, starts, tables, slots, block_size=self.kv.block_size))
 
     def decode_graph(self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],

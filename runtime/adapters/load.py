@@ -15,6 +15,7 @@ import torch
 
 from multilora.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
 from multilora.memory.pool import AdapterPool, PackedAdapter
+from multilora.runtime.sharding import ShardSink, shard_lora
 from multilora.runtime.adapters.disk import FileStamp, check_directory, read_whole
 from multilora.runtime.adapters.files import SAFETENSORS_NAME, _LazyTensors, _read_weights, dtype_name
 from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _config_json, _fmt_shape, _parse_config, _Spec
@@ -364,6 +365,8 @@ def load_peft_adapter_into(
             order) once the config and every tensor key are validated, before any value is read; returns the sink,
             or None to validate without keeping values.
         path, config, name, allow_pickle: as for :func:`load_peft_adapter`.
+        shard: ``(rank, size)`` of a tensor-parallel engine: the image holds that rank's shard of every module
+            (``runtime.parallel.shard_lora``; ``pool`` is then a pool of the rank's shape, ``config`` the full model's).
 
     Returns:
         ``(adapter, sink)``: the adapter's modules hold ``meta`` tensors (the file's shapes and dtypes) and
@@ -390,7 +393,8 @@ def load_peft_adapter_into(
 
 
 def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
-                        allow_pickle: bool = False) -> tuple[LoRAAdapter, PackedAdapter | None]:
+                        allow_pickle: bool = False,
+                        shard: tuple[int, int] | None = None) -> tuple[LoRAAdapter, PackedAdapter | None]:
     """disk -> host: read, validate and lay out an adapter as its ``pool`` image in one pass.
 
     What the engine's reload and ``load_adapter(preload=True)`` run: :func:`load_peft_adapter_into` streams
@@ -411,15 +415,18 @@ def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: Adap
         AdapterError: as :func:`load_peft_adapter`.
     """
     def open_sink(ranks: dict[tuple[int, str], int]):
-        return pool.packer(ranks, name=name) if max(ranks.values(), default=0) <= pool.max_rank else None
+        if max(ranks.values(), default=0) > pool.max_rank:
+            return None
+        sink = pool.packer(ranks, name=name)
+        return sink if shard is None or shard[1] == 1 else ShardSink(sink, config, *shard)
 
     adapter, packer = load_peft_adapter_into(path, config, open_sink, name=name, allow_pickle=allow_pickle)
     return adapter, None if packer is None else packer.finish()
 
 
 def read_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
-                 allow_pickle: bool = False, preload: bool = True,
-                 max_rank: int | None = None) -> tuple[LoRAAdapter, PackedAdapter | None]:
+                 allow_pickle: bool = False, preload: bool = True, max_rank: int | None = None,
+                 shard: tuple[int, int] | None = None) -> tuple[LoRAAdapter, PackedAdapter | None]:
     """What ``Engine.load_adapter`` reads: with ``preload``, the whole adapter validated and laid out as ``pool``'s
     image (:func:`read_packed_adapter`); without, the config and the safetensors header only (names, shapes,
     dtypes, ranks: no tensor data; a pickle file is read whole and packed anyway).
@@ -432,14 +439,16 @@ def read_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool
         AdapterError: as :func:`load_peft_adapter`, or a rank above ``max_rank`` (the engine's max_lora_rank).
     """
     if preload:  # read, check and pack in one pass, in the file's dtype
-        adapter, packed = read_packed_adapter(path, config, pool, name=name, allow_pickle=allow_pickle)
+        adapter, packed = read_packed_adapter(path, config, pool, name=name, allow_pickle=allow_pickle, shard=shard)
     else:
         adapter, packed = load_peft_adapter(path, config, name=name, allow_pickle=allow_pickle, header_only=True), None
     if max_rank is not None and adapter.max_rank > max_rank:
         raise AdapterError(f"{path}: adapter rank {adapter.max_rank} exceeds the engine's max_lora_rank {max_rank} "
                            f"(create the Engine with max_lora_rank={adapter.max_rank} or more)", path=path)
     if packed is None and not any(w.a.device.type == "meta" for w in adapter.modules.values()):
-        packed = pool.pack(adapter)  # header_only still reads a pickle file whole
+        transform = None if shard is None or shard[1] == 1 else (
+            lambda m, a, b: shard_lora(m, a, b, config, *shard))
+        packed = pool.pack(adapter, transform=transform)  # header_only still reads a pickle file whole
     return adapter, packed
 
 

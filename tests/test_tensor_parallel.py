@@ -1,0 +1,200 @@
+"""Tensor parallelism on the CPU (issue 17): gloo, 2 and 4 processes, against the one-process engine.
+
+- The sharding itself, without processes: every rank's shard of every weight and LoRA factor, put back
+  together, is the full tensor (rows for column-parallel modules, columns for row-parallel ones, KV heads
+  replicated when there are fewer than ranks, o's bias on rank 0 only, Phi-3's fused tensors part by part).
+- Engines of 2 and 4 ranks (worker processes spawned by the engine) on a tiny random model (4 heads, 2 KV heads:
+  4 ranks replicate each KV head twice) with adapters of different ranks and target modules: fp32 logits of a
+  mixed batch equal the one-process engine's to 1e-5, greedy generations are identical, and stay so while a
+  one-slot pool evicts and reloads adapters on every request and when an adapter is reloaded under its name.
+- Failures: an adapter a worker cannot read fails its own requests only; a killed worker fails the step's
+  requests with an error naming it, the engine refuses further work, and ``close()`` leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from testsupport import rel_err, write_adapter
+
+from multilora import Engine, SamplingParams
+from multilora.config import ModelConfig
+from multilora.runtime.parallel import TensorParallelError
+from multilora.runtime.sharding import check_tp_size, shard_lora, shard_weights, tp_rank_config
+from multilora.runtime.weights import random_weights
+
+CFG = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                  max_position_embeddings=1024)
+KW = dict(device="cpu", progress=False, max_batch_size=4, max_seq_len=64, max_lora_rank=16)
+ROWS = [[5, 9, 14, 3, 77, 301, 12], [8, 1, 400], [2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42]]
+ADAPTERS = {"a0": (8, ["q_proj", "v_proj", "o_proj"]), "a1": (4, ["k_proj", "gate_proj", "up_proj", "down_proj"]),
+            "a2": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])}
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+# ------------------------------------------------------------------------------------- sharding alone
+@pytest.mark.parametrize("size", [2, 4])
+def test_weight_shards_reassemble(size):
+    c = ModelConfig(**{**CFG.__dict__, "qkv_bias": True, "o_bias": True})
+    w = random_weights(c, dtype=torch.float32, device="cpu")
+    shards = [shard_weights(w, c, r, size) for r in range(size)]
+    rc = tp_rank_config(c, size)
+    assert (rc.num_heads, rc.num_kv_heads, rc.intermediate_size, rc.head_dim) == (4 // size, max(2 // size, 1), 128 // size, 16)
+    p = "model.layers.1."
+    for m in ("q_proj", "gate_proj", "up_proj"):
+        assert torch.equal(torch.cat([s[f"{p}{'self_attn' if m == 'q_proj' else 'mlp'}.{m}.weight"] for s in shards]),
+                           w[f"{p}{'self_attn' if m == 'q_proj' else 'mlp'}.{m}.weight"])
+    for m, parent in (("o_proj", "self_attn"), ("down_proj", "mlp")):
+        key = f"{p}{parent}.{m}.weight"
+        assert torch.equal(torch.cat([s[key] for s in shards], dim=1), w[key])
+    k = f"{p}self_attn.k_proj.weight"
+    if size == 2:  # one KV head each
+        assert torch.equal(torch.cat([s[k] for s in shards]), w[k])
+    else:  # 4 ranks, 2 KV heads: ranks 0-1 hold head 0, ranks 2-3 head 1 (the heads of their query heads)
+        assert torch.equal(shards[0][k], w[k][:16]) and torch.equal(shards[1][k], w[k][:16])
+        assert torch.equal(shards[2][k], w[k][16:]) and torch.equal(shards[3][k], w[k][16:])
+    ob = f"{p}self_attn.o_proj.bias"
+    assert torch.equal(shards[0][ob], w[ob]) and all((s[ob] == 0).all() for s in shards[1:])
+    assert all(torch.equal(s["model.embed_tokens.weight"], w["model.embed_tokens.weight"]) for s in shards)
+
+
+def test_phi3_fused_shards_are_the_parts_shards():
+    c = ModelConfig(**{**CFG.__dict__, "fused_projections": True, "architecture": "phi3"})
+    w = random_weights(c, dtype=torch.float32, device="cpu")
+    plain = {k: v for k, v in random_weights(CFG, dtype=torch.float32, device="cpu").items()}
+    key = "model.layers.0.self_attn.qkv_proj.weight"
+    q, k, v = w[key].split([c.q_size, c.kv_size, c.kv_size])
+    plain.update({"model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k,
+                  "model.layers.0.self_attn.v_proj.weight": v})
+    s_fused = shard_weights(w, c, 1, 2)[key]
+    s_plain = shard_weights(plain, CFG, 1, 2)
+    assert torch.equal(s_fused, torch.cat([s_plain[f"model.layers.0.self_attn.{m}.weight"] for m in ("q_proj", "k_proj", "v_proj")]))
+
+
+def test_lora_shards_sum_to_the_full_delta():
+    """Column-parallel: each rank's B rows give its slice of the output; row-parallel: the ranks' partial
+    (x_r A_r^T) B^T sum to x A^T B^T (the all-reduce of o / down adds them)."""
+    g = torch.Generator().manual_seed(0)
+    for module, (d_in, d_out) in (("q_proj", (64, 64)), ("o_proj", (64, 64)), ("down_proj", (128, 64)), ("up_proj", (64, 128))):
+        a, b = torch.randn(8, d_in, generator=g), torch.randn(d_out, 8, generator=g)
+        x = torch.randn(3, d_in, generator=g)
+        full = x @ a.t() @ b.t()
+        parts = [shard_lora(module, a, b, CFG, r, 2) for r in range(2)]
+        if module in ("o_proj", "down_proj"):
+            xs = x.chunk(2, dim=1)
+            got = sum(xs[r] @ pa.t() @ pb.t() for r, (pa, pb) in enumerate(parts))
+        else:
+            got = torch.cat([x @ pa.t() @ pb.t() for pa, pb in parts], dim=1)
+        assert rel_err(got, full) < 1e-6
+
+
+def test_bad_sizes_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's num_heads 4, "
+                                         r"intermediate_size 128, num_kv_heads 2"):
+        check_tp_size(CFG, 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        Engine(CFG, tensor_parallel_size=3, **KW)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be an int >= 1, got 0"):
+        Engine(CFG, tensor_parallel_size=0, **KW)
+
+
+# ----------------------------------------------------------------------------------------- engines
+@pytest.fixture(scope="module")
+def adapter_paths(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tp-adapters")
+    return {n: write_adapter(d / n, CFG, seed=i, rank=r, modules=m) for i, (n, (r, m)) in enumerate(ADAPTERS.items())}
+
+
+@pytest.fixture(scope="module")
+def reference(adapter_paths):
+    e = Engine(CFG, **KW)
+    for n, p in adapter_paths.items():
+        e.load_adapter(n, p)
+    return e
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_tp_engine_equals_one_process(size, adapter_paths, reference):
+    with Engine(CFG, tensor_parallel_size=size, **KW) as e:
+        pids = [p.pid for p in e.tp.procs]
+        assert len(pids) == size - 1 and all(_alive(p) for p in pids)
+        assert e.stats()["tensor_parallel_size"] == size
+        for n, p in adapter_paths.items():
+            e.load_adapter(n, p)
+        for adapters in ([None] * 4, ["a0", None, "a1", "a2"], ["a2", "a2", "a0", None]):
+            assert rel_err(e.logits(ROWS, adapters), reference.logits(ROWS, adapters)) < 1e-5
+        mixed = ["a1", "a0", None, "a2"]
+        got = [o.token_ids for o in e.generate(ROWS, adapters=mixed, sampling=GREEDY)]
+        assert got == [o.token_ids for o in reference.generate(ROWS, adapters=mixed, sampling=GREEDY)]
+    time.sleep(0.5)
+    assert not any(_alive(p) for p in pids), "close() left worker processes"
+
+
+def test_tp_eviction_reload_and_adapter_versions(adapter_paths, tmp_path):
+    """A pool of one slot: every request of another adapter evicts the resident one on every rank; reloading a
+    name under new weights serves the new version everywhere."""
+    one = dict(KW, adapter_slots=1, max_batch_size=1)
+    ref = Engine(CFG, **one)
+    with Engine(CFG, tensor_parallel_size=2, **one) as e:
+        for eng in (ref, e):
+            for n, p in adapter_paths.items():
+                eng.load_adapter(n, p)
+        order = ["a0", "a1", "a2", "a0", None, "a2", "a1"]
+        rows = [ROWS[i % len(ROWS)] for i in range(len(order))]
+        assert [o.token_ids for o in e.generate(rows, adapters=order, sampling=GREEDY)] == \
+               [o.token_ids for o in ref.generate(rows, adapters=order, sampling=GREEDY)]
+        assert e.stats()["gpu_evictions"] >= 4
+        new = write_adapter(tmp_path / "a0-v2", CFG, seed=7, rank=4, modules=["v_proj", "down_proj"])
+        for eng in (ref, e):
+            eng.load_adapter("a0", new)
+        assert rel_err(e.logits(ROWS[:2], ["a0", "a1"]), ref.logits(ROWS[:2], ["a0", "a1"])) < 1e-5
+
+
+def test_tp_adapter_a_worker_cannot_read_fails_alone(adapter_paths, tmp_path):
+    """The files change between rank 0's read and the workers' (at the next step): that adapter's requests fail
+    with the worker's reason; the others are served."""
+    bad = write_adapter(tmp_path / "bad", CFG, seed=9, rank=8, modules=["q_proj"])
+    with Engine(CFG, tensor_parallel_size=2, **KW) as e:
+        e.load_adapter("a0", adapter_paths["a0"])
+        e.generate([ROWS[1]], adapters=["a0"], sampling=GREEDY)  # the workers have read a0
+        e.load_adapter("bad", bad)
+        w = bad / "adapter_model.safetensors"
+        st = w.stat()
+        os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        outs = e.generate([ROWS[0], ROWS[1]], adapters=["bad", "a0"], sampling=GREEDY)
+        assert outs[0].finish_reason == "error" and "tensor-parallel worker 1 cannot read it" in outs[0].error
+        assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 8
+
+
+def test_tp_killed_worker_is_reported_and_nothing_is_left():
+    e = Engine(CFG, tensor_parallel_size=2, **KW)
+    try:
+        pid = e.tp.procs[0].pid
+        e.generate([ROWS[0]], sampling=GREEDY)
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        out = e.generate([ROWS[0], ROWS[1]], sampling=GREEDY)
+        assert all(o.finish_reason == "error" for o in out)
+        assert "worker 1" in out[0].error and "exited" in out[0].error, out[0].error
+        with pytest.raises(TensorParallelError, match="worker 1"):
+            e.tp.step("eager", ([[1]], [0], [[1]], [-1]))
+    finally:
+        e.close()
+    assert not _alive(pid)
+    again = Engine(CFG, tensor_parallel_size=2, **KW)  # the process group was torn down: a new engine starts
+    try:
+        assert again.generate([ROWS[1]], sampling=GREEDY)[0].finish_reason == "length"
+    finally:
+        again.close()
