@@ -142,6 +142,46 @@ def test_tp_engine_equals_one_process(size, adapter_paths, reference):
     assert not any(_alive(p) for p in pids), "close() left worker processes"
 
 
+@pytest.mark.parametrize("family", [dict(qkv_bias=True, o_bias=True, qk_norm=True, head_dim=24, architecture="qwen3"),
+                                    dict(fused_projections=True, architecture="phi3")])
+def test_tp_family_flags(family, tmp_path):
+    """Biases (o's added by rank 0 only; random_weights draws them non-zero), per-head q/k norms with a head_dim of
+    its own (q_size 96 != hidden 64), Phi-3's fused checkpoint tensors: 2 ranks equal one process."""
+    c = ModelConfig(**{**CFG.__dict__, "head_dim": 0, **family})
+    if c.fused_projections:  # a PEFT adapter on the fused names: one A per fused module, B over the fused width
+        path = _fused_adapter(tmp_path / "a", c)
+    else:
+        path = write_adapter(tmp_path / "a", c, seed=5, rank=8, modules=["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"])
+    ref = Engine(c, **KW)
+    with Engine(c, tensor_parallel_size=2, **KW) as e:
+        for eng in (ref, e):
+            eng.load_adapter("a", path)
+        want = ref.logits(ROWS, ["a", None, "a", None])
+        got = e.logits(ROWS, ["a", None, "a", None])
+        assert rel_err(got, want) < 1e-5
+
+
+def _fused_adapter(out, c):
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(6)
+    t = {}
+    for layer in range(c.num_layers):
+        for parent, mod, d_out in (("self_attn", "qkv_proj", c.q_size + 2 * c.kv_size),
+                                   ("mlp", "gate_up_proj", 2 * c.intermediate_size), ("self_attn", "o_proj", c.hidden_size)):
+            d_in = c.q_size if mod == "o_proj" else c.hidden_size
+            key = f"base_model.model.model.layers.{layer}.{parent}.{mod}"
+            t[f"{key}.lora_A.weight"] = torch.randn(8, d_in, generator=g) * 0.15
+            t[f"{key}.lora_B.weight"] = torch.randn(d_out, 8, generator=g) * 0.15
+    out.mkdir()
+    save_file(t, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
+                                                         "target_modules": ["qkv_proj", "gate_up_proj", "o_proj"]}))
+    return out
+
+
 def test_tp_eviction_reload_and_adapter_versions(adapter_paths, tmp_path):
     """A pool of one slot: every request of another adapter evicts the resident one on every rank; reloading a
     name under new weights serves the new version everywhere."""
