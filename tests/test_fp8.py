@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from testsupport import rel_err, write_adapter
+from testsupport import fp8_reference, rel_err, write_adapter
 
 from multilora import Engine
 from multilora.config import ModelConfig
@@ -53,19 +53,9 @@ def test_quantize_zero_rows_and_errors():
     assert xs.shape == (5, 1) and _bound_ok(x, xq.float() * xs, xs)
 
 
-def _reference(x: torch.Tensor, w: fp8.Fp8Weight, bias, quantize_x: bool) -> torch.Tensor:
-    """float32: x (or x quantized per token, recomputed here) @ (Wq * scale)^T + bias."""
-    xf = x.float()
-    if quantize_x:
-        xs = xf.abs().amax(1, keepdim=True) / 448.0
-        xf = (xf / xs).to(torch.float8_e4m3fn).float() * xs
-    y = xf @ (w.qweight.float() * w.scale[:, None]).t()
-    return y if bias is None else y + bias.float()
-
-
 @pytest.mark.parametrize("M", [1, 3, 17])
 @pytest.mark.parametrize("bias", [False, True])
-def test_scaled_mm_and_dequant_match_reference(M, bias):
+def test_scaled_mm_and_dequant_matchfp8_reference(M, bias):
     g = torch.Generator().manual_seed(M)
     N, K = 48, 64  # _scaled_mm wants multiples of 16
     w = fp8.quantize_weight(torch.randn(N, K, generator=g))
@@ -73,22 +63,22 @@ def test_scaled_mm_and_dequant_match_reference(M, bias):
     b = torch.randn(N, generator=g) if bias else None
     y = fp8.fp8_linear(x, w, b, method="scaled_mm")
     assert y.shape == (M, N) and y.dtype == torch.float32
-    assert rel_err(y, _reference(x, w, b, quantize_x=True)) < 1e-5
-    assert rel_err(fp8.fp8_linear(x, w, b, method="dequant"), _reference(x, w, b, quantize_x=False)) < 1e-6
+    assert rel_err(y, fp8_reference(x, w, b, quantize_x=True)) < 1e-5
+    assert rel_err(fp8.fp8_linear(x, w, b, method="dequant"), fp8_reference(x, w, b, quantize_x=False)) < 1e-6
     assert fp8.resolve_method(None, x, N) == "scaled_mm"  # the CPU's default
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU cases need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("M,N,K", [(1, 40, 96), (2, 72, 520), (3, 33, 200), (8, 64, 64), (20, 70, 130), (40, 16, 48),
                                    (70, 24, 40)])
-def test_weight_only_kernel_matches_reference(M, N, K):
+def test_weight_only_kernel_matchesfp8_reference(M, N, K):
     g = torch.Generator().manual_seed(N)
     w = fp8.quantize_weight(torch.randn(N, K, generator=g))
     x = torch.randn(M, K, generator=g).half()
     b = torch.randn(N, generator=g).half()
     y = fp8.fp8_linear(x, w, b, method="weight_only")
     assert y.dtype == torch.float16 and y.shape == (M, N)
-    ref = _reference(x, w, b, quantize_x=False)
+    ref = fp8_reference(x, w, b, quantize_x=False)
     assert rel_err(y.float(), ref) < 2e-3  # fp16 output rounding (2^-11) plus fp32 accumulation order
 
 
@@ -101,7 +91,7 @@ def test_splitk_tickets_reset_and_result_independent_of_split():
     g = torch.Generator().manual_seed(3)
     w = fp8.quantize_weight(torch.randn(40, 1000, generator=g))
     x = torch.randn(3, 1000, generator=g).half()
-    ref = _reference(x, w, None, quantize_x=False)
+    ref = fp8_reference(x, w, None, quantize_x=False)
     for dot in (False, True):
         outs = [triton_fp8.fp8_gemv_splitk(x, w.qweight, w.scale, block_n=16, block_k=64, split_k=s, use_dot=dot)
                 for s in (1, 2, 5)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from testsupport import rel_err
+from testsupport import fp8_reference, rel_err
 
 from multilora import Engine, SamplingParams
 from multilora.config import ModelConfig
@@ -26,15 +26,6 @@ pytestmark = [
 BF16_OUT = 1e-2
 
 
-def _reference(x, w, bias, quantize_x):
-    xf = x.float()
-    if quantize_x:
-        xs = xf.abs().amax(1, keepdim=True) / 448.0
-        xf = (xf / xs).to(torch.float8_e4m3fn).float() * xs
-    y = xf @ (w.qweight.float() * w.scale[:, None]).t()
-    return y if bias is None else y + bias.float()
-
-
 @pytest.mark.parametrize("M", [1, 2, 3, 8, 16, 33, 64, 130])
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (2049, 3424), (128, 64)])
 @pytest.mark.parametrize("method", ["weight_only", "scaled_mm"])
@@ -48,7 +39,7 @@ def test_fp8_gemm_bf16(M, N, K, method):
     for bias in (None, b):
         y = fp8.fp8_linear(x, w, bias, method=method)
         assert y.dtype == torch.bfloat16 and y.shape == (M, N)
-        assert rel_err(y.float(), _reference(x, w, bias, quantize_x=method == "scaled_mm")) < BF16_OUT
+        assert rel_err(y.float(), fp8_reference(x, w, bias, quantize_x=method == "scaled_mm")) < BF16_OUT
 
 
 def test_quantize_per_token_triton_equals_torch():

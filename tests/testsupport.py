@@ -127,3 +127,14 @@ def peft_adapters(base, configs, out, *, std, seed=None):
     model.save_pretrained(str(out), selected_adapters=names)
     return model
 
+
+
+def fp8_reference(x, w, bias, quantize_x):
+    """float32 reference of an fp8 GEMM: x (or x quantized per token to e4m3, recomputed here) @ (Wq * scale)^T
+    (+ bias); ``w`` a ``multilora.kernels.fp8.Fp8Weight``."""
+    xf = x.float()
+    if quantize_x:
+        xs = xf.abs().amax(1, keepdim=True) / 448.0
+        xf = (xf / xs).to(torch.float8_e4m3fn).float() * xs
+    y = xf @ (w.qweight.float() * w.scale[:, None]).t()
+    return y if bias is None else y + bias.float()
