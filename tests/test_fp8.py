@@ -55,7 +55,7 @@ def test_quantize_zero_rows_and_errors():
 
 @pytest.mark.parametrize("M", [1, 3, 17])
 @pytest.mark.parametrize("bias", [False, True])
-def test_scaled_mm_and_dequant_matchfp8_reference(M, bias):
+def test_scaled_mm_and_dequant_match_reference(M, bias):
     g = torch.Generator().manual_seed(M)
     N, K = 48, 64  # _scaled_mm wants multiples of 16
     w = fp8.quantize_weight(torch.randn(N, K, generator=g))
@@ -71,7 +71,7 @@ def test_scaled_mm_and_dequant_matchfp8_reference(M, bias):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU cases need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("M,N,K", [(1, 40, 96), (2, 72, 520), (3, 33, 200), (8, 64, 64), (20, 70, 130), (40, 16, 48),
                                    (70, 24, 40)])
-def test_weight_only_kernel_matchesfp8_reference(M, N, K):
+def test_weight_only_kernel_matches_reference(M, N, K):
     g = torch.Generator().manual_seed(N)
     w = fp8.quantize_weight(torch.randn(N, K, generator=g))
     x = torch.randn(M, K, generator=g).half()
