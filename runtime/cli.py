@@ -243,6 +243,10 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag.replace('_', '-')}: not supported by serve-ray: an adapter loaded at run time "
                              f"would reach one replica only; give the catalog with --adapter NAME=PATH")
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: not supported by serve-ray (Ray places "
+                         f"each replica on its own GPUs; a replica's worker processes would not be); run "
+                         f"`multilora serve --tensor-parallel-size N` per host instead")
     if args.replica_gpus is None:
         import torch
 

@@ -236,6 +236,7 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_it(url):
     (["--allow-runtime-adapters"], "--allow-runtime-adapters: not supported by serve-ray"),
     (["--adapter", "x=/nonexistent"], "--adapter: x=/nonexistent: no adapter_config.json there"),
     (["--max-batch-size", "0"], "--max-batch-size"),
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: not supported by serve-ray"),
 ])
 def test_serve_ray_command_errors_exit_2_before_ray_starts(capsys, args, message):
     assert cli_main(["serve-ray", *args]) == 2
