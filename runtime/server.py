@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from multilora.runtime.adapter_cache import UnknownAdapterError
 from multilora.runtime.engine import EngineOverloadedError
 from multilora.runtime.engine_loop import EngineLoop, RequestDelta, RequestStream
+from multilora.runtime.engine_process import EngineDeadError, EngineProcess
 from multilora.runtime.metrics import ServerMetrics
 from multilora.runtime.postprocess import RequestOutput
 from multilora.runtime.protocol import (
@@ -111,13 +112,14 @@ class _Server:
         self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
         self.allow_runtime_adapters = allow_runtime_adapters
         self.metrics = ServerMetrics(engine, served_model_name)
-        self.loop: EngineLoop | None = None
+        self.loop: EngineLoop | EngineProcess | None = None
         self.closing = False
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        self.loop = EngineLoop(self.engine)
+        # an EngineProcess steps its engine in its own process: it is its own loop
+        self.loop = self.engine if isinstance(self.engine, EngineProcess) else EngineLoop(self.engine)
         log.info("serving %r (base model) and %d adapters", self.served_model_name, len(self.engine.list_adapters()))
         try:
             yield
@@ -126,10 +128,13 @@ class _Server:
             await run_in_threadpool(self.loop.close)  # aborts what still runs
             log.info("engine loop closed")
 
-    def _running_loop(self) -> EngineLoop:
+    def _running_loop(self) -> EngineLoop | EngineProcess:
         if self.closing or self.loop is None:
             raise APIError(503, "the server is shutting down" if self.closing else "the server is not started",
                            code="unavailable")
+        if not self.loop.running:  # the engine process died (or the loop's thread): say so until restarted
+            raise APIError(503, f"the engine is not running: {getattr(self.loop, 'error', None) or 'its loop stopped'}"
+                                f"; restart the server", code="engine_dead")
         return self.loop
 
     # ---------------------------------------------------------------------------------------- info
@@ -138,7 +143,8 @@ class _Server:
         return Response(status_code=200)
 
     async def metrics_text(self) -> Response:
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        # off the event loop: with an engine process, Engine.stats() is a round trip to it
+        return Response(await run_in_threadpool(self.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict:
         def card(name: str, root: str | None, parent: str | None) -> dict:
@@ -188,7 +194,7 @@ class _Server:
         raise APIError(404, f"The model `{model}` does not exist: serving {self.served_model_name!r} and the adapters "
                             f"listed by GET /v1/models", code="model_not_found", param="model")
 
-    def _submit(self, loop: EngineLoop, prompts: list, adapter: str | None, sampling: SamplingParams,
+    def _submit(self, loop: EngineLoop | EngineProcess, prompts: list, adapter: str | None, sampling: SamplingParams,
                 prompt_param: str) -> list[RequestStream]:
         """Queue one engine request per prompt (in a worker thread: submitting waits for the current step); on any
         refusal the ones already queued are withdrawn and the refusal becomes an ``APIError``."""
@@ -199,6 +205,8 @@ class _Server:
         except Exception as e:
             for s in streams:
                 s.abort()
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, f"the engine is not running: {e}; restart the server", code="engine_dead") from None
             if isinstance(e, EngineOverloadedError):
                 raise APIError(429, str(e), code="engine_overloaded") from None
             if isinstance(e, UnknownAdapterError):  # unloaded since _adapter looked
