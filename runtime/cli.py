@@ -225,7 +225,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         import functools
 
         from multilora.runtime.engine_process import EngineProcess, load_engine
+        from multilora.runtime.weights import resolve_model_path
 
+        resolve_model_path(args.model)  # a missing model fails here in a second, before the engine process starts
         engine = EngineProcess.start(functools.partial(load_engine, args.model, _engine_config(args), args.adapter,
                                                        progress=True))
     else:
