@@ -19,7 +19,8 @@ The boundary (one ``multiprocessing`` pipe, pickled tuples):
   on a worker thread of the child (a slow adapter read never holds up submissions) and reply with a value or error.
 - out: ONE message per engine step for all requests: ``[(request id, new token ids), ...]`` and, for the requests
   that finished, their finish reason, error, final text and times. Text is made here (``TextStream``): the child
-  never detokenizes per token (stop strings are matched in the engine, on text, as in-process).
+  never detokenizes per token (stop strings are matched in the engine, on text, as in-process). A ``RequestOutput``'s
+  times are the engine process's ``time.perf_counter()`` (one system-wide monotonic clock on Linux and macOS).
 
 Lifecycle: the child is started with the ``spawn`` method (CUDA cannot be forked) and ignores SIGINT (a Ctrl-C reaches
 the whole process group; the parent shuts it down in order). It exits on ``close()``, and by itself when the pipe

@@ -10,13 +10,16 @@ and ``POST /v1/unload_lora_adapter`` (only with ``allow_runtime_adapters``; path
 ``adapter_root`` when it is given), ``GET /metrics`` (``runtime.metrics``). Request bodies and their errors:
 ``runtime.protocol``.
 
-One ``EngineLoop`` serves every request (started with the app, closed at its shutdown). A request's engine requests
+One ``EngineLoop`` serves every request (started with the app, closed at its shutdown); or, when ``create_app`` is
+given an ``EngineProcess`` (``multilora serve --engine-process``, ``runtime.engine_process``), the engine steps in
+a child process and this process keeps HTTP, tokenization, detokenization and the metrics; the routes are the same. A request's engine requests
 are aborted as soon as nobody waits for them: a client that disconnects (streaming or not), an error mid-stream;
 their KV blocks and adapter references go back at once. Errors are ``{"error": {"message", "type", "param",
 "code"}}``: 400 bad request (malformed JSON, a wrong type, an unsupported parameter, a bad prompt or sampling value:
 the engine's message), 401 missing or wrong API key (every route but ``/health``), 403 an adapter path outside the
 adapter root, 404 unknown model or adapter (and runtime adapter routes when disabled), 429 the engine's waiting
-queue is full (``EngineOverloadedError``), 500 a request that failed in the engine, 503 shutting down.
+queue is full (``EngineOverloadedError``), 500 a request that failed in the engine, 503 shutting down or the engine
+stopped (an engine process that died: ``code="engine_dead"``, also on ``/health``).
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     """The ASGI app of ``multilora serve`` for ``engine`` (run it with uvicorn; see the module docstring).
 
     Args:
-        engine: a ``multilora.Engine``; its loaded adapters are served under their names.
+        engine: a ``multilora.Engine`` (stepped by an ``EngineLoop`` thread of this process) or an ``EngineProcess``
+            (its engine steps in a child process); its loaded adapters are served under their names.
         served_model_name: the ``model`` name of the base model (no adapter).
         api_key: when given, every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
         adapter_root: runtime-loaded adapter paths must resolve (``..`` and symlinks followed) inside this directory;
