@@ -352,7 +352,12 @@ class EngineProcess:
             if kind == "other":
                 raise EngineProcessError(f"the engine process failed to start: {message}")
             _raise(kind, message)
-        return cls(ours, process, msg[1], time.perf_counter() - t0)
+        try:
+            return cls(ours, process, msg[1], time.perf_counter() - t0)
+        except BaseException:  # the tokenizer could not be had here: do not leave the child running
+            _stop(process)
+            ours.close()
+            raise
 
     # ------------------------------------------------------------------------------------ the engine's side
     def list_adapters(self) -> list[str]:

@@ -236,7 +236,7 @@ class _Server:
                     # a model without a tokenizer (random weights of a shape) has no text: a chunk per delta of
                     # ids still tells the client a token came (its text is "")
                     if d.text or (d.token_ids and self.engine.tokenizer is None):
-                        yield _sse(out.chunk(i, d.text))
+                        yield out.text_event(i, d.text)
                     if d.finished:
                         if d.finish_reason in ("error", "abort"):
                             yield _sse(_failure(d.output).body())

@@ -33,6 +33,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 for _mod in ("fastapi", "uvicorn", "openai", "httpx", "prometheus_client"):
@@ -690,3 +692,18 @@ def test_a_killed_engine_process_fails_health_and_its_requests(url, http, served
     r = http.post("/v1/completions", json={"model": BASE, "prompt": "Hi"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
     assert not served.proc.running and "SIGKILL" in served.proc.error
+
+
+# ------------------------------------------------------------------------------------------ the stream's chunks
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(), model=st.text(), chat=st.booleans(), usage=st.booleans(), index=st.integers(0, 3))
+def test_a_text_event_is_its_chunk_as_an_sse_event(text, model, chat, usage, index):
+    """``Responses.text_event`` (a JSON prefix and suffix made once, the text encoded per token) holds the JSON of
+    ``Responses.chunk``, whatever the text and the model's name."""
+    from multilora.runtime.protocol import Responses, StreamOptions
+
+    out = Responses(chat=chat, model=model, stream_options=StreamOptions(include_usage=True) if usage else None)
+    for t in (text, "", text[::-1]):  # the parts are made once per choice, then reused
+        event = out.text_event(index, t)
+        assert event.startswith("data: ") and event.endswith("\n\n") and "\n" not in event[:-2]
+        assert json.loads(event[len("data: "):]) == out.chunk(index, t)
