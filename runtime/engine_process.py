@@ -436,7 +436,8 @@ class EngineProcess:
             pass
         self._closed.wait(timeout)
         self._process.join(timeout)
-        _stop(self._process)
+        _stop(self._process)  # dead now: the reader sees the end of the pipe, if it has not ended yet
+        self._reader.join(10)
         self._conn.close()
         self._fail_all("abort", "aborted: the server is shutting down")
 

@@ -87,3 +87,7 @@ def _original_run(engine):
 
 def stats(engine):
     return engine.stats()
+
+
+def device(engine):
+    return str(engine.device)

@@ -275,3 +275,27 @@ def test_bounded_waiting_queue(engine):
     for r in reqs:
         assert e.abort(r.request_id)
     _idle(e)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+def test_an_engine_process_on_cuda_streams_what_the_engine_generates(engine, files):
+    """The engine process started with 'spawn' builds its engine on CUDA (this process may hold CUDA too), and its
+    greedy streams equal an in-process CUDA engine's ``generate`` (same files, same options)."""
+    d, adapters = files  # the adapters: written by ``engine``
+    options = dict(device="cuda", max_batch_size=8, progress=False)
+    ref = Engine(model=str(d), **options)
+    for name, path in adapters.items():
+        ref.load_adapter(name, path)
+    prompts = [(token_ids(5 + i, 200 + i, VOCAB), ("a", "b", "c", None)[i % 4]) for i in range(8)]
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = [ref.generate([p], adapters=[a], sampling=sp)[0].token_ids for p, a in prompts]
+    proc = EngineProcess.start(functools.partial(load_engine, str(d), EngineConfig(**options),
+                                                 {n: str(p) for n, p in adapters.items()}), timeout=300)
+    try:
+        assert proc.apply(hooks.device).startswith("cuda")
+        streams = [proc.submit(p, a, sp) for p, a in prompts]
+        assert [[t for delta in s for t in delta.token_ids] for s in streams] == want
+    finally:
+        proc.close()
+    assert not proc._process.is_alive()
