@@ -1,9 +1,12 @@
 """Serving benchmark: a reproducible trace of requests arriving over time, each naming one of N adapters, served by
 the engine in-process (``EngineLoop``, mode ``engine``) or over HTTP by ``multilora serve``'s app in a child process
-driven like a load generator (mode ``http``). Issue 14 (the HTTP layer's cost) and the start of issue 13.
+driven like a load generator (mode ``http``: the engine steps on a thread of the server's process; mode
+``http-engine-process``: the engine steps in a process of its own, ``multilora serve --engine-process``). Issue 14
+(the HTTP layer's cost) and the start of issue 13.
 
-    python bench/bench_serving.py --shape llama3-8b --adapters 5 --modes engine,http --out bench/results   # H200
-    python bench/bench_serving.py --shape tiny --adapters 3 --requests 12 --modes engine,http               # CPU smoke
+    python bench/bench_serving.py --shape llama3-8b --adapters 5 --modes engine,http,http-engine-process \
+        --out bench/results                                                                                # H200
+    python bench/bench_serving.py --shape tiny --adapters 3 --requests 12 --modes engine,http,http-engine-process
 
 The trace (seeded: the same arguments give the same requests): arrivals Poisson at ``--rate`` req/s (or gamma with
 coefficient of variation 2, ``--arrival gamma``: burstier), adapter popularity power law with alpha = 1 (``zipf``)
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -50,6 +54,7 @@ from multilora.runtime.weights import MODEL_SHAPES
 ADAPTER_SETS = {"S1": ((8,), ("q_proj", "k_proj", "v_proj", "o_proj")),
                 "S4": ((16, 32, 64), ("q_proj", "k_proj", "v_proj", "o_proj"))}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODES = ("engine", "http", "http-engine-process")
 
 
 # ------------------------------------------------------------------------------------------------ the trace
@@ -226,17 +231,32 @@ async def run_http(url: str, trace: list[TraceRequest], timeout: float) -> tuple
 
 # ------------------------------------------------------------------------------------------------ the server child
 def serve_child(args: argparse.Namespace) -> None:
-    """``--serve-child PORT``: build the same engine, serve it with uvicorn on 127.0.0.1:PORT until killed."""
+    """``--serve-child PORT``: build the same engine (``--serve-engine-process``: in an ``EngineProcess`` of its own),
+    serve it with uvicorn on 127.0.0.1:PORT until terminated."""
     import uvicorn
 
     from multilora.runtime.server import create_app
 
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
-    config, files = setup(args)
-    engine = build_engine(args, config, files, args.n_adapters)
+    if args.serve_engine_process:
+        from multilora.runtime.engine_process import EngineProcess
+
+        engine = EngineProcess.start(functools.partial(child_engine, args))
+    else:
+        engine = child_engine(args)
     app = create_app(engine, served_model_name="base")
-    uvicorn.run(app, host="127.0.0.1", port=args.serve_child, log_level="warning")
+    try:
+        uvicorn.run(app, host="127.0.0.1", port=args.serve_child, log_level="warning")
+    finally:
+        if args.serve_engine_process:
+            engine.close()
+
+
+def child_engine(args: argparse.Namespace) -> Engine:
+    """The server child's engine (in the server's process, or in its engine process)."""
+    config, files = setup(args)
+    return build_engine(args, config, files, args.n_adapters)
 
 
 def start_server(argv: list[str], n_adapters: int, timeout: float) -> tuple[subprocess.Popen, str]:
@@ -381,7 +401,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--output-len", type=pair, default=(8, 512), help="LO,HI (uniform)")
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--warmup-requests", type=int, default=192, help="untimed requests before the rows (per engine)")
-    ap.add_argument("--modes", default="engine,http")
+    ap.add_argument("--modes", default="engine,http", help="comma-separated: engine, http, http-engine-process")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds: server start, and one HTTP request")
     ap.add_argument("--out", default=None, help="write serving_<tag>.json / .md here")
@@ -390,14 +410,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="sys.setswitchinterval in the server's process (seconds; Python's default is 0.005)")
     ap.add_argument("--serve-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--n-adapters", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-engine-process", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
     args.counts = [int(x) for x in args.adapters.split(",")]
     args.mode_list = [m.strip() for m in args.modes.split(",")]
-    bad = [m for m in args.mode_list if m not in ("engine", "http")]
+    bad = [m for m in args.mode_list if m not in MODES]
     if bad:
-        ap.error(f"--modes: expected engine and/or http, got {bad}")
+        ap.error(f"--modes: expected some of {', '.join(MODES)}, got {bad}")
     if args.rate not in ("auto", "burst"):
         try:
             if float(args.rate) <= 0:
@@ -466,14 +487,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             del engine
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        if "http" in args.mode_list:
-            proc, url = start_server(child_argv, n, args.timeout)
+        for mode in [m for m in MODES[1:] if m in args.mode_list]:  # http, http-engine-process
+            extra = ["--serve-engine-process"] if mode == "http-engine-process" else []
+            proc, url = start_server(child_argv + extra, n, args.timeout)
             try:
                 for r in rates():
                     res, wall = asyncio.run(run_http(url, trace_at(r), args.timeout))
-                    record("http", r, res, wall, None, None)
+                    record(mode, r, res, wall, None, None)
             finally:
-                proc.terminate()
+                proc.terminate()  # SIGTERM: uvicorn's shutdown closes the engine process too
                 try:
                     proc.wait(30)
                 except subprocess.TimeoutExpired:

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--adapter-root", help="runtime-loaded adapter paths must resolve inside this directory")
     s.add_argument("--allow-runtime-adapters", action="store_true",
                    help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="step the engine in a child process (HTTP, tokenization and detokenization stay in this one, "
+                        "so they never hold the GIL the steps need); default: off (one process)")
 
     r = sub.add_parser("serve-ray", help="the server's routes on N engine replicas under Ray Serve, each request "
                                          "routed to a replica that holds its adapter (runtime/ray_serve.py)")
@@ -184,33 +187,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_engine(args: argparse.Namespace, *, progress: bool = False) -> Any:
-    """The engine of --model and the engine flags, with every --adapter loaded. The adapter paths and the flags are
-    checked before the model loads (a typo fails in a second, not after the load); errors name the flag."""
-    from tqdm.auto import tqdm
-
+def _engine_config(args: argparse.Namespace) -> Any:
+    """The ``EngineConfig`` of the engine flags, every --adapter path checked first (a typo fails in a second, not
+    after the model loads); errors name the flag."""
     from multilora.runtime.config import EngineConfig
-    from multilora.runtime.engine import Engine
 
     for name, path in args.adapter:
         if not Path(path).exists():
             raise ValueError(f"--adapter {name}={path}: no such file or directory")
     try:
-        config = EngineConfig.from_cli(args)
+        return EngineConfig.from_cli(args)
     except ValueError as e:
         field = re.search(r"Engine: (\w+)", str(e))
         raise ValueError(f"--{field.group(1).replace('_', '-')}: {e}" if field else str(e)) from e
-    engine = Engine(args.model, config=config)
-    t0 = time.perf_counter()
-    for name, path in tqdm(args.adapter, desc="Registering adapters", unit="adapter", disable=not progress):
-        try:
-            engine.load_adapter(name, path)
-        except ValueError as e:
-            raise ValueError(f"--adapter {name}={path}: {e}") from e
-    if args.adapter:
-        logging.getLogger("multilora").info("registered %d adapters in %.2f s", len(args.adapter),
-                                            time.perf_counter() - t0)
-    return engine
+
+
+def _load_engine(args: argparse.Namespace, *, progress: bool = False) -> Any:
+    """The engine of --model and the engine flags, with every --adapter loaded (``_engine_config``'s checks first)."""
+    from multilora.runtime.engine_process import load_engine
+
+    return load_engine(args.model, _engine_config(args), args.adapter, progress=progress)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -225,13 +221,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     served = args.served_model_name or args.model
     if served in {n for n, _ in args.adapter}:
         raise ValueError(f"--adapter {served}=...: that name is the base model's served name")
-    engine = _load_engine(args, progress=True)
+    if args.engine_process:  # the engine and its steps in a child process; HTTP, tokens and text in this one
+        import functools
+
+        from multilora.runtime.engine_process import EngineProcess, load_engine
+        from multilora.runtime.weights import resolve_model_path
+
+        resolve_model_path(args.model)  # a missing model fails here in a second, before the engine process starts
+        engine = EngineProcess.start(functools.partial(load_engine, args.model, _engine_config(args), args.adapter,
+                                                       progress=True))
+    else:
+        engine = _load_engine(args, progress=True)
     app = create_app(engine, served_model_name=served or engine.model_path.stem, api_key=args.api_key,
                      adapter_root=args.adapter_root, allow_runtime_adapters=args.allow_runtime_adapters)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_config=None)  # our logging (timestamps, levels) for all
     except KeyboardInterrupt:  # uvicorn shut down gracefully on Ctrl-C, then raised it again
         pass
+    finally:
+        if args.engine_process:  # uvicorn's shutdown closed it; not if it never started (a port in use)
+            engine.close()
     return 0
 
 
@@ -328,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="%(levelname)s %(name)s: %(message)s")
     from multilora.runtime.adapter_cache import UnknownAdapterError
+    from multilora.runtime.engine_process import EngineProcessError
     from multilora.runtime.weights import ModelLoadError
 
     try:
@@ -347,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from multilora.runtime.cli_memory import run_memory
 
             return run_memory(args)
-    except (ValueError, ModelLoadError, UnknownAdapterError) as e:  # AdapterError is a ValueError
+    except (ValueError, ModelLoadError, UnknownAdapterError, EngineProcessError) as e:  # AdapterError: a ValueError
         print(f"multilora {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 1

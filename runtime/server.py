@@ -10,13 +10,16 @@ and ``POST /v1/unload_lora_adapter`` (only with ``allow_runtime_adapters``; path
 ``adapter_root`` when it is given), ``GET /metrics`` (``runtime.metrics``). Request bodies and their errors:
 ``runtime.protocol``.
 
-One ``EngineLoop`` serves every request (started with the app, closed at its shutdown). A request's engine requests
+One ``EngineLoop`` serves every request (started with the app, closed at its shutdown); or, when ``create_app`` is
+given an ``EngineProcess`` (``multilora serve --engine-process``, ``runtime.engine_process``), the engine steps in
+a child process and this process keeps HTTP, tokenization, detokenization and the metrics; the routes are the same. A request's engine requests
 are aborted as soon as nobody waits for them: a client that disconnects (streaming or not), an error mid-stream;
 their KV blocks and adapter references go back at once. Errors are ``{"error": {"message", "type", "param",
 "code"}}``: 400 bad request (malformed JSON, a wrong type, an unsupported parameter, a bad prompt or sampling value:
 the engine's message), 401 missing or wrong API key (every route but ``/health``), 403 an adapter path outside the
 adapter root, 404 unknown model or adapter (and runtime adapter routes when disabled), 429 the engine's waiting
-queue is full (``EngineOverloadedError``), 500 a request that failed in the engine, 503 shutting down.
+queue is full (``EngineOverloadedError``), 500 a request that failed in the engine, 503 shutting down or the engine
+stopped (an engine process that died: ``code="engine_dead"``, also on ``/health``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from multilora.runtime.adapter_cache import UnknownAdapterError
 from multilora.runtime.engine import EngineOverloadedError
 from multilora.runtime.engine_loop import EngineLoop, RequestDelta, RequestStream
+from multilora.runtime.engine_process import EngineDeadError, EngineProcess
 from multilora.runtime.metrics import ServerMetrics
 from multilora.runtime.postprocess import RequestOutput
 from multilora.runtime.protocol import (
@@ -76,7 +80,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     """The ASGI app of ``multilora serve`` for ``engine`` (run it with uvicorn; see the module docstring).
 
     Args:
-        engine: a ``multilora.Engine``; its loaded adapters are served under their names.
+        engine: a ``multilora.Engine`` (stepped by an ``EngineLoop`` thread of this process) or an ``EngineProcess``
+            (its engine steps in a child process); its loaded adapters are served under their names.
         served_model_name: the ``model`` name of the base model (no adapter).
         api_key: when given, every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
         adapter_root: runtime-loaded adapter paths must resolve (``..`` and symlinks followed) inside this directory;
@@ -111,13 +116,14 @@ class _Server:
         self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
         self.allow_runtime_adapters = allow_runtime_adapters
         self.metrics = ServerMetrics(engine, served_model_name)
-        self.loop: EngineLoop | None = None
+        self.loop: EngineLoop | EngineProcess | None = None
         self.closing = False
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        self.loop = EngineLoop(self.engine)
+        # an EngineProcess steps its engine in its own process: it is its own loop
+        self.loop = self.engine if isinstance(self.engine, EngineProcess) else EngineLoop(self.engine)
         log.info("serving %r (base model) and %d adapters", self.served_model_name, len(self.engine.list_adapters()))
         try:
             yield
@@ -126,10 +132,13 @@ class _Server:
             await run_in_threadpool(self.loop.close)  # aborts what still runs
             log.info("engine loop closed")
 
-    def _running_loop(self) -> EngineLoop:
+    def _running_loop(self) -> EngineLoop | EngineProcess:
         if self.closing or self.loop is None:
             raise APIError(503, "the server is shutting down" if self.closing else "the server is not started",
                            code="unavailable")
+        if not self.loop.running:  # the engine process died (or the loop's thread): say so until restarted
+            raise APIError(503, f"the engine is not running: {getattr(self.loop, 'error', None) or 'its loop stopped'}"
+                                f"; restart the server", code="engine_dead")
         return self.loop
 
     # ---------------------------------------------------------------------------------------- info
@@ -138,7 +147,8 @@ class _Server:
         return Response(status_code=200)
 
     async def metrics_text(self) -> Response:
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        # off the event loop: with an engine process, Engine.stats() is a round trip to it
+        return Response(await run_in_threadpool(self.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict:
         def card(name: str, root: str | None, parent: str | None) -> dict:
@@ -188,7 +198,7 @@ class _Server:
         raise APIError(404, f"The model `{model}` does not exist: serving {self.served_model_name!r} and the adapters "
                             f"listed by GET /v1/models", code="model_not_found", param="model")
 
-    def _submit(self, loop: EngineLoop, prompts: list, adapter: str | None, sampling: SamplingParams,
+    def _submit(self, loop: EngineLoop | EngineProcess, prompts: list, adapter: str | None, sampling: SamplingParams,
                 prompt_param: str) -> list[RequestStream]:
         """Queue one engine request per prompt (in a worker thread: submitting waits for the current step); on any
         refusal the ones already queued are withdrawn and the refusal becomes an ``APIError``."""
@@ -199,6 +209,8 @@ class _Server:
         except Exception as e:
             for s in streams:
                 s.abort()
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, f"the engine is not running: {e}; restart the server", code="engine_dead") from None
             if isinstance(e, EngineOverloadedError):
                 raise APIError(429, str(e), code="engine_overloaded") from None
             if isinstance(e, UnknownAdapterError):  # unloaded since _adapter looked
@@ -224,7 +236,7 @@ class _Server:
                     # a model without a tokenizer (random weights of a shape) has no text: a chunk per delta of
                     # ids still tells the client a token came (its text is "")
                     if d.text or (d.token_ids and self.engine.tokenizer is None):
-                        yield _sse(out.chunk(i, d.text))
+                        yield out.text_event(i, d.text)
                     if d.finished:
                         if d.finish_reason in ("error", "abort"):
                             yield _sse(_failure(d.output).body())

@@ -3,11 +3,14 @@ thread, streams every request's tokens and text, serves threads and asyncio call
 streaming never splits a character and holds back a stop string that spans tokens; concurrent ``generate()``
 calls are batched; a bounded waiting queue refuses with ``EngineOverloadedError``.
 
-The reference is ``Engine.generate`` of the same request alone (greedy or seeded: batch-invariant)."""
+The reference is ``Engine.generate`` of the same request alone (greedy or seeded: batch-invariant). The loop's tests
+run twice: on an ``EngineLoop`` (thread) and on an ``EngineProcess`` (the same engine built in a child process, one per
+module), which has the same streams, from the engine's per-step token ids."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import shutil
 import threading
 import time
@@ -18,42 +21,73 @@ transformers = pytest.importorskip("transformers")
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.runtime.engine import EngineOverloadedError  # noqa: E402
+from multilora.runtime.config import EngineConfig  # noqa: E402
 from multilora.runtime.engine_loop import EngineLoop  # noqa: E402
+from multilora.runtime.engine_process import EngineProcess, load_engine  # noqa: E402
 from multilora.runtime.tokenizer import TextStream  # noqa: E402
 from testsupport import tiny_llama_dir, token_ids, tokenizer_dir, write_adapter  # noqa: E402
+import engine_hooks as hooks  # noqa: E402
 
 VOCAB = 49152
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
+ADAPTERS = ("a", "b", "c")
+
+
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def files(tmp_path_factory):
+    """(the model directory, {adapter name: directory})."""
     d = tiny_llama_dir(tmp_path_factory, VOCAB, name="tiny-loop")
     for f in tokenizer_dir(tmp_path_factory).iterdir():
         shutil.copy(f, d)
-    e = Engine(model=str(d), progress=False, max_batch_size=8)
     root = tmp_path_factory.mktemp("loop-adapters")
-    for i, name in enumerate(("a", "b", "c")):
-        e.load_adapter(name, write_adapter(root / name, e.config, seed=i, rank=4 + 4 * i, modules=("q_proj", "v_proj")))
+    return d, {name: root / name for name in ADAPTERS}
+
+
+@pytest.fixture(scope="module")
+def engine(files):
+    d, adapters = files
+    e = Engine(model=str(d), progress=False, max_batch_size=8)
+    for i, name in enumerate(ADAPTERS):
+        e.load_adapter(name, write_adapter(adapters[name], e.config, seed=i, rank=4 + 4 * i, modules=("q_proj", "v_proj")))
     return e
 
 
-@pytest.fixture
-def loop(engine):
-    lp = EngineLoop(engine)
+@pytest.fixture(scope="module")
+def engine_process(engine, files):
+    d, adapters = files  # written by ``engine``
+    proc = EngineProcess.start(functools.partial(hooks.single_thread, load_engine, str(d),
+                                                 EngineConfig(progress=False, max_batch_size=8),
+                                                 {n: str(p) for n, p in adapters.items()}), timeout=120)
+    yield proc
+    proc.close()
+
+
+@pytest.fixture(params=["thread", "process"])
+def loop(request, engine):
+    lp = EngineLoop(engine) if request.param == "thread" else request.getfixturevalue("engine_process")
     yield lp
-    lp.close()
-    assert engine.stats()["running"] == engine.stats()["waiting"] == 0
+    _apply(lp, engine, hooks.restore_steps)
+    if request.param == "thread":
+        lp.close()
+    running, waiting, *_ = _apply(lp, engine, hooks.state)
+    assert running == waiting == 0
+
+
+def _apply(loop, engine, fn, *args):
+    """``fn(engine, *args)`` on the engine the loop steps (``engine_hooks``)."""
+    return loop.apply(fn, *args) if isinstance(loop, EngineProcess) else fn(engine, *args)
 
 
 def _alone(engine, prompt, adapter=None, sampling=GREEDY):
     return engine.generate([prompt], adapters=[adapter], sampling=sampling)[0]
 
 
-def _idle(engine):
-    s = engine.stats()
-    assert s["waiting"] == s["running"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
-    assert all(engine.cache.get(n).refcount == 0 for n in engine.list_adapters())
+def _idle(engine, loop=None):
+    running, waiting, free, total, refs = _apply(loop, engine, hooks.state)
+    assert running == waiting == 0 and free == total
+    assert all(r == 0 for r in refs.values()), refs
 
 
 # ---------------------------------------------------------------------------------------------- text stream
@@ -91,7 +125,7 @@ def test_stream_equals_generate_token_for_token(engine, loop):
     assert "".join(d.text for d in deltas) == want.text
     assert deltas[-1].finished and deltas[-1].finish_reason == "length" and deltas[-1].output.token_ids == want.token_ids
     assert sum(1 for d in deltas if d.token_ids) >= 2  # streamed, not delivered at the end
-    _idle(engine)
+    _idle(engine, loop)
 
 
 def test_chat_stream_with_a_stop_string(engine, loop):
@@ -113,7 +147,7 @@ def test_threads_are_batched_and_short_requests_come_back_first(engine, loop):
     jobs = [(token_ids(5 + i, 10 + i, VOCAB), ("a", "b", "c", None)[i % 4], 2 if i % 2 else 24) for i in range(8)]
     want = [_alone(engine, p, a, SamplingParams(max_tokens=n, ignore_eos=True)).token_ids for p, a, n in jobs]
     got, finished_at = [None] * 8, [0.0] * 8
-    steps0 = engine.stats()["steps"]
+    steps0 = _apply(loop, engine, hooks.stats)["steps"]
 
     def run(i):
         p, a, n = jobs[i]
@@ -128,7 +162,7 @@ def test_threads_are_batched_and_short_requests_come_back_first(engine, loop):
     for t in threads:
         t.join(120)
     assert got == want
-    assert engine.stats()["steps"] - steps0 < sum(n for _, _, n in jobs)  # batched, not serialised
+    assert _apply(loop, engine, hooks.stats)["steps"] - steps0 < sum(n for _, _, n in jobs)  # batched, not serialised
     assert max(finished_at[1::2]) < max(finished_at[0::2])  # the 2-token requests were not held back by the 24s
 
 
@@ -165,19 +199,14 @@ def test_an_async_consumer_that_fell_behind_gets_its_backlog_as_one_delta(engine
     assert d.output.token_ids == want.token_ids
 
 
-def _slow_steps(engine, monkeypatch, seconds=0.01):
-    """Each step takes at least ``seconds``: a long request then runs for seconds, so aborts land mid-stream."""
-    run = engine.runner.run
-
-    def slow(kind, batch):
-        time.sleep(seconds)
-        return run(kind, batch)
-
-    monkeypatch.setattr(engine.runner, "run", slow)
+def _slow_steps(engine, loop, seconds=0.01):
+    """Each step takes at least ``seconds``: a long request then runs for seconds, so aborts land mid-stream (the
+    ``loop`` fixture restores the steps)."""
+    _apply(loop, engine, hooks.slow_steps, seconds)
 
 
-def test_abort_and_leaving_a_stream_free_the_request(engine, loop, monkeypatch):
-    _slow_steps(engine, monkeypatch)
+def test_abort_and_leaving_a_stream_free_the_request(engine, loop):
+    _slow_steps(engine, loop)
     long = SamplingParams(max_tokens=200, ignore_eos=True)
     s = loop.submit(token_ids(6, 50, VOCAB), "c", long)
     deltas = iter(s)
@@ -192,12 +221,12 @@ def test_abort_and_leaving_a_stream_free_the_request(engine, loop, monkeypatch):
     deadline = time.time() + 30
     while loop.num_streams and time.time() < deadline:
         time.sleep(0.01)
-    _idle(engine)
-    assert not engine.abort(10**9)  # unknown id
+    _idle(engine, loop)
+    assert not loop.abort(10**9)  # unknown id
 
 
-def test_async_consumer_cancelled_aborts(engine, loop, monkeypatch):
-    _slow_steps(engine, monkeypatch)
+def test_async_consumer_cancelled_aborts(engine, loop):
+    _slow_steps(engine, loop)
 
     async def main():
         async def consume():
@@ -214,7 +243,7 @@ def test_async_consumer_cancelled_aborts(engine, loop, monkeypatch):
     deadline = time.time() + 30
     while loop.num_streams and time.time() < deadline:
         time.sleep(0.01)
-    _idle(engine)
+    _idle(engine, loop)
 
 
 def test_concurrent_generate_calls_share_steps(engine):
@@ -246,3 +275,27 @@ def test_bounded_waiting_queue(engine):
     for r in reqs:
         assert e.abort(r.request_id)
     _idle(e)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+def test_an_engine_process_on_cuda_streams_what_the_engine_generates(engine, files):
+    """The engine process started with 'spawn' builds its engine on CUDA (this process may hold CUDA too), and its
+    greedy streams equal an in-process CUDA engine's ``generate`` (same files, same options)."""
+    d, adapters = files  # the adapters: written by ``engine``
+    options = dict(device="cuda", max_batch_size=8, progress=False)
+    ref = Engine(model=str(d), **options)
+    for name, path in adapters.items():
+        ref.load_adapter(name, path)
+    prompts = [(token_ids(5 + i, 200 + i, VOCAB), ("a", "b", "c", None)[i % 4]) for i in range(8)]
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = [ref.generate([p], adapters=[a], sampling=sp)[0].token_ids for p, a in prompts]
+    proc = EngineProcess.start(functools.partial(load_engine, str(d), EngineConfig(**options),
+                                                 {n: str(p) for n, p in adapters.items()}), timeout=300)
+    try:
+        assert proc.apply(hooks.device).startswith("cuda")
+        streams = [proc.submit(p, a, sp) for p, a in prompts]
+        assert [[t for delta in s for t in delta.token_ids] for s in streams] == want
+    finally:
+        proc.close()
+    assert not proc._process.is_alive()

@@ -6,12 +6,21 @@ The reference is ``Engine.generate`` on the same engine (greedy, or seeded: batc
 ``usage``, token counts. Covered: completions and chat, streaming and not, adapter and base; 32 concurrent streams
 on different adapters; a client that disconnects (streaming or not) frees its KV blocks and adapter reference; the
 errors a client can cause (status and body), and the server keeps serving after each; runtime adapter loading inside
-an adapter root; the metrics and their names."""
+an adapter root; the metrics and their names.
+
+Every test of the live server runs twice (one server per mode, reused by the module's tests): ``thread``, the engine
+stepped by an ``EngineLoop`` thread in the server's process (the test's ``engine``, also the reference), and
+``process``, ``multilora serve --engine-process``'s ``EngineProcess`` (its own engine, built from the same files in a
+child process; the test's ``engine`` is then the reference only). What a test does to the served engine (slow or
+failing steps, its counts) goes through ``Served`` (``engine_hooks``). The engine process's lifecycle: its pid is
+gone after the server closes it, after Ctrl-C to ``multilora serve``'s process group, and after its parent is killed;
+a killed engine process fails ``/health`` and its requests with a message naming the signal."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import re
@@ -24,6 +33,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 for _mod in ("fastapi", "uvicorn", "openai", "httpx", "prometheus_client"):
@@ -37,7 +48,10 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.runtime.cli import main as cli_main  # noqa: E402
+from multilora.runtime.config import EngineConfig  # noqa: E402
+from multilora.runtime.engine_process import EngineProcess, load_engine  # noqa: E402
 from multilora.runtime.server import create_app  # noqa: E402
+import engine_hooks as hooks  # noqa: E402
 from testsupport import one_thread, tiny_llama_dir, token_ids, tokenizer_dir, write_adapter  # noqa: E402,F401
 
 VOCAB = 49152
@@ -90,10 +104,65 @@ def serving(app):
         sock.close()
 
 
+class Served:
+    """The engine that the server under test steps: ``engine`` itself (mode thread) or the engine of ``proc``."""
+
+    def __init__(self, engine, proc=None):
+        self.engine, self.proc = engine, proc
+
+    def apply(self, fn, *args):
+        return fn(self.engine, *args) if self.proc is None else self.proc.apply(fn, *args)
+
+    def stats(self):
+        return self.engine.stats() if self.proc is None else self.proc.stats()
+
+
+def _gone(pid, timeout=30):
+    """True once no process has ``pid`` (or only its zombie: it has exited, and its parent has not reaped it yet)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        except OSError:  # no /proc: ask the kernel
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def served(request, engine, model_dir, adapter_root):
+    if request.param == "thread":
+        yield Served(engine)
+        return
+    factory = functools.partial(hooks.single_thread, load_engine, str(model_dir),
+                                EngineConfig(progress=False, max_batch_size=32),
+                                [(name, str(adapter_root / name)) for name in ADAPTERS])
+    proc = EngineProcess.start(factory, timeout=120)
+    yield Served(engine, proc)
+    proc.close()
+    assert _gone(proc.pid), f"the engine process {proc.pid} outlived close()"
+
+
+@pytest.fixture(autouse=True)
+def _restore_steps(request):
+    yield
+    if "served" in request.fixturenames:
+        served = request.getfixturevalue("served")
+        if served.proc is None or served.proc.running:
+            served.apply(hooks.restore_steps)
+
+
 @pytest.fixture(scope="module")
-def app(engine, adapter_root):
-    return create_app(engine, served_model_name=BASE, api_key=KEY, adapter_root=adapter_root,
-                      allow_runtime_adapters=True)
+def app(served, adapter_root):
+    return create_app(served.engine if served.proc is None else served.proc, served_model_name=BASE, api_key=KEY,
+                      adapter_root=adapter_root, allow_runtime_adapters=True)
 
 
 @pytest.fixture(scope="module")
@@ -121,17 +190,17 @@ def _adapter(model):
     return None if model == BASE else model
 
 
-def _idle(engine):
-    """Every request gone: no KV block held, no adapter referenced."""
+def _idle(served):
+    """Every request gone from the served engine: no KV block held, no adapter referenced."""
     deadline = time.time() + 30
     while time.time() < deadline:
-        s = engine.stats()
-        if s["running"] == s["waiting"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]:
+        running, waiting, free, total, refs = served.apply(hooks.state)
+        if running == waiting == 0 and free == total:
             break
         time.sleep(0.02)
-    s = engine.stats()
-    assert s["running"] == s["waiting"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
-    assert all(engine.cache.get(n).refcount == 0 for n in engine.list_adapters())
+    running, waiting, free, total, refs = served.apply(hooks.state)
+    assert running == waiting == 0 and free == total
+    assert all(r == 0 for r in refs.values()), refs
 
 
 def _metrics(http):
@@ -147,16 +216,6 @@ def _one(metrics, name):
     return value
 
 
-def _slow_steps(engine, monkeypatch, seconds):
-    run = engine.runner.run
-
-    def slow(kind, batch):
-        time.sleep(seconds)
-        return run(kind, batch)
-
-    monkeypatch.setattr(engine.runner, "run", slow)
-
-
 def _serves(http):
     r = http.post("/v1/completions", json={"model": BASE, "prompt": "Hi", "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200, r.text
@@ -164,9 +223,9 @@ def _serves(http):
 
 
 # ------------------------------------------------------------------------------------------ the openai client
-def test_models_list_the_base_and_every_adapter(client, engine):
+def test_models_list_the_base_and_every_adapter(client, served):
     models = client.models.list().data
-    assert [m.id for m in models] == [BASE, *sorted(engine.list_adapters())]
+    assert [m.id for m in models] == [BASE, *sorted(served.apply(hooks.list_adapters))]
     assert models[0].parent is None and all(m.parent == BASE for m in models[1:])
     assert all(m.object == "model" and m.owned_by == "multilora" for m in models)
 
@@ -236,14 +295,14 @@ def test_sampling_options_stop_strings_and_several_prompts(client, engine):
     assert r.usage.completion_tokens == sum(len(w.token_ids) for w in want)
 
 
-def test_32_concurrent_streams_on_different_adapters(url, engine, monkeypatch):
+def test_32_concurrent_streams_on_different_adapters(url, engine, served):
     """32 streaming clients at once (AsyncOpenAI), on 8 adapters and the base model, short and long: every text is
     its reference, they were batched (far fewer steps than tokens), and the short requests' first tokens came
     before any long request finished."""
     jobs = [(token_ids(4 + i % 5, 100 + i, VOCAB), (*ADAPTERS, BASE)[i % 9], 2 if i % 2 else 64) for i in range(32)]
     want = [_ref(engine, p, _adapter(m), max_tokens=n, temperature=0.0, ignore_eos=True).text for p, m, n in jobs]
-    _slow_steps(engine, monkeypatch, 0.01)
-    steps0 = engine.stats()["steps"]
+    served.apply(hooks.slow_steps, 0.01)
+    steps0 = served.stats()["steps"]
 
     async def one(c, prompt, model, n):
         text, first = "", None
@@ -261,14 +320,14 @@ def test_32_concurrent_streams_on_different_adapters(url, engine, monkeypatch):
 
     got = asyncio.run(main())
     assert [g[0] for g in got] == want
-    assert engine.stats()["steps"] - steps0 < sum(n for _, _, n in jobs) / 4  # batched, not one after another
+    assert served.stats()["steps"] - steps0 < sum(n for _, _, n in jobs) / 4  # batched, not one after another
     assert max(g[1] for g in got[1::2]) < min(g[2] for g in got[0::2])  # short ones' first tokens before any long end
-    _idle(engine)
+    _idle(served)
 
 
 # ------------------------------------------------------------------------------------------ disconnects
-def test_a_client_that_disconnects_mid_stream_frees_its_request(http, engine, monkeypatch):
-    _slow_steps(engine, monkeypatch, 0.01)
+def test_a_client_that_disconnects_mid_stream_frees_its_request(http, served):
+    served.apply(hooks.slow_steps, 0.01)
     aborted0 = _metrics(http).get(("multilora_requests_total", frozenset({("adapter", "ad5"), ("finish_reason", "abort")})), 0)
     body = {"model": "ad5", "prompt": "Tell me a long story", "max_tokens": 200, "temperature": 0, "stream": True,
             "ignore_eos": True}
@@ -280,8 +339,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(http, engine, mo
         assert _one(m, "vllm:num_requests_running") == 1 and _one(m, "vllm:gpu_cache_usage_perc") > 0
         (info,) = [dict(labels) for (n, labels) in m if n == "vllm:lora_requests_info"]
         assert info["running_lora_adapters"] == "ad5"
-        assert engine.cache.get("ad5").refcount == 1
-    _idle(engine)  # closing the response mid-stream closed the connection
+        assert served.apply(hooks.refcount, "ad5") == 1
+    _idle(served)  # closing the response mid-stream closed the connection
     m = _metrics(http)
     assert _one(m, "vllm:num_requests_running") == 0 and _one(m, "vllm:gpu_cache_usage_perc") == 0
     assert [dict(labels) for (n, labels) in m if n == "vllm:lora_requests_info"][0]["running_lora_adapters"] == ""
@@ -289,12 +348,12 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(http, engine, mo
     _serves(http)
 
 
-def test_a_client_that_gives_up_on_a_plain_request_frees_it(url, engine, monkeypatch):
-    _slow_steps(engine, monkeypatch, 0.01)
+def test_a_client_that_gives_up_on_a_plain_request_frees_it(url, served):
+    served.apply(hooks.slow_steps, 0.01)
     body = {"model": "ad6", "prompt": "Tell me a long story", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=0.5)
-    _idle(engine)
+    _idle(served)
 
 
 # ------------------------------------------------------------------------------------------ errors, raw HTTP
@@ -383,9 +442,8 @@ def test_api_key(url, http, client):
     assert client.models.list().data
 
 
-def test_overloaded_engine_is_429(http, client, engine):
-    cfg = engine.engine_config
-    old, cfg.max_waiting_requests = cfg.max_waiting_requests, 0  # every submission finds the queue full
+def test_overloaded_engine_is_429(http, client, served):
+    old = served.apply(hooks.set_max_waiting, 0)  # every submission finds the queue full
     try:
         r = http.post("/v1/completions", json={"model": BASE, "prompt": "Hi"})
         assert r.status_code == 429 and r.json()["error"]["code"] == "engine_overloaded"
@@ -393,27 +451,24 @@ def test_overloaded_engine_is_429(http, client, engine):
         with pytest.raises(openai.RateLimitError):
             client.chat.completions.create(model=BASE, messages=CHAT)
     finally:
-        cfg.max_waiting_requests = old
+        served.apply(hooks.set_max_waiting, old)
     _serves(http)
-    _idle(engine)
+    _idle(served)
 
 
-def test_a_request_that_fails_in_the_engine(http, engine, monkeypatch):
+def test_a_request_that_fails_in_the_engine(http, served):
     """A failed forward fails its requests: 500 with the engine's message, or mid-stream an error event, then
     ``[DONE]``; the next requests are served."""
-    def boom(kind, batch):
-        raise RuntimeError("boom in the forward")
-
-    monkeypatch.setattr(engine.runner, "run", boom)
+    served.apply(hooks.failing_steps, "boom in the forward")
     r = http.post("/v1/completions", json={"model": "ad7", "prompt": "Hi"})
     assert r.status_code == 500 and "boom in the forward" in r.json()["error"]["message"]
     assert r.json()["error"]["code"] == "engine_error"
     r = http.post("/v1/chat/completions", json={"model": "ad7", "messages": CHAT, "stream": True})
     events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and "boom in the forward" in json.loads(events[-2])["error"]["message"]
-    monkeypatch.undo()
+    served.apply(hooks.restore_steps)
     _serves(http)
-    _idle(engine)
+    _idle(served)
 
 
 def test_503_while_shutting_down(url, http, app):
@@ -429,10 +484,13 @@ def test_503_while_shutting_down(url, http, app):
 
 
 # ------------------------------------------------------------------------------------------ runtime adapters
-def test_runtime_adapters_load_serve_and_unload(http, engine, adapter_root):
+def test_runtime_adapters_load_serve_and_unload(http, engine, served, adapter_root):
     path = write_adapter(adapter_root / "fresh", engine.config, seed=42, rank=6, modules=("o_proj", "up_proj"))
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "fresh", "lora_path": str(path)})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'fresh' added successfully."
+    assert "fresh" in served.apply(hooks.list_adapters)
+    if served.proc is not None:  # the reference: the test's engine, which the server does not use in this mode
+        engine.load_adapter("fresh", path)
     assert {"id": "fresh", "parent": BASE}.items() <= next(m for m in http.get("/v1/models").json()["data"]
                                                            if m["id"] == "fresh").items()
     want = _ref(engine, "Hello", "fresh", max_tokens=6, temperature=0.0)
@@ -444,20 +502,23 @@ def test_runtime_adapters_load_serve_and_unload(http, engine, adapter_root):
     assert r.status_code == 200
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"})
     assert r.status_code == 200 and "removed" in r.text
+    assert "fresh" not in served.apply(hooks.list_adapters)
+    if served.proc is not None:
+        engine.unload_adapter("fresh")
     assert http.post("/v1/completions", json={"model": "fresh", "prompt": "Hi"}).status_code == 404
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
 
 
-def test_runtime_adapter_paths_must_stay_inside_the_adapter_root(http, engine, adapter_root, tmp_path):
+def test_runtime_adapter_paths_must_stay_inside_the_adapter_root(http, engine, served, adapter_root, tmp_path):
     outside = write_adapter(tmp_path / "outside", engine.config, seed=1, rank=4, modules=("q_proj",))
-    (adapter_root / "escape").symlink_to(outside, target_is_directory=True)  # a symlinked directory
-    mixed = adapter_root / "mixed"  # a directory inside whose weights file links outside
-    mixed.mkdir()
-    shutil.copy(outside / "adapter_config.json", mixed)
-    (mixed / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+    escape, mixed = f"escape-{tmp_path.name}", f"mixed-{tmp_path.name}"  # the root is the module's: once per mode
+    (adapter_root / escape).symlink_to(outside, target_is_directory=True)  # a symlinked directory
+    (adapter_root / mixed).mkdir()  # a directory inside whose weights file links outside
+    shutil.copy(outside / "adapter_config.json", adapter_root / mixed)
+    (adapter_root / mixed / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
     rel = os.path.relpath(outside, adapter_root)  # ../../.../outside
-    for lora_path in (str(outside), rel, f"ad0/../{rel}", "escape", str(adapter_root / "escape"), "mixed"):
+    for lora_path in (str(outside), rel, f"ad0/../{rel}", escape, str(adapter_root / escape), mixed):
         r = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": lora_path})
         assert r.status_code == 403, (lora_path, r.text)
         assert r.json()["error"]["code"] == "path_outside_adapter_root" and r.json()["error"]["param"] == "lora_path"
@@ -465,7 +526,7 @@ def test_runtime_adapter_paths_must_stay_inside_the_adapter_root(http, engine, a
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_adapter"
     r = http.post("/v1/load_lora_adapter", json={"lora_name": BASE, "lora_path": "ad0"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
-    assert "x" not in engine.list_adapters()
+    assert "x" not in served.apply(hooks.list_adapters)
     _serves(http)
 
 
@@ -477,28 +538,29 @@ def test_runtime_adapter_routes_are_refused_unless_allowed(engine):
     assert "ad0" in engine.list_adapters()
 
 
-def test_a_model_without_a_tokenizer_streams_a_chunk_per_token(tmp_path):
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_model_without_a_tokenizer_streams_a_chunk_per_token(mode):
     """Random weights of a shape have no tokenizer (what bench/bench_serving.py serves): token-id prompts work, and a
     streamed response still has one (empty-text) chunk per token, so a client sees when each token came."""
-    from multilora.config import ModelConfig
-    from multilora.runtime.weights import MODEL_SHAPES
-
-    e = Engine(ModelConfig(**MODEL_SHAPES["tiny"]), progress=False, max_batch_size=4)
-    e.load_adapter("a", write_adapter(tmp_path / "a", e.config, seed=3, rank=4, modules=("q_proj", "v_proj")))
-    ref = e.generate([[5, 6, 7]], adapters=["a"], sampling=SamplingParams(max_tokens=5, ignore_eos=True))[0]
-    with serving(create_app(e, served_model_name="rand")) as u, httpx.Client(base_url=u, timeout=60) as c:
-        body = {"model": "a", "prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
-        plain = c.post("/v1/completions", json=body).json()
-        assert plain["usage"]["completion_tokens"] == len(ref.token_ids) == 5 and plain["choices"][0]["text"] == ""
-        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    e = hooks.tiny_random_engine() if mode == "thread" else EngineProcess.start(hooks.tiny_random_engine, timeout=120)
+    try:
+        assert e.tokenizer is None
+        with serving(create_app(e, served_model_name="rand")) as u, httpx.Client(base_url=u, timeout=60) as c:
+            body = {"model": "a", "prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+            plain = c.post("/v1/completions", json=body).json()
+            assert plain["usage"]["completion_tokens"] == 5 and plain["choices"][0]["text"] == ""
+            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    finally:
+        if mode == "process":
+            e.close()
     chunks = [ev for ev in events if ev["choices"] and ev["choices"][0]["finish_reason"] is None]
     assert 1 <= len(chunks) <= 5 and all(ch["choices"][0]["text"] == "" for ch in chunks)
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
 # ------------------------------------------------------------------------------------------ metrics
-def test_metrics_parse_and_hold_the_gateway_api_names(http, engine):
+def test_metrics_parse_and_hold_the_gateway_api_names(http, served):
     _serves(http)
     m = _metrics(http)
     names = {n for n, _ in m}
@@ -508,7 +570,7 @@ def test_metrics_parse_and_hold_the_gateway_api_names(http, engine):
                  "multilora_kv_blocks", "multilora_adapters", "multilora_adapter_bytes_moved_total",
                  "multilora_prompt_tokens_total", "multilora_generation_tokens_total"):
         assert name in names, name
-    s = engine.stats()
+    s = served.stats()
     ((labels, stamp),) = [(dict(k), v) for (n, k), v in m.items() if n == "vllm:lora_requests_info"]
     assert labels == {"max_lora": str(s["pool_max_rank_adapters"]), "running_lora_adapters": "",
                       "waiting_lora_adapters": ""}
@@ -522,17 +584,21 @@ def test_metrics_parse_and_hold_the_gateway_api_names(http, engine):
 
 
 # ------------------------------------------------------------------------------------------ the command
-def test_the_multilora_serve_command(model_dir, adapter_root, engine, tmp_path):
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_the_multilora_serve_command(model_dir, adapter_root, engine, tmp_path, mode):
+    """The real command serves; Ctrl-C (SIGINT to its whole process group, as a terminal sends it) stops it with exit
+    code 0, and with --engine-process its engine process is gone too."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "multilora.runtime.cli", "serve", "--model", str(model_dir), "--port", str(port),
            "--served-model-name", BASE, "--adapter", f"ad0={adapter_root / 'ad0'}", "--max-batch-size", "4",
-           "--api-key", KEY]
+           "--api-key", KEY, *(["--engine-process"] if mode == "process" else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = tmp_path / "serve.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+        proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                                start_new_session=True)
         try:
             deadline = time.time() + 120
             while True:
@@ -548,12 +614,39 @@ def test_the_multilora_serve_command(model_dir, adapter_root, engine, tmp_path):
                            json={"model": "ad0", "prompt": "Hello", "max_tokens": 5, "temperature": 0})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
         finally:
-            proc.send_signal(signal.SIGINT)
-            code = proc.wait(30)
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                code = proc.wait(30)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
     out = log.read_text()
     assert code == 0, out
     assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO multilora\.server: serving 'tiny'", out, re.M), out
     assert "Registering adapters" in out and "Loading" in out  # progress: adapters, model files
+    if mode == "process":
+        pid = int(re.search(r"engine process (\d+) ready", out).group(1))
+        assert _gone(pid, timeout=10), out
+
+
+def test_the_engine_process_exits_when_its_parent_is_killed(tmp_path):
+    """A server killed with SIGKILL (or crashing) cannot close its engine process: the child sees its pipe end."""
+    code = ("import time, engine_hooks\n"
+            "from multilora.runtime.engine_process import EngineProcess\n"
+            "p = EngineProcess.start(engine_hooks.tiny_random_engine)\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(600)\n")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert not _gone(child, timeout=0.5)
+        parent.kill()
+        parent.wait(10)
+        assert _gone(child, timeout=20), f"the engine process {child} outlived its killed parent"
+    finally:
+        parent.kill()
 
 
 @pytest.mark.parametrize("args,message", [
@@ -565,3 +658,52 @@ def test_the_multilora_serve_command(model_dir, adapter_root, engine, tmp_path):
 def test_serve_command_errors_exit_2_before_the_model_loads(capsys, args, message):
     assert cli_main(["serve", "--model", "/no/such/model", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_engine_process_startup_errors_are_the_servers_exit_message(capsys, model_dir):
+    """An engine that fails to build in its process (a memory plan that does not fit) ends ``multilora serve
+    --engine-process`` with exit code 2 and the engine's own message; a missing model fails before it starts."""
+    assert cli_main(["serve", "--engine-process", "--model", "/no/such/model"]) == 2
+    assert "multilora serve: error: model: path '/no/such/model' does not exist" in capsys.readouterr().err
+    assert cli_main(["serve", "--engine-process", "--model", str(model_dir), "--kv-cache-bytes", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("multilora serve: error: ") and "KV" in err, err
+
+
+# ------------------------------------------------------------------------------------------ the engine process dies
+def test_a_killed_engine_process_fails_health_and_its_requests(url, http, served):
+    """The module's last test of the live server (it kills the engine process of mode process): a stream in flight
+    ends with an error event naming the signal, /health and new requests are 503 with that reason."""
+    if served.proc is None:
+        pytest.skip("mode thread has no engine process to kill")
+    served.apply(hooks.slow_steps, 0.05)
+    body = {"model": "ad1", "prompt": "Tell me a story", "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line).startswith("data: {")
+        os.kill(served.proc.pid, signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    err = json.loads(rest[-2][len("data: "):])["error"]
+    assert "SIGKILL" in err["message"] and err["code"] == "engine_error", err
+    h = httpx.get(f"{url}/health")
+    assert h.status_code == 503 and "killed by signal SIGKILL" in h.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"model": BASE, "prompt": "Hi"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+    assert not served.proc.running and "SIGKILL" in served.proc.error
+
+
+# ------------------------------------------------------------------------------------------ the stream's chunks
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(), model=st.text(), chat=st.booleans(), usage=st.booleans(), index=st.integers(0, 3))
+def test_a_text_event_is_its_chunk_as_an_sse_event(text, model, chat, usage, index):
+    """``Responses.text_event`` (a JSON prefix and suffix made once, the text encoded per token) holds the JSON of
+    ``Responses.chunk``, whatever the text and the model's name."""
+    from multilora.runtime.protocol import Responses, StreamOptions
+
+    out = Responses(chat=chat, model=model, stream_options=StreamOptions(include_usage=True) if usage else None)
+    for t in (text, "", text[::-1]):  # the parts are made once per choice, then reused
+        event = out.text_event(index, t)
+        assert event.startswith("data: ") and event.endswith("\n\n") and "\n" not in event[:-2]
+        assert json.loads(event[len("data: "):]) == out.chunk(index, t)

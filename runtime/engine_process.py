@@ -1,0 +1,599 @@
+"""The engine and its step loop in a child process; the server's process keeps HTTP, tokenization and detokenization.
+
+    proc = EngineProcess.start(functools.partial(load_engine, "path/to/model", config, {"bot": "./bot"}))
+    app = create_app(proc, served_model_name="smol")     # the server uses it as it uses an Engine + EngineLoop
+    stream = proc.submit("Hi", adapter="bot", sampling=SamplingParams(max_tokens=32))
+    for delta in stream: ...                             # the same RequestStream / RequestDelta as runtime.engine_loop
+    proc.close()                                         # the child exits (it also exits when this process dies)
+
+Why: in one process the engine's step thread and uvicorn's event loop share the GIL, so every stream's per-token work
+(JSON, SSE chunks, detokenization) delays the launch of the next step. Here the child (the "engine core", after vLLM
+V1's split, by idea) only schedules and steps; the parent (the "front end") does everything per request and per token.
+
+The boundary (one ``multiprocessing`` pipe, pickled tuples):
+
+- in: ``submit`` carries the prompt's token ids (tokenized and chat-templated here), the adapter name and the
+  ``SamplingParams``; the child checks it (``Engine.add_request``) and replies with its request id or the error
+  (``EngineOverloadedError``, ``UnknownAdapterError``, ``ValueError``), raised again in the caller's thread.
+  ``abort`` is one message, no reply. Control calls (``load_adapter``, ``unload_adapter``, ``stats``, ``apply``) run
+  on a worker thread of the child (a slow adapter read never holds up submissions) and reply with a value or error.
+- out: ONE message per engine step for all requests: ``[(request id, new token ids), ...]`` and, for the requests
+  that finished, their finish reason, error, final text and times. Text is made here (``TextStream``): the child
+  never detokenizes per token (stop strings are matched in the engine, on text, as in-process). A ``RequestOutput``'s
+  times are the engine process's ``time.perf_counter()`` (one system-wide monotonic clock on Linux and macOS).
+
+Lifecycle: the child is started with the ``spawn`` method (CUDA cannot be forked) and ignores SIGINT (a Ctrl-C reaches
+the whole process group; the parent shuts it down in order). It exits on ``close()``, and by itself when the pipe
+reaches end-of-file: the parent exited, was killed, or crashed. If the child dies, ``running`` turns False, every
+unfinished stream ends with ``finish_reason="error"`` and a message naming the exit code or signal, and new
+submissions raise ``EngineDeadError``. An error while the child builds its engine (a bad model path, a memory plan
+that does not fit, a bad adapter) is raised again by ``EngineProcess.start`` with the child's message.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from multilora.runtime.adapter_cache import UnknownAdapterError
+from multilora.runtime.engine import EngineOverloadedError
+from multilora.runtime.engine_loop import RequestDelta, RequestStream, _wake_all
+from multilora.runtime.postprocess import RequestOutput
+from multilora.runtime.sampling import SamplingParams
+from multilora.runtime.scheduler import Status
+from multilora.runtime.tokenizer import Prompt, PromptTokenizer, TextStream
+from multilora.runtime.weights import ModelLoadError
+
+__all__ = ["EngineDeadError", "EngineProcess", "EngineProcessError"]
+
+log = logging.getLogger("multilora")
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process could not start, for a reason other than a bad argument (it crashed, or raised an
+    unexpected error while building its engine)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process has exited: nothing can be submitted any more."""
+
+
+# ------------------------------------------------------------------------------------------------ errors on the pipe
+def _wire_error(e: BaseException) -> tuple[str, str]:
+    """An exception as (kind, message) for the pipe: kinds the parent raises again with the same type."""
+    if isinstance(e, EngineOverloadedError):
+        return "overloaded", str(e)
+    if isinstance(e, UnknownAdapterError):
+        return "unknown_adapter", str(e.args[0]) if e.args else str(e)
+    if isinstance(e, ModelLoadError):
+        return "model_load", str(e)
+    if isinstance(e, ValueError):
+        return "value", str(e)
+    if isinstance(e, OSError):
+        return "os", str(e)
+    return "other", f"{type(e).__name__}: {e}"
+
+
+def _raise(kind: str, message: str) -> None:
+    types: dict[str, type[Exception]] = {"overloaded": EngineOverloadedError, "unknown_adapter": UnknownAdapterError,
+                                         "model_load": ModelLoadError, "value": ValueError, "os": OSError,
+                                         "dead": EngineDeadError}
+    raise types.get(kind, RuntimeError)(message)
+
+
+# ------------------------------------------------------------------------------------------------ the child
+@dataclass
+class _ChildTracked:
+    req: Any  # the engine's Request
+    sent: int = 0  # token ids sent to the parent
+
+
+class _EngineCore:
+    """The child's side. The main thread owns the engine's requests: it takes the submissions and aborts that the
+    reader thread queued, steps, and sends one message per step. Control calls run on a worker thread."""
+
+    def __init__(self, conn: Any, engine: Any) -> None:
+        self.conn, self.engine = conn, engine
+        self.tracked: dict[int, _ChildTracked] = {}  # the main thread's only
+        self.inbox: deque[tuple] = deque()
+        self.send_lock = threading.Lock()  # the main thread and the call worker both send
+        self.wake = threading.Event()
+        self.closed = False
+        self.calls = ThreadPoolExecutor(1, thread_name_prefix="multilora-engine-calls")
+
+    def send(self, msg: tuple) -> None:
+        with self.send_lock:
+            self.conn.send(msg)
+
+    # the reader thread ---------------------------------------------------------------------------------
+    def read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):  # the parent is gone (exited, killed, crashed): never outlive it
+                log.warning("engine process: the server's process went away; exiting")
+                os._exit(0)
+            if msg[0] == "call":
+                self.calls.submit(self.call, *msg[1:])
+                continue
+            if msg[0] == "close":
+                self.closed = True
+            else:  # submit, abort: for the main thread, between steps
+                self.inbox.append(msg)
+            self.wake.set()
+            if self.closed:
+                return
+
+    def call(self, call_id: int, method: str, args: tuple) -> None:
+        engine = self.engine
+        try:
+            if method == "apply":  # fn(engine, *args): tests and diagnostics
+                value = args[0](engine, *args[1:])
+            elif method == "load_adapter":  # the LoRAAdapter holds meta tensors: the parent needs only success
+                name, path, allow_pickle, preload = args
+                engine.load_adapter(name, path, allow_pickle=allow_pickle, preload=preload)
+                value = None
+            elif method == "unload_adapter":
+                value = engine.unload_adapter(*args)
+            elif method == "stats":
+                value = engine.stats()
+            else:
+                raise ValueError(f"engine process: unknown call {method!r}")
+            self.send(("reply", call_id, True, value))
+        except Exception as e:
+            self.send(("reply", call_id, False, _wire_error(e)))
+
+    # the main thread -----------------------------------------------------------------------------------
+    def take_inbox(self) -> None:
+        """Queue the submitted requests (each replied to before any step runs it) and withdraw the aborted ones."""
+        engine = self.engine
+        while self.inbox:
+            msg = self.inbox.popleft()
+            if msg[0] == "abort":
+                engine.abort(msg[1])
+                continue
+            _, call_id, ids, adapter, sampling = msg
+            try:
+                req = engine.add_request(ids, adapter, sampling)
+            except Exception as e:
+                self.send(("reply", call_id, False, _wire_error(e)))
+                continue
+            self.tracked[req.request_id] = _ChildTracked(req)
+            self.send(("reply", call_id, True, req.request_id))
+
+    def run(self, poll_seconds: float = 0.05) -> None:
+        engine = self.engine
+        while not self.closed:
+            try:
+                self.take_inbox()
+                if engine.has_unfinished():
+                    engine.step()
+                else:
+                    self.wake.wait(poll_seconds)
+                    self.wake.clear()
+                    self.take_inbox()
+                self.publish()
+            except Exception:  # a bug: never leave streams waiting forever, keep serving new requests
+                log.exception("engine process: a step failed; failing its requests")
+                for rid in list(self.tracked):
+                    req = engine.scheduler.get(rid)
+                    if req is not None:
+                        engine.scheduler.finish(req, "error", "the engine loop failed (see the log)")
+        for rid in list(self.tracked):  # closed: abort what is left, tell the parent, and leave
+            engine.abort(rid)
+        self.publish()
+        self.send(("closed",))
+
+    def publish(self) -> None:
+        """One message for this step: every tracked request's new ids; the ends of the finished ones."""
+        deltas, ends = [], []
+        for rid, t in list(self.tracked.items()):
+            req = t.req
+            if req.status is Status.FINISHED:
+                out = self.engine.postprocess.output(req)
+                ends.append((rid, out.token_ids[t.sent :], out.finish_reason, out.error, out.text, out.arrival_time,
+                             out.first_token_time, out.finish_time))
+                del self.tracked[rid]
+            elif len(req.output_ids) > t.sent:
+                n = len(req.output_ids)
+                deltas.append((rid, req.output_ids[t.sent : n]))
+                t.sent = n
+        if deltas or ends:
+            self.send(("step", deltas, ends))
+
+
+def _child_main(conn: Any, factory: Callable[[], Any], log_level: int, log_format: str) -> None:
+    """The engine process: build the engine (``factory()``), tell the parent, step until closed."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent closes us in order
+    logging.basicConfig(level=log_level, format=log_format)
+    started = threading.Event()
+
+    def watch() -> None:  # until the engine is built: leave if the parent goes away (or asks us to)
+        try:
+            while not started.is_set():
+                if conn.poll(0.2) and conn.recv()[0] == "close":
+                    os._exit(0)
+        except (EOFError, OSError):
+            os._exit(0)
+
+    watcher = threading.Thread(target=watch, name="multilora-engine-watch", daemon=True)
+    watcher.start()
+    try:
+        engine = factory()
+    except BaseException as e:  # noqa: BLE001: every failure is reported, then the process ends
+        log.debug("engine process: building the engine failed", exc_info=True)
+        started.set()
+        watcher.join()
+        conn.send(("failed", *_wire_error(e)))
+        return
+    started.set()
+    watcher.join()
+    try:
+        tokenizer = pickle.dumps(engine.tokenizer)  # the parent tokenizes and detokenizes with the same tokenizer
+    except Exception:  # noqa: BLE001: the parent then loads it from the model path
+        tokenizer = None
+    conn.send(("ready", {"pid": os.getpid(), "tokenizer": tokenizer, "has_tokenizer": engine.tokenizer is not None,
+                         "vocab_size": engine.config.vocab_size, "eos_ids": sorted(engine.text.eos_ids),
+                         "model_path": str(engine.model_path), "max_seq_len": engine.max_seq_len,
+                         "adapters": engine.list_adapters()}))
+    core = _EngineCore(conn, engine)
+    threading.Thread(target=core.read, name="multilora-engine-reader", daemon=True).start()
+    core.run()
+
+
+# ------------------------------------------------------------------------------------------------ the parent
+@dataclass
+class _Tracked:
+    stream: RequestStream
+    text: TextStream
+    prompt: Prompt
+    adapter: str | None
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    future: Future
+    submit: tuple | None = None  # (prompt, adapter, prompt ids, stop strings) of a submission
+
+
+class EngineProcess:
+    """An engine stepping in a child process, with what the server needs of an ``Engine`` and its ``EngineLoop``.
+
+    Made by ``EngineProcess.start``. Engine side: ``tokenizer``, ``model_path``, ``max_seq_len``, ``list_adapters``,
+    ``load_adapter``, ``unload_adapter``, ``stats`` (each a round trip to the child, except ``list_adapters``: the
+    names are kept here). Loop side: ``submit``, ``abort``, ``close``, ``running``, ``num_streams``. Thread-safe.
+
+    Attributes:
+        pid: the child's process id.
+        error: why the child is no longer running (None while it runs, or after ``close``).
+    """
+
+    def __init__(self, conn: Any, process: Any, info: dict, start_seconds: float) -> None:
+        self._conn, self._process = conn, process
+        self.pid: int = info["pid"]
+        self.model_path = Path(info["model_path"])
+        self.max_seq_len: int = info["max_seq_len"]
+        self.tokenizer = _tokenizer(info, self.model_path)
+        self.text = PromptTokenizer(self.tokenizer, vocab_size=info["vocab_size"], eos_token_ids=info["eos_ids"],
+                                    source=self.model_path)
+        self._adapters: list[str] = list(info["adapters"])
+        self._tracked: dict[int, _Tracked] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # tracked, pending, adapters
+        self._send_lock = threading.Lock()
+        self._closing = False
+        self._closed = threading.Event()  # the reader has ended
+        self.error: str | None = None
+        self._reader = threading.Thread(target=self._read, name="multilora-engine-client", daemon=True)
+        self._reader.start()
+        atexit.register(self.close)
+        log.info("engine process %d ready in %.1f s", self.pid, start_seconds)
+
+    @classmethod
+    def start(cls, factory: Callable[[], Any], *, timeout: float | None = None) -> "EngineProcess":
+        """Start a child process that builds its engine with ``factory()`` (a picklable callable: a module-level
+        function or a ``functools.partial`` of one) and steps it; return once the engine is built.
+
+        Args:
+            factory: returns a ``multilora.Engine`` (adapters loaded); runs in the child.
+            timeout: seconds to wait for the engine (None: as long as it takes; a model load can take minutes).
+
+        Raises:
+            ModelLoadError, ValueError (MemoryPlanError, AdapterError: the child's message), UnknownAdapterError: as
+                building the engine in this process would.
+            EngineProcessError: the child died while starting (the exit code or signal is named), raised another
+                error, or did not start within ``timeout``.
+        """
+        ctx = mp.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        root = logging.getLogger()
+        fmt = (root.handlers[0].formatter._fmt if root.handlers and root.handlers[0].formatter
+               and root.handlers[0].formatter._fmt else "%(asctime)s %(levelname)s %(name)s: %(message)s")
+        level = logging.getLogger("multilora").getEffectiveLevel()
+        # daemon: multiprocessing terminates it if this interpreter exits without close()
+        process = ctx.Process(target=_child_main, args=(theirs, factory, level, fmt.replace(
+            "%(name)s", "%(name)s[engine]")), name="multilora-engine", daemon=True)
+        t0 = time.perf_counter()
+        process.start()
+        theirs.close()  # only the child holds its end: its death is our end-of-file, ours is its
+        try:
+            if not ours.poll(timeout):
+                raise EngineProcessError(f"the engine process did not start within {timeout:g} s")
+            msg = ours.recv()
+        except EOFError:
+            process.join(10)
+            ours.close()
+            raise EngineProcessError(f"the engine process {_exit_status(process)} while starting (see its log "
+                                     f"above)") from None
+        except BaseException:  # KeyboardInterrupt, SIGTERM as SystemExit, the timeout: never leave the child behind
+            _stop(process)
+            ours.close()
+            raise
+        if msg[0] == "failed":
+            process.join(30)
+            ours.close()
+            kind, message = msg[1], msg[2]
+            if kind == "other":
+                raise EngineProcessError(f"the engine process failed to start: {message}")
+            _raise(kind, message)
+        try:
+            return cls(ours, process, msg[1], time.perf_counter() - t0)
+        except BaseException:  # the tokenizer could not be had here: do not leave the child running
+            _stop(process)
+            ours.close()
+            raise
+
+    # ------------------------------------------------------------------------------------ the engine's side
+    def list_adapters(self) -> list[str]:
+        with self._lock:
+            return list(self._adapters)
+
+    def load_adapter(self, name: str, path: str | os.PathLike, *, allow_pickle: bool = False,
+                     preload: bool = True) -> None:
+        """``Engine.load_adapter`` in the child (its errors raised again here; returns nothing)."""
+        self._call("load_adapter", name, str(path), allow_pickle, preload)
+        with self._lock:
+            if name not in self._adapters:
+                self._adapters.append(name)
+
+    def unload_adapter(self, name: str) -> None:
+        """``Engine.unload_adapter`` in the child (UnknownAdapterError when not loaded)."""
+        self._call("unload_adapter", name)
+        with self._lock:
+            if name in self._adapters:
+                self._adapters.remove(name)
+
+    def stats(self) -> dict[str, Any]:
+        """``Engine.stats()`` of the child's engine."""
+        return self._call("stats")
+
+    def apply(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(engine, *args)`` run in the child (on its call thread, concurrently with steps); its result. For
+        tests and diagnostics: ``fn`` and the result must be picklable."""
+        return self._call("apply", fn, *args)
+
+    # ------------------------------------------------------------------------------------ the loop's side
+    def submit(self, prompt: Prompt, adapter: str | None = None, sampling: SamplingParams | None = None) -> RequestStream:
+        """Tokenize here, queue in the child (``Engine.add_request``'s checks and errors) and return the stream.
+
+        Raises:
+            EngineDeadError: the child has exited. RuntimeError: closed. Otherwise as ``Engine.add_request``.
+        """
+        sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        ids = self.text.encode(prompt)  # chat template, text checks: this process's work
+        stream = self._request(("submit", ids, adapter, sampling), (prompt, adapter, ids, sampling.stop)).result()
+        return stream
+
+    def abort(self, request_id: int) -> bool:
+        """Withdraw a request; its stream then ends with ``finish_reason="abort"`` (after the child's next step).
+        Returns False when no unfinished request of this process has that id."""
+        with self._lock:
+            if request_id not in self._tracked or self.error is not None or self._closed.is_set():
+                return False
+        try:
+            self._send(("abort", request_id))
+        except OSError:
+            return False
+        return True
+
+    @property
+    def running(self) -> bool:
+        """The child is alive and not closed."""
+        return self.error is None and not self._closing and not self._closed.is_set()
+
+    @property
+    def num_streams(self) -> int:
+        with self._lock:
+            return len(self._tracked)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Abort what still runs, stop the child and wait for it (``timeout`` seconds, then it is killed)."""
+        if self._closing:
+            return
+        self._closing = True
+        atexit.unregister(self.close)
+        try:
+            self._send(("close",))
+        except OSError:
+            pass
+        self._closed.wait(timeout)
+        self._process.join(timeout)
+        _stop(self._process)  # dead now: the reader sees the end of the pipe, if it has not ended yet
+        self._reader.join(10)
+        self._conn.close()
+        self._fail_all("abort", "aborted: the server is shutting down")
+
+    # ------------------------------------------------------------------------------------ the pipe
+    def _call(self, method: str, *args: Any) -> Any:
+        return self._request(("call", method, args)).result()
+
+    def _request(self, msg: tuple, submit: tuple | None = None) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self.error is not None:
+                raise EngineDeadError(self.error)
+            if self._closing or self._closed.is_set():
+                raise RuntimeError("EngineProcess: closed")
+            call_id = next(self._ids)
+            self._pending[call_id] = _Pending(future, submit)
+        try:
+            self._send((msg[0], call_id, *msg[1:]))
+        except OSError as e:
+            with self._lock:
+                self._pending.pop(call_id, None)
+            raise EngineDeadError(f"the engine process cannot be reached: {e}") from None
+        return future
+
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:  # never under _lock: a full pipe must not stop the reader from delivering
+            self._conn.send(msg)
+
+    def _read(self) -> None:
+        """The reader thread: replies resolve their futures; a step's message becomes its streams' deltas."""
+        try:
+            while True:
+                msg = self._conn.recv()
+                kind = msg[0]
+                if kind == "step":
+                    self._deliver(msg[1], msg[2])
+                elif kind == "reply":
+                    self._reply(*msg[1:])
+                elif kind == "closed":
+                    return
+        except (EOFError, OSError):
+            if not self._closing:
+                self._process.join(5)
+                self.error = f"the engine process (pid {self.pid}) {_exit_status(self._process)}"
+                log.error("%s: failing its requests; /health now fails", self.error)
+        finally:
+            self._closed.set()
+            self._fail_all("error" if self.error else "abort", self.error or "aborted: the server is shutting down")
+
+    def _reply(self, call_id: int, ok: bool, value: Any) -> None:
+        with self._lock:
+            pending = self._pending.pop(call_id)
+            if ok and pending.submit is not None:  # register before any delta of it can be read (this thread)
+                prompt, adapter, ids, stop = pending.submit
+                stream = RequestStream(self, value)
+                self._tracked[value] = _Tracked(stream, TextStream(self.text, stop), prompt, adapter, ids)
+                value = stream
+        if ok:
+            pending.future.set_result(value)
+        else:
+            try:
+                _raise(*value)
+            except Exception as e:
+                pending.future.set_exception(e)
+
+    def _deliver(self, deltas: list, ends: list) -> None:
+        waiters = []
+        with self._lock:
+            tracked = self._tracked
+            for rid, new in deltas:
+                t = tracked.get(rid)
+                if t is None:
+                    continue
+                t.ids.extend(new)
+                waiters.append(t.stream._deliver(RequestDelta(rid, new, t.text.push(t.ids))))
+            for rid, new, reason, error, text, arrival, first, finish in ends:
+                t = tracked.pop(rid, None)
+                if t is None:
+                    continue
+                t.ids.extend(new)
+                out = RequestOutput(request_id=rid, prompt=t.prompt, adapter=t.adapter, text=text, token_ids=t.ids,
+                                    prompt_token_ids=t.prompt_ids, finish_reason=reason, error=error,
+                                    arrival_time=arrival, first_token_time=first, finish_time=finish)
+                waiters.append(t.stream._deliver(RequestDelta(rid, new, t.text.close(text), reason, error, out)))
+        waiters = [w for w in waiters if w is not None]
+        if waiters:
+            _wake_all(waiters)
+
+    def _fail_all(self, reason: str, message: str) -> None:
+        """End every stream still open (the child is gone) and fail every call still waiting."""
+        with self._lock:
+            tracked, self._tracked = self._tracked, {}
+            pending, self._pending = self._pending, {}
+        waiters = []
+        for rid, t in tracked.items():
+            out = RequestOutput(request_id=rid, prompt=t.prompt, adapter=t.adapter, text=t.text.sent,
+                                token_ids=t.ids, prompt_token_ids=t.prompt_ids, finish_reason=reason, error=message)
+            waiters.append(t.stream._deliver(RequestDelta(rid, [], "", reason, message, out)))
+        for p in pending.values():
+            p.future.set_exception(EngineDeadError(message) if reason == "error" else RuntimeError("EngineProcess: closed"))
+        waiters = [w for w in waiters if w is not None]
+        if waiters:
+            _wake_all(waiters)
+
+
+def _tokenizer(info: dict, model_path: Path) -> Any:
+    """The child's tokenizer, unpickled; or loaded here from the model path if it could not be pickled."""
+    if info["tokenizer"] is not None:
+        return pickle.loads(info["tokenizer"])
+    if not info["has_tokenizer"]:
+        return None
+    from multilora.runtime.weights import load_tokenizer
+
+    return load_tokenizer(model_path)
+
+
+def _exit_status(process: Any) -> str:
+    code = process.exitcode
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _stop(process: Any) -> None:
+    """Terminate, then kill, a child that is still alive."""
+    if process.is_alive():
+        process.terminate()
+        process.join(10)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+
+
+def load_engine(model: Any, config: Any, adapters: dict[str, str] | list[tuple[str, str]], *,
+                progress: bool = False) -> Any:
+    """An ``Engine`` of ``model`` and ``config`` with ``adapters`` (name -> path) loaded: the factory of
+    ``multilora serve --engine-process`` (the same as the in-process serve's). Errors name the adapter:
+    ``ValueError("--adapter NAME=PATH: ...")``."""
+    from tqdm.auto import tqdm
+
+    from multilora.runtime.engine import Engine
+
+    items = list(adapters.items()) if isinstance(adapters, dict) else list(adapters)
+    engine = Engine(model, config=config)
+    t0 = time.perf_counter()
+    for name, path in tqdm(items, desc="Registering adapters", unit="adapter", disable=not progress,
+                           file=sys.stderr):
+        try:
+            engine.load_adapter(name, path)
+        except ValueError as e:
+            raise ValueError(f"--adapter {name}={path}: {e}") from e
+    if items:
+        log.info("registered %d adapters in %.2f s", len(items), time.perf_counter() - t0)
+    return engine

@@ -1,0 +1,93 @@
+"""What the server tests do to the engine that the server steps, as functions of the engine: called directly on an
+engine of this process, or run in an engine process by ``EngineProcess.apply`` (so they are module-level, and their
+arguments and results picklable). Also the engine factories those tests give ``EngineProcess.start``."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def single_thread(factory, *args, **kwargs):
+    """``factory(*args, **kwargs)`` on one intra-op thread (the tests' ``one_thread``, in an engine process)."""
+    torch.set_num_threads(1)
+    return factory(*args, **kwargs)
+
+
+def tiny_random_engine(max_batch_size=4):
+    """Random weights of the "tiny" shape, no tokenizer, one adapter "a" (what bench/bench_serving.py serves)."""
+    import tempfile
+    from pathlib import Path
+
+    from multilora import Engine
+    from multilora.config import ModelConfig
+    from multilora.runtime.weights import MODEL_SHAPES
+    from testsupport import write_adapter
+
+    torch.set_num_threads(1)
+    e = Engine(ModelConfig(**MODEL_SHAPES["tiny"]), progress=False, max_batch_size=max_batch_size)
+    e.load_adapter("a", write_adapter(Path(tempfile.mkdtemp()) / "a", e.config, seed=3, rank=4,
+                                      modules=("q_proj", "v_proj")))
+    return e
+
+
+def state(engine):
+    """(running, waiting, KV blocks free, KV blocks total, {adapter: refcount})."""
+    s = engine.stats()
+    return (s["running"], s["waiting"], s["kv_blocks_free"], s["kv_blocks_total"],
+            {n: engine.cache.get(n).refcount for n in engine.list_adapters()})
+
+
+def refcount(engine, name):
+    return engine.cache.get(name).refcount
+
+
+def list_adapters(engine):
+    return engine.list_adapters()
+
+
+def set_max_waiting(engine, n):
+    """Set ``max_waiting_requests``; the old value."""
+    cfg = engine.engine_config
+    old, cfg.max_waiting_requests = cfg.max_waiting_requests, n
+    return old
+
+
+def slow_steps(engine, seconds):
+    """Every forward sleeps ``seconds`` first (undo: ``restore_steps``)."""
+    run = _original_run(engine)
+
+    def slow(kind, batch):
+        time.sleep(seconds)
+        return run(kind, batch)
+
+    engine.runner.run = slow
+
+
+def failing_steps(engine, message):
+    """Every forward raises RuntimeError(message) (undo: ``restore_steps``)."""
+    _original_run(engine)
+
+    def boom(kind, batch):
+        raise RuntimeError(message)
+
+    engine.runner.run = boom
+
+
+def restore_steps(engine):
+    run = engine.__dict__.pop("_hooks_run", None)
+    if run is not None:
+        engine.runner.run = run
+
+
+def _original_run(engine):
+    return engine.__dict__.setdefault("_hooks_run", engine.runner.run)
+
+
+def stats(engine):
+    return engine.stats()
+
+
+def device(engine):
+    return str(engine.device)
