@@ -251,7 +251,10 @@ def _child_main(conn: Any, factory: Callable[[], Any], log_level: int, log_forma
                          "adapters": engine.list_adapters()}))
     core = _EngineCore(conn, engine)
     threading.Thread(target=core.read, name="multilora-engine-reader", daemon=True).start()
-    core.run()
+    try:
+        core.run()
+    finally:
+        engine.close()  # a tensor-parallel engine's workers stop in order (a child process runs no atexit hooks)
 
 
 # ------------------------------------------------------------------------------------------------ the parent
@@ -326,9 +329,11 @@ class EngineProcess:
         fmt = (root.handlers[0].formatter._fmt if root.handlers and root.handlers[0].formatter
                and root.handlers[0].formatter._fmt else "%(asctime)s %(levelname)s %(name)s: %(message)s")
         level = logging.getLogger("multilora").getEffectiveLevel()
-        # daemon: multiprocessing terminates it if this interpreter exits without close()
+        # not a daemon: a daemonic process may not start processes, and a tensor-parallel engine starts its workers.
+        # It still never outlives this interpreter: close() runs at exit (atexit, before multiprocessing joins its
+        # children), and the child exits by itself when this end of the pipe closes (this process died)
         process = ctx.Process(target=_child_main, args=(theirs, factory, level, fmt.replace(
-            "%(name)s", "%(name)s[engine]")), name="multilora-engine", daemon=True)
+            "%(name)s", "%(name)s[engine]")), name="multilora-engine", daemon=False)
         t0 = time.perf_counter()
         process.start()
         theirs.close()  # only the child holds its end: its death is our end-of-file, ours is its

@@ -238,3 +238,27 @@ def test_tp_killed_worker_is_reported_and_nothing_is_left():
         assert again.generate([ROWS[1]], sampling=GREEDY)[0].finish_reason == "length"
     finally:
         again.close()
+
+
+def _worker_pid(engine):
+    return engine.tp.procs[0].pid
+
+
+def test_tp_engine_inside_serve_engine_process(reference):
+    """``multilora serve --engine-process --tensor-parallel-size 2``: the engine process (rank 0) starts its own
+    worker; streams equal the one-process engine; closing the engine process stops the worker too."""
+    import functools
+
+    from multilora.runtime.config import EngineConfig
+    from multilora.runtime.engine_process import EngineProcess, load_engine
+
+    cfg = EngineConfig(**{k: v for k, v in KW.items() if k != "progress"}, tensor_parallel_size=2)
+    proc = EngineProcess.start(functools.partial(load_engine, CFG, cfg, []))
+    try:
+        worker = proc.apply(_worker_pid)
+        got = [d for d in proc.submit(ROWS[2], None, GREEDY)]
+        assert sum((d.token_ids for d in got), []) == reference.generate([ROWS[2]], sampling=GREEDY)[0].token_ids
+    finally:
+        proc.close()
+    time.sleep(0.5)
+    assert not _alive(worker)
