@@ -27,7 +27,8 @@ from multilora.config import ModelConfig
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
-from multilora.runtime.adapters import LoRAAdapter, read_adapter, read_packed_adapter
+from multilora.runtime.adapters import LoRAAdapter, read_adapter
+from multilora.runtime.adapters.image import read_image
 from multilora.runtime.config import EngineConfig
 from multilora.runtime.model import DecoderModel
 from multilora.runtime.postprocess import Postprocessor, RequestOutput
@@ -160,10 +161,11 @@ class Engine:
         log.info("loaded adapter %r from %s: %s", name, path, adapter.target_summary())
         return adapter
 
-    def _reload_adapter(self, handle: Any) -> Any:
-        """disk -> host: read a handle's files again and lay them out as a pool image (the cache calls this)."""
-        adapter, packed = read_packed_adapter(handle.path, self.config, self.pool, name=handle.name,
-                                              allow_pickle=handle.allow_pickle)
+    def _reload_adapter(self, handle: Any, out: torch.Tensor | None = None) -> Any:
+        """disk -> host: read a handle's files again straight into its pool image (``runtime.adapters.image``), in
+        ``out`` (the host arena block the cache reserved) or a fresh tensor (the cache calls this)."""
+        adapter, packed = read_image(handle.path, self.config, self.pool, name=handle.name,
+                                     allow_pickle=handle.allow_pickle, out=out)
         if packed is None:  # rank above the pool's (the files changed): pack's error
             self.pool.check_rank(adapter.max_rank, name=handle.name)
         return packed

@@ -390,7 +390,8 @@ def load_peft_adapter_into(
 
 
 def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
-                        allow_pickle: bool = False) -> tuple[LoRAAdapter, PackedAdapter | None]:
+                        allow_pickle: bool = False,
+                        out: torch.Tensor | None = None) -> tuple[LoRAAdapter, PackedAdapter | None]:
     """disk -> host: read, validate and lay out an adapter as its ``pool`` image in one pass.
 
     What the engine's reload and ``load_adapter(preload=True)`` run: :func:`load_peft_adapter_into` streams
@@ -399,6 +400,8 @@ def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: Adap
 
     Args:
         pool: the pool whose layout and dtype the image takes (only its ``packer`` is used; nothing is loaded).
+        out: where to write the image (``AdapterPool.packer``'s ``out``: a 1-D CPU tensor of the pool dtype and
+            the image's size), default a fresh tensor.
         path, config, name, allow_pickle: as for :func:`load_peft_adapter`.
 
     Returns:
@@ -411,7 +414,7 @@ def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: Adap
         AdapterError: as :func:`load_peft_adapter`.
     """
     def open_sink(ranks: dict[tuple[int, str], int]):
-        return pool.packer(ranks, name=name) if max(ranks.values(), default=0) <= pool.max_rank else None
+        return pool.packer(ranks, name=name, out=out) if max(ranks.values(), default=0) <= pool.max_rank else None
 
     adapter, packer = load_peft_adapter_into(path, config, open_sink, name=name, allow_pickle=allow_pickle)
     return adapter, None if packer is None else packer.finish()
