@@ -108,16 +108,22 @@ def read_image(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, 
     wpath = weights_path(root)
     if wpath is None or wpath.name != SAFETENSORS_NAME:  # no file (its error) or a pickle: the general path
         return read_packed_adapter(path, config, pool, name=name, allow_pickle=allow_pickle, out=out)
-    f = OpenFile(wpath)
     try:
+        f = OpenFile(wpath)
         try:
-            result = _read_open(f, root, wpath, raw, spec, targets, cfg_path, cfg_stamp, config, pool, name, out)
-            f.check_unchanged()
-        except AdapterError:
-            f.check_unchanged()  # a file written while it was read explains any error on its values better
-            raise
-    finally:
-        f.close()
+            try:
+                result = _read_open(f, root, wpath, raw, spec, targets, cfg_path, cfg_stamp, config, pool, name, out)
+                f.check_unchanged()
+            except AdapterError:
+                f.check_unchanged()  # a file written while it was read explains any error on its values better
+                raise
+        finally:
+            f.close()
+    except AdapterError as fast:
+        # the error path is rare: the general path names the same problem the way every other load does (it
+        # checks each module's values before the next one's shape, where this one checks every shape first)
+        read_packed_adapter(path, config, pool, name=name, allow_pickle=allow_pickle)
+        raise fast
     if result is None:  # float64 / float8 tensors: rounded through float32 by the general path
         return read_packed_adapter(path, config, pool, name=name, allow_pickle=allow_pickle, out=out)
     return result
@@ -170,10 +176,12 @@ def _read_open(f, root, wpath, raw, spec, targets, cfg_path, cfg_stamp, config, 
             row += rows
         if eb.dtype == dtype:
             direct.append((key_b, [bt for _, bt in regions]))
-    if not _finite(packer.data):  # one pass over the whole image (padding is zeros)
+    converted = any(e.dtype != dtype for e in entries.values())  # a narrowing conversion may overflow to inf
+    if converted or not _finite(packer.data):  # else one pass over the whole image (its padding is zeros)
         for key, views in direct:
             if not all(_finite(v) for v in views):
                 x = views[0] if len(views) == 1 else torch.cat([v.t() for v in views])
                 raise _nonfinite(wpath, key, x, math.prod(entries[key].shape))
-        raise AssertionError("a non-finite value outside every checked region")  # the padding is zeros
+        if not converted:
+            raise AssertionError("a non-finite value outside every checked region")  # the padding is zeros
     return adapter, packer.finish()
