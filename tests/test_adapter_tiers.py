@@ -94,8 +94,12 @@ def test_arena_keeps_bytes_exact_and_contents_intact(ops, chunk_units, budget_ch
     g = torch.Generator().manual_seed(seed)
     live: dict = {}  # block -> the bytes written into it
     moves: dict = {}  # block -> times on_move was called
-    deferred: list = []  # (freed block, its place, its event)
+    deferred: list = []  # (freed block, its place, the events of the copies reading it)
+    reads: dict = {}  # block -> events of copies reading it
     events: list[FakeEvent] = []
+
+    def busy(evs) -> bool:
+        return any(not e.done for e in evs)
 
     def check():
         for b, want in live.items():
@@ -106,7 +110,7 @@ def test_arena_keeps_bytes_exact_and_contents_intact(ops, chunk_units, budget_ch
             assert c0 != c1 or e0 <= s1, "two blocks overlap"
         for b in blocks:
             assert 0 <= b.start and b.start + b.units <= arena._chunks[b.chunk].space.num_units
-        pending = {b for b, _, ev in deferred if not ev.done}
+        pending = {b for b, _, evs in deferred if busy(evs)}
         assert arena.bytes_used == sum(b.units for b in blocks) * UNIT
         assert set(live) <= set(blocks) and set(blocks) <= set(live) | {b for b, _, _ in deferred}
         assert pending <= set(blocks), "a block read by an unfinished copy was released"
@@ -126,8 +130,8 @@ def test_arena_keeps_bytes_exact_and_contents_intact(ops, chunk_units, budget_ch
                 assert units > min(chunk_units, (budget - arena.bytes_held) // UNIT)
                 continue
             assert b.nbytes == x and b.units == -(-x // UNIT)
-            for fb, place, ev in deferred:  # a block read by an unfinished copy is not reused
-                if not ev.done:
+            for fb, place, evs in deferred:  # a block read by an unfinished copy is not reused
+                if busy(evs):
                     assert not (b.chunk == place[0] and b.start < place[1] + fb.units and place[1] < b.start + b.units)
             data = torch.randint(0, 256, (x,), dtype=torch.uint8, generator=g)
             b.bytes().copy_(data)
@@ -140,7 +144,8 @@ def test_arena_keeps_bytes_exact_and_contents_intact(ops, chunk_units, budget_ch
                 ev = FakeEvent()
                 events.append(ev)
                 arena.note_read(b, ev)
-                deferred.append((b, (b.chunk, b.start), ev))
+                reads.setdefault(b, []).append(ev)
+            deferred.append((b, (b.chunk, b.start), reads.pop(b, [])))
             del live[b]
             arena.free(b)
         elif op == "read" and items:
@@ -148,6 +153,7 @@ def test_arena_keeps_bytes_exact_and_contents_intact(ops, chunk_units, budget_ch
             ev.done = flag
             events.append(ev)
             arena.note_read(items[x % len(items)], ev)
+            reads.setdefault(items[x % len(items)], []).append(ev)
         elif op == "done":
             if items and items[x % len(items)].fixed:
                 arena.release_fixed(items[x % len(items)])
@@ -162,8 +168,8 @@ def test_arena_keeps_bytes_exact_and_contents_intact(ops, chunk_units, budget_ch
             for b, p in places.items():  # its owner is told exactly when it moved
                 assert ((b.chunk, b.start) != p) == (moves[b] == before[b] + 1), (p, (b.chunk, b.start))
         # a deferred block stays in place while its copy runs
-        for fb, place, ev in deferred:
-            if not ev.done and fb in arena.blocks():
+        for fb, place, evs in deferred:
+            if busy(evs) and fb in arena.blocks():
                 assert (fb.chunk, fb.start) == place
         check()
     for ev in events:

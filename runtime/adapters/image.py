@@ -4,22 +4,26 @@ What :func:`read_image` does, per (layer, module) in the image's order (layers, 
 
 - lora_A ``[r, d_in]`` is row-major in the file exactly as the image's A region is, so when the file dtype is the
   pool dtype its bytes are read (one ``preadv``) **straight into the image**: no scratch buffer, no copy;
-- lora_B ``[d_out, r]`` is read into a per-thread scratch buffer and copied transposed into the image's B^T
-  region (one vectorised ``copy_``, converting the dtype in the same pass when the file's differs);
-- the padding up to the page boundary is zeroed;
+- lora_B ``[d_out, r]`` is read into a small per-thread scratch buffer and copied transposed into the image's
+  B^T region (numpy's strided copy of the bit patterns; torch's converting ``copy_`` when the file dtype differs);
+- each tensor is checked finite right after it is read, while it is still in cache (``aminmax``: NaN propagates,
+  +-inf are the extremes), in the file's dtype, as every other load checks it;
+- the padding up to each page boundary is zeroed.
 
-then the values are checked finite with ONE ``aminmax`` over the whole image (NaN propagates, +-inf are the
-extremes; the padding is zeros), instead of one reduction per tensor. A tensor whose file dtype differs from the
-pool dtype (float32 / bfloat16 / float16, all exact in float32) is read into scratch, checked there in the file
-dtype (as :func:`~multilora.runtime.adapters.load.read_packed_adapter` checks it) and converted once by the copy.
-Other files (a pickle, float64 or float8 tensors) take :func:`read_packed_adapter`, the general path, with the
-same ``out``. The header, keys, shapes and dtypes are validated from the header alone first, by the same code as
-every other load (:func:`~multilora.runtime.adapters.load._build_modules` on ``meta`` tensors), so a file is
-refused with the same messages; a non-finite value is reported naming the tensor, as there. The file is read
-with plain reads (never memory-mapped) and refused "changed while it was being read" if its stamp moved.
+**The copy plan is cached.** Everything but the bytes (the header parsed and validated against the adapter config
+and the model, which key goes where in the image, the ranks, scalings and offsets) is a pure function of the
+config file's bytes, the header's bytes, the model and the pool: adapters of one training recipe share it, so a
+reload of the thousandth such adapter parses nothing and runs one short loop of reads and copies (about 3 Python
+operations per tensor, instead of ~40 in the general path). The plan is made by the same validation code as every
+other load (``_build_modules`` on ``meta`` tensors), and any error, on any path, is re-derived by the general path
+(:func:`~multilora.runtime.adapters.load.read_packed_adapter`), so a file is refused with exactly the messages of
+every other load. A tensor of a dtype float32 does not hold exactly (float64, float8) or a pickle file takes the
+general path, with the same ``out``. The file is read with plain reads (never memory-mapped), its stamp taken at
+open and checked after the read ("changed while it was being read").
 
-The image is bit-identical to ``read_packed_adapter``'s (``tests/test_adapter_tiers.py``). Measured against a
-plain sequential read of the same files in ``bench/bench_adapter_load.py``.
+The image is bit-identical to ``read_packed_adapter``'s (``tests/test_adapter_fastpath.py``, every file dtype into
+every pool dtype; ``tests/test_model_phi3.py``, fused projections). Measured against a plain sequential read of
+the same files by ``bench/bench_adapter_load.py``.
 """
 
 from __future__ import annotations
@@ -27,18 +31,25 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from multilora.config import MODULE_INDEX, ModelConfig
-from multilora.memory.pool import AdapterPool, PackedAdapter
-from multilora.runtime.adapters.disk import OpenFile, weights_path
-from multilora.runtime.adapters.files import SAFETENSORS_NAME, _Entry, _parse_header
-from multilora.runtime.adapters.load import (_EXACT_IN_F32, LoRAAdapter, _build_modules, _match_keys, _read_spec,
-                                             read_packed_adapter)
-from multilora.runtime.adapters.spec import AdapterError
+from multilora.memory.pool import PAGE_ELEMS, AdapterPool, PackedAdapter, image_layout
+from multilora.runtime.adapters.disk import OpenFile, check_directory, read_whole, weights_path
+from multilora.runtime.adapters.files import SAFETENSORS_NAME, _parse_header
+from multilora.runtime.adapters.load import _EXACT_IN_F32, LoRAAdapter, _build_modules, read_packed_adapter
+from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _config_json, _parse_config
+from multilora.runtime.adapters.targets import _parse_key, _resolve_targets
+
+#: same-size integer dtypes: a transposed copy between bit patterns (numpy's strided copy loop is 1.3-4x faster
+#: than torch's for the small ranks of LoRA, measured on a 2-core x86 CPU; both release the GIL)
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_PLANS_KEPT = 64
 
 _scratch = threading.local()
 
@@ -52,16 +63,45 @@ def _scratch_bytes(nbytes: int) -> torch.Tensor:
     return buf[:nbytes]
 
 
-def _read(f: OpenFile, e: _Entry, into: torch.Tensor) -> None:
-    """The entry's bytes into the contiguous tensor ``into`` (exactly ``e.end - e.begin`` bytes)."""
-    if e.end > e.begin:
-        f.read_into(memoryview(into.view(torch.uint8).numpy()), e.begin)
+@dataclass(frozen=True)
+class _Tensor:
+    """A file tensor: its bytes ``[begin, begin + nbytes)``, dtype, shape and key."""
+
+    key: str
+    begin: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
 
-def _nonfinite(wpath: Path, key: str, x: torch.Tensor, numel: int | None = None) -> AdapterError:
-    bad = int((~torch.isfinite(x)).sum())
-    return AdapterError(f"{wpath}: tensor {key!r}: expected finite values, got {bad} non-finite (NaN/inf) of "
-                        f"{numel if numel is not None else x.numel()}", path=wpath, key=key)
+@dataclass(frozen=True)
+class _Module:
+    """One targeted (layer, module) of the file: its A and B and, per slice of the image (one; three for a fused
+    qkv_proj), the element offsets of A and B^T and B's rows ``[row, row + rows)``."""
+
+    a: _Tensor
+    b: _Tensor
+    r: int
+    d_in: int
+    slices: tuple[tuple[int, int, int, int], ...]  # (offset of A, offset of B^T, first row of B, rows)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    data_start: int
+    file_size: int
+    numel: int  # of the image
+    modules: tuple[_Module, ...]
+    pads: tuple[tuple[int, int], ...]  # element ranges to zero
+    ranks: torch.Tensor
+    scalings: torch.Tensor
+    offsets: torch.Tensor
+    max_rank: int
+    adapter: LoRAAdapter  # its modules hold meta tensors and the scalings
+
+
+_plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
+_plans_lock = threading.Lock()
 
 
 def _finite(x: torch.Tensor) -> bool:
@@ -69,21 +109,6 @@ def _finite(x: torch.Tensor) -> bool:
         return True
     lo, hi = torch.aminmax(x)
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
-
-
-#: same-size integer dtypes: a transposed copy between bit patterns (numpy's strided copy loop is 1.3-4x faster than
-#: torch's for the small ranks of LoRA, measured on the CPU in /tmp; both release the GIL)
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _transpose_into(bt: torch.Tensor, b: torch.Tensor) -> None:
-    """``bt [r, d_out] = b [d_out, r]^T``: as bit patterns with numpy when the dtypes match, else torch's
-    converting ``copy_`` (the dtype rounded once)."""
-    if b.dtype == bt.dtype:
-        bits = _BITS[b.element_size()]
-        np.copyto(bt.view(bits).numpy(), b.view(bits).numpy().T)
-    else:
-        bt.copy_(b.t())
 
 
 def read_image(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
@@ -101,87 +126,173 @@ def read_image(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, 
         ``pool.max_rank``, else its ``data`` is ``out`` (or the fresh tensor) holding the image.
 
     Raises:
-        AdapterError: as :func:`read_packed_adapter` (the files, the header, keys, shapes, dtypes, non-finite
-            values, a file that changed while it was read). ValueError: an ``out`` of the wrong size or dtype.
+        AdapterError: as :func:`read_packed_adapter`, with the same messages (the files, the header, keys, shapes,
+            dtypes, non-finite values, a file that changed while it was read). ValueError: an ``out`` of the wrong
+            size or dtype.
     """
-    root, cfg_path, raw, spec, targets, cfg_stamp = _read_spec(path, config)
-    wpath = weights_path(root)
-    if wpath is None or wpath.name != SAFETENSORS_NAME:  # no file (its error) or a pickle: the general path
-        return read_packed_adapter(path, config, pool, name=name, allow_pickle=allow_pickle, out=out)
     try:
-        f = OpenFile(wpath)
-        try:
-            try:
-                result = _read_open(f, root, wpath, raw, spec, targets, cfg_path, cfg_stamp, config, pool, name, out)
-                f.check_unchanged()
-            except AdapterError:
-                f.check_unchanged()  # a file written while it was read explains any error on its values better
-                raise
-        finally:
-            f.close()
+        return _read(Path(path), config, pool, name, allow_pickle, out)
     except AdapterError as fast:
-        # the error path is rare: the general path names the same problem the way every other load does (it
-        # checks each module's values before the next one's shape, where this one checks every shape first)
+        # the error path is rare: the general path names the problem exactly as every other load does (it checks
+        # each module's values before the next one's shape, where the plan checks every shape first)
         read_packed_adapter(path, config, pool, name=name, allow_pickle=allow_pickle)
         raise fast
-    if result is None:  # float64 / float8 tensors: rounded through float32 by the general path
-        return read_packed_adapter(path, config, pool, name=name, allow_pickle=allow_pickle, out=out)
-    return result
 
 
-def _read_open(f, root, wpath, raw, spec, targets, cfg_path, cfg_stamp, config, pool, name, out):
+def _read(root: Path, config, pool, name, allow_pickle, out):
+    check_directory(root)
+    cfg_path = root / CONFIG_NAME
+    cfg_bytes, cfg_stamp = read_whole(cfg_path, missing=f"missing: an adapter directory must hold {CONFIG_NAME}")
+    wpath = weights_path(root)
+    if wpath is None or wpath.name != SAFETENSORS_NAME:  # no file (its error) or a pickle: the general path
+        return read_packed_adapter(root, config, pool, name=name, allow_pickle=allow_pickle, out=out)
+    f = OpenFile(wpath)
+    try:
+        try:
+            head = f.read(0, 8) if f.size >= 8 else b""
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            header = f.read(8, n) if 0 <= n <= f.size - 8 and n <= 100_000_000 else None
+            key = (repr(config), pool.dtype, pool.max_rank, cfg_bytes, header)
+            plan = _cached(key) if header is not None else None
+            if plan is None or plan.file_size != f.size:
+                plan = _make_plan(f, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, pool)
+                if header is not None and isinstance(plan, _Plan):
+                    _keep(key, plan)
+            packed = _execute(plan, f, wpath, pool, name, out) if isinstance(plan, _Plan) else None
+            f.check_unchanged()
+        except AdapterError:
+            f.check_unchanged()  # a file written while it was read explains any error on its values better
+            raise
+    finally:
+        f.close()
+    if plan is None:  # float64 / float8 tensors: rounded through float32 by the general path
+        return read_packed_adapter(root, config, pool, name=name, allow_pickle=allow_pickle, out=out)
+    if isinstance(plan, LoRAAdapter):  # a rank above the pool's: nothing to pack
+        return _named(plan, name, root, cfg_stamp, f), None
+    return _named(plan.adapter, name, root, cfg_stamp, f), packed
+
+
+def _named(adapter: LoRAAdapter, name, root, cfg_stamp, f) -> LoRAAdapter:
+    return LoRAAdapter(name=name, path=str(root), config=adapter.config, modules=dict(adapter.modules),
+                       files=(cfg_stamp, f.stamp))
+
+
+def _cached(key) -> _Plan | None:
+    with _plans_lock:
+        plan = _plans.get(key)
+        if plan is not None:
+            _plans.move_to_end(key)
+        return plan
+
+
+def _keep(key, plan: _Plan) -> None:
+    with _plans_lock:
+        _plans[key] = plan
+        while len(_plans) > _PLANS_KEPT:
+            _plans.popitem(last=False)
+
+
+def _make_plan(f, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, pool) -> "_Plan | LoRAAdapter | None":
+    """Validate the header against the config and the model (the code every load runs) and lay out the copies;
+    None for dtypes the general path must round through float32, the adapter alone for a rank above the pool's."""
+    raw = _config_json(cfg_bytes, cfg_path)
+    spec = _parse_config(raw, cfg_path)
+    targets = _resolve_targets(spec, config, cfg_path)
     entries = _parse_header(f)
     keys = sorted(entries)
     metas = {k: torch.empty(e.shape, dtype=e.dtype, device="meta") for k, e in entries.items()}
     modules, _ = _build_modules(wpath, metas, keys, targets, config, spec, cfg_path)  # keys, shapes, dtypes
-    adapter = LoRAAdapter(name=name, path=str(root), config=raw, modules=modules, files=(cfg_stamp, f.stamp))
+    adapter = LoRAAdapter(name=None, path=str(root), config=raw, modules=modules, files=(cfg_stamp, f.stamp))
     if any(e.dtype not in _EXACT_IN_F32 for e in entries.values()):
         return None
     if adapter.max_rank > pool.max_rank:
-        return adapter, None
-    found = _match_keys(wpath, keys, targets, config, cfg_path)
+        return adapter
+    by_key: dict[tuple[int, str, str], str] = {}
+    for k in keys:  # (validated above: every key maps)
+        layer, module, kind = _parse_key(k, config, wpath)
+        by_key[(layer, module, kind)] = k
     order = {m: MODULE_INDEX[config.lora_slices(m)[0]] for m in config.lora_modules}  # as _build_modules
     targeted = sorted(targets, key=lambda lm: (lm[0], order[lm[1]]))
     ranks = {(layer, part): targets[(layer, module)].r for layer, module in targeted
              for part in config.lora_slices(module)}
-    packer = pool.packer(ranks, name=name, out=out)
-    dtype = pool.dtype
-    direct: list[tuple[str, list[torch.Tensor]]] = []  # (key, its regions in the image) checked at the end
+    offsets_of, pages = image_layout(config, ranks)
+    nl = config.num_layers
+    ranks_t = torch.zeros(nl, 7, dtype=torch.int32)
+    scalings_t = torch.zeros(nl, 7, dtype=torch.float32)
+    offsets_t = torch.zeros(nl, 7, dtype=torch.int64)
+    plan_modules, pads = [], []
     for layer, module in targeted:
-        scaling = float(modules[(layer, config.lora_slices(module)[0])].scaling)
-        parts = config.lora_slices(module)
-        regions = [packer.regions(layer, part, scaling) for part in parts]
-        key_a, key_b = found[(layer, module)]["A"], found[(layer, module)]["B"]
-        ea, eb = entries[key_a], entries[key_b]
-        a0 = regions[0][0]
-        if ea.dtype == dtype:  # straight into the image
-            _read(f, ea, a0)
-            direct.append((key_a, [a0]))
+        r = targets[(layer, module)].r
+        d_in = config.module_shape(module)[0]
+        scaling = float(targets[(layer, module)].scaling(spec.use_rslora))
+        tens = []
+        for kind in ("A", "B"):
+            e = entries[by_key[(layer, module, kind)]]
+            tens.append(_Tensor(by_key[(layer, module, kind)], e.begin, e.end - e.begin, e.dtype, e.shape))
+        slices, row = [], 0
+        for part in config.lora_slices(module):
+            d_out = config.module_shape(part)[1]
+            oa = offsets_of[(layer, part)]
+            ob = oa + r * d_in
+            end = ob + r * d_out
+            slices.append((oa, ob, row, d_out))
+            pads.append((end, oa + -(-(end - oa) // PAGE_ELEMS) * PAGE_ELEMS))
+            row += d_out
+            mi = MODULE_INDEX[part]
+            ranks_t[layer, mi], scalings_t[layer, mi], offsets_t[layer, mi] = r, scaling, oa
+        plan_modules.append(_Module(tens[0], tens[1], r, d_in, tuple(slices)))
+    return _Plan(data_start=min((m.a.begin for m in plan_modules), default=0), file_size=f.size,
+                 numel=pages * PAGE_ELEMS, modules=tuple(plan_modules), pads=tuple(p for p in pads if p[1] > p[0]),
+                 ranks=ranks_t, scalings=scalings_t, offsets=offsets_t,
+                 max_rank=int(ranks_t.max()) if ranks_t.numel() else 0, adapter=adapter)
+
+
+def _nonfinite(wpath: Path, t: _Tensor, x: torch.Tensor) -> AdapterError:
+    bad = int((~torch.isfinite(x)).sum())
+    return AdapterError(f"{wpath}: tensor {t.key!r}: expected finite values, got {bad} non-finite (NaN/inf) of "
+                        f"{x.numel()}", path=wpath, key=t.key)
+
+
+def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out) -> PackedAdapter:
+    dtype = pool.dtype
+    if out is None:
+        out = torch.empty(plan.numel, dtype=dtype)
+    elif out.dtype != dtype or out.dim() != 1 or out.numel() != plan.numel or out.device.type != "cpu":
+        raise ValueError(f"adapter {name!r}: out must be a 1-D CPU {dtype} tensor of {plan.numel} elements (its "
+                         f"image), got {out.dtype} {tuple(out.shape)} on {out.device}")
+    esize = out.element_size()
+    bits = _BITS[esize]
+    img = out.view(bits).numpy()  # the image's bit patterns, [numel]
+    img_bytes = memoryview(out.view(torch.uint8).numpy())
+    for m in plan.modules:
+        a, b, r, d_in = m.a, m.b, m.r, m.d_in
+        oa0 = m.slices[0][0]
+        if a.dtype == dtype:  # straight into the image, checked while in cache
+            f.read_into(img_bytes[oa0 * esize : oa0 * esize + a.nbytes], a.begin)
+            av = out[oa0 : oa0 + r * d_in]
+            if not _finite(av):
+                raise _nonfinite(wpath, a, av)
         else:
-            a = _scratch_bytes(ea.end - ea.begin).view(ea.dtype).view(ea.shape)
-            _read(f, ea, a)
-            if not _finite(a):
-                raise _nonfinite(wpath, key_a, a)
-            a0.copy_(a)
-        for a_other, _ in regions[1:]:  # a fused projection's slices share A
-            a_other.copy_(a0)
-        b = _scratch_bytes(eb.end - eb.begin).view(eb.dtype).view(eb.shape)  # [d_out, r]
-        _read(f, eb, b)
-        if eb.dtype != dtype and not _finite(b):
-            raise _nonfinite(wpath, key_b, b)
-        row = 0
-        for part, (_, bt) in zip(parts, regions):
-            rows = config.module_shape(part)[1]
-            _transpose_into(bt, b[row : row + rows])
-            row += rows
-        if eb.dtype == dtype:
-            direct.append((key_b, [bt for _, bt in regions]))
-    converted = any(e.dtype != dtype for e in entries.values())  # a narrowing conversion may overflow to inf
-    if converted or not _finite(packer.data):  # else one pass over the whole image (its padding is zeros)
-        for key, views in direct:
-            if not all(_finite(v) for v in views):
-                x = views[0] if len(views) == 1 else torch.cat([v.t() for v in views])
-                raise _nonfinite(wpath, key, x, math.prod(entries[key].shape))
-        if not converted:
-            raise AssertionError("a non-finite value outside every checked region")  # the padding is zeros
-    return adapter, packer.finish()
+            x = _scratch_bytes(a.nbytes).view(a.dtype)
+            f.read_into(memoryview(x.view(torch.uint8).numpy()), a.begin)
+            if not _finite(x):
+                raise _nonfinite(wpath, a, x)
+            out[oa0 : oa0 + r * d_in].copy_(x)
+        for oa, _, _, _ in m.slices[1:]:  # a fused projection's slices share A
+            img[oa : oa + r * d_in] = img[oa0 : oa0 + r * d_in]
+        x = _scratch_bytes(b.nbytes).view(b.dtype)
+        f.read_into(memoryview(x.view(torch.uint8).numpy()), b.begin)
+        if not _finite(x):
+            raise _nonfinite(wpath, b, x)
+        if b.dtype == dtype:
+            xb = x.view(bits).numpy().reshape(-1, r)  # [d_out, r]
+            for _, ob, row, rows in m.slices:
+                np.copyto(img[ob : ob + r * rows].reshape(r, rows), xb[row : row + rows].T)
+        else:
+            xb = x.view(-1, r)
+            for _, ob, row, rows in m.slices:
+                out[ob : ob + r * rows].view(r, rows).copy_(xb[row : row + rows].t())
+    for lo, hi in plan.pads:
+        img[lo:hi] = 0
+    return PackedAdapter(data=out, ranks=plan.ranks.clone(), scalings=plan.scalings.clone(),
+                         offsets=plan.offsets.clone(), max_rank=plan.max_rank, name=name)
