@@ -102,7 +102,7 @@ class Engine:
                                  self.device, profile_reserve=lambda: self.runner.profile_reserve(tokens, cfg.kv_block_size))
         self.memory_plan = sizes.plan
         self.pool = AdapterPool(config_, num_bytes=sizes.num_pages * sizes.request.page_bytes,
-                                max_rank=cfg.max_lora_rank, max_slots=cfg.adapter_slots, dtype=self.dtype,
+                                max_rank=cfg.max_lora_rank, max_slots=sizes.slots, dtype=self.dtype,
                                 device=self.device)
         self.kv = PagedKVCache(num_layers=config_.num_layers, num_blocks=sizes.num_blocks, block_size=cfg.kv_block_size,
                                num_kv_heads=config_.num_kv_heads, head_dim=config_.head_dim, dtype=self.dtype,
