@@ -402,3 +402,24 @@ def test_engine_host_tier_is_pinned_and_moves_are_timed(tiny):
     assert s["host_to_gpu_timed_bytes"] == s["bytes_host_to_gpu"] and s["host_to_gpu_gbps"] > 0
     engine.cache.close()
     ref.cache.close()
+
+
+# ------------------------------------------------------------------------------- the bit-pattern finite check
+SPECIALS = [0.0, -0.0, 1.0, -1.0, float("inf"), -float("inf"), float("nan"), -float("nan")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@settings(max_examples=80, deadline=None)
+@given(bits=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=40))
+def test_bit_pattern_finite_check_matches_isfinite(dtype, bits):
+    """Every bit pattern (NaN payloads, both infinities, subnormals, -0.0, the largest finite values) against
+    ``torch.isfinite``."""
+    from multilora.runtime.adapters.image import _finite
+
+    width = torch.empty((), dtype=dtype).element_size() * 8
+    ints = torch.tensor([b % (1 << width) for b in bits], dtype=torch.int64)  # unsigned patterns
+    x = ints.to(torch.int32 if width == 32 else torch.int16).view(dtype)  # (the cast wraps: same bits)
+    assert _finite(x) == bool(torch.isfinite(x.float()).all())
+    for v in SPECIALS + [torch.finfo(dtype).max, -torch.finfo(dtype).max, torch.finfo(dtype).tiny / 4]:
+        y = torch.cat([x, torch.tensor([v], dtype=dtype)])
+        assert _finite(y) == bool(torch.isfinite(y.float()).all()), v

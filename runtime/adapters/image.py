@@ -6,8 +6,8 @@ What :func:`read_image` does, per (layer, module) in the image's order (layers, 
   pool dtype its bytes are read (one ``preadv``) **straight into the image**: no scratch buffer, no copy;
 - lora_B ``[d_out, r]`` is read into a small per-thread scratch buffer and copied transposed into the image's
   B^T region (numpy's strided copy of the bit patterns; torch's converting ``copy_`` when the file dtype differs);
-- each tensor is checked finite right after it is read, while it is still in cache (``aminmax``: NaN propagates,
-  +-inf are the extremes), in the file's dtype, as every other load checks it;
+- each tensor is checked finite right after it is read, while it is still in cache, in the file's dtype, as every
+  other load checks it (two integer max-reductions over its bit patterns, ``_finite``);
 - the padding up to each page boundary is zeroed.
 
 **The copy plan is cached.** Everything but the bytes (the header parsed and validated against the adapter config
@@ -104,11 +104,25 @@ _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
 _plans_lock = threading.Lock()
 
 
+#: Bit patterns of non-finite values: a float is NaN or +-inf exactly when its exponent bits are all ones, i.e.
+#: as a signed integer it is >= the first (+inf) or, as an unsigned one, >= the second (-inf): every finite
+#: positive is below +inf's pattern, every finite negative below -inf's (IEEE 754; bfloat16 is float32's top half).
+_INF_BITS = {torch.bfloat16: (0x7F80, 0xFF80), torch.float16: (0x7C00, 0xFC00),
+             torch.float32: (0x7F800000, 0xFF800000)}
+_UNSIGNED = {2: np.uint16, 4: np.uint32}
+
+
 def _finite(x: torch.Tensor) -> bool:
+    """Whether every value of the contiguous CPU tensor ``x`` is finite: two integer max-reductions over its bit
+    patterns (numpy's vectorised loops; ~2x ``torch.aminmax`` on bfloat16), ``aminmax`` for other dtypes."""
     if x.numel() == 0:
         return True
-    lo, hi = torch.aminmax(x)
-    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+    bounds = _INF_BITS.get(x.dtype)
+    if bounds is None:
+        lo, hi = torch.aminmax(x)
+        return math.isfinite(float(lo)) and math.isfinite(float(hi))
+    signed = x.view(_BITS[x.element_size()]).numpy()
+    return int(signed.max()) < bounds[0] and int(signed.view(_UNSIGNED[x.element_size()]).max()) < bounds[1]
 
 
 def read_image(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
