@@ -6,12 +6,15 @@ Tiers
   plays this role). The pool is the only owner of device memory for adapter weights. Fit and eviction count
   bytes (``AdapterHandle.pool_bytes``: the adapter's image, what it occupies in the pool) against the pool's free
   bytes: the pool compacts itself when the free bytes suffice but no hole does, so free bytes are usable bytes.
-- **host**: each adapter as a ``PackedAdapter`` (its image laid out exactly as in the pool, pinned when
-  the pool is on CUDA so host -> GPU copies are asynchronous), bounded by ``host_bytes``, counted as the host
-  memory the copies really hold (``PackedAdapter.footprint``: pinned blocks are rounded up to a power of
-  two by torch's caching host allocator, so a budget of B holds fewer than B / nbytes copies). The one copy
-  just added or read back is never dropped to make room, so the budget can be exceeded only while that
-  single copy is all the host tier holds (an adapter larger than the whole budget).
+- **host**: each adapter as a ``PackedAdapter`` (its image laid out exactly as in the pool) in a block of the
+  host arena (``multilora.memory.host_arena``: chunks of host memory mapped once and, when the pool is on CUDA,
+  page-locked with ``cudaHostRegister``, so host -> GPU copies are one asynchronous ``cudaMemcpyAsync`` per
+  adapter), bounded by ``host_bytes``, counted as exactly the bytes the copies hold (no power-of-two rounding:
+  the arena's unit is one pool page). Room is made by dropping host copies LRU first (retired versions first);
+  a chunk whose free bytes suffice but no hole does is compacted (a memcpy, after the copies reading it have
+  landed). The one copy just added or read back is never dropped to make room; one that can never fit the arena
+  (larger than a chunk or the whole budget) is held outside it, alone, so the budget can be exceeded only while
+  that single copy is all the host tier holds.
 - **disk**: the adapter's own files. A host copy dropped from the host tier (or never made:
   ``load_adapter(preload=False)``) is read from them on demand, after checking that the two files the
   adapter is read from (``adapter_config.json`` and its weight file; other files of the directory do not
@@ -34,14 +37,19 @@ reloading or unloading a name never changes the weights of a request already sub
 with its version (from the pool, the host copy, or the files while they are unchanged). Retired versions
 leave the pool when their last request releases them.
 
-Prefetch
---------
-``prefetch(handles)`` is called each step with the adapters of waiting requests: disk -> host loads run
-on a background thread; host -> GPU copies of adapters that fit in free bytes run on a side CUDA stream
-and record an event; ``wait_ready`` makes the compute stream wait on those events (not on the device)
-before a step reads the slots. Compaction is serialised with copies still in flight by the pool itself
-(``multilora.memory.pool``, "Asynchronous loads"): it makes the compute stream wait on every pending side-stream
-copy before moving anything, and later side-stream copies wait on the moves.
+Prefetch and tier moves
+-----------------------
+``prefetch(handles)`` is called each step with the adapters of waiting requests: disk -> host reads run on
+4 background I/O threads, each writing straight into an arena block reserved for it under the lock
+(``runtime.adapters.image.read_image``: no intermediate copy); host -> GPU copies of adapters that fit in free
+bytes run on a side CUDA stream and record an event; ``wait_ready`` makes the compute stream wait on those events
+(not on the device) before a step reads the slots. ``acquire``'s own copy (an adapter not prefetched) also runs on
+the side stream, and the current stream waits on it at once. Every host -> GPU copy is timed with two CUDA events;
+every disk -> host read with the wall clock: ``report()`` gives the GB/s of each move with the bytes and seconds
+it comes from. An arena block is neither moved nor reused while a copy reading it may be in flight (its event
+is noted; a free is deferred until it completes). Compaction of the pool is serialised with copies still in
+flight by the pool itself (``multilora.memory.pool``, "Asynchronous loads"): it makes the compute stream wait on
+every pending side-stream copy before moving anything, and later side-stream copies wait on the moves.
 
 Thread safety: public methods take the cache's lock; ``load_adapter``/``unload_adapter``/``pin_adapter``
 may be called from another thread while the engine steps.

@@ -161,8 +161,8 @@ def _bytes_of(model, rank, modules, dtype_bytes=2):
 def test_default_pool_slots_and_host_tier_hold_thousands_of_adapters():
     """The plan's defaults on an H200 for Llama-3-8B in bf16 (docs/memory.md, "Defaults for thousands of
     adapters"): pool = 0.1 x 0.9 x (free - reserve), slots = what it holds of rank-8 q/k/v/o adapters (S1),
-    host tier = half of MemAvailable: ~130 rank-16 all-module adapters (84 MB) or ~800 S1 adapters (13.6 MB)
-    resident, and 55 GiB of host tier: ~700 rank-16 or ~4,300 S1 adapters."""
+    host tier = half of MemAvailable: 139 rank-16 all-module adapters (84 MB) or 857 S1 adapters (13.6 MB)
+    resident, and 55 GiB of host tier: 704 rank-16 or 4,332 S1 adapters."""
     ec = EngineConfig(max_lora_rank=64)
     req = memory_request(LLAMA3, ec, dtype=torch.bfloat16, max_seq_len=2048)
     sizes = size_engine(req, ec, _h200(), reserve_bytes=4 * GiB)
@@ -171,10 +171,10 @@ def test_default_pool_slots_and_host_tier_hold_thousands_of_adapters():
     s1, r16 = _bytes_of(LLAMA3, 8, ("q_proj", "k_proj", "v_proj", "o_proj")), _bytes_of(LLAMA3, 16, TARGET_MODULES)
     assert s1 == 13_631_488 and r16 == 83_886_080
     pool = sizes.num_pages * req.page_bytes
-    assert sizes.slots == min(4096, max(256, pool // s1)) and 700 < sizes.slots < 900
-    assert pool // r16 >= 120
+    assert sizes.slots == min(4096, max(256, pool // s1)) == 857
+    assert pool // r16 == 139
     assert sizes.host_bytes == 55 * GiB  # min(140 GiB, 110 / 2, no memlock bound)
-    assert sizes.host_bytes // r16 >= 700 and sizes.host_bytes // s1 >= 4300
+    assert sizes.host_bytes // r16 == 704 and sizes.host_bytes // s1 == 4332
     # an explicit slot count is kept; a small pool keeps 256 slots at least
     assert size_engine(req, EngineConfig(max_lora_rank=64, adapter_slots=64), _h200(), reserve_bytes=4 * GiB).slots == 64
     tiny_req = memory_request(TINY, EngineConfig(), dtype=torch.float32, max_seq_len=64)
