@@ -7,7 +7,8 @@ the next power of two (``PowerOf2Ceil`` in ``aten/src/ATen/core/CachingHostAlloc
 below ``pinned_max_round_threshold``): an 84 MB Llama-3-8B rank-16 image pinned 128 MiB, the host tier's
 budget held 34% fewer copies than its bytes, each new block cost a ``cudaHostAlloc`` under the driver's lock,
 and freed blocks stayed cached in torch, outside any budget. Instead the host tier takes its memory in a few
-large **chunks** (``chunk_bytes``, default 1 GiB, at least one max-size image), each one anonymous mapping
+large **chunks** (``chunk_bytes``, default 1 GiB, at least one max-size image; the first ones smaller: 64 MiB,
+doubling), each one anonymous mapping
 (``mmap``, ``MADV_HUGEPAGE`` where the kernel has it) that is page-locked once with ``cudaHostRegister``
 (``torch.cuda.cudart()``) for exactly its size, and places images in them with the same first-fit extents as the
 GPU pool (``multilora.memory.extents``), in units of ``unit`` bytes (the engine passes one pool page, so an
@@ -55,6 +56,8 @@ log = logging.getLogger("multilora")
 
 #: Bytes of one chunk of the arena unless the caller asks otherwise (1 GiB: a compaction moves at most this).
 DEFAULT_CHUNK_BYTES = 1 << 30
+#: Bytes of the first chunk (each next one doubles, up to the chunk size).
+FIRST_CHUNK_BYTES = 64 << 20
 
 
 class HostBlock:
@@ -238,9 +241,12 @@ class HostArena:
         return b
 
     def _grow(self, units: int) -> int | None:
-        """Map a new chunk that can hold ``units`` within the budget; its index, or None."""
+        """Map a new chunk that can hold ``units`` within the budget; its index, or None. Chunks double from
+        ``FIRST_CHUNK_BYTES`` (at least the image asked for) up to ``chunk_bytes``: an engine with a few adapters
+        pins a few of their sizes, not a whole chunk."""
         room = None if self.budget is None else (self.budget - self.bytes_held) // self.unit
-        size = self.chunk_units if room is None else min(self.chunk_units, room)
+        grown = max(units, (FIRST_CHUNK_BYTES // self.unit) << len(self._chunks))
+        size = min(self.chunk_units, grown) if room is None else min(self.chunk_units, grown, room)
         if size < units:
             return None
         t0 = time.perf_counter()

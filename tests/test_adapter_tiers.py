@@ -198,6 +198,17 @@ def test_arena_compaction_moves_around_fixed_blocks_and_repoints_owners():
     assert arena.alloc(48).start == 4 and b.start == 0 and d.start == 2 and arena.compactions == 2  # b moves too
 
 
+def test_arena_chunks_double_from_the_first_and_fit_the_image():
+    MiB = 1 << 20
+    arena = HostArena(None, pinned=False, unit=MiB, chunk_bytes=1 << 30)  # (mapped, never touched: no RSS)
+    blocks = [arena.alloc(10 * MiB) for _ in range(7)]  # 6 fit the 64 MiB first chunk, the 7th opens a 128 MiB one
+    assert [b.chunk for b in blocks] == [0] * 6 + [1] and arena.bytes_held == 192 * MiB
+    big = HostArena(300 * MiB, pinned=False, unit=MiB, chunk_bytes=1 << 30)
+    b = big.alloc(100 * MiB)  # larger than the first chunk: a chunk of its size
+    assert big.bytes_held == 100 * MiB and big.alloc(250 * MiB) is None and big.alloc(200 * MiB).chunk == 1
+    assert big.bytes_held == 300 * MiB and b.chunk == 0  # the budget's rest, not a doubled 200 MiB + more
+
+
 def test_arena_refuses_what_can_never_fit_and_validates():
     arena = HostArena(1000, pinned=False, unit=10, chunk_bytes=300)
     assert not arena.could_ever_fit(301) and arena.could_ever_fit(300) and arena.alloc(301) is None
