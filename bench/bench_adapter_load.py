@@ -72,7 +72,7 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     rows = []
     image_bytes = pool.bytes_needed(load_peft_adapter(dirs[0], config, header_only=True))
     arena = HostArena(None, pinned=pool.device.type == "cuda", unit=pool.page_bytes,
-                      chunk_bytes=max(1 << 30, image_bytes))
+                      chunk_bytes=max(1 << 30, image_bytes), granule=image_bytes)
     blocks = [arena.alloc(image_bytes) for _ in range(max(threads))]  # one per worker, reused: the cache reuses
     total = sum(file_bytes)
     bufs = [torch.empty(max(file_bytes), dtype=torch.uint8) for _ in range(max(threads))]

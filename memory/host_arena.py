@@ -151,15 +151,18 @@ class HostArena:
         budget_bytes: most bytes the chunks may map (None: unbounded).
         pinned: register every chunk with ``cudaHostRegister`` (the engine: True when the pool is on CUDA).
         unit: allocation unit in bytes (the engine: the pool's page bytes, so images take exactly their bytes).
-        chunk_bytes: bytes of one chunk (rounded down to a multiple of ``unit``; the last chunk takes what is
+        chunk_bytes: bytes of one chunk (rounded down to a multiple of the granule; the last chunk takes what is
             left of the budget).
+        granule: chunks are sized in multiples of this many bytes (rounded down to units; default one unit). The
+            engine passes the largest image, so chunks hold whole images of it, and of every image whose size
+            divides it (ranks that divide ``max_lora_rank``), with no tail left over.
 
     Raises:
         ValueError: a non-positive ``unit`` or ``chunk_bytes`` below one unit, or a negative budget.
     """
 
     def __init__(self, budget_bytes: int | None, *, pinned: bool, unit: int = 128,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, granule: int | None = None) -> None:
         if not isinstance(unit, int) or unit <= 0:
             raise ValueError(f"HostArena: unit must be a positive int, got {unit!r}")
         if chunk_bytes < unit:
@@ -169,7 +172,9 @@ class HostArena:
         self.budget = budget_bytes
         self.want_pinned = pinned
         self.unit = unit
-        self.chunk_units = chunk_bytes // unit
+        g = max(1, (granule or unit) // unit)
+        self.granule_units = g
+        self.chunk_units = max(g, chunk_bytes // unit // g * g)
         self._chunks: list[_Chunk] = []
         self._deferred: list[HostBlock] = []  # freed, waiting for copies still reading them
         self._lock = threading.RLock()
@@ -244,8 +249,10 @@ class HostArena:
         """Map a new chunk that can hold ``units`` within the budget; its index, or None. Chunks double from
         ``FIRST_CHUNK_BYTES`` (at least the image asked for) up to ``chunk_bytes``: an engine with a few adapters
         pins a few of their sizes, not a whole chunk."""
+        g = self.granule_units
         room = None if self.budget is None else (self.budget - self.bytes_held) // self.unit
-        grown = max(units, (FIRST_CHUNK_BYTES // self.unit) << len(self._chunks))
+        first = -(-(FIRST_CHUNK_BYTES // self.unit) // g) * g
+        grown = max(-(-units // g) * g, first << len(self._chunks))
         size = min(self.chunk_units, grown) if room is None else min(self.chunk_units, grown, room)
         if size < units:
             return None

@@ -184,7 +184,7 @@ class AdapterCache:
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="multilora-adapter-io")
         largest = pool.max_adapter_pages * pool.page_bytes
         self.arena = HostArena(host_bytes, pinned=self._cuda, unit=pool.page_bytes,
-                               chunk_bytes=max(chunk_bytes or DEFAULT_CHUNK_BYTES, largest))
+                               chunk_bytes=max(chunk_bytes or DEFAULT_CHUNK_BYTES, largest), granule=largest)
         self._timing: list[tuple[_CopyTimer, int]] = []  # host -> GPU copies not timed yet
         self._orphans: list[AdapterHandle] = []  # forgotten while a disk -> host read was writing their block
         self.stats = CacheStats()

@@ -434,3 +434,15 @@ def test_bit_pattern_finite_check_matches_isfinite(dtype, bits):
     for v in SPECIALS + [torch.finfo(dtype).max, -torch.finfo(dtype).max, torch.finfo(dtype).tiny / 4]:
         y = torch.cat([x, torch.tensor([v], dtype=dtype)])
         assert _finite(y) == bool(torch.isfinite(y.float()).all()), v
+
+
+def test_chunks_in_granules_hold_a_budget_of_images_exactly():
+    """Chunks sized in multiples of the largest image (the cache's granule) leave no tail: a budget of k images
+    holds k of them, and of images whose size divides it, as doubling chunks open."""
+    MiB = 1 << 20
+    image = 84 * MiB  # a Llama-3-8B rank-16 image; a granule of the rank-64 one (4x)
+    arena = HostArena(8 * image, pinned=False, unit=MiB, chunk_bytes=1 << 30, granule=4 * image)
+    blocks = [arena.alloc(image) for _ in range(8)]
+    assert all(b is not None for b in blocks) and arena.bytes_held == 8 * image and arena.alloc(image) is None
+    plain = HostArena(8 * image, pinned=False, unit=MiB, chunk_bytes=1 << 30)  # no granule: tails are lost
+    assert sum(plain.alloc(image) is not None for _ in range(8)) < 8
