@@ -3,8 +3,9 @@
 disk -> host (files in the page cache):
   ``plain``   a plain sequential read of each whole weight file into a reused buffer (``preadv``): the bound;
   ``ours``    ``read_image`` (``runtime/adapters/image.py``) into host-arena blocks, what the adapter cache's I/O
-              threads run on a host-tier miss (lora_A read straight into the image, lora_B transposed, one finite
-              check); the same files, the same number of threads;
+              threads run on a host-tier miss (lora_A read straight into the image, lora_B transposed, each tensor
+              checked finite); the same files, the same number of threads; ``ours_verified``: the same for a file
+              version the cache has read before (its reloads after an eviction), which skips the finite checks;
   ``cache``   the adapter cache itself: ``prefetch`` of every adapter from the disk tier on its 4 I/O threads, the
               files' fingerprints checked before and after each read; its ``stats()`` ``disk_to_host_gbps`` (per
               reader) beside the wall-clock rate;
@@ -85,6 +86,9 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     def ours(i, w):
         read_image(dirs[i], config, pool, name=f"a{i}", out=blocks[w].view(pool.dtype))
 
+    def ours_verified(i, w):  # a re-read of a file version the cache has read before: no finite checks
+        read_image(dirs[i], config, pool, name=f"a{i}", out=blocks[w].view(pool.dtype), verified=True)
+
     def general(i, w):
         read_packed_adapter(dirs[i], config, pool, name=f"a{i}")
 
@@ -92,9 +96,10 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     for fn in (plain, ours):  # warm-up: page cache, scratch buffers, first-touch of the blocks and buffers
         _parallel(max(threads), jobs, fn)
     for nt in threads:
-        rates = {"plain": [], "ours": [], "general": []}
+        rates = {"plain": [], "ours": [], "ours_verified": [], "general": []}
         for _ in range(args.runs):  # interleaved, so drift hits both alike
-            for name, fn in (("plain", plain), ("ours", ours)) + ((("general", general),) if args.general else ()):
+            for name, fn in (("plain", plain), ("ours", ours), ("ours_verified", ours_verified)) + (
+                    (("general", general),) if args.general else ()):
                 rates[name].append(total / _parallel(nt, jobs, fn) / 1e9)
         med = {k: statistics.median(v) for k, v in rates.items() if v}
         for name, gbps in med.items():

@@ -164,8 +164,10 @@ class Engine:
     def _reload_adapter(self, handle: Any, out: torch.Tensor | None = None) -> Any:
         """disk -> host: read a handle's files again straight into its pool image (``runtime.adapters.image``), in
         ``out`` (the host arena block the cache reserved) or a fresh tensor (the cache calls this)."""
+        # a handle that has had a host copy was read, values checked, from these files (its fingerprint is checked
+        # unchanged before and after this read): the finite checks need not run again
         adapter, packed = read_image(handle.path, self.config, self.pool, name=handle.name,
-                                     allow_pickle=handle.allow_pickle, out=out)
+                                     allow_pickle=handle.allow_pickle, out=out, verified=handle.had_host)
         if packed is None:  # rank above the pool's (the files changed): pack's error
             self.pool.check_rank(adapter.max_rank, name=handle.name)
         return packed

@@ -446,3 +446,31 @@ def test_chunks_in_granules_hold_a_budget_of_images_exactly():
     assert all(b is not None for b in blocks) and arena.bytes_held == 8 * image and arena.alloc(image) is None
     plain = HostArena(8 * image, pinned=False, unit=MiB, chunk_bytes=1 << 30)  # no granule: tails are lost
     assert sum(plain.alloc(image) is not None for _ in range(8)) < 8
+
+
+def test_verified_reread_skips_only_the_finite_checks(tiny, tmp_path):
+    """``verified=True`` (the cache's re-read of a file version it has read) gives the same image and skips only
+    the finite checks: so it must be passed only for files whose values were checked before (the engine passes
+    it for a handle that has had a host copy; the handle's fingerprint is checked before and after the read)."""
+    from safetensors.torch import load_file, save_file
+
+    _, dirs, _, _ = tiny
+    engine = _engine(tiny, 1, 0)
+    _, want = read_packed_adapter(dirs[0], engine.config, engine.pool)
+    _, got = read_image(dirs[0], engine.config, engine.pool, verified=True)
+    assert torch.equal(got.data, want.data)
+    bad = tmp_path / "nan"
+    shutil.copytree(dirs[0], bad)
+    t = load_file(str(bad / "adapter_model.safetensors"))
+    k = sorted(t)[0]
+    t[k] = t[k].clone()
+    t[k][0, 0] = float("nan")
+    save_file(t, str(bad / "adapter_model.safetensors"))
+    import os
+    import time
+    os.utime(bad / "adapter_model.safetensors", (time.time() - 1, time.time() - 1))  # settled
+    from multilora.runtime.adapters import AdapterError
+    with pytest.raises(AdapterError, match="non-finite"):
+        read_image(bad, engine.config, engine.pool)
+    assert torch.isnan(read_image(bad, engine.config, engine.pool, verified=True)[1].data).any()
+    engine.cache.close()
