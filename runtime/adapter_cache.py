@@ -550,7 +550,9 @@ class AdapterCache:
         """Make ``handle`` resident (evicting idle adapters LRU first), take a reference, return its slot.
 
         On CUDA the host -> GPU copy runs on the side stream and the current stream is made to wait for it (no
-        host sync): work queued after this call reads the slot only once the copy has landed.
+        host sync): work queued after this call on this thread's stream reads the slot only once the copy has
+        landed; ``ready_event`` stays set, so ``wait_ready`` orders a step's stream too (``pin`` from another
+        thread).
 
         Raises:
             PoolFullError: it does not fit even after evicting every idle adapter (nothing changes).
@@ -574,9 +576,8 @@ class AdapterCache:
                 self.stats.gpu_misses += 1
                 self._evict_until_fits(handle, victims)
                 handle.slot = self._to_gpu(handle, packed)
-                if handle.ready_event is not None:
+                if handle.ready_event is not None:  # kept too: a step's wait_ready waits on it from its own thread
                     torch.cuda.current_stream(self.pool.device).wait_event(handle.ready_event)
-                    handle.ready_event = None
                 self._gpu_lru[id(handle)] = handle
                 self._enforce_host_budget()
             handle.refcount += 1
