@@ -1,32 +1,39 @@
-"""Disk -> host adapter reload speed: read + validate + pack one PEFT adapter into pool pages (CPU only).
+"""Tier moves of adapter images, ours against the bounds measured beside them, in one run (issue 13, item 4).
 
-This is what the adapter cache's I/O threads run for every host-tier miss (``Engine._reload_adapter``) and
-what ``Engine.load_adapter(preload=True)`` runs at registration: with this branch
-``multilora.runtime.adapters.read_packed_adapter`` (file dtype kept, finiteness checked in it, rows copied
-straight into the page image); ``--path legacy`` times the public route instead, ``load_peft_adapter``
-(float32 copies) then ``AdapterPool.pack``. On a tree without ``read_packed_adapter`` (before this branch)
-the fast path falls back to the legacy route, so the same command gives the before / after numbers.
+disk -> host (files in the page cache):
+  ``plain``   a plain sequential read of each whole weight file into a reused buffer (``preadv``): the bound;
+  ``ours``    ``read_image`` (``runtime/adapters/image.py``) into host-arena blocks, what the adapter cache's I/O
+              threads run on a host-tier miss (lora_A read straight into the image, lora_B transposed, each tensor
+              checked finite); the same files, the same number of threads; ``ours_verified``: the same for a file
+              version the cache has read before (its reloads after an eviction), which skips the finite checks;
+  ``cache``   the adapter cache itself: ``prefetch`` of every adapter from the disk tier on its 4 I/O threads, the
+              files' fingerprints checked before and after each read; its ``stats()`` ``disk_to_host_gbps`` (per
+              reader) beside the wall-clock rate;
+  ``general`` (``--general``) the general path, ``read_packed_adapter`` into a fresh image (the reload before).
+host -> GPU (CUDA only):
+  ``raw``     one ``copy_(non_blocking=True)`` per image from pinned memory (a torch pinned tensor and the arena's
+              blocks) into a device buffer on a side stream, timed with CUDA events: the bound;
+  ``ours``    the cache's ``prefetch`` of every adapter from the host tier into the pool: one ``cudaMemcpyAsync`` per
+              image on the side stream, each timed with CUDA events (``stats()`` ``host_to_gpu_gbps``), and the wall
+              time from the first copy queued to the last landed;
+  ``overlap`` the same while the compute stream runs a bf16 GEMM loop: the copies' GB/s and the GEMMs' slowdown.
 
-    python bench/bench_adapter_load.py                                   # Llama-3-8B, r=16, bf16 -> bf16
-    python bench/bench_adapter_load.py --file-dtype float32 --pool-dtype bfloat16,float32
-    python bench/bench_adapter_load.py --threads 1,2,4 --torch-threads 1
-    python bench/bench_adapter_load.py --pool-device cuda --threads 1,4        # GPU host: pinned page images
+Goals (issue 13): disk -> host >= 70% of ``plain``; host -> GPU >= 80% of ``raw``. GB = 1e9 bytes; every rate
+counts the same bytes: the weight files' for disk -> host, the images' for host -> GPU (equal for Llama shapes,
+whose modules fill whole pages). Results: ``--out``/``adapter_moves_<shape>.json`` (one object per measurement,
+with the device, versions and shapes) and a table on stdout.
 
-The adapter files are written once (``bench/_common.py``'s writer, kept in ``--adapter-dir``) and are in
-the page cache when timed: the numbers are the CPU cost of the path (what limited the H200 host), not disk
-bandwidth. MB/s counts the adapter's weight bytes in the file's dtype (84 MB for Llama-3-8B r=16 bf16), over
-the wall time of ``--loads`` loads per thread; the median of ``--runs`` runs is printed. The page image
-is fresh memory each time (as in the engine), so on a CPU pool its page faults are part of the cost
-(``THP_MEM_ALLOC_ENABLE=1`` makes torch back large CPU tensors with huge pages); with ``--pool-device cuda``
-it is pinned memory from torch's caching host allocator, which the timed loads reuse (each image is dropped
-after its load, as an evicted host copy is in a serving engine); the first allocation (``cudaHostAlloc``
-of the size rounded up to a power of two) is timed separately.
+    python bench/bench_adapter_load.py --out bench/results                  # H200: Llama-3-8B r=16 bf16, ~1 min
+    python bench/bench_adapter_load.py --shape tiny --adapters 4 --threads 1  # CPU smoke run
+    python bench/bench_adapter_load.py --file-dtype float32 --general        # a converting read; the old path too
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -36,92 +43,245 @@ from pathlib import Path
 
 import torch
 
-from multilora.memory.pool import AdapterPool
-from multilora.runtime.adapters import load_peft_adapter
 from multilora.config import ModelConfig
+from multilora.memory.host_arena import HostArena
+from multilora.memory.pool import AdapterPool, host_footprint
+from multilora.runtime.adapter_cache import AdapterCache
+from multilora.runtime.adapters import read_packed_adapter
+from multilora.runtime.adapters.disk import OpenFile
+from multilora.runtime.adapters.image import read_image
+from multilora.runtime.adapters.load import load_peft_adapter
 from multilora.runtime.weights import MODEL_SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_common.py, also under ``python -P``
-from _common import adapter_bytes, write_adapter  # noqa: E402
-
-try:  # the fast path (the engine's reload / preload)
-    from multilora.runtime.adapters import read_packed_adapter
-except ImportError:
-    try:  # a tree where it lived in the engine
-        from multilora.runtime.engine import read_packed_adapter
-    except ImportError:  # an older tree: the engine packed load_peft_adapter's float32 copies
-        read_packed_adapter = None
+from _common import write_adapter  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+WEIGHTS = "adapter_model.safetensors"
 
 
-def legacy(path: Path, config: ModelConfig, pool: AdapterPool, name: str):
-    return pool.pack(load_peft_adapter(path, config, name=name))
+def _parallel(threads: int, jobs: list, fn) -> float:
+    """Run ``fn(job, worker)`` for every job on ``threads`` threads (job i on worker i % threads); wall seconds."""
+    per = [jobs[w::threads] for w in range(threads)]
+    with ThreadPoolExecutor(threads) as ex:
+        t0 = time.perf_counter()
+        list(ex.map(lambda w: [fn(j, w) for j in per[w]], range(threads)))
+        return time.perf_counter() - t0
 
 
-def fast(path: Path, config: ModelConfig, pool: AdapterPool, name: str):
-    if read_packed_adapter is None:
-        return legacy(path, config, pool, name)
-    return read_packed_adapter(path, config, pool, name=name)[1]
+def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
+    rows = []
+    image_bytes = pool.bytes_needed(load_peft_adapter(dirs[0], config, header_only=True))
+    arena = HostArena(None, pinned=pool.device.type == "cuda", unit=pool.page_bytes,
+                      chunk_bytes=max(1 << 30, image_bytes), granule=image_bytes)
+    blocks = [arena.alloc(image_bytes) for _ in range(max(threads))]  # one per worker, reused: the cache reuses
+    total = sum(file_bytes)
+    bufs = [torch.empty(max(file_bytes), dtype=torch.uint8) for _ in range(max(threads))]
+
+    def plain(i, w):
+        with OpenFile(dirs[i] / WEIGHTS) as f:
+            f.read_into(memoryview(bufs[w].numpy())[: f.size], 0)
+            f.check_unchanged()
+
+    def ours(i, w):
+        read_image(dirs[i], config, pool, name=f"a{i}", out=blocks[w].view(pool.dtype))
+
+    def ours_verified(i, w):  # a re-read of a file version the cache has read before: no finite checks
+        read_image(dirs[i], config, pool, name=f"a{i}", out=blocks[w].view(pool.dtype), verified=True)
+
+    def general(i, w):
+        read_packed_adapter(dirs[i], config, pool, name=f"a{i}")
+
+    jobs = list(range(len(dirs)))
+    for fn in (plain, ours):  # warm-up: page cache, scratch buffers, first-touch of the blocks and buffers
+        _parallel(max(threads), jobs, fn)
+    for nt in threads:
+        rates = {"plain": [], "ours": [], "ours_verified": [], "general": []}
+        for _ in range(args.runs):  # interleaved, so drift hits both alike
+            for name, fn in (("plain", plain), ("ours", ours), ("ours_verified", ours_verified)) + (
+                    (("general", general),) if args.general else ()):
+                rates[name].append(total / _parallel(nt, jobs, fn) / 1e9)
+        med = {k: statistics.median(v) for k, v in rates.items() if v}
+        for name, gbps in med.items():
+            rows.append({"move": "disk_to_host", "provider": name, "threads": nt, "gbps": gbps,
+                         "runs_gbps": rates[name], "bytes_per_run": total,
+                         "vs_plain": gbps / med["plain"]})
+    return rows
+
+
+def through_cache(args, config, pool, dirs, image_bytes, file_bytes) -> tuple[list[dict], AdapterCache]:
+    """The adapter cache: every adapter read from the disk tier by prefetch (I/O threads), then (CUDA) copied to
+    the pool by prefetch (side stream), alone and under a GEMM loop."""
+    n = len(dirs)
+
+    def reload(handle, out):
+        return read_image(handle.path, config, pool, name=handle.name, out=out)[1]
+
+    cache = AdapterCache(pool, host_bytes=n * image_bytes, reload=reload)
+    meta = load_peft_adapter(dirs[0], config, header_only=True)
+    handles = [cache.add(f"a{i}", None, path=d, allow_pickle=False, summary="", max_rank=meta.max_rank,
+                         pool_bytes=image_bytes) for i, d in enumerate(dirs)]
+    rows = []
+    t0 = time.perf_counter()
+    while any(h.host is None for h in handles):  # reads on the I/O threads; the pool is full: no GPU copies yet
+        cache.prefetch([h for h in handles if h.host is None], wanted=set())
+        time.sleep(0.001)
+    wall = time.perf_counter() - t0
+    s = cache.report()
+    rows.append({"move": "disk_to_host", "provider": "cache", "threads": 4, "gbps": sum(file_bytes) / wall / 1e9,
+                 "bytes_per_run": sum(file_bytes), "stats_disk_to_host_gbps": s["disk_to_host_gbps"],
+                 "stats_disk_to_host_seconds": s["disk_to_host_seconds"], "stats_bytes_disk_to_host": s["bytes_disk_to_host"]})
+    return rows, cache
+
+
+def host_to_gpu(args, cache: AdapterCache, image_bytes) -> list[dict]:
+    pool = cache.pool
+    handles = cache.handles()
+    n = len(handles)
+    side = torch.cuda.Stream()
+    dst = torch.empty(image_bytes, dtype=torch.uint8, device=pool.device)
+    pinned = torch.empty(image_bytes, dtype=torch.uint8, pin_memory=True)
+
+    def raw(sources) -> float:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            begin.record(side)
+            for src in sources:
+                dst.copy_(src, non_blocking=True)
+            end.record(side)
+        end.synchronize()
+        return len(sources) * image_bytes / (begin.elapsed_time(end) / 1e3) / 1e9
+
+    arena_views = [h.host.block.bytes() for h in handles]
+    raw(arena_views)  # warm-up
+    raw_torch = statistics.median(raw([pinned] * n) for _ in range(args.runs))
+    raw_arena = statistics.median(raw(arena_views) for _ in range(args.runs))
+    rows = [{"move": "host_to_gpu", "provider": "raw_torch_pinned", "gbps": raw_torch, "bytes_per_run": n * image_bytes,
+             "pinned_bytes_torch_would_hold": host_footprint(image_bytes, True)},
+            {"move": "host_to_gpu", "provider": "raw_arena", "gbps": raw_arena, "bytes_per_run": n * image_bytes,
+             "vs_raw": raw_arena / raw_torch}]
+
+    def evict_all():  # (the cache has no public eviction call: its lock and its own eviction step)
+        with cache._lock:
+            for h in list(handles):
+                if h.slot is not None:
+                    cache._drop_from_pool(h)
+        torch.cuda.synchronize()
+
+    def ours(compute=None) -> tuple[float, float, float | None]:
+        evict_all()
+        before = cache.report()
+        gemm_s = None
+        t0 = time.perf_counter()
+        if compute is not None:
+            gemm_s = compute()  # queued on the compute stream, not waited for
+        cache.prefetch(handles, wanted=set())
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        after = cache.report()
+        timed = after["host_to_gpu_timed_bytes"] - before["host_to_gpu_timed_bytes"]
+        secs = after["host_to_gpu_seconds"] - before["host_to_gpu_seconds"]
+        assert after["host_to_gpu_copies"] - before["host_to_gpu_copies"] == n, "every adapter copied once"
+        return timed / secs / 1e9, n * image_bytes / wall / 1e9, gemm_s
+
+    ours()  # warm-up
+    runs = [ours() for _ in range(args.runs)]
+    ev_gbps = statistics.median(r[0] for r in runs)
+    rows.append({"move": "host_to_gpu", "provider": "ours", "gbps": ev_gbps,
+                 "wall_gbps": statistics.median(r[1] for r in runs), "bytes_per_run": n * image_bytes,
+                 "vs_raw": ev_gbps / raw_torch, "copies_per_run": n})
+
+    a = torch.randn(8192, 8192, device=pool.device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=pool.device, dtype=torch.bfloat16)
+    reps = max(1, int(args.gemm_ms / 1.2))  # ~1.2 ms per 8192^3 bf16 GEMM on an H200
+
+    def gemms():
+        for _ in range(reps):
+            a @ b
+
+    def timed_gemms() -> float:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        gemms()
+        end.record()
+        timed_gemms.events = (begin, end)
+        return 0.0
+
+    gemms()
+    torch.cuda.synchronize()
+    alone = []
+    for _ in range(args.runs):
+        timed_gemms()
+        torch.cuda.synchronize()
+        alone.append(timed_gemms.events[0].elapsed_time(timed_gemms.events[1]))
+    over = []
+    for _ in range(args.runs):
+        g, w, _ = ours(timed_gemms)
+        over.append((g, w, timed_gemms.events[0].elapsed_time(timed_gemms.events[1])))
+    rows.append({"move": "host_to_gpu", "provider": "ours_under_gemm", "gbps": statistics.median(o[0] for o in over),
+                 "bytes_per_run": n * image_bytes,
+                 "vs_raw": statistics.median(o[0] for o in over) / raw_torch,
+                 "gemm_ms_alone": statistics.median(alone), "gemm_ms_with_copies": statistics.median(o[2] for o in over)})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(MODEL_SHAPES))
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--file-dtype", default="bfloat16", help="comma list of " + ", ".join(DTYPES))
-    ap.add_argument("--pool-dtype", default="bfloat16", help="comma list of " + ", ".join(DTYPES))
-    ap.add_argument("--threads", default="1,2", help="comma list of loader thread counts (the cache uses 4)")
-    ap.add_argument("--torch-threads", type=int, default=1, help="torch.set_num_threads (intra-op threads)")
-    ap.add_argument("--loads", type=int, default=3, help="loads per thread per run")
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--path", choices=("fast", "legacy"), default="fast")
-    ap.add_argument("--pool-device", default="cpu", help="cpu, or cuda: page images in pinned host memory")
+    ap.add_argument("--adapters", type=int, default=8, help="distinct adapter files (84 MB each for the default)")
+    ap.add_argument("--file-dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--pool-dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--threads", default="1,4", help="comma list of reader threads (the cache uses 4)")
+    ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported")
+    ap.add_argument("--general", action="store_true", help="also time read_packed_adapter (the reload before)")
+    ap.add_argument("--gemm-ms", type=float, default=300.0, help="length of the compute loop of the overlap run")
+    ap.add_argument("--pool-device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--adapter-dir", type=Path, default=Path(tempfile.gettempdir()) / "multilora-bench-adapter-load")
+    ap.add_argument("--out", type=Path, default=None, help="directory for adapter_moves_<shape>.json")
     args = ap.parse_args(argv)
 
-    torch.set_num_threads(args.torch_threads)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     config = ModelConfig(**MODEL_SHAPES[args.shape])
+    fdt, pdt = DTYPES[args.file_dtype], DTYPES[args.pool_dtype]
     threads = [int(t) for t in args.threads.split(",")]
-    fn = fast if args.path == "fast" else legacy
-    route = "legacy" if args.path == "legacy" or read_packed_adapter is None else "fast"
-    print(f"# {args.shape} r={args.rank} all 7 projections; torch {torch.__version__}, torch threads "
-          f"{torch.get_num_threads()}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}; path {route}",
-          flush=True)
-    for fdt_name in args.file_dtype.split(","):
-        fdt = DTYPES[fdt_name]
-        nbytes = adapter_bytes(config, args.rank, fdt)
-        args.adapter_dir.mkdir(parents=True, exist_ok=True)
-        dirs = [write_adapter(args.adapter_dir / f"{args.shape}-r{args.rank}-{fdt_name}-{i}", config, i, args.rank, fdt)
-                for i in range(max(threads))]
-        for pdt_name in args.pool_dtype.split(","):
-            pool = AdapterPool(config, num_bytes=1 << 20, max_rank=args.rank, dtype=DTYPES[pdt_name],
-                               device=args.pool_device)
-            image = pool.max_adapter_pages * pool.page_elems  # elements of one rank-r adapter on every module
-            if pool.device.type == "cuda":
-                t0 = time.perf_counter()
-                torch.empty(image, dtype=pool.dtype, pin_memory=True)
-                first = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                torch.empty(image, dtype=pool.dtype, pin_memory=True)
-                print(f"pinned image ({pool.dtype}): first allocation {first * 1e3:.1f} ms, "
-                      f"reused {(time.perf_counter() - t0) * 1e3:.2f} ms", flush=True)
-            fn(dirs[0], config, pool, "warmup")
-            for nt in threads:
-                rates = []
-                for _ in range(args.runs):
-                    def worker(i: int) -> None:
-                        for k in range(args.loads):
-                            fn(dirs[i], config, pool, f"a{i}-{k}")
-                    with ThreadPoolExecutor(nt) as ex:
-                        t0 = time.perf_counter()
-                        list(ex.map(worker, range(nt)))
-                        dt = time.perf_counter() - t0
-                    rates.append(nt * args.loads * nbytes / dt)
-                mbs = statistics.median(rates) / 1e6
-                print(f"file {fdt_name:8s} -> pool {pdt_name:8s} threads {nt}: {mbs:7.0f} MB/s  "
-                      f"({mbs * 1e6 / nbytes:5.1f} adapters/s of {nbytes / 1e6:.0f} MB; runs "
-                      f"{', '.join(f'{r / 1e6:.0f}' for r in rates)})", flush=True)
+    dirs = [write_adapter(args.adapter_dir / f"{args.shape}-r{args.rank}-{args.file_dtype}-{i}", config, i, args.rank,
+                          fdt) for i in range(args.adapters)]
+    file_bytes = [(d / WEIGHTS).stat().st_size for d in dirs]
+    meta = load_peft_adapter(dirs[0], config, header_only=True)
+    probe = AdapterPool(config, num_bytes=1 << 20, max_rank=args.rank, dtype=pdt, device="meta")
+    image_bytes = probe.bytes_needed(meta)
+    # the pool holds every adapter: the host -> GPU runs copy all of them with no eviction in between
+    pool = AdapterPool(config, num_bytes=args.adapters * image_bytes, max_rank=args.rank, max_slots=args.adapters,
+                       dtype=pdt, device=args.pool_device)
+    head = {"device": torch.cuda.get_device_name() if pool.device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "shape": args.shape, "rank": args.rank, "file_dtype": args.file_dtype, "pool_dtype": args.pool_dtype,
+            "adapters": args.adapters, "file_bytes": file_bytes[0], "image_bytes": image_bytes}
+    print(f"# {head}", flush=True)
+    rows = disk_to_host(args, config, pool, dirs, file_bytes, threads)
+    cache_rows, cache = through_cache(args, config, pool, dirs, image_bytes, file_bytes)
+    plain4 = next((r["gbps"] for r in rows if r["provider"] == "plain" and r["threads"] == 4), None)
+    for r in cache_rows:
+        r["vs_plain"] = r["gbps"] / plain4 if plain4 else None
+    rows += cache_rows
+    if pool.device.type == "cuda":
+        rows += host_to_gpu(args, cache, image_bytes)
+    cache.close()
+    rows = [{**head, **r} for r in rows]
+    for r in rows:
+        extra = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+                 if k not in head and k not in ("move", "provider", "gbps", "runs_gbps")}
+        print(f"{r['move']:13s} {r['provider']:17s} {r['gbps']:7.2f} GB/s  {extra}", flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"adapter_moves_{args.shape}.json"
+        path.write_text(json.dumps(rows, indent=1))
+        print(f"wrote {path}")
     return 0
 
 

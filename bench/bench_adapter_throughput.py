@@ -50,6 +50,18 @@ def popularity(kind: str, n: int, k: int, g: torch.Generator) -> list[int]:
     return torch.multinomial(w / w.sum(), k, replacement=True, generator=g).tolist()
 
 
+def move_rates(before: dict, after: dict) -> dict:
+    """GB/s of each tier move over a row, from the deltas of ``stats()``'s bytes and seconds (None: no move)."""
+    out = {}
+    for move, nbytes in (("host_to_gpu", "host_to_gpu_timed_bytes"), ("disk_to_host", "bytes_disk_to_host"),
+                         ("gpu_to_host", "bytes_gpu_to_host")):
+        if f"{move}_seconds" not in after:  # a tree before the tier-move stats
+            continue
+        b, t = after[nbytes] - before[nbytes], after[f"{move}_seconds"] - before[f"{move}_seconds"]
+        out[f"{move}_gbps"] = b / t / 1e9 if t > 0 else None
+    return out
+
+
 def run_once(engine: Engine, prompts, names, gen: int) -> tuple[float, int]:
     t0 = time.perf_counter()
     outs = engine.generate(prompts, adapters=names, sampling=SamplingParams(max_tokens=gen, ignore_eos=True))
@@ -139,7 +151,8 @@ def main() -> None:
                        "prefetch_hit_rate": (after["prefetch_hits"] - before["prefetch_hits"]) / max(1, loads),
                        "queue_wait_s_total": after["queue_wait_seconds_total"] - before["queue_wait_seconds_total"],
                        "queue_wait_s_max": after["queue_wait_seconds_max"],
-                       "gpu_evictions": after["gpu_evictions"] - before["gpu_evictions"]}
+                       "gpu_evictions": after["gpu_evictions"] - before["gpu_evictions"],
+                       **move_rates(before, after)}
                 rows.append(row)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k not in meta}),
                       flush=True)

@@ -319,6 +319,15 @@ def summarize(results: list[Result], wall: float, offered: float, before: dict |
         row[f"{k}_per_s"] = v / span if v is not None and span > 0 else None
     row["pool_hit_rate"] = rate("gpu_hits", "gpu_misses")
     row["host_hit_rate"] = rate("host_hits", "host_misses")
+    # GB/s of each tier move over the row, from the stats' bytes and seconds (runtime/adapter_cache.py report())
+    for move, nbytes in (("host_to_gpu", "host_to_gpu_timed_bytes"), ("disk_to_host", "bytes_disk_to_host"),
+                         ("gpu_to_host", "bytes_gpu_to_host")):
+        secs = f"{move}_seconds"
+        if before is None or secs not in after:
+            row[f"{move}_gbps"] = None
+            continue
+        t = after[secs] - before[secs]
+        row[f"{move}_gbps"] = (after[nbytes] - before[nbytes]) / t / 1e9 if t > 0 else None
     errors = sorted({r.error for r in results if r.error})[:3]
     if errors:
         row["errors"] = errors

@@ -798,6 +798,11 @@ def compute_memory_plan(snapshot: MemorySnapshot, options: MemoryPlanOptions | N
         notes += _explicit_host_tier_notes(view, snapshot, o.host_tier_bytes)
     elif view.kind == "discrete":
         host = _discrete_host_tier(view, snapshot, o)
+        if host.source == MEMLOCK:
+            notes += (f"the automatic host tier is bound by 0.8 x RLIMIT_MEMLOCK ({snapshot.rlimit_memlock_bytes} B): "
+                      f"{host.value} B holds few adapters (a Llama-3-8B rank-16 one is 84 MB); raise the limit "
+                      "(ulimit -l) or give the host tier explicitly (host_adapter_bytes, --host-adapter-bytes: "
+                      "honoured beyond it)",)
     else:
         host = _shared_host_tier(view, quota, o)
     return MemoryPlan(

@@ -66,7 +66,6 @@ reference to the source tensors.
 
 from __future__ import annotations
 
-import bisect
 import threading
 from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
@@ -76,6 +75,7 @@ import torch
 
 from multilora.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
 from multilora.kernels.lora import LoRAModuleView
+from multilora.memory.extents import Extents, move_down
 
 #: Elements per page: the allocation unit and the alignment of every (layer, module) region.
 PAGE_ELEMS = 64
@@ -144,10 +144,11 @@ def max_adapter_pages(config: ModelConfig, max_rank: int) -> int:
 class PackedAdapter:
     """An adapter laid out as its pool image, ready to copy in (the host tier's format).
 
-    ``data``: the image (module docstring), 1-D ``[num_pages * PAGE_ELEMS]`` in the pool dtype, on the CPU
-    (pinned when the pool is on CUDA, so the host -> GPU copy is one asynchronous copy); ``ranks`` int32 /
-    ``scalings`` float32 / ``offsets`` int64 (A's element offset relative to the image start; 0 where the rank
-    is 0) ``[num_layers, 7]``.
+    ``data``: the image (module docstring), 1-D ``[num_pages * PAGE_ELEMS]`` in the pool dtype, on the CPU: in
+    the host tier, a view of its ``block`` of the host arena (``multilora.memory.host_arena``: pinned when the
+    pool is on CUDA, so the host -> GPU copy is one asynchronous ``cudaMemcpyAsync``; re-pointed by the arena
+    when a compaction moves the block), else an ordinary tensor; ``ranks`` int32 / ``scalings`` float32 /
+    ``offsets`` int64 (A's element offset relative to the image start; 0 where the rank is 0) ``[num_layers, 7]``.
     """
 
     data: torch.Tensor
@@ -156,6 +157,7 @@ class PackedAdapter:
     offsets: torch.Tensor
     max_rank: int
     name: str | None = None
+    block: Any = None  # the host arena's block holding ``data`` (``multilora.memory.host_arena``), if any
 
     @property
     def num_pages(self) -> int:
@@ -168,9 +170,11 @@ class PackedAdapter:
 
     @property
     def footprint(self) -> int:
-        """Host bytes the image holds (``host_footprint``: ``nbytes`` rounded up to a power of two when pinned):
-        what the host tier's byte budget counts."""
-        return host_footprint(self.nbytes, self.data.is_pinned())
+        """Host bytes the image holds, what the host tier's byte budget counts: its arena block's bytes
+        (``HostBlock.held_bytes``: exactly ``nbytes`` with the engine's unit of one page) when it lives in the
+        host arena, else ``nbytes`` (an ordinary tensor; for one from torch's pinned allocator see
+        ``host_footprint``)."""
+        return self.block.held_bytes if self.block is not None else self.nbytes
 
 
 class PagePacker:
@@ -178,19 +182,26 @@ class PagePacker:
     tensors: one copy for A and one for B^T per module. Sources may have any floating dtype; each value is rounded
     once, to the pool dtype.
 
-    The image is sized from the per-module ranks given up front, allocated uninitialised (pinned when the pool is
-    on CUDA) and every element is written once: the module's rows, then zeros up to its page boundary, so the
+    The image is sized from the per-module ranks given up front, allocated uninitialised (ordinary pageable
+    memory; or ``out``, e.g. a block of the pinned host arena) and every element is written once: the module's rows, then zeros up to its page boundary, so the
     result equals ``torch.zeros`` + copies bit for bit without a zero-fill pass. ``finish`` refuses an image with
     a declared module never ``put``. The copies are torch ops (they release the GIL). Not thread-safe; one packer
     per adapter (packers of one pool may run in parallel threads).
     """
 
-    def __init__(self, pool: "AdapterPool", ranks: Mapping[tuple[int, str], int], name: str | None) -> None:
+    def __init__(self, pool: "AdapterPool", ranks: Mapping[tuple[int, str], int], name: str | None,
+                 out: torch.Tensor | None = None) -> None:
         self.pool = pool
         self.name = name
         self._ranks = dict(ranks)
         self._offsets, pages = image_layout(pool.config, self._ranks)
-        self.data = torch.empty(pages * PAGE_ELEMS, dtype=pool.dtype, pin_memory=pool.device.type == "cuda")
+        if out is None:
+            self.data = torch.empty(pages * PAGE_ELEMS, dtype=pool.dtype)
+        elif out.dtype != pool.dtype or out.dim() != 1 or out.numel() != pages * PAGE_ELEMS or out.device.type != "cpu":
+            raise ValueError(f"adapter {name!r}: out must be a 1-D CPU {pool.dtype} tensor of {pages * PAGE_ELEMS} "
+                             f"elements (its image), got {out.dtype} {tuple(out.shape)} on {out.device}")
+        else:
+            self.data = out
         nl, nm = pool.config.num_layers, len(TARGET_MODULES)
         self.ranks = torch.zeros(nl, nm, dtype=torch.int32)
         self.scalings = torch.zeros(nl, nm, dtype=torch.float32)
@@ -232,6 +243,32 @@ class PagePacker:
         self.ranks[layer, mi] = r
         self.scalings[layer, mi] = float(scaling)
         self.offsets[layer, mi] = oa
+
+    def regions(self, layer: int, module: str, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Declare (layer, module) written by the caller instead of ``put``: the views ``(A [r, d_in], B^T
+        [r, d_out])`` of the image that the caller must fill, every element, before ``finish`` (a reader that
+        writes file bytes straight into the image); the padding up to the page boundary is zeroed here and the
+        rank, scaling and offset recorded.
+
+        Raises:
+            ValueError: a module not declared, or one put (or given out) twice.
+        """
+        r = self._ranks.get((layer, module))
+        if r is None:
+            raise ValueError(f"adapter {self.name!r}: {module} of layer {layer} was not declared to the packer")
+        if (layer, module) in self._written:
+            raise ValueError(f"adapter {self.name!r}: {module} of layer {layer} packed twice")
+        self._written.add((layer, module))
+        d_in, d_out = self.pool.config.module_shape(module)
+        oa = self._offsets[(layer, module)]
+        ob = oa + r * d_in
+        end = ob + r * d_out
+        self.data[end : oa + _pages(end - oa) * PAGE_ELEMS].zero_()
+        mi = MODULE_INDEX[module]
+        self.ranks[layer, mi] = r
+        self.scalings[layer, mi] = float(scaling)
+        self.offsets[layer, mi] = oa
+        return self.data[oa:ob].view(r, d_in), self.data[ob:end].view(r, d_out)
 
     def finish(self) -> PackedAdapter:
         """The image, once every declared module was ``put``.
@@ -329,7 +366,7 @@ class AdapterPool:
         self.offsets_b = torch.zeros(nl, nm, max_slots, dtype=torch.int64, device=self.device)
         self._d_in = torch.tensor([config.module_shape(m)[0] for m in TARGET_MODULES], dtype=torch.int64)
 
-        self._holes: list[list[int]] = [[0, self.num_pages]]  # [start, pages], sorted by start, never adjacent
+        self._space = Extents(self.num_pages)  # the free runs of pages (first fit; memory/extents.py)
         self._free_slots: list[int] = list(range(max_slots - 1, -1, -1))  # pop() gives low slots first
         self._extents: dict[int, tuple[int, int]] = {}  # slot -> (first page, pages)
         self._meta: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> host (ranks, relative offsets)
@@ -351,7 +388,7 @@ class AdapterPool:
 
     @property
     def pages_free(self) -> int:
-        return sum(n for _, n in self._holes)
+        return self._space.free_units
 
     @property
     def pages_used(self) -> int:
@@ -368,7 +405,7 @@ class AdapterPool:
     @property
     def largest_hole_pages(self) -> int:
         """The largest run of free pages (what a load can take without compacting)."""
-        return max((n for _, n in self._holes), default=0)
+        return self._space.largest_hole
 
     @property
     def slots_used(self) -> int:
@@ -380,7 +417,7 @@ class AdapterPool:
 
     def holes(self) -> list[tuple[int, int]]:
         """The free runs ``(first page, pages)``, by address."""
-        return [(s, n) for s, n in self._holes]
+        return self._space.holes()
 
     def resident_slots(self) -> list[int]:
         return sorted(self._extents)
@@ -438,58 +475,35 @@ class AdapterPool:
         if max_rank > self.max_rank:
             raise ValueError(f"adapter {name!r}: rank {max_rank} exceeds the pool's max_rank {self.max_rank}")
 
-    def packer(self, ranks: Mapping[tuple[int, str], int], *, name: str | None = None) -> PagePacker:
+    def packer(self, ranks: Mapping[tuple[int, str], int], *, name: str | None = None,
+               out: torch.Tensor | None = None) -> PagePacker:
         """A :class:`PagePacker` for an adapter with these per-(layer, module) ranks (what ``pack`` uses;
-        ``load_peft_adapter_into`` streams a file's modules into one).
+        ``load_peft_adapter_into`` streams a file's modules into one); ``out``: the 1-D CPU tensor of the pool
+        dtype to write the image into (default: a fresh one).
 
         Raises:
-            ValueError: a rank above the pool's ``max_rank`` or below 1, or an unknown layer or module.
+            ValueError: a rank above the pool's ``max_rank`` or below 1, an unknown layer or module, or an
+                ``out`` that is not exactly the image's size and dtype.
         """
         self.check_rank(max(ranks.values(), default=0), name)
         for (layer, module), r in ranks.items():
             if module not in MODULE_INDEX or not 0 <= layer < self.config.num_layers or r < 1:
                 raise ValueError(f"adapter {name!r}: no ({layer}, {module!r}) of rank {r} in this model's pool")
-        return PagePacker(self, ranks, name)
+        return PagePacker(self, ranks, name, out)
 
     # ------------------------------------------------------------------ allocation
     def _take(self, pages: int) -> int | None:
         """First fit: the first page of a run of ``pages`` free pages, removed from the holes; None if no hole fits."""
-        for i, (start, n) in enumerate(self._holes):
-            if n >= pages:
-                if n == pages:
-                    del self._holes[i]
-                else:
-                    self._holes[i] = [start + pages, n - pages]
-                return start
-        return None
+        return self._space.take(pages)
 
     def _give(self, start: int, pages: int) -> None:
         """Return pages ``[start, start + pages)`` to the holes, merged with adjacent ones."""
-        if pages == 0:
-            return
-        i = bisect.bisect_left(self._holes, [start, 0])
-        if i > 0 and self._holes[i - 1][0] + self._holes[i - 1][1] == start:
-            i -= 1
-            self._holes[i][1] += pages
-        else:
-            self._holes.insert(i, [start, pages])
-        if i + 1 < len(self._holes) and self._holes[i][0] + self._holes[i][1] == self._holes[i + 1][0]:
-            self._holes[i][1] += self._holes.pop(i + 1)[1]
+        self._space.give(start, pages)
 
     def _move(self, dst: int, src: int, n: int) -> None:
-        """Copy elements ``[src, src + n)`` to ``[dst, dst + n)`` with ``dst < src`` on the current stream, in
-        pieces that never overlap (each piece's source lies past its destination and later pieces read only
-        elements no earlier piece wrote); at most 8 pieces, else through one temporary copy of the source."""
-        gap = src - dst
-        buf = self.buffer
-        if gap >= n:
-            buf[dst : dst + n].copy_(buf[src : src + n])
-        elif -(-n // gap) <= 8:
-            for k in range(0, n, gap):
-                m = min(gap, n - k)
-                buf[dst + k : dst + k + m].copy_(buf[src + k : src + k + m])
-        else:
-            buf[dst : dst + n].copy_(buf[src : src + n].clone())
+        """Copy elements ``[src, src + n)`` of the buffer to ``[dst, dst + n)``, ``dst < src``, on the current
+        stream (``multilora.memory.extents.move_down``: overlap-safe pieces)."""
+        move_down(self.buffer, dst, src, n)
 
     def compact(self) -> int:
         """Slide every live extent down to the lowest free page (address order), rewriting the moved slots' offsets
@@ -501,24 +515,21 @@ class AdapterPool:
             for ev in self._pending.values():
                 self.order.wait(ev)
             self._pending.clear()
-            cursor = moved = 0
-            for slot, (start, n) in sorted(self._extents.items(), key=lambda kv: kv[1][0]):
-                if n == 0:
-                    continue
-                if start != cursor:
-                    self._move(cursor * PAGE_ELEMS, start * PAGE_ELEMS, n * PAGE_ELEMS)
-                    self._extents[slot] = (cursor, n)
-                    self._write_offsets(slot)
-                    moved += n
-                cursor += n
-            self._holes = [[cursor, self.num_pages - cursor]] if cursor < self.num_pages else []
+            moved = 0
+            for slot, old, new, n in self._space.compact((slot, start, n, True)
+                                                         for slot, (start, n) in self._extents.items()):
+                self._move(new * PAGE_ELEMS, old * PAGE_ELEMS, n * PAGE_ELEMS)
+                self._extents[slot] = (new, n)
+                self._write_offsets(slot)
+                moved += n
             self.compactions += 1
             self.bytes_moved += moved * self.page_bytes
             self._last_compaction = self.order.record()
             return moved
 
     # ------------------------------------------------------------------ load / free
-    def load(self, adapter: "AdapterWeights | PackedAdapter", *, stream: Any = None, slot: int | None = None) -> int:
+    def load(self, adapter: "AdapterWeights | PackedAdapter", *, stream: Any = None, timer: Any = None,
+             slot: int | None = None) -> int:
         """Copy an adapter's image into an extent (compacting first if no hole fits but the free pages do);
         return its slot.
 
@@ -527,6 +538,8 @@ class AdapterPool:
             slot: a free slot to use (a tensor-parallel worker mirrors rank 0's slots); None = the lowest free one.
             stream: a CUDA stream for the copy (asynchronous from pinned memory); the caller must make the
                 consuming stream wait for it (``torch.cuda.Event``) before reading the slot.
+            timer: an object whose ``start(stream)`` / ``stop(stream)`` are called just before and after the
+                image's one copy (the adapter cache times host -> GPU copies with CUDA events this way).
 
         Raises:
             ValueError: the adapter's rank exceeds ``max_rank``, or its image is not in the pool's dtype.
@@ -559,18 +572,23 @@ class AdapterPool:
             self._extents[slot] = (start, need)
             self._meta[slot] = (packed.ranks.to(torch.int32).clone(), packed.offsets.to(torch.int64).clone())
             try:
-                self._write(slot, start, packed, stream)
+                self._write(slot, start, packed, stream, timer)
             except BaseException:
                 self.free(slot)
                 raise
         return slot
 
-    def _write(self, slot: int, start: int, packed: PackedAdapter, stream: Any) -> None:
+    def _write(self, slot: int, start: int, packed: PackedAdapter, stream: Any, timer: Any = None) -> None:
         lo = start * PAGE_ELEMS
         if stream is not None:
             self.order.wait(self._last_compaction, stream)  # not before the moves out of these pages
         with self.order.on(stream):
+            if timer is not None:
+                timer.start(stream)
+            # the whole image in one copy: one cudaMemcpyAsync from pinned memory
             self.buffer[lo : lo + packed.data.numel()].copy_(packed.data, non_blocking=stream is not None)
+            if timer is not None:
+                timer.stop(stream)
         if stream is not None:
             self._pending[slot] = self.order.record(stream)
         self.ranks[:, :, slot] = packed.ranks.to(self.device)
@@ -587,14 +605,25 @@ class AdapterPool:
         self.offsets_a[:, :, slot] = a.to(self.device)
         self.offsets_b[:, :, slot] = b.to(self.device)
 
-    def unpack(self, slot: int, name: str | None = None) -> PackedAdapter:
+    def unpack(self, slot: int, name: str | None = None, *, out: torch.Tensor | None = None) -> PackedAdapter:
         """Copy a resident slot's image and metadata back to the host (the inverse of ``load``: loading the result
-        gives the same bits)."""
+        gives the same bits), into ``out`` (a 1-D CPU tensor of the pool dtype and the image's size, e.g. a host
+        arena block) or a fresh tensor. The copy is complete when this returns.
+
+        Raises:
+            ValueError: ``out`` of another size or dtype.
+        """
         with self._lock:
             start, n = self._extents[slot]
             ev = self._pending.get(slot)
             self.order.wait(ev)
-            host = torch.empty(n * PAGE_ELEMS, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+            if out is None:
+                host = torch.empty(n * PAGE_ELEMS, dtype=self.dtype)
+            elif out.dtype != self.dtype or out.dim() != 1 or out.numel() != n * PAGE_ELEMS:
+                raise ValueError(f"unpack: out must be a 1-D {self.dtype} tensor of {n * PAGE_ELEMS} elements, got "
+                                 f"{out.dtype} {tuple(out.shape)}")
+            else:
+                host = out
             host.copy_(self.buffer[start * PAGE_ELEMS : (start + n) * PAGE_ELEMS])
             ranks, rel = self._meta[slot]
             # copies, not views: on a CPU pool .cpu() would alias the metadata that free() / the next load rewrite

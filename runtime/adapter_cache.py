@@ -6,12 +6,15 @@ Tiers
   plays this role). The pool is the only owner of device memory for adapter weights. Fit and eviction count
   bytes (``AdapterHandle.pool_bytes``: the adapter's image, what it occupies in the pool) against the pool's free
   bytes: the pool compacts itself when the free bytes suffice but no hole does, so free bytes are usable bytes.
-- **host**: each adapter as a ``PackedAdapter`` (its image laid out exactly as in the pool, pinned when
-  the pool is on CUDA so host -> GPU copies are asynchronous), bounded by ``host_bytes``, counted as the host
-  memory the copies really hold (``PackedAdapter.footprint``: pinned blocks are rounded up to a power of
-  two by torch's caching host allocator, so a budget of B holds fewer than B / nbytes copies). The one copy
-  just added or read back is never dropped to make room, so the budget can be exceeded only while that
-  single copy is all the host tier holds (an adapter larger than the whole budget).
+- **host**: each adapter as a ``PackedAdapter`` (its image laid out exactly as in the pool) in a block of the
+  host arena (``multilora.memory.host_arena``: chunks of host memory mapped once and, when the pool is on CUDA,
+  page-locked with ``cudaHostRegister``, so host -> GPU copies are one asynchronous ``cudaMemcpyAsync`` per
+  adapter), bounded by ``host_bytes``, counted as exactly the bytes the copies hold (no power-of-two rounding:
+  the arena's unit is one pool page). Room is made by dropping host copies LRU first (retired versions first);
+  a chunk whose free bytes suffice but no hole does is compacted (a memcpy, after the copies reading it have
+  landed). The one copy just added or read back is never dropped to make room; one that can never fit the arena
+  (larger than a chunk or the whole budget) is held outside it, alone, so the budget can be exceeded only while
+  that single copy is all the host tier holds.
 - **disk**: the adapter's own files. A host copy dropped from the host tier (or never made:
   ``load_adapter(preload=False)``) is read from them on demand, after checking that the two files the
   adapter is read from (``adapter_config.json`` and its weight file; other files of the directory do not
@@ -34,14 +37,19 @@ reloading or unloading a name never changes the weights of a request already sub
 with its version (from the pool, the host copy, or the files while they are unchanged). Retired versions
 leave the pool when their last request releases them.
 
-Prefetch
---------
-``prefetch(handles)`` is called each step with the adapters of waiting requests: disk -> host loads run
-on a background thread; host -> GPU copies of adapters that fit in free bytes run on a side CUDA stream
-and record an event; ``wait_ready`` makes the compute stream wait on those events (not on the device)
-before a step reads the slots. Compaction is serialised with copies still in flight by the pool itself
-(``multilora.memory.pool``, "Asynchronous loads"): it makes the compute stream wait on every pending side-stream
-copy before moving anything, and later side-stream copies wait on the moves.
+Prefetch and tier moves
+-----------------------
+``prefetch(handles)`` is called each step with the adapters of waiting requests: disk -> host reads run on
+4 background I/O threads, each writing straight into an arena block reserved for it under the lock
+(``runtime.adapters.image.read_image``: no intermediate copy); host -> GPU copies of adapters that fit in free
+bytes run on a side CUDA stream and record an event; ``wait_ready`` makes the compute stream wait on those events
+(not on the device) before a step reads the slots. ``acquire``'s own copy (an adapter not prefetched) also runs on
+the side stream, and the current stream waits on it at once. Every host -> GPU copy is timed with two CUDA events;
+every disk -> host read with the wall clock: ``report()`` gives the GB/s of each move with the bytes and seconds
+it comes from. An arena block is neither moved nor reused while a copy reading it may be in flight (its event
+is noted; a free is deferred until it completes). Compaction of the pool is serialised with copies still in
+flight by the pool itself (``multilora.memory.pool``, "Asynchronous loads"): it makes the compute stream wait on
+every pending side-stream copy before moving anything, and later side-stream copies wait on the moves.
 
 Thread safety: public methods take the cache's lock; ``load_adapter``/``unload_adapter``/``pin_adapter``
 may be called from another thread while the engine steps.
@@ -52,6 +60,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -60,7 +69,8 @@ from typing import Callable
 
 import torch
 
-from multilora.memory.pool import AdapterPool, PackedAdapter, PoolFullError, host_footprint
+from multilora.memory.host_arena import DEFAULT_CHUNK_BYTES, HostArena, HostBlock
+from multilora.memory.pool import AdapterPool, PackedAdapter, PoolFullError
 from multilora.runtime.adapters import AdapterError
 from multilora.runtime.adapters.disk import FileStamp, files_fingerprint
 
@@ -96,6 +106,7 @@ class AdapterHandle:
     retired: bool = False  # unloaded or replaced: no new requests; freed when its requests are done
     ready_event: object | None = None  # torch.cuda.Event of an asynchronous host -> GPU copy
     loading: Future | None = None  # disk -> host load in flight
+    loading_block: HostBlock | None = None  # the arena block that load writes into
     prefetched: bool = False  # made resident by prefetch and not used yet
     had_host: bool = False  # has had a host copy (False: registered on disk and never read since)
     failed: str | None = None  # why it can never be served (a tensor-parallel worker could not read it): acquire raises
@@ -122,6 +133,26 @@ class CacheStats:
     prefetch_host: int = 0
     prefetch_hits: int = 0
     load_failures: int = 0
+    host_to_gpu_copies: int = 0
+    host_to_gpu_timed_bytes: int = 0  # bytes of the copies whose CUDA events have completed (timed)
+    host_to_gpu_seconds: float = 0.0
+    disk_to_host_reads: int = 0
+    disk_to_host_seconds: float = 0.0  # summed over the reads (each on one thread)
+    gpu_to_host_seconds: float = 0.0
+
+
+class _CopyTimer:
+    """Times a host -> GPU copy with two CUDA events on its stream (``AdapterPool.load``'s ``timer``)."""
+
+    def __init__(self) -> None:
+        self.begin = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+
+    def start(self, stream) -> None:
+        self.begin.record(stream)
+
+    def stop(self, stream) -> None:
+        self.end.record(stream)
 
 
 class AdapterCache:
@@ -129,11 +160,17 @@ class AdapterCache:
 
     Args:
         pool: the adapter pool (gpu tier).
-        host_bytes: host-tier budget in bytes (None: unbounded).
-        reload: ``reload(handle) -> PackedAdapter`` reads a handle's files again (disk -> host).
+        host_bytes: host-tier budget in bytes (None: unbounded): the host arena's (``multilora.memory.host_arena``),
+            pinned when the pool is on CUDA.
+        reload: ``reload(handle, out) -> PackedAdapter`` reads a handle's files again (disk -> host), writing the
+            image into ``out`` (a 1-D CPU tensor of the pool dtype and the image's size: an arena block) when it
+            is not None.
+        chunk_bytes: bytes of one chunk of the host arena (default ``DEFAULT_CHUNK_BYTES``, at least one image of
+            the pool's largest adapter).
     """
 
-    def __init__(self, pool: AdapterPool, *, host_bytes: int | None, reload: Callable[[AdapterHandle], PackedAdapter]):
+    def __init__(self, pool: AdapterPool, *, host_bytes: int | None,
+                 reload: Callable[..., PackedAdapter], chunk_bytes: int | None = None):
         self.pool = pool
         self.host_budget = host_bytes
         self._reload = reload
@@ -143,18 +180,24 @@ class AdapterCache:
         self._host_lru: "OrderedDict[int, AdapterHandle]" = OrderedDict()
         self._pinned: set[str] = set()
         self._versions = itertools.count(1)
-        self._stream = torch.cuda.Stream(device=pool.device) if pool.device.type == "cuda" else None
+        self._cuda = pool.device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=pool.device) if self._cuda else None
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="multilora-adapter-io")
+        largest = pool.max_adapter_pages * pool.page_bytes
+        self.arena = HostArena(host_bytes, pinned=self._cuda, unit=pool.page_bytes,
+                               chunk_bytes=max(chunk_bytes or DEFAULT_CHUNK_BYTES, largest), granule=largest)
+        self._timing: list[tuple[_CopyTimer, int]] = []  # host -> GPU copies not timed yet
+        self._orphans: list[AdapterHandle] = []  # forgotten while a disk -> host read was writing their block
         self.stats = CacheStats()
 
     # ------------------------------------------------------------------ registry
     def add(self, name: str, packed: PackedAdapter | None, *, path: Path, allow_pickle: bool, summary: str,
             max_rank: int | None = None, pool_bytes: int | None = None,
             fingerprint: tuple[FileStamp, ...] | None = None) -> AdapterHandle:
-        """Register an adapter under ``name``, retiring any earlier version: packed (host tier), or with
-        ``packed=None`` on the disk tier only (``max_rank`` and ``pool_bytes`` then given; read on first use).
-        ``fingerprint``: the files' stamps as they were read (``LoRAAdapter.files``); default
-        ``files_fingerprint(path)`` now."""
+        """Register an adapter under ``name``, retiring any earlier version: packed (host tier: the image is
+        copied into the host arena), or with ``packed=None`` on the disk tier only (``max_rank`` and ``pool_bytes``
+        then given; read on first use). ``fingerprint``: the files' stamps as they were read
+        (``LoRAAdapter.files``); default ``files_fingerprint(path)`` now."""
         if packed is None and (max_rank is None or pool_bytes is None):
             raise ValueError("AdapterCache.add: an adapter registered on disk (packed=None) needs max_rank and pool_bytes")
         with self._lock:
@@ -170,7 +213,7 @@ class AdapterCache:
             if old is not None:
                 self._retire(old)
             if packed is not None:
-                self._set_host(handle, packed)
+                self._set_host(handle, self._into_arena(packed, keep=handle))
                 self._enforce_host_budget(keep=handle)
             return handle
 
@@ -197,6 +240,8 @@ class AdapterCache:
         self._drop_from_pool(handle)
         if handle.queued == 0:
             self._drop_host(handle)
+            if handle.loading is not None:  # its read still writes into its block: freed once it is done
+                self._orphans.append(handle)
 
     def enqueue(self, handle: AdapterHandle) -> None:
         """A request holding ``handle`` starts waiting (keeps a retired version's host copy)."""
@@ -242,6 +287,8 @@ class AdapterCache:
     # ------------------------------------------------------------------ host tier
     @property
     def host_bytes(self) -> int:
+        """Host bytes the host tier's copies hold: their arena blocks' bytes (exact), plus any copy outside the
+        arena (one larger than a chunk or the budget) at its own size."""
         with self._lock:
             return sum(h.host.footprint for h in self._host_lru.values() if h.host is not None)
 
@@ -252,8 +299,11 @@ class AdapterCache:
         self._host_lru.move_to_end(id(handle))
 
     def _drop_host(self, handle: AdapterHandle) -> None:
-        handle.host = None
+        packed, handle.host = handle.host, None
         self._host_lru.pop(id(handle), None)
+        if packed is not None and packed.block is not None:
+            self.arena.free(packed.block)  # deferred while a host -> GPU copy may still read it
+            packed.block = None
 
     def _enforce_host_budget(self, keep: AdapterHandle | None = None) -> None:
         if self.host_budget is None:
@@ -261,15 +311,57 @@ class AdapterCache:
         over = self.host_bytes - self.host_budget
         if over <= 0:
             return
-        order = [h for h in self._host_lru.values() if h.retired] + [h for h in self._host_lru.values() if not h.retired]
-        for h in order:
+        for h in self._host_victims(keep):
             if over <= 0:
                 break
-            if h is keep or h.host is None:
-                continue
             over -= h.host.footprint
             self._drop_host(h)
             self.stats.host_evictions += 1
+
+    def _host_victims(self, keep: AdapterHandle | None) -> list[AdapterHandle]:
+        """Host copies in the order they leave: retired versions first, then least recently used."""
+        order = [h for h in self._host_lru.values() if h.retired] + [h for h in self._host_lru.values() if not h.retired]
+        return [h for h in order if h is not keep and h.host is not None]
+
+    def _host_block(self, nbytes: int, keep: AdapterHandle | None, *, fixed: bool = False,
+                    spare: set[int] | None = None) -> HostBlock | None:
+        """An arena block of ``nbytes``, dropping host copies (``_host_victims`` order, never ``keep``'s nor those
+        of handles whose ids are in ``spare``) until one fits; None if the image can never fit the arena (larger
+        than a chunk or the budget) or nothing left to drop makes room."""
+        if not self.arena.could_ever_fit(nbytes):
+            return None
+        block = self.arena.alloc(nbytes, fixed=fixed)
+        victims = iter([v for v in self._host_victims(keep) if spare is None or id(v) not in spare])
+        while block is None:
+            victim = next(victims, None)
+            if victim is None:
+                self.arena.settle()  # freed blocks still read by in-flight copies: wait for those copies
+                return self.arena.alloc(nbytes, fixed=fixed)
+            self._drop_host(victim)
+            self.stats.host_evictions += 1
+            block = self.arena.alloc(nbytes, fixed=fixed)
+        return block
+
+    def _adopt(self, packed: PackedAdapter, block: HostBlock) -> PackedAdapter:
+        """``packed`` as the owner of ``block`` (its ``data`` a view of it, re-pointed after a compaction)."""
+        dtype = self.pool.dtype
+        packed.block = block
+
+        def moved(b: HostBlock, p: PackedAdapter = packed) -> None:
+            p.data = b.view(dtype)
+
+        block.on_move = moved
+        return packed
+
+    def _into_arena(self, packed: PackedAdapter, keep: AdapterHandle | None) -> PackedAdapter:
+        """A copy of ``packed`` in the host arena (one memcpy), or ``packed`` itself if no block can be had."""
+        block = self._host_block(packed.nbytes, keep)
+        if block is None:
+            return packed
+        block.view(self.pool.dtype).copy_(packed.data)
+        return self._adopt(PackedAdapter(data=block.view(self.pool.dtype), ranks=packed.ranks,
+                                         scalings=packed.scalings, offsets=packed.offsets, max_rank=packed.max_rank,
+                                         name=packed.name), block)
 
     def _ensure_host(self, handle: AdapterHandle) -> PackedAdapter:
         """The handle's host copy, reading its files again (disk -> host) if it was dropped."""
@@ -287,40 +379,83 @@ class AdapterCache:
                 self.stats.host_hits += 1
                 return handle.host
         self.stats.host_misses += 1
+        block = self._host_block(handle.pool_bytes, keep=handle, fixed=True)
         try:
-            packed = self._read_files(handle)
+            packed, seconds = self._read_files(handle, block)
         except Exception:
             self.stats.load_failures += 1
+            if block is not None:
+                self.arena.free(block)
             raise
-        self.stats.bytes_disk_to_host += packed.nbytes
-        self._set_host(handle, packed)
+        self._count_read(packed, seconds)
+        self._set_host(handle, self._settled(packed, block))
         self._enforce_host_budget(keep=handle)
         return packed
+
+    def _settled(self, packed: PackedAdapter, block: HostBlock | None) -> PackedAdapter:
+        """A finished read's image: its block, written, may move from now on."""
+        if block is None:
+            return packed
+        self.arena.release_fixed(block)
+        return self._adopt(packed, block)
+
+    def _count_read(self, packed: PackedAdapter, seconds: float) -> None:
+        self.stats.bytes_disk_to_host += packed.nbytes
+        self.stats.disk_to_host_reads += 1
+        self.stats.disk_to_host_seconds += seconds
 
     def _collect(self, handle: AdapterHandle) -> bool:
         """Take a finished prefetch read into the host tier; True if the handle now has a host copy."""
         fut = handle.loading
         if fut is None or not fut.done():
             return handle.host is not None
-        handle.loading = None
+        handle.loading, block, handle.loading_block = None, handle.loading_block, None
         try:
-            packed = fut.result()
+            packed, seconds = fut.result()
         except Exception:
+            if block is not None:
+                self.arena.free(block)
             return handle.host is not None
         if handle.host is None:
-            self._set_host(handle, packed)
+            self._set_host(handle, self._settled(packed, block))
             self.stats.prefetch_host += 1
-            self.stats.bytes_disk_to_host += packed.nbytes
+            self._count_read(packed, seconds)
             self._enforce_host_budget(keep=handle)
+        elif block is not None:
+            self.arena.free(block)
         return True
 
-    def _read_files(self, handle: AdapterHandle) -> PackedAdapter:
-        """disk -> host, if the files are still those ``load_adapter`` read, before and after the read (a file
-        replaced and put back in between gets a new ctime). No lock taken: runs on the I/O thread too."""
+    def _reap_orphans(self) -> None:
+        """Free the blocks of finished reads of handles forgotten while they were being read."""
+        left = []
+        for h in self._orphans:
+            if h.loading is not None and not h.loading.done():
+                left.append(h)
+                continue
+            h.loading = None
+            if h.loading_block is not None:
+                self.arena.free(h.loading_block)
+                h.loading_block = None
+        self._orphans = left
+
+    def _read_files(self, handle: AdapterHandle, block: HostBlock | None) -> tuple[PackedAdapter, float]:
+        """disk -> host into ``block`` (or a fresh tensor), if the files are still those ``load_adapter`` read,
+        before and after the read (a file replaced and put back in between gets a new ctime): ``(image, seconds
+        the read took)``. No lock taken: runs on the I/O thread too.
+
+        Raises:
+            AdapterError: the files changed (see ``_check_files``), or cannot be read; ValueError: the image is
+                not of the size registered (its files changed in a way their stamps did not show).
+        """
         self._check_files(handle, "since load_adapter")
-        packed = self._reload(handle)
+        t0 = time.perf_counter()
+        packed = self._reload(handle, None if block is None else block.view(self.pool.dtype))
+        seconds = time.perf_counter() - t0
         self._check_files(handle, "while it was read again")
-        return packed
+        if packed.nbytes != handle.pool_bytes:
+            raise AdapterError(f"{handle.path}: adapter {handle.name!r} read again as an image of {packed.nbytes} "
+                               f"bytes, registered as {handle.pool_bytes}: load_adapter it again", path=handle.path)
+        return packed, seconds
 
     @staticmethod
     def _check_files(handle: AdapterHandle, when: str) -> None:
@@ -342,11 +477,13 @@ class AdapterCache:
         if handle.slot is None:
             return
         if handle.host is None and not handle.retired and self.host_budget is not None:
-            room = self.host_budget - self.host_bytes
-            need = host_footprint(handle.pool_bytes, pinned=self.pool.device.type == "cuda")
-            if room >= need:  # gpu -> host: copy the image back
-                self._set_host(handle, self.pool.unpack(handle.slot, name=handle.name))
-                self.stats.bytes_gpu_to_host += handle.host.nbytes
+            block = self.arena.alloc(handle.pool_bytes)  # only into free room: gpu -> host never evicts
+            if block is not None:  # gpu -> host: copy the image back
+                t0 = time.perf_counter()
+                packed = self.pool.unpack(handle.slot, name=handle.name, out=block.view(self.pool.dtype))
+                self.stats.gpu_to_host_seconds += time.perf_counter() - t0
+                self._set_host(handle, self._adopt(packed, block))
+                self.stats.bytes_gpu_to_host += packed.nbytes
         self.pool.free(handle.slot)
         self._gpu_lru.pop(id(handle), None)
         handle.slot = None
@@ -379,8 +516,44 @@ class AdapterCache:
             return (handle.pool_bytes <= self.pool.bytes_total - sum(h.pool_bytes for h in pinned)
                     and len(pinned) < self.pool.max_slots)
 
+    def _to_gpu(self, handle: AdapterHandle, packed: PackedAdapter) -> int:
+        """host -> GPU: the image into the pool in one copy; its slot. On CUDA the copy runs on the side stream,
+        timed with CUDA events, and ``handle.ready_event`` completes after it; the arena block is noted as read
+        by it (never moved nor reused before it completes). On the CPU it is a timed synchronous copy."""
+        if self._stream is None:
+            t0 = time.perf_counter()
+            slot = self.pool.load(packed)
+            self.stats.host_to_gpu_seconds += time.perf_counter() - t0
+            self.stats.host_to_gpu_timed_bytes += packed.nbytes
+        else:
+            timer = _CopyTimer()
+            slot = self.pool.load(packed, stream=self._stream, timer=timer)
+            handle.ready_event = timer.end
+            if packed.block is not None:
+                self.arena.note_read(packed.block, timer.end)
+            self._timing.append((timer, packed.nbytes))
+        self.stats.host_to_gpu_copies += 1
+        self.stats.bytes_host_to_gpu += packed.nbytes
+        return slot
+
+    def _settle_timings(self) -> None:
+        """Add the completed host -> GPU copies' event times to the stats (no host sync)."""
+        left = []
+        for timer, nbytes in self._timing:
+            if timer.end.query():
+                self.stats.host_to_gpu_seconds += timer.begin.elapsed_time(timer.end) / 1e3
+                self.stats.host_to_gpu_timed_bytes += nbytes
+            else:
+                left.append((timer, nbytes))
+        self._timing = left
+
     def acquire(self, handle: AdapterHandle) -> int:
         """Make ``handle`` resident (evicting idle adapters LRU first), take a reference, return its slot.
+
+        On CUDA the host -> GPU copy runs on the side stream and the current stream is made to wait for it (no
+        host sync): work queued after this call on this thread's stream reads the slot only once the copy has
+        landed; ``ready_event`` stays set, so ``wait_ready`` orders a step's stream too (``pin`` from another
+        thread).
 
         Raises:
             PoolFullError: it does not fit even after evicting every idle adapter (nothing changes).
@@ -405,9 +578,10 @@ class AdapterCache:
                 packed = self._ensure_host(handle)
                 self.stats.gpu_misses += 1
                 self._evict_until_fits(handle, victims)
-                handle.slot = self.pool.load(packed)
+                handle.slot = self._to_gpu(handle, packed)
+                if handle.ready_event is not None:  # kept too: a step's wait_ready waits on it from its own thread
+                    torch.cuda.current_stream(self.pool.device).wait_event(handle.ready_event)
                 self._gpu_lru[id(handle)] = handle
-                self.stats.bytes_host_to_gpu += packed.nbytes
                 self._enforce_host_budget()
             handle.refcount += 1
             self._gpu_lru.move_to_end(id(handle))
@@ -425,39 +599,41 @@ class AdapterCache:
     def prefetch(self, handles: list[AdapterHandle], wanted: set[int] | None = None) -> None:
         """Start moving the adapters of waiting requests up a tier.
 
-        disk -> host on the I/O thread; host -> GPU on the side stream (CUDA) or directly (CPU), into free
-        bytes or bytes of idle adapters that no waiting request wants (``wanted``: ids of the handles of
-        all waiting requests), least recently used first.
+        disk -> host on the I/O threads, each read writing straight into an arena block reserved here (host
+        copies leave LRU first to make room); host -> GPU on the side stream (CUDA) or directly (CPU), into free
+        bytes or bytes of idle adapters that no waiting request wants (``wanted``: ids of the handles of all
+        waiting requests), least recently used first.
         """
         wanted = wanted if wanted is not None else {id(h) for h in handles}
         with self._lock:
+            self._reap_orphans()
+            self._settle_timings()
             for h in handles:
                 if h.slot is not None or h.retired or h.failed is not None:
                     continue
                 self._collect(h)
                 if h.host is None:
                     if h.loading is None:
-                        h.loading = self._io.submit(self._prefetch_read, h)
+                        block = self._host_block(h.pool_bytes, keep=h, fixed=True, spare=wanted)
+                        if block is None and self.arena.could_ever_fit(h.pool_bytes):
+                            continue  # no room on the host now: read on demand
+                        h.loading_block = block
+                        h.loading = self._io.submit(self._prefetch_read, h, block)
                     continue
                 spare = [v for v in self._evictable() if id(v) not in wanted]
                 if not self._fits_after_evicting(h, spare):
                     continue
                 self._evict_until_fits(h, spare)
-                h.slot = self.pool.load(h.host, stream=self._stream)
-                if self._stream is not None:
-                    ev = torch.cuda.Event()
-                    ev.record(self._stream)
-                    h.ready_event = ev
+                h.slot = self._to_gpu(h, h.host)
                 h.prefetched = True
                 self._gpu_lru[id(h)] = h
                 self._gpu_lru.move_to_end(id(h), last=False)  # not used yet: first to leave if room is needed
                 self.stats.prefetch_gpu += 1
-                self.stats.bytes_host_to_gpu += h.host.nbytes
                 self._host_lru.move_to_end(id(h))
 
-    def _prefetch_read(self, handle: AdapterHandle) -> PackedAdapter:
+    def _prefetch_read(self, handle: AdapterHandle, block: HostBlock | None) -> tuple[PackedAdapter, float]:
         try:
-            return self._read_files(handle)
+            return self._read_files(handle, block)
         except Exception as e:  # reported when a step needs it (acquire reads again and raises)
             log.warning("prefetch of adapter %r failed: %s", handle.name, e)
             raise
@@ -488,12 +664,30 @@ class AdapterCache:
         """The cache's part of ``Engine.stats()``: adapters per tier, pool pages (``PAGE_ELEMS`` elements each, the
         pool's allocation unit) and bytes, compactions and the bytes they moved (and ``pool_max_rank_adapters``, how
         many adapters of the pool's max rank on every module it holds at once), host-tier bytes, hits and misses per tier, evictions,
-        bytes moved per tier, prefetches and load failures (key names are a contract)."""
+        bytes moved per tier, prefetches and load failures (key names are a contract).
+
+        The tier moves' speeds, each with the bytes and seconds it comes from (GB = 1e9 bytes; None before any):
+        ``host_to_gpu_gbps`` = ``host_to_gpu_timed_bytes`` / ``host_to_gpu_seconds``, the copies' own time on the
+        GPU between two CUDA events on the side stream (on a CPU pool, the copies' wall time), of the copies
+        completed so far (``host_to_gpu_copies`` counts all, one copy per adapter); ``disk_to_host_gbps`` =
+        ``bytes_disk_to_host`` / ``disk_to_host_seconds``, the reads' wall time summed over the I/O threads (the
+        speed of one reader; ``disk_to_host_reads`` reads); ``gpu_to_host_gbps`` = ``bytes_gpu_to_host`` /
+        ``gpu_to_host_seconds`` (synchronous copies back). The host arena: ``host_arena_bytes_held`` (mapped and,
+        with ``host_arena_pinned``, page-locked), ``host_arena_bytes_used`` (blocks, including freed ones an
+        in-flight copy still reads), ``host_arena_chunks``, ``host_arena_compactions`` and the bytes they moved,
+        ``host_arena_map_seconds`` (mapping and registering the chunks)."""
         s, pool = self.stats, self.pool
+        with self._lock:
+            self._settle_timings()
         tiers = {"gpu": 0, "host": 0, "disk": 0}
         for h in self.handles():
             if not h.retired:
                 tiers[h.tier] += 1
+
+        def gbps(nbytes: int, seconds: float) -> float | None:
+            return nbytes / seconds / 1e9 if seconds > 0 else None
+
+        a = self.arena
         return {
             "adapters_loaded": len(self.names()), "adapters_resident": self.resident(), "adapters_per_tier": tiers,
             "pool_pages_total": pool.num_pages, "pool_pages_used": pool.pages_used, "pool_page_bytes": pool.page_bytes,
@@ -507,7 +701,20 @@ class AdapterCache:
             "bytes_disk_to_host": s.bytes_disk_to_host, "prefetch_to_gpu": s.prefetch_gpu,
             "prefetch_to_host": s.prefetch_host, "prefetch_hits": s.prefetch_hits,
             "adapter_load_failures": s.load_failures,
+            "host_to_gpu_copies": s.host_to_gpu_copies, "host_to_gpu_timed_bytes": s.host_to_gpu_timed_bytes,
+            "host_to_gpu_seconds": s.host_to_gpu_seconds,
+            "host_to_gpu_gbps": gbps(s.host_to_gpu_timed_bytes, s.host_to_gpu_seconds),
+            "disk_to_host_reads": s.disk_to_host_reads, "disk_to_host_seconds": s.disk_to_host_seconds,
+            "disk_to_host_gbps": gbps(s.bytes_disk_to_host, s.disk_to_host_seconds),
+            "gpu_to_host_seconds": s.gpu_to_host_seconds,
+            "gpu_to_host_gbps": gbps(s.bytes_gpu_to_host, s.gpu_to_host_seconds),
+            "host_arena_bytes_held": a.bytes_held, "host_arena_bytes_used": a.bytes_used,
+            "host_arena_pinned": a.pinned, "host_arena_chunks": a.num_chunks,
+            "host_arena_compactions": a.compactions, "host_arena_bytes_compacted": a.bytes_compacted,
+            "host_arena_map_seconds": a.register_seconds,
         }
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
+        if self._stream is not None:
+            self._stream.synchronize()

@@ -50,8 +50,9 @@ class EngineConfig:
             1024 on CPU).
         kv_block_size: tokens per KV-cache block (``multilora.memory.kv_cache``).
         max_lora_rank: largest adapter rank accepted by ``load_adapter``.
-        adapter_slots: at most this many adapters resident at once (the pool's slots; default 256), and a cap on
-            the pool's bytes at this many of the largest ``max_lora_rank`` adapters.
+        adapter_slots: at most this many adapters resident at once (the pool's slots), and a cap on the pool's
+            bytes at this many of the largest ``max_lora_rank`` adapters. Default: as many as the planned pool holds
+            of rank-8 q/k/v/o adapters, between 256 and 4,096 (``runtime.sizing.default_slots``).
         adapter_pool_bytes: cap on the adapter pool's bytes. The pool takes the memory plan's share
             (``multilora.memory.accounting``), lowered by these caps, in whole pages of 64 elements; it must hold at
             least the largest adapter ``max_lora_rank`` allows (every target module of every layer at that rank).

@@ -29,7 +29,8 @@ from multilora.kernels.fp8 import fp8_supported
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
-from multilora.runtime.adapters import LoRAAdapter, read_adapter, read_packed_adapter
+from multilora.runtime.adapters import LoRAAdapter, read_adapter
+from multilora.runtime.adapters.image import read_image
 from multilora.runtime.config import EngineConfig
 from multilora.runtime.model import DecoderModel
 from multilora.runtime.parallel import TensorParallel, TensorParallelError, TPGroup
@@ -142,13 +143,14 @@ class Engine:
         self.memory_plan = sizes.plan
         pool_bytes = sizes.num_pages * sizes.request.page_bytes
         self.pool = AdapterPool(shard_cfg, num_bytes=pool_bytes, max_rank=cfg.max_lora_rank,
-                                max_slots=cfg.adapter_slots, dtype=self.dtype, device=self.device)
+                                max_slots=sizes.slots, dtype=self.dtype, device=self.device)
         self.kv = PagedKVCache(num_layers=shard_cfg.num_layers, num_blocks=sizes.num_blocks,
                                block_size=cfg.kv_block_size, num_kv_heads=shard_cfg.num_kv_heads,
                                head_dim=shard_cfg.head_dim, dtype=self.dtype, device=self.device)
         self.runner.bind(self.kv, self.pool, cuda_graphs=cfg.cuda_graphs)
         if self.tp is not None:
-            self.tp.configure(num_blocks=sizes.num_blocks, pool_bytes=pool_bytes, max_seq_len=self.max_seq_len)
+            self.tp.configure(num_blocks=sizes.num_blocks, pool_bytes=pool_bytes, max_slots=self.pool.max_slots,
+                              max_seq_len=self.max_seq_len)
             self.runner.tp = self.tp
         self.cache = AdapterCache(self.pool, host_bytes=sizes.host_bytes, reload=self._reload_adapter)
         self.scheduler = Scheduler(self.cache, kv=self.kv, max_batch_size=cfg.max_batch_size,
@@ -212,10 +214,18 @@ class Engine:
         log.info("loaded adapter %r from %s: %s", name, path, adapter.target_summary())
         return adapter
 
-    def _reload_adapter(self, handle: Any) -> Any:
-        """disk -> host: read a handle's files again and lay them out as a pool image (the cache calls this)."""
-        adapter, packed = read_packed_adapter(handle.path, self.config, self.pool, name=handle.name,
-                                              allow_pickle=handle.allow_pickle, shard=self._shard)
+    def _reload_adapter(self, handle: Any, out: torch.Tensor | None = None) -> Any:
+        """disk -> host: read a handle's files again straight into its pool image (``runtime.adapters.image``), in
+        ``out`` (the host arena block the cache reserved) or a fresh tensor (the cache calls this). A
+        tensor-parallel engine reads its shard through the general path (``read_packed_adapter``)."""
+        if self._shard is not None:
+            adapter, packed = read_packed_adapter(handle.path, self.config, self.pool, name=handle.name,
+                                                  allow_pickle=handle.allow_pickle, out=out, shard=self._shard)
+        else:
+            # a handle that has had a host copy was read, values checked, from these files (its fingerprint is
+            # checked unchanged before and after this read): the finite checks need not run again
+            adapter, packed = read_image(handle.path, self.config, self.pool, name=handle.name,
+                                         allow_pickle=handle.allow_pickle, out=out, verified=handle.had_host)
         if packed is None:  # rank above the pool's (the files changed): pack's error
             self.pool.check_rank(adapter.max_rank, name=handle.name)
         return packed

@@ -315,7 +315,7 @@ class _Worker:
         self.adapters: dict[tuple[str, int], Any] = {}  # key -> PackedAdapter (this rank's shard)
         self.owner: dict[int, tuple[str, int]] = {}  # slot -> key resident there
 
-    def configure(self, *, num_blocks: int, pool_bytes: int, max_seq_len: int) -> None:
+    def configure(self, *, num_blocks: int, pool_bytes: int, max_slots: int, max_seq_len: int) -> None:
         from multilora.memory.kv_cache import PagedKVCache
         from multilora.memory.pool import AdapterPool
         from multilora.runtime.runner import ModelRunner
@@ -323,7 +323,7 @@ class _Worker:
         c, cfg = self.config, self.cfg
         self.runner = ModelRunner(self.model, max_batch_size=cfg.max_batch_size, max_seq_len=max_seq_len,
                                   lora_backend=cfg.lora_backend, attention_backend=cfg.attention_backend)
-        self.pool = AdapterPool(c, num_bytes=pool_bytes, max_rank=cfg.max_lora_rank, max_slots=cfg.adapter_slots,
+        self.pool = AdapterPool(c, num_bytes=pool_bytes, max_rank=cfg.max_lora_rank, max_slots=max_slots,
                                 dtype=self.dtype, device=self.device)
         self.kv = PagedKVCache(num_layers=c.num_layers, num_blocks=num_blocks, block_size=cfg.kv_block_size,
                                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype, device=self.device)

@@ -25,13 +25,20 @@ from multilora.memory.accounting import (USER_CAP, MemoryPlan, MemoryPlanError, 
                                          compute_memory_plan, require_snapshot)
 from multilora.memory.snapshot import apply_torch_memory_fraction, take_snapshot
 from multilora.memory.kv_cache import PagedKVCache
-from multilora.memory.pool import PAGE_ELEMS, max_adapter_pages
+from multilora.memory.pool import DEFAULT_MAX_SLOTS, PAGE_ELEMS, max_adapter_pages
 from multilora.runtime.config import EngineConfig
 
 log = logging.getLogger("multilora")
 
 #: Bytes of sampler workspace per logit with top-p (measured on an H200; ``multilora.runtime.sampling``).
 SAMPLER_BYTES_PER_LOGIT = 36
+
+#: Most slots a pool gets by default (``default_slots``); its metadata is 24 bytes per slot and (layer, module):
+#: 22 MB for 4,096 slots of a 32-layer model.
+MAX_DEFAULT_SLOTS = 4096
+#: The small adapter the default slot count is sized for: rank 8 on q/k/v/o of every layer (S-LoRA's and issue
+#: 13's "S1" set; 13.6 MB for Llama-3-8B in bf16).
+SLOT_SIZING_RANK, SLOT_SIZING_MODULES = 8, ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclass(frozen=True)
@@ -70,19 +77,37 @@ class MemoryRequest:
     live_blocks: int
     activation_bytes: int
     sampling_bytes: int
+    slot_sizing_pages: int = 0  # pages of the small adapter ``default_slots`` counts (``slot_sizing_pages``)
 
 
 @dataclass(frozen=True)
 class EngineSizes:
     """The sizing result: ``num_pages`` pool pages, ``num_blocks`` KV blocks (the null block included), the host
-    tier's byte budget (None: the cache's default) and the memory plan they came from (None: no plan, sized
-    from the caps)."""
+    tier's byte budget (None: unbounded), the pool's ``slots`` (``adapter_slots``, else ``default_slots``) and the
+    memory plan they came from (None: no plan, sized from the caps)."""
 
     num_pages: int
     num_blocks: int
     host_bytes: int | None
     plan: MemoryPlan | None
     request: MemoryRequest
+    slots: int = DEFAULT_MAX_SLOTS
+
+
+def slot_sizing_pages(model: ModelConfig) -> int:
+    """Pages of ``SLOT_SIZING_RANK`` on ``SLOT_SIZING_MODULES`` of every layer (the pool layout's count)."""
+    return model.num_layers * sum(-(-SLOT_SIZING_RANK * sum(model.module_shape(m)) // PAGE_ELEMS)
+                                  for m in SLOT_SIZING_MODULES)
+
+
+def default_slots(small_pages: int, num_pages: int) -> int:
+    """Slots of a pool of ``num_pages`` pages when ``adapter_slots`` is not given: as many as it holds of a small
+    common adapter of ``small_pages`` pages (``slot_sizing_pages``: ``SLOT_SIZING_RANK`` on ``SLOT_SIZING_MODULES``
+    of every layer), at least
+    ``DEFAULT_MAX_SLOTS`` (256) and at most ``MAX_DEFAULT_SLOTS`` (4,096), so a pool sized for thousands of
+    small adapters is not capped at 256 residents by its slot table. Example: Llama-3-8B in bf16 on an H200, the
+    plan's default pool of ~11 GB: 11e9 / 13.6 MB ~ 800 slots."""
+    return min(MAX_DEFAULT_SLOTS, max(DEFAULT_MAX_SLOTS, num_pages // max(1, small_pages)))
 
 
 def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype, max_seq_len: int) -> MemoryRequest:
@@ -121,7 +146,7 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
                          kv_cap=kv_cap,
                          live_blocks=live_blocks,
                          activation_bytes=activation_bytes(model, cfg, dtype, max_seq_len) + sampling,
-                         sampling_bytes=sampling)
+                         sampling_bytes=sampling, slot_sizing_pages=slot_sizing_pages(model))
 
 
 def activation_bytes(model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, max_seq_len: int) -> int:
@@ -212,7 +237,9 @@ def size_engine(request: MemoryRequest, cfg: EngineConfig, snapshot: MemorySnaps
             f"at least 2 are needed (block 0 is reserved): raise kv_cache_bytes"
         )
     host = cfg.host_adapter_bytes if cfg.host_adapter_bytes is not None else (plan.host_tier_bytes if plan else None)
-    return EngineSizes(num_pages=num_pages, num_blocks=num_blocks, host_bytes=host, plan=plan, request=request)
+    slots = cfg.adapter_slots if cfg.adapter_slots is not None else default_slots(r.slot_sizing_pages, num_pages)
+    return EngineSizes(num_pages=num_pages, num_blocks=num_blocks, host_bytes=host, plan=plan, request=request,
+                       slots=slots)
 
 
 def recorded_snapshot(cfg: EngineConfig) -> MemorySnapshot:

@@ -29,6 +29,7 @@ from multilora.runtime.adapters import (
     save_peft_adapter,
 )
 from multilora.runtime.adapters.files import _LazyTensors, _read_weights
+from multilora.runtime.adapters.image import read_image
 from multilora.runtime.adapters.load import _all_finite
 from multilora.config import MODULE_INDEX, MODULE_PARENT, TARGET_MODULES, ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
@@ -144,6 +145,10 @@ def test_fast_path_pages_are_bit_identical(layout, file_dtype, pool_dtype, tmp_p
     want = _reference_pack(pool, ref_adapter)
     adapter, got = read_packed_adapter(d, CFG, pool, name="x")
     _assert_same_packed(got, want)
+    _assert_same_packed(read_image(d, CFG, pool, name="x")[1], want)  # the cache's reload, straight into the image
+    out = torch.full_like(want.data, float("nan"))  # into a given buffer (an arena block): every element written
+    assert read_image(d, CFG, pool, name="x", out=out)[1].data is out
+    _assert_same_packed(PackedAdapter(out, want.ranks, want.scalings, want.offsets, want.max_rank, "x"), want)
     _assert_same_packed(pool.pack(ref_adapter), want)  # the public pack uses the packer too
     # the returned adapter: same modules, ranks and scalings, meta tensors of the file's shapes / dtype
     assert list(adapter.modules) == list(ref_adapter.modules)
@@ -271,6 +276,8 @@ def _assert_same_error(d, **kw):
     got = _err(lambda: read_packed_adapter(d, CFG, pool, **kw))
     assert (str(got), got.key, got.path) == (str(want), want.key, want.path)
     assert type(got) is type(want)
+    fast = _err(lambda: read_image(d, CFG, pool, **kw))  # the cache's reload path
+    assert (str(fast), fast.key, fast.path) == (str(want), want.key, want.path)
     return got
 
 

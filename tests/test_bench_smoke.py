@@ -24,16 +24,29 @@ def test_adapter_throughput_bench_runs(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["shape"] == "tiny" for r in rows)
 
 
-@pytest.mark.parametrize("path", ["fast", "legacy"])
-def test_adapter_load_bench_runs(path, tmp_path):
+@pytest.mark.parametrize("file_dtype", ["bfloat16", "float32"])
+def test_adapter_load_bench_runs(file_dtype, tmp_path):
+    """The tier-move bench (CPU: disk -> host only): every provider at every thread count, rates against the plain
+    read of the same bytes, the cache's own stats beside, in the JSON."""
+    out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "bench" / "bench_adapter_load.py"), "--shape", "tiny", "--rank", "4",
-           "--file-dtype", "bfloat16,float32", "--pool-dtype", "float32", "--threads", "1,2", "--loads", "1",
-           "--runs", "1", "--path", path, "--adapter-dir", str(tmp_path / "adapters")]
+           "--adapters", "3", "--file-dtype", file_dtype, "--pool-dtype", "float32", "--threads", "1,2",
+           "--runs", "1", "--general", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    rows = [line for line in p.stdout.splitlines() if " MB/s " in line]
-    assert len(rows) == 4 and all("adapters/s" in r for r in rows), p.stdout
-    assert f"path {path}" in p.stdout
+    rows = json.loads((out / "adapter_moves_tiny.json").read_text())
+    got = {(r["move"], r["provider"], r.get("threads")) for r in rows}
+    assert got == {("disk_to_host", name, t) for name in ("plain", "ours", "ours_verified", "general")
+                   for t in (1, 2)} | {("disk_to_host", "cache", 4)}, got
+    assert all(r["gbps"] > 0 and r["file_dtype"] == file_dtype and r["adapters"] == 3 for r in rows)
+    for r in rows:
+        if r["provider"] == "plain":
+            assert r["vs_plain"] == 1.0
+        elif r["provider"] != "cache":
+            plain = next(q for q in rows if q["provider"] == "plain" and q["threads"] == r["threads"])
+            assert r["vs_plain"] == pytest.approx(r["gbps"] / plain["gbps"])
+    cache = next(r for r in rows if r["provider"] == "cache")
+    assert cache["stats_bytes_disk_to_host"] == 3 * rows[0]["image_bytes"] and cache["stats_disk_to_host_gbps"] > 0
 
 
 def test_generate_bench_runs(tmp_path):

@@ -404,3 +404,18 @@ def test_phi3_longrope_forward_with_triton_ops_equals_torch_ops(tmp_path):
         out[backend] = hs
     for a, b in zip(out["torch"], out["triton"]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_adapters_read_straight_into_the_image_bit_identical(peft_setup):
+    """The cache's reload (``read_image``: lora_A read into the first slice's A, copied to the others, B's rows
+    transposed per slice) gives the general path's image, bit for bit, for every fused adapter."""
+    from multilora.runtime.adapters import read_packed_adapter
+    from multilora.runtime.adapters.image import read_image
+
+    _, _, engine, out = peft_setup
+    for n in PEFT_ADAPTERS:
+        _, want = read_packed_adapter(out / n, engine.config, engine.pool, name=n)
+        _, got = read_image(out / n, engine.config, engine.pool, name=n)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), n
+        for f in ("ranks", "scalings", "offsets"):
+            assert torch.equal(getattr(got, f), getattr(want, f)), (n, f)

@@ -140,3 +140,52 @@ def test_the_engine_raises_the_same_for_its_keyword():
     with pytest.raises(MemoryPlanError, match=r"adapter_pool_bytes=255 is below the largest adapter.*at least"):
         Engine(TINY, device="cpu", max_seq_len=64, max_lora_rank=16, memory_snapshot=_host(1 * GiB),
                adapter_pool_bytes=r.page_bytes - 1, progress=False)
+
+
+# ------------------------------------------------------------------ defaults for thousands of adapters (issue 13)
+LLAMA3 = ModelConfig(**MODEL_SHAPES["llama3-8b"])
+
+
+def _h200(mem_available_gib: int = 110, memlock: int | None = None) -> MemorySnapshot:
+    """An H200 host as the plan sees it after Llama-3-8B's 16 GB of weights: 125 of 140 GiB free on the GPU."""
+    return MemorySnapshot(has_gpu=True, cuda_free_bytes=125 * GiB, cuda_total_bytes=140 * GiB,
+                          meminfo_text=f"MemTotal: {128 * GiB // 1024} kB\nMemAvailable: {mem_available_gib * GiB // 1024} kB\n",
+                          rlimit_memlock_bytes=memlock)
+
+
+def _bytes_of(model, rank, modules, dtype_bytes=2):
+    """An adapter's image bytes, from the pool layout: ceil(r (d_in + d_out) / 64) pages of 64 elements per module."""
+    return model.num_layers * sum(-(-rank * sum(model.module_shape(m)) // 64) for m in modules) * 64 * dtype_bytes
+
+
+def test_default_pool_slots_and_host_tier_hold_thousands_of_adapters():
+    """The plan's defaults on an H200 for Llama-3-8B in bf16 (docs/memory.md, "Defaults for thousands of
+    adapters"): pool = 0.1 x 0.9 x (free - reserve), slots = what it holds of rank-8 q/k/v/o adapters (S1),
+    host tier = half of MemAvailable: 139 rank-16 all-module adapters (84 MB) or 857 S1 adapters (13.6 MB)
+    resident, and 55 GiB of host tier: 704 rank-16 or 4,332 S1 adapters."""
+    ec = EngineConfig(max_lora_rank=64)
+    req = memory_request(LLAMA3, ec, dtype=torch.bfloat16, max_seq_len=2048)
+    sizes = size_engine(req, ec, _h200(), reserve_bytes=4 * GiB)
+    budget = (125 * GiB - 4 * GiB) * 9 // 10
+    assert sizes.num_pages * req.page_bytes == (budget // 10) // req.page_bytes * req.page_bytes
+    s1, r16 = _bytes_of(LLAMA3, 8, ("q_proj", "k_proj", "v_proj", "o_proj")), _bytes_of(LLAMA3, 16, TARGET_MODULES)
+    assert s1 == 13_631_488 and r16 == 83_886_080
+    pool = sizes.num_pages * req.page_bytes
+    assert sizes.slots == min(4096, max(256, pool // s1)) == 857
+    assert pool // r16 == 139
+    assert sizes.host_bytes == 55 * GiB  # min(140 GiB, 110 / 2, no memlock bound)
+    assert sizes.host_bytes // r16 == 704 and sizes.host_bytes // s1 == 4332
+    # an explicit slot count is kept; a small pool keeps 256 slots at least
+    assert size_engine(req, EngineConfig(max_lora_rank=64, adapter_slots=64), _h200(), reserve_bytes=4 * GiB).slots == 64
+    tiny_req = memory_request(TINY, EngineConfig(), dtype=torch.float32, max_seq_len=64)
+    assert size_engine(tiny_req, EngineConfig(), _host(1 * GiB), reserve_bytes=0).slots >= 256
+
+
+def test_memlock_bound_host_tier_is_explained():
+    ec = EngineConfig(max_lora_rank=16)
+    req = memory_request(LLAMA3, ec, dtype=torch.bfloat16, max_seq_len=2048)
+    sizes = size_engine(req, ec, _h200(memlock=8 << 20), reserve_bytes=4 * GiB)
+    assert sizes.host_bytes == (8 << 20) * 4 // 5 and sizes.plan.host_tier_source == "memlock"
+    assert any("RLIMIT_MEMLOCK" in n and "--host-adapter-bytes" in n for n in sizes.plan.notes)
+    free = size_engine(req, ec, _h200(), reserve_bytes=4 * GiB)
+    assert not any("RLIMIT_MEMLOCK" in n for n in free.plan.notes)

@@ -45,6 +45,9 @@ One module per job; each imports only the ones listed above it:
   :func:`load_peft_adapter` (float32 copies), :func:`load_peft_adapter_into` (the caller's sink) and
   :func:`read_packed_adapter` (the pool image: the engine's disk -> host path), and :func:`read_adapter`
   (``Engine.load_adapter``'s read: the image, or only the header).
+- ``image``: :func:`~multilora.runtime.adapters.image.read_image`, the adapter cache's disk -> host read: a
+  safetensors file straight into its pool image (a cached copy plan, lora_A read in place, lora_B transposed),
+  bit-identical to ``read_packed_adapter`` and refusing with its messages.
 - ``writer``: :func:`save_peft_adapter`.
 """
 

@@ -394,6 +394,7 @@ def load_peft_adapter_into(
 
 def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
                         allow_pickle: bool = False,
+                        out: torch.Tensor | None = None,
                         shard: tuple[int, int] | None = None) -> tuple[LoRAAdapter, PackedAdapter | None]:
     """disk -> host: read, validate and lay out an adapter as its ``pool`` image in one pass.
 
@@ -403,6 +404,8 @@ def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: Adap
 
     Args:
         pool: the pool whose layout and dtype the image takes (only its ``packer`` is used; nothing is loaded).
+        out: where to write the image (``AdapterPool.packer``'s ``out``: a 1-D CPU tensor of the pool dtype and
+            the image's size), default a fresh tensor.
         path, config, name, allow_pickle: as for :func:`load_peft_adapter`.
 
     Returns:
@@ -417,7 +420,7 @@ def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: Adap
     def open_sink(ranks: dict[tuple[int, str], int]):
         if max(ranks.values(), default=0) > pool.max_rank:
             return None
-        sink = pool.packer(ranks, name=name)
+        sink = pool.packer(ranks, name=name, out=out)
         return sink if shard is None or shard[1] == 1 else ShardSink(sink, config, *shard)
 
     adapter, packer = load_peft_adapter_into(path, config, open_sink, name=name, allow_pickle=allow_pickle)

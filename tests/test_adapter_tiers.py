@@ -1,0 +1,476 @@
+"""Fast tier moves (issue 13, item 4): the host arena, the host tier's exact accounting, the disk -> host read
+straight into arena blocks, and the tier-move speeds in ``stats()``.
+
+- ``Extents`` (shared with the GPU pool): the module docstring's worked example.
+- ``HostArena`` (hypothesis, against a plain model of what each block holds): any sequence of allocs, frees,
+  writes, compactions, blocks being written (fixed) and copies in flight (fake events) keeps the bytes exact
+  (``bytes_used`` = the live and deferred blocks' units x unit, ``bytes_held`` <= budget), no two blocks overlap
+  and none crosses its chunk, every block's bytes equal what was written into it (bit for bit, after any
+  compaction), fixed blocks never move, and a freed block read by an unfinished copy is neither moved nor reused.
+- The engine: host copies live in the arena and the host tier counts their exact bytes (a budget of k images
+  holds k copies); disk -> host -> pool round trips through the new read path give the general path's image
+  and bit-identical logits; a fingerprint change still fails only its requests, and the arena keeps no block of
+  the failed read; the new stats keys are present and consistent with the bytes and seconds they come from.
+- GPU (marked): the arena's chunks are pinned (cudaHostRegister), host -> GPU copies from them on the side
+  stream land bit-identical, and a block freed while its copy is in flight is not reused until it completes.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from multilora import Engine
+from multilora.memory.extents import Extents, move_down
+from multilora.memory.host_arena import HostArena
+from multilora.runtime.adapters import read_packed_adapter
+from multilora.runtime.adapters.image import read_image
+from multilora.runtime.adapter_cache import files_fingerprint
+from testsupport import greedy, one_thread, tiny_llama_dir, token_ids, write_adapter  # noqa: F401 (one_thread: autouse)
+
+VOCAB = 512
+MODULES = [("q_proj", "v_proj"), ("k_proj", "o_proj", "down_proj"), ("q_proj", "k_proj", "v_proj", "o_proj",
+           "gate_proj", "up_proj", "down_proj")]
+
+
+# ---------------------------------------------------------------------------------------------- extents
+def test_extents_worked_example():
+    e = Extents(10)
+    assert [e.take(2), e.take(2), e.take(3), e.take(1), e.take(1)] == [0, 2, 4, 7, 8]
+    e.give(2, 2)
+    e.give(7, 1)  # a = [0, 2), b = [4, 3), c = [8, 1); holes [2, 2), [7, 1), [9, 1)
+    assert e.holes() == [(2, 2), (7, 1), (9, 1)] and e.free_units == 4 and e.largest_hole == 2
+    import copy
+    fixed_b = copy.deepcopy(e)
+    assert e.compact([("a", 0, 2, True), ("b", 4, 3, True), ("c", 8, 1, True)]) == [("b", 4, 2, 3), ("c", 8, 5, 1)]
+    assert e.holes() == [(6, 4)]
+    assert fixed_b.compact([("a", 0, 2, True), ("b", 4, 3, False), ("c", 8, 1, True)]) == [("c", 8, 7, 1)]
+    assert fixed_b.holes() == [(2, 2), (8, 2)]
+    assert e.take(5) is None and e.take(4) == 6 and e.holes() == []
+
+
+@pytest.mark.parametrize("gap", [1, 3, 10, 100])
+def test_move_down_is_overlap_safe(gap):
+    buf = torch.arange(200, dtype=torch.int32)
+    want = buf.clone()
+    want[5 : 5 + 90] = buf[5 + gap : 5 + gap + 90].clone()
+    move_down(buf, 5, 5 + gap, 90)
+    assert torch.equal(buf, want)
+
+
+# ------------------------------------------------------------------------------------------ host arena
+class FakeEvent:
+    """A copy in flight: ``query()`` is False until ``synchronize()`` (or the test) completes it."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+UNIT = 16
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("alloc"), st.integers(1, 9 * UNIT), st.booleans()),   # size, fixed (being written)
+    st.tuples(st.just("free"), st.integers(0, 50), st.booleans()),           # which, with a copy in flight
+    st.tuples(st.just("read"), st.integers(0, 50), st.booleans()),           # a copy reads it; it completes now?
+    st.tuples(st.just("done"), st.integers(0, 50), st.booleans()),           # fixed block written / copy completes
+    st.tuples(st.just("compact"), st.integers(0, 3), st.booleans()),
+), max_size=60)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, chunk_units=st.integers(8, 24), budget_chunks=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_arena_keeps_bytes_exact_and_contents_intact(ops, chunk_units, budget_chunks, seed):
+    budget = budget_chunks * chunk_units * UNIT + UNIT * (seed % 5)  # a last, smaller chunk sometimes
+    arena = HostArena(budget, pinned=False, unit=UNIT, chunk_bytes=chunk_units * UNIT)
+    g = torch.Generator().manual_seed(seed)
+    live: dict = {}  # block -> the bytes written into it
+    moves: dict = {}  # block -> times on_move was called
+    deferred: list = []  # (freed block, its place, the events of the copies reading it)
+    reads: dict = {}  # block -> events of copies reading it
+    events: list[FakeEvent] = []
+
+    def busy(evs) -> bool:
+        return any(not e.done for e in evs)
+
+    def check():
+        for b, want in live.items():
+            assert torch.equal(b.bytes(), want), "a block's bytes changed"
+        blocks = arena.blocks()
+        runs = sorted((b.chunk, b.start, b.start + b.units) for b in blocks)
+        for (c0, _, e0), (c1, s1, _) in zip(runs, runs[1:]):
+            assert c0 != c1 or e0 <= s1, "two blocks overlap"
+        for b in blocks:
+            assert 0 <= b.start and b.start + b.units <= arena._chunks[b.chunk].space.num_units
+        pending = {b for b, _, evs in deferred if busy(evs)}
+        assert arena.bytes_used == sum(b.units for b in blocks) * UNIT
+        assert set(live) <= set(blocks) and set(blocks) <= set(live) | {b for b, _, _ in deferred}
+        assert pending <= set(blocks), "a block read by an unfinished copy was released"
+        assert arena.bytes_held <= budget
+        for c in range(arena.num_chunks):  # holes and blocks tile each chunk
+            used = sum(b.units for b in blocks if b.chunk == c)
+            assert used + sum(n for _, n in arena.holes(c)) == arena._chunks[c].space.num_units
+
+    for op, x, flag in ops:
+        items = list(live)
+        if op == "alloc":
+            b = arena.alloc(x, fixed=flag)
+            if b is None:
+                # refused only when no chunk can take it: not in a hole, a new chunk or a compaction
+                units = -(-x // UNIT)
+                assert all(arena._chunks[i].space.largest_hole < units for i in range(arena.num_chunks))
+                assert units > min(chunk_units, (budget - arena.bytes_held) // UNIT)
+                continue
+            assert b.nbytes == x and b.units == -(-x // UNIT)
+            for fb, place, evs in deferred:  # a block read by an unfinished copy is not reused
+                if busy(evs):
+                    assert not (b.chunk == place[0] and b.start < place[1] + fb.units and place[1] < b.start + b.units)
+            data = torch.randint(0, 256, (x,), dtype=torch.uint8, generator=g)
+            b.bytes().copy_(data)
+            live[b] = data
+            moves[b] = 0
+            b.on_move = lambda blk: moves.__setitem__(blk, moves[blk] + 1)
+        elif op == "free" and items:
+            b = items[x % len(items)]
+            if flag:
+                ev = FakeEvent()
+                events.append(ev)
+                arena.note_read(b, ev)
+                reads.setdefault(b, []).append(ev)
+            deferred.append((b, (b.chunk, b.start), reads.pop(b, [])))
+            del live[b]
+            arena.free(b)
+        elif op == "read" and items:
+            ev = FakeEvent()
+            ev.done = flag
+            events.append(ev)
+            arena.note_read(items[x % len(items)], ev)
+            reads.setdefault(items[x % len(items)], []).append(ev)
+        elif op == "done":
+            if items and items[x % len(items)].fixed:
+                arena.release_fixed(items[x % len(items)])
+            elif events:
+                events[x % len(events)].done = True
+        elif op == "compact" and arena.num_chunks:
+            fixed = {b: (b.chunk, b.start) for b in live if b.fixed}
+            places = {b: (b.chunk, b.start) for b in live}
+            before = dict(moves)
+            arena.compact(x % arena.num_chunks)
+            assert all((b.chunk, b.start) == p for b, p in fixed.items()), "a block being written moved"
+            for b, p in places.items():  # its owner is told exactly when it moved
+                assert ((b.chunk, b.start) != p) == (moves[b] == before[b] + 1), (p, (b.chunk, b.start))
+        # a deferred block stays in place while its copy runs
+        for fb, place, evs in deferred:
+            if busy(evs) and fb in arena.blocks():
+                assert (fb.chunk, fb.start) == place
+        check()
+    for ev in events:
+        ev.done = True
+    for b in list(live):
+        arena.free(b)
+    arena.reap()
+    assert arena.bytes_used == 0 and arena.blocks() == []
+
+
+def test_arena_compaction_moves_around_fixed_blocks_and_repoints_owners():
+    arena = HostArena(8 * 10, pinned=False, unit=8, chunk_bytes=8 * 10)  # one chunk of 10 units
+    a, b, c, d = arena.alloc(16), arena.alloc(16, fixed=True), arena.alloc(16), arena.alloc(16)
+    for i, blk in enumerate((a, b, c, d)):
+        blk.bytes().fill_(i + 1)
+    seen = []
+    d.on_move = lambda blk: seen.append((blk.start, int(blk.bytes()[0])))
+    arena.free(a)
+    arena.free(c)  # holes [0, 2), [4, 2), [8, 2): 6 free units, b (being written) fixed at [2, 4)
+    assert arena.alloc(48) is None  # 6 units: the compaction slides d down to 4, but b still splits the free space
+    assert seen == [(4, 4)] and arena.holes(0) == [(0, 2), (6, 4)] and b.start == 2 and (b.bytes() == 2).all()
+    w = arena.alloc(32)  # 4 units: now in one hole
+    assert w.start == 6 and arena.compactions == 1 and arena.bytes_compacted == 16
+    arena.release_fixed(b)
+    arena.free(w)
+    assert arena.alloc(48).start == 4 and b.start == 0 and d.start == 2 and arena.compactions == 2  # b moves too
+
+
+def test_arena_chunks_double_from_the_first_and_fit_the_image():
+    MiB = 1 << 20
+    arena = HostArena(None, pinned=False, unit=MiB, chunk_bytes=1 << 30)  # (mapped, never touched: no RSS)
+    blocks = [arena.alloc(10 * MiB) for _ in range(7)]  # 6 fit the 64 MiB first chunk, the 7th opens a 128 MiB one
+    assert [b.chunk for b in blocks] == [0] * 6 + [1] and arena.bytes_held == 192 * MiB
+    big = HostArena(300 * MiB, pinned=False, unit=MiB, chunk_bytes=1 << 30)
+    b = big.alloc(100 * MiB)  # larger than the first chunk: a chunk of its size
+    assert big.bytes_held == 100 * MiB and big.alloc(250 * MiB) is None and big.alloc(200 * MiB).chunk == 1
+    assert big.bytes_held == 300 * MiB and b.chunk == 0  # the budget's rest, not a doubled 200 MiB + more
+
+
+def test_arena_refuses_what_can_never_fit_and_validates():
+    arena = HostArena(1000, pinned=False, unit=10, chunk_bytes=300)
+    assert not arena.could_ever_fit(301) and arena.could_ever_fit(300) and arena.alloc(301) is None
+    small = HostArena(250, pinned=False, unit=10, chunk_bytes=300)
+    assert not small.could_ever_fit(260) and small.could_ever_fit(250)
+    for kw in (dict(unit=0), dict(chunk_bytes=5)):
+        with pytest.raises(ValueError):
+            HostArena(100, pinned=False, **{"unit": 10, **kw})
+    with pytest.raises(ValueError):
+        arena.alloc(0)
+    b = arena.alloc(10)
+    arena.free(b)
+    with pytest.raises(RuntimeError):
+        arena.free(b)
+
+
+# ---------------------------------------------------------------------------------------------- engine
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tiny_llama_dir(tmp_path_factory, VOCAB)
+    probe = Engine(model=str(d), device="cpu", progress=False, max_batch_size=1, max_seq_len=16, max_lora_rank=8,
+                   adapter_slots=1)
+    root = tmp_path_factory.mktemp("tier-adapters")
+    dirs = [write_adapter(root / f"ad{i}", probe.config, 500 + i, 8, MODULES[2]) for i in range(6)]  # one size
+    mixed = [write_adapter(root / f"mx{i}", probe.config, 600 + i, 4 if i % 2 else 8, MODULES[i % 3]) for i in range(6)]
+    return d, dirs, mixed, probe.pool.max_adapter_pages * probe.pool.page_bytes
+
+
+def _engine(tiny, pool_adapters, host_bytes, **kw):
+    d, _, _, unit = tiny
+    return Engine(model=str(d), device="cpu", progress=False, max_batch_size=4, max_seq_len=16, max_lora_rank=8,
+                  adapter_slots=pool_adapters, adapter_pool_bytes=pool_adapters * unit, host_adapter_bytes=host_bytes,
+                  **kw)
+
+
+def _ids(n, seed):
+    return token_ids(n, seed, VOCAB)
+
+
+def test_host_tier_counts_exact_bytes_in_the_arena(tiny):
+    """A budget of exactly 3 images holds 3 copies (the power-of-two rounding of torch's pinned allocator would
+    have held 2 of these 59,392-byte images in 178,176 bytes), each a view of an arena chunk."""
+    _, dirs, _, unit = tiny
+    engine = _engine(tiny, 1, 3 * unit)
+    for i in range(6):
+        engine.load_adapter(f"a{i}", dirs[i])
+        copies = [h.host for h in engine.cache.handles() if h.host is not None]
+        assert engine.cache.host_bytes == sum(c.nbytes for c in copies) == min(i + 1, 3) * unit
+    arena = engine.cache.arena
+    assert arena.bytes_held <= 3 * unit and arena.bytes_used == 3 * unit
+    for c in copies:
+        chunk = arena._chunks[c.block.chunk].buffer
+        base = chunk.data_ptr()
+        assert c.block is not None and base <= c.data.data_ptr() < base + chunk.numel()
+    s = engine.stats()
+    assert s["host_tier_bytes"] == 3 * unit and s["host_arena_bytes_used"] == 3 * unit
+    assert s["host_arena_bytes_held"] == arena.bytes_held and s["host_arena_pinned"] is False
+    engine.cache.close()
+
+
+def test_disk_host_pool_round_trips_are_bit_identical(tiny):
+    """Adapters of mixed sizes churn through a pool of 1 and a host tier of ~2 images: every reload reads the
+    files straight into an arena block (compacting it when holes are too small), and serves the logits of an
+    engine that never evicted them; each reloaded host copy equals the general read path's image."""
+    _, _, mixed, unit = tiny
+    engine = _engine(tiny, 1, 2 * unit + unit // 3)
+    ref = _engine(tiny, 6, 6 * unit)
+    prompts = [_ids(5, 1), _ids(7, 2)]
+    for i, d in enumerate(mixed):
+        engine.load_adapter(f"m{i}", d, preload=i % 2 == 0)
+        ref.load_adapter(f"m{i}", d)
+    want = {f"m{i}": ref.logits(prompts, adapters=f"m{i}") for i in range(len(mixed))}
+    order = [0, 1, 2, 3, 4, 5, 0, 2, 4, 1, 3, 5, 5, 0, 3]
+    for i in order:
+        name = f"m{i}"
+        assert torch.equal(engine.logits(prompts, adapters=name), want[name]), name
+        h = engine.cache.get(name)
+        if h.host is not None:
+            _, general = read_packed_adapter(mixed[i], engine.config, engine.pool, name=name)
+            assert torch.equal(h.host.data, general.data) and torch.equal(h.host.ranks, general.ranks)
+        assert engine.cache.host_bytes <= engine.cache.host_budget
+    s = engine.stats()
+    assert s["host_misses"] > 0 and s["disk_to_host_reads"] == s["host_misses"]
+    assert s["host_tier_bytes"] == sum(h.host.nbytes for h in engine.cache.handles() if h.host is not None)
+    engine.cache.close()
+    ref.cache.close()
+
+
+def test_changed_files_fail_only_their_requests_and_free_the_block(tiny, tmp_path):
+    _, dirs, _, unit = tiny
+    path = tmp_path / "x"
+    shutil.copytree(dirs[0], path)
+    engine = _engine(tiny, 1, unit)
+    engine.load_adapter("x", path, preload=False)
+    engine.load_adapter("y", dirs[1])
+    write_adapter(path, engine.config, 999, 8, MODULES[2])  # other weights, same shapes
+    assert files_fingerprint(path) != engine.cache.get("x").fingerprint
+    outs = engine.generate([_ids(4, 1), _ids(4, 2), _ids(4, 3)], adapters=["x", "y", None], sampling=greedy(2))
+    assert outs[0].finish_reason == "error" and str(path) in outs[0].error and "changed" in outs[0].error
+    assert [o.finish_reason for o in outs[1:]] == ["length", "length"]
+    arena = engine.cache.arena
+    assert arena.bytes_used == engine.cache.host_bytes  # the failed read's block went back
+    assert engine.stats()["adapter_load_failures"] >= 1
+    engine.cache.close()
+
+
+def test_tier_move_stats_are_present_and_consistent(tiny):
+    _, dirs, _, unit = tiny
+    engine = _engine(tiny, 1, 2 * unit)
+    s0 = engine.stats()
+    for k in ("host_to_gpu_gbps", "disk_to_host_gbps", "gpu_to_host_gbps"):
+        assert k in s0 and s0[k] is None  # nothing moved yet
+    for i in range(4):
+        engine.load_adapter(f"a{i}", dirs[i], preload=False)
+    for i in (0, 1, 2, 3, 0):
+        engine.logits([_ids(3, i)], adapters=f"a{i}")
+    s = engine.stats()
+    assert s["host_to_gpu_copies"] == s["gpu_misses"] + s["prefetch_to_gpu"]
+    assert s["bytes_host_to_gpu"] == s["host_to_gpu_copies"] * unit == s["host_to_gpu_timed_bytes"]
+    assert s["host_to_gpu_seconds"] > 0
+    assert s["host_to_gpu_gbps"] == pytest.approx(s["host_to_gpu_timed_bytes"] / s["host_to_gpu_seconds"] / 1e9)
+    assert s["disk_to_host_reads"] >= 4 and s["bytes_disk_to_host"] == s["disk_to_host_reads"] * unit
+    assert s["disk_to_host_gbps"] == pytest.approx(s["bytes_disk_to_host"] / s["disk_to_host_seconds"] / 1e9)
+    if s["bytes_gpu_to_host"]:
+        assert s["gpu_to_host_gbps"] == pytest.approx(s["bytes_gpu_to_host"] / s["gpu_to_host_seconds"] / 1e9)
+    assert s["host_arena_chunks"] == 1 and s["host_arena_bytes_held"] == 2 * unit
+    for key in ("bytes_host_to_gpu", "bytes_gpu_to_host", "bytes_disk_to_host", "host_tier_bytes",
+                "host_tier_budget", "prefetch_hits", "gpu_hits"):  # the earlier keys are kept
+        assert key in s
+    engine.cache.close()
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+
+
+@pytest.mark.gpu
+@gpu
+def test_arena_chunks_are_pinned_and_copies_land_bit_identical():
+    arena = HostArena(64 << 20, pinned=True, unit=128, chunk_bytes=32 << 20)
+    blocks = [arena.alloc(3 << 20) for _ in range(12)]  # two chunks
+    assert arena.pinned and arena.num_chunks == 2 and all(b is not None for b in blocks)
+    assert all(b.bytes().is_pinned() for b in blocks)
+    g = torch.Generator().manual_seed(0)
+    side = torch.cuda.Stream()
+    dst = torch.empty(len(blocks), 3 << 20, dtype=torch.uint8, device="cuda")
+    for i, b in enumerate(blocks):
+        b.bytes().copy_(torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g))
+    for i, b in enumerate(blocks):
+        with torch.cuda.stream(side):
+            dst[i].copy_(b.bytes(), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(side)
+        arena.note_read(b, ev)
+    for i in range(0, len(blocks), 2):  # free every other block: the next alloc compacts, after the copies
+        arena.free(blocks[i])
+    big = arena.alloc(15 << 20)
+    assert big is not None
+    side.synchronize()
+    for i, b in enumerate(blocks):
+        if i % 2:
+            assert torch.equal(dst[i].cpu(), b.bytes()), i
+
+
+@pytest.mark.gpu
+@gpu
+def test_block_read_by_an_inflight_copy_is_not_reused():
+    arena = HostArena(8 << 20, pinned=True, unit=128, chunk_bytes=8 << 20)
+    b = arena.alloc(8 << 20)
+    side = torch.cuda.Stream()
+    dst = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # keep the side stream busy: the copy is queued behind it
+        dst.copy_(b.bytes(), non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(side)
+    arena.note_read(b, ev)
+    arena.free(b)
+    assert not ev.query() and arena.bytes_used == 8 << 20  # deferred: still counted
+    again = arena.alloc(8 << 20)  # no room without it: waits for the copy (settle), then reuses it
+    assert ev.query() and again is not None and again.start == 0
+
+
+@pytest.mark.gpu
+@gpu
+def test_engine_host_tier_is_pinned_and_moves_are_timed(tiny):
+    d, dirs, _, unit = tiny
+    bf16_unit = unit // 2  # the probe's images are float32
+    engine = Engine(model=str(d), device="cuda", progress=False, max_batch_size=4, max_seq_len=16, max_lora_rank=8,
+                    adapter_slots=1, adapter_pool_bytes=bf16_unit, host_adapter_bytes=3 * bf16_unit)
+    ref = Engine(model=str(d), device="cuda", progress=False, max_batch_size=4, max_seq_len=16, max_lora_rank=8)
+    for i in range(5):
+        engine.load_adapter(f"a{i}", dirs[i], preload=i % 2 == 0)
+        ref.load_adapter(f"a{i}", dirs[i])
+    prompts = [_ids(5, 1), _ids(7, 2)]
+    for i in (0, 1, 2, 3, 4, 0, 3):
+        assert torch.equal(engine.logits(prompts, adapters=f"a{i}"), ref.logits(prompts, adapters=f"a{i}")), i
+    torch.cuda.synchronize()
+    s = engine.stats()
+    assert s["host_arena_pinned"] is True and s["host_tier_bytes"] <= 3 * bf16_unit
+    assert all(h.host.data.is_pinned() for h in engine.cache.handles() if h.host is not None)
+    assert s["host_to_gpu_timed_bytes"] == s["bytes_host_to_gpu"] and s["host_to_gpu_gbps"] > 0
+    engine.cache.close()
+    ref.cache.close()
+
+
+# ------------------------------------------------------------------------------- the bit-pattern finite check
+SPECIALS = [0.0, -0.0, 1.0, -1.0, float("inf"), -float("inf"), float("nan"), -float("nan")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@settings(max_examples=80, deadline=None)
+@given(bits=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=40))
+def test_bit_pattern_finite_check_matches_isfinite(dtype, bits):
+    """Every bit pattern (NaN payloads, both infinities, subnormals, -0.0, the largest finite values) against
+    ``torch.isfinite``."""
+    from multilora.runtime.adapters.image import _finite
+
+    width = torch.empty((), dtype=dtype).element_size() * 8
+    ints = torch.tensor([b % (1 << width) for b in bits], dtype=torch.int64)  # unsigned patterns
+    x = ints.to(torch.int32 if width == 32 else torch.int16).view(dtype)  # (the cast wraps: same bits)
+    assert _finite(x) == bool(torch.isfinite(x.float()).all())
+    for v in SPECIALS + [torch.finfo(dtype).max, -torch.finfo(dtype).max, torch.finfo(dtype).tiny / 4]:
+        y = torch.cat([x, torch.tensor([v], dtype=dtype)])
+        assert _finite(y) == bool(torch.isfinite(y.float()).all()), v
+
+
+def test_chunks_in_granules_hold_a_budget_of_images_exactly():
+    """Chunks sized in multiples of the largest image (the cache's granule) leave no tail: a budget of k images
+    holds k of them, and of images whose size divides it, as doubling chunks open."""
+    MiB = 1 << 20
+    image = 84 * MiB  # a Llama-3-8B rank-16 image; a granule of the rank-64 one (4x)
+    arena = HostArena(8 * image, pinned=False, unit=MiB, chunk_bytes=1 << 30, granule=4 * image)
+    blocks = [arena.alloc(image) for _ in range(8)]
+    assert all(b is not None for b in blocks) and arena.bytes_held == 8 * image and arena.alloc(image) is None
+    plain = HostArena(8 * image, pinned=False, unit=MiB, chunk_bytes=1 << 30)  # no granule: tails are lost
+    assert sum(plain.alloc(image) is not None for _ in range(8)) < 8
+
+
+def test_verified_reread_skips_only_the_finite_checks(tiny, tmp_path):
+    """``verified=True`` (the cache's re-read of a file version it has read) gives the same image and skips only
+    the finite checks: so it must be passed only for files whose values were checked before (the engine passes
+    it for a handle that has had a host copy; the handle's fingerprint is checked before and after the read)."""
+    from safetensors.torch import load_file, save_file
+
+    _, dirs, _, _ = tiny
+    engine = _engine(tiny, 1, 0)
+    _, want = read_packed_adapter(dirs[0], engine.config, engine.pool)
+    _, got = read_image(dirs[0], engine.config, engine.pool, verified=True)
+    assert torch.equal(got.data, want.data)
+    bad = tmp_path / "nan"
+    shutil.copytree(dirs[0], bad)
+    t = load_file(str(bad / "adapter_model.safetensors"))
+    k = sorted(t)[0]
+    t[k] = t[k].clone()
+    t[k][0, 0] = float("nan")
+    save_file(t, str(bad / "adapter_model.safetensors"))
+    import os
+    import time
+    os.utime(bad / "adapter_model.safetensors", (time.time() - 1, time.time() - 1))  # settled
+    from multilora.runtime.adapters import AdapterError
+    with pytest.raises(AdapterError, match="non-finite"):
+        read_image(bad, engine.config, engine.pool)
+    assert torch.isnan(read_image(bad, engine.config, engine.pool, verified=True)[1].data).any()
+    engine.cache.close()
