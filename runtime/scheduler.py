@@ -266,8 +266,9 @@ class Scheduler:
         full of pinned adapters), the waiting requests fail."""
         for req in self.running:
             req.chunk = 0
-            if req.computed >= req.num_tokens:  # its step ran, its token was not taken (an interrupt): the last
-                req.computed = req.num_tokens - 1  # position again gives the logits
+            n = len(req.prompt_ids) + len(req.output_ids)
+            if req.computed >= n:  # its step ran, its token was not taken (an interrupt): the last position
+                req.computed = n - 1  # again gives the logits
         if not self.chunked:
             for req in [r for r in self.running if r.num_tokens == r.admitted_tokens]:
                 self._preempt(req, count=False)  # its prefill step was interrupted: it has no token to decode from
@@ -288,7 +289,7 @@ class Scheduler:
             if self.running:
                 self._reserve_decode()
                 for req in self.running:
-                    req.computed, req.chunk = req.num_tokens - 1, 1
+                    req.computed, req.chunk = len(req.prompt_ids) + len(req.output_ids) - 1, 1
                 sched = Schedule("decode", list(self.running), failed, list(self.running))
         if sched is not None:
             return sched
@@ -301,30 +302,40 @@ class Scheduler:
         """One chunked step: a token for every decoding request (room for it reserved first, preempting the newest
         while blocks run short), then the prompt room filled with chunks of the running prefills (admission order),
         then newly admitted requests' first chunks. None: nothing to run."""
-        if any(not r.prefilling for r in self.running):
+        decoding = sum(r.computed >= r.admitted_tokens for r in self.running)  # (not r.prefilling: inlined, hot)
+        preempted = False
+        if decoding:
             before = self.preemptions
             self._reserve_decode()
             preempted = self.preemptions > before
-        else:
-            preempted = False
-        decoding = [r for r in self.running if not r.prefilling]
-        room = self.prompt_room(len(decoding))
+            decoding = sum(r.computed >= r.admitted_tokens for r in self.running)
+        room = self.prompt_room(decoding)
         first = True
+        batch: list[Request] = []
+        sampling: list[Request] = []
         for req in self.running:
-            if not req.prefilling:
+            if req.computed >= req.admitted_tokens:  # decoding: its one newest token, sampled
                 req.chunk = 1
+                batch.append(req)
+                sampling.append(req)
             elif room > 0:
-                req.chunk = self._chunk(req, room, first)
-                room -= req.chunk
-                first = first and not req.chunk
+                req.chunk = n = self._chunk(req, room, first)
+                if n:
+                    room -= n
+                    first = False
+                    batch.append(req)
+                    if req.computed + n == len(req.prompt_ids) + len(req.output_ids):
+                        sampling.append(req)
         if not preempted and room > 0:  # a request preempted now would be admitted again at once: wait a step
-            self._admit(failed, room=room, first=first)
-        batch = [r for r in self.running if r.chunk > 0]
+            for req in self._admit(failed, room=room, first=first):
+                batch.append(req)
+                if req.chunk == req.num_tokens:
+                    sampling.append(req)
         if not batch:
             return None
-        prefills = sum(r.prefilling for r in batch)
-        kind = "prefill" if prefills == len(batch) else "decode" if prefills == 0 else "mixed"
-        return Schedule(kind, batch, failed, [r for r in batch if r.samples], prefills)
+        prefills = len(batch) - decoding
+        kind = "prefill" if decoding == 0 else "decode" if prefills == 0 else "mixed"
+        return Schedule(kind, batch, failed, sampling, prefills)
 
     def prompt_room(self, decoding: int) -> int:
         """Prompt tokens a chunked step may compute beside ``decoding`` decode tokens: the budget's rest, at most
@@ -349,10 +360,16 @@ class Scheduler:
         ``recompute_after`` recompute or an interrupted step)."""
         new = again = 0
         for req in batch:
-            a, b = req.computed, req.computed + req.chunk
-            again += max(0, min(b, req.max_computed) - a)
-            new += max(0, min(b, len(req.prompt_ids)) - max(a, req.max_computed))
-            req.max_computed = max(req.max_computed, b)
+            a, m = req.computed, req.max_computed
+            b = a + req.chunk
+            p = len(req.prompt_ids)
+            if a < m:
+                again += (b if b < m else m) - a
+                a = m
+            if a < p and a < b:
+                new += (b if b < p else p) - a
+            if b > m:
+                req.max_computed = b
             req.computed, req.chunk = b, 0
         return new, again
 
