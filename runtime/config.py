@@ -77,7 +77,12 @@ class EngineConfig:
             steadier length (lower TPOT tail), a long prompt's first token later.
         starvation_patience: steps a waiting request may be passed over before nothing behind it is admitted
             (the scheduler's no-starvation bound, ``multilora.runtime.scheduler``).
-        prefetch_adapters: how many not-yet-resident adapters of waiting requests to prefetch per step.
+        prefetch_adapters: how many not-yet-resident adapters of waiting requests to start prefetching per step
+            (reads already in flight do not count).
+        adapter_aware_admission: with prefetch on, a waiting request whose adapter is still on the disk tier is
+            passed over (until it is urgent, ``starvation_patience``) while requests behind it whose adapters are
+            resident or in host memory are admitted, instead of reading its files inside a step
+            (``multilora.runtime.scheduler``, "Adapter-aware admission").
         max_waiting_requests: most requests waiting at once; ``add_request`` / ``generate`` beyond it raise
             ``EngineOverloadedError`` (a server answers 429) instead of queueing without bound.
         lora_backend: "torch", "triton" or None (triton on CUDA when available).
@@ -119,7 +124,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _opt(None, "chunked prefill: tokens per step, decode tokens + prompt "
                                                     "chunks (default: --max-prefill-tokens)", kind=int)
     starvation_patience: int = _opt(16, "steps a waiting request may be passed over before it is urgent")
-    prefetch_adapters: int = _opt(4, "adapters of waiting requests prefetched per step")
+    prefetch_adapters: int = _opt(4, "adapters of waiting requests whose prefetch starts per step")
+    adapter_aware_admission: bool = _opt(True, "pass over waiting requests whose adapter is still on disk (until "
+                                               "urgent) for those whose adapter is resident or in host memory",
+                                         kind=bool)
     max_waiting_requests: int = _opt(16384, "most requests waiting at once (more: an 'overloaded' error)")
     lora_backend: str | None = _opt(None, "LoRA kernels (default: triton on CUDA)", choices=_BACKENDS)
     attention_backend: str | None = _opt(None, "paged attention (default: triton on CUDA)", choices=_BACKENDS)
@@ -160,7 +168,7 @@ class EngineConfig:
             if name not in _DTYPES or not isinstance(self.dtype, (str, torch.dtype)):
                 raise fail("dtype", f"a torch dtype or a name, one of {list(_DTYPES)}")
             self.dtype = getattr(torch, name)
-        for name in ("cuda_graphs", "enable_chunked_prefill"):
+        for name in ("cuda_graphs", "enable_chunked_prefill", "adapter_aware_admission"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "True or False")
         if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)

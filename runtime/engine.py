@@ -112,7 +112,8 @@ class Engine:
         self.scheduler = Scheduler(self.cache, kv=self.kv, max_batch_size=cfg.max_batch_size,
                                    max_prefill_tokens=cfg.max_prefill_tokens, patience=cfg.starvation_patience,
                                    recompute_after=self.model.rope_long_after, chunked=cfg.enable_chunked_prefill,
-                                   max_num_batched_tokens=cfg.max_num_batched_tokens)
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   adapter_aware=cfg.adapter_aware_admission and cfg.prefetch_adapters > 0)
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self.postprocess = Postprocessor(self.text, max_seq_len=self.max_seq_len, counters=self._counters,
                                          finish=self.scheduler.finish)

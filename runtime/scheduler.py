@@ -72,6 +72,17 @@ queue when it arrives, ``B = max_batch_size`` and ``L = max_seq_len``:
   ``patience + (k + (patience + 1) * B) * L * c + 1`` steps. Once admitted, R is preempted only in favour of
   requests admitted before it, so it also finishes.
 
+Adapter-aware admission (``adapter_aware``, ``EngineConfig.adapter_aware_admission``, default on). Admitting a
+request whose adapter is on the disk tier would read its files inside the step (every running request waits for
+the read); such a request, while it is not urgent and something runs, is passed over instead (counted in
+``queue_defers_for_adapter_load``) and stays in its place: the engine's prefetch (``prefetch_candidates``: queue
+order, reads already in flight not counted against the limit) brings its adapter to host memory, and meanwhile
+requests behind it whose adapters are resident or in host memory are admitted. Being passed over counts as a
+skipped step like waiting for pool room, so after ``patience`` steps the request is urgent and is admitted as
+before (reading its files if they are still not in), and the bounds above hold unchanged: they already allow
+each request ``patience`` steps of being passed over. With nothing running it is admitted at once (reading its
+files): deferring would only idle the engine.
+
 ``tests/test_scheduler_chunked.py`` checks both chunked bounds on random traffic (and the rest of the chunked
 contract: every prompt position computed once unless recomputed, no decode stall, blocks and adapter references
 returned); ``tests/test_scheduler_fairness.py`` checks the first on an engine, chunked and not.
@@ -206,6 +217,9 @@ class Scheduler:
         chunked: chunked prefill (module docstring): steps carry decode tokens and prompt chunks together.
         max_num_batched_tokens: with ``chunked``, the step's token budget (decode tokens + prompt chunks; None =
             ``max_prefill_tokens``).
+        adapter_aware: pass over (until it is urgent) a waiting request whose adapter is still on the disk tier
+            while something runs: its prefetch brings it up, and requests behind it whose adapters are resident or
+            in host memory are admitted meanwhile (module docstring, "Adapter-aware admission").
         patience: scheduling steps a request may wait before it becomes urgent (see module docstring).
         recompute_after: 0, or a length L: a running request whose KV was written when it had at most L tokens is
             recomputed (preempted without counting, then prefilled again whole, as after a preemption) at the
@@ -225,9 +239,11 @@ class Scheduler:
         recompute_after: int = 0,
         chunked: bool = False,
         max_num_batched_tokens: int | None = None,
+        adapter_aware: bool = False,
     ) -> None:
         self.cache = cache
         self.chunked = chunked
+        self.adapter_aware = adapter_aware
         self.max_num_batched_tokens = max_num_batched_tokens or max_prefill_tokens
         self.recompute_after = recompute_after
         self.kv = kv
@@ -241,6 +257,7 @@ class Scheduler:
         self.wait_seconds_max = 0.0
         self.admitted_total = 0
         self.adapter_waits = 0  # times a request was passed over because its adapter did not fit
+        self.adapter_defers = 0  # times a request was passed over because its adapter was still on disk
         self.preemptions = 0
 
     def add(self, req: Request) -> None:
@@ -430,6 +447,11 @@ class Scheduler:
             if not self.kv.can_fit(req.kv_need):
                 break  # the head waits for blocks; nothing behind it is admitted
             if req.handle is not None and req.slot < 0:  # (a slot kept from an interrupted admission is reused)
+                if (self.adapter_aware and self.running and req.skipped_steps < self.patience
+                        and req.handle.tier == "disk"):
+                    self.adapter_defers += 1  # acquire would read its files in this step: let prefetch do it
+                    i += 1
+                    continue
                 if not self.cache.could_ever_fit(req.handle):
                     pool = self.cache.pool
                     self._fail(req, f"adapter {req.adapter_name!r} needs {req.handle.pool_bytes} bytes and a slot: "
@@ -482,7 +504,7 @@ class Scheduler:
         running, waiting = list(self.running), list(self.waiting)  # snapshots: another thread may be stepping
         return {
             "queue_wait_seconds_total": self.wait_seconds_total, "queue_wait_seconds_max": self.wait_seconds_max,
-            "queue_waits_for_adapter": self.adapter_waits, "kv_blocks_total": self.kv.num_usable_blocks,
+            "queue_waits_for_adapter": self.adapter_waits, "queue_defers_for_adapter_load": self.adapter_defers, "kv_blocks_total": self.kv.num_usable_blocks,
             "kv_blocks_free": self.kv.num_free_blocks, "kv_block_size": self.kv.block_size,
             "preemptions": self.preemptions, "waiting": len(waiting), "running": len(running),
             "running_adapters": sorted({r.adapter_name for r in running if r.adapter_name is not None}),
@@ -494,13 +516,21 @@ class Scheduler:
         return {id(r.handle) for r in self.waiting if r.handle is not None}
 
     def prefetch_candidates(self, limit: int) -> list[AdapterHandle]:
-        """Distinct adapters of the first waiting requests that are not resident, in queue order."""
+        """Distinct adapters of waiting requests that are not resident, in queue order, until ``limit`` of them need a
+        move started (an adapter already on its way up, its disk read in flight, does not count against ``limit``:
+        so the look-ahead reaches further down the queue while reads are slower than admissions)."""
         out: list[AdapterHandle] = []
+        seen: set[int] = set()
+        starting = 0
         for req in self.waiting:
             h = req.handle
-            if h is not None and h.slot is None and h not in out:
-                out.append(h)
-                if len(out) >= limit:
+            if h is None or h.slot is not None or id(h) in seen:
+                continue
+            seen.add(id(h))
+            out.append(h)
+            if getattr(h, "loading", None) is None:
+                starting += 1
+                if starting >= limit:
                     break
         return out
 

@@ -38,19 +38,37 @@ L = 32  # max_seq_len of the scheduler runs
 
 # ----------------------------------------------------------------------------------- fake adapter cache
 class FakeHandle:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, host: bool = True) -> None:
         self.name, self.slot, self.refcount, self.queued, self.pool_bytes, self.last = name, None, 0, 0, 1, 0
+        self.host = host  # in host memory (False: on disk)
+        self.loading: int | None = None  # steps left of a prefetch read in flight
+
+    @property
+    def tier(self) -> str:
+        return "gpu" if self.slot is not None else "host" if self.host else "disk"
 
 
 class FakeCache:
     """The adapter cache as the scheduler sees it: ``slots`` adapters resident at once, LRU among idle ones, a
     referenced adapter never evicted (``AdapterCache.acquire``'s contract; the real cache: test_adapter_cache_*)."""
 
-    def __init__(self, slots: int, names=("a", "b", "c")) -> None:
+    def __init__(self, slots: int, names=("a", "b", "c"), on_disk=()) -> None:
         self.slots = slots
         self.pool = SimpleNamespace(bytes_total=slots, max_slots=slots)
-        self.handles = {n: FakeHandle(n) for n in names}
+        self.handles = {n: FakeHandle(n, host=n not in on_disk) for n in names}
         self.clock = 0
+        self.sync_reads = 0  # acquire of an adapter on disk: its files read inside the step
+
+    def prefetch(self, handles, read_steps):
+        """Start a disk read of each candidate on disk (done ``read_steps`` prefetch calls later)."""
+        for h in self.handles.values():
+            if h.loading is not None:
+                h.loading -= 1
+                if h.loading <= 0:
+                    h.loading, h.host = None, True
+        for h in handles:
+            if not h.host and h.loading is None:
+                h.loading = read_steps
 
     def enqueue(self, h):
         h.queued += 1
@@ -63,6 +81,9 @@ class FakeCache:
         return True
 
     def acquire(self, h):
+        if not h.host:
+            self.sync_reads += 1
+            h.host, h.loading = True, None
         if h.slot is None:
             used = {x.slot for x in self.handles.values() if x.slot is not None}
             if len(used) >= self.slots:
@@ -91,12 +112,16 @@ def _next_token(req: Request) -> int:
 class Sim:
     """A scheduler, a real KV cache's bookkeeping, a fake adapter cache and a fake runner; ``step`` = one engine step."""
 
-    def __init__(self, *, chunked, B, budget, max_prefill, blocks, block_size, patience, slots):
+    def __init__(self, *, chunked, B, budget, max_prefill, blocks, block_size, patience, slots, adapter_aware=False,
+                 names=("a", "b", "c"), on_disk=(), read_steps=2, prefetch=4):
         self.kv = PagedKVCache(num_layers=1, num_blocks=blocks + 1, block_size=block_size, num_kv_heads=1,
                                head_dim=1, dtype=torch.float32, device="cpu")
-        self.cache = FakeCache(slots)
+        self.cache = FakeCache(slots, names, on_disk)
         self.s = Scheduler(self.cache, kv=self.kv, max_batch_size=B, max_prefill_tokens=max_prefill,
-                           patience=patience, chunked=chunked, max_num_batched_tokens=budget)
+                           patience=patience, chunked=chunked, max_num_batched_tokens=budget,
+                           adapter_aware=adapter_aware)
+        self.read_steps, self.prefetch = read_steps, prefetch
+        self.early_reads = 0  # requests admitted with a read of their files while not urgent and others ran
         self.chunked, self.B, self.budget, self.max_prefill, self.patience = chunked, B, budget, max_prefill, patience
         self.store: dict[tuple[int, int], tuple[int, int, int]] = {}  # (block, offset) -> (request, position, token)
         self.computations: Counter = Counter()  # (request, position) -> times computed
@@ -121,8 +146,13 @@ class Sim:
         decoding = [r for r in s.running if not r.prefilling]
         urgent = [r for r in s.waiting if r.skipped_steps >= self.patience]
         order = {r.request_id: i for i, r in enumerate(s.waiting)}
+        cold = {r.request_id for r in s.waiting if r.handle is not None and r.handle.tier == "disk"
+                and r.skipped_steps < self.patience and s.running}
         sched = s.schedule()
         self.steps += 1
+        self.early_reads += sum(r.request_id in cold for r in s.running)
+        if self.prefetch:  # the engine's _make_resident: after scheduling, before the forward
+            self.cache.prefetch(s.prefetch_candidates(self.prefetch), self.read_steps)
         for r in s.running:
             self.admitted.setdefault(r.request_id, self.steps)
         for u in urgent:  # nobody behind a still-waiting urgent request was admitted
@@ -206,16 +236,18 @@ REQ = st.tuples(st.integers(1, L - 1), st.integers(1, 12), st.sampled_from([None
 STEP = st.tuples(st.lists(REQ, max_size=3), st.integers(-1, 12))  # arrivals, abort the i-th live request (or -1)
 
 
-@pytest.mark.parametrize("chunked", [True, False])
-def test_scheduler_invariants_on_random_traffic(chunked):
-    @settings(max_examples=60 if chunked else 25, deadline=None, database=None, derandomize=True,
+@pytest.mark.parametrize("chunked,adapter_aware", [(True, False), (False, False), (True, True)])
+def test_scheduler_invariants_on_random_traffic(chunked, adapter_aware):
+    """adapter_aware: adapters b and c start on the disk tier (reads take 1-3 steps)."""
+    @settings(max_examples=50 if chunked else 25, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow])
     @given(steps=st.lists(STEP, min_size=1, max_size=40), B=st.integers(1, 5), budget=st.integers(1, 24),
            max_prefill=st.integers(1, 32), extra_blocks=st.integers(0, 12), block_size=st.sampled_from([1, 4, 8]),
-           patience=st.integers(0, 6), slots=st.integers(1, 3))
-    def run(steps, B, budget, max_prefill, extra_blocks, block_size, patience, slots):
+           patience=st.integers(0, 6), slots=st.integers(1, 3), read_steps=st.integers(1, 3))
+    def run(steps, B, budget, max_prefill, extra_blocks, block_size, patience, slots, read_steps):
         sim = Sim(chunked=chunked, B=B, budget=budget, max_prefill=max_prefill, block_size=block_size,
-                  blocks=-(-L // block_size) + extra_blocks, patience=patience, slots=slots)
+                  blocks=-(-L // block_size) + extra_blocks, patience=patience, slots=slots,
+                  adapter_aware=adapter_aware, on_disk=("b", "c") if adapter_aware else (), read_steps=read_steps)
         for arrivals, abort in steps:
             for spec in arrivals:
                 sim.add(min(spec[0], L - spec[1]) if not spec[3] else spec[0], *spec[1:])
@@ -228,8 +260,56 @@ def test_scheduler_invariants_on_random_traffic(chunked):
             sim.step()
         sim.check_end()
         sim.check_bound()
+        if adapter_aware:
+            assert sim.early_reads == 0  # files read in a step only for an urgent request, or with nothing running
 
     run()
+
+
+def test_prefetch_candidates_look_past_reads_in_flight():
+    """The look-ahead: adapters already being read do not use up the per-step limit, so it reaches further down
+    the queue while reads are slower than admissions; resident adapters and repeats are left out."""
+    names = [f"d{i}" for i in range(8)]
+    sim = Sim(chunked=True, B=1, budget=8, max_prefill=8, blocks=8, block_size=4, patience=4, slots=1,
+              names=names, on_disk=names)
+    for n in ["d0", "d0", "d1", "d2", "d1", "d3", "d4", "d5"]:
+        sim.add(3, 2, n, False)
+    s = sim.s
+    assert [h.name for h in s.prefetch_candidates(2)] == ["d0", "d1"]
+    sim.cache.prefetch(s.prefetch_candidates(2), read_steps=5)  # d0, d1 in flight
+    assert [h.name for h in s.prefetch_candidates(2)] == ["d0", "d1", "d2", "d3"]
+    sim.cache.handles["d2"].slot = 0  # resident: not a candidate
+    assert [h.name for h in s.prefetch_candidates(2)] == ["d0", "d1", "d3", "d4"]
+
+
+def test_adapter_aware_admission_keeps_file_reads_out_of_steps():
+    """A stream of requests, every third one for a different adapter on the disk tier (reads take 3 steps), the rest
+    for a resident adapter, while requests run. Unaware, each cold request's files are read inside the step that
+    admits it; aware, the cold ones are passed over while their prefetch runs, requests behind them are admitted,
+    and no step reads files; every request is still admitted within the bound, with the same tokens."""
+    names = ["hot"] + [f"d{i}" for i in range(12)]
+    reads, outputs = {}, {}
+    for aware in (False, True):
+        sim = Sim(chunked=True, B=4, budget=16, max_prefill=16, blocks=64, block_size=4, patience=6, slots=6,
+                  names=names, on_disk=names[1:], read_steps=3, adapter_aware=aware)
+        sim.add(4, 20, "hot", False)
+        sim.step()
+        for i in range(36):
+            sim.add(4 + i % 5, 3, names[1 + i // 3] if i % 3 == 0 else "hot", False)
+            sim.step()
+        for _ in range(500):
+            if not sim.s.has_unfinished():
+                break
+            sim.step()
+        sim.check_end()
+        sim.check_bound()
+        reads[aware] = sim.cache.sync_reads
+        outputs[aware] = [r.output_ids for r in sim.reqs]
+        if aware:
+            assert sim.early_reads == 0 and sim.s.adapter_defers > 0
+            assert sim.s.report()["queue_defers_for_adapter_load"] == sim.s.adapter_defers
+    assert reads[False] == 12 and reads[True] == 0, reads
+    assert [len(o) for o in outputs[True]] == [len(o) for o in outputs[False]]
 
 
 def test_long_prompt_never_stalls_decodes_and_is_chunked_by_the_budget():
@@ -395,3 +475,44 @@ def test_engine_abort_in_the_middle_of_a_chunked_prefill(engines):
     assert other.output_ids == alone([9, 8, 7, 6], "c", _sp("greedy", 12, 0))
     assert e.kv.num_free_blocks == e.kv.num_usable_blocks
     assert all(e.cache.get(n).refcount == 0 and e.cache.get(n).queued == 0 for n in "abc")
+
+
+def test_engine_adapter_aware_admission_reads_no_files_inside_steps(tmp_path):
+    """Six requests for adapters registered on the disk tier (``preload=False``) arrive, with requests for a resident
+    adapter, while a request runs. Unaware, each cold request is admitted at once and its files are read inside the
+    step (``host_misses``); aware, each is passed over while its prefetch reads it, and no step reads files. The
+    tokens are the same either way, and the same as each request run alone."""
+    root = tmp_path / "adapters"
+    cold = {f"d{i}": write_adapter(root / f"d{i}", CFG, 70 + i, 4, ("q_proj", "v_proj")) for i in range(6)}
+    hot = write_adapter(root / "hot", CFG, 69, 4, TARGET_MODULES)
+    g = torch.Generator().manual_seed(2)
+    plan = [(torch.randint(3, CFG.vocab_size, (5 + i % 4,), generator=g).tolist(), f"d{i // 2}" if i % 2 == 0
+             else "hot") for i in range(12)]
+    got, stats = {}, {}
+    for aware in (False, True):
+        e = Engine(CFG, device="cpu", progress=False, max_seq_len=MAX_SEQ, max_lora_rank=8, max_batch_size=16,
+                   adapter_slots=8, adapter_aware_admission=aware)
+        e.load_adapter("hot", hot)
+        for n, p in cold.items():
+            e.load_adapter(n, p, preload=False)
+        runner = e.add_request([4, 5, 6], "hot", _sp("greedy", 40, 0))
+        e.step()
+        reqs = []
+        for prompt, name in plan:
+            reqs.append(e.add_request(prompt, name, _sp("greedy", 4, 0)))
+            e.step()
+        while e.has_unfinished():
+            e.step()
+        got[aware] = [r.output_ids for r in [runner, *reqs]]
+        stats[aware] = e.stats()
+        e.cache.close()
+    assert got[True] == got[False]
+    assert stats[False]["host_misses"] == 6 and stats[False]["queue_defers_for_adapter_load"] == 0
+    assert stats[True]["host_misses"] == 0 and stats[True]["queue_defers_for_adapter_load"] >= 6
+    ref = Engine(CFG, device="cpu", progress=False, max_seq_len=MAX_SEQ, max_lora_rank=8, max_batch_size=1,
+                 enable_chunked_prefill=False)
+    ref.load_adapter("hot", hot)
+    for n, p in cold.items():
+        ref.load_adapter(n, p)
+    for (prompt, name), out in zip(plan, got[True][1:]):
+        assert out == ref.generate([prompt], adapters=[name], sampling=_sp("greedy", 4, 0))[0].token_ids
