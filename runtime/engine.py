@@ -329,7 +329,8 @@ class Engine:
         """Next-token logits at each row's last prompt position, each row with its own adapter.
 
         Rows are scheduled like prompts (batches of at most ``max_batch_size`` whose blocks fit in the KV cache,
-        adapters made resident), each in one prefill step that keeps its logits and samples nothing.
+        adapters made resident), each prefilled (whole, or in chunks with chunked prefill) keeping the logits of its
+        last position and sampling nothing.
 
         Args:
             token_ids: B rows of token ids (lengths may differ; each 1..max_seq_len, and within the KV cache).

@@ -136,7 +136,7 @@ class Request:
     skipped_steps: int = 0  # schedule() calls this request has waited through
     preemptions: int = 0  # times it was preempted (its KV blocks taken back; recomputed on re-admission)
     kv_tokens: int = 0  # positions its KV blocks are known to hold (0: unknown, ask the cache); scheduler-kept
-    admitted_tokens: int = -1  # num_tokens when last admitted: still equal at the next schedule() = no token yet
+    admitted_tokens: int = -1  # num_tokens when last admitted: positions below it are its prefill (``prefilling``)
     logits_only: bool = False  # Engine.logits: one prefill, its last position's logits kept, nothing sampled
     logits: torch.Tensor | None = None  # float32 [vocab] on the CPU, set when a logits_only request finishes
     computed: int = 0  # positions whose KV this admission has computed (scheduler-kept; 0 while waiting)
