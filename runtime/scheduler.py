@@ -518,7 +518,8 @@ class Scheduler:
     def prefetch_candidates(self, limit: int) -> list[AdapterHandle]:
         """Distinct adapters of waiting requests that are not resident, in queue order, until ``limit`` of them need a
         move started (an adapter already on its way up, its disk read in flight, does not count against ``limit``:
-        so the look-ahead reaches further down the queue while reads are slower than admissions)."""
+        so the look-ahead reaches further down the queue while reads are slower than admissions), and at most
+        ``8 * limit`` in all (the cache's per-step prefetch work stays bounded)."""
         out: list[AdapterHandle] = []
         seen: set[int] = set()
         starting = 0
@@ -530,8 +531,8 @@ class Scheduler:
             out.append(h)
             if getattr(h, "loading", None) is None:
                 starting += 1
-                if starting >= limit:
-                    break
+            if starting >= limit or len(out) >= 8 * limit:
+                break
         return out
 
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:

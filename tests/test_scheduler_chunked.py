@@ -269,7 +269,7 @@ def test_scheduler_invariants_on_random_traffic(chunked, adapter_aware):
 def test_prefetch_candidates_look_past_reads_in_flight():
     """The look-ahead: adapters already being read do not use up the per-step limit, so it reaches further down
     the queue while reads are slower than admissions; resident adapters and repeats are left out."""
-    names = [f"d{i}" for i in range(8)]
+    names = [f"d{i}" for i in range(10)]
     sim = Sim(chunked=True, B=1, budget=8, max_prefill=8, blocks=8, block_size=4, patience=4, slots=1,
               names=names, on_disk=names)
     for n in ["d0", "d0", "d1", "d2", "d1", "d3", "d4", "d5"]:
@@ -280,6 +280,14 @@ def test_prefetch_candidates_look_past_reads_in_flight():
     assert [h.name for h in s.prefetch_candidates(2)] == ["d0", "d1", "d2", "d3"]
     sim.cache.handles["d2"].slot = 0  # resident: not a candidate
     assert [h.name for h in s.prefetch_candidates(2)] == ["d0", "d1", "d3", "d4"]
+    sim.cache.handles["d2"].slot = None
+    for n in names:  # every read in flight: nothing counts against the limit, the cap of 8 * limit handles holds
+        sim.cache.handles[n].loading = 9
+    assert [h.name for h in s.prefetch_candidates(2)] == [f"d{i}" for i in range(6)]
+    for n in ("d6", "d7", "d8", "d9"):
+        sim.add(3, 2, n, False)
+    assert [h.name for h in s.prefetch_candidates(2)] == names
+    assert [h.name for h in s.prefetch_candidates(1)] == names[:8]
 
 
 def test_adapter_aware_admission_keeps_file_reads_out_of_steps():
