@@ -326,12 +326,14 @@ def multilora_row(run: Run, engine: Engine, provider: str, b: int, names: list[s
     after = engine.stats()
     run.first_tokens[(provider, b)] = outs[0]
     row["first_request_tokens"] = outs[0]
-    d = {k: after[k] - before[k] for k in ("decode_steps", "prefill_steps", "bytes_host_to_gpu", "bytes_disk_to_host")}
+    d = {k: after[k] - before[k] for k in ("decode_steps", "prefill_steps", "mixed_steps", "bytes_host_to_gpu",
+                                           "bytes_disk_to_host")}
     distinct = len(set(names or []))
     row.update({"engine_loop_ttft_s": loop[1], "engine_loop_total_s": loop[run.args.gen],
                 # timed runs: per repeat a 1-token and a gen-token run (gen - 1 decode steps if all ran at once)
                 "decode_steps_per_full_run": d["decode_steps"] / run.args.repeats,
                 "prefill_steps_per_run": d["prefill_steps"] / (2 * run.args.repeats),
+                "mixed_steps_per_run": d["mixed_steps"] / (2 * run.args.repeats),  # chunked prefill: decodes + prompts
                 "adapter_bytes_moved_in_timed_runs": d["bytes_host_to_gpu"] + d["bytes_disk_to_host"],
                 "adapters_in_batch": distinct, "adapters_resident_at_start": before["adapters_per_tier"]["gpu"], **info})
     row.update(traffic({**row, "batch": b, "gen": run.args.gen}, info["weight_bytes"] - run.embed_bytes,

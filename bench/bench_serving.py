@@ -7,11 +7,16 @@ driven like a load generator (mode ``http``: the engine steps on a thread of the
     python bench/bench_serving.py --shape llama3-8b --adapters 5 --modes engine,http,http-engine-process \
         --out bench/results                                                                                # H200
     python bench/bench_serving.py --shape tiny --adapters 3 --requests 12 --modes engine,http,http-engine-process
+    python bench/bench_serving.py --adapters 5 --modes engine --rate 4 --long-prompt-share 0.1 --long-prompt-len 4096 \
+        --chunked-prefill off --tag llama3-8b-long-off --out bench/results        # then --chunked-prefill on: TPOT p99
 
 The trace (seeded: the same arguments give the same requests): arrivals Poisson at ``--rate`` req/s (or gamma with
 coefficient of variation 2, ``--arrival gamma``: burstier), adapter popularity power law with alpha = 1 (``zipf``)
 or ``uniform``, input and output lengths uniform in ``--input-len`` / ``--output-len`` (default [8, 512]; every
-request runs to its output length: ``ignore_eos``). Prompts are random token ids (random-weight models of real
+request runs to its output length: ``ignore_eos``); ``--long-prompt-share`` of the requests (drawn per request)
+get a prompt of ``--long-prompt-len`` tokens instead: the long-prompt mix, where an unchunked prefill stops every
+running decode (``--chunked-prefill off``) and a chunked one does not (``on``, the engine's default; its step
+budget ``--max-num-batched-tokens``). Prompts are random token ids (random-weight models of real
 shapes have no tokenizer). Adapter sets: ``S1`` rank 8 on q/k/v/o; ``S4`` ranks 16, 32 and 64 in turn, on q/k/v/o.
 
 ``--rate burst`` sends every request at t = 0: the engine runs at its ``--max-batch-size`` and the row's achieved
@@ -67,9 +72,12 @@ class TraceRequest:
 
 
 def make_trace(*, n_requests: int, rate: float, arrival: str, popularity: str, n_adapters: int,
-               input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int) -> list[TraceRequest]:
+               input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int,
+               long_share: float = 0.0, long_len: int = 0) -> list[TraceRequest]:
     """``n_requests`` requests; ``rate`` = inf puts every arrival at 0. Gamma arrivals have shape 1/cv^2 = 0.25
-    (cv 2) and the same mean gap 1/rate as Poisson's exponential gaps."""
+    (cv 2) and the same mean gap 1/rate as Poisson's exponential gaps. A share ``long_share`` of the requests
+    (each drawn with that probability) get ``long_len`` prompt tokens instead of ``input_len``'s (the trace of
+    ``long_share`` 0 is unchanged)."""
     g = torch.Generator().manual_seed(seed)
     if math.isinf(rate):
         times = [0.0] * n_requests
@@ -89,6 +97,9 @@ def make_trace(*, n_requests: int, rate: float, arrival: str, popularity: str, n
         adapters = torch.multinomial(w / w.sum(), n_requests, replacement=True, generator=g).tolist()
     ins = torch.randint(input_len[0], input_len[1] + 1, (n_requests,), generator=g).tolist()
     outs = torch.randint(output_len[0], output_len[1] + 1, (n_requests,), generator=g).tolist()
+    if long_share > 0:
+        long = (torch.rand(n_requests, generator=g) < long_share).tolist()
+        ins = [long_len if is_long else n for n, is_long in zip(ins, long)]
     return [TraceRequest(t, a, torch.randint(0, vocab, (n,), generator=g).tolist(), o)
             for t, a, n, o in zip(times, adapters, ins, outs)]
 
@@ -119,17 +130,20 @@ def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path
     """The engine of every row: adapters ``a0 .. a{N-1}`` registered (adapter i from ``files[i % len(files)]``;
     each a distinct adapter to the engine), warmed up on every kernel shape the trace can reach."""
     ranks, _ = ADAPTER_SETS[args.adapter_set]
-    max_seq = args.input_len[1] + args.output_len[1] + 8
+    max_seq = max(args.input_len[1], args.long_prompt_len if args.long_prompt_share > 0 else 0) + args.output_len[1] + 8
     engine = Engine(config, device=args.device, dtype=DTYPES[args.dtype], progress=False,
                     max_batch_size=args.max_batch_size, max_seq_len=max_seq, max_lora_rank=max(ranks),
-                    adapter_pool_share=args.adapter_pool_share)
+                    adapter_pool_share=args.adapter_pool_share,
+                    enable_chunked_prefill=args.chunked_prefill == "on",
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    **({} if args.max_prefill_tokens is None else {"max_prefill_tokens": args.max_prefill_tokens}))
     for i in range(n_adapters):
         engine.load_adapter(f"a{i}", files[i % len(files)], preload=i < args.preload)
     # warm-up, untimed: Triton compiles a kernel variant per block size and per integer-argument divisibility, so the
     # first steps of each new prefill size are slow; a burst drawn like the trace (another seed) reaches most of them
     warm = make_trace(n_requests=args.warmup_requests, rate=math.inf, arrival="poisson", popularity="uniform",
                       n_adapters=n_adapters, input_len=args.input_len, output_len=(2, 16), vocab=config.vocab_size,
-                      seed=args.seed + 1)
+                      seed=args.seed + 1, long_share=args.long_prompt_share, long_len=args.long_prompt_len)
     def run(part: list[TraceRequest], max_tokens: int | None = None) -> None:
         engine.generate([r.prompt for r in part], adapters=[f"a{r.adapter}" for r in part],
                         sampling=[SamplingParams(max_tokens=max_tokens or r.output_len, ignore_eos=True) for r in part])
@@ -317,6 +331,8 @@ def summarize(results: list[Result], wall: float, offered: float, before: dict |
     for k, v in moved.items():
         row[k] = v
         row[f"{k}_per_s"] = v / span if v is not None and span > 0 else None
+    for k in ("prefill_steps", "decode_steps", "mixed_steps", "prefill_chunks"):  # the engine's step kinds
+        row[k] = after.get(k, 0) - before.get(k, 0) if before is not None else None
     row["pool_hit_rate"] = rate("gpu_hits", "gpu_misses")
     row["host_hit_rate"] = rate("host_hits", "host_misses")
     # GB/s of each tier move over the row, from the stats' bytes and seconds (runtime/adapter_cache.py report())
@@ -409,6 +425,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--input-len", type=pair, default=(8, 512), help="LO,HI (uniform)")
     ap.add_argument("--output-len", type=pair, default=(8, 512), help="LO,HI (uniform)")
     ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--chunked-prefill", default="on", choices=("on", "off"),
+                    help="the engine's enable_chunked_prefill (on: decode tokens and prompt chunks share each step)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="chunked prefill's tokens per step (default: the engine's, = --max-prefill-tokens)")
+    ap.add_argument("--max-prefill-tokens", type=int, default=None, help="default: the engine's (4096)")
+    ap.add_argument("--long-prompt-share", type=float, default=0.0,
+                    help="share of requests with a --long-prompt-len prompt (the long-prompt mix)")
+    ap.add_argument("--long-prompt-len", type=int, default=4096)
     ap.add_argument("--warmup-requests", type=int, default=192, help="untimed requests before the rows (per engine)")
     ap.add_argument("--modes", default="engine,http", help="comma-separated: engine, http, http-engine-process")
     ap.add_argument("--seed", type=int, default=0)
@@ -428,6 +452,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [m for m in args.mode_list if m not in MODES]
     if bad:
         ap.error(f"--modes: expected some of {', '.join(MODES)}, got {bad}")
+    if not 0 <= args.long_prompt_share <= 1:
+        ap.error(f"--long-prompt-share: expected a share in [0, 1], got {args.long_prompt_share}")
     if args.rate not in ("auto", "burst"):
         try:
             if float(args.rate) <= 0:
@@ -462,12 +488,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         def trace_at(r: float) -> list[TraceRequest]:
             return make_trace(n_requests=args.requests, rate=r, arrival=args.arrival, popularity=args.popularity,
                               n_adapters=n, input_len=args.input_len, output_len=args.output_len,
-                              vocab=config.vocab_size, seed=args.seed)
+                              vocab=config.vocab_size, seed=args.seed, long_share=args.long_prompt_share,
+                              long_len=args.long_prompt_len)
 
         def record(mode: str, r: float, results: list[Result], wall: float, before: dict | None,
                    after: dict | None) -> dict:
             row = {"mode": mode, "n_adapters": n, "adapter_set": args.adapter_set, "popularity": args.popularity,
                    "arrival": args.arrival, "rate": "burst" if math.isinf(r) else f"{r:.2f}",
+                   "chunked_prefill": args.chunked_prefill, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "long_prompt_share": args.long_prompt_share,
+                   "long_prompt_len": args.long_prompt_len if args.long_prompt_share > 0 else None,
                    **summarize(results, wall, r, before, after)}
             # SLO (issue 13): TTFT <= 5x and TPOT <= 2x the p50s of the first N's row of this mode and rate kind
             ref = slo_ref.setdefault((mode, row["rate"] == "burst"), (row["ttft_p50_s"], row["tpot_p50_s"]))

@@ -73,11 +73,26 @@ class EngineConfig:
         page_rows: ignored (accepted so existing callers and ``--page-rows`` keep working). It was the rank-rows per
             pool page of the fixed-page pool; the pool now stores each adapter at its exact size in pages of 64
             elements (``multilora.memory.pool``), so there is nothing to choose.
-        max_prefill_tokens: most tokens in one prefill step (a preempted request recomputes its prompt and
-            generated tokens; the first request of a step is admitted whatever its length).
+        max_prefill_tokens: most prompt tokens computed in one step (a preempted request recomputes its prompt and
+            generated tokens). With chunked prefill: the cap on a step's prompt chunks, and the default of
+            ``max_num_batched_tokens``; without: the most tokens of the prompts admitted in one prefill step (the
+            first request of a step is admitted whatever its length).
+        enable_chunked_prefill: chunked prefill (default on; ``multilora.runtime.scheduler``): one step carries the
+            decode token of every running request AND chunks of prompts, under ``max_num_batched_tokens``, so a
+            long prompt never stops running requests; decode-only steps keep their CUDA graphs, mixed steps run
+            eagerly. Off: a step is a prefill (every decode waits) or a decode, as before.
+        max_num_batched_tokens: with chunked prefill, the step's token budget (vLLM's name): decode tokens first
+            (one per running request, never held back, even beyond the budget), then prompt chunks in the rest, at
+            most ``max_prefill_tokens`` and at least one token. None = ``max_prefill_tokens``. Smaller: steps of
+            steadier length (lower TPOT tail), a long prompt's first token later.
         starvation_patience: steps a waiting request may be passed over before nothing behind it is admitted
             (the scheduler's no-starvation bound, ``multilora.runtime.scheduler``).
-        prefetch_adapters: how many not-yet-resident adapters of waiting requests to prefetch per step.
+        prefetch_adapters: how many not-yet-resident adapters of waiting requests to start prefetching per step
+            (reads already in flight do not count).
+        adapter_aware_admission: with prefetch on, a waiting request whose adapter is still on the disk tier is
+            passed over (until it is urgent, ``starvation_patience``) while requests behind it whose adapters are
+            resident or in host memory are admitted, instead of reading its files inside a step
+            (``multilora.runtime.scheduler``, "Adapter-aware admission").
         max_waiting_requests: most requests waiting at once; ``add_request`` / ``generate`` beyond it raise
             ``EngineOverloadedError`` (a server answers 429) instead of queueing without bound.
         lora_backend: "torch", "triton" or None (triton on CUDA when available).
@@ -116,9 +131,18 @@ class EngineConfig:
     tensor_parallel_size: int = _opt(1, "ranks (processes, GPUs) the model is split over")
     memory_snapshot: Any = _opt(None, "", cli=False)
     page_rows: int = _opt(8, "ignored: the adapter pool stores adapters at their exact size (kept for old scripts)")
-    max_prefill_tokens: int = _opt(4096, "most tokens in one prefill step")
+    max_prefill_tokens: int = _opt(4096, "most prompt tokens in one step (chunked: the prompt part of "
+                                         "--max-num-batched-tokens)")
+    enable_chunked_prefill: bool = _opt(True, "chunked prefill: steps carry decode tokens and prompt chunks "
+                                              "together (--no-enable-chunked-prefill: prefill steps stop decodes)",
+                                        kind=bool)
+    max_num_batched_tokens: int | None = _opt(None, "chunked prefill: tokens per step, decode tokens + prompt "
+                                                    "chunks (default: --max-prefill-tokens)", kind=int)
     starvation_patience: int = _opt(16, "steps a waiting request may be passed over before it is urgent")
-    prefetch_adapters: int = _opt(4, "adapters of waiting requests prefetched per step")
+    prefetch_adapters: int = _opt(4, "adapters of waiting requests whose prefetch starts per step")
+    adapter_aware_admission: bool = _opt(True, "pass over waiting requests whose adapter is still on disk (until "
+                                               "urgent) for those whose adapter is resident or in host memory",
+                                         kind=bool)
     max_waiting_requests: int = _opt(16384, "most requests waiting at once (more: an 'overloaded' error)")
     lora_backend: str | None = _opt(None, "LoRA kernels (default: triton on CUDA)", choices=_BACKENDS)
     attention_backend: str | None = _opt(None, "paged attention (default: triton on CUDA)", choices=_BACKENDS)
@@ -165,8 +189,12 @@ class EngineConfig:
             raise fail("fp8_gemm", "None, 'scaled_mm' or 'weight_only'")
         if self.fp8_gemm is not None and self.weight_dtype != "fp8":
             raise fail("fp8_gemm", "None unless weight_dtype='fp8'")
-        if not isinstance(self.cuda_graphs, bool):
-            raise fail("cuda_graphs", "True or False")
+        for name in ("cuda_graphs", "enable_chunked_prefill", "adapter_aware_admission"):
+            if not isinstance(getattr(self, name), bool):
+                raise fail(name, "True or False")
+        if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)
+                                                        or self.max_num_batched_tokens < 1):
+            raise fail("max_num_batched_tokens", "None or an int >= 1")
         if self.memory_snapshot is not None:  # checked before any weights load
             from multilora.memory.accounting import require_snapshot
 
@@ -175,13 +203,18 @@ class EngineConfig:
     # ------------------------------------------------------------------------------------------ CLI
     @classmethod
     def add_cli_flags(cls, parser: argparse.ArgumentParser) -> None:
-        """Add one flag per field (``max_batch_size`` -> ``--max-batch-size``; ``cuda_graphs`` -> ``--no-cuda-graphs``),
+        """Add one flag per field (``max_batch_size`` -> ``--max-batch-size``; ``cuda_graphs`` -> ``--no-cuda-graphs``;
+        ``enable_chunked_prefill`` -> ``--enable-chunked-prefill`` / ``--no-enable-chunked-prefill``),
         with the field's default, type and help; fields that are not plain values have no flag."""
         for f in fields(cls):
             meta = f.metadata
             if not meta.get("cli"):
                 continue
             flag = "--" + f.name.replace("_", "-")
+            if isinstance(f.default, bool) and meta["kind"] is bool:  # --name / --no-name
+                parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                    help=meta["help"])
+                continue
             if isinstance(f.default, bool):
                 parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
                                     help=meta["help"])

@@ -2,7 +2,8 @@
 README's "Python API").
 
 The data path of a step (``Engine.step``): requests -> scheduler (``runtime.scheduler``: admission under the
-KV-block, batch, prefill-token and adapter-pool budgets) -> adapter cache (``runtime.adapter_cache``: the
+KV-block, batch, step-token and adapter-pool budgets; with chunked prefill a step carries decode tokens and prompt
+chunks) -> adapter cache (``runtime.adapter_cache``: the
 batch's adapters resident, the waiting ones prefetched) -> runner (``runtime.runner``: the step plan, built
 once, and the forward: base GEMMs + per-token LoRA, attention over the paged KV cache) -> postprocess
 (``runtime.postprocess``: sampling, stop checks, outputs). The options are an ``EngineConfig``
@@ -52,8 +53,8 @@ class EngineOverloadedError(RuntimeError):
     """More requests are waiting than ``EngineConfig.max_waiting_requests`` allows: try again later."""
 
 
-_COUNTERS = ("steps", "prefill_steps", "decode_steps", "prompt_tokens", "recomputed_tokens", "generated_tokens",
-             "requests_finished", "requests_failed")
+_COUNTERS = ("steps", "prefill_steps", "decode_steps", "mixed_steps", "prefill_chunks", "prompt_tokens",
+             "recomputed_tokens", "generated_tokens", "requests_finished", "requests_failed")
 
 
 class Engine:
@@ -155,7 +156,9 @@ class Engine:
         self.cache = AdapterCache(self.pool, host_bytes=sizes.host_bytes, reload=self._reload_adapter)
         self.scheduler = Scheduler(self.cache, kv=self.kv, max_batch_size=cfg.max_batch_size,
                                    max_prefill_tokens=cfg.max_prefill_tokens, patience=cfg.starvation_patience,
-                                   recompute_after=self.model.rope_long_after)
+                                   recompute_after=self.model.rope_long_after, chunked=cfg.enable_chunked_prefill,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   adapter_aware=cfg.adapter_aware_admission and cfg.prefetch_adapters > 0)
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self.postprocess = Postprocessor(self.text, max_seq_len=self.max_seq_len, counters=self._counters,
                                          finish=self.scheduler.finish)
@@ -267,7 +270,8 @@ class Engine:
 
     # ---------------------------------------------------------------------------------------- step
     def step(self) -> list[Request]:
-        """Run one engine step (a prefill or a decode); return the requests that finished in it."""
+        """Run one engine step (a prefill, a decode or, with chunked prefill, a mixed step: ``Schedule``); return
+        the requests that finished in it."""
         with self._step_lock:
             if self.tp is not None:
                 if self.tp.dead:  # nothing can run: every request fails with the workers' error
@@ -285,8 +289,8 @@ class Engine:
                 logits = self.runner.run(sched.kind, sched.batch)
             except Exception as e:  # never leave a batch holding resources; report per request
                 return sched.failed + self._fail_all(sched.batch, e)
-            self._count(sched)
-            return sched.failed + self.postprocess(sched.batch, logits)
+            self._count(sched, *self.scheduler.advance(sched.batch))
+            return sched.failed + self.postprocess(sched.sampling, logits)
 
     def _make_resident(self, batch: list[Request]) -> None:
         """Prefetch the adapters of waiting requests; make the compute stream wait for this batch's."""
@@ -337,13 +341,17 @@ class Engine:
             self.postprocess.finish(req, "error", f"{type(e).__name__}: {e}")
         return batch
 
-    def _count(self, sched: Schedule) -> None:
+    def _count(self, sched: Schedule, prompt: int, recomputed: int) -> None:
+        """Step counters: ``prompt_tokens`` counts each prompt position once (when first computed);
+        ``recomputed_tokens`` the positions computed again (after a preemption, a longrope recompute or an
+        interrupted step; a re-admitted request's prompt and generated tokens); ``prefill_chunks`` the prompt
+        chunks run (an unchunked prefill of k requests is k chunks)."""
         c = self._counters
         c["steps"] += 1
         c[f"{sched.kind}_steps"] += 1
-        if sched.kind == "prefill":
-            for r in sched.batch:  # a request re-admitted after a preemption recomputes its generated tokens
-                c["recomputed_tokens" if r.output_ids else "prompt_tokens"] += r.num_tokens
+        c["prefill_chunks"] += sched.prefill_rows
+        c["prompt_tokens"] += prompt
+        c["recomputed_tokens"] += recomputed
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -426,7 +434,8 @@ class Engine:
         """Next-token logits at each row's last prompt position, each row with its own adapter.
 
         Rows are scheduled like prompts (batches of at most ``max_batch_size`` whose blocks fit in the KV cache,
-        adapters made resident), each in one prefill step that keeps its logits and samples nothing.
+        adapters made resident), each prefilled (whole, or in chunks with chunked prefill) keeping the logits of its
+        last position and sampling nothing.
 
         Args:
             token_ids: B rows of token ids (lengths may differ; each 1..max_seq_len, and within the KV cache).
@@ -459,7 +468,7 @@ class Engine:
 
     # --------------------------------------------------------------------- the options, by their old names
     for _name in ("max_batch_size", "kv_block_size", "max_lora_rank", "max_prefill_tokens", "lora_backend",  # engine.<option>
-                  "attention_backend"):
+                  "attention_backend", "enable_chunked_prefill", "max_num_batched_tokens"):
         locals()[_name] = property(lambda self, _n=_name: getattr(self.engine_config, _n))
     del _name
     eos_token_ids = property(lambda self: self.text.eos_ids)

@@ -90,8 +90,11 @@ class Postprocessor:
         self._finish = finish
 
     def __call__(self, batch: list[Request], logits: torch.Tensor) -> list[Request]:
-        """Sample, append and check each request of ``batch``; return the requests that finished."""
+        """Sample, append and check each request of ``batch`` (row ``i`` of ``logits`` for ``batch[i]``: the step's
+        ``Schedule.sampling``); return the requests that finished."""
         finished = []
+        if not batch:  # a chunked step whose prompt chunks all stop short of their last token
+            return finished
         scored = [i for i, r in enumerate(batch) if r.logits_only]
         if scored:  # Engine.logits: keep the rows, sample nothing
             rows = logits[scored].float().cpu()

@@ -11,7 +11,7 @@ when built: the kernels read them and add nothing to them.
     runner = ModelRunner(model, max_batch_size=16, max_seq_len=2048, lora_backend=None, attention_backend=None)
     reserve = runner.profile_reserve(tokens, block_size)     # the memory plan's profiling forward (CUDA)
     runner.bind(kv, pool, cuda_graphs=True)                  # after sizing: pool views, graphs
-    logits = runner.run("decode", batch)                     # float32 [B, vocab] on the device
+    logits = runner.run(sched.kind, sched.batch)             # float32 [S, vocab]: rows of sched.sampling
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class StepPlan:
         positions: int64 [T], absolute position of each token in its sequence (the forward looks up the
             model's RoPE tables with it, so a captured graph only needs this buffer updated).
         q_lens: host tuple [B], new tokens per sequence.
-        last_index: int64 [B], flat index of each sequence's last token (for logits).
+        last_index: int64 [S], flat index of the last token of each sequence that samples (its logits are
+            computed; S = B unless a chunked-prefill step has chunks that stop short of their prompt's end).
         attn: the step's paged-attention metadata (block tables, slot mapping, lengths).
         lora: the step's LoRA plan (token -> adapter slot, SGMV chunk table).
     """
@@ -218,9 +219,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------- plans
     def build_plan(self, token_ids: Sequence[Sequence[int]], starts: Sequence[int],
-                   block_tables: Sequence[Sequence[int]], slots: Sequence[int], *, block_size: int) -> StepPlan:
+                   block_tables: Sequence[Sequence[int]], slots: Sequence[int], *, block_size: int,
+                   sample: Sequence[bool] | None = None) -> StepPlan:
         """The eager plan of B sequences, each adding ``token_ids[b]`` at ``starts[b]`` onward with adapter slot
         ``slots[b]`` (-1 = none) and KV blocks ``block_tables[b]`` (covering ``starts[b] + len(token_ids[b])``).
+        ``sample``: which sequences' last tokens get logits (``StepPlan.last_index``; default all).
 
         Raises:
             ValueError: empty input, lengths that disagree, or a block table too short.
@@ -228,6 +231,8 @@ class ModelRunner:
         B = len(token_ids)
         if B == 0 or len(starts) != B or len(block_tables) != B or len(slots) != B:
             raise ValueError("build_plan: token_ids, starts, block_tables and slots must be non-empty and equal in length")
+        if sample is not None and len(sample) != B:
+            raise ValueError(f"build_plan: sample must have one entry per sequence ({B}), got {len(sample)}")
         q_lens = tuple(len(t) for t in token_ids)
         if min(q_lens) == 0:
             raise ValueError("build_plan: every sequence must add at least one token")
@@ -241,11 +246,14 @@ class ModelRunner:
         first = np.cumsum(qn) - qn
         positions = np.arange(qn.sum()) + np.repeat(st - first, qn)
         lora = build_lora_plan(np.repeat(np.fromiter(slots, dtype=np.int64, count=B), qn), device=dev)
+        last = np.cumsum(qn) - 1
+        if sample is not None:
+            last = last[np.fromiter(sample, dtype=bool, count=B)]
         return StepPlan(
             input_ids=torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long, device=dev),
             positions=torch.from_numpy(positions).to(dev),
             q_lens=q_lens,
-            last_index=torch.from_numpy(np.cumsum(qn) - 1).to(dev),
+            last_index=torch.from_numpy(last).to(dev),
             attn=attn,
             lora=lora,
         )
@@ -257,30 +265,39 @@ class ModelRunner:
                                   attention_backend=self.attention_backend)
 
     def _logits_of(self, plan: StepPlan) -> torch.Tensor:
-        """float32 logits [B, vocab] at each sequence's last token (what a graph captures: every row)."""
+        """float32 logits [S, vocab] at the tokens of ``plan.last_index`` (what a graph captures: every row). The
+        lm_head runs for those rows only; S = 0 (a step of prompt chunks that all stop short of their last token)
+        runs none."""
         hidden = self.forward(plan)
-        if plan.last_index.shape[0] != hidden.shape[0]:
+        n = plan.last_index.shape[0]
+        if n == 0:
+            return torch.empty(0, self.model.lm_head.shape[0], dtype=torch.float32, device=hidden.device)
+        if n != hidden.shape[0]:
             hidden = hidden.index_select(0, plan.last_index)
         return self.model.compute_logits(hidden)
 
     def run(self, kind: str, batch: list[Request]) -> torch.Tensor:
-        """The forward of a scheduled step: float32 logits [B, vocab] on the device, row b for ``batch[b]``.
-        A decode step that fits a graph bucket replays it; everything else runs eagerly."""
+        """The forward of a scheduled step (``Scheduler.schedule``): request ``r`` computes its tokens
+        ``r.computed .. r.computed + r.chunk - 1``. Returns float32 logits [S, vocab] on the device, one row per
+        request whose chunk reaches its last token (``Request.samples``), in batch order (S = B for a decode step
+        and for an unchunked prefill). A decode step that fits a graph bucket replays it; everything else (prefill
+        and mixed steps) runs eagerly."""
         tables = [self.kv.block_table(r.seq_id) for r in batch]
         slots = [r.slot for r in batch]
         with torch.inference_mode():
             if kind == "decode" and self.graphs is not None and self.graphs.bucket_for(len(batch)) is not None:
-                args = ([r.output_ids[-1] for r in batch], [r.num_tokens - 1 for r in batch], tables, slots)
+                args = ([r.tokens(r.computed, 1)[0] for r in batch], [r.computed for r in batch], tables, slots)
                 if self.tp is not None:  # tensor-parallel workers run the same step (runtime.parallel)
                     self.tp.step("graph", args)
                 return self.decode_graph(*args)
-            if kind == "prefill":  # prompt + any tokens generated before a preemption
-                token_ids, starts = [r.prompt_ids + r.output_ids for r in batch], [0] * len(batch)
-            else:
-                token_ids, starts = [[r.output_ids[-1]] for r in batch], [r.num_tokens - 1 for r in batch]
+            token_ids = [r.tokens(r.computed, r.chunk) for r in batch]  # a prefill: prompt + any tokens generated
+            starts = [r.computed for r in batch]  # before a preemption, whole or a chunk of it
+            sample = [r.samples for r in batch]
             if self.tp is not None:
                 self.tp.step("eager", (token_ids, starts, tables, slots))
-            return self._logits_of(self.build_plan(token_ids, starts, tables, slots, block_size=self.kv.block_size))
+            plan = self.build_plan(token_ids, starts, tables, slots, block_size=self.kv.block_size,
+                                   sample=None if all(sample) else sample)
+            return self._logits_of(plan)
 
     def decode_graph(self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
                      slots: Sequence[int]) -> torch.Tensor:

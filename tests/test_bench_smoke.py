@@ -137,3 +137,46 @@ def test_serving_bench_slo_share():
                R(4.0, error="boom")]                    # failed: out
     assert bs.slo_share(results, ttft_max=1.0, tpot_max=0.15) == pytest.approx(2 / 5)
     assert bs.slo_share(results, None, 0.1) is None
+
+
+def test_serving_bench_long_prompt_mix_chunked_on_and_off(tmp_path):
+    """The long-prompt mix (issue 13) in mode engine, chunked prefill off then on: the same requests served, steps
+    mixed only when on; the trace of share 0 is the plain trace."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "bench" / "bench_serving.py")
+    bs = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving"] = bs
+    try:
+        spec.loader.exec_module(bs)
+    finally:
+        sys.modules.pop("bench_serving", None)
+    kw = dict(n_requests=40, rate=2.0, arrival="poisson", popularity="zipf", n_adapters=3, input_len=(4, 9),
+              output_len=(2, 5), vocab=100, seed=1)
+    import torch
+
+    def trace(**extra):  # the gaps come from torch's global generator (the bench seeds it once)
+        torch.manual_seed(0)
+        return bs.make_trace(**kw, **extra)
+
+    assert trace() == trace(long_share=0.0, long_len=50)
+    mixed = trace(long_share=0.3, long_len=50)
+    lens = [len(r.prompt) for r in mixed]
+    assert 0 < lens.count(50) < 40 and all(n == 50 or 4 <= n <= 9 for n in lens)
+    rows = {}
+    for mode in ("off", "on"):
+        out = tmp_path / mode
+        cmd = [sys.executable, str(ROOT / "bench" / "bench_serving.py"), "--shape", "tiny", "--adapters", "2",
+               "--requests", "8", "--input-len", "4,12", "--output-len", "4,8", "--max-batch-size", "4",
+               "--long-prompt-share", "0.4", "--long-prompt-len", "64", "--max-num-batched-tokens", "16",
+               "--chunked-prefill", mode, "--modes", "engine", "--rate", "burst", "--no-burst-rows",
+               "--warmup-requests", "4", "--adapter-files", "2", "--adapter-dir", str(tmp_path / "adapters"),
+               "--out", str(out)]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+        (rows[mode],) = json.loads((out / "serving_tiny.json").read_text())["rows"]
+    off, on = rows["off"], rows["on"]
+    assert off["failed"] == on["failed"] == 0 and off["output_tokens"] == on["output_tokens"]
+    assert (off["chunked_prefill"], on["chunked_prefill"]) == ("off", "on") and on["long_prompt_len"] == 64
+    assert off["mixed_steps"] == 0 and on["mixed_steps"] > 0 and on["prefill_chunks"] > off["prefill_chunks"]

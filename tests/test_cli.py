@@ -266,3 +266,24 @@ def test_generate_engine_flags(tiny, capsys):
     assert code == 0, err
     code, out, err = run(capsys, "generate", "--model", tiny, "--prompt", "-", "Hi", "--adapter-pool-share", "1.5")
     assert code == 2 and "adapter_pool_share" in err
+
+
+def test_chunked_prefill_and_admission_flags():
+    """The engine flags of chunked prefill and adapter-aware admission, as EngineConfig fields."""
+    import argparse
+
+    from multilora.runtime.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    EngineConfig.add_cli_flags(p)
+    c = EngineConfig.from_cli(p.parse_args([]))
+    assert (c.enable_chunked_prefill, c.max_num_batched_tokens, c.adapter_aware_admission) == (True, None, True)
+    c = EngineConfig.from_cli(p.parse_args(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "512",
+                                            "--no-adapter-aware-admission", "--no-cuda-graphs"]))
+    assert (c.enable_chunked_prefill, c.max_num_batched_tokens, c.adapter_aware_admission, c.cuda_graphs) == (
+        False, 512, False, False)
+    assert EngineConfig.from_cli(p.parse_args(["--enable-chunked-prefill"])).enable_chunked_prefill is True
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="enable_chunked_prefill"):
+        EngineConfig(enable_chunked_prefill="yes")

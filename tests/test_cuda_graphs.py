@@ -87,11 +87,11 @@ class _EagerReplay:
             self.logits.copy_(self.forward(self.plan))
 
 
-def _replay_engine(tmp_path):
+def _replay_engine(tmp_path, **kw):
     """An engine whose decode steps take the graph path of ``ModelRunner.decode_graph`` (capture, staging, one
     copy of the shared buffer, replay) with the graph replaced by ``_EagerReplay``; Triton LoRA (interpreted on
     the CPU) reads the chunk table from the shared buffer, as the captured kernels do."""
-    e = _engine(tmp_path, graphs=False, lora_backend="triton", attention_backend="torch")
+    e = _engine(tmp_path, graphs=False, lora_backend="triton", attention_backend="torch", **kw)
     g = e.runner.enable_graphs(capture=True)
 
     def record(plan):
@@ -102,10 +102,11 @@ def _replay_engine(tmp_path):
     return e
 
 
-def test_graph_replay_path_equals_eager(tmp_path):
-    """Greedy generation through the replay path equals eager decode: buckets shrink (6 -> 4 -> 2 -> 1), LoRA
-    graphs and no-LoRA graphs alternate over the shared chunk field, preempted requests return with new block
-    tables."""
+@pytest.mark.parametrize("chunked", [False, True])
+def test_graph_replay_path_equals_eager(tmp_path, chunked):
+    """Greedy generation through the replay path equals eager decode (unchunked): buckets shrink (6 -> 4 -> 2 -> 1),
+    LoRA graphs and no-LoRA graphs alternate over the shared chunk field, preempted requests return with new block
+    tables (unchunked); chunked, decode steps replay graphs between mixed steps that run eagerly."""
     pytest.importorskip("triton")
     if torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU check under the Triton interpreter (the GPU runs real graphs: test_engine_gpu.py)")
@@ -113,14 +114,15 @@ def test_graph_replay_path_equals_eager(tmp_path):
     prompts = [torch.randint(3, CFG.vocab_size, (int(n),), generator=g).tolist() for n in (9, 3, 14, 5, 7, 2)]
     adapters = ["a0", None, "a1", "a2", "a0", None]
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in (3, 12, 5, 4, 2, 7)]
-    eager = _engine(tmp_path / "eager", graphs=False)
+    eager = _engine(tmp_path / "eager", graphs=False, enable_chunked_prefill=False)
     want = [o.token_ids for o in eager.generate(prompts, adapters=adapters, sampling=params)]
-    e = _replay_engine(tmp_path / "replay")
+    e = _replay_engine(tmp_path / "replay", enable_chunked_prefill=chunked)
     got = [o.token_ids for o in e.generate(prompts, adapters=adapters, sampling=params)]
     assert got == want
     assert {lora for _, lora in e.graphs.captured} == {False, True}
     assert len({b for b, _ in e.graphs.captured}) >= 3, e.graphs.captured
-    assert e.stats()["preemptions"] > 0
+    s = e.stats()
+    assert s["preemptions"] > 0 if not chunked else s["mixed_steps"] > 0 and s["decode_steps"] > 0
     assert e.kv.num_free_blocks == e.kv.num_usable_blocks
 
 

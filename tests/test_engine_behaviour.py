@@ -95,7 +95,8 @@ def test_adapters_change_outputs(engine):
     assert len({tuple(o) for o in outs}) == 4, "an adapter leaves the greedy tokens unchanged"
 
 
-@pytest.mark.parametrize("limits", [dict(max_batch_size=2), dict(max_batch_size=3, max_prefill_tokens=8)])
+@pytest.mark.parametrize("limits", [dict(max_batch_size=2), dict(max_batch_size=3, max_prefill_tokens=8),
+                                    dict(max_batch_size=3, max_prefill_tokens=8, enable_chunked_prefill=False)])
 def test_continuous_batching_equals_each_request_alone(tiny, limits):
     engine = _engine(tiny, **limits)
     sps = [SamplingParams(max_tokens=n, ignore_eos=True) for _, _, n in REQUESTS]
@@ -108,7 +109,8 @@ def test_continuous_batching_equals_each_request_alone(tiny, limits):
         assert len(o.token_ids) == n and o.finish_reason == "length"
         assert o.token_ids == ref.token_ids and o.text == ref.text
         assert o.prompt_token_ids == ref.prompt_token_ids
-    assert after["prefill_steps"] - before["prefill_steps"] >= 3  # 5 requests through 2 places
+    steps = ("prefill_steps", "mixed_steps")  # chunked prefill: prompts join running decodes in mixed steps
+    assert sum(after[k] - before[k] for k in steps) >= 3  # 5 requests through 2 places
     assert after["requests_finished"] - before["requests_finished"] == 5
     _assert_idle(engine)
 
@@ -528,11 +530,12 @@ def test_stats_keys(engine):
               "requests_failed", "adapters_loaded", "adapters_resident", "pool_pages_total", "pool_pages_used",
               "pool_page_bytes", "gpu_hits", "gpu_misses", "gpu_evictions", "host_hits", "host_misses", "host_evictions",
               "bytes_host_to_gpu", "bytes_disk_to_host", "prefetch_hits", "queue_wait_seconds_total", "kv_blocks_total",
-              "kv_blocks_free", "kv_block_size", "preemptions", "recomputed_tokens",
+              "kv_blocks_free", "kv_block_size", "preemptions", "recomputed_tokens", "mixed_steps", "prefill_chunks",
               "waiting", "running"):
         assert k in s, k
     assert s["adapters_loaded"] == 3
-    assert s["steps"] == s["prefill_steps"] + s["decode_steps"]
+    assert s["steps"] == s["prefill_steps"] + s["decode_steps"] + s["mixed_steps"]
+    assert s["prefill_chunks"] >= s["prefill_steps"]
     json.dumps(s)  # plain values (the CLI prints it)
     o = _alone(engine, _ids(3, 70), "a", SamplingParams(max_tokens=4, ignore_eos=True))
     s2 = engine.stats()

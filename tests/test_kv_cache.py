@@ -271,17 +271,21 @@ REQUEST = st.tuples(
 )
 
 
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_random_requests_through_a_small_cache_finish_as_alone(tiny, alone, block_size):
+@pytest.mark.parametrize("block_size,chunked", [(b, True) for b in BLOCK_SIZES] + [(4, False)])
+def test_random_requests_through_a_small_cache_finish_as_alone(tiny, alone, block_size, chunked):
     engine = _engine(tiny, max_batch_size=MAX_BATCH, max_prefill_tokens=MAX_PREFILL, adapter_slots=2,
-                     kv_block_size=block_size, kv_cache_bytes=_kv_bytes(KV_TOKENS // block_size, block_size))
+                     kv_block_size=block_size, kv_cache_bytes=_kv_bytes(KV_TOKENS // block_size, block_size),
+                     enable_chunked_prefill=chunked)
     assert engine.kv.num_usable_blocks * block_size == KV_TOKENS
     sch = engine.scheduler
     schedule = sch.schedule
 
     def checked_schedule():  # a prefill of several requests keeps within max_prefill_tokens (recomputed ones too)
         picked = schedule()
-        if picked.kind == "prefill" and len(picked.batch) > 1:
+        if chunked:  # prompt chunks within the prompt room; every decoding request in the step
+            assert sum(r.chunk for r in picked.batch if r.prefilling) <= MAX_PREFILL
+            assert all(r in picked.batch and r.chunk == 1 for r in sch.running if not r.prefilling)
+        elif picked.kind == "prefill" and len(picked.batch) > 1:
             assert sum(r.num_tokens for r in picked.batch) <= MAX_PREFILL
         return picked
 

@@ -191,24 +191,56 @@ def test_longrope_factor_choice_per_sequence_length(tmp_path):
     assert m.rope_scale == pytest.approx(af) and float(m.rope_cos[0, 0]) == pytest.approx(af)
 
 
-def test_longrope_recompute_when_a_sequence_passes_the_original_length(tmp_path):
+@pytest.mark.parametrize("chunked", [True, False])
+def test_longrope_recompute_when_a_sequence_passes_the_original_length(tmp_path, chunked):
     """A sequence admitted with at most ORIG tokens is recomputed (prefilled again whole, not counted as a
-    preemption) at the step that takes it past ORIG, exactly once; one admitted longer never is."""
+    preemption) at the step that takes it past ORIG, exactly once; one admitted longer never is. (Prefills: the
+    rows whose chunk starts at position 0; chunked, the recompute runs beside the other request's decode.)"""
     model = _make_model("phi3-longrope")
     model.save_pretrained(str(tmp_path))
-    e = Engine(model=str(tmp_path), progress=False, max_batch_size=4)
+    e = Engine(model=str(tmp_path), progress=False, max_batch_size=4, enable_chunked_prefill=chunked)
     prefills = []
     sched = e.scheduler.schedule
 
     def spy():
         s = sched()
-        if s.kind == "prefill":
-            prefills.append(sorted(r.num_tokens for r in s.batch))
+        rows = sorted(r.num_tokens for r in s.batch if r.computed == 0)
+        if rows:
+            assert all(r.chunk == r.num_tokens for r in s.batch if r.computed == 0)  # whole: within the budget
+            prefills.append(rows)
         return s
 
     e.scheduler.schedule = spy
     e.generate([[7] * 12, [9] * 20], adapters=None, sampling=SamplingParams(max_tokens=8, ignore_eos=True))
     assert prefills == [[12, 20], [ORIG + 1]] and e.scheduler.preemptions == 0
+
+
+def test_longrope_chunked_prefill_matches_transformers(tmp_path):
+    """Chunks of 3 prompt tokens per step: a prompt longer than ORIG takes a first chunk of ORIG + 1 tokens (every
+    key of it then carries the long factors, as transformers' one forward of the whole prompt), the others are cut
+    in chunks; greedy generation still equals transformers'."""
+    name = "phi3-longrope"
+    model = _make_model(name)
+    model.save_pretrained(str(tmp_path))
+    e = Engine(model=str(tmp_path), progress=False, max_batch_size=4, max_num_batched_tokens=3)
+    firsts = []
+    sched = e.scheduler.schedule
+
+    def spy():
+        s = sched()
+        firsts.extend((r.num_tokens, r.chunk) for r in s.batch if r.computed == 0)
+        return s
+
+    e.scheduler.schedule = spy
+    rows = _rows(name)
+    outs = e.generate(rows, adapters=None, sampling=SamplingParams(max_tokens=GEN_TOKENS, ignore_eos=True))
+    for r, out in zip(rows, outs):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([r]), max_new_tokens=GEN_TOKENS, min_new_tokens=GEN_TOKENS,
+                                 do_sample=False, pad_token_id=0)
+        assert out.token_ids == ref[0, len(r):].tolist(), (name, len(r))
+    assert all(c == ORIG + 1 if n > ORIG else 1 <= c <= 3 for n, c in firsts), firsts  # (n, first chunk)
+    assert any(n > ORIG for n, _ in firsts) and e.stats()["mixed_steps"] > 0
 
 
 # ----------------------------------------------------------------- peft adapters on the fused projections

@@ -2,8 +2,9 @@
 
 - No starvation: with a pool for 2 adapters and a steady stream of requests for hot adapters A and B (new
   ones every step, so the queue never empties), one request for a cold adapter C is admitted within the
-  bound of runtime/scheduler.py's docstring, ``(k + 1) * (patience + max_seq_len + 1)`` steps after it
-  arrives (k = requests ahead of it in the queue), and gives the same tokens as run alone.
+  bound of runtime/scheduler.py's docstring, ``(k + 1) * (patience + F + 1)`` steps after it arrives (k = requests
+  ahead of it in the queue; F = max_seq_len unchunked, the chunked F with 6-token steps), and gives the same
+  tokens as run alone.
 - End to end: 50 adapters through a pool for 8 (and a host tier for 12), ~100 mixed requests (some for
   the base model) arriving in waves: every output equals its single-request reference; the stats show
   evictions and consistent traffic counters; a pinned adapter never leaves its slot.
@@ -12,6 +13,8 @@ The tiny model has a small vocabulary and no tokenizer (prompts are token ids), 
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -73,14 +76,15 @@ def alone(tiny):
 
 
 # ---------------------------------------------------------------------------------------- starvation
-@pytest.mark.parametrize("patience", [0, 8])
-def test_cold_adapter_is_admitted_within_the_bound_under_a_hot_stream(tiny, alone, patience):
+@pytest.mark.parametrize("patience,chunked", [(0, True), (8, True), (8, False)])
+def test_cold_adapter_is_admitted_within_the_bound_under_a_hot_stream(tiny, alone, patience, chunked):
     """patience 8: the stream overtakes C for a while (the scenario starves C without the bound); patience 0:
     C is urgent at its first skip, so nothing that arrived after it is admitted before it."""
     d, dirs, _ = tiny
     hot_a, hot_b, cold = "ad01", "ad02", "ad05"
     engine = Engine(model=str(d), device="cpu", progress=False, max_batch_size=4, max_seq_len=MAX_SEQ, max_lora_rank=8,
-                    adapter_slots=2, starvation_patience=patience)
+                    adapter_slots=2, starvation_patience=patience, enable_chunked_prefill=chunked,
+                    max_num_batched_tokens=6)
     assert engine.pool.max_slots == 2  # A and B fill the pool's slots
     for name in (hot_a, hot_b, cold):
         engine.load_adapter(name, dirs[name])
@@ -101,7 +105,9 @@ def test_cold_adapter_is_admitted_within_the_bound_under_a_hot_stream(tiny, alon
     assert k > 0
     cold_prompt = _ids(5, 7)
     c = engine.add_request(cold_prompt, cold, _greedy(3))
-    bound = (k + 1) * (engine.scheduler.patience + engine.max_seq_len + 1)
+    L, B = engine.max_seq_len, engine.max_batch_size
+    F = math.ceil(B * L / min(4096, max(1, 6 - B))) + L if chunked else L  # steps a running request takes at most
+    bound = (k + 1) * (engine.scheduler.patience + F + 1)
 
     steps = 0
     while c.status is Status.WAITING:
