@@ -3,7 +3,9 @@
 Weights come back as a dict in HF names (``model.layers.3.self_attn.q_proj.weight`` [out, in],
 ``model.embed_tokens.weight`` [vocab, hidden], ``model.norm.weight``, ``lm_head.weight`` when untied; Qwen2's
 ``self_attn.{q,k,v}_proj.bias`` [out]; Qwen3's ``self_attn.{q,k}_norm.weight`` [head_dim]; Phi-3's fused
-``self_attn.qkv_proj.weight`` [q + 2 kv, hidden] and ``mlp.gate_up_proj.weight`` [2 inter, hidden], as stored).
+``self_attn.qkv_proj.weight`` [q + 2 kv, hidden] and ``mlp.gate_up_proj.weight`` [2 inter, hidden], as stored;
+Gemma 2's ``pre_feedforward_layernorm.weight`` / ``post_feedforward_layernorm.weight`` [hidden], its norm weights
+the offsets from 1 as HF holds them).
 
 HF directories: every ``model_type`` of ``multilora.config.SERVED_MODEL_TYPES``. GGUF: the llama.cpp
 architectures ``llama`` (Llama, Mistral, SmolLM2), ``qwen2``, ``qwen3`` and ``gemma2`` (``GGUF_ARCHITECTURES``),
@@ -348,6 +350,9 @@ def random_weights(config: ModelConfig, *, dtype: torch.dtype, device: torch.dev
     return w
 
 
+_GEMMA2_FLAGS = dict(hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, scale_embeddings=True,
+                     block_output_norms=True, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                     final_logit_softcapping=30.0, sliding_window=4096)
 #: Shapes of real models, for random-weight benchmarks (from their published config.json).
 MODEL_SHAPES: dict[str, dict] = {
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -361,6 +366,15 @@ MODEL_SHAPES: dict[str, dict] = {
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
                      num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
                      max_position_embeddings=40960, architecture="qwen3", qk_norm=True),
+    # google/gemma-2-2b and google/gemma-2-9b config.json (even layers slide over 4096 tokens; caps 50 / 30)
+    "gemma2-2b": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_layers=26, num_heads=8,
+                      num_kv_heads=4, head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                      max_position_embeddings=8192, architecture="gemma2", **_GEMMA2_FLAGS,
+                      layer_types=[SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(26)]),
+    "gemma2-9b": dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_layers=42, num_heads=16,
+                      num_kv_heads=8, head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                      max_position_embeddings=8192, architecture="gemma2", **_GEMMA2_FLAGS,
+                      layer_types=[SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(42)]),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                  max_position_embeddings=1024),
 }
