@@ -221,15 +221,19 @@ def _paged_attention_kernel(
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    ranges = dict(BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, SLIDING=SLIDING, SOFTCAP=SOFTCAP,
-                  IEEE=IEEE)
     if SLIDING:
         acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, pos, k_base, v_base, bt_row, a_lo, a_hi, kv_hi, qk_scale,
-                                      cap_scale, window, stride_kb, stride_ks, stride_vb, stride_vs, MASK=True, **ranges)
+                                      cap_scale, window, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N=BLOCK_N,
+                                      HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, MASK=True, SLIDING=SLIDING,
+                                      SOFTCAP=SOFTCAP, IEEE=IEEE)
     acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, pos, k_base, v_base, bt_row, u_lo, u_hi, kv_hi, qk_scale,
-                                  cap_scale, window, stride_kb, stride_ks, stride_vb, stride_vs, MASK=False, **ranges)
+                                  cap_scale, window, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N=BLOCK_N,
+                                  HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, MASK=False, SLIDING=SLIDING,
+                                  SOFTCAP=SOFTCAP, IEEE=IEEE)
     acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, pos, k_base, v_base, bt_row, b_lo, b_hi, kv_hi, qk_scale,
-                                  cap_scale, window, stride_kb, stride_ks, stride_vb, stride_vs, MASK=True, **ranges)
+                                  cap_scale, window, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N=BLOCK_N,
+                                  HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, MASK=True, SLIDING=SLIDING,
+                                  SOFTCAP=SOFTCAP, IEEE=IEEE)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with no key (empty split, seq_len 0) stays 0
     o = acc / l_safe[:, None]

@@ -28,9 +28,10 @@ MAX_ROW = 65536
 
 
 @triton.jit
-def _normed_row(x, w_ptr, offs, mask, N, eps, dt: tl.constexpr, UNIT_OFFSET: tl.constexpr):
-    """RMSNorm of one row ``x`` [BLOCK] (masked lanes 0) by the weight at ``w_ptr``, rounded to ``dt`` where
-    ``rms_norm_torch`` rounds: Llama's ``w * (x * inv).to(dt)``, or Gemma's ``(x * inv * (1 + w)).to(dt)``."""
+def _normed_row(x, w_ptr, dst_ptr, offs, mask, N, eps, UNIT_OFFSET: tl.constexpr):
+    """RMSNorm of one row ``x`` [BLOCK] (masked lanes 0) by the weight at ``w_ptr``, rounded to ``dst_ptr``'s dtype
+    ``dt`` where ``rms_norm_torch`` rounds: Llama's ``w * (x * inv).to(dt)``, or Gemma's ``(x * inv * (1 + w)).to(dt)``."""
+    dt = dst_ptr.dtype.element_ty
     xf = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -46,15 +47,14 @@ def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, dw_ptr, out_ptr, stride_x, stride_d, s
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    dt = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_DELTA:  # the residual add, rounded to the activation dtype as torch's h + delta is
         d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
         if DELTA_NORM:  # Gemma 2: h += rms_norm(delta, delta_weight), the normed delta rounded first
-            d = _normed_row(d, dw_ptr, offs, mask, N, eps, dt, UNIT_OFFSET)
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(dt)
+            d = _normed_row(d, dw_ptr, x_ptr, offs, mask, N, eps, UNIT_OFFSET)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
-    y = _normed_row(x, w_ptr, offs, mask, N, eps, out_ptr.dtype.element_ty, UNIT_OFFSET)
+    y = _normed_row(x, w_ptr, out_ptr, offs, mask, N, eps, UNIT_OFFSET)
     tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
