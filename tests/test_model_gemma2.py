@@ -430,3 +430,61 @@ def test_gemma2_forward_with_triton_kernels_equals_torch(tmp_path):
         out[backend] = hs
     for a, b in zip(out["torch"], out["triton"]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------- Triton codegen (sm_90)
+_COMPILE = r'''
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from multilora.kernels import triton_attention as ta, triton_fused as tf
+
+def ptx(fn, ptrs, consts, floats, opts):
+    names = fn.arg_names
+    sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "fp32" if n in floats else "i32") for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
+                    attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ptrs})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+bf = "*bf16"
+out = {}
+ptrs = {p: bf for p in ("x_ptr", "d_ptr", "w_ptr", "dw_ptr", "out_ptr")}
+out["rms_norm"] = len(ptx(tf._rms_norm_kernel, ptrs, dict(HAS_DELTA=True, DELTA_NORM=True, UNIT_OFFSET=True,
+                                                       BLOCK=4096), {"eps"}, {"num_warps": 8}))
+out["gelu_tanh_mul"] = len(ptx(tf._glu_kernel, {"gu_ptr": bf, "out_ptr": bf}, dict(GELU_TANH=True, BLOCK=1024),
+                               set(), {"num_warps": 4}))
+ptrs = {p: bf for p in ("out_ptr", "q_ptr", "k_ptr", "v_ptr")} | {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+ptrs |= {p: "*i32" for p in ("bt_ptr", "seq_lens_ptr", "qsl_ptr", "tiles_ptr")}
+for decode in (True,):  # Gemma 2 2B / 9B: head_dim 256, 2 query heads per KV head (prefill: the same code, slower)
+    bm, bn, w, s = ta._GPU_CONFIGS[(decode, False, True)]
+    consts = dict(G=2, G_TILE=2, GROUPS=1, BLOCK_Q=1 if decode else bm // 2, BLOCK_M=16 if decode else bm,
+                  BLOCK_N=bn, HEAD_DIM=256, BLOCK_SIZE=16, DECODE=decode, NUM_SPLITS=4 if decode else 1,
+                  SLIDING=True, IEEE=False)
+    for cap in (False, True):
+        code = ptx(ta._paged_attention_kernel, ptrs, {**consts, "SOFTCAP": cap}, {"qk_scale", "cap_scale"},
+                   {"num_warps": w, "num_stages": s})
+        out[f"attention/{'decode' if decode else 'prefill'}/softcap={cap}"] = len(re.findall(r"ex2\.approx", code))
+print(json.dumps(out))
+'''
+
+
+def test_gemma2_kernels_compile_for_sm90():
+    """The interpreter runs Python the compiler refuses (it once took a ``dict()`` in the attention kernel), so the
+    Gemma 2 variants are compiled for an H100/H200 (sm_90; Triton's wheel carries ptxas) here: the fused norm with a
+    normed delta and ``1 + w``, GELU_tanh * up, and the decode attention kernel with and without its ``SOFTCAP``
+    branch at head_dim 256 (the branch adds the exponentials of its tanh; the prefill variant runs the same
+    ``_attend_range`` code and takes longer to compile, so it is left to the GPU tests)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia", reason="Triton's NVIDIA backend (ptxas) is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=600, env=env)
+    if p.returncode != 0 and "ptxas" in p.stderr:
+        pytest.skip(f"no ptxas for sm_90 here: {p.stderr[-300:]}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["rms_norm"] > 0 and out["gelu_tanh_mul"] > 0
+    assert out["attention/decode/softcap=True"] > out["attention/decode/softcap=False"] > 0, out
