@@ -23,7 +23,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-gguf = pytest.importorskip("gguf")
 
 from testsupport import hf_last_logits, one_thread, peft_adapters, rel_err  # noqa: E402,F401  (one_thread: autouse)
 
@@ -299,12 +298,13 @@ def _gguf_tensor_name(key):
     return f"blk.{parts[2]}.{_GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
-def write_gguf(model, path, *, tensors=True):
+def write_gguf(model, path):
     """``model`` (a HF ``Gemma2ForCausalLM``, tied) as llama.cpp's converter writes it: F32 tensors, every norm
     weight plus 1, the soft-caps and window as metadata, a tiny byte-level BPE tokenizer (the engine loads the
     tokenizer of a GGUF file with transformers)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+    gguf = pytest.importorskip("gguf")
     c = model.config
     w = gguf.GGUFWriter(str(path), "gemma2")
     w.add_block_count(c.num_hidden_layers)
@@ -330,7 +330,7 @@ def write_gguf(model, path, *, tensors=True):
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
     for key, t in model.state_dict().items():
-        if key == "lm_head.weight" or not tensors and key != "model.embed_tokens.weight":
+        if key == "lm_head.weight":
             continue  # tied: llama.cpp writes no output.weight
         t = t.detach().float()
         w.add_tensor(_gguf_tensor_name(key), (t + 1 if key.endswith("norm.weight") else t).numpy())
@@ -388,9 +388,9 @@ def test_gguf_attention_scale_follows_llama_cpp(layers, scalar, tmp_path):
     """No GGUF key holds ``query_pre_attn_scalar``: llama.cpp scales by ``head_dim ** -0.5``, except for the
     46-layer Gemma 2 27B (hidden 4608, 32 heads, head_dim 128), whose scale is ``(hidden / heads) ** -0.5`` (its
     HF config's 144). Files of those shapes' metadata (tensors left out) read the same here."""
-    import gguf as g
-
     from multilora.runtime.weights import config_from_gguf
+
+    g = pytest.importorskip("gguf")
 
     w = g.GGUFWriter(str(tmp_path / "m.gguf"), "gemma2")
     hidden, heads, head_dim = (4608, 32, 128) if layers == 46 else (2304, 8, 256)
