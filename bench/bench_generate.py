@@ -352,7 +352,8 @@ def multilora_row(run: Run, engine: Engine, provider: str, b: int, names: list[s
 # ----------------------------------------------------------------------------------- transformers, peft
 #: ModelConfig.architecture -> transformers' config and model class names.
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+              "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}
 
 
 def hf_llama_config(c: ModelConfig):
@@ -371,6 +372,10 @@ def hf_llama_config(c: ModelConfig):
         kw["attention_bias"] = c.qkv_bias
     if c.architecture == "qwen2":
         kw.pop("head_dim")  # Qwen2Config derives it (hidden / heads)
+    if c.architecture == "gemma2":  # eager attention: Gemma 2's only transformers path that soft-caps
+        kw.update(attention_bias=c.qkv_bias, query_pre_attn_scalar=c.query_pre_attn_scalar,
+                  attn_logit_softcapping=c.attn_logit_softcapping, final_logit_softcapping=c.final_logit_softcapping,
+                  sliding_window=c.sliding_window, layer_types=c.layer_types, attn_implementation="eager")
     return getattr(transformers, HF_CLASSES[c.architecture][0])(**kw)
 
 

@@ -3,8 +3,11 @@
 Semantics, for sequence ``b`` with ``n_b = q_lens[b]`` new tokens and ``L_b = seq_lens[b]`` tokens of
 context after this step (past + new), query ``i`` (absolute position ``p = L_b - n_b + i``) and head ``h``::
 
-    out[t, h] = softmax_j( scale * q[t, h] . K_b[j, h // G] ) @ V_b[j, h // G]     over keys j with
+    out[t, h] = softmax_j( cap( scale * q[t, h] . K_b[j, h // G] ) ) @ V_b[j, h // G]     over keys j with
                 j <= p  and  (sliding_window == 0  or  j > p - sliding_window)
+
+where ``cap(s) = softcap * tanh(s / softcap)`` (Gemma 2's attention logit soft-capping) or, with
+``softcap == 0``, ``cap(s) = s``; the cap applies before the mask (HF ``eager_attention_forward``).
 
 where ``t = query_start_loc[b] + i``, ``G = num_heads // num_kv_heads`` (GQA) and ``K_b[j]`` is cache row
 ``k_cache[block_tables[b, j // block_size], j % block_size]``. Keys and values of the step's own tokens
@@ -199,8 +202,9 @@ def _pad_index(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
-                          scale: float, sliding_window: int = 0) -> torch.Tensor:
-    """Torch reference of ``paged_attention``: gather each sequence's blocks, pad the queries, one SDPA call."""
+                          scale: float, sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Torch reference of ``paged_attention``: gather each sequence's blocks, pad the queries, one SDPA call (with
+    ``softcap``: the scores, their cap, the mask and the softmax written out in float32, as SDPA has no cap)."""
     T, H, D = q.shape
     Hkv = k_cache.shape[2]
     B, max_q, S = meta.num_seqs, meta.max_query_len, meta.max_seq_len
@@ -220,7 +224,14 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     qp = q.new_zeros(B * max_q, H, D)
     qp[pad] = q
     qp = qp.view(B, max_q, H, D).transpose(1, 2)  # [B, H, max_q, D]
-    o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=_torch_mask(meta, sliding_window, q.device), scale=scale)
+    mask = _torch_mask(meta, sliding_window, q.device)
+    if softcap:  # in float32 at least
+        acc = torch.promote_types(q.dtype, torch.float32)
+        s = (qp.to(acc) @ kc.to(acc).transpose(-1, -2)) * scale  # [B, H, max_q, S]
+        s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask, float("-inf"))
+        o = (torch.softmax(s, dim=-1) @ vc.to(acc)).to(q.dtype)
+    else:
+        o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=mask, scale=scale)
     return o.transpose(1, 2).reshape(B * max_q, H, D).index_select(0, pad)  # [T, H, D]
 
 
@@ -236,8 +247,10 @@ def resolve_attention_backend(backend: str | None, q: torch.Tensor) -> Callable:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
-                    scale: float, sliding_window: int = 0, backend: str | None = None) -> torch.Tensor:
-    """Causal (optionally sliding-window) GQA attention of the step's queries over the paged cache.
+                    scale: float, sliding_window: int = 0, softcap: float = 0.0,
+                    backend: str | None = None) -> torch.Tensor:
+    """Causal (optionally sliding-window, optionally soft-capped) GQA attention of the step's queries over the
+    paged cache.
 
     Semantics in the module docstring. The step's own keys/values must already be in the cache (``rope_write_kv``).
 
@@ -247,6 +260,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         meta: the step's ``AttentionMetadata``.
         scale: softmax scale (``head_dim ** -0.5`` for Llama).
         sliding_window: 0 = full causal; else each query sees its last ``sliding_window`` positions.
+        softcap: 0 = none; else the scaled scores become ``softcap * tanh(s / softcap)`` (Gemma 2's
+            ``attn_logit_softcapping``).
         backend: "torch", "triton" or None.
 
     Returns:
@@ -265,4 +280,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          f"block_size {meta.block_size} (head_dim must match, num_heads a multiple of num_kv_heads)")
     if T != meta.num_tokens:
         raise ValueError(f"paged_attention: q has {T} tokens, the metadata {meta.num_tokens}")
-    return resolve_attention_backend(backend, q)(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window)
+    if not softcap >= 0:
+        raise ValueError(f"paged_attention: softcap must be >= 0 (0 = none), got {softcap!r}")
+    return resolve_attention_backend(backend, q)(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window,
+                                                 softcap=softcap)

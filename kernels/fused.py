@@ -1,6 +1,7 @@
-"""The decoder's small per-token ops, each one launch on the GPU: RMSNorm (optionally after the residual add),
-RoPE of q and k with the cache write of k and v (optionally after a per-head RMSNorm of q and k, Qwen3's
-``q_norm`` / ``k_norm``), and SiLU(gate) * up.
+"""The decoder's small per-token ops, each one launch on the GPU: RMSNorm (optionally after the residual add,
+optionally of a delta RMS-normed first: Gemma 2's post-attention / post-feedforward norms), RoPE of q and k with
+the cache write of k and v (optionally after a per-head RMSNorm of q and k, Qwen3's ``q_norm`` / ``k_norm``),
+and the gated MLP activations SiLU(gate) * up (SwiGLU) and GELU_tanh(gate) * up (GeGLU, Gemma 2).
 
 At batch 1 a Llama-3-8B decode step is about 3.9 ms of weight GEMMs; written as plain torch ops these
 three steps were about 40 small kernels per layer (float casts, pow, mean, rsqrt, neg, cat, index_copy, ...),
@@ -12,6 +13,9 @@ Every op rounds where the HF Llama reference (``transformers`` ``LlamaRMSNorm``,
 RoPE in float32 (rotate-half convention), cast once; SiLU cast to the dtype before the product with ``up``.
 The Triton kernels do the same float32 math, so they differ from torch only in reduction order (RMSNorm's
 mean of squares) and fused multiply-adds, within one unit in the last place of the output dtype.
+
+Gemma 2 rounds elsewhere (``transformers`` ``Gemma2RMSNorm``, ``unit_offset=True``): the normed value times
+``1 + weight``, both in float32, cast once; its MLP is ``gelu(gate, approximate="tanh")`` cast to the dtype, times up.
 
 Backends (argument ``backend``): ``"torch"``, ``"triton"``, or None = triton for CUDA tensors when it
 imports, else torch.
@@ -26,21 +30,35 @@ from multilora.kernels.backends import select_triton
 
 
 # --------------------------------------------------------------------------------------- torch (oracle)
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich 2019): ``weight * (x / sqrt(mean(x^2) + eps))``, in float32 as HF Llama.
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019): ``weight * (x / sqrt(mean(x^2) + eps))``, in float32 as HF Llama (the
+    normed value cast to x's dtype, then times the weight in that dtype).
+
+    ``unit_offset`` (Gemma 2, HF ``Gemma2RMSNorm``): ``(x / sqrt(mean(x^2) + eps)) * (1 + weight)`` all in float32,
+    cast once (the checkpoint's weight is the offset from 1).
 
     x [T, N] (any float dtype); weight [N], x's dtype. Returns [T, N] in x's dtype."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (xf * (1.0 + weight.float())).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
-def add_rms_norm_torch(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm_torch(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                       delta_weight: torch.Tensor | None = None, unit_offset: bool = False) -> torch.Tensor:
     """The residual add, in place, then RMSNorm of the sum: ``h += delta; return rms_norm(h)``.
 
-    h, delta [T, N], same dtype (h is updated in place: the residual stream); weight [N]. Returns [T, N]."""
+    With ``delta_weight`` the delta is RMS-normed first (``h += rms_norm(delta, delta_weight)``: Gemma 2's
+    post-attention and post-feedforward norms), rounded to the dtype before the add as HF's ``residual + norm(x)``.
+    ``unit_offset`` applies to both norms (``rms_norm_torch``).
+
+    h, delta [T, N], same dtype (h is updated in place: the residual stream); weight, delta_weight [N]. Returns
+    [T, N]."""
+    if delta_weight is not None:
+        delta = rms_norm_torch(delta, delta_weight, eps, unit_offset=unit_offset)
     h.add_(delta)
-    return rms_norm_torch(h, weight, eps)
+    return rms_norm_torch(h, weight, eps, unit_offset=unit_offset)
 
 
 def rope_write_kv_torch(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor,
@@ -95,6 +113,14 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
+def gelu_tanh_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU's gate (Shazeer 2020) with the tanh approximation of GELU (Hendrycks & Gimpel 2016; HF
+    ``gelu_pytorch_tanh``, Gemma 2): gate_up [T, 2 * I] = [gate | up] -> ``gelu_tanh(gate) * up`` [T, I], where
+    ``gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``."""
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.gelu(g, approximate="tanh") * u
+
+
 # ------------------------------------------------------------------------------------------- dispatch
 def _kernels(backend: str | None, x: torch.Tensor):
     """``multilora.kernels.triton_fused`` when ``backend`` means Triton for ``x``, else None (the torch path).
@@ -105,17 +131,22 @@ def _kernels(backend: str | None, x: torch.Tensor):
     return select_triton(backend, x, "triton_fused")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False,
+             backend: str | None = None) -> torch.Tensor:
     """``rms_norm_torch`` or its one-kernel Triton twin (see the module docstring for ``backend``)."""
     k = _kernels(backend, x)
-    return rms_norm_torch(x, weight, eps) if k is None else k.rms_norm(x, weight, eps)
+    fn = rms_norm_torch if k is None else k.rms_norm
+    return fn(x, weight, eps, unit_offset=unit_offset)
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 delta_weight: torch.Tensor | None = None, unit_offset: bool = False,
                  backend: str | None = None) -> torch.Tensor:
-    """``add_rms_norm_torch`` (``h += delta`` in place, returns the normed sum) or its one-kernel twin."""
+    """``add_rms_norm_torch`` (``h += delta``, or ``h += rms_norm(delta, delta_weight)``, in place; returns the
+    normed sum) or its one-kernel twin (both norms and the add in one pass over the row)."""
     k = _kernels(backend, h)
-    return add_rms_norm_torch(h, delta, weight, eps) if k is None else k.add_rms_norm(h, delta, weight, eps)
+    fn = add_rms_norm_torch if k is None else k.add_rms_norm
+    return fn(h, delta, weight, eps, delta_weight=delta_weight, unit_offset=unit_offset)
 
 
 def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor,
@@ -135,3 +166,13 @@ def silu_mul(gate_up: torch.Tensor, *, backend: str | None = None) -> torch.Tens
     """``silu_mul_torch`` or its one-kernel Triton twin."""
     k = _kernels(backend, gate_up)
     return silu_mul_torch(gate_up) if k is None else k.silu_mul(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """``gelu_tanh_mul_torch`` or its one-kernel Triton twin."""
+    k = _kernels(backend, gate_up)
+    return gelu_tanh_mul_torch(gate_up) if k is None else k.gelu_tanh_mul(gate_up)
+
+
+#: HF MLP activation name (``ModelConfig.hidden_act``) -> the gated op: ``act(gate) * up``.
+GATED_ACTS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}

@@ -3,8 +3,11 @@
 Semantics (``paged_attention`` in ``multilora.kernels.attention``; sequence ``b`` with ``n_b`` new tokens and
 ``L_b`` tokens of context, query ``i`` at absolute position ``p = L_b - n_b + i``, head ``h``, ``G = H // Hkv``)::
 
-    out[t, h] = softmax_j( scale * q[t, h] . K_b[j, h // G] ) @ V_b[j, h // G]
+    out[t, h] = softmax_j( cap( scale * q[t, h] . K_b[j, h // G] ) ) @ V_b[j, h // G]
                 over j <= p  and  (sliding_window == 0  or  j > p - sliding_window)
+
+(``cap(s) = softcap * tanh(s / softcap)`` when ``softcap > 0``, Gemma 2; else ``cap(s) = s``: a constexpr branch,
+so a model without soft-capping runs the same code as before)
 
 with ``K_b[j] = k_cache[block_tables[b, j // block_size], j % block_size]``. The softmax is the online
 (streaming) softmax of FlashAttention-2 (Dao, 2023, arXiv:2307.08691): running row max ``m`` and sum ``l``
@@ -68,14 +71,30 @@ MAX_SPLITS = 16
 
 # ---------------------------------------------------------------------------------------------- kernels
 @triton.jit
+def _tanh(x):
+    """tanh in float32 from ``exp`` (the interpreter has no libdevice): ``sign(x) (1 - e) / (1 + e)`` with
+    ``e = exp(-2 |x|)`` (no overflow; exact +-1 in the tails), and for ``|x| < 1/4``, where ``1 - e`` would cancel,
+    its odd Taylor polynomial to x^11 (truncation error below 1e-10 relative). Within a few float32 ulps of
+    ``torch.tanh`` everywhere (``tests/test_attention.py``)."""
+    x2 = x * x
+    poly = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0
+                                                                                   + x2 * (-1382.0 / 155925.0))))))
+    e = tl.exp(-2.0 * tl.abs(x))
+    big = (1.0 - e) / (1.0 + e)
+    return tl.where(tl.abs(x) < 0.25, poly, tl.where(x < 0, -big, big))
+
+
+@triton.jit
 def _attend_range(
-    acc, m_i, l_i, q, pos, k_base, v_base, bt_row, lo, hi, kv_hi, qk_scale, window,
+    acc, m_i, l_i, q, pos, k_base, v_base, bt_row, lo, hi, kv_hi, qk_scale, cap_scale, window,
     stride_kb, stride_ks, stride_vb, stride_vs,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    MASK: tl.constexpr, SLIDING: tl.constexpr, IEEE: tl.constexpr,
+    MASK: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Online-softmax update of (acc, m, l) over keys ``[lo, hi)`` in tiles of ``BLOCK_N`` (``lo`` aligned).
-    ``MASK``: apply the causal / window mask and bound loads by ``kv_hi``; else every key is visible."""
+    ``MASK``: apply the causal / window mask and bound loads by ``kv_hi``; else every key is visible.
+    Scores in log2 units: ``q.k * qk_scale``, or with ``SOFTCAP`` ``tanh(q.k * qk_scale) * cap_scale``
+    (the launcher passes ``qk_scale = scale / softcap`` and ``cap_scale = softcap * log2(e)``)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
@@ -96,7 +115,10 @@ def _attend_range(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if SOFTCAP:
+            s = _tanh(s * qk_scale) * cap_scale  # [BLOCK_M, BLOCK_N], log2 units
+        else:
+            s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         if MASK:
             ok = j[None, :] <= pos[:, None]
             if SLIDING:
@@ -127,14 +149,14 @@ def _paged_attention_kernel(
     # pointers
     out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr, part_o_ptr, part_lse_ptr,
     # sizes
-    num_tiles, num_heads, window, qk_scale,
+    num_tiles, num_heads, window, qk_scale, cap_scale,
     # strides
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     # meta
     G: tl.constexpr, G_TILE: tl.constexpr, GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, IEEE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
 ):
     kvh = tl.program_id(1) // GROUPS
     grp = tl.program_id(1) % GROUPS
@@ -201,14 +223,17 @@ def _paged_attention_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if SLIDING:
         acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, pos, k_base, v_base, bt_row, a_lo, a_hi, kv_hi, qk_scale,
-                                      window, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N=BLOCK_N,
-                                      HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, MASK=True, SLIDING=SLIDING, IEEE=IEEE)
+                                      cap_scale, window, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N=BLOCK_N,
+                                      HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, MASK=True, SLIDING=SLIDING,
+                                      SOFTCAP=SOFTCAP, IEEE=IEEE)
     acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, pos, k_base, v_base, bt_row, u_lo, u_hi, kv_hi, qk_scale,
-                                  window, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N=BLOCK_N,
-                                  HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, MASK=False, SLIDING=SLIDING, IEEE=IEEE)
+                                  cap_scale, window, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N=BLOCK_N,
+                                  HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, MASK=False, SLIDING=SLIDING,
+                                  SOFTCAP=SOFTCAP, IEEE=IEEE)
     acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, pos, k_base, v_base, bt_row, b_lo, b_hi, kv_hi, qk_scale,
-                                  window, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N=BLOCK_N,
-                                  HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, MASK=True, SLIDING=SLIDING, IEEE=IEEE)
+                                  cap_scale, window, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N=BLOCK_N,
+                                  HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, MASK=True, SLIDING=SLIDING,
+                                  SOFTCAP=SOFTCAP, IEEE=IEEE)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with no key (empty split, seq_len 0) stays 0
     o = acc / l_safe[:, None]
@@ -313,7 +338,8 @@ def prefill_block_q(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
 
 
 # ---------------------------------------------------------------------------------------------- launcher
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, sliding_window: int) -> None:
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, sliding_window: int,
+           softcap: float = 0.0) -> None:
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"paged_attention_triton: expected q [T, H, D] and caches [blocks, block_size, Hkv, D] of "
                          f"one shape, got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -332,6 +358,8 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, 
                          f"got cache block_size {bs}, meta.block_size {meta.block_size}")
     if sliding_window < 0:
         raise ValueError(f"paged_attention_triton: sliding_window must be >= 0, got {sliding_window}")
+    if not softcap >= 0:
+        raise ValueError(f"paged_attention_triton: softcap must be >= 0 (0 = none), got {softcap!r}")
     B = meta.seq_lens.shape[0]
     if T != meta.num_tokens or meta.query_start_loc.shape[0] != B + 1 or meta.block_tables.shape[0] != B:
         raise ValueError(f"paged_attention_triton: q has {T} tokens; metadata has {meta.num_tokens} tokens, "
@@ -352,7 +380,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, 
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, *, scale: float,
-                           sliding_window: int = 0, num_splits: int | None = None,
+                           sliding_window: int = 0, softcap: float = 0.0, num_splits: int | None = None,
                            block_n: int | None = None) -> torch.Tensor:
     """Triton backend of ``paged_attention`` (semantics above and in ``multilora.kernels.attention``).
 
@@ -363,6 +391,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         meta: the step's ``AttentionMetadata`` (int32 tensors on q's device). The step's keys/values are
             already in the cache (``rope_write_kv``).
         scale: softmax scale. sliding_window: 0 = full causal, else the last ``sliding_window`` positions.
+        softcap: 0 = none, else the scores are ``softcap * tanh(scale * q.k / softcap)`` (the ``SOFTCAP`` branch).
         num_splits: decode only, key splits per sequence (None: from static sizes and the SM count; 1 on CPU).
         block_n: keys per tile (a power of two >= 16; None: the config for the device, phase and dtype).
 
@@ -376,7 +405,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Raises:
         ValueError: shapes, dtypes, devices or strides that do not fit (the message names the argument).
     """
-    _check(q, k_cache, v_cache, meta, sliding_window)
+    _check(q, k_cache, v_cache, meta, sliding_window, softcap)
     T, H, D = q.shape
     B, Hkv = meta.seq_lens.shape[0], k_cache.shape[2]
     G = H // Hkv
@@ -406,13 +435,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_o = part_lse = out  # unused
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles, part_o, part_lse,
-        num_tiles, H, sliding_window, scale * _LOG2E,
+        num_tiles, H, sliding_window, scale / softcap if softcap else scale * _LOG2E, softcap * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), meta.block_tables.stride(0),
         G=G, G_TILE=g_tile, GROUPS=groups, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D,
         BLOCK_SIZE=meta.block_size, DECODE=decode, NUM_SPLITS=splits, SLIDING=sliding_window > 0,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        SOFTCAP=softcap > 0, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _combine_splits_kernel[(B, H)](

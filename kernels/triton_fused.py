@@ -1,16 +1,20 @@
-"""Triton kernels for ``multilora.kernels.fused``: RMSNorm (with the residual add), RoPE + KV-cache write,
-SiLU * up. Semantics, shapes and rounding are those of the torch versions there (the oracle).
+"""Triton kernels for ``multilora.kernels.fused``: RMSNorm (with the residual add, and Gemma 2's norm of the
+delta before it), RoPE + KV-cache write, SiLU * up and GELU_tanh * up. Semantics, shapes and rounding are those
+of the torch versions there (the oracle).
 
 Every grid depends only on tensor shapes, never on values, so the kernels are safe inside a CUDA graph whose
 buffers (positions, slots) are updated in place between replays.
 
 - ``_rms_norm_kernel``: one program per row; the row (``BLOCK = next_pow2(N)``, N <= 65536) is held in
   registers, so the residual add, the sum of squares and the scaled store read and write the row once.
+  ``DELTA_NORM`` (Gemma 2) RMS-normalises the delta row first, in the same registers (two reductions, one
+  pass); ``UNIT_OFFSET`` multiplies by ``1 + weight`` in float32 and rounds once (``Gemma2RMSNorm``).
 - ``_rope_kv_kernel``: one program per token: all query heads and KV heads as one [heads, head_dim / 2] tile
   each (the two halves of rotate-half loaded separately, so no permute), the rotated key and the value
   stored at the token's cache slot, the rotated query to a new [T, H, D] tensor. With ``HAS_NORM`` (Qwen3)
   each head is RMS-normalised first: its sum of squares is the two half-tiles' row sums, in registers.
-- ``_silu_mul_kernel``: (token, column block) programs over [T, I].
+- ``_glu_kernel``: (token, column block) programs over [T, I]; ``GELU_TANH`` picks GELU_tanh over SiLU, as
+  ``x * sigmoid(2 sqrt(2 / pi) (x + 0.044715 x^3))`` (equal to ``0.5 x (1 + tanh(...))``, no cancellation).
 """
 
 from __future__ import annotations
@@ -24,21 +28,33 @@ MAX_ROW = 65536
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, stride_x, stride_d, stride_o, N, eps,
-                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _normed_row(x, w_ptr, dst_ptr, offs, mask, N, eps, UNIT_OFFSET: tl.constexpr):
+    """RMSNorm of one row ``x`` [BLOCK] (masked lanes 0) by the weight at ``w_ptr``, rounded to ``dst_ptr``'s dtype
+    ``dt`` where ``rms_norm_torch`` rounds: Llama's ``w * (x * inv).to(dt)``, or Gemma's ``(x * inv * (1 + w)).to(dt)``."""
+    dt = dst_ptr.dtype.element_ty
+    xf = x.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        return ((xf * inv) * (1.0 + w)).to(dt)
+    return ((xf * inv).to(dt).to(tl.float32) * w).to(dt)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, dw_ptr, out_ptr, stride_x, stride_d, stride_o, N, eps,
+                     HAS_DELTA: tl.constexpr, DELTA_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_DELTA:  # the residual add, rounded to the activation dtype as torch's h + delta is
         d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+        if DELTA_NORM:  # Gemma 2: h += rms_norm(delta, delta_weight), the normed delta rounded first
+            d = _normed_row(d, dw_ptr, x_ptr, offs, mask, N, eps, UNIT_OFFSET)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    y = (xf * inv).to(out_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    y = (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    y = _normed_row(x, w_ptr, out_ptr, offs, mask, N, eps, UNIT_OFFSET)
     tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
@@ -98,13 +114,18 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr,
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, I, BLOCK: tl.constexpr):
+def _glu_kernel(gu_ptr, out_ptr, stride_gu, stride_o, I, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
     g = tl.load(gu_ptr + t * stride_gu + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=m, other=0.0).to(tl.float32)
-    a = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)  # F.silu, rounded as torch rounds it
+    if GELU_TANH:  # 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+        z2 = 1.5957691216057308 * (g + 0.044715 * g * g * g)
+        a = g / (1.0 + tl.exp(-z2))
+    else:  # F.silu
+        a = g / (1.0 + tl.exp(-g))
+    a = a.to(out_ptr.dtype.element_ty)  # rounded as torch rounds the activation before the product
     tl.store(out_ptr + t * stride_o + offs, (a.to(tl.float32) * u).to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -120,13 +141,15 @@ def _check(name: str, x: torch.Tensor, ndim: int, dtype: torch.dtype | None = No
         raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {x.stride()}")
 
 
-def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+          delta_weight: torch.Tensor | None = None, unit_offset: bool = False) -> torch.Tensor:
     _check("x", x, 2)
     N = x.shape[1]
     if N > MAX_ROW:
         raise ValueError(f"x: rows of at most {MAX_ROW} elements, got {N}")
-    if weight.shape != (N,) or weight.dtype != x.dtype or not weight.is_contiguous():
-        raise ValueError(f"weight: expected a contiguous [{N}] {x.dtype} tensor, got {tuple(weight.shape)} {weight.dtype}")
+    for name, w in (("weight", weight), ("delta_weight", delta_weight)):
+        if w is not None and (w.shape != (N,) or w.dtype != x.dtype or not w.is_contiguous()):
+            raise ValueError(f"{name}: expected a contiguous [{N}] {x.dtype} tensor, got {tuple(w.shape)} {w.dtype}")
     if delta is not None:
         _check("delta", delta, 2, x.dtype)
         if delta.shape != x.shape:
@@ -136,20 +159,24 @@ def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps
         return out
     block = triton.next_power_of_2(N)
     d = delta if delta is not None else x
-    _rms_norm_kernel[(x.shape[0],)](x, d, weight, out, x.stride(0), d.stride(0), out.stride(0), N, float(eps),
-                                    HAS_DELTA=delta is not None, BLOCK=block,
+    dw = delta_weight if delta_weight is not None else weight
+    _rms_norm_kernel[(x.shape[0],)](x, d, weight, dw, out, x.stride(0), d.stride(0), out.stride(0), N, float(eps),
+                                    HAS_DELTA=delta is not None, DELTA_NORM=delta_weight is not None,
+                                    UNIT_OFFSET=bool(unit_offset), BLOCK=block,
                                     num_warps=max(1, min(16, block // 512)))
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False) -> torch.Tensor:
     """Triton ``rms_norm_torch``: x [T, N] (last dim contiguous), weight [N] -> new [T, N]."""
-    return _norm(x, None, weight, eps)
+    return _norm(x, None, weight, eps, unit_offset=unit_offset)
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Triton ``add_rms_norm_torch``: ``h += delta`` in place, returns RMSNorm(h) as a new [T, N]."""
-    return _norm(h, delta, weight, eps)
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 delta_weight: torch.Tensor | None = None, unit_offset: bool = False) -> torch.Tensor:
+    """Triton ``add_rms_norm_torch``: ``h += delta`` (or ``h += rms_norm(delta, delta_weight)``) in place, returns
+    RMSNorm(h) as a new [T, N]; one kernel."""
+    return _norm(h, delta, weight, eps, delta_weight, unit_offset)
 
 
 def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor,
@@ -198,6 +225,15 @@ def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Ten
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Triton ``silu_mul_torch``: gate_up [T, 2 I] -> new [T, I]."""
+    return _glu(gate_up, gelu_tanh=False)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Triton ``gelu_tanh_mul_torch``: gate_up [T, 2 I] -> new [T, I]."""
+    return _glu(gate_up, gelu_tanh=True)
+
+
+def _glu(gate_up: torch.Tensor, *, gelu_tanh: bool) -> torch.Tensor:
     _check("gate_up", gate_up, 2)
     T, two_i = gate_up.shape
     if two_i % 2:
@@ -207,6 +243,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if T == 0:
         return out
     block = 1024
-    _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                                                     BLOCK=block, num_warps=4)
+    _glu_kernel[(T, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
+                                                GELU_TANH=gelu_tanh, BLOCK=block, num_warps=4)
     return out

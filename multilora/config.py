@@ -9,6 +9,7 @@ One decoder serves every family (``runtime.model``); a family is a few flags on 
 | ``qwen2`` | Qwen2, Qwen2.5 | biases on q/k/v; sliding window on layers ``>= max_window_layers`` when ``use_sliding_window`` |
 | ``qwen3`` | Qwen3 (dense) | RMSNorm of each q and k head before RoPE; ``head_dim`` of its own; ``attention_bias`` |
 | ``phi3`` | Phi-3 mini / medium | fused ``qkv_proj`` / ``gate_up_proj`` (weights and adapters); ``longrope`` RoPE scaling |
+| ``gemma2`` | Gemma 2 | RMSNorm times ``1 + weight``; embeddings times sqrt(hidden); GeGLU (tanh GELU); norms after attention and MLP; attention and final-logit soft-capping; ``query_pre_attn_scalar``; alternating sliding-window layers; ``head_dim`` of its own |
 
 Any other ``model_type`` is refused by ``ModelConfig.from_hf_dict`` with the list above (``SERVED_MODEL_TYPES``).
 
@@ -43,6 +44,7 @@ SERVED_MODEL_TYPES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 #: Fused projections of Phi-3 checkpoints (``fused_projections``) and the target modules they hold, in row order:
 #: ``qkv_proj.weight`` [q + 2 kv, hidden] is ``q_proj`` / ``k_proj`` / ``v_proj`` stacked; ``gate_up_proj.weight``
@@ -64,6 +66,13 @@ MODULE_PARENT: dict[str, str] = {
     "down_proj": "mlp",
 }
 _HF_PARENT: dict[str, str] = {**MODULE_PARENT, "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+#: MLP activations (HF ``hidden_act`` / ``hidden_activation``): SwiGLU's SiLU, GeGLU's tanh-approximate GELU (Gemma 2).
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+#: Gemma2Config's defaults, used for the fields a Gemma 2 ``config.json`` leaves out (transformers does the same).
+_GEMMA2_DEFAULTS: dict[str, Any] = dict(head_dim=256, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                                        tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                                        final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                                        max_position_embeddings=8192)
 #: RoPE scaling types read from ``rope_scaling`` / ``rope_parameters`` (``su`` is ``longrope``'s old name).
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
@@ -79,6 +88,15 @@ class ModelConfig:
     ``qkv_bias`` / ``o_bias``: the base q/k/v (o) projections have a bias (Qwen2: q/k/v; Llama and Qwen3
     ``attention_bias``: all four); LoRA adapters never have one. ``qk_norm`` (Qwen3): an RMSNorm with a
     [head_dim] weight on every q and k head before RoPE (``rms_norm_eps``).
+
+    Gemma 2 (HF ``modeling_gemma2``): ``hidden_act`` ``"gelu_pytorch_tanh"`` (GeGLU: ``gelu_tanh(gate) * up``);
+    ``norm_unit_offset``: every RMSNorm multiplies by ``1 + weight`` in float32 and rounds once (``Gemma2RMSNorm``);
+    ``scale_embeddings``: the embedding rows times ``sqrt(hidden_size)`` rounded to the model dtype;
+    ``block_output_norms``: the attention and the MLP outputs are RMS-normed before their residual add
+    (HF ``post_attention_layernorm`` / ``post_feedforward_layernorm``; the MLP's input norm is then
+    ``pre_feedforward_layernorm``); ``query_pre_attn_scalar``: the softmax scale is its ``** -0.5`` (None:
+    ``head_dim ** -0.5``); ``attn_logit_softcapping`` / ``final_logit_softcapping``: the attention scores /
+    the logits become ``cap * tanh(x / cap)`` (None: not capped).
     """
 
     vocab_size: int
@@ -102,6 +120,13 @@ class ModelConfig:
     qk_norm: bool = False
     layer_types: list[str] | None = None
     fused_projections: bool = False
+    hidden_act: str = "silu"
+    norm_unit_offset: bool = False
+    scale_embeddings: bool = False
+    block_output_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim <= 0:
@@ -112,6 +137,12 @@ class ModelConfig:
             )
         if self.architecture not in SERVED_MODEL_TYPES:
             raise ValueError(_not_served(self.architecture, "ModelConfig.architecture"))
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {', '.join(HIDDEN_ACTS)}, got {self.hidden_act!r}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"{name} must be a positive number or None, got {v!r}")
         if self.layer_types is not None:
             self.layer_types = list(self.layer_types)
             bad = [t for t in self.layer_types if t not in (FULL_ATTENTION, SLIDING_ATTENTION)]
@@ -161,6 +192,12 @@ class ModelConfig:
         return int(self.sliding_window)
 
     @property
+    def attn_scale(self) -> float:
+        """The softmax scale of the attention scores: ``query_pre_attn_scalar ** -0.5`` (Gemma 2), else
+        ``head_dim ** -0.5``."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -192,9 +229,12 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Build from a HF ``config.json`` dict of a served ``model_type`` (``SERVED_MODEL_TYPES``).
 
-        Reads the family flags as transformers does: Qwen2's q/k/v biases; ``attention_bias`` (Llama, Qwen3);
-        Qwen3's q/k norms; Phi-3's fused projections and ``longrope`` scaling (``_hf_rope_scaling``); the sliding window of Qwen2/Qwen3 only when ``use_sliding_window`` is true, on the
-        layers ``layer_types`` names (or, without it, the layers ``>= max_window_layers``).
+        Reads the family flags as transformers does: Qwen2's q/k/v biases; ``attention_bias`` (Llama, Qwen3,
+        Gemma 2); Qwen3's q/k norms; Phi-3's fused projections and ``longrope`` scaling (``_hf_rope_scaling``); the
+        sliding window of Qwen2/Qwen3 only when ``use_sliding_window`` is true, on the layers ``layer_types`` names
+        (or, without it, the layers ``>= max_window_layers``); Gemma 2's flags (see the class docstring), its
+        ``layer_types`` (default: even layers slide) and, for the fields its file leaves out, Gemma2Config's
+        defaults (``_GEMMA2_DEFAULTS``: tied embeddings, caps 50 / 30, ``query_pre_attn_scalar`` 256, ...).
 
         Raises:
             ValueError: a ``model_type`` not served (the message names it and lists the served ones), a
@@ -203,13 +243,24 @@ class ModelConfig:
         mt = cfg.get("model_type", "llama")
         if mt not in SERVED_MODEL_TYPES:
             raise ValueError(_not_served(mt, "config.json", cfg.get("architectures")))
+        gemma2 = mt == "gemma2"
+        if gemma2:  # the fields a Gemma 2 file leaves out take Gemma2Config's defaults, as in transformers
+            cfg = {**_GEMMA2_DEFAULTS, **cfg}
+            if cfg.get("use_bidirectional_attention"):
+                raise ValueError("config.json: use_bidirectional_attention=true is not supported (causal attention only)")
         if cfg.get("mlp_bias"):
             raise ValueError("config.json: mlp_bias=true is not supported (the MLP projections have no bias here)")
         if mt == "mistral" and cfg.get("attention_bias"):
             raise ValueError("config.json: attention_bias=true is not supported for mistral")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"config.json: hidden_act must be 'silu' (SwiGLU), got {act!r}")
+        if gemma2:  # Gemma2MLP reads hidden_activation only (Gemma 2 files also carry a hidden_act)
+            act = cfg.get("hidden_activation")
+            if act != "gelu_pytorch_tanh":
+                raise ValueError(f"config.json: hidden_activation must be 'gelu_pytorch_tanh' (GeGLU with tanh GELU) "
+                                 f"for gemma2, got {act!r}")
+        else:
+            act = cfg.get("hidden_act", "silu")
+            if act != "silu":
+                raise ValueError(f"config.json: hidden_act must be 'silu' (SwiGLU), got {act!r}")
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in required if k not in cfg]
         if missing:
@@ -249,6 +300,13 @@ class ModelConfig:
             qk_norm=mt == "qwen3",
             layer_types=layer_types,
             fused_projections=mt == "phi3",
+            hidden_act=act,
+            norm_unit_offset=gemma2,
+            scale_embeddings=gemma2,
+            block_output_norms=gemma2,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma2 else None,
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma2 else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma2 else None,
         )
 
 
@@ -300,6 +358,12 @@ def _hf_sliding_window(model_type: str, cfg: dict[str, Any]) -> tuple[int | None
     window = cfg.get("sliding_window")
     if model_type in ("llama", "mistral", "phi3"):
         return window, None
+    if model_type == "gemma2":  # Gemma2Config: without layer_types, even layers slide and odd ones see everything
+        if window is None:
+            return None, None
+        types = cfg.get("layer_types") or [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION
+                                           for i in range(cfg["num_hidden_layers"])]
+        return int(window), list(types)
     if not cfg.get("use_sliding_window", False) or window is None:
         return None, None
     n = cfg["num_hidden_layers"]

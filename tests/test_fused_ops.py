@@ -4,7 +4,9 @@ float64 references written another way:
 - RMSNorm as ``x / (||x||_2 / sqrt(N))``, the residual add in float64;
 - RoPE as complex multiplication of (x_i, x_{i + D/2}) pairs by ``exp(i * pos * theta_i)`` (the rotation
   the rotate-half form computes), and the cache rows read back through the slot mapping;
-- SiLU as ``x * sigmoid(x)``.
+- SiLU as ``x * sigmoid(x)``; GELU_tanh as ``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`` (the kernel
+  computes ``x * sigmoid(2 z)``);
+- Gemma 2's RMSNorm as ``x / (||x||_2 / sqrt(N)) * (1 + w)``, and its normed delta before the residual add.
 
 On CPU the Triton kernels run under TRITON_INTERPRET=1 (conftest) in fp32 and fp16; ``gpu`` tests run
 bf16/fp16 on CUDA, including the whole model forward with the kernels against the torch ops.
@@ -12,6 +14,7 @@ bf16/fp16 on CUDA, including the whole model forward with the kernels against th
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -89,6 +92,53 @@ def test_rms_norm_triton_equals_torch_in_fp32():
     x, w = torch.randn(7, 300, generator=g), torch.randn(300, generator=g)
     torch.testing.assert_close(fused.rms_norm(x, w, 1e-5, backend="triton"), fused.rms_norm_torch(x, w, 1e-5),
                                atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,N", [(1, 64), (5, 96), (3, 2304)])
+def test_rms_norm_unit_offset_matches_reference(backend, dtype, T, N):
+    """Gemma 2: ``* (1 + w)`` in float32, rounded once (so one rounding, not two, against the float64 reference)."""
+    g = torch.Generator().manual_seed(N + T + 1)
+    x = (torch.randn(T, N, generator=g) * 3).to(dtype)
+    w = (0.5 * torch.randn(N, generator=g)).to(dtype)
+    out = fused.rms_norm(x, w, 1e-6, unit_offset=True, backend=backend)
+    assert out.dtype == dtype and out.shape == (T, N)
+    torch.testing.assert_close(out.double(), ref_rms_norm(x, 1 + w.double(), 1e-6), **TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_add_rms_norm_of_a_normed_delta(backend, dtype, unit_offset):
+    """Gemma 2's post-attention / post-feedforward norm fused with the residual add and the next norm:
+    ``h += rms_norm(delta, w1)`` (the normed delta rounded to the dtype, then the sum rounded), returns
+    ``rms_norm(h, w2)``."""
+    g = torch.Generator().manual_seed(5 + unit_offset)
+    T, N = 4, 200
+    h = torch.randn(T, N, generator=g).to(dtype)
+    d = (torch.randn(T, N, generator=g) * 7).to(dtype)
+    w1, w2 = ((unit_offset is False) + 0.5 * torch.randn(2, N, generator=g)).to(dtype)
+    h0 = h.clone()
+    out = fused.add_rms_norm(h, d, w2, 1e-6, delta_weight=w1, unit_offset=unit_offset, backend=backend)
+    scale = (lambda w: 1 + w.double()) if unit_offset else (lambda w: w)  # noqa: E731
+    normed = ref_rms_norm(d, scale(w1), 1e-6).to(dtype)
+    summed = h0.double() + normed.double()
+    torch.testing.assert_close(h.double(), summed, **TOL[dtype])
+    torch.testing.assert_close(out.double(), ref_rms_norm(h, scale(w2), 1e-6), **TOL[dtype])
+
+
+@interp
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_normed_delta_triton_equals_torch_in_fp32(unit_offset):
+    g = torch.Generator().manual_seed(3)
+    h, d = torch.randn(2, 6, 300, generator=g)
+    w1, w2 = torch.randn(2, 300, generator=g)
+    h1, h2 = h.clone(), h.clone()
+    a = fused.add_rms_norm(h1, d, w2, 1e-6, delta_weight=w1, unit_offset=unit_offset, backend="triton")
+    b = fused.add_rms_norm_torch(h2, d, w2, 1e-6, delta_weight=w1, unit_offset=unit_offset)
+    torch.testing.assert_close(h1, h2, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
 
 
 # ------------------------------------------------------------------------------------------------ RoPE
@@ -218,6 +268,21 @@ def test_silu_mul_matches_reference(backend, dtype, T, inter):
     ref = gd * torch.sigmoid(gd) * ud
     assert out.shape == (T, inter) and out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype]["atol"] * 4, rtol=TOL[dtype]["rtol"] * 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("T,inter", [(1, 8), (4, 1500)])
+def test_gelu_tanh_mul_matches_reference(backend, dtype, T, inter):
+    """GeGLU (Gemma 2, HF ``gelu_pytorch_tanh``): gate values out to +-12 cover both tails of the tanh."""
+    g = torch.Generator().manual_seed(inter + 1)
+    gu = (torch.randn(T, 2 * inter, generator=g) * 4).to(dtype)
+    out = fused.gelu_tanh_mul(gu, backend=backend)
+    gd, ud = gu.double().chunk(2, dim=-1)
+    ref = 0.5 * gd * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gd + 0.044715 * gd ** 3))) * ud
+    assert out.shape == (T, inter) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype]["atol"] * 4, rtol=TOL[dtype]["rtol"] * 2)
+    assert fused.GATED_ACTS["gelu_pytorch_tanh"] is fused.gelu_tanh_mul and fused.GATED_ACTS["silu"] is fused.silu_mul
 
 
 def test_backend_argument_is_checked():

@@ -199,7 +199,7 @@ def test_peft_adapters_greedy_generate(peft_setup):
 
 
 # ------------------------------------------------------------------------------- config reading and errors
-@pytest.mark.parametrize("model_type,arch", [("gemma2", "Gemma2ForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"),
+@pytest.mark.parametrize("model_type,arch", [("gemma", "GemmaForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"),
                                              ("phi3small", "Phi3SmallForCausalLM"), ("qwen3_moe", None)])
 def test_unsupported_model_type_is_refused_naming_it_and_the_served_list(model_type, arch):
     cfg = dict(model_type=model_type, vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
@@ -214,10 +214,10 @@ def test_unsupported_model_type_is_refused_naming_it_and_the_served_list(model_t
 
 
 def test_unsupported_model_dir_is_refused_by_the_engine(tmp_path):
-    cfg = transformers.Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                    num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    transformers.Gemma2ForCausalLM(cfg).save_pretrained(str(tmp_path))
-    with pytest.raises(ValueError, match=r"model_type 'gemma2' .*not served.*qwen3"):
+    cfg = transformers.GemmaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    transformers.GemmaForCausalLM(cfg).save_pretrained(str(tmp_path))  # Gemma 1: not served (Gemma 2 is)
+    with pytest.raises(ValueError, match=r"model_type 'gemma' .*not served.*qwen3"):
         Engine(model=str(tmp_path), progress=False)
 
 
@@ -260,7 +260,7 @@ def test_family_flags_from_config_json():
         ModelConfig.from_hf_dict({**_qwen_dict(), "model_type": "llama", "mlp_bias": True})
     with pytest.raises(ValueError, match="not served"):
         ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
-                    architecture="gemma2")
+                    architecture="gemma")
 
 
 @pytest.mark.parametrize("name", ["qwen2-untied", "qwen3"])

@@ -152,12 +152,13 @@ def test_gguf_logits_match_the_hf_model_and_transformers_gguf_loader(case):
 
 
 def test_gguf_architecture_not_served_is_refused(tmp_path):
-    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "gemma2")
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "gemma3")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match=r"general.architecture 'gemma2' is not served.*llama, qwen2, qwen3"):
+    with pytest.raises(ModelLoadError,
+                       match=r"general.architecture 'gemma3' is not served.*llama, qwen2, qwen3, gemma2"):
         load_model_files(tmp_path / "m.gguf", dtype=torch.float32, progress=False)

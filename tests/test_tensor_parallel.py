@@ -143,10 +143,15 @@ def test_tp_engine_equals_one_process(size, adapter_paths, reference):
 
 
 @pytest.mark.parametrize("family", [dict(qkv_bias=True, o_bias=True, qk_norm=True, head_dim=24, architecture="qwen3"),
-                                    dict(fused_projections=True, architecture="phi3")])
+                                    dict(fused_projections=True, architecture="phi3"),
+                                    dict(architecture="gemma2", hidden_act="gelu_pytorch_tanh", norm_unit_offset=True,
+                                         scale_embeddings=True, block_output_norms=True, query_pre_attn_scalar=12,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0, sliding_window=4,
+                                         layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True)])
 def test_tp_family_flags(family, tmp_path):
     """Biases (o's added by rank 0 only; random_weights draws them non-zero), per-head q/k norms with a head_dim of
-    its own (q_size 96 != hidden 64), Phi-3's fused checkpoint tensors: 2 ranks equal one process."""
+    its own (q_size 96 != hidden 64), Phi-3's fused checkpoint tensors, Gemma 2 (its output norms after the
+    all-reduce, soft-caps, a window): 2 ranks equal one process."""
     c = ModelConfig(**{**CFG.__dict__, "head_dim": 0, **family})
     if c.fused_projections:  # a PEFT adapter on the fused names: one A per fused module, B over the fused width
         path = _fused_adapter(tmp_path / "a", c)

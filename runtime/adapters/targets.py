@@ -23,7 +23,8 @@ _NOT_YET = ("embed_tokens", "lm_head")
 def _decoder_module_names(config: ModelConfig) -> list[tuple[str, tuple[int, str] | None]]:
     """Every module name of the HF ``*ForCausalLM`` of ``config``'s family (as ``named_modules`` lists them: Llama,
     Mistral and Qwen2 share the layout, Qwen3 adds ``self_attn.q_norm`` / ``k_norm``, Phi-3 has ``o_proj`` before
-    its fused ``qkv_proj``, a fused ``gate_up_proj``, ``activation_fn`` and two residual dropouts), each with its
+    its fused ``qkv_proj``, a fused ``gate_up_proj``, ``activation_fn`` and two residual dropouts, Gemma 2 adds
+    ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm``), each with its
     ``(layer, module)`` if it is a projection that may carry LoRA (``module`` one of ``config.lora_modules``:
     Phi-3's fused names stay fused here), else None."""
     names: list[tuple[str, tuple[int, str] | None]] = [
@@ -42,6 +43,8 @@ def _decoder_module_names(config: ModelConfig) -> list[tuple[str, tuple[int, str
         names += [(config.hf_module_name(layer, m), (layer, m)) for m in mlp]
         names += [(f"{p}.mlp.{'activation_fn' if phi3 else 'act_fn'}", None), (f"{p}.input_layernorm", None),
                   (f"{p}.post_attention_layernorm", None)]
+        if config.block_output_norms:
+            names += [(f"{p}.pre_feedforward_layernorm", None), (f"{p}.post_feedforward_layernorm", None)]
         if phi3:
             names += [(f"{p}.resid_attn_dropout", None), (f"{p}.resid_mlp_dropout", None)]
     names += [("model.norm", None), ("model.rotary_emb", None), ("lm_head", None)]
