@@ -40,7 +40,10 @@ def setup(tmp_path_factory):
     import transformers
 
     torch.manual_seed(0)
-    hf = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**SHAPE)).eval()
+    # eager attention: the one that soft-caps (an SDPA or flash path would drop the cap; a GPU machine's transformers
+    # may pick one by default, as the CPU test's does not)
+    hf = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**SHAPE, attn_implementation="eager")).eval()
+    assert hf.config._attn_implementation == "eager"
     with torch.no_grad():
         for pname, p in hf.named_parameters():
             if pname.endswith("norm.weight"):
