@@ -115,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--adapter-root", help="runtime-loaded adapter paths must resolve inside this directory")
     s.add_argument("--allow-runtime-adapters", action="store_true",
                    help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
-    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="step the engine in a child process (HTTP, tokenization and detokenization stay in this one, "
-                        "so they never hold the GIL the steps need); default: off (one process)")
+                        "so they never hold the GIL the steps need); default: on (--no-engine-process: one process)")
 
     r = sub.add_parser("serve-ray", help="the server's routes on N engine replicas under Ray Serve, each request "
                                          "routed to a replica that holds its adapter (runtime/ray_serve.py)")
@@ -227,9 +227,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from multilora.runtime.engine_process import EngineProcess, load_engine
         from multilora.runtime.weights import resolve_model_path
 
+        config = _engine_config(args)  # the flags and --adapter paths first, as in one process
         resolve_model_path(args.model)  # a missing model fails here in a second, before the engine process starts
-        engine = EngineProcess.start(functools.partial(load_engine, args.model, _engine_config(args), args.adapter,
-                                                       progress=True))
+        engine = EngineProcess.start(functools.partial(load_engine, args.model, config, args.adapter, progress=True))
     else:
         engine = _load_engine(args, progress=True)
     app = create_app(engine, served_model_name=served or engine.model_path.stem, api_key=args.api_key,

@@ -593,7 +593,7 @@ def test_the_multilora_serve_command(model_dir, adapter_root, engine, tmp_path, 
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "multilora.runtime.cli", "serve", "--model", str(model_dir), "--port", str(port),
            "--served-model-name", BASE, "--adapter", f"ad0={adapter_root / 'ad0'}", "--max-batch-size", "4",
-           "--api-key", KEY, *(["--engine-process"] if mode == "process" else [])]
+           "--api-key", KEY, *(["--engine-process"] if mode == "process" else ["--no-engine-process"])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = tmp_path / "serve.log"
     with open(log, "w") as err:
