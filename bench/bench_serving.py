@@ -381,6 +381,55 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+#: the keys issue 13 fixes for every row of ``serving_<shape>.json`` (a contract other tools read)
+CONTRACT_KEYS = ("device", "adapter_set", "num_adapters", "popularity", "request_rate", "throughput_req_s", "output_tok_s",
+                 "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "slo_attainment")
+
+
+def contract_keys(row: dict) -> dict:
+    """The row's figures under the issue's key names: ``request_rate`` req/s offered (None for a burst row),
+    ``throughput_req_s`` achieved, TPOT in milliseconds, ``slo_attainment`` the share within the SLO (0..1)."""
+    def ms(v: float | None) -> float | None:
+        return None if v is None else 1e3 * v
+
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+            "num_adapters": row["n_adapters"],
+            "request_rate": None if row["rate"] == "burst" else row["offered_rps"],
+            "throughput_req_s": row["achieved_rps"], "tpot_p50_ms": ms(row["tpot_p50_s"]),
+            "tpot_p99_ms": ms(row["tpot_p99_s"]), "slo_attainment": row["slo_share"]}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Output tokens/s and TTFT p50 / p99 against the number of adapters N, one line per (mode, rate kind)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", flush=True)
+        return
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in sorted({(r["mode"], r["rate"] == "burst") for r in rows}):
+        sel = sorted((r for r in rows if (r["mode"], r["rate"] == "burst") == key), key=lambda r: r["num_adapters"])
+        label = f"{key[0]}, {'burst' if key[1] else 'fixed rate'}"
+        ns = [r["num_adapters"] for r in sel]
+        a1.plot(ns, [r["output_tok_s"] for r in sel], marker="o", label=label)
+        a2.plot(ns, [r["ttft_p50_s"] for r in sel], marker="o", label=f"{label}: p50")
+        a2.plot(ns, [r["ttft_p99_s"] for r in sel], marker="x", linestyle="--", label=f"{label}: p99")
+    for ax, title in ((a1, "output tokens/s"), (a2, "TTFT (s)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("adapters N")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    a2.set_yscale("log")
+    a1.legend(fontsize=7)
+    a2.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def environment() -> dict:
     env = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
     if torch.cuda.is_available():
@@ -503,6 +552,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ref = slo_ref.setdefault((mode, row["rate"] == "burst"), (row["ttft_p50_s"], row["tpot_p50_s"]))
             row["slo_ttft_s"], row["slo_tpot_s"] = (None, None) if None in ref else (5 * ref[0], 2 * ref[1])
             row["slo_share"] = slo_share(results, row["slo_ttft_s"], row["slo_tpot_s"])
+            row.update(contract_keys(row))
             rows.append(row)
             print(json.dumps(row), flush=True)
             write(args, argv, config, rows)
@@ -554,6 +604,7 @@ def write(args: argparse.Namespace, argv: list[str], config: ModelConfig, rows: 
             "shape": args.shape, "config": {k: v for k, v in vars(config).items() if not k.startswith("_")}}
     (out / f"serving_{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     (out / f"serving_{tag}.md").write_text(f"`{meta['command']}`\n\n{markdown(rows)}\n")
+    plot(rows, out / f"serving_{tag}.png")
 
 
 if __name__ == "__main__":

@@ -114,6 +114,12 @@ def test_serving_bench_runs(tmp_path):
     for r in rows:  # the first N's rows are their own SLO reference (issue 13: 5x its TTFT p50, 2x its TPOT p50)
         assert r["slo_ttft_s"] == pytest.approx(5 * r["ttft_p50_s"]) and r["slo_tpot_s"] == pytest.approx(2 * r["tpot_p50_s"])
         assert 0 <= r["slo_share"] <= 1
+    for r in rows:  # issue 13's key names, a contract: present, and the same figures
+        assert {"device", "adapter_set", "num_adapters", "popularity", "request_rate", "throughput_req_s",
+                "output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "slo_attainment"} <= set(r)
+        assert r["num_adapters"] == 3 and r["throughput_req_s"] == r["achieved_rps"]
+        assert r["tpot_p50_ms"] == pytest.approx(1e3 * r["tpot_p50_s"]) and r["slo_attainment"] == r["slo_share"]
+        assert r["request_rate"] == (None if r["rate"] == "burst" else pytest.approx(r["offered_rps"]))
 
 
 def test_serving_bench_slo_share():
