@@ -135,7 +135,7 @@ class Engine:
 
         def profile() -> int:
             if self.tp is not None:  # the workers run the same forward (its collectives pair up)
-                self.tp.profile(tokens, cfg.kv_block_size)
+                self.tp.profile(tokens, cfg.kv_block_size, self.max_seq_len)
             return self.runner.profile_reserve(tokens, cfg.kv_block_size)
 
         plan_cfg = cfg if tp == 1 else dataclasses.replace(cfg, local_ranks=cfg.local_ranks * tp)

@@ -213,9 +213,10 @@ class TensorParallel:
         self._bcast(("configure", sizes))
         self._check(self._gather(), "building its KV cache and adapter pool")
 
-    def profile(self, tokens: int, block_size: int) -> None:
-        """Let the workers run the memory plan's profiling forward together with rank 0 (CUDA)."""
-        self._bcast(("profile", tokens, block_size))
+    def profile(self, tokens: int, block_size: int, max_seq_len: int) -> None:
+        """Let the workers run the memory plan's profiling forward together with rank 0 (CUDA): its all-reduces
+        pair up with rank 0's."""
+        self._bcast(("profile", tokens, block_size, max_seq_len))
 
     def _check(self, statuses: list[Any], what: str) -> None:
         bad = [f"worker {i + 1}: {s}" for i, s in enumerate(statuses) if s is not None]
@@ -318,17 +319,24 @@ class _Worker:
     def configure(self, *, num_blocks: int, pool_bytes: int, max_slots: int, max_seq_len: int) -> None:
         from multilora.memory.kv_cache import PagedKVCache
         from multilora.memory.pool import AdapterPool
-        from multilora.runtime.runner import ModelRunner
 
         c, cfg = self.config, self.cfg
-        self.runner = ModelRunner(self.model, max_batch_size=cfg.max_batch_size, max_seq_len=max_seq_len,
-                                  lora_backend=cfg.lora_backend, attention_backend=cfg.attention_backend)
+        self.make_runner(max_seq_len)
         self.pool = AdapterPool(c, num_bytes=pool_bytes, max_rank=cfg.max_lora_rank, max_slots=max_slots,
                                 dtype=self.dtype, device=self.device)
         self.kv = PagedKVCache(num_layers=c.num_layers, num_blocks=num_blocks, block_size=cfg.kv_block_size,
                                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype, device=self.device)
         self.runner.bind(self.kv, self.pool, cuda_graphs=cfg.cuda_graphs)
         self.model.ensure_rope_positions(max_seq_len)
+
+    def make_runner(self, max_seq_len: int) -> None:
+        """The runner, once (the profiling forward of the memory plan comes before ``configure``)."""
+        from multilora.runtime.runner import ModelRunner
+
+        if getattr(self, "runner", None) is None:
+            cfg = self.cfg
+            self.runner = ModelRunner(self.model, max_batch_size=cfg.max_batch_size, max_seq_len=max_seq_len,
+                                      lora_backend=cfg.lora_backend, attention_backend=cfg.attention_backend)
 
     def read_adapter(self, key: tuple[str, int], path: str, allow_pickle: bool, fingerprint: Any) -> None:
         from multilora.runtime.adapters import AdapterError
@@ -395,6 +403,7 @@ def worker_main(rank: int, size: int, init_method: str, model: Any, cfg: Any, de
                     status = f"{type(e).__name__}: {e}"
                 dist.gather_object(status, None, dst=0, group=ctrl)
             elif kind == "profile":
+                w.make_runner(msg[3])
                 w.runner.profile_reserve(msg[1], msg[2])
             elif kind == "adapters":
                 errors: dict[tuple[str, int], str] = {}
