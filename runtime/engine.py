@@ -30,7 +30,7 @@ from multilora.kernels.fp8 import fp8_supported
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
-from multilora.runtime.adapters import LoRAAdapter, read_adapter
+from multilora.runtime.adapters import LoRAAdapter, read_adapter, read_packed_adapter
 from multilora.runtime.adapters.image import read_image
 from multilora.runtime.config import EngineConfig
 from multilora.runtime.model import DecoderModel

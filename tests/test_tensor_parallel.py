@@ -188,9 +188,10 @@ def _fused_adapter(out, c):
 
 
 def test_tp_eviction_reload_and_adapter_versions(adapter_paths, tmp_path):
-    """A pool of one slot: every request of another adapter evicts the resident one on every rank; reloading a
-    name under new weights serves the new version everywhere."""
-    one = dict(KW, adapter_slots=1, max_batch_size=1)
+    """A pool of one slot and no host tier: every request of another adapter evicts the resident one on every rank and
+    rank 0 reads it again from disk (its shard); reloading a name under new weights serves the new version
+    everywhere."""
+    one = dict(KW, adapter_slots=1, max_batch_size=1, host_adapter_bytes=0)  # and no host tier: reloads from disk
     ref = Engine(CFG, **one)
     with Engine(CFG, tensor_parallel_size=2, **one) as e:
         for eng in (ref, e):
@@ -200,7 +201,7 @@ def test_tp_eviction_reload_and_adapter_versions(adapter_paths, tmp_path):
         rows = [ROWS[i % len(ROWS)] for i in range(len(order))]
         assert [o.token_ids for o in e.generate(rows, adapters=order, sampling=GREEDY)] == \
                [o.token_ids for o in ref.generate(rows, adapters=order, sampling=GREEDY)]
-        assert e.stats()["gpu_evictions"] >= 4
+        assert e.stats()["gpu_evictions"] >= 4 and e.stats()["bytes_disk_to_host"] > 0
         new = write_adapter(tmp_path / "a0-v2", CFG, seed=7, rank=4, modules=["v_proj", "down_proj"])
         for eng in (ref, e):
             eng.load_adapter("a0", new)
