@@ -184,7 +184,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
           file=sys.stderr if args.json else sys.stdout)
     if args.stats:
         print(json.dumps(engine.stats(), indent=2), file=sys.stderr if args.json else sys.stdout)
-    return 0
+    failed = sum(o.finish_reason == "error" for o in outs)
+    if failed:  # a script can tell: the other requests' outputs are printed all the same
+        print(f"multilora generate: {failed} of {len(outs)} request(s) failed (finish_reason 'error')", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _engine_config(args: argparse.Namespace) -> Any:

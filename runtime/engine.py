@@ -43,7 +43,7 @@ from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.scheduler import Request, Schedule, Scheduler, Status
 from multilora.runtime.sizing import measure_and_size, memory_request
 from multilora.runtime.tokenizer import Prompt, PromptTokenizer, prompt_list
-from multilora.runtime.weights import load_model
+from multilora.runtime.weights import load_model, model_config
 
 __all__ = ["Engine", "EngineConfig", "EngineOverloadedError", "RequestOutput"]
 
@@ -87,6 +87,9 @@ class Engine:
         self.device = torch.device(cfg.device) if cfg.device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = cfg.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if cfg.fp8_gemm == "weight_only" and self.device.type != "cuda":
+            raise ValueError(f"Engine: fp8_gemm='weight_only' needs a CUDA GPU (a Triton kernel), got device "
+                             f"{self.device}; leave fp8_gemm unset on the CPU (torch._scaled_mm)")
         if cfg.weight_dtype == "fp8":
             ok, why = fp8_supported(self.device)
             if not ok:
@@ -96,8 +99,7 @@ class Engine:
         self.tp: TensorParallel | None = None
         tp = cfg.tensor_parallel_size
         if tp > 1:  # the workers load their shards while this process loads its own (runtime.parallel)
-            if isinstance(model, ModelConfig):
-                check_tp_size(model, tp)
+            check_tp_size(model_config(model), tp)  # before any process starts (config.json / GGUF metadata only)
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", 0)
             self.tp = TensorParallel(tp, model, cfg, self.device)

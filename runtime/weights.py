@@ -120,6 +120,33 @@ def load_model_files(
     return _load_gguf(path, dtype=dtype, progress=progress)
 
 
+def model_config(model: "str | os.PathLike | ModelConfig | None") -> ModelConfig:
+    """The configuration of ``model`` without its weights (a HF directory's ``config.json``, a GGUF file's metadata,
+    read through its memory map): what a tensor-parallel engine checks before it starts any worker. Raises
+    ModelLoadError as ``load_model`` (and ValueError for a ``model_type`` not served)."""
+    if isinstance(model, ModelConfig):
+        return model
+    path = resolve_model_path(model)
+    if path.is_dir():
+        cfg_file = path / "config.json"
+        try:
+            return ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{cfg_file}: malformed JSON ({e})") from e
+        except OSError as e:
+            raise ModelLoadError(f"{cfg_file}: cannot be read ({e})") from e
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf library raises various errors for bad files
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if emb is None:
+        raise ModelLoadError(f"{path}: GGUF has no token_embd.weight (not a Llama model?)")
+    return config_from_gguf(reader, int(emb.shape[-1]))
+
+
 def load_model(model: "str | os.PathLike | ModelConfig | None", *, dtype: torch.dtype, device: torch.device,
                progress: bool = True) -> tuple[Path, ModelConfig, dict[str, torch.Tensor], Any]:
     """What the engine loads: ``(path, config, weights, tokenizer)`` for ``model``.

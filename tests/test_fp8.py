@@ -128,6 +128,8 @@ def test_engine_config_validation():
         Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", weight_dtype="int8")
     with pytest.raises(ValueError, match=r"Engine: fp8_gemm must be None unless weight_dtype='fp8'"):
         Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", fp8_gemm="scaled_mm")
+    with pytest.raises(ValueError, match=r"Engine: fp8_gemm='weight_only' needs a CUDA GPU .*got device cpu"):
+        Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", weight_dtype="fp8", fp8_gemm="weight_only")
 
 
 CFG = ModelConfig(**MODEL_SHAPES["tiny"])

@@ -92,7 +92,7 @@ def test_lora_shards_sum_to_the_full_delta():
         assert rel_err(got, full) < 1e-6
 
 
-def test_bad_sizes_refused_before_any_process_starts():
+def test_bad_sizes_refused_before_any_process_starts(tmp_path_factory):
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's num_heads 4, "
                                          r"intermediate_size 128, num_kv_heads 2"):
         check_tp_size(CFG, 3)
@@ -100,6 +100,14 @@ def test_bad_sizes_refused_before_any_process_starts():
         Engine(CFG, tensor_parallel_size=3, **KW)
     with pytest.raises(ValueError, match=r"tensor_parallel_size must be an int >= 1, got 0"):
         Engine(CFG, tensor_parallel_size=0, **KW)
+    import multiprocessing
+
+    from testsupport import tiny_llama_dir
+
+    d = tiny_llama_dir(tmp_path_factory, 64)  # a model directory: its config.json is read, no weights, no workers
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
+        Engine(str(d), tensor_parallel_size=3, **KW)
+    assert multiprocessing.active_children() == []
 
 
 # ----------------------------------------------------------------------------------------- engines
