@@ -5,12 +5,9 @@ Semantics are those of ``fp8.fp8_linear(method="dequant")`` and ``fp8.quantize_p
   give every SM several programs streaming weight bytes; each program writes an fp32 partial and the last of a
   column block's programs (a ticket counter, reset by it) sums them in a fixed order and stores y. One launch, no
   memset: the workspace and tickets persist per shape.
-- ``_w8_gemm_kernel`` (larger M): ``y[M, N] = x[M, K] @ (Wq[N, K] * s[N])^T (+ b)``. Programs tile (N, M); each loops over K,
-  loading an fp8 [BLOCK_N, BLOCK_K] weight tile (1 byte per weight: the bandwidth decode needs), widening it to
-  x's dtype in registers and accumulating in fp32: ``tl.dot`` for ``BLOCK_M >= 16``; for a few rows (decode at
-  small batch), a broadcast multiply into a [rows, BLOCK_N, BLOCK_K] accumulator summed once at the end, with no
-  tensor-core padding of M to 16. The column scale and the
-  bias are applied once, after the K loop. Small N gets small BLOCK_N so the grid covers the SMs.
+- ``_w8_gemm_kernel`` (M > 64): ``y[M, N] = x[M, K] @ (Wq[N, K] * s[N])^T (+ b)``. Programs tile (N, M); each loops
+  over K, loading an fp8 [BLOCK_K, BLOCK_N] weight tile (1 byte per weight), widening it to x's dtype in registers
+  and accumulating with ``tl.dot`` in fp32. The column scale and the bias are applied once, after the K loop.
 - ``_quant_kernel``: one program per token: the row in registers, its absmax, the scale and the fp8 row.
 
 Grids depend only on shapes, so both are safe inside CUDA graphs.
@@ -28,10 +25,20 @@ MAX_QUANT_ROW = 65536
 
 
 @triton.jit
+def _store_scaled(y_ptr, s_ptr, b_ptr, stride_ym, offs_m, offs_n, m_mask, n_mask, acc, HAS_BIAS: tl.constexpr):
+    """``y[offs_m, offs_n] = acc * s[offs_n] (+ b[offs_n])``, fp32 ``acc`` [BLOCK_M, BLOCK_N] rounded once to y's dtype."""
+    acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
                     M, N, K,
                     stride_xm, stride_wn, stride_ym,
-                    HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
+                    HAS_BIAS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -41,36 +48,15 @@ def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     n_mask = offs_n < N
     m_mask = offs_m < M
     dt = x_ptr.dtype.element_ty
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = (k0 + offs_k) < K
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptr + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None],
-                        mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] fp8
-            acc += tl.dot(x, w.to(dt))
-        s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
-        acc = acc * s[None, :]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & n_mask[None, :])
-    else:  # a few rows: a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 accumulator, each weight tile loaded once for all rows
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = (k0 + offs_k) < K
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                        mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :],
-                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K] fp8
-            acc += x[:, None, :] * w.to(dt).to(tl.float32)[None, :, :]
-        s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
-        out = tl.sum(acc, axis=2) * s[None, :]  # [BLOCK_M, BLOCK_N]
-        if HAS_BIAS:
-            out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & n_mask[None, :])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None],
+                    mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] fp8
+        acc += tl.dot(x, w.to(dt))
+    _store_scaled(y_ptr, s_ptr, b_ptr, stride_ym, offs_m, offs_n, m_mask, n_mask, acc, HAS_BIAS)
 
 
 @triton.jit
@@ -118,11 +104,7 @@ def _w8_gemv_splitk_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_pt
         for k in tl.static_range(SPLIT_K):
             total += tl.load(part_ptr + (k * BLOCK_M + offs_m[:, None]) * N + offs_n[None, :],
                              mask=n_mask[None, :], other=0.0, cache_modifier=".cg")
-        total = total * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-        if HAS_BIAS:
-            total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], total.to(y_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & n_mask[None, :])
+        _store_scaled(y_ptr, s_ptr, b_ptr, stride_ym, offs_m, offs_n, m_mask, n_mask, total, HAS_BIAS)
         tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
@@ -167,13 +149,9 @@ def fp8_gemv_splitk(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return y
 
 
-def _config(M: int, N: int) -> dict:
-    """Tile sizes of the tiled kernel by shape (only M > 64 reaches it from ``fp8_weight_only_linear``)."""
-    if M <= 8:
-        bm = triton.next_power_of_2(M)
-        return dict(USE_DOT=False, BLOCK_M=bm, BLOCK_N=16 if N <= 8192 else 32, BLOCK_K=256 // bm, num_warps=4)
-    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-    return dict(USE_DOT=True, BLOCK_M=bm, BLOCK_N=64 if N <= 8192 else 128, BLOCK_K=128, num_warps=4, num_stages=4)
+def _config(N: int) -> dict:
+    """Tile sizes of the tiled kernel (only M > 64 reaches it from ``fp8_weight_only_linear``)."""
+    return dict(BLOCK_M=64, BLOCK_N=64 if N <= 8192 else 128, BLOCK_K=128, num_warps=4, num_stages=4)
 
 
 def fp8_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -206,7 +184,7 @@ def fp8_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    cfg = _config(M, N)
+    cfg = _config(N)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
     _w8_gemm_kernel[grid](x, qweight, scale, bias if bias is not None else scale, y, M, N, K,
                           x.stride(0), qweight.stride(0), y.stride(0), HAS_BIAS=bias is not None, **cfg)
