@@ -127,24 +127,7 @@ def model_config(model: "str | os.PathLike | ModelConfig | None") -> ModelConfig
     if isinstance(model, ModelConfig):
         return model
     path = resolve_model_path(model)
-    if path.is_dir():
-        cfg_file = path / "config.json"
-        try:
-            return ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{cfg_file}: malformed JSON ({e})") from e
-        except OSError as e:
-            raise ModelLoadError(f"{cfg_file}: cannot be read ({e})") from e
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the gguf library raises various errors for bad files
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
-    emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if emb is None:
-        raise ModelLoadError(f"{path}: GGUF has no token_embd.weight (not a Llama model?)")
-    return config_from_gguf(reader, int(emb.shape[-1]))
+    return _hf_config(path) if path.is_dir() else _open_gguf(path)[2]
 
 
 def load_model(model: "str | os.PathLike | ModelConfig | None", *, dtype: torch.dtype, device: torch.device,
@@ -165,15 +148,20 @@ def load_model(model: "str | os.PathLike | ModelConfig | None", *, dtype: torch.
 
 
 # ---------------------------------------------------------------------------------------------- HF
-def _load_hf_dir(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors import safe_open
-
+def _hf_config(path: Path) -> ModelConfig:
+    """A HF directory's ``config.json`` as a ``ModelConfig`` (ModelLoadError for malformed JSON)."""
     cfg_file = path / "config.json"
     try:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{cfg_file}: malformed JSON ({e})") from e
-    config = ModelConfig.from_hf_dict(raw)
+    return ModelConfig.from_hf_dict(raw)
+
+
+def _load_hf_dir(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    config = _hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     weights: dict[str, torch.Tensor] = {}
     with tqdm(total=len(files), desc=f"Loading {path.name}", unit="file", disable=not progress) as bar:
@@ -268,7 +256,9 @@ def config_from_gguf(reader: Any, vocab_size: int) -> ModelConfig:
     )
 
 
-def _load_gguf(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _open_gguf(path: Path) -> tuple[Any, dict[str, Any], ModelConfig]:
+    """A GGUF file opened through its memory map: ``(reader, tensors by name, config)``; no tensor data is read.
+    Raises ModelLoadError for a file the gguf library cannot read or one without ``token_embd.weight``."""
     import gguf
 
     try:
@@ -278,8 +268,13 @@ def _load_gguf(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[Model
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path}: GGUF has no token_embd.weight (not a Llama model?)")
-    vocab = int(tensors["token_embd.weight"].shape[-1])
-    config = config_from_gguf(reader, vocab)
+    return reader, tensors, config_from_gguf(reader, int(tensors["token_embd.weight"].shape[-1]))
+
+
+def _load_gguf(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    _, tensors, config = _open_gguf(path)
     permuted = config.architecture == "llama"
     gemma = config.architecture == "gemma2"
     weights: dict[str, torch.Tensor] = {}
