@@ -304,19 +304,15 @@ class Engine:
     def _sync_workers(self) -> None:
         """Tensor parallelism: send the adapter changes since the last step (the workers read new adapters, drop
         those no request can use any more); an adapter a worker could not read fails its requests."""
-        live = {(h.name, h.version) for h in self.cache.handles()}
-        live |= {(r.handle.name, r.handle.version) for r in (*self.scheduler.running, *self.scheduler.waiting)
-                 if r.handle is not None}
-        self.tp.retain(live)
+        live = {id(h): h for h in self.cache.handles()}  # and retired versions that queued requests still hold:
+        live.update((id(r.handle), r.handle) for r in (*self.scheduler.running, *self.scheduler.waiting)
+                    if r.handle is not None)
+        self.tp.retain({(h.name, h.version) for h in live.values()})
         failed = self.tp.sync_adapters()
-        for h in self.cache.handles():
+        for h in live.values():
             why = failed.get((h.name, h.version))
             if why is not None:
                 h.failed = f"adapter {h.name!r}: {why}"
-        for r in (*self.scheduler.running, *self.scheduler.waiting):
-            why = r.handle is not None and failed.get((r.handle.name, r.handle.version))
-            if why:
-                r.handle.failed = f"adapter {r.handle.name!r}: {why}"
 
     @property
     def _shard(self) -> tuple[int, int] | None:
