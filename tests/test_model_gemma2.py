@@ -24,7 +24,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from testsupport import hf_last_logits, one_thread, peft_adapters, rel_err  # noqa: E402,F401  (one_thread: autouse)
+from testsupport import (  # noqa: E402,F401  (one_thread: autouse)
+    add_gguf_test_tokenizer, hf_last_logits, one_thread, peft_adapters, rel_err, saved_engine, token_rows)
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.config import ModelConfig  # noqa: E402
@@ -70,18 +71,14 @@ def _make_model(name, **extra):
 
 
 def _rows(name, seed=7):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in CASES[name][1]]
+    return token_rows(VOCAB, CASES[name][1], seed)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     name = request.param
     model = _make_model(name)
-    d = tmp_path_factory.mktemp(name)
-    model.save_pretrained(str(d))
-    engine = Engine(model=str(d), progress=False, max_batch_size=4)
-    return name, model, engine, _rows(name)
+    return name, model, saved_engine(model, tmp_path_factory, name), _rows(name)
 
 
 def test_config_read_from_config_json(case):
@@ -302,7 +299,6 @@ def write_gguf(model, path):
     """``model`` (a HF ``Gemma2ForCausalLM``, tied) as llama.cpp's converter writes it: F32 tensors, every norm
     weight plus 1, the soft-caps and window as metadata, a tiny byte-level BPE tokenizer (the engine loads the
     tokenizer of a GGUF file with transformers)."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     gguf = pytest.importorskip("gguf")
     c = model.config
@@ -320,15 +316,7 @@ def write_gguf(model, path):
     w.add_sliding_window(c.sliding_window)
     w.add_attn_logit_softcapping(c.attn_logit_softcapping)
     w.add_final_logit_softcapping(c.final_logit_softcapping)
-    tokens = list(bytes_to_unicode().values()) + ["Ġt"] + [f"<t{i}>" for i in range(c.vocab_size - 257)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * len(tokens))
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_merges(["Ġ t"])
-    w.add_bos_token_id(c.bos_token_id)
-    w.add_eos_token_id(c.eos_token_id)
+    add_gguf_test_tokenizer(w, c)
     for key, t in model.state_dict().items():
         if key == "lm_head.weight":
             continue  # tied: llama.cpp writes no output.weight

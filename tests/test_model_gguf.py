@@ -20,7 +20,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from testsupport import one_thread, rel_err  # noqa: E402,F401  (one_thread: autouse, one intra-op thread)
+from testsupport import (  # noqa: E402,F401  (one_thread: autouse, one intra-op thread)
+    add_gguf_test_tokenizer, one_thread, rel_err)
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.runtime.weights import ModelLoadError, load_model_files  # noqa: E402
@@ -70,7 +71,6 @@ def _gguf_tensor_name(key: str) -> str | None:
 
 def write_gguf(model, path, arch: str) -> None:
     """``model`` (a HF Qwen2/Qwen3 ``*ForCausalLM``) as a llama.cpp-style GGUF file of F32 tensors."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -85,15 +85,7 @@ def write_gguf(model, path, arch: str) -> None:
     w.add_value_length(head_dim)
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    tokens = list(bytes_to_unicode().values()) + ["Ġt"] + [f"<t{i}>" for i in range(c.vocab_size - 257)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * len(tokens))
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_merges(["Ġ t"])
-    w.add_bos_token_id(c.bos_token_id)
-    w.add_eos_token_id(c.eos_token_id)
+    add_gguf_test_tokenizer(w, c)
     for key, t in model.state_dict().items():
         if key == "lm_head.weight" and c.tie_word_embeddings:
             continue  # tied: llama.cpp writes no output.weight

@@ -22,7 +22,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from testsupport import hf_last_logits, one_thread, peft_adapters, rel_err  # noqa: E402,F401  (one_thread: autouse)
+from testsupport import (  # noqa: E402,F401  (one_thread: autouse)
+    hf_last_logits, one_thread, peft_adapters, rel_err, saved_engine, token_rows)
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.config import ModelConfig  # noqa: E402
@@ -73,18 +74,14 @@ def _make_model(name, **extra):
 
 
 def _rows(name, seed=7):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in CASES[name][1]]
+    return token_rows(VOCAB, CASES[name][1], seed)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     name = request.param
     model = _make_model(name)
-    d = tmp_path_factory.mktemp(name)
-    model.save_pretrained(str(d))
-    engine = Engine(model=str(d), progress=False, max_batch_size=4)
-    return name, model, engine, _rows(name)
+    return name, model, saved_engine(model, tmp_path_factory, name), _rows(name)
 
 
 def test_config_read_from_config_json(case):

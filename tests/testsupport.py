@@ -141,3 +141,34 @@ def fp8_reference(x, w, bias, quantize_x):
         xf = (xf / xs).to(torch.float8_e4m3fn).float() * xs
     y = xf @ (w.qweight.float() * w.scale[:, None]).t()
     return y if bias is None else y + bias.float()
+
+
+def token_rows(vocab_size, lengths, seed=7):
+    """Seeded random token-id rows (ids in [3, vocab_size)) of the given lengths."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def saved_engine(model, tmp_path_factory, name, **options):
+    """A transformers model saved as a HF directory and an ``Engine`` on it (CPU tests: no progress bars, batch 4)."""
+    from multilora import Engine
+
+    d = tmp_path_factory.mktemp(name)
+    model.save_pretrained(str(d))
+    return Engine(model=str(d), **{"progress": False, "max_batch_size": 4, **options})
+
+
+def add_gguf_test_tokenizer(writer, config):
+    """A byte-level GPT-2 tokenizer of ``config.vocab_size`` tokens (256 bytes, one merge "Ġ t", padding tokens) in
+    a ``gguf.GGUFWriter``, with the config's BOS / EOS ids: what transformers' GGUF loader needs to build one."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = list(bytes_to_unicode().values()) + ["Ġt"] + [f"<t{i}>" for i in range(config.vocab_size - 257)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
