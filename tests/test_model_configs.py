@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from testsupport import peft_adapters, rel_err  # noqa: E402
+from testsupport import hf_greedy, peft_adapters, rel_err  # noqa: E402
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.runtime.weights import default_model_path  # noqa: E402
@@ -122,10 +122,7 @@ def test_greedy_generate_matches_transformers(case):
     outs = engine.generate(rows, adapters=None,
                            sampling=SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True))
     for r, out in zip(rows, outs):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([r]), max_new_tokens=GEN_TOKENS, min_new_tokens=GEN_TOKENS,
-                                 do_sample=False, pad_token_id=0)
-        ref_ids = ref[0, len(r):].tolist()
+        ref_ids = hf_greedy(model, r, GEN_TOKENS)
         assert len(ref_ids) == GEN_TOKENS
         assert out.token_ids == ref_ids, (name, len(r))
         assert out.finish_reason == "length" and out.prompt_token_ids == r

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from testsupport import (  # noqa: E402,F401  (one_thread: autouse)
-    add_gguf_test_tokenizer, hf_last_logits, one_thread, peft_adapters, rel_err, saved_engine, token_rows)
+    add_gguf_test_tokenizer, hf_greedy, hf_last_logits, one_thread, peft_adapters, rel_err, saved_engine, token_rows)
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.config import ModelConfig  # noqa: E402
@@ -111,10 +111,7 @@ def test_greedy_generate_matches_transformers(case):
     outs = engine.generate(rows, adapters=None,
                            sampling=SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True))
     for r, out in zip(rows, outs):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([r]), max_new_tokens=GEN_TOKENS, min_new_tokens=GEN_TOKENS,
-                                 do_sample=False, pad_token_id=0)
-        assert out.token_ids == ref[0, len(r):].tolist(), (name, len(r))
+        assert out.token_ids == hf_greedy(model, r, GEN_TOKENS), (name, len(r))
 
 
 @pytest.mark.parametrize("what", ["norms", "embed_scale", "attn_softcap", "final_softcap", "window",
@@ -227,10 +224,7 @@ def test_peft_adapters_greedy_generate(peft_setup):
     outs = engine.generate(rows, adapters=[a for a, _ in BATCH],
                            sampling=SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True))
     for (a, _), r, out in zip(BATCH, rows, outs):
-        with torch.no_grad():
-            ref = model.generate(input_ids=torch.tensor([r]), adapter_names=[a or "__base__"],
-                                 max_new_tokens=GEN_TOKENS, min_new_tokens=GEN_TOKENS, do_sample=False, pad_token_id=0)
-        assert out.token_ids == ref[0, len(r):].tolist(), a
+        assert out.token_ids == hf_greedy(model, r, GEN_TOKENS, adapter_names=[a or "__base__"]), a
 
 
 def test_module_names_match_transformers():

@@ -172,3 +172,12 @@ def add_gguf_test_tokenizer(writer, config):
     writer.add_token_merges(["Ġ t"])
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
+
+
+def hf_greedy(model, row, n, **kw):
+    """A transformers (or peft) model's ``n`` greedy tokens after the token-id row ``row`` (exactly ``n``: EOS does not
+    stop it; ``kw`` e.g. ``adapter_names=[...]`` for peft's mixed batch)."""
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([row]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0, **kw)
+    return out[0, len(row):].tolist()
