@@ -46,8 +46,13 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_of
 
 
 def add_rms_norm_torch(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                       delta_weight: torch.Tensor | None = None, unit_offset: bool = False) -> torch.Tensor:
+                       delta_weight: torch.Tensor | None = None, unit_offset: bool = False,
+                       lora_delta: torch.Tensor | None = None) -> torch.Tensor:
     """The residual add, in place, then RMSNorm of the sum: ``h += delta; return rms_norm(h)``.
+
+    ``lora_delta`` (same shape and dtype as ``delta``, or None): a LoRA output computed beside the projection
+    that produced ``delta`` (``runtime.model``'s side stream), added to it first (``delta + lora_delta``, rounded
+    to the dtype as peft's ``base_layer(x) + lora(x)``), before any norm of the delta.
 
     With ``delta_weight`` the delta is RMS-normed first (``h += rms_norm(delta, delta_weight)``: Gemma 2's
     post-attention and post-feedforward norms), rounded to the dtype before the add as HF's ``residual + norm(x)``.
@@ -55,6 +60,8 @@ def add_rms_norm_torch(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tenso
 
     h, delta [T, N], same dtype (h is updated in place: the residual stream); weight, delta_weight [N]. Returns
     [T, N]."""
+    if lora_delta is not None:
+        delta = delta + lora_delta
     if delta_weight is not None:
         delta = rms_norm_torch(delta, delta_weight, eps, unit_offset=unit_offset)
     h.add_(delta)
@@ -64,7 +71,8 @@ def add_rms_norm_torch(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tenso
 def rope_write_kv_torch(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor,
                         slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                         num_heads: int, num_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None = None,
-                        k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
+                        k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6,
+                        lora_delta: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE (RoFormer, Su et al. 2021; rotate-half) on q and k, then k and v written to their cache slots.
 
     With ``q_norm`` / ``k_norm`` (both or neither), each q head and each k head is first RMS-normalised over its
@@ -78,11 +86,15 @@ def rope_write_kv_torch(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: tor
         slot_mapping: int64 [T], each token's flat cache slot (``block * block_size + offset``).
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
         q_norm, k_norm: None, or [head_dim] in qkv's dtype; norm_eps: their epsilon.
+        lora_delta: None, or qkv's shape and dtype: the projection's LoRA output, added first
+            (``qkv + lora_delta``, rounded to the dtype); qkv itself is not changed.
 
     Returns:
         q after RoPE, [T, num_heads, head_dim] in qkv's dtype (a new tensor).
     """
     T = qkv.shape[0]
+    if lora_delta is not None:
+        qkv = qkv + lora_delta
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     cos = rope_cos.index_select(0, positions)[:, None, :]  # [T, 1, D]
@@ -107,16 +119,21 @@ def rope_write_kv_torch(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: tor
     return q
 
 
-def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's gate (Shazeer 2020): gate_up [T, 2 * I] = [gate | up] -> ``silu(gate) * up`` [T, I]."""
+def silu_mul_torch(gate_up: torch.Tensor, lora_delta: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU's gate (Shazeer 2020): gate_up [T, 2 * I] = [gate | up] -> ``silu(gate) * up`` [T, I].
+    ``lora_delta`` (gate_up's shape and dtype, or None) is added to gate_up first, rounded to the dtype."""
+    if lora_delta is not None:
+        gate_up = gate_up + lora_delta
     g, u = gate_up.chunk(2, dim=-1)
     return F.silu(g) * u
 
 
-def gelu_tanh_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_mul_torch(gate_up: torch.Tensor, lora_delta: torch.Tensor | None = None) -> torch.Tensor:
     """GeGLU's gate (Shazeer 2020) with the tanh approximation of GELU (Hendrycks & Gimpel 2016; HF
     ``gelu_pytorch_tanh``, Gemma 2): gate_up [T, 2 * I] = [gate | up] -> ``gelu_tanh(gate) * up`` [T, I], where
-    ``gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``."""
+    ``gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``; ``lora_delta`` as for ``silu_mul_torch``."""
+    if lora_delta is not None:
+        gate_up = gate_up + lora_delta
     g, u = gate_up.chunk(2, dim=-1)
     return F.gelu(g, approximate="tanh") * u
 
@@ -141,37 +158,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
                  delta_weight: torch.Tensor | None = None, unit_offset: bool = False,
-                 backend: str | None = None) -> torch.Tensor:
+                 lora_delta: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """``add_rms_norm_torch`` (``h += delta``, or ``h += rms_norm(delta, delta_weight)``, in place; returns the
-    normed sum) or its one-kernel twin (both norms and the add in one pass over the row)."""
+    normed sum; ``lora_delta`` added to ``delta`` first) or its one-kernel twin (both norms and the adds in one
+    pass over the row)."""
     k = _kernels(backend, h)
     fn = add_rms_norm_torch if k is None else k.add_rms_norm
-    return fn(h, delta, weight, eps, delta_weight=delta_weight, unit_offset=unit_offset)
+    return fn(h, delta, weight, eps, delta_weight=delta_weight, unit_offset=unit_offset, lora_delta=lora_delta)
 
 
 def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor,
                   slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int,
                   num_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None = None,
                   k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6,
-                  backend: str | None = None) -> torch.Tensor:
+                  lora_delta: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """``rope_write_kv_torch`` or its one-kernel Triton twin (one program per token; the q/k norm, when given,
-    is in the same kernel)."""
+    and the LoRA delta's add are in the same kernel)."""
     k = _kernels(backend, qkv)
     fn = rope_write_kv_torch if k is None else k.rope_write_kv
     return fn(qkv, rope_cos, rope_sin, positions, slot_mapping, k_cache, v_cache, num_heads=num_heads,
-              num_kv_heads=num_kv_heads, head_dim=head_dim, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps)
+              num_kv_heads=num_kv_heads, head_dim=head_dim, q_norm=q_norm, k_norm=k_norm, norm_eps=norm_eps,
+              lora_delta=lora_delta)
 
 
-def silu_mul(gate_up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, *, lora_delta: torch.Tensor | None = None,
+             backend: str | None = None) -> torch.Tensor:
     """``silu_mul_torch`` or its one-kernel Triton twin."""
     k = _kernels(backend, gate_up)
-    return silu_mul_torch(gate_up) if k is None else k.silu_mul(gate_up)
+    return (silu_mul_torch if k is None else k.silu_mul)(gate_up, lora_delta)
 
 
-def gelu_tanh_mul(gate_up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+def gelu_tanh_mul(gate_up: torch.Tensor, *, lora_delta: torch.Tensor | None = None,
+                  backend: str | None = None) -> torch.Tensor:
     """``gelu_tanh_mul_torch`` or its one-kernel Triton twin."""
     k = _kernels(backend, gate_up)
-    return gelu_tanh_mul_torch(gate_up) if k is None else k.gelu_tanh_mul(gate_up)
+    return (gelu_tanh_mul_torch if k is None else k.gelu_tanh_mul)(gate_up, lora_delta)
 
 
 #: HF MLP activation name (``ModelConfig.hidden_act``) -> the gated op: ``act(gate) * up``.

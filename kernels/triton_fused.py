@@ -41,15 +41,18 @@ def _normed_row(x, w_ptr, dst_ptr, offs, mask, N, eps, UNIT_OFFSET: tl.constexpr
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, dw_ptr, out_ptr, stride_x, stride_d, stride_o, N, eps,
-                     HAS_DELTA: tl.constexpr, DELTA_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, d_ptr, l_ptr, w_ptr, dw_ptr, out_ptr, stride_x, stride_d, stride_l, stride_o, N, eps,
+                     HAS_DELTA: tl.constexpr, HAS_LORA: tl.constexpr, DELTA_NORM: tl.constexpr,
+                     UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_DELTA:  # the residual add, rounded to the activation dtype as torch's h + delta is
         d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
+        if HAS_LORA:  # the projection's LoRA output, computed beside it: base + lora, rounded as torch's sum
+            lo = tl.load(l_ptr + row * stride_l + offs, mask=mask, other=0.0)
+            d = (d.to(tl.float32) + lo.to(tl.float32)).to(d_ptr.dtype.element_ty)
         if DELTA_NORM:  # Gemma 2: h += rms_norm(delta, delta_weight), the normed delta rounded first
             d = _normed_row(d, dw_ptr, x_ptr, offs, mask, N, eps, UNIT_OFFSET)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
@@ -59,16 +62,26 @@ def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, dw_ptr, out_ptr, stride_x, stride_d, s
 
 
 @triton.jit
-def _rope_tile(src, c, s, w_ptr, eps, rows, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-               HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Load [rows, head_dim] at src (heads contiguous), RMS-normalise each head by w (``HAS_NORM``; rounded to
-    src's dtype where ``rms_norm_torch`` rounds), and rotate: (x1 * c - x2 * s, x2 * c + x1 * s), fp32."""
+def _load_sum(p, lp, m, HAS_LORA: tl.constexpr):
+    """``p[...]`` (plus ``lp[...]``, rounded to p's dtype as torch's ``qkv + lora_delta``), in p's dtype."""
+    x = tl.load(p, mask=m, other=0.0)
+    if HAS_LORA:
+        x = (x.to(tl.float32) + tl.load(lp, mask=m, other=0.0).to(tl.float32)).to(p.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _rope_tile(src, lsrc, c, s, w_ptr, eps, rows, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_HALF: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, HAS_LORA: tl.constexpr):
+    """Load [rows, head_dim] at src (heads contiguous; plus the LoRA delta at lsrc, ``HAS_LORA``), RMS-normalise
+    each head by w (``HAS_NORM``; rounded to src's dtype where ``rms_norm_torch`` rounds), and rotate:
+    (x1 * c - x2 * s, x2 * c + x1 * s), fp32."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     m = (offs_h[:, None] < rows) & (offs_d[None, :] < HALF)
-    p = src + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-    x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
+    off = offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    x1 = _load_sum(src + off, lsrc + off, m, HAS_LORA).to(tl.float32)
+    x2 = _load_sum(src + off + HALF, lsrc + off + HALF, m, HAS_LORA).to(tl.float32)
     if HAS_NORM:
         dt = src.dtype.element_ty
         inv = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
@@ -77,15 +90,15 @@ def _rope_tile(src, c, s, w_ptr, eps, rows, HALF: tl.constexpr, BLOCK_H: tl.cons
         w2 = tl.load(w_ptr + HALF + offs_d, mask=dm, other=0.0).to(tl.float32)[None, :]
         x1 = ((x1 * inv).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
         x2 = ((x2 * inv).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    return x1 * c + (-x2) * s, x2 * c + x1 * s, m, offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    return x1 * c + (-x2) * s, x2 * c + x1 * s, m, off
 
 
 @triton.jit
-def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr,
-                    stride_qkv, stride_cos, stride_sin, stride_kc, stride_vc, eps,
+def _rope_kv_kernel(qkv_ptr, l_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr,
+                    stride_qkv, stride_l, stride_cos, stride_sin, stride_kc, stride_vc, eps,
                     H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                    HAS_NORM: tl.constexpr):
+                    HAS_NORM: tl.constexpr, HAS_LORA: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -94,32 +107,36 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr,
     c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=dm, other=0.0)[None, :]
     s = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=dm, other=0.0)[None, :]
     row = qkv_ptr + t * stride_qkv
+    lrow = l_ptr + t * stride_l
     # queries -> q [T, H, D]
-    o1, o2, m, off = _rope_tile(row, c, s, qn_ptr, eps, H, HALF, BLOCK_H, BLOCK_HALF, HEAD_DIM, HAS_NORM)
+    o1, o2, m, off = _rope_tile(row, lrow, c, s, qn_ptr, eps, H, HALF, BLOCK_H, BLOCK_HALF, HEAD_DIM, HAS_NORM,
+                                HAS_LORA)
     qd = q_ptr + t * (H * HEAD_DIM)
     tl.store(qd + off, o1.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(qd + off + HALF, o2.to(q_ptr.dtype.element_ty), mask=m)
     # keys -> k_cache[slot]
-    o1, o2, m, off = _rope_tile(row + H * HEAD_DIM, c, s, kn_ptr, eps, HKV, HALF, BLOCK_HKV, BLOCK_HALF, HEAD_DIM,
-                                HAS_NORM)
+    o1, o2, m, off = _rope_tile(row + H * HEAD_DIM, lrow + H * HEAD_DIM, c, s, kn_ptr, eps, HKV, HALF, BLOCK_HKV,
+                                BLOCK_HALF, HEAD_DIM, HAS_NORM, HAS_LORA)
     kd = kc_ptr + slot * stride_kc
     tl.store(kd + off, o1.to(q_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=m)
     tl.store(kd + off + HALF, o2.to(q_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=m)
     # values -> v_cache[slot], copied (both halves)
     vs = row + (H + HKV) * HEAD_DIM
+    lvs = lrow + (H + HKV) * HEAD_DIM
     vd = vc_ptr + slot * stride_vc
     for half in tl.static_range(2):
-        v = tl.load(vs + off + half * HALF, mask=m, other=0.0)
+        v = _load_sum(vs + off + half * HALF, lvs + off + half * HALF, m, HAS_LORA)
         tl.store(vd + off + half * HALF, v.to(vc_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _glu_kernel(gu_ptr, out_ptr, stride_gu, stride_o, I, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_kernel(gu_ptr, l_ptr, out_ptr, stride_gu, stride_l, stride_o, I, GELU_TANH: tl.constexpr,
+                HAS_LORA: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
-    g = tl.load(gu_ptr + t * stride_gu + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=m, other=0.0).to(tl.float32)
+    g = _load_sum(gu_ptr + t * stride_gu + offs, l_ptr + t * stride_l + offs, m, HAS_LORA).to(tl.float32)
+    u = _load_sum(gu_ptr + t * stride_gu + I + offs, l_ptr + t * stride_l + I + offs, m, HAS_LORA).to(tl.float32)
     if GELU_TANH:  # 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
         z2 = 1.5957691216057308 * (g + 0.044715 * g * g * g)
         a = g / (1.0 + tl.exp(-z2))
@@ -141,8 +158,18 @@ def _check(name: str, x: torch.Tensor, ndim: int, dtype: torch.dtype | None = No
         raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {x.stride()}")
 
 
+def _check_lora(lora_delta: torch.Tensor | None, like: torch.Tensor, like_name: str) -> None:
+    """A LoRA delta added to ``like`` must have its shape and dtype, with contiguous rows."""
+    if lora_delta is None:
+        return
+    _check("lora_delta", lora_delta, 2, like.dtype)
+    if lora_delta.shape != like.shape:
+        raise ValueError(f"lora_delta: expected {like_name}'s shape {tuple(like.shape)}, got {tuple(lora_delta.shape)}")
+
+
 def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-          delta_weight: torch.Tensor | None = None, unit_offset: bool = False) -> torch.Tensor:
+          delta_weight: torch.Tensor | None = None, unit_offset: bool = False,
+          lora_delta: torch.Tensor | None = None) -> torch.Tensor:
     _check("x", x, 2)
     N = x.shape[1]
     if N > MAX_ROW:
@@ -154,15 +181,19 @@ def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps
         _check("delta", delta, 2, x.dtype)
         if delta.shape != x.shape:
             raise ValueError(f"delta: expected shape {tuple(x.shape)}, got {tuple(delta.shape)}")
+        _check_lora(lora_delta, delta, "delta")
+    elif lora_delta is not None:
+        raise ValueError("lora_delta: only with a delta (it is added to the delta)")
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.shape[0] == 0:
         return out
     block = triton.next_power_of_2(N)
     d = delta if delta is not None else x
+    lo = lora_delta if lora_delta is not None else d
     dw = delta_weight if delta_weight is not None else weight
-    _rms_norm_kernel[(x.shape[0],)](x, d, weight, dw, out, x.stride(0), d.stride(0), out.stride(0), N, float(eps),
-                                    HAS_DELTA=delta is not None, DELTA_NORM=delta_weight is not None,
-                                    UNIT_OFFSET=bool(unit_offset), BLOCK=block,
+    _rms_norm_kernel[(x.shape[0],)](x, d, lo, weight, dw, out, x.stride(0), d.stride(0), lo.stride(0), out.stride(0),
+                                    N, float(eps), HAS_DELTA=delta is not None, HAS_LORA=lora_delta is not None,
+                                    DELTA_NORM=delta_weight is not None, UNIT_OFFSET=bool(unit_offset), BLOCK=block,
                                     num_warps=max(1, min(16, block // 512)))
     return out
 
@@ -173,18 +204,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: 
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                 delta_weight: torch.Tensor | None = None, unit_offset: bool = False) -> torch.Tensor:
-    """Triton ``add_rms_norm_torch``: ``h += delta`` (or ``h += rms_norm(delta, delta_weight)``) in place, returns
-    RMSNorm(h) as a new [T, N]; one kernel."""
-    return _norm(h, delta, weight, eps, delta_weight, unit_offset)
+                 delta_weight: torch.Tensor | None = None, unit_offset: bool = False,
+                 lora_delta: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``add_rms_norm_torch``: ``h += delta`` (or ``h += rms_norm(delta, delta_weight)``; ``lora_delta``
+    added to the delta first) in place, returns RMSNorm(h) as a new [T, N]; one kernel."""
+    return _norm(h, delta, weight, eps, delta_weight, unit_offset, lora_delta)
 
 
 def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor,
                   slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int,
                   num_kv_heads: int, head_dim: int, q_norm: torch.Tensor | None = None,
-                  k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6) -> torch.Tensor:
+                  k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6,
+                  lora_delta: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``rope_write_kv_torch`` (same arguments and result); one program per token."""
     _check("qkv", qkv, 2)
+    _check_lora(lora_delta, qkv, "qkv")
     T, width = qkv.shape
     if width != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(f"qkv: expected {(num_heads + 2 * num_kv_heads) * head_dim} columns "
@@ -214,27 +248,30 @@ def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Ten
         return q
     half = head_dim // 2
     has_norm = q_norm is not None
-    _rope_kv_kernel[(T,)](qkv, rope_cos, rope_sin, positions, slot_mapping, q, k_cache, v_cache,
+    lo = lora_delta if lora_delta is not None else qkv
+    _rope_kv_kernel[(T,)](qkv, lo, rope_cos, rope_sin, positions, slot_mapping, q, k_cache, v_cache,
                           q_norm if has_norm else rope_cos, k_norm if has_norm else rope_cos,
-                          qkv.stride(0), rope_cos.stride(0), rope_sin.stride(0), k_cache.stride(1), v_cache.stride(1),
-                          float(norm_eps), H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
-                          BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-                          BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=4)
+                          qkv.stride(0), lo.stride(0), rope_cos.stride(0), rope_sin.stride(0), k_cache.stride(1),
+                          v_cache.stride(1), float(norm_eps), H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim,
+                          HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
+                          BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
+                          HAS_NORM=has_norm, HAS_LORA=lora_delta is not None, num_warps=4)
     return q
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """Triton ``silu_mul_torch``: gate_up [T, 2 I] -> new [T, I]."""
-    return _glu(gate_up, gelu_tanh=False)
+def silu_mul(gate_up: torch.Tensor, lora_delta: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``silu_mul_torch``: gate_up [T, 2 I] (+ lora_delta, same shape) -> new [T, I]."""
+    return _glu(gate_up, lora_delta, gelu_tanh=False)
 
 
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """Triton ``gelu_tanh_mul_torch``: gate_up [T, 2 I] -> new [T, I]."""
-    return _glu(gate_up, gelu_tanh=True)
+def gelu_tanh_mul(gate_up: torch.Tensor, lora_delta: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``gelu_tanh_mul_torch``: gate_up [T, 2 I] (+ lora_delta, same shape) -> new [T, I]."""
+    return _glu(gate_up, lora_delta, gelu_tanh=True)
 
 
-def _glu(gate_up: torch.Tensor, *, gelu_tanh: bool) -> torch.Tensor:
+def _glu(gate_up: torch.Tensor, lora_delta: torch.Tensor | None, *, gelu_tanh: bool) -> torch.Tensor:
     _check("gate_up", gate_up, 2)
+    _check_lora(lora_delta, gate_up, "gate_up")
     T, two_i = gate_up.shape
     if two_i % 2:
         raise ValueError(f"gate_up: expected an even number of columns [gate | up], got {two_i}")
@@ -243,6 +280,8 @@ def _glu(gate_up: torch.Tensor, *, gelu_tanh: bool) -> torch.Tensor:
     if T == 0:
         return out
     block = 1024
-    _glu_kernel[(T, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                                                GELU_TANH=gelu_tanh, BLOCK=block, num_warps=4)
+    lo = lora_delta if lora_delta is not None else gate_up
+    _glu_kernel[(T, triton.cdiv(inter, block))](gate_up, lo, out, gate_up.stride(0), lo.stride(0), out.stride(0),
+                                                inter, GELU_TANH=gelu_tanh, HAS_LORA=lora_delta is not None,
+                                                BLOCK=block, num_warps=4)
     return out

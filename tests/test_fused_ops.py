@@ -349,3 +349,54 @@ def test_model_forward_with_triton_ops_equals_torch_ops():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     for a, b in zip(out["torch"][1], out["triton"][1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+# ------------------------------------------------------------------------------------- the LoRA delta's add
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_ops_add_a_lora_delta_as_the_sum_of_their_input(backend, dtype):
+    """Each op after a projection takes the projection's LoRA output (``lora_delta``, computed beside it) and gives
+    exactly what it gives for the rounded sum ``input + lora_delta`` as its input; the input is left as it was."""
+    g = torch.Generator().manual_seed(9)
+    T, N, inter = 3, 96, 80
+    # residual add + RMSNorm, with and without Gemma 2's norm of the delta
+    for dw in (None, (0.5 * torch.randn(N, generator=g)).to(dtype)):
+        h, d, lo = (torch.randn(3, T, N, generator=g) * 3).to(dtype)
+        w = (1 + 0.5 * torch.randn(N, generator=g)).to(dtype)
+        h1, h2, d0 = h.clone(), h.clone(), d.clone()
+        a = fused.add_rms_norm(h1, d, w, 1e-6, delta_weight=dw, lora_delta=lo, backend=backend)
+        b = fused.add_rms_norm(h2, d + lo, w, 1e-6, delta_weight=dw, backend=backend)
+        assert torch.equal(a, b) and torch.equal(h1, h2) and torch.equal(d, d0)
+        assert not torch.equal(a, fused.add_rms_norm(h.clone(), d, w, 1e-6, delta_weight=dw, backend=backend))
+    # RoPE + KV write (queries, keys and values all take their part of the delta)
+    H, Hkv, D = 4, 2, 16
+    (qkv, cos, sin, pos, slots, kc, vc), _ = _rope_case(T, H, Hkv, D, dtype, seed=4)
+    lo = torch.randn(qkv.shape, generator=g).to(dtype)
+    qkv0, kc2, vc2 = qkv.clone(), kc.clone(), vc.clone()
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=D, backend=backend)
+    q1 = fused.rope_write_kv(qkv, cos, sin, pos, slots, kc, vc, lora_delta=lo, **kw)
+    q2 = fused.rope_write_kv(qkv + lo, cos, sin, pos, slots, kc2, vc2, **kw)
+    assert torch.equal(q1, q2) and torch.equal(qkv, qkv0)
+    assert torch.equal(kc.nan_to_num(), kc2.nan_to_num()) and torch.equal(vc.nan_to_num(), vc2.nan_to_num())
+    assert torch.equal(vc.view(-1, Hkv, D)[slots], (qkv + lo)[:, (H + Hkv) * D:].reshape(T, Hkv, D))
+    # the gated activations
+    gu, lo = (torch.randn(2, T, 2 * inter, generator=g) * 2).to(dtype)
+    for op in (fused.silu_mul, fused.gelu_tanh_mul):
+        assert torch.equal(op(gu, lora_delta=lo, backend=backend), op(gu + lo, backend=backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lora_delta_of_the_wrong_shape_or_dtype_is_refused(backend):
+    T, N = 2, 32
+    h, d = torch.randn(2, T, N)
+    w = torch.ones(N)
+    cases = [(lambda lo: fused.add_rms_norm(h.clone(), d, w, 1e-6, lora_delta=lo, backend=backend), (T, 2 * N)),
+             (lambda lo: fused.silu_mul(torch.randn(T, 2 * N), lora_delta=lo, backend=backend), (T, N))]
+    for call, bad_shape in cases:
+        with pytest.raises((ValueError, RuntimeError)):
+            call(torch.randn(bad_shape))
+    if backend == "triton":  # the Triton launchers name the argument
+        with pytest.raises(ValueError, match="lora_delta: expected"):
+            fused.add_rms_norm(h.clone(), d, w, 1e-6, lora_delta=torch.randn(T, 2 * N), backend=backend)
+        with pytest.raises(ValueError, match="lora_delta: expected dtype"):
+            fused.silu_mul(torch.randn(T, 2 * N), lora_delta=torch.randn(T, 2 * N).half(), backend=backend)

@@ -204,8 +204,11 @@ def test_peft_adapter_targets(peft_setup):
     assert len(al.modules) == 3 * 7 and al.modules[(1, "v_proj")].rank == 5
 
 
-def test_peft_adapters_mixed_batch_logits(peft_setup):
+@pytest.mark.parametrize("deferred", [False, True], ids=["lora-in-place", "lora-deferred"])
+def test_peft_adapters_mixed_batch_logits(peft_setup, deferred, monkeypatch):
     model, engine, _ = peft_setup
+    if deferred:  # each projection's LoRA into its own buffer, added by the op after it (the GPU's decode path)
+        monkeypatch.setattr(engine.model, "lora_side_max_tokens", 1 << 30)
     rows = _batch_rows()
     ours = engine.logits(rows, adapters=[a for a, _ in BATCH])
     for i, ((a, _), r) in enumerate(zip(BATCH, rows)):
@@ -218,8 +221,11 @@ def test_peft_adapters_mixed_batch_logits(peft_setup):
     assert rel_err(ours[1], alone[0]) < REL_TOL and rel_err(ours[4], alone[1]) < REL_TOL
 
 
-def test_peft_adapters_greedy_generate(peft_setup):
+@pytest.mark.parametrize("deferred", [False, True], ids=["lora-in-place", "lora-deferred"])
+def test_peft_adapters_greedy_generate(peft_setup, deferred, monkeypatch):
     model, engine, _ = peft_setup
+    if deferred:  # each projection's LoRA into its own buffer, added by the op after it (the GPU's decode path)
+        monkeypatch.setattr(engine.model, "lora_side_max_tokens", 1 << 30)
     rows = _batch_rows(seed=6)
     outs = engine.generate(rows, adapters=[a for a, _ in BATCH],
                            sampling=SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True))
@@ -431,11 +437,16 @@ def ptx(fn, ptrs, consts, floats, opts):
 
 bf = "*bf16"
 out = {}
-ptrs = {p: bf for p in ("x_ptr", "d_ptr", "w_ptr", "dw_ptr", "out_ptr")}
-out["rms_norm"] = len(ptx(tf._rms_norm_kernel, ptrs, dict(HAS_DELTA=True, DELTA_NORM=True, UNIT_OFFSET=True,
-                                                       BLOCK=4096), {"eps"}, {"num_warps": 8}))
-out["gelu_tanh_mul"] = len(ptx(tf._glu_kernel, {"gu_ptr": bf, "out_ptr": bf}, dict(GELU_TANH=True, BLOCK=1024),
-                               set(), {"num_warps": 4}))
+ptrs = {p: bf for p in ("x_ptr", "d_ptr", "l_ptr", "w_ptr", "dw_ptr", "out_ptr")}
+out["rms_norm"] = len(ptx(tf._rms_norm_kernel, ptrs, dict(HAS_DELTA=True, HAS_LORA=True, DELTA_NORM=True,
+                                                       UNIT_OFFSET=True, BLOCK=4096), {"eps"}, {"num_warps": 8}))
+out["gelu_tanh_mul"] = len(ptx(tf._glu_kernel, {"gu_ptr": bf, "l_ptr": bf, "out_ptr": bf},
+                               dict(GELU_TANH=True, HAS_LORA=True, BLOCK=1024), set(), {"num_warps": 4}))
+ptrs = {p: bf for p in ("qkv_ptr", "l_ptr", "q_ptr", "kc_ptr", "vc_ptr", "qn_ptr", "kn_ptr")}
+ptrs |= {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64"}
+out["rope_kv/lora"] = len(ptx(tf._rope_kv_kernel, ptrs, dict(H=8, HKV=4, HEAD_DIM=256, HALF=128, BLOCK_H=8,
+                                                             BLOCK_HKV=4, BLOCK_HALF=128, HAS_NORM=False,
+                                                             HAS_LORA=True), {"eps"}, {"num_warps": 4}))
 ptrs = {p: bf for p in ("out_ptr", "q_ptr", "k_ptr", "v_ptr")} | {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
 ptrs |= {p: "*i32" for p in ("bt_ptr", "seq_lens_ptr", "qsl_ptr", "tiles_ptr")}
 for decode in (True,):  # Gemma 2 2B / 9B: head_dim 256, 2 query heads per KV head (prefill: the same code, slower)
@@ -454,7 +465,7 @@ print(json.dumps(out))
 def test_gemma2_kernels_compile_for_sm90():
     """The interpreter runs Python the compiler refuses (it once took a ``dict()`` in the attention kernel), so the
     Gemma 2 variants are compiled for an H100/H200 (sm_90; Triton's wheel carries ptxas) here: the fused norm with a
-    normed delta and ``1 + w``, GELU_tanh * up, and the decode attention kernel with and without its ``SOFTCAP``
+    normed delta, ``1 + w`` and the LoRA delta's add, GELU_tanh * up and RoPE + KV write with it, and the decode attention kernel with and without its ``SOFTCAP``
     branch at head_dim 256 (the branch adds the exponentials of its tanh; the prefill variant runs the same
     ``_attend_range`` code and takes longer to compile, so it is left to the GPU tests)."""
     import json
@@ -468,5 +479,5 @@ def test_gemma2_kernels_compile_for_sm90():
         pytest.skip(f"no ptxas for sm_90 here: {p.stderr[-300:]}")
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["rms_norm"] > 0 and out["gelu_tanh_mul"] > 0
+    assert out["rms_norm"] > 0 and out["gelu_tanh_mul"] > 0 and out["rope_kv/lora"] > 0
     assert out["attention/decode/softcap=True"] > out["attention/decode/softcap=False"] > 0, out
