@@ -98,6 +98,12 @@ class EngineConfig:
         lora_backend: "torch", "triton" or None (triton on CUDA when available).
         attention_backend: the paged-attention backend, "torch", "triton" or None (triton on CUDA when
             available; ``multilora.kernels.attention``).
+        lora_side_stream_max_tokens: steps of at most this many tokens compute each projection's LoRA on a side
+            CUDA stream while the base GEMM runs, into a buffer the op after the projection adds (RoPE + KV write,
+            the residual add + RMSNorm, the gated activation), so at decode LoRA costs little time of its own
+            (``runtime.model.LORA_SIDE_MAX_TOKENS``, measured in ``bench/bench_lora_overlap.py``); 0 = LoRA added in
+            place after each GEMM. None: 64 on CUDA, 0 elsewhere (off the GPU a value > 0 runs the same deferred
+            adds on the one stream).
         cuda_graphs: replay decode steps from CUDA graphs, one per batch-size bucket
             (``multilora.runtime.cuda_graphs``); used on CUDA when both backends are Triton, ignored elsewhere.
         adapter_pool_share: share of the memory budget for the adapter pool, in (0, 1) (None: the memory
@@ -146,6 +152,9 @@ class EngineConfig:
     max_waiting_requests: int = _opt(16384, "most requests waiting at once (more: an 'overloaded' error)")
     lora_backend: str | None = _opt(None, "LoRA kernels (default: triton on CUDA)", choices=_BACKENDS)
     attention_backend: str | None = _opt(None, "paged attention (default: triton on CUDA)", choices=_BACKENDS)
+    lora_side_stream_max_tokens: int | None = _opt(None, "steps of at most this many tokens run LoRA on a side CUDA "
+                                                         "stream beside the base GEMMs (default: 64 on CUDA; 0: off)",
+                                                   kind=int)
     cuda_graphs: bool = _opt(True, "run decode steps eagerly (no CUDA graphs)")
     adapter_pool_share: float | None = _opt(None, "share of the memory budget for the adapter pool (default: the "
                                                   "memory plan's, 0.1)", kind=float)
@@ -163,7 +172,7 @@ class EngineConfig:
         for name in ("starvation_patience", "prefetch_adapters"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise fail(name, "an int >= 0")
-        for name in ("adapter_pool_bytes", "kv_cache_bytes", "host_adapter_bytes"):
+        for name in ("adapter_pool_bytes", "kv_cache_bytes", "host_adapter_bytes", "lora_side_stream_max_tokens"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):
                 raise fail(name, "None or an int >= 0 (bytes)")

@@ -91,6 +91,12 @@ class DecodeGraphs:
             logits = self._forward(plan)
         return graph, logits
 
+    def reset(self) -> None:
+        """Drop every captured graph (they are captured again on next use): after a change of something capture
+        bakes in, such as ``DecoderModel.lora_side_max_tokens``."""
+        self._graphs.clear()
+        self._pool = None  # the old pool goes with its last graph; capturing into its handle again would fail
+
     @property
     def captured(self) -> list[Hashable]:
         """The keys (bucket, lora) that have a graph (or, with ``capture=False``, a plan)."""

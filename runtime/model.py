@@ -45,6 +45,13 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 
+#: The largest step (tokens) whose LoRA runs on a side stream beside the base GEMMs, its output added by the op after
+#: each projection (``DecoderModel.lora_side_max_tokens``). One Llama-3-8B layer, seven projections, rank 16, CUDA
+#: graph, H200 (``bench/bench_lora_overlap.py``, bench/results/overlap/): LoRA adds 41.5 -> 13.2 us at 1 token, 56.8 ->
+#: 45.6 at 8, 91.2 -> 80.1 at 64 distinct adapters, but 212 -> 235 us at 256, where the LoRA kernels and the GEMM
+#: compete for the same bandwidth.
+LORA_SIDE_MAX_TOKENS = 64
+
 
 # ----------------------------------------------------------------------------------------- RoPE
 def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None, *, long: bool = False) -> torch.Tensor:
@@ -126,10 +133,12 @@ class DecoderModel:
         fp8_method: the fp8 GEMM (``multilora.kernels.fp8.fp8_linear``'s ``method``; None = by rows and device).
         tp_group: None, or a tensor-parallel rank's group (``runtime.parallel.TPGroup``): ``config`` and ``weights``
             are then that rank's shard, and the outputs of o and down (partial sums, LoRA included) are all-reduced.
+        lora_side_max_tokens: ``self.lora_side_max_tokens`` (None: ``LORA_SIDE_MAX_TOKENS`` on CUDA, 0 elsewhere).
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device, dtype: torch.dtype,
-                 weight_dtype: str | None = None, fp8_method: str | None = None, tp_group: Any = None):
+                 weight_dtype: str | None = None, fp8_method: str | None = None, tp_group: Any = None,
+                 lora_side_max_tokens: int | None = None):
         if weight_dtype not in (None, "fp8"):
             raise ValueError(f"DecoderModel: weight_dtype must be None or 'fp8', got {weight_dtype!r}")
         self.config = config
@@ -202,6 +211,13 @@ class DecoderModel:
         self.rope_cos = self.rope_sin = torch.empty(0, config.head_dim, dtype=torch.float32, device=device)
         self.ensure_rope_positions(256)
         self._lora: list[dict[str, LoRASlices]] | None = None
+        #: steps of at most this many tokens compute each projection's LoRA into its own buffer, on a side CUDA
+        #: stream concurrent with the base GEMM, and the op after the projection adds it (0: LoRA in place, after
+        #: the GEMM). Off the GPU the deferred path runs on the one stream (tests set it to exercise the adds).
+        if lora_side_max_tokens is None:
+            lora_side_max_tokens = LORA_SIDE_MAX_TOKENS if torch.device(device).type == "cuda" else 0
+        self.lora_side_max_tokens = lora_side_max_tokens
+        self._side: torch.cuda.Stream | None = None
 
     def ensure_rope_positions(self, n: int) -> None:
         """Grow the RoPE tables ``rope_cos``/``rope_sin`` (float32 [n_positions, head_dim], on the model's
@@ -281,18 +297,42 @@ class DecoderModel:
                        for name, modules in FUSED_MODULES.items()} for i in range(self.config.num_layers)]
 
     # ------------------------------------------------------------------------------ forward
-    def _linear(self, x: torch.Tensor, layer: int, name: str, plan: "StepPlan", lora_backend: str | None) -> torch.Tensor:
-        """``x W^T (+ b)`` of a fused projection, then its LoRA. The bias is the GEMM's own epilogue (addmm: one
-        launch, graph-safe), added before the LoRA delta as peft does (``base_layer(x) + lora``); fp8 weights go
-        through ``fp8_linear`` (its bias in the GEMM's epilogue where it can be)."""
+    def _linear(self, x: torch.Tensor, layer: int, name: str, plan: "StepPlan", lora_backend: str | None, *,
+                defer: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x W^T (+ b)`` of a fused projection and its LoRA; returns ``(y, lora_delta)``.
+
+        The bias is the GEMM's own epilogue (addmm: one launch, graph-safe), added before the LoRA delta as peft
+        does (``base_layer(x) + lora``); fp8 weights go through ``fp8_linear`` (its bias in the GEMM's epilogue
+        where it can be). Without ``defer`` the LoRA is added to ``y`` in place after the GEMM and ``lora_delta``
+        is None. With ``defer`` (and LoRA in the step) it goes into a zeroed ``lora_delta`` [T, d_out] instead,
+        computed on the side stream while the GEMM runs (on CUDA; the main stream waits for it before returning),
+        for the following op to add: at decode the two small LoRA launches then cost no time of their own
+        (``bench/bench_lora_overlap.py``)."""
         w, b = self.layers[layer][name], self.layers[layer].get(name + "_bias")
+        slices = self._lora[layer][name] if plan.lora.has_lora and self._lora is not None else None
+        delta = side = None
+        if slices is not None and defer:
+            delta = torch.empty(x.shape[0], slices.d_out, dtype=x.dtype, device=x.device)  # on the main stream
+            if x.device.type == "cuda":
+                if self._side is None:
+                    self._side = torch.cuda.Stream(x.device)
+                side, main = self._side, torch.cuda.current_stream(x.device)
+                side.wait_stream(main)  # x (and delta's block) are ready
+                with torch.cuda.stream(side):
+                    delta.zero_()
+                    lora_apply(delta, x, slices, plan.lora, backend=lora_backend)
+            else:
+                delta.zero_()
+                lora_apply(delta, x, slices, plan.lora, backend=lora_backend)
         if isinstance(w, Fp8Weight):
             y = fp8_linear(x, w, b, method=self.fp8_method)
         else:
             y = x @ w.t() if b is None else torch.addmm(b, x, w.t())
-        if plan.lora.has_lora and self._lora is not None:
-            lora_apply(y, x, self._lora[layer][name], plan.lora, backend=lora_backend)
-        return y
+        if side is not None:
+            main.wait_stream(side)  # before anything reads delta or frees x
+        elif slices is not None and delta is None:
+            lora_apply(y, x, slices, plan.lora, backend=lora_backend)
+        return y, delta
 
     def forward(self, plan: "StepPlan", kv: PagedKVCache, *, lora_backend: str | None = None,
                 attention_backend: str | None = None, ops_backend: str | None = None) -> torch.Tensor:
@@ -311,27 +351,30 @@ class DecoderModel:
         T = h.shape[0]
         x = rms_norm(h, self.layers[0]["in_norm"], eps, unit_offset=offset, backend=ops_backend)
         rope_rows = self._rope_rows(plan)  # [T]: the positions, unless longrope picks long-factor rows
+        defer = T <= self.lora_side_max_tokens
+        defer_row = defer and self.tp_group is None  # row-parallel o / down: LoRA in place, inside the all-reduce
         for i, layer in enumerate(self.layers):
-            qkv = self._linear(x, i, "qkv", plan, lora_backend)  # [T, q + 2 kv]
+            qkv, lq = self._linear(x, i, "qkv", plan, lora_backend, defer=defer)  # [T, q + 2 kv]
             k_cache, v_cache = kv.layer(i)  # [num_blocks, block_size, Hkv, D]
             q = rope_write_kv(qkv, self.rope_cos, self.rope_sin, rope_rows, plan.attn.slot_mapping, k_cache,
                               v_cache, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                               q_norm=layer.get("q_norm"), k_norm=layer.get("k_norm"), norm_eps=c.rms_norm_eps,
-                              backend=ops_backend)  # [T, H, D]
+                              lora_delta=lq, backend=ops_backend)  # [T, H, D]
             attn = paged_attention(q, k_cache, v_cache, plan.attn, scale=c.attn_scale, sliding_window=c.window(i),
                                    softcap=softcap, backend=attention_backend)
-            o = self._linear(attn.reshape(T, c.q_size), i, "o", plan, lora_backend)
+            o, lo = self._linear(attn.reshape(T, c.q_size), i, "o", plan, lora_backend, defer=defer_row)
             if self.tp_group is not None:
                 self.tp_group.all_reduce(o)  # row-parallel: the ranks' partial sums (base + LoRA), before any norm
             x = add_rms_norm(h, o, layer["post_norm"], eps, delta_weight=layer.get("attn_out_norm"),
-                             unit_offset=offset, backend=ops_backend)
-            gu = self._linear(x, i, "gate_up", plan, lora_backend)  # [T, 2 * inter]
-            d = self._linear(self._act(gu, backend=ops_backend), i, "down", plan, lora_backend)
+                             unit_offset=offset, lora_delta=lo, backend=ops_backend)
+            gu, lg = self._linear(x, i, "gate_up", plan, lora_backend, defer=defer)  # [T, 2 * inter]
+            d, ld = self._linear(self._act(gu, lora_delta=lg, backend=ops_backend), i, "down", plan, lora_backend,
+                                 defer=defer_row)
             if self.tp_group is not None:
                 self.tp_group.all_reduce(d)
             nxt = self.layers[i + 1]["in_norm"] if i + 1 < len(self.layers) else self.norm
             x = add_rms_norm(h, d, nxt, eps, delta_weight=layer.get("mlp_out_norm"), unit_offset=offset,
-                             backend=ops_backend)
+                             lora_delta=ld, backend=ops_backend)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -126,6 +126,28 @@ def test_graph_replay_path_equals_eager(tmp_path, chunked):
     assert e.kv.num_free_blocks == e.kv.num_usable_blocks
 
 
+def test_graphs_reset_captures_again_with_the_deferred_lora_path(tmp_path):
+    """``DecodeGraphs.reset`` drops every graph; the next steps capture again, here with the model switched to the
+    deferred LoRA adds (the GPU's side-stream path, on one stream here), and generate what eager decode does."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU check under the Triton interpreter (the GPU runs real graphs: test_engine_gpu.py)")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, CFG.vocab_size, (int(n),), generator=g).tolist() for n in (6, 3, 9)]
+    adapters = ["a0", "a2", None]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in (5, 3, 4)]
+    want = [o.token_ids for o in _engine(tmp_path / "eager", graphs=False).generate(prompts, adapters=adapters,
+                                                                                    sampling=params)]
+    e = _replay_engine(tmp_path / "replay")
+    assert [o.token_ids for o in e.generate(prompts, adapters=adapters, sampling=params)] == want
+    assert e.graphs.captured
+    e.model.lora_side_max_tokens = 1 << 20
+    e.graphs.reset()
+    assert e.graphs.captured == []
+    assert [o.token_ids for o in e.generate(prompts, adapters=adapters, sampling=params)] == want
+    assert any(lora for _, lora in e.graphs.captured)
+
+
 def test_graph_replay_logits_and_staging(tmp_path):
     """One replayed step against the eager forward on the same KV state, then the staged buffers: padding rows
     (token 0, position 0, KV slot 0, context 1, no adapter, a zero block table) and the chunk field."""

@@ -166,8 +166,11 @@ def _batch_rows(seed=5):
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for _, n in BATCH]
 
 
-def test_peft_adapters_mixed_batch_logits(peft_setup):
+@pytest.mark.parametrize("deferred", [False, True], ids=["lora-in-place", "lora-deferred"])
+def test_peft_adapters_mixed_batch_logits(peft_setup, deferred, monkeypatch):
     name, model, engine = peft_setup
+    if deferred:  # each projection's LoRA into its own buffer, added by the op after it (the GPU's decode path)
+        monkeypatch.setattr(engine.model, "lora_side_max_tokens", 1 << 30)
     rows = _batch_rows()
     ours = engine.logits(rows, adapters=[a for a, _ in BATCH])
     for i, ((a, _), r) in enumerate(zip(BATCH, rows)):
@@ -180,8 +183,11 @@ def test_peft_adapters_mixed_batch_logits(peft_setup):
     assert rel_err(ours[1], alone[0]) < REL_TOL and rel_err(ours[4], alone[1]) < REL_TOL
 
 
-def test_peft_adapters_greedy_generate(peft_setup):
+@pytest.mark.parametrize("deferred", [False, True], ids=["lora-in-place", "lora-deferred"])
+def test_peft_adapters_greedy_generate(peft_setup, deferred, monkeypatch):
     name, model, engine = peft_setup
+    if deferred:  # each projection's LoRA into its own buffer, added by the op after it (the GPU's decode path)
+        monkeypatch.setattr(engine.model, "lora_side_max_tokens", 1 << 30)
     rows = _batch_rows(seed=6)
     outs = engine.generate(rows, adapters=[a for a, _ in BATCH],
                            sampling=SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True))

@@ -133,9 +133,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_tp_engine_equals_one_process(size, adapter_paths, reference):
-    with Engine(CFG, tensor_parallel_size=size, **KW) as e:
+@pytest.mark.parametrize("size,side", [(2, 0), (4, 0), (2, 1 << 20)], ids=["2", "4", "2-lora-deferred"])
+def test_tp_engine_equals_one_process(size, side, adapter_paths, reference):
+    """``side``: ``lora_side_stream_max_tokens`` (the GPU's decode path: q/k/v and gate/up LoRA added by the op after
+    the projection; the row-parallel o and down keep theirs inside the all-reduce)."""
+    with Engine(CFG, tensor_parallel_size=size, lora_side_stream_max_tokens=side, **KW) as e:
+        assert e.model.lora_side_max_tokens == side
         pids = [p.pid for p in e.tp.procs]
         assert len(pids) == size - 1 and all(_alive(p) for p in pids)
         assert e.stats()["tensor_parallel_size"] == size
