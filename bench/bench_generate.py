@@ -5,6 +5,8 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
 
     multilora       this engine, no adapters
     multilora-lora  this engine, request i on adapter a<i> (rank r, all seven projections): b distinct adapters
+    multilora-lora-inplace  the same engine and adapters with ``lora_side_stream_max_tokens = 0``: each LoRA added
+                    in place after its GEMM instead of beside it on a side stream (issue 12: before / after)
     multilora-fp8, multilora-fp8-lora   the same two with Engine(weight_dtype="fp8") (issue 16; not in the default
                     --providers: ask for them)
     hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
@@ -64,8 +66,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-fp8", "multilora-fp8-lora", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-fp8", "multilora-fp8-lora", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -235,7 +237,8 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     names = [f"a{i}" for i in range(max(batches))]
     failed: dict[str, str] = {}  # variant -> why its rows cannot run
     engine, info = None, {}
-    lora_variant = next((v for v in variants if v.endswith("-lora")), None)
+    lora_variants = [v for v in variants if "-lora" in v]
+    lora_variant = lora_variants[0] if lora_variants else None
     try:
         engine = build_engine(run, lora=lora_variant is not None, fp8=variants[0].startswith("multilora-fp8"))
         st = engine.stats()
@@ -251,14 +254,23 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             warm_up_engine(engine, run.prompts, names)
         except Exception as e:  # the no-adapter rows can still run
             traceback.print_exc()
-            failed[lora_variant] = f"adapter setup failed: {type(e).__name__}: {e}"[:2000]
+            failed.update({v: f"adapter setup failed: {type(e).__name__}: {e}"[:2000] for v in lora_variants})
+    side_default = engine.model.lora_side_max_tokens if engine is not None else 0
     for v in variants:
         if v in failed:
             run.skip(v, batches, a.gen, failed[v], status="error")
             continue
+        side = 0 if v.endswith("-inplace") else side_default
+        if engine.model.lora_side_max_tokens != side:  # captured graphs bake the choice in: capture again
+            engine.model.lora_side_max_tokens = side
+            if engine.graphs is not None:
+                engine.graphs.reset()
+                warm_up_engine(engine, run.prompts, names)
+        row_info = {**info, "lora_side_stream_max_tokens": side}
         for b in batches:
-            adapters = names[:b] if v.endswith("-lora") else None
-            run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters: multilora_row(run, engine, v, b, adapters, info))
+            adapters = names[:b] if "-lora" in v else None
+            run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
+                                                                                               adapters, ri))
     engine = None  # free it before the caller goes on (in-process runs)
     free_memory()
     if run.device.type == "cuda":  # the engine capped this process's allocator from its memory plan
@@ -306,6 +318,13 @@ def warm_up_engine(engine: Engine, prompts: list[list[int]], names: list[str] | 
     small = min(n, 8 if names is not None else 2)
     engine.generate(prompts[:small], adapters=names[:small] if names else None, sampling=sp(4))
     engine.generate([p[:8] for p in prompts[:n]], adapters=names, sampling=sp(2))
+    # every decode-graph bucket up to n: with chunked prefill a batch's requests start (and end) decoding a few
+    # steps apart, so a timed run passes through smaller batch sizes, whose graphs would otherwise be captured
+    # inside it (H200: +0.9 s in a 64-request run)
+    graphs = getattr(engine, "graphs", None)
+    for bk in (graphs.buckets if graphs is not None else []):
+        if bk < n:
+            engine.generate([p[:8] for p in prompts[:bk]], adapters=names[:bk] if names else None, sampling=sp(2))
 
 
 def multilora_row(run: Run, engine: Engine, provider: str, b: int, names: list[str] | None, info: dict) -> dict:
@@ -522,6 +541,17 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                 verdict(x or None, 3),
                 f"{x:.3g}x output tokens/s ({lo['output_tokens_per_s']:.0f} vs {hf['output_tokens_per_s']:.0f}); "
                 f"decode tokens/s {lo['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.3g}x" if x else "a row is missing"))
+    base_rows = {b: ok.get(("multilora", b)) for b in (1, TARGET_BATCH)}
+    for v in ("multilora-lora", "multilora-lora-inplace"):  # issue 12: what adapters cost over the base model
+        for b, what, key, need in ((1, "TPOT", "tpot_ms", 1.05), (TARGET_BATCH, "TPOT", "tpot_ms", 1.30),
+                                   (TARGET_BATCH, "TTFT", "ttft_s", 1.10)):
+            lo, hi = base_rows.get(b), ok.get((v, b))
+            if hi is None:
+                continue
+            x = lo and lo.get(key) and hi.get(key) and hi[key] / lo[key]
+            out.append((f"{v} batch {b} on {b} adapters: {what} <= {need}x multilora's",
+                        "not measured" if not x else ("met" if x <= need else "missed"),
+                        f"{x:.3g}x ({hi[key]:.4g} vs {lo[key]:.4g})" if x else "a row is missing"))
     for b, need in ((1, 1.7), (TARGET_BATCH, 1.3)):  # issue 16: fp8 base weights against bf16, decode tokens/s
         for base, fp8 in (("multilora", "multilora-fp8"), ("multilora-lora", "multilora-fp8-lora")):
             lo, hi = ok.get((base, b)), ok.get((fp8, b))

@@ -213,13 +213,25 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _split_k(device: torch.device, programs: int, d_in: int, block_k: int) -> int:
+#: Few-token steps (at most this many tokens) from a pool of rank >= ``WIDE_RANK`` take the wide-rank tiles:
+#: split-K at most 16 (expand sums every split's partial for each of its rank tiles: 32 splits x 4 tiles at r = 64)
+#: and 2-warp expand programs. H200, rank-64 adapters, one group (``bench/bench_lora_overlap.py`` sweep, results in
+#: bench/results/overlap/): q/k/v 1 token 24.3 -> 11.7 us, 8 tokens 39.1 -> 18.9; gate/up 22.0 -> 11.7 and
+#: 40.2 -> 25.1; down 25.2 -> 17.2 and 41.2 -> 24.7.
+WIDE_RANK, WIDE_RANK_MAX_TOKENS = 64, 16
+
+
+def _wide(T: int, rmax: int) -> bool:
+    return rmax >= WIDE_RANK and T <= WIDE_RANK_MAX_TOKENS
+
+
+def _split_k(device: torch.device, programs: int, d_in: int, block_k: int, max_split: int = 32) -> int:
     """Split the shrink's K loop when too few programs would fill the GPU (decode). Depends on sizes only."""
     if device.type != "cuda":
         return 1
     want = 4 * _num_sms(device.index or 0)  # 4 programs per SM: best of 1x/2x/4x in the H200 sweep
     split = 1
-    while split * programs < want and d_in >= 2 * split * block_k and split < 32:
+    while split * programs < want and d_in >= 2 * split * block_k and split < max_split:
         split *= 2
     return split
 
@@ -269,7 +281,7 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
         # measured on an H200 (bench/tune_lora_kernels.py): 128 for decode-sized batches, 256 for prefill
         block_k = 64 if x.device.type == "cpu" else 128 if x.dtype == torch.float32 or T <= 512 else 256
     block_k = min(block_k, max(16, triton.next_power_of_2(d_in)))
-    split = split_k or _split_k(x.device, chunks * S, d_in, block_k)
+    split = split_k or _split_k(x.device, chunks * S, d_in, block_k, 16 if _wide(T, rmax) else 32)
     k_per = triton.cdiv(triton.cdiv(d_in, split), block_k) * block_k
     v_out = torch.empty(split, S, T, rmax, dtype=torch.float32, device=x.device)
     extra = {} if num_stages is None else {"num_stages": num_stages}
@@ -284,8 +296,10 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
 
 
 def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_n: int | None = None,
-            num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     split, S, T, rmax = v.shape
+    if num_warps is None:
+        num_warps = 2 if y.device.type == "cuda" and _wide(T, rmax) else 4
     if block_n is None:
         # measured on an H200: 256-wide tiles for decode (fewer, larger B reads), 128 for prefill
         block_n = 64 if y.device.type == "cpu" else 256 if T <= 512 else 128
@@ -328,7 +342,7 @@ def sgmv_shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k:
 
 
 def sgmv_expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_n: int | None = None,
-                num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+                num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Expand: ``y[t, c_i + n] += scalings_i[s] * sum_sp v[sp, i, t, :r] @ B_i[s].T[:r, n]`` in place.
 
     Args:

@@ -1,0 +1,207 @@
+"""Where the LoRA time of a decode layer goes, and whether a side stream hides it (issue 12, H200).
+
+One Llama-3-8B layer's seven projections (4 fused GEMMs: q/k/v, o, gate/up, down) with LoRA on all of them,
+captured in one CUDA graph, in four schedules:
+
+  base           the 4 GEMMs alone
+  serial         GEMM, then shrink + expand in place (the engine before this bench)
+  side_shrink    the shrink on a side stream, concurrent with the GEMM; expand in place after the join
+  side_all       zero a delta buffer + shrink + expand into it on a side stream, concurrent with the GEMM; join
+                 (the delta would be added by the op that follows the projection: RoPE + KV write, the residual
+                 add + RMSNorm, SiLU * up, so no launch on the main stream)
+  side_all_add   side_all plus an explicit ``y += delta`` (what it costs when the following op cannot take it)
+
+and, for rank 64 at few tokens, a tile sweep of the shrink's split-K and the expand's ``block_n`` / warps.
+
+Usage: python bench/bench_lora_overlap.py --out bench/results/overlap      (~2 min on an H200)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from bench_lora_kernels import GROUPS, LAYER_8B, assign, environment, group_config, time_ms  # noqa: E402
+
+
+def synthetic_pool(d_in, d_outs, n_adapters, rank, pool_rank=None):
+    """``bench_lora_kernels.synthetic_pool`` with the pool's ``max_rank`` (the kernels' RMAX, which picks their
+    tiles) set apart from the adapters' rank: ``pool_rank`` (default: ``rank``)."""
+    from multilora.config import MODULE_INDEX
+    from multilora.kernels import lora_slices
+    from multilora.memory.pool import PAGE_ELEMS, AdapterPool, image_layout
+
+    cfg, modules = group_config(d_in, d_outs)
+    rel, pages = image_layout(cfg, {(0, m): rank for m in modules})
+    pool = AdapterPool(cfg, num_bytes=n_adapters * pages * PAGE_ELEMS * 2, max_rank=pool_rank or rank,
+                       max_slots=n_adapters, dtype=torch.bfloat16, device="cuda")
+    pool.buffer.normal_(0, 0.02)
+    base = torch.randperm(n_adapters, dtype=torch.int64) * pages * PAGE_ELEMS
+    for m in modules:
+        mi = MODULE_INDEX[m]
+        off_a = base + rel[(0, m)]
+        pool.offsets_a[0, mi] = off_a.to(pool.device)
+        pool.offsets_b[0, mi] = (off_a + rank * cfg.module_shape(m)[0]).to(pool.device)
+        pool.ranks[0, mi] = rank
+        pool.scalings[0, mi] = 2.0
+    return pool, lora_slices([pool.module_view(0, m) for m in modules])
+
+
+def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None):
+    from multilora.kernels import build_lora_plan
+    from multilora.kernels.triton_sgmv import _expand, _shrink
+
+    gen = torch.Generator().manual_seed(T * 7 + rank)
+    parts = []
+    for g in LAYER_8B:
+        d_in, d_outs = GROUPS[g]
+        pool, slices = synthetic_pool(d_in, d_outs, K * n, rank, pool_rank)
+        ws = [torch.randn(sum(d_outs), d_in, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(K)]
+        xs = [torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
+        ys = [torch.empty(T, sum(d_outs), device="cuda", dtype=torch.bfloat16) for _ in range(K)]
+        ds = [torch.empty(T, sum(d_outs), device="cuda", dtype=torch.bfloat16) for _ in range(K)]
+        parts.append((pool, slices, ws, xs, ys, ds))
+    plans = [build_lora_plan(assign("uniform", T, n, gen) + k * n, device="cuda") for k in range(K)]
+    side = torch.cuda.Stream()
+
+    def base():
+        for k in range(K):
+            for _, _, ws, xs, ys, _ in parts:
+                torch.matmul(xs[k], ws[k].t(), out=ys[k])
+
+    def serial():
+        for k in range(K):
+            for _, sl, ws, xs, ys, _ in parts:
+                torch.matmul(xs[k], ws[k].t(), out=ys[k])
+                _expand(ys[k], _shrink(xs[k], sl, plans[k]), sl, plans[k])
+
+    def side_shrink():
+        main = torch.cuda.current_stream()
+        for k in range(K):
+            for _, sl, ws, xs, ys, _ in parts:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    v = _shrink(xs[k], sl, plans[k])
+                torch.matmul(xs[k], ws[k].t(), out=ys[k])
+                main.wait_stream(side)
+                _expand(ys[k], v, sl, plans[k])
+
+    def side_all(add=False):
+        main = torch.cuda.current_stream()
+        for k in range(K):
+            for _, sl, ws, xs, ys, ds in parts:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    ds[k].zero_()
+                    _expand(ds[k], _shrink(xs[k], sl, plans[k]), sl, plans[k])
+                torch.matmul(xs[k], ws[k].t(), out=ys[k])
+                main.wait_stream(side)
+                if add:
+                    ys[k].add_(ds[k])
+
+    # correctness of the schedules against serial (same math)
+    serial()
+    ref = [p[4][0].clone() for p in parts]
+    side_all(add=True)
+    err = max(float((p[4][0].float() - r.float()).abs().max() / r.float().abs().max()) for p, r in zip(parts, ref))
+    row = dict(tokens=T, adapters=n, rank=rank, pool_max_rank=pool_rank or rank, sets_per_call=K,
+               side_all_add_vs_serial_max_rel=err)
+    fns = {"base": base, "serial": serial, "side_shrink": side_shrink, "side_all": side_all,
+           "side_all_add": lambda: side_all(True)}
+    from multilora.kernels import triton_sgmv
+
+    wide = triton_sgmv.WIDE_RANK
+    for name in schedules or fns:
+        for tiles in (("new", "old") if name != "base" and (pool_rank or rank) >= wide else ("new",)):
+            triton_sgmv.WIDE_RANK = wide if tiles == "new" else 1 << 30  # "old": the tiles before the wide-rank rule
+            key = name if tiles == "new" else f"{name}_old_tiles"
+            row[f"{key}_us"] = time_ms(fns[name], True) / K * 1e3
+            if name != "base":
+                row[f"{key}_added_us"] = row[f"{key}_us"] - row["base_us"]
+    triton_sgmv.WIDE_RANK = wide
+    del parts
+    torch.cuda.empty_cache()
+    return row
+
+
+def tile_sweep(group, T, n, rank, K=8):
+    from multilora.kernels import build_lora_plan
+    from multilora.kernels.triton_sgmv import _expand, _shrink
+
+    d_in, d_outs = GROUPS[group]
+    pool, sl = synthetic_pool(d_in, d_outs, K * n, rank)
+    gen = torch.Generator().manual_seed(T)
+    plans = [build_lora_plan(assign("uniform", T, n, gen) + k * n, device="cuda") for k in range(K)]
+    xs = [torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
+    ys = [torch.zeros(T, sum(d_outs), device="cuda", dtype=torch.bfloat16) for _ in range(K)]
+    rows = []
+    for split in (None, 4, 8, 16):
+        for block_n in (32, 64, 128, 256):
+            for warps in (2, 4, 8):
+                def fn():
+                    for k in range(K):
+                        _expand(ys[k], _shrink(xs[k], sl, plans[k], split_k=split), sl, plans[k], block_n=block_n,
+                                num_warps=warps)
+                try:
+                    us = time_ms(fn, True) / K * 1e3
+                except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+                    us = None
+                    print(f"  {group} T={T} r={rank} split={split} bn={block_n} w={warps}: {type(e).__name__}")
+                rows.append(dict(group=group, tokens=T, adapters=n, rank=rank, split_k=split, block_n=block_n,
+                                 num_warps=warps, us=us))
+    # the shrink alone at each split, for the share of the time
+    for split in (None, 4, 8, 16, 32):
+        def sh():
+            for k in range(K):
+                _shrink(xs[k], sl, plans[k], split_k=split)
+        rows.append(dict(group=group, tokens=T, adapters=n, rank=rank, split_k=split, shrink_only=True,
+                         us=time_ms(sh, True) / K * 1e3))
+    del pool, sl
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "overlap"))
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--cases", default="all", choices=("all", "wide"),
+                    help="wide: the wide-rank tiles old vs new (rank 16 and 64 adapters, pool of rank 64)")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    res = dict(environment=environment(), layer=[], sweep=[])
+    cases = [(1, 1, 16, None), (8, 8, 16, None), (64, 64, 16, None), (256, 256, 16, None), (1, 1, 64, None),
+             (8, 8, 64, None), (64, 64, 64, None)]
+    if args.cases == "wide":  # the wide-rank tiles, old and new: rank-16 and rank-64 adapters in a rank-64 pool
+        cases = [(1, 1, 16, 64), (8, 8, 16, 64), (64, 64, 16, 64), (1, 1, 64, 64), (8, 8, 64, 64), (16, 16, 64, 64),
+                 (64, 64, 64, 64)]
+    for T, n, rank, pool_rank in cases:
+        row = layer_case(T, n, rank, pool_rank=pool_rank,
+                         schedules=("base", "serial", "side_all") if args.cases == "wide" else None)
+        res["layer"].append(row)
+        print(f"layer T={T:4d} n={n:4d} r={rank:3d} pool r={row['pool_max_rank']}: base {row['base_us']:.1f} us; "
+              "LoRA adds " + ", ".join(f"{k[:-9]} {v:.1f}" for k, v in row.items() if k.endswith("_added_us"))
+              + f" us (err {row['side_all_add_vs_serial_max_rel']:.1e})", flush=True)
+    if not args.no_sweep:
+        for group in ("8b-qkv", "8b-gate_up", "8b-down"):
+            for T in (1, 8):
+                rows = tile_sweep(group, T, T, 64)
+                res["sweep"].extend(rows)
+                best = min((r for r in rows if r.get("us") and not r.get("shrink_only")), key=lambda r: r["us"])
+                default = next(r for r in rows if r["split_k"] is None and r["block_n"] == 256 and r["num_warps"] == 4)
+                print(f"sweep {group} T={T} r=64: default {default['us']:.1f} us, best {best['us']:.1f} us "
+                      f"(split {best['split_k']}, block_n {best['block_n']}, warps {best['num_warps']}); shrink "
+                      + ", ".join(f"{r['split_k']}:{r['us']:.1f}" for r in rows if r.get("shrink_only")), flush=True)
+    with open(os.path.join(args.out, f"lora_overlap{'_wide' if args.cases == 'wide' else ''}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
