@@ -393,7 +393,8 @@ def gather_adapter(view: LoRAModuleView, slot: int) -> tuple[torch.Tensor, torch
 
 def lora_apply_torch(y: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan) -> torch.Tensor:
     """Torch reference of ``lora_apply``: a loop over the distinct slots of the batch (fp32 math), read from
-    ``plan.chunks`` at call time (``LoRAPlan.slot_groups``)."""
+    ``plan.chunks`` at call time (``LoRAPlan.slot_groups``). The LoRA term is rounded to y's dtype before the add,
+    then the sum (peft's ``base_layer(x) + lora_B(lora_A(x)) * scaling``; the Triton kernels round the same way)."""
     if not plan.has_lora:
         return y
     groups = plan.slot_groups()
@@ -407,7 +408,7 @@ def lora_apply_torch(y: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan:
             xs = x.index_select(0, idx).float()  # [n_s, d_in]
             delta = (xs @ a.float().t()) @ bt.float()  # shrink [n_s, r], expand [n_s, d_out]
             delta.mul_(scaling)
-            ys.index_copy_(0, idx, (ys.index_select(0, idx).float() + delta).to(y.dtype))
+            ys.index_copy_(0, idx, (ys.index_select(0, idx).float() + delta.to(y.dtype).float()).to(y.dtype))
         col += v.d_out
     return y
 

@@ -124,11 +124,14 @@ def _shrink_tile(x_rows, a_rows, m_mask, j_mask, k_lo, k_hi, BLOCK_M: tl.constex
 
 @triton.jit
 def _add_scaled(y_ptr, stride_ym, tok, m_mask, n, n_mask, scale, acc):
-    """``y[tok, n] += scale * acc`` in fp32, rounded once to y's dtype; masked rows and columns untouched."""
+    """``y[tok, n] += scale * acc``: the LoRA term rounded to y's dtype, then the sum (as peft's ``base_layer(x) +
+    lora_B(lora_A(x)) * scaling``). A zeroed ``y`` thus holds the rounded term, and a later ``y_base + that`` (the
+    side-stream path of ``runtime.model``, added by the following op) is bit-identical to adding in place here."""
     y_ptrs = y_ptr + tok[:, None] * stride_ym + n[None, :]
     y_mask = m_mask[:, None] & n_mask[None, :]
     y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    tl.store(y_ptrs, (y_old.to(tl.float32) + scale * acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+    dt = y_ptr.dtype.element_ty
+    tl.store(y_ptrs, (y_old.to(tl.float32) + (scale * acc).to(dt).to(tl.float32)).to(dt), mask=y_mask)
 
 
 @triton.jit

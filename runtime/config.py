@@ -102,8 +102,9 @@ class EngineConfig:
             CUDA stream while the base GEMM runs, into a buffer the op after the projection adds (RoPE + KV write,
             the residual add + RMSNorm, the gated activation), so at decode LoRA costs little time of its own
             (``runtime.model.LORA_SIDE_MAX_TOKENS``, measured in ``bench/bench_lora_overlap.py``); 0 = LoRA added in
-            place after each GEMM. None: 64 on CUDA, 0 elsewhere (off the GPU a value > 0 runs the same deferred
-            adds on the one stream).
+            place after each GEMM. None: on CUDA 8 for a pool of rank <= 16 (``max_lora_rank``) and 2 for larger
+            ranks, where the concurrent LoRA kernels slow the GEMMs more than they save; 0 elsewhere (off the GPU a
+            value > 0 runs the same deferred adds on the one stream).
         cuda_graphs: replay decode steps from CUDA graphs, one per batch-size bucket
             (``multilora.runtime.cuda_graphs``); used on CUDA when both backends are Triton, ignored elsewhere.
         adapter_pool_share: share of the memory budget for the adapter pool, in (0, 1) (None: the memory
@@ -153,7 +154,8 @@ class EngineConfig:
     lora_backend: str | None = _opt(None, "LoRA kernels (default: triton on CUDA)", choices=_BACKENDS)
     attention_backend: str | None = _opt(None, "paged attention (default: triton on CUDA)", choices=_BACKENDS)
     lora_side_stream_max_tokens: int | None = _opt(None, "steps of at most this many tokens run LoRA on a side CUDA "
-                                                         "stream beside the base GEMMs (default: 64 on CUDA; 0: off)",
+                                                         "stream beside the base GEMMs (default on CUDA: 8, or 2 when "
+                                                         "--max-lora-rank > 16; 0: off)",
                                                    kind=int)
     cuda_graphs: bool = _opt(True, "run decode steps eagerly (no CUDA graphs)")
     adapter_pool_share: float | None = _opt(None, "share of the memory budget for the adapter pool (default: the "

@@ -49,8 +49,15 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
 #: each projection (``DecoderModel.lora_side_max_tokens``). One Llama-3-8B layer, seven projections, rank 16, CUDA
 #: graph, H200 (``bench/bench_lora_overlap.py``, bench/results/overlap/): LoRA adds 41.5 -> 13.2 us at 1 token, 56.8 ->
 #: 45.6 at 8, 91.2 -> 80.1 at 64 distinct adapters, but 212 -> 235 us at 256, where the LoRA kernels and the GEMM
-#: compete for the same bandwidth.
-LORA_SIDE_MAX_TOKENS = 64
+#: compete for the same bandwidth. The whole engine (``bench/bench_generate.py``, rank-16 adapters, TPOT in place ->
+#: side stream, base model in brackets): batch 1 6.33 -> 5.42 ms (4.97), batch 8 7.22 -> 6.89 (5.24), but batch 64
+#: 11.07 -> 17.41 (7.45), a loss the layer bench does not show (not yet understood), so the default stops at 8 tokens.
+#: That holds for a pool of rank <= ``LORA_SIDE_NARROW_RANK``; from a pool of larger
+#: rank (the kernels' tiles and work grow with it) only steps of at most ``LORA_SIDE_WIDE_MAX_TOKENS`` tokens take the
+#: side stream: rank-64 adapters, same bench, 1 token 70.5 -> 39.8 us, but 8 tokens 85 -> 106 and 64 tokens 237 -> 254
+#: (rank-16 adapters in a rank-64 pool: 1 token 32.3 -> 0 us, 8 tokens 39.4 -> 23.9, 64 tokens 91.0 -> 80.7).
+LORA_SIDE_MAX_TOKENS = 8
+LORA_SIDE_NARROW_RANK, LORA_SIDE_WIDE_MAX_TOKENS = 16, 2
 
 
 # ----------------------------------------------------------------------------------------- RoPE
@@ -133,7 +140,7 @@ class DecoderModel:
         fp8_method: the fp8 GEMM (``multilora.kernels.fp8.fp8_linear``'s ``method``; None = by rows and device).
         tp_group: None, or a tensor-parallel rank's group (``runtime.parallel.TPGroup``): ``config`` and ``weights``
             are then that rank's shard, and the outputs of o and down (partial sums, LoRA included) are all-reduced.
-        lora_side_max_tokens: ``self.lora_side_max_tokens`` (None: ``LORA_SIDE_MAX_TOKENS`` on CUDA, 0 elsewhere).
+        lora_side_max_tokens: ``self.lora_side_max_tokens`` (None: ``lora_side_limit``'s measured default).
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device, dtype: torch.dtype,
@@ -213,11 +220,11 @@ class DecoderModel:
         self._lora: list[dict[str, LoRASlices]] | None = None
         #: steps of at most this many tokens compute each projection's LoRA into its own buffer, on a side CUDA
         #: stream concurrent with the base GEMM, and the op after the projection adds it (0: LoRA in place, after
-        #: the GEMM). Off the GPU the deferred path runs on the one stream (tests set it to exercise the adds).
-        if lora_side_max_tokens is None:
-            lora_side_max_tokens = LORA_SIDE_MAX_TOKENS if torch.device(device).type == "cuda" else 0
+        #: the GEMM; None: ``lora_side_limit``'s measured default). Off the GPU the deferred path runs on the one
+        #: stream (tests set it to exercise the adds).
         self.lora_side_max_tokens = lora_side_max_tokens
         self._side: torch.cuda.Stream | None = None
+        self._pool_max_rank = 0
 
     def ensure_rope_positions(self, n: int) -> None:
         """Grow the RoPE tables ``rope_cos``/``rope_sin`` (float32 [n_positions, head_dim], on the model's
@@ -295,8 +302,19 @@ class DecoderModel:
         table per layer and projection, built once: they never change)."""
         self._lora = [{name: lora_slices([pool.module_view(i, m) for m in modules])
                        for name, modules in FUSED_MODULES.items()} for i in range(self.config.num_layers)]
+        self._pool_max_rank = pool.max_rank
 
     # ------------------------------------------------------------------------------ forward
+    def lora_side_limit(self) -> int:
+        """The largest step (tokens) whose LoRA goes on the side stream: ``lora_side_max_tokens`` when set, else on
+        CUDA ``LORA_SIDE_MAX_TOKENS`` for a pool of rank <= ``LORA_SIDE_NARROW_RANK`` and
+        ``LORA_SIDE_WIDE_MAX_TOKENS`` for larger ranks (the measurements at ``LORA_SIDE_MAX_TOKENS``); 0 elsewhere."""
+        if self.lora_side_max_tokens is not None:
+            return self.lora_side_max_tokens
+        if self.device.type != "cuda":
+            return 0
+        return LORA_SIDE_MAX_TOKENS if self._pool_max_rank <= LORA_SIDE_NARROW_RANK else LORA_SIDE_WIDE_MAX_TOKENS
+
     def _linear(self, x: torch.Tensor, layer: int, name: str, plan: "StepPlan", lora_backend: str | None, *,
                 defer: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x W^T (+ b)`` of a fused projection and its LoRA; returns ``(y, lora_delta)``.
@@ -351,7 +369,7 @@ class DecoderModel:
         T = h.shape[0]
         x = rms_norm(h, self.layers[0]["in_norm"], eps, unit_offset=offset, backend=ops_backend)
         rope_rows = self._rope_rows(plan)  # [T]: the positions, unless longrope picks long-factor rows
-        defer = T <= self.lora_side_max_tokens
+        defer = T <= self.lora_side_limit()
         defer_row = defer and self.tp_group is None  # row-parallel o / down: LoRA in place, inside the all-reduce
         for i, layer in enumerate(self.layers):
             qkv, lq = self._linear(x, i, "qkv", plan, lora_backend, defer=defer)  # [T, q + 2 kv]
