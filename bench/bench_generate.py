@@ -255,7 +255,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         except Exception as e:  # the no-adapter rows can still run
             traceback.print_exc()
             failed.update({v: f"adapter setup failed: {type(e).__name__}: {e}"[:2000] for v in lora_variants})
-    side_default = engine.model.lora_side_max_tokens if engine is not None else 0
+    side_default = engine.model.lora_side_max_tokens if engine is not None else None
     for v in variants:
         if v in failed:
             run.skip(v, batches, a.gen, failed[v], status="error")
@@ -266,7 +266,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             if engine.graphs is not None:
                 engine.graphs.reset()
                 warm_up_engine(engine, run.prompts, names)
-        row_info = {**info, "lora_side_stream_max_tokens": side}
+        row_info = {**info, "lora_side_stream_max_tokens": engine.model.lora_side_limit()}
         for b in batches:
             adapters = names[:b] if "-lora" in v else None
             run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
