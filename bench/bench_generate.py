@@ -284,7 +284,8 @@ def build_engine(run: Run, lora: bool, fp8: bool = False) -> Engine:
     # adapter pool: room for every request's own adapter (a larger share than the default 10% of the budget)
     return Engine(run.config, device=run.device, dtype=run.dtype, progress=False, max_batch_size=maxb,
                   max_seq_len=max_seq, max_lora_rank=a.rank, adapter_slots=maxb if lora else 1,
-                  adapter_pool_share=0.3 if lora else None, weight_dtype="fp8" if fp8 else None)
+                  adapter_pool_share=0.3 if lora else None, weight_dtype="fp8" if fp8 else None,
+                  lora_side_stream_max_tokens=a.lora_side_stream_max_tokens)
 
 
 def load_engine_adapters(engine: Engine, names: list[str], dirs: list[Path], threads: int, rank: int) -> dict:
@@ -665,6 +666,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds from start after which no row starts (recorded as skipped)")
     ap.add_argument("--repeats", type=int, default=1, help="timed (TTFT, T_total) pairs per row; medians are reported")
     ap.add_argument("--seed", type=int, default=0, help="prompt token ids")
+    ap.add_argument("--lora-side-stream-max-tokens", type=int, default=None,
+                    help="Engine(lora_side_stream_max_tokens=...) of the multilora rows (default: the engine's)")
     ap.add_argument("--append", action="store_true",
                     help="keep the rows already in generate_<shape>.json (except those this run redoes) and add this "
                          "run's: for a run split over several calls (the table and plot then cover all rows)")
@@ -688,7 +691,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_group(run: Run, group: str, dirs: list[Path]) -> None:
-    want = [p for p in GROUPS[group] if p in run.args.providers]
+    want = [p for p in run.args.providers if p in GROUPS[group]]  # in the order asked for
     if group in ("multilora", "multilora-fp8"):
         if want:
             bench_multilora(run, want, dirs)

@@ -102,7 +102,7 @@ class EngineConfig:
             CUDA stream while the base GEMM runs, into a buffer the op after the projection adds (RoPE + KV write,
             the residual add + RMSNorm, the gated activation), so at decode LoRA costs little time of its own
             (``runtime.model.LORA_SIDE_MAX_TOKENS``, measured in ``bench/bench_lora_overlap.py``); 0 = LoRA added in
-            place after each GEMM. None: on CUDA 8 for a pool of rank <= 16 (``max_lora_rank``) and 2 for larger
+            place after each GEMM. None: on CUDA 64 for a pool of rank <= 16 (``max_lora_rank``) and 2 for larger
             ranks, where the concurrent LoRA kernels slow the GEMMs more than they save; 0 elsewhere (off the GPU a
             value > 0 runs the same deferred adds on the one stream).
         cuda_graphs: replay decode steps from CUDA graphs, one per batch-size bucket
@@ -154,7 +154,7 @@ class EngineConfig:
     lora_backend: str | None = _opt(None, "LoRA kernels (default: triton on CUDA)", choices=_BACKENDS)
     attention_backend: str | None = _opt(None, "paged attention (default: triton on CUDA)", choices=_BACKENDS)
     lora_side_stream_max_tokens: int | None = _opt(None, "steps of at most this many tokens run LoRA on a side CUDA "
-                                                         "stream beside the base GEMMs (default on CUDA: 8, or 2 when "
+                                                         "stream beside the base GEMMs (default on CUDA: 64, or 2 when "
                                                          "--max-lora-rank > 16; 0: off)",
                                                    kind=int)
     cuda_graphs: bool = _opt(True, "run decode steps eagerly (no CUDA graphs)")

@@ -49,14 +49,14 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
 #: each projection (``DecoderModel.lora_side_max_tokens``). One Llama-3-8B layer, seven projections, rank 16, CUDA
 #: graph, H200 (``bench/bench_lora_overlap.py``, bench/results/overlap/): LoRA adds 41.5 -> 13.2 us at 1 token, 56.8 ->
 #: 45.6 at 8, 91.2 -> 80.1 at 64 distinct adapters, but 212 -> 235 us at 256, where the LoRA kernels and the GEMM
-#: compete for the same bandwidth. The whole engine (``bench/bench_generate.py``, rank-16 adapters, TPOT in place ->
-#: side stream, base model in brackets): batch 1 6.33 -> 5.42 ms (4.97), batch 8 7.22 -> 6.89 (5.24), but batch 64
-#: 11.07 -> 17.41 (7.45), a loss the layer bench does not show (not yet understood), so the default stops at 8 tokens.
+#: compete for the same bandwidth. The whole engine (``bench/bench_generate.py``, rank-16 adapters on all seven
+#: projections, TPOT in place -> side stream, base model in brackets; bench/results/lora_side_stream/): batch 1 6.22 ->
+#: 5.20 ms (5.00), batch 8 6.98 -> 6.67 (5.30), batch 64 on 64 adapters 11.17 -> 10.78 (7.46).
 #: That holds for a pool of rank <= ``LORA_SIDE_NARROW_RANK``; from a pool of larger
 #: rank (the kernels' tiles and work grow with it) only steps of at most ``LORA_SIDE_WIDE_MAX_TOKENS`` tokens take the
 #: side stream: rank-64 adapters, same bench, 1 token 70.5 -> 39.8 us, but 8 tokens 85 -> 106 and 64 tokens 237 -> 254
 #: (rank-16 adapters in a rank-64 pool: 1 token 32.3 -> 0 us, 8 tokens 39.4 -> 23.9, 64 tokens 91.0 -> 80.7).
-LORA_SIDE_MAX_TOKENS = 8
+LORA_SIDE_MAX_TOKENS = 64
 LORA_SIDE_NARROW_RANK, LORA_SIDE_WIDE_MAX_TOKENS = 16, 2
 
 
