@@ -8,11 +8,9 @@ close as peft's own bf16 run.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from testsupport import peft_adapters, rel_err
+from testsupport import peft_adapters, peft_batch_logits, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,16 +45,6 @@ def setup(tmp_path_factory):
     return model, d, rows
 
 
-def _peft_logits(model, rows, dtype):
-    model = copy.deepcopy(model).to(device="cuda", dtype=dtype)  # a copy: .to() in place would round the reference
-    L = max(map(len, rows))
-    ids = torch.tensor([r + [0] * (L - len(r)) for r in rows], device="cuda")
-    mask = torch.tensor([[1] * len(r) + [0] * (L - len(r)) for r in rows], device="cuda")
-    with torch.no_grad():
-        lg = model(input_ids=ids, attention_mask=mask, adapter_names=[a or "__base__" for a in ROW_ADAPTERS]).logits
-    return torch.stack([lg[i, len(r) - 1].float().cpu() for i, r in enumerate(rows)])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_engine_matches_peft_on_gpu(setup, dtype):
     from multilora import Engine
@@ -64,7 +52,7 @@ def test_engine_matches_peft_on_gpu(setup, dtype):
     from multilora.kernels.triton_sgmv import lora_apply_triton
 
     model, d, rows = setup
-    ref32 = _peft_logits(model, rows, torch.float32)
+    ref32 = peft_batch_logits(model, rows, ROW_ADAPTERS, torch.float32)
     engine = Engine(model=d / "model", device="cuda", dtype=dtype, progress=False, max_batch_size=8)
     assert resolve_backend(None, torch.empty(1, device="cuda")) is lora_apply_triton
     for n in ADAPTERS:
@@ -74,7 +62,7 @@ def test_engine_matches_peft_on_gpu(setup, dtype):
         for i, a in enumerate(ROW_ADAPTERS):  # TF32 may be used by GEMMs and tl.dot: a looser bound than CPU
             assert rel_err(ours[i], ref32[i]) < 2e-3, (a, rel_err(ours[i], ref32[i]))
     else:
-        theirs = _peft_logits(model, rows, dtype)
+        theirs = peft_batch_logits(model, rows, ROW_ADAPTERS, dtype)
         for i, a in enumerate(ROW_ADAPTERS):
             ours_err, peft_err = rel_err(ours[i], ref32[i]), rel_err(theirs[i], ref32[i])
             assert ours_err < 2 * peft_err + 1e-3, (a, ours_err, peft_err)

@@ -10,11 +10,9 @@ as close as peft's own bf16 run.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from testsupport import peft_adapters, rel_err
+from testsupport import gpu_engine, peft_adapters, peft_batch_logits, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,37 +56,18 @@ def setup(request, tmp_path_factory):
     return request.param, model, d, rows
 
 
-def _peft_logits(model, rows, dtype):
-    model = copy.deepcopy(model).to(device="cuda", dtype=dtype)
-    L = max(map(len, rows))
-    ids = torch.tensor([r + [0] * (L - len(r)) for r in rows], device="cuda")
-    mask = torch.tensor([[1] * len(r) + [0] * (L - len(r)) for r in rows], device="cuda")
-    with torch.no_grad():
-        lg = model(input_ids=ids, attention_mask=mask, adapter_names=[a or "__base__" for a in ROW_ADAPTERS]).logits
-    return torch.stack([lg[i, len(r) - 1].float().cpu() for i, r in enumerate(rows)])
-
-
-def _engine(d, dtype, **kw):
-    from multilora import Engine
-
-    engine = Engine(model=d / "model", device="cuda", dtype=dtype, progress=False, max_batch_size=8, **kw)
-    for n in ADAPTERS:
-        engine.load_adapter(n, d / "adapters" / n)
-    return engine
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qwen_engine_matches_peft_on_gpu(setup, dtype):
     family, model, d, rows = setup
-    ref32 = _peft_logits(model, rows, torch.float32)
-    engine = _engine(d, dtype)
+    ref32 = peft_batch_logits(model, rows, ROW_ADAPTERS, torch.float32)
+    engine = gpu_engine(d, ADAPTERS, dtype)
     assert engine.config.architecture == family
     ours = engine.logits(rows, adapters=ROW_ADAPTERS)
     if dtype == torch.float32:
         for i, a in enumerate(ROW_ADAPTERS):  # TF32 may be used by GEMMs and tl.dot: looser than the CPU's 1e-5
             assert rel_err(ours[i], ref32[i]) < 2e-3, (family, a, rel_err(ours[i], ref32[i]))
     else:
-        theirs = _peft_logits(model, rows, dtype)
+        theirs = peft_batch_logits(model, rows, ROW_ADAPTERS, dtype)
         for i, a in enumerate(ROW_ADAPTERS):
             ours_err, peft_err = rel_err(ours[i], ref32[i]), rel_err(theirs[i], ref32[i])
             assert ours_err < 2 * peft_err + 1e-3, (family, a, ours_err, peft_err)
@@ -98,7 +77,7 @@ def test_qwen_fused_ops_triton_equal_torch_on_gpu(setup):
     """One prefill through the whole model: the Triton fused ops (q/k norm in the RoPE kernel) against the torch
     ops, bf16, hidden states to bf16 rounding."""
     family, _, d, rows = setup
-    engine = _engine(d, torch.bfloat16, cuda_graphs=False)
+    engine = gpu_engine(d, ADAPTERS, torch.bfloat16, cuda_graphs=False)
     tables = [engine.kv.allocate_seq(("probe", i), len(r)) for i, r in enumerate(rows)]
     plan = engine.runner.build_plan(rows, [0] * len(rows), tables, [-1] * len(rows), block_size=engine.kv.block_size)
     with torch.inference_mode():
@@ -116,7 +95,7 @@ def test_qwen_cuda_graph_decode_matches_eager(setup):
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
     outs = {}
     for graphs in (False, True):
-        engine = _engine(d, torch.float32, max_seq_len=64, kv_block_size=4, cuda_graphs=graphs)
+        engine = gpu_engine(d, ADAPTERS, torch.float32, max_seq_len=64, kv_block_size=4, cuda_graphs=graphs)
         assert (engine.graphs is not None) == graphs
         outs[graphs] = [o.token_ids for o in engine.generate(rows, adapters=ROW_ADAPTERS, sampling=params)]
         if graphs:

@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from testsupport import peft_adapters, rel_err
+from testsupport import gpu_engine, peft_adapters, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,20 +75,11 @@ def _peft_logits(model, rows, dtype):
     return torch.stack(out)
 
 
-def _engine(d, dtype, **kw):
-    from multilora import Engine
-
-    engine = Engine(model=d / "model", device="cuda", dtype=dtype, progress=False, max_batch_size=8, **kw)
-    for n in ADAPTERS:
-        engine.load_adapter(n, d / "adapters" / n)
-    return engine
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_phi3_engine_matches_peft_on_gpu(setup, dtype):
     family, model, d, rows = setup
     ref32 = _peft_logits(model, rows, torch.float32)
-    engine = _engine(d, dtype)
+    engine = gpu_engine(d, ADAPTERS, dtype)
     assert engine.config.architecture == "phi3"
     ours = engine.logits(rows, adapters=ROW_ADAPTERS)
     if dtype == torch.float32:
@@ -104,7 +95,7 @@ def test_phi3_engine_matches_peft_on_gpu(setup, dtype):
 def test_phi3_fused_ops_triton_equal_torch_on_gpu(setup):
     """One prefill through the whole model: the Triton fused ops against the torch ops, bf16."""
     family, _, d, rows = setup
-    engine = _engine(d, torch.bfloat16, cuda_graphs=False)
+    engine = gpu_engine(d, ADAPTERS, torch.bfloat16, cuda_graphs=False)
     tables = [engine.kv.allocate_seq(("probe", i), len(r)) for i, r in enumerate(rows)]
     plan = engine.runner.build_plan(rows, [0] * len(rows), tables, [-1] * len(rows), block_size=engine.kv.block_size)
     with torch.inference_mode():
@@ -124,7 +115,7 @@ def test_phi3_cuda_graph_decode_matches_eager(setup):
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
     outs = {}
     for graphs in (False, True):
-        engine = _engine(d, torch.float32, max_seq_len=4 * ORIG, kv_block_size=4, cuda_graphs=graphs)
+        engine = gpu_engine(d, ADAPTERS, torch.float32, max_seq_len=4 * ORIG, kv_block_size=4, cuda_graphs=graphs)
         assert (engine.graphs is not None) == graphs
         outs[graphs] = [o.token_ids for o in engine.generate(rows, adapters=ROW_ADAPTERS, sampling=params)]
         if graphs:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -105,6 +107,30 @@ def hf_last_logits(model, rows, **kw):
     """A transformers causal LM's float last-position logits of each token-id row, one forward per row."""
     with torch.no_grad():
         return [model(input_ids=torch.tensor([r]), **kw).logits[0, -1].float() for r in rows]
+
+
+def peft_batch_logits(model, rows, adapters, dtype, device="cuda"):
+    """peft's mixed-batch forward (``adapter_names=``, None = the base model) of token-id ``rows``, right-padded
+    with an attention mask, on a copy of ``model`` in ``dtype`` on ``device`` (``.to()`` in place would round the
+    reference): float32 [len(rows), vocab] last-position logits, on the CPU."""
+    model = copy.deepcopy(model).to(device=device, dtype=dtype)
+    L = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (L - len(r)) for r in rows], device=device)
+    mask = torch.tensor([[1] * len(r) + [0] * (L - len(r)) for r in rows], device=device)
+    with torch.no_grad():
+        lg = model(input_ids=ids, attention_mask=mask, adapter_names=[a or "__base__" for a in adapters]).logits
+    return torch.stack([lg[i, len(r) - 1].float().cpu() for i, r in enumerate(rows)])
+
+
+def gpu_engine(d, adapters, dtype, **kw):
+    """An engine on CUDA of the HF directory ``d / "model"`` (``max_batch_size=8`` unless given) with each adapter
+    of ``adapters`` loaded from ``d / "adapters" / name``."""
+    from multilora import Engine
+
+    engine = Engine(model=d / "model", device="cuda", dtype=dtype, progress=False, **{"max_batch_size": 8, **kw})
+    for n in adapters:
+        engine.load_adapter(n, d / "adapters" / n)
+    return engine
 
 
 def peft_adapters(base, configs, out, *, std, seed=None):
