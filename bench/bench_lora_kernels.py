@@ -62,18 +62,19 @@ def group_config(d_in: int, d_outs: list[int]):
     return ModelConfig(16, d_outs[0], 256, 1, 1, 1, head_dim=d_in), ["o_proj"]
 
 
-def synthetic_pool(d_in, d_outs, n_adapters, rank):
+def synthetic_pool(d_in, d_outs, n_adapters, rank, pool_rank=None):
     """A pool with ``n_adapters`` resident adapters of one rank on the group's modules, random weights written
     straight into the buffer on the GPU (bench only: ranks / scalings / offsets are set as ``AdapterPool.load``
-    would, with the adapters' extents in a shuffled order). Returns (pool, the group's ``LoRASlices``)."""
+    would, with the adapters' extents in a shuffled order). ``pool_rank``: the pool's ``max_rank`` (the kernels'
+    RMAX, which picks their tiles), default ``rank``. Returns (pool, the group's ``LoRASlices``)."""
     from multilora.config import MODULE_INDEX
     from multilora.kernels import lora_slices
     from multilora.memory.pool import PAGE_ELEMS, AdapterPool, image_layout
 
     cfg, modules = group_config(d_in, d_outs)
     rel, pages = image_layout(cfg, {(0, m): rank for m in modules})
-    pool = AdapterPool(cfg, num_bytes=n_adapters * pages * PAGE_ELEMS * 2, max_rank=rank, max_slots=n_adapters,
-                       dtype=torch.bfloat16, device="cuda")
+    pool = AdapterPool(cfg, num_bytes=n_adapters * pages * PAGE_ELEMS * 2, max_rank=pool_rank or rank,
+                       max_slots=n_adapters, dtype=torch.bfloat16, device="cuda")
     pool.buffer.normal_(0, 0.02)
     base = torch.randperm(n_adapters, dtype=torch.int64) * pages * PAGE_ELEMS  # [n_adapters] extent starts
     for m in modules:

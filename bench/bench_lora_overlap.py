@@ -28,30 +28,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_lora_kernels import GROUPS, LAYER_8B, assign, environment, group_config, time_ms  # noqa: E402
-
-
-def synthetic_pool(d_in, d_outs, n_adapters, rank, pool_rank=None):
-    """``bench_lora_kernels.synthetic_pool`` with the pool's ``max_rank`` (the kernels' RMAX, which picks their
-    tiles) set apart from the adapters' rank: ``pool_rank`` (default: ``rank``)."""
-    from multilora.config import MODULE_INDEX
-    from multilora.kernels import lora_slices
-    from multilora.memory.pool import PAGE_ELEMS, AdapterPool, image_layout
-
-    cfg, modules = group_config(d_in, d_outs)
-    rel, pages = image_layout(cfg, {(0, m): rank for m in modules})
-    pool = AdapterPool(cfg, num_bytes=n_adapters * pages * PAGE_ELEMS * 2, max_rank=pool_rank or rank,
-                       max_slots=n_adapters, dtype=torch.bfloat16, device="cuda")
-    pool.buffer.normal_(0, 0.02)
-    base = torch.randperm(n_adapters, dtype=torch.int64) * pages * PAGE_ELEMS
-    for m in modules:
-        mi = MODULE_INDEX[m]
-        off_a = base + rel[(0, m)]
-        pool.offsets_a[0, mi] = off_a.to(pool.device)
-        pool.offsets_b[0, mi] = (off_a + rank * cfg.module_shape(m)[0]).to(pool.device)
-        pool.ranks[0, mi] = rank
-        pool.scalings[0, mi] = 2.0
-    return pool, lora_slices([pool.module_view(0, m) for m in modules])
+from bench_lora_kernels import GROUPS, LAYER_8B, assign, environment, synthetic_pool, time_ms  # noqa: E402
 
 
 def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None):
