@@ -41,6 +41,15 @@ def _normed_row(x, w_ptr, dst_ptr, offs, mask, N, eps, UNIT_OFFSET: tl.constexpr
 
 
 @triton.jit
+def _load_sum(p, lp, m, HAS_LORA: tl.constexpr):
+    """``p[...]`` (plus ``lp[...]``, rounded to p's dtype as torch's ``x + lora_delta``), in p's dtype."""
+    x = tl.load(p, mask=m, other=0.0)
+    if HAS_LORA:
+        x = (x.to(tl.float32) + tl.load(lp, mask=m, other=0.0).to(tl.float32)).to(p.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, d_ptr, l_ptr, w_ptr, dw_ptr, out_ptr, stride_x, stride_d, stride_l, stride_o, N, eps,
                      HAS_DELTA: tl.constexpr, HAS_LORA: tl.constexpr, DELTA_NORM: tl.constexpr,
                      UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
@@ -49,25 +58,14 @@ def _rms_norm_kernel(x_ptr, d_ptr, l_ptr, w_ptr, dw_ptr, out_ptr, stride_x, stri
     mask = offs < N
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_DELTA:  # the residual add, rounded to the activation dtype as torch's h + delta is
-        d = tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)
-        if HAS_LORA:  # the projection's LoRA output, computed beside it: base + lora, rounded as torch's sum
-            lo = tl.load(l_ptr + row * stride_l + offs, mask=mask, other=0.0)
-            d = (d.to(tl.float32) + lo.to(tl.float32)).to(d_ptr.dtype.element_ty)
+        # plus the projection's LoRA output, computed beside it (HAS_LORA): base + lora, rounded as torch's sum
+        d = _load_sum(d_ptr + row * stride_d + offs, l_ptr + row * stride_l + offs, mask, HAS_LORA)
         if DELTA_NORM:  # Gemma 2: h += rms_norm(delta, delta_weight), the normed delta rounded first
             d = _normed_row(d, dw_ptr, x_ptr, offs, mask, N, eps, UNIT_OFFSET)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
     y = _normed_row(x, w_ptr, out_ptr, offs, mask, N, eps, UNIT_OFFSET)
     tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
-
-
-@triton.jit
-def _load_sum(p, lp, m, HAS_LORA: tl.constexpr):
-    """``p[...]`` (plus ``lp[...]``, rounded to p's dtype as torch's ``qkv + lora_delta``), in p's dtype."""
-    x = tl.load(p, mask=m, other=0.0)
-    if HAS_LORA:
-        x = (x.to(tl.float32) + tl.load(lp, mask=m, other=0.0).to(tl.float32)).to(p.dtype.element_ty)
-    return x
 
 
 @triton.jit

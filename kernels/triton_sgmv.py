@@ -219,8 +219,8 @@ def _num_sms(index: int) -> int:
 #: Few-token steps (at most this many tokens) from a pool of rank >= ``WIDE_RANK`` take the wide-rank tiles:
 #: split-K at most 16 (expand sums every split's partial for each of its rank tiles: 32 splits x 4 tiles at r = 64)
 #: and 2-warp expand programs. H200, rank-64 adapters, one group (``bench/bench_lora_overlap.py`` sweep, results in
-#: bench/results/overlap/): q/k/v 1 token 24.3 -> 11.7 us, 8 tokens 39.1 -> 18.9; gate/up 22.0 -> 11.7 and
-#: 40.2 -> 25.1; down 25.2 -> 17.2 and 41.2 -> 24.7.
+#: bench/results/lora_side_stream/lora_overlap_run1.json): q/k/v 1 token 24.3 -> 11.7 us, 8 tokens 39.1 -> 18.9;
+#: gate/up 22.0 -> 11.7 and 40.2 -> 25.1; down 25.2 -> 17.2 and 41.2 -> 24.7.
 WIDE_RANK, WIDE_RANK_MAX_TOKENS = 64, 16
 
 

@@ -21,6 +21,7 @@ with the residual add), RoPE with the KV-cache write, and SiLU * up (GELU_tanh *
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -47,9 +48,9 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
 
 #: The largest step (tokens) whose LoRA runs on a side stream beside the base GEMMs, its output added by the op after
 #: each projection (``DecoderModel.lora_side_max_tokens``). One Llama-3-8B layer, seven projections, rank 16, CUDA
-#: graph, H200 (``bench/bench_lora_overlap.py``, bench/results/overlap/): LoRA adds 41.5 -> 13.2 us at 1 token, 56.8 ->
-#: 45.6 at 8, 91.2 -> 80.1 at 64 distinct adapters, but 212 -> 235 us at 256, where the LoRA kernels and the GEMM
-#: compete for the same bandwidth. The whole engine (``bench/bench_generate.py``, rank-16 adapters on all seven
+#: graph, H200 (``bench/bench_lora_overlap.py``, bench/results/lora_side_stream/): LoRA adds 37.4 -> 8.9 us at 1
+#: token, 50.7 -> 38.4 at 8, 84.7 -> 73.7 at 64 distinct adapters, but 197 -> 223 us at 256, where the LoRA kernels
+#: and the GEMM compete for the same bandwidth. The whole engine (``bench/bench_generate.py``, rank-16 adapters on all seven
 #: projections, TPOT in place -> side stream, base model in brackets; bench/results/lora_side_stream/): batch 1 6.22 ->
 #: 5.20 ms (5.00), batch 8 6.98 -> 6.67 (5.30), batch 64 on 64 adapters 11.17 -> 10.78 (7.46).
 #: That holds for a pool of rank <= ``LORA_SIDE_NARROW_RANK``; from a pool of larger
@@ -336,10 +337,7 @@ class DecoderModel:
                     self._side = torch.cuda.Stream(x.device)
                 side, main = self._side, torch.cuda.current_stream(x.device)
                 side.wait_stream(main)  # x (and delta's block) are ready
-                with torch.cuda.stream(side):
-                    delta.zero_()
-                    lora_apply(delta, x, slices, plan.lora, backend=lora_backend)
-            else:
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 delta.zero_()
                 lora_apply(delta, x, slices, plan.lora, backend=lora_backend)
         if isinstance(w, Fp8Weight):
