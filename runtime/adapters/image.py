@@ -64,6 +64,16 @@ def _scratch_bytes(nbytes: int) -> torch.Tensor:
     return buf[:nbytes]
 
 
+def _scratch_np(nbytes: int) -> np.ndarray:
+    """:func:`_scratch_bytes` as a numpy ``uint8`` array (the same per-thread buffer), without a torch call once the
+    buffer is large enough."""
+    arr = getattr(_scratch, "np", None)
+    if arr is None or arr.size < nbytes:
+        _scratch_bytes(nbytes)  # grows the torch buffer; the numpy view covers all of it
+        arr = _scratch.np = _scratch.buf.numpy()
+    return arr[:nbytes]
+
+
 @dataclass(frozen=True)
 class _Tensor:
     """A file tensor: its bytes ``[begin, begin + nbytes)``, dtype, shape and key."""
@@ -122,8 +132,16 @@ def _finite(x: torch.Tensor) -> bool:
     if bounds is None:
         lo, hi = torch.aminmax(x)
         return math.isfinite(float(lo)) and math.isfinite(float(hi))
-    signed = x.view(_BITS[x.element_size()]).numpy()
-    return int(signed.max()) < bounds[0] and int(signed.view(_UNSIGNED[x.element_size()]).max()) < bounds[1]
+    return _finite_bits(x.view(_BITS[x.element_size()]).numpy(), bounds)
+
+
+def _finite_bits(signed: np.ndarray, bounds: tuple[int, int]) -> bool:
+    """:func:`_finite` on the signed-integer bit patterns ``signed`` (a 1-D numpy array) of a float dtype whose
+    ``_INF_BITS`` are ``bounds``. numpy only: no torch call in the I/O threads' per-tensor loop (each torch call
+    releases and retakes the GIL, and 4 threads doing that per tensor read slower together than one alone:
+    ``bench_adapter_load.py``, bench/README.md)."""
+    return signed.size == 0 or (int(signed.max()) < bounds[0] and int(signed.view(_UNSIGNED[signed.itemsize]).max())
+                                < bounds[1])
 
 
 def read_image(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
@@ -283,14 +301,17 @@ def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out
     bits = _BITS[esize]
     img = out.view(bits).numpy()  # the image's bit patterns, [numel]
     img_bytes = memoryview(out.view(torch.uint8).numpy())
+    bounds = _INF_BITS.get(dtype)
+    # the same-dtype paths below make no torch call per tensor (numpy views and loops, which release the GIL for
+    # the bytes, and Python): a torch call drops and retakes the GIL, and the cache's I/O threads contend for it
     for m in plan.modules:
         a, b, r, d_in = m.a, m.b, m.r, m.d_in
         oa0 = m.slices[0][0]
         if a.dtype == dtype:  # straight into the image, checked while in cache
             f.read_into(img_bytes[oa0 * esize : oa0 * esize + a.nbytes], a.begin)
-            av = out[oa0 : oa0 + r * d_in]
-            if not verified and not _finite(av):
-                raise _nonfinite(wpath, a, av)
+            if not verified and not (_finite_bits(img[oa0 : oa0 + r * d_in], bounds) if bounds else
+                                     _finite(out[oa0 : oa0 + r * d_in])):
+                raise _nonfinite(wpath, a, out[oa0 : oa0 + r * d_in])
         else:
             x = _scratch_bytes(a.nbytes).view(a.dtype)
             f.read_into(memoryview(x.view(torch.uint8).numpy()), a.begin)
@@ -299,18 +320,23 @@ def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out
             out[oa0 : oa0 + r * d_in].copy_(x)
         for oa, _, _, _ in m.slices[1:]:  # a fused projection's slices share A
             img[oa : oa + r * d_in] = img[oa0 : oa0 + r * d_in]
-        x = _scratch_bytes(b.nbytes).view(b.dtype)
+        if b.dtype == dtype:
+            xn = _scratch_np(b.nbytes)
+            f.read_into(memoryview(xn), b.begin)
+            xb = xn.view(img.dtype)  # B's bit patterns, [d_out * r]
+            if not verified and not (_finite_bits(xb, bounds) if bounds else _finite(torch.from_numpy(xb).view(dtype))):
+                raise _nonfinite(wpath, b, torch.from_numpy(xb).view(dtype))
+            xb = xb.reshape(-1, r)  # [d_out, r]
+            for _, ob, row, rows in m.slices:
+                np.copyto(img[ob : ob + r * rows].reshape(r, rows), xb[row : row + rows].T)
+            continue
+        x = _scratch_bytes(b.nbytes).view(b.dtype)  # another dtype: converted by torch's copy
         f.read_into(memoryview(x.view(torch.uint8).numpy()), b.begin)
         if not verified and not _finite(x):
             raise _nonfinite(wpath, b, x)
-        if b.dtype == dtype:
-            xb = x.view(bits).numpy().reshape(-1, r)  # [d_out, r]
-            for _, ob, row, rows in m.slices:
-                np.copyto(img[ob : ob + r * rows].reshape(r, rows), xb[row : row + rows].T)
-        else:
-            xb = x.view(-1, r)
-            for _, ob, row, rows in m.slices:
-                out[ob : ob + r * rows].view(r, rows).copy_(xb[row : row + rows].t())
+        xb = x.view(-1, r)
+        for _, ob, row, rows in m.slices:
+            out[ob : ob + r * rows].view(r, rows).copy_(xb[row : row + rows].t())
     for lo, hi in plan.pads:
         img[lo:hi] = 0
     return PackedAdapter(data=out, ranks=plan.ranks.clone(), scalings=plan.scalings.clone(),
