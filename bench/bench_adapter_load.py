@@ -3,9 +3,11 @@
 disk -> host (files in the page cache):
   ``plain``   a plain sequential read of each whole weight file into a reused buffer (``preadv``): the bound;
   ``ours``    ``read_image`` (``runtime/adapters/image.py``) into host-arena blocks, what the adapter cache's I/O
-              threads run on a host-tier miss (lora_A read straight into the image, lora_B transposed, each tensor
-              checked finite); the same files, the same number of threads; ``ours_verified``: the same for a file
-              version the cache has read before (its reloads after an eviction), which skips the finite checks;
+              threads run on a host-tier miss (lora_A read straight into the image, lora_B transposed, the whole
+              image checked finite at the end when the files are in the pool dtype); the same files, the same number
+              of threads; ``ours_per_tensor``: the same with each tensor checked while in cache instead (the check
+              before session 8); ``ours_verified``: the same for a file version the cache has read before (its
+              reloads after an eviction), which skips the finite checks;
   ``cache``   the adapter cache itself: ``prefetch`` of every adapter from the disk tier on its 4 I/O threads, the
               files' fingerprints checked before and after each read; its ``stats()`` ``disk_to_host_gbps`` (per
               reader) beside the wall-clock rate;
@@ -49,6 +51,7 @@ from multilora.memory.pool import AdapterPool, host_footprint
 from multilora.runtime.adapter_cache import AdapterCache
 from multilora.runtime.adapters import read_packed_adapter
 from multilora.runtime.adapters.disk import OpenFile
+from multilora.runtime.adapters import image
 from multilora.runtime.adapters.image import read_image
 from multilora.runtime.adapters.load import load_peft_adapter
 from multilora.runtime.weights import MODEL_SHAPES
@@ -86,6 +89,13 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     def ours(i, w):
         read_image(dirs[i], config, pool, name=f"a{i}", out=blocks[w].view(pool.dtype))
 
+    def ours_per_tensor(i, w):  # the finite checks tensor by tensor while in cache (before the whole-image check)
+        image._DEFER_CHECK = False
+        try:
+            ours(i, w)
+        finally:
+            image._DEFER_CHECK = True
+
     def ours_verified(i, w):  # a re-read of a file version the cache has read before: no finite checks
         read_image(dirs[i], config, pool, name=f"a{i}", out=blocks[w].view(pool.dtype), verified=True)
 
@@ -96,9 +106,10 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     for fn in (plain, ours):  # warm-up: page cache, scratch buffers, first-touch of the blocks and buffers
         _parallel(max(threads), jobs, fn)
     for nt in threads:
-        rates = {"plain": [], "ours": [], "ours_verified": [], "general": []}
+        rates = {"plain": [], "ours": [], "ours_per_tensor": [], "ours_verified": [], "general": []}
         for _ in range(args.runs):  # interleaved, so drift hits both alike
-            for name, fn in (("plain", plain), ("ours", ours), ("ours_verified", ours_verified)) + (
+            for name, fn in (("plain", plain), ("ours", ours), ("ours_per_tensor", ours_per_tensor),
+                             ("ours_verified", ours_verified)) + (
                     (("general", general),) if args.general else ()):
                 rates[name].append(total / _parallel(nt, jobs, fn) / 1e9)
         med = {k: statistics.median(v) for k, v in rates.items() if v}

@@ -291,6 +291,27 @@ def _key(layer, module, kind):
     return f"base_model.model.model.layers.{layer}.{MODULE_PARENT[module]}.{module}.lora_{kind}.weight"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("where", ["A-first", "B-last", "middle-B"])
+def test_deferred_image_check_names_the_tensor(where, dtype, tmp_path):
+    """Files in the pool dtype: ``read_image`` checks the whole image once at the end (not tensor by tensor); its
+    own error, without the general path's re-read, names the same tensor and count as ``load_peft_adapter``."""
+    from pathlib import Path
+
+    from multilora.runtime.adapters.image import _read
+
+    d = _write_uniform(tmp_path / "a", dtype, r=4)
+    k = {"A-first": _key(0, "q_proj", "A"), "B-last": _key(CFG.num_layers - 1, "down_proj", "B"),
+         "middle-B": _key(1, "v_proj", "B")}[where]
+    _patch(d, lambda t: t[k].view(-1).__setitem__(slice(1, None, 5), float("nan")))
+    want = _err(lambda: load_peft_adapter(d, CFG))
+    pool = _pool(dtype)
+    got = _err(lambda: _read(Path(d), CFG, pool, None, False, None, False))
+    assert (str(got), got.key, got.path) == (str(want), want.key, want.path)
+    assert got.key == k
+    assert _read(Path(d), CFG, pool, None, False, None, True)[1] is not None  # verified: no check at all
+
+
 @pytest.mark.parametrize("file_dtype", DTYPES + [torch.float64], ids=str)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("where", ["A-first", "B-last", "many"])

@@ -51,6 +51,10 @@ from multilora.runtime.adapters.targets import _parse_key, _resolve_targets
 #: than torch's for the small ranks of LoRA, measured on a 2-core x86 CPU; both release the GIL)
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _PLANS_KEPT = 64
+#: elements per finite-check call of a whole image (2 MiB of bf16: one core's L2; numpy releases the GIL for
+#: reductions this large and 2 threads check 1.5-1.8x faster than one, where 64 Ki-element calls did not scale)
+_CHECK_CHUNK = 1 << 20
+_DEFER_CHECK = True  # False: check tensor by tensor while in cache (an A/B switch for bench_adapter_load.py)
 
 _scratch = threading.local()
 
@@ -304,6 +308,14 @@ def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out
     bounds = _INF_BITS.get(dtype)
     # the same-dtype paths below make no torch call per tensor (numpy views and loops, which release the GIL for
     # the bytes, and Python): a torch call drops and retakes the GIL, and the cache's I/O threads contend for it
+    for lo, hi in plan.pads:
+        img[lo:hi] = 0
+    # every tensor in the pool dtype (the common case): one finite check of the whole image at the end, in chunks
+    # large enough for numpy to release the GIL (per-tensor checks held it: 448 pairs of small reductions per
+    # Llama-3-8B adapter, serialised across the I/O threads); a failure is then traced to its tensor
+    deferred = _DEFER_CHECK and not verified and bounds is not None and all(m.a.dtype == dtype and m.b.dtype == dtype
+                                                           for m in plan.modules)
+    verified = verified or deferred
     for m in plan.modules:
         a, b, r, d_in = m.a, m.b, m.r, m.d_in
         oa0 = m.slices[0][0]
@@ -337,7 +349,14 @@ def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out
         xb = x.view(-1, r)
         for _, ob, row, rows in m.slices:
             out[ob : ob + r * rows].view(r, rows).copy_(xb[row : row + rows].t())
-    for lo, hi in plan.pads:
-        img[lo:hi] = 0
+    if deferred and not all(_finite_bits(img[i : i + _CHECK_CHUNK], bounds) for i in range(0, img.size, _CHECK_CHUNK)):
+        for m in plan.modules:  # which tensor (the image holds A and B^T: the same values)
+            oa = m.slices[0][0]
+            if not _finite_bits(img[oa : oa + m.r * m.d_in], bounds):
+                raise _nonfinite(wpath, m.a, out[oa : oa + m.r * m.d_in])
+            for _, ob, _, rows in m.slices:
+                if not _finite_bits(img[ob : ob + m.r * rows], bounds):
+                    raise _nonfinite(wpath, m.b, out[ob : ob + m.r * rows])
+        raise AdapterError(f"{wpath}: expected finite values, got non-finite (NaN/inf) ones", path=wpath)
     return PackedAdapter(data=out, ranks=plan.ranks.clone(), scalings=plan.scalings.clone(),
                          offsets=plan.offsets.clone(), max_rank=plan.max_rank, name=name)
