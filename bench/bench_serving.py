@@ -333,6 +333,11 @@ def summarize(results: list[Result], wall: float, offered: float, before: dict |
         row[f"{k}_per_s"] = v / span if v is not None and span > 0 else None
     for k in ("prefill_steps", "decode_steps", "mixed_steps", "prefill_chunks"):  # the engine's step kinds
         row[k] = after.get(k, 0) - before.get(k, 0) if before is not None else None
+    # Triton compiles inside the row (each stalls every running request; at 90% load the backlog takes long to
+    # drain): nonzero means the warm-up missed a kernel variant and the row's latencies include it
+    for k in ("kernel_compiles", "kernel_compile_seconds"):
+        row[k] = (after[k] - before[k] if before is not None and after.get(k) is not None
+                  and before.get(k) is not None else None)
     row["pool_hit_rate"] = rate("gpu_hits", "gpu_misses")
     row["host_hit_rate"] = rate("host_hits", "host_misses")
     # GB/s of each tier move over the row, from the stats' bytes and seconds (runtime/adapter_cache.py report())
@@ -368,8 +373,13 @@ def fmt(v: Any, spec: str) -> str:
 
 def markdown(rows: list[dict]) -> str:
     head = ("| mode | N | set | rate | offered req/s | achieved req/s | out tok/s | TTFT p50 / p90 / p99 (s) "
-            "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | within SLO | failed |")
+            "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | within SLO | failed | kernel compiles in row |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def compiles(r: dict) -> str:
+        n = r.get("kernel_compiles")
+        return "-" if n is None else f"{n} ({r['kernel_compile_seconds']:.1f} s)"
+
     for r in rows:
         lines.append(
             f"| {r['mode']} | {r['n_adapters']} | {r['adapter_set']} | {r['rate']} | {fmt(r['offered_rps'], '.2f')} "
@@ -377,7 +387,8 @@ def markdown(rows: list[dict]) -> str:
             f"| {fmt(r['ttft_p50_s'], '.3f')} / {fmt(r['ttft_p90_s'], '.3f')} / {fmt(r['ttft_p99_s'], '.3f')} "
             f"| {fmt(r['tpot_p50_s'] and r['tpot_p50_s'] * 1e3, '.2f')} / {fmt(r['tpot_p99_s'] and r['tpot_p99_s'] * 1e3, '.2f')} "
             f"| {fmt(r['e2e_p50_s'], '.2f')} / {fmt(r['e2e_p99_s'], '.2f')} "
-            f"| {'-' if r.get('slo_share') is None else format(100 * r['slo_share'], '.1f') + '%'} | {r['failed']} |")
+            f"| {'-' if r.get('slo_share') is None else format(100 * r['slo_share'], '.1f') + '%'} | {r['failed']} "
+            f"| {compiles(r)} |")
     return "\n".join(lines)
 
 

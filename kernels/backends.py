@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import threading
+import time
 from types import ModuleType
 
 import torch
@@ -43,3 +45,54 @@ def select_triton(backend: str | None, x: torch.Tensor | torch.device, module: s
     if mod is None and backend == "triton":
         raise ValueError(f"{label}='triton': {unavailable} (is triton installed?)")
     return mod
+
+
+_compiles = {"count": 0, "seconds": 0.0}
+_compile_lock = threading.Lock()
+_compile_start = threading.local()
+_hooked: list[bool] = []
+
+
+def count_kernel_compiles() -> bool:
+    """Count the Triton kernel variants this process compiles from now on (:func:`kernel_compiles`), through
+    Triton's JIT hooks (``triton.knobs.runtime.jit_cache_hook`` before a compile, ``jit_post_compile_hook`` after,
+    chained to any hooks already set). Idempotent. Returns False when Triton is missing or has no such hooks."""
+    if _hooked:
+        return _hooked[0]
+    try:
+        from triton import knobs
+
+        rt = knobs.runtime
+        before, after = rt.jit_cache_hook, rt.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        _hooked.append(False)
+        return False
+
+    def on_start(*args, **kwargs):
+        _compile_start.t = time.perf_counter()
+        return before(*args, **kwargs) if before else None
+
+    def on_done(*args, **kwargs):
+        t0 = getattr(_compile_start, "t", None)
+        with _compile_lock:
+            _compiles["count"] += 1
+            if t0 is not None:
+                _compiles["seconds"] += time.perf_counter() - t0
+        _compile_start.t = None
+        return after(*args, **kwargs) if after else None
+
+    rt.jit_cache_hook, rt.jit_post_compile_hook = on_start, on_done
+    _hooked.append(True)
+    return True
+
+
+def kernel_compiles() -> dict[str, float | int | None]:
+    """``{"kernel_compiles": n, "kernel_compile_seconds": s}``: Triton kernel variants compiled (or loaded from
+    Triton's on-disk cache) in this process since :func:`count_kernel_compiles`, and the wall seconds they took
+    (the caller waited that long: a compile inside a serving step stalls every running request). Both None when
+    the count is off (no Triton, or no JIT hooks in this version). A kernel compiles once per distinct
+    specialisation of its arguments (block sizes, and integer arguments equal to 1 or divisible by 16)."""
+    if not (_hooked and _hooked[0]):
+        return {"kernel_compiles": None, "kernel_compile_seconds": None}
+    with _compile_lock:
+        return {"kernel_compiles": _compiles["count"], "kernel_compile_seconds": _compiles["seconds"]}

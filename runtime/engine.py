@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from multilora.config import ModelConfig
+from multilora.kernels.backends import count_kernel_compiles, kernel_compiles
 from multilora.kernels.fp8 import fp8_supported
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
@@ -113,6 +114,8 @@ class Engine:
 
     def _build(self, model: Any, cfg: EngineConfig, t0: float) -> None:
         tp = cfg.tensor_parallel_size
+        if self.device.type == "cuda":
+            count_kernel_compiles()  # stats(): kernel_compiles, kernel_compile_seconds
         self.model_path, config_, weights, self.tokenizer = load_model(model, dtype=self.dtype, device=self.device,
                                                                        progress=cfg.progress)
         self.config: ModelConfig = config_
@@ -461,9 +464,11 @@ class Engine:
     # --------------------------------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
         """Counters since start: steps, tokens, requests (``runtime.postprocess``), adapter-pool residency and cache
-        traffic (``AdapterCache.report``), queue waits, KV blocks and preemptions (``Scheduler.report``)."""
+        traffic (``AdapterCache.report``), queue waits, KV blocks and preemptions (``Scheduler.report``), and the
+        process's Triton compiles (``kernel_compiles``, ``kernel_compile_seconds``: counted from the first CUDA
+        engine's start, None on the CPU or without Triton's JIT hooks; ``multilora.kernels.backends``)."""
         return {**self._counters, **self.cache.report(), **self.scheduler.report(),
-                "tensor_parallel_size": self.engine_config.tensor_parallel_size}
+                "tensor_parallel_size": self.engine_config.tensor_parallel_size, **kernel_compiles()}
 
     # --------------------------------------------------------------------- the options, by their old names
     for _name in ("max_batch_size", "kv_block_size", "max_lora_rank", "max_prefill_tokens", "lora_backend",  # engine.<option>

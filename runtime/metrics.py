@@ -104,6 +104,11 @@ class _EngineCollector:
                                ("multilora_generation_tokens", "generated_tokens", "tokens generated"),
                                ("multilora_preemptions", "preemptions", "requests preempted (recomputed later)")):
             yield CounterMetricFamily(name, doc, value=s[key])
+        if s.get("kernel_compiles") is not None:  # a compile during serving stalls every running request
+            yield CounterMetricFamily("multilora_kernel_compiles", "Triton kernel variants compiled by this process",
+                                      value=s["kernel_compiles"])
+            yield CounterMetricFamily("multilora_kernel_compile_seconds", "wall seconds of those compiles",
+                                      value=s["kernel_compile_seconds"])
 
     def _vllm(self, s: dict, kv_usage: float) -> Iterator[Metric]:
         """The Gateway API inference extension's model-server protocol metrics, as vLLM exports them."""

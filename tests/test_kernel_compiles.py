@@ -1,0 +1,83 @@
+"""The Triton compile counter behind ``Engine.stats()``'s ``kernel_compiles`` / ``kernel_compile_seconds`` and the
+``multilora_kernel_compiles`` metric (``multilora.kernels.backends``): it counts compiles through Triton's JIT hooks,
+chains to hooks set before it, and (on a GPU) counts one per new kernel specialisation and none for a cached one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multilora.kernels import backends
+
+triton = pytest.importorskip("triton")
+knobs = pytest.importorskip("triton.knobs")
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """The counter not yet installed, Triton's hooks restored afterwards."""
+    monkeypatch.setattr(backends, "_hooked", [])
+    monkeypatch.setattr(backends, "_compiles", {"count": 0, "seconds": 0.0})
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", knobs.runtime.jit_cache_hook)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", knobs.runtime.jit_post_compile_hook)
+
+
+def test_counts_through_the_hooks_and_chains_earlier_ones(fresh):
+    assert backends.kernel_compiles() == {"kernel_compiles": None, "kernel_compile_seconds": None}  # not counting
+    seen = []
+    knobs.runtime.jit_cache_hook = lambda **kw: seen.append(("before", kw["key"])) or False
+    knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(("after", kw["key"]))
+    assert backends.count_kernel_compiles() is True
+    assert backends.count_kernel_compiles() is True  # idempotent: one set of hooks
+    for key in ("k1", "k2"):  # what Triton's JITFunction._do_compile calls around one compile
+        assert not knobs.runtime.jit_cache_hook(key=key)  # falsy: Triton goes on and compiles
+        knobs.runtime.jit_post_compile_hook(key=key)
+    got = backends.kernel_compiles()
+    assert got["kernel_compiles"] == 2 and got["kernel_compile_seconds"] >= 0
+    assert seen == [("before", "k1"), ("after", "k1"), ("before", "k2"), ("after", "k2")]
+
+
+def test_an_earlier_cache_hook_can_still_skip_the_compile(fresh):
+    knobs.runtime.jit_cache_hook = lambda **kw: True  # e.g. a precompiled-kernel cache: Triton skips the compile
+    backends.count_kernel_compiles()
+    assert knobs.runtime.jit_cache_hook(key="k") is True
+    assert backends.kernel_compiles()["kernel_compiles"] == 0  # no post-compile call: nothing compiled
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
+def test_one_count_per_new_specialisation_on_gpu(fresh):
+    import triton.language as tl
+
+    @triton.jit
+    def _add_one(x_ptr, n_elems, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n_elems
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=m) + 1, mask=m)
+
+    backends.count_kernel_compiles()
+    x = torch.zeros(100, device="cuda")
+
+    def launch(k: int) -> None:
+        _add_one[(triton.cdiv(k, 64),)](x, k, BLOCK=64)
+
+    counts = []
+    for k in (37, 37, 48, 64, 37):  # 37 (new), 37 (cached), 48 (divisible by 16: new), 64 (same as 48), 37
+        launch(k)
+        counts.append(backends.kernel_compiles()["kernel_compiles"])
+    torch.cuda.synchronize()
+    assert counts == [1, 1, 2, 2, 2]
+    assert backends.kernel_compiles()["kernel_compile_seconds"] > 0
+    assert x[:37].eq(5).all() and x[37:48].eq(2).all() and x[48:64].eq(1).all()
+
+
+def test_engine_stats_carry_the_counter():
+    from multilora import Engine
+    from multilora.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    s = Engine(cfg, device="cpu", dtype=torch.float32, progress=False).stats()
+    assert {"kernel_compiles", "kernel_compile_seconds"} <= set(s)
+    if not backends._hooked:  # no CUDA engine started in this process: the count is off, not zero
+        assert s["kernel_compiles"] is None and s["kernel_compile_seconds"] is None
