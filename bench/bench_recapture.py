@@ -7,8 +7,8 @@ distinct rank-8 q/k/v/o adapters (set S1 of ``bench_serving.py``), prompts of ``
 greedy. Phases, in this order on one engine: ``first`` (warm-up then timed decode: the graphs of the engine's first
 capture), then ``--recaptures`` times ``recapture`` (``engine.graphs.reset()``, the same warm-up, timed decode).
 Each phase prints one JSON line: TPOT (ms, median of ``--repeats`` timed generations of ``--gen`` tokens, minus
-the 1-token time) and ``triton_compiles`` (kernel variants compiled in the phase, from Triton's post-compile hook;
-None where this Triton has no such hook).
+the 1-token time) and ``triton_compiles`` (kernel variants compiled in the phase:
+``multilora.kernels.backends.kernel_compiles``; None where this Triton has no JIT hooks).
 
     python bench/bench_recapture.py                       # H200, ~1-2 min on a fresh machine
     python bench/bench_recapture.py --shape tiny --device cpu --batch 4 --gen 4 --layers 2   # CPU smoke run
@@ -31,26 +31,8 @@ from bench_serving import DTYPES, write_adapter_set  # noqa: E402
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.config import ModelConfig  # noqa: E402
+from multilora.kernels.backends import count_kernel_compiles, kernel_compiles  # noqa: E402
 from multilora.runtime.weights import MODEL_SHAPES  # noqa: E402
-
-_compiles = [0]
-
-
-def _count_compiles() -> bool:
-    """Count Triton compilations process-wide (True if this Triton exposes the post-compile hook)."""
-    try:
-        from triton import knobs
-    except ImportError:
-        return False
-    prev = knobs.runtime.jit_post_compile_hook
-
-    def hook(*args, **kwargs):
-        _compiles[0] += 1
-        return prev(*args, **kwargs) if prev else None
-
-    knobs.runtime.jit_post_compile_hook = hook
-    return True
-
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,7 +49,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", type=Path, default=None, help="write recapture_<shape>.json here")
     args = ap.parse_args(argv)
     dtype = DTYPES[args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")]
-    hooked = _count_compiles()
+    count_kernel_compiles()
     torch.manual_seed(0)
     shape = dict(MODEL_SHAPES[args.shape])
     if args.layers:
@@ -93,13 +75,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     rows = []
     for phase in ["first"] + ["recapture"] * args.recaptures:
-        c0, t0 = _compiles[0], time.perf_counter()
+        c0, t0 = kernel_compiles()["kernel_compiles"], time.perf_counter()
         if phase == "recapture" and engine.graphs is not None:
             engine.graphs.reset()
         timed(2)  # warm-up: the prefill and every decode graph this batch reaches are made here
         tpots = [(timed(args.gen) - timed(1)) / (args.gen - 1) for _ in range(args.repeats)]
-        row = {"phase": phase, "batch": args.batch, "layers": config.num_layers, "tpot_ms": 1e3 * statistics.median(tpots),
-               "tpot_ms_all": [1e3 * x for x in tpots], "triton_compiles": _compiles[0] - c0 if hooked else None,
+        c1 = kernel_compiles()["kernel_compiles"]
+        row = {"phase": phase, "batch": args.batch, "layers": config.num_layers,
+               "tpot_ms": 1e3 * statistics.median(tpots), "tpot_ms_all": [1e3 * x for x in tpots],
+               "triton_compiles": None if c0 is None else c1 - c0,
                "phase_s": time.perf_counter() - t0}
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -36,7 +36,7 @@ def test_adapter_load_bench_runs(file_dtype, tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     rows = json.loads((out / "adapter_moves_tiny.json").read_text())
     got = {(r["move"], r["provider"], r.get("threads")) for r in rows}
-    assert got == {("disk_to_host", name, t) for name in ("plain", "ours", "ours_verified", "general")
+    assert got == {("disk_to_host", name, t) for name in ("plain", "ours", "ours_per_tensor", "ours_verified", "general")
                    for t in (1, 2)} | {("disk_to_host", "cache", 4)}, got
     assert all(r["gbps"] > 0 and r["file_dtype"] == file_dtype and r["adapters"] == 3 for r in rows)
     for r in rows:
@@ -47,6 +47,20 @@ def test_adapter_load_bench_runs(file_dtype, tmp_path):
             assert r["vs_plain"] == pytest.approx(r["gbps"] / plain["gbps"])
     cache = next(r for r in rows if r["provider"] == "cache")
     assert cache["stats_bytes_disk_to_host"] == 3 * rows[0]["image_bytes"] and cache["stats_disk_to_host_gbps"] > 0
+
+
+def test_recapture_bench_runs(tmp_path):
+    """The first-capture / recapture diagnostic: one row per phase with its TPOTs (the compile count means
+    nothing on the CPU)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_recapture.py"), "--shape", "tiny", "--device", "cpu",
+           "--layers", "1", "--batch", "2", "--gen", "3", "--prompt-len", "4", "--repeats", "1", "--recaptures", "1",
+           "--adapter-files", "2", "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    rows = json.loads((out / "recapture_tiny.json").read_text())["rows"]
+    assert [r["phase"] for r in rows] == ["first", "recapture"]
+    assert all(r["tpot_ms"] > 0 and r["layers"] == 1 and r["batch"] == 2 for r in rows)
 
 
 def test_generate_bench_runs(tmp_path):
