@@ -5,8 +5,9 @@ disk -> host (files in the page cache):
   ``ours``    ``read_image`` (``runtime/adapters/image.py``) into host-arena blocks, what the adapter cache's I/O
               threads run on a host-tier miss (lora_A read straight into the image, lora_B transposed, the whole
               image checked finite at the end when the files are in the pool dtype); the same files, the same number
-              of threads; ``ours_per_tensor``: the same with each tensor checked while in cache instead (the check
-              before session 8); ``ours_verified``: the same for a file version the cache has read before (its
+              of threads, the tensors read in file order by scatter reads; ``ours_per_tensor``: the same with each
+              tensor read and checked while in cache instead (before session 8); ``ours_tensor_reads``: the whole-
+              image check with one read per tensor (the scatter reads' A/B); ``ours_verified``: the same for a file version the cache has read before (its
               reloads after an eviction), which skips the finite checks;
   ``cache``   the adapter cache itself: ``prefetch`` of every adapter from the disk tier on its 4 I/O threads, the
               files' fingerprints checked before and after each read; its ``stats()`` ``disk_to_host_gbps`` (per
@@ -96,6 +97,13 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
         finally:
             image._DEFER_CHECK = True
 
+    def ours_tensor_reads(i, w):  # one read per tensor instead of the scatter reads (before session 8's change)
+        image._SCATTER = False
+        try:
+            ours(i, w)
+        finally:
+            image._SCATTER = True
+
     def ours_verified(i, w):  # a re-read of a file version the cache has read before: no finite checks
         read_image(dirs[i], config, pool, name=f"a{i}", out=blocks[w].view(pool.dtype), verified=True)
 
@@ -106,10 +114,11 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     for fn in (plain, ours):  # warm-up: page cache, scratch buffers, first-touch of the blocks and buffers
         _parallel(max(threads), jobs, fn)
     for nt in threads:
-        rates = {"plain": [], "ours": [], "ours_per_tensor": [], "ours_verified": [], "general": []}
+        rates = {"plain": [], "ours": [], "ours_per_tensor": [], "ours_tensor_reads": [], "ours_verified": [],
+                 "general": []}
         for _ in range(args.runs):  # interleaved, so drift hits both alike
             for name, fn in (("plain", plain), ("ours", ours), ("ours_per_tensor", ours_per_tensor),
-                             ("ours_verified", ours_verified)) + (
+                             ("ours_tensor_reads", ours_tensor_reads), ("ours_verified", ours_verified)) + (
                     (("general", general),) if args.general else ()):
                 rates[name].append(total / _parallel(nt, jobs, fn) / 1e9)
         med = {k: statistics.median(v) for k, v in rates.items() if v}

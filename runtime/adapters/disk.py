@@ -153,6 +153,11 @@ SETTLE_MAX_S = 1.0
 _OPEN_FLAGS = sum(getattr(os, flag, 0) for flag in ("O_NONBLOCK", "O_CLOEXEC", "O_BINARY"))
 
 
+#: buffers per ``preadv`` call (POSIX guarantees at least 16; Linux allows 1024)
+_IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in getattr(
+    os, "sysconf_names", {}) else 16))
+
+
 def _read_at(fd: int, buf: memoryview, pos: int) -> int:
     """One read of up to ``len(buf)`` bytes at byte ``pos`` into ``buf``: how many were read (0: end of file)."""
     if hasattr(os, "preadv"):  # Linux, BSDs: straight into buf
@@ -229,6 +234,34 @@ class OpenFile:
                 raise self.fault(f"a read of {want} bytes at byte {offset} came up {len(buf)} bytes short "
                                  f"(the file was {self.size} bytes when opened)")
             buf, pos = buf[n:], pos + n
+
+    def read_scatter(self, bufs: list[memoryview], offset: int) -> None:
+        """Fill ``bufs`` in turn with the file's consecutive bytes from ``offset``, in as few system calls as the
+        platform allows (``preadv`` takes up to ``IOV_MAX`` buffers per call, the GIL released for all of them;
+        elsewhere one :meth:`read_into` per buffer). Raises AdapterError as :meth:`read_into`."""
+        if not hasattr(os, "preadv"):
+            for b in bufs:
+                self.read_into(b, offset)
+                offset += len(b)
+            return
+        i, pos = 0, offset
+        bufs = [b for b in bufs if len(b)]
+        while i < len(bufs):
+            group = bufs[i : i + _IOV_MAX]
+            want = sum(len(b) for b in group)
+            try:
+                n = os.preadv(self._fd, group, pos)
+            except OSError as e:
+                raise self.fault(f"a read at byte {pos} failed: {e.strerror or e}") from e
+            if n == 0:
+                raise self.fault(f"a read of {want} bytes at byte {pos} came up {want} bytes short "
+                                 f"(the file was {self.size} bytes when opened)")
+            pos += n
+            while n and n >= len(bufs[i]):  # the buffers filled whole
+                n -= len(bufs[i])
+                i += 1
+            if n:  # a short read ended inside bufs[i]: the rest of it next
+                bufs[i] = bufs[i][n:]
 
     def read(self, offset: int, n: int) -> bytes:
         """``n`` bytes from ``offset`` (as :meth:`read_into`)."""

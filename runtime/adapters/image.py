@@ -55,6 +55,11 @@ _PLANS_KEPT = 64
 #: reductions this large and 2 threads check 1.5-1.8x faster than one, where 64 Ki-element calls did not scale)
 _CHECK_CHUNK = 1 << 20
 _DEFER_CHECK = True  # False: check tensor by tensor while in cache (an A/B switch for bench_adapter_load.py)
+#: lora_B bytes per scatter read into the per-thread scratch (then transposed into the image while in one core's
+#: L2: 16 MiB groups read 5-10% slower than tensor-by-tensor reads on a 2-core CPU, 0.25-4 MiB 0-10% faster with 2
+#: threads); _SCATTER False: one read per tensor (the A/B switch of bench_adapter_load.py)
+_SCATTER_BYTES = 1 << 20
+_SCATTER = True
 
 _scratch = threading.local()
 
@@ -113,6 +118,7 @@ class _Plan:
     offsets: torch.Tensor
     max_rank: int
     adapter: LoRAAdapter  # its modules hold meta tensors and the scalings
+    reads: tuple[tuple[int, bool, _Module], ...] = ()  # every tensor (begin, is lora_B, its module) in file order
 
 
 _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
@@ -285,13 +291,60 @@ def _make_plan(f, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, pool) -> 
     return _Plan(data_start=min((m.a.begin for m in plan_modules), default=0), file_size=f.size,
                  numel=pages * PAGE_ELEMS, modules=tuple(plan_modules), pads=tuple(p for p in pads if p[1] > p[0]),
                  ranks=ranks_t, scalings=scalings_t, offsets=offsets_t,
-                 max_rank=int(ranks_t.max()) if ranks_t.numel() else 0, adapter=adapter)
+                 max_rank=int(ranks_t.max()) if ranks_t.numel() else 0, adapter=adapter,
+                 reads=tuple(sorted(((t.begin, t is m.b, m) for m in plan_modules for t in (m.a, m.b)),
+                                    key=lambda x: x[0])))
 
 
 def _nonfinite(wpath: Path, t: _Tensor, x: torch.Tensor) -> AdapterError:
     bad = int((~torch.isfinite(x)).sum())
     return AdapterError(f"{wpath}: tensor {t.key!r}: expected finite values, got {bad} non-finite (NaN/inf) of "
                         f"{x.numel()}", path=wpath, key=t.key)
+
+
+def _scatter_into(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memoryview, esize: int) -> None:
+    """Every tensor in the pool dtype: the file's tensors read in file order by scatter reads
+    (``OpenFile.read_scatter``: one ``preadv`` for up to 1024 tensors, the GIL released for all of them), each
+    lora_A straight into its place in the image, the lora_B of up to ``_SCATTER_BYTES`` at a time into the
+    per-thread scratch buffer and from there transposed into the image (numpy); then a fused projection's A
+    copied to its other slices. The image's values are not checked here (the caller checks the whole image)."""
+    cap = max(_SCATTER_BYTES, max((m.b.nbytes for m in plan.modules), default=0))
+    scratch = _scratch_np(cap)
+    bufs: list[memoryview] = []
+    pending: list[tuple[_Module, int]] = []  # the group's lora_B and where each sits in the scratch
+    start = nxt = used = 0
+
+    def flush() -> None:
+        nonlocal used
+        if bufs:
+            f.read_scatter(bufs, start)
+        for m, off in pending:
+            xb = scratch[off : off + m.b.nbytes].view(img.dtype).reshape(-1, m.r)  # [d_out, r]
+            for _, ob, row, rows in m.slices:
+                np.copyto(img[ob : ob + m.r * rows].reshape(m.r, rows), xb[row : row + rows].T)
+        bufs.clear()
+        pending.clear()
+        used = 0
+
+    for begin, is_b, m in plan.reads:
+        t = m.b if is_b else m.a
+        if bufs and (begin != nxt or (is_b and used + t.nbytes > cap)):  # a gap, or the scratch is full
+            flush()
+        if not bufs:
+            start = begin
+        if is_b:
+            bufs.append(memoryview(scratch[used : used + t.nbytes]))
+            pending.append((m, used))
+            used += t.nbytes
+        else:
+            oa = m.slices[0][0] * esize
+            bufs.append(img_bytes[oa : oa + t.nbytes])
+        nxt = begin + t.nbytes
+    flush()
+    for m in plan.modules:  # a fused projection's slices share A
+        oa0, n = m.slices[0][0], m.r * m.d_in
+        for oa, _, _, _ in m.slices[1:]:
+            img[oa : oa + n] = img[oa0 : oa0 + n]
 
 
 def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out, verified: bool) -> PackedAdapter:
@@ -313,10 +366,13 @@ def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out
     # every tensor in the pool dtype (the common case): one finite check of the whole image at the end, in chunks
     # large enough for numpy to release the GIL (per-tensor checks held it: 448 pairs of small reductions per
     # Llama-3-8B adapter, serialised across the I/O threads); a failure is then traced to its tensor
-    deferred = _DEFER_CHECK and not verified and bounds is not None and all(m.a.dtype == dtype and m.b.dtype == dtype
-                                                           for m in plan.modules)
+    same = bounds is not None and all(m.a.dtype == dtype and m.b.dtype == dtype for m in plan.modules)
+    deferred = _DEFER_CHECK and not verified and same
     verified = verified or deferred
-    for m in plan.modules:
+    scatter = same and verified and _SCATTER  # no per-tensor check to make: read in file order
+    if scatter:
+        _scatter_into(plan, f, img, img_bytes, esize)
+    for m in () if scatter else plan.modules:
         a, b, r, d_in = m.a, m.b, m.r, m.d_in
         oa0 = m.slices[0][0]
         if a.dtype == dtype:  # straight into the image, checked while in cache
