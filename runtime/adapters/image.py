@@ -308,7 +308,10 @@ def _scatter_into(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memoryvi
     lora_A straight into its place in the image, the lora_B of up to ``_SCATTER_BYTES`` at a time into the
     per-thread scratch buffer and from there transposed into the image (numpy); then a fused projection's A
     copied to its other slices. The image's values are not checked here (the caller checks the whole image)."""
-    cap = max(_SCATTER_BYTES, max((m.b.nbytes for m in plan.modules), default=0))
+    # at most _SCATTER_BYTES (or the largest lora_B) and no more than this file's lora_B need: small adapters do
+    # not grow the per-thread scratch
+    sizes = [m.b.nbytes for m in plan.modules]
+    cap = max(min(_SCATTER_BYTES, sum(sizes)), max(sizes, default=0))
     scratch = _scratch_np(cap)
     bufs: list[memoryview] = []
     pending: list[tuple[_Module, int]] = []  # the group's lora_B and where each sits in the scratch
