@@ -23,7 +23,8 @@ shapes have no tokenizer). Adapter sets: ``S1`` rank 8 on q/k/v/o; ``S4`` ranks 
 req/s is its capacity. ``--rate auto`` first measures that capacity with a burst in mode ``engine`` and then offers
 ``--rate-fraction`` (default 0.9) of it to every mode, so rows compare at one offered rate.
 
-Reported per row: offered and achieved req/s, output tokens/s, TTFT p50/p90/p99, TPOT p50/p99, end-to-end latency
+Reported per row (mode ``engine`` also: every step's wall time by kind, ``<kind>_step_ms`` p50 / p99 / max, and
+``stall_steps`` / ``stall_seconds``: steps over 5x their kind's median, as from a compile; ``StepTrace``): offered and achieved req/s, output tokens/s, TTFT p50/p90/p99, TPOT p50/p99, end-to-end latency
 p50/p99 (all seconds, measured by the client: from the request's scheduled arrival to its first token / last byte),
 adapter bytes moved per tier and per second, pool / host-tier hit rates, and the share of requests within an SLO
 (issue 13's: TTFT <= 5x and TPOT <= 2x the p50s of the first N's row of the same mode and rate kind). Both modes time the same thing from the
@@ -174,6 +175,52 @@ async def _pace(t0: float, req: TraceRequest) -> float:
     if delay > 0:
         await asyncio.sleep(delay)
     return at
+
+
+class StepTrace:
+    """Wall time of every engine step of a row, by kind (``with StepTrace(engine) as st``: ``engine.step`` and
+    ``engine.runner.run`` wrapped on the instance for the block), to tell stalls (a few steps far above their kind's
+    median: a compile, a capture, a garbage collection) from a uniformly slower engine. ``summary()``: per kind the
+    steps, p50 / p99 / max milliseconds and the batch rows' p50; ``stall_steps`` (steps over 5x their kind's median
+    and over 50 ms) and ``stall_seconds`` (their time above that median)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.steps = engine, []  # (kind, rows, seconds)
+
+    def __enter__(self) -> "StepTrace":
+        eng, runner, last = self.engine, self.engine.runner, {}
+        step, run = eng.step, runner.run
+
+        def timed_run(kind, batch):
+            last["kind"], last["rows"] = kind, len(batch)
+            return run(kind, batch)
+
+        def timed_step():
+            last.clear()
+            t = time.perf_counter()
+            out = step()
+            if last:
+                self.steps.append((last["kind"], last["rows"], time.perf_counter() - t))
+            return out
+
+        eng.step, runner.run = timed_step, timed_run
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.step, self.engine.runner.run  # the class's methods again
+
+    def summary(self) -> dict:
+        out: dict[str, Any] = {"stall_steps": 0, "stall_seconds": 0.0}
+        for kind in sorted({k for k, _, _ in self.steps}):
+            secs = sorted(t for k, _, t in self.steps if k == kind)
+            rows = sorted(r for k, r, _ in self.steps if k == kind)
+            med = pct(secs, 50)
+            out[f"{kind}_step_ms"] = {"steps": len(secs), "p50": 1e3 * med, "p99": 1e3 * pct(secs, 99),
+                                      "max": 1e3 * secs[-1], "rows_p50": pct(rows, 50)}
+            stalls = [t for t in secs if t > max(5 * med, 0.05)]
+            out["stall_steps"] += len(stalls)
+            out["stall_seconds"] += sum(t - med for t in stalls)
+        return out
 
 
 async def run_engine(engine: Engine, trace: list[TraceRequest]) -> tuple[list[Result], float]:
@@ -373,8 +420,16 @@ def fmt(v: Any, spec: str) -> str:
 
 def markdown(rows: list[dict]) -> str:
     head = ("| mode | N | set | rate | offered req/s | achieved req/s | out tok/s | TTFT p50 / p90 / p99 (s) "
-            "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | within SLO | failed | kernel compiles in row |")
+            "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | within SLO | failed | kernel compiles in row "
+            "| decode step p50 / max (ms) | stalls (s) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def steps(r: dict) -> str:
+        d = r.get("decode_step_ms")
+        return "-" if not d else f"{d['p50']:.2f} / {d['max']:.0f}"
+
+    def stalls(r: dict) -> str:
+        return "-" if r.get("stall_steps") is None else f"{r['stall_steps']} ({r['stall_seconds']:.2f})"
 
     def compiles(r: dict) -> str:
         n = r.get("kernel_compiles")
@@ -388,7 +443,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {fmt(r['tpot_p50_s'] and r['tpot_p50_s'] * 1e3, '.2f')} / {fmt(r['tpot_p99_s'] and r['tpot_p99_s'] * 1e3, '.2f')} "
             f"| {fmt(r['e2e_p50_s'], '.2f')} / {fmt(r['e2e_p99_s'], '.2f')} "
             f"| {'-' if r.get('slo_share') is None else format(100 * r['slo_share'], '.1f') + '%'} | {r['failed']} "
-            f"| {compiles(r)} |")
+            f"| {compiles(r)} | {steps(r)} | {stalls(r)} |")
     return "\n".join(lines)
 
 
@@ -552,13 +607,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                               long_len=args.long_prompt_len)
 
         def record(mode: str, r: float, results: list[Result], wall: float, before: dict | None,
-                   after: dict | None) -> dict:
+                   after: dict | None, steps: dict | None = None) -> dict:
             row = {"mode": mode, "n_adapters": n, "adapter_set": args.adapter_set, "popularity": args.popularity,
                    "arrival": args.arrival, "rate": "burst" if math.isinf(r) else f"{r:.2f}",
                    "chunked_prefill": args.chunked_prefill, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "long_prompt_share": args.long_prompt_share,
                    "long_prompt_len": args.long_prompt_len if args.long_prompt_share > 0 else None,
-                   **summarize(results, wall, r, before, after)}
+                   **summarize(results, wall, r, before, after), **(steps or {})}
             # SLO (issue 13): TTFT <= 5x and TPOT <= 2x the p50s of the first N's row of this mode and rate kind
             ref = slo_ref.setdefault((mode, row["rate"] == "burst"), (row["ttft_p50_s"], row["tpot_p50_s"]))
             row["slo_ttft_s"], row["slo_tpot_s"] = (None, None) if None in ref else (5 * ref[0], 2 * ref[1])
@@ -577,13 +632,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             todo = rates() if rate is not None else []
             if rate is None:  # --rate auto: a burst fixes the rate every later row is offered
                 before = engine.stats()
-                res, wall = asyncio.run(run_engine(engine, trace_at(math.inf)))
-                rate = args.rate_fraction * record("engine", math.inf, res, wall, before, engine.stats())["achieved_rps"]
+                with StepTrace(engine) as st:
+                    res, wall = asyncio.run(run_engine(engine, trace_at(math.inf)))
+                rate = args.rate_fraction * record("engine", math.inf, res, wall, before, engine.stats(),
+                                                   st.summary())["achieved_rps"]
                 todo = [rate]
             for r in todo if "engine" in args.mode_list else []:
                 before = engine.stats()
-                res, wall = asyncio.run(run_engine(engine, trace_at(r)))
-                record("engine", r, res, wall, before, engine.stats())
+                with StepTrace(engine) as st:
+                    res, wall = asyncio.run(run_engine(engine, trace_at(r)))
+                record("engine", r, res, wall, before, engine.stats(), st.summary())
             del engine
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

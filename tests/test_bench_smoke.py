@@ -125,6 +125,10 @@ def test_serving_bench_runs(tmp_path):
     for r in rows:
         assert 0 < r["ttft_p50_s"] <= r["ttft_p90_s"] <= r["ttft_p99_s"] and r["tpot_p50_s"] > 0
         assert (r["pool_hit_rate"] is None) == r["mode"].startswith("http")
+        if r["mode"] == "engine":  # the step trace: every step timed, by kind
+            d = r["decode_step_ms"]
+            assert d["steps"] > 0 and 0 < d["p50"] <= d["p99"] <= d["max"] and r["stall_steps"] >= 0
+            assert r["decode_steps"] == d["steps"]
     assert "| http | 3 | S1 | burst |" in (out / "serving_tiny.md").read_text()
     for r in rows:  # the first N's rows are their own SLO reference (issue 13: 5x its TTFT p50, 2x its TPOT p50)
         assert r["slo_ttft_s"] == pytest.approx(5 * r["ttft_p50_s"]) and r["slo_tpot_s"] == pytest.approx(2 * r["tpot_p50_s"])
