@@ -212,6 +212,26 @@ def _load_engine(args: argparse.Namespace, *, progress: bool = False) -> Any:
     return load_engine(args.model, _engine_config(args), args.adapter, progress=progress)
 
 
+def _check_port(host: str, port: int) -> None:
+    """Raise ValueError naming ``--host`` / ``--port`` when ``host:port`` cannot be bound now (in use, or not an
+    address of this machine), so a serve fails in a second instead of after loading the model. (Another process
+    can still take the port in between: uvicorn then reports it.)"""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: not an address this machine can listen on ({e.strerror or e})") from e
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); is another "
+                             f"server running? choose another --port") from e
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -224,6 +244,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     served = args.served_model_name or args.model
     if served in {n for n, _ in args.adapter}:
         raise ValueError(f"--adapter {served}=...: that name is the base model's served name")
+    _check_port(args.host, args.port)  # before minutes of loading, not after
     if args.engine_process:  # the engine and its steps in a child process; HTTP, tokens and text in this one
         import functools
 

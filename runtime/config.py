@@ -12,6 +12,7 @@ configuration lives in ``multilora.config`` (shared with ``memory/``); it is re-
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -206,6 +207,12 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)
                                                         or self.max_num_batched_tokens < 1):
             raise fail("max_num_batched_tokens", "None or an int >= 1")
+        if self.max_num_batched_tokens is not None and not self.enable_chunked_prefill:  # (an A/B of the two modes
+            # keeps its budget: a warning, not an error)
+            logging.getLogger("multilora").warning(
+                "max_num_batched_tokens=%s has no effect with enable_chunked_prefill=False (it is chunked prefill's "
+                "step budget; without chunking, max_prefill_tokens=%s caps a prefill step)",
+                self.max_num_batched_tokens, self.max_prefill_tokens)
         if self.memory_snapshot is not None:  # checked before any weights load
             from multilora.memory.accounting import require_snapshot
 

@@ -287,3 +287,40 @@ def test_chunked_prefill_and_admission_flags():
         EngineConfig(max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="enable_chunked_prefill"):
         EngineConfig(enable_chunked_prefill="yes")
+
+
+def test_a_chunked_budget_without_chunking_is_said(caplog):
+    """``max_num_batched_tokens`` with chunked prefill off does nothing: a warning says so and names the cap that
+    applies (an A/B of the two modes may keep its budget, so it is not an error)."""
+    from multilora.runtime.config import EngineConfig
+
+    with caplog.at_level("WARNING", logger="multilora"):
+        EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=512)
+    assert "max_num_batched_tokens=512 has no effect with enable_chunked_prefill=False" in caplog.text
+    assert "max_prefill_tokens" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="multilora"):
+        EngineConfig(max_num_batched_tokens=512)
+        EngineConfig(enable_chunked_prefill=False)
+    assert "no effect" not in caplog.text
+
+
+def test_serve_refuses_a_port_in_use_before_loading(tmp_path, capsys):
+    """``multilora serve`` on a port another socket holds fails at once, naming --port, before any model loads
+    (the model path here does not even exist: its error would come later)."""
+    import socket
+
+    pytest.importorskip("uvicorn")
+    from multilora.runtime import cli
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"--port {port}: cannot listen there"):
+            cli._check_port("127.0.0.1", port)
+        code, _, err = run(capsys, "serve", "--model", tmp_path / "no-model", "--host", "127.0.0.1", "--port", port)
+        assert code != 0 and f"--port {port}: cannot listen there" in err and "no-model" not in err
+    cli._check_port("127.0.0.1", port)  # free again: no error
+    with pytest.raises(ValueError, match="--host"):
+        cli._check_port("no-such-host.invalid", 8000)
