@@ -182,6 +182,10 @@ def completion_prompts(prompt: Any) -> list:
     return list(prompt)
 
 
+#: the roles of OpenAI's chat messages (a message of another role is a 400; the chat template gets these as given)
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
 def chat_prompt(messages: list[ChatMessage]) -> list[dict]:
     """The engine's chat prompt (``{"role", "content"}`` dicts; the engine applies the chat template). Text content
     parts are joined by newlines; other parts, and tool calls, are a 400 naming them."""
@@ -189,6 +193,9 @@ def chat_prompt(messages: list[ChatMessage]) -> list[dict]:
         raise APIError(400, "messages: expected at least one message", code="invalid_value", param="messages")
     out = []
     for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise APIError(400, f"messages[{i}].role: expected one of {', '.join(sorted(CHAT_ROLES))}, got {m.role!r}",
+                           code="invalid_value", param=f"messages[{i}].role")
         for key in ("tool_calls", "function_call", "audio"):
             if (m.model_extra or {}).get(key):
                 raise APIError(400, f"messages[{i}].{key} is not supported by multilora", code="unsupported_parameter",

@@ -398,6 +398,9 @@ ERRORS = [  # (route, body, status, param, code)
     ("chat/completions", {"model": BASE, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages[0].content",
      "unsupported_parameter"),
+    ("chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}, {"role": "robot",
+                                                                                           "content": "x"}]},
+     400, "messages[1].role", "invalid_value"),
     ("chat/completions", {"model": BASE, "messages": [{"role": "user"}] * 0}, 400, "messages", "invalid_value"),
     ("chat/completions", {"model": BASE, "messages": [{"content": "hi"}]}, 400, "messages", "invalid_type"),
 ]
