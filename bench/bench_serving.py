@@ -24,7 +24,9 @@ req/s is its capacity. ``--rate auto`` first measures that capacity with a burst
 ``--rate-fraction`` (default 0.9) of it to every mode, so rows compare at one offered rate.
 
 Reported per row (mode ``engine`` also: every step's wall time by kind, ``<kind>_step_ms`` p50 / p99 / max, and
-``stall_steps`` / ``stall_seconds``: steps over 5x their kind's median, as from a compile; ``StepTrace``): offered and achieved req/s, output tokens/s, TTFT p50/p90/p99, TPOT p50/p99, end-to-end latency
+``stall_steps`` / ``stall_seconds``: steps over 5x their kind's median, as from a compile; ``StepTrace``; and
+``output_tok_s_under_load`` / ``backlog_at_last_arrival``, the row until its last arrival, without the drain:
+``under_load``): offered and achieved req/s, output tokens/s, TTFT p50/p90/p99, TPOT p50/p99, end-to-end latency
 p50/p99 (all seconds, measured by the client: from the request's scheduled arrival to its first token / last byte),
 adapter bytes moved per tier and per second, pool / host-tier hit rates, and the share of requests within an SLO
 (issue 13's: TTFT <= 5x and TPOT <= 2x the p50s of the first N's row of the same mode and rate kind). Both modes time the same thing from the
@@ -352,6 +354,30 @@ def pct(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
+def under_load(results: list[Result]) -> dict:
+    """The row while requests still arrive: from the first to the last scheduled arrival, output tokens/s
+    (``output_tok_s_under_load``; each request's tokens counted as spread evenly from its first token to its last)
+    and ``backlog_at_last_arrival`` (requests arrived by then and not yet finished). Unlike ``achieved_rps`` and
+    ``output_tok_s``, which run to the last request's end, these leave out the drain after the last arrival, whose
+    length is set by a few requests' output lengths: rows that keep up come out near the offered load. None for a
+    burst row (one arrival time)."""
+    t_lo = min((r.scheduled for r in results), default=0.0)
+    t_hi = max((r.scheduled for r in results), default=0.0)
+    if t_hi <= t_lo:
+        return {"output_tok_s_under_load": None, "backlog_at_last_arrival": None}
+    tokens = 0.0
+    for r in results:
+        if r.error is not None or r.first is None or r.end is None or r.tokens == 0:
+            continue
+        if r.end <= r.first:  # all its tokens at once
+            tokens += r.tokens if t_lo <= r.end <= t_hi else 0
+            continue
+        overlap = max(0.0, min(r.end, t_hi) - max(r.first, t_lo))
+        tokens += r.tokens * overlap / (r.end - r.first)
+    backlog = sum(1 for r in results if r.scheduled <= t_hi and (r.end is None or r.end > t_hi))
+    return {"output_tok_s_under_load": tokens / (t_hi - t_lo), "backlog_at_last_arrival": backlog}
+
+
 def summarize(results: list[Result], wall: float, offered: float, before: dict | None, after: dict | None) -> dict:
     ok = [r for r in results if r.error is None and r.first is not None]
     ttft = [r.first - r.scheduled for r in ok]
@@ -371,7 +397,7 @@ def summarize(results: list[Result], wall: float, offered: float, before: dict |
 
     row = {"requests": len(results), "failed": len(results) - len(ok), "offered_rps": offered,
            "achieved_rps": len(ok) / span if span > 0 else None, "output_tok_s": tokens / span if span > 0 else None,
-           "wall_s": wall, "output_tokens": tokens}
+           "wall_s": wall, "output_tokens": tokens, **under_load(results)}
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
         for q in ((50, 90, 99) if name == "ttft" else (50, 99)):
             row[f"{name}_p{q}_s"] = pct(xs, q)

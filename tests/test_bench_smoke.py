@@ -162,6 +162,13 @@ def test_serving_bench_slo_share():
                R(4.0, error="boom")]                    # failed: out
     assert bs.slo_share(results, ttft_max=1.0, tpot_max=0.15) == pytest.approx(2 / 5)
     assert bs.slo_share(results, None, 0.1) is None
+    # under load: arrivals span [0, 4]; tokens inside it: 11 (0.5..1.5), 2 (2.1..2.2), 11 * 1.8 / 2 (2.2..4.2 cut at
+    # 4.0), 1 (at 3.1); at t = 4 the requests arrived at 2.0 (ends 4.2) and 4.0 (failed: never ended) are unfinished
+    got = bs.under_load(results)
+    assert got["output_tok_s_under_load"] == pytest.approx((11 + 2 + 11 * 1.8 / 2 + 1) / 4)
+    assert got["backlog_at_last_arrival"] == 2
+    assert bs.under_load([R(0.0, first=1, end=2, tokens=3)] * 2) == {"output_tok_s_under_load": None,
+                                                                      "backlog_at_last_arrival": None}
 
 
 def test_serving_bench_long_prompt_mix_chunked_on_and_off(tmp_path):
