@@ -79,8 +79,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--pool-adapters", type=int, default=32)
-    ap.add_argument("--host-adapters", type=int, default=128)
+    ap.add_argument("--pool-adapters", type=int, default=32,
+                    help="adapter slots of the GPU pool; 0: the memory plan's default pool (issue 13's goal row)")
+    ap.add_argument("--host-adapters", type=int, default=128,
+                    help="adapters the host tier holds; 0: the memory plan's default host tier")
     ap.add_argument("--adapter-dir", help="where adapter files go (default: a temporary directory)")
     ap.add_argument("--distinct-files", type=int, default=0,
                     help="write only K adapter directories and load adapter i from directory i %% K (each name is "
@@ -106,7 +108,8 @@ def main() -> None:
     adapter_bytes = layout.page_bytes * layout.max_adapter_pages
     engine = Engine(config, device=device, dtype=dtype, progress=False, max_batch_size=args.batch,
                     max_seq_len=args.prompt_len + args.gen + 1, max_lora_rank=args.rank,
-                    adapter_slots=args.pool_adapters, host_adapter_bytes=args.host_adapters * adapter_bytes)
+                    **({"adapter_slots": args.pool_adapters} if args.pool_adapters else {}),
+                    **({"host_adapter_bytes": args.host_adapters * adapter_bytes} if args.host_adapters else {}))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
     run_once(engine, prompts, [None] * args.batch, 4)  # warm-up: kernels, allocator, autotuners at full batch
@@ -116,7 +119,9 @@ def main() -> None:
             "torch": torch.__version__, "shape": args.shape, "dtype": str(dtype), "rank": args.rank,
             "batch": args.batch, "prompt_len": args.prompt_len, "gen": args.gen,
             "pool_adapters": engine.pool.num_pages // max_adapter_pages(config, args.rank),
-            "host_adapters": args.host_adapters, "base_tokens_per_s": base_tok / base_s}
+            "host_adapters": engine.stats()["host_tier_budget"] // adapter_bytes,
+            "pool_from_plan": not args.pool_adapters, "host_from_plan": not args.host_adapters,
+            "base_tokens_per_s": base_tok / base_s}
     # warm-up of the LoRA kernels (Triton compiles per shape) on a throw-away adapter, unloaded again
     engine.load_adapter("warmup", dirs[0])
     run_once(engine, prompts, ["warmup"] * args.batch, 4)

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from multilora import Engine, SamplingParams
 from multilora.config import ModelConfig
@@ -140,8 +141,12 @@ def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path
                     enable_chunked_prefill=args.chunked_prefill == "on",
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     **({} if args.max_prefill_tokens is None else {"max_prefill_tokens": args.max_prefill_tokens}))
-    for i in range(n_adapters):
+    t0 = time.perf_counter()
+    for i in tqdm(range(n_adapters), desc=f"N = {n_adapters}: registering adapters", disable=n_adapters < 64,
+                  mininterval=2):
         engine.load_adapter(f"a{i}", files[i % len(files)], preload=i < args.preload)
+    print(f"N = {n_adapters}: engine built and adapters registered in {time.perf_counter() - t0:.1f} s; warm-up of "
+          f"{args.warmup_requests} requests", flush=True)
     # warm-up, untimed: Triton compiles a kernel variant per block size and per integer-argument divisibility, so the
     # first steps of each new prefill size are slow; a burst drawn like the trace (another seed) reaches most of them
     warm = make_trace(n_requests=args.warmup_requests, rate=math.inf, arrival="poisson", popularity="uniform",
@@ -158,6 +163,7 @@ def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path
         k = 1 + i % 3
         run(warm[i : i + k], max_tokens=2)
         i += k
+    print(f"N = {n_adapters}: ready after {time.perf_counter() - t0:.1f} s", flush=True)
     return engine
 
 
@@ -248,9 +254,17 @@ async def run_engine(engine: Engine, trace: list[TraceRequest]) -> tuple[list[Re
         res.end = time.perf_counter()
         return res
 
+    bar = tqdm(total=len(trace), desc="requests done", mininterval=5, leave=False)
+
+    async def counted(req: TraceRequest) -> Result:
+        res = await one(req)
+        bar.update(1)
+        return res
+
     try:
-        results = await asyncio.gather(*(one(r) for r in trace))
+        results = await asyncio.gather(*(counted(r) for r in trace))
     finally:
+        bar.close()
         await asyncio.to_thread(loop.close)
     return list(results), time.perf_counter() - t0
 
