@@ -51,12 +51,18 @@ _compiles = {"count": 0, "seconds": 0.0}
 _compile_lock = threading.Lock()
 _compile_start = threading.local()
 _hooked: list[bool] = []
+_install_lock = threading.Lock()
 
 
 def count_kernel_compiles() -> bool:
     """Count the Triton kernel variants this process compiles from now on (:func:`kernel_compiles`), through
     Triton's JIT hooks (``triton.knobs.runtime.jit_cache_hook`` before a compile, ``jit_post_compile_hook`` after,
     chained to any hooks already set). Idempotent. Returns False when Triton is missing or has no such hooks."""
+    with _install_lock:  # one set of hooks even when engines start on several threads at once
+        return _install()
+
+
+def _install() -> bool:
     if _hooked:
         return _hooked[0]
     try:

@@ -213,23 +213,36 @@ def _load_engine(args: argparse.Namespace, *, progress: bool = False) -> Any:
 
 
 def _check_port(host: str, port: int) -> None:
-    """Raise ValueError naming ``--host`` / ``--port`` when ``host:port`` cannot be bound now (in use, or not an
-    address of this machine), so a serve fails in a second instead of after loading the model. (Another process
-    can still take the port in between: uvicorn then reports it.)"""
+    """Raise ValueError naming ``--host`` / ``--port`` when ``host:port`` cannot be listened on now (in use, or not
+    an address of this machine), so a serve fails in a second instead of after loading the model. Binds every
+    address the host resolves to, as asyncio's ``create_server`` (what uvicorn runs) does: ``""`` is every
+    interface, a name with IPv6 and IPv4 addresses needs both. (Another process can still take the port in
+    between: uvicorn then reports it.)"""
     import socket
 
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ValueError(f"--host {host}: not an address this machine can listen on ({e.strerror or e})") from e
-    family, kind, proto, _, addr = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
-        try:
-            sock.bind(addr)
-        except OSError as e:
-            raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); is another "
-                             f"server running? choose another --port") from e
+    socks = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:  # a family this machine lacks (no IPv6): asyncio skips it too
+                continue
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio binds: TIME_WAIT is no conflict
+            if family == getattr(socket, "AF_INET6", None) and hasattr(socket, "IPV6_V6ONLY"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio: :: and 0.0.0.0 side by side
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                raise ValueError(f"--host {host} --port {port}: cannot listen on {addr[0]} ({e.strerror or e}); is "
+                                 f"another server running? choose another --port") from e
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

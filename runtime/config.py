@@ -207,16 +207,20 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)
                                                         or self.max_num_batched_tokens < 1):
             raise fail("max_num_batched_tokens", "None or an int >= 1")
-        if self.max_num_batched_tokens is not None and not self.enable_chunked_prefill:  # (an A/B of the two modes
-            # keeps its budget: a warning, not an error)
-            logging.getLogger("multilora").warning(
-                "max_num_batched_tokens=%s has no effect with enable_chunked_prefill=False (it is chunked prefill's "
-                "step budget; without chunking, max_prefill_tokens=%s caps a prefill step)",
-                self.max_num_batched_tokens, self.max_prefill_tokens)
         if self.memory_snapshot is not None:  # checked before any weights load
             from multilora.memory.accounting import require_snapshot
 
             require_snapshot(self.memory_snapshot, "Engine(memory_snapshot=...)")
+
+    def warn_ineffective(self) -> None:
+        """Log a warning for each option set that this combination makes do nothing (``Engine`` calls it once):
+        ``max_num_batched_tokens`` with ``enable_chunked_prefill=False`` (an A/B of the two modes may keep its
+        budget: a warning, not an error)."""
+        if self.max_num_batched_tokens is not None and not self.enable_chunked_prefill:
+            logging.getLogger("multilora").warning(
+                "max_num_batched_tokens=%s has no effect with enable_chunked_prefill=False (it is chunked prefill's "
+                "step budget; without chunking, max_prefill_tokens=%s caps a prefill step)",
+                self.max_num_batched_tokens, self.max_prefill_tokens)
 
     # ------------------------------------------------------------------------------------------ CLI
     @classmethod

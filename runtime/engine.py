@@ -85,6 +85,7 @@ class Engine:
         if unknown:
             raise TypeError(f"Engine: unknown option(s) {unknown}; the options are EngineConfig's fields")
         cfg = self.engine_config = dataclasses.replace(config or EngineConfig(), **options)
+        cfg.warn_ineffective()
         self.device = torch.device(cfg.device) if cfg.device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = cfg.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)

@@ -86,3 +86,4 @@ def test_scatter_image_equals_per_tensor_image(dtype, scratch_bytes, tmp_path, m
         out = torch.full_like(want.data, float("nan"))  # every element written
         got = read_image(d, CFG, pool, name="x", out=out, verified=verified)[1]
         assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+

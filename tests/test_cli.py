@@ -292,16 +292,22 @@ def test_chunked_prefill_and_admission_flags():
 def test_a_chunked_budget_without_chunking_is_said(caplog):
     """``max_num_batched_tokens`` with chunked prefill off does nothing: a warning says so and names the cap that
     applies (an A/B of the two modes may keep its budget, so it is not an error)."""
+    from multilora import Engine
+    from multilora.config import ModelConfig
     from multilora.runtime.config import EngineConfig
 
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
     with caplog.at_level("WARNING", logger="multilora"):
-        EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=512)
-    assert "max_num_batched_tokens=512 has no effect with enable_chunked_prefill=False" in caplog.text
-    assert "max_prefill_tokens" in caplog.text
+        Engine(cfg, config=EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=512), device="cpu",
+               progress=False)
+    said = [r for r in caplog.records if "has no effect" in r.getMessage()]
+    assert len(said) == 1  # once per engine (not again for each dataclasses.replace of the config)
+    assert "max_num_batched_tokens=512 has no effect with enable_chunked_prefill=False" in said[0].getMessage()
+    assert "max_prefill_tokens" in said[0].getMessage()
     caplog.clear()
     with caplog.at_level("WARNING", logger="multilora"):
-        EngineConfig(max_num_batched_tokens=512)
-        EngineConfig(enable_chunked_prefill=False)
+        EngineConfig(max_num_batched_tokens=512).warn_ineffective()
+        EngineConfig(enable_chunked_prefill=False).warn_ineffective()
     assert "no effect" not in caplog.text
 
 
@@ -317,10 +323,29 @@ def test_serve_refuses_a_port_in_use_before_loading(tmp_path, capsys):
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        with pytest.raises(ValueError, match=rf"--port {port}: cannot listen there"):
+        with pytest.raises(ValueError, match=rf"--port {port}: cannot listen on 127.0.0.1"):
             cli._check_port("127.0.0.1", port)
         code, _, err = run(capsys, "serve", "--model", tmp_path / "no-model", "--host", "127.0.0.1", "--port", port)
-        assert code != 0 and f"--port {port}: cannot listen there" in err and "no-model" not in err
+        assert code != 0 and f"--port {port}: cannot listen on" in err and "no-model" not in err
     cli._check_port("127.0.0.1", port)  # free again: no error
+    cli._check_port("", port)  # "": every interface, as asyncio (uvicorn) reads it
     with pytest.raises(ValueError, match="--host"):
         cli._check_port("no-such-host.invalid", 8000)
+
+
+def test_port_check_binds_every_address_of_the_host(monkeypatch):
+    """A host name with two addresses (``localhost`` as ::1 and 127.0.0.1 on some systems) is refused when the
+    port is taken on the second one: uvicorn would bind both and fail after the model loaded."""
+    import socket
+
+    from multilora.runtime import cli
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))  # all of 127/8 is loopback on Linux
+        s.listen(1)
+        port = s.getsockname()[1]
+        two = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+               (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.2", port))]
+        monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: two)
+        with pytest.raises(ValueError, match=rf"--port {port}: cannot listen on 127.0.0.2"):
+            cli._check_port("two.example", port)

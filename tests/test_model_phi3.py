@@ -439,3 +439,39 @@ def test_fused_adapters_read_straight_into_the_image_bit_identical(peft_setup):
         assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), n
         for f in ("ranks", "scalings", "offsets"):
             assert torch.equal(getattr(got, f), getattr(want, f)), (n, f)
+
+
+def test_deferred_check_counts_a_fused_lora_b_whole(peft_setup, tmp_path):
+    """A fused lora_B (qkv_proj) lies in the image as one B^T per slice: ``read_image``'s own whole-image check (no
+    general-path re-read) reports a NaN in one slice with the count and size of the whole tensor, as the file and
+    ``load_peft_adapter`` do (not of the slice)."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from multilora.runtime.adapters import AdapterError, load_peft_adapter
+    from multilora.runtime.adapters.image import _read
+
+    _, _, engine, out = peft_setup
+    for n in PEFT_ADAPTERS:
+        d = tmp_path / n
+        shutil.copytree(out / n, d)
+        w = d / "adapter_model.safetensors"
+        t = {k: v.clone() for k, v in load_file(str(w)).items()}
+        key = next((k for k in sorted(t) if "qkv_proj.lora_B" in k), None)
+        if key is None:
+            continue
+        t[key][-1, 0] = float("nan")  # a row of the last slice (v)
+        save_file(t, str(w), metadata={"format": "pt"})
+        os.utime(w, (0, 0))
+        with pytest.raises(AdapterError) as want:
+            load_peft_adapter(d, engine.config)
+        with pytest.raises(AdapterError) as got:
+            _read(Path(d), engine.config, engine.pool, None, False, None, False)
+        assert (str(got.value), got.value.key) == (str(want.value), want.value.key)
+        assert f"1 non-finite (NaN/inf) of {t[key].numel()}" in str(got.value)
+        break
+    else:
+        pytest.fail("no adapter of PEFT_ADAPTERS targets qkv_proj")

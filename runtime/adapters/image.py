@@ -70,6 +70,7 @@ def _scratch_bytes(nbytes: int) -> torch.Tensor:
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < nbytes:
         buf = _scratch.buf = torch.empty(max(1 << (max(nbytes, 1) - 1).bit_length(), 1 << 16), dtype=torch.uint8)
+        _scratch.np = None  # its numpy view (_scratch_np) follows the new buffer
     return buf[:nbytes]
 
 
@@ -413,9 +414,9 @@ def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out
             oa = m.slices[0][0]
             if not _finite_bits(img[oa : oa + m.r * m.d_in], bounds):
                 raise _nonfinite(wpath, m.a, out[oa : oa + m.r * m.d_in])
-            for _, ob, _, rows in m.slices:
-                if not _finite_bits(img[ob : ob + m.r * rows], bounds):
-                    raise _nonfinite(wpath, m.b, out[ob : ob + m.r * rows])
+            if not all(_finite_bits(img[ob : ob + m.r * rows], bounds) for _, ob, _, rows in m.slices):
+                # every slice of B (a fused projection's B covers them all): its count and size, as the file's
+                raise _nonfinite(wpath, m.b, torch.cat([out[ob : ob + m.r * rows] for _, ob, _, rows in m.slices]))
         raise AdapterError(f"{wpath}: expected finite values, got non-finite (NaN/inf) ones", path=wpath)
     return PackedAdapter(data=out, ranks=plan.ranks.clone(), scalings=plan.scalings.clone(),
                          offsets=plan.offsets.clone(), max_rank=plan.max_rank, name=name)
