@@ -58,6 +58,44 @@ _COUNTERS = ("steps", "prefill_steps", "decode_steps", "mixed_steps", "prefill_c
              "recomputed_tokens", "generated_tokens", "requests_finished", "requests_failed")
 
 
+#: upper bounds (seconds) of the step-duration histogram (``Engine.stats()["step_seconds"]``): doubling from 1 ms
+STEP_BUCKETS = tuple(0.001 * 2**i for i in range(14))  # 1 ms .. 8.2 s
+
+
+class StepTimes:
+    """Wall seconds of the engine's steps by kind ("prefill", "decode", "mixed"): a histogram over ``STEP_BUCKETS``
+    (what ``multilora_step_duration_seconds{kind}`` exports). A step far above its kind's usual time is a stall (a
+    kernel compile, a CUDA-graph capture, an adapter read on the step's path): in serving, every running request
+    waits for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_kind: dict[str, list] = {}  # kind -> [count, sum, per-bucket counts (+1 overflow)]
+
+    def observe(self, kind: str, seconds: float) -> None:
+        i = next((k for k, le in enumerate(STEP_BUCKETS) if seconds <= le), len(STEP_BUCKETS))
+        with self._lock:
+            h = self._by_kind.setdefault(kind, [0, 0.0, [0] * (len(STEP_BUCKETS) + 1)])
+            h[0] += 1
+            h[1] += seconds
+            h[2][i] += 1
+
+    def report(self) -> dict[str, dict]:
+        """``{kind: {"count", "sum" (seconds), "max_bucket" (upper bound of the slowest step's bucket; inf past the
+        last), "buckets": [(upper bound s, cumulative count), ...]}}`` (a plain dict: it crosses processes)."""
+        out = {}
+        with self._lock:
+            for kind, (n, total, counts) in sorted(self._by_kind.items()):
+                cum, acc = [], 0
+                for le, c in zip(STEP_BUCKETS, counts):
+                    acc += c
+                    cum.append((le, acc))
+                top = max((k for k, c in enumerate(counts) if c), default=0)
+                out[kind] = {"count": n, "sum": total, "buckets": cum,
+                             "max_bucket": STEP_BUCKETS[top] if top < len(STEP_BUCKETS) else math.inf}
+        return out
+
+
 class Engine:
     """Batched multi-LoRA inference on one base model of a served family (Llama 2/3, Mistral, SmolLM2, Qwen2/2.5,
     Qwen3 dense, Phi-3, Gemma 2: ``multilora.config.SERVED_MODEL_TYPES``).
@@ -167,6 +205,7 @@ class Engine:
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    adapter_aware=cfg.adapter_aware_admission and cfg.prefetch_adapters > 0)
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        self.step_times = StepTimes()
         self.postprocess = Postprocessor(self.text, max_seq_len=self.max_seq_len, counters=self._counters,
                                          finish=self.scheduler.finish)
         self.requests = RequestFactory(self.text, self.cache, self.kv, max_seq_len=self.max_seq_len)
@@ -280,6 +319,7 @@ class Engine:
         """Run one engine step (a prefill, a decode or, with chunked prefill, a mixed step: ``Schedule``); return
         the requests that finished in it."""
         with self._step_lock:
+            t0 = time.perf_counter()
             if self.tp is not None:
                 if self.tp.dead:  # nothing can run: every request fails with the workers' error
                     return self._fail_all(list(self.scheduler.running) + list(self.scheduler.waiting),
@@ -297,7 +337,9 @@ class Engine:
             except Exception as e:  # never leave a batch holding resources; report per request
                 return sched.failed + self._fail_all(sched.batch, e)
             self._count(sched, *self.scheduler.advance(sched.batch))
-            return sched.failed + self.postprocess(sched.sampling, logits)
+            done = sched.failed + self.postprocess(sched.sampling, logits)  # (its read-back waits for the GPU)
+            self.step_times.observe(sched.kind, time.perf_counter() - t0)
+            return done
 
     def _make_resident(self, batch: list[Request]) -> None:
         """Prefetch the adapters of waiting requests; make the compute stream wait for this batch's."""
@@ -467,9 +509,11 @@ class Engine:
         """Counters since start: steps, tokens, requests (``runtime.postprocess``), adapter-pool residency and cache
         traffic (``AdapterCache.report``), queue waits, KV blocks and preemptions (``Scheduler.report``), and the
         process's Triton compiles (``kernel_compiles``, ``kernel_compile_seconds``: counted from the first CUDA
-        engine's start, None on the CPU or without Triton's JIT hooks; ``multilora.kernels.backends``)."""
+        engine's start, None on the CPU or without Triton's JIT hooks; ``multilora.kernels.backends``), and
+        ``step_seconds``: the steps' wall times by kind, a histogram (``StepTimes.report``)."""
         return {**self._counters, **self.cache.report(), **self.scheduler.report(),
-                "tensor_parallel_size": self.engine_config.tensor_parallel_size, **kernel_compiles()}
+                "tensor_parallel_size": self.engine_config.tensor_parallel_size, **kernel_compiles(),
+                "step_seconds": self.step_times.report()}
 
     # --------------------------------------------------------------------- the options, by their old names
     for _name in ("max_batch_size", "kv_block_size", "max_lora_rank", "max_prefill_tokens", "lora_backend",  # engine.<option>

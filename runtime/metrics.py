@@ -7,7 +7,9 @@ its tokens) and ``multilora_e2e_request_latency_seconds``, from ``RequestOutput`
 
 Read from ``Engine.stats()`` at each scrape: ``multilora_kv_blocks{state="total"|"free"}``, ``multilora_adapters
 {tier}``, ``multilora_adapter_bytes_moved_total{source, destination}``, ``multilora_prompt_tokens_total``,
-``multilora_generation_tokens_total``, ``multilora_preemptions_total``; and the model-server protocol metrics that the
+``multilora_generation_tokens_total``, ``multilora_preemptions_total``, the histogram
+``multilora_step_duration_seconds{kind}`` (engine steps by kind), ``multilora_kernel_compiles_total`` /
+``multilora_kernel_compile_seconds_total`` (CUDA); and the model-server protocol metrics that the
 Kubernetes Gateway API inference extension reads for adapter-affinity routing, named exactly as vLLM names them:
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:gpu_cache_usage_perc`` (KV blocks used / total,
 0..1) and ``vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}`` (comma-separated adapter
@@ -20,7 +22,7 @@ import time
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from multilora.runtime.postprocess import RequestOutput
 
@@ -34,6 +36,10 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 #: Engine.stats() keys of the adapter bytes moved, as (source tier, destination tier)
 _MOVES = {"bytes_disk_to_host": ("disk", "host"), "bytes_host_to_gpu": ("host", "gpu"),
           "bytes_gpu_to_host": ("gpu", "host")}
+
+
+def _le(bound: float) -> str:
+    return f"{bound:.6g}"
 
 
 class ServerMetrics:
@@ -104,6 +110,14 @@ class _EngineCollector:
                                ("multilora_generation_tokens", "generated_tokens", "tokens generated"),
                                ("multilora_preemptions", "preemptions", "requests preempted (recomputed later)")):
             yield CounterMetricFamily(name, doc, value=s[key])
+        steps = s.get("step_seconds") or {}
+        if steps:
+            h = HistogramMetricFamily("multilora_step_duration_seconds", "engine step wall time, by step kind "
+                                      "(prefill, decode, mixed): a slow step stalls every running request",
+                                      labels=["kind"])
+            for kind, r in steps.items():
+                h.add_metric([kind], [(_le(le), n) for le, n in r["buckets"]] + [("+Inf", r["count"])], r["sum"])
+            yield h
         if s.get("kernel_compiles") is not None:  # a compile during serving stalls every running request
             yield CounterMetricFamily("multilora_kernel_compiles", "Triton kernel variants compiled by this process",
                                       value=s["kernel_compiles"])

@@ -584,6 +584,13 @@ def test_metrics_parse_and_hold_the_gateway_api_names(http, served):
     assert tiers == {t: float(c) for t, c in s["adapters_per_tier"].items()}
     assert m[("multilora_adapter_bytes_moved_total", frozenset({("source", "host"), ("destination", "gpu")}))] > 0
     assert _one(m, "multilora_e2e_request_latency_seconds_count") >= 1
+    s = served.stats()  # the step histogram: one observation per step of each kind, cumulative buckets
+    for kind in ("prefill", "decode", "mixed"):
+        n = s[f"{kind}_steps"]
+        got = m.get(("multilora_step_duration_seconds_bucket", frozenset({("kind", kind), ("le", "+Inf")})), 0)
+        assert got == n == s["step_seconds"].get(kind, {"count": 0})["count"], kind
+    assert s["decode_steps"] > 0
+    assert ("multilora_kernel_compiles_total" in names) == (s["kernel_compiles"] is not None)
 
 
 # ------------------------------------------------------------------------------------------ the command

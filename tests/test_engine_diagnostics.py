@@ -1,6 +1,8 @@
-"""The Triton compile counter behind ``Engine.stats()``'s ``kernel_compiles`` / ``kernel_compile_seconds`` and the
-``multilora_kernel_compiles`` metric (``multilora.kernels.backends``): it counts compiles through Triton's JIT hooks,
-chains to hooks set before it, and (on a GPU) counts one per new kernel specialisation and none for a cached one."""
+"""The engine's stall diagnostics. The Triton compile counter behind ``Engine.stats()``'s ``kernel_compiles`` /
+``kernel_compile_seconds`` and the ``multilora_kernel_compiles`` metric (``multilora.kernels.backends``): it counts
+compiles through Triton's JIT hooks, chains to hooks set before it, and (on a GPU) counts one per new kernel
+specialisation and none for a cached one. And ``StepTimes``, the step-duration histogram behind ``step_seconds`` and
+``multilora_step_duration_seconds``."""
 
 from __future__ import annotations
 
@@ -81,3 +83,22 @@ def test_engine_stats_carry_the_counter():
     assert {"kernel_compiles", "kernel_compile_seconds"} <= set(s)
     if not backends._hooked:  # no CUDA engine started in this process: the count is off, not zero
         assert s["kernel_compiles"] is None and s["kernel_compile_seconds"] is None
+
+
+def test_step_times_histogram():
+    """``StepTimes``: cumulative counts per bucket bound, the sum, the slowest step's bucket (inf past the last)."""
+    import math
+
+    from multilora.runtime.engine import STEP_BUCKETS, StepTimes
+
+    st = StepTimes()
+    for secs in (0.0005, 0.003, 0.003, 0.2):
+        st.observe("decode", secs)
+    st.observe("mixed", 100.0)
+    r = st.report()
+    d = r["decode"]
+    assert d["count"] == 4 and d["sum"] == pytest.approx(0.2065)
+    cum = dict(d["buckets"])
+    assert cum[0.001] == 1 and cum[0.002] == 1 and cum[0.004] == 3 and cum[0.128] == 3 and cum[0.256] == 4
+    assert [le for le, _ in d["buckets"]] == list(STEP_BUCKETS) and d["max_bucket"] == 0.256
+    assert r["mixed"]["count"] == 1 and r["mixed"]["buckets"][-1][1] == 0 and math.isinf(r["mixed"]["max_bucket"])
