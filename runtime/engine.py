@@ -13,6 +13,7 @@ once, and the forward: base GEMMs + per-token LoRA, attention over the paged KV 
 from __future__ import annotations
 
 import atexit
+import bisect
 import dataclasses
 import logging
 import math
@@ -73,7 +74,7 @@ class StepTimes:
         self._by_kind: dict[str, list] = {}  # kind -> [count, sum, per-bucket counts (+1 overflow)]
 
     def observe(self, kind: str, seconds: float) -> None:
-        i = next((k for k, le in enumerate(STEP_BUCKETS) if seconds <= le), len(STEP_BUCKETS))
+        i = bisect.bisect_left(STEP_BUCKETS, seconds)  # the first bound >= seconds (len: past the last)
         with self._lock:
             h = self._by_kind.setdefault(kind, [0, 0.0, [0] * (len(STEP_BUCKETS) + 1)])
             h[0] += 1
