@@ -218,7 +218,10 @@ class Engine:
                  str(self.dtype).replace("torch.", "") + (" (fp8 base weights)" if cfg.weight_dtype else ""),
                  self.pool.bytes_total / 1e6, self.pool.num_pages, self.pool.page_bytes, self.kv.num_usable_blocks, cfg.kv_block_size,
                  self.kv.nbytes / 1e6, self.kv.num_usable_blocks / sizes.request.seq_blocks, self.max_seq_len,
-                 cfg.max_batch_size, "" if sizes.plan is None else "\n" + sizes.plan.explain())
+                 cfg.max_batch_size, "" if sizes.plan is None else
+                 f"; host tier {sizes.plan.host_tier_bytes / 1e6:.1f} MB (memory plan: `multilora memory`, or -v)")
+        if sizes.plan is not None:  # each size, its binding source, the inputs: ~30 lines, for -v
+            log.debug("memory plan:\n%s", sizes.plan.explain())
 
     # ------------------------------------------------------------------------------------ adapters
     def load_adapter(self, name: str, path: str | os.PathLike, *, allow_pickle: bool = False,
