@@ -186,36 +186,21 @@ async def _pace(t0: float, req: TraceRequest) -> float:
 
 
 class StepTrace:
-    """Wall time of every engine step of a row, by kind (``with StepTrace(engine) as st``: ``engine.step`` and
-    ``engine.runner.run`` wrapped on the instance for the block), to tell stalls (a few steps far above their kind's
-    median: a compile, a capture, a garbage collection) from a uniformly slower engine. ``summary()``: per kind the
-    steps, p50 / p99 / max milliseconds and the batch rows' p50; ``stall_steps`` (steps over 5x their kind's median
-    and over 50 ms) and ``stall_seconds`` (their time above that median)."""
+    """Wall time of every engine step of a row, by kind (``with StepTrace(engine) as st``: the steps the engine's
+    ``step_times`` observed inside the block), to tell stalls (a few steps far above their kind's median: a
+    compile, a capture, a garbage collection) from a uniformly slower engine. ``summary()``: per kind the steps,
+    p50 / p99 / max milliseconds and the batch rows' p50; ``stall_steps`` (steps over 5x their kind's median and
+    over 50 ms) and ``stall_seconds`` (their time above that median)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.steps = engine, []  # (kind, rows, seconds)
 
     def __enter__(self) -> "StepTrace":
-        eng, runner, last = self.engine, self.engine.runner, {}
-        step, run = eng.step, runner.run
-
-        def timed_run(kind, batch):
-            last["kind"], last["rows"] = kind, len(batch)
-            return run(kind, batch)
-
-        def timed_step():
-            last.clear()
-            t = time.perf_counter()
-            out = step()
-            if last:
-                self.steps.append((last["kind"], last["rows"], time.perf_counter() - t))
-            return out
-
-        eng.step, runner.run = timed_step, timed_run
+        self._mark = self.engine.step_times.observed
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.engine.step, self.engine.runner.run  # the class's methods again
+        self.steps = self.engine.step_times.since(self._mark)
 
     def summary(self) -> dict:
         out: dict[str, Any] = {"stall_steps": 0, "stall_seconds": 0.0}

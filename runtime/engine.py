@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import collections
 import dataclasses
 import logging
 import math
@@ -65,21 +66,37 @@ STEP_BUCKETS = tuple(0.001 * 2**i for i in range(14))  # 1 ms .. 8.2 s
 
 class StepTimes:
     """Wall seconds of the engine's steps by kind ("prefill", "decode", "mixed"): a histogram over ``STEP_BUCKETS``
-    (what ``multilora_step_duration_seconds{kind}`` exports). A step far above its kind's usual time is a stall (a
-    kernel compile, a CUDA-graph capture, an adapter read on the step's path): in serving, every running request
-    waits for it."""
+    (what ``multilora_step_duration_seconds{kind}`` exports), and the last ``keep`` steps one by one (``since``: what
+    ``bench/bench_serving.py`` summarises per row). A step far above its kind's usual time is a stall (a kernel
+    compile, a CUDA-graph capture, an adapter read on the step's path): in serving, every running request waits
+    for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = 1 << 16) -> None:
         self._lock = threading.Lock()
         self._by_kind: dict[str, list] = {}  # kind -> [count, sum, per-bucket counts (+1 overflow)]
+        self._recent: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=keep)
+        self.observed = 0  # steps observed since start
 
-    def observe(self, kind: str, seconds: float) -> None:
+    def observe(self, kind: str, seconds: float, rows: int = 0) -> None:
+        """One step of ``kind`` that took ``seconds`` (wall) with ``rows`` requests in its batch."""
         i = bisect.bisect_left(STEP_BUCKETS, seconds)  # the first bound >= seconds (len: past the last)
         with self._lock:
             h = self._by_kind.setdefault(kind, [0, 0.0, [0] * (len(STEP_BUCKETS) + 1)])
             h[0] += 1
             h[1] += seconds
             h[2][i] += 1
+            self._recent.append((kind, rows, seconds))
+            self.observed += 1
+
+    def since(self, mark: int) -> list[tuple[str, int, float]]:
+        """``(kind, rows, seconds)`` of every step observed after the first ``mark`` (a past ``observed``), oldest
+        first. Raises ValueError when some of them are no longer kept (more than ``keep`` steps since)."""
+        with self._lock:
+            n = self.observed - mark
+            if not 0 <= n <= len(self._recent):
+                raise ValueError(f"StepTimes.since({mark}): expected a mark within the last {self._recent.maxlen} "
+                                 f"steps, got one {n} steps back")
+            return list(self._recent)[len(self._recent) - n:]
 
     def report(self) -> dict[str, dict]:
         """``{kind: {"count", "sum" (seconds), "max_bucket" (upper bound of the slowest step's bucket; inf past the
@@ -342,7 +359,7 @@ class Engine:
                 return sched.failed + self._fail_all(sched.batch, e)
             self._count(sched, *self.scheduler.advance(sched.batch))
             done = sched.failed + self.postprocess(sched.sampling, logits)  # (its read-back waits for the GPU)
-            self.step_times.observe(sched.kind, time.perf_counter() - t0)
+            self.step_times.observe(sched.kind, time.perf_counter() - t0, len(sched.batch))
             return done
 
     def _make_resident(self, batch: list[Request]) -> None:

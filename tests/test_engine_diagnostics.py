@@ -102,3 +102,21 @@ def test_step_times_histogram():
     assert cum[0.001] == 1 and cum[0.002] == 1 and cum[0.004] == 3 and cum[0.128] == 3 and cum[0.256] == 4
     assert [le for le, _ in d["buckets"]] == list(STEP_BUCKETS) and d["max_bucket"] == 0.256
     assert r["mixed"]["count"] == 1 and r["mixed"]["buckets"][-1][1] == 0 and math.isinf(r["mixed"]["max_bucket"])
+
+
+def test_step_times_keep_the_recent_steps():
+    """``since(mark)``: the steps after a past ``observed``, oldest first, with kind and rows; a mark older than
+    what is kept is refused rather than answered with a partial list."""
+    from multilora.runtime.engine import StepTimes
+
+    st = StepTimes(keep=3)
+    st.observe("prefill", 0.01, 2)
+    mark = st.observed
+    st.observe("decode", 0.002, 2)
+    st.observe("mixed", 0.03, 3)
+    assert st.since(mark) == [("decode", 2, 0.002), ("mixed", 3, 0.03)]
+    assert st.since(st.observed) == []
+    st.observe("decode", 0.001, 1)
+    st.observe("decode", 0.001, 1)
+    with pytest.raises(ValueError, match="within the last 3 steps"):
+        st.since(mark)
