@@ -303,6 +303,20 @@ def _nonfinite(wpath: Path, t: _Tensor, x: torch.Tensor) -> AdapterError:
                         f"{x.numel()}", path=wpath, key=t.key)
 
 
+def _place_b(img: np.ndarray, m: _Module, xb: np.ndarray) -> None:
+    """lora_B's bit patterns ``xb`` (flat ``[d_out * r]``, the file's layout) into the image as B^T, per slice."""
+    xb = xb.reshape(-1, m.r)  # [d_out, r]
+    for _, ob, row, rows in m.slices:
+        np.copyto(img[ob : ob + m.r * rows].reshape(m.r, rows), xb[row : row + rows].T)
+
+
+def _share_a(img: np.ndarray, m: _Module) -> None:
+    """A fused projection's slices share A: the first slice's A copied to the others."""
+    oa0, n = m.slices[0][0], m.r * m.d_in
+    for oa, _, _, _ in m.slices[1:]:
+        img[oa : oa + n] = img[oa0 : oa0 + n]
+
+
 def _scatter_into(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memoryview, esize: int) -> None:
     """Every tensor in the pool dtype: the file's tensors read in file order by scatter reads
     (``OpenFile.read_scatter``: one ``preadv`` for up to 1024 tensors, the GIL released for all of them), each
@@ -323,9 +337,7 @@ def _scatter_into(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memoryvi
         if bufs:
             f.read_scatter(bufs, start)
         for m, off in pending:
-            xb = scratch[off : off + m.b.nbytes].view(img.dtype).reshape(-1, m.r)  # [d_out, r]
-            for _, ob, row, rows in m.slices:
-                np.copyto(img[ob : ob + m.r * rows].reshape(m.r, rows), xb[row : row + rows].T)
+            _place_b(img, m, scratch[off : off + m.b.nbytes].view(img.dtype))
         bufs.clear()
         pending.clear()
         used = 0
@@ -345,10 +357,8 @@ def _scatter_into(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memoryvi
             bufs.append(img_bytes[oa : oa + t.nbytes])
         nxt = begin + t.nbytes
     flush()
-    for m in plan.modules:  # a fused projection's slices share A
-        oa0, n = m.slices[0][0], m.r * m.d_in
-        for oa, _, _, _ in m.slices[1:]:
-            img[oa : oa + n] = img[oa0 : oa0 + n]
+    for m in plan.modules:
+        _share_a(img, m)
 
 
 def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out, verified: bool) -> PackedAdapter:
@@ -390,17 +400,14 @@ def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out
             if not verified and not _finite(x):
                 raise _nonfinite(wpath, a, x)
             out[oa0 : oa0 + r * d_in].copy_(x)
-        for oa, _, _, _ in m.slices[1:]:  # a fused projection's slices share A
-            img[oa : oa + r * d_in] = img[oa0 : oa0 + r * d_in]
+        _share_a(img, m)
         if b.dtype == dtype:
             xn = _scratch_np(b.nbytes)
             f.read_into(memoryview(xn), b.begin)
             xb = xn.view(img.dtype)  # B's bit patterns, [d_out * r]
             if not verified and not (_finite_bits(xb, bounds) if bounds else _finite(torch.from_numpy(xb).view(dtype))):
                 raise _nonfinite(wpath, b, torch.from_numpy(xb).view(dtype))
-            xb = xb.reshape(-1, r)  # [d_out, r]
-            for _, ob, row, rows in m.slices:
-                np.copyto(img[ob : ob + r * rows].reshape(r, rows), xb[row : row + rows].T)
+            _place_b(img, m, xb)
             continue
         x = _scratch_bytes(b.nbytes).view(b.dtype)  # another dtype: converted by torch's copy
         f.read_into(memoryview(x.view(torch.uint8).numpy()), b.begin)
