@@ -175,10 +175,11 @@ class EngineConfig:
         for name in ("starvation_patience", "prefetch_adapters"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise fail(name, "an int >= 0")
-        for name in ("adapter_pool_bytes", "kv_cache_bytes", "host_adapter_bytes", "lora_side_stream_max_tokens"):
+        for name, unit in (("adapter_pool_bytes", "bytes"), ("kv_cache_bytes", "bytes"),
+                           ("host_adapter_bytes", "bytes"), ("lora_side_stream_max_tokens", "tokens")):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):
-                raise fail(name, "None or an int >= 0 (bytes)")
+                raise fail(name, f"None or an int >= 0 ({unit})")
         if self.max_seq_len is not None and (not _is_int(self.max_seq_len) or self.max_seq_len < 2):
             raise fail("max_seq_len", "an int >= 2")
         if not (_is_number(self.gpu_memory_fraction) and 0 < self.gpu_memory_fraction <= 1):
