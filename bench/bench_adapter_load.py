@@ -90,19 +90,17 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     def ours(i, w):
         read_image(dirs[i], config, pool, name=f"a{i}", out=blocks[w].view(pool.dtype))
 
-    def ours_per_tensor(i, w):  # the finite checks tensor by tensor while in cache (before the whole-image check)
-        image._DEFER_CHECK = False
-        try:
-            ours(i, w)
-        finally:
-            image._DEFER_CHECK = True
+    def without(switch: str):  # ``ours`` with one of read_image's A/B switches off (read once per read_image call)
+        def run(i, w):
+            setattr(image, switch, False)
+            try:
+                ours(i, w)
+            finally:
+                setattr(image, switch, True)
+        return run
 
-    def ours_tensor_reads(i, w):  # one read per tensor instead of the scatter reads (before session 8's change)
-        image._SCATTER = False
-        try:
-            ours(i, w)
-        finally:
-            image._SCATTER = True
+    ours_per_tensor = without("_DEFER_CHECK")  # each tensor checked while in cache (before the whole-image check)
+    ours_tensor_reads = without("_SCATTER")  # one read per tensor instead of the scatter reads (before session 8)
 
     def ours_verified(i, w):  # a re-read of a file version the cache has read before: no finite checks
         read_image(dirs[i], config, pool, name=f"a{i}", out=blocks[w].view(pool.dtype), verified=True)
