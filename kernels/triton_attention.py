@@ -52,6 +52,11 @@ long prompts would otherwise trail). Worked example with ``q_lens = [5, 1, 3]``,
     tile_q0  = [0, 2, 0, 4, 2, 0]                                # longest first; ties keep sequence order
 
 The table reads ``seq_lens`` only for this order; a decode batch has no table (see above).
+
+The kernel does not specialise on ``num_tiles`` nor on the block table's row stride ``stride_bt`` (the widest
+block table of an eager step; ``do_not_specialize``): one compiled variant serves every tile count and width,
+where Triton would compile three of each (1, multiples of 16, the rest) and a serving step reaching a new one
+would stall on the compile.
 """
 
 from __future__ import annotations
@@ -144,7 +149,7 @@ def _attend_range(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles", "stride_bt"])  # one variant per config (module docstring)
 def _paged_attention_kernel(
     # pointers
     out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr, part_o_ptr, part_lse_ptr,

@@ -10,10 +10,18 @@ Semantics are those of ``fp8.fp8_linear(method="dequant")`` and ``fp8.quantize_p
   and accumulating with ``tl.dot`` in fp32. The column scale and the bias are applied once, after the K loop.
 - ``_quant_kernel``: one program per token: the row in registers, its absmax, the scale and the fp8 row.
 
-Grids depend only on shapes, so both are safe inside CUDA graphs.
+Grids depend only on shapes, so both are safe inside CUDA graphs. The row count ``M`` is not specialised on
+(``do_not_specialize``): one compiled variant serves every batch size, so a new batch size never stalls a step
+on a compile.
 """
 
 from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
 
 import torch
 import triton
@@ -22,6 +30,7 @@ import triton.language as tl
 from multilora.kernels.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
 
 MAX_QUANT_ROW = 65536
+log = logging.getLogger("multilora")
 
 
 @triton.jit
@@ -34,7 +43,7 @@ def _store_scaled(y_ptr, s_ptr, b_ptr, stride_ym, offs_m, offs_n, m_mask, n_mask
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
                     M, N, K,
                     stride_xm, stride_wn, stride_ym,
@@ -59,7 +68,7 @@ def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     _store_scaled(y_ptr, s_ptr, b_ptr, stride_ym, offs_m, offs_n, m_mask, n_mask, acc, HAS_BIAS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _w8_gemv_splitk_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
                            M, N, K, K_PER_SPLIT,
                            stride_xm, stride_wn, stride_ym,
@@ -108,6 +117,82 @@ def _w8_gemv_splitk_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_pt
         tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _w8_gemv2_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
+                     M, N, K, K_PER_SPLIT, SPLIT_K,
+                     stride_xm, stride_wn, stride_ym,
+                     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``_w8_gemv_splitk_kernel`` with fewer registers per byte in flight (candidate, ``bench/bench_fp8.py --sweep``):
+    SPLIT_K is a runtime argument (one compiled variant serves every split); the CUDA-core path (``USE_DOT`` False,
+    one row of x) keeps an elementwise fp32 accumulator [BLOCK_N, BLOCK_K] and sums it once after the K loop instead
+    of a cross-thread reduction per tile; ``PREFETCH`` issues the next weight tile's load before widening the
+    current one (a register double buffer of raw fp8 bytes); ``EVEN`` (N % BLOCK_N == 0 and K % K_PER_SPLIT == 0)
+    drops the masks. The ticket reduction is the same as ``_w8_gemv_splitk_kernel``'s."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    dt = x_ptr.dtype.element_ty
+    k_lo = pid_k * K_PER_SPLIT
+    w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if PREFETCH:
+        kk = k_lo + offs_k
+        if EVEN:
+            w_next = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
+        else:
+            w_next = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0,
+                             eviction_policy="evict_first")
+    for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+        kk = k0 + offs_k
+        if PREFETCH:
+            w = w_next
+            kn = kk + BLOCK_K
+            nxt = (kn < K) & (kn < k_lo + K_PER_SPLIT)
+            w_next = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & nxt[None, :], other=0.0,
+                             eviction_policy="evict_first")
+        elif EVEN:
+            w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        if USE_DOT:
+            if EVEN:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                            mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)
+            acc += tl.dot(x, tl.trans(w.to(dt)))
+        else:
+            if EVEN:
+                x = tl.load(x_ptr + kk).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            acc2 += w.to(dt).to(tl.float32) * x[None, :]
+    if not USE_DOT:
+        acc = tl.where(offs_m[:, None] == 0, tl.sum(acc2, axis=1)[None, :], 0.0)  # [BLOCK_M, BLOCK_N], row 0
+    p = part_ptr + (pid_k * BLOCK_M + offs_m[:, None]) * N + offs_n[None, :]
+    if SPLIT_K == 1:
+        _store_scaled(y_ptr, s_ptr, b_ptr, stride_ym, offs_m, offs_n, m_mask, n_mask, acc, HAS_BIAS)
+    else:
+        tl.store(p, acc, mask=n_mask[None, :])
+        ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")  # orders the store above before the last reader
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, SPLIT_K):
+                total += tl.load(part_ptr + (k * BLOCK_M + offs_m[:, None]) * N + offs_n[None, :],
+                                 mask=n_mask[None, :], other=0.0, cache_modifier=".cg")
+            _store_scaled(y_ptr, s_ptr, b_ptr, stride_ym, offs_m, offs_n, m_mask, n_mask, total, HAS_BIAS)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -149,9 +234,107 @@ def fp8_gemv_splitk(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return y
 
 
+def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
+              block_n: int = 32, block_k: int = 512, split_k: int | None = None, programs_per_sm: int = 4,
+              num_warps: int = 4, num_stages: int = 1, prefetch: bool = False, use_dot: bool | None = None,
+              num_sms: int = 132) -> torch.Tensor:
+    """``fp8_gemv_splitk`` through ``_w8_gemv2_kernel``: same arguments, result and errors, plus ``programs_per_sm``
+    (split_k None: about that many programs per SM of ``num_sms``, each at least 2 K tiles), ``num_stages`` and
+    ``prefetch`` (the kernel's docstring). ``use_dot`` None = tensor cores from 2 rows; the CUDA-core path takes one
+    row only."""
+    M, K = x.shape
+    N = qweight.shape[0]
+    if not 1 <= M <= 64:
+        raise ValueError(f"fp8_gemv2: x must have 1..64 rows, got {M}")
+    use_dot = M > 1 if use_dot is None else use_dot
+    if not use_dot and M != 1:
+        raise ValueError(f"fp8_gemv2: the CUDA-core path (use_dot=False) takes 1 row, got {M}")
+    n_blocks = triton.cdiv(N, block_n)
+    if split_k is None:
+        split_k = max(1, min(triton.cdiv(programs_per_sm * num_sms, n_blocks), K // (2 * block_k)))
+    k_per = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    split_k = triton.cdiv(K, k_per)
+    bm = max(16, triton.next_power_of_2(M)) if use_dot else 1
+    even = N % block_n == 0 and K % k_per == 0
+    part, count = _workspace(x.device, split_k, bm, N, n_blocks)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _w8_gemv2_kernel[(n_blocks, split_k)](x, qweight, scale, bias if bias is not None else scale, y, part, count,
+                                          M, N, K, k_per, split_k, x.stride(0), qweight.stride(0), y.stride(0),
+                                          HAS_BIAS=bias is not None, USE_DOT=use_dot, EVEN=even, PREFETCH=prefetch,
+                                          BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+                                          num_stages=num_stages)
+    return y
+
+
 def _config(N: int) -> dict:
     """Tile sizes of the tiled kernel (only M > 64 reaches it from ``fp8_weight_only_linear``)."""
     return dict(BLOCK_M=64, BLOCK_N=64 if N <= 8192 else 128, BLOCK_K=128, num_warps=4, num_stages=4)
+
+
+#: Tuned tiles of ``fp8_gemv2`` per device, shape and row class: ``kernels/tuned/fp8_gemv_*.json`` as written by
+#: ``bench/sweep_fp8_gemv.py`` ({"device": name, "configs": {"NxK": {"1" | "16" | "64": kwargs}}, ...}); the file
+#: named by the environment variable ``MULTILORA_FP8_TUNED`` (if set) is read last and wins.
+TUNED_DIR = Path(__file__).resolve().with_name("tuned")
+_tuned: dict[str, dict] | None = None
+_tuned_lock = threading.Lock()
+#: The keys of one tuned entry: ``fp8_gemv2``'s tile arguments.
+_KEYS = {"block_n", "block_k", "num_warps", "num_stages", "programs_per_sm", "prefetch", "use_dot"}
+
+
+def _read_tuned(path: Path, into: dict[str, dict]) -> None:
+    try:
+        data = json.loads(path.read_text())
+        device, configs = data["device"], data["configs"]
+        for shape, by_rows in configs.items():
+            for rows, cfg in by_rows.items():
+                if set(cfg) != _KEYS or rows not in ("1", "16", "64"):
+                    raise ValueError(f"config {shape}/{rows} has keys {sorted(cfg)}, expected {sorted(_KEYS)}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("fp8 tuned tiles: ignoring %s (%s)", path, e)
+        return
+    entry = into.setdefault(device, {"configs": {}})
+    for shape, by_rows in configs.items():
+        entry["configs"].setdefault(shape, {}).update(by_rows)
+    if "weight_only_max_tokens" in data:
+        entry["weight_only_max_tokens"] = int(data["weight_only_max_tokens"])
+
+
+def tuned_table() -> dict[str, dict]:
+    """{device name: {"configs": {"NxK": {row class: fp8_gemv2 kwargs}}, "weight_only_max_tokens": n}} from the
+    shipped files and ``MULTILORA_FP8_TUNED`` (read once per process; a malformed file is skipped with a warning)."""
+    global _tuned
+    with _tuned_lock:
+        if _tuned is None:
+            table: dict[str, dict] = {}
+            for path in sorted(TUNED_DIR.glob("fp8_gemv_*.json")):
+                _read_tuned(path, table)
+            extra = os.environ.get("MULTILORA_FP8_TUNED")
+            if extra:
+                _read_tuned(Path(extra), table)
+            _tuned = table
+        return _tuned
+
+
+def row_class(M: int) -> str:
+    """The tuned-table row class of M rows: "1", "16" (2-16) or "64" (17-64)."""
+    return "1" if M == 1 else ("16" if M <= 16 else "64")
+
+
+def gemv_config(device: torch.device, N: int, K: int, M: int) -> dict | None:
+    """The tuned ``fp8_gemv2`` arguments for an [M, K] x [N, K]^T product on ``device`` (this GPU's entry for this
+    shape and row class), or None where there is none. A CUDA-core entry (one row only) is never returned for
+    more rows."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    cfg = tuned_table().get(name, {}).get("configs", {}).get(f"{N}x{K}", {}).get(row_class(M))
+    return None if cfg is None or (not cfg["use_dot"] and M > 1) else cfg
+
+
+def weight_only_max_tokens(device: torch.device) -> int | None:
+    """Most rows for which this GPU's tuned table measured the weight-only GEMM faster than ``scaled_mm`` (None: no
+    table for this GPU)."""
+    if device.type != "cuda":
+        return None
+    return tuned_table().get(torch.cuda.get_device_name(device), {}).get("weight_only_max_tokens")
 
 
 def fp8_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -159,7 +342,9 @@ def fp8_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.
     """``x @ (qweight * scale[:, None])^T (+ bias)`` with fp8 weights widened in registers (module docstring).
 
     x [M, K] float16/bfloat16 (contiguous rows), qweight float8_e4m3fn [N, K] row-major, scale float32 [N], bias
-    None or [N]; returns a new [M, N] tensor in x's dtype.
+    None or [N]; returns a new [M, N] tensor in x's dtype. Up to 64 rows run a split-K GEMV: ``fp8_gemv2`` with the
+    tiles of ``gemv_config`` where this GPU and shape have a tuned entry (``bench/sweep_fp8_gemv.py``), else
+    ``fp8_gemv_splitk`` with the tiles measured in ``bench/results/fp8/fp8_gemm.md``; more rows the tiled kernel.
 
     Raises:
         ValueError: shapes, dtypes or devices that disagree (named).
@@ -175,6 +360,9 @@ def fp8_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.
         raise ValueError(f"fp8_weight_only_linear: x must be float16/bfloat16 with contiguous rows, got {x.dtype}")
     if not qweight.device == x.device == scale.device:
         raise ValueError("fp8_weight_only_linear: x, qweight and scale must be on one device")
+    cfg = gemv_config(x.device, N, K, M) if 1 <= M <= 64 else None
+    if cfg is not None:
+        return fp8_gemv2(x, qweight, scale, bias, num_sms=_num_sms(x.device), **cfg)
     if M == 1:  # decode-sized: split over K so that enough programs stream the weight (bench/results/fp8/)
         return fp8_gemv_splitk(x, qweight, scale, bias, block_n=64, block_k=256, num_warps=4, use_dot=False)
     if 2 <= M <= 16:
@@ -189,6 +377,15 @@ def fp8_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.
     _w8_gemm_kernel[grid](x, qweight, scale, bias if bias is not None else scale, y, M, N, K,
                           x.stride(0), qweight.stride(0), y.stride(0), HAS_BIAS=bias is not None, **cfg)
     return y
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return _SMS[device]
 
 
 @triton.jit

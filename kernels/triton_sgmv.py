@@ -27,6 +27,13 @@ Shrink writes an fp32 intermediate ``v`` of shape ``[SPLIT_K, num_slices, T, RMA
 ``max_rank``); split-K partials are summed by expand, so nothing needs zeroing and results are
 deterministic. The per-slot scaling is applied inside expand; the pool never holds scaled weights.
 
+Neither kernel specialises on the token count ``T`` nor on the chunk table's row stride ``stride_c`` (its
+chunk count; ``do_not_specialize``): Triton would otherwise compile a
+variant for ``T == 1``, for ``T % 16 == 0`` and for the rest, and a serving step whose token count first fell
+in a new class stalled every running request for the compile (about 0.3 s each on an H200;
+``bench/results/serving/``). The constexprs still change with ``T`` at fixed thresholds (``block_m``,
+``block_k``, the expand's stages), which a warm-up reaches with one step on each side.
+
 A one-launch shrink + expand kernel was tried and is off by default: ``multilora.kernels.experimental``.
 """
 
@@ -134,7 +141,7 @@ def _add_scaled(y_ptr, stride_ym, tok, m_mask, n, n_mask, scale, acc):
     tl.store(y_ptrs, (y_old.to(tl.float32) + (scale * acc).to(dt).to(tl.float32)).to(dt), mask=y_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "stride_c"])  # one compiled variant for every token count (module docstring)
 def _sgmv_shrink_kernel(
     # pointers
     x_ptr, buf_ptr, offa_ptr, ranks_ptr, v_ptr, chunks_ptr,
@@ -169,7 +176,7 @@ def _sgmv_shrink_kernel(
         tl.store(v_rows + j[None, :], acc, mask=m_mask[:, None] & j_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "stride_c"])  # one compiled variant for every token count (module docstring)
 def _sgmv_expand_kernel(
     # pointers
     y_ptr, buf_ptr, offb_ptr, ranks_ptr, scal_ptr, tab_ptr, v_ptr, chunks_ptr,
