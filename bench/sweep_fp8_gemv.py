@@ -8,8 +8,11 @@ weights). Phases:
 
 1. sweep: M = 1 (the CUDA-core path and tl.dot), 16 and 64 (tl.dot): every tile shape, programs per SM, prefetch /
    pipeline stages; one JSON line per (module, M, config).
-2. layer: the best config of each (module, M class) found in phase 1, then the four GEMMs of a layer in sequence
-   (distinct weights, 4 layers per graph, time per layer) for bf16, the current choice and the best, at
+2. table: the fastest config per (module, M class) becomes ``fp8_gemv_tuned.json`` (the form of
+   ``kernels/tuned/fp8_gemv_*.json``): weight-only tiles, fp8-activation tiles where they beat cuBLASLt, and
+   ``weight_only_max_tokens`` (the largest class where weight-only beats the best fp8-activation GEMM).
+3. layer: the four GEMMs of a layer in sequence (distinct weights, 4 layers per graph, time per layer) through
+   ``fp8_linear(method=None)``, with the shipped tables and then with the new one, against bf16, at
    M = 1, 2, 4, 8, 16, 32, 64.
 
     python bench/sweep_fp8_gemv.py --out bench/results/fp8/sweep       # H200: about 3-4 minutes
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import platform
 import sys
 import time
@@ -33,20 +37,26 @@ DTYPE = torch.bfloat16
 
 
 def configs(path: str, quick: bool) -> list[dict]:
-    """Tile configs of one path: "row" (CUDA cores, M = 1) or "dot" (tl.dot)."""
+    """Tile configs of one path: "row" (CUDA cores, M = 1), "dot" (bf16 tensor cores, weights widened) or "scaled"
+    (fp8 activations, fp8 tensor cores: ``fp8_x``)."""
     if path == "row":
-        grid = itertools.product((8, 16, 32), (512, 1024), (4, 8), (False, True), (2, 4, 8))
+        grid = itertools.product((2, 4, 8, 16), (512, 1024, 2048), (2, 4), (False,), (1, 2, 3, 4))
         out = [dict(block_n=bn, block_k=bk, num_warps=w, prefetch=p, programs_per_sm=pps, num_stages=1, use_dot=False)
                for bn, bk, w, p, pps in grid if bn * bk // (32 * w) <= 128]
-    else:
+    elif path == "dot":
         grid = itertools.product((32, 64, 128), (128, 256), (4, 8), (2, 4), (2, 4))
         out = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, programs_per_sm=pps, prefetch=False,
                     use_dot=True) for bn, bk, w, st, pps in grid]
+    else:
+        grid = itertools.product((32, 64, 128), (128, 256), (4,), (2, 4), (2, 4))
+        out = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, programs_per_sm=pps, prefetch=False,
+                    use_dot=True, fp8_x=True) for bn, bk, w, st, pps in grid]
     return out[:3] if quick else out
 
 
 def name_of(c: dict) -> str:
-    return (f"{'dot' if c['use_dot'] else 'row'}_{c['block_n']}x{c['block_k']}w{c['num_warps']}s{c['num_stages']}"
+    kind = "x8" if c.get("fp8_x") else ("dot" if c["use_dot"] else "row")
+    return (f"{kind}_{c['block_n']}x{c['block_k']}w{c['num_warps']}s{c['num_stages']}"
             f"{'p' if c['prefetch'] else ''}_pps{c['programs_per_sm']}")
 
 
@@ -56,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rotate-mb", type=float, default=256.0, help="weight bytes cycled through per timed call")
     ap.add_argument("--quick", action="store_true", help="three configs per path (smoke run)")
     ap.add_argument("--rep", type=int, default=25, help="ms of replays per timing (do_bench_cudagraph rep)")
+    ap.add_argument("--paths", default="row,dot,scaled", help="comma list of the tile grids to sweep: row (M = 1, "
+                    "CUDA cores), dot (bf16 tensor cores), scaled (fp8 activations, fp8 tensor cores)")
     ap.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): tiny shapes, wall-clock timer; "
                     "checks the script, not speed")
     args = ap.parse_args(argv)
@@ -69,7 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     from triton.testing import do_bench_cudagraph
 
     from multilora.kernels import triton_fp8
-    from multilora.kernels.fp8 import fp8_linear, quantize_weight
+    from multilora.kernels.fp8 import fp8_linear, quantize_per_token_torch, quantize_weight, resolve_method
+
+    def triton_scaled_mm(x, q):  # cuBLASLt's fp8 GEMM with the per-token quantization launch (no tuned kernel)
+        xq, xsc = triton_fp8.quantize_per_token(x) if x.is_cuda else quantize_per_token_torch(x)
+        return torch._scaled_mm(xq, q.qweight.t(), scale_a=xsc, scale_b=q.scale.view(1, -1), out_dtype=x.dtype)
 
     dev = torch.device("cpu" if args.smoke else "cuda")
     num_sms = 4 if args.smoke else torch.cuda.get_device_properties(dev).multi_processor_count
@@ -101,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
+    paths = args.paths.split(",")
     t0 = time.perf_counter()
     for name, (N, K) in SHAPES.items():
         wb, wq = weights[name]
@@ -109,12 +126,15 @@ def main(argv: list[str] | None = None) -> None:
             ref = x.float() @ wb[0].float().t()
             record(phase="sweep", module=name, M=M, config="bf16",
                    us=bench(lambda: [x @ t.t() for t in wb], len(wb)))
-            record(phase="sweep", module=name, M=M, config="current",
-                   us=bench(lambda: [triton_fp8.fp8_weight_only_linear(x, q.qweight, q.scale) for q in wq], len(wq)))
-            if not args.smoke:  # cuBLASLt fp8 (per-token activation quantization + torch._scaled_mm)
+            # what the engine runs now (method None, with the tuned tables already shipped), and cuBLASLt's fp8 GEMM
+            record(phase="sweep", module=name, M=M, config="current", method=resolve_method(None, x, N),
+                   us=bench(lambda: [fp8_linear(x, q) for q in wq], len(wq)))
+            if not args.smoke:
                 record(phase="sweep", module=name, M=M, config="scaled_mm",
-                       us=bench(lambda: [fp8_linear(x, q, method="scaled_mm") for q in wq], len(wq)))
-            for path in (("row", "dot") if M == 1 else ("dot",)):
+                       us=bench(lambda: [triton_scaled_mm(x, q) for q in wq], len(wq)))
+            for path in paths:
+                if (path == "row") != (M == 1):
+                    continue
                 for cfg in configs(path, args.quick):
                     fn = lambda cfg=cfg: [triton_fp8.fp8_gemv2(x, q.qweight, q.scale, num_sms=num_sms, **cfg)
                                           for q in wq]
@@ -133,80 +153,101 @@ def main(argv: list[str] | None = None) -> None:
             wbytes = N * K * (2 if r["config"] == "bf16" else 1)
             r["weight_tb_s"] = wbytes / (r["us"] * 1e-6) / 1e12
 
-    # phase 2: best config per (module, M class), then whole layers
+    def at(name, M, config):
+        return next((r for r in rows if r.get("module") == name and r["M"] == M and r["config"] == config), None)
+
+    # the fastest swept config per (module, M) and path kind: weight-only (row / dot) and fp8 activations
     best: dict[tuple[str, int], dict] = {}
+    best_sc: dict[tuple[str, int], dict] = {}
     for r in rows:
-        if r.get("cfg") and r.get("us") and r["rel_err"] < 5e-2:
+        if r.get("cfg") and r.get("us") and r["rel_err"] < 0.1:  # a sanity bound (fp8 activations add ~1e-2)
+            into = best_sc if r["cfg"].get("fp8_x") else best
             k = (r["module"], r["M"])
-            if k not in best or r["us"] < best[k]["us"]:
-                best[k] = r
+            if k not in into or r["us"] < into[k]["us"]:
+                into[k] = r
+    # the engine's current weight-only path competes too (the shipped table's config, possibly not re-swept here)
+    for name, (N, K) in SHAPES.items():
+        for M in (1, 16, 64):
+            cur, cfg = at(name, M, "current"), triton_fp8.gemv_config(dev, N, K, M)
+            if cur and cur["method"] == "weight_only" and cfg and ((name, M) not in best or cur["us"] < best[(name, M)]["us"]):
+                best[(name, M)] = dict(cur, cfg=cfg, config="current (" + name_of(cfg) + ")")
     for (name, M), r in sorted(best.items()):
-        cur = next(x for x in rows if x["module"] == name and x["M"] == M and x["config"] == "current")
-        bf = next(x for x in rows if x["module"] == name and x["M"] == M and x["config"] == "bf16")
-        print(f"# best {name} M={M}: {r['config']} {r['us']:.1f} us ({r['weight_tb_s']:.2f} TB/s); current "
-              f"{cur['us']:.1f} us; bf16 {bf['us']:.1f} us", flush=True)
+        print(f"# best weight-only {name} M={M}: {r['config']} {r['us']:.1f} us ({r['weight_tb_s']:.2f} TB/s); "
+              f"bf16 {at(name, M, 'bf16')['us']:.1f} us", flush=True)
+    for (name, M), r in sorted(best_sc.items()):
+        cub = at(name, M, "scaled_mm")
+        print(f"# best fp8-activation {name} M={M}: {r['config']} {r['us']:.1f} us; cuBLASLt "
+              f"{cub['us'] if cub else float('nan'):.1f} us", flush=True)
 
-    def best_cfg(name, M):
-        cls = 1 if M == 1 else (16 if M <= 16 else 64)
-        return best[(name, cls)]["cfg"] if (name, cls) in best else None
-
-    layers = 4
-    lw = {}
-    for name, (N, K) in SHAPES.items():  # 4 layers of distinct weights (cycled from the rotation copies)
-        wb, wq = weights[name]
-        lw[name] = [(wb[i % len(wb)], wq[i % len(wq)]) for i in range(layers)]
-    for M in (1, 2, 4, 8, 16, 32, 64):
-        xs = {name: torch.randn(M, K, device=dev, dtype=DTYPE, generator=g) for name, (N, K) in SHAPES.items()}
-
-        def run(kind):
-            for i in range(layers):
-                for name in SHAPES:
-                    x, (b, q) = xs[name], lw[name][i]
-                    if kind == "bf16":
-                        x @ b.t()
-                    elif kind == "current":
-                        triton_fp8.fp8_weight_only_linear(x, q.qweight, q.scale)
-                    else:
-                        cfg = best_cfg(name, M)
-                        if cfg is None:
-                            triton_fp8.fp8_weight_only_linear(x, q.qweight, q.scale)
-                        else:
-                            if not cfg["use_dot"] and M > 1:
-                                cfg = dict(cfg, use_dot=True)
-                            triton_fp8.fp8_gemv2(x, q.qweight, q.scale, num_sms=num_sms, **cfg)
-        for kind in ("bf16", "current", "best"):
-            run(kind)
-            record(phase="layer", M=M, config=kind, us=bench(lambda: run(kind), layers))
     # the tuned table the engine reads (kernels/tuned/fp8_gemv_*.json; MULTILORA_FP8_TUNED=<this file> to try it)
+    def scaled_us(name, M):
+        cub = at(name, M, "scaled_mm")
+        ours = best_sc.get((name, M))
+        return min([v for v in (cub and cub["us"], ours and ours["us"]) if v] or [float("inf")])
     wo_max = 1
     for M in (16, 64):
-        wo = sum(best[(n, M)]["us"] for n in SHAPES if (n, M) in best)
-        sm = [r["us"] for r in rows if r["phase"] == "sweep" and r["M"] == M and r["config"] == "scaled_mm"]
-        if len(sm) == len(SHAPES) and all((n, M) in best for n in SHAPES) and wo < sum(sm):
-            wo_max = M
-    tuned = {"device": meta["device"], "source": "python bench/sweep_fp8_gemv.py (" + meta["timing"] + ")",
-             "torch": meta["torch"], "triton": meta["triton"], "weight_only_max_tokens": wo_max,
-             "configs": {}}
+        if not all((n, M) in best for n in SHAPES):
+            break
+        if sum(best[(n, M)]["us"] for n in SHAPES) >= sum(scaled_us(n, M) for n in SHAPES):
+            break
+        wo_max = M
+    tuned = {"device": meta["device"], "source": "python bench/sweep_fp8_gemv.py --paths " + args.paths + " ("
+             + meta["timing"] + ")", "torch": meta["torch"], "triton": meta["triton"],
+             "weight_only_max_tokens": wo_max, "configs": {}, "scaled_configs": {}}
     for (name, M), r in sorted(best.items()):
         N, K = SHAPES[name]
         tuned["configs"].setdefault(f"{N}x{K}", {})[str(M)] = r["cfg"]
-    (out / "fp8_gemv_tuned.json").write_text(json.dumps(tuned, indent=1))
-    (out / "sweep_fp8_gemv.json").write_text(json.dumps({"meta": meta, "rows": rows,
-                                                         "best": {f"{k[0]}/{k[1]}": v["cfg"] for k, v in best.items()}},
-                                                        indent=1))
-    lines = [f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}; {meta['timing']}", "",
-             "| module | M | bf16 us | scaled_mm us | current fp8 us | best fp8 us | best config | best TB/s |",
-             "|---|---|---|---|---|---|---|---|"]
-    for (name, M), r in sorted(best.items()):
-        t = {x["config"]: x["us"] for x in rows if x.get("module") == name and x["M"] == M}
-        sm = f"{t['scaled_mm']:.1f}" if "scaled_mm" in t else "-"
-        lines.append(f"| {name} | {M} | {t['bf16']:.1f} | {sm} | {t['current']:.1f} | {r['us']:.1f} | {r['config']} | "
-                     f"{r['weight_tb_s']:.2f} |")
-    lines += ["", f"weight_only_max_tokens (weight-only beats scaled_mm over the 4 GEMMs up to): {wo_max}"]
-    lines += ["", "| layer (4 GEMMs, 4 layers per graph) | M | bf16 us | current fp8 us | best fp8 us |", "|---|---|---|---|---|"]
-    for M in (1, 2, 4, 8, 16, 32, 64):
+    for (name, M), r in sorted(best_sc.items()):
+        cub = at(name, M, "scaled_mm")
+        if cub is None or r["us"] < cub["us"]:
+            N, K = SHAPES[name]
+            tuned["scaled_configs"].setdefault(f"{N}x{K}", {})[str(M)] = r["cfg"]
+    tuned_path = out / "fp8_gemv_tuned.json"
+    tuned_path.write_text(json.dumps(tuned, indent=1))
+
+    # phase 2: whole layers (4 GEMMs in sequence, 4 layers of distinct weights per graph) through the product path,
+    # fp8_linear(method=None): first with the shipped tables ("current"), then with the table just written ("tuned")
+    layers = 4
+    lw = {name: [(weights[name][0][i % len(weights[name][0])], weights[name][1][i % len(weights[name][1])])
+                 for i in range(layers)] for name in SHAPES}
+    ms = (1, 2, 4, 8, 16, 32, 64)
+    xs = {M: {name: torch.randn(M, K, device=dev, dtype=DTYPE, generator=g) for name, (N, K) in SHAPES.items()}
+          for M in ms}
+
+    def run(M, kind):
+        for i in range(layers):
+            for name in SHAPES:
+                x, (b, q) = xs[M][name], lw[name][i]
+                if kind == "bf16":
+                    x @ b.t()
+                else:
+                    fp8_linear(x, q)
+    for kind in ("bf16", "current", "tuned"):
+        if kind == "tuned":
+            os.environ["MULTILORA_FP8_TUNED"] = str(tuned_path)
+            triton_fp8._tuned = None  # re-read the tables with the new file on top
+        for M in ms:
+            run(M, kind)
+            record(phase="layer", M=M, config=kind, us=bench(lambda: run(M, kind), layers))
+    (out / "sweep_fp8_gemv.json").write_text(json.dumps({"meta": meta, "rows": rows, "tuned": tuned}, indent=1))
+    lines = [f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}; {meta['timing']}; paths {args.paths}", "",
+             "| module | M | bf16 us | engine before us | cuBLASLt scaled_mm us | best weight-only us (config, TB/s) | "
+             "best fp8-activation us (config) |", "|---|---|---|---|---|---|---|"]
+    for name in SHAPES:
+        for M in (1, 16, 64):
+            b, c, sm = at(name, M, "bf16"), at(name, M, "current"), at(name, M, "scaled_mm")
+            wo, sc = best.get((name, M)), best_sc.get((name, M))
+            lines.append(f"| {name} | {M} | {b['us']:.1f} | {c['us']:.1f} ({c['method']}) | "
+                         f"{sm['us']:.1f} | " if sm else f"| {name} | {M} | {b['us']:.1f} | {c['us']:.1f} | - | ")
+            lines[-1] += (f"{wo['us']:.1f} ({wo['config']}, {wo['weight_tb_s']:.2f}) | " if wo else "- | ")
+            lines[-1] += (f"{sc['us']:.1f} ({sc['config']}) |" if sc else "- |")
+    lines += ["", f"weight_only_max_tokens: {wo_max}", "",
+              "| layer (4 GEMMs, 4 layers per graph) | M | bf16 us | engine before us | tuned us | tuned vs bf16 |",
+              "|---|---|---|---|---|---|"]
+    for M in ms:
         t = {r["config"]: r["us"] for r in rows if r["phase"] == "layer" and r["M"] == M}
-        lines.append(f"| layer | {M} | {t['bf16']:.1f} | {t['current']:.1f} | {t['best']:.1f} |")
+        lines.append(f"| layer | {M} | {t['bf16']:.1f} | {t['current']:.1f} | {t['tuned']:.1f} | "
+                     f"{t['bf16'] / t['tuned']:.2f}x |")
     md = "\n".join(lines) + "\n"
     (out / "sweep_fp8_gemv.md").write_text(md)
     print("\n" + md)

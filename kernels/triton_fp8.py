@@ -118,17 +118,19 @@ def _w8_gemv_splitk_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_pt
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w8_gemv2_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
+def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
                      M, N, K, K_PER_SPLIT, SPLIT_K,
                      stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     FP8_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``_w8_gemv_splitk_kernel`` with fewer registers per byte in flight (candidate, ``bench/bench_fp8.py --sweep``):
     SPLIT_K is a runtime argument (one compiled variant serves every split); the CUDA-core path (``USE_DOT`` False,
     one row of x) keeps an elementwise fp32 accumulator [BLOCK_N, BLOCK_K] and sums it once after the K loop instead
     of a cross-thread reduction per tile; ``PREFETCH`` issues the next weight tile's load before widening the
     current one (a register double buffer of raw fp8 bytes); ``EVEN`` (N % BLOCK_N == 0 and K % K_PER_SPLIT == 0)
-    drops the masks. The ticket reduction is the same as ``_w8_gemv_splitk_kernel``'s."""
+    drops the masks. ``FP8_X`` (with ``USE_DOT``): x is already fp8 (per-token quantized, row scales ``xs``
+    float32 [M]) and the dot runs on fp8 tensor cores with no widening; the partials are unscaled and
+    ``xs[m] * s[n]`` is applied once at the store. The ticket reduction is the same as ``_w8_gemv_splitk_kernel``'s."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -169,7 +171,10 @@ def _w8_gemv2_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
             else:
                 x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
                             mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)
-            acc += tl.dot(x, tl.trans(w.to(dt)))
+            if FP8_X:
+                acc += tl.dot(x, tl.trans(w))
+            else:
+                acc += tl.dot(x, tl.trans(w.to(dt)))
         else:
             if EVEN:
                 x = tl.load(x_ptr + kk).to(tl.float32)
@@ -180,6 +185,8 @@ def _w8_gemv2_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
         acc = tl.where(offs_m[:, None] == 0, tl.sum(acc2, axis=1)[None, :], 0.0)  # [BLOCK_M, BLOCK_N], row 0
     p = part_ptr + (pid_k * BLOCK_M + offs_m[:, None]) * N + offs_n[None, :]
     if SPLIT_K == 1:
+        if FP8_X:
+            acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
         _store_scaled(y_ptr, s_ptr, b_ptr, stride_ym, offs_m, offs_n, m_mask, n_mask, acc, HAS_BIAS)
     else:
         tl.store(p, acc, mask=n_mask[None, :])
@@ -189,6 +196,8 @@ def _w8_gemv2_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
             for k in range(0, SPLIT_K):
                 total += tl.load(part_ptr + (k * BLOCK_M + offs_m[:, None]) * N + offs_n[None, :],
                                  mask=n_mask[None, :], other=0.0, cache_modifier=".cg")
+            if FP8_X:
+                total = total * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
             _store_scaled(y_ptr, s_ptr, b_ptr, stride_ym, offs_m, offs_n, m_mask, n_mask, total, HAS_BIAS)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
@@ -237,15 +246,30 @@ def fp8_gemv_splitk(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
               block_n: int = 32, block_k: int = 512, split_k: int | None = None, programs_per_sm: int = 4,
               num_warps: int = 4, num_stages: int = 1, prefetch: bool = False, use_dot: bool | None = None,
-              num_sms: int = 132) -> torch.Tensor:
+              num_sms: int = 132, fp8_x: bool = False, out_dtype: torch.dtype | None = None,
+              x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``fp8_gemv_splitk`` through ``_w8_gemv2_kernel``: same arguments, result and errors, plus ``programs_per_sm``
     (split_k None: about that many programs per SM of ``num_sms``, each at least 2 K tiles), ``num_stages`` and
     ``prefetch`` (the kernel's docstring). ``use_dot`` None = tensor cores from 2 rows; the CUDA-core path takes one
-    row only."""
+    row only. ``fp8_x``: the "scaled_mm" semantics (``fp8.fp8_linear``): x is quantized per token
+    (``quantize_per_token``) and multiplied on fp8 tensor cores; ``x`` may then also be given already quantized
+    (float8_e4m3fn, with ``x_scale`` float32 [M, 1] and ``out_dtype``)."""
     M, K = x.shape
     N = qweight.shape[0]
     if not 1 <= M <= 64:
         raise ValueError(f"fp8_gemv2: x must have 1..64 rows, got {M}")
+    out_dtype = out_dtype or x.dtype
+    xs = scale  # unused unless fp8_x
+    if fp8_x:
+        if use_dot is False:
+            raise ValueError("fp8_gemv2: fp8_x needs the tensor-core path (use_dot)")
+        use_dot = True
+        if x.dtype == FP8_DTYPE:
+            if x_scale is None or out_dtype == FP8_DTYPE:
+                raise ValueError("fp8_gemv2: an fp8 x needs x_scale [M, 1] and an out_dtype")
+            xs = x_scale
+        else:
+            x, xs = quantize_per_token(x)
     use_dot = M > 1 if use_dot is None else use_dot
     if not use_dot and M != 1:
         raise ValueError(f"fp8_gemv2: the CUDA-core path (use_dot=False) takes 1 row, got {M}")
@@ -257,12 +281,12 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     bm = max(16, triton.next_power_of_2(M)) if use_dot else 1
     even = N % block_n == 0 and K % k_per == 0
     part, count = _workspace(x.device, split_k, bm, N, n_blocks)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _w8_gemv2_kernel[(n_blocks, split_k)](x, qweight, scale, bias if bias is not None else scale, y, part, count,
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    _w8_gemv2_kernel[(n_blocks, split_k)](x, xs, qweight, scale, bias if bias is not None else scale, y, part, count,
                                           M, N, K, k_per, split_k, x.stride(0), qweight.stride(0), y.stride(0),
                                           HAS_BIAS=bias is not None, USE_DOT=use_dot, EVEN=even, PREFETCH=prefetch,
-                                          BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-                                          num_stages=num_stages)
+                                          FP8_X=fp8_x, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
+                                          num_warps=num_warps, num_stages=num_stages)
     return y
 
 
@@ -272,8 +296,9 @@ def _config(N: int) -> dict:
 
 
 #: Tuned tiles of ``fp8_gemv2`` per device, shape and row class: ``kernels/tuned/fp8_gemv_*.json`` as written by
-#: ``bench/sweep_fp8_gemv.py`` ({"device": name, "configs": {"NxK": {"1" | "16" | "64": kwargs}}, ...}); the file
-#: named by the environment variable ``MULTILORA_FP8_TUNED`` (if set) is read last and wins.
+#: ``bench/sweep_fp8_gemv.py`` ({"device": name, "configs": {"NxK": {"1" | "16" | "64": kwargs}}, and
+#: "scaled_configs" of the same form for the fp8-activation path where it beat cuBLASLt, ...}); the file named by
+#: the environment variable ``MULTILORA_FP8_TUNED`` (if set) is read last and wins.
 TUNED_DIR = Path(__file__).resolve().with_name("tuned")
 _tuned: dict[str, dict] | None = None
 _tuned_lock = threading.Lock()
@@ -284,17 +309,20 @@ _KEYS = {"block_n", "block_k", "num_warps", "num_stages", "programs_per_sm", "pr
 def _read_tuned(path: Path, into: dict[str, dict]) -> None:
     try:
         data = json.loads(path.read_text())
-        device, configs = data["device"], data["configs"]
-        for shape, by_rows in configs.items():
-            for rows, cfg in by_rows.items():
-                if set(cfg) != _KEYS or rows not in ("1", "16", "64"):
-                    raise ValueError(f"config {shape}/{rows} has keys {sorted(cfg)}, expected {sorted(_KEYS)}")
+        device = data["device"]
+        sections = {k: data.get(k, {}) for k in ("configs", "scaled_configs")}
+        for section in sections.values():
+            for shape, by_rows in section.items():
+                for rows, cfg in by_rows.items():
+                    if not _KEYS <= set(cfg) <= _KEYS | {"fp8_x"} or rows not in ("1", "16", "64"):
+                        raise ValueError(f"config {shape}/{rows} has keys {sorted(cfg)}, expected {sorted(_KEYS)}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         log.warning("fp8 tuned tiles: ignoring %s (%s)", path, e)
         return
-    entry = into.setdefault(device, {"configs": {}})
-    for shape, by_rows in configs.items():
-        entry["configs"].setdefault(shape, {}).update(by_rows)
+    entry = into.setdefault(device, {"configs": {}, "scaled_configs": {}})
+    for name, section in sections.items():
+        for shape, by_rows in section.items():
+            entry[name].setdefault(shape, {}).update(by_rows)
     if "weight_only_max_tokens" in data:
         entry["weight_only_max_tokens"] = int(data["weight_only_max_tokens"])
 
@@ -320,13 +348,18 @@ def row_class(M: int) -> str:
     return "1" if M == 1 else ("16" if M <= 16 else "64")
 
 
-def gemv_config(device: torch.device, N: int, K: int, M: int) -> dict | None:
+def gemv_config(device: torch.device, N: int, K: int, M: int, *, scaled: bool = False) -> dict | None:
     """The tuned ``fp8_gemv2`` arguments for an [M, K] x [N, K]^T product on ``device`` (this GPU's entry for this
-    shape and row class), or None where there is none. A CUDA-core entry (one row only) is never returned for
-    more rows."""
+    shape and row class; ``scaled``: of the fp8-activation path, ``fp8_x``), or None where there is none. A
+    CUDA-core entry (one row only) is never returned for more rows."""
+    if not 1 <= M <= 64:
+        return None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    cfg = tuned_table().get(name, {}).get("configs", {}).get(f"{N}x{K}", {}).get(row_class(M))
-    return None if cfg is None or (not cfg["use_dot"] and M > 1) else cfg
+    section = "scaled_configs" if scaled else "configs"
+    cfg = tuned_table().get(name, {}).get(section, {}).get(f"{N}x{K}", {}).get(row_class(M))
+    if cfg is None or (not cfg["use_dot"] and M > 1):
+        return None
+    return {k: v for k, v in cfg.items() if k != "fp8_x"}
 
 
 def weight_only_max_tokens(device: torch.device) -> int | None:

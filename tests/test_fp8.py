@@ -8,6 +8,7 @@ implementation. The same GEMMs in bf16 on a GPU: ``test_fp8_gpu.py``.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -179,3 +180,82 @@ def test_engine_fp8_default_gemm_close_and_smaller(engines):
     assert e32.model.nbytes - e8.model.nbytes == proj * 4 - (proj + 4 * rows)
     out = e8.generate([ROWS[0]], adapters=["a1"])[0]
     assert out.finish_reason in ("length", "stop") and len(out.token_ids) > 0
+
+
+def _tuned_file(tmp_path, data) -> str:
+    p = tmp_path / "tuned.json"
+    p.write_text(json.dumps(data))
+    return str(p)
+
+
+def test_shipped_tuned_tables_parse():
+    """Every shipped table (kernels/tuned/) is read without a warning and holds only fp8_gemv2 arguments."""
+    from multilora.kernels import triton_fp8
+
+    files = sorted(triton_fp8.TUNED_DIR.glob("fp8_gemv_*.json"))
+    assert files, "no tuned table shipped"
+    for f in files:
+        table: dict = {}
+        triton_fp8._read_tuned(f, table)
+        data = json.loads(f.read_text())
+        assert data["device"] in table and table[data["device"]]["configs"], f
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU cases need TRITON_INTERPRET=1")
+def test_tuned_table_routes_the_gemv_and_bad_files_are_skipped(tmp_path, monkeypatch, caplog):
+    """A table for this device (here "cpu", under the interpreter) sends fp8_weight_only_linear through fp8_gemv2
+    with its tiles, for its shape and row class only; a malformed file is skipped with a warning naming it."""
+    from multilora.kernels import triton_fp8
+
+    cfg = dict(block_n=16, block_k=32, num_warps=4, num_stages=1, programs_per_sm=2, prefetch=False, use_dot=True)
+    good = _tuned_file(tmp_path, {"device": "cpu", "weight_only_max_tokens": 16,
+                                  "configs": {"32x64": {"16": cfg}}})
+    monkeypatch.setenv("MULTILORA_FP8_TUNED", good)
+    monkeypatch.setattr(triton_fp8, "_tuned", None)
+    calls = []
+    real = triton_fp8.fp8_gemv2
+    monkeypatch.setattr(triton_fp8, "fp8_gemv2", lambda *a, **k: calls.append(k) or real(*a, **k))
+    dev = torch.device("cpu")
+    assert triton_fp8.gemv_config(dev, 32, 64, 3) == cfg
+    assert triton_fp8.gemv_config(dev, 32, 64, 1) is None  # no "1" entry: the measured default path
+    assert triton_fp8.gemv_config(dev, 32, 128, 3) is None  # another shape
+    g = torch.Generator().manual_seed(5)
+    w = fp8.quantize_weight(torch.randn(32, 64, generator=g))
+    x = torch.randn(3, 64, generator=g).half()
+    y = triton_fp8.fp8_weight_only_linear(x, w.qweight, w.scale)
+    assert len(calls) == 1 and calls[0]["block_k"] == 32
+    assert rel_err(y.float(), fp8_reference(x, w, None, quantize_x=False)) < 2e-3
+    triton_fp8.fp8_weight_only_linear(torch.randn(1, 64).half(), w.qweight, w.scale)
+    assert len(calls) == 1  # one row: not in the table, so the split-K kernel of fp8_gemm.md
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"device": "cpu", "configs": {"32x64": {"16": {"block_n": 16}}}}))
+    monkeypatch.setenv("MULTILORA_FP8_TUNED", str(bad))
+    monkeypatch.setattr(triton_fp8, "_tuned", None)
+    with caplog.at_level("WARNING", logger="multilora"):
+        assert triton_fp8.gemv_config(dev, 32, 64, 3) is None
+    assert "ignoring" in caplog.text and "bad.json" in caplog.text and "block_n" in caplog.text
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU cases need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("M,N,K", [(1, 40, 96), (3, 33, 200), (20, 70, 130), (64, 32, 256)])
+def test_gemv2_fp8_activations_match_the_scaled_mm_reference(M, N, K):
+    """fp8_gemv2(fp8_x=True) computes what method "scaled_mm" computes: per-token fp8 x times the fp8 weight,
+    both scales applied once; for every split of K, and the same from an already quantized x."""
+    from multilora.kernels import triton_fp8
+
+    g = torch.Generator().manual_seed(M + N)
+    w = fp8.quantize_weight(torch.randn(N, K, generator=g))
+    x = torch.randn(M, K, generator=g).half()
+    b = torch.randn(N, generator=g).half()
+    xq, xs = triton_fp8.quantize_per_token(x)
+    ref = (xq.float() * xs) @ w.dequantize().t() + b.float()
+    for kw in (dict(block_n=16, block_k=64), dict(block_n=16, block_k=32, split_k=3), dict(block_n=32, block_k=64, split_k=1)):
+        y = triton_fp8.fp8_gemv2(x, w.qweight, w.scale, b, fp8_x=True, **kw)
+        assert y.dtype == torch.float16 and rel_err(y.float(), ref) < 2e-3
+        y2 = triton_fp8.fp8_gemv2(xq, w.qweight, w.scale, b, fp8_x=True, x_scale=xs, out_dtype=torch.float16, **kw)
+        assert torch.equal(y, y2)
+    with pytest.raises(ValueError, match="fp8_x needs the tensor-core path"):
+        triton_fp8.fp8_gemv2(x, w.qweight, w.scale, fp8_x=True, use_dot=False)
+    with pytest.raises(ValueError, match="needs x_scale"):
+        triton_fp8.fp8_gemv2(xq, w.qweight, w.scale, fp8_x=True)
