@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="step the engine in a child process (HTTP, tokenization and detokenization stay in this one, "
                         "so they never hold the GIL the steps need); default: on (--no-engine-process: one process)")
+    s.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="before listening, run the step shapes serving reaches (on the first --adapter, if any) so "
+                        "that kernels are compiled and decode graphs captured before the first request; default: on")
 
     r = sub.add_parser("serve-ray", help="the server's routes on N engine replicas under Ray Serve, each request "
                                          "routed to a replica that holds its adapter (runtime/ray_serve.py)")
@@ -206,10 +209,12 @@ def _engine_config(args: argparse.Namespace) -> Any:
 
 
 def _load_engine(args: argparse.Namespace, *, progress: bool = False) -> Any:
-    """The engine of --model and the engine flags, with every --adapter loaded (``_engine_config``'s checks first)."""
+    """The engine of --model and the engine flags, with every --adapter loaded (``_engine_config``'s checks first),
+    warmed up where the command has ``--warmup`` on."""
     from multilora.runtime.engine_process import load_engine
 
-    return load_engine(args.model, _engine_config(args), args.adapter, progress=progress)
+    return load_engine(args.model, _engine_config(args), args.adapter, progress=progress,
+                       warmup=getattr(args, "warmup", False))
 
 
 def _check_port(host: str, port: int) -> None:
@@ -266,7 +271,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         config = _engine_config(args)  # the flags and --adapter paths first, as in one process
         resolve_model_path(args.model)  # a missing model fails here in a second, before the engine process starts
-        engine = EngineProcess.start(functools.partial(load_engine, args.model, config, args.adapter, progress=True))
+        engine = EngineProcess.start(functools.partial(load_engine, args.model, config, args.adapter, progress=True,
+                                                       warmup=args.warmup))
     else:
         engine = _load_engine(args, progress=True)
     app = create_app(engine, served_model_name=served or engine.model_path.stem, api_key=args.api_key,

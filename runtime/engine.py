@@ -448,6 +448,67 @@ class Engine:
                 self.scheduler.finish(r, "error", f"withdrawn: interrupted by {type(e).__name__}")
             raise
 
+    # ------------------------------------------------------------------------------------ warm-up
+    def warmup(self, adapter: str | None = None) -> dict[str, Any]:
+        """Run, untimed, the step shapes a serving engine reaches, so that their Triton kernels are compiled and
+        their decode CUDA graphs captured before the first real request (a compile inside a serving step stalls
+        every running request: ~0.3-1.5 s per kernel variant on an H200, bench/results/serving/session9/).
+
+        Covered, without an adapter and then on ``adapter`` (None: base-model steps only; LoRA steps then compile on
+        the first LoRA request): a prompt longer than 512 tokens (the kernels' prefill block sizes), a small
+        prefill, a mixed step (decode rows and a new prompt chunk, with chunked prefill on), and a decode step at
+        every CUDA-graph batch bucket. The kernels do not specialise on step sizes (``do_not_specialize``), so one
+        step of each kind and block-size class is enough. Prompts are random token ids; the warm-up requests
+        count in ``stats()`` like any others.
+
+        Returns:
+            ``{"seconds", "kernel_compiles", "decode_graphs", "requests"}``: wall time, Triton variants compiled
+            (None when Triton has no JIT hooks), decode graphs captured so far, requests run.
+
+        Raises:
+            UnknownAdapterError: ``adapter`` is not loaded.
+            RuntimeError: requests are already running (warm up before serving).
+        """
+        if adapter is not None and adapter not in self.list_adapters():
+            raise UnknownAdapterError(f"warmup: adapter {adapter!r} is not loaded")
+        if self.has_unfinished():
+            raise RuntimeError("warmup: requests are running; warm up before serving")
+        t0, c0 = time.perf_counter(), kernel_compiles()["kernel_compiles"]
+        cfg = self.engine_config
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.config.vocab_size
+
+        def prompt(n: int) -> list[int]:
+            return torch.randint(0, vocab, (max(1, n),), generator=gen).tolist()
+
+        room = self.max_seq_len - 3  # every prompt leaves room for 2 generated tokens
+        graphs = self.runner.graphs
+        buckets = graphs.buckets if graphs is not None else [cfg.max_batch_size]
+        runs = 0
+
+        def run(lengths: list[int], a: str | None, tokens: int, late: list[int] = ()) -> None:
+            """Requests of ``lengths`` prompt tokens (and ``late`` ones added after the first step: a mixed step)."""
+            nonlocal runs
+            sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
+            reqs = [self.add_request(prompt(min(n, room)), a, sp) for n in lengths]
+            self.step()
+            reqs += [self.add_request(prompt(min(n, room)), a, sp) for n in late]
+            self._run_until_done(reqs, False)
+            runs += len(reqs)
+
+        for a in [None] + ([adapter] if adapter is not None else []):
+            run([min(cfg.max_prefill_tokens, 600)], a, 2)  # T > 512: the prefill block sizes
+            run([8, 4], a, 4, late=[8])  # small prefill; decode rows + a new prompt (mixed, chunked prefill)
+            for b in buckets:  # one decode step per graph bucket (captured on first use)
+                run([4] * b, a, 3)
+        c1 = kernel_compiles()["kernel_compiles"]
+        out = {"seconds": time.perf_counter() - t0, "kernel_compiles": None if c0 is None else c1 - c0,
+               "decode_graphs": len(graphs.captured) if graphs is not None else 0, "requests": runs}
+        log.info("warm-up: %d requests in %.1f s (%s Triton kernel variants compiled, %d decode graphs)%s",
+                 runs, out["seconds"], out["kernel_compiles"], out["decode_graphs"],
+                 "" if adapter is not None else "; no adapter given: LoRA kernels compile on the first LoRA request")
+        return out
+
     # ------------------------------------------------------------------------------------ generate
     def generate(self, prompts: Prompt | Sequence[Prompt], adapters: str | None | Sequence[str | None] = None,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -582,9 +582,10 @@ def _stop(process: Any) -> None:
 
 
 def load_engine(model: Any, config: Any, adapters: dict[str, str] | list[tuple[str, str]], *,
-                progress: bool = False) -> Any:
+                progress: bool = False, warmup: bool = False) -> Any:
     """An ``Engine`` of ``model`` and ``config`` with ``adapters`` (name -> path) loaded: the factory of
-    ``multilora serve --engine-process`` (the same as the in-process serve's). Errors name the adapter:
+    ``multilora serve --engine-process`` (the same as the in-process serve's); ``warmup``: then
+    ``Engine.warmup`` on the first adapter (``serve --warmup``). Errors name the adapter:
     ``ValueError("--adapter NAME=PATH: ...")``."""
     from tqdm.auto import tqdm
 
@@ -601,4 +602,6 @@ def load_engine(model: Any, config: Any, adapters: dict[str, str] | list[tuple[s
             raise ValueError(f"--adapter {name}={path}: {e}") from e
     if items:
         log.info("registered %d adapters in %.2f s", len(items), time.perf_counter() - t0)
+    if warmup:
+        engine.warmup(items[0][0] if items else None)
     return engine

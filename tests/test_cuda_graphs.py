@@ -205,3 +205,33 @@ def test_static_graph_plan_applies_adapters_through_the_torch_backend(tmp_path):
     buf = e.runner.buffers._dev.untyped_storage().data_ptr()
     assert plan.lora.has_lora and all(t.untyped_storage().data_ptr() == buf for t in (
         plan.lora.chunks, plan.lora.token_slots, plan.input_ids, plan.attn.block_tables, plan.attn.seq_lens))
+
+
+def test_warmup_reaches_every_bucket_and_leaves_the_engine_as_it_was(tmp_path):
+    """``Engine.warmup`` steps every decode bucket with and without the adapter (graph keys (bucket, lora)), runs
+    prefill, mixed and >512-token-class steps, frees every KV block, and later generations equal those of an engine
+    that was never warmed up."""
+    e = _engine(tmp_path / "w", graphs=True, max_prefill_tokens=40)
+    got = e.warmup("a1")
+    assert got["requests"] > 0 and got["seconds"] >= 0
+    assert set(e.graphs.captured) == {(b, lora) for b in bucket_sizes(6) for lora in (False, True)}
+    assert got["decode_graphs"] == 2 * len(bucket_sizes(6))
+    assert e.kv.num_free_blocks == e.kv.num_usable_blocks and not e.has_unfinished()
+    steps = e.stats()["step_seconds"]
+    assert {"prefill", "decode", "mixed"} <= set(steps), steps
+    fresh = _engine(tmp_path / "f", graphs=True, max_prefill_tokens=40)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, CFG.vocab_size, (n,), generator=g).tolist() for n in (9, 3, 14)]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    assert ([o.token_ids for o in e.generate(prompts, adapters=["a0", None, "a2"], sampling=sp)]
+            == [o.token_ids for o in fresh.generate(prompts, adapters=["a0", None, "a2"], sampling=sp)])
+
+
+def test_warmup_errors(tmp_path):
+    e = _engine(tmp_path, graphs=False)
+    with pytest.raises(KeyError, match="warmup: adapter 'nope' is not loaded"):
+        e.warmup("nope")
+    e.add_request([5, 6, 7], None, SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="warmup: requests are running"):
+        e.warmup()
+    assert e.warmup.__doc__ and "do_not_specialize" in e.warmup.__doc__

@@ -291,7 +291,8 @@ def test_an_engine_process_on_cuda_streams_what_the_engine_generates(engine, fil
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     want = [ref.generate([p], adapters=[a], sampling=sp)[0].token_ids for p, a in prompts]
     proc = EngineProcess.start(functools.partial(load_engine, str(d), EngineConfig(**options),
-                                                 {n: str(p) for n, p in adapters.items()}), timeout=300)
+                                                 {n: str(p) for n, p in adapters.items()}, warmup=True),
+                               timeout=300)  # warmed up (serve's default): compiles and graph captures first
     try:
         assert proc.apply(hooks.device).startswith("cuda")
         streams = [proc.submit(p, a, sp) for p, a in prompts]
@@ -299,3 +300,17 @@ def test_an_engine_process_on_cuda_streams_what_the_engine_generates(engine, fil
     finally:
         proc.close()
     assert not proc._process.is_alive()
+
+
+def test_load_engine_warms_up_on_the_first_adapter(engine, files, monkeypatch):
+    """``load_engine(warmup=True)`` (``multilora serve --warmup``, the default) runs ``Engine.warmup`` once, after the
+    adapters are registered, on the first of them; without adapters on the base model only; off by default."""
+    d, adapters = files  # written by ``engine``
+    calls = []
+    monkeypatch.setattr(Engine, "warmup", lambda self, adapter=None: calls.append((adapter, self.list_adapters())))
+    opts = EngineConfig(device="cpu", max_batch_size=4, progress=False)
+    items = [(n, str(p)) for n, p in adapters.items()]
+    load_engine(str(d), opts, items, warmup=True)
+    load_engine(str(d), opts, [], warmup=True)
+    load_engine(str(d), opts, items)
+    assert calls == [(items[0][0], sorted(n for n, _ in items)), (None, [])]
