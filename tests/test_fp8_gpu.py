@@ -108,3 +108,58 @@ def test_engine_fp8_graph_decode_equals_eager(engines):
     finally:
         e8.runner.graphs = saved
     assert graphed == eager
+
+
+def _tuned_shapes():
+    from multilora.kernels import triton_fp8
+
+    entry = triton_fp8.tuned_table().get(torch.cuda.get_device_name(), {}) if torch.cuda.is_available() else {}
+    return sorted({tuple(int(v) for v in s.split("x")) for sec in ("configs", "scaled_configs")
+                   for s in entry.get(sec, {})})
+
+
+@pytest.mark.parametrize("M", [1, 2, 8, 16, 40, 64])
+def test_tuned_paths_compute_their_methods_product(M):
+    """At every shape this GPU's tuned table covers, method None (the engine's) computes exactly what the method it
+    resolves to promises: weight-only = the bf16 x times the dequantized weight; scaled_mm (here our fp8-activation
+    kernel where the table has it) = the per-token-quantized x times it. Both within bf16 output rounding."""
+    from multilora.kernels import triton_fp8
+
+    shapes = _tuned_shapes()
+    if not shapes:
+        pytest.skip(f"no tuned fp8 table for {torch.cuda.get_device_name()}")
+    g = torch.Generator(device="cuda").manual_seed(M)
+    for N, K in shapes:
+        w = fp8.quantize_weight(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5)
+        x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+        how = fp8.resolve_method(None, x, N)
+        y = fp8.fp8_linear(x, w)
+        if how == "weight_only":
+            ref = x.float() @ w.dequantize().t()
+        else:
+            xq, xs = triton_fp8.quantize_per_token(x)
+            ref = (xq.float() * xs) @ w.dequantize().t()
+        assert rel_err(y.float(), ref) < BF16_OUT, (N, K, M, how)
+
+
+def test_engine_fp8_logits_at_a_tuned_shape():
+    """The fp8 engine at Llama-3-8B widths (2 layers: the tuned tiles and the fp8-activation kernel run) against the
+    bf16 engine: last-position logits within ENGINE_LOGITS_REL_ERR, batches of 1, 8 and 40 prompts."""
+    if not _tuned_shapes():
+        pytest.skip(f"no tuned fp8 table for {torch.cuda.get_device_name()}")
+    from multilora.runtime.weights import MODEL_SHAPES
+
+    cfg = ModelConfig(**dict(MODEL_SHAPES["llama3-8b"], num_layers=2, vocab_size=4096))
+    kw = dict(device="cuda", progress=False, max_batch_size=64, max_seq_len=256, kv_cache_bytes=256 << 20,
+              adapter_pool_bytes=64 << 20)
+    torch.manual_seed(0)
+    e16 = Engine(cfg, **kw)
+    torch.manual_seed(0)
+    e8 = Engine(cfg, weight_dtype="fp8", **kw)
+    g = torch.Generator().manual_seed(2)
+    for batch in (1, 8, 40):
+        rows = [torch.randint(0, cfg.vocab_size, (int(n),), generator=g).tolist()
+                for n in torch.randint(1, 60, (batch,), generator=g)]
+        err = rel_err(e8.logits(rows), e16.logits(rows))
+        print(f"fp8 vs bf16 engine logits, llama3-8b widths, batch {batch}: relative error {err:.4f}")
+        assert 0 < err < ENGINE_LOGITS_REL_ERR
