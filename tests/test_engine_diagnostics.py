@@ -18,11 +18,12 @@ HAS_CUDA = torch.cuda.is_available()
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """The counter not yet installed, Triton's hooks restored afterwards."""
+    """The counter not yet installed and no Triton hooks set (an engine built earlier in this process installed the
+    counter's: chained to, they would count every compile a second time), Triton's hooks restored afterwards."""
     monkeypatch.setattr(backends, "_hooked", [])
     monkeypatch.setattr(backends, "_compiles", {"count": 0, "seconds": 0.0})
-    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", knobs.runtime.jit_cache_hook)
-    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", knobs.runtime.jit_post_compile_hook)
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
 
 
 def test_counts_through_the_hooks_and_chains_earlier_ones(fresh):
