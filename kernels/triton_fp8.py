@@ -1,10 +1,17 @@
-"""Triton kernels for ``multilora.kernels.fp8``: the weight-only fp8 GEMM and the per-token activation quantization.
-Semantics are those of ``fp8.fp8_linear(method="dequant")`` and ``fp8.quantize_per_token_torch`` (the oracles).
+"""Triton kernels for ``multilora.kernels.fp8``: the fp8-weight GEMMs (weight-only, and for up to 64 rows also with
+fp8 activations) and the per-token activation quantization. Semantics are those of ``fp8.fp8_linear(method=
+"dequant")`` (weight-only), of method "scaled_mm" (fp8 activations) and of ``fp8.quantize_per_token_torch``.
 
 - ``_w8_gemv_splitk_kernel`` (M <= 64: decode): the same product split over K too, so that a few rows still
   give every SM several programs streaming weight bytes; each program writes an fp32 partial and the last of a
   column block's programs (a ticket counter, reset by it) sums them in a fixed order and stores y. One launch, no
-  memset: the workspace and tickets persist per shape.
+  memset: the workspace and tickets persist per shape. Runs where the GPU has no tuned table (tiles of
+  ``bench/results/fp8/fp8_gemm.md``).
+- ``_w8_gemv2_kernel`` (M <= 64, where the GPU's tuned table has the shape: ``gemv_config``): the same split-K
+  scheme with a runtime split count, an accumulate-then-sum CUDA-core path for one row, and ``FP8_X``: per-token
+  fp8 activations on fp8 tensor cores (method "scaled_mm"'s product). On the H200 a layer's four GEMMs take 1.13-1.22x
+  less time than with the first kernel at 1-16 rows (``bench/results/fp8/README.md``, session 9); the first stays for GPUs nobody has tuned
+  (its tiles were measured; the second's defaults would not be).
 - ``_w8_gemm_kernel`` (M > 64): ``y[M, N] = x[M, K] @ (Wq[N, K] * s[N])^T (+ b)``. Programs tile (N, M); each loops
   over K, loading an fp8 [BLOCK_K, BLOCK_N] weight tile (1 byte per weight), widening it to x's dtype in registers
   and accumulating with ``tl.dot`` in fp32. The column scale and the bias are applied once, after the K loop.
@@ -123,7 +130,8 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
                      stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
                      FP8_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``_w8_gemv_splitk_kernel`` with fewer registers per byte in flight (candidate, ``bench/bench_fp8.py --sweep``):
+    """``_w8_gemv_splitk_kernel`` with fewer registers per byte in flight, run with the tiles of a GPU's tuned table
+    (``kernels/tuned/``, ``bench/sweep_fp8_gemv.py``):
     SPLIT_K is a runtime argument (one compiled variant serves every split); the CUDA-core path (``USE_DOT`` False,
     one row of x) keeps an elementwise fp32 accumulator [BLOCK_N, BLOCK_K] and sums it once after the K loop instead
     of a cross-thread reduction per tile; ``PREFETCH`` issues the next weight tile's load before widening the
