@@ -217,7 +217,7 @@ def _workspace(device: torch.device, split_k: int, block_m: int, n: int, n_block
     """The split-K partials [split_k * block_m, n] float32 and tickets [n_blocks] int32 of one shape, made once per
     (device, shape) and kept: their addresses stay put (CUDA graphs) and the tickets are back at 0 after each call.
     Calls of one shape must not run concurrently on two streams (the engine runs its GEMMs on one stream)."""
-    key = (device, split_k, block_m, n)
+    key = (device, split_k, block_m, n, n_blocks)  # tickets: one per column block of this tile width
     ws = _WORKSPACES.get(key)
     if ws is None:
         ws = _WORKSPACES[key] = (torch.empty(split_k * block_m, n, dtype=torch.float32, device=device),

@@ -259,3 +259,22 @@ def test_gemv2_fp8_activations_match_the_scaled_mm_reference(M, N, K):
         triton_fp8.fp8_gemv2(x, w.qweight, w.scale, fp8_x=True, use_dot=False)
     with pytest.raises(ValueError, match="needs x_scale"):
         triton_fp8.fp8_gemv2(xq, w.qweight, w.scale, fp8_x=True)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU cases need TRITON_INTERPRET=1")
+def test_split_k_workspaces_are_per_column_block_count():
+    """Two tile widths of one weight shape and split need different ticket counts (one per column block): each call
+    gets a workspace of its own count, every result is right and every ticket is back at 0."""
+    from multilora.kernels import triton_fp8
+
+    g = torch.Generator().manual_seed(9)
+    w = fp8.quantize_weight(torch.randn(64, 256, generator=g))
+    x = torch.randn(1, 256, generator=g).half()
+    ref = fp8_reference(x, w, None, quantize_x=False)
+    for bn in (32, 4, 16):  # 2, 16 and 4 column blocks, split_k 2 each
+        y = triton_fp8.fp8_gemv2(x, w.qweight, w.scale, block_n=bn, block_k=64, split_k=2, use_dot=False)
+        assert rel_err(y.float(), ref) < 2e-3, bn
+        y = triton_fp8.fp8_gemv_splitk(x, w.qweight, w.scale, block_n=bn, block_k=64, split_k=2, use_dot=False)
+        assert rel_err(y.float(), ref) < 2e-3, bn
+    for (dev, split, bm, n, blocks), (part, count) in triton_fp8._WORKSPACES.items():
+        assert count.numel() == blocks and int(count.sum()) == 0
