@@ -19,8 +19,8 @@ Two GEMMs compute ``y = x @ (Wq * scale[:, None])^T (+ bias)`` [T, N] in x's dty
   output column. Reads 1 byte per weight and adds no activation rounding; uses bf16 tensor cores.
 - ``"dequant"``: the reference (tests, CPU): ``x.float() @ (Wq.float() * scale)^T``, rounded once to x's dtype.
 
-None picks ``"weight_only"`` on CUDA for at most ``WEIGHT_ONLY_MAX_TOKENS`` rows (or the GPU's tuned limit,
-``triton_fp8.weight_only_max_tokens``) (decode: bandwidth-bound, where
+None picks ``"weight_only"`` on CUDA for at most ``WEIGHT_ONLY_MAX_TOKENS`` rows (or, for a shape the GPU's tuned
+table has fp8-activation tiles for at this row count, the table's limit, ``triton_fp8.weight_only_max_tokens``) (decode: bandwidth-bound, where
 skipping the activation quantization and its extra launch pays) and ``"scaled_mm"`` otherwise, and on the CPU
 (torch implements ``_scaled_mm`` there too). The threshold is measured (``bench/bench_fp8.py``, results in
 ``bench/results/fp8/``). Every path's shapes depend only on the input's shape, so all are CUDA-graph safe.
@@ -127,7 +127,10 @@ def resolve_method(method: str | None, x: torch.Tensor, n: int | None = None) ->
     if method is None:
         # cuBLASLt's fp8 GEMM needs K and N multiples of 16 (every real model's are; tiny test models' may not be)
         aligned = x.shape[1] % 16 == 0 and (n is None or n % 16 == 0)
-        limit = triton_module("triton_fp8").weight_only_max_tokens(x.device) if x.is_cuda and triton_ok else None
+        # a GPU's tuned limit holds where it was measured: shapes whose fp8-activation tiles are in its table
+        k = triton_module("triton_fp8") if x.is_cuda and triton_ok else None
+        tuned = k is not None and n is not None and k.gemv_config(x.device, n, x.shape[1], x.shape[0], scaled=True)
+        limit = k.weight_only_max_tokens(x.device) if tuned else None
         small = x.shape[0] <= (WEIGHT_ONLY_MAX_TOKENS if limit is None else limit) or not aligned
         return "weight_only" if x.is_cuda and triton_ok and small else "scaled_mm"
     if method == "weight_only" and not triton_ok:

@@ -5,8 +5,8 @@ fp8 activations) and the per-token activation quantization. Semantics are those 
 - ``_w8_gemv_splitk_kernel`` (M <= 64: decode): the same product split over K too, so that a few rows still
   give every SM several programs streaming weight bytes; each program writes an fp32 partial and the last of a
   column block's programs (a ticket counter, reset by it) sums them in a fixed order and stores y. One launch, no
-  memset: the workspace and tickets persist per shape. Runs where the GPU has no tuned table (tiles of
-  ``bench/results/fp8/fp8_gemm.md``).
+  memset: the workspace and tickets persist per shape. Runs where the GPU's tuned table has no entry for the
+  shape and row class (tiles of ``bench/results/fp8/fp8_gemm.md``).
 - ``_w8_gemv2_kernel`` (M <= 64, where the GPU's tuned table has the shape: ``gemv_config``): the same split-K
   scheme with a runtime split count, an accumulate-then-sum CUDA-core path for one row, and ``FP8_X``: per-token
   fp8 activations on fp8 tensor cores (method "scaled_mm"'s product). On the H200 a layer's four GEMMs take 1.13-1.22x
@@ -17,7 +17,7 @@ fp8 activations) and the per-token activation quantization. Semantics are those 
   and accumulating with ``tl.dot`` in fp32. The column scale and the bias are applied once, after the K loop.
 - ``_quant_kernel``: one program per token: the row in registers, its absmax, the scale and the fp8 row.
 
-Grids depend only on shapes, so both are safe inside CUDA graphs. The row count ``M`` is not specialised on
+Grids depend only on shapes, so all of them are safe inside CUDA graphs. The row count ``M`` is not specialised on
 (``do_not_specialize``): one compiled variant serves every batch size, so a new batch size never stalls a step
 on a compile.
 """
@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -132,7 +133,8 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
                      FP8_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``_w8_gemv_splitk_kernel`` with fewer registers per byte in flight, run with the tiles of a GPU's tuned table
     (``kernels/tuned/``, ``bench/sweep_fp8_gemv.py``):
-    SPLIT_K is a runtime argument (one compiled variant serves every split); the CUDA-core path (``USE_DOT`` False,
+    SPLIT_K is a runtime argument (not a constexpr: one variant serves every split above 1; Triton still
+    specialises 1 and multiples of 16); the CUDA-core path (``USE_DOT`` False,
     one row of x) keeps an elementwise fp32 accumulator [BLOCK_N, BLOCK_K] and sums it once after the K loop instead
     of a cross-thread reduction per tile; ``PREFETCH`` issues the next weight tile's load before widening the
     current one (a register double buffer of raw fp8 bytes); ``EVEN`` (N % BLOCK_N == 0 and K % K_PER_SPLIT == 0)
@@ -314,16 +316,38 @@ _tuned_lock = threading.Lock()
 _KEYS = {"block_n", "block_k", "num_warps", "num_stages", "programs_per_sm", "prefetch", "use_dot"}
 
 
+def _check_entry(section: str, shape: str, rows: str, cfg: Any) -> None:
+    where = f"{section}[{shape!r}][{rows!r}]"
+    if rows not in ("1", "16", "64"):
+        raise ValueError(f"{where}: the row class must be '1', '16' or '64'")
+    if not isinstance(cfg, dict) or not _KEYS <= set(cfg) <= _KEYS | {"fp8_x"}:
+        raise ValueError(f"{where}: expected the keys {sorted(_KEYS)}, got {sorted(cfg) if isinstance(cfg, dict) else cfg!r}")
+    for k in ("block_n", "block_k", "num_warps", "num_stages", "programs_per_sm"):
+        if not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or cfg[k] < 1:
+            raise ValueError(f"{where}: {k} must be a positive integer, got {cfg[k]!r}")
+    for k in ("prefetch", "use_dot"):
+        if not isinstance(cfg[k], bool):
+            raise ValueError(f"{where}: {k} must be true or false, got {cfg[k]!r}")
+    if section == "scaled_configs" and not cfg["use_dot"]:
+        raise ValueError(f"{where}: fp8 activations need use_dot true")
+
+
 def _read_tuned(path: Path, into: dict[str, dict]) -> None:
+    """Merge one table file into ``into``; a file that does not read or parse, or has any bad entry, is skipped
+    whole with a warning naming it and the entry."""
     try:
         data = json.loads(path.read_text())
         device = data["device"]
+        if not isinstance(device, str):
+            raise ValueError(f"device must be a GPU name, got {device!r}")
         sections = {k: data.get(k, {}) for k in ("configs", "scaled_configs")}
-        for section in sections.values():
+        for name, section in sections.items():
             for shape, by_rows in section.items():
                 for rows, cfg in by_rows.items():
-                    if not _KEYS <= set(cfg) <= _KEYS | {"fp8_x"} or rows not in ("1", "16", "64"):
-                        raise ValueError(f"config {shape}/{rows} has keys {sorted(cfg)}, expected {sorted(_KEYS)}")
+                    _check_entry(name, shape, rows, cfg)
+        limit = data.get("weight_only_max_tokens")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or not 0 <= limit <= 64):
+            raise ValueError(f"weight_only_max_tokens must be an integer in 0..64, got {limit!r}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         log.warning("fp8 tuned tiles: ignoring %s (%s)", path, e)
         return
@@ -331,13 +355,14 @@ def _read_tuned(path: Path, into: dict[str, dict]) -> None:
     for name, section in sections.items():
         for shape, by_rows in section.items():
             entry[name].setdefault(shape, {}).update(by_rows)
-    if "weight_only_max_tokens" in data:
-        entry["weight_only_max_tokens"] = int(data["weight_only_max_tokens"])
+    if limit is not None:
+        entry["weight_only_max_tokens"] = limit
 
 
 def tuned_table() -> dict[str, dict]:
-    """{device name: {"configs": {"NxK": {row class: fp8_gemv2 kwargs}}, "weight_only_max_tokens": n}} from the
-    shipped files and ``MULTILORA_FP8_TUNED`` (read once per process; a malformed file is skipped with a warning)."""
+    """{device name: {"configs": {"NxK": {row class: fp8_gemv2 kwargs}}, "scaled_configs": {the same, for the
+    fp8-activation path}, "weight_only_max_tokens": n}} from the shipped files and ``MULTILORA_FP8_TUNED`` (read once
+    per process; a malformed file is skipped whole with a warning)."""
     global _tuned
     with _tuned_lock:
         if _tuned is None:
@@ -362,9 +387,8 @@ def gemv_config(device: torch.device, N: int, K: int, M: int, *, scaled: bool = 
     CUDA-core entry (one row only) is never returned for more rows."""
     if not 1 <= M <= 64:
         return None
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     section = "scaled_configs" if scaled else "configs"
-    cfg = tuned_table().get(name, {}).get(section, {}).get(f"{N}x{K}", {}).get(row_class(M))
+    cfg = _device_entry(device).get(section, {}).get(f"{N}x{K}", {}).get(row_class(M))
     if cfg is None or (not cfg["use_dot"] and M > 1):
         return None
     return {k: v for k, v in cfg.items() if k != "fp8_x"}
@@ -375,7 +399,21 @@ def weight_only_max_tokens(device: torch.device) -> int | None:
     table for this GPU)."""
     if device.type != "cuda":
         return None
-    return tuned_table().get(torch.cuda.get_device_name(device), {}).get("weight_only_max_tokens")
+    return _device_entry(device).get("weight_only_max_tokens")
+
+
+_ENTRIES: dict[torch.device, tuple[dict, dict]] = {}
+
+
+def _device_entry(device: torch.device) -> dict:
+    """This device's entry of ``tuned_table`` (cached per device and table: GEMMs of eager steps look it up)."""
+    hit = _ENTRIES.get(device)
+    if hit is not None and hit[0] is _tuned:
+        return hit[1]
+    table = tuned_table()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    _ENTRIES[device] = (table, table.get(name, {}))
+    return _ENTRIES[device][1]
 
 
 def fp8_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,

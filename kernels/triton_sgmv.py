@@ -31,8 +31,10 @@ Neither kernel specialises on the token count ``T`` nor on the chunk table's row
 chunk count; ``do_not_specialize``): Triton would otherwise compile a
 variant for ``T == 1``, for ``T % 16 == 0`` and for the rest, and a serving step whose token count first fell
 in a new class stalled every running request for the compile (about 0.3 s each on an H200;
-``bench/results/serving/``). The constexprs still change with ``T`` at fixed thresholds (``block_m``,
-``block_k``, the expand's stages), which a warm-up reaches with one step on each side.
+``bench/results/serving/``). The constexprs still change with ``T`` at thresholds: ``block_m``, ``block_k``
+and the expand's stages above 512 tokens, and the split count (``_split_k``: a power of two that halves as the
+chunk count doubles). ``Engine.warmup``'s prefill lengths reach every one of them
+(``tests/test_kernel_variants.py``).
 
 A one-launch shrink + expand kernel was tried and is off by default: ``multilora.kernels.experimental``.
 """

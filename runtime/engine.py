@@ -52,6 +52,11 @@ __all__ = ["Engine", "EngineConfig", "EngineOverloadedError", "RequestOutput"]
 
 log = logging.getLogger("multilora")
 
+#: Prompt lengths of ``Engine.warmup``'s prefills: from 1 token, each about 1.5x the last (a class of step token
+#: counts that shares the kernels' compile-time constants spans at least that ratio, ``Engine.warmup``), to 600
+#: (above the LoRA kernels' 512-token block-size threshold).
+WARMUP_PROMPT_TOKENS = (1, 2, 3, 4, 6, 9, 13, 19, 28, 42, 63, 94, 141, 211, 316, 474, 600)
+
 class EngineOverloadedError(RuntimeError):
     """More requests are waiting than ``EngineConfig.max_waiting_requests`` allows: try again later."""
 
@@ -454,12 +459,15 @@ class Engine:
         their decode CUDA graphs captured before the first real request (a compile inside a serving step stalls
         every running request: ~0.3-1.5 s per kernel variant on an H200, bench/results/serving/session9/).
 
-        Covered, without an adapter and then on ``adapter`` (None: base-model steps only; LoRA steps then compile on
-        the first LoRA request): a prompt longer than 512 tokens (the kernels' prefill block sizes), a small
-        prefill, a mixed step (decode rows and a new prompt chunk, with chunked prefill on), and a decode step at
-        every CUDA-graph batch bucket. The kernels do not specialise on step sizes (``do_not_specialize``), so one
-        step of each kind and block-size class is enough. Prompts are random token ids; the warm-up requests
-        count in ``stats()`` like any others.
+        The kernels do not specialise on step sizes (``do_not_specialize``), but some of their compile-time
+        constants still follow the token count T of a step: the LoRA kernels' block sizes (T above 512), the
+        shrink's split count (a power of two that halves as T doubles, bounded by the pool's slots) and the fp8
+        GEMMs' row classes (1, 2-16, 17-64). So, without an adapter and then on ``adapter`` (None: base-model steps
+        only; LoRA steps then compile on the first LoRA request), the warm-up runs one prefill at each token count
+        of ``WARMUP_PROMPT_TOKENS`` (steps 1.5x apart, so that every class of T is reached; the largest capped at
+        ``max_prefill_tokens`` and the context), one mixed step (decode rows and a new prompt chunk, with chunked
+        prefill on) and a decode step at every CUDA-graph batch bucket. Prompts are random token ids; the warm-up
+        requests count in ``stats()`` like any others.
 
         Returns:
             ``{"seconds", "kernel_compiles", "decode_graphs", "requests"}``: wall time, Triton variants compiled
@@ -467,7 +475,8 @@ class Engine:
 
         Raises:
             UnknownAdapterError: ``adapter`` is not loaded.
-            RuntimeError: requests are already running (warm up before serving).
+            RuntimeError: requests are already running (warm up before serving), or a warm-up request failed
+                (the engine would fail real ones alike: its error is in the message).
         """
         if adapter is not None and adapter not in self.list_adapters():
             raise UnknownAdapterError(f"warmup: adapter {adapter!r} is not loaded")
@@ -477,30 +486,45 @@ class Engine:
         cfg = self.engine_config
         gen = torch.Generator().manual_seed(0)
         vocab = self.config.vocab_size
-
-        def prompt(n: int) -> list[int]:
-            return torch.randint(0, vocab, (max(1, n),), generator=gen).tolist()
-
-        room = self.max_seq_len - 3  # every prompt leaves room for 2 generated tokens
+        # every prompt leaves room for 2 generated tokens, in the context and in the whole KV cache
+        room = min(self.max_seq_len, self.kv.num_usable_blocks * self.kv.block_size) - 3
+        longest = min(cfg.max_prefill_tokens, room)
         graphs = self.runner.graphs
         buckets = graphs.buckets if graphs is not None else [cfg.max_batch_size]
+        # a bucket's requests must all be waiting at once and prefill in one step, to decode together
+        cap = min(cfg.max_waiting_requests, cfg.max_batch_size)
         runs = 0
+
+        def prompt(n: int) -> list[int]:
+            return torch.randint(0, vocab, (max(1, min(n, room)),), generator=gen).tolist()
 
         def run(lengths: list[int], a: str | None, tokens: int, late: list[int] = ()) -> None:
             """Requests of ``lengths`` prompt tokens (and ``late`` ones added after the first step: a mixed step)."""
             nonlocal runs
             sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
-            reqs = [self.add_request(prompt(min(n, room)), a, sp) for n in lengths]
-            self.step()
-            reqs += [self.add_request(prompt(min(n, room)), a, sp) for n in late]
+            reqs: list[Request] = []
+            try:
+                reqs += [self.add_request(prompt(n), a, sp) for n in lengths]
+                self.step()
+                reqs += [self.add_request(prompt(n), a, sp) for n in late]
+            except BaseException:
+                for r in reqs:
+                    self.scheduler.finish(r, "error", "withdrawn: warm-up stopped")
+                raise
             self._run_until_done(reqs, False)
             runs += len(reqs)
+            bad = [r for r in reqs if r.finish_reason == "error"]
+            if bad:
+                raise RuntimeError(f"warmup: a warm-up request on {'the base model' if a is None else repr(a)} "
+                                   f"failed: {bad[0].error}")
 
         for a in [None] + ([adapter] if adapter is not None else []):
-            run([min(cfg.max_prefill_tokens, 600)], a, 2)  # T > 512: the prefill block sizes
-            run([8, 4], a, 4, late=[8])  # small prefill; decode rows + a new prompt (mixed, chunked prefill)
+            for n in sorted({min(n, longest) for n in WARMUP_PROMPT_TOKENS}):  # every class of step token count
+                run([n], a, 2)
+            run([8, 4], a, 4, late=[8])  # decode rows + a new prompt: a mixed step (chunked prefill)
             for b in buckets:  # one decode step per graph bucket (captured on first use)
-                run([4] * b, a, 3)
+                if b <= cap and 2 * b <= cfg.max_prefill_tokens:
+                    run([2] * b, a, 3)
         c1 = kernel_compiles()["kernel_compiles"]
         out = {"seconds": time.perf_counter() - t0, "kernel_compiles": None if c0 is None else c1 - c0,
                "decode_graphs": len(graphs.captured) if graphs is not None else 0, "requests": runs}

@@ -209,8 +209,8 @@ def test_static_graph_plan_applies_adapters_through_the_torch_backend(tmp_path):
 
 def test_warmup_reaches_every_bucket_and_leaves_the_engine_as_it_was(tmp_path):
     """``Engine.warmup`` steps every decode bucket with and without the adapter (graph keys (bucket, lora)), runs
-    prefill, mixed and >512-token-class steps, frees every KV block, and later generations equal those of an engine
-    that was never warmed up."""
+    prefills at its prompt lengths (here capped at max_prefill_tokens 40) and a mixed step, frees every KV block,
+    and later generations equal those of an engine that was never warmed up."""
     e = _engine(tmp_path / "w", graphs=True, max_prefill_tokens=40)
     got = e.warmup("a1")
     assert got["requests"] > 0 and got["seconds"] >= 0
@@ -234,4 +234,6 @@ def test_warmup_errors(tmp_path):
     e.add_request([5, 6, 7], None, SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="warmup: requests are running"):
         e.warmup()
-    assert e.warmup.__doc__ and "do_not_specialize" in e.warmup.__doc__
+    e2 = _engine(tmp_path / "q", graphs=True, max_waiting_requests=3)  # the 6-row bucket cannot queue: skipped
+    e2.warmup()
+    assert {(1, False), (2, False)} <= set(e2.graphs.captured) and (6, False) not in e2.graphs.captured

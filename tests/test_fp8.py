@@ -278,3 +278,25 @@ def test_split_k_workspaces_are_per_column_block_count():
         assert rel_err(y.float(), ref) < 2e-3, bn
     for (dev, split, bm, n, blocks), (part, count) in triton_fp8._WORKSPACES.items():
         assert count.numel() == blocks and int(count.sum()) == 0
+
+
+@pytest.mark.parametrize("bad,why", [
+    ({"device": "cpu", "weight_only_max_tokens": "abc", "configs": {}}, "weight_only_max_tokens must be an integer"),
+    ({"device": "cpu", "configs": {"32x64": {"8": {}}}}, "row class must be"),
+    ({"device": "cpu", "scaled_configs": {"32x64": {"1": dict(block_n=2, block_k=64, num_warps=4, num_stages=1,
+                                                              programs_per_sm=1, prefetch=False, use_dot=False)}}},
+     "fp8 activations need use_dot"),
+    ({"device": "cpu", "configs": {"32x64": {"1": dict(block_n="2", block_k=64, num_warps=4, num_stages=1,
+                                                       programs_per_sm=1, prefetch=False, use_dot=False)}}},
+     "block_n must be a positive integer"),
+])
+def test_malformed_tuned_tables_are_skipped_whole(tmp_path, monkeypatch, caplog, bad, why):
+    """A bad value anywhere in a table file skips the file with a warning naming the entry; lookups keep working."""
+    from multilora.kernels import triton_fp8
+
+    monkeypatch.setenv("MULTILORA_FP8_TUNED", _tuned_file(tmp_path, bad))
+    monkeypatch.setattr(triton_fp8, "_tuned", None)
+    with caplog.at_level("WARNING", logger="multilora"):
+        assert triton_fp8.gemv_config(torch.device("cpu"), 32, 64, 1) is None
+        assert triton_fp8.weight_only_max_tokens(torch.device("cpu")) is None
+    assert "ignoring" in caplog.text and why in caplog.text

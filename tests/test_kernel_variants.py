@@ -29,11 +29,11 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 class _Recorder:
     """Stands in for a Triton kernel object: records the specialisation key of each launch, then launches."""
 
-    def __init__(self, kernel, keys: dict, ignore_exemptions: bool):
+    def __init__(self, kernel, keys: dict, ignore_exemptions: bool, launch: bool = True):
         from triton.backends.compiler import BaseBackend
         from triton.runtime.jit import native_specialize_impl
 
-        self.kernel, self.keys, self.ignore = kernel, keys, ignore_exemptions
+        self.kernel, self.keys, self.ignore, self.launch = kernel, keys, ignore_exemptions, launch
         self._spec = lambda a, specialize: native_specialize_impl(BaseBackend, a, False, specialize, True)
         names = kernel.arg_names
         exempt = set((kernel.kwargs or {}).get("do_not_specialize") or ())
@@ -50,14 +50,16 @@ class _Recorder:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.keys[self.name].add(self.key(args, kwargs))
-            return self.kernel[grid](*args, **kwargs)
+            return self.kernel[grid](*args, **kwargs) if self.launch else None
         return launch
 
 
-def _record(monkeypatch, module, names, ignore_exemptions=False):
+def _record(monkeypatch, module, names, ignore_exemptions=False, launch=True):
     keys: dict[str, set] = defaultdict(set)
     for n in names:
-        monkeypatch.setattr(module, n, _Recorder(getattr(module, n), keys, ignore_exemptions))
+        kernel = getattr(module, n)
+        kernel = kernel.kernel if isinstance(kernel, _Recorder) else kernel  # recording again: the real kernel
+        monkeypatch.setattr(module, n, _Recorder(kernel, keys, ignore_exemptions, launch))
     return keys
 
 
@@ -108,3 +110,38 @@ def test_fp8_gemv_one_variant_for_every_row_count(monkeypatch, ignore):
         assert counts == {"_w8_gemv_splitk_kernel": 2, "_w8_gemv2_kernel": 2}  # M = 16 is another class
     else:
         assert counts == {"_w8_gemv_splitk_kernel": 1, "_w8_gemv2_kernel": 1}
+
+
+def test_warmup_token_counts_reach_every_lora_kernel_variant(monkeypatch):
+    """The LoRA kernels' compile-time constants still follow a step's token count T (block sizes above 512 tokens;
+    the shrink's split count, which a GPU's rule halves as T doubles). With an H200's rule (132 SMs) on Llama-3-8B
+    widths and 8 resident adapters, the variants of every T from 1 to 600 are exactly those of
+    ``WARMUP_PROMPT_TOKENS``, the prefill lengths of ``Engine.warmup`` (the kernels are recorded, not run)."""
+    from test_kernels import GATE_UP, LLAMA8B, QKV, make_pool
+
+    from multilora.kernels import build_lora_plan, lora_slices, triton_sgmv
+    from multilora.runtime.engine import WARMUP_PROMPT_TOKENS
+
+    real = triton_sgmv._split_k
+    monkeypatch.setattr(triton_sgmv, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(triton_sgmv, "_split_k", lambda device, *a, **k: real(torch.device("cuda", 0), *a, **k))
+    pool, slots = make_pool(LLAMA8B, [8] * 8, dtype=torch.float32, device="cpu")
+    groups = [lora_slices([pool.module_view(0, m) for m in mods]) for mods in (QKV, ("o_proj",), GATE_UP, ("down_proj",))]
+
+    def variants(counts):
+        keys = _record(monkeypatch, triton_sgmv, ["_sgmv_shrink_kernel", "_sgmv_expand_kernel"], launch=False)
+        splits = set()
+        for T in counts:
+            plan = build_lora_plan([slots[t % len(slots)] for t in range(T)], device="cpu")
+            for sl in groups:
+                x = torch.zeros(T, sl.d_in)
+                triton_sgmv.lora_apply_triton(torch.zeros(T, sl.d_out), x, sl, plan)
+        for name, ks in keys.items():
+            for args, kw in ks:
+                splits.add(dict(kw).get("SPLIT_K"))
+        return {n: set(v) for n, v in keys.items()}, splits
+
+    every, splits = variants(range(1, 601))
+    warm, _ = variants(WARMUP_PROMPT_TOKENS)
+    assert len(splits) >= 3, splits  # the rule does vary the split over these token counts
+    assert warm == every
