@@ -119,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step the engine in a child process (HTTP, tokenization and detokenization stay in this one, "
                         "so they never hold the GIL the steps need); default: on (--no-engine-process: one process)")
     s.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="before listening, run the step shapes serving reaches (on the first --adapter, if any) so "
-                        "that kernels are compiled and decode graphs captured before the first request; default: on")
+                   help="on a GPU, before listening, run the step shapes serving reaches (on the first --adapter, if "
+                        "any) so that kernels are compiled and decode graphs captured before the first request; "
+                        "default: on")
 
     r = sub.add_parser("serve-ray", help="the server's routes on N engine replicas under Ray Serve, each request "
                                          "routed to a replica that holds its adapter (runtime/ray_serve.py)")

@@ -528,8 +528,9 @@ class Engine:
         c1 = kernel_compiles()["kernel_compiles"]
         out = {"seconds": time.perf_counter() - t0, "kernel_compiles": None if c0 is None else c1 - c0,
                "decode_graphs": len(graphs.captured) if graphs is not None else 0, "requests": runs}
+        compiled = "an unknown number of" if out["kernel_compiles"] is None else str(out["kernel_compiles"])
         log.info("warm-up: %d requests in %.1f s (%s Triton kernel variants compiled, %d decode graphs)%s",
-                 runs, out["seconds"], out["kernel_compiles"], out["decode_graphs"],
+                 runs, out["seconds"], compiled, out["decode_graphs"],
                  "" if adapter is not None else "; no adapter given: LoRA kernels compile on the first LoRA request")
         return out
 

@@ -584,7 +584,7 @@ def _stop(process: Any) -> None:
 def load_engine(model: Any, config: Any, adapters: dict[str, str] | list[tuple[str, str]], *,
                 progress: bool = False, warmup: bool = False) -> Any:
     """An ``Engine`` of ``model`` and ``config`` with ``adapters`` (name -> path) loaded: the factory of
-    ``multilora serve --engine-process`` (the same as the in-process serve's); ``warmup``: then
+    ``multilora serve --engine-process`` (the same as the in-process serve's); ``warmup``: then, on a CUDA device,
     ``Engine.warmup`` on the first adapter (``serve --warmup``). Errors name the adapter:
     ``ValueError("--adapter NAME=PATH: ...")``."""
     from tqdm.auto import tqdm
@@ -602,6 +602,6 @@ def load_engine(model: Any, config: Any, adapters: dict[str, str] | list[tuple[s
             raise ValueError(f"--adapter {name}={path}: {e}") from e
     if items:
         log.info("registered %d adapters in %.2f s", len(items), time.perf_counter() - t0)
-    if warmup:
+    if warmup and engine.device.type == "cuda":  # on a CPU nothing compiles (torch kernels, no graphs): no need
         engine.warmup(items[0][0] if items else None)
     return engine

@@ -303,14 +303,30 @@ def test_an_engine_process_on_cuda_streams_what_the_engine_generates(engine, fil
 
 
 def test_load_engine_warms_up_on_the_first_adapter(engine, files, monkeypatch):
-    """``load_engine(warmup=True)`` (``multilora serve --warmup``, the default) runs ``Engine.warmup`` once, after the
-    adapters are registered, on the first of them; without adapters on the base model only; off by default."""
+    """``load_engine(warmup=True)`` (``multilora serve --warmup``, the default) runs ``Engine.warmup`` once on a GPU
+    engine, after the adapters are registered, on the first of them; without adapters on the base model only; off
+    by default, and skipped on a CPU engine (nothing compiles there)."""
     d, adapters = files  # written by ``engine``
     calls = []
     monkeypatch.setattr(Engine, "warmup", lambda self, adapter=None: calls.append((adapter, self.list_adapters())))
     opts = EngineConfig(device="cpu", max_batch_size=4, progress=False)
     items = [(n, str(p)) for n, p in adapters.items()]
+    init = Engine.__init__
+
+    def as_if_on_a_gpu(self, *a, **k):  # warm-up is for GPU engines: this CPU engine reports cuda afterwards
+        init(self, *a, **k)
+        self.device = __import__("torch").device("cuda")
+
+    monkeypatch.setattr(Engine, "__init__", as_if_on_a_gpu)
     load_engine(str(d), opts, items, warmup=True)
     load_engine(str(d), opts, [], warmup=True)
     load_engine(str(d), opts, items)
     assert calls == [(items[0][0], sorted(n for n, _ in items)), (None, [])]
+
+
+def test_load_engine_skips_the_warmup_on_a_cpu(engine, files, monkeypatch):
+    d, adapters = files  # written by ``engine``
+    calls = []
+    monkeypatch.setattr(Engine, "warmup", lambda self, adapter=None: calls.append(adapter))
+    e = load_engine(str(d), EngineConfig(device="cpu", max_batch_size=4, progress=False), [], warmup=True)
+    assert e.device.type == "cpu" and calls == []
