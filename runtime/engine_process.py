@@ -603,5 +603,9 @@ def load_engine(model: Any, config: Any, adapters: dict[str, str] | list[tuple[s
     if items:
         log.info("registered %d adapters in %.2f s", len(items), time.perf_counter() - t0)
     if warmup and engine.device.type == "cuda":  # on a CPU nothing compiles (torch kernels, no graphs): no need
-        engine.warmup(items[0][0] if items else None)
+        try:
+            engine.warmup(items[0][0] if items else None)
+        except Exception as e:  # the warm-up is an optimisation: a failure of it does not keep the server down
+            log.warning("warm-up failed (%s: %s); serving anyway: the first requests may wait for kernel compiles",
+                        type(e).__name__, e)
     return engine

@@ -330,3 +330,22 @@ def test_load_engine_skips_the_warmup_on_a_cpu(engine, files, monkeypatch):
     monkeypatch.setattr(Engine, "warmup", lambda self, adapter=None: calls.append(adapter))
     e = load_engine(str(d), EngineConfig(device="cpu", max_batch_size=4, progress=False), [], warmup=True)
     assert e.device.type == "cpu" and calls == []
+
+
+def test_a_failed_warmup_does_not_keep_the_server_down(engine, files, monkeypatch, caplog):
+    d, adapters = files  # written by ``engine``
+    init = Engine.__init__
+
+    def as_if_on_a_gpu(self, *a, **k):
+        init(self, *a, **k)
+        self.device = __import__("torch").device("cuda")
+
+    def fail(self, adapter=None):
+        raise RuntimeError("warmup: a warm-up request on the base model failed: boom")
+
+    monkeypatch.setattr(Engine, "__init__", as_if_on_a_gpu)
+    monkeypatch.setattr(Engine, "warmup", fail)
+    with caplog.at_level("WARNING", logger="multilora"):
+        e = load_engine(str(d), EngineConfig(device="cpu", max_batch_size=4, progress=False), [], warmup=True)
+    assert e is not None and "warm-up failed (RuntimeError: warmup: a warm-up request" in caplog.text
+    assert "serving anyway" in caplog.text
