@@ -147,6 +147,10 @@ def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path
         engine.load_adapter(f"a{i}", files[i % len(files)], preload=i < args.preload)
     print(f"N = {n_adapters}: engine built and adapters registered in {time.perf_counter() - t0:.1f} s; warm-up of "
           f"{args.warmup_requests} requests", flush=True)
+    if args.engine_warmup:  # the product's warm-up (what `multilora serve` runs), before the bench's own
+        w = engine.warmup("a0")
+        print(f"N = {n_adapters}: Engine.warmup: {w['requests']} requests in {w['seconds']:.1f} s, "
+              f"{w['kernel_compiles']} kernel compiles, {w['decode_graphs']} decode graphs", flush=True)
     # warm-up, untimed: Triton compiles a kernel variant per block size and per integer-argument divisibility, so the
     # first steps of each new prefill size are slow; a burst drawn like the trace (another seed) reaches most of them
     warm = make_trace(n_requests=args.warmup_requests, rate=math.inf, arrival="poisson", popularity="uniform",
@@ -574,6 +578,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="share of requests with a --long-prompt-len prompt (the long-prompt mix)")
     ap.add_argument("--long-prompt-len", type=int, default=4096)
     ap.add_argument("--warmup-requests", type=int, default=192, help="untimed requests before the rows (per engine)")
+    ap.add_argument("--engine-warmup", action="store_true",
+                    help="engine mode: run Engine.warmup (what `multilora serve` runs on a GPU) before the bench's "
+                         "warm-up; with --warmup-requests 0 the rows' compile counts show whether it alone suffices")
     ap.add_argument("--modes", default="engine,http", help="comma-separated: engine, http, http-engine-process")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds: server start, and one HTTP request")

@@ -212,3 +212,19 @@ def test_serving_bench_long_prompt_mix_chunked_on_and_off(tmp_path):
     assert off["failed"] == on["failed"] == 0 and off["output_tokens"] == on["output_tokens"]
     assert (off["chunked_prefill"], on["chunked_prefill"]) == ("off", "on") and on["long_prompt_len"] == 64
     assert off["mixed_steps"] == 0 and on["mixed_steps"] > 0 and on["prefill_chunks"] > off["prefill_chunks"]
+
+
+def test_serving_bench_engine_warmup_flag(tmp_path):
+    """``--engine-warmup`` runs the product's ``Engine.warmup`` (on adapter a0) before the rows and says what it did."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_serving.py"), "--shape", "tiny", "--adapters", "2",
+           "--requests", "6", "--input-len", "4,24", "--output-len", "2,9", "--max-batch-size", "4",
+           "--adapter-files", "2", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out), "--modes", "engine",
+           "--engine-warmup", "--warmup-requests", "0", "--no-burst-rows", "--rate", "20"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    line = next(x for x in p.stdout.splitlines() if "Engine.warmup:" in x)
+    assert int(line.split("Engine.warmup: ")[1].split(" requests")[0]) > 10
+    rows = json.loads((out / "serving_tiny.json").read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["failed"] == 0 and rows[0]["requests"] == 6
