@@ -47,6 +47,13 @@ def select_triton(backend: str | None, x: torch.Tensor | torch.device, module: s
     return mod
 
 
+@functools.lru_cache(maxsize=None)
+def num_sms(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (read once per device): what the kernels size their
+    split-K and split-key grids by."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 _compiles = {"count": 0, "seconds": 0.0}
 _compile_lock = threading.Lock()
 _compile_start = threading.local()

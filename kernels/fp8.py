@@ -12,16 +12,18 @@ Two GEMMs compute ``y = x @ (Wq * scale[:, None])^T (+ bias)`` [T, N] in x's dty
   ``xq = float8(x / xs)``), then one ``torch._scaled_mm`` (cuBLASLt's fp8 tensor-core GEMM on Hopper, with
   row-wise scales ``scale_a = xs [T, 1]`` and ``scale_b = scale [1, N]`` applied in its epilogue); for at most
   64 rows, where the GPU's tuned table has a "scaled_configs" entry for the shape, our split-K Triton kernel
-  instead (``triton_fp8.fp8_gemv2(fp8_x=True)``: the same quantization, fp8 tensor cores, the scales at the store). Reads 1 byte per
-  weight and uses fp8 tensor cores; adds the activation's rounding to e4m3 (3 mantissa bits).
+  instead (``triton_fp8.fp8_gemv2(fp8_x=True)``: the same quantization, fp8 tensor cores, the scales at the
+  store). Reads 1 byte per weight and uses fp8 tensor cores; adds the activation's rounding to e4m3 (3 mantissa
+  bits).
 - ``"weight_only"`` (CUDA, Triton: ``multilora.kernels.triton_fp8``): the activations stay in bf16; each fp8
   weight tile is widened to bf16 in registers and the product accumulates in fp32, the scale applied once per
   output column. Reads 1 byte per weight and adds no activation rounding; uses bf16 tensor cores.
 - ``"dequant"``: the reference (tests, CPU): ``x.float() @ (Wq.float() * scale)^T``, rounded once to x's dtype.
 
-None picks ``"weight_only"`` on CUDA for at most ``WEIGHT_ONLY_MAX_TOKENS`` rows (or, for a shape the GPU's tuned
-table has fp8-activation tiles for at this row count, the table's limit, ``triton_fp8.weight_only_max_tokens``) (decode: bandwidth-bound, where
-skipping the activation quantization and its extra launch pays) and ``"scaled_mm"`` otherwise, and on the CPU
+None picks ``"weight_only"`` on CUDA for at most ``WEIGHT_ONLY_MAX_TOKENS`` rows (decode: bandwidth-bound, where
+skipping the activation quantization and its extra launch pays; for a shape the GPU's tuned table has
+fp8-activation tiles for at this row count, the table's limit instead, ``triton_fp8.weight_only_max_tokens``) and
+``"scaled_mm"`` otherwise, and on the CPU
 (torch implements ``_scaled_mm`` there too). The threshold is measured (``bench/bench_fp8.py``, results in
 ``bench/results/fp8/``). Every path's shapes depend only on the input's shape, so all are CUDA-graph safe.
 """
@@ -160,7 +162,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
     cfg = k.gemv_config(x.device, w.shape[0], x.shape[1], x.shape[0], scaled=True) if k is not None else None
     if cfg is not None and x.dtype in (torch.float16, torch.bfloat16):
         # the same product on our split-K kernel, where this GPU's sweep measured it faster than cuBLASLt
-        return k.fp8_gemv2(x, w.qweight, w.scale, bias, fp8_x=True, num_sms=k._num_sms(x.device), **cfg)
+        return k.fp8_gemv2(x, w.qweight, w.scale, bias, fp8_x=True, **cfg)
     xq, xs = k.quantize_per_token(x) if k is not None else quantize_per_token_torch(x)
     # cuBLASLt's row-wise-scaled fp8 GEMM: mat2 column-major ([K, N] view of the row-major [N, K] weight).
     # A bias goes in the epilogue where the output dtype is bf16 (its only supported case), else after.

@@ -61,13 +61,13 @@ would stall on the compile.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from multilora.kernels.attention import tile_table
+from multilora.kernels.backends import num_sms
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -317,17 +317,12 @@ def _tiling(decode: bool, G: int, block_m: int) -> tuple[int, int, int, int]:
     return block_m // g_tile, g_tile, triton.cdiv(G, g_tile), block_m
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _num_splits(device: torch.device, programs: int, capacity: int, block_n: int) -> int:
     """Decode key splits from static sizes only: double while ``programs * splits`` is below one wave of
     SMs, at most ``MAX_SPLITS`` and at most one split per two key tiles of the block table's capacity."""
     if device.type != "cuda":
         return 1
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
     splits = 1
     while splits < MAX_SPLITS and programs * splits < sms and 2 * splits * 2 * block_n <= capacity:
         splits *= 2

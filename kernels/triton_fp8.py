@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from multilora.kernels.backends import num_sms as num_sms_of
 from multilora.kernels.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
 
 MAX_QUANT_ROW = 65536
@@ -256,10 +257,11 @@ def fp8_gemv_splitk(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
               block_n: int = 32, block_k: int = 512, split_k: int | None = None, programs_per_sm: int = 4,
               num_warps: int = 4, num_stages: int = 1, prefetch: bool = False, use_dot: bool | None = None,
-              num_sms: int = 132, fp8_x: bool = False, out_dtype: torch.dtype | None = None,
+              num_sms: int | None = None, fp8_x: bool = False, out_dtype: torch.dtype | None = None,
               x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``fp8_gemv_splitk`` through ``_w8_gemv2_kernel``: same arguments, result and errors, plus ``programs_per_sm``
-    (split_k None: about that many programs per SM of ``num_sms``, each at least 2 K tiles), ``num_stages`` and
+    (split_k None: about that many programs per SM of ``num_sms``, each at least 2 K tiles; None = x's GPU's, 4
+    on the CPU), ``num_stages`` and
     ``prefetch`` (the kernel's docstring). ``use_dot`` None = tensor cores from 2 rows; the CUDA-core path takes one
     row only. ``fp8_x``: the "scaled_mm" semantics (``fp8.fp8_linear``): x is quantized per token
     (``quantize_per_token``) and multiplied on fp8 tensor cores; ``x`` may then also be given already quantized
@@ -285,6 +287,8 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
         raise ValueError(f"fp8_gemv2: the CUDA-core path (use_dot=False) takes 1 row, got {M}")
     n_blocks = triton.cdiv(N, block_n)
     if split_k is None:
+        if num_sms is None:
+            num_sms = num_sms_of(x.device.index or 0) if x.is_cuda else 4
         split_k = max(1, min(triton.cdiv(programs_per_sm * num_sms, n_blocks), K // (2 * block_k)))
     k_per = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per)
@@ -312,8 +316,10 @@ def _config(N: int) -> dict:
 TUNED_DIR = Path(__file__).resolve().with_name("tuned")
 _tuned: dict[str, dict] | None = None
 _tuned_lock = threading.Lock()
-#: The keys of one tuned entry: ``fp8_gemv2``'s tile arguments.
-_KEYS = {"block_n", "block_k", "num_warps", "num_stages", "programs_per_sm", "prefetch", "use_dot"}
+#: The keys of one tuned entry: ``fp8_gemv2``'s tile arguments (positive integers, then flags).
+_INT_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "programs_per_sm")
+_BOOL_KEYS = ("prefetch", "use_dot")
+_KEYS = set(_INT_KEYS + _BOOL_KEYS)
 
 
 def _check_entry(section: str, shape: str, rows: str, cfg: Any) -> None:
@@ -322,10 +328,10 @@ def _check_entry(section: str, shape: str, rows: str, cfg: Any) -> None:
         raise ValueError(f"{where}: the row class must be '1', '16' or '64'")
     if not isinstance(cfg, dict) or not _KEYS <= set(cfg) <= _KEYS | {"fp8_x"}:
         raise ValueError(f"{where}: expected the keys {sorted(_KEYS)}, got {sorted(cfg) if isinstance(cfg, dict) else cfg!r}")
-    for k in ("block_n", "block_k", "num_warps", "num_stages", "programs_per_sm"):
+    for k in _INT_KEYS:
         if not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or cfg[k] < 1:
             raise ValueError(f"{where}: {k} must be a positive integer, got {cfg[k]!r}")
-    for k in ("prefetch", "use_dot"):
+    for k in _BOOL_KEYS:
         if not isinstance(cfg[k], bool):
             raise ValueError(f"{where}: {k} must be true or false, got {cfg[k]!r}")
     if section == "scaled_configs" and not cfg["use_dot"]:
@@ -439,9 +445,9 @@ def fp8_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.
         raise ValueError(f"fp8_weight_only_linear: x must be float16/bfloat16 with contiguous rows, got {x.dtype}")
     if not qweight.device == x.device == scale.device:
         raise ValueError("fp8_weight_only_linear: x, qweight and scale must be on one device")
-    cfg = gemv_config(x.device, N, K, M) if 1 <= M <= 64 else None
+    cfg = gemv_config(x.device, N, K, M)
     if cfg is not None:
-        return fp8_gemv2(x, qweight, scale, bias, num_sms=_num_sms(x.device), **cfg)
+        return fp8_gemv2(x, qweight, scale, bias, **cfg)
     if M == 1:  # decode-sized: split over K so that enough programs stream the weight (bench/results/fp8/)
         return fp8_gemv_splitk(x, qweight, scale, bias, block_n=64, block_k=256, num_warps=4, use_dot=False)
     if 2 <= M <= 16:
@@ -458,13 +464,6 @@ def fp8_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.
     return y
 
 
-_SMS: dict[torch.device, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return _SMS[device]
 
 
 @triton.jit

@@ -41,13 +41,13 @@ A one-launch shrink + expand kernel was tried and is off by default: ``multilora
 
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from multilora.kernels.backends import num_sms
 from multilora.kernels.lora import MAX_SLICES, LoRAPlan, LoRASlices
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -220,9 +220,6 @@ def _sgmv_expand_kernel(
 
 
 # ---------------------------------------------------------------------------------------------- launchers
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 #: Few-token steps (at most this many tokens) from a pool of rank >= ``WIDE_RANK`` take the wide-rank tiles:
@@ -241,7 +238,7 @@ def _split_k(device: torch.device, programs: int, d_in: int, block_k: int, max_s
     """Split the shrink's K loop when too few programs would fill the GPU (decode). Depends on sizes only."""
     if device.type != "cuda":
         return 1
-    want = 4 * _num_sms(device.index or 0)  # 4 programs per SM: best of 1x/2x/4x in the H200 sweep
+    want = 4 * num_sms(device.index or 0)  # 4 programs per SM: best of 1x/2x/4x in the H200 sweep
     split = 1
     while split * programs < want and d_in >= 2 * split * block_k and split < max_split:
         split *= 2

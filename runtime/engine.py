@@ -57,6 +57,7 @@ log = logging.getLogger("multilora")
 #: (above the LoRA kernels' 512-token block-size threshold).
 WARMUP_PROMPT_TOKENS = (1, 2, 3, 4, 6, 9, 13, 19, 28, 42, 63, 94, 141, 211, 316, 474, 600)
 
+
 class EngineOverloadedError(RuntimeError):
     """More requests are waiting than ``EngineConfig.max_waiting_requests`` allows: try again later."""
 

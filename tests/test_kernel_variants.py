@@ -123,7 +123,7 @@ def test_warmup_token_counts_reach_every_lora_kernel_variant(monkeypatch):
     from multilora.runtime.engine import WARMUP_PROMPT_TOKENS
 
     real = triton_sgmv._split_k
-    monkeypatch.setattr(triton_sgmv, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(triton_sgmv, "num_sms", lambda index: 132)
     monkeypatch.setattr(triton_sgmv, "_split_k", lambda device, *a, **k: real(torch.device("cuda", 0), *a, **k))
     pool, slots = make_pool(LLAMA8B, [8] * 8, dtype=torch.float32, device="cpu")
     groups = [lora_slices([pool.module_view(0, m) for m in mods]) for mods in (QKV, ("o_proj",), GATE_UP, ("down_proj",))]
