@@ -414,6 +414,8 @@ def summarize(results: list[Result], wall: float, offered: float, before: dict |
     for k in ("kernel_compiles", "kernel_compile_seconds"):
         row[k] = (after[k] - before[k] if before is not None and after.get(k) is not None
                   and before.get(k) is not None else None)
+    n = row["kernel_compiles"] or 0
+    row["kernel_compile_names"] = list(after.get("recent_kernel_compiles") or [])[-n:] if n > 0 else []
     row["pool_hit_rate"] = rate("gpu_hits", "gpu_misses")
     row["host_hit_rate"] = rate("host_hits", "host_misses")
     # GB/s of each tier move over the row, from the stats' bytes and seconds (runtime/adapter_cache.py report())

@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--torch-ops", action="store_true",
                     help="RMSNorm / RoPE + KV write / SiLU-mul as torch ops instead of the fused Triton kernels")
+    ap.add_argument("--mixed-tokens", type=int, default=0,
+                    help="profile mixed steps instead: before each step a new request of this many prompt tokens "
+                         "(max_tokens 1) joins, so every step carries the batch's decode rows and one prompt chunk")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     bw, _ = copy_bandwidth(dev)
     total_steps = args.steps + 8
     engine = Engine(cfg, device=dev, dtype=dtype, progress=False,
-                    max_batch_size=max(args.batch, 1), max_seq_len=args.prompt_len + 2 * total_steps + 16,
+                    max_batch_size=max(args.batch, 1) + (1 if args.mixed_tokens else 0),
+                    max_seq_len=max(args.prompt_len + 2 * total_steps + 16, args.mixed_tokens + 16),
                     max_lora_rank=16, adapter_slots=args.batch if args.lora else 1,
                     adapter_pool_share=0.3 if args.lora else None, cuda_graphs=not args.no_cuda_graphs)
     names = None
@@ -106,16 +110,36 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(4):
         engine.step()
     torch.cuda.synchronize()
+    one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+
+    def step() -> None:
+        if args.mixed_tokens:  # a fresh prompt each step: its one chunk rides beside the decode rows
+            p = torch.randint(0, cfg.vocab_size, (args.mixed_tokens,), generator=g).tolist()
+            engine.add_request(p, names[0] if names else None, one)
+        engine.step()
+
+    enq: list[float] = []  # host time of each step's forward call: its launches are queued when it returns
+    run = engine.runner.run
+
+    def timed_run(*a, **k):
+        t = time.perf_counter()
+        out = run(*a, **k)
+        enq.append(time.perf_counter() - t)
+        return out
+
+    engine.runner.run = timed_run
+    before = dict(engine._counters)
     walls = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        engine.step()
+        step()
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t0)
+    kinds = {k: engine._counters[k] - before.get(k, 0) for k in ("decode_steps", "mixed_steps", "prefill_steps")}
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(4):
-            engine.step()
+            step()
         torch.cuda.synchronize()
     kern: dict[str, list[float]] = defaultdict(list)
     for ev in prof.events():
@@ -125,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     steps_prof = sum(len(v) for n, v in kern.items() if "DtoH" in n) or 4
     total_us = sum(sum(v) for v in kern.values())
     wall_ms = statistics.median(walls) * 1e3
-    print(f"profiled {steps_prof} steps")
+    print(f"profiled {steps_prof} steps; step kinds {dict(kinds)}; mixed tokens {args.mixed_tokens}")
+    print(f"host time of the forward call (runner.run; launches queued, not waited for): median "
+          f"{statistics.median(enq[: args.steps]) * 1e3:.3f} ms")
     print(f"{args.shape} bf16, batch {args.batch}, {'adapters' if args.lora else 'no adapters'}, "
           f"cuda_graphs={not args.no_cuda_graphs}, ops={'torch' if args.torch_ops else 'triton'}; copy bandwidth {bw:.0f} GB/s")
     wbytes = engine.model.nbytes - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2)
@@ -137,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'calls/step':>10} {'us/call':>9} {'share':>7}  kernel")
     for n, c, us, sh in rows[: args.top]:
         print(f"{c:10.1f} {us:9.2f} {sh:7.1%}  {n[:110]}")
+    cpu = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
+    cpu_total = sum(e.self_cpu_time_total for e in cpu)
+    print(f"\nhost (CPU) self time under the profiler: {cpu_total / steps_prof / 1e3:.3f} ms/step (profiler overhead "
+          f"included); top ops:")
+    for e in cpu[:15]:
+        print(f"{e.count / steps_prof:10.1f} {e.self_cpu_time_total / e.count:9.2f} "
+              f"{e.self_cpu_time_total / cpu_total:7.1%}  {e.key[:100]}")
     gt = gemm_table(cfg, args.batch, dtype, dev, bw)
     print(f"\nGEMMs alone at M={args.batch}:")
     for r in gt:
@@ -147,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"shape": args.shape, "batch": args.batch, "lora": args.lora,
+                                         "mixed_tokens": args.mixed_tokens, "step_kinds": kinds,
+                                         "host_forward_ms": statistics.median(enq[: args.steps]) * 1e3,
                                          "copy_gbps": bw, "wall_ms": wall_ms, "gpu_kernel_ms": total_us / steps_prof / 1e3,
                                          "kernels": [{"name": n, "calls_per_step": c, "us_per_call": us, "share": sh}
                                                      for n, c, us, sh in rows],

@@ -3,13 +3,17 @@ apply op (``multilora.kernels.lora.resolve_backend``), attention and the fused p
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
+import logging
 import threading
 import time
 from types import ModuleType
 
 import torch
+
+log = logging.getLogger("multilora")
 
 
 @functools.cache
@@ -55,6 +59,7 @@ def num_sms(index: int) -> int:
 
 
 _compiles = {"count": 0, "seconds": 0.0}
+_compile_names: "collections.deque[str]" = collections.deque(maxlen=64)  # the latest variants, as Triton names them
 _compile_lock = threading.Lock()
 _compile_start = threading.local()
 _hooked: list[bool] = []
@@ -87,10 +92,13 @@ def _install() -> bool:
 
     def on_done(*args, **kwargs):
         t0 = getattr(_compile_start, "t", None)
+        name = kwargs.get("repr") or getattr(kwargs.get("fn"), "name", None) or "?"
         with _compile_lock:
             _compiles["count"] += 1
+            _compile_names.append(str(name))
             if t0 is not None:
                 _compiles["seconds"] += time.perf_counter() - t0
+        log.debug("Triton kernel variant compiled: %s", name)
         _compile_start.t = None
         return after(*args, **kwargs) if after else None
 
@@ -109,3 +117,11 @@ def kernel_compiles() -> dict[str, float | int | None]:
         return {"kernel_compiles": None, "kernel_compile_seconds": None}
     with _compile_lock:
         return {"kernel_compiles": _compiles["count"], "kernel_compile_seconds": _compiles["seconds"]}
+
+
+def recent_kernel_compiles(n: int = 64) -> list[str]:
+    """The last ``n`` (at most 64) Triton kernel variants compiled since :func:`count_kernel_compiles`, oldest
+    first, as Triton's JIT hook names them (``kernel[num_warps=..., ...](arg: type, ...)``, the argument types
+    showing the specialisation); empty when the count is off. What to read when a serving row reports compiles."""
+    with _compile_lock:
+        return list(_compile_names)[-n:] if n > 0 else []

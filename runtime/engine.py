@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from multilora.config import ModelConfig
-from multilora.kernels.backends import count_kernel_compiles, kernel_compiles
+from multilora.kernels.backends import count_kernel_compiles, kernel_compiles, recent_kernel_compiles
 from multilora.kernels.fp8 import fp8_supported
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
@@ -617,10 +617,12 @@ class Engine:
         """Counters since start: steps, tokens, requests (``runtime.postprocess``), adapter-pool residency and cache
         traffic (``AdapterCache.report``), queue waits, KV blocks and preemptions (``Scheduler.report``), and the
         process's Triton compiles (``kernel_compiles``, ``kernel_compile_seconds``: counted from the first CUDA
-        engine's start, None on the CPU or without Triton's JIT hooks; ``multilora.kernels.backends``), and
-        ``step_seconds``: the steps' wall times by kind, a histogram (``StepTimes.report``)."""
+        engine's start, None on the CPU or without Triton's JIT hooks; ``multilora.kernels.backends``) with
+        ``recent_kernel_compiles``, the names of the last 8 variants compiled (which kernel and specialisation to
+        warm up), and ``step_seconds``: the steps' wall times by kind, a histogram (``StepTimes.report``)."""
         return {**self._counters, **self.cache.report(), **self.scheduler.report(),
                 "tensor_parallel_size": self.engine_config.tensor_parallel_size, **kernel_compiles(),
+                "recent_kernel_compiles": recent_kernel_compiles(8),
                 "step_seconds": self.step_times.report()}
 
     # --------------------------------------------------------------------- the options, by their old names

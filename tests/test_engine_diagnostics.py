@@ -22,6 +22,7 @@ def fresh(monkeypatch):
     counter's: chained to, they would count every compile a second time), Triton's hooks restored afterwards."""
     monkeypatch.setattr(backends, "_hooked", [])
     monkeypatch.setattr(backends, "_compiles", {"count": 0, "seconds": 0.0})
+    monkeypatch.setattr(backends, "_compile_names", __import__("collections").deque(maxlen=64))
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
 
@@ -39,6 +40,20 @@ def test_counts_through_the_hooks_and_chains_earlier_ones(fresh):
     got = backends.kernel_compiles()
     assert got["kernel_compiles"] == 2 and got["kernel_compile_seconds"] >= 0
     assert seen == [("before", "k1"), ("after", "k1"), ("before", "k2"), ("after", "k2")]
+
+
+def test_names_the_latest_variants(fresh):
+    """``recent_kernel_compiles``: Triton's own name of each variant (its ``repr``: kernel, options and argument
+    types), oldest first, the last 64 kept; the engine's stats carry the last 8."""
+    assert backends.recent_kernel_compiles() == []
+    backends.count_kernel_compiles()
+    for i in range(70):
+        knobs.runtime.jit_cache_hook(key=i)
+        knobs.runtime.jit_post_compile_hook(key=i, repr=f"_k[num_warps=4](T: i32, n: {i})")
+    got = backends.recent_kernel_compiles()
+    assert len(got) == 64 and got[0] == "_k[num_warps=4](T: i32, n: 6)" and got[-1].endswith("n: 69)")
+    assert backends.recent_kernel_compiles(2) == ["_k[num_warps=4](T: i32, n: 68)", "_k[num_warps=4](T: i32, n: 69)"]
+    assert backends.recent_kernel_compiles(0) == []
 
 
 def test_an_earlier_cache_hook_can_still_skip_the_compile(fresh):
@@ -81,7 +96,8 @@ def test_engine_stats_carry_the_counter():
 
     cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
     s = Engine(cfg, device="cpu", dtype=torch.float32, progress=False).stats()
-    assert {"kernel_compiles", "kernel_compile_seconds"} <= set(s)
+    assert {"kernel_compiles", "kernel_compile_seconds", "recent_kernel_compiles"} <= set(s)
+    assert isinstance(s["recent_kernel_compiles"], list) and len(s["recent_kernel_compiles"]) <= 8
     if not backends._hooked:  # no CUDA engine started in this process: the count is off, not zero
         assert s["kernel_compiles"] is None and s["kernel_compile_seconds"] is None
 
