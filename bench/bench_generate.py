@@ -264,7 +264,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         if engine.model.lora_side_max_tokens != side:  # captured graphs bake the choice in: capture again
             engine.model.lora_side_max_tokens = side
             if engine.graphs is not None:
-                engine.graphs.reset()
+                engine.runner.reset_graphs()  # decode and piecewise
                 warm_up_engine(engine, run.prompts, names)
         row_info = {**info, "lora_side_stream_max_tokens": engine.model.lora_side_limit()}
         for b in batches:

@@ -140,6 +140,7 @@ def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path
                     adapter_pool_share=args.adapter_pool_share,
                     enable_chunked_prefill=args.chunked_prefill == "on",
                     max_num_batched_tokens=args.max_num_batched_tokens,
+                    piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
                     **({} if args.max_prefill_tokens is None else {"max_prefill_tokens": args.max_prefill_tokens}))
     t0 = time.perf_counter()
     for i in tqdm(range(n_adapters), desc=f"N = {n_adapters}: registering adapters", disable=n_adapters < 64,
@@ -150,7 +151,8 @@ def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path
     if args.engine_warmup:  # the product's warm-up (what `multilora serve` runs), before the bench's own
         w = engine.warmup("a0")
         print(f"N = {n_adapters}: Engine.warmup: {w['requests']} requests in {w['seconds']:.1f} s, "
-              f"{w['kernel_compiles']} kernel compiles, {w['decode_graphs']} decode graphs", flush=True)
+              f"{w['kernel_compiles']} kernel compiles, {w['decode_graphs']} decode graphs, "
+              f"{w['piecewise_graphs']} piecewise graph steps", flush=True)
     # warm-up, untimed: Triton compiles a kernel variant per block size and per integer-argument divisibility, so the
     # first steps of each new prefill size are slow; a burst drawn like the trace (another seed) reaches most of them
     warm = make_trace(n_requests=args.warmup_requests, rate=math.inf, arrival="poisson", popularity="uniform",
@@ -167,6 +169,7 @@ def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path
         k = 1 + i % 3
         run(warm[i : i + k], max_tokens=2)
         i += k
+    engine.runner.warm_pieces()  # every token bucket's piecewise graphs not yet captured: none inside a row
     print(f"N = {n_adapters}: ready after {time.perf_counter() - t0:.1f} s", flush=True)
     return engine
 
@@ -575,6 +578,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the engine's enable_chunked_prefill (on: decode tokens and prompt chunks share each step)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="chunked prefill's tokens per step (default: the engine's, = --max-prefill-tokens)")
+    ap.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
+                    help="the engine's option: prefill/mixed steps of up to this many tokens replay piecewise CUDA "
+                         "graphs (default: the engine's, 2048 capped by the step budget; 0: eager, as before)")
     ap.add_argument("--max-prefill-tokens", type=int, default=None, help="default: the engine's (4096)")
     ap.add_argument("--long-prompt-share", type=float, default=0.0,
                     help="share of requests with a --long-prompt-len prompt (the long-prompt mix)")
@@ -645,6 +651,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row = {"mode": mode, "n_adapters": n, "adapter_set": args.adapter_set, "popularity": args.popularity,
                    "arrival": args.arrival, "rate": "burst" if math.isinf(r) else f"{r:.2f}",
                    "chunked_prefill": args.chunked_prefill, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,
                    "long_prompt_share": args.long_prompt_share,
                    "long_prompt_len": args.long_prompt_len if args.long_prompt_share > 0 else None,
                    **summarize(results, wall, r, before, after), **(steps or {})}

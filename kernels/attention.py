@@ -248,7 +248,7 @@ def resolve_attention_backend(backend: str | None, q: torch.Tensor) -> Callable:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, *,
                     scale: float, sliding_window: int = 0, softcap: float = 0.0,
-                    backend: str | None = None) -> torch.Tensor:
+                    backend: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (optionally sliding-window, optionally soft-capped) GQA attention of the step's queries over the
     paged cache.
 
@@ -263,9 +263,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         softcap: 0 = none; else the scaled scores become ``softcap * tanh(s / softcap)`` (Gemma 2's
             ``attn_logit_softcapping``).
         backend: "torch", "triton" or None.
+        out: None, or a ``[T, num_heads, head_dim]`` tensor of q's dtype and device, contiguous, that receives the
+            result (a static buffer of a CUDA graph's next piece; ``runtime.cuda_graphs``).
 
     Returns:
-        ``[T, num_heads, head_dim]`` in q's dtype.
+        ``[T, num_heads, head_dim]`` in q's dtype: ``out`` when given.
 
     Raises:
         ValueError: shapes that disagree (num_heads not a multiple of num_kv_heads, head_dim or block size
@@ -282,5 +284,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"paged_attention: q has {T} tokens, the metadata {meta.num_tokens}")
     if not softcap >= 0:
         raise ValueError(f"paged_attention: softcap must be >= 0 (0 = none), got {softcap!r}")
-    return resolve_attention_backend(backend, q)(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window,
-                                                 softcap=softcap)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device
+                            or not out.is_contiguous()):
+        raise ValueError(f"paged_attention: out must be a contiguous {tuple(q.shape)} {q.dtype} tensor on {q.device}, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device} (contiguous: {out.is_contiguous()})")
+    fn = resolve_attention_backend(backend, q)
+    if fn is paged_attention_torch:
+        o = fn(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window, softcap=softcap)
+        return o if out is None else out.copy_(o)
+    return fn(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window, softcap=softcap, out=out)

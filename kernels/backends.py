@@ -92,7 +92,7 @@ def _install() -> bool:
 
     def on_done(*args, **kwargs):
         t0 = getattr(_compile_start, "t", None)
-        name = kwargs.get("repr") or getattr(kwargs.get("fn"), "name", None) or "?"
+        name = _variant_name(kwargs)
         with _compile_lock:
             _compiles["count"] += 1
             _compile_names.append(str(name))
@@ -105,6 +105,18 @@ def _install() -> bool:
     rt.jit_cache_hook, rt.jit_post_compile_hook = on_start, on_done
     _hooked.append(True)
     return True
+
+
+def _variant_name(hook_kwargs: dict) -> str:
+    """A compiled variant as Triton's post-compile hook describes it: the kernel's name, its options and argument types
+    (``repr``), then the constexpr values and the specialisation of the integer arguments (``compile``'s
+    ``constants`` and ``configs``: which are 1 or divisible by 16), at most 600 characters."""
+    comp = hook_kwargs.get("compile") or {}
+    parts = [str(hook_kwargs.get("repr") or getattr(hook_kwargs.get("fn"), "name", None) or "?")]
+    for k in ("constants", "configs"):
+        if comp.get(k):
+            parts.append(f"{k}={comp[k]}")
+    return " ".join(parts)[:600]
 
 
 def kernel_compiles() -> dict[str, float | int | None]:

@@ -381,7 +381,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, *, scale: float,
                            sliding_window: int = 0, softcap: float = 0.0, num_splits: int | None = None,
-                           block_n: int | None = None) -> torch.Tensor:
+                           block_n: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton backend of ``paged_attention`` (semantics above and in ``multilora.kernels.attention``).
 
     Args:
@@ -394,9 +394,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         softcap: 0 = none, else the scores are ``softcap * tanh(scale * q.k / softcap)`` (the ``SOFTCAP`` branch).
         num_splits: decode only, key splits per sequence (None: from static sizes and the SM count; 1 on CPU).
         block_n: keys per tile (a power of two >= 16; None: the config for the device, phase and dtype).
+        out: None, or a contiguous ``[T, H, D]`` tensor of q's dtype that receives the result (``paged_attention``
+            checks it).
 
     Returns:
-        ``[T, H, D]`` in q's dtype (a new tensor).
+        ``[T, H, D]`` in q's dtype (``out``, or a new tensor).
 
     Decode batches (``T == B``) launch a grid fixed by the shapes and read lengths and block ids from
     device memory only, so the call can be captured in a CUDA graph and replayed after in-place updates of
@@ -415,7 +417,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"paged_attention_triton: block_n must be a power of two >= 16, got {block_n}")
     block_q, g_tile, groups, block_m = _tiling(decode, G, block_m)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if decode:
         capacity = meta.block_tables.shape[1] * meta.block_size
         splits = num_splits or _num_splits(q.device, B * Hkv * groups, capacity, block_n)

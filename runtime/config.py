@@ -80,8 +80,8 @@ class EngineConfig:
             first request of a step is admitted whatever its length).
         enable_chunked_prefill: chunked prefill (default on; ``multilora.runtime.scheduler``): one step carries the
             decode token of every running request AND chunks of prompts, under ``max_num_batched_tokens``, so a
-            long prompt never stops running requests; decode-only steps keep their CUDA graphs, mixed steps run
-            eagerly. Off: a step is a prefill (every decode waits) or a decode, as before.
+            long prompt never stops running requests; decode-only steps keep their CUDA graphs, mixed steps replay
+            piecewise graphs (``piecewise_cuda_graph_max_tokens``). Off: a step is a prefill (every decode waits) or a decode, as before.
         max_num_batched_tokens: with chunked prefill, the step's token budget (vLLM's name): decode tokens first
             (one per running request, never held back, even beyond the budget), then prompt chunks in the rest, at
             most ``max_prefill_tokens`` and at least one token. None = ``max_prefill_tokens``. Smaller: steps of
@@ -108,6 +108,14 @@ class EngineConfig:
             value > 0 runs the same deferred adds on the one stream).
         cuda_graphs: replay decode steps from CUDA graphs, one per batch-size bucket
             (``multilora.runtime.cuda_graphs``); used on CUDA when both backends are Triton, ignored elsewhere.
+        piecewise_cuda_graph_max_tokens: with ``cuda_graphs``, prefill and mixed steps of at most this many tokens
+            replay CUDA graphs piecewise: everything of a layer but attention is captured per token bucket and
+            attention runs eagerly between the pieces (``multilora.runtime.cuda_graphs.PiecewiseGraphs``; SGLang's
+            option of this name does the same). Eagerly such a step is bound by the host launching ~600 kernels
+            (Llama-3-8B, 43 decode rows + a 300-token chunk, H200: 42 ms of host time for 11 ms of GPU work,
+            ``bench/profile_decode.py --mixed-tokens``). None: ``PIECEWISE_MAX_TOKENS`` (2048) capped by the step
+            budget (``max_num_batched_tokens``, or ``max_prefill_tokens``) on CUDA; 0: off. Not used with tensor
+            parallelism or longrope.
         adapter_pool_share: share of the memory budget for the adapter pool, in (0, 1) (None: the memory
             plan's default, 0.1); the KV cache takes the rest.
         progress: show a progress bar while loading the model.
@@ -159,6 +167,10 @@ class EngineConfig:
                                                          "--max-lora-rank > 16; 0: off)",
                                                    kind=int)
     cuda_graphs: bool = _opt(True, "run decode steps eagerly (no CUDA graphs)")
+    piecewise_cuda_graph_max_tokens: int | None = _opt(None, "prefill and mixed steps of at most this many tokens "
+                                                             "replay CUDA graphs piecewise, attention eager between "
+                                                             "them (default on CUDA: 2048, at most the step budget; "
+                                                             "0: off)", kind=int)
     adapter_pool_share: float | None = _opt(None, "share of the memory budget for the adapter pool (default: the "
                                                   "memory plan's, 0.1)", kind=float)
     progress: bool = _opt(True, "", cli=False)
@@ -176,7 +188,8 @@ class EngineConfig:
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise fail(name, "an int >= 0")
         for name, unit in (("adapter_pool_bytes", "bytes"), ("kv_cache_bytes", "bytes"),
-                           ("host_adapter_bytes", "bytes"), ("lora_side_stream_max_tokens", "tokens")):
+                           ("host_adapter_bytes", "bytes"), ("lora_side_stream_max_tokens", "tokens"),
+                           ("piecewise_cuda_graph_max_tokens", "tokens")):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):
                 raise fail(name, f"None or an int >= 0 ({unit})")

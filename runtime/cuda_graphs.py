@@ -1,4 +1,5 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket (and per LoRA on/off).
+"""Steps replayed from CUDA graphs: decode steps whole, one graph per batch-size bucket (and per LoRA on/off)
+(``DecodeGraphs``), and prefill and mixed steps piecewise, per token bucket (``PiecewiseGraphs``, below).
 
 A decode step of ``B`` sequences is padded up to the smallest bucket ``>= B`` (1, 2, 4, 8, then multiples
 of 16 up to ``max_batch_size``). Each bucket's graph is captured the first time it is needed, after one
@@ -11,6 +12,16 @@ replay costs one launch; sampling runs after it on the same stream.
 
 Graphs are used only where every kernel of the step is graph-safe: CUDA, and the Triton backends for
 LoRA and attention (their launch grids depend on the bucket size, never on the lengths or slots).
+
+**Piecewise graphs.** A prefill or mixed step's attention has a launch grid that follows the step's prompt
+lengths (its tile table), so it cannot be replayed. Everything else of a layer is per-token work whose launches
+depend on the token count only. ``PiecewiseGraphs`` pads a step of ``T`` tokens to the smallest token bucket
+``>= T`` (``token_buckets``) and replays ``num_layers + 1`` graphs: the first runs the embeddings up to layer 0's
+RoPE and KV write, each next one a layer's o projection through the next layer's KV write, the last one ending
+with the final norm; the runner's eager attention of layer ``i`` runs between graphs ``i`` and ``i + 1`` over
+the step's real tokens, reading and writing static buffers. Eagerly, the host launching the ~20 kernels per
+layer takes longer than the GPU runs them for steps of up to ~1,500 tokens (``bench/profile_decode.py
+--mixed-tokens``); replayed, the host launches one graph and one attention kernel per layer.
 """
 
 from __future__ import annotations
@@ -22,6 +33,20 @@ from typing import Any, Callable, Hashable
 import torch
 
 log = logging.getLogger("multilora")
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Step sizes (tokens) that get piecewise graphs: multiples of 16 up to 128, of 64 up to 512, of 128 up to
+    1,024, then of 256, up to and including ``max_tokens`` rounded up to a multiple of 16 (at most 1/8 of a step
+    past 128 tokens is padding). Empty for ``max_tokens < 1``."""
+    if max_tokens < 1:
+        return []
+    top = -(-max_tokens // 16) * 16
+    sizes, t = [], 16
+    while t < top:
+        sizes.append(t)
+        t += 16 if t < 128 else 64 if t < 512 else 128 if t < 1024 else 256
+    return sizes + [top]
 
 
 def bucket_sizes(max_batch_size: int) -> list[int]:
@@ -101,3 +126,94 @@ class DecodeGraphs:
     def captured(self) -> list[Hashable]:
         """The keys (bucket, lora) that have a graph (or, with ``capture=False``, a plan)."""
         return sorted(self._graphs)
+
+
+@dataclass
+class _Pieces:
+    graphs: list[Any]  # torch.cuda.CUDAGraph per piece (or None: run eagerly, ``capture=False``)
+    ctx: Any  # the captured context: keeps every tensor the graphs read alive
+
+
+class PiecewiseGraphs:
+    """Prefill and mixed steps replayed piecewise (module docstring), keyed by (token bucket, lora).
+
+    Args:
+        num_pieces: graphs per step (``num_layers + 1``).
+        buckets: the token counts that get graphs (``token_buckets``).
+        device: the CUDA device.
+        capture: False runs every piece eagerly at each step instead (the same padded static-buffer step,
+            testable on a CPU).
+    """
+
+    def __init__(self, num_pieces: int, buckets: list[int], device: torch.device, *, capture: bool = True) -> None:
+        self.num_pieces = num_pieces
+        self.buckets = buckets
+        self.device = device
+        self.capture = capture
+        self._steps: dict[Hashable, _Pieces] = {}
+        self._pool = None  # one memory pool for every piece of every bucket (one step replays at a time)
+
+    def bucket_for(self, tokens: int) -> int | None:
+        """The smallest bucket holding ``tokens``, or None if it is larger than every bucket."""
+        return next((b for b in self.buckets if b >= tokens), None)
+
+    def run(self, key: Hashable, make_ctx: Callable[[], Any], piece: Callable[[Any, int], None],
+            between: Callable[[int], None]) -> None:
+        """One step of ``key``, its static inputs already written: ``piece(ctx, k)`` for k = 0 .. num_pieces - 1
+        (replayed from graphs; captured on first use from ``ctx = make_ctx()``, after one eager run of the whole
+        step), with ``between(k)`` run eagerly after every piece but the last."""
+        p = self._steps.get(key)
+        if p is None:
+            ctx = make_ctx()
+            graphs = [None] * self.num_pieces
+            if self.capture:
+                graphs = self._record(ctx, piece, between)
+            p = self._steps[key] = _Pieces(graphs, ctx)
+            log.debug("piecewise graphs for %s (capture=%s)", key, self.capture)
+        last = self.num_pieces - 1
+        for k, g in enumerate(p.graphs):
+            if g is None:
+                piece(p.ctx, k)
+            else:
+                g.replay()
+            if k < last:
+                between(k)
+
+    def _record(self, ctx: Any, piece: Callable[[Any, int], None], between: Callable[[int], None]) -> list[Any]:
+        """Run the step once eagerly (compiles kernels, settles cuBLAS; a step is idempotent: its KV writes and
+        outputs are the same when it runs again), then capture each piece in its own graph, on a side stream, into
+        the shared pool. (``capture_begin``/``capture_end`` directly: ``torch.cuda.graph`` would synchronize and
+        empty the allocator's cache around each of the ``num_pieces`` captures.)"""
+        last = self.num_pieces - 1
+        with torch.inference_mode():
+            for k in range(self.num_pieces):
+                piece(ctx, k)
+                if k < last:
+                    between(k)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        main = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.Stream(self.device)
+        torch.cuda.synchronize(self.device)
+        graphs = []
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for k in range(self.num_pieces):
+                g = torch.cuda.CUDAGraph()
+                g.capture_begin(pool=self._pool)
+                try:
+                    piece(ctx, k)
+                finally:
+                    g.capture_end()
+                graphs.append(g)
+        main.wait_stream(stream)
+        return graphs
+
+    def reset(self) -> None:
+        """Drop every captured step (captured again on next use)."""
+        self._steps.clear()
+        self._pool = None
+
+    @property
+    def captured(self) -> list[Hashable]:
+        """The keys (bucket, lora) that have graphs (or, with ``capture=False``, a context)."""
+        return sorted(self._steps)

@@ -52,10 +52,12 @@ __all__ = ["Engine", "EngineConfig", "EngineOverloadedError", "RequestOutput"]
 
 log = logging.getLogger("multilora")
 
-#: Prompt lengths of ``Engine.warmup``'s prefills: from 1 token, each about 1.5x the last (a class of step token
-#: counts that shares the kernels' compile-time constants spans at least that ratio, ``Engine.warmup``), to 600
-#: (above the LoRA kernels' 512-token block-size threshold).
-WARMUP_PROMPT_TOKENS = (1, 2, 3, 4, 6, 9, 13, 19, 28, 42, 63, 94, 141, 211, 316, 474, 600)
+#: Token counts of ``Engine.warmup``'s prefill steps: from 1 token, each about 1.5x the last (a class of step token
+#: counts that shares the kernels' compile-time constants spans at least that ratio, ``Engine.warmup``), past 600 (the
+#: LoRA kernels' 512-token block-size threshold) up to 8,192, each capped at the engine's largest step. A count longer
+#: than one prompt may be is a step of several prompts.
+WARMUP_PROMPT_TOKENS = (1, 2, 3, 4, 6, 9, 13, 19, 28, 42, 63, 94, 141, 211, 316, 474, 600, 900, 1350, 2025, 3038,
+                        4557, 6836, 8192)
 
 
 class EngineOverloadedError(RuntimeError):
@@ -201,11 +203,17 @@ class Engine:
         self.runner = ModelRunner(self.model, max_batch_size=cfg.max_batch_size, max_seq_len=self.max_seq_len,
                                   lora_backend=cfg.lora_backend, attention_backend=cfg.attention_backend)
         tokens = min(cfg.max_prefill_tokens, self.max_seq_len)  # the largest prefill, profiled on CUDA
+        budget = (cfg.max_num_batched_tokens or cfg.max_prefill_tokens) if cfg.enable_chunked_prefill \
+            else cfg.max_prefill_tokens
+        pieces = self.runner.piecewise_tokens(cfg.piecewise_cuda_graph_max_tokens, budget) if cfg.cuda_graphs else 0
 
         def profile() -> int:
             if self.tp is not None:  # the workers run the same forward (its collectives pair up)
                 self.tp.profile(tokens, cfg.kv_block_size, self.max_seq_len)
-            return self.runner.profile_reserve(tokens, cfg.kv_block_size)
+            reserve = self.runner.profile_reserve(tokens, cfg.kv_block_size)
+            if pieces:  # the piecewise graphs' own pool (the temporaries of their largest bucket) and buffers
+                reserve += self.runner.piecewise_reserve(pieces, cfg.kv_block_size)
+            return reserve
 
         plan_cfg = cfg if tp == 1 else dataclasses.replace(cfg, local_ranks=cfg.local_ranks * tp)
         sizes = measure_and_size(memory_request(shard_cfg, plan_cfg, dtype=self.dtype, max_seq_len=self.max_seq_len),
@@ -217,7 +225,7 @@ class Engine:
         self.kv = PagedKVCache(num_layers=shard_cfg.num_layers, num_blocks=sizes.num_blocks,
                                block_size=cfg.kv_block_size, num_kv_heads=shard_cfg.num_kv_heads,
                                head_dim=shard_cfg.head_dim, dtype=self.dtype, device=self.device)
-        self.runner.bind(self.kv, self.pool, cuda_graphs=cfg.cuda_graphs)
+        self.runner.bind(self.kv, self.pool, cuda_graphs=cfg.cuda_graphs, piecewise_max_tokens=pieces)
         if self.tp is not None:
             self.tp.configure(num_blocks=sizes.num_blocks, pool_bytes=pool_bytes, max_slots=self.pool.max_slots,
                               max_seq_len=self.max_seq_len)
@@ -464,15 +472,18 @@ class Engine:
         constants still follow the token count T of a step: the LoRA kernels' block sizes (T above 512), the
         shrink's split count (a power of two that halves as T doubles, bounded by the pool's slots) and the fp8
         GEMMs' row classes (1, 2-16, 17-64). So, without an adapter and then on ``adapter`` (None: base-model steps
-        only; LoRA steps then compile on the first LoRA request), the warm-up runs one prefill at each token count
-        of ``WARMUP_PROMPT_TOKENS`` (steps 1.5x apart, so that every class of T is reached; the largest capped at
-        ``max_prefill_tokens`` and the context), one mixed step (decode rows and a new prompt chunk, with chunked
-        prefill on) and a decode step at every CUDA-graph batch bucket. Prompts are random token ids; the warm-up
-        requests count in ``stats()`` like any others.
+        only; LoRA steps then compile on the first LoRA request), the warm-up runs one prefill step at each token
+        count of ``WARMUP_PROMPT_TOKENS`` (1.5x apart, so that every class of T is reached; capped at the largest
+        step: ``max_prefill_tokens``, or with chunked prefill ``max_num_batched_tokens`` when smaller, made of
+        prompts of at most the context each, ``max_batch_size`` of them, in half the KV cache), one mixed step (decode rows and a new prompt chunk, with chunked
+        prefill on) and a decode step at every CUDA-graph batch bucket; then it captures the piecewise graphs of every
+        token bucket, with and without LoRA (``ModelRunner.warm_pieces``: steps of padding only). Prompts are random
+        token ids; the warm-up requests count in ``stats()`` like any others.
 
         Returns:
-            ``{"seconds", "kernel_compiles", "decode_graphs", "requests"}``: wall time, Triton variants compiled
-            (None when Triton has no JIT hooks), decode graphs captured so far, requests run.
+            ``{"seconds", "kernel_compiles", "decode_graphs", "piecewise_graphs", "requests"}``: wall time, Triton
+            variants compiled (None when Triton has no JIT hooks), decode graphs and piecewise (bucket, lora) steps
+            captured so far, requests run.
 
         Raises:
             UnknownAdapterError: ``adapter`` is not loaded.
@@ -488,12 +499,17 @@ class Engine:
         gen = torch.Generator().manual_seed(0)
         vocab = self.config.vocab_size
         # every prompt leaves room for 2 generated tokens, in the context and in the whole KV cache
-        room = min(self.max_seq_len, self.kv.num_usable_blocks * self.kv.block_size) - 3
-        longest = min(cfg.max_prefill_tokens, room)
+        kv_tokens = self.kv.num_usable_blocks * self.kv.block_size
+        room = min(self.max_seq_len, kv_tokens) - 3
         graphs = self.runner.graphs
         buckets = graphs.buckets if graphs is not None else [cfg.max_batch_size]
         # a bucket's requests must all be waiting at once and prefill in one step, to decode together
         cap = min(cfg.max_waiting_requests, cfg.max_batch_size)
+        # the largest prefill step: the step budget, in at most ``cap`` prompts, in half the KV cache
+        budget = cfg.max_prefill_tokens
+        if cfg.enable_chunked_prefill and cfg.max_num_batched_tokens:
+            budget = min(budget, cfg.max_num_batched_tokens)
+        longest = max(1, min(budget, cap * room, kv_tokens // 2))
         runs = 0
 
         def prompt(n: int) -> list[int]:
@@ -521,17 +537,20 @@ class Engine:
 
         for a in [None] + ([adapter] if adapter is not None else []):
             for n in sorted({min(n, longest) for n in WARMUP_PROMPT_TOKENS}):  # every class of step token count
-                run([n], a, 2)
+                run([room] * (n // room) + ([n % room] if n % room else []), a, 2)  # one step of n prompt tokens
             run([8, 4], a, 4, late=[8])  # decode rows + a new prompt: a mixed step (chunked prefill)
             for b in buckets:  # one decode step per graph bucket (captured on first use)
                 if b <= cap and 2 * b <= cfg.max_prefill_tokens:
                     run([2] * b, a, 3)
+        self.runner.warm_pieces()  # every token bucket's piecewise graphs, with and without LoRA
         c1 = kernel_compiles()["kernel_compiles"]
+        pieces = self.runner.pieces
         out = {"seconds": time.perf_counter() - t0, "kernel_compiles": None if c0 is None else c1 - c0,
-               "decode_graphs": len(graphs.captured) if graphs is not None else 0, "requests": runs}
+               "decode_graphs": len(graphs.captured) if graphs is not None else 0,
+               "piecewise_graphs": len(pieces.captured) if pieces is not None else 0, "requests": runs}
         compiled = "an unknown number of" if out["kernel_compiles"] is None else str(out["kernel_compiles"])
-        log.info("warm-up: %d requests in %.1f s (%s Triton kernel variants compiled, %d decode graphs)%s",
-                 runs, out["seconds"], compiled, out["decode_graphs"],
+        log.info("warm-up: %d requests in %.1f s (%s Triton kernel variants compiled, %d decode graphs, %d piecewise "
+                 "graph steps)%s", runs, out["seconds"], compiled, out["decode_graphs"], out["piecewise_graphs"],
                  "" if adapter is not None else "; no adapter given: LoRA kernels compile on the first LoRA request")
         return out
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -120,6 +121,23 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------------------ model
+@dataclass
+class ForwardPass:
+    """One forward's state between its pieces (``DecoderModel.start`` / ``resume``): the step's plan and cache, the
+    residual stream ``h`` [T, hidden] (updated in place by every layer), the RoPE table rows [T], whether the LoRA of
+    the column-parallel (``defer``) and row-parallel (``defer_row``) projections goes on the side stream, and the
+    backends."""
+
+    plan: Any
+    kv: PagedKVCache
+    h: torch.Tensor
+    rope_rows: torch.Tensor
+    defer: bool
+    defer_row: bool
+    lora_backend: str | None
+    ops_backend: str | None
+
+
 class DecoderModel:
     """Inference-only decoder over flattened varlen batches, with per-token LoRA.
 
@@ -357,41 +375,79 @@ class DecoderModel:
         Keys and values of the step's tokens are written into ``kv`` at ``plan.attn.slot_mapping``.
         ``ops_backend`` picks the RMSNorm / (q/k norm +) RoPE + cache write / SiLU-mul (GELU-mul) ops
         (``multilora.kernels.fused``: "torch", "triton", None = triton on CUDA).
+
+        It runs the pieces ``start``, then per layer ``attend`` and ``resume``: the runner's piecewise CUDA graphs
+        capture ``start`` and ``resume`` and run ``attend`` eagerly between them (``runtime.cuda_graphs``).
         """
+        st, q = self.start(plan, kv, lora_backend=lora_backend, ops_backend=ops_backend)
+        for i in range(self.config.num_layers):
+            q = self.resume(st, i, self.attend(i, q, plan.attn, kv, backend=attention_backend))
+        return q
+
+    def start(self, plan: "StepPlan", kv: PagedKVCache, *, lora_backend: str | None = None,
+              ops_backend: str | None = None, residual: torch.Tensor | None = None) -> tuple["ForwardPass", torch.Tensor]:
+        """The forward up to layer 0's attention: the embeddings (the residual stream), layer 0's norm, its q/k/v
+        projection and LoRA, RoPE and the KV write. Returns (the pass's state for ``resume``, layer 0's queries
+        [T, num_heads, head_dim]). ``residual``: a [T, hidden] buffer of the model dtype to hold the residual
+        stream (a static buffer under CUDA graphs); default a new tensor."""
         c = self.config
-        eps, offset = c.rms_norm_eps, c.norm_unit_offset
-        softcap = c.attn_logit_softcapping or 0.0
-        h = self.embed.index_select(0, plan.input_ids)  # [T, hidden]: the residual stream, updated in place
+        if residual is None:
+            h = self.embed.index_select(0, plan.input_ids)  # [T, hidden]: the residual stream, updated in place
+        else:
+            h = torch.index_select(self.embed, 0, plan.input_ids, out=residual)
         if self.embed_scale != 1.0:
             h.mul_(self.embed_scale)  # Gemma 2: in the model dtype, as HF
         T = h.shape[0]
-        x = rms_norm(h, self.layers[0]["in_norm"], eps, unit_offset=offset, backend=ops_backend)
-        rope_rows = self._rope_rows(plan)  # [T]: the positions, unless longrope picks long-factor rows
         defer = T <= self.lora_side_limit()
-        defer_row = defer and self.tp_group is None  # row-parallel o / down: LoRA in place, inside the all-reduce
-        for i, layer in enumerate(self.layers):
-            qkv, lq = self._linear(x, i, "qkv", plan, lora_backend, defer=defer)  # [T, q + 2 kv]
-            k_cache, v_cache = kv.layer(i)  # [num_blocks, block_size, Hkv, D]
-            q = rope_write_kv(qkv, self.rope_cos, self.rope_sin, rope_rows, plan.attn.slot_mapping, k_cache,
-                              v_cache, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                              q_norm=layer.get("q_norm"), k_norm=layer.get("k_norm"), norm_eps=c.rms_norm_eps,
-                              lora_delta=lq, backend=ops_backend)  # [T, H, D]
-            attn = paged_attention(q, k_cache, v_cache, plan.attn, scale=c.attn_scale, sliding_window=c.window(i),
-                                   softcap=softcap, backend=attention_backend)
-            o, lo = self._linear(attn.reshape(T, c.q_size), i, "o", plan, lora_backend, defer=defer_row)
-            if self.tp_group is not None:
-                self.tp_group.all_reduce(o)  # row-parallel: the ranks' partial sums (base + LoRA), before any norm
-            x = add_rms_norm(h, o, layer["post_norm"], eps, delta_weight=layer.get("attn_out_norm"),
-                             unit_offset=offset, lora_delta=lo, backend=ops_backend)
-            gu, lg = self._linear(x, i, "gate_up", plan, lora_backend, defer=defer)  # [T, 2 * inter]
-            d, ld = self._linear(self._act(gu, lora_delta=lg, backend=ops_backend), i, "down", plan, lora_backend,
-                                 defer=defer_row)
-            if self.tp_group is not None:
-                self.tp_group.all_reduce(d)
-            nxt = self.layers[i + 1]["in_norm"] if i + 1 < len(self.layers) else self.norm
-            x = add_rms_norm(h, d, nxt, eps, delta_weight=layer.get("mlp_out_norm"), unit_offset=offset,
-                             lora_delta=ld, backend=ops_backend)
-        return x
+        st = ForwardPass(plan=plan, kv=kv, h=h, rope_rows=self._rope_rows(plan), defer=defer,
+                         defer_row=defer and self.tp_group is None,  # row-parallel o / down: LoRA in place, inside
+                         lora_backend=lora_backend, ops_backend=ops_backend)  # the all-reduce
+        x = rms_norm(h, self.layers[0]["in_norm"], c.rms_norm_eps, unit_offset=c.norm_unit_offset, backend=ops_backend)
+        return st, self._qkv_rope(st, 0, x)
+
+    def attend(self, i: int, q: torch.Tensor, meta: Any, kv: PagedKVCache, *, backend: str | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer ``i``'s attention of queries ``q`` [T, num_heads, head_dim] over the paged cache (``meta``: the step's
+        ``AttentionMetadata``); [T, num_heads, head_dim], written into ``out`` when given."""
+        c = self.config
+        k_cache, v_cache = kv.layer(i)  # [num_blocks, block_size, Hkv, D]
+        return paged_attention(q, k_cache, v_cache, meta, scale=c.attn_scale, sliding_window=c.window(i),
+                               softcap=c.attn_logit_softcapping or 0.0, backend=backend, out=out)
+
+    def resume(self, st: "ForwardPass", i: int, attn: torch.Tensor) -> torch.Tensor:
+        """The forward from layer ``i``'s attention output ``attn`` [T, num_heads, head_dim] to the next layer's
+        attention: o and its LoRA, the residual add + norm, the MLP, the residual add + the next norm, then the next
+        layer's q/k/v, RoPE and KV write. Returns the next layer's queries, or after the last layer the final
+        normed hidden states [T, hidden]."""
+        c, layer, plan = self.config, self.layers[i], st.plan
+        eps, offset, ops, lb = c.rms_norm_eps, c.norm_unit_offset, st.ops_backend, st.lora_backend
+        h = st.h
+        T = h.shape[0]
+        o, lo = self._linear(attn.reshape(T, c.q_size), i, "o", plan, lb, defer=st.defer_row)
+        if self.tp_group is not None:
+            self.tp_group.all_reduce(o)  # row-parallel: the ranks' partial sums (base + LoRA), before any norm
+        x = add_rms_norm(h, o, layer["post_norm"], eps, delta_weight=layer.get("attn_out_norm"),
+                         unit_offset=offset, lora_delta=lo, backend=ops)
+        gu, lg = self._linear(x, i, "gate_up", plan, lb, defer=st.defer)  # [T, 2 * inter]
+        d, ld = self._linear(self._act(gu, lora_delta=lg, backend=ops), i, "down", plan, lb, defer=st.defer_row)
+        if self.tp_group is not None:
+            self.tp_group.all_reduce(d)
+        last = i + 1 == len(self.layers)
+        nxt = self.norm if last else self.layers[i + 1]["in_norm"]
+        x = add_rms_norm(h, d, nxt, eps, delta_weight=layer.get("mlp_out_norm"), unit_offset=offset,
+                         lora_delta=ld, backend=ops)
+        return x if last else self._qkv_rope(st, i + 1, x)
+
+    def _qkv_rope(self, st: "ForwardPass", i: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s q/k/v projection of the normed ``x`` and its LoRA, then RoPE (and q/k norms) with the KV-cache
+        write; the queries [T, num_heads, head_dim]."""
+        c, layer = self.config, self.layers[i]
+        qkv, lq = self._linear(x, i, "qkv", st.plan, st.lora_backend, defer=st.defer)  # [T, q + 2 kv]
+        k_cache, v_cache = st.kv.layer(i)
+        return rope_write_kv(qkv, self.rope_cos, self.rope_sin, st.rope_rows, st.plan.attn.slot_mapping, k_cache,
+                             v_cache, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                             q_norm=layer.get("q_norm"), k_norm=layer.get("k_norm"), norm_eps=c.rms_norm_eps,
+                             lora_delta=lq, backend=st.ops_backend)  # [T, H, D]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab]; with ``final_logit_softcapping`` (Gemma 2)

@@ -16,9 +16,10 @@ when built: the kernels read them and add nothing to them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from multilora.kernels.backends import select_triton, triton_module
 from multilora.kernels.lora import LoRAPlan, block_m_for, build_lora_plan, fill_chunk_table
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
-from multilora.runtime.cuda_graphs import DecodeGraphs, bucket_sizes
+from multilora.runtime.cuda_graphs import DecodeGraphs, PiecewiseGraphs, bucket_sizes, token_buckets
 from multilora.runtime.model import DecoderModel
 from multilora.runtime.scheduler import Request
 
@@ -165,6 +166,118 @@ class DecodeBuffers:
             self._copied.record(torch.cuda.current_stream(self.device))
 
 
+#: The default largest prefill / mixed step replayed from piecewise CUDA graphs (``EngineConfig.
+#: piecewise_cuda_graph_max_tokens``). Past it a step is long enough on the GPU for the host's launches to hide behind
+#: it: Llama-3-8B on an H200 takes ~24 us of GPU time per prompt token and ~42 ms of host time per eager step
+#: (``bench/profile_decode.py --mixed-tokens``), even at ~1,750 tokens.
+PIECEWISE_MAX_TOKENS = 2048
+
+
+@dataclass
+class _PieceContext:
+    """What the piecewise graphs of one (bucket, lora) capture: the static plan, and the forward pass that the
+    first piece starts (``DecoderModel.ForwardPass``: the residual stream in the static buffer)."""
+
+    bucket: int
+    plan: "StepPlan"
+    st: Any = None
+
+
+class StepBuffers:
+    """The static inputs and outputs of piecewise-graph steps (``PiecewiseGraphs``), for steps of up to ``max_tokens``
+    tokens: made once, viewed per token bucket, filled in place before each step.
+
+    Staged from the host by one pinned copy: input ids, positions (the RoPE rows), the tokens' adapter slots and the
+    LoRA chunk table, with the KV slots copied in from the step's attention metadata. Padding tokens (``T ..
+    bucket - 1``) get token 0 at position 0, KV slot 0 (the cache's reserved null block) and no adapter: they write
+    only the null block, and every op is per token, so they never touch a real token's values. Device-only buffers:
+    the residual stream ``residual`` [N, hidden], each piece's output queries ``q`` [N, H, D] (the eager attention's
+    input), attention's output ``attn`` [N, H, D] (the next piece's input) and the final normed ``hidden`` [N, hidden].
+
+    Args:
+        max_tokens: the largest bucket. hidden, num_heads, head_dim: the model's widths. dtype, device: the model's.
+    """
+
+    def __init__(self, *, max_tokens: int, hidden: int, num_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        n = max_tokens
+        self.max_tokens, self.device = n, device
+        fields = [("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)),
+                  ("slot_mapping", torch.int64, (n,)), ("token_slots", torch.int32, (n,)),
+                  ("chunk", torch.int32, (4 * n,))]
+        spans, off = {}, 0
+        for name, dt, shape in fields:
+            nbytes = int(np.prod(shape)) * torch.empty((), dtype=dt).element_size()
+            spans[name] = (off, nbytes, dt, shape)
+            off += -(-nbytes // 64) * 64
+        self._dev = torch.zeros(off, dtype=torch.uint8, device=device)
+        self._host = torch.zeros(off, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        host = self._host.numpy()
+        self.h: dict[str, np.ndarray] = {}
+        self.d: dict[str, torch.Tensor] = {}
+        for name, (o, nbytes, dt, shape) in spans.items():
+            self.d[name] = self._dev[o : o + nbytes].view(dt).view(shape)
+            self.h[name] = host[o : o + nbytes].view(np.dtype(str(dt).replace("torch.", ""))).reshape(shape)
+        self.h["token_slots"][:] = -1
+        self._dev.copy_(self._host)
+        self.residual = torch.zeros(n, hidden, dtype=dtype, device=device)
+        self.q = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
+        self.attn = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
+        self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._chunk_key: tuple | None = None
+
+    @staticmethod
+    def nbytes(max_tokens: int, hidden: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Device bytes of the buffers for ``max_tokens`` (the memory plan's share for them)."""
+        e = torch.empty((), dtype=dtype).element_size()
+        return max_tokens * (44 + 2 * e * (hidden + num_heads * head_dim)) + 5 * 64
+
+    def context(self, bucket: int, lora: bool, block_size: int) -> _PieceContext:
+        """The static plan of a ``bucket``-token step (views of the buffers; ``lora``: whether it applies adapters).
+        Its attention metadata carries the static KV slots only: the pieces write the cache through it, and the
+        step's real metadata serves the eager attention."""
+        d, z = self.d, torch.zeros(1, dtype=torch.int32, device=self.device)
+        attn = AttentionMetadata(query_start_loc=z, seq_lens=z, block_tables=z.view(1, 1),
+                                 slot_mapping=d["slot_mapping"][:bucket], block_size=block_size, q_lens=(bucket,),
+                                 seq_lens_host=(bucket,), max_query_len=bucket, max_seq_len=bucket)
+        lora_plan = LoRAPlan(token_slots=d["token_slots"][:bucket], chunks=d["chunk"][: 4 * bucket].view(4, bucket),
+                             block_m=block_m_for(bucket), has_lora=lora)
+        plan = StepPlan(input_ids=d["input_ids"][:bucket], positions=d["positions"][:bucket], q_lens=(bucket,),
+                        last_index=d["positions"][:0], attn=attn, lora=lora_plan)
+        return _PieceContext(bucket, plan)
+
+    def stage(self, bucket: int, token_ids: Sequence[Sequence[int]], starts: Sequence[int],
+              token_slots: Sequence[int], slot_mapping: torch.Tensor | None) -> None:
+        """Write a step of ``T = sum(len(t) for t in token_ids)`` tokens (sequence b's at positions ``starts[b]``
+        onward, adapter slot ``token_slots[b]``), padded to ``bucket``, and copy it to the device; then the step's
+        KV slots ``slot_mapping`` [T] (device int64, ``AttentionMetadata.slot_mapping``) into place. ``T = 0``
+        (``slot_mapping`` None) stages a step of padding only."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has read the host buffer
+        h = self.h
+        qn = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(token_ids))
+        T = int(qn.sum())
+        ids, pos, slots, tok = h["input_ids"], h["positions"], h["slot_mapping"], h["token_slots"]
+        ids[:T] = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=T)
+        ids[T:bucket] = 0
+        first = np.cumsum(qn) - qn
+        pos[:T] = np.arange(T) + np.repeat(np.fromiter(starts, dtype=np.int64, count=len(qn)) - first, qn)
+        pos[T:bucket] = 0
+        slots[:bucket] = 0  # the real tokens' slots are copied in on the device below
+        tok[:T] = np.repeat(np.fromiter(token_slots, dtype=np.int32, count=len(qn)), qn)
+        tok[T:bucket] = -1
+        key = (bucket, *token_slots, *qn.tolist())
+        if key != self._chunk_key:
+            fill_chunk_table(h["chunk"][: 4 * bucket].reshape(4, bucket), tok[:bucket], block_m_for(bucket))
+            self._chunk_key = key
+        self._dev.copy_(self._host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
+        if T:
+            self.d["slot_mapping"][:T].copy_(slot_mapping)
+
+
 class ModelRunner:
     """Runs the model for the engine: plans, eager forwards, CUDA-graph decode steps, the profiling forward.
 
@@ -183,6 +296,8 @@ class ModelRunner:
         self.kv: PagedKVCache | None = None
         self.graphs: DecodeGraphs | None = None
         self.buffers: DecodeBuffers | None = None
+        self.pieces: PiecewiseGraphs | None = None  # prefill / mixed steps replayed piecewise (``enable_pieces``)
+        self.step_buffers: StepBuffers | None = None
         self.tp = None  # rank 0 of a tensor-parallel engine: its ``runtime.parallel.TensorParallel`` (set by Engine)
         model.ensure_rope_positions(max_seq_len)  # the RoPE tables never move while serving (graphs read them)
         c = model.config
@@ -191,13 +306,48 @@ class ModelRunner:
         self._tiles_block_q = 0 if attn is None else attn.prefill_block_q(
             c.num_heads, c.num_kv_heads, c.head_dim, model.dtype, self.device)
 
-    def bind(self, kv: PagedKVCache, pool: AdapterPool, *, cuda_graphs: bool) -> None:
+    def bind(self, kv: PagedKVCache, pool: AdapterPool, *, cuda_graphs: bool, piecewise_max_tokens: int = 0) -> None:
         """Attach the sized KV cache and adapter pool; capture decode graphs when ``cuda_graphs`` and every kernel
-        of the step is graph-safe (CUDA, Triton LoRA and attention)."""
+        of the step is graph-safe (CUDA, Triton LoRA and attention), and piecewise graphs of prefill and mixed steps
+        of up to ``piecewise_max_tokens`` tokens (``piecewise_tokens``) then too."""
         self.kv = kv
         self.model.bind_pool(pool)
         if cuda_graphs and self.graphs_supported():
             self.enable_graphs()
+            if piecewise_max_tokens > 0 and self.piecewise_supported():
+                self.enable_pieces(piecewise_max_tokens)
+
+    def piecewise_supported(self) -> bool:
+        """Piecewise graphs need what decode graphs need, no tensor parallelism (its collectives run inside the
+        pieces) and RoPE rows that follow the positions alone (not longrope: its row depends on the sequence's length
+        after the step)."""
+        return self.graphs_supported() and self.model.tp_group is None and self.model.long_inv_freq is None
+
+    def piecewise_tokens(self, requested: int | None, step_budget: int) -> int:
+        """The largest piecewise-graph step for ``EngineConfig.piecewise_cuda_graph_max_tokens = requested`` (None:
+        ``PIECEWISE_MAX_TOKENS``) and a step budget of ``step_budget`` tokens: 0 where unsupported or off."""
+        if not self.piecewise_supported():
+            return 0
+        want = PIECEWISE_MAX_TOKENS if requested is None else requested
+        return max(0, min(want, step_budget))
+
+    def enable_pieces(self, max_tokens: int, *, capture: bool = True) -> PiecewiseGraphs:
+        """Run prefill and mixed steps of up to ``max_tokens`` tokens through the static ``StepBuffers`` and
+        piecewise graphs (``capture=False``: the same padded pieces run eagerly, testable on a CPU)."""
+        c = self.model.config
+        buckets = token_buckets(max_tokens)
+        self.step_buffers = StepBuffers(max_tokens=buckets[-1], hidden=c.hidden_size, num_heads=c.num_heads,
+                                        head_dim=c.head_dim, dtype=self.model.dtype, device=self.device)
+        self.pieces = PiecewiseGraphs(c.num_layers + 1, buckets, self.device, capture=capture)
+        log.debug("piecewise graphs for %d token buckets up to %d", len(buckets), buckets[-1])
+        return self.pieces
+
+    def reset_graphs(self) -> None:
+        """Drop every captured graph, decode and piecewise (captured again on next use): after a change of something
+        capture bakes in, such as ``DecoderModel.lora_side_max_tokens``."""
+        for g in (self.graphs, self.pieces):
+            if g is not None:
+                g.reset()
 
     def graphs_supported(self) -> bool:
         """CUDA graphs need CUDA and graph-safe (Triton) LoRA and attention kernels."""
@@ -281,7 +431,7 @@ class ModelRunner:
         ``r.computed .. r.computed + r.chunk - 1``. Returns float32 logits [S, vocab] on the device, one row per
         request whose chunk reaches its last token (``Request.samples``), in batch order (S = B for a decode step
         and for an unchunked prefill). A decode step that fits a graph bucket replays it; everything else (prefill
-        and mixed steps) runs eagerly."""
+        and mixed steps) replays piecewise graphs when it fits their largest bucket, or runs eagerly."""
         tables = [self.kv.block_table(r.seq_id) for r in batch]
         slots = [r.slot for r in batch]
         with torch.inference_mode():
@@ -293,6 +443,9 @@ class ModelRunner:
             token_ids = [r.tokens(r.computed, r.chunk) for r in batch]  # a prefill: prompt + any tokens generated
             starts = [r.computed for r in batch]  # before a preemption, whole or a chunk of it
             sample = [r.samples for r in batch]
+            if (self.pieces is not None and self.tp is None
+                    and self.pieces.bucket_for(sum(r.chunk for r in batch)) is not None):
+                return self.piecewise_step(token_ids, starts, tables, slots, sample=None if all(sample) else sample)
             if self.tp is not None:
                 self.tp.step("eager", (token_ids, starts, tables, slots))
             plan = self.build_plan(token_ids, starts, tables, slots, block_size=self.kv.block_size,
@@ -308,6 +461,70 @@ class ModelRunner:
         self.buffers.stage(bucket, token_ids, positions, block_tables, slots)
         return self.graphs.replay((bucket, lora), lambda: self.buffers.plan(bucket, lora))[:B]
 
+    def piecewise_step(self, token_ids: Sequence[Sequence[int]], starts: Sequence[int],
+                       block_tables: Sequence[Sequence[int]], slots: Sequence[int], *,
+                       sample: Sequence[bool] | None = None) -> torch.Tensor:
+        """One step of B sequences (``build_plan``'s arguments) through the static buffers and its token bucket's
+        piecewise graphs, attention eager between them over the real tokens: float32 logits [S, vocab] (the rows of
+        ``sample``, default all)."""
+        B = len(token_ids)
+        q_lens = tuple(len(t) for t in token_ids)
+        T = sum(q_lens)
+        bucket = self.pieces.bucket_for(T)
+        seq_lens = [s + n for s, n in zip(starts, q_lens)]
+        meta = build_attention_metadata(q_lens, seq_lens, block_tables, block_size=self.kv.block_size,
+                                        device=self.device, tiles_block_q=self._tiles_block_q)
+        lora = any(s >= 0 for s in slots)
+        bufs = self.step_buffers
+        if self.pieces.capture and not self.pieces.captured:  # the largest bucket first lays out the shared pool
+            self.warm_pieces(lora=(True,), buckets=self.pieces.buckets[-1:])  # (``warm_pieces``)
+        bufs.stage(bucket, token_ids, starts, slots, meta.slot_mapping)
+
+        def between(i: int) -> None:  # layer i's attention over the real tokens, into the next piece's input
+            self.model.attend(i, bufs.q[:T], meta, self.kv, backend=self.attention_backend, out=bufs.attn[:T])
+
+        self.pieces.run((bucket, lora), lambda: bufs.context(bucket, lora, self.kv.block_size), self._piece, between)
+        last = np.cumsum(q_lens) - 1
+        if sample is not None:
+            last = last[np.fromiter(sample, dtype=bool, count=B)]
+        hidden = bufs.hidden[:T]
+        if last.size == 0:
+            return torch.empty(0, self.model.lm_head.shape[0], dtype=torch.float32, device=self.device)
+        if last.size != T:
+            hidden = hidden.index_select(0, torch.from_numpy(last).to(self.device))
+        return self.model.compute_logits(hidden)
+
+    def _piece(self, ctx: _PieceContext, k: int) -> None:
+        """Piece ``k`` of a piecewise step (``PiecewiseGraphs``): 0 = ``DecoderModel.start``, else ``resume`` of layer
+        ``k - 1`` from the static attention output; its queries (or, last, the final hidden states) into the static
+        buffers."""
+        m, bufs, n = self.model, self.step_buffers, ctx.bucket
+        if k == 0:
+            ctx.st, out = m.start(ctx.plan, self.kv, lora_backend=self.lora_backend, residual=bufs.residual[:n])
+        else:
+            out = m.resume(ctx.st, k - 1, bufs.attn[:n])
+        (bufs.hidden if k == m.config.num_layers else bufs.q)[:n].copy_(out)
+
+    def warm_pieces(self, lora: Sequence[bool] = (True, False), buckets: Sequence[int] | None = None) -> int:
+        """Capture the piecewise graphs of ``buckets`` (default every token bucket), with and without LoRA, now, from
+        steps of padding only (they write only the KV cache's null block), largest first, so that no capture happens
+        inside a serving step and the graphs' shared memory pool is laid out by the largest step: a smaller
+        bucket's temporaries then fit in its free blocks (captured smallest first, each larger one would add
+        segments of its own). Returns the (bucket, lora) steps captured by this call."""
+        if self.pieces is None:
+            return 0
+        before = len(self.pieces.captured)
+        with torch.inference_mode():
+            for bucket in sorted(self.pieces.buckets if buckets is None else buckets, reverse=True):
+                for on in lora:
+                    if (bucket, on) in self.pieces.captured:
+                        continue
+                    self.step_buffers.stage(bucket, [], [], [], None)
+                    self.pieces.run((bucket, on),
+                                    lambda b=bucket, o=on: self.step_buffers.context(b, o, self.kv.block_size),
+                                    self._piece, lambda i: None)
+        return len(self.pieces.captured) - before
+
     def run_eager(self, token_ids: Sequence[Sequence[int]], starts: Sequence[int], block_tables: Sequence[Sequence[int]],
                   slots: Sequence[int], kv: PagedKVCache | None = None) -> torch.Tensor:
         """An eager step of host lists (``build_plan``'s arguments) in ``kv`` (default: the engine's cache):
@@ -318,6 +535,17 @@ class ModelRunner:
             hidden = self.model.forward(plan, kv, lora_backend=self.lora_backend,
                                         attention_backend=self.attention_backend)
             return self.model.compute_logits(hidden.index_select(0, plan.last_index)).cpu()
+
+    def piecewise_reserve(self, max_tokens: int, block_size: int) -> int:
+        """Bytes the piecewise graphs of steps up to ``max_tokens`` tokens hold beyond the eager reserve (CUDA only):
+        their memory pool, bounded by the temporaries of a forward of their largest bucket (measured at up to
+        ``max_seq_len`` tokens, one sequence, and scaled by tokens: every activation is per token), and their static
+        ``StepBuffers``."""
+        c = self.model.config
+        top = token_buckets(max_tokens)[-1]
+        n = min(top, self.max_seq_len)
+        pool = self.profile_reserve(n, block_size) * top // n
+        return pool + StepBuffers.nbytes(top, c.hidden_size, c.num_heads, c.head_dim, self.model.dtype)
 
     def profile_reserve(self, tokens: int, block_size: int) -> int:
         """Peak bytes a forward of one ``tokens``-token prefill allocates beyond what is live (CUDA only): the

@@ -222,3 +222,54 @@ def test_side_stream_lora_equals_lora_in_place(setup):
         assert engine.graphs is not None and engine.graphs.captured
     assert torch.equal(logits[0], logits[1 << 20]), rel_err(logits[0], logits[1 << 20])
     assert outs[0] == outs[1 << 20]
+
+
+def test_piecewise_graphs_on_gpu_match_eager_steps(setup):
+    """Prefill and mixed steps replayed from piecewise CUDA graphs (``runtime.cuda_graphs.PiecewiseGraphs``; fp32)
+    against eager steps (``piecewise_cuda_graph_max_tokens=0``): whole-row logits of unchunked prefill steps (up to
+    256 tokens) within fp32/TF32 noise; greedy tokens of a chunked run (mixed steps of 32-token chunks beside decode
+    rows) at >= 90% of the positions; then ``warm_pieces`` captures every bucket, largest first, within the memory
+    the plan reserved for them, and the graphs still give the eager logits."""
+    from multilora import Engine, SamplingParams
+
+    model, d, rows = setup
+    g = torch.Generator().manual_seed(5)
+    rows = rows + [torch.randint(0, 49152, (300,), generator=g).tolist()]
+    names = ROW_ADAPTERS + ["all-r2"]
+
+    def engine(top: int, chunked: bool) -> Engine:
+        kw = dict(max_num_batched_tokens=32) if chunked else dict(enable_chunked_prefill=False, max_prefill_tokens=256)
+        e = Engine(model=d / "model", device="cuda", dtype=torch.float32, progress=False, max_batch_size=8,
+                   max_seq_len=512, piecewise_cuda_graph_max_tokens=top, **kw)
+        for n in ADAPTERS:
+            e.load_adapter(n, d / "adapters" / n)
+        return e
+
+    eager, pw = engine(0, False), engine(1 << 20, False)
+    assert eager.runner.pieces is None and pw.runner.pieces.buckets[-1] == 256  # capped by the step budget
+    want, got = eager.logits(rows[:8], adapters=names[:8]), pw.logits(rows[:8], adapters=names[:8])
+    for i in range(8):
+        assert rel_err(got[i], want[i]) < 1e-3, (i, rel_err(got[i], want[i]))
+    p = pw.runner.pieces
+    assert p.captured, "no step replayed piecewise graphs"
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    pw.runner.warm_pieces()
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_reserved() - before
+    assert set(p.captured) == {(b, o) for b in p.buckets for o in (True, False)}
+    bound = pw.runner.profile_reserve(256, pw.kv.block_size) + pw.runner.piecewise_reserve(256, pw.kv.block_size)
+    assert grown <= bound, (grown, bound)
+    got2 = pw.logits(rows[:8], adapters=names[:8])
+    for i in range(8):
+        assert rel_err(got2[i], want[i]) < 1e-3, (i, rel_err(got2[i], want[i]))
+    del eager, pw
+    engines = {top: engine(top, True) for top in (0, None)}
+    assert engines[None].runner.pieces.buckets[-1] == 32
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 3, 7, 12, 1, 9, 5, 12, 6)]
+    outs = {t: [o.token_ids for o in e.generate(rows, adapters=names, sampling=params)] for t, e in engines.items()}
+    same = sum(a == b for x, y in zip(outs[None], outs[0]) for a, b in zip(x, y))
+    assert same >= 0.9 * sum(pr.max_tokens for pr in params), outs
+    e = engines[None]
+    assert e.stats()["mixed_steps"] > 0 and any(lora for _, lora in e.runner.pieces.captured)
+    assert e.kv.num_free_blocks == e.kv.num_usable_blocks

@@ -102,11 +102,12 @@ def test_engine_fp8_graph_decode_equals_eager(engines):
     prompts = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9)]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     graphed = [o.token_ids for o in e8.generate(prompts, sampling=sp)]
-    e8.runner.graphs, saved = None, e8.runner.graphs
+    saved = e8.runner.graphs, e8.runner.pieces
+    e8.runner.graphs = e8.runner.pieces = None  # every step eager
     try:
         eager = [o.token_ids for o in e8.generate(prompts, sampling=sp)]
     finally:
-        e8.runner.graphs = saved
+        e8.runner.graphs, e8.runner.pieces = saved
     assert graphed == eager
 
 

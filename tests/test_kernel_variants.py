@@ -116,7 +116,9 @@ def test_warmup_token_counts_reach_every_lora_kernel_variant(monkeypatch):
     """The LoRA kernels' compile-time constants still follow a step's token count T (block sizes above 512 tokens;
     the shrink's split count, which a GPU's rule halves as T doubles). With an H200's rule (132 SMs) on Llama-3-8B
     widths and 8 resident adapters, the variants of every T from 1 to 600 are exactly those of
-    ``WARMUP_PROMPT_TOKENS``, the prefill lengths of ``Engine.warmup`` (the kernels are recorded, not run)."""
+    ``WARMUP_PROMPT_TOKENS`` up to 600, the prefill step sizes of ``Engine.warmup`` (the kernels are recorded, not
+    run); past 512 tokens only the split count still follows T, and the split counts of every T up to 4,096 (the
+    default largest step) are those of the warm-up's step sizes, with 8 and with 140 resident adapters."""
     from test_kernels import GATE_UP, LLAMA8B, QKV, make_pool
 
     from multilora.kernels import build_lora_plan, lora_slices, triton_sgmv
@@ -142,6 +144,32 @@ def test_warmup_token_counts_reach_every_lora_kernel_variant(monkeypatch):
         return {n: set(v) for n, v in keys.items()}, splits
 
     every, splits = variants(range(1, 601))
-    warm, _ = variants(WARMUP_PROMPT_TOKENS)
+    warm, _ = variants([n for n in WARMUP_PROMPT_TOKENS if n <= 600])
     assert len(splits) >= 3, splits  # the rule does vary the split over these token counts
     assert warm == every
+
+    import triton
+
+    from multilora.kernels.lora import block_m_for
+
+    class Plan:  # what num_chunks reads of a plan
+        def __init__(self, T):
+            self.num_tokens, self.block_m = T, block_m_for(T)
+
+    class Slices:  # and of a group's slices
+        def __init__(self, sl, max_slots):
+            self.d_in, self.num_slices, self.max_slots = sl.d_in, sl.num_slices, max_slots
+
+    def split_counts(counts, n_slots):
+        out = set()
+        for T in counts:
+            for sl in groups:
+                st = Slices(sl, n_slots)
+                block_k = min(256, max(16, triton.next_power_of_2(st.d_in)))  # the bf16 prefill tile
+                programs = triton_sgmv.num_chunks(Plan(T), st) * st.num_slices
+                out.add((st.d_in, st.num_slices, real(torch.device("cuda", 0), programs, st.d_in, block_k, 32)))
+        return out
+
+    warm_big = [n for n in WARMUP_PROMPT_TOKENS if 512 < n < 4096] + [4096]  # the 64-token chunks' side
+    for n_slots in (8, 140):
+        assert split_counts(range(513, 4097), n_slots) == split_counts(warm_big, n_slots), n_slots
