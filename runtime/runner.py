@@ -483,16 +483,17 @@ class ModelRunner:
         def between(i: int) -> None:  # layer i's attention over the real tokens, into the next piece's input
             self.model.attend(i, bufs.q[:T], meta, self.kv, backend=self.attention_backend, out=bufs.attn[:T])
 
-        self.pieces.run((bucket, lora), lambda: bufs.context(bucket, lora, self.kv.block_size), self._piece, between)
         last = np.cumsum(q_lens) - 1
         if sample is not None:
             last = last[np.fromiter(sample, dtype=bool, count=B)]
-        hidden = bufs.hidden[:T]
+        # before the pieces are queued: a pageable copy waits for the stream, and after them it would wait for the
+        # whole forward before the lm_head could be queued
+        index = torch.from_numpy(last).to(self.device) if 0 < last.size < T else None
+        self.pieces.run((bucket, lora), lambda: bufs.context(bucket, lora, self.kv.block_size), self._piece, between)
         if last.size == 0:
             return torch.empty(0, self.model.lm_head.shape[0], dtype=torch.float32, device=self.device)
-        if last.size != T:
-            hidden = hidden.index_select(0, torch.from_numpy(last).to(self.device))
-        return self.model.compute_logits(hidden)
+        hidden = bufs.hidden[:T]
+        return self.model.compute_logits(hidden if index is None else hidden.index_select(0, index))
 
     def _piece(self, ctx: _PieceContext, k: int) -> None:
         """Piece ``k`` of a piecewise step (``PiecewiseGraphs``): 0 = ``DecoderModel.start``, else ``resume`` of layer
