@@ -172,6 +172,11 @@ class DecodeBuffers:
 #: (``bench/profile_decode.py --mixed-tokens``), even at ~1,750 tokens.
 PIECEWISE_MAX_TOKENS = 2048
 
+#: What the memory plan adds for the cuBLAS / cuBLASLt workspaces of the piecewise graphs' capture stream (cuBLAS
+#: keeps one per stream; captured on the capture stream they live in the graphs' pool): torch's default workspace is
+#: up to 32 MiB on Hopper (``CUBLAS_WORKSPACE_CONFIG`` ``:4096:8``), twice that covers cuBLASLt's beside it.
+CAPTURE_WORKSPACE_BYTES = 64 << 20
+
 
 @dataclass
 class _PieceContext:
@@ -540,12 +545,12 @@ class ModelRunner:
     def piecewise_reserve(self, max_tokens: int, block_size: int) -> int:
         """Bytes the piecewise graphs of steps up to ``max_tokens`` tokens hold beyond the eager reserve (CUDA only):
         their memory pool, bounded by the temporaries of a forward of their largest bucket (measured at up to
-        ``max_seq_len`` tokens, one sequence, and scaled by tokens: every activation is per token), and their static
-        ``StepBuffers``."""
+        ``max_seq_len`` tokens, one sequence, and scaled by tokens: every activation is per token) plus the capture
+        stream's cuBLAS workspaces (``CAPTURE_WORKSPACE_BYTES``), and their static ``StepBuffers``."""
         c = self.model.config
         top = token_buckets(max_tokens)[-1]
         n = min(top, self.max_seq_len)
-        pool = self.profile_reserve(n, block_size) * top // n
+        pool = self.profile_reserve(n, block_size) * top // n + CAPTURE_WORKSPACE_BYTES
         return pool + StepBuffers.nbytes(top, c.hidden_size, c.num_heads, c.head_dim, self.model.dtype)
 
     def profile_reserve(self, tokens: int, block_size: int) -> int:
