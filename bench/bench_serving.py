@@ -410,7 +410,8 @@ def summarize(results: list[Result], wall: float, offered: float, before: dict |
     for k, v in moved.items():
         row[k] = v
         row[f"{k}_per_s"] = v / span if v is not None and span > 0 else None
-    for k in ("prefill_steps", "decode_steps", "mixed_steps", "prefill_chunks"):  # the engine's step kinds
+    for k in ("prefill_steps", "decode_steps", "mixed_steps", "prefill_chunks",  # the engine's step kinds, and
+              "graph_steps", "piecewise_graph_steps", "eager_steps"):  # how they ran
         row[k] = after.get(k, 0) - before.get(k, 0) if before is not None else None
     # Triton compiles inside the row (each stalls every running request; at 90% load the backlog takes long to
     # drain): nonzero means the warm-up missed a kernel variant and the row's latencies include it

@@ -638,8 +638,10 @@ class Engine:
         process's Triton compiles (``kernel_compiles``, ``kernel_compile_seconds``: counted from the first CUDA
         engine's start, None on the CPU or without Triton's JIT hooks; ``multilora.kernels.backends``) with
         ``recent_kernel_compiles``, the names of the last 8 variants compiled (which kernel and specialisation to
-        warm up), and ``step_seconds``: the steps' wall times by kind, a histogram (``StepTimes.report``)."""
-        return {**self._counters, **self.cache.report(), **self.scheduler.report(),
+        warm up), the steps by how they ran (``graph_steps``: a decode CUDA graph, ``piecewise_graph_steps``:
+        piecewise graphs, ``eager_steps``), and ``step_seconds``: the steps' wall times by kind, a histogram
+        (``StepTimes.report``)."""
+        return {**self._counters, **self.cache.report(), **self.scheduler.report(), **self.runner.path_counts,
                 "tensor_parallel_size": self.engine_config.tensor_parallel_size, **kernel_compiles(),
                 "recent_kernel_compiles": recent_kernel_compiles(8),
                 "step_seconds": self.step_times.report()}

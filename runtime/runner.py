@@ -303,6 +303,8 @@ class ModelRunner:
         self.buffers: DecodeBuffers | None = None
         self.pieces: PiecewiseGraphs | None = None  # prefill / mixed steps replayed piecewise (``enable_pieces``)
         self.step_buffers: StepBuffers | None = None
+        #: steps run by each path (``run``): a decode graph, piecewise graphs, eager (``Engine.stats()``)
+        self.path_counts = {"graph_steps": 0, "piecewise_graph_steps": 0, "eager_steps": 0}
         self.tp = None  # rank 0 of a tensor-parallel engine: its ``runtime.parallel.TensorParallel`` (set by Engine)
         model.ensure_rope_positions(max_seq_len)  # the RoPE tables never move while serving (graphs read them)
         c = model.config
@@ -444,13 +446,16 @@ class ModelRunner:
                 args = ([r.tokens(r.computed, 1)[0] for r in batch], [r.computed for r in batch], tables, slots)
                 if self.tp is not None:  # tensor-parallel workers run the same step (runtime.parallel)
                     self.tp.step("graph", args)
+                self.path_counts["graph_steps"] += 1
                 return self.decode_graph(*args)
             token_ids = [r.tokens(r.computed, r.chunk) for r in batch]  # a prefill: prompt + any tokens generated
             starts = [r.computed for r in batch]  # before a preemption, whole or a chunk of it
             sample = [r.samples for r in batch]
             if (self.pieces is not None and self.tp is None
                     and self.pieces.bucket_for(sum(r.chunk for r in batch)) is not None):
+                self.path_counts["piecewise_graph_steps"] += 1
                 return self.piecewise_step(token_ids, starts, tables, slots, sample=None if all(sample) else sample)
+            self.path_counts["eager_steps"] += 1
             if self.tp is not None:
                 self.tp.step("eager", (token_ids, starts, tables, slots))
             plan = self.build_plan(token_ids, starts, tables, slots, block_size=self.kv.block_size,

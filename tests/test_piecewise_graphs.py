@@ -79,6 +79,8 @@ def test_piecewise_steps_generate_what_eager_steps_do(tmp_path, chunked):
     s = e.stats()
     assert s["mixed_steps"] > 0 if chunked else s["prefill_steps"] > 0
     assert all(t > 64 for t in eager) and (bool(eager) != chunked), eager  # eager: only steps past every bucket
+    assert s["eager_steps"] == len(eager) and s["piecewise_graph_steps"] > 0 and s["graph_steps"] > 0
+    assert s["eager_steps"] + s["piecewise_graph_steps"] + s["graph_steps"] == s["steps"]
     assert e.kv.num_free_blocks == e.kv.num_usable_blocks
 
 
