@@ -53,11 +53,13 @@ __all__ = ["Engine", "EngineConfig", "EngineOverloadedError", "RequestOutput"]
 log = logging.getLogger("multilora")
 
 #: Token counts of ``Engine.warmup``'s prefill steps: from 1 token, each about 1.5x the last (a class of step token
-#: counts that shares the kernels' compile-time constants spans at least that ratio, ``Engine.warmup``), past 600 (the
-#: LoRA kernels' 512-token block-size threshold) up to 8,192, each capped at the engine's largest step. A count longer
-#: than one prompt may be is a step of several prompts.
-WARMUP_PROMPT_TOKENS = (1, 2, 3, 4, 6, 9, 13, 19, 28, 42, 63, 94, 141, 211, 316, 474, 600, 900, 1350, 2025, 3038,
-                        4557, 6836, 8192)
+#: counts that shares the kernels' compile-time constants spans at least that ratio, ``Engine.warmup``), up to 8,192,
+#: each capped at the engine's largest step, and the first count of each regime of the LoRA kernels' tiles (17: past
+#: the wide-rank tiles' 16 tokens; 513: past the 512-token block-size threshold), where a class can be as narrow as a
+#: few tokens (a pool of many slots: at 513-527 tokens one slice's shrink splits in two, at 528 no more; H200,
+#: bench/results/serving/session10/). A count longer than one prompt may be is a step of several prompts.
+WARMUP_PROMPT_TOKENS = (1, 2, 3, 4, 6, 9, 13, 17, 19, 28, 42, 63, 94, 141, 211, 316, 474, 513, 600, 900, 1350, 2025,
+                        3038, 4557, 6836, 8192)
 
 
 class EngineOverloadedError(RuntimeError):

@@ -117,8 +117,9 @@ def test_warmup_token_counts_reach_every_lora_kernel_variant(monkeypatch):
     the shrink's split count, which a GPU's rule halves as T doubles). With an H200's rule (132 SMs) on Llama-3-8B
     widths and 8 resident adapters, the variants of every T from 1 to 600 are exactly those of
     ``WARMUP_PROMPT_TOKENS`` up to 600, the prefill step sizes of ``Engine.warmup`` (the kernels are recorded, not
-    run); past 512 tokens only the split count still follows T, and the split counts of every T up to 4,096 (the
-    default largest step) are those of the warm-up's step sizes, with 8 and with 140 resident adapters."""
+    run); and the tile constants that follow T (block sizes, split counts) of every T up to 4,096 (the default largest
+    step) are those of the warm-up's step sizes, with pools of 8, 140 and 4,096 slots (with many slots a class can be
+    a few tokens wide: 513-527)."""
     from test_kernels import GATE_UP, LLAMA8B, QKV, make_pool
 
     from multilora.kernels import build_lora_plan, lora_slices, triton_sgmv
@@ -161,15 +162,17 @@ def test_warmup_token_counts_reach_every_lora_kernel_variant(monkeypatch):
             self.d_in, self.num_slices, self.max_slots = sl.d_in, sl.num_slices, max_slots
 
     def split_counts(counts, n_slots):
+        """(group, BLOCK_M, BLOCK_K, SPLIT_K) of each T: the shrink's and expand's T-dependent constants (bf16 tiles)."""
         out = set()
         for T in counts:
             for sl in groups:
                 st = Slices(sl, n_slots)
-                block_k = min(256, max(16, triton.next_power_of_2(st.d_in)))  # the bf16 prefill tile
+                block_k = min(128 if T <= 512 else 256, max(16, triton.next_power_of_2(st.d_in)))
                 programs = triton_sgmv.num_chunks(Plan(T), st) * st.num_slices
-                out.add((st.d_in, st.num_slices, real(torch.device("cuda", 0), programs, st.d_in, block_k, 32)))
+                split = real(torch.device("cuda", 0), programs, st.d_in, block_k, 32)
+                out.add((st.d_in, st.num_slices, block_m_for(T), block_k, split))
         return out
 
-    warm_big = [n for n in WARMUP_PROMPT_TOKENS if 512 < n < 4096] + [4096]  # the 64-token chunks' side
-    for n_slots in (8, 140):
-        assert split_counts(range(513, 4097), n_slots) == split_counts(warm_big, n_slots), n_slots
+    warm_all = sorted({min(n, 4096) for n in WARMUP_PROMPT_TOKENS})
+    for n_slots in (8, 140, 4096):  # 4096: chunks = T up to 4,096 tokens (the shrink splits follow T itself)
+        assert split_counts(range(1, 4097), n_slots) == split_counts(warm_all, n_slots), n_slots
