@@ -130,7 +130,7 @@ class DecodeGraphs:
 
 @dataclass
 class _Pieces:
-    graphs: list[Any]  # torch.cuda.CUDAGraph per piece (or None: run eagerly, ``capture=False``)
+    graphs: list[Any] | None  # torch.cuda.CUDAGraph per piece (None: run eagerly, ``capture=False``)
     ctx: Any  # the captured context: keeps every tensor the graphs read alive
 
 
@@ -166,31 +166,33 @@ class PiecewiseGraphs:
         p = self._steps.get(key)
         if p is None:
             ctx = make_ctx()
-            graphs = [None] * self.num_pieces
-            if self.capture:
-                graphs = self._record(ctx, piece, between)
+            graphs = self._record(ctx, piece, between) if self.capture else None
             p = self._steps[key] = _Pieces(graphs, ctx)
             log.debug("piecewise graphs for %s (capture=%s)", key, self.capture)
+        if p.graphs is None:
+            self._eager(p.ctx, piece, between)
+            return
         last = self.num_pieces - 1
         for k, g in enumerate(p.graphs):
-            if g is None:
-                piece(p.ctx, k)
-            else:
-                g.replay()
+            g.replay()
             if k < last:
                 between(k)
 
-    def _record(self, ctx: Any, piece: Callable[[Any, int], None], between: Callable[[int], None]) -> list[Any]:
-        """Run the step once eagerly (compiles kernels, settles cuBLAS; a step is idempotent: its KV writes and
-        outputs are the same when it runs again), then capture each piece in its own graph, on the one capture
-        stream, into the shared pool. (``capture_begin``/``capture_end`` directly: ``torch.cuda.graph`` would synchronize and
-        empty the allocator's cache around each of the ``num_pieces`` captures.)"""
+    def _eager(self, ctx: Any, piece: Callable[[Any, int], None], between: Callable[[int], None]) -> None:
+        """The step's pieces run eagerly, ``between(k)`` after every piece but the last."""
         last = self.num_pieces - 1
         with torch.inference_mode():
             for k in range(self.num_pieces):
                 piece(ctx, k)
                 if k < last:
                     between(k)
+
+    def _record(self, ctx: Any, piece: Callable[[Any, int], None], between: Callable[[int], None]) -> list[Any]:
+        """Run the step once eagerly (compiles kernels, settles cuBLAS; a step is idempotent: its KV writes and
+        outputs are the same when it runs again), then capture each piece in its own graph, on the one capture
+        stream, into the shared pool. (``capture_begin``/``capture_end`` directly: ``torch.cuda.graph`` would synchronize and
+        empty the allocator's cache around each of the ``num_pieces`` captures.)"""
+        self._eager(ctx, piece, between)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         main = torch.cuda.current_stream(self.device)

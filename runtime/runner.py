@@ -61,6 +61,33 @@ class StepPlan:
     lora: LoRAPlan
 
 
+def _field_spans(fields: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[dict, int]:
+    """Byte spans of static-buffer fields laid out one after another, each 64-byte aligned: ({name: (offset, nbytes,
+    dtype, shape)}, total bytes)."""
+    spans, off = {}, 0
+    for name, dtype, shape in fields:
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        spans[name] = (off, nbytes, dtype, shape)
+        off += -(-nbytes // 64) * 64
+    return spans, off
+
+
+def _staged_fields(fields: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], device: torch.device):
+    """One device byte buffer and a host buffer of the same layout (pinned on CUDA) holding ``fields``
+    (``_field_spans``), zeroed; returns (device buffer, host buffer, host numpy views and device views by field,
+    spans). A step writes the host views and copies the host buffer (or a prefix) to the device in one copy."""
+    spans, size = _field_spans(fields)
+    dev = torch.zeros(size, dtype=torch.uint8, device=device)
+    host = torch.zeros(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    hnp = host.numpy()
+    h: dict[str, np.ndarray] = {}
+    d: dict[str, torch.Tensor] = {}
+    for name, (o, nbytes, dtype, shape) in spans.items():
+        d[name] = dev[o : o + nbytes].view(dtype).view(shape)
+        h[name] = hnp[o : o + nbytes].view(np.dtype(str(dtype).replace("torch.", ""))).reshape(shape)
+    return dev, host, h, d, spans
+
+
 class DecodeBuffers:
     """The static inputs of CUDA-graph decode steps: made once for the largest bucket, filled in place per step.
 
@@ -92,19 +119,8 @@ class DecodeBuffers:
                   ("slot_mapping", torch.int64, (n,)), ("seq_lens", torch.int32, (n,)),
                   ("token_slots", torch.int32, (n,)), ("chunk", torch.int32, (4 * n,)),
                   ("block_tables", torch.int32, (n, w))]
-        spans, off = {}, 0
-        for name, dtype, shape in fields:  # 64-byte aligned fields; a step copies up to its last table row
-            nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-            spans[name] = (off, nbytes, dtype, shape)
-            off += -(-nbytes // 64) * 64
-        self._dev = torch.zeros(off, dtype=torch.uint8, device=device)
-        self._host = torch.zeros(off, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        host = self._host.numpy()
-        self.h: dict[str, np.ndarray] = {}  # host views, by field
-        self.d: dict[str, torch.Tensor] = {}  # device views, by field
-        for name, (o, nbytes, dtype, shape) in spans.items():
-            self.d[name] = self._dev[o : o + nbytes].view(dtype).view(shape)
-            self.h[name] = host[o : o + nbytes].view(np.dtype(str(dtype).replace("torch.", ""))).reshape(shape)
+        # host (self.h) and device (self.d) views by field; a step copies up to its last table row
+        self._dev, self._host, self.h, self.d, spans = _staged_fields(fields, device)
         self.h["seq_lens"][:] = 1
         self.h["token_slots"][:] = -1
         self._dev.copy_(self._host)
@@ -207,22 +223,7 @@ class StepBuffers:
                  device: torch.device) -> None:
         n = max_tokens
         self.max_tokens, self.device = n, device
-        fields = [("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)),
-                  ("slot_mapping", torch.int64, (n,)), ("token_slots", torch.int32, (n,)),
-                  ("chunk", torch.int32, (4 * n,))]
-        spans, off = {}, 0
-        for name, dt, shape in fields:
-            nbytes = int(np.prod(shape)) * torch.empty((), dtype=dt).element_size()
-            spans[name] = (off, nbytes, dt, shape)
-            off += -(-nbytes // 64) * 64
-        self._dev = torch.zeros(off, dtype=torch.uint8, device=device)
-        self._host = torch.zeros(off, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        host = self._host.numpy()
-        self.h: dict[str, np.ndarray] = {}
-        self.d: dict[str, torch.Tensor] = {}
-        for name, (o, nbytes, dt, shape) in spans.items():
-            self.d[name] = self._dev[o : o + nbytes].view(dt).view(shape)
-            self.h[name] = host[o : o + nbytes].view(np.dtype(str(dt).replace("torch.", ""))).reshape(shape)
+        self._dev, self._host, self.h, self.d, _ = _staged_fields(self._fields(n), device)
         self.h["token_slots"][:] = -1
         self._dev.copy_(self._host)
         self.residual = torch.zeros(n, hidden, dtype=dtype, device=device)
@@ -233,10 +234,16 @@ class StepBuffers:
         self._chunk_key: tuple | None = None
 
     @staticmethod
-    def nbytes(max_tokens: int, hidden: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def _fields(n: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """The staged fields of a ``n``-token buffer (``_staged_fields``)."""
+        return [("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)), ("slot_mapping", torch.int64, (n,)),
+                ("token_slots", torch.int32, (n,)), ("chunk", torch.int32, (4 * n,))]
+
+    @classmethod
+    def nbytes(cls, max_tokens: int, hidden: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Device bytes of the buffers for ``max_tokens`` (the memory plan's share for them)."""
         e = torch.empty((), dtype=dtype).element_size()
-        return max_tokens * (44 + 2 * e * (hidden + num_heads * head_dim)) + 5 * 64
+        return _field_spans(cls._fields(max_tokens))[1] + 2 * max_tokens * e * (hidden + num_heads * head_dim)
 
     def context(self, bucket: int, lora: bool, block_size: int) -> _PieceContext:
         """The static plan of a ``bucket``-token step (views of the buffers; ``lora``: whether it applies adapters).
