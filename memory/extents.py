@@ -73,6 +73,34 @@ class Extents:
         if i + 1 < len(self._holes) and self._holes[i][0] + self._holes[i][1] == self._holes[i + 1][0]:
             self._holes[i][1] += self._holes.pop(i + 1)[1]
 
+    @property
+    def top_hole(self) -> int:
+        """Free units at the top (the hole ending at ``num_units``; 0 if the last unit is taken)."""
+        if self._holes and self._holes[-1][0] + self._holes[-1][1] == self.num_units:
+            return self._holes[-1][1]
+        return 0
+
+    def resize(self, num_units: int) -> None:
+        """Grow or shrink ``[0, num_units)`` at the top: growing adds the new units to the holes (merged with a top
+        hole); shrinking removes them, and they must all be free (``top_hole``).
+
+        Raises:
+            ValueError: a negative size, or a shrink past the top hole (nothing changes).
+        """
+        delta = num_units - self.num_units
+        if num_units < 0 or -delta > self.top_hole:
+            raise ValueError(f"Extents.resize: cannot go from {self.num_units} to {num_units} units (top hole "
+                             f"{self.top_hole}): only free units at the top can be removed")
+        if delta > 0:
+            old = self.num_units
+            self.num_units = num_units
+            self.give(old, delta)
+        elif delta < 0:
+            self._holes[-1][1] += delta
+            if self._holes[-1][1] == 0:
+                self._holes.pop()
+            self.num_units = num_units
+
     def compact(self, runs: Iterable[tuple[Hashable, int, int, bool]]) -> list[tuple[Hashable, int, int, int]]:
         """Plan a compaction of the allocated ``runs`` ``(key, start, length, movable)`` (every allocated run,
         exactly once): movable runs slide down to the lowest free unit in address order, fixed ones stay.

@@ -14,12 +14,17 @@ rows of a captured CUDA graph write their (garbage) keys and values there, so no
 ever overwritten by padding. It is part of the storage and of the bytes accounted for the cache
 (``nbytes``), not of the usable blocks (``num_usable_blocks = num_blocks - 1``).
 
+A unified memory (``multilora.memory.unified``) gives the cache its storage (``storage=``: views of one arena
+shared with the adapter pool, blocks a whole arena unit apart) and a movable first usable block (``floor=``:
+``FloorBlockAllocator``, which hands out the highest free blocks first).
+
 Bookkeeping (``BlockAllocator``) is plain Python, so tests cover it completely on a CPU; ``PagedKVCache``
 adds the storage and a lock (its methods may be called from several threads).
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections.abc import Hashable
 
@@ -119,6 +124,101 @@ class BlockAllocator:
         return taken
 
 
+class FloorBlockAllocator(BlockAllocator):
+    """A ``BlockAllocator`` whose usable blocks are ``[floor, num_blocks)`` with a movable ``floor`` (the KV side of
+    ``multilora.memory.unified``: blocks below the floor, but for the null block 0, belong to the adapter pool).
+
+    It hands out the HIGHEST free blocks first (a max-heap), so free blocks gather just above the floor, where
+    the adapter pool grows into them (``raise_floor``); ``lower_floor`` gives it blocks the pool left.
+    Invariant: every block of ``[floor, num_blocks)`` is either free or owned by exactly one owner; blocks below
+    the floor are neither.
+
+    Args:
+        num_blocks: blocks of the storage (the null block 0 included).
+        floor: the first usable block (1 <= floor < num_blocks).
+    """
+
+    def __init__(self, num_blocks: int, *, floor: int = 1) -> None:
+        super().__init__(num_blocks)
+        if not isinstance(floor, int) or not NULL_BLOCK < floor < num_blocks:
+            raise ValueError(f"FloorBlockAllocator: floor must be an int in [1, {num_blocks}), got {floor!r}")
+        self.floor = floor
+        self._free_set = set(range(floor, num_blocks))
+        self._heap = [-b for b in range(num_blocks - 1, floor - 1, -1)]  # max-heap (negated), a valid heap as built
+        del self._free  # the base class's stack is not used
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - self.floor
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_set)
+
+    def can_allocate(self, n_blocks: int) -> bool:
+        return 0 <= n_blocks <= len(self._free_set)
+
+    def free(self, owner: Hashable) -> int:
+        if owner not in self._owned:
+            raise KeyError(f"BlockAllocator.free: {owner!r} owns no blocks")
+        blocks = self._owned.pop(owner)
+        for b in blocks:
+            self._free_set.add(b)
+            heapq.heappush(self._heap, -b)
+        return len(blocks)
+
+    def _take(self, owner: Hashable, n_blocks: int) -> list[int]:
+        if not isinstance(n_blocks, int) or n_blocks < 0:
+            raise ValueError(f"BlockAllocator: n_blocks must be an int >= 0, got {n_blocks!r}")
+        if n_blocks > len(self._free_set):
+            raise KVCacheFullError(
+                f"KV cache full: {owner!r} asked for {n_blocks} block(s), {len(self._free_set)} of "
+                f"{self.num_usable} are free"
+            )
+        taken: list[int] = []
+        while len(taken) < n_blocks:
+            b = -heapq.heappop(self._heap)
+            if b in self._free_set:  # else a stale entry (a block the floor took, or taken already)
+                self._free_set.discard(b)
+                taken.append(b)
+        return taken
+
+    def free_above_floor(self, limit: int | None = None) -> int:
+        """How many consecutive blocks from the floor up are free (at most ``limit``): what ``raise_floor`` can take."""
+        n, top = 0, self.num_blocks if limit is None else min(self.num_blocks, self.floor + limit)
+        while self.floor + n < top and self.floor + n in self._free_set:
+            n += 1
+        return n
+
+    def raise_floor(self, n_blocks: int) -> None:
+        """Give up blocks ``[floor, floor + n_blocks)``, which must all be free.
+
+        Raises:
+            ValueError: one of them is owned, or the floor would reach ``num_blocks`` (nothing changes).
+        """
+        if n_blocks < 0 or self.floor + n_blocks >= self.num_blocks or self.free_above_floor(n_blocks) < n_blocks:
+            raise ValueError(f"FloorBlockAllocator.raise_floor: blocks [{self.floor}, {self.floor + n_blocks}) are not "
+                             f"all free (or would leave no block): {self.free_above_floor(n_blocks)} are")
+        self._free_set.difference_update(range(self.floor, self.floor + n_blocks))
+        self.floor += n_blocks
+        if len(self._heap) > 4 * (len(self._free_set) + 64):  # drop stale entries now and then
+            self._heap = [-b for b in self._free_set]
+            heapq.heapify(self._heap)
+
+    def lower_floor(self, n_blocks: int) -> None:
+        """Take blocks ``[floor - n_blocks, floor)`` back as free blocks.
+
+        Raises:
+            ValueError: the floor would reach the null block (nothing changes).
+        """
+        if n_blocks < 0 or self.floor - n_blocks <= NULL_BLOCK:
+            raise ValueError(f"FloorBlockAllocator.lower_floor: cannot lower floor {self.floor} by {n_blocks}")
+        for b in range(self.floor - n_blocks, self.floor):
+            self._free_set.add(b)
+            heapq.heappush(self._heap, -b)
+        self.floor -= n_blocks
+
+
 class PagedKVCache:
     """KV storage in blocks of ``block_size`` tokens with a block table per sequence.
 
@@ -144,15 +244,26 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        storage: tuple[torch.Tensor, torch.Tensor] | None = None,
+        floor: int | None = None,
     ) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"PagedKVCache: block_size must be an int >= 1, got {block_size!r}")
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks) if floor is None else FloorBlockAllocator(num_blocks, floor=floor)
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if storage is None:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            for name, t in zip(("k", "v"), storage):
+                if tuple(t.shape) != shape or t.dtype != dtype or t.stride(-1) != 1:
+                    raise ValueError(f"PagedKVCache: storage {name} must be {dtype} {list(shape)} with unit stride "
+                                     f"along head_dim, got {t.dtype} {list(t.shape)} strides {t.stride()}")
+            self.k, self.v = storage
         self.num_blocks = num_blocks
         self.block_size = block_size
+        #: the most usable blocks this cache can ever have (a unified memory's KV side grows up to it)
+        self.max_usable_blocks = self.allocator.num_usable
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------------------------- sizes
@@ -168,12 +279,18 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the whole storage, the null block included."""
-        return 2 * self.k.numel() * self.k.element_size()
+        """Bytes of the cache's blocks now: its usable blocks and the null block (a unified memory's KV side
+        changes size; ``multilora.memory.unified``)."""
+        return (self.allocator.num_usable + 1) * self.block_bytes
 
     @property
     def num_usable_blocks(self) -> int:
         return self.allocator.num_usable
+
+    @property
+    def floor(self) -> int:
+        """The first usable block: 1 (after the null block), higher in a unified memory."""
+        return getattr(self.allocator, "floor", NULL_BLOCK + 1)
 
     @property
     def num_free_blocks(self) -> int:
