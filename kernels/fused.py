@@ -84,7 +84,8 @@ def rope_write_kv_torch(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: tor
         rope_cos, rope_sin: float32 [n_positions, head_dim] (``cat(freqs, freqs)`` layout), rows by position.
         positions: int64 [T], each token's absolute position (< n_positions).
         slot_mapping: int64 [T], each token's flat cache slot (``block * block_size + offset``).
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place (rows of a block
+            contiguous; blocks may lie any stride apart).
         q_norm, k_norm: None, or [head_dim] in qkv's dtype; norm_eps: their epsilon.
         lora_delta: None, or qkv's shape and dtype: the projection's LoRA output, added first
             (``qkv + lora_delta``, rounded to the dtype); qkv itself is not changed.
@@ -112,10 +113,10 @@ def rope_write_kv_torch(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: tor
         q, k = rms_norm_torch(q, q_norm, norm_eps), rms_norm_torch(k, k_norm, norm_eps)
     q = rope(q)
     k = rope(k)
-    nb, bs = k_cache.shape[:2]
-    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slot_mapping,
-                                                          v.reshape(T, num_kv_heads, head_dim).to(v_cache.dtype))
+    bs = k_cache.shape[1]
+    blk, row = slot_mapping // bs, slot_mapping % bs  # (blocks may lie apart: a unified arena's KV views)
+    k_cache[blk, row] = k.to(k_cache.dtype)
+    v_cache[blk, row] = v.reshape(T, num_kv_heads, head_dim).to(v_cache.dtype)
     return q
 
 

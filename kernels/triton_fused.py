@@ -93,13 +93,15 @@ def _rope_tile(src, lsrc, c, s, w_ptr, eps, rows, HALF: tl.constexpr, BLOCK_H: t
 
 @triton.jit
 def _rope_kv_kernel(qkv_ptr, l_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr,
-                    stride_qkv, stride_l, stride_cos, stride_sin, stride_kc, stride_vc, eps,
+                    stride_qkv, stride_l, stride_cos, stride_sin, stride_kb, stride_kc, stride_vb, stride_vc, block_size,
+                    eps,
                     H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
                     HAS_NORM: tl.constexpr, HAS_LORA: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
+    blk, row_in_blk = slot // block_size, slot % block_size  # blocks may lie apart (a unified arena's stride)
     offs_d = tl.arange(0, BLOCK_HALF)
     dm = offs_d < HALF
     c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=dm, other=0.0)[None, :]
@@ -115,13 +117,13 @@ def _rope_kv_kernel(qkv_ptr, l_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, 
     # keys -> k_cache[slot]
     o1, o2, m, off = _rope_tile(row + H * HEAD_DIM, lrow + H * HEAD_DIM, c, s, kn_ptr, eps, HKV, HALF, BLOCK_HKV,
                                 BLOCK_HALF, HEAD_DIM, HAS_NORM, HAS_LORA)
-    kd = kc_ptr + slot * stride_kc
+    kd = kc_ptr + blk * stride_kb + row_in_blk * stride_kc
     tl.store(kd + off, o1.to(q_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=m)
     tl.store(kd + off + HALF, o2.to(q_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=m)
     # values -> v_cache[slot], copied (both halves)
     vs = row + (H + HKV) * HEAD_DIM
     lvs = lrow + (H + HKV) * HEAD_DIM
-    vd = vc_ptr + slot * stride_vc
+    vd = vc_ptr + blk * stride_vb + row_in_blk * stride_vc
     for half in tl.static_range(2):
         v = _load_sum(vs + off + half * HALF, lvs + off + half * HALF, m, HAS_LORA)
         tl.store(vd + off + half * HALF, v.to(vc_ptr.dtype.element_ty), mask=m)
@@ -232,9 +234,9 @@ def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Ten
             raise ValueError(f"{name}: expected int32/int64 [{T}], got {t.dtype} {tuple(t.shape)}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if (c.dim() != 4 or c.shape[2:] != (num_kv_heads, head_dim) or c.stride(3) != 1 or c.stride(2) != head_dim
-                or c.stride(0) != c.shape[1] * c.stride(1)):
+                or c.stride(1) != num_kv_heads * head_dim):
             raise ValueError(f"{name}: expected [num_blocks, block_size, {num_kv_heads}, {head_dim}] with rows of "
-                             f"contiguous heads, got shape {tuple(c.shape)} strides {c.stride()}")
+                             f"contiguous heads (blocks may lie apart), got shape {tuple(c.shape)} strides {c.stride()}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("rope_write_kv: pass both q_norm and k_norm, or neither")
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
@@ -249,8 +251,8 @@ def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Ten
     lo = lora_delta if lora_delta is not None else qkv
     _rope_kv_kernel[(T,)](qkv, lo, rope_cos, rope_sin, positions, slot_mapping, q, k_cache, v_cache,
                           q_norm if has_norm else rope_cos, k_norm if has_norm else rope_cos,
-                          qkv.stride(0), lo.stride(0), rope_cos.stride(0), rope_sin.stride(0), k_cache.stride(1),
-                          v_cache.stride(1), float(norm_eps), H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim,
+                          qkv.stride(0), lo.stride(0), rope_cos.stride(0), rope_sin.stride(0), k_cache.stride(0),
+                          k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), k_cache.shape[1], float(norm_eps), H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim,
                           HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
                           BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
                           HAS_NORM=has_norm, HAS_LORA=lora_delta is not None, num_warps=4)

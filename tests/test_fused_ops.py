@@ -175,6 +175,27 @@ def test_rope_write_kv_matches_reference(backend, dtype, T, H, Hkv, D):
     assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all(), "a slot outside slot_mapping was written"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", CPU_DTYPES + ([torch.bfloat16] if HAS_CUDA else []))
+def test_rope_write_kv_into_blocks_that_lie_apart(backend, dtype):
+    """A unified arena's KV views (``multilora.memory.unified``): block ``b`` of k and v lies a whole unit apart
+    (here 3 rows of blocks: k, a filler the pool would own, v). Written there, q, k and v equal the same write into
+    contiguous caches, and nothing between the blocks (the filler, other blocks' rows) is touched."""
+    T, H, Hkv, D, bs = 5, 4, 2, 16, 4
+    (qkv, cos, sin, pos, slots, kc, vc), _ = _rope_case(T, H, Hkv, D, dtype, seed=7, block_size=bs, device=DEV)
+    nb = kc.shape[0]
+    arena = torch.full((nb, 3, bs, Hkv, D), float("nan"), dtype=dtype, device=DEV)
+    ks, vs = arena[:, 0], arena[:, 2]  # [nb, bs, Hkv, D], blocks 3 * bs * Hkv * D elements apart
+    assert ks.stride(0) == 3 * bs * Hkv * D and not ks.is_contiguous()
+    kw = dict(num_heads=H, num_kv_heads=Hkv, head_dim=D, backend=backend)
+    q1 = fused.rope_write_kv(qkv, cos, sin, pos, slots, kc, vc, **kw)
+    q2 = fused.rope_write_kv(qkv, cos, sin, pos, slots, ks, vs, **kw)
+    assert torch.equal(q1, q2)
+    assert torch.equal(kc.nan_to_num(), ks.nan_to_num()) and torch.equal(vc.nan_to_num(), vs.nan_to_num())
+    assert torch.equal(kc.isnan(), ks.isnan()) and torch.equal(vc.isnan(), vs.isnan())
+    assert arena[:, 1].isnan().all(), "a write landed between the blocks"
+
+
 @interp
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(T=st.integers(1, 5), Hkv=st.integers(1, 3), G=st.integers(1, 3), D=st.sampled_from([2, 8, 24]),
