@@ -323,9 +323,15 @@ class AdapterPool:
         max_slots: most adapters resident at once (default ``DEFAULT_MAX_SLOTS``).
         dtype, device: of the buffer (the model's).
         order: how copies are ordered against side streams (default ``StreamOrder(device)``; tests pass fakes).
+        buffer: a 1-D tensor of ``dtype`` on ``device`` to use instead of allocating one (a unified memory's arena,
+            ``multilora.memory.unified``): the pool's page ``p`` is its elements ``[(base_page + p) * PAGE_ELEMS,
+            ...)``, for ``p`` below ``capacity_pages``.
+        base_page: the buffer page of the pool's page 0 (with ``buffer``).
+        capacity_pages: the most pages ``resize`` may grow the pool to (default: the pages of ``num_bytes``).
 
     Raises:
-        ValueError: a non-positive size, or ``num_bytes`` below one page.
+        ValueError: a non-positive size, ``num_bytes`` below one page, or a ``buffer`` too small for
+            ``base_page + capacity_pages`` pages or of another dtype or device.
 
     Thread safety: ``load``/``free``/``compact`` hold an internal lock; readers of the metadata tensors must not
     race with ``free`` of a slot they use (the adapter cache guarantees this with refcounts).
@@ -341,6 +347,9 @@ class AdapterPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         order: StreamOrder | None = None,
+        buffer: torch.Tensor | None = None,
+        base_page: int = 0,
+        capacity_pages: int | None = None,
     ) -> None:
         max_slots = DEFAULT_MAX_SLOTS if max_slots is None else max_slots
         for arg, val in (("num_bytes", num_bytes), ("max_rank", max_rank), ("max_slots", max_slots)):
@@ -356,9 +365,24 @@ class AdapterPool:
         if self.num_pages < 1:
             raise ValueError(f"AdapterPool: num_bytes={num_bytes} is below one page ({self.page_bytes} bytes)")
         self.order = order if order is not None else StreamOrder(self.device)
-
-        # Uninitialised on purpose: ``load`` writes a whole image (its padding included) before any slot reads it.
-        self.buffer = torch.empty(self.num_pages * PAGE_ELEMS, dtype=dtype, device=self.device)
+        self.capacity_pages = self.num_pages if capacity_pages is None else capacity_pages
+        if self.capacity_pages < self.num_pages:
+            raise ValueError(f"AdapterPool: capacity_pages={capacity_pages} is below the {self.num_pages} pages of "
+                             f"num_bytes={num_bytes}")
+        if buffer is None:
+            # Uninitialised on purpose: ``load`` writes a whole image (its padding included) before any slot reads it.
+            self.buffer = torch.empty(self.capacity_pages * PAGE_ELEMS, dtype=dtype, device=self.device)
+            base_page = 0
+        elif (buffer.dim() != 1 or buffer.dtype != dtype or buffer.device != self.device
+              or buffer.numel() < (base_page + self.capacity_pages) * PAGE_ELEMS or base_page < 0):
+            raise ValueError(f"AdapterPool: buffer must be a 1-D {dtype} tensor on {self.device} of at least "
+                             f"{(base_page + self.capacity_pages) * PAGE_ELEMS} elements (base_page {base_page} + "
+                             f"capacity_pages {self.capacity_pages} pages of {PAGE_ELEMS}), got {buffer.dtype} "
+                             f"{tuple(buffer.shape)} on {buffer.device}")
+        else:
+            self.buffer = buffer
+        self.base_page = base_page
+        self._base = base_page * PAGE_ELEMS  # element offset of page 0 in ``buffer``
         nl, nm = config.num_layers, len(TARGET_MODULES)
         self.ranks = torch.zeros(nl, nm, max_slots, dtype=torch.int32, device=self.device)
         self.scalings = torch.zeros(nl, nm, max_slots, dtype=torch.float32, device=self.device)
@@ -371,7 +395,7 @@ class AdapterPool:
         self._extents: dict[int, tuple[int, int]] = {}  # slot -> (first page, pages)
         self._meta: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> host (ranks, relative offsets)
         self._pending: dict[int, Any] = {}  # slot -> event of its side-stream copy
-        self._last_compaction: Any = None  # event after the last compaction's moves
+        self._last_compaction: Any = None  # event after the last compaction's moves (or the last growth: ``resize``)
         self.compactions = 0
         self.bytes_moved = 0
         self._lock = threading.RLock()
@@ -518,7 +542,7 @@ class AdapterPool:
             moved = 0
             for slot, old, new, n in self._space.compact((slot, start, n, True)
                                                          for slot, (start, n) in self._extents.items()):
-                self._move(new * PAGE_ELEMS, old * PAGE_ELEMS, n * PAGE_ELEMS)
+                self._move(self._base + new * PAGE_ELEMS, self._base + old * PAGE_ELEMS, n * PAGE_ELEMS)
                 self._extents[slot] = (new, n)
                 self._write_offsets(slot)
                 moved += n
@@ -526,6 +550,35 @@ class AdapterPool:
             self.bytes_moved += moved * self.page_bytes
             self._last_compaction = self.order.record()
             return moved
+
+    def resize(self, num_pages: int) -> None:
+        """Grow or shrink the pool to ``num_pages`` pages at its top (a unified memory moves its boundary with this;
+        ``multilora.memory.unified``). Shrinking needs the pages above ``num_pages`` free: the pool compacts first
+        when they are free but not one hole at the top (``compact``). After a growth, later side-stream loads wait
+        for the work queued so far on the current stream (the new pages may still be written by it: they were KV
+        blocks of earlier steps).
+
+        Raises:
+            ValueError: ``num_pages`` above ``capacity_pages`` or below 1, or a shrink past the free pages (nothing
+                changes).
+        """
+        with self._lock:
+            if not 1 <= num_pages <= self.capacity_pages:
+                raise ValueError(f"AdapterPool.resize: num_pages must be in [1, {self.capacity_pages}], got {num_pages}")
+            cut = self.num_pages - num_pages
+            if cut > self.pages_free:
+                raise ValueError(f"AdapterPool.resize: cannot shrink by {cut} pages, {self.pages_free} are free")
+            if cut > self._space.top_hole:
+                self.compact()
+            self._space.resize(num_pages)
+            if cut < 0:
+                self._last_compaction = self.order.record()
+            self.num_pages = num_pages
+
+    @property
+    def bytes_capacity(self) -> int:
+        """Bytes of ``capacity_pages``: the most this pool can grow to."""
+        return self.capacity_pages * self.page_bytes
 
     # ------------------------------------------------------------------ load / free
     def load(self, adapter: "AdapterWeights | PackedAdapter", *, stream: Any = None, timer: Any = None,
@@ -579,7 +632,7 @@ class AdapterPool:
         return slot
 
     def _write(self, slot: int, start: int, packed: PackedAdapter, stream: Any, timer: Any = None) -> None:
-        lo = start * PAGE_ELEMS
+        lo = self._base + start * PAGE_ELEMS
         if stream is not None:
             self.order.wait(self._last_compaction, stream)  # not before the moves out of these pages
         with self.order.on(stream):
@@ -600,7 +653,7 @@ class AdapterPool:
         rank is 0), written in place."""
         ranks, rel = self._meta[slot]
         used = ranks > 0
-        a = torch.where(used, rel + self._extents[slot][0] * PAGE_ELEMS, 0)
+        a = torch.where(used, rel + self._base + self._extents[slot][0] * PAGE_ELEMS, 0)
         b = torch.where(used, a + ranks.to(torch.int64) * self._d_in, 0)
         self.offsets_a[:, :, slot] = a.to(self.device)
         self.offsets_b[:, :, slot] = b.to(self.device)
@@ -624,7 +677,7 @@ class AdapterPool:
                                  f"{out.dtype} {tuple(out.shape)}")
             else:
                 host = out
-            host.copy_(self.buffer[start * PAGE_ELEMS : (start + n) * PAGE_ELEMS])
+            host.copy_(self.buffer[self._base + start * PAGE_ELEMS : self._base + (start + n) * PAGE_ELEMS])
             ranks, rel = self._meta[slot]
             # copies, not views: on a CPU pool .cpu() would alias the metadata that free() / the next load rewrite
             scalings = self.scalings[:, :, slot].to("cpu", copy=True)
