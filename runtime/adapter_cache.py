@@ -65,7 +65,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -139,6 +139,7 @@ class CacheStats:
     disk_to_host_reads: int = 0
     disk_to_host_seconds: float = 0.0  # summed over the reads (each on one thread)
     gpu_to_host_seconds: float = 0.0
+    evictions_for_kv: int = 0  # adapters evicted so that a unified memory's KV side could take their units
 
 
 class _CopyTimer:
@@ -189,6 +190,11 @@ class AdapterCache:
         self._timing: list[tuple[_CopyTimer, int]] = []  # host -> GPU copies not timed yet
         self._orphans: list[AdapterHandle] = []  # forgotten while a disk -> host read was writing their block
         self.stats = CacheStats()
+        #: a unified memory (``multilora.memory.unified``) whose pool is ``pool``: the pool grows into free KV
+        #: blocks before idle adapters are evicted, and ``yield_to_kv`` gives units back; None: a fixed pool
+        self.unified: Any = None
+        #: with ``unified``: KV blocks the pool must leave free (the scheduler's ``kv_reserve_blocks``)
+        self.kv_reserve: Callable[[], int] = lambda: 0
 
     # ------------------------------------------------------------------ registry
     def add(self, name: str, packed: PackedAdapter | None, *, path: Path, allow_pickle: bool, summary: str,
@@ -508,13 +514,46 @@ class AdapterCache:
             self.stats.gpu_evictions += 1
 
     def could_ever_fit(self, handle: AdapterHandle) -> bool:
-        """Whether the handle fits (its bytes and a slot) once every unpinned adapter has left the pool."""
+        """Whether the handle fits (its bytes and a slot) once every unpinned adapter has left the pool (a unified
+        memory's pool at its largest, ``bytes_capacity``)."""
         with self._lock:
             if handle.slot is not None:
                 return True
             pinned = [h for h in self._gpu_lru.values() if h is not handle and self.is_pinned(h)]
-            return (handle.pool_bytes <= self.pool.bytes_total - sum(h.pool_bytes for h in pinned)
+            return (handle.pool_bytes <= self.pool.bytes_capacity - sum(h.pool_bytes for h in pinned)
                     and len(pinned) < self.pool.max_slots)
+
+    # ------------------------------------------------------------------ unified memory
+    def _grow_for(self, nbytes: int) -> None:
+        """With a unified memory: grow the pool over free KV blocks until ``nbytes`` are free in it, leaving the
+        scheduler's reserve (``kv_reserve``) of KV blocks free; no data moves."""
+        u = self.unified
+        short = nbytes - self.pool.bytes_free
+        if u is None or short <= 0:
+            return
+        spare = u.kv.num_free_blocks - self.kv_reserve()
+        if spare > 0:
+            u.grow_pool(min(-(-short // u.unit_bytes), spare))
+
+    def yield_to_kv(self, blocks: int) -> int:
+        """With a unified memory: give up to ``blocks`` units of the pool to the KV side (the scheduler's
+        ``kv_reclaim``), evicting idle adapters (refcount 0, unpinned) least recently used first until enough pool
+        pages are free, never below the pool's minimum; the pool compacts if its free pages are not at its top.
+        Adapters no waiting request names leave first (LRU among them), then those queued requests wait for.
+        Returns the KV blocks gained (0 without a unified memory)."""
+        u = self.unified
+        if u is None or blocks <= 0:
+            return 0
+        with self._lock:
+            units = min(blocks, u.pool_units - u.layout.min_pool_units)
+            want = units * u.layout.pages_per_unit
+            for victim in sorted(self._evictable(), key=lambda h: h.queued > 0):  # stable: LRU within each group
+                if self.pool.pages_free >= want:
+                    break
+                self._drop_from_pool(victim)
+                self.stats.gpu_evictions += 1
+                self.stats.evictions_for_kv += 1
+            return u.shrink_pool(units)
 
     def _to_gpu(self, handle: AdapterHandle, packed: PackedAdapter) -> int:
         """host -> GPU: the image into the pool in one copy; its slot. On CUDA the copy runs on the side stream,
@@ -568,6 +607,7 @@ class AdapterCache:
                     self.stats.prefetch_hits += 1
                     handle.prefetched = False
             else:
+                self._grow_for(handle.pool_bytes)
                 victims = self._evictable()
                 if not self._fits_after_evicting(handle, victims):
                     raise PoolFullError(
@@ -620,6 +660,7 @@ class AdapterCache:
                         h.loading_block = block
                         h.loading = self._io.submit(self._prefetch_read, h, block)
                     continue
+                self._grow_for(h.pool_bytes)
                 spare = [v for v in self._evictable() if id(v) not in wanted]
                 if not self._fits_after_evicting(h, spare):
                     continue
@@ -712,6 +753,8 @@ class AdapterCache:
             "host_arena_pinned": a.pinned, "host_arena_chunks": a.num_chunks,
             "host_arena_compactions": a.compactions, "host_arena_bytes_compacted": a.bytes_compacted,
             "host_arena_map_seconds": a.register_seconds,
+            "pool_bytes_capacity": pool.bytes_capacity, "evictions_for_kv": s.evictions_for_kv,
+            **(self.unified.report() if self.unified is not None else {}),
         }
 
     def close(self) -> None:

@@ -118,6 +118,15 @@ class EngineConfig:
             parallelism or longrope.
         adapter_pool_share: share of the memory budget for the adapter pool, in (0, 1) (None: the memory
             plan's default, 0.1); the KV cache takes the rest.
+        unified_pool: put the adapter pool and the KV cache in one device buffer with a movable boundary
+            (``multilora.memory.unified``; S-LoRA's unified paging): adapters grow into KV blocks that running and
+            waiting requests do not need (more adapters resident, fewer tier moves at low load), and give them
+            back, idle adapters evicted least recently used first, when requests need KV blocks. The memory plan's
+            pool and KV bytes make the buffer together, and are each side's starting size: ``adapter_pool_bytes``,
+            ``kv_cache_bytes`` and ``adapter_pool_share`` size the buffer and set where the boundary starts, but
+            do not cap either side (the pool may take the whole buffer but one ``max_seq_len`` sequence's KV
+            blocks; the KV side, all but the largest adapter ``max_lora_rank`` allows). Not with tensor
+            parallelism.
         progress: show a progress bar while loading the model.
 
     Raises:
@@ -173,6 +182,9 @@ class EngineConfig:
                                                              "0: off)", kind=int)
     adapter_pool_share: float | None = _opt(None, "share of the memory budget for the adapter pool (default: the "
                                                   "memory plan's, 0.1)", kind=float)
+    unified_pool: bool = _opt(False, "one device buffer for the adapter pool and the KV cache, with a movable "
+                                     "boundary: idle KV memory holds more adapters, and adapters give way when "
+                                     "requests need KV blocks (not with tensor parallelism)", kind=bool)
     progress: bool = _opt(True, "", cli=False)
 
     def __post_init__(self) -> None:
@@ -215,12 +227,16 @@ class EngineConfig:
             raise fail("fp8_gemm", "None, 'scaled_mm' or 'weight_only'")
         if self.fp8_gemm is not None and self.weight_dtype != "fp8":
             raise fail("fp8_gemm", "None unless weight_dtype='fp8'")
-        for name in ("cuda_graphs", "enable_chunked_prefill", "adapter_aware_admission"):
+        for name in ("cuda_graphs", "enable_chunked_prefill", "adapter_aware_admission", "unified_pool"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "True or False")
         if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)
                                                         or self.max_num_batched_tokens < 1):
             raise fail("max_num_batched_tokens", "None or an int >= 1")
+        if self.unified_pool and self.tensor_parallel_size > 1:
+            raise ValueError(f"Engine: unified_pool=True is not available with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (each rank keeps its own pool and KV cache); leave "
+                             f"unified_pool off")
         if self.memory_snapshot is not None:  # checked before any weights load
             from multilora.memory.accounting import require_snapshot
 

@@ -32,6 +32,7 @@ from multilora.kernels.backends import count_kernel_compiles, kernel_compiles, r
 from multilora.kernels.fp8 import fp8_supported
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
+from multilora.memory.unified import UnifiedMemory, unified_layout
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
 from multilora.runtime.adapters import LoRAAdapter, read_adapter, read_packed_adapter
 from multilora.runtime.adapters.image import read_image
@@ -44,7 +45,7 @@ from multilora.runtime.requests import RequestFactory, per_row
 from multilora.runtime.runner import ModelRunner
 from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.scheduler import Request, Schedule, Scheduler, Status
-from multilora.runtime.sizing import measure_and_size, memory_request
+from multilora.runtime.sizing import default_slots, measure_and_size, memory_request
 from multilora.runtime.tokenizer import Prompt, PromptTokenizer, prompt_list
 from multilora.runtime.weights import load_model, model_config
 
@@ -222,11 +223,23 @@ class Engine:
                                  plan_cfg, self.device, profile_reserve=profile)
         self.memory_plan = sizes.plan
         pool_bytes = sizes.num_pages * sizes.request.page_bytes
-        self.pool = AdapterPool(shard_cfg, num_bytes=pool_bytes, max_rank=cfg.max_lora_rank,
-                                max_slots=sizes.slots, dtype=self.dtype, device=self.device)
-        self.kv = PagedKVCache(num_layers=shard_cfg.num_layers, num_blocks=sizes.num_blocks,
-                               block_size=cfg.kv_block_size, num_kv_heads=shard_cfg.num_kv_heads,
-                               head_dim=shard_cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.unified: UnifiedMemory | None = None
+        if cfg.unified_pool:  # one buffer: the plan's pool + KV bytes, the boundary movable (memory/unified.py)
+            r = sizes.request
+            layout = unified_layout(pool_bytes=pool_bytes, kv_bytes=sizes.num_blocks * r.block_bytes,
+                                    block_bytes=r.block_bytes, page_bytes=r.page_bytes,
+                                    min_pool_bytes=r.pages_per_adapter * r.page_bytes, min_kv_blocks=r.live_blocks)
+            slots = sizes.slots if cfg.adapter_slots is not None else default_slots(
+                r.slot_sizing_pages, (layout.max_floor - 1) * layout.pages_per_unit)
+            self.unified = UnifiedMemory(shard_cfg, layout, block_size=cfg.kv_block_size, dtype=self.dtype,
+                                         device=self.device, max_rank=cfg.max_lora_rank, max_slots=slots)
+            self.pool, self.kv = self.unified.pool, self.unified.kv
+        else:
+            self.pool = AdapterPool(shard_cfg, num_bytes=pool_bytes, max_rank=cfg.max_lora_rank,
+                                    max_slots=sizes.slots, dtype=self.dtype, device=self.device)
+            self.kv = PagedKVCache(num_layers=shard_cfg.num_layers, num_blocks=sizes.num_blocks,
+                                   block_size=cfg.kv_block_size, num_kv_heads=shard_cfg.num_kv_heads,
+                                   head_dim=shard_cfg.head_dim, dtype=self.dtype, device=self.device)
         self.runner.bind(self.kv, self.pool, cuda_graphs=cfg.cuda_graphs, piecewise_max_tokens=pieces)
         if self.tp is not None:
             self.tp.configure(num_blocks=sizes.num_blocks, pool_bytes=pool_bytes, max_slots=self.pool.max_slots,
@@ -238,6 +251,11 @@ class Engine:
                                    recompute_after=self.model.rope_long_after, chunked=cfg.enable_chunked_prefill,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    adapter_aware=cfg.adapter_aware_admission and cfg.prefetch_adapters > 0)
+        if self.unified is not None:  # the pool grows into what requests will not need; KV takes it back
+            self.cache.unified = self.unified
+            self.cache.kv_reserve = self.scheduler.kv_reserve_blocks
+            self.scheduler.kv_reclaim = self.cache.yield_to_kv
+        self.scheduler.max_seq_len = self.max_seq_len
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self.step_times = StepTimes()
         self.postprocess = Postprocessor(self.text, max_seq_len=self.max_seq_len, counters=self._counters,
@@ -251,8 +269,10 @@ class Engine:
                  str(self.dtype).replace("torch.", "") + (" (fp8 base weights)" if cfg.weight_dtype else ""),
                  self.pool.bytes_total / 1e6, self.pool.num_pages, self.pool.page_bytes, self.kv.num_usable_blocks, cfg.kv_block_size,
                  self.kv.nbytes / 1e6, self.kv.num_usable_blocks / sizes.request.seq_blocks, self.max_seq_len,
-                 cfg.max_batch_size, "" if sizes.plan is None else
-                 f"; host tier {sizes.plan.host_tier_bytes / 1e6:.1f} MB (memory plan: `multilora memory`, or -v)")
+                 cfg.max_batch_size, ("" if self.unified is None else
+                                      f"; unified pool + KV: one buffer of {self.unified.layout.nbytes / 1e6:.1f} MB, "
+                                      f"the boundary moves") + ("" if sizes.plan is None else
+                 f"; host tier {sizes.plan.host_tier_bytes / 1e6:.1f} MB (memory plan: `multilora memory`, or -v)"))
         if sizes.plan is not None:  # each size, its binding source, the inputs: ~30 lines, for -v
             log.debug("memory plan:\n%s", sizes.plan.explain())
 

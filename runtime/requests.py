@@ -59,11 +59,11 @@ class RequestFactory:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len={self.max_seq_len}")
         total = min(len(ids) + params.max_tokens, self.max_seq_len)
         kv = self.kv
-        if kv.blocks_for_tokens(total) > kv.num_usable_blocks:
+        if kv.blocks_for_tokens(total) > kv.max_usable_blocks:
             raise ValueError(
                 f"request: {len(ids)} prompt tokens + max_tokens={params.max_tokens} (at most max_seq_len="
                 f"{self.max_seq_len}) = {total} tokens need {kv.blocks_for_tokens(total)} KV blocks of "
-                f"{kv.block_size} tokens; the whole KV cache has {kv.num_usable_blocks}: lower max_tokens, "
+                f"{kv.block_size} tokens; the whole KV cache has {kv.max_usable_blocks}: lower max_tokens, "
                 f"shorten the prompt or raise kv_cache_bytes")
         if adapter is not None and not isinstance(adapter, str):
             raise ValueError(f"adapters: expected a name (str) or None, got {type(adapter).__name__}")
@@ -87,9 +87,9 @@ class RequestFactory:
                 raise ValueError(f"token_ids[{i}]: expected 1..{self.max_seq_len} tokens, got {len(r)}")
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in r):
                 raise ValueError(f"token_ids[{i}]: ids must be ints in [0, {vocab})")
-            if kv.blocks_for_tokens(len(r)) > kv.num_usable_blocks:
+            if kv.blocks_for_tokens(len(r)) > kv.max_usable_blocks:
                 raise ValueError(f"token_ids[{i}]: {len(r)} tokens need {kv.blocks_for_tokens(len(r))} KV blocks; "
-                                 f"the whole KV cache has {kv.num_usable_blocks}")
+                                 f"the whole KV cache has {kv.max_usable_blocks}")
         handles = [self.cache.get(a) if a is not None else None for a in names]
         return [Request(request_id=next_request_id(), prompt=r, prompt_ids=r, adapter_name=a, handle=h,
                         params=SamplingParams(max_tokens=1), seed=0, logits_only=True)

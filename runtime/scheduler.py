@@ -95,7 +95,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -259,6 +259,11 @@ class Scheduler:
         self.adapter_waits = 0  # times a request was passed over because its adapter did not fit
         self.adapter_defers = 0  # times a request was passed over because its adapter was still on disk
         self.preemptions = 0
+        #: a unified memory's reclaim (``AdapterCache.yield_to_kv``): ``kv_reclaim(blocks)`` frees up to that many
+        #: KV blocks from the adapter pool (idle adapters evicted); None: the KV cache has a fixed size
+        self.kv_reclaim: Callable[[int], int] | None = None
+        self.kv_reclaims = 0  # times KV blocks were taken back from the adapter pool
+        self.max_seq_len: int | None = None  # caps a request's length in ``kv_reserve_blocks`` (the engine sets it)
 
     def add(self, req: Request) -> None:
         """Queue a request (at the back)."""
@@ -401,6 +406,8 @@ class Scheduler:
             if n <= req.kv_tokens:
                 continue  # its blocks already hold position n - 1: ensure_capacity would change nothing
             while not self.kv.ensure_capacity(req.seq_id, n):
+                if self._kv_room(self.kv.blocks_for_tokens(n) - req.kv_tokens // bs):
+                    continue  # the adapter pool gave blocks back
                 victim = pending.pop() if pending else req
                 self._preempt(victim)
                 if victim is req:
@@ -444,7 +451,7 @@ class Scheduler:
                 chunk = self._chunk(req, room, first and not admitted)
                 if chunk == 0:
                     break  # the head waits for prompt room; nothing behind it is admitted
-            if not self.kv.can_fit(req.kv_need):
+            if not self.kv.can_fit(req.kv_need) and not self._kv_room(self.kv.blocks_for_tokens(req.kv_need)):
                 break  # the head waits for blocks; nothing behind it is admitted
             if req.handle is not None and req.slot < 0:  # (a slot kept from an interrupted admission is reused)
                 if (self.adapter_aware and self.running and req.skipped_steps < self.patience
@@ -492,6 +499,34 @@ class Scheduler:
             req.skipped_steps += 1
         return admitted
 
+    def kv_reserve_blocks(self) -> int:
+        """KV blocks a unified memory's adapter pool must leave free (``multilora.memory.unified``): what the running
+        requests still need to reach their whole length (prompt + ``max_tokens``, at most ``max_seq_len``), plus the
+        whole length of the waiting requests that could join them (the first ``max_batch_size - running``). So the
+        pool grows only into KV memory no request in sight will ask for, and admission and decode rarely have to
+        take blocks back from it (``_kv_room``)."""
+        kv, cap = self.kv, self.max_seq_len or (1 << 62)
+
+        def whole(req: Request) -> int:
+            return kv.blocks_for_tokens(min(len(req.prompt_ids) + req.params.max_tokens, cap))
+
+        need = sum(max(0, whole(r) - r.kv_tokens // kv.block_size) for r in self.running)
+        room = max(0, self.max_batch_size - len(self.running))
+        return need + sum(whole(self.waiting[i]) for i in range(min(room, len(self.waiting))))
+
+    def _kv_room(self, blocks: int) -> bool:
+        """Whether ``blocks`` KV blocks are free, after asking a unified memory's adapter pool for the ones missing
+        (and for the reserve of ``kv_reserve_blocks``, so the next requests do not ask again at once)."""
+        free = self.kv.num_free_blocks
+        if free >= blocks:
+            return True
+        if self.kv_reclaim is None:
+            return False
+        want = max(blocks, self.kv_reserve_blocks()) - free
+        if self.kv_reclaim(want) > 0:
+            self.kv_reclaims += 1
+        return self.kv.num_free_blocks >= blocks
+
     def _fail(self, req: Request, message: str, failed: list[Request]) -> None:
         self.finish(req, "error", message)
         failed.append(req)
@@ -506,7 +541,8 @@ class Scheduler:
             "queue_wait_seconds_total": self.wait_seconds_total, "queue_wait_seconds_max": self.wait_seconds_max,
             "queue_waits_for_adapter": self.adapter_waits, "queue_defers_for_adapter_load": self.adapter_defers, "kv_blocks_total": self.kv.num_usable_blocks,
             "kv_blocks_free": self.kv.num_free_blocks, "kv_block_size": self.kv.block_size,
-            "preemptions": self.preemptions, "waiting": len(waiting), "running": len(running),
+            "preemptions": self.preemptions, "kv_reclaims_from_pool": self.kv_reclaims,
+            "waiting": len(waiting), "running": len(running),
             "running_adapters": sorted({r.adapter_name for r in running if r.adapter_name is not None}),
             "waiting_adapters": sorted({r.adapter_name for r in waiting if r.adapter_name is not None}),
         }
