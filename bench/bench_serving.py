@@ -130,14 +130,17 @@ def write_adapter_set(root: Path, config: ModelConfig, kind: str, n_files: int, 
     return out
 
 
-def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path], n_adapters: int) -> Engine:
+def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path], n_adapters: int,
+                 unified: bool = False) -> Engine:
     """The engine of every row: adapters ``a0 .. a{N-1}`` registered (adapter i from ``files[i % len(files)]``;
-    each a distinct adapter to the engine), warmed up on every kernel shape the trace can reach."""
+    each a distinct adapter to the engine), warmed up on every kernel shape the trace can reach; ``unified``: the
+    adapter pool and the KV cache in one buffer (``Engine(unified_pool=True)``) of the same bytes."""
     ranks, _ = ADAPTER_SETS[args.adapter_set]
     max_seq = max(args.input_len[1], args.long_prompt_len if args.long_prompt_share > 0 else 0) + args.output_len[1] + 8
     engine = Engine(config, device=args.device, dtype=DTYPES[args.dtype], progress=False,
                     max_batch_size=args.max_batch_size, max_seq_len=max_seq, max_lora_rank=max(ranks),
-                    adapter_pool_share=args.adapter_pool_share,
+                    adapter_pool_share=args.adapter_pool_share, adapter_pool_bytes=args.adapter_pool_bytes,
+                    kv_cache_bytes=args.kv_cache_bytes, unified_pool=unified,
                     enable_chunked_prefill=args.chunked_prefill == "on",
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
@@ -418,6 +421,12 @@ def summarize(results: list[Result], wall: float, offered: float, before: dict |
     for k in ("kernel_compiles", "kernel_compile_seconds"):
         row[k] = (after[k] - before[k] if before is not None and after.get(k) is not None
                   and before.get(k) is not None else None)
+    if after is not None:  # where the memory ended the row (a unified pool moves its boundary; memory/unified.py)
+        row["adapters_resident_end"] = len(after.get("adapters_resident") or [])
+        row["pool_bytes_end"] = after.get("pool_bytes_total")
+        row["gpu_evictions"] = after["gpu_evictions"] - before["gpu_evictions"] if before is not None else None
+        for k in ("evictions_for_kv", "unified_floor_moves_up", "unified_floor_moves_down", "kv_reclaims_from_pool"):
+            row[k] = (after[k] - before[k]) if before is not None and k in after else None
     n = row["kernel_compiles"] or 0
     row["kernel_compile_names"] = list(after.get("recent_kernel_compiles") or [])[-n:] if n > 0 else []
     row["pool_hit_rate"] = rate("gpu_hits", "gpu_misses")
@@ -454,9 +463,9 @@ def fmt(v: Any, spec: str) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| mode | N | set | rate | offered req/s | achieved req/s | out tok/s | TTFT p50 / p90 / p99 (s) "
+    head = ("| mode | pool + KV | N | set | rate | offered req/s | achieved req/s | out tok/s | TTFT p50 / p90 / p99 (s) "
             "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | within SLO | failed | kernel compiles in row "
-            "| decode step p50 / max (ms) | stalls (s) |")
+            "| decode step p50 / max (ms) | stalls (s) | pool hit rate | host -> GPU GB | resident at end |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def steps(r: dict) -> str:
@@ -472,13 +481,16 @@ def markdown(rows: list[dict]) -> str:
 
     for r in rows:
         lines.append(
-            f"| {r['mode']} | {r['n_adapters']} | {r['adapter_set']} | {r['rate']} | {fmt(r['offered_rps'], '.2f')} "
+            f"| {r['mode']} | {'unified' if r.get('unified_pool') else 'apart'} | {r['n_adapters']} "
+            f"| {r['adapter_set']} | {r['rate']} | {fmt(r['offered_rps'], '.2f')} "
             f"| {fmt(r['achieved_rps'], '.2f')} | {fmt(r['output_tok_s'], '.0f')} "
             f"| {fmt(r['ttft_p50_s'], '.3f')} / {fmt(r['ttft_p90_s'], '.3f')} / {fmt(r['ttft_p99_s'], '.3f')} "
             f"| {fmt(r['tpot_p50_s'] and r['tpot_p50_s'] * 1e3, '.2f')} / {fmt(r['tpot_p99_s'] and r['tpot_p99_s'] * 1e3, '.2f')} "
             f"| {fmt(r['e2e_p50_s'], '.2f')} / {fmt(r['e2e_p99_s'], '.2f')} "
             f"| {'-' if r.get('slo_share') is None else format(100 * r['slo_share'], '.1f') + '%'} | {r['failed']} "
-            f"| {compiles(r)} | {steps(r)} | {stalls(r)} |")
+            f"| {compiles(r)} | {steps(r)} | {stalls(r)} | {fmt(r.get('pool_hit_rate'), '.3f')} "
+            f"| {fmt(r.get('bytes_host_to_gpu') and r['bytes_host_to_gpu'] / 1e9, '.2f')} "
+            f"| {fmt(r.get('adapters_resident_end'), 'd')} |")
     return "\n".join(lines)
 
 
@@ -564,6 +576,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--adapter-dir", help="where adapter files go (default: a temporary directory)")
     ap.add_argument("--preload", type=int, default=10**9, help="adapters read at registration (the rest on first use)")
     ap.add_argument("--adapter-pool-share", type=float, default=0.3)
+    ap.add_argument("--adapter-pool-bytes", type=float, default=None, help="the pool's bytes (default: the plan's "
+                    "share); with --unified-pool on, its starting size")
+    ap.add_argument("--kv-cache-bytes", type=float, default=None, help="cap on the KV cache's bytes")
+    ap.add_argument("--unified-pool", default="off", help="comma-separated off,on: rows with the pool and the KV "
+                    "cache apart (off) and in one buffer of the same bytes (on; Engine(unified_pool=True)), per N")
     ap.add_argument("--popularity", default="zipf", choices=("zipf", "uniform"))
     ap.add_argument("--arrival", default="poisson", choices=("poisson", "gamma"))
     ap.add_argument("--rate", default="auto", help="req/s, 'burst' (all at t = 0) or 'auto' (a fraction of the "
@@ -608,6 +625,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [m for m in args.mode_list if m not in MODES]
     if bad:
         ap.error(f"--modes: expected some of {', '.join(MODES)}, got {bad}")
+    args.unified_list = [u.strip() == "on" for u in args.unified_pool.split(",")]
+    if any(u.strip() not in ("off", "on") for u in args.unified_pool.split(",")):
+        ap.error(f"--unified-pool: expected off, on or off,on, got {args.unified_pool!r}")
+    for name in ("adapter_pool_bytes", "kv_cache_bytes"):
+        if getattr(args, name) is not None:
+            setattr(args, name, int(getattr(args, name)))
     if not 0 <= args.long_prompt_share <= 1:
         ap.error(f"--long-prompt-share: expected a share in [0, 1], got {args.long_prompt_share}")
     if args.rate not in ("auto", "burst"):
@@ -647,9 +670,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                               vocab=config.vocab_size, seed=args.seed, long_share=args.long_prompt_share,
                               long_len=args.long_prompt_len)
 
+        unified = False
+
         def record(mode: str, r: float, results: list[Result], wall: float, before: dict | None,
                    after: dict | None, steps: dict | None = None) -> dict:
             row = {"mode": mode, "n_adapters": n, "adapter_set": args.adapter_set, "popularity": args.popularity,
+                   "unified_pool": unified, "adapter_pool_bytes": args.adapter_pool_bytes,
+                   "kv_cache_bytes": args.kv_cache_bytes,
                    "arrival": args.arrival, "rate": "burst" if math.isinf(r) else f"{r:.2f}",
                    "chunked_prefill": args.chunked_prefill, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,
@@ -669,8 +696,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         def rates() -> list[float]:  # each mode: a burst row (its capacity), then the fixed-rate row
             return [math.inf, rate] if args.burst_rows and not math.isinf(rate) else [rate]
 
-        if "engine" in args.mode_list or rate is None:
-            engine = build_engine(args, config, files, n)
+        for unified in args.unified_list if "engine" in args.mode_list or rate is None else []:
+            engine = build_engine(args, config, files, n, unified)
             todo = rates() if rate is not None else []
             if rate is None:  # --rate auto: a burst fixes the rate every later row is offered
                 before = engine.stats()
@@ -687,6 +714,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             del engine
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+        unified = False
         for mode in [m for m in MODES[1:] if m in args.mode_list]:  # http, http-engine-process
             extra = ["--serve-engine-process"] if mode == "http-engine-process" else []
             proc, url = start_server(child_argv + extra, n, args.timeout)

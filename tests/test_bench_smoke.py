@@ -129,7 +129,7 @@ def test_serving_bench_runs(tmp_path):
             d = r["decode_step_ms"]
             assert d["steps"] > 0 and 0 < d["p50"] <= d["p99"] <= d["max"] and r["stall_steps"] >= 0
             assert r["decode_steps"] == d["steps"]
-    assert "| http | 3 | S1 | burst |" in (out / "serving_tiny.md").read_text()
+    assert "| http | apart | 3 | S1 | burst |" in (out / "serving_tiny.md").read_text()
     for r in rows:  # the first N's rows are their own SLO reference (issue 13: 5x its TTFT p50, 2x its TPOT p50)
         assert r["slo_ttft_s"] == pytest.approx(5 * r["ttft_p50_s"]) and r["slo_tpot_s"] == pytest.approx(2 * r["tpot_p50_s"])
         assert 0 <= r["slo_share"] <= 1
@@ -139,6 +139,28 @@ def test_serving_bench_runs(tmp_path):
         assert r["num_adapters"] == 3 and r["throughput_req_s"] == r["achieved_rps"]
         assert r["tpot_p50_ms"] == pytest.approx(1e3 * r["tpot_p50_s"]) and r["slo_attainment"] == r["slo_share"]
         assert r["request_rate"] == (None if r["rate"] == "burst" else pytest.approx(r["offered_rps"]))
+
+
+def test_serving_bench_unified_pool_rows(tmp_path):
+    """``--unified-pool off,on``: per N, rows of an engine with the pool and KV cache apart and of one with them in one
+    buffer of the same bytes (``Engine(unified_pool=True)``), on the same trace and rate: same outputs, none
+    failing, and the unified rows say where the boundary moved."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_serving.py"), "--shape", "tiny", "--adapters", "6",
+           "--requests", "12", "--input-len", "4,24", "--output-len", "2,9", "--max-batch-size", "4",
+           "--adapter-files", "2", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out), "--modes", "engine",
+           "--unified-pool", "off,on", "--warmup-requests", "8"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    rows = json.loads((out / "serving_tiny.json").read_text())["rows"]
+    assert [(r["unified_pool"], r["rate"] == "burst") for r in rows] == [(False, True), (False, False),
+                                                                         (True, True), (True, False)]
+    assert all(r["failed"] == 0 for r in rows) and len({r["output_tokens"] for r in rows}) == 1
+    assert rows[1]["offered_rps"] == pytest.approx(rows[3]["offered_rps"])
+    assert all(r["unified_floor_moves_up"] is None for r in rows[:2])
+    assert all(r["unified_floor_moves_up"] is not None and r["adapters_resident_end"] >= 1 for r in rows[2:])
+    assert "| engine | unified | 6 | S1 |" in (out / "serving_tiny.md").read_text()
 
 
 def test_serving_bench_slo_share():
