@@ -373,7 +373,8 @@ class AdapterPool:
             # Uninitialised on purpose: ``load`` writes a whole image (its padding included) before any slot reads it.
             self.buffer = torch.empty(self.capacity_pages * PAGE_ELEMS, dtype=dtype, device=self.device)
             base_page = 0
-        elif (buffer.dim() != 1 or buffer.dtype != dtype or buffer.device != self.device
+        elif (buffer.dim() != 1 or buffer.dtype != dtype or buffer.device.type != self.device.type
+              or self.device.index not in (None, buffer.device.index)  # "cuda" is the current CUDA device
               or buffer.numel() < (base_page + self.capacity_pages) * PAGE_ELEMS or base_page < 0):
             raise ValueError(f"AdapterPool: buffer must be a 1-D {dtype} tensor on {self.device} of at least "
                              f"{(base_page + self.capacity_pages) * PAGE_ELEMS} elements (base_page {base_page} + "
