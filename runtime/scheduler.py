@@ -462,7 +462,7 @@ class Scheduler:
                 if not self.cache.could_ever_fit(req.handle):
                     pool = self.cache.pool
                     self._fail(req, f"adapter {req.adapter_name!r} needs {req.handle.pool_bytes} bytes and a slot: "
-                                    f"more than the adapter pool holds besides pinned adapters ({pool.bytes_total} "
+                                    f"more than the adapter pool holds besides pinned adapters ({pool.bytes_capacity} "
                                     f"bytes, {pool.max_slots} slot(s); raise adapter_pool_bytes or adapter_slots)",
                                failed)
                     continue
@@ -510,9 +510,13 @@ class Scheduler:
         def whole(req: Request) -> int:
             return kv.blocks_for_tokens(min(len(req.prompt_ids) + req.params.max_tokens, cap))
 
-        need = sum(max(0, whole(r) - r.kv_tokens // kv.block_size) for r in self.running)
-        room = max(0, self.max_batch_size - len(self.running))
-        return need + sum(whole(self.waiting[i]) for i in range(min(room, len(self.waiting))))
+        try:  # (``pin_adapter`` may ask from another thread while the engine's thread changes the queues)
+            running = list(self.running)
+            room = max(0, self.max_batch_size - len(running))
+            waiting = [self.waiting[i] for i in range(min(room, len(self.waiting)))]
+        except (IndexError, RuntimeError):
+            return kv.num_usable_blocks  # unknown just now: lend the pool nothing
+        return sum(max(0, whole(r) - r.kv_tokens // kv.block_size) for r in running) + sum(map(whole, waiting))
 
     def _kv_room(self, blocks: int) -> bool:
         """Whether ``blocks`` KV blocks are free, after asking a unified memory's adapter pool for the ones missing
