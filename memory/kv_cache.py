@@ -64,6 +64,16 @@ class BlockAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    def _release(self, blocks: list[int]) -> None:
+        """Put an owner's blocks back among the free ones (a stack: reused first)."""
+        self._free.extend(reversed(blocks))
+
+    def _pop(self, n_blocks: int) -> list[int]:
+        """Take ``n_blocks`` free blocks (there are enough): the lowest ids of a fresh cache, freed ones first."""
+        taken = self._free[len(self._free) - n_blocks:][::-1]
+        del self._free[len(self._free) - n_blocks:]
+        return taken
+
     def owners(self) -> list[Hashable]:
         return list(self._owned)
 
@@ -77,7 +87,7 @@ class BlockAllocator:
         return list(self._owned[owner])
 
     def can_allocate(self, n_blocks: int) -> bool:
-        return 0 <= n_blocks <= len(self._free)
+        return 0 <= n_blocks <= self.num_free
 
     def allocate(self, owner: Hashable, n_blocks: int) -> list[int]:
         """Give a new owner ``n_blocks`` blocks and return them.
@@ -109,19 +119,17 @@ class BlockAllocator:
         if owner not in self._owned:
             raise KeyError(f"BlockAllocator.free: {owner!r} owns no blocks")
         blocks = self._owned.pop(owner)
-        self._free.extend(reversed(blocks))
+        self._release(blocks)
         return len(blocks)
 
     def _take(self, owner: Hashable, n_blocks: int) -> list[int]:
         if not isinstance(n_blocks, int) or n_blocks < 0:
             raise ValueError(f"BlockAllocator: n_blocks must be an int >= 0, got {n_blocks!r}")
-        if n_blocks > len(self._free):
+        if n_blocks > self.num_free:
             raise KVCacheFullError(
-                f"KV cache full: {owner!r} asked for {n_blocks} block(s), {len(self._free)} of {self.num_usable} are free"
+                f"KV cache full: {owner!r} asked for {n_blocks} block(s), {self.num_free} of {self.num_usable} are free"
             )
-        taken = self._free[len(self._free) - n_blocks:][::-1]
-        del self._free[len(self._free) - n_blocks:]
-        return taken
+        return self._pop(n_blocks)
 
 
 class FloorBlockAllocator(BlockAllocator):
@@ -155,26 +163,12 @@ class FloorBlockAllocator(BlockAllocator):
     def num_free(self) -> int:
         return len(self._free_set)
 
-    def can_allocate(self, n_blocks: int) -> bool:
-        return 0 <= n_blocks <= len(self._free_set)
-
-    def free(self, owner: Hashable) -> int:
-        if owner not in self._owned:
-            raise KeyError(f"BlockAllocator.free: {owner!r} owns no blocks")
-        blocks = self._owned.pop(owner)
+    def _release(self, blocks: list[int]) -> None:
         for b in blocks:
             self._free_set.add(b)
             heapq.heappush(self._heap, -b)
-        return len(blocks)
 
-    def _take(self, owner: Hashable, n_blocks: int) -> list[int]:
-        if not isinstance(n_blocks, int) or n_blocks < 0:
-            raise ValueError(f"BlockAllocator: n_blocks must be an int >= 0, got {n_blocks!r}")
-        if n_blocks > len(self._free_set):
-            raise KVCacheFullError(
-                f"KV cache full: {owner!r} asked for {n_blocks} block(s), {len(self._free_set)} of "
-                f"{self.num_usable} are free"
-            )
+    def _pop(self, n_blocks: int) -> list[int]:
         taken: list[int] = []
         while len(taken) < n_blocks:
             b = -heapq.heappop(self._heap)
@@ -213,9 +207,7 @@ class FloorBlockAllocator(BlockAllocator):
         """
         if n_blocks < 0 or self.floor - n_blocks <= NULL_BLOCK:
             raise ValueError(f"FloorBlockAllocator.lower_floor: cannot lower floor {self.floor} by {n_blocks}")
-        for b in range(self.floor - n_blocks, self.floor):
-            self._free_set.add(b)
-            heapq.heappush(self._heap, -b)
+        self._release(list(range(self.floor - n_blocks, self.floor)))
         self.floor -= n_blocks
 
 
@@ -264,6 +256,8 @@ class PagedKVCache:
         self.block_size = block_size
         #: the most usable blocks this cache can ever have (a unified memory's KV side grows up to it)
         self.max_usable_blocks = self.allocator.num_usable
+        #: what a request too long for ``max_usable_blocks`` is told to raise (a unified memory names both sizes)
+        self.size_hint = "raise kv_cache_bytes"
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------------------------- sizes

@@ -79,8 +79,9 @@ class UnifiedLayout:
 
 def unified_layout(*, pool_bytes: int, kv_bytes: int, block_bytes: int, page_bytes: int, min_pool_bytes: int,
                    min_kv_blocks: int) -> UnifiedLayout:
-    """The arena for a memory plan's ``pool_bytes`` + ``kv_bytes`` (the KV's null block included): the same total,
-    in whole units, with the pool's initial share rounded up to whole units.
+    """The arena for a memory plan's ``pool_bytes`` + ``kv_bytes`` (the KV's null block included): the same total
+    in whole units, the pool's starting share rounded down to whole units (at least ``min_pool_units``), so the KV
+    side starts with at least the blocks the plan gave it.
 
     Raises:
         ValueError: a block that is not a whole number of pages, or a total below both sides' minimums plus the
@@ -96,7 +97,7 @@ def unified_layout(*, pool_bytes: int, kv_bytes: int, block_bytes: int, page_byt
                          f"at least {1 + min_pool_units + min_kv_blocks} are needed (the null block, {min_pool_units} "
                          f"for the largest adapter, {min_kv_blocks} for one max_seq_len sequence)")
     max_units = units - 1 - min_kv_blocks
-    pool_units = min(max(-(-pool_bytes // block_bytes), min_pool_units), max_units)
+    pool_units = min(max(pool_bytes // block_bytes, min_pool_units), max_units)
     return UnifiedLayout(num_units=units, unit_bytes=block_bytes, pages_per_unit=block_bytes // page_bytes,
                          floor=1 + pool_units, min_pool_units=min_pool_units, min_kv_blocks=min_kv_blocks,
                          max_floor=1 + max_units)
@@ -138,6 +139,7 @@ class UnifiedMemory:
         self.kv = PagedKVCache(num_layers=L, num_blocks=lay.num_units, block_size=block_size, num_kv_heads=H,
                                head_dim=D, dtype=dtype, device=device, storage=(k, v), floor=lay.floor)
         self.kv.max_usable_blocks = lay.num_units - 1 - lay.min_pool_units
+        self.kv.size_hint = "raise kv_cache_bytes or adapter_pool_bytes (with unified_pool they size one buffer)"
         ppu = lay.pages_per_unit
         self.pool = AdapterPool(config, num_bytes=(lay.floor - 1) * ppu * PAGE_ELEMS * elt, max_rank=max_rank,
                                 max_slots=max_slots, dtype=dtype, device=device, buffer=self.arena, base_page=ppu,

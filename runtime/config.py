@@ -184,7 +184,8 @@ class EngineConfig:
                                                   "memory plan's, 0.1)", kind=float)
     unified_pool: bool = _opt(False, "one device buffer for the adapter pool and the KV cache, with a movable "
                                      "boundary: idle KV memory holds more adapters, and adapters give way when "
-                                     "requests need KV blocks (not with tensor parallelism)", kind=bool)
+                                     "requests need KV blocks; --adapter-pool-bytes and --kv-cache-bytes then size "
+                                     "the buffer together (default: off; not with tensor parallelism)", kind=bool)
     progress: bool = _opt(True, "", cli=False)
 
     def __post_init__(self) -> None:

@@ -64,7 +64,7 @@ class RequestFactory:
                 f"request: {len(ids)} prompt tokens + max_tokens={params.max_tokens} (at most max_seq_len="
                 f"{self.max_seq_len}) = {total} tokens need {kv.blocks_for_tokens(total)} KV blocks of "
                 f"{kv.block_size} tokens; the whole KV cache has {kv.max_usable_blocks}: lower max_tokens, "
-                f"shorten the prompt or raise kv_cache_bytes")
+                f"shorten the prompt or {kv.size_hint}")
         if adapter is not None and not isinstance(adapter, str):
             raise ValueError(f"adapters: expected a name (str) or None, got {type(adapter).__name__}")
         return Request(request_id=next_request_id(), prompt=prompt, prompt_ids=ids, adapter_name=adapter,

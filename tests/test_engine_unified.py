@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from test_kv_cache import (ADAPTERS, MAX_BATCH, MAX_PREFILL, MAX_SEQ, VOCAB, _check_kv, _kv_bytes,  # noqa: F401
-                           _sampling, alone, tiny)
+                           _sampling, alone, run_waves, tiny)
 from multilora.memory.pool import PAGE_ELEMS, max_adapter_pages
 
 BS = 4
@@ -43,6 +43,16 @@ def test_min_pool_is_the_largest_adapter_in_whole_units(tiny):
     assert (u.unit_bytes, u.layout.num_units, u.layout.min_pool_units) == (UNIT, 53, min_units)
     assert u.layout.max_floor == 53 - MAX_SEQ // BS and e.kv.max_usable_blocks == 53 - 1 - min_units
     assert e.pool.bytes_total == 40 * UNIT and e.kv.num_usable_blocks == 12
+    e.cache.close()
+    # the smallest buffer: the largest adapter (29 units), 2 KV blocks and the null block: a request longer than
+    # the KV side can ever hold is refused at submission, naming both sizes
+    small = _unified(tiny, pool_units=min_units, kv_blocks=2, unified_pool=True, max_batch_size=2)
+    assert small.kv.max_usable_blocks == 2
+    with pytest.raises(ValueError, match=r"need 6 KV blocks of 4 tokens; the whole KV cache has 2: .* raise "
+                                         r"kv_cache_bytes or adapter_pool_bytes \(with unified_pool they size one "
+                                         r"buffer\)"):
+        small.add_request(list(range(3, 23)), None, _sampling("greedy", 4, 0))
+    small.cache.close()
 
 
 REQUEST = st.tuples(
@@ -77,19 +87,7 @@ def test_random_requests_through_a_small_unified_memory_finish_as_alone(tiny, al
     @given(first=st.lists(REQUEST, min_size=3, max_size=8), later=st.lists(REQUEST, max_size=4),
            steps_between=st.integers(0, 6))
     def run(first, later, steps_between):
-        reqs = [(engine.add_request(list(p), a, _sampling(k, n, s)), p, a, _sampling(k, n, s))
-                for p, a, n, k, s in first]
-        for _ in range(steps_between):
-            engine.step()
-            check()
-        reqs += [(engine.add_request(list(p), a, _sampling(k, n, s)), p, a, _sampling(k, n, s))
-                 for p, a, n, k, s in later]
-        for _ in range(2000):
-            if not engine.has_unfinished():
-                break
-            engine.step()
-            check()
-        assert not engine.has_unfinished()
+        reqs = run_waves(engine, first, later, steps_between, check)
         for req, p, a, sp in reqs:
             assert (req.finish_reason, req.error) == ("length", None)
             assert req.output_ids == alone(p, NAMES.get(a), sp), f"{a!r} after {req.preemptions} preemption(s)"

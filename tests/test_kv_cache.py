@@ -262,6 +262,28 @@ def _sampling(kind, max_tokens, seed):
     return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=50, seed=seed, ignore_eos=True)
 
 
+def run_waves(engine, first, later, steps_between, check):
+    """Submit the ``first`` requests (``REQUEST`` tuples), step ``steps_between`` times, submit the ``later`` ones
+    (a second wave arriving while the first runs), step until idle, with ``check()`` after every step. Returns
+    ``(request, prompt, adapter, sampling)`` of each."""
+    def submit(wave):
+        return [(engine.add_request(list(p), a, _sampling(k, n, s)), p, a, _sampling(k, n, s))
+                for p, a, n, k, s in wave]
+
+    reqs = submit(first)
+    for _ in range(steps_between):
+        engine.step()
+        check()
+    reqs += submit(later)
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        check()
+    assert not engine.has_unfinished()
+    return reqs
+
+
 REQUEST = st.tuples(
     st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=20),  # prompt
     st.sampled_from([None, "a", "b", "c"]),  # adapter (three adapters, a pool for two)
@@ -298,19 +320,7 @@ def test_random_requests_through_a_small_cache_finish_as_alone(tiny, alone, bloc
            steps_between=st.integers(0, 6))
     def run(first, later, steps_between):
         before = engine.stats()
-        reqs = [(engine.add_request(list(p), a, _sampling(k, n, s)), p, a, _sampling(k, n, s))
-                for p, a, n, k, s in first]
-        for _ in range(steps_between):  # the second wave arrives while the first runs
-            engine.step()
-            _check_kv(engine)
-        reqs += [(engine.add_request(list(p), a, _sampling(k, n, s)), p, a, _sampling(k, n, s))
-                 for p, a, n, k, s in later]
-        for _ in range(2000):
-            if not engine.has_unfinished():
-                break
-            engine.step()
-            _check_kv(engine)
-        assert not engine.has_unfinished()
+        reqs = run_waves(engine, first, later, steps_between, lambda: _check_kv(engine))
         for req, p, a, sp in reqs:
             assert (req.finish_reason, req.error) == ("length", None)
             assert req.output_ids == alone(p, a, sp), (

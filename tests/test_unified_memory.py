@@ -95,6 +95,10 @@ def test_layout_keeps_the_total_in_whole_units_and_both_minimums():
     assert (lay.num_units, lay.floor, lay.min_pool_units, lay.pages_per_unit) == (32, 13, min_pool, PPU)
     assert lay.max_floor == 32 - 3 and lay.nbytes == 32 * UNIT_ELEMS * 4
     assert _layout(pool_units=1, kv_units=40).floor == 1 + min_pool  # the pool holds the largest adapter
+    unit = UNIT_ELEMS * 4  # shares that are not whole units: the pool's rounds down, the KV side keeps its blocks
+    odd = unified_layout(pool_bytes=25 * unit // 2, kv_bytes=39 * unit // 2, block_bytes=unit, page_bytes=PAGE_ELEMS * 4,
+                         min_pool_bytes=max_adapter_pages(CFG, MAX_RANK) * PAGE_ELEMS * 4, min_kv_blocks=3)
+    assert (odd.num_units, odd.floor) == (32, 13) and odd.num_units - odd.floor >= 39 // 2 - 1
     with pytest.raises(ValueError, match=r"at least .* are needed \(the null block, .* for the largest adapter, 3 "
                                          r"for one max_seq_len sequence\)"):
         _layout(pool_units=1, kv_units=1)
