@@ -79,10 +79,27 @@ def _http_args(sp: argparse.ArgumentParser) -> None:
                     help="require 'Authorization: Bearer KEY' on every route but /health (default: $MULTILORA_API_KEY)")
 
 
+_VERBOSE = ("log what the engine does (-v: each step of the start, -vv: also the memory plan; serve and serve-ray "
+            "log the start without it, and the plan with -v); before or after the command")
+
+
+def _verbose_flag(sp: argparse.ArgumentParser) -> None:
+    """``-v`` after the command too (``multilora generate -vv``); given there, it replaces a count given before."""
+    sp.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help=_VERBOSE)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="multilora", description="Batched multi-LoRA inference.")
-    p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    p.add_argument("-v", "--verbose", action="count", default=0, help=_VERBOSE)
     sub = p.add_subparsers(dest="command", required=True)
+    add_parser = sub.add_parser
+
+    def sub_add_parser(*a, **kw):  # every command takes -v after its name too
+        sp = add_parser(*a, **kw)
+        _verbose_flag(sp)
+        return sp
+
+    sub.add_parser = sub_add_parser
 
     d = sub.add_parser("demo", help="run the main job on the default model with demo adapters")
     d.add_argument("--adapters-dir", help="where demo adapters are kept (default: ~/.cache/multilora/demo-adapters)")
@@ -372,14 +389,21 @@ def _cmd_make(args: argparse.Namespace) -> int:
     return 0
 
 
+def log_level(command: str, verbose: int) -> int:
+    """The logging level of a command run with ``verbose`` times ``-v``: serve and serve-ray log INFO (their start,
+    their requests' failures) and DEBUG with ``-v``; the other commands WARNING, INFO with ``-v``, DEBUG with ``-vv``
+    (the engine's memory plan is a DEBUG record)."""
+    if command in ("serve", "serve-ray"):
+        return logging.DEBUG if verbose else logging.INFO
+    return (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("serve", "serve-ray"):  # a long-running process: what it does, when
-        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    else:
-        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                            format="%(levelname)s %(name)s: %(message)s")
+    serving = args.command in ("serve", "serve-ray")  # a long-running process: what it does, when
+    logging.basicConfig(level=log_level(args.command, args.verbose),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s" if serving else
+                        "%(levelname)s %(name)s: %(message)s")
     from multilora.runtime.adapter_cache import UnknownAdapterError
     from multilora.runtime.engine_process import EngineProcessError
     from multilora.runtime.weights import ModelLoadError

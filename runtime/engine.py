@@ -272,7 +272,7 @@ class Engine:
                  cfg.max_batch_size, ("" if self.unified is None else
                                       f"; unified pool + KV: one buffer of {self.unified.layout.nbytes / 1e6:.1f} MB, "
                                       f"the boundary moves") + ("" if sizes.plan is None else
-                 f"; host tier {sizes.plan.host_tier_bytes / 1e6:.1f} MB (memory plan: `multilora memory`, or -v)"))
+                 f"; host tier {sizes.plan.host_tier_bytes / 1e6:.1f} MB (memory plan: `multilora memory`, or -vv)"))
         if sizes.plan is not None:  # each size, its binding source, the inputs: ~30 lines, for -v
             log.debug("memory plan:\n%s", sizes.plan.explain())
 

@@ -349,3 +349,29 @@ def test_port_check_binds_every_address_of_the_host(monkeypatch):
         monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: two)
         with pytest.raises(ValueError, match=rf"--port {port}: cannot listen on 127.0.0.2"):
             cli._check_port("two.example", port)
+
+
+def test_unified_pool_flag_and_verbosity_after_the_command(tiny, capsys, caplog):
+    """``--unified-pool`` reaches the engine (its stats say so); ``-v`` works after the command as before it, and
+    ``-vv`` logs the memory plan (DEBUG)."""
+    import argparse
+    import logging
+
+    from multilora.runtime.cli import build_parser, log_level
+    from multilora.runtime.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    EngineConfig.add_cli_flags(p)
+    assert EngineConfig.from_cli(p.parse_args([])).unified_pool is False
+    assert EngineConfig.from_cli(p.parse_args(["--unified-pool"])).unified_pool is True
+    parser = build_parser()
+    assert [parser.parse_args(a).verbose for a in (["generate"], ["-v", "generate"], ["generate", "-v"],
+                                                   ["generate", "-vv"], ["serve"], ["memory", "-v"])] == [0, 1, 1, 2, 0, 1]
+    assert [log_level("generate", v) for v in (0, 1, 2, 3)] == [logging.WARNING, logging.INFO] + [logging.DEBUG] * 2
+    assert [log_level("serve", v) for v in (0, 1)] == [logging.INFO, logging.DEBUG]
+    caplog.set_level(logging.DEBUG, logger="multilora")  # (pytest's handlers keep basicConfig from setting it)
+    code, out, err = run(capsys, "generate", "-vv", "--model", tiny, "--prompt", "-", "Hi", "--max-tokens", 2,
+                         "--unified-pool", "--stats", "--kv-block-size", "4")
+    assert code == 0, err
+    assert "unified pool + KV: one buffer of" in caplog.text and "memory plan:" in caplog.text
+    assert "unified_units" in out + err
