@@ -132,7 +132,9 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
         if cfg.kv_cache_bytes // block_bytes < 2:
             raise ValueError(
                 f"Engine: kv_cache_bytes={cfg.kv_cache_bytes} holds {cfg.kv_cache_bytes // block_bytes} KV block(s) of "
-                f"{block_bytes} bytes ({cfg.kv_block_size} tokens); at least 2 are needed (block 0 is reserved)"
+                f"{block_bytes} bytes ({cfg.kv_block_size} tokens); at least 2 are needed (block 0 is reserved): raise "
+                f"kv_cache_bytes to at least {2 * block_bytes} (block_bytes = 2 x layers x kv_heads x head_dim x dtype "
+                f"bytes x kv_block_size)"
             )
         kv_cap = min(kv_cap, cfg.kv_cache_bytes)
         live_blocks = min(live_blocks, kv_cap // block_bytes - 1)  # an explicit smaller cap is honoured
