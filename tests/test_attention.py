@@ -201,14 +201,21 @@ def test_triton_mixed_batch(H, Hkv, block_size, dtype):
     check(out, naive_attention(b, scale=0.25), dtype)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interp)])
+# on a GPU both backends run there, in the GPU suite (``-m gpu``); on a CPU Triton runs in the interpreter
+APART_BACKENDS = ([pytest.param(b, marks=pytest.mark.gpu) for b in ("torch", "triton")] if HAS_CUDA
+                  else ["torch", pytest.param("triton", marks=interp)])
+
+
+@pytest.mark.parametrize("backend", APART_BACKENDS)
 @pytest.mark.parametrize("lens", [MIXED, DECODE], ids=["mixed", "decode"])
 def test_blocks_that_lie_apart(lens, backend):
     """A unified arena's KV views (``multilora.memory.unified``): each layer's block ``b`` lies a whole unit apart
     (here: k, v and two other layers' blocks interleaved, every row outside this layer's k and v NaN). Both
-    backends read through the block stride: the same output as the naive loop over contiguous caches."""
-    b = make_batch(*lens, H=4, Hkv=2, D=16, block_size=4, seed=11)
-    arena = torch.full((b.k_cache.shape[0], 4, *b.k_cache.shape[1:]), float("nan"))
+    backends read through the block stride: the same output as the naive loop over contiguous caches (on the GPU
+    when there is one)."""
+    dev = "cuda" if HAS_CUDA else "cpu"
+    b = make_batch(*lens, H=4, Hkv=2, D=16, block_size=4, seed=11, device=dev)
+    arena = torch.full((b.k_cache.shape[0], 4, *b.k_cache.shape[1:]), float("nan"), device=dev)
     arena[:, 1], arena[:, 3] = b.k_cache, b.v_cache
     ks, vs = arena[:, 1], arena[:, 3]
     assert not ks.is_contiguous() and ks.stride(0) == 4 * ks[0].numel()

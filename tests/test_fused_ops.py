@@ -175,7 +175,7 @@ def test_rope_write_kv_matches_reference(backend, dtype, T, H, Hkv, D):
     assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all(), "a slot outside slot_mapping was written"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.gpu) for b in BACKENDS] if HAS_CUDA else BACKENDS)
 @pytest.mark.parametrize("dtype", CPU_DTYPES + ([torch.bfloat16] if HAS_CUDA else []))
 def test_rope_write_kv_into_blocks_that_lie_apart(backend, dtype):
     """A unified arena's KV views (``multilora.memory.unified``): block ``b`` of k and v lies a whole unit apart
