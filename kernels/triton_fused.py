@@ -252,7 +252,8 @@ def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Ten
     _rope_kv_kernel[(T,)](qkv, lo, rope_cos, rope_sin, positions, slot_mapping, q, k_cache, v_cache,
                           q_norm if has_norm else rope_cos, k_norm if has_norm else rope_cos,
                           qkv.stride(0), lo.stride(0), rope_cos.stride(0), rope_sin.stride(0), k_cache.stride(0),
-                          k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), k_cache.shape[1], float(norm_eps), H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim,
+                          k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), k_cache.shape[1], float(norm_eps),
+                          H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim,
                           HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
                           BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
                           HAS_NORM=has_norm, HAS_LORA=lora_delta is not None, num_warps=4)

@@ -49,6 +49,8 @@ class BlockAllocator:
         num_blocks: blocks of the storage, the null block included (>= 2).
     """
 
+    floor = NULL_BLOCK + 1  #: the first usable block (movable in ``FloorBlockAllocator``)
+
     def __init__(self, num_blocks: int) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"BlockAllocator: num_blocks must be an int >= 2 (block 0 is reserved), got {num_blocks!r}")
@@ -284,7 +286,7 @@ class PagedKVCache:
     @property
     def floor(self) -> int:
         """The first usable block: 1 (after the null block), higher in a unified memory."""
-        return getattr(self.allocator, "floor", NULL_BLOCK + 1)
+        return self.allocator.floor
 
     @property
     def num_free_blocks(self) -> int:

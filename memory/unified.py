@@ -128,9 +128,10 @@ class UnifiedMemory:
         self.layout = lay = layout
         L, H, D = config.num_layers, config.num_kv_heads, config.head_dim
         elt = torch.empty((), dtype=dtype).element_size()
-        if 2 * L * block_size * H * D * elt != lay.unit_bytes:
+        block_bytes = PagedKVCache.bytes_per_token(L, H, D, dtype) * block_size
+        if block_bytes != lay.unit_bytes:
             raise ValueError(f"UnifiedMemory: unit_bytes {lay.unit_bytes} is not one KV block of this model "
-                             f"({2 * L * block_size * H * D * elt} bytes)")
+                             f"({block_bytes} bytes)")
         # zeros: the torch reference attention multiplies masked rows by 0 (NaN x 0 = NaN); pool pages are written
         # whole by ``load`` before any slot reads them
         self.arena = torch.zeros(lay.num_units * lay.unit_bytes // elt, dtype=dtype, device=device)
@@ -161,11 +162,14 @@ class UnifiedMemory:
         return self.layout.unit_bytes
 
     def free_kv_units_at_floor(self, limit: int | None = None) -> int:
-        """KV blocks free from the floor up, without a gap (at most ``limit``): how far ``grow_pool`` can go now,
-        less what the pool's ``capacity_pages`` leaves."""
-        room = self.layout.max_floor - self.floor
+        """KV blocks free from the floor up, without a gap (at most ``limit``), up to ``max_floor``: how far
+        ``grow_pool`` can go now."""
         with self.kv._lock:
-            return min(self.kv.allocator.free_above_floor(limit), max(room, 0))
+            return self._growth_room(limit)
+
+    def _growth_room(self, limit: int | None) -> int:
+        """``free_kv_units_at_floor`` with the KV cache's lock held."""
+        return min(self.kv.allocator.free_above_floor(limit), max(self.layout.max_floor - self.floor, 0))
 
     def free_pool_units_at_top(self) -> int:
         """Whole units of free pool pages, above the pool's minimum: how far ``shrink_pool`` can go (compacting)."""
@@ -178,7 +182,7 @@ class UnifiedMemory:
         if units <= 0:
             return 0
         with self._lock, self.kv._lock:
-            n = min(units, self.layout.max_floor - self.floor, self.kv.allocator.free_above_floor(units))
+            n = self._growth_room(units)
             if n <= 0:
                 return 0
             self.kv.allocator.raise_floor(n)

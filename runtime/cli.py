@@ -92,14 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="multilora", description="Batched multi-LoRA inference.")
     p.add_argument("-v", "--verbose", action="count", default=0, help=_VERBOSE)
     sub = p.add_subparsers(dest="command", required=True)
-    add_parser = sub.add_parser
-
-    def sub_add_parser(*a, **kw):  # every command takes -v after its name too
-        sp = add_parser(*a, **kw)
-        _verbose_flag(sp)
-        return sp
-
-    sub.add_parser = sub_add_parser
 
     d = sub.add_parser("demo", help="run the main job on the default model with demo adapters")
     d.add_argument("--adapters-dir", help="where demo adapters are kept (default: ~/.cache/multilora/demo-adapters)")
@@ -161,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_memory_parser(sub)
+    for sp in sub.choices.values():  # every command takes -v after its name too
+        _verbose_flag(sp)
     return p
 
 
