@@ -2,10 +2,14 @@
 
 disk -> host (files in the page cache):
   ``plain``   a plain sequential read of each whole weight file into a reused buffer (``preadv``): the bound;
-  ``ours``    ``read_image`` (``runtime/adapters/image.py``) into host-arena blocks, what the adapter cache's I/O
-              threads run on a host-tier miss (lora_A read straight into the image, lora_B transposed, the whole
-              image checked finite at the end when the files are in the pool dtype); the same files, the same number
-              of threads, the tensors read in file order by scatter reads; ``ours_per_tensor``: the same with each
+  ``ours``    ``read_image(..., raw=True)`` (``runtime/adapters/image.py``) into host-arena blocks, what the adapter
+              cache's I/O threads run on a host-tier miss when the pool is on CUDA (since session 12): every tensor
+              read in file order by scatter reads straight into its place, lora_B untransposed, nothing checked: the
+              pool finishes the image on the GPU after the copy (``kernels/image_finish.py``; its cost is in the
+              host -> GPU rows); the same files, the same number of threads;
+  ``ours_host_finish``  ``read_image`` without ``raw`` (the I/O threads' work before session 12, and still on a
+              CPU pool): lora_B transposed on the host, the whole image checked finite at the end when the files
+              are in the pool dtype, the tensors read in file order by scatter reads; ``ours_per_tensor``: that with each
               tensor read and checked while in cache instead (before session 8); ``ours_tensor_reads``: the whole-
               image check with one read per tensor (the scatter reads' A/B); ``ours_verified``: the same for a file version the cache has read before (its
               reloads after an eviction), which skips the finite checks;
@@ -88,13 +92,16 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
             f.check_unchanged()
 
     def ours(i, w):
+        read_image(dirs[i], config, pool, name=f"a{i}", out=blocks[w].view(pool.dtype), raw=True)
+
+    def ours_host_finish(i, w):
         read_image(dirs[i], config, pool, name=f"a{i}", out=blocks[w].view(pool.dtype))
 
     def without(switch: str):  # ``ours`` with one of read_image's A/B switches off (read once per read_image call)
         def run(i, w):
             setattr(image, switch, False)
             try:
-                ours(i, w)
+                ours_host_finish(i, w)
             finally:
                 setattr(image, switch, True)
         return run
@@ -112,10 +119,11 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     for fn in (plain, ours):  # warm-up: page cache, scratch buffers, first-touch of the blocks and buffers
         _parallel(max(threads), jobs, fn)
     for nt in threads:
-        rates = {"plain": [], "ours": [], "ours_per_tensor": [], "ours_tensor_reads": [], "ours_verified": [],
-                 "general": []}
+        rates = {"plain": [], "ours": [], "ours_host_finish": [], "ours_per_tensor": [], "ours_tensor_reads": [],
+                 "ours_verified": [], "general": []}
         for _ in range(args.runs):  # interleaved, so drift hits both alike
-            for name, fn in (("plain", plain), ("ours", ours), ("ours_per_tensor", ours_per_tensor),
+            for name, fn in (("plain", plain), ("ours", ours), ("ours_host_finish", ours_host_finish),
+                             ("ours_per_tensor", ours_per_tensor),
                              ("ours_tensor_reads", ours_tensor_reads), ("ours_verified", ours_verified)) + (
                     (("general", general),) if args.general else ()):
                 rates[name].append(total / _parallel(nt, jobs, fn) / 1e9)
@@ -132,8 +140,9 @@ def through_cache(args, config, pool, dirs, image_bytes, file_bytes) -> tuple[li
     the pool by prefetch (side stream), alone and under a GEMM loop."""
     n = len(dirs)
 
-    def reload(handle, out):
-        return read_image(handle.path, config, pool, name=handle.name, out=out)[1]
+    def reload(handle, out):  # as the engine's: raw on a CUDA pool (finished by the pool on the GPU)
+        return read_image(handle.path, config, pool, name=handle.name, out=out, verified=handle.values_checked,
+                          raw=pool.device.type == "cuda")[1]
 
     cache = AdapterCache(pool, host_bytes=n * image_bytes, reload=reload)
     meta = load_peft_adapter(dirs[0], config, header_only=True)

@@ -74,6 +74,7 @@ from typing import Any, Mapping, Protocol
 import torch
 
 from multilora.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
+from multilora.kernels.image_finish import STAGING_ELEMS, block_cols_for, finish_ops, finish_torch
 from multilora.kernels.lora import LoRAModuleView
 from multilora.memory.extents import Extents, move_down
 
@@ -134,6 +135,15 @@ def image_layout(config: ModelConfig, ranks: Mapping[tuple[int, str], int]) -> t
     return offsets, pos
 
 
+def staging_elems(config: ModelConfig, max_rank: int) -> int:
+    """Elements of the staging buffer a pool of ``max_rank`` finishes raw images through
+    (``AdapterPool.staging_elems``): ``STAGING_ELEMS`` (``multilora.kernels.image_finish``), or the largest
+    (layer, projection) group of an adapter at ``max_rank`` (every slice of a fused projection), if larger."""
+    group = max((sum(_pages(max_rank * sum(config.module_shape(p))) for p in config.lora_slices(m))
+                 for m in config.lora_modules), default=0)
+    return max(STAGING_ELEMS, group * PAGE_ELEMS)
+
+
 def max_adapter_pages(config: ModelConfig, max_rank: int) -> int:
     """Pages of the largest adapter ``max_rank`` allows: every target module of every layer at ``max_rank``:
     ``layers * sum over the 7 modules of ceil(max_rank * (d_in + d_out) / PAGE_ELEMS)``."""
@@ -149,6 +159,12 @@ class PackedAdapter:
     pool is on CUDA, so the host -> GPU copy is one asynchronous ``cudaMemcpyAsync``; re-pointed by the arena
     when a compaction moves the block), else an ordinary tensor; ``ranks`` int32 / ``scalings`` float32 /
     ``offsets`` int64 (A's element offset relative to the image start; 0 where the rank is 0) ``[num_layers, 7]``.
+
+    ``finish``: None for a finished image (the pool copies it as it is); for a *raw* image (read by
+    ``read_image(..., raw=True)``: lora_B as the file stores it, a fused projection's later A regions unwritten,
+    values unchecked), the ``multilora.kernels.image_finish.FinishOps`` that ``AdapterPool.load`` runs on the
+    device after the copy. ``checked``: the values are known finite (always for a finished image; for a raw
+    one, once a load of it passed the device check, or when its files were read and checked before).
     """
 
     data: torch.Tensor
@@ -158,6 +174,8 @@ class PackedAdapter:
     max_rank: int
     name: str | None = None
     block: Any = None  # the host arena's block holding ``data`` (``multilora.memory.host_arena``), if any
+    finish: Any = None  # FinishOps of a raw image (kernels/image_finish.py), None when finished
+    checked: bool = True
 
     @property
     def num_pages(self) -> int:
@@ -396,6 +414,14 @@ class AdapterPool:
         self._extents: dict[int, tuple[int, int]] = {}  # slot -> (first page, pages)
         self._meta: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> host (ranks, relative offsets)
         self._pending: dict[int, Any] = {}  # slot -> event of its side-stream copy
+        # raw images (``_finish``): staging buffer, per-slot finite flags (device, pinned host copy), pending checks
+        self._staging: torch.Tensor | None = None
+        self._staging_free: Any = None  # event after the last finish's reads of the staging buffer
+        self._flags: torch.Tensor | None = None
+        self._flags_host: torch.Tensor | None = None
+        self._checks: dict[int, tuple[Any, Any]] = {}  # slot -> (event after its finish, FinishOps)
+        self._cpu_checks: dict[int, int] = {}  # slot -> finish_torch's answer (CPU pools)
+        self._tiles: dict[int, tuple[Any, torch.Tensor]] = {}  # id(FinishOps) -> (it, its tiles on the device)
         self._last_compaction: Any = None  # event after the last compaction's moves (or the last growth: ``resize``)
         self.compactions = 0
         self.bytes_moved = 0
@@ -639,15 +665,94 @@ class AdapterPool:
         with self.order.on(stream):
             if timer is not None:
                 timer.start(stream)
-            # the whole image in one copy: one cudaMemcpyAsync from pinned memory
-            self.buffer[lo : lo + packed.data.numel()].copy_(packed.data, non_blocking=stream is not None)
+            if packed.finish is not None:
+                self._finish(slot, lo, packed, stream)
+            else:  # the whole image in one copy: one cudaMemcpyAsync from pinned memory
+                self.buffer[lo : lo + packed.data.numel()].copy_(packed.data, non_blocking=stream is not None)
             if timer is not None:
                 timer.stop(stream)
         if stream is not None:
             self._pending[slot] = self.order.record(stream)
+        if packed.finish is not None and not packed.checked:
+            self._checks[slot] = (self._pending.get(slot) or self.order.record(), packed.finish)
         self.ranks[:, :, slot] = packed.ranks.to(self.device)
         self.scalings[:, :, slot] = packed.scalings.to(self.device)
         self._write_offsets(slot)
+
+    # ------------------------------------------------------------------ raw images (kernels/image_finish.py)
+    def staging_elems(self) -> int:
+        """Elements of the staging buffer raw images are finished through (allocated at the first raw load):
+        ``STAGING_ELEMS`` or the largest (layer, projection) group an adapter of ``max_rank`` may have, if larger
+        (``runtime.sizing`` counts these bytes as working memory)."""
+        return staging_elems(self.config, self.max_rank)
+
+    def _finish(self, slot: int, lo: int, packed: PackedAdapter, stream: Any) -> None:
+        """A raw image into the pool at element ``lo`` (on the current stream, which is ``stream``): on CUDA,
+        chunk by chunk through the staging buffer (a host -> GPU copy, then one kernel launch each) with the finite
+        check's result copied to pinned host memory; on the CPU, ``finish_torch``."""
+        fin = packed.finish
+        if fin.numel != packed.data.numel():
+            raise ValueError(f"adapter {packed.name!r}: a raw image of {packed.data.numel()} elements with finish ops "
+                             f"for {fin.numel}")
+        if not self.order.cuda:
+            self._cpu_checks[slot] = finish_torch(packed.data, self.buffer[lo : lo + fin.numel], fin)
+            return
+        from multilora.kernels import triton_image_finish as tk  # CUDA only (Triton)
+
+        if self._staging is None:
+            self._staging = torch.empty(self.staging_elems(), dtype=self.dtype, device=self.device)
+            self._flags = torch.full((self.max_slots,), tk.NO_BAD_OP, dtype=torch.int32, device=self.device)
+            self._flags_host = torch.empty(self.max_slots, dtype=torch.int32, pin_memory=True)
+        plan = fin.plan(self._staging.numel(), block_cols_for(self.max_rank))
+        tiles = self._tiles.get(id(fin))
+        if tiles is None or tiles[0] is not fin:
+            tiles = (fin, plan.tiles.to(self.device, non_blocking=False))
+            self._tiles[id(fin)] = tiles
+            while len(self._tiles) > 64:
+                self._tiles.pop(next(iter(self._tiles)))
+        self.order.wait(self._staging_free)  # another stream's finish may still read the staging buffer
+        flag = self._flags[slot : slot + 1]
+        flag.fill_(tk.NO_BAD_OP)
+        tk.finish_image(packed.data, self.buffer, lo, plan, tiles[1], self._staging, self._flags, slot)
+        self._flags_host[slot : slot + 1].copy_(flag, non_blocking=True)
+        self._staging_free = self.order.record()
+
+    def warm_finish(self) -> None:
+        """Compile the device finish's kernel for this pool's dtype and tile width (``Engine.warmup``), on a tiny
+        image of its own: no page of the pool is touched. A no-op on a CPU pool."""
+        if not self.order.cuda:
+            return
+        from multilora.kernels import triton_image_finish as tk
+
+        fin = finish_ops([(0, 0, 64, 1, 0), (64, 64, 4, 16, 1)], [(0, 128, 0)], ["a", "b"], 128)
+        plan = fin.plan(128, block_cols_for(self.max_rank))
+        src = torch.zeros(128, dtype=self.dtype, device=self.device)
+        flags = torch.full((1,), tk.NO_BAD_OP, dtype=torch.int32, device=self.device)
+        tk.finish_image(src, torch.empty_like(src), 0, plan, plan.tiles.to(self.device), torch.empty_like(src), flags)
+
+    def nonfinite(self, slot: int) -> str | None:
+        """The device check of a slot loaded from a raw image not known finite: None if every value is finite (or
+        the slot needs no check), else the key of the file tensor the first non-finite value came from. Waits
+        (host sync) for the slot's copy if it has not landed; the answer is given once per load."""
+        with self._lock:
+            entry = self._checks.pop(slot, None)
+            if entry is None:
+                return None
+            ev, fin = entry
+            if self.order.cuda:
+                from multilora.kernels.triton_image_finish import NO_BAD_OP
+
+                ev.synchronize()
+                op = int(self._flags_host[slot])
+                bad = None if op == NO_BAD_OP else op
+            else:
+                op = self._cpu_checks.pop(slot, 0)
+                bad = op - 1 if op else None
+            return None if bad is None else fin.keys[bad]
+
+    def needs_check(self, slot: int) -> bool:
+        """Whether ``nonfinite(slot)`` has an answer pending (the slot was loaded from an unchecked raw image)."""
+        return slot in self._checks
 
     def _write_offsets(self, slot: int) -> None:
         """``offsets_a`` / ``offsets_b`` of a slot from its extent and its image's relative offsets (0 where the
@@ -690,6 +795,8 @@ class AdapterPool:
         with self._lock:
             start, n = self._extents.pop(slot)
             self.order.wait(self._pending.pop(slot, None))  # the next owner's copy comes after this one
+            self._checks.pop(slot, None)
+            self._cpu_checks.pop(slot, None)
             del self._meta[slot]
             self.ranks[:, :, slot] = 0
             self.scalings[:, :, slot] = 0.0

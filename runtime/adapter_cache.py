@@ -109,6 +109,9 @@ class AdapterHandle:
     loading_block: HostBlock | None = None  # the arena block that load writes into
     prefetched: bool = False  # made resident by prefetch and not used yet
     had_host: bool = False  # has had a host copy (False: registered on disk and never read since)
+    #: its files' values are known finite (read and checked on the host, or a raw image of them passed the device
+    #: check): reloads of these files (stamps unchanged) skip the finite checks
+    values_checked: bool = False
     failed: str | None = None  # why it can never be served (a tensor-parallel worker could not read it): acquire raises
 
     @property
@@ -301,6 +304,7 @@ class AdapterCache:
     def _set_host(self, handle: AdapterHandle, packed: PackedAdapter) -> None:
         handle.host = packed
         handle.had_host = True
+        handle.values_checked = handle.values_checked or packed.checked
         self._host_lru[id(handle)] = handle
         self._host_lru.move_to_end(id(handle))
 
@@ -367,7 +371,7 @@ class AdapterCache:
         block.view(self.pool.dtype).copy_(packed.data)
         return self._adopt(PackedAdapter(data=block.view(self.pool.dtype), ranks=packed.ranks,
                                          scalings=packed.scalings, offsets=packed.offsets, max_rank=packed.max_rank,
-                                         name=packed.name), block)
+                                         name=packed.name, finish=packed.finish, checked=packed.checked), block)
 
     def _ensure_host(self, handle: AdapterHandle) -> PackedAdapter:
         """The handle's host copy, reading its files again (disk -> host) if it was dropped."""
@@ -482,7 +486,8 @@ class AdapterCache:
     def _drop_from_pool(self, handle: AdapterHandle) -> None:
         if handle.slot is None:
             return
-        if handle.host is None and not handle.retired and self.host_budget is not None:
+        if (handle.host is None and not handle.retired and self.host_budget is not None
+                and not self.pool.needs_check(handle.slot)):  # (never copy back values not yet checked)
             block = self.arena.alloc(handle.pool_bytes)  # only into free room: gpu -> host never evicts
             if block is not None:  # gpu -> host: copy the image back
                 t0 = time.perf_counter()
@@ -575,6 +580,30 @@ class AdapterCache:
         self.stats.bytes_host_to_gpu += packed.nbytes
         return slot
 
+    def _check_values(self, handle: AdapterHandle) -> None:
+        """The device check of a slot loaded from a raw image (``AdapterPool.nonfinite``; waits for its copy if it
+        has not landed): on a non-finite value the adapter leaves the pool and the host tier and fails for good,
+        with an error naming its weight file and tensor.
+
+        Raises:
+            AdapterError: a value of the adapter's files is NaN or +-inf.
+        """
+        if handle.slot is None or not self.pool.needs_check(handle.slot):
+            return
+        bad = self.pool.nonfinite(handle.slot)
+        if bad is None:
+            handle.values_checked = True
+            if handle.host is not None:
+                handle.host.checked = True
+            return
+        handle.failed = (f"{handle.path}: adapter {handle.name!r}: tensor {bad!r}: expected finite values, got "
+                         f"non-finite (NaN/inf) ones (found by the check after its host -> GPU copy)")
+        self._drop_from_pool(handle)
+        self._drop_host(handle)
+        self.stats.load_failures += 1
+        log.warning("%s", handle.failed)
+        raise AdapterError(handle.failed, path=handle.path, key=bad)
+
     def _settle_timings(self) -> None:
         """Add the completed host -> GPU copies' event times to the stats (no host sync)."""
         left = []
@@ -602,6 +631,7 @@ class AdapterCache:
             if handle.failed is not None:
                 raise AdapterError(handle.failed)
             if handle.slot is not None:
+                self._check_values(handle)
                 self.stats.gpu_hits += 1
                 if handle.prefetched:
                     self.stats.prefetch_hits += 1
@@ -622,6 +652,7 @@ class AdapterCache:
                 if handle.ready_event is not None:  # kept too: a step's wait_ready waits on it from its own thread
                     torch.cuda.current_stream(self.pool.device).wait_event(handle.ready_event)
                 self._gpu_lru[id(handle)] = handle
+                self._check_values(handle)
                 self._enforce_host_budget()
             handle.refcount += 1
             self._gpu_lru.move_to_end(id(handle))

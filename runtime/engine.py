@@ -245,6 +245,9 @@ class Engine:
             self.tp.configure(num_blocks=sizes.num_blocks, pool_bytes=pool_bytes, max_slots=self.pool.max_slots,
                               max_seq_len=self.max_seq_len)
             self.runner.tp = self.tp
+        #: the cache's disk -> host reloads read raw images, finished on the device by the pool (issue 13 item 4):
+        #: on CUDA pools; a CPU pool finishes them with torch ops, slower than finishing on the I/O threads
+        self.raw_reloads = self.pool.device.type == "cuda"
         self.cache = AdapterCache(self.pool, host_bytes=sizes.host_bytes, reload=self._reload_adapter)
         self.scheduler = Scheduler(self.cache, kv=self.kv, max_batch_size=cfg.max_batch_size,
                                    max_prefill_tokens=cfg.max_prefill_tokens, patience=cfg.starvation_patience,
@@ -328,10 +331,13 @@ class Engine:
             adapter, packed = read_packed_adapter(handle.path, self.config, self.pool, name=handle.name,
                                                   allow_pickle=handle.allow_pickle, out=out, shard=self._shard)
         else:
-            # a handle that has had a host copy was read, values checked, from these files (its fingerprint is
-            # checked unchanged before and after this read): the finite checks need not run again
+            # a handle whose values were checked was read from these files (its fingerprint is checked unchanged
+            # before and after this read): the finite checks need not run again. On a CUDA pool the read is raw:
+            # lora_B's transposes and the finite checks run on the GPU after the copy (AdapterPool.load)
             adapter, packed = read_image(handle.path, self.config, self.pool, name=handle.name,
-                                         allow_pickle=handle.allow_pickle, out=out, verified=handle.had_host)
+                                         allow_pickle=handle.allow_pickle, out=out,
+                                         verified=handle.values_checked,
+                                         raw=self.raw_reloads)
         if packed is None:  # rank above the pool's (the files changed): pack's error
             self.pool.check_rank(adapter.max_rank, name=handle.name)
         return packed
@@ -565,6 +571,8 @@ class Engine:
                 if b <= cap and 2 * b <= cfg.max_prefill_tokens:
                     run([2] * b, a, 3)
         self.runner.warm_pieces()  # every token bucket's piecewise graphs, with and without LoRA
+        if self.raw_reloads:
+            self.pool.warm_finish()  # the kernel that finishes raw adapter images after their copy
         c1 = kernel_compiles()["kernel_compiles"]
         pieces = self.runner.pieces
         out = {"seconds": time.perf_counter() - t0, "kernel_compiles": None if c0 is None else c1 - c0,

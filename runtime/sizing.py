@@ -25,7 +25,7 @@ from multilora.memory.accounting import (USER_CAP, MemoryPlan, MemoryPlanError, 
                                          compute_memory_plan, require_snapshot)
 from multilora.memory.snapshot import apply_torch_memory_fraction, take_snapshot
 from multilora.memory.kv_cache import PagedKVCache
-from multilora.memory.pool import DEFAULT_MAX_SLOTS, PAGE_ELEMS, max_adapter_pages
+from multilora.memory.pool import DEFAULT_MAX_SLOTS, PAGE_ELEMS, max_adapter_pages, staging_elems
 from multilora.runtime.config import EngineConfig
 
 log = logging.getLogger("multilora")
@@ -59,7 +59,9 @@ class MemoryRequest:
             or None without a cap: what the too-small-pool message suggests.
         kv_cap: the cap on the KV cache: ``max_batch_size`` sequences + the null block, lowered by ``kv_cache_bytes``.
         live_blocks: blocks of the live state the plan must fit (one sequence, or fewer under an explicit cap).
-        activation_bytes: the estimated activations of the largest prefill + the sampler's reserve.
+        activation_bytes: the estimated activations of the largest prefill + the sampler's reserve + the adapter
+            pool's staging buffer for raw images (``multilora.memory.pool.staging_elems``; 16 MiB in bf16 up to
+            Llama-3-70B at rank 64).
         sampling_bytes: float32 logits (eager and graph) + sampler workspace of a ``max_batch_size`` step.
     """
 
@@ -147,7 +149,8 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
                              model, pool_cap, dtype_bytes, cfg.max_lora_rank),
                          kv_cap=kv_cap,
                          live_blocks=live_blocks,
-                         activation_bytes=activation_bytes(model, cfg, dtype, max_seq_len) + sampling,
+                         activation_bytes=activation_bytes(model, cfg, dtype, max_seq_len) + sampling
+                         + staging_elems(model, cfg.max_lora_rank) * dtype_bytes,
                          sampling_bytes=sampling, slot_sizing_pages=slot_sizing_pages(model))
 
 

@@ -36,7 +36,8 @@ def test_adapter_load_bench_runs(file_dtype, tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     rows = json.loads((out / "adapter_moves_tiny.json").read_text())
     got = {(r["move"], r["provider"], r.get("threads")) for r in rows}
-    assert got == {("disk_to_host", name, t) for name in ("plain", "ours", "ours_per_tensor", "ours_tensor_reads",
+    assert got == {("disk_to_host", name, t) for name in ("plain", "ours", "ours_host_finish", "ours_per_tensor",
+                                                               "ours_tensor_reads",
                                                                "ours_verified", "general")
                    for t in (1, 2)} | {("disk_to_host", "cache", 4)}, got
     assert all(r["gbps"] > 0 and r["file_dtype"] == file_dtype and r["adapters"] == 3 for r in rows)

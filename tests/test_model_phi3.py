@@ -300,6 +300,35 @@ def test_fused_adapter_is_held_as_slices_sharing_a(peft_setup):
     assert pat.modules[(1, "gate_proj")].rank == 6 and pat.modules[(1, "down_proj")].scaling == 1.5
 
 
+def test_fused_adapters_read_raw_finish_to_the_host_image(peft_setup):
+    """The raw read of a fused-projection adapter (``read_image(..., raw=True)``: each slice's rows of the file's B
+    into its region untransposed, the file's A into the first slice only) finishes, with torch and with the Triton
+    kernel (interpreted on a CPU), to the host-finished image bit for bit: the other slices' A filled, B^T."""
+    import os
+
+    from multilora.kernels.image_finish import block_cols_for, finish_torch
+    from multilora.runtime.adapters.image import read_image
+
+    _, _, engine, out = peft_setup
+    pool = engine.pool
+    for n in PEFT_ADAPTERS:
+        _, want = read_image(out / n, engine.config, pool, name=n)
+        _, raw = read_image(out / n, engine.config, pool, name=n, raw=True)
+        assert raw.finish is not None
+        got = torch.empty_like(want.data)
+        assert finish_torch(raw.data, got, raw.finish) == 0
+        assert torch.equal(got.view(torch.int32), want.data.view(torch.int32)), n
+        if os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available():
+            from multilora.kernels.triton_image_finish import NO_BAD_OP, finish_image
+
+            fin = raw.finish
+            plan = fin.plan(fin.largest_group, block_cols_for(pool.max_rank))
+            flags = torch.full((1,), NO_BAD_OP, dtype=torch.int32)
+            k = torch.full_like(want.data, float("nan"))
+            finish_image(raw.data, k, 0, plan, plan.tiles, torch.empty(fin.largest_group, dtype=pool.dtype), flags)
+            assert int(flags[0]) == NO_BAD_OP and torch.equal(k.view(torch.int32), want.data.view(torch.int32)), n
+
+
 def test_peft_adapters_mixed_batch_logits(peft_setup):
     name, model, engine, _ = peft_setup
     rows = _batch_rows()

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from multilora.config import MODULE_INDEX, ModelConfig
+from multilora.kernels.image_finish import FinishOps, finish_ops
 from multilora.memory.pool import PAGE_ELEMS, AdapterPool, PackedAdapter, image_layout
 from multilora.runtime.adapters.disk import OpenFile, check_directory, read_whole, weights_path
 from multilora.runtime.adapters.files import SAFETENSORS_NAME, _parse_header
@@ -120,6 +121,7 @@ class _Plan:
     max_rank: int
     adapter: LoRAAdapter  # its modules hold meta tensors and the scalings
     reads: tuple[tuple[int, bool, _Module], ...] = ()  # every tensor (begin, is lora_B, its module) in file order
+    finish: FinishOps | None = None  # what the pool does on the device to a raw read of this layout
 
 
 _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
@@ -156,8 +158,8 @@ def _finite_bits(signed: np.ndarray, bounds: tuple[int, int]) -> bool:
 
 
 def read_image(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
-               allow_pickle: bool = False, out: torch.Tensor | None = None,
-               verified: bool = False) -> tuple[LoRAAdapter, PackedAdapter | None]:
+               allow_pickle: bool = False, out: torch.Tensor | None = None, verified: bool = False,
+               raw: bool = False) -> tuple[LoRAAdapter, PackedAdapter | None]:
     """disk -> host: read, validate and lay out an adapter as its ``pool`` image, the fast way (module docstring).
 
     Args:
@@ -179,7 +181,7 @@ def read_image(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, 
             size or dtype.
     """
     try:
-        return _read(Path(path), config, pool, name, allow_pickle, out, verified)
+        return _read(Path(path), config, pool, name, allow_pickle, out, verified, raw)
     except AdapterError as fast:
         # the error path is rare: the general path names the problem exactly as every other load does (it checks
         # each module's values before the next one's shape, where the plan checks every shape first)
@@ -187,7 +189,7 @@ def read_image(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, 
         raise fast
 
 
-def _read(root: Path, config, pool, name, allow_pickle, out, verified=False):
+def _read(root: Path, config, pool, name, allow_pickle, out, verified=False, raw=False):
     check_directory(root)
     cfg_path = root / CONFIG_NAME
     cfg_bytes, cfg_stamp = read_whole(cfg_path, missing=f"missing: an adapter directory must hold {CONFIG_NAME}")
@@ -206,7 +208,7 @@ def _read(root: Path, config, pool, name, allow_pickle, out, verified=False):
                 plan = _make_plan(f, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, pool)
                 if header is not None and isinstance(plan, _Plan):
                     _keep(key, plan)
-            packed = _execute(plan, f, wpath, pool, name, out, verified) if isinstance(plan, _Plan) else None
+            packed = _execute(plan, f, wpath, pool, name, out, verified, raw) if isinstance(plan, _Plan) else None
             f.check_unchanged()
         except AdapterError:
             f.check_unchanged()  # a file written while it was read explains any error on its values better
@@ -269,6 +271,9 @@ def _make_plan(f, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, pool) -> 
     scalings_t = torch.zeros(nl, 7, dtype=torch.float32)
     offsets_t = torch.zeros(nl, 7, dtype=torch.int64)
     plan_modules, pads = [], []
+    ops: list[tuple[int, int, int, int, int]] = []
+    groups: list[tuple[int, int, int]] = []
+    op_keys: list[str] = []
     for layer, module in targeted:
         r = targets[(layer, module)].r
         d_in = config.module_shape(module)[0]
@@ -278,23 +283,31 @@ def _make_plan(f, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, pool) -> 
             e = entries[by_key[(layer, module, kind)]]
             tens.append(_Tensor(by_key[(layer, module, kind)], e.begin, e.end - e.begin, e.dtype, e.shape))
         slices, row = [], 0
+        group_start, first_op = offsets_of[(layer, config.lora_slices(module)[0])], len(ops)
         for part in config.lora_slices(module):
             d_out = config.module_shape(part)[1]
             oa = offsets_of[(layer, part)]
             ob = oa + r * d_in
             end = ob + r * d_out
             slices.append((oa, ob, row, d_out))
-            pads.append((end, oa + -(-(end - oa) // PAGE_ELEMS) * PAGE_ELEMS))
+            pad_end = oa + -(-(end - oa) // PAGE_ELEMS) * PAGE_ELEMS
+            pads.append((end, pad_end))
+            # the device finish: A from the first slice's region, B^T from B's rows, the zero padding as read
+            ops += [(group_start, oa, r * d_in, 1, 0), (ob, ob, d_out, r, 1)] + (
+                [(end, end, pad_end - end, 1, 0)] if pad_end > end else [])
+            op_keys += [tens[0].key, tens[1].key] + ([""] if pad_end > end else [])
             row += d_out
             mi = MODULE_INDEX[part]
             ranks_t[layer, mi], scalings_t[layer, mi], offsets_t[layer, mi] = r, scaling, oa
+        groups.append((group_start, pad_end, first_op))
         plan_modules.append(_Module(tens[0], tens[1], r, d_in, tuple(slices)))
     return _Plan(data_start=min((m.a.begin for m in plan_modules), default=0), file_size=f.size,
                  numel=pages * PAGE_ELEMS, modules=tuple(plan_modules), pads=tuple(p for p in pads if p[1] > p[0]),
                  ranks=ranks_t, scalings=scalings_t, offsets=offsets_t,
                  max_rank=int(ranks_t.max()) if ranks_t.numel() else 0, adapter=adapter,
                  reads=tuple(sorted(((t.begin, t is m.b, m) for m in plan_modules for t in (m.a, m.b)),
-                                    key=lambda x: x[0])))
+                                    key=lambda x: x[0])),
+                 finish=finish_ops(ops, groups, op_keys, pages * PAGE_ELEMS))
 
 
 def _nonfinite(wpath: Path, t: _Tensor, x: torch.Tensor) -> AdapterError:
@@ -361,7 +374,33 @@ def _scatter_into(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memoryvi
         _share_a(img, m)
 
 
-def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out, verified: bool) -> PackedAdapter:
+def _scatter_raw(plan: _Plan, f: OpenFile, img_bytes: memoryview, esize: int) -> None:
+    """Every tensor in the pool dtype, read raw: in file order by scatter reads (``OpenFile.read_scatter``, up
+    to 1024 buffers per ``preadv``), each lora_A into its first slice's A region, each slice's rows of lora_B
+    (contiguous in the file) into that slice's B region as they are. No copy, no check: the device finish
+    (``plan.finish``) transposes B, fills the other slices' A and checks the values."""
+    bufs: list[memoryview] = []
+    start = nxt = 0
+    for begin, is_b, m in plan.reads:
+        if bufs and begin != nxt:  # a gap in the file: read what is gathered
+            f.read_scatter(bufs, start)
+            bufs = []
+        if not bufs:
+            start = begin
+        if is_b:
+            for _, ob, _, rows in m.slices:  # B's rows of each slice, in row order: contiguous in the file
+                bufs.append(img_bytes[ob * esize : (ob + m.r * rows) * esize])
+            nxt = begin + m.b.nbytes
+        else:
+            oa = m.slices[0][0] * esize
+            bufs.append(img_bytes[oa : oa + m.a.nbytes])
+            nxt = begin + m.a.nbytes
+    if bufs:
+        f.read_scatter(bufs, start)
+
+
+def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out, verified: bool,
+             raw: bool = False) -> PackedAdapter:
     dtype = pool.dtype
     if out is None:
         out = torch.empty(plan.numel, dtype=dtype)
@@ -381,6 +420,11 @@ def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out
     # large enough for numpy to release the GIL (per-tensor checks held it: 448 pairs of small reductions per
     # Llama-3-8B adapter, serialised across the I/O threads); a failure is then traced to its tensor
     same = bounds is not None and all(m.a.dtype == dtype and m.b.dtype == dtype for m in plan.modules)
+    if raw and same and plan.finish is not None:
+        _scatter_raw(plan, f, img_bytes, esize)
+        return PackedAdapter(data=out, ranks=plan.ranks.clone(), scalings=plan.scalings.clone(),
+                             offsets=plan.offsets.clone(), max_rank=plan.max_rank, name=name, finish=plan.finish,
+                             checked=verified)
     deferred = _DEFER_CHECK and not verified and same
     verified = verified or deferred
     scatter = same and verified and _SCATTER  # no per-tensor check to make: read in file order
