@@ -20,10 +20,13 @@ disk -> host (files in the page cache):
 host -> GPU (CUDA only):
   ``raw``     one ``copy_(non_blocking=True)`` per image from pinned memory (a torch pinned tensor and the arena's
               blocks) into a device buffer on a side stream, timed with CUDA events: the bound;
-  ``ours``    the cache's ``prefetch`` of every adapter from the host tier into the pool: one ``cudaMemcpyAsync`` per
-              image on the side stream, each timed with CUDA events (``stats()`` ``host_to_gpu_gbps``), and the wall
-              time from the first copy queued to the last landed;
-  ``overlap`` the same while the compute stream runs a bf16 GEMM loop: the copies' GB/s and the GEMMs' slowdown.
+  ``ours``    the cache's ``prefetch`` of every adapter from the host tier into the pool, each load timed with CUDA
+              events (``stats()`` ``host_to_gpu_gbps``), and the wall time from the first copy queued to the last
+              landed; since session 12 the host copies are raw images, so a load is the chunked copies through the
+              staging buffers plus the finish kernels (``AdapterPool._finish``); ``ours_host_finished``: the same
+              adapters' host-finished images (one ``cudaMemcpyAsync`` each, as before), the A/B of one run;
+  ``ours_under_gemm`` the same while the compute stream runs a bf16 GEMM loop: the copies' GB/s and the GEMMs'
+              slowdown (and ``ours_host_finished_under_gemm``).
 
 Goals (issue 13): disk -> host >= 70% of ``plain``; host -> GPU >= 80% of ``raw``. GB = 1e9 bytes; every rate
 counts the same bytes: the weight files' for disk -> host, the images' for host -> GPU (equal for Llama shapes,
@@ -212,12 +215,29 @@ def host_to_gpu(args, cache: AdapterCache, image_bytes) -> list[dict]:
         assert after["host_to_gpu_copies"] - before["host_to_gpu_copies"] == n, "every adapter copied once"
         return timed / secs / 1e9, n * image_bytes / wall / 1e9, gemm_s
 
+    def finished_images(on: bool) -> None:
+        """The host copies as host-finished images (one copy per image, as before session 12) or raw again."""
+        for h in handles:
+            cfg = cache.pool.config
+            read_image(h.path, cfg, pool, name=h.name, out=h.host.data, raw=not on)
+            h.host.finish = None if on else h.host.finish or raw_finish
+            h.host.checked = True
+
+    raw_finish = handles[0].host.finish
     ours()  # warm-up
     runs = [ours() for _ in range(args.runs)]
     ev_gbps = statistics.median(r[0] for r in runs)
     rows.append({"move": "host_to_gpu", "provider": "ours", "gbps": ev_gbps,
                  "wall_gbps": statistics.median(r[1] for r in runs), "bytes_per_run": n * image_bytes,
-                 "vs_raw": ev_gbps / raw_torch, "copies_per_run": n})
+                 "vs_raw": ev_gbps / raw_torch, "copies_per_run": n, "raw_images": raw_finish is not None})
+    if raw_finish is not None:  # the A/B: the same loads of host-finished images (one plain copy each)
+        finished_images(True)
+        runs = [ours() for _ in range(args.runs)]
+        g = statistics.median(r[0] for r in runs)
+        rows.append({"move": "host_to_gpu", "provider": "ours_host_finished", "gbps": g,
+                     "wall_gbps": statistics.median(r[1] for r in runs), "bytes_per_run": n * image_bytes,
+                     "vs_raw": g / raw_torch, "copies_per_run": n})
+        finished_images(False)
 
     a = torch.randn(8192, 8192, device=pool.device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=pool.device, dtype=torch.bfloat16)
@@ -250,6 +270,18 @@ def host_to_gpu(args, cache: AdapterCache, image_bytes) -> list[dict]:
                  "bytes_per_run": n * image_bytes,
                  "vs_raw": statistics.median(o[0] for o in over) / raw_torch,
                  "gemm_ms_alone": statistics.median(alone), "gemm_ms_with_copies": statistics.median(o[2] for o in over)})
+    if raw_finish is not None:
+        finished_images(True)
+        over = []
+        for _ in range(args.runs):
+            g, w, _ = ours(timed_gemms)
+            over.append((g, w, timed_gemms.events[0].elapsed_time(timed_gemms.events[1])))
+        rows.append({"move": "host_to_gpu", "provider": "ours_host_finished_under_gemm",
+                     "gbps": statistics.median(o[0] for o in over), "bytes_per_run": n * image_bytes,
+                     "vs_raw": statistics.median(o[0] for o in over) / raw_torch,
+                     "gemm_ms_alone": statistics.median(alone),
+                     "gemm_ms_with_copies": statistics.median(o[2] for o in over)})
+        finished_images(False)
     return rows
 
 
@@ -290,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             "shape": args.shape, "rank": args.rank, "file_dtype": args.file_dtype, "pool_dtype": args.pool_dtype,
             "adapters": args.adapters, "file_bytes": file_bytes[0], "image_bytes": image_bytes}
     print(f"# {head}", flush=True)
+    pool.warm_finish()  # the raw images' finish kernel (CUDA), compiled outside the timed rows
     rows = disk_to_host(args, config, pool, dirs, file_bytes, threads)
     cache_rows, cache = through_cache(args, config, pool, dirs, image_bytes, file_bytes)
     plain4 = next((r["gbps"] for r in rows if r["provider"] == "plain" and r["threads"] == 4), None)

@@ -3,8 +3,9 @@ buffer into the pool, in one launch.
 
 One program per tile of ``FinishPlan.tiles``: ``block_rows`` x ``block_cols`` elements of one op, read from the
 staging buffer (``src - chunk start``) and written to the pool buffer (``dst + image start``). A copy op's tile
-is ``block_rows`` rows of ``block_cols`` contiguous elements; a transpose op's tile is ``block_rows`` source rows
-of its ``cols`` (the rank, <= ``block_cols``) elements, stored transposed. Each value is checked finite as
+is ``block_rows * block_cols`` contiguous elements (a 1-D range); a transpose op's tile is ``block_rows`` source
+rows of its ``cols`` (the rank, <= ``block_cols``) elements, turned in registers (``tl.trans``) and stored as
+``cols`` runs of ``block_rows`` contiguous elements. Each value is checked finite as
 ``x * 0 == 0`` in float32 (false for NaN and +-inf, IEEE 754); a tile that finds one records its op with an
 atomic min on the flag (``int32``, set to ``2**31 - 1`` before the chunks), so the flag ends as the first such
 op in op order. Values are moved, never converted: the pool holds the bits the file holds.
@@ -35,15 +36,21 @@ def _finish_kernel(src_ptr, dst_ptr, tiles_ptr, flag_ptr, tile0, flag_index, src
     tr = tl.load(row + 4)
     r0 = tl.load(row + 5)
     op = tl.load(row + 6)
-    ri = (r0 + tl.arange(0, BR))[:, None].to(tl.int64)
-    ci = tl.arange(0, BC)[None, :].to(tl.int64)
-    width = tl.where(tr != 0, cols, BC)  # a copy walks rows of BC elements, a transpose its source rows
-    idx = ri * width + ci
-    mask = (ci < width) & (idx < rows * cols)
-    x = tl.load(src_ptr + src + idx, mask=mask, other=0.0)
-    out = tl.where(tr != 0, ci * rows + ri, idx)
-    tl.store(dst_ptr + dst + out, x, mask=mask)
-    bad = tl.max(tl.max(((x.to(tl.float32) * 0.0) != 0.0).to(tl.int32), axis=1), axis=0)
+    if tr != 0:
+        # rows [r0, r0 + BR) of a [rows, cols] source, stored transposed: the tile is turned in registers
+        # (tl.trans), so the loads walk source rows and the stores walk destination rows, both contiguous
+        ri = r0 + tl.arange(0, BR).to(tl.int64)
+        ci = tl.arange(0, BC).to(tl.int64)
+        m = (ri[:, None] < rows) & (ci[None, :] < cols)
+        x = tl.load(src_ptr + src + ri[:, None] * cols + ci[None, :], mask=m, other=0.0)
+        tl.store(dst_ptr + dst + ci[:, None] * rows + ri[None, :], tl.trans(x), mask=tl.trans(m))
+    else:
+        # a contiguous copy: elements [r0 * BC, (r0 + BR) * BC) of rows * cols
+        o = r0 * BC + tl.arange(0, BR * BC).to(tl.int64)
+        m = o < rows * cols
+        x = tl.load(src_ptr + src + o, mask=m, other=0.0)
+        tl.store(dst_ptr + dst + o, x, mask=m)
+    bad = tl.max(((tl.reshape(x, (BR * BC,)).to(tl.float32) * 0.0) != 0.0).to(tl.int32), axis=0)
     if bad > 0:
         tl.atomic_min(flag_ptr + flag_index, op.to(tl.int32))
 

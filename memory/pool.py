@@ -415,8 +415,9 @@ class AdapterPool:
         self._meta: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> host (ranks, relative offsets)
         self._pending: dict[int, Any] = {}  # slot -> event of its side-stream copy
         # raw images (``_finish``): staging buffer, per-slot finite flags (device, pinned host copy), pending checks
-        self._staging: torch.Tensor | None = None
-        self._staging_free: Any = None  # event after the last finish's reads of the staging buffer
+        self._staging: torch.Tensor | None = None  # [2, staging_elems()]: two buffers used in turn
+        self._staging_free: list[Any] = [None, None]  # per buffer, the event after the last kernel that read it
+        self._finish_stream: Any = None
         self._flags: torch.Tensor | None = None
         self._flags_host: torch.Tensor | None = None
         self._checks: dict[int, tuple[Any, Any]] = {}  # slot -> (event after its finish, FinishOps)
@@ -681,15 +682,21 @@ class AdapterPool:
 
     # ------------------------------------------------------------------ raw images (kernels/image_finish.py)
     def staging_elems(self) -> int:
-        """Elements of the staging buffer raw images are finished through (allocated at the first raw load):
-        ``STAGING_ELEMS`` or the largest (layer, projection) group an adapter of ``max_rank`` may have, if larger
-        (``runtime.sizing`` counts these bytes as working memory)."""
+        """Elements of each of the two staging buffers raw images are finished through (allocated at the first
+        raw load): ``STAGING_ELEMS`` or the largest (layer, projection) group an adapter of ``max_rank`` may have, if
+        larger (``runtime.sizing`` counts both as working memory)."""
         return staging_elems(self.config, self.max_rank)
 
     def _finish(self, slot: int, lo: int, packed: PackedAdapter, stream: Any) -> None:
-        """A raw image into the pool at element ``lo`` (on the current stream, which is ``stream``): on CUDA,
-        chunk by chunk through the staging buffer (a host -> GPU copy, then one kernel launch each) with the finite
-        check's result copied to pinned host memory; on the CPU, ``finish_torch``."""
+        """A raw image into the pool at element ``lo``, queued on the current stream (``stream``, or the current
+        one): on the CPU, ``finish_torch``. On CUDA, chunk by chunk (``FinishOps.plan``) through two staging
+        buffers used in turn: each chunk's host -> GPU copy on the current stream, its kernel on the pool's
+        high-priority finish stream, which waits for that copy; a copy into a buffer waits only for the kernel
+        that last read it, so copies run back to back while kernels trail them by one chunk (one stream for both
+        serialised each copy behind the previous kernel, which waits for free SMs under load: bench/README.md,
+        "Session 12"). The finite check's answer is copied to pinned host memory, and the current stream waits
+        for the finish stream at the end, so whatever waits for this load (the pool's pending event, the
+        caller's timer) waits for the finished pages."""
         fin = packed.finish
         if fin.numel != packed.data.numel():
             raise ValueError(f"adapter {packed.name!r}: a raw image of {packed.data.numel()} elements with finish ops "
@@ -700,22 +707,35 @@ class AdapterPool:
         from multilora.kernels import triton_image_finish as tk  # CUDA only (Triton)
 
         if self._staging is None:
-            self._staging = torch.empty(self.staging_elems(), dtype=self.dtype, device=self.device)
+            n = self.staging_elems()
+            self._staging = torch.empty(2, n, dtype=self.dtype, device=self.device)
             self._flags = torch.full((self.max_slots,), tk.NO_BAD_OP, dtype=torch.int32, device=self.device)
             self._flags_host = torch.empty(self.max_slots, dtype=torch.int32, pin_memory=True)
-        plan = fin.plan(self._staging.numel(), block_cols_for(self.max_rank))
+            # the highest priority: a finish kernel gets the next free SMs ahead of the compute stream's
+            self._finish_stream = torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[1]
+                                                    if hasattr(torch.cuda.Stream, "priority_range") else -1)
+        plan = fin.plan(self._staging.shape[1], block_cols_for(self.max_rank))
         tiles = self._tiles.get(id(fin))
         if tiles is None or tiles[0] is not fin:
             tiles = (fin, plan.tiles.to(self.device, non_blocking=False))
             self._tiles[id(fin)] = tiles
             while len(self._tiles) > 64:
                 self._tiles.pop(next(iter(self._tiles)))
-        self.order.wait(self._staging_free)  # another stream's finish may still read the staging buffer
-        flag = self._flags[slot : slot + 1]
-        flag.fill_(tk.NO_BAD_OP)
-        tk.finish_image(packed.data, self.buffer, lo, plan, tiles[1], self._staging, self._flags, slot)
-        self._flags_host[slot : slot + 1].copy_(flag, non_blocking=True)
-        self._staging_free = self.order.record()
+        copy_stream, fs = torch.cuda.current_stream(self.device), self._finish_stream
+        for i, (c0, c1, _, _) in enumerate(plan.chunks):
+            buf = self._staging[i % 2]
+            self.order.wait(self._staging_free[i % 2], copy_stream)  # the kernel that last read this buffer
+            buf[: c1 - c0].copy_(packed.data[c0:c1], non_blocking=True)
+            fs.wait_event(self.order.record(copy_stream))  # (also orders the kernel after the caller's waits)
+            with torch.cuda.stream(fs):
+                if i == 0:
+                    self._flags[slot : slot + 1].fill_(tk.NO_BAD_OP)
+                tk.finish_chunk(buf, self.buffer, lo, plan, tiles[1], i, self._flags, slot)
+                self._staging_free[i % 2] = self.order.record(fs)
+        with torch.cuda.stream(fs):
+            self._flags_host[slot : slot + 1].copy_(self._flags[slot : slot + 1], non_blocking=True)
+            done = self.order.record(fs)
+        copy_stream.wait_event(done)
 
     def warm_finish(self) -> None:
         """Compile the device finish's kernel for this pool's dtype and tile width (``Engine.warmup``), on a tiny

@@ -41,7 +41,8 @@ Prefetch and tier moves
 -----------------------
 ``prefetch(handles)`` is called each step with the adapters of waiting requests: disk -> host reads run on
 4 background I/O threads, each writing straight into an arena block reserved for it under the lock
-(``runtime.adapters.image.read_image``: no intermediate copy); host -> GPU copies of adapters that fit in free
+(``runtime.adapters.image.read_image``: no intermediate copy; on a CUDA pool a *raw* image, which the pool
+finishes on the GPU after the copy: ``PackedAdapter.finish``); host -> GPU copies of adapters that fit in free
 bytes run on a side CUDA stream and record an event; ``wait_ready`` makes the compute stream wait on those events
 (not on the device) before a step reads the slots. ``acquire``'s own copy (an adapter not prefetched) also runs on
 the side stream, and the current stream waits on it at once. Every host -> GPU copy is timed with two CUDA events;
@@ -50,6 +51,15 @@ it comes from. An arena block is neither moved nor reused while a copy reading i
 is noted; a free is deferred until it completes). Compaction of the pool is serialised with copies still in
 flight by the pool itself (``multilora.memory.pool``, "Asynchronous loads"): it makes the compute stream wait on
 every pending side-stream copy before moving anything, and later side-stream copies wait on the moves.
+
+Values checked after the copy
+-----------------------------
+A raw image's values are checked finite by the pool's finish kernel. ``acquire`` reads that answer
+(``AdapterPool.nonfinite``; a host wait on the copy's event only if it has not landed yet) before it hands out the
+slot, so no step ever reads an adapter whose check has not passed: a failed check fails the adapter for good
+(``handle.failed``, an ``AdapterError`` naming the file and tensor), and it leaves the pool and the host tier. A
+passed check marks the handle's values checked (``values_checked``), so later reads of the same file version skip
+checks, as after a host-side check. A slot whose check is still pending is never copied back to the host tier.
 
 Thread safety: public methods take the cache's lock; ``load_adapter``/``unload_adapter``/``pin_adapter``
 may be called from another thread while the engine steps.
