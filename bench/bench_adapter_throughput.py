@@ -67,6 +67,9 @@ def run_once(engine: Engine, prompts, names, gen: int) -> tuple[float, int]:
     outs = engine.generate(prompts, adapters=names, sampling=SamplingParams(max_tokens=gen, ignore_eos=True))
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
+    failed = [o for o in outs if o.finish_reason == "error"]
+    if failed:  # a row of failed requests is no measurement (session 12 once printed 0 tokens/s for one)
+        raise RuntimeError(f"{len(failed)} of {len(outs)} requests failed; the first: {failed[0].error}")
     return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
 
 

@@ -36,21 +36,23 @@ def _finish_kernel(src_ptr, dst_ptr, tiles_ptr, flag_ptr, tile0, flag_index, src
     tr = tl.load(row + 4)
     r0 = tl.load(row + 5)
     op = tl.load(row + 6)
+    # (Triton wants a value assigned in both branches to have one type: each branch reduces its own check)
     if tr != 0:
         # rows [r0, r0 + BR) of a [rows, cols] source, stored transposed: the tile is turned in registers
         # (tl.trans), so the loads walk source rows and the stores walk destination rows, both contiguous
         ri = r0 + tl.arange(0, BR).to(tl.int64)
         ci = tl.arange(0, BC).to(tl.int64)
-        m = (ri[:, None] < rows) & (ci[None, :] < cols)
-        x = tl.load(src_ptr + src + ri[:, None] * cols + ci[None, :], mask=m, other=0.0)
-        tl.store(dst_ptr + dst + ci[:, None] * rows + ri[None, :], tl.trans(x), mask=tl.trans(m))
+        mt = (ri[:, None] < rows) & (ci[None, :] < cols)
+        xt = tl.load(src_ptr + src + ri[:, None] * cols + ci[None, :], mask=mt, other=0.0)
+        tl.store(dst_ptr + dst + ci[:, None] * rows + ri[None, :], tl.trans(xt), mask=tl.trans(mt))
+        bad = tl.max(tl.max(((xt.to(tl.float32) * 0.0) != 0.0).to(tl.int32), axis=1), axis=0)
     else:
         # a contiguous copy: elements [r0 * BC, (r0 + BR) * BC) of rows * cols
         o = r0 * BC + tl.arange(0, BR * BC).to(tl.int64)
-        m = o < rows * cols
-        x = tl.load(src_ptr + src + o, mask=m, other=0.0)
-        tl.store(dst_ptr + dst + o, x, mask=m)
-    bad = tl.max(((tl.reshape(x, (BR * BC,)).to(tl.float32) * 0.0) != 0.0).to(tl.int32), axis=0)
+        mc = o < rows * cols
+        xc = tl.load(src_ptr + src + o, mask=mc, other=0.0)
+        tl.store(dst_ptr + dst + o, xc, mask=mc)
+        bad = tl.max(((xc.to(tl.float32) * 0.0) != 0.0).to(tl.int32), axis=0)
     if bad > 0:
         tl.atomic_min(flag_ptr + flag_index, op.to(tl.int32))
 

@@ -302,3 +302,37 @@ def test_engine_with_raw_reloads_serves_the_same_tokens_and_fails_only_a_poisone
     assert all(o.finish_reason == "length" for o in got[:2])
     assert ref[2].finish_reason == got[2].finish_reason == "error"
     assert bad_key in got[2].error and "non-finite" in got[2].error and "host -> GPU" in got[2].error
+
+
+def test_kernel_compiles_for_sm90():
+    """The kernel compiles for an H100/H200 (sm_90) on any machine (Triton's wheel carries ptxas): the interpreter
+    accepts code the compiler refuses (a value of two shapes across an ``if``'s branches; session 12 lost a GPU
+    call to that), so this runs the real compiler on every dtype and tile width the pools use."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia", reason="Triton's NVIDIA backend (ptxas) is not installed")
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from multilora.kernels import triton_image_finish as tk
+fn = tk._finish_kernel
+names = fn.arg_names
+for dt in ("bf16", "fp16", "fp32"):
+    for bc in (16, 32, 64, 128):
+        consts = {"BR": 4096 // bc, "BC": bc}
+        ptrs = {"src_ptr": "*" + dt, "dst_ptr": "*" + dt, "tiles_ptr": "*i64", "flag_ptr": "*i32"}
+        sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "i64") for n in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ptrs}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+        assert "atom.global" in k.asm["ptx"] and "st.global" in k.asm["ptx"], (dt, bc)
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    if p.returncode != 0 and "ptxas" in p.stderr:
+        pytest.skip(f"no ptxas for sm_90 here: {p.stderr[-300:]}")
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
