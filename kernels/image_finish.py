@@ -31,12 +31,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-#: staging elements the pool finishes at most at a time by default (16 MiB of bf16): a few chunks per Llama-3-8B
-#: image, each a host -> GPU copy followed by one kernel launch; raised to the largest group an adapter may have
-STAGING_ELEMS = 8 << 20
+#: the most elements the pool stages at a time (64 MiB of bf16): two chunks per Llama-3-8B rank-16 image, each a host
+#: -> GPU copy followed by one kernel launch (every launch may wait for SMs behind the compute stream's kernels, so
+#: fewer is better: 6 chunks of 16 MiB ran at 4.4 GB/s under an engine's prefill in session 12); lowered to the
+#: largest image a pool admits, raised to its largest group (``multilora.memory.pool.staging_elems``)
+STAGING_ELEMS = 32 << 20
 
-#: elements per program of the kernel (a tile of BLOCK_ROWS x BLOCK_COLS)
-TILE_ELEMS = 4096
+#: elements per program of the kernel (a tile of BLOCK_ROWS x BLOCK_COLS; 8 warps)
+TILE_ELEMS = 16384
+NUM_WARPS = 8
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from multilora.kernels.image_finish import FinishPlan
+from multilora.kernels.image_finish import NUM_WARPS, FinishPlan
 
 NO_BAD_OP = 2**31 - 1
 
@@ -72,7 +72,7 @@ def finish_chunk(staging: torch.Tensor, buffer: torch.Tensor, image_start: int, 
     start, _, t0, t1 = plan.chunks[chunk]
     if t1 > t0:
         _finish_kernel[(t1 - t0,)](staging, buffer, tiles, flags, t0, flag_index, start, image_start,
-                                   BR=plan.block_rows, BC=plan.block_cols)
+                                   BR=plan.block_rows, BC=plan.block_cols, num_warps=NUM_WARPS)
 
 
 def finish_image(src: torch.Tensor, buffer: torch.Tensor, image_start: int, plan: FinishPlan, tiles: torch.Tensor,

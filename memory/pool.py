@@ -136,12 +136,14 @@ def image_layout(config: ModelConfig, ranks: Mapping[tuple[int, str], int]) -> t
 
 
 def staging_elems(config: ModelConfig, max_rank: int) -> int:
-    """Elements of the staging buffer a pool of ``max_rank`` finishes raw images through
-    (``AdapterPool.staging_elems``): ``STAGING_ELEMS`` (``multilora.kernels.image_finish``), or the largest
-    (layer, projection) group of an adapter at ``max_rank`` (every slice of a fused projection), if larger."""
+    """Elements of each staging buffer a pool of ``max_rank`` finishes raw images through
+    (``AdapterPool.staging_elems``): the largest image it admits (``max_adapter_pages``), capped at
+    ``STAGING_ELEMS`` (``multilora.kernels.image_finish``: 64 MiB of bf16), but at least the largest (layer,
+    projection) group of an adapter at ``max_rank`` (every slice of a fused projection). Llama-3-8B, rank 16, bf16:
+    2 x 64 MiB; SmolLM2-135M, rank 16: 2 x 9.2 MB."""
     group = max((sum(_pages(max_rank * sum(config.module_shape(p))) for p in config.lora_slices(m))
                  for m in config.lora_modules), default=0)
-    return max(STAGING_ELEMS, group * PAGE_ELEMS)
+    return max(min(STAGING_ELEMS, max_adapter_pages(config, max_rank) * PAGE_ELEMS), group * PAGE_ELEMS)
 
 
 def max_adapter_pages(config: ModelConfig, max_rank: int) -> int:
@@ -749,6 +751,13 @@ class AdapterPool:
         src = torch.zeros(128, dtype=self.dtype, device=self.device)
         flags = torch.full((1,), tk.NO_BAD_OP, dtype=torch.int32, device=self.device)
         tk.finish_image(src, torch.empty_like(src), 0, plan, plan.tiles.to(self.device), torch.empty_like(src), flags)
+
+    def check_ready(self, slot: int) -> bool:
+        """Whether ``nonfinite(slot)`` would answer without waiting: no check pending, or the load it belongs to
+        has landed (its CUDA event completed)."""
+        with self._lock:
+            entry = self._checks.get(slot)
+            return entry is None or entry[0] is None or entry[0].query()
 
     def nonfinite(self, slot: int) -> str | None:
         """The device check of a slot loaded from a raw image not known finite: None if every value is finite (or

@@ -55,11 +55,14 @@ every pending side-stream copy before moving anything, and later side-stream cop
 Values checked after the copy
 -----------------------------
 A raw image's values are checked finite by the pool's finish kernel. ``acquire`` reads that answer
-(``AdapterPool.nonfinite``; a host wait on the copy's event only if it has not landed yet) before it hands out the
-slot, so no step ever reads an adapter whose check has not passed: a failed check fails the adapter for good
-(``handle.failed``, an ``AdapterError`` naming the file and tensor), and it leaves the pool and the host tier. A
-passed check marks the handle's values checked (``values_checked``), so later reads of the same file version skip
-checks, as after a host-side check. A slot whose check is still pending is never copied back to the host tier.
+(``AdapterPool.nonfinite``) when the load has landed, and each ``prefetch`` reads those that landed since: never a
+host wait (a first version waited in ``acquire`` for loads still in flight and stalled the engine's steps behind
+them). A failed check fails the adapter for good (``handle.failed``: ``acquire`` raises an ``AdapterError`` naming
+the file and tensor), and it leaves the host tier, and the pool once no request uses it. Requests admitted before
+the answer was read run on the bad values: their logits turn non-finite and each fails alone (the postprocessor's
+guard names the adapter). A passed check marks the handle's values checked (``values_checked``), so later reads of
+the same file version skip checks, as after a host-side check. A slot whose check is pending is never copied back
+to the host tier.
 
 Thread safety: public methods take the cache's lock; ``load_adapter``/``unload_adapter``/``pin_adapter``
 may be called from another thread while the engine steps.
@@ -196,6 +199,7 @@ class AdapterCache:
         self._versions = itertools.count(1)
         self._cuda = pool.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=pool.device) if self._cuda else None
+        self._unchecked: dict[int, AdapterHandle] = {}  # resident handles whose device check has not been read
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="multilora-adapter-io")
         largest = pool.max_adapter_pages * pool.page_bytes
         self.arena = HostArena(host_bytes, pinned=self._cuda, unit=pool.page_bytes,
@@ -590,17 +594,25 @@ class AdapterCache:
         self.stats.bytes_host_to_gpu += packed.nbytes
         return slot
 
-    def _check_values(self, handle: AdapterHandle) -> None:
-        """The device check of a slot loaded from a raw image (``AdapterPool.nonfinite``; waits for its copy if it
-        has not landed): on a non-finite value the adapter leaves the pool and the host tier and fails for good,
-        with an error naming its weight file and tensor.
+    def _check_values(self, handle: AdapterHandle, *, raise_error: bool = True) -> None:
+        """Read the device check of a slot loaded from a raw image (``AdapterPool.nonfinite``) if its load has
+        landed; if not, note the handle and read it at a later step (``_poll_checks``): no host wait. A non-finite
+        value fails the adapter for good (``handle.failed``: the message names its weight file and tensor); it
+        leaves the host tier, and the pool unless requests use it (they run on; their logits turn non-finite and
+        the postprocessor fails each of them alone).
 
         Raises:
-            AdapterError: a value of the adapter's files is NaN or +-inf.
+            AdapterError: (``raise_error``) a value of the adapter's files is NaN or +-inf.
         """
-        if handle.slot is None or not self.pool.needs_check(handle.slot):
+        slot = handle.slot
+        if slot is None or not self.pool.needs_check(slot):
+            self._unchecked.pop(id(handle), None)
             return
-        bad = self.pool.nonfinite(handle.slot)
+        if not self.pool.check_ready(slot):
+            self._unchecked[id(handle)] = handle
+            return
+        self._unchecked.pop(id(handle), None)
+        bad = self.pool.nonfinite(slot)
         if bad is None:
             handle.values_checked = True
             if handle.host is not None:
@@ -608,11 +620,18 @@ class AdapterCache:
             return
         handle.failed = (f"{handle.path}: adapter {handle.name!r}: tensor {bad!r}: expected finite values, got "
                          f"non-finite (NaN/inf) ones (found by the check after its host -> GPU copy)")
-        self._drop_from_pool(handle)
+        if handle.refcount == 0:
+            self._drop_from_pool(handle)
         self._drop_host(handle)
         self.stats.load_failures += 1
         log.warning("%s", handle.failed)
-        raise AdapterError(handle.failed, path=handle.path, key=bad)
+        if raise_error:
+            raise AdapterError(handle.failed, path=handle.path, key=bad)
+
+    def _poll_checks(self) -> None:
+        """Read the device checks whose loads have landed since (``_check_values``, without raising)."""
+        for h in list(self._unchecked.values()):
+            self._check_values(h, raise_error=False)
 
     def _settle_timings(self) -> None:
         """Add the completed host -> GPU copies' event times to the stats (no host sync)."""
@@ -689,6 +708,7 @@ class AdapterCache:
         with self._lock:
             self._reap_orphans()
             self._settle_timings()
+            self._poll_checks()
             for h in handles:
                 if h.slot is not None or h.retired or h.failed is not None:
                     continue

@@ -318,16 +318,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from multilora.kernels import triton_image_finish as tk
+from multilora.kernels.image_finish import NUM_WARPS, TILE_ELEMS
+tk.NUM_WARPS, tk.TILE_ELEMS = NUM_WARPS, TILE_ELEMS
 fn = tk._finish_kernel
 names = fn.arg_names
 for dt in ("bf16", "fp16", "fp32"):
     for bc in (16, 32, 64, 128):
-        consts = {"BR": 4096 // bc, "BC": bc}
+        consts = {"BR": tk.TILE_ELEMS // bc, "BC": bc}
         ptrs = {"src_ptr": "*" + dt, "dst_ptr": "*" + dt, "tiles_ptr": "*i64", "flag_ptr": "*i32"}
         sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "i64") for n in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ptrs}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tk.NUM_WARPS, "num_stages": 2})
         assert "atom.global" in k.asm["ptx"] and "st.global" in k.asm["ptx"], (dt, bc)
 print("ok")
 """
@@ -336,3 +338,35 @@ print("ok")
     if p.returncode != 0 and "ptxas" in p.stderr:
         pytest.skip(f"no ptxas for sm_90 here: {p.stderr[-300:]}")
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
+
+
+def test_a_check_still_in_flight_never_stalls_admission(engine_dir, tmp_path):
+    """A load whose device check has not landed yet (forced here: ``check_ready`` False for its first reads) is
+    admitted without a host wait; the poisoned adapter's request fails alone, by its non-finite logits, and the
+    check read at a later step fails the adapter for good with its tensor named."""
+    from testsupport import write_adapter
+
+    e = Engine(model=str(engine_dir), progress=False, max_batch_size=8)
+    e.raw_reloads = True
+    write_adapter(tmp_path / "good", e.config, 1, 4, ["q_proj", "v_proj"])
+    write_adapter(tmp_path / "bad", e.config, 2, 4, ["q_proj", "v_proj"])
+    key = _poison(tmp_path / "bad", "layers.0.self_attn.q_proj.lora_A", 1, float("inf"))
+    e.load_adapter("good", tmp_path / "good", preload=False)
+    e.load_adapter("bad", tmp_path / "bad", preload=False)
+    pool, real = e.pool, e.pool.check_ready
+    asked = []
+
+    def late(slot):  # every load's first two questions: "not landed yet"
+        asked.append(slot)
+        return real(slot) if asked.count(slot) > 2 else False
+
+    pool.check_ready = late
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    out = e.generate([[5, 6, 7], [8, 9, 10]], adapters=["good", "bad"], sampling=sp)
+    assert asked, "the checks were asked for without waiting"
+    assert out[0].finish_reason == "length" and len(out[0].token_ids) == 4
+    assert out[1].finish_reason == "error" and "not finite" in out[1].error and "'bad'" in out[1].error
+    h = e.cache.get("bad")
+    assert h.failed is not None and key in h.failed and e.cache.get("good").values_checked
+    later = e.generate([[11, 12]], adapters=["bad"], sampling=sp)[0]
+    assert later.finish_reason == "error" and key in later.error
