@@ -95,6 +95,8 @@ def main() -> None:
     ap.add_argument("--preload", action="store_true",
                     help="read every adapter at registration (default: header-only, registered on the disk tier)")
     ap.add_argument("--load-threads", type=int, default=8, help="threads calling engine.load_adapter")
+    ap.add_argument("--adapter-finish", default="host", choices=("host", "device"),
+                    help="Engine(adapter_finish=...): where reloaded adapters get the pool layout (session 12)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
 
@@ -110,6 +112,7 @@ def main() -> None:
     layout = AdapterPool(config, num_bytes=1 << 20, max_rank=args.rank, dtype=dtype, device="meta")  # sizes only
     adapter_bytes = layout.page_bytes * layout.max_adapter_pages
     engine = Engine(config, device=device, dtype=dtype, progress=False, max_batch_size=args.batch,
+                    adapter_finish=args.adapter_finish,
                     max_seq_len=args.prompt_len + args.gen + 1, max_lora_rank=args.rank,
                     **({"adapter_slots": args.pool_adapters} if args.pool_adapters else {}),
                     **({"host_adapter_bytes": args.host_adapters * adapter_bytes} if args.host_adapters else {}))
@@ -124,7 +127,7 @@ def main() -> None:
             "pool_adapters": engine.pool.num_pages // max_adapter_pages(config, args.rank),
             "host_adapters": engine.stats()["host_tier_budget"] // adapter_bytes,
             "pool_from_plan": not args.pool_adapters, "host_from_plan": not args.host_adapters,
-            "base_tokens_per_s": base_tok / base_s}
+            "base_tokens_per_s": base_tok / base_s, "adapter_finish": args.adapter_finish}
     # warm-up of the LoRA kernels (Triton compiles per shape) on a throw-away adapter, unloaded again
     engine.load_adapter("warmup", dirs[0])
     run_once(engine, prompts, ["warmup"] * args.batch, 4)

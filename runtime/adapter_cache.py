@@ -41,8 +41,8 @@ Prefetch and tier moves
 -----------------------
 ``prefetch(handles)`` is called each step with the adapters of waiting requests: disk -> host reads run on
 4 background I/O threads, each writing straight into an arena block reserved for it under the lock
-(``runtime.adapters.image.read_image``: no intermediate copy; on a CUDA pool a *raw* image, which the pool
-finishes on the GPU after the copy: ``PackedAdapter.finish``); host -> GPU copies of adapters that fit in free
+(``runtime.adapters.image.read_image``: no intermediate copy; with ``Engine(adapter_finish="device")`` a *raw*
+image, which the pool finishes on the GPU after the copy: ``PackedAdapter.finish``); host -> GPU copies of adapters that fit in free
 bytes run on a side CUDA stream and record an event; ``wait_ready`` makes the compute stream wait on those events
 (not on the device) before a step reads the slots. ``acquire``'s own copy (an adapter not prefetched) also runs on
 the side stream, and the current stream waits on it at once. Every host -> GPU copy is timed with two CUDA events;

@@ -127,6 +127,13 @@ class EngineConfig:
             do not cap either side (the pool may take the whole buffer but one ``max_seq_len`` sequence's KV
             blocks; the KV side, all but the largest adapter ``max_lora_rank`` allows). Not with tensor
             parallelism.
+        adapter_finish: where an adapter read again from disk (the cache's reload of a host-tier miss) is put in
+            the pool's layout: "host" (default: on the cache's I/O threads, lora_B transposed and the values
+            checked finite there) or "device" (the I/O threads read the file raw, every tensor straight into its
+            place, and the pool transposes and checks on the GPU after the copy: ``multilora.kernels.image_finish``;
+            on a CPU pool with torch ops). "device" reads 2.2x faster (H200 host, 4 threads: 80-91% of a plain read
+            against 37-39%) but, in session 12's one-batch runs at 2,048 adapters, its finish kernels waited behind
+            the engine's compute and the batch ran slower (bench/README.md, "Session 12"): hence "host" by default.
         progress: show a progress bar while loading the model.
 
     Raises:
@@ -186,6 +193,9 @@ class EngineConfig:
                                      "boundary: idle KV memory holds more adapters, and adapters give way when "
                                      "requests need KV blocks; --adapter-pool-bytes and --kv-cache-bytes then size "
                                      "the buffer together (default: off; not with tensor parallelism)", kind=bool)
+    adapter_finish: str = _opt("host", "where adapters read again from disk get the pool's layout: host (the I/O "
+                                       "threads transpose lora_B and check values; default) or device (raw reads, "
+                                       "finished by the GPU after the copy)", choices=("host", "device"))
     progress: bool = _opt(True, "", cli=False)
 
     def __post_init__(self) -> None:
@@ -231,6 +241,8 @@ class EngineConfig:
         for name in ("cuda_graphs", "enable_chunked_prefill", "adapter_aware_admission", "unified_pool"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "True or False")
+        if self.adapter_finish not in ("host", "device"):
+            raise fail("adapter_finish", "'host' or 'device'")
         if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)
                                                         or self.max_num_batched_tokens < 1):
             raise fail("max_num_batched_tokens", "None or an int >= 1")

@@ -245,9 +245,9 @@ class Engine:
             self.tp.configure(num_blocks=sizes.num_blocks, pool_bytes=pool_bytes, max_slots=self.pool.max_slots,
                               max_seq_len=self.max_seq_len)
             self.runner.tp = self.tp
-        #: the cache's disk -> host reloads read raw images, finished on the device by the pool (issue 13 item 4):
-        #: on CUDA pools; a CPU pool finishes them with torch ops, slower than finishing on the I/O threads
-        self.raw_reloads = self.pool.device.type == "cuda"
+        #: the cache's disk -> host reloads read raw images, finished on the device by the pool (issue 13 item 4;
+        #: ``adapter_finish="device"``; a CPU pool finishes them with torch ops)
+        self.raw_reloads = cfg.adapter_finish == "device"
         self.cache = AdapterCache(self.pool, host_bytes=sizes.host_bytes, reload=self._reload_adapter)
         self.scheduler = Scheduler(self.cache, kv=self.kv, max_batch_size=cfg.max_batch_size,
                                    max_prefill_tokens=cfg.max_prefill_tokens, patience=cfg.starvation_patience,

@@ -59,9 +59,9 @@ class MemoryRequest:
             or None without a cap: what the too-small-pool message suggests.
         kv_cap: the cap on the KV cache: ``max_batch_size`` sequences + the null block, lowered by ``kv_cache_bytes``.
         live_blocks: blocks of the live state the plan must fit (one sequence, or fewer under an explicit cap).
-        activation_bytes: the estimated activations of the largest prefill + the sampler's reserve + the adapter
-            pool's two staging buffers for raw images (``multilora.memory.pool.staging_elems`` each; 2 x 16 MiB in
-            bf16 up to Llama-3-70B at rank 64).
+        activation_bytes: the estimated activations of the largest prefill + the sampler's reserve + (with
+            ``adapter_finish="device"``) the adapter pool's two staging buffers for raw images
+            (``multilora.memory.pool.staging_elems`` each; 2 x 64 MiB for Llama-3-8B at rank 16 in bf16).
         sampling_bytes: float32 logits (eager and graph) + sampler workspace of a ``max_batch_size`` step.
     """
 
@@ -150,7 +150,8 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
                          kv_cap=kv_cap,
                          live_blocks=live_blocks,
                          activation_bytes=activation_bytes(model, cfg, dtype, max_seq_len) + sampling
-                         + 2 * staging_elems(model, cfg.max_lora_rank) * dtype_bytes,
+                         + (2 * staging_elems(model, cfg.max_lora_rank) * dtype_bytes
+                            if cfg.adapter_finish == "device" else 0),
                          sampling_bytes=sampling, slot_sizing_pages=slot_sizing_pages(model))
 
 

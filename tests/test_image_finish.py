@@ -273,7 +273,7 @@ def engine_dir(tmp_path_factory):
 
 
 def test_engine_with_raw_reloads_serves_the_same_tokens_and_fails_only_a_poisoned_adapter(engine_dir, tmp_path):
-    """``raw_reloads`` on a CPU engine (the pool finishes with torch ops): adapters registered on disk are read raw
+    """``adapter_finish="device"`` on a CPU engine (the pool finishes with torch ops): adapters registered on disk are read raw
     and generate exactly the tokens of the host-finished path; a poisoned adapter fails its own request, with its
     tensor named, and nobody else's; a later request for it fails at once."""
     from testsupport import write_adapter
@@ -283,8 +283,8 @@ def test_engine_with_raw_reloads_serves_the_same_tokens_and_fails_only_a_poisone
     names = ["a0", "a1", "bad"]
     runs = {}
     for raw in (False, True):
-        e = Engine(model=str(engine_dir), progress=False, max_batch_size=8)
-        e.raw_reloads = raw
+        e = Engine(model=str(engine_dir), progress=False, max_batch_size=8, adapter_finish="device" if raw else "host")
+        assert e.raw_reloads is raw
         for i, n in enumerate(names):
             if not (tmp_path / n).exists():
                 write_adapter(tmp_path / n, e.config, i, 4, ["q_proj", "v_proj", "down_proj"])
@@ -346,8 +346,7 @@ def test_a_check_still_in_flight_never_stalls_admission(engine_dir, tmp_path):
     check read at a later step fails the adapter for good with its tensor named."""
     from testsupport import write_adapter
 
-    e = Engine(model=str(engine_dir), progress=False, max_batch_size=8)
-    e.raw_reloads = True
+    e = Engine(model=str(engine_dir), progress=False, max_batch_size=8, adapter_finish="device")
     write_adapter(tmp_path / "good", e.config, 1, 4, ["q_proj", "v_proj"])
     write_adapter(tmp_path / "bad", e.config, 2, 4, ["q_proj", "v_proj"])
     key = _poison(tmp_path / "bad", "layers.0.self_attn.q_proj.lora_A", 1, float("inf"))
@@ -370,3 +369,25 @@ def test_a_check_still_in_flight_never_stalls_admission(engine_dir, tmp_path):
     assert h.failed is not None and key in h.failed and e.cache.get("good").values_checked
     later = e.generate([[11, 12]], adapters=["bad"], sampling=sp)[0]
     assert later.finish_reason == "error" and key in later.error
+
+
+def test_adapter_finish_option(tmp_path):
+    """``adapter_finish``: "host" by default, "device" on request, anything else refused naming the argument; the
+    CLI flag reaches the config; the memory plan counts the staging buffers only for "device"."""
+    import argparse
+
+    from multilora.runtime.config import EngineConfig
+    from multilora.runtime.sizing import memory_request
+    from multilora.memory.pool import staging_elems
+
+    assert EngineConfig().adapter_finish == "host" and EngineConfig(adapter_finish="device").adapter_finish == "device"
+    with pytest.raises(ValueError, match=r"Engine: adapter_finish must be 'host' or 'device', got 'gpu'"):
+        EngineConfig(adapter_finish="gpu")
+    p = argparse.ArgumentParser()
+    EngineConfig.add_cli_flags(p)
+    assert EngineConfig.from_cli(p.parse_args(["--adapter-finish", "device"])).adapter_finish == "device"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--adapter-finish", "gpu"])
+    host = memory_request(CFG, EngineConfig(), dtype=torch.bfloat16, max_seq_len=64)
+    dev = memory_request(CFG, EngineConfig(adapter_finish="device"), dtype=torch.bfloat16, max_seq_len=64)
+    assert dev.activation_bytes - host.activation_bytes == 2 * staging_elems(CFG, 64) * 2
