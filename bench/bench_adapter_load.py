@@ -3,17 +3,18 @@
 disk -> host (files in the page cache):
   ``plain``   a plain sequential read of each whole weight file into a reused buffer (``preadv``): the bound;
   ``ours``    ``read_image(..., raw=True)`` (``runtime/adapters/image.py``) into host-arena blocks, what the adapter
-              cache's I/O threads run on a host-tier miss when the pool is on CUDA (since session 12): every tensor
+              cache's I/O threads run on a host-tier miss with ``Engine(adapter_finish="device")``: every tensor
               read in file order by scatter reads straight into its place, lora_B untransposed, nothing checked: the
               pool finishes the image on the GPU after the copy (``kernels/image_finish.py``; its cost is in the
               host -> GPU rows); the same files, the same number of threads;
-  ``ours_host_finish``  ``read_image`` without ``raw`` (the I/O threads' work before session 12, and still on a
-              CPU pool): lora_B transposed on the host, the whole image checked finite at the end when the files
+  ``ours_host_finish``  ``read_image`` without ``raw`` (the I/O threads' work with the default
+              ``adapter_finish="host"``): lora_B transposed on the host, the whole image checked finite at the end when the files
               are in the pool dtype, the tensors read in file order by scatter reads; ``ours_per_tensor``: that with each
               tensor read and checked while in cache instead (before session 8); ``ours_tensor_reads``: the whole-
               image check with one read per tensor (the scatter reads' A/B); ``ours_verified``: the same for a file version the cache has read before (its
               reloads after an eviction), which skips the finite checks;
-  ``cache``   the adapter cache itself: ``prefetch`` of every adapter from the disk tier on its 4 I/O threads, the
+  ``cache``   the adapter cache itself (its reloads raw on a CUDA pool, as with ``adapter_finish="device"``):
+              ``prefetch`` of every adapter from the disk tier on its 4 I/O threads, the
               files' fingerprints checked before and after each read; its ``stats()`` ``disk_to_host_gbps`` (per
               reader) beside the wall-clock rate;
   ``general`` (``--general``) the general path, ``read_packed_adapter`` into a fresh image (the reload before).

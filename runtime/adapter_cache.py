@@ -125,6 +125,8 @@ class AdapterHandle:
     #: its files' values are known finite (read and checked on the host, or a raw image of them passed the device
     #: check): reloads of these files (stamps unchanged) skip the finite checks
     values_checked: bool = False
+    #: a prefetch read of its files failed: not prefetched again (``acquire`` reads them and reports the error)
+    prefetch_failed: bool = False
     failed: str | None = None  # why it can never be served (a tensor-parallel worker could not read it): acquire raises
 
     @property
@@ -439,6 +441,7 @@ class AdapterCache:
         except Exception:
             if block is not None:
                 self.arena.free(block)
+            handle.prefetch_failed = True  # (logged once by _prefetch_read; not read again every step)
             return handle.host is not None
         if handle.host is None:
             self._set_host(handle, self._settled(packed, block))
@@ -710,11 +713,11 @@ class AdapterCache:
             self._settle_timings()
             self._poll_checks()
             for h in handles:
-                if h.slot is not None or h.retired or h.failed is not None:
+                if h.slot is not None or h.retired or h.failed is not None or h.prefetch_failed:
                     continue
                 self._collect(h)
                 if h.host is None:
-                    if h.loading is None:
+                    if h.loading is None and not h.prefetch_failed:
                         block = self._host_block(h.pool_bytes, keep=h, fixed=True, spare=wanted)
                         if block is None and self.arena.could_ever_fit(h.pool_bytes):
                             continue  # no room on the host now: read on demand

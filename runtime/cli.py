@@ -84,8 +84,14 @@ _VERBOSE = ("log what the engine does (-v: each step of the start, -vv: also the
 
 
 def _verbose_flag(sp: argparse.ArgumentParser) -> None:
-    """``-v`` after the command too (``multilora generate -vv``); given there, it replaces a count given before."""
-    sp.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help=_VERBOSE)
+    """``-v`` after the command too (``multilora generate -vv``), counted with those before it (``multilora -v
+    generate -v`` is ``-vv``): its own destination, added up by ``verbosity``."""
+    sp.add_argument("-v", "--verbose", action="count", dest="verbose_after", default=0, help=_VERBOSE)
+
+
+def verbosity(args: argparse.Namespace) -> int:
+    """How many ``-v`` were given, before and after the command."""
+    return getattr(args, "verbose", 0) + getattr(args, "verbose_after", 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -395,7 +401,7 @@ def log_level(command: str, verbose: int) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     serving = args.command in ("serve", "serve-ray")  # a long-running process: what it does, when
-    logging.basicConfig(level=log_level(args.command, args.verbose),
+    logging.basicConfig(level=log_level(args.command, verbosity(args)),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s" if serving else
                         "%(levelname)s %(name)s: %(message)s")
     from multilora.runtime.adapter_cache import UnknownAdapterError

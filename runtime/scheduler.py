@@ -455,7 +455,7 @@ class Scheduler:
                 break  # the head waits for blocks; nothing behind it is admitted
             if req.handle is not None and req.slot < 0:  # (a slot kept from an interrupted admission is reused)
                 if (self.adapter_aware and self.running and req.skipped_steps < self.patience
-                        and req.handle.tier == "disk"):
+                        and req.handle.tier == "disk" and not req.handle.prefetch_failed):
                     self.adapter_defers += 1  # acquire would read its files in this step: let prefetch do it
                     i += 1
                     continue

@@ -315,6 +315,37 @@ def test_changed_files_fail_only_their_requests_and_free_the_block(tiny, tmp_pat
     engine.cache.close()
 
 
+def test_a_failed_prefetch_read_is_not_retried_every_step(tiny, tmp_path, caplog):
+    """A prefetch read that fails (here: the files changed since load_adapter) is logged once and not read again
+    at every step; the request is not held back for prefetch (adapter-aware admission) but admitted, and fails
+    alone with the error, while the other requests run."""
+    import logging
+
+    _, dirs, _, unit = tiny
+    path = tmp_path / "x"
+    shutil.copytree(dirs[0], path)
+    engine = _engine(tiny, 2, 2 * unit)
+    engine.load_adapter("x", path, preload=False)
+    engine.load_adapter("y", dirs[1])
+    write_adapter(path, engine.config, 998, 8, MODULES[2])
+    caplog.set_level(logging.WARNING, logger="multilora")
+    reqs = [engine.add_request(_ids(4, 1), "y", greedy(12))]
+    engine.step()  # y runs: x is admitted while something runs (adapter-aware admission applies)
+    reqs.append(engine.add_request(_ids(4, 2), "x", greedy(2)))
+    steps = 0
+    while reqs[1].finish_reason is None and steps < 50:
+        engine.step()
+        steps += 1
+    assert reqs[1].finish_reason == "error" and "changed" in reqs[1].error
+    assert steps <= 3, steps  # not deferred for prefetch until urgent (starvation_patience steps)
+    assert sum("prefetch of adapter 'x' failed" in r.getMessage() for r in caplog.records) <= 1
+    assert engine.cache.get("x").prefetch_failed
+    while reqs[0].finish_reason is None:
+        engine.step()
+    assert reqs[0].finish_reason == "length"
+    engine.cache.close()
+
+
 def test_tier_move_stats_are_present_and_consistent(tiny):
     _, dirs, _, unit = tiny
     engine = _engine(tiny, 1, 2 * unit)

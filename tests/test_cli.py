@@ -357,7 +357,7 @@ def test_unified_pool_flag_and_verbosity_after_the_command(tiny, capsys, caplog)
     import argparse
     import logging
 
-    from multilora.runtime.cli import build_parser, log_level
+    from multilora.runtime.cli import build_parser, log_level, verbosity
     from multilora.runtime.config import EngineConfig
 
     p = argparse.ArgumentParser()
@@ -365,8 +365,10 @@ def test_unified_pool_flag_and_verbosity_after_the_command(tiny, capsys, caplog)
     assert EngineConfig.from_cli(p.parse_args([])).unified_pool is False
     assert EngineConfig.from_cli(p.parse_args(["--unified-pool"])).unified_pool is True
     parser = build_parser()
-    assert [parser.parse_args(a).verbose for a in (["generate"], ["-v", "generate"], ["generate", "-v"],
-                                                   ["generate", "-vv"], ["serve"], ["memory", "-v"])] == [0, 1, 1, 2, 0, 1]
+    assert [verbosity(parser.parse_args(a)) for a in (["generate"], ["-v", "generate"], ["generate", "-v"],
+                                                      ["generate", "-vv"], ["serve"], ["memory", "-v"],
+                                                      ["-v", "generate", "-v"], ["-vv", "memory", "-v"])] == [
+        0, 1, 1, 2, 0, 1, 2, 3]
     assert [log_level("generate", v) for v in (0, 1, 2, 3)] == [logging.WARNING, logging.INFO] + [logging.DEBUG] * 2
     assert [log_level("serve", v) for v in (0, 1)] == [logging.INFO, logging.DEBUG]
     caplog.set_level(logging.DEBUG, logger="multilora")  # (pytest's handlers keep basicConfig from setting it)

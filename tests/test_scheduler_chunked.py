@@ -40,6 +40,7 @@ L = 32  # max_seq_len of the scheduler runs
 class FakeHandle:
     def __init__(self, name: str, host: bool = True) -> None:
         self.name, self.slot, self.refcount, self.queued, self.pool_bytes, self.last = name, None, 0, 0, 1, 0
+        self.prefetch_failed = False  # (AdapterHandle's: reads of this fake never fail)
         self.host = host  # in host memory (False: on disk)
         self.loading: int | None = None  # steps left of a prefetch read in flight
 
