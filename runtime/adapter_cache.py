@@ -622,7 +622,7 @@ class AdapterCache:
                 handle.host.checked = True
             return
         handle.failed = (f"{handle.path}: adapter {handle.name!r}: tensor {bad!r}: expected finite values, got "
-                         f"non-finite (NaN/inf) ones (found by the check after its host -> GPU copy)")
+                         f"non-finite (NaN/inf) ones (found by the pool's check after the copy into it)")
         if handle.refcount == 0:
             self._drop_from_pool(handle)
         self._drop_host(handle)

@@ -301,7 +301,7 @@ def test_engine_with_raw_reloads_serves_the_same_tokens_and_fails_only_a_poisone
     assert [o.token_ids for o in got[:2]] == [o.token_ids for o in ref[:2]]
     assert all(o.finish_reason == "length" for o in got[:2])
     assert ref[2].finish_reason == got[2].finish_reason == "error"
-    assert bad_key in got[2].error and "non-finite" in got[2].error and "host -> GPU" in got[2].error
+    assert bad_key in got[2].error and "non-finite" in got[2].error and "check after the copy" in got[2].error
 
 
 def test_kernel_compiles_for_sm90():
@@ -353,19 +353,22 @@ def test_a_check_still_in_flight_never_stalls_admission(engine_dir, tmp_path):
     e.load_adapter("good", tmp_path / "good", preload=False)
     e.load_adapter("bad", tmp_path / "bad", preload=False)
     pool, real = e.pool, e.pool.check_ready
-    asked = []
+    asked, landed = [], [False]
 
-    def late(slot):  # every load's first two questions: "not landed yet"
+    def late(slot):  # "not landed yet" for every question until the test says so
         asked.append(slot)
-        return real(slot) if asked.count(slot) > 2 else False
+        return real(slot) if landed[0] else False
 
     pool.check_ready = late
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     out = e.generate([[5, 6, 7], [8, 9, 10]], adapters=["good", "bad"], sampling=sp)
-    assert asked, "the checks were asked for without waiting"
+    assert len(set(asked)) == 2, "both loads' checks were asked for, and not waited for"
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 4
     assert out[1].finish_reason == "error" and "not finite" in out[1].error and "'bad'" in out[1].error
     h = e.cache.get("bad")
+    assert h.failed is None and not e.cache.get("good").values_checked  # nothing read yet
+    landed[0] = True
+    e.cache.prefetch([])  # every step's prefetch reads the checks that have landed
     assert h.failed is not None and key in h.failed and e.cache.get("good").values_checked
     later = e.generate([[11, 12]], adapters=["bad"], sampling=sp)[0]
     assert later.finish_reason == "error" and key in later.error
