@@ -40,7 +40,7 @@ leave the pool when their last request releases them.
 Prefetch and tier moves
 -----------------------
 ``prefetch(handles)`` is called each step with the adapters of waiting requests: disk -> host reads run on
-4 background I/O threads, each writing straight into an arena block reserved for it under the lock
+``io_threads`` background I/O threads (``Engine(adapter_io_threads=4)``), each writing straight into an arena block reserved for it under the lock
 (``runtime.adapters.image.read_image``: no intermediate copy; with ``Engine(adapter_finish="device")`` a *raw*
 image, which the pool finishes on the GPU after the copy: ``PackedAdapter.finish``); host -> GPU copies of adapters that fit in free
 bytes run on a side CUDA stream and record an event; ``wait_ready`` makes the compute stream wait on those events
@@ -186,10 +186,11 @@ class AdapterCache:
             is not None.
         chunk_bytes: bytes of one chunk of the host arena (default ``DEFAULT_CHUNK_BYTES``, at least one image of
             the pool's largest adapter).
+        io_threads: threads reading adapters from disk for ``prefetch`` (default 4).
     """
 
     def __init__(self, pool: AdapterPool, *, host_bytes: int | None,
-                 reload: Callable[..., PackedAdapter], chunk_bytes: int | None = None):
+                 reload: Callable[..., PackedAdapter], chunk_bytes: int | None = None, io_threads: int = 4):
         self.pool = pool
         self.host_budget = host_bytes
         self._reload = reload
@@ -202,7 +203,10 @@ class AdapterCache:
         self._cuda = pool.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=pool.device) if self._cuda else None
         self._unchecked: dict[int, AdapterHandle] = {}  # resident handles whose device check has not been read
-        self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="multilora-adapter-io")
+        if not isinstance(io_threads, int) or isinstance(io_threads, bool) or io_threads < 1:
+            raise ValueError(f"AdapterCache: io_threads must be an int >= 1, got {io_threads!r}")
+        self.io_threads = io_threads
+        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="multilora-adapter-io")
         largest = pool.max_adapter_pages * pool.page_bytes
         self.arena = HostArena(host_bytes, pinned=self._cuda, unit=pool.page_bytes,
                                chunk_bytes=max(chunk_bytes or DEFAULT_CHUNK_BYTES, largest), granule=largest)

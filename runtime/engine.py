@@ -248,7 +248,8 @@ class Engine:
         #: the cache's disk -> host reloads read raw images, finished on the device by the pool (issue 13 item 4;
         #: ``adapter_finish="device"``; a CPU pool finishes them with torch ops)
         self.raw_reloads = cfg.adapter_finish == "device"
-        self.cache = AdapterCache(self.pool, host_bytes=sizes.host_bytes, reload=self._reload_adapter)
+        self.cache = AdapterCache(self.pool, host_bytes=sizes.host_bytes, reload=self._reload_adapter,
+                                  io_threads=cfg.adapter_io_threads)
         self.scheduler = Scheduler(self.cache, kv=self.kv, max_batch_size=cfg.max_batch_size,
                                    max_prefill_tokens=cfg.max_prefill_tokens, patience=cfg.starvation_patience,
                                    recompute_after=self.model.rope_long_after, chunked=cfg.enable_chunked_prefill,

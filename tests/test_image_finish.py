@@ -394,3 +394,13 @@ def test_adapter_finish_option(tmp_path):
     host = memory_request(CFG, EngineConfig(), dtype=torch.bfloat16, max_seq_len=64)
     dev = memory_request(CFG, EngineConfig(adapter_finish="device"), dtype=torch.bfloat16, max_seq_len=64)
     assert dev.activation_bytes - host.activation_bytes == 2 * staging_elems(CFG, 64) * 2
+
+
+def test_adapter_io_threads_option(engine_dir):
+    """``adapter_io_threads`` sizes the cache's reader pool; a bad value names the argument."""
+    from multilora.runtime.config import EngineConfig
+
+    e = Engine(model=str(engine_dir), progress=False, max_batch_size=2, adapter_io_threads=2)
+    assert e.cache.io_threads == 2 and e.cache._io._max_workers == 2
+    with pytest.raises(ValueError, match=r"Engine: adapter_io_threads must be an int >= 1, got 0"):
+        EngineConfig(adapter_io_threads=0)
