@@ -44,7 +44,8 @@ NUM_WARPS = 8
 
 @dataclass(frozen=True)
 class FinishOps:
-    """The device finish of one raw image layout (shared by every adapter with that layout: a training recipe).
+    """The device finish of one raw image layout (made once per copy plan: adapters whose config and header bytes
+    are equal share the object; ``content_key`` is equal for every equal layout).
 
     ``ops``: int64 ``[n, 5]`` ``(src, dst, rows, cols, transpose)``, element offsets relative to the image start
     (module docstring). ``groups``: int64 ``[g, 3]`` ``(start, end, first op)`` in image order: the ops of group
@@ -64,6 +65,15 @@ class FinishOps:
             raise ValueError(f"FinishOps: ops must be int64 [n, 5], got {self.ops.dtype} {tuple(self.ops.shape)}")
         if len(self.keys) != self.ops.shape[0]:
             raise ValueError(f"FinishOps: keys must name every op ({self.ops.shape[0]}), got {len(self.keys)}")
+
+    @property
+    def content_key(self) -> bytes:
+        """The ops' and groups' bytes: equal for equal layouts (what device-side caches key on)."""
+        key = self._plans.get("content")
+        if key is None:
+            key = self._plans["content"] = (self.ops.numpy().tobytes() + b"|" + self.groups.numpy().tobytes()
+                                            + b"|" + str(self.numel).encode())
+        return key
 
     @property
     def max_cols(self) -> int:

@@ -140,7 +140,7 @@ def staging_elems(config: ModelConfig, max_rank: int) -> int:
     (``AdapterPool.staging_elems``): the largest image it admits (``max_adapter_pages``), capped at
     ``STAGING_ELEMS`` (``multilora.kernels.image_finish``: 64 MiB of bf16), but at least the largest (layer,
     projection) group of an adapter at ``max_rank`` (every slice of a fused projection). Llama-3-8B, rank 16, bf16:
-    2 x 64 MiB; SmolLM2-135M, rank 16: 2 x 9.2 MB."""
+    2 x 64 MiB; SmolLM2-135M, rank 16: 2 x 9.8 MB."""
     group = max((sum(_pages(max_rank * sum(config.module_shape(p))) for p in config.lora_slices(m))
                  for m in config.lora_modules), default=0)
     return max(min(STAGING_ELEMS, max_adapter_pages(config, max_rank) * PAGE_ELEMS), group * PAGE_ELEMS)
@@ -424,7 +424,7 @@ class AdapterPool:
         self._flags_host: torch.Tensor | None = None
         self._checks: dict[int, tuple[Any, Any]] = {}  # slot -> (event after its finish, FinishOps)
         self._cpu_checks: dict[int, int] = {}  # slot -> finish_torch's answer (CPU pools)
-        self._tiles: dict[int, tuple[Any, torch.Tensor]] = {}  # id(FinishOps) -> (it, its tiles on the device)
+        self._tiles: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}  # layout -> (pinned, device) tiles; LRU
         self._last_compaction: Any = None  # event after the last compaction's moves (or the last growth: ``resize``)
         self.compactions = 0
         self.bytes_moved = 0
@@ -622,7 +622,8 @@ class AdapterPool:
             stream: a CUDA stream for the copy (asynchronous from pinned memory); the caller must make the
                 consuming stream wait for it (``torch.cuda.Event``) before reading the slot.
             timer: an object whose ``start(stream)`` / ``stop(stream)`` are called just before and after the
-                image's one copy (the adapter cache times host -> GPU copies with CUDA events this way).
+                image's copy (one copy; for a raw image, its chunked copies and finish kernels: ``_finish``) (the
+                adapter cache times host -> GPU loads with CUDA events this way).
 
         Raises:
             ValueError: the adapter's rank exceeds ``max_rank``, or its image is not in the pool's dtype.
@@ -717,12 +718,16 @@ class AdapterPool:
             self._finish_stream = torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[1]
                                                     if hasattr(torch.cuda.Stream, "priority_range") else -1)
         plan = fin.plan(self._staging.shape[1], block_cols_for(self.max_rank))
-        tiles = self._tiles.get(id(fin))
-        if tiles is None or tiles[0] is not fin:
-            tiles = (fin, plan.tiles.to(self.device, non_blocking=False))
-            self._tiles[id(fin)] = tiles
-            while len(self._tiles) > 64:
-                self._tiles.pop(next(iter(self._tiles)))
+        # the tiles on the device, by the layout's content (adapters of one shape share them whatever their config
+        # bytes), least recently used last out; uploaded from pinned memory without a host wait
+        key = fin.content_key
+        tiles = self._tiles.pop(key, None)
+        if tiles is None:
+            pinned = plan.tiles.pin_memory()
+            tiles = (pinned, pinned.to(self.device, non_blocking=True))  # (the pinned source lives with it)
+        self._tiles[key] = tiles
+        while len(self._tiles) > 64:
+            self._tiles.pop(next(iter(self._tiles)))
         copy_stream, fs = torch.cuda.current_stream(self.device), self._finish_stream
         for i, (c0, c1, _, _) in enumerate(plan.chunks):
             buf = self._staging[i % 2]

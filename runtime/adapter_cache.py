@@ -60,7 +60,7 @@ host wait (a first version waited in ``acquire`` for loads still in flight and s
 them). A failed check fails the adapter for good (``handle.failed``: ``acquire`` raises an ``AdapterError`` naming
 the file and tensor), and it leaves the host tier, and the pool once no request uses it. Requests admitted before
 the answer was read run on the bad values: their logits turn non-finite and each fails alone (the postprocessor's
-guard names the adapter). A passed check marks the handle's values checked (``values_checked``), so later reads of
+guard names the adapter), except rows of ``Engine.logits``, which return those logits as they are. A passed check marks the handle's values checked (``values_checked``), so later reads of
 the same file version skip checks, as after a host-side check. A slot whose check is pending is never copied back
 to the host tier.
 
@@ -125,7 +125,8 @@ class AdapterHandle:
     #: its files' values are known finite (read and checked on the host, or a raw image of them passed the device
     #: check): reloads of these files (stamps unchanged) skip the finite checks
     values_checked: bool = False
-    #: a prefetch read of its files failed: not prefetched again (``acquire`` reads them and reports the error)
+    #: a prefetch read of its files failed: not prefetched again until a read succeeds (``acquire`` reads them and
+    #: reports the error)
     prefetch_failed: bool = False
     failed: str | None = None  # why it can never be served (a tensor-parallel worker could not read it): acquire raises
 
@@ -324,6 +325,7 @@ class AdapterCache:
     def _set_host(self, handle: AdapterHandle, packed: PackedAdapter) -> None:
         handle.host = packed
         handle.had_host = True
+        handle.prefetch_failed = False  # a read succeeded: prefetch it again when it leaves the host tier
         handle.values_checked = handle.values_checked or packed.checked
         self._host_lru[id(handle)] = handle
         self._host_lru.move_to_end(id(handle))
@@ -507,8 +509,8 @@ class AdapterCache:
     def _drop_from_pool(self, handle: AdapterHandle) -> None:
         if handle.slot is None:
             return
-        if (handle.host is None and not handle.retired and self.host_budget is not None
-                and not self.pool.needs_check(handle.slot)):  # (never copy back values not yet checked)
+        if (handle.host is None and not handle.retired and handle.failed is None and self.host_budget is not None
+                and not self.pool.needs_check(handle.slot)):  # (never copy back values not checked, or bad)
             block = self.arena.alloc(handle.pool_bytes)  # only into free room: gpu -> host never evicts
             if block is not None:  # gpu -> host: copy the image back
                 t0 = time.perf_counter()
@@ -700,6 +702,8 @@ class AdapterCache:
             if handle.refcount <= 0:
                 raise RuntimeError(f"adapter {handle.name!r}: release without acquire")
             handle.refcount -= 1
+            if handle.failed is not None and handle.refcount == 0:  # (its values failed the device check)
+                self._drop_from_pool(handle)
             self._forget_if_done(handle)
 
     # ------------------------------------------------------------------ prefetch
@@ -748,8 +752,10 @@ class AdapterCache:
             raise
 
     def wait_ready(self, handles: list[AdapterHandle]) -> None:
-        """Make the current CUDA stream wait for pending prefetch copies of these handles (no host sync)."""
+        """Make the current CUDA stream wait for pending prefetch copies of these handles (no host sync); read
+        the device checks that have landed (``_poll_checks``: every step, with prefetch on or off)."""
         with self._lock:
+            self._poll_checks()
             for h in handles:
                 ev = h.ready_event
                 if ev is not None:

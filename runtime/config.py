@@ -135,7 +135,7 @@ class EngineConfig:
             the pool's layout: "host" (default: on the cache's I/O threads, lora_B transposed and the values
             checked finite there) or "device" (the I/O threads read the file raw, every tensor straight into its
             place, and the pool transposes and checks on the GPU after the copy: ``multilora.kernels.image_finish``;
-            on a CPU pool with torch ops). "device" reads 2.2x faster (H200 host, 4 threads: 80-91% of a plain read
+            on a CPU pool with torch ops; not with tensor parallelism). "device" reads 2.2x faster (H200 host, 4 threads: 80-91% of a plain read
             against 37-39%) but, in session 12's one-batch runs at 2,048 adapters, its finish kernels waited behind
             the engine's compute and the batch ran slower (bench/README.md, "Session 12"): hence "host" by default.
         progress: show a progress bar while loading the model.
@@ -201,7 +201,8 @@ class EngineConfig:
                                      "the buffer together (default: off; not with tensor parallelism)", kind=bool)
     adapter_finish: str = _opt("host", "where adapters read again from disk get the pool's layout: host (the I/O "
                                        "threads transpose lora_B and check values; default) or device (raw reads, "
-                                       "finished by the GPU after the copy)", choices=("host", "device"))
+                                       "finished by the pool after the copy: a GPU kernel, torch ops on a CPU "
+                                       "pool; not with tensor parallelism)", choices=("host", "device"))
     progress: bool = _opt(True, "", cli=False)
 
     def __post_init__(self) -> None:
@@ -253,6 +254,10 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)
                                                         or self.max_num_batched_tokens < 1):
             raise fail("max_num_batched_tokens", "None or an int >= 1")
+        if self.adapter_finish == "device" and self.tensor_parallel_size > 1:
+            raise ValueError(f"Engine: adapter_finish='device' is not available with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (each rank reads its own shard of an adapter, finished on "
+                             f"the host); leave adapter_finish='host'")
         if self.unified_pool and self.tensor_parallel_size > 1:
             raise ValueError(f"Engine: unified_pool=True is not available with tensor_parallel_size="
                              f"{self.tensor_parallel_size} (each rank keeps its own pool and KV cache); leave "

@@ -18,6 +18,7 @@ straight into arena blocks, and the tier-move speeds in ``stats()``.
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 import torch
@@ -343,6 +344,33 @@ def test_a_failed_prefetch_read_is_not_retried_every_step(tiny, tmp_path, caplog
     while reqs[0].finish_reason is None:
         engine.step()
     assert reqs[0].finish_reason == "length"
+    engine.cache.close()
+
+
+def test_a_successful_read_lets_prefetch_try_again(tiny, tmp_path):
+    """``prefetch_failed`` lasts until a read of the files succeeds (a transient error must not turn prefetch off
+    for good): here the first read fails, acquire's own read succeeds, and the flag is cleared."""
+    _, dirs, _, unit = tiny
+    engine = _engine(tiny, 2, 2 * unit)
+    engine.load_adapter("x", dirs[0], preload=False)
+    real, calls = engine.cache._reload, []
+
+    def flaky(handle, out):
+        calls.append(handle.name)
+        if len(calls) == 1:
+            raise OSError("transient read error")
+        return real(handle, out)
+
+    engine.cache._reload = flaky
+    h = engine.cache.get("x")
+    engine.cache.prefetch([h])
+    while h.loading is not None and not h.loading.done():
+        time.sleep(0.01)
+    engine.cache.prefetch([h])  # collects the failure
+    assert h.prefetch_failed and h.host is None
+    out = engine.generate([_ids(4, 1)], adapters=["x"], sampling=greedy(2))[0]
+    assert out.finish_reason == "length" and len(calls) == 2
+    assert not h.prefetch_failed
     engine.cache.close()
 
 

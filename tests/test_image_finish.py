@@ -162,6 +162,14 @@ def test_plan_cuts_whole_groups_into_staging_chunks(tmp_path):
             span = rows if tr else -(-(rows * cols) // 16)
             assert t[:, 5].tolist() == list(range(0, span, plan.block_rows))
     assert fin.plan(fin.largest_group, 16) is fin.plan(fin.largest_group, 16)  # cached
+    # equal layouts (another object, e.g. another config's bytes) share device-side caches by content
+    twin = finish_ops(fin.ops.tolist(), fin.groups.tolist(), list(fin.keys), fin.numel)
+    assert twin is not fin and twin.content_key == fin.content_key
+    other = finish_ops(fin.ops.tolist(), fin.groups.tolist(), list(fin.keys), fin.numel + 0)
+    assert other.content_key == fin.content_key
+    moved = fin.ops.clone()
+    moved[0, 3], moved[0, 2] = 2, moved[0, 2] // 2  # the same elements as 2 columns: another op
+    assert finish_ops(moved.tolist(), fin.groups.tolist(), list(fin.keys), fin.numel).content_key != fin.content_key
     with pytest.raises(ValueError, match="does not fit a staging buffer"):
         fin.plan(fin.largest_group - 1, 16)
     with pytest.raises(ValueError, match="wider than block_cols=8"):
@@ -386,6 +394,8 @@ def test_adapter_finish_option(tmp_path):
     assert EngineConfig().adapter_finish == "host" and EngineConfig(adapter_finish="device").adapter_finish == "device"
     with pytest.raises(ValueError, match=r"Engine: adapter_finish must be 'host' or 'device', got 'gpu'"):
         EngineConfig(adapter_finish="gpu")
+    with pytest.raises(ValueError, match=r"adapter_finish='device' is not available with tensor_parallel_size=2"):
+        EngineConfig(adapter_finish="device", tensor_parallel_size=2)
     p = argparse.ArgumentParser()
     EngineConfig.add_cli_flags(p)
     assert EngineConfig.from_cli(p.parse_args(["--adapter-finish", "device"])).adapter_finish == "device"
@@ -404,3 +414,33 @@ def test_adapter_io_threads_option(engine_dir):
     assert e.cache.io_threads == 2 and e.cache._io._max_workers == 2
     with pytest.raises(ValueError, match=r"Engine: adapter_io_threads must be an int >= 1, got 0"):
         EngineConfig(adapter_io_threads=0)
+
+
+def test_a_check_failing_while_its_request_runs(engine_dir, tmp_path):
+    """The GPU's usual order: a check lands after admission and is read while a request still holds the adapter.
+    The adapter stays in the pool while held (in use), then leaves every tier at its release: its bad values are
+    never copied back to the host tier."""
+    from testsupport import write_adapter
+
+    e = Engine(model=str(engine_dir), progress=False, max_batch_size=8, adapter_finish="device",
+               host_adapter_bytes=1 << 30)
+    write_adapter(tmp_path / "bad", e.config, 2, 4, ["q_proj", "v_proj"])
+    key = _poison(tmp_path / "bad", "layers.1.self_attn.v_proj.lora_B", 0, float("nan"))
+    e.load_adapter("bad", tmp_path / "bad", preload=False)
+    pool, real = e.pool, e.pool.check_ready
+    landed = [False]
+    pool.check_ready = lambda slot: real(slot) if landed[0] else False
+    cache, h = e.cache, e.cache.get("bad")
+    slot = cache.acquire(h)  # what admission does: read, copied, finished; the check not landed yet
+    assert h.refcount == 1 and pool.needs_check(slot) and h.failed is None
+    landed[0] = True
+    cache.wait_ready([])  # every step reads the checks that have landed
+    assert h.failed is not None and key in h.failed
+    assert h.slot == slot and h.host is None  # held: it stays in the pool; its host copy is gone
+    with pytest.raises(AdapterError, match="non-finite"):
+        cache.acquire(h)
+    cache.release(h)
+    assert h.slot is None and h.host is None and h.tier == "disk" and not h.values_checked
+    assert e.stats()["bytes_gpu_to_host"] == 0
+    out = e.generate([[5, 6]], adapters=["bad"], sampling=SamplingParams(max_tokens=2))[0]
+    assert out.finish_reason == "error" and key in out.error
