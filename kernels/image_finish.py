@@ -27,6 +27,7 @@ kernel (tiles of ``FinishPlan``), compared with it bit for bit in ``tests/test_i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -66,14 +67,10 @@ class FinishOps:
         if len(self.keys) != self.ops.shape[0]:
             raise ValueError(f"FinishOps: keys must name every op ({self.ops.shape[0]}), got {len(self.keys)}")
 
-    @property
+    @cached_property
     def content_key(self) -> bytes:
         """The ops' and groups' bytes: equal for equal layouts (what device-side caches key on)."""
-        key = self._plans.get("content")
-        if key is None:
-            key = self._plans["content"] = (self.ops.numpy().tobytes() + b"|" + self.groups.numpy().tobytes()
-                                            + b"|" + str(self.numel).encode())
-        return key
+        return self.ops.numpy().tobytes() + b"|" + self.groups.numpy().tobytes() + b"|" + str(self.numel).encode()
 
     @property
     def max_cols(self) -> int:

@@ -422,8 +422,8 @@ class AdapterPool:
         self._finish_stream: Any = None
         self._flags: torch.Tensor | None = None
         self._flags_host: torch.Tensor | None = None
-        self._checks: dict[int, tuple[Any, Any]] = {}  # slot -> (event after its finish, FinishOps)
-        self._cpu_checks: dict[int, int] = {}  # slot -> finish_torch's answer (CPU pools)
+        # slot -> (event after its finish, FinishOps, finish_torch's answer on a CPU pool else None)
+        self._checks: dict[int, tuple[Any, Any, int | None]] = {}
         self._tiles: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}  # layout -> (pinned, device) tiles; LRU
         self._last_compaction: Any = None  # event after the last compaction's moves (or the last growth: ``resize``)
         self.compactions = 0
@@ -669,8 +669,9 @@ class AdapterPool:
         with self.order.on(stream):
             if timer is not None:
                 timer.start(stream)
+            answer = None
             if packed.finish is not None:
-                self._finish(slot, lo, packed, stream)
+                answer = self._finish(slot, lo, packed, stream)
             else:  # the whole image in one copy: one cudaMemcpyAsync from pinned memory
                 self.buffer[lo : lo + packed.data.numel()].copy_(packed.data, non_blocking=stream is not None)
             if timer is not None:
@@ -678,7 +679,7 @@ class AdapterPool:
         if stream is not None:
             self._pending[slot] = self.order.record(stream)
         if packed.finish is not None and not packed.checked:
-            self._checks[slot] = (self._pending.get(slot) or self.order.record(), packed.finish)
+            self._checks[slot] = (self._pending.get(slot) or self.order.record(), packed.finish, answer)
         self.ranks[:, :, slot] = packed.ranks.to(self.device)
         self.scalings[:, :, slot] = packed.scalings.to(self.device)
         self._write_offsets(slot)
@@ -690,7 +691,7 @@ class AdapterPool:
         larger (``runtime.sizing`` counts both as working memory)."""
         return staging_elems(self.config, self.max_rank)
 
-    def _finish(self, slot: int, lo: int, packed: PackedAdapter, stream: Any) -> None:
+    def _finish(self, slot: int, lo: int, packed: PackedAdapter, stream: Any) -> int | None:
         """A raw image into the pool at element ``lo``, queued on the current stream (``stream``, or the current
         one): on the CPU, ``finish_torch``. On CUDA, chunk by chunk (``FinishOps.plan``) through two staging
         buffers used in turn: each chunk's host -> GPU copy on the current stream, its kernel on the pool's
@@ -699,14 +700,14 @@ class AdapterPool:
         serialised each copy behind the previous kernel, which waits for free SMs under load: bench/README.md,
         "Session 12"). The finite check's answer is copied to pinned host memory, and the current stream waits
         for the finish stream at the end, so whatever waits for this load (the pool's pending event, the
-        caller's timer) waits for the finished pages."""
+        caller's timer) waits for the finished pages. Returns ``finish_torch``'s answer on the CPU, None on CUDA
+        (the answer is in ``_flags_host[slot]`` once the load has landed)."""
         fin = packed.finish
         if fin.numel != packed.data.numel():
             raise ValueError(f"adapter {packed.name!r}: a raw image of {packed.data.numel()} elements with finish ops "
                              f"for {fin.numel}")
         if not self.order.cuda:
-            self._cpu_checks[slot] = finish_torch(packed.data, self.buffer[lo : lo + fin.numel], fin)
-            return
+            return finish_torch(packed.data, self.buffer[lo : lo + fin.numel], fin)
         from multilora.kernels import triton_image_finish as tk  # CUDA only (Triton)
 
         if self._staging is None:
@@ -743,6 +744,7 @@ class AdapterPool:
             self._flags_host[slot : slot + 1].copy_(self._flags[slot : slot + 1], non_blocking=True)
             done = self.order.record(fs)
         copy_stream.wait_event(done)
+        return None
 
     def warm_finish(self) -> None:
         """Compile the device finish's kernel for this pool's dtype and tile width (``Engine.warmup``), on a tiny
@@ -772,7 +774,7 @@ class AdapterPool:
             entry = self._checks.pop(slot, None)
             if entry is None:
                 return None
-            ev, fin = entry
+            ev, fin, answer = entry
             if self.order.cuda:
                 from multilora.kernels.triton_image_finish import NO_BAD_OP
 
@@ -780,8 +782,7 @@ class AdapterPool:
                 op = int(self._flags_host[slot])
                 bad = None if op == NO_BAD_OP else op
             else:
-                op = self._cpu_checks.pop(slot, 0)
-                bad = op - 1 if op else None
+                bad = answer - 1 if answer else None
             return None if bad is None else fin.keys[bad]
 
     def needs_check(self, slot: int) -> bool:
@@ -830,7 +831,6 @@ class AdapterPool:
             start, n = self._extents.pop(slot)
             self.order.wait(self._pending.pop(slot, None))  # the next owner's copy comes after this one
             self._checks.pop(slot, None)
-            self._cpu_checks.pop(slot, None)
             del self._meta[slot]
             self.ranks[:, :, slot] = 0
             self.scalings[:, :, slot] = 0.0

@@ -55,8 +55,8 @@ every pending side-stream copy before moving anything, and later side-stream cop
 Values checked after the copy
 -----------------------------
 A raw image's values are checked finite by the pool's finish kernel. ``acquire`` reads that answer
-(``AdapterPool.nonfinite``) when the load has landed, and each ``prefetch`` reads those that landed since: never a
-host wait (a first version waited in ``acquire`` for loads still in flight and stalled the engine's steps behind
+(``AdapterPool.nonfinite``) when the load has landed, and each step's ``wait_ready`` reads those that landed since:
+never a host wait (a first version waited in ``acquire`` for loads still in flight and stalled the engine's steps behind
 them). A failed check fails the adapter for good (``handle.failed``: ``acquire`` raises an ``AdapterError`` naming
 the file and tensor), and it leaves the host tier, and the pool once no request uses it. Requests admitted before
 the answer was read run on the bad values: their logits turn non-finite and each fails alone (the postprocessor's
@@ -719,7 +719,6 @@ class AdapterCache:
         with self._lock:
             self._reap_orphans()
             self._settle_timings()
-            self._poll_checks()
             for h in handles:
                 if h.slot is not None or h.retired or h.failed is not None or h.prefetch_failed:
                     continue

@@ -376,7 +376,7 @@ def test_a_check_still_in_flight_never_stalls_admission(engine_dir, tmp_path):
     h = e.cache.get("bad")
     assert h.failed is None and not e.cache.get("good").values_checked  # nothing read yet
     landed[0] = True
-    e.cache.prefetch([])  # every step's prefetch reads the checks that have landed
+    e.cache.wait_ready([])  # every step's wait_ready reads the checks that have landed
     assert h.failed is not None and key in h.failed and e.cache.get("good").values_checked
     later = e.generate([[11, 12]], adapters=["bad"], sampling=sp)[0]
     assert later.finish_reason == "error" and key in later.error

@@ -422,9 +422,7 @@ def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out
     same = bounds is not None and all(m.a.dtype == dtype and m.b.dtype == dtype for m in plan.modules)
     if raw and same and plan.finish is not None:
         _scatter_raw(plan, f, img_bytes, esize)
-        return PackedAdapter(data=out, ranks=plan.ranks.clone(), scalings=plan.scalings.clone(),
-                             offsets=plan.offsets.clone(), max_rank=plan.max_rank, name=name, finish=plan.finish,
-                             checked=verified)
+        return _packed(plan, out, name, finish=plan.finish, checked=verified)
     deferred = _DEFER_CHECK and not verified and same
     verified = verified or deferred
     scatter = same and verified and _SCATTER  # no per-tensor check to make: read in file order
@@ -469,5 +467,10 @@ def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out
                 # every slice of B (a fused projection's B covers them all): its count and size, as the file's
                 raise _nonfinite(wpath, m.b, torch.cat([out[ob : ob + m.r * rows] for _, ob, _, rows in m.slices]))
         raise AdapterError(f"{wpath}: expected finite values, got non-finite (NaN/inf) ones", path=wpath)
+    return _packed(plan, out, name)
+
+
+def _packed(plan: _Plan, out: torch.Tensor, name, **raw) -> PackedAdapter:
+    """The image ``out`` with the plan's metadata (copies: the plan is shared), finished or (``raw``) not."""
     return PackedAdapter(data=out, ranks=plan.ranks.clone(), scalings=plan.scalings.clone(),
-                         offsets=plan.offsets.clone(), max_rank=plan.max_rank, name=name)
+                         offsets=plan.offsets.clone(), max_rank=plan.max_rank, name=name, **raw)
