@@ -23,8 +23,10 @@ host -> GPU (CUDA only):
               blocks) into a device buffer on a side stream, timed with CUDA events: the bound;
   ``ours``    the cache's ``prefetch`` of every adapter from the host tier into the pool, each load timed with CUDA
               events (``stats()`` ``host_to_gpu_gbps``), and the wall time from the first copy queued to the last
-              landed; since session 12 the host copies are raw images, so a load is the chunked copies through the
-              staging buffers plus the finish kernels (``AdapterPool._finish``); ``ours_host_finished``: the same
+              landed; the host copies are raw images (since session 12), and since session 13 the cache copies
+              each in one copy and defers its in-place finish to the step boundary (``AdapterPool.finish_pending``,
+              on the compute stream; timed by ``finish_under_compute.py``), so these rows are the copies;
+              ``ours_host_finished``: the same
               adapters' host-finished images (one ``cudaMemcpyAsync`` each, as before), the A/B of one run;
   ``ours_under_gemm`` the same while the compute stream runs a bf16 GEMM loop: the copies' GB/s and the GEMMs'
               slowdown (and ``ours_host_finished_under_gemm``).

@@ -1,12 +1,18 @@
 """Adapter loads into the pool while the compute stream is busy: raw images (copies + the device finish,
-``Engine(adapter_finish="device")``) against host-finished ones (one copy each), under different compute (session 12).
+``Engine(adapter_finish="device")``) against host-finished ones (one copy each), under different compute (sessions 12
+and 13).
+
+Images: ``host_finished`` (one copy each); ``device_finish`` (raw: the copy, then the in-place finish kernels right
+after it on the same side stream); ``deferred_finish`` (raw: the copies on the side stream, the finish queued on the
+compute stream after the compute, as the adapter cache does at a step boundary, ``AdapterPool.finish_pending``;
+its GB/s is the copies', and ``finish_us_per_load`` the finish's own time on the then idle compute stream).
 
 In session 12's one-batch bench the device-finished loads ran at 1.6-4.4 GB/s while the engine computed, against
 ~80% of the pinned copy bandwidth under a bf16 GEMM loop (``bench_adapter_load.py``). This separates the kinds of
 compute an engine step is made of: none; large GEMMs; a CUDA graph of many small kernels replayed back to back (a
 decode step); the same small kernels launched eagerly.
 
-    python bench/finish_under_compute.py --out bench/results/tier_moves/session12   # H200, ~40 s
+    python bench/finish_under_compute.py --out bench/results/tier_moves/session13   # H200, ~60 s
 """
 
 from __future__ import annotations
@@ -84,29 +90,41 @@ def main() -> int:
             for _ in range(40):
                 small()
 
-    def loads(image, kind: str) -> float:
+    def loads(image, kind: str, defer: bool) -> tuple[float, float | None]:
         slots = []
         torch.cuda.synchronize()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record(side)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        ev[0].record(side)
         for _ in range(args.loads):  # queued first (asynchronous), then the compute beside them
-            slots.append(pool.load(image, stream=side))
-        end.record(side)
+            slots.append(pool.load(image, stream=side, defer_finish=defer))
+        ev[1].record(side)
         compute(kind)
-        end.synchronize()
-        gbps = args.loads * n * 2 / (begin.elapsed_time(end) / 1e3) / 1e9
+        ev[1].synchronize()
+        gbps = args.loads * n * 2 / (ev[0].elapsed_time(ev[1]) / 1e3) / 1e9
+        fin_us = None
+        if defer:  # the step boundary: the finish on the compute stream, after its work
+            ev[2].record()
+            assert pool.finish_pending() == args.loads
+            ev[3].record()
+            ev[3].synchronize()
+            fin_us = ev[2].elapsed_time(ev[3]) * 1e3 / args.loads
         torch.cuda.synchronize()
         for sl in slots:
             pool.free(sl)
-        return gbps
+        return gbps, fin_us
 
     rows = []
     for kind in ("none", "gemm", "graph", "eager"):
-        for name, image in (("device_finish", raw), ("host_finished", fin)):
-            loads(image, kind)
-            r = [loads(image, kind) for _ in range(3)]
-            rows.append({"compute": kind, "images": name, "gbps": statistics.median(r), "runs": r})
-            print(f"{kind:6s} {name:14s} {statistics.median(r):6.2f} GB/s  {[round(v, 1) for v in r]}", flush=True)
+        for name, image, defer in (("device_finish", raw, False), ("deferred_finish", raw, True),
+                                   ("host_finished", fin, False)):
+            loads(image, kind, defer)
+            r = [loads(image, kind, defer) for _ in range(3)]
+            g = [x[0] for x in r]
+            f = [x[1] for x in r if x[1] is not None]
+            rows.append({"compute": kind, "images": name, "gbps": statistics.median(g), "runs": g,
+                         "finish_us_per_load": statistics.median(f) if f else None})
+            print(f"{kind:6s} {name:16s} {statistics.median(g):6.2f} GB/s  {[round(v, 1) for v in g]}"
+                  + (f"  finish {statistics.median(f):.1f} us/load" if f else ""), flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "finish_under_compute.json").write_text(json.dumps(

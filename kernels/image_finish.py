@@ -14,14 +14,23 @@ the read's time on a CPU thread (bench/README.md, "Tier moves against their boun
 :class:`FinishOps` lists the copies that turn such an image into the pool image: ops ``(src, dst, rows, cols,
 transpose)`` in elements relative to the image start. ``transpose == 0`` copies ``rows * cols`` contiguous
 elements; ``transpose == 1`` reads ``[rows, cols]`` row-major at ``src`` and writes ``[cols, rows]`` row-major at
-``dst``. The ops' destinations partition the image (every element written exactly once, so one launch may run
-them all in any order); each op reads its source from the same *group* (one (layer, projection) of the image: a
-contiguous run of whole pages), so the image can be finished group-aligned chunk by chunk through a staging
-buffer smaller than the image. Every value an op reads is checked finite; the first op (in order) found to hold
-a NaN or +-inf is reported, by its index, so the caller can name the file tensor it came from (``keys``).
+``dst``. The ops' destinations partition the image (every element written exactly once); each op reads its source
+from the same *group* (one (layer, projection) of the image). Every value an op reads is checked finite; the first
+op (in order) found to hold a NaN or +-inf is reported, by its index, so the caller can name the file tensor it came
+from (``keys``).
+
+On the GPU the raw image is copied straight into its pool extent (one host -> GPU copy at copy speed) and finished
+**in place** (:class:`InPlacePlan`): the raw reader puts each transposed op's source where its destination is
+(``src == dst``), so a transpose first moves its source to a scratch buffer (*gather*) and then writes the
+destination from there (*transpose*); a copy op's source is never any op's destination except its own (``src ==
+dst``: a check, nothing stored; or a fused projection's shared A, read from the first slice's region). So the
+finish is one launch of the copies, then a gather and a transpose launch per scratch-sized chunk of the
+transposes, all on one stream, and it can be queued whenever the copy has landed: the adapter cache queues it on
+the compute stream at a step boundary, where a kernel is never starved by the compute stream's GEMMs
+(bench/README.md, "Session 12" and "Session 13").
 
 ``finish_torch`` is the reference (and the CPU pools' path); ``multilora.kernels.triton_image_finish`` is the GPU
-kernel (tiles of ``FinishPlan``), compared with it bit for bit in ``tests/test_image_finish.py``.
+kernel (tiles of ``InPlacePlan``), compared with it bit for bit in ``tests/test_image_finish.py``.
 """
 
 from __future__ import annotations
@@ -32,11 +41,11 @@ from functools import cached_property
 import numpy as np
 import torch
 
-#: the most elements the pool stages at a time (64 MiB of bf16): two chunks per Llama-3-8B rank-16 image, each a host
-#: -> GPU copy followed by one kernel launch (every launch may wait for SMs behind the compute stream's kernels, so
-#: fewer is better: 6 chunks of 16 MiB ran at 4.4 GB/s under an engine's prefill in session 12); lowered to the
-#: largest image a pool admits, raised to its largest group (``multilora.memory.pool.staging_elems``)
-STAGING_ELEMS = 32 << 20
+#: the pool's scratch buffer for in-place transposes, in elements (64 MiB of bf16): every lora_B of a Llama-3-8B
+#: rank-16 image (21 Mi elements) in one chunk, so such an image finishes in three launches; lowered to the most
+#: lora_B elements an adapter of the pool's max rank has, raised to its largest single lora_B
+#: (``multilora.memory.pool.scratch_elems``)
+SCRATCH_ELEMS = 32 << 20
 
 #: elements per program of the kernel (a tile of BLOCK_ROWS x BLOCK_COLS; 8 warps)
 TILE_ELEMS = 16384
@@ -45,7 +54,7 @@ NUM_WARPS = 8
 
 @dataclass(frozen=True)
 class FinishOps:
-    """The device finish of one raw image layout (made once per copy plan: adapters whose config and header bytes
+    """The finish of one raw image layout (made once per copy plan: adapters whose config and header bytes
     are equal share the object; ``content_key`` is equal for every equal layout).
 
     ``ops``: int64 ``[n, 5]`` ``(src, dst, rows, cols, transpose)``, element offsets relative to the image start
@@ -59,7 +68,7 @@ class FinishOps:
     groups: torch.Tensor
     keys: tuple[str, ...]
     numel: int
-    _plans: dict = field(default_factory=dict, compare=False, repr=False)  # (staging, block_cols) -> FinishPlan
+    _plans: dict = field(default_factory=dict, compare=False, repr=False)  # (scratch, block_cols) -> InPlacePlan
 
     def __post_init__(self) -> None:
         if self.ops.dtype != torch.int64 or self.ops.dim() != 2 or self.ops.shape[1] != 5:
@@ -79,40 +88,49 @@ class FinishOps:
         return int(self.ops[tr, 3].max()) if bool(tr.any()) else 0
 
     @property
-    def largest_group(self) -> int:
-        """Elements of the largest group: the smallest staging buffer that can finish this image."""
-        g = self.groups
-        return int((g[:, 1] - g[:, 0]).max()) if g.shape[0] else 0
+    def largest_transpose(self) -> int:
+        """Elements of the largest transposed op (one lora_B slice): the smallest scratch that can finish this image."""
+        tr = self.ops[:, 4] == 1
+        return int((self.ops[tr, 2] * self.ops[tr, 3]).max()) if bool(tr.any()) else 0
 
-    def plan(self, staging_elems: int, block_cols: int) -> "FinishPlan":
-        """The tiles of this layout for a staging buffer of ``staging_elems`` and the kernel's ``block_cols``
-        (cached on the object).
+    def inplace_plan(self, scratch_elems: int, block_cols: int) -> "InPlacePlan":
+        """The launches and tiles that finish this layout in place with a scratch of ``scratch_elems`` elements and
+        the kernel's ``block_cols`` (cached on the object).
 
         Raises:
-            ValueError: a group larger than ``staging_elems``, or a transposed source wider than ``block_cols``.
+            ValueError: a transposed op larger than ``scratch_elems``, or one wider than ``block_cols``.
         """
-        key = (staging_elems, block_cols)
+        key = (scratch_elems, block_cols)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _plan(self, staging_elems, block_cols)
+            plan = self._plans[key] = _inplace_plan(self, scratch_elems, block_cols)
         return plan
 
 
-@dataclass(frozen=True)
-class FinishPlan:
-    """``FinishOps`` cut into staging-sized chunks of whole groups, each op into kernel tiles.
+#: the kinds of ``InPlacePlan`` launches (what ``src`` and ``dst`` of their tiles are relative to)
+IN_PLACE, GATHER, TRANSPOSE = 0, 1, 2
 
-    ``chunks``: ``(start, end, first tile, end tile)`` per chunk (image elements ``[start, end)`` go through the
-    staging buffer together). ``tiles``: int64 ``[t, 7]`` ``(src, dst, rows, cols, transpose, first row, op)``:
-    a program finishes rows ``[first row, first row + block_rows)`` of its op (for a copy, rows of
-    ``block_cols`` elements), reading ``src`` relative to the image start. ``block_rows`` / ``block_cols``: the
-    tile shape (``block_rows * block_cols == TILE_ELEMS`` unless a transposed source is wider).
+
+@dataclass(frozen=True)
+class InPlacePlan:
+    """``FinishOps`` as launches over a raw image that already sits where its pool image goes.
+
+    ``launches``: ``(kind, first tile, end tile)`` in the order they must run (one stream):
+    ``IN_PLACE`` (the copy ops: ``src`` and ``dst`` relative to the image start; a tile whose ``src == dst`` only
+    checks), then per chunk of transposes ``GATHER`` (plain copies of the transposed sources from the image into
+    the scratch: ``src`` relative to the image, ``dst`` to the scratch) and ``TRANSPOSE`` (``src`` relative to the
+    scratch, ``dst`` to the image). ``tiles``: int64 ``[t, 7]`` ``(src, dst, rows, cols, transpose, first row,
+    op)``: a program finishes rows ``[first row, first row + block_rows)`` of its op (for a copy, rows of
+    ``block_cols`` elements); ``op`` indexes ``FinishOps.ops`` (what a failed check reports). ``block_rows`` /
+    ``block_cols``: the tile shape (``block_rows * block_cols == TILE_ELEMS`` unless a transposed source is
+    wider). ``scratch_elems``: the most scratch elements one chunk uses.
     """
 
-    chunks: tuple[tuple[int, int, int, int], ...]
+    launches: tuple[tuple[int, int, int], ...]
     tiles: torch.Tensor
     block_rows: int
     block_cols: int
+    scratch_elems: int
 
 
 def block_cols_for(max_rank: int) -> int:
@@ -121,38 +139,76 @@ def block_cols_for(max_rank: int) -> int:
     return max(16, 1 << (max(int(max_rank), 1) - 1).bit_length())
 
 
-def _plan(fin: FinishOps, staging_elems: int, block_cols: int) -> FinishPlan:
-    if fin.largest_group > staging_elems:
-        raise ValueError(f"FinishOps.plan: a group of {fin.largest_group} elements does not fit a staging buffer of "
-                         f"{staging_elems}")
-    if fin.max_cols > block_cols:
-        raise ValueError(f"FinishOps.plan: a lora_B of rank {fin.max_cols} is wider than block_cols={block_cols}")
-    block_rows = max(1, TILE_ELEMS // block_cols)
-    ops = fin.ops.numpy()
-    n_ops = ops.shape[0]
-    # tiles per op: a copy is rows of block_cols elements; a transpose walks its source rows
+def _tiles(ops: np.ndarray, op_index: np.ndarray, block_rows: int, block_cols: int) -> np.ndarray:
+    """Kernel tiles ``(src, dst, rows, cols, transpose, first row, op)`` of the ops ``ops`` (``[n, 5]``; ``op_index``
+    their indices in ``FinishOps.ops``): a copy is rows of ``block_cols`` elements, a transpose walks its source
+    rows, ``block_rows`` per tile."""
     span = np.where(ops[:, 4] == 1, ops[:, 2], -(-(ops[:, 2] * ops[:, 3]) // block_cols))
     per = -(-span // block_rows)
-    op_of = np.repeat(np.arange(n_ops), per)
-    first = np.concatenate([[0], np.cumsum(per)[:-1]]) if n_ops else np.zeros(0, np.int64)
-    row0 = (np.arange(op_of.size) - np.repeat(first, per)) * block_rows
-    tiles = np.concatenate([ops[op_of], row0[:, None], op_of[:, None]], axis=1).astype(np.int64)
-    tile_start = np.concatenate([[0], np.cumsum(per)]).astype(np.int64)  # first tile of op i; the end at n_ops
-    groups = fin.groups.numpy()
-    chunks = []
-    i = 0
-    while i < groups.shape[0]:
-        start = int(groups[i, 0])
-        j = i
-        while j + 1 < groups.shape[0] and int(groups[j + 1, 1]) - start <= staging_elems:
+    of = np.repeat(np.arange(ops.shape[0]), per)
+    first = np.concatenate([[0], np.cumsum(per)[:-1]]) if ops.shape[0] else np.zeros(0, np.int64)
+    row0 = (np.arange(of.size) - np.repeat(first, per)) * block_rows
+    return np.concatenate([ops[of], row0[:, None], op_index[of][:, None]], axis=1).astype(np.int64).reshape(-1, 7)
+
+
+def _check_in_place(ops: np.ndarray) -> None:
+    """Raise ValueError unless these ops can run in place in ``InPlacePlan`` order: every transpose reads where it
+    writes (``src == dst``, moved out through the scratch), and no copy that moves values (``src != dst``) reads
+    elements that a moving op (such a copy, or a transpose) writes."""
+    tr = ops[:, 4] == 1
+    if bool((ops[tr, 0] != ops[tr, 1]).any()):
+        raise ValueError("FinishOps.inplace_plan: a transposed op reads elsewhere than it writes (the raw reader puts "
+                         "lora_B where its transpose goes); this layout cannot be finished in place")
+    size = ops[:, 2] * ops[:, 3]
+    moving = tr | (ops[:, 0] != ops[:, 1])
+    lo = ops[moving, 1]
+    order = np.argsort(lo)
+    lo, hi = lo[order], (ops[moving, 1] + size[moving])[order]  # disjoint (destinations partition the image)
+    readers = np.nonzero(~tr & (ops[:, 0] != ops[:, 1]))[0]
+    s0, s1 = ops[readers, 0], ops[readers, 0] + size[readers]
+    k = np.searchsorted(lo, s1, side="left") - 1  # the last moving destination starting before a source ends
+    clash = (k >= 0) & (hi[np.maximum(k, 0)] > s0) & (s1 > s0)
+    if bool(clash.any()):
+        raise ValueError(f"FinishOps.inplace_plan: op {int(readers[np.argmax(clash)])} copies from elements another op "
+                         "moves; this layout cannot be finished in place")
+
+
+def _inplace_plan(fin: FinishOps, scratch_elems: int, block_cols: int) -> InPlacePlan:
+    if fin.largest_transpose > scratch_elems:
+        raise ValueError(f"FinishOps.inplace_plan: a lora_B of {fin.largest_transpose} elements does not fit a scratch "
+                         f"of {scratch_elems}")
+    if fin.max_cols > block_cols:
+        raise ValueError(f"FinishOps.inplace_plan: a lora_B of rank {fin.max_cols} is wider than "
+                         f"block_cols={block_cols}")
+    block_rows = max(1, TILE_ELEMS // block_cols)
+    ops = fin.ops.numpy()
+    _check_in_place(ops)
+    tr = np.nonzero(ops[:, 4] == 1)[0]
+    cp = np.nonzero(ops[:, 4] == 0)[0]
+    pieces = [(IN_PLACE, _tiles(ops[cp], cp, block_rows, block_cols))]
+    size = ops[:, 2] * ops[:, 3]
+    used_most, i = 0, 0
+    while i < tr.size:  # chunks of consecutive transposes whose sources fit the scratch together
+        j, used = i, 0
+        while j < tr.size and used + size[tr[j]] <= scratch_elems:
+            used += int(size[tr[j]])
             j += 1
-        end = int(groups[j, 1])
-        op_lo = int(groups[i, 2])
-        op_hi = int(groups[j + 1, 2]) if j + 1 < groups.shape[0] else n_ops
-        chunks.append((start, end, int(tile_start[op_lo]), int(tile_start[op_hi])))
-        i = j + 1
-    return FinishPlan(chunks=tuple(chunks), tiles=torch.from_numpy(tiles), block_rows=block_rows,
-                      block_cols=block_cols)
+        idx = tr[i:j]
+        at = np.concatenate([[0], np.cumsum(size[idx])[:-1]]).astype(np.int64)
+        one, zero = np.ones_like(at), np.zeros_like(at)
+        gather = np.stack([ops[idx, 0], at, size[idx], one, zero], axis=1)  # a plain copy of rows * cols elements
+        turn = np.stack([at, ops[idx, 1], ops[idx, 2], ops[idx, 3], one], axis=1)
+        pieces += [(GATHER, _tiles(gather, idx, block_rows, block_cols)),
+                   (TRANSPOSE, _tiles(turn, idx, block_rows, block_cols))]
+        used_most, i = max(used_most, used), j
+    launches, n = [], 0
+    for kind, t in pieces:
+        if t.shape[0]:
+            launches.append((kind, n, n + t.shape[0]))
+            n += t.shape[0]
+    tiles = np.concatenate([t for _, t in pieces]) if pieces else np.zeros((0, 7), np.int64)
+    return InPlacePlan(launches=tuple(launches), tiles=torch.from_numpy(np.ascontiguousarray(tiles)),
+                       block_rows=block_rows, block_cols=block_cols, scratch_elems=used_most)
 
 
 def finish_torch(src: torch.Tensor, dst: torch.Tensor, fin: FinishOps) -> int:

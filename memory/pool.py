@@ -60,6 +60,14 @@ and a later side-stream load waits on the last compaction (so its copy cannot la
 still reading). ``free`` of a slot whose copy is pending makes the current stream wait on it too, so the next
 owner's copy cannot be overtaken. Nothing here synchronises the host.
 
+Raw images (``PackedAdapter.finish``; ``multilora.kernels.image_finish``). On CUDA a raw image is copied into its
+extent like any other (one copy) and then finished there in place (lora_B transposed through a scratch buffer, a
+fused projection's shared A copied, every value checked finite): right after the copy on the same stream, or, with
+``load(..., defer_finish=True)``, when ``finish_pending`` is called on the stream that will read the slot (the
+adapter cache: at each step boundary, on the compute stream). Until then the slot holds raw values and must not be
+read; ``unpack`` and ``nonfinite`` finish it first. A compaction may move an unfinished image: the finish runs
+wherever the extent is when it is queued. On a CPU pool ``load`` finishes with torch ops from the source image.
+
 The pool is the only owner of device memory for adapter weights: ``load`` copies the image and keeps no
 reference to the source tensors.
 """
@@ -74,7 +82,7 @@ from typing import Any, Mapping, Protocol
 import torch
 
 from multilora.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
-from multilora.kernels.image_finish import STAGING_ELEMS, block_cols_for, finish_ops, finish_torch
+from multilora.kernels.image_finish import SCRATCH_ELEMS, block_cols_for, finish_ops, finish_torch
 from multilora.kernels.lora import LoRAModuleView
 from multilora.memory.extents import Extents, move_down
 
@@ -135,15 +143,14 @@ def image_layout(config: ModelConfig, ranks: Mapping[tuple[int, str], int]) -> t
     return offsets, pos
 
 
-def staging_elems(config: ModelConfig, max_rank: int) -> int:
-    """Elements of each staging buffer a pool of ``max_rank`` finishes raw images through
-    (``AdapterPool.staging_elems``): the largest image it admits (``max_adapter_pages``), capped at
-    ``STAGING_ELEMS`` (``multilora.kernels.image_finish``: 64 MiB of bf16), but at least the largest (layer,
-    projection) group of an adapter at ``max_rank`` (every slice of a fused projection). Llama-3-8B, rank 16, bf16:
-    2 x 64 MiB; SmolLM2-135M, rank 16: 2 x 9.8 MB."""
-    group = max((sum(_pages(max_rank * sum(config.module_shape(p))) for p in config.lora_slices(m))
-                 for m in config.lora_modules), default=0)
-    return max(min(STAGING_ELEMS, max_adapter_pages(config, max_rank) * PAGE_ELEMS), group * PAGE_ELEMS)
+def scratch_elems(config: ModelConfig, max_rank: int) -> int:
+    """Elements of the scratch buffer a pool of ``max_rank`` finishes raw images in place with
+    (``AdapterPool.scratch_elems``; ``multilora.kernels.image_finish.InPlacePlan``): the lora_B elements of the
+    largest adapter it admits (every target module of every layer at ``max_rank``), capped at ``SCRATCH_ELEMS``
+    (64 MiB of bf16), but at least its largest single lora_B (``max_rank`` x the widest d_out). Llama-3-8B, rank 16,
+    bf16: 44 MB (one chunk); SmolLM2-135M, rank 16: 5.0 MB."""
+    outs = [config.module_shape(m)[1] for m in TARGET_MODULES]
+    return max(min(SCRATCH_ELEMS, config.num_layers * max_rank * sum(outs)), max_rank * max(outs))
 
 
 def max_adapter_pages(config: ModelConfig, max_rank: int) -> int:
@@ -416,10 +423,10 @@ class AdapterPool:
         self._extents: dict[int, tuple[int, int]] = {}  # slot -> (first page, pages)
         self._meta: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> host (ranks, relative offsets)
         self._pending: dict[int, Any] = {}  # slot -> event of its side-stream copy
-        # raw images (``_finish``): staging buffer, per-slot finite flags (device, pinned host copy), pending checks
-        self._staging: torch.Tensor | None = None  # [2, staging_elems()]: two buffers used in turn
-        self._staging_free: list[Any] = [None, None]  # per buffer, the event after the last kernel that read it
-        self._finish_stream: Any = None
+        # raw images (``_finish_now``): scratch, per-slot finite flags (device, pinned host copy), pending checks
+        self._scratch: torch.Tensor | None = None  # [scratch_elems()], allocated at the first raw load on CUDA
+        self._unfinished: dict[int, tuple[Any, bool]] = {}  # slot -> (FinishOps, needs a check): copied, not finished
+        self._scratch_free: Any = None  # the event after the last finish that used the scratch
         self._flags: torch.Tensor | None = None
         self._flags_host: torch.Tensor | None = None
         # slot -> (event after its finish, FinishOps, finish_torch's answer on a CPU pool else None)
@@ -612,7 +619,7 @@ class AdapterPool:
 
     # ------------------------------------------------------------------ load / free
     def load(self, adapter: "AdapterWeights | PackedAdapter", *, stream: Any = None, timer: Any = None,
-             slot: int | None = None) -> int:
+             slot: int | None = None, defer_finish: bool = False) -> int:
         """Copy an adapter's image into an extent (compacting first if no hole fits but the free pages do);
         return its slot.
 
@@ -622,8 +629,12 @@ class AdapterPool:
             stream: a CUDA stream for the copy (asynchronous from pinned memory); the caller must make the
                 consuming stream wait for it (``torch.cuda.Event``) before reading the slot.
             timer: an object whose ``start(stream)`` / ``stop(stream)`` are called just before and after the
-                image's copy (one copy; for a raw image, its chunked copies and finish kernels: ``_finish``) (the
-                adapter cache times host -> GPU loads with CUDA events this way).
+                image's copy (one copy; for a raw image finished now, its finish kernels too) (the adapter cache
+                times host -> GPU loads with CUDA events this way).
+            defer_finish: a raw image (``packed.finish``) on a CUDA pool is copied now and finished in place later,
+                by ``finish_pending`` on the stream that calls it (the adapter cache calls it at each step boundary on
+                the compute stream, where the finish kernels are never starved by the step's GEMMs); the slot must
+                not be read before. False: finished right after the copy, on the same stream.
 
         Raises:
             ValueError: the adapter's rank exceeds ``max_rank``, or its image is not in the pool's dtype.
@@ -656,95 +667,100 @@ class AdapterPool:
             self._extents[slot] = (start, need)
             self._meta[slot] = (packed.ranks.to(torch.int32).clone(), packed.offsets.to(torch.int64).clone())
             try:
-                self._write(slot, start, packed, stream, timer)
+                self._write(slot, start, packed, stream, timer, defer_finish)
             except BaseException:
                 self.free(slot)
                 raise
         return slot
 
-    def _write(self, slot: int, start: int, packed: PackedAdapter, stream: Any, timer: Any = None) -> None:
+    def _write(self, slot: int, start: int, packed: PackedAdapter, stream: Any, timer: Any = None,
+               defer_finish: bool = False) -> None:
         lo = self._base + start * PAGE_ELEMS
+        fin = packed.finish
+        if fin is not None and fin.numel != packed.data.numel():
+            raise ValueError(f"adapter {packed.name!r}: a raw image of {packed.data.numel()} elements with finish ops "
+                             f"for {fin.numel}")
         if stream is not None:
             self.order.wait(self._last_compaction, stream)  # not before the moves out of these pages
+        answer = None
         with self.order.on(stream):
             if timer is not None:
                 timer.start(stream)
-            answer = None
-            if packed.finish is not None:
-                answer = self._finish(slot, lo, packed, stream)
+            if fin is not None and not self.order.cuda:  # a CPU pool: torch ops, synchronous
+                answer = finish_torch(packed.data, self.buffer[lo : lo + fin.numel], fin)
             else:  # the whole image in one copy: one cudaMemcpyAsync from pinned memory
                 self.buffer[lo : lo + packed.data.numel()].copy_(packed.data, non_blocking=stream is not None)
+                if fin is not None:
+                    self._unfinished[slot] = (fin, not packed.checked)
+                    if not defer_finish:
+                        self._finish_now(slot)
             if timer is not None:
                 timer.stop(stream)
         if stream is not None:
             self._pending[slot] = self.order.record(stream)
-        if packed.finish is not None and not packed.checked:
-            self._checks[slot] = (self._pending.get(slot) or self.order.record(), packed.finish, answer)
+        if fin is not None and not self.order.cuda and not packed.checked:
+            self._checks[slot] = (None, fin, answer)
         self.ranks[:, :, slot] = packed.ranks.to(self.device)
         self.scalings[:, :, slot] = packed.scalings.to(self.device)
         self._write_offsets(slot)
 
     # ------------------------------------------------------------------ raw images (kernels/image_finish.py)
-    def staging_elems(self) -> int:
-        """Elements of each of the two staging buffers raw images are finished through (allocated at the first
-        raw load): ``STAGING_ELEMS`` or the largest (layer, projection) group an adapter of ``max_rank`` may have, if
-        larger (``runtime.sizing`` counts both as working memory)."""
-        return staging_elems(self.config, self.max_rank)
+    def scratch_elems(self) -> int:
+        """Elements of the scratch buffer raw images are finished in place with on CUDA (allocated at the first raw
+        load; ``scratch_elems``; ``runtime.sizing`` counts it as working memory)."""
+        return scratch_elems(self.config, self.max_rank)
 
-    def _finish(self, slot: int, lo: int, packed: PackedAdapter, stream: Any) -> int | None:
-        """A raw image into the pool at element ``lo``, queued on the current stream (``stream``, or the current
-        one): on the CPU, ``finish_torch``. On CUDA, chunk by chunk (``FinishOps.plan``) through two staging
-        buffers used in turn: each chunk's host -> GPU copy on the current stream, its kernel on the pool's
-        high-priority finish stream, which waits for that copy; a copy into a buffer waits only for the kernel
-        that last read it, so copies run back to back while kernels trail them by one chunk (one stream for both
-        serialised each copy behind the previous kernel, which waits for free SMs under load: bench/README.md,
-        "Session 12"). The finite check's answer is copied to pinned host memory, and the current stream waits
-        for the finish stream at the end, so whatever waits for this load (the pool's pending event, the
-        caller's timer) waits for the finished pages. Returns ``finish_torch``'s answer on the CPU, None on CUDA
-        (the answer is in ``_flags_host[slot]`` once the load has landed)."""
-        fin = packed.finish
-        if fin.numel != packed.data.numel():
-            raise ValueError(f"adapter {packed.name!r}: a raw image of {packed.data.numel()} elements with finish ops "
-                             f"for {fin.numel}")
-        if not self.order.cuda:
-            return finish_torch(packed.data, self.buffer[lo : lo + fin.numel], fin)
+    def _finish_now(self, slot: int) -> None:
+        """Queue the in-place finish of a copied raw image (``_unfinished[slot]``) on the current stream: reset the
+        slot's flag, ``triton_image_finish.finish_inplace`` over its extent as it is now (a compaction may have
+        moved it since the copy), then the flag's copy to pinned host memory; the check's answer is read by
+        ``nonfinite`` once the event recorded after it has completed."""
         from multilora.kernels import triton_image_finish as tk  # CUDA only (Triton)
 
-        if self._staging is None:
-            n = self.staging_elems()
-            self._staging = torch.empty(2, n, dtype=self.dtype, device=self.device)
+        fin, check = self._unfinished.pop(slot)
+        if self._scratch is None:
+            self._scratch = torch.empty(self.scratch_elems(), dtype=self.dtype, device=self.device)
             self._flags = torch.full((self.max_slots,), tk.NO_BAD_OP, dtype=torch.int32, device=self.device)
-            self._flags_host = torch.empty(self.max_slots, dtype=torch.int32, pin_memory=True)
-            # the highest priority: a finish kernel gets the next free SMs ahead of the compute stream's
-            self._finish_stream = torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[1]
-                                                    if hasattr(torch.cuda.Stream, "priority_range") else -1)
-        plan = fin.plan(self._staging.shape[1], block_cols_for(self.max_rank))
+            self._flags_host = torch.empty(self.max_slots, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        plan = fin.inplace_plan(self._scratch.numel(), block_cols_for(self.max_rank))
         # the tiles on the device, by the layout's content (adapters of one shape share them whatever their config
         # bytes), least recently used last out; uploaded from pinned memory without a host wait
         key = fin.content_key
         tiles = self._tiles.pop(key, None)
         if tiles is None:
-            pinned = plan.tiles.pin_memory()
+            pinned = plan.tiles.pin_memory() if self.device.type == "cuda" else plan.tiles
             tiles = (pinned, pinned.to(self.device, non_blocking=True))  # (the pinned source lives with it)
         self._tiles[key] = tiles
         while len(self._tiles) > 64:
             self._tiles.pop(next(iter(self._tiles)))
-        copy_stream, fs = torch.cuda.current_stream(self.device), self._finish_stream
-        for i, (c0, c1, _, _) in enumerate(plan.chunks):
-            buf = self._staging[i % 2]
-            self.order.wait(self._staging_free[i % 2], copy_stream)  # the kernel that last read this buffer
-            buf[: c1 - c0].copy_(packed.data[c0:c1], non_blocking=True)
-            fs.wait_event(self.order.record(copy_stream))  # (also orders the kernel after the caller's waits)
-            with torch.cuda.stream(fs):
-                if i == 0:
-                    self._flags[slot : slot + 1].fill_(tk.NO_BAD_OP)
-                tk.finish_chunk(buf, self.buffer, lo, plan, tiles[1], i, self._flags, slot)
-                self._staging_free[i % 2] = self.order.record(fs)
-        with torch.cuda.stream(fs):
+        self.order.wait(self._scratch_free)  # the scratch's last user may have been another stream
+        self._flags[slot : slot + 1].fill_(tk.NO_BAD_OP)
+        tk.finish_inplace(self.buffer, self._base + self._extents[slot][0] * PAGE_ELEMS, plan, tiles[1],
+                          self._scratch, self._flags, slot)
+        self._scratch_free = self.order.record()
+        if check:
             self._flags_host[slot : slot + 1].copy_(self._flags[slot : slot + 1], non_blocking=True)
-            done = self.order.record(fs)
-        copy_stream.wait_event(done)
-        return None
+            self._checks[slot] = (self.order.record(), fin, None)
+
+    def finish_pending(self, slots: Any = ()) -> int:
+        """Queue on the current stream the in-place finish of raw images loaded with ``defer_finish``: those of
+        ``slots`` whatever their copy's state (the stream first waits for the copy: no host sync), and every other
+        one whose copy has landed (its event completed). Later work on this stream reads them finished. Returns
+        how many were queued. A no-op on a CPU pool (it finishes at ``load``)."""
+        with self._lock:
+            want = set(slots)
+            done = 0
+            for slot in list(self._unfinished):
+                ev = self._pending.get(slot)
+                if slot in want or ev is None or ev.query():
+                    self.order.wait(ev)
+                    self._finish_now(slot)
+                    done += 1
+            return done
+
+    def unfinished(self, slot: int) -> bool:
+        """Whether the slot holds a raw image still to be finished (``load(..., defer_finish=True)``)."""
+        return slot in self._unfinished
 
     def warm_finish(self) -> None:
         """Compile the device finish's kernel for this pool's dtype and tile width (``Engine.warmup``), on a tiny
@@ -754,23 +770,29 @@ class AdapterPool:
         from multilora.kernels import triton_image_finish as tk
 
         fin = finish_ops([(0, 0, 64, 1, 0), (64, 64, 4, 16, 1)], [(0, 128, 0)], ["a", "b"], 128)
-        plan = fin.plan(128, block_cols_for(self.max_rank))
-        src = torch.zeros(128, dtype=self.dtype, device=self.device)
+        plan = fin.inplace_plan(64, block_cols_for(self.max_rank))
+        buf = torch.zeros(128, dtype=self.dtype, device=self.device)
         flags = torch.full((1,), tk.NO_BAD_OP, dtype=torch.int32, device=self.device)
-        tk.finish_image(src, torch.empty_like(src), 0, plan, plan.tiles.to(self.device), torch.empty_like(src), flags)
+        tk.finish_inplace(buf, 0, plan, plan.tiles.to(self.device), torch.empty(64, dtype=self.dtype,
+                                                                                   device=self.device), flags)
 
     def check_ready(self, slot: int) -> bool:
         """Whether ``nonfinite(slot)`` would answer without waiting: no check pending, or the load it belongs to
         has landed (its CUDA event completed)."""
         with self._lock:
+            if slot in self._unfinished:
+                return not self._unfinished[slot][1]
             entry = self._checks.get(slot)
             return entry is None or entry[0] is None or entry[0].query()
 
     def nonfinite(self, slot: int) -> str | None:
         """The device check of a slot loaded from a raw image not known finite: None if every value is finite (or
         the slot needs no check), else the key of the file tensor the first non-finite value came from. Waits
-        (host sync) for the slot's copy if it has not landed; the answer is given once per load."""
+        (host sync) for the slot's copy and finish if they have not run (a deferred finish is queued now, on the
+        current stream); the answer is given once per load."""
         with self._lock:
+            if slot in self._unfinished:
+                self.finish_pending((slot,))
             entry = self._checks.pop(slot, None)
             if entry is None:
                 return None
@@ -787,7 +809,7 @@ class AdapterPool:
 
     def needs_check(self, slot: int) -> bool:
         """Whether ``nonfinite(slot)`` has an answer pending (the slot was loaded from an unchecked raw image)."""
-        return slot in self._checks
+        return slot in self._checks or (slot in self._unfinished and self._unfinished[slot][1])
 
     def _write_offsets(self, slot: int) -> None:
         """``offsets_a`` / ``offsets_b`` of a slot from its extent and its image's relative offsets (0 where the
@@ -811,6 +833,8 @@ class AdapterPool:
             start, n = self._extents[slot]
             ev = self._pending.get(slot)
             self.order.wait(ev)
+            if slot in self._unfinished:  # a raw image not yet finished: finish it first (current stream)
+                self._finish_now(slot)
             if out is None:
                 host = torch.empty(n * PAGE_ELEMS, dtype=self.dtype)
             elif out.dtype != self.dtype or out.dim() != 1 or out.numel() != n * PAGE_ELEMS:
@@ -831,6 +855,7 @@ class AdapterPool:
             start, n = self._extents.pop(slot)
             self.order.wait(self._pending.pop(slot, None))  # the next owner's copy comes after this one
             self._checks.pop(slot, None)
+            self._unfinished.pop(slot, None)
             del self._meta[slot]
             self.ranks[:, :, slot] = 0
             self.scalings[:, :, slot] = 0.0

@@ -44,7 +44,10 @@ Prefetch and tier moves
 (``runtime.adapters.image.read_image``: no intermediate copy; with ``Engine(adapter_finish="device")`` a *raw*
 image, which the pool finishes on the GPU after the copy: ``PackedAdapter.finish``); host -> GPU copies of adapters that fit in free
 bytes run on a side CUDA stream and record an event; ``wait_ready`` makes the compute stream wait on those events
-(not on the device) before a step reads the slots. ``acquire``'s own copy (an adapter not prefetched) also runs on
+(not on the device) before a step reads the slots. A raw image is copied as it is and finished in place by
+``wait_ready`` on the compute stream at the step boundary (``AdapterPool.finish_pending``): the slots the step
+reads, and every other one whose copy has landed (a few tens of microseconds each; on a side stream, the finish
+kernels waited behind the step's GEMMs for free SMs: bench/README.md, "Session 12"). ``acquire``'s own copy (an adapter not prefetched) also runs on
 the side stream, and the current stream waits on it at once. Every host -> GPU copy is timed with two CUDA events;
 every disk -> host read with the wall clock: ``report()`` gives the GB/s of each move with the bytes and seconds
 it comes from. An arena block is neither moved nor reused while a copy reading it may be in flight (its event
@@ -594,7 +597,7 @@ class AdapterCache:
             self.stats.host_to_gpu_timed_bytes += packed.nbytes
         else:
             timer = _CopyTimer()
-            slot = self.pool.load(packed, stream=self._stream, timer=timer)
+            slot = self.pool.load(packed, stream=self._stream, timer=timer, defer_finish=True)
             handle.ready_event = timer.end
             if packed.block is not None:
                 self.arena.note_read(packed.block, timer.end)
@@ -751,8 +754,10 @@ class AdapterCache:
             raise
 
     def wait_ready(self, handles: list[AdapterHandle]) -> None:
-        """Make the current CUDA stream wait for pending prefetch copies of these handles (no host sync); read
-        the device checks that have landed (``_poll_checks``: every step, with prefetch on or off)."""
+        """Make the current CUDA stream wait for pending prefetch copies of these handles (no host sync), then queue
+        on it the in-place finish of raw images: these handles' and every other whose copy has landed
+        (``AdapterPool.finish_pending``); read the device checks that have completed (``_poll_checks``: every step,
+        with prefetch on or off)."""
         with self._lock:
             self._poll_checks()
             for h in handles:
@@ -760,6 +765,7 @@ class AdapterCache:
                 if ev is not None:
                     torch.cuda.current_stream(self.pool.device).wait_event(ev)
                     h.ready_event = None
+            self.pool.finish_pending([h.slot for h in handles if h.slot is not None])
 
     # ------------------------------------------------------------------ introspection
     def resident(self) -> list[str]:

@@ -25,7 +25,7 @@ from multilora.memory.accounting import (USER_CAP, MemoryPlan, MemoryPlanError, 
                                          compute_memory_plan, require_snapshot)
 from multilora.memory.snapshot import apply_torch_memory_fraction, take_snapshot
 from multilora.memory.kv_cache import PagedKVCache
-from multilora.memory.pool import DEFAULT_MAX_SLOTS, PAGE_ELEMS, max_adapter_pages, staging_elems
+from multilora.memory.pool import DEFAULT_MAX_SLOTS, PAGE_ELEMS, max_adapter_pages, scratch_elems
 from multilora.runtime.config import EngineConfig
 
 log = logging.getLogger("multilora")
@@ -60,8 +60,8 @@ class MemoryRequest:
         kv_cap: the cap on the KV cache: ``max_batch_size`` sequences + the null block, lowered by ``kv_cache_bytes``.
         live_blocks: blocks of the live state the plan must fit (one sequence, or fewer under an explicit cap).
         activation_bytes: the estimated activations of the largest prefill + the sampler's reserve + (with
-            ``adapter_finish="device"``) the adapter pool's two staging buffers for raw images
-            (``multilora.memory.pool.staging_elems`` each; 2 x 64 MiB for Llama-3-8B at rank 16 in bf16).
+            ``adapter_finish="device"``) the adapter pool's scratch for finishing raw images in place
+            (``multilora.memory.pool.scratch_elems``; 44 MB for Llama-3-8B at rank 16 in bf16).
         sampling_bytes: float32 logits (eager and graph) + sampler workspace of a ``max_batch_size`` step.
     """
 
@@ -150,7 +150,7 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
                          kv_cap=kv_cap,
                          live_blocks=live_blocks,
                          activation_bytes=activation_bytes(model, cfg, dtype, max_seq_len) + sampling
-                         + (2 * staging_elems(model, cfg.max_lora_rank) * dtype_bytes
+                         + (scratch_elems(model, cfg.max_lora_rank) * dtype_bytes
                             if cfg.adapter_finish == "device" else 0),
                          sampling_bytes=sampling, slot_sizing_pages=slot_sizing_pages(model))
 

@@ -1,6 +1,7 @@
 """Raw adapter images finished on the device (issue 13 item 4): ``read_image(..., raw=True)`` reads every tensor's
-bytes straight into place and ``AdapterPool.load`` transposes lora_B, fills a fused projection's other A regions
-and checks the values after the copy (``multilora.kernels.image_finish``, ``triton_image_finish``).
+bytes straight into place, ``AdapterPool.load`` copies it into its extent and the pool finishes it there in place
+(transposes lora_B through a scratch, fills a fused projection's other A regions, checks the values), right after
+the copy or deferred to ``finish_pending`` (``multilora.kernels.image_finish``, ``triton_image_finish``).
 
 The reference is the host-finished image of the same files (``read_image`` without ``raw``, itself bit-identical
 to a plain reference packer in ``test_adapter_fastpath.py``): every path must give its bits exactly. The Triton
@@ -19,8 +20,9 @@ from conftest import requires_gpu
 
 from multilora import Engine, SamplingParams
 from multilora.config import TARGET_MODULES, ModelConfig
-from multilora.kernels.image_finish import FinishOps, block_cols_for, finish_ops, finish_torch
-from multilora.memory.pool import AdapterPool
+from multilora.kernels.image_finish import (GATHER, IN_PLACE, TRANSPOSE, FinishOps, block_cols_for, finish_ops,
+                                            finish_torch)
+from multilora.memory.pool import AdapterPool, StreamOrder
 from multilora.runtime.adapters import AdapterError, save_peft_adapter
 from multilora.runtime.adapters.image import read_image
 from testsupport import one_thread  # noqa: F401 (autouse fixture)
@@ -142,38 +144,75 @@ def test_nonfinite_raw_image_names_its_tensor(tmp_path):
 # ------------------------------------------------------------------------------------------- plans and ops
 
 
-def test_plan_cuts_whole_groups_into_staging_chunks(tmp_path):
+def test_inplace_plan_launches_and_tiles(tmp_path):
+    """The in-place plan: the copies in one launch, then a gather and a transpose launch per chunk of transposes
+    whose sources fit the scratch together (packed from 0); every op's rows are covered exactly once per launch
+    it takes part in; cached per (scratch, width); content keys equal for equal layouts."""
     d = _write(tmp_path / "a", torch.float32, "patterned")
     _, raw = read_image(d, CFG, _pool(torch.float32), name="x", raw=True)
     fin = raw.finish
-    groups = fin.groups.tolist()
-    assert groups[0][0] == 0 and groups[-1][1] == fin.numel
-    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
-    for staging in (fin.largest_group, fin.largest_group + 100, 3 * fin.largest_group, fin.numel):
-        plan = fin.plan(staging, 16)
-        assert plan.chunks[0][0] == 0 and plan.chunks[-1][1] == fin.numel
-        starts = {g[0] for g in groups} | {fin.numel}
-        for (s, e, t0, t1), nxt in zip(plan.chunks, plan.chunks[1:] + ((fin.numel, None, plan.tiles.shape[0], None),)):
-            assert s in starts and e in starts and e - s <= staging and nxt[0] == e and nxt[2] == t1
-            assert bool((plan.tiles[t0:t1, 0] >= s).all()) and bool((plan.tiles[t0:t1, 1] + 0 < e).all())
-        # the tiles of each op cover its rows exactly once
-        for i, (src, dst, rows, cols, tr) in enumerate(fin.ops.tolist()):
-            t = plan.tiles[plan.tiles[:, 6] == i]
-            span = rows if tr else -(-(rows * cols) // 16)
-            assert t[:, 5].tolist() == list(range(0, span, plan.block_rows))
-    assert fin.plan(fin.largest_group, 16) is fin.plan(fin.largest_group, 16)  # cached
+    ops = fin.ops.tolist()
+    tr = [i for i, o in enumerate(ops) if o[4] == 1]
+    size = {i: ops[i][2] * ops[i][3] for i in range(len(ops))}
+    assert all(ops[i][0] == ops[i][1] for i in tr)  # the raw reader puts lora_B where its transpose goes
+    for scratch in (fin.largest_transpose, fin.largest_transpose + 100, 3 * fin.largest_transpose, fin.numel):
+        plan = fin.inplace_plan(scratch, 16)
+        kinds = [k for k, _, _ in plan.launches]
+        assert kinds[0] == IN_PLACE and kinds[1:] == [GATHER, TRANSPOSE] * ((len(kinds) - 1) // 2)
+        assert [l[1] for l in plan.launches] == [0] + [l[2] for l in plan.launches[:-1]]
+        assert plan.launches[-1][2] == plan.tiles.shape[0] and plan.scratch_elems <= scratch
+        seen_tr = []
+        for kind, t0, t1 in plan.launches:
+            t = plan.tiles[t0:t1]
+            idx = sorted(set(t[:, 6].tolist()))
+            if kind == IN_PLACE:
+                assert idx == [i for i in range(len(ops)) if i not in tr]
+            else:
+                assert all(i in tr for i in idx)
+            if kind == GATHER:
+                seen_tr += idx
+                assert sum(size[i] for i in idx) <= scratch and bool((t[:, 4] == 0).all())
+                # the gathered sources sit back to back from 0 in the scratch, in op order
+                starts = {int(r[6]): int(r[1]) for r in t}
+                assert [starts[i] for i in idx] == [sum(size[j] for j in idx[:k]) for k in range(len(idx))]
+            if kind == TRANSPOSE:
+                assert bool((t[:, 4] == 1).all())
+            for i in idx:  # rows of each op covered exactly once
+                ti = t[t[:, 6] == i]
+                span = ti[0, 2].item() if kind == TRANSPOSE else -(-(ti[0, 2] * ti[0, 3]).item() // 16)
+                assert ti[:, 5].tolist() == list(range(0, span, plan.block_rows))
+        assert sorted(seen_tr) == tr
+    assert len(fin.inplace_plan(fin.largest_transpose, 16).launches) > 3  # several chunks at the smallest scratch
+    assert len(fin.inplace_plan(fin.numel, 16).launches) == 3  # one chunk
+    assert fin.inplace_plan(fin.numel, 16) is fin.inplace_plan(fin.numel, 16)  # cached
     # equal layouts (another object, e.g. another config's bytes) share device-side caches by content
     twin = finish_ops(fin.ops.tolist(), fin.groups.tolist(), list(fin.keys), fin.numel)
     assert twin is not fin and twin.content_key == fin.content_key
-    other = finish_ops(fin.ops.tolist(), fin.groups.tolist(), list(fin.keys), fin.numel + 0)
-    assert other.content_key == fin.content_key
     moved = fin.ops.clone()
     moved[0, 3], moved[0, 2] = 2, moved[0, 2] // 2  # the same elements as 2 columns: another op
     assert finish_ops(moved.tolist(), fin.groups.tolist(), list(fin.keys), fin.numel).content_key != fin.content_key
-    with pytest.raises(ValueError, match="does not fit a staging buffer"):
-        fin.plan(fin.largest_group - 1, 16)
+    with pytest.raises(ValueError, match="does not fit a scratch"):
+        fin.inplace_plan(fin.largest_transpose - 1, 16)
     with pytest.raises(ValueError, match="wider than block_cols=8"):
-        fin.plan(fin.numel, 8)
+        fin.inplace_plan(fin.numel, 8)
+
+
+def test_inplace_plan_refuses_layouts_that_cannot_run_in_place():
+    # a transpose that reads elsewhere than it writes
+    f = finish_ops([(0, 0, 4, 1, 0), (8, 4, 2, 3, 1), (4, 10, 2, 3, 0)], [(0, 16, 0)], ["a", "b", "c"], 16)
+    with pytest.raises(ValueError, match="reads elsewhere than it writes"):
+        f.inplace_plan(64, 16)
+    # a copy reading elements a transpose moves
+    f = finish_ops([(4, 0, 4, 1, 0), (4, 4, 2, 3, 1)], [(0, 10, 0)], ["a", "b"], 10)
+    with pytest.raises(ValueError, match="op 0 copies from elements another op moves"):
+        f.inplace_plan(64, 16)
+    # a copy reading what another copy writes
+    f = finish_ops([(0, 0, 4, 1, 0), (0, 4, 4, 1, 0), (4, 8, 4, 1, 0)], [(0, 12, 0)], ["a", "b", "c"], 12)
+    with pytest.raises(ValueError, match="op 2 copies from elements another op moves"):
+        f.inplace_plan(64, 16)
+    # a shared A read from a region that is only checked in place: fine
+    f = finish_ops([(0, 0, 4, 1, 0), (0, 4, 4, 1, 0), (8, 8, 2, 3, 1)], [(0, 14, 0)], ["a", "b", "c"], 14)
+    assert len(f.inplace_plan(64, 16).launches) == 3
 
 
 def test_finish_ops_refuse_a_bad_layout():
@@ -190,14 +229,17 @@ def test_finish_ops_refuse_a_bad_layout():
 # ------------------------------------------------------------------------------------------- the kernel
 
 
-def _kernel_finish(raw, fin, dtype, device, staging_elems, max_rank=16, at=192):
-    from multilora.kernels.triton_image_finish import NO_BAD_OP, finish_image
+def _kernel_finish(raw, fin, dtype, device, scratch_elems, max_rank=16, at=192):
+    """The raw image placed at ``at`` in a NaN-filled buffer and finished there in place by the kernel; the image
+    and the first bad op (None if none)."""
+    from multilora.kernels.triton_image_finish import NO_BAD_OP, finish_inplace
 
-    plan = fin.plan(staging_elems, block_cols_for(max_rank))
+    plan = fin.inplace_plan(scratch_elems, block_cols_for(max_rank))
     buffer = torch.full((at + fin.numel + 64,), float("nan"), dtype=dtype, device=device)
-    staging = torch.empty(staging_elems, dtype=dtype, device=device)
+    buffer[at : at + fin.numel] = raw.to(device)
+    scratch = torch.full((scratch_elems,), float("nan"), dtype=dtype, device=device)
     flags = torch.full((5,), NO_BAD_OP, dtype=torch.int32, device=device)
-    finish_image(raw.to(device), buffer, at, plan, plan.tiles.to(device), staging, flags, 3)
+    finish_inplace(buffer, at, plan, plan.tiles.to(device), scratch, flags, 3)
     bad = int(flags[3])
     assert (flags[[0, 1, 2, 4]] == NO_BAD_OP).all()
     assert torch.isnan(buffer[:at].float()).all() and torch.isnan(buffer[at + fin.numel :].float()).all()
@@ -210,15 +252,15 @@ def _kernel_case(tmp_path, dtype, device, kind, max_rank):
     _, want = read_image(d, CFG, pool, name="x")
     _, raw = read_image(d, CFG, pool, name="x", raw=True)
     fin = raw.finish
-    for staging in (fin.largest_group, 2 * fin.largest_group + 64, fin.numel):  # several chunks, then one
-        got, bad = _kernel_finish(raw.data, fin, dtype, device, staging, max_rank)
-        assert bad is None and torch.equal(_bits(got), _bits(want.data)), staging
+    for scratch in (fin.largest_transpose, 2 * fin.largest_transpose + 64, fin.numel):  # several chunks, then one
+        got, bad = _kernel_finish(raw.data, fin, dtype, device, scratch, max_rank)
+        assert bad is None and torch.equal(_bits(got), _bits(want.data)), scratch
     key = _poison(d, "layers.0.self_attn.v_proj.lora_B", 2, float("nan"))  # and a second, later one
     _poison(d, "layers.2.mlp.down_proj.lora_A", 0, float("-inf"))
     _, raw = read_image(d, CFG, pool, name="x", raw=True)
     ref = torch.empty_like(raw.data)
     first = finish_torch(raw.data, ref, fin)
-    got, bad = _kernel_finish(raw.data, fin, dtype, device, fin.largest_group, max_rank)
+    got, bad = _kernel_finish(raw.data, fin, dtype, device, fin.largest_transpose, max_rank)
     assert fin.keys[first - 1] == key and bad == first - 1 and torch.equal(_bits(got), _bits(ref))
 
 
@@ -237,37 +279,114 @@ def test_kernel_is_bit_identical_to_torch_gpu(kind, max_rank, dtype, tmp_path):
     _kernel_case(tmp_path, dtype, "cuda", kind, max_rank)
 
 
-@requires_gpu
-@pytest.mark.gpu
-def test_cuda_pool_loads_raw_images_on_a_side_stream(tmp_path):
-    """The pool's own path on CUDA: pinned source, side stream, staging smaller than the image (several chunks),
-    the check read after the event; a poisoned image is reported with its tensor."""
-    from multilora.memory.host_arena import HostArena
+class _Event:
+    """A stand-in CUDA event whose completion the test controls."""
 
-    dtype = torch.bfloat16
-    d = _write(tmp_path / "a", dtype, "uniform")
-    pool = _pool(dtype, device="cuda")
-    _, want = read_image(d, CFG, pool, name="x")
-    arena = HostArena(None, pinned=True, unit=pool.page_bytes, chunk_bytes=1 << 20)
-    block = arena.alloc(want.nbytes)
-    _, raw = read_image(d, CFG, pool, name="x", raw=True, out=block.view(dtype))
+    def __init__(self, landed: bool) -> None:
+        self.landed = landed
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        assert self.landed, "a host wait on work that never completes"
+
+
+class _InterpOrder(StreamOrder):
+    """Claims CUDA on a CPU pool, so the pool takes its device path and runs the finish kernel under
+    TRITON_INTERPRET (copies are synchronous there); side-stream events land when the test says."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.cuda = True
+        self.side: list[_Event] = []
+
+    def on(self, stream):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def record(self, stream=None):
+        ev = _Event(landed=stream is None)
+        if stream is not None:
+            self.side.append(ev)
+        return ev
+
+    def wait(self, event, stream=None):
+        pass
+
+
+def _deferred_case(tmp_path, dtype, device, *, order=None, side=None, pinned=False):
+    """Raw images loaded with ``defer_finish``: unfinished (and unchecked) until ``finish_pending`` covers them or
+    their copy lands; finished wherever a compaction moved them; ``unpack`` and ``nonfinite`` finish first; a
+    poisoned one is reported with its tensor; the pool then holds the host-finished image's bits. The scratch is
+    forced small (several chunks)."""
     import multilora.memory.pool as pool_mod
 
-    side = torch.cuda.Stream()
-    old = pool_mod.staging_elems
-    pool_mod.staging_elems = lambda config, max_rank: raw.finish.largest_group  # force several chunks
+    d = _write(tmp_path / "a", dtype, "uniform")
+    pool = AdapterPool(CFG, num_bytes=1 << 20, max_rank=16, dtype=dtype, device=device, order=order)
+    _, want = read_image(d, CFG, pool, name="x")
+    if pinned:
+        from multilora.memory.host_arena import HostArena
+
+        arena = HostArena(None, pinned=True, unit=pool.page_bytes, chunk_bytes=1 << 20)
+        out = lambda: arena.alloc(want.nbytes).view(dtype)  # noqa: E731
+    else:
+        out = lambda: None  # noqa: E731
+    raw = [read_image(d, CFG, pool, name=n, raw=True, out=out())[1] for n in ("a", "b", "c")]
+    small = raw[0].finish.largest_transpose
+    old = pool_mod.scratch_elems
+    pool_mod.scratch_elems = lambda config, max_rank: small  # force several gather / transpose chunks
     try:
-        slot = pool.load(raw, stream=side)
+        first = pool.load(want)  # a finished image below the raw ones: freed later, so a compaction moves them
+        sa = pool.load(raw[0], stream=side, defer_finish=True)
+        sb = pool.load(raw[1], stream=side, defer_finish=True)
+        assert pool.unfinished(sa) and pool.unfinished(sb) and pool.needs_check(sa) and not pool.check_ready(sa)
+        if order is not None:  # copies not landed: nothing is finished unless a step needs it
+            assert pool.finish_pending() == 0 and pool.unfinished(sa)
+        pool.free(first)
+        pool.compact()  # moves both unfinished images down (after their copies: the pool waits for them)
+        assert pool.extent_of(sa)[0] == 0
+        assert pool.finish_pending([sa]) >= 1 and not pool.unfinished(sa)
+        assert pool.finish_pending() == (1 if pool.unfinished(sb) else 0) and not pool.unfinished(sb)
+        assert len(raw[0].finish.inplace_plan(small, 16).launches) > 3
+        assert pool.nonfinite(sa) is None and pool.nonfinite(sb) is None
+        for slot in (sa, sb):
+            assert torch.equal(_bits(pool.unpack(slot).data.cpu()), _bits(want.data))
+        # unpack and nonfinite finish an unfinished slot first
+        sc = pool.load(raw[2], stream=side, defer_finish=True)
+        assert torch.equal(_bits(pool.unpack(sc).data.cpu()), _bits(want.data)) and not pool.unfinished(sc)
+        assert pool.nonfinite(sc) is None
+        key = _poison(d, "layers.1.mlp.up_proj.lora_B", 7, float("inf"))
+        _, bad = read_image(d, CFG, pool, name="bad", raw=True, out=out())
+        sd = pool.load(bad, stream=side, defer_finish=True)
+        assert pool.nonfinite(sd) == key and pool.nonfinite(sa) is None
+        # a freed unfinished slot is forgotten
+        se = pool.load(bad, stream=side, defer_finish=True)
+        pool.free(se)
+        assert not pool.unfinished(se) and pool.finish_pending() == 0
+        # finished at load (no deferral): the same bits
+        sf = pool.load(raw[0], stream=side)
+        assert not pool.unfinished(sf) and pool.nonfinite(sf) is None
+        if device == "cuda":
+            torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(_bits(pool.unpack(sf).data.cpu()), _bits(want.data))
     finally:
-        pool_mod.staging_elems = old
-    assert len(raw.finish.plan(raw.finish.largest_group, 16).chunks) > 1
-    assert pool.nonfinite(slot) is None
-    torch.cuda.current_stream().wait_stream(side)
-    assert torch.equal(_bits(pool.unpack(slot).data), _bits(want.data))
-    key = _poison(d, "layers.1.mlp.up_proj.lora_B", 7, float("inf"))
-    _, raw2 = read_image(d, CFG, pool, name="y", raw=True, out=arena.alloc(want.nbytes).view(dtype))
-    slot2 = pool.load(raw2, stream=side)
-    assert pool.nonfinite(slot2) == key and pool.nonfinite(slot) is None
+        pool_mod.scratch_elems = old
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_deferred_finish_interpreted(dtype, tmp_path):
+    order = _InterpOrder()
+    _deferred_case(tmp_path, dtype, "cpu", order=order, side="side")
+
+
+@requires_gpu
+@pytest.mark.gpu
+def test_cuda_pool_defers_the_finish_of_raw_images(tmp_path):
+    """The pool's own path on CUDA: pinned sources, copies on a side stream, finishes on the current stream."""
+    _deferred_case(tmp_path, torch.bfloat16, "cuda", side=torch.cuda.Stream(), pinned=True)
 
 
 # ------------------------------------------------------------------------------------------- the engine
@@ -384,12 +503,12 @@ def test_a_check_still_in_flight_never_stalls_admission(engine_dir, tmp_path):
 
 def test_adapter_finish_option(tmp_path):
     """``adapter_finish``: "host" by default, "device" on request, anything else refused naming the argument; the
-    CLI flag reaches the config; the memory plan counts the staging buffers only for "device"."""
+    CLI flag reaches the config; the memory plan counts the pool's scratch only for "device"."""
     import argparse
 
     from multilora.runtime.config import EngineConfig
     from multilora.runtime.sizing import memory_request
-    from multilora.memory.pool import staging_elems
+    from multilora.memory.pool import scratch_elems
 
     assert EngineConfig().adapter_finish == "host" and EngineConfig(adapter_finish="device").adapter_finish == "device"
     with pytest.raises(ValueError, match=r"Engine: adapter_finish must be 'host' or 'device', got 'gpu'"):
@@ -403,7 +522,8 @@ def test_adapter_finish_option(tmp_path):
         p.parse_args(["--adapter-finish", "gpu"])
     host = memory_request(CFG, EngineConfig(), dtype=torch.bfloat16, max_seq_len=64)
     dev = memory_request(CFG, EngineConfig(adapter_finish="device"), dtype=torch.bfloat16, max_seq_len=64)
-    assert dev.activation_bytes - host.activation_bytes == 2 * staging_elems(CFG, 64) * 2
+    assert dev.activation_bytes - host.activation_bytes == scratch_elems(CFG, 64) * 2
+    assert scratch_elems(CFG, 64) == min(32 << 20, CFG.num_layers * 64 * sum(CFG.module_shape(m)[1] for m in TARGET_MODULES))
 
 
 def test_adapter_io_threads_option(engine_dir):

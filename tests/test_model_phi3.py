@@ -319,13 +319,13 @@ def test_fused_adapters_read_raw_finish_to_the_host_image(peft_setup):
         assert finish_torch(raw.data, got, raw.finish) == 0
         assert torch.equal(got.view(torch.int32), want.data.view(torch.int32)), n
         if os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available():
-            from multilora.kernels.triton_image_finish import NO_BAD_OP, finish_image
+            from multilora.kernels.triton_image_finish import NO_BAD_OP, finish_inplace
 
             fin = raw.finish
-            plan = fin.plan(fin.largest_group, block_cols_for(pool.max_rank))
+            plan = fin.inplace_plan(fin.largest_transpose, block_cols_for(pool.max_rank))
             flags = torch.full((1,), NO_BAD_OP, dtype=torch.int32)
-            k = torch.full_like(want.data, float("nan"))
-            finish_image(raw.data, k, 0, plan, plan.tiles, torch.empty(fin.largest_group, dtype=pool.dtype), flags)
+            k = raw.data.clone()  # the raw image where the pool would copy it, finished there
+            finish_inplace(k, 0, plan, plan.tiles, torch.empty(fin.largest_transpose, dtype=pool.dtype), flags)
             assert int(flags[0]) == NO_BAD_OP and torch.equal(k.view(torch.int32), want.data.view(torch.int32)), n
 
 
