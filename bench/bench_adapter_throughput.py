@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -98,7 +99,12 @@ def main() -> None:
     ap.add_argument("--adapter-finish", default="host", choices=("host", "device"),
                     help="Engine(adapter_finish=...): where reloaded adapters get the pool layout (session 12)")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval (seconds; Python's default is 0.005): how long a thread back from I/O "
+                         "may wait for the GIL behind the engine's thread")
     args = ap.parse_args()
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -163,7 +169,14 @@ def main() -> None:
                        "queue_wait_s_total": after["queue_wait_seconds_total"] - before["queue_wait_seconds_total"],
                        "queue_wait_s_max": after["queue_wait_seconds_max"],
                        "gpu_evictions": after["gpu_evictions"] - before["gpu_evictions"],
-                       **move_rates(before, after)}
+                       **move_rates(before, after),
+                       # where the time went (diagnostics): steps by kind, defers, reads and their summed seconds
+                       **{k: after[k] - before[k] for k in ("steps", "prefill_steps", "decode_steps", "mixed_steps",
+                                                            "queue_defers_for_adapter_load", "queue_waits_for_adapter",
+                                                            "disk_to_host_reads", "disk_to_host_seconds",
+                                                            "host_to_gpu_copies", "host_misses", "host_hits")
+                          if isinstance(after.get(k), (int, float)) and isinstance(before.get(k), (int, float))},
+                       "step_seconds": after.get("step_seconds")}
                 rows.append(row)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k not in meta}),
                       flush=True)

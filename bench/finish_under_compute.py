@@ -119,11 +119,11 @@ def main() -> int:
                                    ("host_finished", fin, False)):
             loads(image, kind, defer)
             r = [loads(image, kind, defer) for _ in range(3)]
-            g = [x[0] for x in r]
+            rates = [x[0] for x in r]  # (not ``g``: that is the CUDA graph replayed by compute("graph"))
             f = [x[1] for x in r if x[1] is not None]
-            rows.append({"compute": kind, "images": name, "gbps": statistics.median(g), "runs": g,
+            rows.append({"compute": kind, "images": name, "gbps": statistics.median(rates), "runs": rates,
                          "finish_us_per_load": statistics.median(f) if f else None})
-            print(f"{kind:6s} {name:16s} {statistics.median(g):6.2f} GB/s  {[round(v, 1) for v in g]}"
+            print(f"{kind:6s} {name:16s} {statistics.median(rates):6.2f} GB/s  {[round(v, 1) for v in rates]}"
                   + (f"  finish {statistics.median(f):.1f} us/load" if f else ""), flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
