@@ -750,9 +750,12 @@ class AdapterPool:
         with self._lock:
             want = set(slots)
             done = 0
-            for slot in list(self._unfinished):
+            landed = True  # copies land in the order they were queued: no query after the first still in flight
+            for slot in list(self._unfinished):  # (each query may give the GIL away: bench/README.md, "Session 13")
                 ev = self._pending.get(slot)
-                if slot in want or ev is None or ev.query():
+                if ev is not None and slot not in want and landed:
+                    landed = ev.query()
+                if slot in want or ev is None or landed:
                     self.order.wait(ev)
                     self._finish_now(slot)
                     done += 1
@@ -775,6 +778,20 @@ class AdapterPool:
         flags = torch.full((1,), tk.NO_BAD_OP, dtype=torch.int32, device=self.device)
         tk.finish_inplace(buf, 0, plan, plan.tiles.to(self.device), torch.empty(64, dtype=self.dtype,
                                                                                    device=self.device), flags)
+
+    def checks_answered(self) -> set[int]:
+        """The slots whose device check ``nonfinite`` would answer without waiting, found with as few event queries as
+        possible: the checks in the order they were queued, stopping at the first still running (those queued after
+        it on its stream are not done either; one on another stream is then found at a later call). A torch event
+        query may give the GIL away, and the engine's step thread can then wait behind the I/O threads for every
+        one (bench/README.md, "Session 13")."""
+        with self._lock:
+            out = set()
+            for slot, (ev, _, _) in self._checks.items():
+                if ev is not None and not ev.query():
+                    break
+                out.add(slot)
+            return out
 
     def check_ready(self, slot: int) -> bool:
         """Whether ``nonfinite(slot)`` would answer without waiting: no check pending, or the load it belongs to

@@ -641,20 +641,25 @@ class AdapterCache:
             raise AdapterError(handle.failed, path=handle.path, key=bad)
 
     def _poll_checks(self) -> None:
-        """Read the device checks whose loads have landed since (``_check_values``, without raising)."""
+        """Read the device checks whose loads have landed since (``_check_values``, without raising); the others are
+        left for a later step without querying their events one by one (``AdapterPool.checks_answered``)."""
+        if not self._unchecked:
+            return
+        answered = self.pool.checks_answered()
         for h in list(self._unchecked.values()):
-            self._check_values(h, raise_error=False)
+            if h.slot is None or not self.pool.needs_check(h.slot) or h.slot in answered:
+                self._check_values(h, raise_error=False)
 
     def _settle_timings(self) -> None:
-        """Add the completed host -> GPU copies' event times to the stats (no host sync)."""
-        left = []
-        for timer, nbytes in self._timing:
-            if timer.end.query():
-                self.stats.host_to_gpu_seconds += timer.begin.elapsed_time(timer.end) / 1e3
-                self.stats.host_to_gpu_timed_bytes += nbytes
-            else:
-                left.append((timer, nbytes))
-        self._timing = left
+        """Add the completed host -> GPU copies' event times to the stats (no host sync). The copies complete in the
+        order they were queued (one side stream): no query after the first still in flight."""
+        for i, (timer, nbytes) in enumerate(self._timing):
+            if not timer.end.query():
+                self._timing = self._timing[i:]
+                return
+            self.stats.host_to_gpu_seconds += timer.begin.elapsed_time(timer.end) / 1e3
+            self.stats.host_to_gpu_timed_bytes += nbytes
+        self._timing = []
 
     def acquire(self, handle: AdapterHandle) -> int:
         """Make ``handle`` resident (evicting idle adapters LRU first), take a reference, return its slot.

@@ -134,10 +134,12 @@ class EngineConfig:
         adapter_finish: where an adapter read again from disk (the cache's reload of a host-tier miss) is put in
             the pool's layout: "host" (default: on the cache's I/O threads, lora_B transposed and the values
             checked finite there) or "device" (the I/O threads read the file raw, every tensor straight into its
-            place, and the pool transposes and checks on the GPU after the copy: ``multilora.kernels.image_finish``;
-            on a CPU pool with torch ops; not with tensor parallelism). "device" reads 2.2x faster (H200 host, 4 threads: 80-91% of a plain read
-            against 37-39%) but, in session 12's one-batch runs at 2,048 adapters, its finish kernels waited behind
-            the engine's compute and the batch ran slower (bench/README.md, "Session 12"): hence "host" by default.
+            place; the pool copies the image into its extent as it is and finishes it there on the GPU at the next
+            step boundary, on the compute stream: ``multilora.kernels.image_finish``; on a CPU pool with torch ops
+            at the load; not with tensor parallelism). "device" reads 2.2x faster (H200 host, 4 threads: 80-91% of a
+            plain read against 37-39%) and its copies keep the pinned copy's speed under compute, but in the
+            one-batch bench at 2,048 adapters the batch still ran slower than with "host" (bench/README.md,
+            "Session 12" and "Session 13"): hence "host" by default.
         progress: show a progress bar while loading the model.
 
     Raises:
@@ -201,7 +203,7 @@ class EngineConfig:
                                      "the buffer together (default: off; not with tensor parallelism)", kind=bool)
     adapter_finish: str = _opt("host", "where adapters read again from disk get the pool's layout: host (the I/O "
                                        "threads transpose lora_B and check values; default) or device (raw reads, "
-                                       "finished by the pool after the copy: a GPU kernel, torch ops on a CPU "
+                                       "finished in the pool at the next step: a GPU kernel, torch ops on a CPU "
                                        "pool; not with tensor parallelism)", choices=("host", "device"))
     progress: bool = _opt(True, "", cli=False)
 

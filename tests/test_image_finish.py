@@ -300,6 +300,7 @@ class _InterpOrder(StreamOrder):
         super().__init__(torch.device("cpu"))
         self.cuda = True
         self.side: list[_Event] = []
+        self.current: list[_Event] = []
 
     def on(self, stream):
         import contextlib
@@ -308,8 +309,7 @@ class _InterpOrder(StreamOrder):
 
     def record(self, stream=None):
         ev = _Event(landed=stream is None)
-        if stream is not None:
-            self.side.append(ev)
+        (self.side if stream is not None else self.current).append(ev)
         return ev
 
     def wait(self, event, stream=None):
@@ -380,6 +380,36 @@ def _deferred_case(tmp_path, dtype, device, *, order=None, side=None, pinned=Fal
 def test_deferred_finish_interpreted(dtype, tmp_path):
     order = _InterpOrder()
     _deferred_case(tmp_path, dtype, "cpu", order=order, side="side")
+
+
+@interp
+def test_events_are_queried_in_order_and_no_further(tmp_path):
+    """``finish_pending`` and ``checks_answered`` query the events in the order their work was queued and stop at
+    the first one still running (later ones on its stream are not done either): a step makes as few queries as it
+    can (each may give the GIL away). Slots a step needs are finished whatever their copy's state."""
+    d = _write(tmp_path / "a", torch.float32, "uniform")
+    order = _InterpOrder()
+    pool = AdapterPool(CFG, num_bytes=1 << 20, max_rank=16, dtype=torch.float32, device="cpu", order=order)
+    raw = read_image(d, CFG, pool, name="a", raw=True)[1]
+    slots = [pool.load(raw, stream="side", defer_finish=True) for _ in range(4)]
+    copies = list(order.side)
+    queried = []
+    for i, ev in enumerate(copies):
+        ev.query = (lambda i=i, ev=ev: queried.append(i) or ev.landed)
+    copies[0].landed = True  # the first copy landed, the second not: the third and fourth are not asked
+    assert pool.finish_pending() == 1 and queried == [0, 1] and not pool.unfinished(slots[0])
+    queried.clear()
+    assert pool.finish_pending([slots[3]]) == 1 and queried == [1] and not pool.unfinished(slots[3])
+    for ev in copies:
+        ev.landed = True
+    assert pool.finish_pending() == 2
+    assert len(pool._checks) == 4  # the four finishes' checks, in the order they were queued
+    first = next(iter(pool._checks))
+    pool._checks[first][0].landed = False  # the first check still running: none is answered
+    assert pool.checks_answered() == set()
+    pool._checks[first][0].landed = True
+    assert pool.checks_answered() == set(slots)
+    assert all(pool.nonfinite(s) is None for s in slots)
 
 
 @requires_gpu
