@@ -94,6 +94,13 @@ class EngineConfig:
             host (16 cores) the default host-finished read of Llama-3-8B rank-16 adapters gave 6.9 GB/s on 4
             threads and 10.3 on 8 (bench/README.md, "Session 12"); the engine's own thread shares the GIL with
             them, so more is not always faster for the steps: measure with your traffic.
+        gil_switch_interval: seconds passed to ``sys.setswitchinterval`` while the engine lives (restored by
+            ``Engine.close`` if still set): how long a thread that wants Python's GIL back (the engine's step thread,
+            after a CUDA call or a wait) may wait behind a thread holding it (the cache's I/O threads). Python's
+            default, 5 ms, let the step thread wait behind the I/O threads for seconds per step while adapters were
+            read: in the one-batch bench at 2,048 adapters (H200, one call) 0.5 ms gave 41.6% of the no-adapter
+            throughput against 26.1% (warm; cold 18.2% against 11.2%), and 36.5% against 9.0% with
+            ``adapter_finish="device"`` (bench/README.md, "Session 13"). None or 0: leave the interpreter's setting.
         adapter_aware_admission: with prefetch on, a waiting request whose adapter is still on the disk tier is
             passed over (until it is urgent, ``starvation_patience``) while requests behind it whose adapters are
             resident or in host memory are admitted, instead of reading its files inside a step
@@ -180,6 +187,9 @@ class EngineConfig:
     prefetch_adapters: int = _opt(4, "adapters of waiting requests whose prefetch starts per step")
     adapter_io_threads: int = _opt(4, "threads reading adapters from disk for prefetch (default 4; the host-finished "
                                       "read scaled 1.5x from 4 to 8 on a 16-core H200 host)", kind=int)
+    gil_switch_interval: float | None = _opt(0.0005, "sys.setswitchinterval while the engine lives, in seconds "
+                                                     "(default 0.0005: the step thread waits less for the GIL behind "
+                                                     "the adapter I/O threads; 0: leave Python's 0.005)", kind=float)
     adapter_aware_admission: bool = _opt(True, "pass over waiting requests whose adapter is still on disk (until "
                                                "urgent) for those whose adapter is resident or in host memory",
                                          kind=bool)
@@ -251,6 +261,9 @@ class EngineConfig:
         for name in ("cuda_graphs", "enable_chunked_prefill", "adapter_aware_admission", "unified_pool"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "True or False")
+        if self.gil_switch_interval is not None and not (_is_number(self.gil_switch_interval)
+                                                         and 0 <= self.gil_switch_interval <= 1):
+            raise fail("gil_switch_interval", "None or a number of seconds in [0, 1] (0: leave Python's)")
         if self.adapter_finish not in ("host", "device"):
             raise fail("adapter_finish", "'host' or 'device'")
         if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -153,6 +154,7 @@ class Engine:
             raise TypeError(f"Engine: unknown option(s) {unknown}; the options are EngineConfig's fields")
         cfg = self.engine_config = dataclasses.replace(config or EngineConfig(), **options)
         cfg.warn_ineffective()
+        self._switch_interval: tuple[float, float] | None = None  # (ours, the interpreter's before): Engine.close
         self.device = torch.device(cfg.device) if cfg.device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = cfg.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -279,6 +281,9 @@ class Engine:
                  f"; host tier {sizes.plan.host_tier_bytes / 1e6:.1f} MB (memory plan: `multilora memory`, or -vv)"))
         if sizes.plan is not None:  # each size, its binding source, the inputs: ~30 lines, for -v
             log.debug("memory plan:\n%s", sizes.plan.explain())
+        if cfg.gil_switch_interval:  # last: a failed construction leaves the interpreter as it was
+            self._switch_interval = (cfg.gil_switch_interval, sys.getswitchinterval())
+            sys.setswitchinterval(cfg.gil_switch_interval)
 
     # ------------------------------------------------------------------------------------ adapters
     def load_adapter(self, name: str, path: str | os.PathLike, *, allow_pickle: bool = False,
@@ -433,7 +438,13 @@ class Engine:
     def close(self) -> None:
         """Release what the engine holds outside this process's memory: a tensor-parallel engine's worker processes
         and process group (``runtime.parallel``). Idempotent; the engine cannot step afterwards when it had workers.
-        Also called at interpreter exit."""
+        Also called at interpreter exit. Restores the interpreter's switch interval if the engine set it and nothing
+        changed it since (``EngineConfig.gil_switch_interval``)."""
+        if self._switch_interval is not None:
+            ours, before = self._switch_interval
+            if abs(sys.getswitchinterval() - ours) < 1e-9:
+                sys.setswitchinterval(before)
+            self._switch_interval = None
         if self.tp is not None:
             self.tp.close()
 

@@ -137,3 +137,44 @@ def test_step_times_keep_the_recent_steps():
     st.observe("decode", 0.001, 1)
     with pytest.raises(ValueError, match="within the last 3 steps"):
         st.since(mark)
+
+
+def test_gil_switch_interval_is_set_while_the_engine_lives_and_restored_at_close(tmp_path_factory):
+    """``EngineConfig.gil_switch_interval``: the engine sets ``sys.setswitchinterval`` (default 0.5 ms) once built, and
+    ``close`` puts the interpreter's value back unless something changed it since; 0 or None leave it alone; a bad
+    value names the argument; the CLI flag reaches the config."""
+    import argparse
+    import sys
+
+    from multilora import Engine
+    from multilora.runtime.config import EngineConfig
+    from testsupport import tiny_llama_dir
+
+    d = tiny_llama_dir(tmp_path_factory, vocab_size=64)
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.004)
+        e = Engine(model=str(d), progress=False, max_batch_size=2)
+        assert EngineConfig().gil_switch_interval == 0.0005 and sys.getswitchinterval() == pytest.approx(0.0005)
+        e.close()
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+        e.close()  # idempotent
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+        e = Engine(model=str(d), progress=False, max_batch_size=2, gil_switch_interval=0.002)
+        sys.setswitchinterval(0.003)  # changed by someone else since: close leaves it
+        e.close()
+        assert sys.getswitchinterval() == pytest.approx(0.003)
+        for off in (0, None):
+            Engine(model=str(d), progress=False, max_batch_size=2, gil_switch_interval=off).close()
+            assert sys.getswitchinterval() == pytest.approx(0.003)
+        with pytest.raises(ValueError, match=r"Engine: gil_switch_interval must be None or a number of seconds in "
+                                             r"\[0, 1\] \(0: leave Python's\), got -1"):
+            EngineConfig(gil_switch_interval=-1)
+        with pytest.raises(ValueError, match="gil_switch_interval"):
+            Engine(model=str(d), progress=False, gil_switch_interval="fast")
+        assert sys.getswitchinterval() == pytest.approx(0.003)  # a failed construction changed nothing
+        p = argparse.ArgumentParser()
+        EngineConfig.add_cli_flags(p)
+        assert EngineConfig.from_cli(p.parse_args(["--gil-switch-interval", "0.001"])).gil_switch_interval == 0.001
+    finally:
+        sys.setswitchinterval(before)
