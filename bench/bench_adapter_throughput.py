@@ -4,7 +4,10 @@ For each adapter count N (1, 8, 64, 512, 2048) and popularity (zipf, uniform), a
 names an adapter drawn from N (rank r on all seven projections, written as PEFT files), served by an
 engine whose pool holds ``--pool-adapters`` of them and whose host tier holds ``--host-adapters``.
 Reported per row: output tokens/s and its ratio to the same engine serving the same requests with no
-adapter, bytes moved between tiers per second, prefetch hit rate, and time requests waited.
+adapter, bytes moved between tiers per second, prefetch hit rate, and time requests waited; and where the time went:
+steps by kind, requests passed over for adapter loads, reads and their summed seconds, the step-time histogram
+(``step_seconds``). ``--switch-interval`` is the engine's ``gil_switch_interval`` (``sys.setswitchinterval``; default
+the engine's, 0.5 ms; session 13 measured Python's 5 ms against 0.5 ms with this flag, before the engine set it).
 
     python bench/bench_adapter_throughput.py --shape llama3-8b --out bench/results      # H200
     python bench/bench_adapter_throughput.py --shape tiny --counts 1,8,64 --batch 8      # CPU smoke run
@@ -103,7 +106,7 @@ def main() -> None:
                     help="sys.setswitchinterval (seconds; Python's default is 0.005): how long a thread back from I/O "
                          "may wait for the GIL behind the engine's thread")
     args = ap.parse_args()
-    if args.switch_interval:
+    if args.switch_interval:  # (the engine sets it too: Engine(gil_switch_interval=...) below)
         sys.setswitchinterval(args.switch_interval)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -119,6 +122,7 @@ def main() -> None:
     adapter_bytes = layout.page_bytes * layout.max_adapter_pages
     engine = Engine(config, device=device, dtype=dtype, progress=False, max_batch_size=args.batch,
                     adapter_finish=args.adapter_finish,
+                    **({"gil_switch_interval": args.switch_interval} if args.switch_interval else {}),
                     max_seq_len=args.prompt_len + args.gen + 1, max_lora_rank=args.rank,
                     **({"adapter_slots": args.pool_adapters} if args.pool_adapters else {}),
                     **({"host_adapter_bytes": args.host_adapters * adapter_bytes} if args.host_adapters else {}))

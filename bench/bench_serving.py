@@ -144,6 +144,7 @@ def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path
                     enable_chunked_prefill=args.chunked_prefill == "on",
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
+                    **({"gil_switch_interval": args.switch_interval} if args.switch_interval else {}),
                     **({} if args.max_prefill_tokens is None else {"max_prefill_tokens": args.max_prefill_tokens}))
     t0 = time.perf_counter()
     for i in tqdm(range(n_adapters), desc=f"N = {n_adapters}: registering adapters", disable=n_adapters < 64,
@@ -613,7 +614,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="write serving_<tag>.json / .md here")
     ap.add_argument("--tag", default=None, help="default: the shape")
     ap.add_argument("--switch-interval", type=float, default=None,
-                    help="sys.setswitchinterval in the server's process (seconds; Python's default is 0.005)")
+                    help="sys.setswitchinterval in the process that builds the engine (seconds; "
+                         "Engine(gil_switch_interval=...); default the engine's 0.0005, Python's own is 0.005)")
     ap.add_argument("--serve-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--n-adapters", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--serve-engine-process", action="store_true", help=argparse.SUPPRESS)
