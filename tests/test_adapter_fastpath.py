@@ -29,7 +29,7 @@ from multilora.runtime.adapters import (
     save_peft_adapter,
 )
 from multilora.runtime.adapters.files import _LazyTensors, _read_weights
-from multilora.runtime.adapters.image import read_image
+from multilora.runtime.adapters.image import read_header, read_image
 from multilora.runtime.adapters.load import _all_finite
 from multilora.config import MODULE_INDEX, MODULE_PARENT, TARGET_MODULES, ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
@@ -278,7 +278,74 @@ def _assert_same_error(d, **kw):
     assert type(got) is type(want)
     fast = _err(lambda: read_image(d, CFG, pool, **kw))  # the cache's reload path
     assert (str(fast), fast.key, fast.path) == (str(want), want.key, want.path)
+    _assert_same_header_check(d, pool, **kw)
     return got
+
+
+def _assert_same_header_check(d, pool, **kw):
+    """``read_header`` (``load_adapter(preload=False)``) refuses what ``load_peft_adapter(header_only=True)`` refuses,
+    with the same error, and accepts what it accepts (value errors are found when the values are read)."""
+    try:
+        want = load_peft_adapter(d, CFG, header_only=True, **kw)
+    except AdapterError as e:
+        got = _err(lambda: read_header(d, CFG, pool, **kw))
+        assert (str(got), got.key, got.path, type(got)) == (str(e), e.key, e.path, type(e))
+    else:
+        _assert_same_adapter(read_header(d, CFG, pool, **kw), want)
+
+
+def _assert_same_adapter(got: LoRAAdapter, want: LoRAAdapter) -> None:
+    assert (got.name, got.path, got.config, got.files) == (want.name, want.path, want.config, want.files)
+    assert list(got.modules) == list(want.modules)
+    for k, w in want.modules.items():
+        g = got.modules[k]
+        assert (g.a.shape, g.a.dtype, g.a.device, g.b.shape, g.b.dtype, g.b.device, g.scaling) == (
+            w.a.shape, w.a.dtype, w.a.device, w.b.shape, w.b.dtype, w.b.device, w.scaling), k
+
+
+@pytest.mark.parametrize("layout", ["uniform", "patterned"])
+@pytest.mark.parametrize("file_dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_read_header_equals_the_header_only_load_and_parses_each_layout_once(layout, file_dtype, tmp_path,
+                                                                             monkeypatch):
+    """What ``load_adapter(preload=False)`` registers, through the copy plans cached by config and header bytes: the
+    same adapter as ``load_peft_adapter(header_only=True)`` (name, path, config, the files' own stamps, modules'
+    shapes, dtypes and scalings); a second directory of the same bytes is not parsed again; float64 files (no
+    plan) and a rank above the pool's take the general path and give the same."""
+    import multilora.runtime.adapters.image as image
+
+    write = _write_uniform if layout == "uniform" else _write_patterned
+    a, b = write(tmp_path / "a", file_dtype), write(tmp_path / "b", file_dtype, seed=1)  # same header, other values
+    pool = _pool(torch.bfloat16)
+    made = []
+    make = image._make_plan
+    monkeypatch.setattr(image, "_make_plan", lambda *args: made.append(1) or make(*args))
+    image._plans.clear()
+    for d, n in ((a, "x"), (b, "y"), (a, "z")):
+        _assert_same_adapter(read_header(d, CFG, pool, name=n), load_peft_adapter(d, CFG, name=n, header_only=True))
+    assert len(made) == (3 if file_dtype == torch.float64 else 1)  # float64: no plan to keep (the general path)
+    if file_dtype != torch.float64:  # the reload uses the plan the registration made
+        read_image(b, CFG, pool, name="y")
+        assert len(made) == 1
+    small = _pool(torch.bfloat16, max_rank=4)  # a rank above the pool's: the adapter alone, validated the same
+    _assert_same_adapter(read_header(a, CFG, small, name="r"), load_peft_adapter(a, CFG, name="r", header_only=True))
+    # the engine's load_adapter(preload=False) goes this way
+    from multilora.runtime.adapters import read_adapter
+
+    got, packed = read_adapter(b, CFG, pool, name="e", preload=False, max_rank=16)
+    assert packed is None
+    _assert_same_adapter(got, load_peft_adapter(b, CFG, name="e", header_only=True))
+
+
+def test_read_header_of_a_pickle_takes_the_general_path(tmp_path):
+    d = _write_uniform(tmp_path / "a", torch.float32, r=4)
+    torch.save(load_file(str(d / WTS)), d / "adapter_model.bin")
+    (d / WTS).unlink()
+    pool = _pool(torch.float32)
+    with pytest.raises(AdapterError, match="pickle"):
+        read_header(d, CFG, pool)
+    got = read_header(d, CFG, pool, allow_pickle=True)
+    want = load_peft_adapter(d, CFG, allow_pickle=True, header_only=True)
+    assert got.files == want.files and all(torch.equal(got.modules[k].a, w.a) for k, w in want.modules.items())
 
 
 def _patch(d, fn):

@@ -432,7 +432,8 @@ def read_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool
                  shard: tuple[int, int] | None = None) -> tuple[LoRAAdapter, PackedAdapter | None]:
     """What ``Engine.load_adapter`` reads: with ``preload``, the whole adapter validated and laid out as ``pool``'s
     image (:func:`read_packed_adapter`); without, the config and the safetensors header only (names, shapes,
-    dtypes, ranks: no tensor data; a pickle file is read whole and packed anyway).
+    dtypes, ranks: no tensor data; ``runtime.adapters.image.read_header``, which parses a header only once per
+    config and header bytes; a pickle file is read whole and packed anyway).
 
     Returns:
         ``(adapter, packed)``: ``adapter``'s modules hold ``meta`` tensors for a safetensors file; ``packed`` is
@@ -443,6 +444,10 @@ def read_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool
     """
     if preload:  # read, check and pack in one pass, in the file's dtype
         adapter, packed = read_packed_adapter(path, config, pool, name=name, allow_pickle=allow_pickle, shard=shard)
+    elif shard is None or shard[1] == 1:  # the header through the copy plans cached by its bytes (the same checks)
+        from multilora.runtime.adapters.image import read_header  # (image imports this module)
+
+        adapter, packed = read_header(path, config, pool, name=name, allow_pickle=allow_pickle), None
     else:
         adapter, packed = load_peft_adapter(path, config, name=name, allow_pickle=allow_pickle, header_only=True), None
     if max_rank is not None and adapter.max_rank > max_rank:
