@@ -1,9 +1,10 @@
 """The Triton kernel of ``multilora.kernels.image_finish``: a raw adapter image finished in place in its pool
 extent, one launch per ``InPlacePlan`` launch.
 
-One program per tile of ``InPlacePlan.tiles``: ``block_rows`` x ``block_cols`` elements of one op, read at ``src -
-src_shift`` of ``src_ptr`` and written at ``dst + dst_base`` of ``dst_ptr`` (the pool buffer and the image start,
-or the scratch and 0, as the launch's kind says). A copy op's tile is ``block_rows * block_cols`` contiguous
+One program per tile of ``InPlacePlan.tiles``: ``block_rows`` x ``block_cols`` elements of one op, read at ``src`` of
+``src_ptr`` and written at ``dst`` of ``dst_ptr`` (the image's place in the pool buffer, or the scratch, as the
+launch's kind says: the image start is in the pointer, a tensor view, so no integer argument ever exceeds 32 bits
+and one compiled variant serves every place in a pool of any size). A copy op's tile is ``block_rows * block_cols`` contiguous
 elements (a 1-D range), not stored again when the launch is in place and it reads where it writes; a transpose
 op's tile is ``block_rows`` source rows of its ``cols`` (the rank, <= ``block_cols``) elements, turned in registers
 (``tl.trans``) and stored as ``cols`` runs of ``block_rows`` contiguous elements. Each value is checked finite as
@@ -23,15 +24,15 @@ from multilora.kernels.image_finish import GATHER, IN_PLACE, NUM_WARPS, TRANSPOS
 NO_BAD_OP = 2**31 - 1
 
 
-# the offsets vary per launch, image and slot: not specialised (one compiled variant per dtype and tile width; the
-# pointer arguments are whole tensors' bases, always 16-byte aligned)
-@triton.jit(do_not_specialize=["tile0", "flag_index", "src_shift", "dst_base", "in_place"])
-def _finish_kernel(src_ptr, dst_ptr, tiles_ptr, flag_ptr, tile0, flag_index, src_shift, dst_base, in_place,
+# the integers vary per launch and slot: not specialised (one compiled variant per dtype and tile width; the
+# pointers are the scratch and views of the pool buffer at page boundaries, always 16-byte aligned)
+@triton.jit(do_not_specialize=["tile0", "flag_index", "in_place"])
+def _finish_kernel(src_ptr, dst_ptr, tiles_ptr, flag_ptr, tile0, flag_index, in_place,
                    BR: tl.constexpr, BC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64) + tile0
     row = tiles_ptr + t * 7
-    src = tl.load(row) - src_shift
-    dst = tl.load(row + 1) + dst_base
+    src = tl.load(row)
+    dst = tl.load(row + 1)
     rows = tl.load(row + 2)
     cols = tl.load(row + 3)
     tr = tl.load(row + 4)
@@ -78,13 +79,14 @@ def finish_inplace(buffer: torch.Tensor, image_start: int, plan: InPlacePlan, ti
     if scratch.dtype != buffer.dtype or scratch.device != buffer.device or scratch.numel() < plan.scratch_elems:
         raise ValueError(f"finish_inplace: scratch must be {buffer.dtype} on {buffer.device} with at least "
                          f"{plan.scratch_elems} elements, got {scratch.dtype} on {scratch.device} with {scratch.numel()}")
+    image = buffer[image_start:]  # (the offset in the pointer: the kernel's integers stay small)
     for kind, t0, t1 in plan.launches:
         if kind == IN_PLACE:
-            src, shift, dst, base, same = buffer, -image_start, buffer, image_start, 1
+            src, dst, same = image, image, 1
         elif kind == GATHER:
-            src, shift, dst, base, same = buffer, -image_start, scratch, 0, 0
+            src, dst, same = image, scratch, 0
         else:
             assert kind == TRANSPOSE, kind
-            src, shift, dst, base, same = scratch, 0, buffer, image_start, 0
-        _finish_kernel[(t1 - t0,)](src, dst, tiles, flags, t0, flag_index, shift, base, same,
+            src, dst, same = scratch, image, 0
+        _finish_kernel[(t1 - t0,)](src, dst, tiles, flags, t0, flag_index, same,
                                    BR=plan.block_rows, BC=plan.block_cols, num_warps=NUM_WARPS)
