@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import shutil
 import statistics
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -81,3 +83,65 @@ def copy_bandwidth(device: torch.device) -> tuple[float, str]:
         times.append(time.perf_counter() - t0)
     times = times[1:]
     return 2 * n / statistics.median(times) / 1e9, "256 MiB host tensor clone, median of 5"
+
+
+class ThreadSampler:
+    """Where each Python thread is, sampled every ``interval`` seconds from a thread of its own
+    (``sys._current_frames``): per thread name, the innermost frames (``function (file:line)``, the ``depth``
+    innermost joined by " < ") counted over the samples. A diagnostic for GIL contention (bench/README.md,
+    "Session 13"): a thread that waits for the GIL is seen at the call that released it (a torch op, an event query,
+    a read), a thread that holds it where it runs. The sampler needs the GIL itself, so it samples only when it gets
+    it: its counts are shares of the samples taken, not of the wall time.
+
+        with ThreadSampler() as s:
+            ...
+        s.report(top=8)   # {thread name: [[frames, share], ...]}
+    """
+
+    def __init__(self, interval: float = 0.001, depth: int = 3) -> None:
+        self.interval, self.depth = interval, depth
+        self.counts: dict[str, dict[str, int]] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="thread-sampler", daemon=True)
+
+    def _where(self, frame) -> str:
+        out = []
+        while frame is not None and len(out) < self.depth:
+            code = frame.f_code
+            out.append(f"{code.co_name} ({Path(code.co_filename).name}:{frame.f_lineno})")
+            frame = frame.f_back
+        return " < ".join(out)
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.wait(self.interval):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                per = self.counts.setdefault(names.get(ident, str(ident)), {})
+                key = self._where(frame)
+                per[key] = per.get(key, 0) + 1
+            self.samples += 1
+
+    def __enter__(self) -> "ThreadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self, top: int = 8) -> dict[str, list[list]]:
+        """Per thread name (the threads of one pool merged by their name's prefix before the last "_": their shares
+        add up, to at most the pool's size), its ``top`` most frequent places with their share of the samples."""
+        merged: dict[str, dict[str, int]] = {}
+        for name, per in self.counts.items():
+            base = name.rsplit("_", 1)[0] if name.startswith(("multilora-", "ThreadPoolExecutor")) else name
+            m = merged.setdefault(base, {})
+            for k, v in per.items():
+                m[k] = m.get(k, 0) + v
+        n = max(1, self.samples)
+        return {name: [[k, round(v / n, 4)] for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]]
+                for name, per in merged.items()}

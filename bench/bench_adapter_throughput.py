@@ -8,6 +8,8 @@ adapter, bytes moved between tiers per second, prefetch hit rate, and time reque
 steps by kind, requests passed over for adapter loads, reads and their summed seconds, the step-time histogram
 (``step_seconds``). ``--switch-interval`` is the engine's ``gil_switch_interval`` (``sys.setswitchinterval``; default
 the engine's, 0.5 ms; session 13 measured Python's 5 ms against 0.5 ms with this flag, before the engine set it).
+``--sample-threads`` adds ``thread_samples`` to each row: where every Python thread was, sampled every 1 ms
+(``_common.ThreadSampler``), to tell which code the step thread waits in when the I/O threads hold the GIL.
 
     python bench/bench_adapter_throughput.py --shape llama3-8b --out bench/results      # H200
     python bench/bench_adapter_throughput.py --shape tiny --counts 1,8,64 --batch 8      # CPU smoke run
@@ -27,6 +29,7 @@ popularity served next (what a long-running server sees; the target is judged on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -43,7 +46,7 @@ from multilora.memory.pool import AdapterPool, max_adapter_pages
 from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
 
-from _common import write_adapters  # bench/_common.py (bench/ is on sys.path when run as a script)
+from _common import ThreadSampler, write_adapters  # bench/_common.py (bench/ is on sys.path when run as a script)
 
 
 def popularity(kind: str, n: int, k: int, g: torch.Generator) -> list[int]:
@@ -105,6 +108,9 @@ def main() -> None:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval (seconds; Python's default is 0.005): how long a thread back from I/O "
                          "may wait for the GIL behind the engine's thread")
+    ap.add_argument("--sample-threads", action="store_true",
+                    help="sample where every Python thread is (every 1 ms) during each timed batch: rows get "
+                         "thread_samples (a GIL-contention diagnostic; _common.ThreadSampler)")
     args = ap.parse_args()
     if args.switch_interval:  # (the engine sets it too: Engine(gil_switch_interval=...) below)
         sys.setswitchinterval(args.switch_interval)
@@ -159,7 +165,8 @@ def main() -> None:
             for phase in ("cold", "warm"):  # first batch after registration, then a fresh draw of the same mix
                 names = [f"a{i}" for i in popularity(pop, n, args.batch, g)]
                 before = engine.stats()
-                secs, toks = run_once(engine, prompts, names, args.gen)
+                with ThreadSampler() if args.sample_threads else contextlib.nullcontext() as sampler:
+                    secs, toks = run_once(engine, prompts, names, args.gen)
                 after = engine.stats()
                 moved = sum(after[k] - before[k] for k in ("bytes_host_to_gpu", "bytes_gpu_to_host", "bytes_disk_to_host"))
                 loads = after["gpu_misses"] - before["gpu_misses"] + after["prefetch_to_gpu"] - before["prefetch_to_gpu"]
@@ -180,7 +187,8 @@ def main() -> None:
                                                             "disk_to_host_reads", "disk_to_host_seconds",
                                                             "host_to_gpu_copies", "host_misses", "host_hits")
                           if isinstance(after.get(k), (int, float)) and isinstance(before.get(k), (int, float))},
-                       "step_seconds": after.get("step_seconds")}
+                       "step_seconds": after.get("step_seconds"),
+                       **({"thread_samples": sampler.report()} if sampler is not None else {})}
                 rows.append(row)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k not in meta}),
                       flush=True)

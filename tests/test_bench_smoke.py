@@ -17,11 +17,19 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_adapter_throughput_bench_runs(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "bench_adapter_throughput.py"), "--shape", "tiny", "--counts", "1,8",
            "--batch", "4", "--gen", "2", "--prompt-len", "4", "--pool-adapters", "2", "--host-adapters", "2",
-           "--distinct-files", "3", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(tmp_path / "out")]
+           "--distinct-files", "3", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(tmp_path / "out"),
+           "--sample-threads", "--switch-interval", "0.002"]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     rows = json.loads((tmp_path / "out" / "adapter_throughput_tiny.json").read_text())
     assert {(r["adapters"], r["popularity"], r["phase"]) for r in rows} == {(n, p, ph) for n in (1, 8) for p in ("zipf", "uniform") for ph in ("cold", "warm")}
     assert all(r["tokens_per_s"] > 0 and r["shape"] == "tiny" for r in rows)
+    # where the time went: steps add up; the sampler saw the engine's (main) thread in Python files, and one
+    # thread's shares of the samples add up to at most 1
+    assert all(r["steps"] == r["prefill_steps"] + r["decode_steps"] + r["mixed_steps"] > 0 for r in rows)
+    for r in rows:
+        main = r["thread_samples"]["MainThread"]
+        assert main and all(".py:" in place for place, _ in main), main
+        assert 0 < sum(share for _, share in main) <= 1.0 + 1e-3  # (shares rounded to 4 decimals)
 
 
 @pytest.mark.parametrize("file_dtype", ["bfloat16", "float32"])

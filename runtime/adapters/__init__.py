@@ -43,11 +43,11 @@ One module per job; each imports only the ones listed above it:
 - ``files``: the weight file: safetensors (whole, header-only or lazily), a pickle only when allowed.
 - ``load``: one loading path that validates every tensor and hands each module to a sink:
   :func:`load_peft_adapter` (float32 copies), :func:`load_peft_adapter_into` (the caller's sink) and
-  :func:`read_packed_adapter` (the pool image: the engine's disk -> host path), and :func:`read_adapter`
-  (``Engine.load_adapter``'s read: the image, or only the header).
+  :func:`read_packed_adapter` (the pool image: the engine's disk -> host path).
 - ``image``: :func:`~multilora.runtime.adapters.image.read_image`, the adapter cache's disk -> host read: a
   safetensors file straight into its pool image (a cached copy plan, lora_A read in place, lora_B transposed),
-  bit-identical to ``read_packed_adapter`` and refusing with its messages.
+  bit-identical to ``read_packed_adapter`` and refusing with its messages; :func:`read_adapter`
+  (``Engine.load_adapter``'s read: the image, or only the header, through the same cached plans: ``read_header``).
 - ``writer``: :func:`save_peft_adapter`.
 """
 
@@ -58,9 +58,9 @@ from multilora.runtime.adapters.load import (
     ModuleSink,
     load_peft_adapter,
     load_peft_adapter_into,
-    read_adapter,
     read_packed_adapter,
 )
+from multilora.runtime.adapters.image import read_adapter
 from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError
 from multilora.runtime.adapters.writer import save_peft_adapter
 

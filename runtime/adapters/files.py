@@ -83,19 +83,20 @@ def _parse_entry(f: OpenFile, key: str, e: Any, data_start: int) -> _Entry:
     return _Entry(_ST_DTYPES[dtype], tuple(shape), data_start + offs[0], data_start + offs[1])
 
 
-def _parse_header(f: OpenFile) -> dict[str, _Entry]:
-    """The tensors of a safetensors file by key, from its header alone (8 + n bytes read)."""
+def _parse_header(f: OpenFile, header: bytes | None = None) -> dict[str, _Entry]:
+    """The tensors of a safetensors file by key, from its header alone (8 + n bytes read; none when the caller
+    passes the ``header`` it read: the n bytes after the length, which must be what the file holds)."""
     def bad(why: str) -> AdapterError:
         return f.fault(f"cannot read the safetensors file: {why}")
 
     if f.size < 8:
         raise bad(f"{f.size} bytes, too short for the 8-byte header length")
-    (n,) = struct.unpack("<Q", f.read(0, 8))
+    (n,) = struct.unpack("<Q", f.read(0, 8)) if header is None else (len(header),)
     if n > f.size - 8 or n > _MAX_HEADER:
         raise bad(f"the header length {n} runs past the end of the file ({f.size} bytes)" if n > f.size - 8
                   else f"the header length {n} exceeds {_MAX_HEADER} bytes")
     try:
-        raw = json.loads(f.read(8, n).decode("utf-8"), object_pairs_hook=_unique_keys)
+        raw = json.loads((f.read(8, n) if header is None else header).decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise bad(f"the {n}-byte header is not valid JSON: {e}"[:300]) from e
     if not isinstance(raw, dict):

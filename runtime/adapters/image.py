@@ -48,6 +48,7 @@ from multilora.runtime.adapters.load import (_EXACT_IN_F32, LoRAAdapter, _build_
                                              read_packed_adapter)
 from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _config_json, _parse_config
 from multilora.runtime.adapters.targets import _parse_key, _resolve_targets
+from multilora.runtime.sharding import shard_lora
 
 #: same-size integer dtypes: a transposed copy between bit patterns (numpy's strided copy loop is 1.3-4x faster
 #: than torch's for the small ranks of LoRA, measured on a 2-core x86 CPU; both release the GIL)
@@ -190,6 +191,37 @@ def read_image(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, 
         raise fast
 
 
+def read_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
+                 allow_pickle: bool = False, preload: bool = True, max_rank: int | None = None,
+                 shard: tuple[int, int] | None = None) -> tuple[LoRAAdapter, PackedAdapter | None]:
+    """What ``Engine.load_adapter`` reads: with ``preload``, the whole adapter validated and laid out as ``pool``'s
+    image (:func:`~multilora.runtime.adapters.load.read_packed_adapter`); without, the config and the safetensors
+    header only (names, shapes, dtypes, ranks: no tensor data; :func:`read_header`, which parses a header only once
+    per config and header bytes; a pickle file is read whole and packed anyway).
+
+    Returns:
+        ``(adapter, packed)``: ``adapter``'s modules hold ``meta`` tensors for a safetensors file; ``packed`` is
+        the host image, or None when nothing was read (header only).
+
+    Raises:
+        AdapterError: as :func:`load_peft_adapter`, or a rank above ``max_rank`` (the engine's max_lora_rank).
+    """
+    if preload:  # read, check and pack in one pass, in the file's dtype
+        adapter, packed = read_packed_adapter(path, config, pool, name=name, allow_pickle=allow_pickle, shard=shard)
+    elif shard is None or shard[1] == 1:  # the header through the copy plans cached by its bytes (the same checks)
+        adapter, packed = read_header(path, config, pool, name=name, allow_pickle=allow_pickle), None
+    else:
+        adapter, packed = load_peft_adapter(path, config, name=name, allow_pickle=allow_pickle, header_only=True), None
+    if max_rank is not None and adapter.max_rank > max_rank:
+        raise AdapterError(f"{path}: adapter rank {adapter.max_rank} exceeds the engine's max_lora_rank {max_rank} "
+                           f"(create the Engine with max_lora_rank={adapter.max_rank} or more)", path=path)
+    if packed is None and not any(w.a.device.type == "meta" for w in adapter.modules.values()):
+        transform = None if shard is None or shard[1] == 1 else (
+            lambda m, a, b: shard_lora(m, a, b, config, *shard))
+        packed = pool.pack(adapter, transform=transform)  # header_only still reads a pickle file whole
+    return adapter, packed
+
+
 def read_header(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
                 allow_pickle: bool = False) -> LoRAAdapter:
     """What ``Engine.load_adapter(preload=False)`` validates, the config and the safetensors header, through the
@@ -239,7 +271,7 @@ def _plan_of(f: OpenFile, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, p
     key = (repr(config), pool.dtype, pool.max_rank, cfg_bytes, header)
     plan = _cached(key) if header is not None else None
     if plan is None or plan.file_size != f.size:
-        plan = _make_plan(f, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, pool)
+        plan = _make_plan(f, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, pool, header)
         if header is not None and isinstance(plan, _Plan):
             _keep(key, plan)
     return plan
@@ -290,13 +322,15 @@ def _keep(key, plan: _Plan) -> None:
             _plans.popitem(last=False)
 
 
-def _make_plan(f, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, pool) -> "_Plan | LoRAAdapter | None":
+def _make_plan(f, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, pool,
+               header: bytes | None = None) -> "_Plan | LoRAAdapter | None":
     """Validate the header against the config and the model (the code every load runs) and lay out the copies;
-    None for dtypes the general path must round through float32, the adapter alone for a rank above the pool's."""
+    None for dtypes the general path must round through float32, the adapter alone for a rank above the pool's.
+    ``header``: the header's bytes when the caller read them already (not read again)."""
     raw = _config_json(cfg_bytes, cfg_path)
     spec = _parse_config(raw, cfg_path)
     targets = _resolve_targets(spec, config, cfg_path)
-    entries = _parse_header(f)
+    entries = _parse_header(f, header)
     keys = sorted(entries)
     metas = {k: torch.empty(e.shape, dtype=e.dtype, device="meta") for k, e in entries.items()}
     modules, _ = _build_modules(wpath, metas, keys, targets, config, spec, cfg_path)  # keys, shapes, dtypes

@@ -15,7 +15,7 @@ import torch
 
 from multilora.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
 from multilora.memory.pool import AdapterPool, PackedAdapter
-from multilora.runtime.sharding import ShardSink, shard_lora
+from multilora.runtime.sharding import ShardSink
 from multilora.runtime.adapters.disk import FileStamp, check_directory, read_whole
 from multilora.runtime.adapters.files import SAFETENSORS_NAME, _LazyTensors, _read_weights, dtype_name
 from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _config_json, _fmt_shape, _parse_config, _Spec
@@ -425,39 +425,6 @@ def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: Adap
 
     adapter, packer = load_peft_adapter_into(path, config, open_sink, name=name, allow_pickle=allow_pickle)
     return adapter, None if packer is None else packer.finish()
-
-
-def read_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool, *, name: str | None = None,
-                 allow_pickle: bool = False, preload: bool = True, max_rank: int | None = None,
-                 shard: tuple[int, int] | None = None) -> tuple[LoRAAdapter, PackedAdapter | None]:
-    """What ``Engine.load_adapter`` reads: with ``preload``, the whole adapter validated and laid out as ``pool``'s
-    image (:func:`read_packed_adapter`); without, the config and the safetensors header only (names, shapes,
-    dtypes, ranks: no tensor data; ``runtime.adapters.image.read_header``, which parses a header only once per
-    config and header bytes; a pickle file is read whole and packed anyway).
-
-    Returns:
-        ``(adapter, packed)``: ``adapter``'s modules hold ``meta`` tensors for a safetensors file; ``packed`` is
-        the host image, or None when nothing was read (header only).
-
-    Raises:
-        AdapterError: as :func:`load_peft_adapter`, or a rank above ``max_rank`` (the engine's max_lora_rank).
-    """
-    if preload:  # read, check and pack in one pass, in the file's dtype
-        adapter, packed = read_packed_adapter(path, config, pool, name=name, allow_pickle=allow_pickle, shard=shard)
-    elif shard is None or shard[1] == 1:  # the header through the copy plans cached by its bytes (the same checks)
-        from multilora.runtime.adapters.image import read_header  # (image imports this module)
-
-        adapter, packed = read_header(path, config, pool, name=name, allow_pickle=allow_pickle), None
-    else:
-        adapter, packed = load_peft_adapter(path, config, name=name, allow_pickle=allow_pickle, header_only=True), None
-    if max_rank is not None and adapter.max_rank > max_rank:
-        raise AdapterError(f"{path}: adapter rank {adapter.max_rank} exceeds the engine's max_lora_rank {max_rank} "
-                           f"(create the Engine with max_lora_rank={adapter.max_rank} or more)", path=path)
-    if packed is None and not any(w.a.device.type == "meta" for w in adapter.modules.values()):
-        transform = None if shard is None or shard[1] == 1 else (
-            lambda m, a, b: shard_lora(m, a, b, config, *shard))
-        packed = pool.pack(adapter, transform=transform)  # header_only still reads a pickle file whole
-    return adapter, packed
 
 
 def _read_spec(path: str | os.PathLike,
