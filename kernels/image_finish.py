@@ -206,7 +206,7 @@ def _inplace_plan(fin: FinishOps, scratch_elems: int, block_cols: int) -> InPlac
         if t.shape[0]:
             launches.append((kind, n, n + t.shape[0]))
             n += t.shape[0]
-    tiles = np.concatenate([t for _, t in pieces]) if pieces else np.zeros((0, 7), np.int64)
+    tiles = np.concatenate([t for _, t in pieces])  # (never empty: the IN_PLACE piece is always there)
     return InPlacePlan(launches=tuple(launches), tiles=torch.from_numpy(np.ascontiguousarray(tiles)),
                        block_rows=block_rows, block_cols=block_cols, scratch_elems=used_most)
 

@@ -1,16 +1,16 @@
 """The Triton kernel of ``multilora.kernels.image_finish``: a raw adapter image finished in place in its pool
 extent, one launch per ``InPlacePlan`` launch.
 
-One program per tile of ``InPlacePlan.tiles``: ``block_rows`` x ``block_cols`` elements of one op, read at ``src`` of
-``src_ptr`` and written at ``dst`` of ``dst_ptr`` (the image's place in the pool buffer, or the scratch, as the
+One program per tile of ``InPlacePlan.tiles``: ``block_rows`` x ``block_cols`` elements of one op, read at ``src``
+of ``src_ptr`` and written at ``dst`` of ``dst_ptr`` (the image's place in the pool buffer, or the scratch, as the
 launch's kind says: the image start is in the pointer, a tensor view, so no integer argument ever exceeds 32 bits
-and one compiled variant serves every place in a pool of any size). A copy op's tile is ``block_rows * block_cols`` contiguous
-elements (a 1-D range), not stored again when the launch is in place and it reads where it writes; a transpose
-op's tile is ``block_rows`` source rows of its ``cols`` (the rank, <= ``block_cols``) elements, turned in registers
-(``tl.trans``) and stored as ``cols`` runs of ``block_rows`` contiguous elements. Each value is checked finite as
-``x * 0 == 0`` in float32 (false for NaN and +-inf, IEEE 754); a tile that finds one records its op with an atomic
-min on the flag (``int32``, set to ``2**31 - 1`` before the launches), so the flag ends as the first such op in op
-order. Values are moved, never converted: the pool holds the bits the file holds.
+and one compiled variant serves every place in a pool of any size). A copy op's tile is ``block_rows * block_cols``
+contiguous elements (a 1-D range), not stored again when the launch is in place and it reads where it writes; a
+transpose op's tile is ``block_rows`` source rows of its ``cols`` (the rank, <= ``block_cols``) elements, turned in
+registers (``tl.trans``) and stored as ``cols`` runs of ``block_rows`` contiguous elements. Each value is checked
+finite as ``x * 0 == 0`` in float32 (false for NaN and +-inf, IEEE 754); a tile that finds one records its op with
+an atomic min on the flag (``int32``, set to ``2**31 - 1`` before the launches), so the flag ends as the first such
+op in op order. Values are moved, never converted: the pool holds the bits the file holds.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def finish_inplace(buffer: torch.Tensor, image_start: int, plan: InPlacePlan, ti
     """
     if scratch.dtype != buffer.dtype or scratch.device != buffer.device or scratch.numel() < plan.scratch_elems:
         raise ValueError(f"finish_inplace: scratch must be {buffer.dtype} on {buffer.device} with at least "
-                         f"{plan.scratch_elems} elements, got {scratch.dtype} on {scratch.device} with {scratch.numel()}")
+                         f"{plan.scratch_elems} elements, got {scratch.dtype} on {scratch.device} with "
+                         f"{scratch.numel()}")
     image = buffer[image_start:]  # (the offset in the pointer: the kernel's integers stay small)
     for kind, t0, t1 in plan.launches:
         if kind == IN_PLACE:

@@ -40,32 +40,33 @@ leave the pool when their last request releases them.
 Prefetch and tier moves
 -----------------------
 ``prefetch(handles)`` is called each step with the adapters of waiting requests: disk -> host reads run on
-``io_threads`` background I/O threads (``Engine(adapter_io_threads=4)``), each writing straight into an arena block reserved for it under the lock
-(``runtime.adapters.image.read_image``: no intermediate copy; with ``Engine(adapter_finish="device")`` a *raw*
-image, which the pool finishes on the GPU after the copy: ``PackedAdapter.finish``); host -> GPU copies of adapters that fit in free
-bytes run on a side CUDA stream and record an event; ``wait_ready`` makes the compute stream wait on those events
-(not on the device) before a step reads the slots. A raw image is copied as it is and finished in place by
-``wait_ready`` on the compute stream at the step boundary (``AdapterPool.finish_pending``): the slots the step
-reads, and every other one whose copy has landed (a few tens of microseconds each; on a side stream, the finish
-kernels waited behind the step's GEMMs for free SMs: bench/README.md, "Session 12"). ``acquire``'s own copy (an adapter not prefetched) also runs on
-the side stream, and the current stream waits on it at once. Every host -> GPU copy is timed with two CUDA events;
-every disk -> host read with the wall clock: ``report()`` gives the GB/s of each move with the bytes and seconds
-it comes from. An arena block is neither moved nor reused while a copy reading it may be in flight (its event
-is noted; a free is deferred until it completes). Compaction of the pool is serialised with copies still in
-flight by the pool itself (``multilora.memory.pool``, "Asynchronous loads"): it makes the compute stream wait on
-every pending side-stream copy before moving anything, and later side-stream copies wait on the moves.
+``io_threads`` background I/O threads (``Engine(adapter_io_threads=4)``), each writing straight into an arena block
+reserved for it under the lock (``runtime.adapters.image.read_image``: no intermediate copy; with
+``Engine(adapter_finish="device")`` a *raw* image, which the pool finishes on the GPU after the copy:
+``PackedAdapter.finish``); host -> GPU copies of adapters that fit in free bytes run on a side CUDA stream and
+record an event; ``wait_ready`` makes the compute stream wait on those events (not on the device) before a step
+reads the slots. A raw image is copied as it is and finished in place by ``wait_ready`` on the compute stream at the
+step boundary (``AdapterPool.finish_pending``): the slots the step reads, and every other one whose copy has landed
+(a few tens of microseconds each; on a side stream, the finish kernels waited behind the step's GEMMs for free SMs:
+bench/README.md, "Session 12"). ``acquire``'s own copy (an adapter not prefetched) also runs on the side stream, and
+the current stream waits on it at once. Every host -> GPU copy is timed with two CUDA events; every disk -> host
+read with the wall clock: ``report()`` gives the GB/s of each move with the bytes and seconds it comes from. An
+arena block is neither moved nor reused while a copy reading it may be in flight (its event is noted; a free is
+deferred until it completes). Compaction of the pool is serialised with copies still in flight by the pool itself
+(``multilora.memory.pool``, "Asynchronous loads"): it makes the compute stream wait on every pending side-stream
+copy before moving anything, and later side-stream copies wait on the moves.
 
 Values checked after the copy
 -----------------------------
 A raw image's values are checked finite by the pool's finish kernel. ``acquire`` reads that answer
 (``AdapterPool.nonfinite``) when the load has landed, and each step's ``wait_ready`` reads those that landed since:
-never a host wait (a first version waited in ``acquire`` for loads still in flight and stalled the engine's steps behind
-them). A failed check fails the adapter for good (``handle.failed``: ``acquire`` raises an ``AdapterError`` naming
-the file and tensor), and it leaves the host tier, and the pool once no request uses it. Requests admitted before
-the answer was read run on the bad values: their logits turn non-finite and each fails alone (the postprocessor's
-guard names the adapter), except rows of ``Engine.logits``, which return those logits as they are. A passed check marks the handle's values checked (``values_checked``), so later reads of
-the same file version skip checks, as after a host-side check. A slot whose check is pending is never copied back
-to the host tier.
+never a host wait (a first version waited in ``acquire`` for loads still in flight and stalled the engine's steps
+behind them). A failed check fails the adapter for good (``handle.failed``: ``acquire`` raises an ``AdapterError``
+naming the file and tensor), and it leaves the host tier, and the pool once no request uses it. Requests admitted
+before the answer was read run on the bad values: their logits turn non-finite and each fails alone (the
+postprocessor's guard names the adapter), except rows of ``Engine.logits``, which return those logits as they are. A
+passed check marks the handle's values checked (``values_checked``), so later reads of the same file version skip
+checks, as after a host-side check. A slot whose check is pending is never copied back to the host tier.
 
 Thread safety: public methods take the cache's lock; ``load_adapter``/``unload_adapter``/``pin_adapter``
 may be called from another thread while the engine steps.

@@ -247,13 +247,23 @@ def read_header(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool,
     return adapter
 
 
-def _header(root: Path, config, pool, name) -> LoRAAdapter | None:
+def _config_and_weights(root: Path):
+    """The directory checked, its config read: ``(config path, its bytes, its stamp, the safetensors path)``, or None
+    when there is no safetensors file (missing: the general path's error; a pickle: the general path)."""
     check_directory(root)
     cfg_path = root / CONFIG_NAME
     cfg_bytes, cfg_stamp = read_whole(cfg_path, missing=f"missing: an adapter directory must hold {CONFIG_NAME}")
     wpath = weights_path(root)
-    if wpath is None or wpath.name != SAFETENSORS_NAME:  # no file (its error) or a pickle: the general path
+    if wpath is None or wpath.name != SAFETENSORS_NAME:
         return None
+    return cfg_path, cfg_bytes, cfg_stamp, wpath
+
+
+def _header(root: Path, config, pool, name) -> LoRAAdapter | None:
+    found = _config_and_weights(root)
+    if found is None:  # no file (its error) or a pickle: the general path
+        return None
+    cfg_path, cfg_bytes, cfg_stamp, wpath = found
     with OpenFile(wpath) as f:
         plan = _plan_of(f, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, pool)
         f.check_unchanged()
@@ -278,12 +288,10 @@ def _plan_of(f: OpenFile, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, p
 
 
 def _read(root: Path, config, pool, name, allow_pickle, out, verified=False, raw=False):
-    check_directory(root)
-    cfg_path = root / CONFIG_NAME
-    cfg_bytes, cfg_stamp = read_whole(cfg_path, missing=f"missing: an adapter directory must hold {CONFIG_NAME}")
-    wpath = weights_path(root)
-    if wpath is None or wpath.name != SAFETENSORS_NAME:  # no file (its error) or a pickle: the general path
+    found = _config_and_weights(root)
+    if found is None:  # no file (its error) or a pickle: the general path
         return read_packed_adapter(root, config, pool, name=name, allow_pickle=allow_pickle, out=out)
+    cfg_path, cfg_bytes, cfg_stamp, wpath = found
     f = OpenFile(wpath)
     try:
         try:
