@@ -17,6 +17,7 @@ straight into arena blocks, and the tier-move speeds in ``stats()``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import shutil
 import time
 
@@ -333,10 +334,13 @@ def test_a_failed_prefetch_read_is_not_retried_every_step(tiny, tmp_path, caplog
     reqs = [engine.add_request(_ids(4, 1), "y", greedy(12))]
     engine.step()  # y runs: x is admitted while something runs (adapter-aware admission applies)
     reqs.append(engine.add_request(_ids(4, 2), "x", greedy(2)))
+    handle = engine.cache.get("x")
     steps = 0
     while reqs[1].finish_reason is None and steps < 50:
         engine.step()
         steps += 1
+        if handle.loading is not None:  # the read's duration is the I/O thread's, not a number of steps: on a busy
+            concurrent.futures.wait([handle.loading], timeout=60)  # machine it may span several (CI saw 5)
     assert reqs[1].finish_reason == "error" and "changed" in reqs[1].error
     assert steps <= 3, steps  # not deferred for prefetch until urgent (starvation_patience steps)
     assert sum("prefetch of adapter 'x' failed" in r.getMessage() for r in caplog.records) <= 1
