@@ -8,10 +8,12 @@ Gemma 2's ``pre_feedforward_layernorm.weight`` / ``post_feedforward_layernorm.we
 the offsets from 1 as HF holds them).
 
 HF directories: every ``model_type`` of ``multilora.config.SERVED_MODEL_TYPES``. GGUF: the llama.cpp
-architectures ``llama`` (Llama, Mistral, SmolLM2), ``qwen2``, ``qwen3`` and ``gemma2`` (``GGUF_ARCHITECTURES``),
-the ones transformers' GGUF loader also reads (not yet Phi-3's ``phi3``: its GGUF files are refused, naming the
-architecture). Gemma 2 GGUF files hold every norm weight plus 1 (llama.cpp's converter adds it, as its RMSNorm
-multiplies by the weight alone): 1 is subtracted on load, as transformers' ``Gemma2TensorProcessor`` does.
+architectures ``llama`` (Llama, Mistral, SmolLM2), ``qwen2``, ``qwen3``, ``gemma2`` and ``phi3``
+(``GGUF_ARCHITECTURES``), the ones transformers' GGUF loader also reads. Gemma 2 GGUF files hold every norm weight
+plus 1 (llama.cpp's converter adds it, as its RMSNorm multiplies by the weight alone): 1 is subtracted on load, as
+transformers' ``Gemma2TensorProcessor`` does. Phi-3 GGUF files keep the checkpoint's fused ``attn_qkv`` and
+``ffn_up`` (gate and up, in that row order) and, for ``longrope`` models, the factors as the tensors
+``rope_factors_short`` / ``rope_factors_long`` (read into the config's ``rope_scaling``, not into the weights).
 """
 
 from __future__ import annotations
@@ -52,10 +54,16 @@ _GGUF_GEMMA2_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+#: Phi-3's fused projections in llama.cpp's names (gguf-py ``MODEL_TENSORS[PHI3]``; its converter maps HF's
+#: ``mlp.gate_up_proj`` to ``ffn_up``, and its SwiGLU splits that tensor as HF's ``chunk(2)`` does: gate rows first).
+_GGUF_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+#: Phi-3's longrope factors (one float per rotary frequency pair), stored as tensors, not metadata.
+_GGUF_ROPE_FACTORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 #: llama.cpp ``general.architecture`` -> our ``model_type``. llama.cpp's converter permutes the q/k rows of
-#: ``llama`` for its interleaved RoPE (undone here, ``unpermute_rope_rows``); ``qwen2`` / ``qwen3`` use its
-#: NEOX (rotate-half) RoPE and keep HF's row order.
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2"}
+#: ``llama`` for its interleaved RoPE (undone here, ``unpermute_rope_rows``); ``qwen2``, ``qwen3`` and ``phi3`` use
+#: its NEOX (rotate-half) RoPE and keep HF's row order.
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                                      "phi3": "phi3"}
 #: llama.cpp's Gemma 2 defaults for metadata a file may leave out (``llama_hparams``: the two soft-caps).
 _GGUF_GEMMA2_CAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 
@@ -199,15 +207,25 @@ def config_from_gguf(reader: Any, vocab_size: int) -> ModelConfig:
     """The ``ModelConfig`` of a GGUF file's metadata (``{arch}.*`` keys) and tensor names (biases, q/k norms).
 
     ``head_dim``: ``attention.key_length`` when present (Qwen3 writes it: its head_dim is its own), else
-    ``rope.dimension_count``, else hidden / heads.
+    ``rope.dimension_count`` (but for Phi-3), else hidden / heads.
 
     Gemma 2 (``gemma2``), as llama.cpp reads it (``llama_model_gemma2::load_hparams``): ``attention.sliding_window``
     on the even layers; the soft-caps from ``attn_logit_softcapping`` / ``final_logit_softcapping`` (llama.cpp's
     defaults 50 / 30 when absent); no ``query_pre_attn_scalar`` key exists, so the scale is ``head_dim ** -0.5``
     except for the 46-layer 27B, whose ``hidden / heads`` (144) llama.cpp picks by the layer count.
 
+    Phi-3 (``phi3``), as its llama.cpp converter writes it (``Phi3MiniModel``): fused projections; RoPE over the
+    whole head (``rope.dimension_count`` equal to ``head_dim``, else refused: partial rotary is not served);
+    ``longrope`` when the file holds ``rope_factors_short`` / ``rope_factors_long``, with
+    ``rope.scaling.original_context_length`` and the converter's ``rope.scaling.attn_factor`` (what llama.cpp
+    scales cos and sin by); ``attention.sliding_window`` on every layer, as the HF config it was converted from
+    applies it (llama.cpp and transformers' GGUF loader both ignore that key for ``phi3``: only sequences longer
+    than the window differ).
+
     Raises:
-        ModelLoadError: an architecture not in ``GGUF_ARCHITECTURES`` (the message lists them).
+        ModelLoadError: an architecture not in ``GGUF_ARCHITECTURES`` (the message lists them); a ``phi3`` file
+            with partial rotary, or with one longrope factor tensor and not the other, or factors of a length
+            other than ``head_dim / 2``.
     """
     arch = _field(reader, "general.architecture", "llama")
     if arch not in GGUF_ARCHITECTURES:
@@ -224,11 +242,14 @@ def config_from_gguf(reader: Any, vocab_size: int) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     model_type = GGUF_ARCHITECTURES[arch]
     layers = int(g("block_count"))
-    head_dim = int(g("attention.key_length", g("rope.dimension_count", hidden // heads)))
-    gemma: dict[str, Any] = {}
+    rotary = None if model_type == "phi3" else g("rope.dimension_count")  # (Phi-3: hidden / heads, whole head)
+    head_dim = int(g("attention.key_length", rotary if rotary is not None else hidden // heads))
+    extra: dict[str, Any] = {}  # the family's own fields
+    if model_type == "phi3":
+        extra = _phi3_from_gguf(reader, g, head_dim)
     if model_type == "gemma2":
         window = g("attention.sliding_window")
-        gemma = dict(hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, scale_embeddings=True,
+        extra = dict(hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, scale_embeddings=True,
                      block_output_norms=True,
                      query_pre_attn_scalar=float(hidden // heads if layers == 46 else head_dim),
                      sliding_window=None if window is None else int(window),
@@ -252,8 +273,40 @@ def config_from_gguf(reader: Any, vocab_size: int) -> ModelConfig:
         o_bias="blk.0.attn_output.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         tie_word_embeddings="output.weight" not in names,
-        **gemma,
+        **extra,
     )
+
+
+def _phi3_from_gguf(reader: Any, g: Any, head_dim: int) -> dict[str, Any]:
+    """The Phi-3 fields of ``ModelConfig`` from a ``phi3`` GGUF file (``config_from_gguf``'s docstring)."""
+    rot = g("rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise ModelLoadError(f"GGUF: phi3.rope.dimension_count is {int(rot)}, head_dim is {head_dim}: partial rotary "
+                             "embeddings are not served")
+    factors = {t.name: t for t in reader.tensors if t.name in _GGUF_ROPE_FACTORS}
+    out: dict[str, Any] = {"fused_projections": True}
+    window = g("attention.sliding_window")
+    if window:
+        out["sliding_window"] = int(window)  # (no layer_types: every layer, as for a HF phi3 config)
+    if not factors:
+        return out
+    if len(factors) != 2:
+        raise ModelLoadError(f"GGUF: a phi3 file with the tensor {next(iter(factors))} needs both "
+                             f"{' and '.join(_GGUF_ROPE_FACTORS)} (longrope)")
+    scaling: dict[str, Any] = {"rope_type": "longrope"}
+    for name, t in factors.items():
+        vals = np.asarray(t.data, dtype=np.float64).reshape(-1).tolist()
+        if len(vals) != head_dim // 2:
+            raise ModelLoadError(f"GGUF: phi3 longrope tensor {name} has {len(vals)} numbers, expected head_dim / 2 = "
+                                 f"{head_dim // 2}")
+        scaling[_GGUF_ROPE_FACTORS[name]] = vals
+    orig = g("rope.scaling.original_context_length")
+    scaling["original_max_position_embeddings"] = int(orig if orig is not None else g("context_length", 4096))
+    attn = g("rope.scaling.attn_factor")
+    if attn is not None:
+        scaling["attention_factor"] = float(attn)
+    out["rope_scaling"] = scaling
+    return out
 
 
 def _open_gguf(path: Path) -> tuple[Any, dict[str, Any], ModelConfig]:
@@ -279,9 +332,11 @@ def _load_gguf(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[Model
     gemma = config.architecture == "gemma2"
     weights: dict[str, torch.Tensor] = {}
     for name, t in tqdm(tensors.items(), desc=f"Loading {path.name}", unit="tensor", disable=not progress):
+        if config.architecture == "phi3" and name in _GGUF_ROPE_FACTORS:
+            continue  # in config.rope_scaling (config_from_gguf)
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))  # copy: GGUF data is a read-only memmap
-        hf = _gguf_to_hf_name(name, path, gemma)
+        hf = _gguf_to_hf_name(name, path, config.architecture)
         if gemma and hf.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's 1 + weight
         if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
@@ -292,7 +347,7 @@ def _load_gguf(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[Model
     return config, weights
 
 
-def _gguf_to_hf_name(name: str, path: Path, gemma2: bool = False) -> str:
+def _gguf_to_hf_name(name: str, path: Path, architecture: str = "llama") -> str:
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -300,7 +355,7 @@ def _gguf_to_hf_name(name: str, path: Path, gemma2: bool = False) -> str:
     if name == "output.weight":
         return "lm_head.weight"
     parts = name.split(".")
-    table = {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA2_NAMES} if gemma2 else _GGUF_LAYER_NAMES
+    table = {**_GGUF_LAYER_NAMES, **{"gemma2": _GGUF_GEMMA2_NAMES, "phi3": _GGUF_PHI3_NAMES}.get(architecture, {})}
     if len(parts) == 4 and parts[0] == "blk" and parts[3] in ("weight", "bias") and parts[2] in table:
         return f"model.layers.{int(parts[1])}.{table[parts[2]]}.{parts[3]}"
     if name == "rope_freqs.weight":

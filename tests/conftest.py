@@ -18,8 +18,9 @@ import pytest  # noqa: E402
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
 
 
-CPU_HALF = ('CPU test (Triton interpreter, CPU tensors) on a machine with a CUDA GPU, where kernels compile for the GPU; '
-            'run this half alone: CUDA_VISIBLE_DEVICES= python -m pytest -m "not gpu" (scripts/test.sh runs both halves)')
+CPU_HALF = ('CPU test (Triton interpreter, CPU tensors) on a machine with a CUDA GPU, where kernels compile for the '
+            'GPU; run this half alone: CUDA_VISIBLE_DEVICES= python -m pytest -m "not gpu" (scripts/test.sh runs '
+            'both halves)')
 GPU_HALF = ("GPU test under TRITON_INTERPRET=1 (kernels would be interpreted, not compiled); run it without "
             "TRITON_INTERPRET: python -m pytest -m gpu")
 

@@ -504,3 +504,130 @@ def test_deferred_check_counts_a_fused_lora_b_whole(peft_setup, tmp_path):
         break
     else:
         pytest.fail("no adapter of PEFT_ADAPTERS targets qkv_proj")
+
+
+# ------------------------------------------------------------------------------------------------------ GGUF
+# HF module path (inside model.layers.N) -> llama.cpp tensor name (gguf-py MODEL_TENSORS[PHI3]; its converter
+# writes the fused projections as they are, gate_up_proj under ffn_up)
+_GGUF_NAMES = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def write_phi3_gguf(model, path):
+    """``model`` (a HF ``Phi3ForCausalLM``) as llama.cpp's converter (``Phi3MiniModel``) writes it, in F32: its
+    metadata keys, the fused tensors, and for longrope the factors as tensors, the original length and the
+    attention factor the converter computes, sqrt(1 + ln(max / original) / ln(original))."""
+    gguf = pytest.importorskip("gguf")
+    from testsupport import add_gguf_test_tokenizer
+
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    if c.sliding_window:
+        w.add_sliding_window(c.sliding_window)
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "longrope":
+        orig = c.original_max_position_embeddings
+        w.add_rope_scaling_orig_ctx_len(orig)
+        scale = c.max_position_embeddings / orig
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", torch.tensor(rope["long_factor"], dtype=torch.float32).numpy())
+        w.add_tensor("rope_factors_short.weight", torch.tensor(rope["short_factor"], dtype=torch.float32).numpy())
+    add_gguf_test_tokenizer(w, c)
+    w.add_pad_token_id(c.pad_token_id)  # (transformers' Phi3Config default, 32000, is past this vocabulary)
+    for key, t in model.state_dict().items():
+        if key == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        parts = key.split(".")
+        name = _GGUF_TOP.get(key) or f"blk.{parts[2]}.{_GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+        w.add_tensor(name, t.detach().float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# the cases whose attention factor is the converter's formula (phi3-longrope-af's explicit 1.3 would be lost by it)
+GGUF_CASES = ["phi3", "phi3-tied-mha", "phi3-sliding", "phi3-longrope"]
+
+
+@pytest.mark.parametrize("name", GGUF_CASES)
+def test_gguf_matches_the_hf_model(name, tmp_path):
+    """A Phi-3 GGUF file loads to the HF directory's config and weights and to the HF model's logits and greedy
+    tokens; where transformers' own GGUF loader reads the file fully (no longrope factors, no sliding window: it
+    reads neither key for phi3), its logits too."""
+    from multilora.runtime.weights import load_model_files
+
+    model = _make_model(name)
+    path = tmp_path / "model.gguf"
+    write_phi3_gguf(model, path)
+    config, weights = load_model_files(path, dtype=torch.float32, progress=False)
+    hf_config = ModelConfig.from_hf_dict(model.config.to_dict())
+    for field in ("fused_projections", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                  "sliding_window", "tie_word_embeddings", "rope_type"):
+        assert getattr(config, field) == getattr(hf_config, field), field
+    if config.rope_type == "longrope":
+        for key in ("short_factor", "long_factor"):  # float32 in the file
+            assert config.rope_scaling[key] == pytest.approx(hf_config.rope_scaling[key], rel=1e-6), key
+        assert (config.rope_scaling["original_max_position_embeddings"]
+                == hf_config.rope_scaling["original_max_position_embeddings"] == ORIG)
+    ref = {k: v for k, v in model.state_dict().items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
+    assert set(weights) == set(ref)
+    for k, v in ref.items():
+        assert torch.equal(weights[k], v), k
+
+    engine = Engine(model=str(path), progress=False, max_batch_size=4)
+    assert engine.model.rope_scale == pytest.approx(model.model.rotary_emb.attention_scaling, rel=1e-6)
+    rows = _rows(name)
+    ours = engine.logits(rows)
+    for i, ref_logits in enumerate(hf_last_logits(model, rows)):
+        assert rel_err(ours[i], ref_logits) < REL_TOL, (name, i, rel_err(ours[i], ref_logits))
+    if name in ("phi3", "phi3-tied-mha"):
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                                   dtype=torch.float32).eval()
+        for i, ref_logits in enumerate(hf_last_logits(theirs, rows)):
+            assert rel_err(ours[i], ref_logits) < REL_TOL, (name, "transformers' GGUF loader", i)
+    outs = engine.generate(rows[:2], sampling=SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True))
+    for r, out in zip(rows[:2], outs):
+        assert out.token_ids == hf_greedy(model, r, GEN_TOKENS), (name, len(r))
+
+
+def _gguf_with(tmp_path, *, rot=None, factors=("rope_factors_long.weight", "rope_factors_short.weight"), n=8):
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "phi3")
+    for add, v in ((w.add_block_count, 1), (w.add_embedding_length, 64), (w.add_head_count, 4),
+                   (w.add_feed_forward_length, 96), (w.add_context_length, 64)):
+        add(v)
+    if rot is not None:
+        w.add_rope_dimension_count(rot)
+    w.add_tensor("token_embd.weight", torch.zeros(10, 64).numpy())
+    for f in factors:
+        w.add_tensor(f, torch.ones(n).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tmp_path / "m.gguf"
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(rot=8), r"phi3.rope.dimension_count is 8, head_dim is 16: partial rotary"),
+    (dict(factors=("rope_factors_long.weight",)), r"rope_factors_long.weight needs both rope_factors_short.weight "
+                                                  r"and rope_factors_long.weight"),
+    (dict(n=5), r"longrope tensor rope_factors_\w+.weight has 5 numbers, expected head_dim / 2 = 8"),
+])
+def test_gguf_refusals_name_the_key(tmp_path, kw, match):
+    from multilora.runtime.weights import ModelLoadError, model_config
+
+    with pytest.raises(ModelLoadError, match=match):
+        model_config(str(_gguf_with(tmp_path, **kw)))
