@@ -268,6 +268,11 @@ def _check_port(host: str, port: int) -> None:
             sock.close()
 
 
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    """A SIGTERM handler: stop as Ctrl-C does (``_cmd_serve``)."""
+    raise KeyboardInterrupt
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -295,9 +300,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine = _load_engine(args, progress=True)
     app = create_app(engine, served_model_name=served or engine.model_path.stem, api_key=args.api_key,
                      adapter_root=args.adapter_root, allow_runtime_adapters=args.allow_runtime_adapters)
+    # uvicorn shuts down gracefully on SIGINT and SIGTERM (open streams finish), then raises the signal again under
+    # the handler it found: SIGTERM's default would end this process there, with no engine.close() and exit -15
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_config=None)  # our logging (timestamps, levels) for all
-    except KeyboardInterrupt:  # uvicorn shut down gracefully on Ctrl-C, then raised it again
+    except KeyboardInterrupt:  # uvicorn shut down gracefully on Ctrl-C or SIGTERM, then raised it again
         pass
     finally:
         if args.engine_process:  # uvicorn's shutdown closed it; not if it never started (a port in use)

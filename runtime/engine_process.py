@@ -22,9 +22,10 @@ The boundary (one ``multiprocessing`` pipe, pickled tuples):
   never detokenizes per token (stop strings are matched in the engine, on text, as in-process). A ``RequestOutput``'s
   times are the engine process's ``time.perf_counter()`` (one system-wide monotonic clock on Linux and macOS).
 
-Lifecycle: the child is started with the ``spawn`` method (CUDA cannot be forked) and ignores SIGINT (a Ctrl-C reaches
-the whole process group; the parent shuts it down in order). It exits on ``close()``, and by itself when the pipe
-reaches end-of-file: the parent exited, was killed, or crashed. If the child dies, ``running`` turns False, every
+Lifecycle: the child is started with the ``spawn`` method (CUDA cannot be forked) and ignores SIGINT and SIGTERM
+(a Ctrl-C, a ``kill -- -PGID`` or a service manager's stop reaches the whole process group; the parent lets open
+streams finish, then shuts the child down in order). It exits on ``close()``, and by itself when the pipe reaches
+end-of-file: the parent exited, was killed, or crashed; ``close`` kills (SIGKILL) a child that did not exit in time. If the child dies, ``running`` turns False, every
 unfinished stream ends with ``finish_reason="error"`` and a message naming the exit code or signal, and new
 submissions raise ``EngineDeadError``. An error while the child builds its engine (a bad model path, a memory plan
 that does not fit, a bad adapter) is raised again by ``EngineProcess.start`` with the child's message.
@@ -217,7 +218,10 @@ class _EngineCore:
 
 def _child_main(conn: Any, factory: Callable[[], Any], log_level: int, log_format: str) -> None:
     """The engine process: build the engine (``factory()``), tell the parent, step until closed."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent closes us in order
+    # Ctrl-C and a group-wide SIGTERM (``kill -- -PGID``, systemd's stop) reach us too: the parent lets its open streams
+    # finish, then closes us in order; we leave by ourselves if it dies (the pipe's end)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=log_format)
     started = threading.Event()
 
@@ -572,13 +576,11 @@ def _exit_status(process: Any) -> str:
 
 
 def _stop(process: Any) -> None:
-    """Terminate, then kill, a child that is still alive."""
-    if process.is_alive():
-        process.terminate()
-        process.join(10)
+    """Kill a child that is still alive (it ignores SIGTERM: ``_child_main``; SIGTERM's default action would have
+    ended it without cleanup all the same)."""
     if process.is_alive():
         process.kill()
-        process.join(5)
+        process.join(10)
 
 
 def load_engine(model: Any, config: Any, adapters: dict[str, str] | list[tuple[str, str]], *,

@@ -594,10 +594,13 @@ def test_metrics_parse_and_hold_the_gateway_api_names(http, served):
 
 
 # ------------------------------------------------------------------------------------------ the command
-@pytest.mark.parametrize("mode", ["thread", "process"])
-def test_the_multilora_serve_command(model_dir, adapter_root, engine, tmp_path, mode):
-    """The real command serves; Ctrl-C (SIGINT to its whole process group, as a terminal sends it) stops it with exit
-    code 0, and with --engine-process its engine process is gone too."""
+@pytest.mark.parametrize("mode, stop", [("thread", signal.SIGINT), ("process", signal.SIGINT),
+                                        ("process", signal.SIGTERM)])
+def test_the_multilora_serve_command(model_dir, adapter_root, engine, tmp_path, mode, stop):
+    """The real command serves; Ctrl-C (SIGINT to its whole process group, as a terminal sends it) or SIGTERM to the
+    whole group (``kill -- -PGID``, systemd's default stop) stops it with exit code 0, and with --engine-process its
+    engine process is gone too. With SIGTERM a stream open at the signal runs to its end first (the engine process
+    ignores the group's signal: the server closes it once the streams are done)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -623,8 +626,23 @@ def test_the_multilora_serve_command(model_dir, adapter_root, engine, tmp_path, 
             r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers=AUTH, timeout=60,
                            json={"model": "ad0", "prompt": "Hello", "max_tokens": 5, "temperature": 0})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
+            if stop == signal.SIGTERM:
+                body = {"model": "ad0", "prompt": "Tell me a story", "max_tokens": 48, "temperature": 0,
+                        "stream": True, "ignore_eos": True}
+                with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", headers=AUTH, timeout=60,
+                                  json=body) as r:
+                    lines = r.iter_lines()
+                    assert next(line for line in lines if line).startswith("data: {")
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    stop = None  # sent
+                    rest = [line for line in lines if line.startswith("data: ")]
+                assert rest[-1] == "data: [DONE]", rest[-3:]
+                events = [json.loads(line[len("data: "):]) for line in rest[:-1]]
+                assert not any("error" in e for e in events), events[-1]
+                assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
         finally:
-            os.killpg(proc.pid, signal.SIGINT)
+            if stop is not None:
+                os.killpg(proc.pid, stop)
             try:
                 code = proc.wait(30)
             finally:
