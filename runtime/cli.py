@@ -32,6 +32,24 @@ def _parse_adapter(spec: str) -> tuple[str, str]:
     return name, path
 
 
+def _int_at_least(low: int, high: int | None = None):
+    """An argparse type: an int in ``[low, high]`` (the message says which range and what was got)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low or (high is not None and v > high):
+            want = f"an integer in {low}..{high}" if high is not None else f"an integer >= {low}"
+            raise argparse.ArgumentTypeError(f"expected {want}, got {v}")
+        return v
+    parse.__name__ = "int"  # argparse's "invalid int value" wording for values that are no integer
+    return parse
+
+
+_JSONL_KEYS = ("prompt", "adapter")
+
+
 def _read_jsonl(path: str) -> list[tuple[Any, str | None]]:
     items = []
     try:
@@ -47,6 +65,9 @@ def _read_jsonl(path: str) -> list[tuple[Any, str | None]]:
             raise ValueError(f"{path}:{n}: malformed JSON ({e})") from e
         if not isinstance(obj, dict) or "prompt" not in obj:
             raise ValueError(f"{path}:{n}: expected an object with a 'prompt' (and optional 'adapter'), got {line[:80]!r}")
+        unknown = sorted(set(obj) - set(_JSONL_KEYS))
+        if unknown:  # a misspelt "adapter" would otherwise run the prompt on the base model
+            raise ValueError(f"{path}:{n}: unknown key(s) {unknown}; a line has 'prompt' and optionally 'adapter'")
         adapter = obj.get("adapter")
         if adapter is not None and not isinstance(adapter, str):
             raise ValueError(f"{path}:{n}: 'adapter' must be a string or null, got {adapter!r}")
@@ -71,8 +92,9 @@ def _engine_args(sp: argparse.ArgumentParser) -> None:
 
 def _http_args(sp: argparse.ArgumentParser) -> None:
     """The flags of the HTTP server that serve and serve-ray share."""
-    sp.add_argument("--host", default="127.0.0.1")
-    sp.add_argument("--port", type=int, default=8000)
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every "
+                                                        "IPv4 interface)")
+    sp.add_argument("--port", type=_int_at_least(1, 65535), default=8000, help="TCP port (default 8000)")
     sp.add_argument("--served-model-name", help="the base model's name in requests (default: --model as given, or "
                                                 "the embedded model's file name without .gguf)")
     sp.add_argument("--api-key", default=os.environ.get("MULTILORA_API_KEY"),
@@ -100,27 +122,32 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="run the main job on the default model with demo adapters")
-    d.add_argument("--adapters-dir", help="where demo adapters are kept (default: ~/.cache/multilora/demo-adapters)")
-    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--adapters-dir", help="where the demo adapters are kept: DIR/demo-a, demo-b, demo-c (default: "
+                                          "$MULTILORA_HOME/demo-adapters/<model file name>, MULTILORA_HOME defaulting "
+                                          "to ~/.cache/multilora)")
+    d.add_argument("--max-tokens", type=_int_at_least(1), default=32, help="tokens per completion (default 32)")
     d.add_argument("--model", help="another model instead of the default (" + _SERVED + ")")
 
     m = sub.add_parser("make-demo-adapters", help="write seeded random PEFT adapters for a model")
     m.add_argument("out_dir")
     m.add_argument("--model", help=_MODEL_HELP)
-    m.add_argument("--rank", type=int, default=8)
+    m.add_argument("--rank", type=_int_at_least(1), default=8, help="LoRA rank of every demo adapter (default 8)")
 
     g = sub.add_parser("generate", help="generate for prompts, each with its own adapter, in one batch")
     _engine_args(g)
     g.add_argument("--prompt", action="append", nargs=2, default=[], metavar=("ADAPTER", "TEXT"),
-                   help="a prompt and its adapter name ('-' for the base model); repeatable")
-    g.add_argument("--jsonl", help='file of {"prompt": ..., "adapter": NAME|null} lines (prompt: text or chat messages)')
+                   help=f"a prompt and its adapter name ({', '.join(repr(b) for b in BASE_NAMES)}: the base model, "
+                        "so no --adapter may take those names); repeatable")
+    g.add_argument("--jsonl", help='file of {"prompt": ..., "adapter": NAME|null} lines (prompt: text, chat messages '
+                                   'or a list of token ids; no other keys)')
     g.add_argument("--chat", action="store_true", help="wrap text prompts as a user message and apply the chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    g.add_argument("--seed", type=int, help="random seed of sampled requests (default: none, not reproducible)")
+    g.add_argument("--stop", action="append", default=[],
+                   help="stop string, matched literally (repeatable); in a shell, a newline is $'\\n', not \"\\n\"")
     g.add_argument("--json", action="store_true", help="print one JSON object per request")
     g.add_argument("--stats", action="store_true", help="print engine statistics at the end")
 
@@ -167,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from multilora.runtime.sampling import SamplingParams
 
+    reserved = sorted({n for n, _ in args.adapter} & set(BASE_NAMES))
+    if reserved:  # --prompt base ... would mean the base model, not this adapter
+        raise ValueError(f"--adapter {reserved[0]}=...: {', '.join(repr(b) for b in BASE_NAMES)} name the base model "
+                         "in --prompt; give the adapter another NAME")
     items: list[tuple[Any, str | None]] = [(text, None if a in BASE_NAMES else a) for a, text in args.prompt]
     if args.jsonl:
         items += _read_jsonl(args.jsonl)
@@ -214,16 +245,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _engine_config(args: argparse.Namespace) -> Any:
     """The ``EngineConfig`` of the engine flags, every --adapter path checked first (a typo fails in a second, not
     after the model loads); errors name the flag."""
-    from multilora.runtime.config import EngineConfig
+    from multilora.runtime.config import EngineConfig, resolve_device
 
     for name, path in args.adapter:
         if not Path(path).exists():
             raise ValueError(f"--adapter {name}={path}: no such file or directory")
+    names = [n for n, _ in args.adapter]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"--adapter: name(s) {twice} given more than once (each NAME=PATH needs its own NAME)")
     try:
-        return EngineConfig.from_cli(args)
+        config = EngineConfig.from_cli(args)
+        resolve_device(config.device)  # a CPU build asked for cuda fails here, not after the model loads
     except ValueError as e:
         field = re.search(r"Engine: (\w+)", str(e))
         raise ValueError(f"--{field.group(1).replace('_', '-')}: {e}" if field else str(e)) from e
+    from multilora.runtime.adapters import AdapterError, check_adapter_files
+
+    for name, path in args.adapter:  # what needs no model: a directory, its config, a weight file, the rank
+        try:
+            check_adapter_files(path, max_rank=config.max_lora_rank)
+        except AdapterError as e:
+            raise ValueError(f"--adapter {name}={path}: {e}") from e
+    return config
 
 
 def _load_engine(args: argparse.Namespace, *, progress: bool = False) -> Any:

@@ -328,3 +328,35 @@ def _is_int(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def resolve_device(device: "str | torch.device | None") -> "torch.device":
+    """The device an ``Engine`` of ``EngineConfig.device`` runs on, checked before anything loads: None is CUDA when
+    available, else the CPU.
+
+    Raises:
+        ValueError: naming ``device``: not a torch device string; a device type other than cpu and cuda (the only
+            ones multilora runs on: Triton kernels on CUDA, torch ops on the CPU); cuda on a machine without a CUDA
+            device (a CPU build of torch, no GPU or none visible), or a CUDA index past the devices there are.
+    """
+    import torch
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"Engine: device={device!r} is not a device ({e}); expected 'cpu', 'cuda' or "
+                         "'cuda:N'") from None
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU build of torch" if torch.version.cuda is None else "no CUDA device is visible"
+            raise ValueError(f"Engine: device={device!r}, but CUDA is not available here ({build}, torch "
+                             f"{torch.__version__}); use device='cpu'")
+        n = torch.cuda.device_count()
+        if d.index is not None and d.index >= n:
+            raise ValueError(f"Engine: device={device!r}, but this machine has {n} CUDA device(s) (cuda:0 to "
+                             f"cuda:{n - 1})")
+    elif d.type != "cpu":
+        raise ValueError(f"Engine: device={device!r}: multilora runs on 'cpu' and 'cuda' devices, got type {d.type!r}")
+    return d

@@ -37,7 +37,7 @@ from multilora.memory.unified import UnifiedMemory, unified_layout
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
 from multilora.runtime.adapters import LoRAAdapter, read_adapter, read_packed_adapter
 from multilora.runtime.adapters.image import read_image
-from multilora.runtime.config import EngineConfig
+from multilora.runtime.config import EngineConfig, resolve_device
 from multilora.runtime.model import DecoderModel
 from multilora.runtime.parallel import TensorParallel, TensorParallelError, TPGroup
 from multilora.runtime.sharding import check_tp_size, shard_weights, tp_rank_config
@@ -155,8 +155,7 @@ class Engine:
         cfg = self.engine_config = dataclasses.replace(config or EngineConfig(), **options)
         cfg.warn_ineffective()
         self._switch_interval: tuple[float, float] | None = None  # (ours, the interpreter's before): Engine.close
-        self.device = torch.device(cfg.device) if cfg.device is not None else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu")
+        self.device = resolve_device(cfg.device)
         self.dtype = cfg.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if cfg.fp8_gemm == "weight_only" and self.device.type != "cuda":
             raise ValueError(f"Engine: fp8_gemm='weight_only' needs a CUDA GPU (a Triton kernel), got device "

@@ -161,7 +161,16 @@ def validation_error(errors: list[dict]) -> APIError:
             out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
         return out or "body"
 
-    message = "; ".join(f"{where(x['loc'])}: {x['msg']}" for x in errors[:4])
+    def got(x: dict) -> str:  # the value sent, short ("missing" fields have none to show)
+        if x.get("type") == "missing" or "input" not in x:
+            return ""
+        try:
+            text = json.dumps(x["input"])
+        except (TypeError, ValueError):
+            text = repr(x["input"])
+        return f", got {text[:60] + '...' if len(text) > 60 else text}"
+
+    message = "; ".join(f"{where(x['loc'])}: {x['msg']}{got(x)}" for x in errors[:4])
     loc = first["loc"]
     return APIError(400, message, code="invalid_type", param=str(loc[1]) if len(loc) > 1 else None)
 

@@ -56,7 +56,9 @@ class RequestFactory:
                              f"matched")
         ids = self.tokenizer.encode(prompt)
         if len(ids) >= self.max_seq_len:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len={self.max_seq_len}")
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
+                             f"max_seq_len={self.max_seq_len} (a longer prompt needs a larger max_seq_len: "
+                             f"Engine(max_seq_len=...), --max-seq-len)")
         total = min(len(ids) + params.max_tokens, self.max_seq_len)
         kv = self.kv
         if kv.blocks_for_tokens(total) > kv.max_usable_blocks:

@@ -208,7 +208,76 @@ def test_bad_adapter_dir_names_the_flag_and_name(tiny, tmp_path, capsys):
     assert code == 2 and f"--adapter x={empty}:" in err and "adapter_config.json" in err, err
 
 
+def _adapter_dirs(base, demo_dir):
+    """Broken adapter directories, each with the words its error must say."""
+    bad_json = base / "bad-json"
+    bad_json.mkdir()
+    (bad_json / "adapter_config.json").write_text("{oops")
+    no_weights = base / "no-weights"
+    no_weights.mkdir()
+    shutil.copy(demo_dir / "demo-a" / "adapter_config.json", no_weights)
+    big = base / "rank-128"
+    shutil.copytree(demo_dir / "demo-a", big)
+    cfg = json.loads((big / "adapter_config.json").read_text())
+    (big / "adapter_config.json").write_text(json.dumps({**cfg, "r": 128, "rank_pattern": {}}))
+    empty = base / "empty"
+    empty.mkdir()
+    a_file = base / "a-file"
+    a_file.write_text("x")
+    return {a_file: "expected a directory", empty: "adapter_config.json", bad_json: "malformed JSON",
+            no_weights: "no adapter weights", big: "rank 128 exceeds the engine's max_lora_rank 64 (raise it to 128 "
+                                                   "or more: Engine(max_lora_rank=128), --max-lora-rank 128)"}
+
+
+def test_adapter_directories_are_checked_before_the_model_loads(demo_dir, tmp_path, capsys):
+    """Each broken --adapter is refused, naming the flag, the name and the defect, before the model: here the model
+    path does not exist, and its error would come first otherwise."""
+    for path, words in _adapter_dirs(tmp_path, demo_dir).items():
+        code, _, err = run(capsys, "generate", "--model", tmp_path / "no-model", "--adapter", f"x={path}",
+                           "--prompt", "x", "hi")
+        assert code == 2 and f"--adapter x={path}:" in err and words in err and "no-model" not in err, err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--adapter", "base=DEMO", "--prompt", "base", "hi"], "--adapter base=...: '-', 'none', 'base' name the base "
+                                                          "model in --prompt; give the adapter another NAME"),
+    (["--adapter", "a=DEMO", "--adapter", "a=DEMO", "--prompt", "a", "hi"], "--adapter: name(s) ['a'] given more "
+                                                                            "than once"),
+    (["--device", "cuda:x", "--prompt", "-", "hi"], "--device: Engine: device='cuda:x' is not a device"),
+    (["--device", "tpu", "--prompt", "-", "hi"], "--device: Engine: device='tpu' is not a device"),
+])
+def test_generate_refuses_before_the_model_loads(demo_dir, tmp_path, capsys, argv, words):
+    argv = [str(demo_dir / "demo-a") if a == "DEMO" else a.replace("=DEMO", f"={demo_dir / 'demo-a'}") for a in argv]
+    code, out, err = run(capsys, "generate", "--model", tmp_path / "no-model", *argv)
+    assert code == 2 and out == "" and words in err and "no-model" not in err, err
+
+
+def test_the_engine_checks_its_device_before_the_model(tmp_path):
+    with pytest.raises(ValueError, match=r"Engine: device='meta': multilora runs on 'cpu' and 'cuda' devices"):
+        Engine(model=str(tmp_path / "no-model"), device="meta")  # (the missing model would say "does not exist")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
+def test_cuda_on_a_machine_without_it_names_the_flag(tmp_path, capsys):
+    code, _, err = run(capsys, "generate", "--model", tmp_path / "no-model", "--device", "cuda", "--prompt", "-", "hi")
+    assert code == 2 and "--device: Engine: device='cuda', but CUDA is not available here" in err, err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["serve", "--port", "99999"], "argument --port: expected an integer in 1..65535, got 99999"),
+    (["serve", "--port", "0"], "argument --port: expected an integer in 1..65535, got 0"),
+    (["make-demo-adapters", "out", "--rank", "0"], "argument --rank: expected an integer >= 1, got 0"),
+    (["demo", "--max-tokens", "0"], "argument --max-tokens: expected an integer >= 1, got 0"),
+    (["demo", "--max-tokens", "ten"], "argument --max-tokens: expected an integer, got 'ten'"),
+])
+def test_flag_ranges_are_checked_by_the_parser(capsys, argv, words):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and words in err, err
+
+
 @pytest.mark.parametrize("line,match", [
+    ('{"prompt": "hi", "adaptr": "a"}', r"unknown key\(s\) \['adaptr'\]; a line has 'prompt' and optionally "
+                                        r"'adapter'"),
     ("{not json", r"malformed JSON"),
     ('["a list"]', r"expected an object with a 'prompt'"),
     ('{"adapter": "a"}', r"expected an object with a 'prompt'"),

@@ -421,6 +421,19 @@ def test_bad_requests_get_the_right_status_and_body_and_the_server_keeps_serving
     _serves(http)
 
 
+def test_a_value_of_the_wrong_type_is_quoted(http):
+    """The message says what was sent, not only what was expected (long values cut at 60 characters)."""
+    r = http.post("/v1/completions", json={"model": BASE, "prompt": "Hi", "max_tokens": "ten"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == ('max_tokens: Input should be a valid integer, '
+                                                                     'got "ten"'), r.text
+    r = http.post("/v1/completions", json={"model": BASE, "prompt": "Hi", "temperature": "x" * 100})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and msg.startswith("temperature: ") and msg.endswith('got "' + "x" * 59 + "..."), msg
+    r = http.post("/v1/completions", json={"model": BASE})  # a missing field has no value to quote
+    assert r.status_code == 400 and "got" not in r.json()["error"]["message"], r.text
+    _serves(http)
+
+
 def test_off_values_of_unsupported_parameters_and_unknown_fields_are_accepted(http):
     r = http.post("/v1/completions", json={"model": BASE, "prompt": "Hi", "max_tokens": 2, "n": 1, "presence_penalty": 0,
                                            "logit_bias": {}, "echo": False, "user": "u", "some_new_field": 1})

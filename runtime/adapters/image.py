@@ -214,7 +214,8 @@ def read_adapter(path: str | os.PathLike, config: ModelConfig, pool: AdapterPool
         adapter, packed = load_peft_adapter(path, config, name=name, allow_pickle=allow_pickle, header_only=True), None
     if max_rank is not None and adapter.max_rank > max_rank:
         raise AdapterError(f"{path}: adapter rank {adapter.max_rank} exceeds the engine's max_lora_rank {max_rank} "
-                           f"(create the Engine with max_lora_rank={adapter.max_rank} or more)", path=path)
+                           f"(raise it to {adapter.max_rank} or more: Engine(max_lora_rank={adapter.max_rank}), "
+                           f"--max-lora-rank {adapter.max_rank})", path=path)
     if packed is None and not any(w.a.device.type == "meta" for w in adapter.modules.values()):
         transform = None if shard is None or shard[1] == 1 else (
             lambda m, a, b: shard_lora(m, a, b, config, *shard))

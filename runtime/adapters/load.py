@@ -16,7 +16,7 @@ import torch
 from multilora.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
 from multilora.memory.pool import AdapterPool, PackedAdapter
 from multilora.runtime.sharding import ShardSink
-from multilora.runtime.adapters.disk import FileStamp, check_directory, read_whole
+from multilora.runtime.adapters.disk import PICKLE_NAME, FileStamp, check_directory, read_whole, weights_path
 from multilora.runtime.adapters.files import SAFETENSORS_NAME, _LazyTensors, _read_weights, dtype_name
 from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _config_json, _fmt_shape, _parse_config, _Spec
 from multilora.runtime.adapters.targets import _PEFT_PREFIX, _overlap_hint, _parse_key, _resolve_targets, _Target
@@ -425,6 +425,30 @@ def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: Adap
 
     adapter, packer = load_peft_adapter_into(path, config, open_sink, name=name, allow_pickle=allow_pickle)
     return adapter, None if packer is None else packer.finish()
+
+
+def check_adapter_files(path: str | os.PathLike, *, max_rank: int | None = None) -> None:
+    """What can be checked of an adapter directory without the model (``multilora generate`` and ``serve`` run it
+    on every ``--adapter`` before the model loads): a directory, a well-formed LoRA ``adapter_config.json``, a weight
+    file, and, when the config has no ``rank_pattern``, ``r`` at most ``max_rank``. The targets, key names and shapes
+    need the model's config: ``load_peft_adapter`` checks them (and the ranks of a ``rank_pattern``) at the load.
+
+    Raises:
+        AdapterError: as ``load_peft_adapter`` for the same defects (the message names the file and the field), or
+            ``r`` above ``max_rank``.
+    """
+    root = Path(path)
+    check_directory(root)
+    cfg_path = root / CONFIG_NAME
+    data, _ = read_whole(cfg_path, missing=f"missing: an adapter directory must hold {CONFIG_NAME}")
+    spec = _parse_config(_config_json(data, cfg_path), cfg_path)
+    if weights_path(root) is None:
+        raise AdapterError(f"{root}: no adapter weights: expected {SAFETENSORS_NAME} (or {PICKLE_NAME}) in the "
+                           "directory, found neither", path=root)
+    if max_rank is not None and not spec.rank_pattern and spec.r > max_rank:
+        raise AdapterError(f"{cfg_path}: r: adapter rank {spec.r} exceeds the engine's max_lora_rank {max_rank} "
+                           f"(raise it to {spec.r} or more: Engine(max_lora_rank={spec.r}), --max-lora-rank "
+                           f"{spec.r})", path=cfg_path, key="r")
 
 
 def _read_spec(path: str | os.PathLike,
