@@ -619,7 +619,8 @@ def test_fused_ranks_after_churn(churn, device, dtype):
              apply=fused(block_n=32, tiles=2))
 
 
-@pytest.mark.parametrize("device,dtype", CASES)
+# (the experimental one-launch kernel: on the CPU in fp32 only, the interpreter's fp16 runs the same code; 30 s of CI)
+@pytest.mark.parametrize("device,dtype", [c for c in CASES if c.values != ("cpu", torch.float16)])
 @pytest.mark.parametrize("modules", [GATE_UP, ("down_proj",), ("o_proj",)], ids=["gate_up", "down", "o"])
 def test_fused_odd_widths(modules, device, dtype):
     run_case(ODD, [8, 12, 1], lambda s, g: popularity_slots("uniform", 9, s, g), modules,
