@@ -32,7 +32,7 @@ def _parse_adapter(spec: str) -> tuple[str, str]:
     return name, path
 
 
-def _int_at_least(low: int, high: int | None = None):
+def _int_range(low: int, high: int | None = None):
     """An argparse type: an int in ``[low, high]`` (the message says which range and what was got)."""
     def parse(text: str) -> int:
         try:
@@ -43,7 +43,6 @@ def _int_at_least(low: int, high: int | None = None):
             want = f"an integer in {low}..{high}" if high is not None else f"an integer >= {low}"
             raise argparse.ArgumentTypeError(f"expected {want}, got {v}")
         return v
-    parse.__name__ = "int"  # argparse's "invalid int value" wording for values that are no integer
     return parse
 
 
@@ -94,7 +93,7 @@ def _http_args(sp: argparse.ArgumentParser) -> None:
     """The flags of the HTTP server that serve and serve-ray share."""
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every "
                                                         "IPv4 interface)")
-    sp.add_argument("--port", type=_int_at_least(1, 65535), default=8000, help="TCP port (default 8000)")
+    sp.add_argument("--port", type=_int_range(1, 65535), default=8000, help="TCP port (default 8000)")
     sp.add_argument("--served-model-name", help="the base model's name in requests (default: --model as given, or "
                                                 "the embedded model's file name without .gguf)")
     sp.add_argument("--api-key", default=os.environ.get("MULTILORA_API_KEY"),
@@ -125,13 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--adapters-dir", help="where the demo adapters are kept: DIR/demo-a, demo-b, demo-c (default: "
                                           "$MULTILORA_HOME/demo-adapters/<model file name>, MULTILORA_HOME defaulting "
                                           "to ~/.cache/multilora)")
-    d.add_argument("--max-tokens", type=_int_at_least(1), default=32, help="tokens per completion (default 32)")
+    d.add_argument("--max-tokens", type=_int_range(1), default=32, help="tokens per completion (default 32)")
     d.add_argument("--model", help="another model instead of the default (" + _SERVED + ")")
 
     m = sub.add_parser("make-demo-adapters", help="write seeded random PEFT adapters for a model")
     m.add_argument("out_dir")
     m.add_argument("--model", help=_MODEL_HELP)
-    m.add_argument("--rank", type=_int_at_least(1), default=8, help="LoRA rank of every demo adapter (default 8)")
+    m.add_argument("--rank", type=_int_range(1), default=8, help="LoRA rank of every demo adapter (default 8)")
 
     g = sub.add_parser("generate", help="generate for prompts, each with its own adapter, in one batch")
     _engine_args(g)
