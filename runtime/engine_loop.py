@@ -17,8 +17,10 @@ request that fails later ends its stream with ``finish_reason="error"`` and the 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator
@@ -67,6 +69,7 @@ class RequestStream:
         self._cond = threading.Condition()
         self._deltas: deque[RequestDelta] = deque()
         self._done = False  # the last delta has been taken by the consumer
+        self._output: RequestOutput | None = None  # the last delta's, kept for result() once the stream is consumed
         self._async: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
 
     def _deliver(self, delta: RequestDelta) -> "tuple[asyncio.AbstractEventLoop, asyncio.Event] | None":
@@ -79,6 +82,8 @@ class RequestStream:
 
     def _take(self, delta: RequestDelta) -> RequestDelta:
         self._done = delta.finished
+        if delta.finished:
+            self._output = delta.output
         return delta
 
     def __iter__(self) -> Iterator[RequestDelta]:
@@ -115,15 +120,21 @@ class RequestStream:
                 self.abort()
 
     def result(self) -> RequestOutput:
-        """Wait for the request to finish; its ``RequestOutput``."""
-        last = None
-        for last in self:
+        """Wait for the request to finish; its ``RequestOutput`` (again on later calls, and after the stream was
+        iterated to its end)."""
+        for _ in self:
             pass
-        return last.output
+        return self._output
 
     def abort(self) -> bool:
         """Withdraw the request now (``Engine.abort``); the stream then ends with ``finish_reason="abort"``."""
         return self._loop.abort(self.request_id)
+
+
+def _close_at_exit(ref: "weakref.ref[EngineLoop]") -> None:
+    loop = ref()
+    if loop is not None:
+        loop.close()
 
 
 def _merge(deltas: "deque[RequestDelta]") -> RequestDelta:
@@ -172,6 +183,10 @@ class EngineLoop:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="multilora-engine-loop", daemon=True)
         self._thread.start()
+        # A loop never closed would still be stepping when the interpreter exits: a daemon thread in the middle of a
+        # torch op at finalisation aborts the process (SIGABRT, "terminate called without an active exception").
+        # Closed at exit instead (a weak reference: the hook does not keep the loop alive).
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def submit(self, prompt: Prompt, adapter: str | None = None, sampling: SamplingParams | None = None) -> RequestStream:
         """Queue a request (``Engine.add_request``'s arguments and errors) and return its stream.
@@ -207,7 +222,9 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def close(self) -> None:
-        """Abort what is still running and stop the thread."""
+        """Abort what is still running and stop the thread (also at interpreter exit, for a loop never closed)."""
+        if self._closed and not self._thread.is_alive():
+            return
         self._closed = True
         with self._lock:
             ids = list(self._tracked)

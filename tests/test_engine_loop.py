@@ -349,3 +349,41 @@ def test_a_failed_warmup_does_not_keep_the_server_down(engine, files, monkeypatc
         e = load_engine(str(d), EngineConfig(device="cpu", max_batch_size=4, progress=False), [], warmup=True)
     assert e is not None and "warm-up failed (RuntimeError: warmup: a warm-up request" in caplog.text
     assert "serving anyway" in caplog.text
+
+
+def test_result_is_kept_after_the_stream_is_consumed(engine, loop):
+    ids = token_ids(5, 3, engine.config.vocab_size)
+    s = loop.submit(ids, sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    first = s.result()
+    assert first is not None and len(first.token_ids) == 4
+    assert s.result() is first  # again: the same output, not an error
+    s = loop.submit(ids, sampling=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    deltas = list(s)
+    assert s.result() is deltas[-1].output and s.result().token_ids == first.token_ids[:3]
+
+
+def test_a_loop_never_closed_is_closed_at_exit():
+    """A script that ends while a loop still steps a request: the loop is closed by its exit hook (its request
+    aborted, the thread joined) before the interpreter finalises, where a daemon thread inside a torch op can abort
+    the process. Checked from an exit hook registered before the loop's, so it runs after it (hooks run last in,
+    first out)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import atexit, engine_hooks\n"
+            "from multilora import SamplingParams\n"
+            "from multilora.runtime.engine_loop import EngineLoop\n"
+            "e = engine_hooks.tiny_random_engine()\n"
+            "engine_hooks.slow_steps(e, 0.05)\n"  # the request is still running when the script ends
+            "atexit.register(lambda: print('unfinished at exit:', e.has_unfinished(), flush=True))\n"
+            "loop = EngineLoop(e)\n"
+            "s = loop.submit([5, 6, 7], sampling=SamplingParams(max_tokens=100000, ignore_eos=True))\n"
+            "it = iter(s)\n"  # kept: a generator collected early would abort the request itself
+            "next(it)\n")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "unfinished at exit: False" in out.stdout, (out.stdout, out.stderr[-2000:])
