@@ -310,10 +310,13 @@ class Engine:
         Raises:
             AdapterError: missing or malformed files, unsupported features, shapes that do not fit the model
                 (the message names the file, the key, what was expected and what was got).
-            ValueError: a bad ``name``, or a rank above ``max_lora_rank``.
+            ValueError: a bad ``name`` or ``path`` (not a str or os.PathLike, or empty), or a rank above
+                ``max_lora_rank``.
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"load_adapter: name must be a non-empty string, got {name!r}")
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise ValueError(f"load_adapter: path must be an adapter directory (a str or os.PathLike), got {path!r}")
         adapter, packed = read_adapter(path, self.config, self.pool, name=name, allow_pickle=allow_pickle,
                                        preload=preload, max_rank=self.engine_config.max_lora_rank, shard=self._shard)
 

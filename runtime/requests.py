@@ -81,14 +81,23 @@ class RequestFactory:
                 mismatched lengths.
             UnknownAdapterError (a KeyError): a named adapter is not loaded.
         """
-        rows = [list(r) for r in token_ids]
-        names = per_row(adapters, len(rows), "adapters", "row")
         vocab, kv = self.tokenizer.vocab_size, self.kv
+        rows = []
+        for i, r in enumerate(token_ids):
+            if hasattr(r, "tolist") and not isinstance(r, (str, bytes)):  # a 1-D torch tensor or numpy array
+                r = r.tolist()
+            if isinstance(r, (str, bytes)) or not isinstance(r, Sequence):
+                raise ValueError(f"token_ids[{i}]: expected a list of token ids (ints in [0, {vocab})), got "
+                                 f"{type(r).__name__}{' ' + repr(r[:40]) if isinstance(r, (str, bytes)) else ''}")
+            rows.append(list(r))
+        names = per_row(adapters, len(rows), "adapters", "row")
         for i, r in enumerate(rows):
             if not r or len(r) > self.max_seq_len:
                 raise ValueError(f"token_ids[{i}]: expected 1..{self.max_seq_len} tokens, got {len(r)}")
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in r):
-                raise ValueError(f"token_ids[{i}]: ids must be ints in [0, {vocab})")
+            bad = next((j for j, t in enumerate(r) if isinstance(t, bool) or not isinstance(t, int)
+                        or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"token_ids[{i}][{bad}]: expected an int in [0, {vocab}), got {r[bad]!r}")
             if kv.blocks_for_tokens(len(r)) > kv.max_usable_blocks:
                 raise ValueError(f"token_ids[{i}]: {len(r)} tokens need {kv.blocks_for_tokens(len(r))} KV blocks; "
                                  f"the whole KV cache has {kv.max_usable_blocks}")

@@ -289,10 +289,16 @@ class _Server:
     def _adapter_path(self, lora_path: str) -> Path:
         """The adapter directory to load; with an adapter root, it and every file in it must resolve inside it
         (403 otherwise: no ``..`` traversal, no symlink out)."""
+        if not lora_path or "\x00" in lora_path:
+            raise APIError(400, f"lora_path: expected the path of an adapter directory, got {lora_path!r}",
+                           code="invalid_value", param="lora_path")
         root = self.adapter_root
         if root is None:
             return Path(lora_path)
         path = (root / lora_path).resolve()  # an absolute lora_path stays itself
+        if path == root:
+            raise APIError(400, f"lora_path {lora_path!r} is the adapter root itself; name an adapter directory in it",
+                           code="invalid_value", param="lora_path")
         try:
             entries = [path, *(path.iterdir() if path.is_dir() else ())]
             outside = next((p for p in entries if not p.resolve().is_relative_to(root)), None)

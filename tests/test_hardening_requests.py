@@ -314,3 +314,30 @@ def test_fuzz_a_bad_prompt_or_value_refuses_the_call_and_runs_nothing(engine, re
 
 def test_after_the_fuzzing_the_engine_still_gives_the_reference(engine, reference):
     _still_serves(engine, reference)
+
+
+@pytest.mark.parametrize("rows, words", [
+    (["hello"], "token_ids[0]: expected a list of token ids (ints in [0, 49152)), got str 'hello'"),
+    ([[1, 10**7]], "token_ids[0][1]: expected an int in [0, 49152), got 10000000"),
+    ([[1, 2], [3, -1]], "token_ids[1][1]: expected an int in [0, 49152), got -1"),
+    ([[1, 1.5]], "token_ids[0][1]: expected an int in [0, 49152), got 1.5"),
+    ([[True, 2]], "token_ids[0][0]: expected an int in [0, 49152), got True"),
+    ([5], "token_ids[0]: expected a list of token ids (ints in [0, 49152)), got int"),
+])
+def test_logits_rows_name_the_bad_id_and_its_place(engine, reference, rows, words):
+    with pytest.raises(ValueError) as ei:
+        engine.logits(rows)
+    assert str(ei.value) == words
+    _still_serves(engine, reference)
+
+
+def test_logits_take_tensor_rows(engine):
+    want = engine.logits([PROMPTS[0]])
+    assert torch.equal(engine.logits([torch.tensor(PROMPTS[0])]), want)
+
+
+@pytest.mark.parametrize("path", [None, "", 3])
+def test_load_adapter_path_of_the_wrong_kind_names_path(engine, path):
+    with pytest.raises(ValueError, match=r"load_adapter: path must be an adapter directory .*got " + repr(path)):
+        engine.load_adapter("x", path)
+    assert "x" not in engine.list_adapters()

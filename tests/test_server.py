@@ -540,6 +540,11 @@ def test_runtime_adapter_paths_must_stay_inside_the_adapter_root(http, engine, s
         assert r.json()["error"]["code"] == "path_outside_adapter_root" and r.json()["error"]["param"] == "lora_path"
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "missing"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_adapter"
+    for lora_path, words in (("ad0\x00", "expected the path of an adapter directory"), ("", "expected the path"),
+                             (".", "is the adapter root itself"), (str(adapter_root), "is the adapter root itself")):
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": lora_path})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "lora_path" and words in err["message"], (lora_path, r.text)
     r = http.post("/v1/load_lora_adapter", json={"lora_name": BASE, "lora_path": "ad0"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
     assert "x" not in served.apply(hooks.list_adapters)
