@@ -90,7 +90,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-snapshot", type=Path, help="write the snapshot used to this JSON file")
     p.add_argument("--json", action="store_true", help="print the plan (and its snapshot) as JSON")
     p.add_argument(
-        "--fraction", type=float, default=DEFAULT_FRACTION, help="share of the hard budget for pool + KV (default 0.9)"
+        "--fraction", "--gpu-memory-fraction", type=float, default=DEFAULT_FRACTION,
+        help="share of the hard budget for pool + KV (default 0.9; the engine's --gpu-memory-fraction)"
     )
     p.add_argument(
         "--adapter-pool-share",
@@ -100,7 +101,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--local-ranks", type=int, default=1, help="processes on this host sharing its memory (default 1)")
     p.add_argument("--adapter-pool-bytes", type=_bytes_arg, help="cap on the adapter pool")
-    p.add_argument("--kv-bytes", type=_bytes_arg, help="cap on the KV cache")
+    p.add_argument("--kv-bytes", "--kv-cache-bytes", type=_bytes_arg,
+                   help="cap on the KV cache (the engine's --kv-cache-bytes)")
     p.add_argument("--total-bytes", type=_bytes_arg, help="cap on adapter pool + KV")
     p.add_argument("--host-adapter-bytes", type=_bytes_arg, help="explicit host-tier size (default: automatic)")
     p.add_argument("--non-kv-reserve-bytes", type=_bytes_arg, default=0, help="activations and workspaces (default 0)")

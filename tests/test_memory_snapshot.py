@@ -380,6 +380,20 @@ def test_cli_replays_the_integrated_example_elsewhere(tmp_path, capsys):
     assert "over-commits" in capsys.readouterr().err
 
 
+def test_cli_takes_the_engine_flag_names_too(tmp_path, capsys):
+    """``--kv-cache-bytes`` / ``--gpu-memory-fraction`` (the engine's names) are ``--kv-bytes`` / ``--fraction``."""
+    snap = MemorySnapshot(has_gpu=True, is_integrated=False, cuda_free_bytes=60 * GiB, cuda_total_bytes=80 * GiB,
+                          meminfo_text=meminfo_text(120 * GiB, 30 * GiB, 90 * GiB))
+    path = tmp_path / "snap.json"
+    path.write_text(json.dumps(snap.to_dict()))
+    plans = []
+    for flags in (["--kv-bytes", "8GiB", "--fraction", "0.5"], ["--kv-cache-bytes", "8GiB", "--gpu-memory-fraction",
+                                                                "0.5"]):
+        assert cli_memory.main(["--snapshot", str(path), "--json", *flags]) == 0
+        plans.append(json.loads(capsys.readouterr().out)["plan"])
+    assert plans[0] == plans[1] and plans[0]["kv_bytes"] == 8 * GiB
+
+
 def test_cli_reports_bad_snapshots(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema": "multilora-memory-snapshot", "schema_version": 99}))
