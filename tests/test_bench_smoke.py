@@ -26,9 +26,12 @@ def test_adapter_throughput_bench_runs(tmp_path):
     # where the time went: steps add up; the sampler saw the engine's (main) thread in Python files, and one
     # thread's shares of the samples add up to at most 1
     assert all(r["steps"] == r["prefill_steps"] + r["decode_steps"] + r["mixed_steps"] > 0 for r in rows)
-    for r in rows:
-        main = r["thread_samples"]["MainThread"]
-        assert main and all(".py:" in place for place, _ in main), main
+    # (a tiny batch lasts a few ms: on a busy machine the 1 ms sampler may catch a row's engine thread 0 times, as
+    # CI once saw, so every row's samples are checked where there are some, and some row must have them)
+    mains = [r["thread_samples"].get("MainThread") for r in rows]
+    assert any(mains), [r["thread_samples"] for r in rows]
+    for main in filter(None, mains):
+        assert all(".py:" in place for place, _ in main), main
         assert 0 < sum(share for _, share in main) <= 1.0 + 1e-3  # (shares rounded to 4 decimals)
 
 
