@@ -194,6 +194,17 @@ def _read_pickle(pk: Path) -> tuple[dict[str, torch.Tensor], FileStamp]:
     return dict(obj), f.stamp
 
 
+def require_weights_path(root: Path) -> Path:
+    """``weights_path(root)``; AdapterError naming the directory when it holds neither weight file."""
+    wpath = weights_path(root)
+    if wpath is None:
+        raise AdapterError(
+            f"{root}: no adapter weights: expected {SAFETENSORS_NAME} (or {PICKLE_NAME}) in the directory, found neither",
+            path=root,
+        )
+    return wpath
+
+
 def _read_weights(root: Path, allow_pickle: bool, header_only: bool = False,
                   lazy: bool = False) -> tuple[Path, Mapping[str, torch.Tensor], list[str], FileStamp]:
     """Read the weight file: ``(path, key -> tensor, keys, stamp)``; ``stamp`` is the file's as it was read.
@@ -205,12 +216,7 @@ def _read_weights(root: Path, allow_pickle: bool, header_only: bool = False,
 
     Raises AdapterError: no weight file; a pickle without ``allow_pickle``; an entry that is no readable file;
     a malformed file; a file that changed while it was read. The message names the file."""
-    wpath = weights_path(root)
-    if wpath is None:
-        raise AdapterError(
-            f"{root}: no adapter weights: expected {SAFETENSORS_NAME} (or {PICKLE_NAME}) in the directory, found neither",
-            path=root,
-        )
+    wpath = require_weights_path(root)
     if wpath.name == PICKLE_NAME:
         if not allow_pickle:
             raise AdapterError(

@@ -16,8 +16,9 @@ import torch
 from multilora.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
 from multilora.memory.pool import AdapterPool, PackedAdapter
 from multilora.runtime.sharding import ShardSink
-from multilora.runtime.adapters.disk import PICKLE_NAME, FileStamp, check_directory, read_whole, weights_path
-from multilora.runtime.adapters.files import SAFETENSORS_NAME, _LazyTensors, _read_weights, dtype_name
+from multilora.runtime.adapters.disk import FileStamp, check_directory, read_whole
+from multilora.runtime.adapters.files import (SAFETENSORS_NAME, _LazyTensors, _read_weights, dtype_name,
+                                              require_weights_path)
 from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _config_json, _fmt_shape, _parse_config, _Spec
 from multilora.runtime.adapters.targets import _PEFT_PREFIX, _overlap_hint, _parse_key, _resolve_targets, _Target
 
@@ -437,14 +438,8 @@ def check_adapter_files(path: str | os.PathLike, *, max_rank: int | None = None)
         AdapterError: as ``load_peft_adapter`` for the same defects (the message names the file and the field), or
             ``r`` above ``max_rank``.
     """
-    root = Path(path)
-    check_directory(root)
-    cfg_path = root / CONFIG_NAME
-    data, _ = read_whole(cfg_path, missing=f"missing: an adapter directory must hold {CONFIG_NAME}")
-    spec = _parse_config(_config_json(data, cfg_path), cfg_path)
-    if weights_path(root) is None:
-        raise AdapterError(f"{root}: no adapter weights: expected {SAFETENSORS_NAME} (or {PICKLE_NAME}) in the "
-                           "directory, found neither", path=root)
+    root, cfg_path, _, spec, _ = _read_config(path)
+    require_weights_path(root)
     if max_rank is not None and not spec.rank_pattern and spec.r > max_rank:
         raise AdapterError(f"{cfg_path}: r: adapter rank {spec.r} exceeds the engine's max_lora_rank {max_rank} "
                            f"(raise it to {spec.r} or more: Engine(max_lora_rank={spec.r}), --max-lora-rank "
@@ -455,10 +450,16 @@ def _read_spec(path: str | os.PathLike,
                config: ModelConfig) -> tuple[Path, Path, dict, _Spec, dict[tuple[int, str], _Target], FileStamp]:
     """The directory checks, the config and the targets: ``(root, config path, raw config, spec, targets,
     the config's stamp as read)``."""
+    root, cfg_path, raw, spec, stamp = _read_config(path)
+    return root, cfg_path, raw, spec, _resolve_targets(spec, config, cfg_path), stamp
+
+
+def _read_config(path: str | os.PathLike) -> tuple[Path, Path, dict, _Spec, FileStamp]:
+    """The directory checked and its ``adapter_config.json`` read and validated (no model needed): ``(root, config
+    path, raw config, spec, the config's stamp as read)``."""
     root = Path(path)
     check_directory(root)
     cfg_path = root / CONFIG_NAME
     data, stamp = read_whole(cfg_path, missing=f"missing: an adapter directory must hold {CONFIG_NAME}")
     raw = _config_json(data, cfg_path)
-    spec = _parse_config(raw, cfg_path)
-    return root, cfg_path, raw, spec, _resolve_targets(spec, config, cfg_path), stamp
+    return root, cfg_path, raw, _parse_config(raw, cfg_path), stamp
