@@ -241,6 +241,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _check_adapter_names(args: argparse.Namespace) -> None:
+    """ValueError naming ``--adapter`` for a NAME given more than once."""
+    names = [n for n, _ in args.adapter]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"--adapter: name(s) {twice} given more than once (each NAME=PATH needs its own NAME)")
+
+
 def _engine_config(args: argparse.Namespace) -> Any:
     """The ``EngineConfig`` of the engine flags, every --adapter path checked first (a typo fails in a second, not
     after the model loads); errors name the flag."""
@@ -249,10 +257,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
     for name, path in args.adapter:
         if not Path(path).exists():
             raise ValueError(f"--adapter {name}={path}: no such file or directory")
-    names = [n for n, _ in args.adapter]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ValueError(f"--adapter: name(s) {twice} given more than once (each NAME=PATH needs its own NAME)")
+    _check_adapter_names(args)
     try:
         config = EngineConfig.from_cli(args)
         resolve_device(config.device)  # a CPU build asked for cuda fails here, not after the model loads
@@ -372,9 +377,7 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
         import torch
 
         args.replica_gpus = 1.0 if torch.cuda.is_available() else 0.0
-    names = [n for n, _ in args.adapter]
-    if len(set(names)) != len(names):
-        raise ValueError(f"--adapter: a name given twice in {names}")
+    _check_adapter_names(args)
     overrides: dict = {}
     if args.address is None and args.replicas > 1:
         # its own local cluster: every replica is on this host. Each engine's memory plan would otherwise budget the
