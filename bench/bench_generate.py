@@ -7,6 +7,8 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
     multilora-lora  this engine, request i on adapter a<i> (rank r, all seven projections): b distinct adapters
     multilora-lora-inplace  the same engine and adapters with ``lora_side_stream_max_tokens = 0``: each LoRA added
                     in place after its GEMM instead of beside it on a side stream (issue 12: before / after)
+    multilora-lora-hiprio  the same engine and adapters with the LoRA side stream at the highest CUDA priority
+                    (``DecoderModel.lora_side_priority``), so its programs start before the GEMM's pending ones
     multilora-fp8, multilora-fp8-lora   the same two with Engine(weight_dtype="fp8") (issue 16; not in the default
                     --providers: ask for them)
     hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
@@ -66,8 +68,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-fp8", "multilora-fp8-lora", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-fp8", "multilora-fp8-lora", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -256,17 +258,22 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             traceback.print_exc()
             failed.update({v: f"adapter setup failed: {type(e).__name__}: {e}"[:2000] for v in lora_variants})
     side_default = engine.model.lora_side_max_tokens if engine is not None else None
+    prio_default = engine.model.lora_side_priority if engine is not None else 0
     for v in variants:
         if v in failed:
             run.skip(v, batches, a.gen, failed[v], status="error")
             continue
         side = 0 if v.endswith("-inplace") else side_default
-        if engine.model.lora_side_max_tokens != side:  # captured graphs bake the choice in: capture again
-            engine.model.lora_side_max_tokens = side
+        prio = torch.cuda.Stream.priority_range()[1] if v.endswith("-hiprio") and torch.cuda.is_available() \
+            else prio_default  # (lowest, highest): the highest
+        if engine.model.lora_side_max_tokens != side or engine.model.lora_side_priority != prio:
+            engine.model.lora_side_max_tokens = side  # captured graphs bake both in: capture again
+            engine.model.lora_side_priority = prio
             if engine.graphs is not None:
                 engine.runner.reset_graphs()  # decode and piecewise
                 warm_up_engine(engine, run.prompts, names)
-        row_info = {**info, "lora_side_stream_max_tokens": engine.model.lora_side_limit()}
+        row_info = {**info, "lora_side_stream_max_tokens": engine.model.lora_side_limit(),
+                    "lora_side_priority": engine.model.lora_side_priority}
         for b in batches:
             adapters = names[:b] if "-lora" in v else None
             run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
@@ -543,7 +550,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                 f"{x:.3g}x output tokens/s ({lo['output_tokens_per_s']:.0f} vs {hf['output_tokens_per_s']:.0f}); "
                 f"decode tokens/s {lo['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.3g}x" if x else "a row is missing"))
     base_rows = {b: ok.get(("multilora", b)) for b in (1, TARGET_BATCH)}
-    for v in ("multilora-lora", "multilora-lora-inplace"):  # issue 12: what adapters cost over the base model
+    for v in ("multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio"):  # issue 12: adapters over base
         for b, what, key, need in ((1, "TPOT", "tpot_ms", 1.05), (TARGET_BATCH, "TPOT", "tpot_ms", 1.30),
                                    (TARGET_BATCH, "TTFT", "ttft_s", 1.10)):
             lo, hi = base_rows.get(b), ok.get((v, b))

@@ -10,6 +10,8 @@ captured in one CUDA graph, in four schedules:
                  (the delta would be added by the op that follows the projection: RoPE + KV write, the residual
                  add + RMSNorm, SiLU * up, so no launch on the main stream)
   side_all_add   side_all plus an explicit ``y += delta`` (what it costs when the following op cannot take it)
+  side_all_hi    side_all on a side stream of the highest CUDA priority (captured into the graph's nodes), so the
+                 block scheduler starts the LoRA programs before the GEMM's pending ones
 
 and, for rank 64 at few tokens, a tile sweep of the shrink's split-K and the expand's ``block_n`` / warps.
 
@@ -47,6 +49,7 @@ def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None):
         parts.append((pool, slices, ws, xs, ys, ds))
     plans = [build_lora_plan(assign("uniform", T, n, gen) + k * n, device="cuda") for k in range(K)]
     side = torch.cuda.Stream()
+    side_hi = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])  # (lowest, highest)
 
     def base():
         for k in range(K):
@@ -70,16 +73,16 @@ def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None):
                 main.wait_stream(side)
                 _expand(ys[k], v, sl, plans[k])
 
-    def side_all(add=False):
+    def side_all(add=False, stream=side):
         main = torch.cuda.current_stream()
         for k in range(K):
             for _, sl, ws, xs, ys, ds in parts:
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
+                stream.wait_stream(main)
+                with torch.cuda.stream(stream):
                     ds[k].zero_()
                     _expand(ds[k], _shrink(xs[k], sl, plans[k]), sl, plans[k])
                 torch.matmul(xs[k], ws[k].t(), out=ys[k])
-                main.wait_stream(side)
+                main.wait_stream(stream)
                 if add:
                     ys[k].add_(ds[k])
 
@@ -91,7 +94,7 @@ def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None):
     row = dict(tokens=T, adapters=n, rank=rank, pool_max_rank=pool_rank or rank, sets_per_call=K,
                side_all_add_vs_serial_max_rel=err)
     fns = {"base": base, "serial": serial, "side_shrink": side_shrink, "side_all": side_all,
-           "side_all_add": lambda: side_all(True)}
+           "side_all_add": lambda: side_all(True), "side_all_hi": lambda: side_all(stream=side_hi)}
     from multilora.kernels import triton_sgmv
 
     wide = triton_sgmv.WIDE_RANK
@@ -149,19 +152,29 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "overlap"))
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--cases", default="all", choices=("all", "wide"),
-                    help="wide: the wide-rank tiles old vs new (rank 16 and 64 adapters, pool of rank 64)")
+    ap.add_argument("--cases", default="all", choices=("all", "wide", "r16"),
+                    help="wide: the wide-rank tiles old vs new (rank 16 and 64 adapters, pool of rank 64); r16: the "
+                    "rank-16 cases of all (1, 8, 64 and 256 tokens, as many adapters)")
+    ap.add_argument("--schedules", default=None, help="comma-separated subset of base,serial,side_shrink,side_all,"
+                    "side_all_add,side_all_hi (default: all; base is always run)")
     args = ap.parse_args(argv)
+    schedules = ("base", "serial", "side_all") if args.cases == "wide" else None
+    if args.schedules:
+        schedules = ("base", *[s for s in args.schedules.split(",") if s and s != "base"])
+        known = ("serial", "side_shrink", "side_all", "side_all_add", "side_all_hi")
+        if any(s not in known for s in schedules[1:]):
+            ap.error(f"--schedules: expected names from base,{','.join(known)}, got {args.schedules!r}")
     os.makedirs(args.out, exist_ok=True)
     res = dict(environment=environment(), layer=[], sweep=[])
     cases = [(1, 1, 16, None), (8, 8, 16, None), (64, 64, 16, None), (256, 256, 16, None), (1, 1, 64, None),
              (8, 8, 64, None), (64, 64, 64, None)]
+    if args.cases == "r16":
+        cases = [c for c in cases if c[2] == 16]
     if args.cases == "wide":  # the wide-rank tiles, old and new: rank-16 and rank-64 adapters in a rank-64 pool
         cases = [(1, 1, 16, 64), (8, 8, 16, 64), (64, 64, 16, 64), (1, 1, 64, 64), (8, 8, 64, 64), (16, 16, 64, 64),
                  (64, 64, 64, 64)]
     for T, n, rank, pool_rank in cases:
-        row = layer_case(T, n, rank, pool_rank=pool_rank,
-                         schedules=("base", "serial", "side_all") if args.cases == "wide" else None)
+        row = layer_case(T, n, rank, pool_rank=pool_rank, schedules=schedules)
         res["layer"].append(row)
         print(f"layer T={T:4d} n={n:4d} r={rank:3d} pool r={row['pool_max_rank']}: base {row['base_us']:.1f} us; "
               "LoRA adds " + ", ".join(f"{k[:-9]} {v:.1f}" for k, v in row.items() if k.endswith("_added_us"))

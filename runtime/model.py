@@ -60,6 +60,8 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
 #: (rank-16 adapters in a rank-64 pool: 1 token 32.3 -> 0 us, 8 tokens 39.4 -> 23.9, 64 tokens 91.0 -> 80.7).
 LORA_SIDE_MAX_TOKENS = 64
 LORA_SIDE_NARROW_RANK, LORA_SIDE_WIDE_MAX_TOKENS = 16, 2
+#: The side stream's CUDA priority (``DecoderModel.lora_side_priority``): 0, the default priority, until measured.
+LORA_SIDE_PRIORITY = 0
 
 
 # ----------------------------------------------------------------------------------------- RoPE
@@ -242,7 +244,13 @@ class DecoderModel:
         #: the GEMM; None: ``lora_side_limit``'s measured default). Off the GPU the deferred path runs on the one
         #: stream (tests set it to exercise the adds).
         self.lora_side_max_tokens = lora_side_max_tokens
+        #: CUDA priority of that side stream (lower is higher; ``torch.cuda.Stream.priority_range()``, 0 the default).
+        #: Kernels captured from it keep it in a CUDA graph (torch instantiates graphs with node priorities), so a
+        #: higher priority lets the block scheduler start the LoRA programs before the GEMM's pending ones.
+        #: Captured graphs bake it in: change it before capture (``EngineRunner.reset_graphs``).
+        self.lora_side_priority = LORA_SIDE_PRIORITY
         self._side: torch.cuda.Stream | None = None
+        self._side_priority = 0  # the lora_side_priority that _side was made with
         self._pool_max_rank = 0
 
     def ensure_rope_positions(self, n: int) -> None:
@@ -351,8 +359,9 @@ class DecoderModel:
         if slices is not None and defer:
             delta = torch.empty(x.shape[0], slices.d_out, dtype=x.dtype, device=x.device)  # on the main stream
             if x.device.type == "cuda":
-                if self._side is None:
-                    self._side = torch.cuda.Stream(x.device)
+                if self._side is None or self._side_priority != self.lora_side_priority:
+                    self._side = torch.cuda.Stream(x.device, priority=self.lora_side_priority)  # torch clamps it
+                    self._side_priority = self.lora_side_priority
                 side, main = self._side, torch.cuda.current_stream(x.device)
                 side.wait_stream(main)  # x (and delta's block) are ready
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
