@@ -144,8 +144,13 @@ def main() -> None:
             "host_adapters": engine.stats()["host_tier_budget"] // adapter_bytes,
             "pool_from_plan": not args.pool_adapters, "host_from_plan": not args.host_adapters,
             "base_tokens_per_s": base_tok / base_s, "adapter_finish": args.adapter_finish}
-    # warm-up of the LoRA kernels (Triton compiles per shape) on a throw-away adapter, unloaded again
+    # warm-up on a throw-away adapter, unloaded again: Engine.warmup (every step class's kernels, the decode and
+    # piecewise graphs, the device finish's kernels) as a serving engine runs it, then a LoRA batch at full size.
+    # Without Engine.warmup the first row compiled kernels inside its timed steps (session 15: 38% of the step
+    # thread's samples in Triton's compiler in a cold row); each row now counts its compiles (kernel_compiles).
     engine.load_adapter("warmup", dirs[0])
+    warm = engine.warmup("warmup")
+    meta["warmup_seconds"], meta["warmup_kernel_compiles"] = warm["seconds"], warm["kernel_compiles"]
     run_once(engine, prompts, ["warmup"] * args.batch, 4)
     engine.unload_adapter("warmup")
     loaded = 0
@@ -188,6 +193,14 @@ def main() -> None:
                                                             "host_to_gpu_copies", "host_misses", "host_hits")
                           if isinstance(after.get(k), (int, float)) and isinstance(before.get(k), (int, float))},
                        "step_seconds": after.get("step_seconds"),
+                       # Triton compiles inside the row (each stalls the step thread for ~0.3-1.5 s on an H200):
+                       # nonzero means the warm-up missed a kernel variant and the row's time includes it
+                       **{k: (after[k] - before[k] if after.get(k) is not None and before.get(k) is not None
+                              else None) for k in ("kernel_compiles", "kernel_compile_seconds")},
+                       "kernel_compile_names": (list(after.get("recent_kernel_compiles") or [])
+                                                [-(after["kernel_compiles"] - before["kernel_compiles"]):]
+                                                if (after.get("kernel_compiles") or 0) > (before.get("kernel_compiles") or 0)
+                                                else []),
                        **({"thread_samples": sampler.report()} if sampler is not None else {})}
                 rows.append(row)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k not in meta}),

@@ -83,6 +83,11 @@ class DecodeGraphs:
         self.capture = capture
         self._graphs: dict[Hashable, _Graph] = {}
         self._pool = None  # one memory pool shared by all graphs
+        #: the one stream every capture's warm-up and capture run on. cuBLAS keeps a workspace per (handle, stream)
+        #: for the life of the process (32 MiB each on sm_90, allocated through torch's caching allocator), so a new
+        #: stream per capture held one more workspace for every bucket captured (the GPU memory-regression test
+        #: saw +32 MiB when a later step first reached a new bucket)
+        self._stream: torch.cuda.Stream | None = None
 
     def bucket_for(self, batch: int) -> int | None:
         """The smallest bucket holding ``batch`` rows, or None if it is larger than every bucket."""
@@ -104,7 +109,9 @@ class DecodeGraphs:
 
     def _record(self, plan: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up, then capture ``forward(plan)`` in a CUDA graph; (graph, its logits buffer)."""
-        stream = torch.cuda.Stream(self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
             self._forward(plan)  # warm-up: compiles kernels, settles allocator and cuBLAS workspaces
@@ -112,7 +119,9 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+        # captured on the warm-up's stream, whose cuBLAS workspace the warm-up settled (torch.cuda.graph's own
+        # default capture stream would be a second one)
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=stream):
             logits = self._forward(plan)
         return graph, logits
 

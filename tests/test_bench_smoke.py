@@ -23,6 +23,9 @@ def test_adapter_throughput_bench_runs(tmp_path):
     rows = json.loads((tmp_path / "out" / "adapter_throughput_tiny.json").read_text())
     assert {(r["adapters"], r["popularity"], r["phase"]) for r in rows} == {(n, p, ph) for n in (1, 8) for p in ("zipf", "uniform") for ph in ("cold", "warm")}
     assert all(r["tokens_per_s"] > 0 and r["shape"] == "tiny" for r in rows)
+    # the engine's own warm-up ran first, and every row says whether kernels compiled inside it
+    assert all(r["warmup_seconds"] > 0 and "kernel_compiles" in r and isinstance(r["kernel_compile_names"], list)
+               for r in rows)
     # where the time went: steps add up; the sampler saw the engine's (main) thread in Python files, and one
     # thread's shares of the samples add up to at most 1
     assert all(r["steps"] == r["prefill_steps"] + r["decode_steps"] + r["mixed_steps"] > 0 for r in rows)
