@@ -305,6 +305,8 @@ def sweep(quick: bool, subset: str = "all"):
         rows = rows[::6]
     if subset == "decode":  # the decode targets: every request its own adapter, the layer, popularity at 64/512
         rows = [(k, a) for k, a in rows if k == "layer" or (k == "row" and a[1] <= 512 and a[0].startswith("8b"))]
+    if subset == "prefill":  # the 8B rows of more than 512 tokens, and the layer rows (a second sample of those)
+        rows = [(k, a) for k, a in rows if k == "layer" or (k == "row" and a[1] > 512 and a[0].startswith("8b"))]
     return rows
 
 
@@ -355,7 +357,9 @@ def main(argv=None):
     ap.add_argument("--plot", help="only redraw the plot of this results JSON")
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
                     help="only print two results JSONs of the same rows side by side (after / before per row)")
-    ap.add_argument("--subset", choices=("all", "decode"), default="all", help="decode: the decode rows only")
+    ap.add_argument("--subset", choices=("all", "decode", "prefill"), default="all",
+                    help="decode: the decode rows (at most 512 tokens) and the layer rows; prefill: the 8B rows of more "
+                    "than 512 tokens and the layer rows")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting rows after this many seconds")
     args = ap.parse_args(argv)
     if args.compare:
