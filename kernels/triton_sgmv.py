@@ -132,15 +132,28 @@ def _shrink_tile(x_rows, a_rows, m_mask, j_mask, k_lo, k_hi, BLOCK_M: tl.constex
 
 
 @triton.jit
-def _add_scaled(y_ptr, stride_ym, tok, m_mask, n, n_mask, scale, acc):
-    """``y[tok, n] += scale * acc``: the LoRA term rounded to y's dtype, then the sum (as peft's ``base_layer(x) +
-    lora_B(lora_A(x)) * scaling``). A zeroed ``y`` thus holds the rounded term, and a later ``y_base + that`` (the
-    side-stream path of ``runtime.model``, added by the following op) is bit-identical to adding in place here."""
+def _y_tile(y_ptr, stride_ym, tok, m_mask, n, n_mask):
+    """Pointers, mask and current values of the ``y[tok, n]`` tile. Loaded as soon as the tokens are known (they do
+    not depend on the slot or the weights), so the read is in flight while the weights are."""
     y_ptrs = y_ptr + tok[:, None] * stride_ym + n[None, :]
     y_mask = m_mask[:, None] & n_mask[None, :]
-    y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    dt = y_ptr.dtype.element_ty
+    return y_ptrs, y_mask, tl.load(y_ptrs, mask=y_mask, other=0.0)
+
+
+@triton.jit
+def _store_scaled(y_ptrs, y_mask, y_old, scale, acc):
+    """``y = y_old + scale * acc``: the LoRA term rounded to y's dtype, then the sum (as peft's ``base_layer(x) +
+    lora_B(lora_A(x)) * scaling``). A zeroed ``y`` thus holds the rounded term, and a later ``y_base + that`` (the
+    side-stream path of ``runtime.model``, added by the following op) is bit-identical to adding in place here."""
+    dt = y_ptrs.dtype.element_ty
     tl.store(y_ptrs, (y_old.to(tl.float32) + (scale * acc).to(dt).to(tl.float32)).to(dt), mask=y_mask)
+
+
+@triton.jit
+def _add_scaled(y_ptr, stride_ym, tok, m_mask, n, n_mask, scale, acc):
+    """``y[tok, n] += scale * acc`` (``_y_tile`` then ``_store_scaled``)."""
+    y_ptrs, y_mask, y_old = _y_tile(y_ptr, stride_ym, tok, m_mask, n, n_mask)
+    _store_scaled(y_ptrs, y_mask, y_old, scale, acc)
 
 
 @triton.jit(do_not_specialize=["T", "stride_c"])  # one compiled variant for every token count (module docstring)
@@ -159,13 +172,16 @@ def _sgmv_shrink_kernel(
     sid = tl.program_id(0) % NUM_SLICES
     split = tl.program_id(1)
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
+    if BLOCK_M <= 16:  # decode tiles: the tokens beside the slot (prologue: see _sgmv_expand_kernel)
+        tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
     if slot < 0:
         return
     r = tl.load(ranks_ptr + sid * meta_stride + slot)  # no table read on the way to the rank
     off_a = _slot_offset(offa_ptr, sid, meta_stride, slot, ALIGN)  # independent of r: loaded alongside it
     if r == 0:
         return
-    tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
+    if BLOCK_M > 16:
+        tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, d_in)
     x_rows = x_ptr + tok[:, None] * stride_xm  # [BLOCK_M, 1]
@@ -192,8 +208,20 @@ def _sgmv_expand_kernel(
 ):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)  # n tiles of all slices, slice after slice
+    # Decode tiles (BLOCK_M <= 16): the prologue is ordered for latency. The chunk's start and length are loaded
+    # beside the slot, the tokens beside the rank and offsets, and y's tile beside the weights, so that the weights
+    # and y are the third dependent read (slot, start; tokens, rank, offset; weights, v, y) instead of the fifth and
+    # sixth (slot; rank, offset; start; tokens; weights, v; y after the dot). At decode a program moves a few KB:
+    # these round trips are most of its time (H200, one Llama-3-8B layer's seven projections in a CUDA graph, 1 / 8 /
+    # 32 tokens: LoRA 46-48 -> 36-37 us, 51-52 -> 42-43, 54-56 -> 48-50; bench/results/session15/). Prefill tiles
+    # keep y's tile out of the rank loop: live beside a 64-row accumulator it cost 1.3-1.5x on gate/up and down at
+    # 1-8 Ki tokens (same runs).
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
     sid, n_tile, d_out, col = _tile_slice(tab_ptr, tile, e0, e1, e2, NUM_SLICES, ALIGN)
+    if BLOCK_M <= 16:
+        tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)  # padding chunks: len 0, nothing loaded
+        n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n < d_out
     if slot < 0:
         return
     r = tl.load(ranks_ptr + sid * meta_stride + slot)
@@ -201,9 +229,12 @@ def _sgmv_expand_kernel(
     scale = tl.load(scal_ptr + sid * meta_stride + slot)
     if r == 0:
         return
-    tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
-    n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < d_out
+    if BLOCK_M > 16:  # prefill tiles: as before the reordering
+        tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
+        n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n < d_out
+    else:  # (after the slot's loads in program order: a load waits in line for its address, here the tokens)
+        y_ptrs, y_mask, y_old = _y_tile(y_ptr, stride_ym, tok, m_mask, col + n, n_mask)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j0 in range(0, r, BLOCK_R):
         j = j0 + tl.arange(0, BLOCK_R)
@@ -216,7 +247,10 @@ def _sgmv_expand_kernel(
             v_rows = v_ptr + ((sp * NUM_SLICES + sid).to(tl.int64) * T + tok[:, None]) * RMAX
             vt += tl.load(v_rows + j[None, :], mask=vm, other=0.0)
         acc += _dot(vt.to(bt.dtype), bt, IEEE)  # IEEE: both fp32 (the cast is a no-op)
-    _add_scaled(y_ptr, stride_ym, tok, m_mask, col + n, n_mask, scale, acc)
+    if BLOCK_M > 16:
+        _add_scaled(y_ptr, stride_ym, tok, m_mask, col + n, n_mask, scale, acc)
+    else:
+        _store_scaled(y_ptrs, y_mask, y_old, scale, acc)
 
 
 # ---------------------------------------------------------------------------------------------- launchers

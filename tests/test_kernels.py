@@ -173,8 +173,9 @@ def reference(y0, x, pool, layer, modules, token_slots):
 
 
 def run_case(cfg, ranks, token_slots_fn, modules, *, device, dtype, layer=0, churn=1, seed=0, skip=None,
-             apply=lora_apply_triton):
-    """``apply(y, x, slices, plan)`` (default: the Triton backend) against ``reference``; returns (y, y0)."""
+             apply=lora_apply_triton, block_m=None):
+    """``apply(y, x, slices, plan)`` (default: the Triton backend) against ``reference``; returns (y, y0).
+    ``block_m``: the plan's chunk size (None: ``build_lora_plan``'s, which follows the token count)."""
     gen = torch.Generator().manual_seed(seed + 1)
     pool, slots = make_pool(cfg, ranks, dtype=dtype, device=device, churn=churn, seed=seed, skip=skip)
     token_slots = token_slots_fn(slots, gen)
@@ -182,7 +183,7 @@ def run_case(cfg, ranks, token_slots_fn, modules, *, device, dtype, layer=0, chu
     T = len(token_slots)
     x = torch.randn(T, slices.d_in, generator=gen).to(device, dtype)
     y0 = torch.randn(T, slices.d_out, generator=gen).to(device, dtype)
-    plan = build_lora_plan(token_slots, device=device)
+    plan = build_lora_plan(token_slots, device=device, **({} if block_m is None else {"block_m": block_m}))
     y = apply(y0.clone(), x, slices, plan)
     ref = reference(y0, x, pool, layer, modules, token_slots)
     torch.testing.assert_close(y.float(), ref, **TOL[dtype])
@@ -205,6 +206,17 @@ def test_popularity_and_rows(popularity, rows, device, dtype):
     ranks = [1, 2, 4, 8, 12, 24, 16, 3] if device == "cpu" else [8, 16, 64, 12, 24, 1, 96, 16]
     run_case(cfg, ranks, lambda s, g: popularity_slots(popularity, rows, s, g), QKV,
              device=device, dtype=dtype, layer=cfg.num_layers - 1, seed=rows)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("modules", [QKV, GATE_UP, ("down_proj",)], ids=["qkv", "gate_up", "down"])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_decode_and_prefill_tiles(block_m, modules, device, dtype):
+    """The kernels' two prologues (``BLOCK_M <= 16``, decode: tokens and y's tile loaded early; larger, prefill: after
+    the slot's rank) at the same tokens: 77 rows on uniform adapters, so chunks hold 1 to ``block_m`` tokens."""
+    cfg = SMALL if device == "cpu" else LLAMA8B
+    run_case(cfg, [8, 12, 1, 4], lambda s, g: popularity_slots("uniform", 77, s, g), modules,
+             device=device, dtype=dtype, seed=block_m, block_m=block_m)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
