@@ -8,6 +8,12 @@ can see) and the kernels ran 1.5-2.9x slower on an H200; ``tests/test_kernel_cod
 
     python bench/kernel_ptx.py            # a table of instruction counts per kernel and ALIGN
     python bench/kernel_ptx.py --json     # the same as JSON (what the test reads)
+    python bench/kernel_ptx.py --fingerprints OUT.json   # md5 of each variant's instructions, 80 configurations
+
+``--fingerprints`` hashes the PTX of every (kernel, BLOCK_M 16/64, ALIGN 1/16, 1 or 3 slices, split-K 1/4, BLOCK_N
+128/256, 2/4 warps) with debug info, labels and line records left out: two trees whose fingerprints agree compile to
+the same instructions (session 15 checked that way that gating a kernel change on BLOCK_M left the prefill
+variants exactly as they were). Run it with each tree on ``PYTHONPATH`` and compare the two files.
 
 Shapes: bf16, 3 slices (q/k/v), rank tiles of 16, BLOCK_M 16 (decode), BLOCK_N 256, BLOCK_K 128, split-K 2;
 integer arguments marked divisible by 16 as Triton's launcher marks them at Llama shapes. Must run without
@@ -36,29 +42,64 @@ KERNELS = {
 def memory_ops(kernel: str, align: int) -> dict[str, int]:
     """Counts of each global load / store / async-copy instruction form in the PTX of ``kernel`` ("shrink" or
     "expand") compiled with ``ALIGN = align``."""
+    ptx = _compile_ptx(kernel, {**KERNELS[kernel][1], "ALIGN": align}, 4)
+    return dict(Counter(re.findall(r"(?:ld|st)\.global(?:\.[a-z0-9]+)*|cp\.async\.[a-z0-9.]+", ptx)))
+
+
+def _compile_ptx(kernel: str, consts: dict, num_warps: int) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from multilora.kernels import triton_sgmv
 
-    name, consts = KERNELS[kernel]
+    name = KERNELS[kernel][0]
     fn = getattr(triton_sgmv, name)
-    consts = {**consts, "ALIGN": align}
     names = fn.arg_names
     sig = {n: PTRS.get(n) or ("constexpr" if n in consts else "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in PTRS or n in DIV16}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
-    return dict(Counter(re.findall(r"(?:ld|st)\.global(?:\.[a-z0-9]+)*|cp\.async\.[a-z0-9.]+", ptx)))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": 2}).asm["ptx"]
+
+
+_NOT_CODE = re.compile(r"\s*(//|\.loc|\.file|\.b8|\.b32 |\.b64 |\$L__tmp|\.section|\})")
+
+
+def fingerprints() -> dict[str, str]:
+    """``{configuration: md5 of its PTX instructions}`` (debug sections, labels and line records dropped)."""
+    import hashlib
+    import itertools
+
+    out = {}
+    for kernel, (_, base) in KERNELS.items():
+        for bm, align, ns, sk, bn, warps in itertools.product((16, 64), (1, 16), (1, 3), (1, 4), (128, 256), (2, 4)):
+            if kernel == "shrink" and (sk != 1 or bn != 128):  # the shrink has neither
+                continue
+            consts = {**base, "ALIGN": align, "BLOCK_M": bm, "NUM_SLICES": ns}
+            if kernel == "expand":
+                consts.update(SPLIT_K=sk, BLOCK_N=bn)
+            ptx = _compile_ptx(kernel, consts, warps)
+            body = "\n".join(line for line in ptx.splitlines() if not _NOT_CODE.match(line) and "DW_" not in line
+                             and "debug" not in line)
+            out[f"{kernel} block_m={bm} align={align} slices={ns} split_k={sk} block_n={bn} warps={warps}"] = \
+                hashlib.md5(body.encode()).hexdigest()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--fingerprints", metavar="OUT", help="write the md5 of every variant's instructions to OUT (JSON)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: the interpreter replaces the kernels")
+    if args.fingerprints:
+        fp = fingerprints()
+        with open(args.fingerprints, "w") as f:
+            json.dump(fp, f, indent=1)
+        print(f"{len(fp)} variants -> {args.fingerprints}")
+        return 0
     out = {f"{k}/align{a}": memory_ops(k, a) for k in KERNELS for a in (1, 16)}
     if args.json:
         print(json.dumps(out))
