@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from multilora.runtime.sampling import SamplingParams
+from multilora.runtime.tokenizer import CHAT_ROLES
 
 log = logging.getLogger("multilora.server")
 
@@ -191,9 +192,6 @@ def completion_prompts(prompt: Any) -> list:
     return list(prompt)
 
 
-#: the roles of OpenAI's chat messages (with the deprecated ``function``) and Llama 3.1's ``ipython`` (its chat
-#: template's tool-output role); a message of another role is a 400; the chat template gets these as given
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
 
 
 def chat_prompt(messages: list[ChatMessage]) -> list[dict]:

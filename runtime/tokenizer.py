@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+#: The roles a chat message may have: OpenAI's (with the deprecated ``function``) and Llama 3.1's ``ipython`` (its chat
+#: template's tool-output role). Another role (a typo such as ``"usr"``) is refused, naming the message and the role:
+#: chat templates render unknown roles in ways that differ by model, some silently. The HTTP server's 400 uses it too.
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
+
 Prompt = Any  # str | list[dict] (chat messages) | list[int] (token ids)
 
 
@@ -59,7 +64,7 @@ class PromptTokenizer:
 
         Raises:
             ValueError: a prompt of another type, ids out of range, chat messages without string 'role' and
-                'content', text that is not valid Unicode (a lone surrogate), text for a model without a
+                'content' or with a role not in ``CHAT_ROLES``, text that is not valid Unicode (a lone surrogate), text for a model without a
                 tokenizer, or a prompt that tokenizes to nothing.
         """
         listed = isinstance(prompt, (list, tuple))
@@ -77,6 +82,9 @@ class PromptTokenizer:
                         raise ValueError(f"prompt: chat message {i}: {key!r} must be a string, got "
                                          f"{type(m[key]).__name__}")
                     _check_text(m[key], f"prompt: chat message {i}: {key!r}")
+                if m["role"] not in CHAT_ROLES:
+                    raise ValueError(f"prompt: chat message {i}: 'role' must be one of {', '.join(sorted(CHAT_ROLES))}, "
+                                     f"got {m['role']!r}")
             text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         elif listed and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
