@@ -1,7 +1,7 @@
 """Where the LoRA time of a decode layer goes, and whether a side stream hides it (issue 12, H200).
 
 One Llama-3-8B layer's seven projections (4 fused GEMMs: q/k/v, o, gate/up, down) with LoRA on all of them,
-captured in one CUDA graph, in four schedules:
+captured in one CUDA graph, in these schedules (``--schedules`` picks some):
 
   base           the 4 GEMMs alone
   serial         GEMM, then shrink + expand in place (the engine before this bench)
@@ -189,7 +189,9 @@ def main(argv=None):
                 print(f"sweep {group} T={T} r=64: default {default['us']:.1f} us, best {best['us']:.1f} us "
                       f"(split {best['split_k']}, block_n {best['block_n']}, warps {best['num_warps']}); shrink "
                       + ", ".join(f"{r['split_k']}:{r['us']:.1f}" for r in rows if r.get("shrink_only")), flush=True)
-    with open(os.path.join(args.out, f"lora_overlap{'_wide' if args.cases == 'wide' else ''}.json"), "w") as f:
+    # a subset run (other cases or schedules) gets its own file beside the full run's
+    suffix = "" if args.cases == "all" and not args.schedules else f"_{args.cases}" + ("_subset" if args.schedules else "")
+    with open(os.path.join(args.out, f"lora_overlap{suffix}.json"), "w") as f:
         json.dump(res, f, indent=1)
 
 

@@ -133,8 +133,9 @@ def _shrink_tile(x_rows, a_rows, m_mask, j_mask, k_lo, k_hi, BLOCK_M: tl.constex
 
 @triton.jit
 def _y_tile(y_ptr, stride_ym, tok, m_mask, n, n_mask):
-    """Pointers, mask and current values of the ``y[tok, n]`` tile. Loaded as soon as the tokens are known (they do
-    not depend on the slot or the weights), so the read is in flight while the weights are."""
+    """Pointers, mask and current values of the ``y[tok, n]`` tile. The decode-sized expand calls it before its rank
+    loop (y does not depend on the weights, so the read is in flight while the weights are); ``_add_scaled`` calls it
+    after the loop."""
     y_ptrs = y_ptr + tok[:, None] * stride_ym + n[None, :]
     y_mask = m_mask[:, None] & n_mask[None, :]
     return y_ptrs, y_mask, tl.load(y_ptrs, mask=y_mask, other=0.0)
@@ -172,7 +173,7 @@ def _sgmv_shrink_kernel(
     sid = tl.program_id(0) % NUM_SLICES
     split = tl.program_id(1)
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
-    if BLOCK_M <= 16:  # decode tiles: the tokens beside the slot (prologue: see _sgmv_expand_kernel)
+    if BLOCK_M <= 16:  # decode-sized tiles: the tokens beside the slot (prologue: see _sgmv_expand_kernel)
         tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
     if slot < 0:
         return
@@ -208,14 +209,14 @@ def _sgmv_expand_kernel(
 ):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)  # n tiles of all slices, slice after slice
-    # Decode tiles (BLOCK_M <= 16): the prologue is ordered for latency. The chunk's start and length are loaded
-    # beside the slot, the tokens beside the rank and offsets, and y's tile beside the weights, so that the weights
-    # and y are the third dependent read (slot, start; tokens, rank, offset; weights, v, y) instead of the fifth and
-    # sixth (slot; rank, offset; start; tokens; weights, v; y after the dot). At decode a program moves a few KB:
-    # these round trips are most of its time (H200, one Llama-3-8B layer's seven projections in a CUDA graph, 1 / 8 /
-    # 32 tokens: LoRA 46-48 -> 36-37 us, 51-52 -> 42-43, 54-56 -> 48-50; bench/results/session15/). Prefill tiles
-    # keep y's tile out of the rank loop: live beside a 64-row accumulator it cost 1.3-1.5x on gate/up and down at
-    # 1-8 Ki tokens (same runs).
+    # Decode-sized tiles (BLOCK_M <= 16: steps of at most 512 tokens) order the prologue for latency. The chunk's
+    # start and length are loaded beside the slot, the tokens beside the rank and offsets, and y's tile beside the
+    # weights, so that the weights and y are the third dependent read (slot, start; tokens, rank, offset; weights, v,
+    # y) instead of the fifth and sixth (slot; rank, offset; start; tokens; weights, v; y after the dot). At decode a
+    # program moves a few KB: these round trips are most of its time (H200, one Llama-3-8B layer's seven projections
+    # in a CUDA graph, 1 / 8 / 32 tokens: LoRA 46-48 -> 36-37 us, 51-52 -> 42-43, 54-56 -> 48-50; 64-256 tokens within
+    # noise, one 256-token sample 1.22x; bench/README.md, session 15). Prefill tiles keep y's tile out of the rank
+    # loop: live beside a 64-row accumulator it cost 1.3-1.5x on gate/up and down at 1-8 Ki tokens (same runs).
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
     sid, n_tile, d_out, col = _tile_slice(tab_ptr, tile, e0, e1, e2, NUM_SLICES, ALIGN)
     if BLOCK_M <= 16:

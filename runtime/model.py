@@ -249,7 +249,7 @@ class DecoderModel:
         #: CUDA priority of that side stream (lower is higher; ``torch.cuda.Stream.priority_range()``, 0 the default).
         #: Kernels captured from it keep it in a CUDA graph (torch instantiates graphs with node priorities), so a
         #: higher priority lets the block scheduler start the LoRA programs before the GEMM's pending ones.
-        #: Captured graphs bake it in: change it before capture (``EngineRunner.reset_graphs``).
+        #: Captured graphs bake it in: change it before capture (``ModelRunner.reset_graphs``, ``engine.runner``).
         self.lora_side_priority = LORA_SIDE_PRIORITY
         self._side: torch.cuda.Stream | None = None
         self._side_priority = 0  # the lora_side_priority that _side was made with

@@ -192,8 +192,6 @@ def completion_prompts(prompt: Any) -> list:
     return list(prompt)
 
 
-
-
 def chat_prompt(messages: list[ChatMessage]) -> list[dict]:
     """The engine's chat prompt (``{"role", "content"}`` dicts; the engine applies the chat template). Text content
     parts are joined by newlines; other parts, and tool calls, are a 400 naming them."""

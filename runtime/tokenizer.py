@@ -64,8 +64,8 @@ class PromptTokenizer:
 
         Raises:
             ValueError: a prompt of another type, ids out of range, chat messages without string 'role' and
-                'content' or with a role not in ``CHAT_ROLES``, text that is not valid Unicode (a lone surrogate), text for a model without a
-                tokenizer, or a prompt that tokenizes to nothing.
+                'content' or with a role not in ``CHAT_ROLES``, text that is not valid Unicode (a lone surrogate),
+                text for a model without a tokenizer, or a prompt that tokenizes to nothing.
         """
         listed = isinstance(prompt, (list, tuple))
         if self.tokenizer is None and not (listed and all(isinstance(t, int) for t in prompt)):

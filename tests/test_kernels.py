@@ -212,8 +212,10 @@ def test_popularity_and_rows(popularity, rows, device, dtype):
 @pytest.mark.parametrize("modules", [QKV, GATE_UP, ("down_proj",)], ids=["qkv", "gate_up", "down"])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_decode_and_prefill_tiles(block_m, modules, device, dtype):
-    """The kernels' two prologues (``BLOCK_M <= 16``, decode: tokens and y's tile loaded early; larger, prefill: after
-    the slot's rank) at the same tokens: 77 rows on uniform adapters, so chunks hold 1 to ``block_m`` tokens."""
+    """The kernels' two prologues (``BLOCK_M <= 16``, decode-sized: tokens and y's tile loaded early; larger, prefill:
+    after the slot's rank) at the same tokens: 77 rows on uniform adapters over 4 slots (one of rank 1), so the
+    ``block_m = 16`` chunks are full and partial and the ``block_m = 64`` ones partial; padding chunks take the
+    ``slot < 0`` return."""
     cfg = SMALL if device == "cpu" else LLAMA8B
     run_case(cfg, [8, 12, 1, 4], lambda s, g: popularity_slots("uniform", 77, s, g), modules,
              device=device, dtype=dtype, seed=block_m, block_m=block_m)
