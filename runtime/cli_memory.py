@@ -11,7 +11,8 @@ KB, MB, GB, TB (powers of 1000); K, M, G, T alone are read as KiB, MiB, GiB, TiB
 Exit status 2, with one line that names the file or the option, for a snapshot that cannot be read
 (``MemorySnapshotError``), a plan that does not fit (``MemoryPlanError``) or a bad option. A plan whose adapter
 pool is 0 B (asked for with ``--adapter-pool-share 0`` or ``--adapter-pool-bytes 0``, or left by the caps) exits 0
-with a note on stderr: an engine needs room for one adapter, which ``--min-adapter-bytes`` makes the plan check.
+with a note under the plan (stderr stays empty on exit 0; ``--json`` shows the 0 B): an engine needs room for one
+adapter, which ``--min-adapter-bytes`` makes the plan check.
 """
 
 from __future__ import annotations
@@ -177,10 +178,9 @@ def run_memory(args: argparse.Namespace) -> int:
         print(json.dumps({"plan": plan.to_dict(), "snapshot": snapshot.to_dict()}, indent=2))
     else:
         print(plan.explain())
-    if plan.adapter_pool_bytes == 0 and not options.min_adapter_pool_bytes:  # a plan, not an error: it may be meant
-        print("multilora memory: note: the adapter pool is 0 B; an engine refuses to start without room for one "
-              "adapter of its max_lora_rank (pass --min-adapter-bytes with that size to plan against it)",
-              file=sys.stderr)
+        if plan.adapter_pool_bytes == 0 and not options.min_adapter_pool_bytes:  # a plan, not an error: it may be
+            print("note: the adapter pool is 0 B; an engine refuses to start without room for one adapter of its "
+                  "max_lora_rank (pass --min-adapter-bytes with that size to plan against it)")  # what was asked
     return 0
 
 
