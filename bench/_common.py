@@ -1,4 +1,5 @@
-"""Helpers shared by the engine benchmarks (``bench_adapter_throughput.py``, ``bench_generate.py``, ``profile_decode.py``).
+"""Helpers shared by the engine benchmarks (``bench_adapter_throughput.py``, ``bench_generate.py``, ``bench_serving.py``,
+``profile_decode.py``).
 
 The scripts run as ``python bench/<script>.py``, so ``bench/`` is on ``sys.path`` and ``import _common`` works.
 """
@@ -53,6 +54,18 @@ def write_adapters(root: Path, config: ModelConfig, n: int, rank: int, dtype: to
         raise SystemExit(f"--adapter-dir {root}: {n} adapters need {per * n / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
     with ThreadPoolExecutor(max(1, threads)) as ex:  # torch.randn and the file writes release the GIL
         return list(ex.map(lambda i: write_adapter(root / f"a{i}", config, i, rank, dtype), range(n)))
+
+
+def compiles_between(before: dict | None, after: dict) -> dict:
+    """Triton compiles between two ``Engine.stats()`` (a timed row's start and end): ``kernel_compiles``,
+    ``kernel_compile_seconds`` (None where a side has no count: no JIT hooks, or no ``before``) and
+    ``kernel_compile_names`` (the last ones compiled, ``recent_kernel_compiles``). Each compile stalls the step
+    thread (~0.3-1.5 s on an H200): nonzero means the warm-up missed a kernel variant and the row's time includes it."""
+    out = {k: (after[k] - before[k] if before is not None and after.get(k) is not None and before.get(k) is not None
+               else None) for k in ("kernel_compiles", "kernel_compile_seconds")}
+    n = out["kernel_compiles"] or 0
+    out["kernel_compile_names"] = list(after.get("recent_kernel_compiles") or [])[-n:] if n > 0 else []
+    return out
 
 
 def copy_bandwidth(device: torch.device) -> tuple[float, str]:

@@ -46,7 +46,7 @@ from multilora.memory.pool import AdapterPool, max_adapter_pages
 from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
 
-from _common import ThreadSampler, write_adapters  # bench/_common.py (bench/ is on sys.path when run as a script)
+from _common import ThreadSampler, compiles_between, write_adapters  # bench/_common.py (bench/ is on sys.path when run as a script)
 
 
 def popularity(kind: str, n: int, k: int, g: torch.Generator) -> list[int]:
@@ -193,14 +193,7 @@ def main() -> None:
                                                             "host_to_gpu_copies", "host_misses", "host_hits")
                           if isinstance(after.get(k), (int, float)) and isinstance(before.get(k), (int, float))},
                        "step_seconds": after.get("step_seconds"),
-                       # Triton compiles inside the row (each stalls the step thread for ~0.3-1.5 s on an H200):
-                       # nonzero means the warm-up missed a kernel variant and the row's time includes it
-                       **{k: (after[k] - before[k] if after.get(k) is not None and before.get(k) is not None
-                              else None) for k in ("kernel_compiles", "kernel_compile_seconds")},
-                       "kernel_compile_names": (list(after.get("recent_kernel_compiles") or [])
-                                                [-(after["kernel_compiles"] - before["kernel_compiles"]):]
-                                                if (after.get("kernel_compiles") or 0) > (before.get("kernel_compiles") or 0)
-                                                else []),
+                       **compiles_between(before, after),  # Triton compiles inside the row (warm-up missed them)
                        **({"thread_samples": sampler.report()} if sampler is not None else {})}
                 rows.append(row)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k not in meta}),

@@ -60,6 +60,9 @@ from multilora.config import ModelConfig
 from multilora.runtime.adapters import save_peft_adapter
 from multilora.runtime.weights import MODEL_SHAPES
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import compiles_between  # noqa: E402  (bench/_common.py)
+
 ADAPTER_SETS = {"S1": ((8,), ("q_proj", "k_proj", "v_proj", "o_proj")),
                 "S4": ((16, 32, 64), ("q_proj", "k_proj", "v_proj", "o_proj"))}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -419,17 +422,13 @@ def summarize(results: list[Result], wall: float, offered: float, before: dict |
         row[k] = after.get(k, 0) - before.get(k, 0) if before is not None else None
     # Triton compiles inside the row (each stalls every running request; at 90% load the backlog takes long to
     # drain): nonzero means the warm-up missed a kernel variant and the row's latencies include it
-    for k in ("kernel_compiles", "kernel_compile_seconds"):
-        row[k] = (after[k] - before[k] if before is not None and after.get(k) is not None
-                  and before.get(k) is not None else None)
+    row.update(compiles_between(before, after))
     if after is not None:  # where the memory ended the row (a unified pool moves its boundary; memory/unified.py)
         row["adapters_resident_end"] = len(after.get("adapters_resident") or [])
         row["pool_bytes_end"] = after.get("pool_bytes_total")
         row["gpu_evictions"] = after["gpu_evictions"] - before["gpu_evictions"] if before is not None else None
         for k in ("evictions_for_kv", "unified_floor_moves_up", "unified_floor_moves_down", "kv_reclaims_from_pool"):
             row[k] = (after[k] - before[k]) if before is not None and k in after else None
-    n = row["kernel_compiles"] or 0
-    row["kernel_compile_names"] = list(after.get("recent_kernel_compiles") or [])[-n:] if n > 0 else []
     row["pool_hit_rate"] = rate("gpu_hits", "gpu_misses")
     row["host_hit_rate"] = rate("host_hits", "host_misses")
     # GB/s of each tier move over the row, from the stats' bytes and seconds (runtime/adapter_cache.py report())
