@@ -57,6 +57,22 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
     return sorted(set(sizes + [max_batch_size]))
 
 
+class CaptureStream:
+    """The one CUDA stream that every graph capture of an engine (decode and piecewise) and its warm-up run on,
+    made on first use. cuBLAS keeps a workspace per (handle, stream) for the life of the process (32 MiB each on
+    sm_90, through torch's caching allocator): one stream holds one, which the memory plan counts
+    (``runner.CAPTURE_WORKSPACE_BYTES``); a new stream per capture held one more for every bucket captured."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream: torch.cuda.Stream | None = None
+
+    def get(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+
 @dataclass
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph (or a stand-in with replay(), in tests)
@@ -76,18 +92,17 @@ class DecodeGraphs:
     """
 
     def __init__(self, forward: Callable[[Any], torch.Tensor], buckets: list[int], device: torch.device, *,
-                 capture: bool = True) -> None:
+                 capture: bool = True, stream: CaptureStream | None = None) -> None:
         self._forward = forward
         self.buckets = buckets
         self.device = device
         self.capture = capture
         self._graphs: dict[Hashable, _Graph] = {}
         self._pool = None  # one memory pool shared by all graphs
-        #: the one stream every capture's warm-up and capture run on. cuBLAS keeps a workspace per (handle, stream)
-        #: for the life of the process (32 MiB each on sm_90, allocated through torch's caching allocator), so a new
-        #: stream per capture held one more workspace for every bucket captured (the GPU memory-regression test
-        #: saw +32 MiB when a later step first reached a new bucket)
-        self._stream: torch.cuda.Stream | None = None
+        #: the stream every capture's warm-up and capture run on (``CaptureStream``; the runner shares one with the
+        #: piecewise graphs). A new stream per capture once held one more cuBLAS workspace for every bucket
+        #: captured (the GPU memory-regression test saw +32 MiB when a later step first reached a new bucket).
+        self.stream = stream if stream is not None else CaptureStream(device)
 
     def bucket_for(self, batch: int) -> int | None:
         """The smallest bucket holding ``batch`` rows, or None if it is larger than every bucket."""
@@ -109,9 +124,7 @@ class DecodeGraphs:
 
     def _record(self, plan: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up, then capture ``forward(plan)`` in a CUDA graph; (graph, its logits buffer)."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        stream = self._stream
+        stream = self.stream.get()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
             self._forward(plan)  # warm-up: compiles kernels, settles allocator and cuBLAS workspaces
@@ -154,14 +167,15 @@ class PiecewiseGraphs:
             testable on a CPU).
     """
 
-    def __init__(self, num_pieces: int, buckets: list[int], device: torch.device, *, capture: bool = True) -> None:
+    def __init__(self, num_pieces: int, buckets: list[int], device: torch.device, *, capture: bool = True,
+                 stream: CaptureStream | None = None) -> None:
         self.num_pieces = num_pieces
         self.buckets = buckets
         self.device = device
         self.capture = capture
         self._steps: dict[Hashable, _Pieces] = {}
         self._pool = None  # one memory pool for every piece of every bucket (one step replays at a time)
-        self._stream = None  # and one capture stream (``_record``)
+        self.stream = stream if stream is not None else CaptureStream(device)  # and one capture stream (``_record``)
 
     def bucket_for(self, tokens: int) -> int | None:
         """The smallest bucket holding ``tokens``, or None if it is larger than every bucket."""
@@ -205,9 +219,9 @@ class PiecewiseGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         main = torch.cuda.current_stream(self.device)
-        if self._stream is None:  # one capture stream for every piece: cuBLAS keeps a workspace per stream, so a
-            self._stream = torch.cuda.Stream(self.device)  # stream per capture held one workspace each in the pool
-        stream = self._stream  # (a 214 MB pool instead of ~20 MB for 10 buckets, H200; pytorch issue #99196)
+        # one capture stream for every piece: cuBLAS keeps a workspace per stream, so a stream per capture held one
+        # workspace each in the pool (a 214 MB pool instead of ~20 MB for 10 buckets, H200; pytorch issue #99196)
+        stream = self.stream.get()
         torch.cuda.synchronize(self.device)
         graphs = []
         with torch.inference_mode(), torch.cuda.stream(stream):

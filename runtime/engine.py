@@ -43,7 +43,7 @@ from multilora.runtime.parallel import TensorParallel, TensorParallelError, TPGr
 from multilora.runtime.sharding import check_tp_size, shard_weights, tp_rank_config
 from multilora.runtime.postprocess import Postprocessor, RequestOutput
 from multilora.runtime.requests import RequestFactory, per_row
-from multilora.runtime.runner import ModelRunner
+from multilora.runtime.runner import CAPTURE_WORKSPACE_BYTES, ModelRunner
 from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.scheduler import Request, Schedule, Scheduler, Status
 from multilora.runtime.sizing import default_slots, measure_and_size, memory_request
@@ -216,7 +216,9 @@ class Engine:
                 self.tp.profile(tokens, cfg.kv_block_size, self.max_seq_len)
             reserve = self.runner.profile_reserve(tokens, cfg.kv_block_size)
             if pieces:  # the piecewise graphs' own pool (the temporaries of their largest bucket) and buffers
-                reserve += self.runner.piecewise_reserve(pieces, cfg.kv_block_size)
+                reserve += self.runner.piecewise_reserve(pieces, cfg.kv_block_size)  # (and the capture workspaces)
+            elif cfg.cuda_graphs and self.runner.graphs_supported():  # decode graphs alone: their capture stream's
+                reserve += CAPTURE_WORKSPACE_BYTES  # cuBLAS workspaces (the piecewise reserve counts them otherwise)
             return reserve
 
         plan_cfg = cfg if tp == 1 else dataclasses.replace(cfg, local_ranks=cfg.local_ranks * tp)

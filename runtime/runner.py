@@ -29,7 +29,7 @@ from multilora.kernels.backends import select_triton, triton_module
 from multilora.kernels.lora import LoRAPlan, block_m_for, build_lora_plan, fill_chunk_table
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
-from multilora.runtime.cuda_graphs import DecodeGraphs, PiecewiseGraphs, bucket_sizes, token_buckets
+from multilora.runtime.cuda_graphs import CaptureStream, DecodeGraphs, PiecewiseGraphs, bucket_sizes, token_buckets
 from multilora.runtime.model import DecoderModel
 from multilora.runtime.scheduler import Request
 
@@ -188,9 +188,9 @@ class DecodeBuffers:
 #: (``bench/profile_decode.py --mixed-tokens``), even at ~1,750 tokens.
 PIECEWISE_MAX_TOKENS = 2048
 
-#: What the memory plan adds for the cuBLAS / cuBLASLt workspaces of the piecewise graphs' capture stream (cuBLAS
-#: keeps one per stream; captured on the capture stream they live in the graphs' pool): torch's default workspace is
-#: up to 32 MiB on Hopper (``CUBLAS_WORKSPACE_CONFIG`` ``:4096:8``), twice that covers cuBLASLt's beside it.
+#: What the memory plan adds for the cuBLAS / cuBLASLt workspaces of the graphs' capture stream (``CaptureStream``,
+#: shared by the decode and piecewise graphs; cuBLAS keeps one per stream): torch's default workspace is up to 32 MiB
+#: on Hopper (``CUBLAS_WORKSPACE_CONFIG`` ``:4096:8``), twice that covers cuBLASLt's beside it.
 CAPTURE_WORKSPACE_BYTES = 64 << 20
 
 
@@ -309,6 +309,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.buffers: DecodeBuffers | None = None
         self.pieces: PiecewiseGraphs | None = None  # prefill / mixed steps replayed piecewise (``enable_pieces``)
+        #: the one stream both kinds of graph capture on (one cuBLAS workspace: ``CAPTURE_WORKSPACE_BYTES``)
+        self.capture_stream = CaptureStream(self.device)
         self.step_buffers: StepBuffers | None = None
         #: steps run by each path (``run``): a decode graph, piecewise graphs, eager (``Engine.stats()``)
         self.path_counts = {"graph_steps": 0, "piecewise_graph_steps": 0, "eager_steps": 0}
@@ -352,7 +354,8 @@ class ModelRunner:
         buckets = token_buckets(max_tokens)
         self.step_buffers = StepBuffers(max_tokens=buckets[-1], hidden=c.hidden_size, num_heads=c.num_heads,
                                         head_dim=c.head_dim, dtype=self.model.dtype, device=self.device)
-        self.pieces = PiecewiseGraphs(c.num_layers + 1, buckets, self.device, capture=capture)
+        self.pieces = PiecewiseGraphs(c.num_layers + 1, buckets, self.device, capture=capture,
+                                      stream=self.capture_stream)
         log.debug("piecewise graphs for %d token buckets up to %d", len(buckets), buckets[-1])
         return self.pieces
 
@@ -377,7 +380,8 @@ class ModelRunner:
         blocks = -(-self.max_seq_len // self.kv.block_size)
         self.buffers = DecodeBuffers(max_batch=max(bucket_sizes(self.max_batch_size)), max_blocks=blocks,
                                      block_size=self.kv.block_size, max_seq_len=self.max_seq_len, device=self.device)
-        self.graphs = DecodeGraphs(self._logits_of, bucket_sizes(self.max_batch_size), self.device, capture=capture)
+        self.graphs = DecodeGraphs(self._logits_of, bucket_sizes(self.max_batch_size), self.device, capture=capture,
+                                   stream=self.capture_stream)
         log.debug("decode graphs for %s (%d layers)", self.graphs.buckets, c.num_layers)
         return self.graphs
 

@@ -232,6 +232,30 @@ def test_side_stream_lora_equals_lora_in_place(setup):
         assert outs["in place"] == outs[case], case
 
 
+def test_decode_and_piecewise_graphs_share_one_capture_stream(setup):
+    """Every capture, decode and piecewise, and its warm-up run on the runner's one ``CaptureStream``, so the
+    process keeps cuBLAS workspaces for two streams (the compute stream's and that one: what the memory plan counts,
+    ``CAPTURE_WORKSPACE_BYTES``), not one more per graph captured: a stream per decode capture once held +32 MiB per
+    bucket (session 15's memory-regression failure)."""
+    from multilora import Engine
+    from multilora.runtime.runner import CAPTURE_WORKSPACE_BYTES
+
+    model, d, rows = setup
+    engine = Engine(model=d / "model", device="cuda", progress=False, max_batch_size=8, max_seq_len=256)
+    engine.load_adapter(ADAPTERS[0], d / "adapters" / ADAPTERS[0])
+    engine.warmup(ADAPTERS[0])
+    r = engine.runner
+    assert r.graphs is not None and r.pieces is not None
+    assert len(r.graphs.captured) >= 4 and len(r.pieces.captured) >= 4, (r.graphs.captured, r.pieces.captured)
+    assert r.graphs.stream is r.capture_stream and r.pieces.stream is r.capture_stream
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch._C._cuda_clearCublasWorkspaces()  # (the engine's graphs may use them: it is not used after this)
+    held = before - torch.cuda.memory_allocated()
+    assert 0 < held <= 2 * CAPTURE_WORKSPACE_BYTES, f"cuBLAS workspaces held {held / 2**20:.1f} MiB"
+    engine.close()
+
+
 def test_piecewise_graphs_on_gpu_match_eager_steps(setup):
     """Prefill and mixed steps replayed from piecewise CUDA graphs (``runtime.cuda_graphs.PiecewiseGraphs``; fp32)
     against eager steps (``piecewise_cuda_graph_max_tokens=0``): whole-row logits of unchunked prefill steps (up to
