@@ -2,6 +2,11 @@
 
 Usage: python bench/tune_lora_kernels.py --out DIR      (writes tune.json; prints the best per scenario)
 The chosen defaults in kernels/triton_sgmv.py come from this sweep (bench/README.md has the outcome).
+
+       python bench/tune_lora_kernels.py --decode-expand --out DIR   (writes tune_decode_expand.json / .md, ~3 min)
+The decode expand alone at 8, 64 and 256 tokens with as many adapters (each token its own), the four fused
+projections of a Llama-3-8B layer: output tiles looped per program (``tiles``) x ``block_n`` x pipeline stages x
+warps, against the default configuration in the same run (issue 12: B is read far below copy speed there).
 """
 
 from __future__ import annotations
@@ -26,10 +31,69 @@ SCENARIOS = [  # group, tokens, distinct adapters, popularity
 ]
 
 
+def decode_expand(out_dir: str) -> None:
+    """The ``--decode-expand`` sweep (module docstring)."""
+    from bench_lora_kernels import GROUPS as G, LAYER_8B, environment
+    from multilora.kernels import build_lora_plan
+    from multilora.kernels import triton_sgmv as ts
+
+    rows, lines = [], ["| group | tokens = adapters | MB of B | default | best | best config | best GB/s |",
+                       "|---|---|---|---|---|---|---|"]
+    configs = ([dict(tiles=1, block_n=bn, num_stages=ns, num_warps=4) for bn in (128, 256, 512) for ns in (2, 3)]
+               + [dict(tiles=1, block_n=512, num_stages=ns, num_warps=8) for ns in (2, 3)]
+               + [dict(tiles=t, block_n=bn, num_stages=ns, num_warps=4)
+                  for t in (2, 4, 8) for bn in (128, 256) for ns in (2, 3, 4)]
+               + [dict(tiles=t, block_n=256, num_stages=3, num_warps=8) for t in (2, 4, 8)])
+    for group in LAYER_8B:
+        d_in, d_outs = G[group]
+        for T in (8, 64, 256):
+            K = max(1, min(8, 256 // T * 2))  # sets per graph: enough distinct B bytes to pass L2
+            pool, slices = synthetic_pool(d_in, d_outs, K * T, 16)
+            gen = torch.Generator().manual_seed(T)
+            plans = [build_lora_plan(assign("distinct", T, T, gen) + k * T, device="cuda") for k in range(K)]
+            xs = [torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
+            ys = [torch.randn(T, sum(d_outs), device="cuda", dtype=torch.bfloat16) for _ in range(K)]
+            vs = [ts.sgmv_shrink(xs[k], slices, plans[k]) for k in range(K)]
+            y0 = ys[0].clone()  # the timed calls add into ys: each configuration's check starts from this copy
+            ref = ts.sgmv_expand(y0.clone(), vs[0], slices, plans[0])
+            b_mb = T * 16 * sum(d_outs) * 2 / 1e6
+            case = []
+            for cfg in [{}] + configs:
+                def fn():
+                    for k in range(K):
+                        ts.sgmv_expand(ys[k], vs[k], slices, plans[k], **cfg)
+                try:
+                    got = ts.sgmv_expand(y0.clone(), vs[0], slices, plans[0], **cfg)
+                    err = float((got.float() - ref.float()).abs().max())
+                    us = time_ms(fn, True) / K * 1e3
+                except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is reported
+                    print("expand", group, T, cfg, type(exc).__name__, exc, flush=True)
+                    continue
+                case.append(dict(group=group, tokens=T, adapters=T, b_mb=b_mb, us=us, max_abs_diff_vs_default=err,
+                                 default=not cfg, **cfg))
+            rows.extend(case)
+            default = next(r for r in case if r["default"])
+            best = min(case, key=lambda r: r["us"])
+            cfg_s = ", ".join(f"{k} {best[k]}" for k in ("tiles", "block_n", "num_stages", "num_warps") if k in best)
+            lines.append(f"| {group} | {T} | {b_mb:.1f} | {default['us']:.1f} us | {best['us']:.1f} us | {cfg_s} | "
+                         f"{b_mb * 1e3 / best['us']:.0f} |")
+            print(lines[-1], flush=True)
+            del pool, slices
+            torch.cuda.empty_cache()
+    with open(os.path.join(out_dir, "tune_decode_expand.json"), "w") as f:
+        json.dump(dict(environment=environment(), rows=rows), f, indent=1)
+    with open(os.path.join(out_dir, "tune_decode_expand.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
+    ap.add_argument("--decode-expand", action="store_true", help="the decode expand sweep (module docstring)")
     args = ap.parse_args()
+    if args.decode_expand:
+        os.makedirs(args.out, exist_ok=True)
+        return decode_expand(args.out)
     from multilora.kernels import build_lora_plan
     from multilora.kernels import triton_sgmv as ts
 

@@ -205,10 +205,10 @@ def _sgmv_expand_kernel(
     stride_ym, stride_c,
     # meta
     NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr, TILES: tl.constexpr = 1,
 ):
     chunk = tl.program_id(0)
-    tile = tl.program_id(1)  # n tiles of all slices, slice after slice
+    tile = tl.program_id(1)  # n tiles of all slices, slice after slice (groups of TILES sub-tiles of BLOCK_N)
     # Decode-sized tiles (BLOCK_M <= 16: steps of at most 512 tokens) order the prologue for latency. The chunk's
     # start and length are loaded beside the slot, the tokens beside the rank and offsets, and y's tile beside the
     # weights, so that the weights and y are the third dependent read (slot, start; tokens, rank, offset; weights, v,
@@ -221,7 +221,7 @@ def _sgmv_expand_kernel(
     sid, n_tile, d_out, col = _tile_slice(tab_ptr, tile, e0, e1, e2, NUM_SLICES, ALIGN)
     if BLOCK_M <= 16:
         tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)  # padding chunks: len 0, nothing loaded
-        n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n = n_tile * (TILES * BLOCK_N) + tl.arange(0, BLOCK_N)
         n_mask = n < d_out
     if slot < 0:
         return
@@ -229,6 +229,22 @@ def _sgmv_expand_kernel(
     off_b = _slot_offset(offb_ptr, sid, meta_stride, slot, ALIGN)
     scale = tl.load(scal_ptr + sid * meta_stride + slot)
     if r == 0:
+        return
+    if BLOCK_M <= 16 and TILES > 1:  # decode, a rank-16 pool (RMAX <= BLOCK_R): one v tile, TILES B tiles in a loop
+        j = tl.arange(0, BLOCK_R)
+        j_mask = j < r
+        vm = m_mask[:, None] & j_mask[None, :]
+        vt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for sp in range(SPLIT_K):
+            v_rows = v_ptr + ((sp * NUM_SLICES + sid).to(tl.int64) * T + tok[:, None]) * RMAX
+            vt += tl.load(v_rows + j[None, :], mask=vm, other=0.0)
+        b_rows = _rank_rows(buf_ptr, off_b, j, d_out)
+        for g in range(TILES):  # the B rows' address is affine in g: the pipeliner keeps the next tiles in flight
+            ng = n + g * BLOCK_N
+            ng_mask = ng < d_out
+            bt = tl.load(b_rows[:, None] + ng[None, :], mask=j_mask[:, None] & ng_mask[None, :], other=0.0)
+            y_ptrs, y_mask, y_old = _y_tile(y_ptr, stride_ym, tok, m_mask, col + ng, ng_mask)
+            _store_scaled(y_ptrs, y_mask, y_old, scale, _dot(vt.to(bt.dtype), bt, IEEE))
         return
     if BLOCK_M > 16:  # prefill tiles: as before the reordering
         tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
@@ -263,6 +279,23 @@ def _sgmv_expand_kernel(
 #: bench/results/lora_side_stream/lora_overlap_run1.json): q/k/v 1 token 24.3 -> 11.7 us, 8 tokens 39.1 -> 18.9;
 #: gate/up 22.0 -> 11.7 and 40.2 -> 25.1; down 25.2 -> 17.2 and 41.2 -> 24.7.
 WIDE_RANK, WIDE_RANK_MAX_TOKENS = 64, 16
+
+
+#: Decode expand from a pool of rank <= 16 (``plan.block_m <= 16``: steps of at most 512 tokens): rows of
+#: ``(max tokens, tiles, block_n, num_stages)``; the first row whose max tokens >= T gives the output tiles looped per
+#: program (``_sgmv_expand_kernel``'s ``TILES``, the B tiles kept in flight by the pipeliner), their width and the
+#: loop's stages. H200 sweep, each token its own adapter, the four fused projections of a Llama-3-8B layer
+#: (``python bench/tune_lora_kernels.py --decode-expand``; bench/results/session16/): summed expand time 24.9 ->
+#: 15.6 us at 8 tokens, 72.3 -> 45.5 us at 64, 189 -> 124 us at 256 against one 256-wide tile per program (the
+#: table ``((512, 1, 256, 2),)``, what ran before). The row boundary at 16 tokens is an existing regime boundary
+#: (``WIDE_RANK_MAX_TOKENS``), so ``Engine.warmup`` compiles both.
+DECODE_EXPAND_LOOP: tuple[tuple[int, int, int, int], ...] = ((16, 2, 256, 4), (512, 4, 128, 3))
+
+
+def decode_expand_tiles(T: int) -> tuple[int, int | None, int | None]:
+    """``(tiles, block_n, num_stages)`` of ``DECODE_EXPAND_LOOP``'s row for a decode step of ``T`` tokens (a pool of
+    rank <= 16, on a GPU); ``(1, None, None)`` (the launcher's defaults) past its last row."""
+    return next((row[1:] for row in DECODE_EXPAND_LOOP if T <= row[0]), (1, None, None))
 
 
 def _wide(T: int, rmax: int) -> bool:
@@ -340,26 +373,32 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
 
 
 def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_n: int | None = None,
-            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+            num_warps: int | None = None, num_stages: int | None = None, tiles: int | None = None) -> torch.Tensor:
     split, S, T, rmax = v.shape
     if num_warps is None:
         num_warps = 2 if y.device.type == "cuda" and _wide(T, rmax) else 4
+    loop = plan.block_m <= 16 and rmax <= 16  # the looped tiles: decode chunks of a rank-16 pool (one v tile)
+    if tiles is None and loop and y.device.type == "cuda":
+        tiles, bn, stages = decode_expand_tiles(T)
+        block_n = block_n or bn
+        num_stages = num_stages or stages
+    group = (tiles or 1) if loop else 1
     if block_n is None:
         # measured on an H200: 256-wide tiles for decode (fewer, larger B reads), 128 for prefill
         block_n = 64 if y.device.type == "cpu" else 256 if T <= 512 else 128
-    tiles = sum(triton.cdiv(vw.d_out, block_n) for vw in slices.views)
+    n_tiles = sum(triton.cdiv(vw.d_out, group * block_n) for vw in slices.views)
     if num_stages is None and y.device.type == "cuda" and T <= 512:
         # decode: one rank tile per program (r <= 16), nothing to pipeline; 2 stages leave more shared memory
         # for resident programs (H200 sweep, bench/results/tune.log: 59 vs 80 us at T = 512 distinct)
         num_stages = 2
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    _sgmv_expand_kernel[(num_chunks(plan, slices), tiles)](
+    _sgmv_expand_kernel[(num_chunks(plan, slices), n_tiles)](
         y, slices.buffer, slices.offsets_b, slices.ranks, slices.scalings, slices.table, v, plan.chunks,
-        T, *tile_ends(slices, block_n), slices.meta_stride,
+        T, *tile_ends(slices, group * block_n), slices.meta_stride,
         y.stride(0), plan.chunks.stride(0),
         NUM_SLICES=S, SPLIT_K=split, RMAX=rmax, BLOCK_M=plan.block_m,
-        BLOCK_N=block_n, BLOCK_R=16, ALIGN=slices.align, IEEE=y.dtype == torch.float32, num_warps=num_warps,
-        **extra,
+        BLOCK_N=block_n, BLOCK_R=16, ALIGN=slices.align, IEEE=y.dtype == torch.float32, TILES=group,
+        num_warps=num_warps, **extra,
     )
     return y
 
@@ -386,7 +425,7 @@ def sgmv_shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k:
 
 
 def sgmv_expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_n: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                num_warps: int | None = None, num_stages: int | None = None, tiles: int | None = None) -> torch.Tensor:
     """Expand: ``y[t, c_i + n] += scalings_i[s] * sum_sp v[sp, i, t, :r] @ B_i[s].T[:r, n]`` in place.
 
     Args:
@@ -394,6 +433,8 @@ def sgmv_expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRA
         v: ``sgmv_shrink``'s fp32 ``[SPLIT_K, num_slices, T, slices.max_rank_rows]``.
         slices, plan: as for ``sgmv_shrink``.
         block_n, num_warps, num_stages: tile overrides (None = the measured defaults).
+        tiles: output tiles of ``block_n`` columns per program, looped (None = ``DECODE_EXPAND_LOOP``'s); used by
+            decode chunks (``plan.block_m <= 16``) of a pool of rank <= 16 only, else 1.
 
     Returns:
         ``y``.
@@ -407,7 +448,7 @@ def sgmv_expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRA
     if v.dim() != 4 or tuple(v.shape[1:]) != want or v.dtype != torch.float32 or not v.is_contiguous():
         raise ValueError(f"v: expected contiguous float32 [split_k, {', '.join(map(str, want))}], got "
                          f"{v.dtype} {tuple(v.shape)}")
-    return _expand(y, v, slices, plan, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    return _expand(y, v, slices, plan, block_n=block_n, num_warps=num_warps, num_stages=num_stages, tiles=tiles)
 
 
 def lora_apply_triton(y: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan) -> torch.Tensor:

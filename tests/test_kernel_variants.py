@@ -148,6 +148,10 @@ def test_warmup_token_counts_reach_every_lora_kernel_variant(monkeypatch):
     warm, _ = variants([n for n in WARMUP_PROMPT_TOKENS if n <= 600])
     assert len(splits) >= 3, splits  # the rule does vary the split over these token counts
     assert warm == every
+    # the decode expand's looped tiles (on a GPU, a rank-16 pool): warm-up's step sizes reach each row, and decode
+    # graph buckets of up to 16 requests (captured by warm-up) the first
+    loops = {triton_sgmv.decode_expand_tiles(T) for T in range(1, 4097)}
+    assert len(loops) >= 2 and loops == {triton_sgmv.decode_expand_tiles(T) for T in (1, *WARMUP_PROMPT_TOKENS)}
 
     import triton
 
