@@ -9,6 +9,10 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     in place after its GEMM instead of beside it on a side stream (issue 12: before / after)
     multilora-lora-hiprio  the same engine and adapters with the LoRA side stream at the highest CUDA priority
                     (``DecoderModel.lora_side_priority``), so its programs start before the GEMM's pending ones
+    multilora-lora-onetile  the same engine and adapters with the decode expand as before session 16: one 256-wide
+                    output tile per program (``kernels.triton_sgmv.DECODE_EXPAND_LOOP = ((512, 1, 256, 2),)``)
+    multilora-lora-carve  the same engine and adapters with the base GEMMs of side-stream steps leaving ``--carveout``
+                    SMs to the LoRA kernels (``DecoderModel.lora_side_sm_carveout``; issue 12)
     multilora-fp8, multilora-fp8-lora   the same two with Engine(weight_dtype="fp8") (issue 16; not in the default
                     --providers: ask for them)
     hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
@@ -68,8 +72,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-fp8", "multilora-fp8-lora", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-carve", "multilora-fp8", "multilora-fp8-lora", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-carve"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -259,6 +263,10 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             failed.update({v: f"adapter setup failed: {type(e).__name__}: {e}"[:2000] for v in lora_variants})
     side_default = engine.model.lora_side_max_tokens if engine is not None else None
     prio_default = engine.model.lora_side_priority if engine is not None else 0
+    from multilora.kernels import triton_sgmv
+
+    loop_default = triton_sgmv.DECODE_EXPAND_LOOP
+    carve_default = engine.model.lora_side_sm_carveout if engine is not None else 0
     for v in variants:
         if v in failed:
             run.skip(v, batches, a.gen, failed[v], status="error")
@@ -266,18 +274,26 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         side = 0 if v.endswith("-inplace") else side_default
         prio = torch.cuda.Stream.priority_range()[1] if v.endswith("-hiprio") and torch.cuda.is_available() \
             else prio_default  # (lowest, highest): the highest
-        if engine.model.lora_side_max_tokens != side or engine.model.lora_side_priority != prio:
-            engine.model.lora_side_max_tokens = side  # captured graphs bake both in: capture again
-            engine.model.lora_side_priority = prio
+        loop = ((512, 1, 256, 2),) if v.endswith("-onetile") else loop_default
+        carve = a.carveout if v.endswith("-carve") else carve_default
+        m = engine.model
+        if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout) \
+                != (side, prio, loop, carve):
+            m.lora_side_max_tokens = side  # captured graphs bake all four in: capture again
+            m.lora_side_priority = prio
+            triton_sgmv.DECODE_EXPAND_LOOP = loop
+            m.lora_side_sm_carveout = carve
             if engine.graphs is not None:
                 engine.runner.reset_graphs()  # decode and piecewise
                 warm_up_engine(engine, run.prompts, names)
-        row_info = {**info, "lora_side_stream_max_tokens": engine.model.lora_side_limit(),
-                    "lora_side_priority": engine.model.lora_side_priority}
+        row_info = {**info, "lora_side_stream_max_tokens": m.lora_side_limit(),
+                    "lora_side_priority": m.lora_side_priority, "decode_expand_loop": triton_sgmv.DECODE_EXPAND_LOOP,
+                    "lora_side_sm_carveout": m.lora_side_sm_carveout}
         for b in batches:
             adapters = names[:b] if "-lora" in v else None
             run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
                                                                                                adapters, ri))
+    triton_sgmv.DECODE_EXPAND_LOOP = loop_default
     engine = None  # free it before the caller goes on (in-process runs)
     free_memory()
     if run.device.type == "cuda":  # the engine capped this process's allocator from its memory plan
@@ -550,7 +566,8 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                 f"{x:.3g}x output tokens/s ({lo['output_tokens_per_s']:.0f} vs {hf['output_tokens_per_s']:.0f}); "
                 f"decode tokens/s {lo['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.3g}x" if x else "a row is missing"))
     base_rows = {b: ok.get(("multilora", b)) for b in (1, TARGET_BATCH)}
-    for v in ("multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio"):  # issue 12: adapters over base
+    for v in ("multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile",
+              "multilora-lora-carve"):  # issue 12: adapters over base
         for b, what, key, need in ((1, "TPOT", "tpot_ms", 1.05), (TARGET_BATCH, "TPOT", "tpot_ms", 1.30),
                                    (TARGET_BATCH, "TTFT", "ttft_s", 1.10)):
             lo, hi = base_rows.get(b), ok.get((v, b))
@@ -673,6 +690,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds from start after which no row starts (recorded as skipped)")
     ap.add_argument("--repeats", type=int, default=1, help="timed (TTFT, T_total) pairs per row; medians are reported")
     ap.add_argument("--seed", type=int, default=0, help="prompt token ids")
+    ap.add_argument("--carveout", type=int, default=32, metavar="SMS",
+                    help="multilora-lora-carve: SMs the base GEMMs of side-stream steps leave to the LoRA kernels")
     ap.add_argument("--lora-side-stream-max-tokens", type=int, default=None,
                     help="Engine(lora_side_stream_max_tokens=...) of the multilora rows (default: the engine's)")
     ap.add_argument("--append", action="store_true",

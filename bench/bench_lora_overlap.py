@@ -157,7 +157,30 @@ def main(argv=None):
                     "rank-16 cases of all (1, 8, 64 and 256 tokens, as many adapters)")
     ap.add_argument("--schedules", default=None, help="comma-separated subset of base,serial,side_shrink,side_all,"
                     "side_all_add,side_all_hi (default: all; base is always run)")
+    ap.add_argument("--expand-one-tile", action="store_true",
+                    help="decode expand as before session 16: one 256-wide output tile per program "
+                    "(triton_sgmv.DECODE_EXPAND_LOOP = ((512, 1, 256, 2),)); the run's JSON gets a _onetile suffix")
+    ap.add_argument("--tokens", default=None, metavar="T,T,...",
+                    help="only the cases of these token counts (r16: 1, 8, 64, 256; any count is a case of as many "
+                    "rank-16 adapters)")
+    ap.add_argument("--blas", default=None, choices=("cublas", "cublaslt"),
+                    help="torch.backends.cuda.preferred_blas_library for the GEMMs (default: torch's choice)")
+    ap.add_argument("--carveout", type=int, default=None, metavar="SMS",
+                    help="leave SMS SMs out of the GEMMs' grid (torch._C._set_sm_carveout_experimental; honoured by "
+                    "cuBLASLt paths only, so use with --blas cublaslt), for the side stream's LoRA kernels")
     args = ap.parse_args(argv)
+    from multilora.kernels import triton_sgmv
+
+    tag = ""
+    if args.expand_one_tile:
+        triton_sgmv.DECODE_EXPAND_LOOP = ((512, 1, 256, 2),)
+        tag += "_onetile"
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
+        tag += f"_{args.blas}"
+    if args.carveout is not None:
+        torch._C._set_sm_carveout_experimental(args.carveout)
+        tag += f"_carve{args.carveout}"
     schedules = ("base", "serial", "side_all") if args.cases == "wide" else None
     if args.schedules:
         schedules = ("base", *[s for s in args.schedules.split(",") if s and s != "base"])
@@ -165,7 +188,10 @@ def main(argv=None):
         if any(s not in known for s in schedules[1:]):
             ap.error(f"--schedules: expected names from base,{','.join(known)}, got {args.schedules!r}")
     os.makedirs(args.out, exist_ok=True)
-    res = dict(environment=environment(), layer=[], sweep=[])
+    res = dict(environment=environment(), layer=[], sweep=[],
+               settings=dict(decode_expand_loop=triton_sgmv.DECODE_EXPAND_LOOP,
+                             blas=str(torch.backends.cuda.preferred_blas_library()),
+                             sm_carveout=torch._C._get_sm_carveout_experimental()))
     cases = [(1, 1, 16, None), (8, 8, 16, None), (64, 64, 16, None), (256, 256, 16, None), (1, 1, 64, None),
              (8, 8, 64, None), (64, 64, 64, None)]
     if args.cases == "r16":
@@ -173,6 +199,10 @@ def main(argv=None):
     if args.cases == "wide":  # the wide-rank tiles, old and new: rank-16 and rank-64 adapters in a rank-64 pool
         cases = [(1, 1, 16, 64), (8, 8, 16, 64), (64, 64, 16, 64), (1, 1, 64, 64), (8, 8, 64, 64), (16, 16, 64, 64),
                  (64, 64, 64, 64)]
+    if args.tokens:
+        want = [int(t) for t in args.tokens.split(",")]
+        cases = [c for c in cases if c[0] in want] + [(t, t, 16, None) for t in want if t not in [c[0] for c in cases]]
+        tag += "_t" + "-".join(map(str, want))
     for T, n, rank, pool_rank in cases:
         row = layer_case(T, n, rank, pool_rank=pool_rank, schedules=schedules)
         res["layer"].append(row)
@@ -191,6 +221,7 @@ def main(argv=None):
                       + ", ".join(f"{r['split_k']}:{r['us']:.1f}" for r in rows if r.get("shrink_only")), flush=True)
     # a subset run (other cases or schedules) gets its own file beside the full run's
     suffix = "" if args.cases == "all" and not args.schedules else f"_{args.cases}" + ("_subset" if args.schedules else "")
+    suffix += tag
     with open(os.path.join(args.out, f"lora_overlap{suffix}.json"), "w") as f:
         json.dump(res, f, indent=1)
 

@@ -64,6 +64,30 @@ LORA_SIDE_NARROW_RANK, LORA_SIDE_WIDE_MAX_TOKENS = 16, 2
 #: measured and changed nothing (H200, one Llama-3-8B layer, LoRA adds 78.0 vs 77.2 us at 64 tokens, 5.9 vs 5.3 at 1;
 #: bench/README.md, session 15): the GEMM's CTAs hold every SM, and priority only orders the CTAs still waiting.
 LORA_SIDE_PRIORITY = 0
+#: SMs the base GEMMs leave free for the side stream's LoRA kernels (``DecoderModel.lora_side_sm_carveout``) in steps
+#: of at least ``LORA_SIDE_CARVEOUT_MIN_TOKENS`` tokens whose LoRA takes the side stream: those GEMMs go through
+#: cuBLASLt with its SM-count target lowered by that many (``gemm_sm_carveout``). 0: off, the GEMMs as before.
+LORA_SIDE_SM_CARVEOUT, LORA_SIDE_CARVEOUT_MIN_TOKENS = 0, 17
+
+
+@contextlib.contextmanager
+def gemm_sm_carveout(sms: int):
+    """Within the block, torch's GEMMs on CUDA go through cuBLASLt and leave ``sms`` SMs out of their grid (torch's
+    ``preferred_blas_library("cublaslt")`` and private ``torch._C._set_sm_carveout_experimental``, which cuBLASLt's
+    ``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`` honours; cuBLAS ignores it), so kernels on another stream find idle SMs.
+    A CUDA graph captured inside keeps the GEMMs so chosen. Both settings are restored on exit. ``sms <= 0``: no
+    change."""
+    if sms <= 0:
+        yield
+        return
+    lib, carve = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(carve)
+        torch.backends.cuda.preferred_blas_library(lib)
 
 
 # ----------------------------------------------------------------------------------------- RoPE
@@ -251,6 +275,9 @@ class DecoderModel:
         #: higher priority lets the block scheduler start the LoRA programs before the GEMM's pending ones.
         #: Captured graphs bake it in: change it before capture (``ModelRunner.reset_graphs``, ``engine.runner``).
         self.lora_side_priority = LORA_SIDE_PRIORITY
+        #: SMs the base GEMM leaves to the side stream's LoRA in steps of at least ``LORA_SIDE_CARVEOUT_MIN_TOKENS``
+        #: tokens (``gemm_sm_carveout``; 0: off). Captured graphs bake it in, as ``lora_side_priority``.
+        self.lora_side_sm_carveout = LORA_SIDE_SM_CARVEOUT
         self._side: torch.cuda.Stream | None = None
         self._side_priority = 0  # the lora_side_priority that _side was made with
         self._pool_max_rank = 0
@@ -369,10 +396,12 @@ class DecoderModel:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 delta.zero_()
                 lora_apply(delta, x, slices, plan.lora, backend=lora_backend)
-        if isinstance(w, Fp8Weight):
-            y = fp8_linear(x, w, b, method=self.fp8_method)
-        else:
-            y = x @ w.t() if b is None else torch.addmm(b, x, w.t())
+        carve = self.lora_side_sm_carveout if side is not None and x.shape[0] >= LORA_SIDE_CARVEOUT_MIN_TOKENS else 0
+        with gemm_sm_carveout(carve):
+            if isinstance(w, Fp8Weight):
+                y = fp8_linear(x, w, b, method=self.fp8_method)
+            else:
+                y = x @ w.t() if b is None else torch.addmm(b, x, w.t())
         if side is not None:
             main.wait_stream(side)  # before anything reads delta or frees x
         elif slices is not None and delta is None:

@@ -232,6 +232,33 @@ def test_side_stream_lora_equals_lora_in_place(setup):
         assert outs["in place"] == outs[case], case
 
 
+def test_side_stream_sm_carveout(setup):
+    """``DecoderModel.lora_side_sm_carveout``: the base GEMMs of side-stream steps of >= 17 tokens go through cuBLASLt
+    with SMs left out of their grid; cuBLASLt's kernels may sum in another order than cuBLAS's, so the bf16 logits
+    are close to, not equal to, the default engine's; torch's BLAS settings are restored after every GEMM; greedy
+    decoding through CUDA graphs runs."""
+    from multilora import Engine, SamplingParams
+
+    model, d, rows = setup
+    lib, carve = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
+    logits = {}
+    for sms in (0, 16):
+        engine = Engine(model=d / "model", device="cuda", progress=False, max_batch_size=4,
+                        lora_side_stream_max_tokens=1 << 20)
+        engine.model.lora_side_sm_carveout = sms
+        if engine.graphs is not None:
+            engine.runner.reset_graphs()
+        for n in ADAPTERS:
+            engine.load_adapter(n, d / "adapters" / n)
+        logits[sms] = engine.logits(rows, adapters=ROW_ADAPTERS)
+        sp = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+        outs = engine.generate(rows[:3], adapters=ROW_ADAPTERS[:3], sampling=sp)
+        assert all(len(o.token_ids) == 6 for o in outs)
+        assert torch.backends.cuda.preferred_blas_library() == lib and torch._C._get_sm_carveout_experimental() == carve
+        engine.close()
+    assert rel_err(logits[0], logits[16]) < 2e-2, rel_err(logits[0], logits[16])
+
+
 def test_decode_and_piecewise_graphs_share_one_capture_stream(setup):
     """Every capture, decode and piecewise, and its warm-up run on the runner's one ``CaptureStream``, so the
     process keeps cuBLAS workspaces for two streams (the compute stream's and that one: what the memory plan counts,
@@ -242,8 +269,9 @@ def test_decode_and_piecewise_graphs_share_one_capture_stream(setup):
 
     model, d, rows = setup
     engine = Engine(model=d / "model", device="cuda", progress=False, max_batch_size=8, max_seq_len=256)
-    engine.load_adapter(ADAPTERS[0], d / "adapters" / ADAPTERS[0])
-    engine.warmup(ADAPTERS[0])
+    name = next(iter(ADAPTERS))
+    engine.load_adapter(name, d / "adapters" / name)
+    engine.warmup(name)
     r = engine.runner
     assert r.graphs is not None and r.pieces is not None
     assert len(r.graphs.captured) >= 4 and len(r.pieces.captured) >= 4, (r.graphs.captured, r.pieces.captured)
