@@ -32,9 +32,14 @@ chunk count; ``do_not_specialize``): Triton would otherwise compile a
 variant for ``T == 1``, for ``T % 16 == 0`` and for the rest, and a serving step whose token count first fell
 in a new class stalled every running request for the compile (about 0.3 s each on an H200;
 ``bench/results/serving/``). The constexprs still change with ``T`` at thresholds: ``block_m``, ``block_k``
-and the expand's stages above 512 tokens, and the split count (``_split_k``: a power of two that halves as the
-chunk count doubles). ``Engine.warmup``'s prefill lengths reach every one of them
-(``tests/test_kernel_variants.py``).
+and the expand's stages above 512 tokens, the decode expand's looped tiles at 16 tokens (``DECODE_EXPAND_LOOP``),
+and the split count (``_split_k``: a power of two that halves as the chunk count doubles). ``Engine.warmup``'s
+prefill lengths and decode buckets reach every one of them (``tests/test_kernel_variants.py``).
+
+At decode (chunks of at most 16 tokens) from a pool of rank <= 16, an expand program loops over ``TILES`` adjacent
+output tiles of its chunk: the slot's rank, offset, scale and v are read once, and the pipeliner keeps the next B
+tiles in flight while one is multiplied and stored (each token its own adapter, one 256-wide tile per program
+read B at a third of copy bandwidth: a few KB behind a chain of dependent loads per program).
 
 A one-launch shrink + expand kernel was tried and is off by default: ``multilora.kernels.experimental``.
 """
