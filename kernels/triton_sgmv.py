@@ -200,6 +200,18 @@ def _sgmv_shrink_kernel(
         tl.store(v_rows + j[None, :], acc, mask=m_mask[:, None] & j_mask[None, :])
 
 
+@triton.jit
+def _v_tile(v_ptr, sid, T, tok, j, vm, NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, RMAX: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """fp32 ``[BLOCK_M, BLOCK_R]``: the shrink's ``v[:, sid, tok, j]`` summed over its ``SPLIT_K`` partials (``vm``
+    masks rows and ranks)."""
+    vt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for sp in range(SPLIT_K):
+        v_rows = v_ptr + ((sp * NUM_SLICES + sid).to(tl.int64) * T + tok[:, None]) * RMAX
+        vt += tl.load(v_rows + j[None, :], mask=vm, other=0.0)
+    return vt
+
+
 @triton.jit(do_not_specialize=["T", "stride_c"])  # one compiled variant for every token count (module docstring)
 def _sgmv_expand_kernel(
     # pointers
@@ -239,10 +251,7 @@ def _sgmv_expand_kernel(
         j = tl.arange(0, BLOCK_R)
         j_mask = j < r
         vm = m_mask[:, None] & j_mask[None, :]
-        vt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for sp in range(SPLIT_K):
-            v_rows = v_ptr + ((sp * NUM_SLICES + sid).to(tl.int64) * T + tok[:, None]) * RMAX
-            vt += tl.load(v_rows + j[None, :], mask=vm, other=0.0)
+        vt = _v_tile(v_ptr, sid, T, tok, j, vm, NUM_SLICES, SPLIT_K, RMAX, BLOCK_M, BLOCK_R)
         b_rows = _rank_rows(buf_ptr, off_b, j, d_out)
         for g in range(TILES):  # the B rows' address is affine in g: the pipeliner keeps the next tiles in flight
             ng = n + g * BLOCK_N
@@ -264,10 +273,7 @@ def _sgmv_expand_kernel(
         b_rows = _rank_rows(buf_ptr, off_b, j, d_out)
         bt = tl.load(b_rows[:, None] + n[None, :], mask=j_mask[:, None] & n_mask[None, :], other=0.0)
         vm = m_mask[:, None] & j_mask[None, :]
-        vt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for sp in range(SPLIT_K):
-            v_rows = v_ptr + ((sp * NUM_SLICES + sid).to(tl.int64) * T + tok[:, None]) * RMAX
-            vt += tl.load(v_rows + j[None, :], mask=vm, other=0.0)
+        vt = _v_tile(v_ptr, sid, T, tok, j, vm, NUM_SLICES, SPLIT_K, RMAX, BLOCK_M, BLOCK_R)
         acc += _dot(vt.to(bt.dtype), bt, IEEE)  # IEEE: both fp32 (the cast is a no-op)
     if BLOCK_M > 16:
         _add_scaled(y_ptr, stride_ym, tok, m_mask, col + n, n_mask, scale, acc)
