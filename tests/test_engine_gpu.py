@@ -234,29 +234,32 @@ def test_side_stream_lora_equals_lora_in_place(setup):
 
 def test_side_stream_sm_carveout(setup):
     """``DecoderModel.lora_side_sm_carveout``: the base GEMMs of side-stream steps of >= 17 tokens go through cuBLASLt
-    with SMs left out of their grid; cuBLASLt's kernels may sum in another order than cuBLAS's, so the bf16 logits
-    are close to, not equal to, the default engine's; torch's BLAS settings are restored after every GEMM; greedy
+    with SMs left out of their grid; ``DecoderModel.gemm_cublaslt_tokens``: the base GEMMs of steps of that many
+    tokens go through cuBLASLt. cuBLASLt's kernels may sum in another order than cuBLAS's, so the bf16 logits are
+    close to, not equal to, the default engine's; torch's BLAS settings are restored after every GEMM; greedy
     decoding through CUDA graphs runs."""
     from multilora import Engine, SamplingParams
 
     model, d, rows = setup
     lib, carve = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
     logits = {}
-    for sms in (0, 16):
+    for case, (sms, lt) in {"default": (0, None), "carve 16": (16, None), "cuBLASLt": (0, (1, 1 << 20))}.items():
         engine = Engine(model=d / "model", device="cuda", progress=False, max_batch_size=4,
                         lora_side_stream_max_tokens=1 << 20)
         engine.model.lora_side_sm_carveout = sms
+        engine.model.gemm_cublaslt_tokens = lt
         if engine.graphs is not None:
             engine.runner.reset_graphs()
         for n in ADAPTERS:
             engine.load_adapter(n, d / "adapters" / n)
-        logits[sms] = engine.logits(rows, adapters=ROW_ADAPTERS)
+        logits[case] = engine.logits(rows, adapters=ROW_ADAPTERS)
         sp = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
         outs = engine.generate(rows[:3], adapters=ROW_ADAPTERS[:3], sampling=sp)
         assert all(len(o.token_ids) == 6 for o in outs)
         assert torch.backends.cuda.preferred_blas_library() == lib and torch._C._get_sm_carveout_experimental() == carve
         engine.close()
-    assert rel_err(logits[0], logits[16]) < 2e-2, rel_err(logits[0], logits[16])
+    for case in ("carve 16", "cuBLASLt"):
+        assert rel_err(logits["default"], logits[case]) < 2e-2, (case, rel_err(logits["default"], logits[case]))
 
 
 def test_decode_and_piecewise_graphs_share_one_capture_stream(setup):
@@ -268,6 +271,8 @@ def test_decode_and_piecewise_graphs_share_one_capture_stream(setup):
     from multilora.runtime.runner import CAPTURE_WORKSPACE_BYTES
 
     model, d, rows = setup
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()  # drop earlier tests' workspaces (the GPU suite runs in one process)
     engine = Engine(model=d / "model", device="cuda", progress=False, max_batch_size=8, max_seq_len=256)
     name = next(iter(ADAPTERS))
     engine.load_adapter(name, d / "adapters" / name)
