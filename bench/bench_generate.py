@@ -13,6 +13,8 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     output tile per program (``kernels.triton_sgmv.DECODE_EXPAND_LOOP = ((512, 1, 256, 2),)``)
     multilora-lora-carve  the same engine and adapters with the base GEMMs of side-stream steps leaving ``--carveout``
                     SMs to the LoRA kernels (``DecoderModel.lora_side_sm_carveout``; issue 12)
+    multilora-lt, multilora-lora-lt  the first two with the base GEMMs of steps of 17-64 tokens through cuBLASLt
+                    instead of cuBLAS (``DecoderModel.gemm_cublaslt_tokens = (17, 64)``; faster for one layer there)
     multilora-fp8, multilora-fp8-lora   the same two with Engine(weight_dtype="fp8") (issue 16; not in the default
                     --providers: ask for them)
     hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
@@ -72,8 +74,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-carve", "multilora-fp8", "multilora-fp8-lora", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-carve"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-fp8", "multilora-fp8-lora", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -267,6 +269,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
 
     loop_default = triton_sgmv.DECODE_EXPAND_LOOP
     carve_default = engine.model.lora_side_sm_carveout if engine is not None else 0
+    lt_default = engine.model.gemm_cublaslt_tokens if engine is not None else None
     for v in variants:
         if v in failed:
             run.skip(v, batches, a.gen, failed[v], status="error")
@@ -276,19 +279,21 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             else prio_default  # (lowest, highest): the highest
         loop = ((512, 1, 256, 2),) if v.endswith("-onetile") else loop_default
         carve = a.carveout if v.endswith("-carve") else carve_default
+        lt = (17, 64) if v.endswith("-lt") else lt_default
         m = engine.model
-        if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout) \
-                != (side, prio, loop, carve):
-            m.lora_side_max_tokens = side  # captured graphs bake all four in: capture again
+        if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
+                m.gemm_cublaslt_tokens) != (side, prio, loop, carve, lt):
+            m.lora_side_max_tokens = side  # captured graphs bake all five in: capture again
             m.lora_side_priority = prio
             triton_sgmv.DECODE_EXPAND_LOOP = loop
             m.lora_side_sm_carveout = carve
+            m.gemm_cublaslt_tokens = lt
             if engine.graphs is not None:
                 engine.runner.reset_graphs()  # decode and piecewise
                 warm_up_engine(engine, run.prompts, names)
         row_info = {**info, "lora_side_stream_max_tokens": m.lora_side_limit(),
                     "lora_side_priority": m.lora_side_priority, "decode_expand_loop": triton_sgmv.DECODE_EXPAND_LOOP,
-                    "lora_side_sm_carveout": m.lora_side_sm_carveout}
+                    "lora_side_sm_carveout": m.lora_side_sm_carveout, "gemm_cublaslt_tokens": m.gemm_cublaslt_tokens}
         for b in batches:
             adapters = names[:b] if "-lora" in v else None
             run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
@@ -567,7 +572,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                 f"decode tokens/s {lo['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.3g}x" if x else "a row is missing"))
     base_rows = {b: ok.get(("multilora", b)) for b in (1, TARGET_BATCH)}
     for v in ("multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile",
-              "multilora-lora-carve"):  # issue 12: adapters over base
+              "multilora-lora-carve", "multilora-lora-lt"):  # issue 12: adapters over base
         for b, what, key, need in ((1, "TPOT", "tpot_ms", 1.05), (TARGET_BATCH, "TPOT", "tpot_ms", 1.30),
                                    (TARGET_BATCH, "TTFT", "ttft_s", 1.10)):
             lo, hi = base_rows.get(b), ok.get((v, b))
@@ -577,6 +582,12 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
             out.append((f"{v} batch {b} on {b} adapters: {what} <= {need}x multilora's",
                         "not measured" if not x else ("met" if x <= need else "missed"),
                         f"{x:.3g}x ({hi[key]:.4g} vs {lo[key]:.4g})" if x else "a row is missing"))
+            # and against the base whose GEMMs take the same library (the carve-out's are cuBLASLt's too)
+            lo = ok.get(("multilora-lt", b)) if v.endswith(("-lt", "-carve")) else None
+            x = lo and lo.get(key) and hi.get(key) and hi[key] / lo[key]
+            if x:
+                out.append((f"{v} batch {b} on {b} adapters: {what} <= {need}x multilora-lt's",
+                            "met" if x <= need else "missed", f"{x:.3g}x ({hi[key]:.4g} vs {lo[key]:.4g})"))
     for b, need in ((1, 1.7), (TARGET_BATCH, 1.3)):  # issue 16: fp8 base weights against bf16, decode tokens/s
         for base, fp8 in (("multilora", "multilora-fp8"), ("multilora-lora", "multilora-fp8-lora")):
             lo, hi = ok.get((base, b)), ok.get((fp8, b))

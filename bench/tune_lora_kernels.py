@@ -7,6 +7,10 @@ The chosen defaults in kernels/triton_sgmv.py come from this sweep (bench/README
 The decode expand alone at 8, 64 and 256 tokens with as many adapters (each token its own), the four fused
 projections of a Llama-3-8B layer: output tiles looped per program (``tiles``) x ``block_n`` x pipeline stages x
 warps, against the default configuration in the same run (issue 12: B is read far below copy speed there).
+
+       python bench/tune_lora_kernels.py --decode-shrink --out DIR   (writes tune_decode_shrink.json / .md, ~3 min)
+The decode shrink alone, same cases: ``block_k`` x the K split (half, the default's, twice) x warps x stages,
+against the default configuration in the same run (issue 12: A is read at about half of copy speed at 64 tokens).
 """
 
 from __future__ import annotations
@@ -86,11 +90,67 @@ def decode_expand(out_dir: str) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def decode_shrink(out_dir: str) -> None:
+    """The ``--decode-shrink`` sweep (module docstring)."""
+    from bench_lora_kernels import GROUPS as G, LAYER_8B, environment
+    from multilora.kernels import build_lora_plan
+    from multilora.kernels import triton_sgmv as ts
+
+    rows, lines = [], ["| group | tokens = adapters | MB of A | default | best | best config | best GB/s |",
+                       "|---|---|---|---|---|---|---|"]
+    for group in LAYER_8B:
+        d_in, d_outs = G[group]
+        for T in (8, 64, 256):
+            K = max(1, min(8, 256 // T * 2))  # sets per graph: enough distinct A bytes to pass L2
+            pool, slices = synthetic_pool(d_in, d_outs, K * T, 16)
+            gen = torch.Generator().manual_seed(T)
+            plans = [build_lora_plan(assign("distinct", T, T, gen) + k * T, device="cuda") for k in range(K)]
+            xs = [torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
+            ref = ts.sgmv_shrink(xs[0], slices, plans[0]).sum(0)
+            auto = ts.sgmv_shrink(xs[0], slices, plans[0]).shape[0]
+            a_mb = T * 16 * d_in * len(d_outs) * 2 / 1e6
+            configs = [dict(block_k=bk, split_k=sp, num_warps=nw, num_stages=ns)
+                       for bk in (64, 128, 256) for sp in sorted({max(1, auto // 2), auto, auto * 2})
+                       for nw in (2, 4) for ns in (2, 3, 4) if sp * bk <= d_in]
+            configs += [dict(block_k=256, split_k=auto, num_warps=8, num_stages=3)]
+            case = []
+            for cfg in [{}] + configs:
+                def fn():
+                    for k in range(K):
+                        ts.sgmv_shrink(xs[k], slices, plans[k], **cfg)
+                try:
+                    got = ts.sgmv_shrink(xs[0], slices, plans[0], **cfg).sum(0)
+                    err = float((got - ref).abs().max())
+                    us = time_ms(fn, True) / K * 1e3
+                except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is reported
+                    print("shrink", group, T, cfg, type(exc).__name__, exc, flush=True)
+                    continue
+                case.append(dict(group=group, tokens=T, adapters=T, a_mb=a_mb, us=us, max_abs_diff_vs_default=err,
+                                 default=not cfg, auto_split=auto, **cfg))
+            rows.extend(case)
+            default = next(r for r in case if r["default"])
+            best = min(case, key=lambda r: r["us"])
+            cfg_s = ", ".join(f"{k} {best[k]}" for k in ("block_k", "split_k", "num_stages", "num_warps") if k in best)
+            lines.append(f"| {group} | {T} | {a_mb:.1f} | {default['us']:.1f} us (split {auto}) | {best['us']:.1f} us | "
+                         f"{cfg_s or 'default'} | {a_mb * 1e3 / best['us']:.0f} |")
+            print(lines[-1], flush=True)
+            del pool, slices
+            torch.cuda.empty_cache()
+    with open(os.path.join(out_dir, "tune_decode_shrink.json"), "w") as f:
+        json.dump(dict(environment=environment(), rows=rows), f, indent=1)
+    with open(os.path.join(out_dir, "tune_decode_shrink.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--decode-expand", action="store_true", help="the decode expand sweep (module docstring)")
+    ap.add_argument("--decode-shrink", action="store_true", help="the decode shrink sweep (module docstring)")
     args = ap.parse_args()
+    if args.decode_shrink:
+        os.makedirs(args.out, exist_ok=True)
+        return decode_shrink(args.out)
     if args.decode_expand:
         os.makedirs(args.out, exist_ok=True)
         return decode_expand(args.out)

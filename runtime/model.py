@@ -67,26 +67,38 @@ LORA_SIDE_PRIORITY = 0
 #: SMs the base GEMMs leave free for the side stream's LoRA kernels (``DecoderModel.lora_side_sm_carveout``) in steps
 #: of at least ``LORA_SIDE_CARVEOUT_MIN_TOKENS`` tokens whose LoRA takes the side stream: those GEMMs go through
 #: cuBLASLt with its SM-count target lowered by that many (``gemm_sm_carveout``). 0: off, the GEMMs as before.
-LORA_SIDE_SM_CARVEOUT, LORA_SIDE_CARVEOUT_MIN_TOKENS = 0, 17
+#: H200, Llama-3-8B, rank 16 on all seven projections (bench/results/session17/): batch 64 on 64 adapters TPOT 10.78
+#: -> 10.38 ms with 32 (base 7.80: 1.38x -> 1.33x), batch 1 unchanged (4.99 ms, its steps are below the minimum);
+#: one layer at 64 tokens, LoRA adds 60.2 -> 55.4 us (16: 52.6), base layer 128.3 -> 121.6 us.
+LORA_SIDE_SM_CARVEOUT, LORA_SIDE_CARVEOUT_MIN_TOKENS = 32, 17
+
+
+#: Token counts ``(lo, hi)`` of the steps whose base GEMMs go through cuBLASLt instead of cuBLAS
+#: (``DecoderModel.gemm_cublaslt_tokens``); None: cuBLAS for all (torch's default). One Llama-3-8B layer's seven
+#: projections (H200, bench_lora_overlap, session 17): 118.6 vs 128.3 us at 64 tokens, 115.5 vs 122.3 at 32, equal at
+#: 1 and 128, 120.1 vs 118.1 at 8.
+GEMM_CUBLASLT_TOKENS: tuple[int, int] | None = None
 
 
 @contextlib.contextmanager
-def gemm_sm_carveout(sms: int):
-    """Within the block, torch's GEMMs on CUDA go through cuBLASLt and leave ``sms`` SMs out of their grid (torch's
-    ``preferred_blas_library("cublaslt")`` and private ``torch._C._set_sm_carveout_experimental``, which cuBLASLt's
-    ``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`` honours; cuBLAS ignores it), so kernels on another stream find idle SMs.
-    A CUDA graph captured inside keeps the GEMMs so chosen. Both settings are restored on exit. ``sms <= 0``: no
-    change."""
-    if sms <= 0:
+def gemm_sm_carveout(sms: int, cublaslt: bool = False):
+    """Within the block, torch's GEMMs on CUDA go through cuBLASLt (``cublaslt=True`` or ``sms > 0``: torch's
+    ``preferred_blas_library("cublaslt")``) and leave ``sms`` SMs out of their grid (torch's private
+    ``torch._C._set_sm_carveout_experimental``, which cuBLASLt's ``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET`` honours;
+    cuBLAS ignores it), so kernels on another stream find idle SMs. A CUDA graph captured inside keeps the GEMMs so
+    chosen. Both settings are restored on exit. ``sms <= 0`` and not ``cublaslt``: no change."""
+    if sms <= 0 and not cublaslt:
         yield
         return
     lib, carve = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
     torch.backends.cuda.preferred_blas_library("cublaslt")
-    torch._C._set_sm_carveout_experimental(sms)
+    if sms > 0:
+        torch._C._set_sm_carveout_experimental(sms)
     try:
         yield
     finally:
-        torch._C._set_sm_carveout_experimental(carve)
+        if sms > 0:
+            torch._C._set_sm_carveout_experimental(carve)
         torch.backends.cuda.preferred_blas_library(lib)
 
 
@@ -278,6 +290,9 @@ class DecoderModel:
         #: SMs the base GEMM leaves to the side stream's LoRA in steps of at least ``LORA_SIDE_CARVEOUT_MIN_TOKENS``
         #: tokens (``gemm_sm_carveout``; 0: off). Captured graphs bake it in, as ``lora_side_priority``.
         self.lora_side_sm_carveout = LORA_SIDE_SM_CARVEOUT
+        #: ``(lo, hi)``: steps of lo..hi tokens run their base GEMMs through cuBLASLt (``GEMM_CUBLASLT_TOKENS``); None:
+        #: cuBLAS. Captured graphs bake it in, as ``lora_side_priority``.
+        self.gemm_cublaslt_tokens = GEMM_CUBLASLT_TOKENS
         self._side: torch.cuda.Stream | None = None
         self._side_priority = 0  # the lora_side_priority that _side was made with
         self._pool_max_rank = 0
@@ -397,7 +412,9 @@ class DecoderModel:
                 delta.zero_()
                 lora_apply(delta, x, slices, plan.lora, backend=lora_backend)
         carve = self.lora_side_sm_carveout if side is not None and x.shape[0] >= LORA_SIDE_CARVEOUT_MIN_TOKENS else 0
-        with gemm_sm_carveout(carve):
+        lt = self.gemm_cublaslt_tokens is not None and x.device.type == "cuda" \
+            and self.gemm_cublaslt_tokens[0] <= x.shape[0] <= self.gemm_cublaslt_tokens[1]
+        with gemm_sm_carveout(carve, lt):
             if isinstance(w, Fp8Weight):
                 y = fp8_linear(x, w, b, method=self.fp8_method)
             else:
