@@ -15,6 +15,7 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     SMs to the LoRA kernels (``DecoderModel.lora_side_sm_carveout``; issue 12)
     multilora-lt, multilora-lora-lt  the first two with the base GEMMs of steps of 17-64 tokens through cuBLASLt
                     instead of cuBLAS (``DecoderModel.gemm_cublaslt_tokens = (17, 64)``; faster for one layer there)
+                    and no SM carve-out (``lora_side_sm_carveout = 0``): cuBLASLt alone
     multilora-fp8, multilora-fp8-lora   the same two with Engine(weight_dtype="fp8") (issue 16; not in the default
                     --providers: ask for them)
     hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
@@ -278,7 +279,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         prio = torch.cuda.Stream.priority_range()[1] if v.endswith("-hiprio") and torch.cuda.is_available() \
             else prio_default  # (lowest, highest): the highest
         loop = ((512, 1, 256, 2),) if v.endswith("-onetile") else loop_default
-        carve = a.carveout if v.endswith("-carve") else carve_default
+        carve = a.carveout if v.endswith("-carve") else 0 if v.endswith("-lt") else carve_default
         lt = (17, 64) if v.endswith("-lt") else lt_default
         m = engine.model
         if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,

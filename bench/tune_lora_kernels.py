@@ -106,8 +106,8 @@ def decode_shrink(out_dir: str) -> None:
             gen = torch.Generator().manual_seed(T)
             plans = [build_lora_plan(assign("distinct", T, T, gen) + k * T, device="cuda") for k in range(K)]
             xs = [torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
-            ref = ts.sgmv_shrink(xs[0], slices, plans[0]).sum(0)
-            auto = ts.sgmv_shrink(xs[0], slices, plans[0]).shape[0]
+            v0 = ts.sgmv_shrink(xs[0], slices, plans[0])  # the default configuration: its split and result
+            ref, auto = v0.sum(0), v0.shape[0]
             a_mb = T * 16 * d_in * len(d_outs) * 2 / 1e6
             configs = [dict(block_k=bk, split_k=sp, num_warps=nw, num_stages=ns)
                        for bk in (64, 128, 256) for sp in sorted({max(1, auto // 2), auto, auto * 2})
