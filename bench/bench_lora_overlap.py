@@ -168,6 +168,9 @@ def main(argv=None):
     ap.add_argument("--carveout", type=int, default=None, metavar="SMS",
                     help="leave SMS SMs out of the GEMMs' grid (torch._C._set_sm_carveout_experimental; honoured by "
                     "cuBLASLt paths only, so use with --blas cublaslt), for the side stream's LoRA kernels")
+    ap.add_argument("--shrink-warps", type=int, default=None, metavar="N",
+                    help="warps of the decode shrink from a rank <= 16 pool (triton_sgmv.DECODE_SHRINK_WARPS; 4 is "
+                    "what ran before session 18); the run's JSON gets a _shrink<N>w suffix")
     args = ap.parse_args(argv)
     from multilora.kernels import triton_sgmv
 
@@ -175,6 +178,9 @@ def main(argv=None):
     if args.expand_one_tile:
         triton_sgmv.DECODE_EXPAND_LOOP = ((512, 1, 256, 2),)
         tag += "_onetile"
+    if args.shrink_warps is not None:
+        triton_sgmv.DECODE_SHRINK_WARPS = args.shrink_warps
+        tag += f"_shrink{args.shrink_warps}w"
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
         tag += f"_{args.blas}"
@@ -190,6 +196,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     res = dict(environment=environment(), layer=[], sweep=[],
                settings=dict(decode_expand_loop=triton_sgmv.DECODE_EXPAND_LOOP,
+                             decode_shrink_warps=triton_sgmv.DECODE_SHRINK_WARPS,
                              blas=str(torch.backends.cuda.preferred_blas_library()),
                              sm_carveout=torch._C._get_sm_carveout_experimental()))
     cases = [(1, 1, 16, None), (8, 8, 16, None), (64, 64, 16, None), (256, 256, 16, None), (1, 1, 64, None),

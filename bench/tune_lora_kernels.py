@@ -1,4 +1,5 @@
-"""Tile sweep of the SGMV shrink and expand launchers, each timed alone (CUDA graph, median), bf16, r = 16.
+"""Tile sweep of the SGMV shrink and expand launchers, each timed alone (CUDA graph, median), bf16, r = 16
+(``--rank`` for the decode sweeps).
 
 Usage: python bench/tune_lora_kernels.py --out DIR      (writes tune.json; prints the best per scenario)
 The chosen defaults in kernels/triton_sgmv.py come from this sweep (bench/README.md has the outcome).
@@ -35,12 +36,23 @@ SCENARIOS = [  # group, tokens, distinct adapters, popularity
 ]
 
 
-def decode_expand(out_dir: str) -> None:
-    """The ``--decode-expand`` sweep (module docstring)."""
+def _write(out_dir: str, stem: str, env: dict, rows: list, lines: list) -> None:
+    """Writes ``stem``.json (environment and every timed row) and ``stem``.md (the summary table) under ``out_dir``."""
+    with open(os.path.join(out_dir, stem + ".json"), "w") as f:
+        json.dump(dict(environment=env, rows=rows), f, indent=1)
+    with open(os.path.join(out_dir, stem + ".md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def decode_expand(out_dir: str, rank: int = 16, tokens: tuple[int, ...] = (8, 64, 256)) -> None:
+    """The ``--decode-expand`` sweep (module docstring); writes ``tune_decode_expand[_r<rank>].json/.md`` (suffix for
+    ranks other than 16)."""
+    stem = "tune_decode_expand" + (f"_r{rank}" if rank != 16 else "")
     from bench_lora_kernels import GROUPS as G, LAYER_8B, environment
     from multilora.kernels import build_lora_plan
     from multilora.kernels import triton_sgmv as ts
 
+    env = environment()
     rows, lines = [], ["| group | tokens = adapters | MB of B | default | best | best config | best GB/s |",
                        "|---|---|---|---|---|---|---|"]
     configs = ([dict(tiles=1, block_n=bn, num_stages=ns, num_warps=4) for bn in (128, 256, 512) for ns in (2, 3)]
@@ -48,11 +60,14 @@ def decode_expand(out_dir: str) -> None:
                + [dict(tiles=t, block_n=bn, num_stages=ns, num_warps=4)
                   for t in (2, 4, 8) for bn in (128, 256) for ns in (2, 3, 4)]
                + [dict(tiles=t, block_n=256, num_stages=3, num_warps=8) for t in (2, 4, 8)])
+    if rank > 16:  # looped tiles are for rank <= 16 pools only (the launcher ignores ``tiles`` above): warps instead
+        configs = [dict(block_n=bn, num_stages=ns, num_warps=nw) for bn in (64, 128, 256, 512) for ns in (2, 3, 4)
+                   for nw in (1, 2, 4)]
     for group in LAYER_8B:
         d_in, d_outs = G[group]
-        for T in (8, 64, 256):
+        for T in tokens:
             K = max(1, min(8, 256 // T * 2))  # sets per graph: enough distinct B bytes to pass L2
-            pool, slices = synthetic_pool(d_in, d_outs, K * T, 16)
+            pool, slices = synthetic_pool(d_in, d_outs, K * T, rank)
             gen = torch.Generator().manual_seed(T)
             plans = [build_lora_plan(assign("distinct", T, T, gen) + k * T, device="cuda") for k in range(K)]
             xs = [torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
@@ -60,7 +75,7 @@ def decode_expand(out_dir: str) -> None:
             vs = [ts.sgmv_shrink(xs[k], slices, plans[k]) for k in range(K)]
             y0 = ys[0].clone()  # the timed calls add into ys: each configuration's check starts from this copy
             ref = ts.sgmv_expand(y0.clone(), vs[0], slices, plans[0])
-            b_mb = T * 16 * sum(d_outs) * 2 / 1e6
+            b_mb = T * rank * sum(d_outs) * 2 / 1e6
             case = []
             for cfg in [{}] + configs:
                 def fn():
@@ -82,33 +97,33 @@ def decode_expand(out_dir: str) -> None:
             lines.append(f"| {group} | {T} | {b_mb:.1f} | {default['us']:.1f} us | {best['us']:.1f} us | {cfg_s} | "
                          f"{b_mb * 1e3 / best['us']:.0f} |")
             print(lines[-1], flush=True)
+            _write(out_dir, stem, env, rows, lines)  # after each case: a timeout keeps the cases done
             del pool, slices
             torch.cuda.empty_cache()
-    with open(os.path.join(out_dir, "tune_decode_expand.json"), "w") as f:
-        json.dump(dict(environment=environment(), rows=rows), f, indent=1)
-    with open(os.path.join(out_dir, "tune_decode_expand.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
 
 
-def decode_shrink(out_dir: str) -> None:
-    """The ``--decode-shrink`` sweep (module docstring)."""
+def decode_shrink(out_dir: str, rank: int = 16, tokens: tuple[int, ...] = (8, 64, 256)) -> None:
+    """The ``--decode-shrink`` sweep (module docstring); writes ``tune_decode_shrink[_r<rank>].json/.md`` (suffix for
+    ranks other than 16)."""
+    stem = "tune_decode_shrink" + (f"_r{rank}" if rank != 16 else "")
     from bench_lora_kernels import GROUPS as G, LAYER_8B, environment
     from multilora.kernels import build_lora_plan
     from multilora.kernels import triton_sgmv as ts
 
+    env = environment()
     rows, lines = [], ["| group | tokens = adapters | MB of A | default | best | best config | best GB/s |",
                        "|---|---|---|---|---|---|---|"]
     for group in LAYER_8B:
         d_in, d_outs = G[group]
-        for T in (8, 64, 256):
+        for T in tokens:
             K = max(1, min(8, 256 // T * 2))  # sets per graph: enough distinct A bytes to pass L2
-            pool, slices = synthetic_pool(d_in, d_outs, K * T, 16)
+            pool, slices = synthetic_pool(d_in, d_outs, K * T, rank)
             gen = torch.Generator().manual_seed(T)
             plans = [build_lora_plan(assign("distinct", T, T, gen) + k * T, device="cuda") for k in range(K)]
             xs = [torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
             v0 = ts.sgmv_shrink(xs[0], slices, plans[0])  # the default configuration: its split and result
             ref, auto = v0.sum(0), v0.shape[0]
-            a_mb = T * 16 * d_in * len(d_outs) * 2 / 1e6
+            a_mb = T * rank * d_in * len(d_outs) * 2 / 1e6
             configs = [dict(block_k=bk, split_k=sp, num_warps=nw, num_stages=ns)
                        for bk in (64, 128, 256) for sp in sorted({max(1, auto // 2), auto, auto * 2})
                        for nw in (2, 4) for ns in (2, 3, 4) if sp * bk <= d_in]
@@ -134,12 +149,9 @@ def decode_shrink(out_dir: str) -> None:
             lines.append(f"| {group} | {T} | {a_mb:.1f} | {default['us']:.1f} us (split {auto}) | {best['us']:.1f} us | "
                          f"{cfg_s or 'default'} | {a_mb * 1e3 / best['us']:.0f} |")
             print(lines[-1], flush=True)
+            _write(out_dir, stem, env, rows, lines)  # after each case: a timeout keeps the cases done
             del pool, slices
             torch.cuda.empty_cache()
-    with open(os.path.join(out_dir, "tune_decode_shrink.json"), "w") as f:
-        json.dump(dict(environment=environment(), rows=rows), f, indent=1)
-    with open(os.path.join(out_dir, "tune_decode_shrink.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
 
 
 def main():
@@ -147,13 +159,17 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--decode-expand", action="store_true", help="the decode expand sweep (module docstring)")
     ap.add_argument("--decode-shrink", action="store_true", help="the decode shrink sweep (module docstring)")
+    ap.add_argument("--rank", type=int, default=16, help="adapter rank of the decode sweeps (default 16)")
+    ap.add_argument("--tokens", default="8,64,256",
+                    help="comma-separated token counts of the decode sweeps, each token its own adapter")
     args = ap.parse_args()
+    tokens = tuple(int(t) for t in args.tokens.split(","))
     if args.decode_shrink:
         os.makedirs(args.out, exist_ok=True)
-        return decode_shrink(args.out)
+        return decode_shrink(args.out, args.rank, tokens)
     if args.decode_expand:
         os.makedirs(args.out, exist_ok=True)
-        return decode_expand(args.out)
+        return decode_expand(args.out, args.rank, tokens)
     from multilora.kernels import build_lora_plan
     from multilora.kernels import triton_sgmv as ts
 

@@ -303,6 +303,14 @@ WIDE_RANK, WIDE_RANK_MAX_TOKENS = 64, 16
 DECODE_EXPAND_LOOP: tuple[tuple[int, int, int, int], ...] = ((16, 2, 256, 4), (512, 4, 128, 3))
 
 
+#: Warps of a decode shrink program from a pool of rank <= 16 (``plan.block_m <= 16``; others take 4). H200 sweep,
+#: each token its own adapter, the four fused projections of a Llama-3-8B layer, 8 / 64 / 256 tokens
+#: (``python bench/tune_lora_kernels.py --decode-shrink``; bench/results/session18/): the default block_k and split
+#: with 2 warps instead of 4 is within 3% of each case's best of 55 configurations (geometric mean; 4 warps 17%
+#: above), summed shrink time at 64 tokens 40.7 -> 35.6 us.
+DECODE_SHRINK_WARPS = 2
+
+
 def decode_expand_tiles(T: int) -> tuple[int, int | None, int | None]:
     """``(tiles, block_n, num_stages)`` of ``DECODE_EXPAND_LOOP``'s row for a decode step of ``T`` tokens (a pool of
     rank <= 16, on a GPU); ``(1, None, None)`` (the launcher's defaults) past its last row."""
@@ -361,9 +369,11 @@ def _check_rows(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
 
 
 def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int | None = None,
-            split_k: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+            split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     T, d_in = x.shape
     S, rmax = slices.num_slices, slices.max_rank_rows
+    if num_warps is None:
+        num_warps = DECODE_SHRINK_WARPS if x.device.type == "cuda" and plan.block_m <= 16 and rmax <= 16 else 4
     chunks = num_chunks(plan, slices)
     if block_k is None:
         # measured on an H200 (bench/tune_lora_kernels.py): 128 for decode-sized batches, 256 for prefill
@@ -415,7 +425,8 @@ def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan
 
 
 def sgmv_shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int | None = None,
-                split_k: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+                split_k: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None) -> torch.Tensor:
     """Shrink: ``v[sp, i, t, :r] = partial (over K split sp) of x[t] @ A_i[slot[t]].T``.
 
     Args:
