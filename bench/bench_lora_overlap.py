@@ -169,8 +169,11 @@ def main(argv=None):
                     help="leave SMS SMs out of the GEMMs' grid (torch._C._set_sm_carveout_experimental; honoured by "
                     "cuBLASLt paths only, so use with --blas cublaslt), for the side stream's LoRA kernels")
     ap.add_argument("--shrink-warps", type=int, default=None, metavar="N",
-                    help="warps of the decode shrink from a rank <= 16 pool (triton_sgmv.DECODE_SHRINK_WARPS; 4 is "
-                    "what ran before session 18); the run's JSON gets a _shrink<N>w suffix")
+                    help="warps of the decode shrink outside the wide-rank regime (triton_sgmv.DECODE_SHRINK_WARPS; 4 "
+                    "is what ran before session 18); the run's JSON gets a _shrink<N>w suffix")
+    ap.add_argument("--old-rank-tiles", action="store_true",
+                    help="decode expand from a rank > 16 pool as before session 18 (triton_sgmv.DECODE_EXPAND_RANK_TILES"
+                    " = None: 256-wide tiles, 2 warps up to 16 tokens, 4 above); the run's JSON gets _oldranktiles")
     args = ap.parse_args(argv)
     from multilora.kernels import triton_sgmv
 
@@ -181,6 +184,9 @@ def main(argv=None):
     if args.shrink_warps is not None:
         triton_sgmv.DECODE_SHRINK_WARPS = args.shrink_warps
         tag += f"_shrink{args.shrink_warps}w"
+    if args.old_rank_tiles:
+        triton_sgmv.DECODE_EXPAND_RANK_TILES = None
+        tag += "_oldranktiles"
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
         tag += f"_{args.blas}"
@@ -197,6 +203,7 @@ def main(argv=None):
     res = dict(environment=environment(), layer=[], sweep=[],
                settings=dict(decode_expand_loop=triton_sgmv.DECODE_EXPAND_LOOP,
                              decode_shrink_warps=triton_sgmv.DECODE_SHRINK_WARPS,
+                             decode_expand_rank_tiles=triton_sgmv.DECODE_EXPAND_RANK_TILES,
                              blas=str(torch.backends.cuda.preferred_blas_library()),
                              sm_carveout=torch._C._get_sm_carveout_experimental()))
     cases = [(1, 1, 16, None), (8, 8, 16, None), (64, 64, 16, None), (256, 256, 16, None), (1, 1, 64, None),

@@ -303,12 +303,22 @@ WIDE_RANK, WIDE_RANK_MAX_TOKENS = 64, 16
 DECODE_EXPAND_LOOP: tuple[tuple[int, int, int, int], ...] = ((16, 2, 256, 4), (512, 4, 128, 3))
 
 
-#: Warps of a decode shrink program from a pool of rank <= 16 (``plan.block_m <= 16``; others take 4). H200 sweep,
-#: each token its own adapter, the four fused projections of a Llama-3-8B layer, 8 / 64 / 256 tokens
-#: (``python bench/tune_lora_kernels.py --decode-shrink``; bench/results/session18/): the default block_k and split
-#: with 2 warps instead of 4 is within 3% of each case's best of 55 configurations (geometric mean; 4 warps 17%
-#: above), summed shrink time at 64 tokens 40.7 -> 35.6 us.
+#: Warps of a decode shrink program (``plan.block_m <= 16``) outside the wide-rank regime (``_wide``: that one keeps
+#: 4; prefill takes 4). H200 sweeps, each token its own adapter, the four fused projections of a Llama-3-8B layer
+#: (``python bench/tune_lora_kernels.py --decode-shrink [--rank 64 --tokens 1,8,64]``; bench/results/session18/):
+#: rank 16 at 8 / 64 / 256 tokens, the default block_k and split with 2 warps instead of 4 is within 3% of each
+#: case's best of 55 configurations (geometric mean; 4 warps 17% above), summed at 64 tokens 40.7 -> 35.6 us; rank 64
+#: at 64 tokens 123.0 -> 99.4 us (within 0.4% of the best). At rank 64 and 1-8 tokens 2 warps gain nothing at the
+#: wide regime's split (16); the best there splits K 32 ways (67 -> 53 us) but costs the expand more partials
+#: (not measured together yet).
 DECODE_SHRINK_WARPS = 2
+
+#: ``(block_n, num_warps)`` of the decode expand (``plan.block_m <= 16``) from a pool of rank > 16 (rank <= 16
+#: pools take ``DECODE_EXPAND_LOOP``'s looped tiles). H200 sweep at rank 64 (``--decode-expand --rank 64 --tokens
+#: 1,8,64``; bench/results/session18/): summed over q/k/v, o, gate/up, 76.5 -> 60.7 us at 1 and 8 tokens against
+#: 256-wide 2-warp programs, and q/k/v + o 61.0 -> 38.8 us at 64 tokens against 256-wide 4-warp ones (o alone
+#: 41.1 -> 19.3). ``None``: the launcher's older defaults (what ran before session 18).
+DECODE_EXPAND_RANK_TILES: tuple[int, int] | None = (128, 2)
 
 
 def decode_expand_tiles(T: int) -> tuple[int, int | None, int | None]:
@@ -373,7 +383,8 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
     T, d_in = x.shape
     S, rmax = slices.num_slices, slices.max_rank_rows
     if num_warps is None:
-        num_warps = DECODE_SHRINK_WARPS if x.device.type == "cuda" and plan.block_m <= 16 and rmax <= 16 else 4
+        decode = x.device.type == "cuda" and plan.block_m <= 16 and not _wide(T, rmax)
+        num_warps = DECODE_SHRINK_WARPS if decode else 4
     chunks = num_chunks(plan, slices)
     if block_k is None:
         # measured on an H200 (bench/tune_lora_kernels.py): 128 for decode-sized batches, 256 for prefill
@@ -396,9 +407,12 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
 def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_n: int | None = None,
             num_warps: int | None = None, num_stages: int | None = None, tiles: int | None = None) -> torch.Tensor:
     split, S, T, rmax = v.shape
+    loop = plan.block_m <= 16 and rmax <= 16  # the looped tiles: decode chunks of a rank-16 pool (one v tile)
+    if y.device.type == "cuda" and plan.block_m <= 16 and rmax > 16 and DECODE_EXPAND_RANK_TILES is not None:
+        block_n = block_n or DECODE_EXPAND_RANK_TILES[0]
+        num_warps = num_warps or DECODE_EXPAND_RANK_TILES[1]
     if num_warps is None:
         num_warps = 2 if y.device.type == "cuda" and _wide(T, rmax) else 4
-    loop = plan.block_m <= 16 and rmax <= 16  # the looped tiles: decode chunks of a rank-16 pool (one v tile)
     if tiles is None and loop and y.device.type == "cuda":
         tiles, bn, stages = decode_expand_tiles(T)
         block_n = block_n or bn
