@@ -11,6 +11,9 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     (``DecoderModel.lora_side_priority``), so its programs start before the GEMM's pending ones
     multilora-lora-onetile  the same engine and adapters with the decode expand as before session 16: one 256-wide
                     output tile per program (``kernels.triton_sgmv.DECODE_EXPAND_LOOP = ((512, 1, 256, 2),)``)
+    multilora-lora-s17tiles  the same engine and adapters with the decode LoRA tiles as before session 18: 4-warp
+                    shrink programs, the rank > 16 expand's older tiles (``triton_sgmv.DECODE_SHRINK_WARPS = 4``,
+                    ``DECODE_EXPAND_RANK_TILES = None``)
     multilora-lora-carve  the same engine and adapters with the base GEMMs of side-stream steps leaving ``--carveout``
                     SMs to the LoRA kernels (``DecoderModel.lora_side_sm_carveout``; issue 12)
     multilora-lt, multilora-lora-lt  the first two with the base GEMMs of steps of 17-64 tokens through cuBLASLt
@@ -75,8 +78,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-fp8", "multilora-fp8-lora", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-fp8", "multilora-fp8-lora", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -269,6 +272,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     from multilora.kernels import triton_sgmv
 
     loop_default = triton_sgmv.DECODE_EXPAND_LOOP
+    tiles_default = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
     carve_default = engine.model.lora_side_sm_carveout if engine is not None else 0
     lt_default = engine.model.gemm_cublaslt_tokens if engine is not None else None
     for v in variants:
@@ -281,12 +285,15 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         loop = ((512, 1, 256, 2),) if v.endswith("-onetile") else loop_default
         carve = a.carveout if v.endswith("-carve") else 0 if v.endswith("-lt") else carve_default
         lt = (17, 64) if v.endswith("-lt") else lt_default
+        tiles = (4, None) if v.endswith("-s17tiles") else tiles_default
         m = engine.model
+        now = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
         if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
-                m.gemm_cublaslt_tokens) != (side, prio, loop, carve, lt):
-            m.lora_side_max_tokens = side  # captured graphs bake all five in: capture again
+                m.gemm_cublaslt_tokens, now) != (side, prio, loop, carve, lt, tiles):
+            m.lora_side_max_tokens = side  # captured graphs bake all six in: capture again
             m.lora_side_priority = prio
             triton_sgmv.DECODE_EXPAND_LOOP = loop
+            triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES = tiles
             m.lora_side_sm_carveout = carve
             m.gemm_cublaslt_tokens = lt
             if engine.graphs is not None:
@@ -294,12 +301,15 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
                 warm_up_engine(engine, run.prompts, names)
         row_info = {**info, "lora_side_stream_max_tokens": m.lora_side_limit(),
                     "lora_side_priority": m.lora_side_priority, "decode_expand_loop": triton_sgmv.DECODE_EXPAND_LOOP,
-                    "lora_side_sm_carveout": m.lora_side_sm_carveout, "gemm_cublaslt_tokens": m.gemm_cublaslt_tokens}
+                    "lora_side_sm_carveout": m.lora_side_sm_carveout, "gemm_cublaslt_tokens": m.gemm_cublaslt_tokens,
+                    "decode_shrink_warps": triton_sgmv.DECODE_SHRINK_WARPS,
+                    "decode_expand_rank_tiles": triton_sgmv.DECODE_EXPAND_RANK_TILES}
         for b in batches:
             adapters = names[:b] if "-lora" in v else None
             run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
                                                                                                adapters, ri))
     triton_sgmv.DECODE_EXPAND_LOOP = loop_default
+    triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES = tiles_default
     engine = None  # free it before the caller goes on (in-process runs)
     free_memory()
     if run.device.type == "cuda":  # the engine capped this process's allocator from its memory plan
@@ -573,7 +583,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                 f"decode tokens/s {lo['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.3g}x" if x else "a row is missing"))
     base_rows = {b: ok.get(("multilora", b)) for b in (1, TARGET_BATCH)}
     for v in ("multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile",
-              "multilora-lora-carve", "multilora-lora-lt"):  # issue 12: adapters over base
+              "multilora-lora-s17tiles", "multilora-lora-carve", "multilora-lora-lt"):  # issue 12: adapters over base
         for b, what, key, need in ((1, "TPOT", "tpot_ms", 1.05), (TARGET_BATCH, "TPOT", "tpot_ms", 1.30),
                                    (TARGET_BATCH, "TTFT", "ttft_s", 1.10)):
             lo, hi = base_rows.get(b), ok.get((v, b))
