@@ -15,6 +15,10 @@ captured in one CUDA graph, in these schedules (``--schedules`` picks some):
 
 and, for rank 64 at few tokens, a tile sweep of the shrink's split-K and the expand's ``block_n`` / warps.
 
+A case "T tokens / n adapters" gives each token its own adapter (``--popularity distinct``, as the engine benchmark's
+requests); before session 18 each token's adapter was drawn uniformly from the n, so about 63% of them were touched
+(the layer figures of sessions 15-18 in bench/README.md are of such draws).
+
 Usage: python bench/bench_lora_overlap.py --out bench/results/overlap      (~2 min on an H200)
 """
 
@@ -33,7 +37,7 @@ sys.path.insert(0, HERE)
 from bench_lora_kernels import GROUPS, LAYER_8B, assign, environment, synthetic_pool, time_ms  # noqa: E402
 
 
-def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None):
+def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None, popularity="distinct"):
     from multilora.kernels import build_lora_plan
     from multilora.kernels.triton_sgmv import _expand, _shrink
 
@@ -47,7 +51,8 @@ def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None):
         ys = [torch.empty(T, sum(d_outs), device="cuda", dtype=torch.bfloat16) for _ in range(K)]
         ds = [torch.empty(T, sum(d_outs), device="cuda", dtype=torch.bfloat16) for _ in range(K)]
         parts.append((pool, slices, ws, xs, ys, ds))
-    plans = [build_lora_plan(assign("uniform", T, n, gen) + k * n, device="cuda") for k in range(K)]
+    slots = [assign(popularity, T, n, gen) + k * n for k in range(K)]
+    plans = [build_lora_plan(s, device="cuda") for s in slots]
     side = torch.cuda.Stream()
     side_hi = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])  # (lowest, highest)
 
@@ -92,6 +97,7 @@ def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None):
     side_all(add=True)
     err = max(float((p[4][0].float() - r.float()).abs().max() / r.float().abs().max()) for p, r in zip(parts, ref))
     row = dict(tokens=T, adapters=n, rank=rank, pool_max_rank=pool_rank or rank, sets_per_call=K,
+               popularity=popularity, distinct_adapters=int(torch.unique(slots[0]).numel()),
                side_all_add_vs_serial_max_rel=err)
     fns = {"base": base, "serial": serial, "side_shrink": side_shrink, "side_all": side_all,
            "side_all_add": lambda: side_all(True), "side_all_hi": lambda: side_all(stream=side_hi)}
@@ -168,12 +174,16 @@ def main(argv=None):
     ap.add_argument("--carveout", type=int, default=None, metavar="SMS",
                     help="leave SMS SMs out of the GEMMs' grid (torch._C._set_sm_carveout_experimental; honoured by "
                     "cuBLASLt paths only, so use with --blas cublaslt), for the side stream's LoRA kernels")
+    ap.add_argument("--popularity", default="distinct", choices=("distinct", "uniform"),
+                    help="each token's adapter in the layer cases: distinct (T tokens on T adapters: each its own, "
+                    "the default since session 18) or uniform (drawn uniformly from the n: about 63%% of them "
+                    "distinct when n = T; what ran before session 18); the run's JSON gets _uniform for it")
     ap.add_argument("--shrink-warps", type=int, default=None, metavar="N",
                     help="warps of the decode shrink outside the wide-rank regime (triton_sgmv.DECODE_SHRINK_WARPS; 4 "
                     "is what ran before session 18); the run's JSON gets a _shrink<N>w suffix")
     ap.add_argument("--old-rank-tiles", action="store_true",
-                    help="decode expand from a rank > 16 pool as before session 18 (triton_sgmv.DECODE_EXPAND_RANK_TILES"
-                    " = None: 256-wide tiles, 2 warps up to 16 tokens, 4 above); the run's JSON gets _oldranktiles")
+                    help="decode expand from a rank > 16 pool as before session 18 (DECODE_EXPAND_RANK_TILES = None: "
+                    "256-wide tiles, 2 warps up to 16 tokens, 4 above); the run's JSON gets _oldranktiles")
     args = ap.parse_args(argv)
     from multilora.kernels import triton_sgmv
 
@@ -181,6 +191,8 @@ def main(argv=None):
     if args.expand_one_tile:
         triton_sgmv.DECODE_EXPAND_LOOP = ((512, 1, 256, 2),)
         tag += "_onetile"
+    if args.popularity != "distinct":
+        tag += f"_{args.popularity}"
     if args.shrink_warps is not None:
         triton_sgmv.DECODE_SHRINK_WARPS = args.shrink_warps
         tag += f"_shrink{args.shrink_warps}w"
@@ -218,9 +230,10 @@ def main(argv=None):
         cases = [c for c in cases if c[0] in want] + [(t, t, 16, None) for t in want if t not in [c[0] for c in cases]]
         tag += "_t" + "-".join(map(str, want))
     for T, n, rank, pool_rank in cases:
-        row = layer_case(T, n, rank, pool_rank=pool_rank, schedules=schedules)
+        row = layer_case(T, n, rank, pool_rank=pool_rank, schedules=schedules, popularity=args.popularity)
         res["layer"].append(row)
-        print(f"layer T={T:4d} n={n:4d} r={rank:3d} pool r={row['pool_max_rank']}: base {row['base_us']:.1f} us; "
+        print(f"layer T={T:4d} n={n:4d} ({row['distinct_adapters']} distinct) r={rank:3d} "
+              f"pool r={row['pool_max_rank']}: base {row['base_us']:.1f} us; "
               "LoRA adds " + ", ".join(f"{k[:-9]} {v:.1f}" for k, v in row.items() if k.endswith("_added_us"))
               + f" us (err {row['side_all_add_vs_serial_max_rel']:.1e})", flush=True)
     if not args.no_sweep:
