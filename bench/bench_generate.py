@@ -24,7 +24,10 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
     hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
     peft            peft's mixed-batch generate (adapter_names=) with the same adapter files as multilora-lora
 
-Each (provider, batch) row runs the batch three times: 2 output tokens (untimed warm-up), 1 output token (TTFT:
+With ``--rounds N`` the multilora providers run N times (every other round in reverse order, so none is always the
+first after warm-up; rows carry ``round``) and the table, targets and plot take each (provider, batch)'s median: use
+it for A/B decisions, single rows differ by ~5% on an H200 (session 18). Each (provider, batch) row runs the batch
+three times: 2 output tokens (untimed warm-up), 1 output token (TTFT:
 prefill and the first token) and gen tokens (T_total). TPOT = (T_total - TTFT) / (gen - 1); output tokens/s =
 batch * gen / T_total; decode tokens/s = batch / TPOT. Achieved bandwidth = bytes one decode step must read / TPOT:
 the weights (less the input embedding table, of which a step reads `batch` rows) + the KV of the mean decode
@@ -275,9 +278,12 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     tiles_default = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
     carve_default = engine.model.lora_side_sm_carveout if engine is not None else 0
     lt_default = engine.model.gemm_cublaslt_tokens if engine is not None else None
-    for v in variants:
+    # --rounds: the variant list again, every other round in reverse, so each variant runs early and late
+    schedule = [(rnd, v) for rnd in range(a.rounds) for v in (variants if rnd % 2 == 0 else variants[::-1])]
+    for rnd, v in schedule:
         if v in failed:
-            run.skip(v, batches, a.gen, failed[v], status="error")
+            if rnd == 0:
+                run.skip(v, batches, a.gen, failed[v], status="error")
             continue
         side = 0 if v.endswith("-inplace") else side_default
         prio = torch.cuda.Stream.priority_range()[1] if v.endswith("-hiprio") and torch.cuda.is_available() \
@@ -299,7 +305,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             if engine.graphs is not None:
                 engine.runner.reset_graphs()  # decode and piecewise
                 warm_up_engine(engine, run.prompts, names)
-        row_info = {**info, "lora_side_stream_max_tokens": m.lora_side_limit(),
+        row_info = {**info, "round": rnd, "lora_side_stream_max_tokens": m.lora_side_limit(),
                     "lora_side_priority": m.lora_side_priority, "decode_expand_loop": triton_sgmv.DECODE_EXPAND_LOOP,
                     "lora_side_sm_carveout": m.lora_side_sm_carveout, "gemm_cublaslt_tokens": m.gemm_cublaslt_tokens,
                     "decode_shrink_warps": triton_sgmv.DECODE_SHRINK_WARPS,
@@ -555,6 +561,36 @@ def bench_peft(run: Run, model, batches: list[int], weight_bytes: int, dirs: lis
 
 
 # ---------------------------------------------------------------------------------------- reporting
+#: Row fields that ``merge_rounds`` replaces by their median over a (provider, batch)'s rounds.
+ROUND_MEDIAN_KEYS = ("ttft_s", "total_s", "tpot_ms", "output_tokens_per_s", "decode_tokens_per_s", "achieved_gbps",
+                     "frac_of_copy", "weights_frac_of_copy", "output_tokens_per_s_projected", "engine_loop_ttft_s",
+                     "engine_loop_total_s", "row_wall_s")
+
+
+def merge_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (provider, batch), in first-seen order: where several rounds ran ok (``--rounds``), the first
+    ok row with ``ROUND_MEDIAN_KEYS`` replaced by their medians (``statistics.median``: the mean of the middle two for
+    an even count), ``rounds`` = how many, and ``tpot_ms_rounds`` / ``ttft_s_rounds`` = each round's value in order;
+    a key with no ok row keeps its first row (skipped or error)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r.get("provider"), r.get("batch")), []).append(r)
+    out = []
+    for rs in groups.values():
+        ok = [r for r in rs if r.get("status") == "ok"]
+        if len(ok) < 2:
+            out.append(ok[0] if ok else rs[0])
+            continue
+        m = {**ok[0], "rounds": len(ok), "tpot_ms_rounds": [r.get("tpot_ms") for r in ok],
+             "ttft_s_rounds": [r.get("ttft_s") for r in ok]}
+        m.pop("round", None)
+        for k in ROUND_MEDIAN_KEYS:
+            vals = [r[k] for r in ok if r.get(k) is not None]
+            m[k] = statistics.median(vals) if vals else None
+        out.append(m)
+    return out
+
+
 def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
     """(target, met / missed / not measured, the numbers) for the issue's three targets."""
     ok = {(r["provider"], r["batch"]): r for r in rows if r.get("status") == "ok"}
@@ -613,8 +649,11 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
+    """The table (one row per (provider, batch): ``merge_rounds``) and the targets, as markdown."""
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
+
+    rows = merge_rounds(rows)
 
     head = (f"{meta['shape']} ({meta['dtype']}), {meta['device']}, torch {meta['torch']}, transformers "
             f"{meta['transformers']}, peft {meta['peft']}; prompt {meta['prompt_len']}, rank {meta['rank']}; "
@@ -622,13 +661,21 @@ def markdown(rows: list[dict], meta: dict) -> str:
     cols = ("provider", "batch", "gen", "TTFT s", "TPOT ms", "output tok/s", "decode tok/s", "GB/s", "% of copy",
             "weights % of copy", "status")
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+    def tpot(r):  # with rounds: the median, then (each round's in order)
+        got = [v for v in r.get("tpot_ms_rounds") or [] if v is not None]
+        return f(r.get("tpot_ms"), ".2f") + (f" ({' / '.join(format(v, '.2f') for v in got)})" if len(got) > 1 else "")
+
+    if any(r.get("rounds") for r in rows):
+        head += "; with --rounds: medians over the rounds, TPOT's per round in brackets"
+        lines[0] = head
     for r in rows:
         why = r.get("error") or r.get("note")
         status = f"{r['status']}: {why[:100]}" if why else r["status"]
         frac = r.get("frac_of_copy")
         wfrac = r.get("weights_frac_of_copy")
         lines.append(f"| {r['provider']} | {r['batch']} | {r['gen']} | {f(r.get('ttft_s'), '.3f')} | "
-                     f"{f(r.get('tpot_ms'), '.2f')} | {f(r.get('output_tokens_per_s'), '.1f')} | "
+                     f"{tpot(r)} | {f(r.get('output_tokens_per_s'), '.1f')} | "
                      f"{f(r.get('decode_tokens_per_s'), '.1f')} | {f(r.get('achieved_gbps'), '.4g')} | "
                      f"{f(frac and 100 * frac, '.1f')} | {f(wfrac and 100 * wfrac, '.1f')} | {status} |")
     lines += ["", "| target | result | numbers |", "|---|---|---|"]
@@ -646,6 +693,7 @@ def plot(rows: list[dict], meta: dict, path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot", flush=True)
         return
+    rows = merge_rounds(rows)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     panels = (("output_tokens_per_s", "output tokens/s (batch x gen / T_total)", True),
               ("decode_tokens_per_s", "decode tokens/s (batch / TPOT)", True),
@@ -711,6 +759,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--time-budget", type=float, default=480.0,
                     help="seconds from start after which no row starts (recorded as skipped)")
     ap.add_argument("--repeats", type=int, default=1, help="timed (TTFT, T_total) pairs per row; medians are reported")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the multilora group's providers this many times, every other round in reverse order "
+                         "(rows carry 'round'); the table, targets and plot take each (provider, batch)'s median "
+                         "(row-to-row noise on an H200 is ~5%%, and the first variant after warm-up runs slower)")
     ap.add_argument("--seed", type=int, default=0, help="prompt token ids")
     ap.add_argument("--carveout", type=int, default=32, metavar="SMS",
                     help="multilora-lora-carve: SMs the base GEMMs of side-stream steps leave to the LoRA kernels")
@@ -733,8 +785,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--providers: unknown {bad}; expected any of {list(PROVIDERS)}")
     if args.gen < 2 or args.peft_gen < 2:
         ap.error(f"--gen and --peft-gen must be >= 2 (TPOT needs a decode step), got {args.gen}, {args.peft_gen}")
-    if min(args.batches) < 1 or args.prompt_len < 1 or args.rank < 1 or args.repeats < 1:
-        ap.error("--batches, --prompt-len, --rank and --repeats must be >= 1")
+    if min(args.batches) < 1 or args.prompt_len < 1 or args.rank < 1 or args.repeats < 1 or args.rounds < 1:
+        ap.error(f"--batches, --prompt-len, --rank, --repeats and --rounds must be >= 1, got {args.batches}, "
+                 f"{args.prompt_len}, {args.rank}, {args.repeats}, {args.rounds}")
     return args
 
 

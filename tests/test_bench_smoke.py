@@ -180,17 +180,7 @@ def test_serving_bench_unified_pool_rows(tmp_path):
 
 def test_serving_bench_slo_share():
     """``slo_share`` by hand: TTFT from the scheduled arrival, TPOT over the tokens after the first, failures miss."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "bench" / "bench_serving.py")
-    bs = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = bs  # dataclasses look their module up there
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec.loader.exec_module(bs)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-        sys.modules.pop("bench_serving", None)
+    bs = _load_bench("bench_serving")
     R = bs.Result
     results = [R(0.0, first=0.5, end=1.5, tokens=11),   # TTFT 0.5, TPOT 0.1: in
                R(1.0, first=2.1, end=2.2, tokens=2),    # TTFT 1.1: out
@@ -265,3 +255,62 @@ def test_serving_bench_engine_warmup_flag(tmp_path):
     assert int(line.split("Engine.warmup: ")[1].split(" requests")[0]) > 10
     rows = json.loads((out / "serving_tiny.json").read_text())["rows"]
     assert len(rows) == 1 and rows[0]["failed"] == 0 and rows[0]["requests"] == 6
+
+
+def _load_bench(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up there
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+        sys.modules.pop(name, None)
+    return mod
+
+
+def test_generate_merge_rounds_by_hand():
+    """``merge_rounds``: medians over the ok rounds of each (provider, batch), first-seen order, per-round TPOTs
+    kept in round order, a lone row or a key with no ok row passed through."""
+    bg = _load_bench("bench_generate")
+    rows = [dict(provider="a", batch=1, status="ok", round=0, tpot_ms=5.0, ttft_s=0.1, note="x"),
+            dict(provider="b", batch=1, status="skipped", error="budget"),
+            dict(provider="a", batch=1, status="ok", round=1, tpot_ms=7.0, ttft_s=0.3),
+            dict(provider="c", batch=64, status="ok", round=0, tpot_ms=10.0, ttft_s=None),
+            dict(provider="a", batch=1, status="error", round=2, error="boom"),
+            dict(provider="a", batch=1, status="ok", round=3, tpot_ms=6.5, ttft_s=0.2),
+            dict(provider="b", batch=1, status="skipped", error="budget again")]
+    out = bg.merge_rounds(rows)
+    assert [(r["provider"], r["batch"]) for r in out] == [("a", 1), ("b", 1), ("c", 64)]
+    a, b, c = out
+    assert a["tpot_ms"] == 6.5 and a["ttft_s"] == 0.2 and a["rounds"] == 3  # medians of (5, 7, 6.5), (0.1, 0.3, 0.2)
+    assert a["tpot_ms_rounds"] == [5.0, 7.0, 6.5] and "round" not in a and a["note"] == "x"
+    assert b == rows[1] and c == rows[3]
+    two = bg.merge_rounds(rows[:3])
+    assert two[0]["tpot_ms"] == 6.0  # an even count: the mean of the middle two
+
+
+def test_generate_bench_rounds(tmp_path):
+    """--rounds 2: each multilora provider runs twice, the second round in reverse order; the table shows the
+    median TPOT and each round's."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_generate.py"), "--shape", "tiny", "--batches", "1",
+           "--prompt-len", "8", "--gen", "3", "--dtype", "float32", "--device", "cpu", "--providers",
+           "multilora,multilora-lora", "--rounds", "2", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out),
+           "--in-process"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    rows = json.loads((out / "generate_tiny.json").read_text())
+    assert [(r["provider"], r["round"]) for r in rows] == [("multilora", 0), ("multilora-lora", 0),
+                                                           ("multilora-lora", 1), ("multilora", 1)]
+    assert all(r["status"] == "ok" and r["tpot_ms"] > 0 for r in rows)
+    md = (out / "generate_tiny.md").read_text()
+    for prov in ("multilora", "multilora-lora"):
+        t = [r["tpot_ms"] for r in rows if r["provider"] == prov]
+        cell = f"| {prov} | 1 | 3 | "
+        line = next(ln for ln in md.splitlines() if ln.startswith(cell))
+        assert f"| {(t[0] + t[1]) / 2:.2f} ({t[0]:.2f} / {t[1]:.2f}) |" in line, (line, t)
