@@ -181,6 +181,9 @@ def main(argv=None):
     ap.add_argument("--shrink-warps", type=int, default=None, metavar="N",
                     help="warps of the decode shrink outside the wide-rank regime (triton_sgmv.DECODE_SHRINK_WARPS; 4 "
                     "is what ran before session 18); the run's JSON gets a _shrink<N>w suffix")
+    ap.add_argument("--wide-shrink", default=None, metavar="SPLIT,BLOCK_K",
+                    help="the wide-rank regime's shrink (triton_sgmv.WIDE_SHRINK: cap on the K split, block_k; default "
+                    "16 and the launcher's 128), e.g. 32,64; the run's JSON gets _wshrink<SPLIT>x<BLOCK_K>")
     ap.add_argument("--old-rank-tiles", action="store_true",
                     help="decode expand from a rank > 16 pool as before session 18 (DECODE_EXPAND_RANK_TILES = None: "
                     "256-wide tiles, 2 warps up to 16 tokens, 4 above); the run's JSON gets _oldranktiles")
@@ -196,6 +199,13 @@ def main(argv=None):
     if args.shrink_warps is not None:
         triton_sgmv.DECODE_SHRINK_WARPS = args.shrink_warps
         tag += f"_shrink{args.shrink_warps}w"
+    if args.wide_shrink:
+        try:
+            split, block_k = (int(v) for v in args.wide_shrink.split(","))
+        except ValueError:
+            ap.error(f"--wide-shrink: expected SPLIT,BLOCK_K (two ints), got {args.wide_shrink!r}")
+        triton_sgmv.WIDE_SHRINK = (split, block_k)
+        tag += f"_wshrink{split}x{block_k}"
     if args.old_rank_tiles:
         triton_sgmv.DECODE_EXPAND_RANK_TILES = None
         tag += "_oldranktiles"
@@ -216,6 +226,7 @@ def main(argv=None):
                settings=dict(decode_expand_loop=triton_sgmv.DECODE_EXPAND_LOOP,
                              decode_shrink_warps=triton_sgmv.DECODE_SHRINK_WARPS,
                              decode_expand_rank_tiles=triton_sgmv.DECODE_EXPAND_RANK_TILES,
+                             wide_shrink=triton_sgmv.WIDE_SHRINK,
                              blas=str(torch.backends.cuda.preferred_blas_library()),
                              sm_carveout=torch._C._get_sm_carveout_experimental()))
     cases = [(1, 1, 16, None), (8, 8, 16, None), (64, 64, 16, None), (256, 256, 16, None), (1, 1, 64, None),

@@ -290,6 +290,11 @@ def _sgmv_expand_kernel(
 #: bench/results/lora_side_stream/lora_overlap_run1.json): q/k/v 1 token 24.3 -> 11.7 us, 8 tokens 39.1 -> 18.9;
 #: gate/up 22.0 -> 11.7 and 40.2 -> 25.1; down 25.2 -> 17.2 and 41.2 -> 24.7.
 WIDE_RANK, WIDE_RANK_MAX_TOKENS = 64, 16
+#: The wide-rank regime's shrink: ``(cap on the K split, block_k or None for the launcher's default)``. The
+#: session-18 shrink sweep at rank 64, 1-8 tokens found 32 splits of 64-wide K blocks best for the shrink alone
+#: (67 -> 53 us summed over the layer's groups; 32 splits of d_in 4096 need block_k <= 64); whether the expand's
+#: extra partials eat that is for ``bench_lora_overlap.py --wide-shrink 32,64`` to measure.
+WIDE_SHRINK: tuple[int, int | None] = (16, None)
 
 
 #: Decode expand from a pool of rank <= 16 (``plan.block_m <= 16``: steps of at most 512 tokens): rows of
@@ -382,15 +387,17 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
             split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     T, d_in = x.shape
     S, rmax = slices.num_slices, slices.max_rank_rows
+    wide = x.device.type == "cuda" and _wide(T, rmax)
     if num_warps is None:
-        decode = x.device.type == "cuda" and plan.block_m <= 16 and not _wide(T, rmax)
-        num_warps = DECODE_SHRINK_WARPS if decode else 4
+        num_warps = DECODE_SHRINK_WARPS if x.device.type == "cuda" and plan.block_m <= 16 and not wide else 4
     chunks = num_chunks(plan, slices)
+    if block_k is None and wide and WIDE_SHRINK[1]:
+        block_k = WIDE_SHRINK[1]
     if block_k is None:
         # measured on an H200 (bench/tune_lora_kernels.py): 128 for decode-sized batches, 256 for prefill
         block_k = 64 if x.device.type == "cpu" else 128 if x.dtype == torch.float32 or T <= 512 else 256
     block_k = min(block_k, max(16, triton.next_power_of_2(d_in)))
-    split = split_k or _split_k(x.device, chunks * S, d_in, block_k, 16 if _wide(T, rmax) else 32)
+    split = split_k or _split_k(x.device, chunks * S, d_in, block_k, WIDE_SHRINK[0] if wide else 32)
     k_per = triton.cdiv(triton.cdiv(d_in, split), block_k) * block_k
     v_out = torch.empty(split, S, T, rmax, dtype=torch.float32, device=x.device)
     extra = {} if num_stages is None else {"num_stages": num_stages}

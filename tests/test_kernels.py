@@ -245,6 +245,21 @@ def test_looped_expand_tiles(odd, tiles, modules, device, dtype):
                  device=device, dtype=dtype, seed=tiles + rows, apply=apply)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("wide_shrink", [(16, None), (32, 64), (32, 32)], ids=["default", "32x64", "32x32"])
+@pytest.mark.parametrize("modules", [QKV, ("down_proj",)], ids=["qkv", "down"])
+def test_wide_rank_tiles_and_knobs(modules, wide_shrink, dtype, monkeypatch):
+    """Decode steps of 1-16 tokens from a rank-64 pool (the wide regime, ``triton_sgmv.WIDE_SHRINK``'s K split and
+    block_k, incl. the 32-way split the session-18 sweep liked) and of 64 tokens (``DECODE_EXPAND_RANK_TILES``'
+    128-wide 2-warp expand, 2-warp shrink): ranks 1..64 in one pool against the fp32 reference."""
+    monkeypatch.setattr(triton_sgmv, "WIDE_SHRINK", wide_shrink)
+    for rows, popularity in ((1, "distinct"), (8, "distinct"), (16, "uniform"), (64, "distinct")):
+        run_case(LLAMA8B, [64, 1, 33, 16, 48], lambda s, g: popularity_slots(popularity, rows, s, g), modules,
+                 device="cuda", dtype=dtype, seed=rows)
+
+
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("modules", [GATE_UP, ("down_proj",), ("o_proj",)], ids=["gate_up", "down", "o"])
 @pytest.mark.parametrize("rows", [7, 77])
