@@ -36,7 +36,15 @@ block with a pending read defers the release until the event has completed (its 
 a compaction first waits (host side, ``Event.synchronize``: a copy of a few MB) for the pending reads of the
 chunk it moves. After a move the block's ``on_move`` callback re-points its owner's views.
 
-Thread safety: every method takes the arena's lock.
+Growing ahead
+-------------
+Mapping and registering a chunk costs time (registration first-touches and pins every page: on the H200 host the
+step thread of a filling host tier spent 4-6% of its samples in it, bench/README.md session 15). ``grow_ahead``
+maps the next chunk on a background thread when the holes left could take fewer than two images of the
+granule, so a later ``alloc`` finds room; its units count against the budget while it is mapped. ``alloc`` still
+grows on the caller's thread when it must (``sync_grows`` counts those; ``grown_ahead`` the background ones).
+
+Thread safety: every method takes the arena's lock (a background growth maps outside it, then appends under it).
 """
 
 from __future__ import annotations
@@ -181,6 +189,10 @@ class HostArena:
         self.compactions = 0
         self.bytes_compacted = 0
         self.register_seconds = 0.0  # mapping + registering the chunks
+        self.sync_grows = 0  # chunks mapped on the thread calling alloc
+        self.grown_ahead = 0  # chunks mapped by grow_ahead's background thread
+        self._pending_units = 0  # units of a chunk being mapped in the background (counted against the budget)
+        self._growth: threading.Thread | None = None
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -249,17 +261,71 @@ class HostArena:
         """Map a new chunk that can hold ``units`` within the budget; its index, or None. Chunks double from
         ``FIRST_CHUNK_BYTES`` (at least the image asked for) up to ``chunk_bytes``: an engine with a few adapters
         pins a few of their sizes, not a whole chunk."""
-        g = self.granule_units
-        room = None if self.budget is None else (self.budget - self.bytes_held) // self.unit
-        first = -(-(FIRST_CHUNK_BYTES // self.unit) // g) * g
-        grown = max(-(-units // g) * g, first << len(self._chunks))
-        size = min(self.chunk_units, grown) if room is None else min(self.chunk_units, grown, room)
-        if size < units:
+        size = self._next_chunk_units(units)
+        if size is None:
             return None
         t0 = time.perf_counter()
         self._chunks.append(_Chunk(size * self.unit, size, self.want_pinned))
         self.register_seconds += time.perf_counter() - t0
+        self.sync_grows += 1
         return len(self._chunks) - 1
+
+    def _next_chunk_units(self, units: int) -> int | None:
+        """Units of the next chunk for an image of ``units`` (doubling from ``FIRST_CHUNK_BYTES`` up to the chunk
+        size, within what the budget leaves after the mapped chunks and one being mapped), or None if that is
+        fewer than ``units``."""
+        g = self.granule_units
+        room = None if self.budget is None else (self.budget - self.bytes_held) // self.unit - self._pending_units
+        first = -(-(FIRST_CHUNK_BYTES // self.unit) // g) * g
+        grown = max(-(-units // g) * g, first << (len(self._chunks) + (self._growth is not None)))
+        size = min(self.chunk_units, grown) if room is None else min(self.chunk_units, grown, room)
+        return size if size >= units else None
+
+    def grow_ahead(self, images: int = 2) -> bool:
+        """Start mapping the next chunk on a background thread if the free holes could take fewer than ``images``
+        images of the granule (the largest image) and the budget has room for one; a no-op while one is being
+        mapped. Returns whether a chunk is being mapped when it returns. A failure is logged and leaves the arena
+        as it was (``alloc`` grows on its own thread then)."""
+        g = self.granule_units
+        with self._lock:
+            if self._growth is not None:
+                return True
+            fit = sum(n // g for c in self._chunks for _, n in c.space.holes())
+            if fit >= images:
+                return False
+            size = self._next_chunk_units(g)
+            if size is None:
+                return False
+            self._pending_units = size
+            # the caller's CUDA device, so the chunk is registered in the same context as alloc's would be
+            device = torch.cuda.current_device() if self.want_pinned and torch.cuda.is_available() else None
+            self._growth = threading.Thread(target=self._map_ahead, args=(size, device),
+                                            name="multilora-host-arena-grow", daemon=True)
+            self._growth.start()
+            return True
+
+    def _map_ahead(self, size: int, device: int | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            chunk = _Chunk(size * self.unit, size, self.want_pinned)
+        except Exception as e:  # noqa: BLE001 - out of memory or mapping refused: alloc grows (or fails) itself
+            log.warning("host arena: mapping a %d-byte chunk ahead failed: %s", size * self.unit, e)
+            chunk = None
+        with self._lock:
+            if chunk is not None:
+                self._chunks.append(chunk)
+                self.register_seconds += time.perf_counter() - t0
+                self.grown_ahead += 1
+            self._pending_units = 0
+            self._growth = None
+
+    def wait_growth(self, timeout: float | None = None) -> None:
+        """Wait for a chunk being mapped in the background (if any) to be in place."""
+        t = self._growth
+        if t is not None:
+            t.join(timeout)
 
     def note_read(self, block: HostBlock, event: Any) -> None:
         """A copy reading ``block`` was queued; ``event`` completes after it (None: it already finished)."""

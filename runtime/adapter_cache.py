@@ -372,10 +372,13 @@ class AdapterCache:
             victim = next(victims, None)
             if victim is None:
                 self.arena.settle()  # freed blocks still read by in-flight copies: wait for those copies
-                return self.arena.alloc(nbytes, fixed=fixed)
+                block = self.arena.alloc(nbytes, fixed=fixed)
+                break
             self._drop_host(victim)
             self.stats.host_evictions += 1
             block = self.arena.alloc(nbytes, fixed=fixed)
+        if block is not None:
+            self.arena.grow_ahead()  # the next chunk mapped off this thread while the tier fills
         return block
 
     def _adopt(self, packed: PackedAdapter, block: HostBlock) -> PackedAdapter:
@@ -801,7 +804,9 @@ class AdapterCache:
         ``gpu_to_host_seconds`` (synchronous copies back). The host arena: ``host_arena_bytes_held`` (mapped and,
         with ``host_arena_pinned``, page-locked), ``host_arena_bytes_used`` (blocks, including freed ones an
         in-flight copy still reads), ``host_arena_chunks``, ``host_arena_compactions`` and the bytes they moved,
-        ``host_arena_map_seconds`` (mapping and registering the chunks)."""
+        ``host_arena_map_seconds`` (mapping and registering the chunks), ``host_arena_sync_grows`` (chunks mapped on
+        the thread that needed the room) and ``host_arena_grown_ahead`` (chunks mapped ahead on a background
+        thread: ``HostArena.grow_ahead``)."""
         s, pool = self.stats, self.pool
         with self._lock:
             self._settle_timings()
@@ -837,7 +842,8 @@ class AdapterCache:
             "host_arena_bytes_held": a.bytes_held, "host_arena_bytes_used": a.bytes_used,
             "host_arena_pinned": a.pinned, "host_arena_chunks": a.num_chunks,
             "host_arena_compactions": a.compactions, "host_arena_bytes_compacted": a.bytes_compacted,
-            "host_arena_map_seconds": a.register_seconds,
+            "host_arena_map_seconds": a.register_seconds, "host_arena_sync_grows": a.sync_grows,
+            "host_arena_grown_ahead": a.grown_ahead,
             "pool_bytes_capacity": pool.bytes_capacity, "evictions_for_kv": s.evictions_for_kv,
             **(self.unified.report() if self.unified is not None else {}),
         }

@@ -3,10 +3,11 @@ straight into arena blocks, and the tier-move speeds in ``stats()``.
 
 - ``Extents`` (shared with the GPU pool): the module docstring's worked example.
 - ``HostArena`` (hypothesis, against a plain model of what each block holds): any sequence of allocs, frees,
-  writes, compactions, blocks being written (fixed) and copies in flight (fake events) keeps the bytes exact
-  (``bytes_used`` = the live and deferred blocks' units x unit, ``bytes_held`` <= budget), no two blocks overlap
-  and none crosses its chunk, every block's bytes equal what was written into it (bit for bit, after any
-  compaction), fixed blocks never move, and a freed block read by an unfinished copy is neither moved nor reused.
+  writes, compactions, chunks grown ahead, blocks being written (fixed) and copies in flight (fake events) keeps
+  the bytes exact (``bytes_used`` = the live and deferred blocks' units x unit, ``bytes_held`` <= budget), no two
+  blocks overlap and none crosses its chunk, every block's bytes equal what was written into it (bit for bit,
+  after any compaction), fixed blocks never move, and a freed block read by an unfinished copy is neither moved
+  nor reused.
 - The engine: host copies live in the arena and the host tier counts their exact bytes (a budget of k images
   holds k copies); disk -> host -> pool round trips through the new read path give the general path's image
   and bit-identical logits; a fingerprint change still fails only its requests, and the arena keeps no block of
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import shutil
+import threading
 import time
 
 import pytest
@@ -85,6 +87,7 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("read"), st.integers(0, 50), st.booleans()),           # a copy reads it; it completes now?
     st.tuples(st.just("done"), st.integers(0, 50), st.booleans()),           # fixed block written / copy completes
     st.tuples(st.just("compact"), st.integers(0, 3), st.booleans()),
+    st.tuples(st.just("grow"), st.integers(1, 12), st.booleans()),           # grow_ahead(images), then wait
 ), max_size=60)
 
 
@@ -161,6 +164,11 @@ def test_arena_keeps_bytes_exact_and_contents_intact(ops, chunk_units, budget_ch
                 arena.release_fixed(items[x % len(items)])
             elif events:
                 events[x % len(events)].done = True
+        elif op == "grow":
+            chunks = arena.num_chunks
+            started = arena.grow_ahead(images=x)
+            arena.wait_growth(10)
+            assert arena.num_chunks == chunks + started  # (mapping cannot fail here)
         elif op == "compact" and arena.num_chunks:
             fixed = {b: (b.chunk, b.start) for b in live if b.fixed}
             places = {b: (b.chunk, b.start) for b in live}
@@ -209,6 +217,75 @@ def test_arena_chunks_double_from_the_first_and_fit_the_image():
     b = big.alloc(100 * MiB)  # larger than the first chunk: a chunk of its size
     assert big.bytes_held == 100 * MiB and big.alloc(250 * MiB) is None and big.alloc(200 * MiB).chunk == 1
     assert big.bytes_held == 300 * MiB and b.chunk == 0  # the budget's rest, not a doubled 200 MiB + more
+
+
+def test_grow_ahead_maps_the_next_chunk_on_a_background_thread(monkeypatch):
+    """With fewer than two images' room left in the holes, ``grow_ahead`` maps the next (doubled) chunk on its own
+    thread; the allocs that follow land in it without growing on the caller's thread."""
+    import multilora.memory.host_arena as ha
+
+    MiB = 1 << 20
+    threads = []
+    real = ha._Chunk
+
+    def chunk(*a, **k):
+        threads.append(threading.current_thread().name)
+        return real(*a, **k)
+
+    monkeypatch.setattr(ha, "_Chunk", chunk)
+    arena = HostArena(None, pinned=False, unit=MiB, chunk_bytes=1 << 30, granule=8 * MiB)
+    first = [arena.alloc(8 * MiB) for _ in range(6)]  # the 64 MiB first chunk holds 8 images
+    assert arena.grow_ahead() is False and arena.num_chunks == 1  # 2 images of room left: nothing to do
+    first.append(arena.alloc(8 * MiB))
+    assert arena.grow_ahead() is True  # 1 image left
+    arena.wait_growth(10)
+    assert arena.num_chunks == 2 and arena.bytes_held == (64 + 128) * MiB
+    assert arena.sync_grows == 1 and arena.grown_ahead == 1
+    assert threads == [threading.current_thread().name, "multilora-host-arena-grow"]
+    later = [arena.alloc(8 * MiB) for _ in range(17)]  # 1 in chunk 0, 16 in the 128 MiB chunk 1
+    assert [b.chunk for b in later] == [0] + [1] * 16 and arena.sync_grows == 1
+    assert all(b.chunk == 0 for b in first)
+
+
+def test_grow_ahead_counts_against_the_budget_and_survives_a_failure(monkeypatch, caplog):
+    """A chunk being mapped ahead takes its units of the budget at once (an alloc meanwhile cannot map past the
+    budget); a failed background mapping is logged and leaves the arena growing on the caller's thread."""
+    import multilora.memory.host_arena as ha
+
+    MiB = 1 << 20
+    release = threading.Event()
+    real = ha._Chunk
+
+    def slow_chunk(*a, **k):
+        if threading.current_thread().name == "multilora-host-arena-grow":
+            assert release.wait(10)
+        return real(*a, **k)
+
+    monkeypatch.setattr(ha, "_Chunk", slow_chunk)
+    arena = HostArena(96 * MiB, pinned=False, unit=MiB, chunk_bytes=1 << 30, granule=8 * MiB)
+    blocks = [arena.alloc(8 * MiB) for _ in range(8)]  # the first chunk, full
+    assert arena.grow_ahead() is True and arena.grow_ahead() is True  # one in flight; the second call waits on it
+    assert arena.alloc(8 * MiB) is None  # the budget's 32 MiB left are the pending chunk's
+    release.set()
+    arena.wait_growth(10)
+    assert arena.bytes_held == 96 * MiB and arena.num_chunks == 2 and arena.grown_ahead == 1
+    blocks += [arena.alloc(8 * MiB) for _ in range(4)]
+    assert all(b is not None for b in blocks) and arena.alloc(8 * MiB) is None and arena.sync_grows == 1
+
+    def broken(*a, **k):
+        if threading.current_thread().name == "multilora-host-arena-grow":
+            raise MemoryError("no room for a chunk")
+        return real(*a, **k)
+
+    monkeypatch.setattr(ha, "_Chunk", broken)
+    arena = HostArena(None, pinned=False, unit=MiB, chunk_bytes=1 << 30, granule=8 * MiB)
+    blocks = [arena.alloc(8 * MiB) for _ in range(8)]
+    with caplog.at_level("WARNING", logger="multilora"):
+        assert arena.grow_ahead() is True
+        arena.wait_growth(10)
+    assert "mapping a 134217728-byte chunk ahead failed: no room for a chunk" in caplog.text
+    assert arena.num_chunks == 1 and arena.grown_ahead == 0
+    assert arena.alloc(8 * MiB).chunk == 1 and arena.sync_grows == 2  # grows on this thread instead
 
 
 def test_arena_refuses_what_can_never_fit_and_validates():
@@ -398,6 +475,7 @@ def test_tier_move_stats_are_present_and_consistent(tiny):
     if s["bytes_gpu_to_host"]:
         assert s["gpu_to_host_gbps"] == pytest.approx(s["bytes_gpu_to_host"] / s["gpu_to_host_seconds"] / 1e9)
     assert s["host_arena_chunks"] == 1 and s["host_arena_bytes_held"] == 2 * unit
+    assert s["host_arena_sync_grows"] + s["host_arena_grown_ahead"] == s["host_arena_chunks"]
     for key in ("bytes_host_to_gpu", "bytes_gpu_to_host", "bytes_disk_to_host", "host_tier_bytes",
                 "host_tier_budget", "prefetch_hits", "gpu_hits"):  # the earlier keys are kept
         assert key in s
