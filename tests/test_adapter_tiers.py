@@ -488,6 +488,21 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 @pytest.mark.gpu
 @gpu
+def test_chunks_grown_ahead_are_pinned():
+    """A chunk mapped by ``grow_ahead``'s background thread is registered like one mapped by ``alloc``."""
+    MiB = 1 << 20
+    arena = HostArena(None, pinned=True, unit=MiB, chunk_bytes=1 << 30, granule=32 * MiB)
+    first = arena.alloc(32 * MiB)  # the first chunk holds 2 images
+    assert arena.grow_ahead() is True
+    arena.wait_growth(30)
+    assert arena.num_chunks == 2 and arena.grown_ahead == 1 and arena.pinned
+    blocks = [arena.alloc(32 * MiB) for _ in range(5)]  # 1 in chunk 0, 4 in the 128 MiB chunk 1
+    assert [b.chunk for b in blocks] == [0, 1, 1, 1, 1] and arena.sync_grows == 1
+    assert first.bytes().is_pinned() and all(b.bytes().is_pinned() for b in blocks)
+
+
+@pytest.mark.gpu
+@gpu
 def test_arena_chunks_are_pinned_and_copies_land_bit_identical():
     arena = HostArena(64 << 20, pinned=True, unit=128, chunk_bytes=32 << 20)
     blocks = [arena.alloc(3 << 20) for _ in range(12)]  # two chunks

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # the next session's first call (written in session 18, not run): copy to .device/ and run with carry [".device"].
-# 1. GPU tests touched by session 18: the rank-64 tiles and WIDE_SHRINK knob, engine graphs / side stream / peft;
+# 1. GPU tests touched by session 18: the rank-64 tiles and WIDE_SHRINK knob, the arena grown ahead (pinned),
+#    engine graphs / side stream / peft;
 # 2. the layer with each token its own adapter (bench_lora_overlap's new default) at 1, 8, 64, 256 tokens (r16, r64):
 #    session 18's tiles, session 17's, and the wide regime's 32-way shrink split (--wide-shrink 32,64);
 # 3. profile_decode at batch 64 with and without LoRA (where the batch-64 LoRA step's time goes).
@@ -11,7 +12,7 @@ R=$PWD
 pip install -q --no-deps --no-build-isolation --target /tmp/ml . >/dev/null 2>&1
 export PYTHONPATH=/tmp/ml PYTHONUNBUFFERED=1
 md5sum kernels/triton_sgmv.py runtime/model.py bench/*.py > $OUT/c1/trees.txt
-(cd /tmp && timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs $R/tests/test_kernels.py -k wide_rank_tiles \
+(cd /tmp && timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs $R/tests/test_kernels.py $R/tests/test_adapter_tiers.py -k "wide_rank_tiles or arena or grown" \
    > $OUT/c1/gpu_tests.log 2>&1; echo "rc=$? at $SECONDS s" >> $OUT/c1/gpu_tests.log
  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs $R/tests/test_engine_gpu.py \
   -k "cuda_graph_decode_matches_eager or side_stream_lora_equals or matches_peft" >> $OUT/c1/gpu_tests.log 2>&1;
