@@ -190,7 +190,9 @@ def main() -> None:
                        **{k: after[k] - before[k] for k in ("steps", "prefill_steps", "decode_steps", "mixed_steps",
                                                             "queue_defers_for_adapter_load", "queue_waits_for_adapter",
                                                             "disk_to_host_reads", "disk_to_host_seconds",
-                                                            "host_to_gpu_copies", "host_misses", "host_hits")
+                                                            "host_to_gpu_copies", "host_misses", "host_hits",
+                                                            "host_arena_map_seconds", "host_arena_sync_grows",
+                                                            "host_arena_grown_ahead")
                           if isinstance(after.get(k), (int, float)) and isinstance(before.get(k), (int, float))},
                        "step_seconds": after.get("step_seconds"),
                        **compiles_between(before, after),  # Triton compiles inside the row (warm-up missed them)
