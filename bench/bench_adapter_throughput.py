@@ -191,7 +191,8 @@ def main() -> None:
                                                             "queue_defers_for_adapter_load", "queue_waits_for_adapter",
                                                             "disk_to_host_reads", "disk_to_host_seconds",
                                                             "host_to_gpu_copies", "host_misses", "host_hits",
-                                                            "host_arena_map_seconds", "host_arena_sync_grows",
+                                                            "host_arena_map_seconds", "host_arena_sync_map_seconds",
+                                                            "host_arena_sync_grows",
                                                             "host_arena_grown_ahead")
                           if isinstance(after.get(k), (int, float)) and isinstance(before.get(k), (int, float))},
                        "step_seconds": after.get("step_seconds"),

@@ -25,9 +25,11 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
     peft            peft's mixed-batch generate (adapter_names=) with the same adapter files as multilora-lora
 
 With ``--rounds N`` the multilora providers run N times (every other round in reverse order, so none is always the
-first after warm-up; rows carry ``round``) and the table, targets and plot take each (provider, batch)'s median: use
-it for A/B decisions, single rows differ by ~5% on an H200 (session 18). Each (provider, batch) row runs the batch
-three times: 2 output tokens (untimed warm-up), 1 output token (TTFT:
+first after warm-up; rows carry ``round``) and the table, targets and plot take each (provider, batch)'s median round
+by TPOT (``merge_rounds``; odd N avoids choosing between two middles): use it for A/B decisions, single rows differ
+by ~5% on an H200 (session 18).
+
+Each (provider, batch) row runs the batch three times: 2 output tokens (untimed warm-up), 1 output token (TTFT:
 prefill and the first token) and gen tokens (T_total). TPOT = (T_total - TTFT) / (gen - 1); output tokens/s =
 batch * gen / T_total; decode tokens/s = batch / TPOT. Achieved bandwidth = bytes one decode step must read / TPOT:
 the weights (less the input embedding table, of which a step reads `batch` rows) + the KV of the mean decode
@@ -280,42 +282,52 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     lt_default = engine.model.gemm_cublaslt_tokens if engine is not None else None
     # --rounds: the variant list again, every other round in reverse, so each variant runs early and late
     schedule = [(rnd, v) for rnd in range(a.rounds) for v in (variants if rnd % 2 == 0 else variants[::-1])]
-    for rnd, v in schedule:
-        if v in failed:
-            if rnd == 0:
-                run.skip(v, batches, a.gen, failed[v], status="error")
-            continue
-        side = 0 if v.endswith("-inplace") else side_default
-        prio = torch.cuda.Stream.priority_range()[1] if v.endswith("-hiprio") and torch.cuda.is_available() \
-            else prio_default  # (lowest, highest): the highest
-        loop = ((512, 1, 256, 2),) if v.endswith("-onetile") else loop_default
-        carve = a.carveout if v.endswith("-carve") else 0 if v.endswith("-lt") else carve_default
-        lt = (17, 64) if v.endswith("-lt") else lt_default
-        tiles = (4, None) if v.endswith("-s17tiles") else tiles_default
-        m = engine.model
-        now = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
-        if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
-                m.gemm_cublaslt_tokens, now) != (side, prio, loop, carve, lt, tiles):
-            m.lora_side_max_tokens = side  # captured graphs bake all six in: capture again
-            m.lora_side_priority = prio
-            triton_sgmv.DECODE_EXPAND_LOOP = loop
-            triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES = tiles
-            m.lora_side_sm_carveout = carve
-            m.gemm_cublaslt_tokens = lt
-            if engine.graphs is not None:
-                engine.runner.reset_graphs()  # decode and piecewise
-                warm_up_engine(engine, run.prompts, names)
-        row_info = {**info, "round": rnd, "lora_side_stream_max_tokens": m.lora_side_limit(),
-                    "lora_side_priority": m.lora_side_priority, "decode_expand_loop": triton_sgmv.DECODE_EXPAND_LOOP,
-                    "lora_side_sm_carveout": m.lora_side_sm_carveout, "gemm_cublaslt_tokens": m.gemm_cublaslt_tokens,
-                    "decode_shrink_warps": triton_sgmv.DECODE_SHRINK_WARPS,
-                    "decode_expand_rank_tiles": triton_sgmv.DECODE_EXPAND_RANK_TILES}
-        for b in batches:
-            adapters = names[:b] if "-lora" in v else None
-            run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
-                                                                                               adapters, ri))
-    triton_sgmv.DECODE_EXPAND_LOOP = loop_default
-    triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES = tiles_default
+    try:
+        for rnd, v in schedule:
+            if v in failed:
+                if rnd == 0:
+                    run.skip(v, batches, a.gen, failed[v], status="error")
+                continue
+            side = 0 if v.endswith("-inplace") else side_default
+            prio = torch.cuda.Stream.priority_range()[1] if v.endswith("-hiprio") and torch.cuda.is_available() \
+                else prio_default  # (lowest, highest): the highest
+            loop = ((512, 1, 256, 2),) if v.endswith("-onetile") else loop_default
+            carve = a.carveout if v.endswith("-carve") else 0 if v.endswith("-lt") else carve_default
+            lt = (17, 64) if v.endswith("-lt") else lt_default
+            tiles = (4, None) if v.endswith("-s17tiles") else tiles_default
+            m = engine.model
+            now = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
+            if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
+                    m.gemm_cublaslt_tokens, now) != (side, prio, loop, carve, lt, tiles):
+                m.lora_side_max_tokens = side  # captured graphs bake all six in: capture again
+                m.lora_side_priority = prio
+                triton_sgmv.DECODE_EXPAND_LOOP = loop
+                triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES = tiles
+                m.lora_side_sm_carveout = carve
+                m.gemm_cublaslt_tokens = lt
+                if engine.graphs is not None:
+                    engine.runner.reset_graphs()  # decode and piecewise
+                    try:
+                        warm_up_engine(engine, run.prompts, names)
+                    except Exception as e:  # this variant's rows fail; the others still run
+                        traceback.print_exc()
+                        failed[v] = f"warm-up after re-capture failed: {type(e).__name__}: {e}"[:2000]
+                        run.skip(v, batches, a.gen, failed[v], status="error")
+                        continue
+            row_info = {**info, "round": rnd, "lora_side_stream_max_tokens": m.lora_side_limit(),
+                        "lora_side_priority": m.lora_side_priority,
+                        "decode_expand_loop": triton_sgmv.DECODE_EXPAND_LOOP,
+                        "lora_side_sm_carveout": m.lora_side_sm_carveout,
+                        "gemm_cublaslt_tokens": m.gemm_cublaslt_tokens,
+                        "decode_shrink_warps": triton_sgmv.DECODE_SHRINK_WARPS,
+                        "decode_expand_rank_tiles": triton_sgmv.DECODE_EXPAND_RANK_TILES}
+            for b in batches:
+                adapters = names[:b] if "-lora" in v else None
+                run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
+                                                                                                   adapters, ri))
+    finally:  # the module-level knobs as they were, whatever happened
+        triton_sgmv.DECODE_EXPAND_LOOP = loop_default
+        triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES = tiles_default
     engine = None  # free it before the caller goes on (in-process runs)
     free_memory()
     if run.device.type == "cuda":  # the engine capped this process's allocator from its memory plan
@@ -561,17 +573,12 @@ def bench_peft(run: Run, model, batches: list[int], weight_bytes: int, dirs: lis
 
 
 # ---------------------------------------------------------------------------------------- reporting
-#: Row fields that ``merge_rounds`` replaces by their median over a (provider, batch)'s rounds.
-ROUND_MEDIAN_KEYS = ("ttft_s", "total_s", "tpot_ms", "output_tokens_per_s", "decode_tokens_per_s", "achieved_gbps",
-                     "frac_of_copy", "weights_frac_of_copy", "output_tokens_per_s_projected", "engine_loop_ttft_s",
-                     "engine_loop_total_s", "row_wall_s")
-
-
 def merge_rounds(rows: list[dict]) -> list[dict]:
-    """One row per (provider, batch), in first-seen order: where several rounds ran ok (``--rounds``), the first
-    ok row with ``ROUND_MEDIAN_KEYS`` replaced by their medians (``statistics.median``: the mean of the middle two for
-    an even count), ``rounds`` = how many, and ``tpot_ms_rounds`` / ``ttft_s_rounds`` = each round's value in order;
-    a key with no ok row keeps its first row (skipped or error)."""
+    """One row per (provider, batch), in first-seen order: where several rounds ran ok (``--rounds``), the median
+    round by TPOT (of an even count, the slower of the middle two), so every field of the row comes from one real
+    run and stays consistent with the others, plus ``rounds`` = how many ran ok, ``tpot_ms_rounds`` /
+    ``ttft_s_rounds`` = each of those rounds' values in order, and a note when some rounds failed; a key with no ok
+    row keeps its first row (skipped or error)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r.get("provider"), r.get("batch")), []).append(r)
@@ -581,12 +588,12 @@ def merge_rounds(rows: list[dict]) -> list[dict]:
         if len(ok) < 2:
             out.append(ok[0] if ok else rs[0])
             continue
-        m = {**ok[0], "rounds": len(ok), "tpot_ms_rounds": [r.get("tpot_ms") for r in ok],
+        by_tpot = sorted(ok, key=lambda r: math.inf if r.get("tpot_ms") is None else r["tpot_ms"])
+        m = {**by_tpot[len(ok) // 2], "rounds": len(ok), "tpot_ms_rounds": [r.get("tpot_ms") for r in ok],
              "ttft_s_rounds": [r.get("ttft_s") for r in ok]}
-        m.pop("round", None)
-        for k in ROUND_MEDIAN_KEYS:
-            vals = [r[k] for r in ok if r.get(k) is not None]
-            m[k] = statistics.median(vals) if vals else None
+        if len(ok) < len(rs):
+            failed = f"{len(rs) - len(ok)} of {len(rs)} rounds did not run ok"
+            m["note"] = f"{m['note']}; {failed}" if m.get("note") else failed
         out.append(m)
     return out
 
@@ -662,12 +669,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
             "weights % of copy", "status")
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
-    def tpot(r):  # with rounds: the median, then (each round's in order)
+    def tpot(r):  # with rounds: the median round's, then (each round's in order)
         got = [v for v in r.get("tpot_ms_rounds") or [] if v is not None]
         return f(r.get("tpot_ms"), ".2f") + (f" ({' / '.join(format(v, '.2f') for v in got)})" if len(got) > 1 else "")
 
     if any(r.get("rounds") for r in rows):
-        head += "; with --rounds: medians over the rounds, TPOT's per round in brackets"
+        head += "; with --rounds: each row is the median round by TPOT, every round's TPOT in brackets"
         lines[0] = head
     for r in rows:
         why = r.get("error") or r.get("note")
@@ -761,7 +768,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=1, help="timed (TTFT, T_total) pairs per row; medians are reported")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the multilora group's providers this many times, every other round in reverse order "
-                         "(rows carry 'round'); the table, targets and plot take each (provider, batch)'s median "
+                         "(rows carry 'round'); the table, targets and plot take each (provider, batch)'s median round "
                          "(row-to-row noise on an H200 is ~5%%, and the first variant after warm-up runs slower)")
     ap.add_argument("--seed", type=int, default=0, help="prompt token ids")
     ap.add_argument("--carveout", type=int, default=32, metavar="SMS",
@@ -882,7 +889,7 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(args.adapter_dir) if args.adapter_dir else temp / "adapters"
     try:
         dirs: list[Path] = []
-        if set(args.providers) & {"multilora-lora", "multilora-fp8-lora", "peft"}:
+        if any("-lora" in p for p in args.providers) or "peft" in args.providers:
             root.mkdir(parents=True, exist_ok=True)
             t = time.perf_counter()
             n = min(args.adapter_files or max(args.batches), max(args.batches))

@@ -103,15 +103,20 @@ def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None, popularity="dist
            "side_all_add": lambda: side_all(True), "side_all_hi": lambda: side_all(stream=side_hi)}
     from multilora.kernels import triton_sgmv
 
-    wide = triton_sgmv.WIDE_RANK
-    for name in schedules or fns:
-        for tiles in (("new", "old") if name != "base" and (pool_rank or rank) >= wide else ("new",)):
-            triton_sgmv.WIDE_RANK = wide if tiles == "new" else 1 << 30  # "old": the tiles before the wide-rank rule
-            key = name if tiles == "new" else f"{name}_old_tiles"
-            row[f"{key}_us"] = time_ms(fns[name], True) / K * 1e3
-            if name != "base":
-                row[f"{key}_added_us"] = row[f"{key}_us"] - row["base_us"]
-    triton_sgmv.WIDE_RANK = wide
+    # "old": the tiles before the wide-rank rule (session 14), and so before session 18's decode tiles too
+    now = (triton_sgmv.WIDE_RANK, triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
+    old = (1 << 30, 4, None)
+    try:
+        for name in schedules or fns:
+            for tiles in (("new", "old") if name != "base" and (pool_rank or rank) >= now[0] else ("new",)):
+                (triton_sgmv.WIDE_RANK, triton_sgmv.DECODE_SHRINK_WARPS,
+                 triton_sgmv.DECODE_EXPAND_RANK_TILES) = now if tiles == "new" else old
+                key = name if tiles == "new" else f"{name}_old_tiles"
+                row[f"{key}_us"] = time_ms(fns[name], True) / K * 1e3
+                if name != "base":
+                    row[f"{key}_added_us"] = row[f"{key}_us"] - row["base_us"]
+    finally:
+        triton_sgmv.WIDE_RANK, triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES = now
     del parts
     torch.cuda.empty_cache()
     return row
@@ -197,6 +202,8 @@ def main(argv=None):
     if args.popularity != "distinct":
         tag += f"_{args.popularity}"
     if args.shrink_warps is not None:
+        if args.shrink_warps not in (1, 2, 4, 8, 16):
+            ap.error(f"--shrink-warps: expected 1, 2, 4, 8 or 16, got {args.shrink_warps}")
         triton_sgmv.DECODE_SHRINK_WARPS = args.shrink_warps
         tag += f"_shrink{args.shrink_warps}w"
     if args.wide_shrink:
@@ -204,6 +211,8 @@ def main(argv=None):
             split, block_k = (int(v) for v in args.wide_shrink.split(","))
         except ValueError:
             ap.error(f"--wide-shrink: expected SPLIT,BLOCK_K (two ints), got {args.wide_shrink!r}")
+        if split < 1 or block_k < 16 or block_k & (block_k - 1):
+            ap.error(f"--wide-shrink: expected SPLIT >= 1 and BLOCK_K a power of two >= 16, got {split},{block_k}")
         triton_sgmv.WIDE_SHRINK = (split, block_k)
         tag += f"_wshrink{split}x{block_k}"
     if args.old_rank_tiles:

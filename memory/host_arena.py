@@ -41,8 +41,10 @@ Growing ahead
 Mapping and registering a chunk costs time (registration first-touches and pins every page: on the H200 host the
 step thread of a filling host tier spent 4-6% of its samples in it, bench/README.md session 15). ``grow_ahead``
 maps the next chunk on a background thread when the holes left could take fewer than two images of the
-granule, so a later ``alloc`` finds room; its units count against the budget while it is mapped. ``alloc`` still
-grows on the caller's thread when it must (``sync_grows`` counts those; ``grown_ahead`` the background ones).
+granule, so a later ``alloc`` finds room; its units count against the budget while it is mapped, and an ``alloc``
+that finds no hole meanwhile waits for it (rather than map another chunk, or be refused for want of budget).
+``alloc`` still grows on the caller's thread when it must (``sync_grows`` counts those, ``sync_register_seconds``
+their time; ``grown_ahead`` the background ones).
 
 Thread safety: every method takes the arena's lock (a background growth maps outside it, then appends under it).
 """
@@ -186,9 +188,11 @@ class HostArena:
         self._chunks: list[_Chunk] = []
         self._deferred: list[HostBlock] = []  # freed, waiting for copies still reading them
         self._lock = threading.RLock()
+        self._grown = threading.Condition(self._lock)  # notified when a background growth ends
         self.compactions = 0
         self.bytes_compacted = 0
-        self.register_seconds = 0.0  # mapping + registering the chunks
+        self.register_seconds = 0.0  # mapping + registering the chunks (any thread)
+        self.sync_register_seconds = 0.0  # of those, on the thread that needed the room (alloc)
         self.sync_grows = 0  # chunks mapped on the thread calling alloc
         self.grown_ahead = 0  # chunks mapped by grow_ahead's background thread
         self._pending_units = 0  # units of a chunk being mapped in the background (counted against the budget)
@@ -238,6 +242,11 @@ class HostArena:
                 start = c.space.take(units)
                 if start is not None:
                     return self._place(i, start, units, nbytes, fixed)
+            while self._growth is not None:  # a chunk is being mapped ahead: wait for it rather than map another
+                self._grown.wait()
+                start = self._chunks[-1].space.take(units) if self._chunks else None
+                if start is not None:
+                    return self._place(len(self._chunks) - 1, start, units, nbytes, fixed)
             i = self._grow(units)
             if i is not None:
                 return self._place(i, self._chunks[i].space.take(units), units, nbytes, fixed)
@@ -266,7 +275,9 @@ class HostArena:
             return None
         t0 = time.perf_counter()
         self._chunks.append(_Chunk(size * self.unit, size, self.want_pinned))
-        self.register_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.register_seconds += dt
+        self.sync_register_seconds += dt
         self.sync_grows += 1
         return len(self._chunks) - 1
 
@@ -313,16 +324,19 @@ class HostArena:
         except Exception as e:  # noqa: BLE001 - out of memory or mapping refused: alloc grows (or fails) itself
             log.warning("host arena: mapping a %d-byte chunk ahead failed: %s", size * self.unit, e)
             chunk = None
+        dt = time.perf_counter() - t0
         with self._lock:
             if chunk is not None:
                 self._chunks.append(chunk)
-                self.register_seconds += time.perf_counter() - t0
+                self.register_seconds += dt
                 self.grown_ahead += 1
             self._pending_units = 0
             self._growth = None
+            self._grown.notify_all()
 
     def wait_growth(self, timeout: float | None = None) -> None:
-        """Wait for a chunk being mapped in the background (if any) to be in place."""
+        """Wait for a chunk being mapped in the background (if any) to be in place (or its mapping to have
+        failed). Not with the arena's lock held: the background thread takes it to append the chunk."""
         t = self._growth
         if t is not None:
             t.join(timeout)

@@ -804,9 +804,9 @@ class AdapterCache:
         ``gpu_to_host_seconds`` (synchronous copies back). The host arena: ``host_arena_bytes_held`` (mapped and,
         with ``host_arena_pinned``, page-locked), ``host_arena_bytes_used`` (blocks, including freed ones an
         in-flight copy still reads), ``host_arena_chunks``, ``host_arena_compactions`` and the bytes they moved,
-        ``host_arena_map_seconds`` (mapping and registering the chunks), ``host_arena_sync_grows`` (chunks mapped on
-        the thread that needed the room) and ``host_arena_grown_ahead`` (chunks mapped ahead on a background
-        thread: ``HostArena.grow_ahead``)."""
+        ``host_arena_map_seconds`` (mapping and registering the chunks, on any thread), ``host_arena_sync_grows``
+        and ``host_arena_sync_map_seconds`` (chunks mapped on the thread that needed the room, and their time) and
+        ``host_arena_grown_ahead`` (chunks mapped ahead on a background thread: ``HostArena.grow_ahead``)."""
         s, pool = self.stats, self.pool
         with self._lock:
             self._settle_timings()
@@ -842,7 +842,8 @@ class AdapterCache:
             "host_arena_bytes_held": a.bytes_held, "host_arena_bytes_used": a.bytes_used,
             "host_arena_pinned": a.pinned, "host_arena_chunks": a.num_chunks,
             "host_arena_compactions": a.compactions, "host_arena_bytes_compacted": a.bytes_compacted,
-            "host_arena_map_seconds": a.register_seconds, "host_arena_sync_grows": a.sync_grows,
+            "host_arena_map_seconds": a.register_seconds, "host_arena_sync_map_seconds": a.sync_register_seconds,
+            "host_arena_sync_grows": a.sync_grows,
             "host_arena_grown_ahead": a.grown_ahead,
             "pool_bytes_capacity": pool.bytes_capacity, "evictions_for_kv": s.evictions_for_kv,
             **(self.unified.report() if self.unified is not None else {}),
