@@ -367,6 +367,11 @@ class Engine:
     def list_adapters(self) -> list[str]:
         return self.cache.names()
 
+    def adapter_path(self, name: str) -> Path:
+        """The directory the current version of adapter ``name`` was loaded from (as ``load_adapter`` was given it).
+        Raises UnknownAdapterError (a KeyError) if it is not loaded."""
+        return self.cache.get(name).path
+
     # ------------------------------------------------------------------------------------ requests
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (``runtime.tokenizer``). Raises ValueError for a bad or empty prompt."""

@@ -252,7 +252,8 @@ def _child_main(conn: Any, factory: Callable[[], Any], log_level: int, log_forma
     conn.send(("ready", {"pid": os.getpid(), "tokenizer": tokenizer, "has_tokenizer": engine.tokenizer is not None,
                          "vocab_size": engine.config.vocab_size, "eos_ids": sorted(engine.text.eos_ids),
                          "model_path": str(engine.model_path), "max_seq_len": engine.max_seq_len,
-                         "adapters": engine.list_adapters()}))
+                         "adapters": engine.list_adapters(),
+                         "adapter_paths": {n: str(engine.adapter_path(n)) for n in engine.list_adapters()}}))
     core = _EngineCore(conn, engine)
     threading.Thread(target=core.read, name="multilora-engine-reader", daemon=True).start()
     try:
@@ -299,6 +300,7 @@ class EngineProcess:
         self.text = PromptTokenizer(self.tokenizer, vocab_size=info["vocab_size"], eos_token_ids=info["eos_ids"],
                                     source=self.model_path)
         self._adapters: list[str] = list(info["adapters"])
+        self._adapter_paths: dict[str, str] = dict(info.get("adapter_paths", {}))
         self._tracked: dict[int, _Tracked] = {}
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count()
@@ -373,6 +375,15 @@ class EngineProcess:
         with self._lock:
             return list(self._adapters)
 
+    def adapter_path(self, name: str) -> Path:
+        """``Engine.adapter_path`` from this side's record of the loads (no round trip). Raises
+        UnknownAdapterError (a KeyError) if it is not loaded."""
+        with self._lock:
+            if name not in self._adapter_paths:
+                known = ", ".join(sorted(self._adapters)) or "none"
+                raise UnknownAdapterError(f"adapter {name!r} is not loaded (loaded: {known})")
+            return Path(self._adapter_paths[name])
+
     def load_adapter(self, name: str, path: str | os.PathLike, *, allow_pickle: bool = False,
                      preload: bool = True) -> None:
         """``Engine.load_adapter`` in the child (its errors raised again here; returns nothing)."""
@@ -380,6 +391,7 @@ class EngineProcess:
         with self._lock:
             if name not in self._adapters:
                 self._adapters.append(name)
+            self._adapter_paths[name] = str(Path(path))
 
     def unload_adapter(self, name: str) -> None:
         """``Engine.unload_adapter`` in the child (UnknownAdapterError when not loaded)."""
@@ -387,6 +399,7 @@ class EngineProcess:
         with self._lock:
             if name in self._adapters:
                 self._adapters.remove(name)
+            self._adapter_paths.pop(name, None)
 
     def stats(self) -> dict[str, Any]:
         """``Engine.stats()`` of the child's engine."""

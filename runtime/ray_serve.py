@@ -197,7 +197,8 @@ class _Replica:
         self.spec = spec
         self.engine = await asyncio.to_thread(Engine, spec.model, config=spec.config)
         self.app = create_app(self.engine, served_model_name=spec.base_name or self.engine.model_path.stem,
-                              api_key=spec.api_key, listed_adapters=lambda: list(spec.adapters))
+                              api_key=spec.api_key, listed_adapters=lambda: list(spec.adapters),
+                              adapter_paths=lambda: spec.adapters)
         self.name = serve.get_replica_context().replica_id.unique_id
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(self.app.router.lifespan_context(self.app))  # the EngineLoop

@@ -31,7 +31,7 @@ import logging
 import secrets
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -76,7 +76,8 @@ _pumps: set[asyncio.Task] = set()  # the tasks reading engine streams (the event
 
 def create_app(engine: Any, *, served_model_name: str, api_key: str | None = None,
                adapter_root: str | Path | None = None, allow_runtime_adapters: bool = False,
-               listed_adapters: Callable[[], Iterable[str]] | None = None) -> FastAPI:
+               listed_adapters: Callable[[], Iterable[str]] | None = None,
+               adapter_paths: Callable[[], Mapping[str, str]] | None = None) -> FastAPI:
     """The ASGI app of ``multilora serve`` for ``engine`` (run it with uvicorn; see the module docstring).
 
     Args:
@@ -89,9 +90,11 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         allow_runtime_adapters: enable ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
         listed_adapters: the adapter names ``/v1/models`` lists (default: the engine's loaded adapters). The Ray app
             (``runtime.ray_serve``) lists its whole catalog: a replica loads a catalog adapter when it is routed one.
+        adapter_paths: adapter name -> directory, the ``root`` of an adapter's ``/v1/models`` card when the engine
+            has not loaded it (default: none; a loaded adapter's root is ``engine.adapter_path(name)``).
     """
     server = _Server(engine, served_model_name, adapter_root, allow_runtime_adapters,
-                     listed_adapters or engine.list_adapters)
+                     listed_adapters or engine.list_adapters, adapter_paths or dict)
     app = FastAPI(title="multilora", lifespan=server.lifespan)
     app.state.server = server
     app.get("/health")(server.health)
@@ -111,8 +114,10 @@ class _Server:
     """The routes' state: the engine, its loop (while the app runs) and the metrics."""
 
     def __init__(self, engine: Any, served_model_name: str, adapter_root: str | Path | None,
-                 allow_runtime_adapters: bool, listed_adapters: Callable[[], Iterable[str]]) -> None:
+                 allow_runtime_adapters: bool, listed_adapters: Callable[[], Iterable[str]],
+                 adapter_paths: Callable[[], Mapping[str, str]]) -> None:
         self.engine, self.served_model_name, self.listed_adapters = engine, served_model_name, listed_adapters
+        self.adapter_paths = adapter_paths
         self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
         self.allow_runtime_adapters = allow_runtime_adapters
         self.metrics = ServerMetrics(engine, served_model_name)
@@ -155,8 +160,14 @@ class _Server:
             return {"id": name, "object": "model", "created": self.created, "owned_by": "multilora", "root": root,
                     "parent": parent, "max_model_len": self.engine.max_seq_len}
 
+        def root(name: str) -> str | None:  # the directory it was (or, from a catalog, will be) loaded from
+            try:
+                return str(self.engine.adapter_path(name))
+            except KeyError:  # not loaded here (a catalog adapter this replica has not been routed yet)
+                return self.adapter_paths().get(name)
+
         return {"object": "list", "data": [card(self.served_model_name, str(self.engine.model_path), None),
-                                           *(card(n, None, self.served_model_name) for n in self.listed_adapters())]}
+                                           *(card(n, root(n), self.served_model_name) for n in self.listed_adapters())]}
 
     # ---------------------------------------------------------------------------------- generation
     async def completions(self, body: CompletionRequest, request: Request) -> Any:

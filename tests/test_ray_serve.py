@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -153,9 +154,12 @@ def test_streamed_chat_equals_generate_and_stays_on_its_replica(http, ref):
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == want.finish_reason
 
 
-def test_base_model_models_and_health(url, http, ref):
+def test_base_model_models_and_health(url, http, ref, catalog):
     base = ref.model_path.stem
-    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [base, *ROUTED, SPARE]
+    cards = http.get("/v1/models").json()["data"]
+    assert [m["id"] for m in cards] == [base, *ROUTED, SPARE]
+    # every adapter's root is its catalog directory, whether this replica has loaded it yet or not
+    assert {m["id"]: Path(m["root"]).resolve() for m in cards[1:]} == {n: Path(p).resolve() for n, p in catalog.items()}
     r = http.post("/v1/completions", json={"model": base, "prompt": PROMPT, **GREEDY})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == _ref(ref, PROMPT, None).text
     assert httpx.get(f"{url}/health").status_code == 200  # no key needed

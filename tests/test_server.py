@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -223,10 +224,11 @@ def _serves(http):
 
 
 # ------------------------------------------------------------------------------------------ the openai client
-def test_models_list_the_base_and_every_adapter(client, served):
+def test_models_list_the_base_and_every_adapter(client, served, adapter_root):
     models = client.models.list().data
     assert [m.id for m in models] == [BASE, *sorted(served.apply(hooks.list_adapters))]
     assert models[0].parent is None and all(m.parent == BASE for m in models[1:])
+    assert all(Path(m.root).resolve() == (adapter_root / m.id).resolve() for m in models[1:])  # where each was loaded
     assert all(m.object == "model" and m.owned_by == "multilora" for m in models)
 
 
@@ -507,8 +509,8 @@ def test_runtime_adapters_load_serve_and_unload(http, engine, served, adapter_ro
     assert "fresh" in served.apply(hooks.list_adapters)
     if served.proc is not None:  # the reference: the test's engine, which the server does not use in this mode
         engine.load_adapter("fresh", path)
-    assert {"id": "fresh", "parent": BASE}.items() <= next(m for m in http.get("/v1/models").json()["data"]
-                                                           if m["id"] == "fresh").items()
+    card = next(m for m in http.get("/v1/models").json()["data"] if m["id"] == "fresh")
+    assert {"id": "fresh", "parent": BASE}.items() <= card.items() and Path(card["root"]).resolve() == path.resolve()
     want = _ref(engine, "Hello", "fresh", max_tokens=6, temperature=0.0)
     r = http.post("/v1/completions", json={"model": "fresh", "prompt": "Hello", "max_tokens": 6, "temperature": 0})
     assert r.json()["choices"][0]["text"] == want.text
@@ -519,6 +521,8 @@ def test_runtime_adapters_load_serve_and_unload(http, engine, served, adapter_ro
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"})
     assert r.status_code == 200 and "removed" in r.text
     assert "fresh" not in served.apply(hooks.list_adapters)
+    with pytest.raises(KeyError, match="'fresh' is not loaded"):
+        (served.proc or engine).adapter_path("fresh")
     if served.proc is not None:
         engine.unload_adapter("fresh")
     assert http.post("/v1/completions", json={"model": "fresh", "prompt": "Hi"}).status_code == 404
