@@ -665,6 +665,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     head = (f"{meta['shape']} ({meta['dtype']}), {meta['device']}, torch {meta['torch']}, transformers "
             f"{meta['transformers']}, peft {meta['peft']}; prompt {meta['prompt_len']}, rank {meta['rank']}; "
             f"copy bandwidth {meta['copy_gbps']:.0f} GB/s")
+    if any(r.get("rounds") for r in rows):
+        head += "; with --rounds: each row is the median round by TPOT, every round's TPOT in brackets"
     cols = ("provider", "batch", "gen", "TTFT s", "TPOT ms", "output tok/s", "decode tok/s", "GB/s", "% of copy",
             "weights % of copy", "status")
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -673,9 +675,6 @@ def markdown(rows: list[dict], meta: dict) -> str:
         got = [v for v in r.get("tpot_ms_rounds") or [] if v is not None]
         return f(r.get("tpot_ms"), ".2f") + (f" ({' / '.join(format(v, '.2f') for v in got)})" if len(got) > 1 else "")
 
-    if any(r.get("rounds") for r in rows):
-        head += "; with --rounds: each row is the median round by TPOT, every round's TPOT in brackets"
-        lines[0] = head
     for r in rows:
         why = r.get("error") or r.get("note")
         status = f"{r['status']}: {why[:100]}" if why else r["status"]

@@ -252,8 +252,7 @@ def _child_main(conn: Any, factory: Callable[[], Any], log_level: int, log_forma
     conn.send(("ready", {"pid": os.getpid(), "tokenizer": tokenizer, "has_tokenizer": engine.tokenizer is not None,
                          "vocab_size": engine.config.vocab_size, "eos_ids": sorted(engine.text.eos_ids),
                          "model_path": str(engine.model_path), "max_seq_len": engine.max_seq_len,
-                         "adapters": engine.list_adapters(),
-                         "adapter_paths": {n: str(engine.adapter_path(n)) for n in engine.list_adapters()}}))
+                         "adapters": {n: str(engine.adapter_path(n)) for n in engine.list_adapters()}}))
     core = _EngineCore(conn, engine)
     threading.Thread(target=core.read, name="multilora-engine-reader", daemon=True).start()
     try:
@@ -283,8 +282,8 @@ class EngineProcess:
     """An engine stepping in a child process, with what the server needs of an ``Engine`` and its ``EngineLoop``.
 
     Made by ``EngineProcess.start``. Engine side: ``tokenizer``, ``model_path``, ``max_seq_len``, ``list_adapters``,
-    ``load_adapter``, ``unload_adapter``, ``stats`` (each a round trip to the child, except ``list_adapters``: the
-    names are kept here). Loop side: ``submit``, ``abort``, ``close``, ``running``, ``num_streams``. Thread-safe.
+    ``adapter_path``, ``load_adapter``, ``unload_adapter``, ``stats`` (each a round trip to the child, except
+    ``list_adapters`` and ``adapter_path``: the names and paths are kept here). Loop side: ``submit``, ``abort``, ``close``, ``running``, ``num_streams``. Thread-safe.
 
     Attributes:
         pid: the child's process id.
@@ -299,8 +298,7 @@ class EngineProcess:
         self.tokenizer = _tokenizer(info, self.model_path)
         self.text = PromptTokenizer(self.tokenizer, vocab_size=info["vocab_size"], eos_token_ids=info["eos_ids"],
                                     source=self.model_path)
-        self._adapters: list[str] = list(info["adapters"])
-        self._adapter_paths: dict[str, str] = dict(info.get("adapter_paths", {}))
+        self._adapters: dict[str, str] = dict(info["adapters"])  # name -> the path it was loaded from, in load order
         self._tracked: dict[int, _Tracked] = {}
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count()
@@ -379,27 +377,23 @@ class EngineProcess:
         """``Engine.adapter_path`` from this side's record of the loads (no round trip). Raises
         UnknownAdapterError (a KeyError) if it is not loaded."""
         with self._lock:
-            if name not in self._adapter_paths:
+            if name not in self._adapters:
                 known = ", ".join(sorted(self._adapters)) or "none"
                 raise UnknownAdapterError(f"adapter {name!r} is not loaded (loaded: {known})")
-            return Path(self._adapter_paths[name])
+            return Path(self._adapters[name])
 
     def load_adapter(self, name: str, path: str | os.PathLike, *, allow_pickle: bool = False,
                      preload: bool = True) -> None:
         """``Engine.load_adapter`` in the child (its errors raised again here; returns nothing)."""
         self._call("load_adapter", name, str(path), allow_pickle, preload)
         with self._lock:
-            if name not in self._adapters:
-                self._adapters.append(name)
-            self._adapter_paths[name] = str(Path(path))
+            self._adapters[name] = str(Path(path))  # a reload keeps the name's place
 
     def unload_adapter(self, name: str) -> None:
         """``Engine.unload_adapter`` in the child (UnknownAdapterError when not loaded)."""
         self._call("unload_adapter", name)
         with self._lock:
-            if name in self._adapters:
-                self._adapters.remove(name)
-            self._adapter_paths.pop(name, None)
+            self._adapters.pop(name, None)
 
     def stats(self) -> dict[str, Any]:
         """``Engine.stats()`` of the child's engine."""
