@@ -193,8 +193,7 @@ def main() -> None:
                                                             "host_to_gpu_copies", "host_misses", "host_hits",
                                                             "host_arena_map_seconds", "host_arena_sync_map_seconds",
                                                             "host_arena_sync_grows",
-                                                            "host_arena_grown_ahead",
-                                                            "host_arena_growth_waits_skipped")
+                                                            "host_arena_grown_ahead")
                           if isinstance(after.get(k), (int, float)) and isinstance(before.get(k), (int, float))},
                        "step_seconds": after.get("step_seconds"),
                        **compiles_between(before, after),  # Triton compiles inside the row (warm-up missed them)

@@ -42,9 +42,7 @@ Mapping and registering a chunk costs time (registration first-touches and pins 
 step thread of a filling host tier spent 4-6% of its samples in it, bench/README.md session 15). ``grow_ahead``
 maps the next chunk on a background thread when the holes left could take fewer than two images of the
 granule, so a later ``alloc`` finds room; its units count against the budget while it is mapped, and an ``alloc``
-that finds no hole meanwhile waits for it (rather than map another chunk, or be refused for want of budget), or,
-with ``wait=False``, returns None at once (the adapter cache's prefetch: it runs on the step thread, which waited
-there for 8-16% of its samples in session 19's one-batch rows at 2,048 adapters; it tries again next step).
+that finds no hole meanwhile waits for it (rather than map another chunk, or be refused for want of budget).
 ``alloc`` still grows on the caller's thread when it must (``sync_grows`` counts those, ``sync_register_seconds``
 their time; ``grown_ahead`` the background ones).
 
@@ -197,7 +195,6 @@ class HostArena:
         self.sync_register_seconds = 0.0  # of those, on the thread that needed the room (alloc)
         self.sync_grows = 0  # chunks mapped on the thread calling alloc
         self.grown_ahead = 0  # chunks mapped by grow_ahead's background thread
-        self.growth_waits_skipped = 0  # alloc(wait=False) calls that returned None while a chunk was being mapped
         self._pending_units = 0  # units of a chunk being mapped in the background (counted against the budget)
         self._growth: threading.Thread | None = None
 
@@ -232,14 +229,10 @@ class HostArena:
         return units <= self.chunk_units and (budget_units is None or units <= min(self.chunk_units, budget_units))
 
     # ------------------------------------------------------------------ alloc / free
-    def alloc(self, nbytes: int, *, fixed: bool = False, wait: bool = True) -> HostBlock | None:
+    def alloc(self, nbytes: int, *, fixed: bool = False) -> HostBlock | None:
         """A block of ``nbytes`` (rounded up to units), or None when no chunk can take it without evicting:
         first fit over the chunks, else a new chunk within the budget, else a compaction of a chunk whose free
-        units suffice. ``fixed``: the block is being written (never moved until ``release_fixed``).
-
-        ``wait=False``: when no hole fits while a chunk is being mapped ahead (``growing``), return None at once
-        instead of waiting for that chunk (a caller that can come back later, e.g. a prefetch on the step thread,
-        tells this None from a full arena by ``growing``)."""
+        units suffice. ``fixed``: the block is being written (never moved until ``release_fixed``)."""
         if nbytes <= 0:
             raise ValueError(f"HostArena.alloc: nbytes must be positive, got {nbytes}")
         units = self._units(nbytes)
@@ -249,9 +242,6 @@ class HostArena:
                 start = c.space.take(units)
                 if start is not None:
                     return self._place(i, start, units, nbytes, fixed)
-            if not wait and self._growth is not None:
-                self.growth_waits_skipped += 1
-                return None
             while self._growth is not None:  # a chunk is being mapped ahead: wait for it rather than map another
                 self._grown.wait()
                 start = self._chunks[-1].space.take(units) if self._chunks else None
@@ -343,11 +333,6 @@ class HostArena:
             self._pending_units = 0
             self._growth = None
             self._grown.notify_all()
-
-    @property
-    def growing(self) -> bool:
-        """Whether a chunk is being mapped ahead (``grow_ahead``) right now."""
-        return self._growth is not None
 
     def wait_growth(self, timeout: float | None = None) -> None:
         """Wait for a chunk being mapped in the background (if any) to be in place (or its mapping to have

@@ -360,16 +360,13 @@ class AdapterCache:
         return [h for h in order if h is not keep and h.host is not None]
 
     def _host_block(self, nbytes: int, keep: AdapterHandle | None, *, fixed: bool = False,
-                    spare: set[int] | None = None, wait: bool = True) -> HostBlock | None:
+                    spare: set[int] | None = None) -> HostBlock | None:
         """An arena block of ``nbytes``, dropping host copies (``_host_victims`` order, never ``keep``'s nor those
         of handles whose ids are in ``spare``) until one fits; None if the image can never fit the arena (larger
-        than a chunk or the budget) or nothing left to drop makes room. ``wait=False``: also None, at once and
-        dropping nothing, when no hole fits while the arena maps a chunk ahead (the caller tries again later)."""
+        than a chunk or the budget) or nothing left to drop makes room."""
         if not self.arena.could_ever_fit(nbytes):
             return None
-        block = self.arena.alloc(nbytes, fixed=fixed, wait=wait)
-        if block is None and not wait and self.arena.growing:
-            return None
+        block = self.arena.alloc(nbytes, fixed=fixed)
         victims = iter([v for v in self._host_victims(keep) if spare is None or id(v) not in spare])
         while block is None:
             victim = next(victims, None)
@@ -740,10 +737,9 @@ class AdapterCache:
                 self._collect(h)
                 if h.host is None:
                     if h.loading is None and not h.prefetch_failed:
-                        # not waiting here for a chunk being mapped ahead: this is the step thread
-                        block = self._host_block(h.pool_bytes, keep=h, fixed=True, spare=wanted, wait=False)
+                        block = self._host_block(h.pool_bytes, keep=h, fixed=True, spare=wanted)
                         if block is None and self.arena.could_ever_fit(h.pool_bytes):
-                            continue  # no room on the host now: next step's prefetch, or read on demand
+                            continue  # no room on the host now: read on demand
                         h.loading_block = block
                         h.loading = self._io.submit(self._prefetch_read, h, block)
                     continue
@@ -810,9 +806,7 @@ class AdapterCache:
         in-flight copy still reads), ``host_arena_chunks``, ``host_arena_compactions`` and the bytes they moved,
         ``host_arena_map_seconds`` (mapping and registering the chunks, on any thread), ``host_arena_sync_grows``
         and ``host_arena_sync_map_seconds`` (chunks mapped on the thread that needed the room, and their time) and
-        ``host_arena_grown_ahead`` (chunks mapped ahead on a background thread: ``HostArena.grow_ahead``);
-        ``host_arena_growth_waits_skipped`` (prefetch reads put off to a later step rather than wait on the step
-        thread for a chunk being mapped ahead)."""
+        ``host_arena_grown_ahead`` (chunks mapped ahead on a background thread: ``HostArena.grow_ahead``)."""
         s, pool = self.stats, self.pool
         with self._lock:
             self._settle_timings()
@@ -850,7 +844,7 @@ class AdapterCache:
             "host_arena_compactions": a.compactions, "host_arena_bytes_compacted": a.bytes_compacted,
             "host_arena_map_seconds": a.register_seconds, "host_arena_sync_map_seconds": a.sync_register_seconds,
             "host_arena_sync_grows": a.sync_grows,
-            "host_arena_grown_ahead": a.grown_ahead, "host_arena_growth_waits_skipped": a.growth_waits_skipped,
+            "host_arena_grown_ahead": a.grown_ahead,
             "pool_bytes_capacity": pool.bytes_capacity, "evictions_for_kv": s.evictions_for_kv,
             **(self.unified.report() if self.unified is not None else {}),
         }

@@ -83,7 +83,6 @@ class FakeEvent:
 UNIT = 16
 OPS = st.lists(st.one_of(
     st.tuples(st.just("alloc"), st.integers(1, 9 * UNIT), st.booleans()),   # size, fixed (being written)
-    st.tuples(st.just("try"), st.integers(1, 9 * UNIT), st.booleans()),     # alloc(wait=False): size, fixed
     st.tuples(st.just("free"), st.integers(0, 50), st.booleans()),           # which, with a copy in flight
     st.tuples(st.just("read"), st.integers(0, 50), st.booleans()),           # a copy reads it; it completes now?
     st.tuples(st.just("done"), st.integers(0, 50), st.booleans()),           # fixed block written / copy completes
@@ -127,14 +126,8 @@ def test_arena_keeps_bytes_exact_and_contents_intact(ops, chunk_units, budget_ch
 
     for op, x, flag in ops:
         items = list(live)
-        if op in ("alloc", "try"):
-            chunks, skipped = arena.num_chunks, arena.growth_waits_skipped
-            b = arena.alloc(x, fixed=flag, wait=op == "alloc")
-            if b is None and arena.growth_waits_skipped > skipped:
-                # put off only while a chunk was being mapped ahead, and only when no mapped chunk had a hole
-                assert op == "try" and arena.growth_waits_skipped == skipped + 1
-                assert all(arena._chunks[i].space.largest_hole < -(-x // UNIT) for i in range(chunks))
-                continue
+        if op == "alloc":
+            b = arena.alloc(x, fixed=flag)
             if b is None:
                 # refused only when no chunk can take it: not in a hole, a new chunk or a compaction
                 units = -(-x // UNIT)
@@ -302,52 +295,6 @@ def test_grow_ahead_counts_against_the_budget_and_survives_a_failure(monkeypatch
     assert "mapping a 134217728-byte chunk ahead failed: no room for a chunk" in caplog.text
     assert arena.num_chunks == 1 and arena.grown_ahead == 0
     assert arena.alloc(8 * MiB).chunk == 1 and arena.sync_grows == 2  # grows on this thread instead
-
-
-def test_prefetch_does_not_wait_on_the_step_thread_for_a_chunk_being_mapped(tiny, monkeypatch):
-    """A prefetch (run by the step thread) that finds no hole while the arena maps a chunk ahead neither waits for
-    that chunk nor drops a host copy to make room: the read is put off (``host_arena_growth_waits_skipped``) and
-    starts at the next prefetch once the chunk is in; the adapter then serves the logits of one read at load."""
-    import multilora.memory.host_arena as ha
-
-    _, dirs, _, unit = tiny
-    monkeypatch.setattr(ha, "FIRST_CHUNK_BYTES", unit)  # chunks of 1, then 2 images: the second is mapped ahead
-    release = threading.Event()
-    real = ha._Chunk
-
-    def slow_chunk(*a, **k):
-        if threading.current_thread().name == "multilora-host-arena-grow":
-            assert release.wait(30)
-        return real(*a, **k)
-
-    monkeypatch.setattr(ha, "_Chunk", slow_chunk)
-    engine = _engine(tiny, 2, 3 * unit)
-    ref = _engine(tiny, 2, 3 * unit)
-    engine.load_adapter("x", dirs[1], preload=False)  # on the disk tier
-    engine.load_adapter("a", dirs[0])  # its host copy fills the first chunk; the next one is being mapped, slowly
-    arena, hx = engine.cache.arena, engine.cache.get("x")
-    assert arena.num_chunks == 1 and arena.growing
-    done = threading.Thread(target=engine.cache.prefetch, args=([hx],))
-    done.start()
-    done.join(10)
-    try:
-        assert not done.is_alive(), "prefetch waited on the step thread for the chunk being mapped"
-        assert hx.loading is None and hx.host is None
-        s = engine.stats()
-        assert s["host_arena_growth_waits_skipped"] == 1 and s["host_evictions"] == 0
-        assert engine.cache.get("a").host is not None
-    finally:
-        release.set()
-    arena.wait_growth(10)
-    engine.cache.prefetch([hx])
-    assert hx.loading is not None
-    concurrent.futures.wait([hx.loading], timeout=60)
-    ref.load_adapter("x", dirs[1])
-    prompts = [_ids(5, 1), _ids(6, 2)]
-    assert torch.equal(engine.logits(prompts, adapters="x"), ref.logits(prompts, adapters="x"))
-    assert engine.stats()["disk_to_host_reads"] == 1 and arena.num_chunks == 2 and arena.sync_grows == 1
-    engine.cache.close()
-    ref.cache.close()
 
 
 def test_arena_refuses_what_can_never_fit_and_validates():
