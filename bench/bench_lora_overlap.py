@@ -192,6 +192,9 @@ def main(argv=None):
     ap.add_argument("--old-rank-tiles", action="store_true",
                     help="decode expand from a rank > 16 pool as before session 18 (DECODE_EXPAND_RANK_TILES = None: "
                     "256-wide tiles, 2 warps up to 16 tokens, 4 above); the run's JSON gets _oldranktiles")
+    ap.add_argument("--expand-rank-tiles", default=None, metavar="BLOCK_N,WARPS",
+                    help="decode expand from a rank > 16 pool with these tiles (triton_sgmv.DECODE_EXPAND_RANK_TILES; "
+                    "default 128,2 since session 18), e.g. 256,4; the run's JSON gets _xtiles<BLOCK_N>x<WARPS>")
     args = ap.parse_args(argv)
     from multilora.kernels import triton_sgmv
 
@@ -218,6 +221,18 @@ def main(argv=None):
     if args.old_rank_tiles:
         triton_sgmv.DECODE_EXPAND_RANK_TILES = None
         tag += "_oldranktiles"
+    if args.expand_rank_tiles:
+        if args.old_rank_tiles:
+            ap.error("--expand-rank-tiles and --old-rank-tiles: expected one of them, got both")
+        try:
+            block_n, warps = (int(v) for v in args.expand_rank_tiles.split(","))
+        except ValueError:
+            ap.error(f"--expand-rank-tiles: expected BLOCK_N,WARPS (two ints), got {args.expand_rank_tiles!r}")
+        if block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16):
+            ap.error(f"--expand-rank-tiles: expected BLOCK_N a power of two >= 16 and WARPS in 1, 2, 4, 8, 16, got "
+                     f"{block_n},{warps}")
+        triton_sgmv.DECODE_EXPAND_RANK_TILES = (block_n, warps)
+        tag += f"_xtiles{block_n}x{warps}"
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
         tag += f"_{args.blas}"
