@@ -137,14 +137,16 @@ def check_supported(body: _Generate, unsupported: dict[str, tuple]) -> None:
         log.warning("ignoring unknown request fields %s", ignored)
 
 
-def sampling_params(body: _Generate, max_tokens: int) -> SamplingParams:
+def sampling_params(body: _Generate, max_tokens: int, *, asked: bool = False) -> SamplingParams:
     """The request's ``SamplingParams`` (OpenAI's defaults: temperature 1, top_p 1; ``max_tokens`` when the request
-    names none). Raises a 400 with the engine's message, naming the field."""
+    names none). ``asked``: the client named ``max_tokens``, so a prompt + ``max_tokens`` past the context is a 400
+    (``max_tokens_must_fit``), as from OpenAI and vLLM; a default is capped at the context instead. Raises a 400
+    with the engine's message, naming the field."""
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p,
                               top_k=0 if body.top_k in (None, -1) else body.top_k, seed=body.seed, stop=body.stop,
-                              ignore_eos=body.ignore_eos)
+                              ignore_eos=body.ignore_eos, max_tokens_must_fit=asked)
     except ValueError as e:
         raise bad_value(e) from None
 

@@ -43,7 +43,8 @@ class RequestFactory:
 
         Raises:
             ValueError: a bad prompt or sampling value, a prompt that leaves no room to generate within
-                ``max_seq_len``, or a request whose whole length (``min(prompt + max_tokens, max_seq_len)`` tokens)
+                ``max_seq_len``, a prompt + ``max_tokens`` past ``max_seq_len`` when ``max_tokens_must_fit``
+                (else it is capped there), or a request whose whole length (``min(prompt + max_tokens, max_seq_len)`` tokens)
                 needs more KV blocks than the whole cache has.
             UnknownAdapterError (a KeyError): ``adapter`` is not loaded.
         """
@@ -59,6 +60,11 @@ class RequestFactory:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
                              f"max_seq_len={self.max_seq_len} (a longer prompt needs a larger max_seq_len: "
                              f"Engine(max_seq_len=...), --max-seq-len)")
+        if params.max_tokens_must_fit and len(ids) + params.max_tokens > self.max_seq_len:
+            raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens={params.max_tokens} = "
+                             f"{len(ids) + params.max_tokens} tokens exceed the model's context of max_seq_len="
+                             f"{self.max_seq_len}: ask for at most {self.max_seq_len - len(ids)} tokens or shorten "
+                             f"the prompt")
         total = min(len(ids) + params.max_tokens, self.max_seq_len)
         kv = self.kv
         if kv.blocks_for_tokens(total) > kv.max_usable_blocks:

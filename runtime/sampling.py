@@ -36,6 +36,10 @@ class SamplingParams:
         stop: strings that end generation (one string, a list, or None = none); the text is cut before the
             first occurrence.
         ignore_eos: keep going past the model's end-of-sequence token.
+        max_tokens_must_fit: False (default): a request whose prompt + ``max_tokens`` exceeds the engine's
+            ``max_seq_len`` generates up to ``max_seq_len`` (finish reason ``length``); True: it is refused at
+            submission (ValueError naming ``max_tokens``), as the OpenAI API and vLLM's server refuse it (the
+            server sets it when a client names ``max_tokens``).
 
     Every field is checked here, type and range, so the batched sampler never meets a value it cannot use.
 
@@ -50,6 +54,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    max_tokens_must_fit: bool = False
 
     def __post_init__(self) -> None:
         self.check()
@@ -84,10 +89,13 @@ class SamplingParams:
             raise fail("seed", "an int or None")
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise fail("ignore_eos", "True or False")
+        if not isinstance(self.max_tokens_must_fit, (bool, np.bool_)):
+            raise fail("max_tokens_must_fit", "True or False")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise fail("stop", "non-empty strings")
         # numpy scalars become Python ones: the sampler packs them with the others
         self.max_tokens, self.top_k, self.ignore_eos = int(self.max_tokens), int(self.top_k), bool(self.ignore_eos)
+        self.max_tokens_must_fit = bool(self.max_tokens_must_fit)
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         if self.seed is not None:
             self.seed = int(self.seed)

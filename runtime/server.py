@@ -173,23 +173,28 @@ class _Server:
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         check_supported(body, COMPLETION_UNSUPPORTED)
         prompts = completion_prompts(body.prompt)
-        sampling = sampling_params(body, COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens)
+        sampling = sampling_params(body, COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
+                                   asked=body.max_tokens is not None)
         return await self._generate(request, body.model, prompts, sampling, body.stream,
-                                    Responses(chat=False, model=body.model, stream_options=body.stream_options), "prompt")
+                                    Responses(chat=False, model=body.model, stream_options=body.stream_options),
+                                    {"prompt": "prompt"})
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         check_supported(body, CHAT_UNSUPPORTED)
         prompt = chat_prompt(body.messages)
         asked = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-        sampling = sampling_params(body, self.engine.max_seq_len if asked is None else asked)  # None: to the end
+        sampling = sampling_params(body, self.engine.max_seq_len if asked is None else asked,  # None: to the end
+                                   asked=asked is not None)
         return await self._generate(request, body.model, [prompt], sampling, body.stream,
-                                    Responses(chat=True, model=body.model, stream_options=body.stream_options), "messages")
+                                    Responses(chat=True, model=body.model, stream_options=body.stream_options),
+                                    {"prompt": "messages", **({"max_tokens": "max_completion_tokens"}
+                                                              if body.max_completion_tokens is not None else {})})
 
     async def _generate(self, request: Request, model: str, prompts: list, sampling: SamplingParams, stream: bool,
-                        out: Responses, prompt_param: str) -> Any:
+                        out: Responses, params: dict[str, str]) -> Any:
         loop = self._running_loop()
         adapter = self._adapter(model)
-        streams = await run_in_threadpool(self._submit, loop, prompts, adapter, sampling, prompt_param)
+        streams = await run_in_threadpool(self._submit, loop, prompts, adapter, sampling, params)
         reqs = _Requests(streams, model, self.metrics)
         if stream:
             return _EventStream(self._events(reqs, out), reqs.close, media_type="text/event-stream")
@@ -210,9 +215,10 @@ class _Server:
                             f"listed by GET /v1/models", code="model_not_found", param="model")
 
     def _submit(self, loop: EngineLoop | EngineProcess, prompts: list, adapter: str | None, sampling: SamplingParams,
-                prompt_param: str) -> list[RequestStream]:
+                params: dict[str, str]) -> list[RequestStream]:
         """Queue one engine request per prompt (in a worker thread: submitting waits for the current step); on any
-        refusal the ones already queued are withdrawn and the refusal becomes an ``APIError``."""
+        refusal the ones already queued are withdrawn and the refusal becomes an ``APIError`` (its ``param`` the
+        request's name for the engine's field: ``params``, e.g. ``prompt`` -> ``messages``)."""
         streams: list[RequestStream] = []
         try:
             for p in prompts:
@@ -228,7 +234,7 @@ class _Server:
                 raise APIError(404, str(e.args[0]), code="model_not_found", param="model") from None
             if isinstance(e, ValueError):
                 err = bad_value(e)
-                err.param = prompt_param if err.param == "prompt" else err.param
+                err.param = params.get(err.param, err.param)
                 raise err from None
             if self.closing:  # the loop closed meanwhile ("EngineLoop: closed")
                 raise APIError(503, "the server is shutting down", code="unavailable") from None

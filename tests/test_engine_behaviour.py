@@ -191,7 +191,7 @@ def test_eos_ends_generation(tiny, tmp_path):
     ("temperature", -0.1), ("temperature", float("nan")),
     ("top_p", 0.0), ("top_p", 1.01), ("top_p", float("nan")),
     ("top_k", -1), ("top_k", 1.5),
-    ("stop", [""]), ("stop", ["ok", 3]),
+    ("stop", [""]), ("stop", ["ok", 3]), ("max_tokens_must_fit", "yes"),
 ])
 def test_sampling_params_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -292,6 +292,13 @@ def test_prompt_longer_than_max_seq_len_is_rejected(tiny):
                            sampling=SamplingParams(max_tokens=20, ignore_eos=True))
     assert [len(o.token_ids) for o in edge] == [1, 6]  # prompt + generated stops at max_seq_len
     assert all(o.finish_reason == "length" for o in edge)
+    must_fit = SamplingParams(max_tokens=7, ignore_eos=True, max_tokens_must_fit=True)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: max_tokens: 10 prompt tokens \+ max_tokens=7 = 17 tokens "
+                                         r"exceed .* max_seq_len=16: ask for at most 6 tokens"):
+        engine.generate([_ids(3, 35), _ids(10, 34)], adapters=[None, "a"], sampling=must_fit)
+    _assert_idle(engine)
+    must_fit.max_tokens = 6  # exactly the context: served, and the same tokens as capped
+    assert engine.generate([_ids(10, 34)], adapters=[None], sampling=must_fit)[0].token_ids == edge[1].token_ids
     assert engine.logits([_ids(16, 32)]).shape == (1, VOCAB)
 
 

@@ -360,6 +360,7 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_it(url, served):
 
 # ------------------------------------------------------------------------------------------ errors, raw HTTP
 _LONG = token_ids(300, 3, VOCAB)  # more than max_seq_len = 256 (the tiny model's context)
+_NEAR = token_ids(250, 4, VOCAB)  # leaves 6 tokens of the context
 
 ERRORS = [  # (route, body, status, param, code)
     ("completions", b'{"model": "tiny", "prompt": ', 400, None, "invalid_json"),
@@ -372,6 +373,10 @@ ERRORS = [  # (route, body, status, param, code)
     ("completions", {"model": BASE, "prompt": "Hi", "temperature": -1}, 400, "temperature", "invalid_value"),
     ("completions", {"model": BASE, "prompt": "Hi", "top_p": 0}, 400, "top_p", "invalid_value"),
     ("completions", {"model": BASE, "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ("completions", {"model": BASE, "prompt": _NEAR, "max_tokens": 7}, 400, "max_tokens", "invalid_value"),
+    ("chat/completions", {"model": BASE, "messages": CHAT, "max_tokens": 300}, 400, "max_tokens", "invalid_value"),
+    ("chat/completions", {"model": BASE, "messages": CHAT, "max_completion_tokens": 300}, 400,
+     "max_completion_tokens", "invalid_value"),
     ("completions", {"model": BASE, "prompt": "Hi", "top_k": -5}, 400, "top_k", "invalid_value"),
     ("completions", {"model": BASE, "prompt": "Hi", "stop": [""]}, 400, "stop", "invalid_value"),
     ("completions", {"model": BASE, "prompt": "Hi", "temperature": "hot"}, 400, "temperature", "invalid_type"),
@@ -433,6 +438,26 @@ def test_a_value_of_the_wrong_type_is_quoted(http):
     assert r.status_code == 400 and msg.startswith("temperature: ") and msg.endswith('got "' + "x" * 59 + "..."), msg
     r = http.post("/v1/completions", json={"model": BASE})  # a missing field has no value to quote
     assert r.status_code == 400 and "got" not in r.json()["error"]["message"], r.text
+    _serves(http)
+
+
+def test_max_tokens_past_the_context_is_refused_but_a_default_is_capped(http, served):
+    """As from OpenAI and vLLM: a client's max_tokens that takes prompt + completion past the context (256 tokens
+    here) is a 400 saying how many fit; exactly filling it is served; with no max_tokens the default (16 for
+    completions, the rest of the context for chat) stops at the context with finish_reason "length"."""
+    r = http.post("/v1/completions", json={"model": BASE, "prompt": _NEAR, "max_tokens": 7})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and msg == ("max_tokens: 250 prompt tokens + max_tokens=7 = 257 tokens exceed the "
+                                            "model's context of max_seq_len=256: ask for at most 6 tokens or shorten "
+                                            "the prompt"), r.text
+    for body in ({"max_tokens": 6}, {}):  # exactly the context; the completions default of 16, capped
+        r = http.post("/v1/completions", json={"model": "ad1", "prompt": _NEAR, "temperature": 0, "ignore_eos": True,
+                                               **body})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 6 and r.json()["choices"][0]["finish_reason"] == "length"
+    r = http.post("/v1/chat/completions", json={"model": BASE, "messages": CHAT, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
+    _idle(served)
     _serves(http)
 
 
