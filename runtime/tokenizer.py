@@ -64,7 +64,9 @@ class PromptTokenizer:
 
         Raises:
             ValueError: a prompt of another type, ids out of range, chat messages without string 'role' and
-                'content' or with a role not in ``CHAT_ROLES``, text that is not valid Unicode (a lone surrogate),
+                'content' or with a role not in ``CHAT_ROLES``, chat messages the model's chat template refuses
+                (its ``raise_exception``: e.g. Gemma's templates refuse a system role), text that is not valid
+                Unicode (a lone surrogate),
                 text for a model without a tokenizer, or a prompt that tokenizes to nothing.
         """
         listed = isinstance(prompt, (list, tuple))
@@ -85,7 +87,12 @@ class PromptTokenizer:
                 if m["role"] not in CHAT_ROLES:
                     raise ValueError(f"prompt: chat message {i}: 'role' must be one of {', '.join(sorted(CHAT_ROLES))}, "
                                      f"got {m['role']!r}")
-            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+            try:
+                text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # noqa: BLE001 - the template's own refusal (Gemma: "System role not supported")
+                if not type(e).__module__.startswith("jinja2"):
+                    raise
+                raise ValueError(f"prompt: the chat template of {self.source} refused these messages: {e}") from None
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         elif listed and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)

@@ -185,6 +185,21 @@ def test_bad_prompts_are_value_errors_naming_the_index(engine, reference, prompt
     _still_serves(engine, reference)
 
 
+def test_messages_the_chat_template_refuses_are_a_value_error(engine, reference, monkeypatch):
+    """A chat template's own refusal (Gemma's templates raise "System role not supported") fails that prompt with a
+    ValueError naming it (the HTTP server's 400), not a jinja2 error from inside the engine."""
+    tok = engine.text.tokenizer
+    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{% if m['role'] == 'system' %}"
+                        "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    bad = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: prompt: the chat template of .* refused these messages: "
+                                         r"System role not supported$"):
+        engine.generate(["fine", bad], sampling=GREEDY)
+    assert engine.generate([bad[1:]], sampling=GREEDY)[0].finish_reason in ("length", "stop")
+    monkeypatch.undo()
+    _still_serves(engine, reference)
+
+
 # ------------------------------------------------------------------------------------ 5: non-finite logits
 def test_an_adapter_that_overflows_fails_alone_naming_itself(engine, reference):
     outs = engine.generate(PROMPTS + [PROMPTS[0]], adapters=ADAPTERS + ["hot"], sampling=GREEDY)
