@@ -92,7 +92,16 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
             (``runtime.ray_serve``) lists its whole catalog: a replica loads a catalog adapter when it is routed one.
         adapter_paths: adapter name -> directory, the ``root`` of an adapter's ``/v1/models`` card when the engine
             has not loaded it (default: none; a loaded adapter's root is ``engine.adapter_path(name)``).
+
+    Raises:
+        ValueError: an adapter (loaded, or listed by ``listed_adapters``) has the base model's served name: requests
+            naming it could reach only one of the two (``/v1/load_lora_adapter`` refuses such a name too).
     """
+    clash = served_model_name in set((listed_adapters or engine.list_adapters)())
+    if clash:
+        raise ValueError(f"served_model_name: {served_model_name!r} is also the name of an adapter; requests naming it "
+                         f"would reach the base model only: give the adapter another name (--adapter NAME=PATH) or "
+                         f"the base model another one (--served-model-name)")
     server = _Server(engine, served_model_name, adapter_root, allow_runtime_adapters,
                      listed_adapters or engine.list_adapters, adapter_paths or dict)
     app = FastAPI(title="multilora", lifespan=server.lifespan)
@@ -100,6 +109,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     app.get("/health")(server.health)
     app.get("/metrics")(server.metrics_text)
     app.get("/v1/models")(server.models)
+    app.get("/v1/models/{model:path}")(server.model)
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
     app.post("/v1/load_lora_adapter")(server.load_lora_adapter)
@@ -155,19 +165,29 @@ class _Server:
         # off the event loop: with an engine process, Engine.stats() is a round trip to it
         return Response(await run_in_threadpool(self.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
-    async def models(self) -> dict:
-        def card(name: str, root: str | None, parent: str | None) -> dict:
-            return {"id": name, "object": "model", "created": self.created, "owned_by": "multilora", "root": root,
-                    "parent": parent, "max_model_len": self.engine.max_seq_len}
-
-        def root(name: str) -> str | None:  # the directory it was (or, from a catalog, will be) loaded from
+    def _card(self, name: str) -> dict:
+        """``name``'s model card (the base model's, or an adapter's with the base as ``parent`` and ``root`` the
+        directory it was, or from a catalog will be, loaded from)."""
+        if name == self.served_model_name:
+            root, parent = str(self.engine.model_path), None
+        else:
             try:
-                return str(self.engine.adapter_path(name))
+                root = str(self.engine.adapter_path(name))
             except KeyError:  # not loaded here (a catalog adapter this replica has not been routed yet)
-                return self.adapter_paths().get(name)
+                root = self.adapter_paths().get(name)
+            parent = self.served_model_name
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "multilora", "root": root,
+                "parent": parent, "max_model_len": self.engine.max_seq_len}
 
-        return {"object": "list", "data": [card(self.served_model_name, str(self.engine.model_path), None),
-                                           *(card(n, root(n), self.served_model_name) for n in self.listed_adapters())]}
+    async def models(self) -> dict:
+        return {"object": "list", "data": [self._card(n) for n in (self.served_model_name, *self.listed_adapters())]}
+
+    async def model(self, model: str) -> dict:
+        """``GET /v1/models/{model}`` (OpenAI's retrieve): one card of ``models``, or a 404 naming the model."""
+        if model != self.served_model_name and model not in set(self.listed_adapters()):
+            raise APIError(404, f"The model `{model}` does not exist: serving {self.served_model_name!r} and the "
+                                f"adapters listed by GET /v1/models", code="model_not_found", param="model")
+        return self._card(model)
 
     # ---------------------------------------------------------------------------------- generation
     async def completions(self, body: CompletionRequest, request: Request) -> Any:

@@ -230,6 +230,19 @@ def test_models_list_the_base_and_every_adapter(client, served, adapter_root):
     assert models[0].parent is None and all(m.parent == BASE for m in models[1:])
     assert all(Path(m.root).resolve() == (adapter_root / m.id).resolve() for m in models[1:])  # where each was loaded
     assert all(m.object == "model" and m.owned_by == "multilora" for m in models)
+    for m in models[:3]:  # GET /v1/models/{model}: the same card
+        assert client.models.retrieve(m.id) == m
+    with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist"):
+        client.models.retrieve("nope")
+
+
+def test_an_adapter_with_the_base_models_name_is_refused(served):
+    """Requests naming it could reach only one of the two (the runtime load route refuses such a name too)."""
+    eng = served.engine if served.proc is None else served.proc
+    with pytest.raises(ValueError, match=r"served_model_name: 'ad1' is also the name of an adapter"):
+        create_app(eng, served_model_name="ad1")
+    with pytest.raises(ValueError, match=r"served_model_name: 'x' is also the name of an adapter"):
+        create_app(eng, served_model_name="x", listed_adapters=lambda: ["x", "y"])
 
 
 @pytest.mark.parametrize("model", [BASE, "ad1"])
