@@ -209,6 +209,9 @@ def chat_prompt(messages: list[ChatMessage]) -> list[dict]:
                 raise APIError(400, f"messages[{i}].{key} is not supported by multilora", code="unsupported_parameter",
                                param=f"messages[{i}].{key}")
         content = m.content
+        if content is None and m.role != "assistant":  # (an assistant turn's content may be null, as OpenAI allows)
+            raise APIError(400, f"messages[{i}].content: expected a string or a list of text parts for a {m.role!r} "
+                                f"message, got none", code="invalid_value", param=f"messages[{i}].content")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:

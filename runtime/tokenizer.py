@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 #: The roles a chat message may have: OpenAI's (with the deprecated ``function``) and Llama 3.1's ``ipython`` (its chat
-#: template's tool-output role). Another role (a typo such as ``"usr"``) is refused, naming the message and the role:
+#: template's tool-output role); a ``developer`` message is rendered as a system message, as OpenAI treats it. Another role (a typo such as ``"usr"``) is refused, naming the message and the role:
 #: chat templates render unknown roles in ways that differ by model, some silently. The HTTP server's 400 uses it too.
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
 
@@ -87,8 +87,11 @@ class PromptTokenizer:
                 if m["role"] not in CHAT_ROLES:
                     raise ValueError(f"prompt: chat message {i}: 'role' must be one of {', '.join(sorted(CHAT_ROLES))}, "
                                      f"got {m['role']!r}")
+            # OpenAI's developer messages take the place of system messages; the chat templates of the families we
+            # serve know no "developer" role (SmolLM2's renders it as a turn and still adds its default system turn)
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in prompt]
             try:
-                text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             except Exception as e:  # noqa: BLE001 - the template's own refusal (Gemma: "System role not supported")
                 if not type(e).__module__.startswith("jinja2"):
                     raise

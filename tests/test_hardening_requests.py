@@ -185,6 +185,15 @@ def test_bad_prompts_are_value_errors_naming_the_index(engine, reference, prompt
     _still_serves(engine, reference)
 
 
+def test_a_developer_message_is_a_system_message(engine):
+    """OpenAI's developer role takes the system role's place: the same prompt tokens (the template does not add its
+    default system turn beside it)."""
+    user = {"role": "user", "content": "Hi"}
+    want = engine.tokenize([{"role": "system", "content": "Be brief."}, user])
+    assert engine.tokenize([{"role": "developer", "content": "Be brief."}, user]) == want
+    assert engine.tokenize([user]) != want
+
+
 def test_messages_the_chat_template_refuses_are_a_value_error(engine, reference, monkeypatch):
     """A chat template's own refusal (Gemma's templates raise "System role not supported") fails that prompt with a
     ValueError naming it (the HTTP server's 400), not a jinja2 error from inside the engine."""

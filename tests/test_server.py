@@ -422,6 +422,10 @@ ERRORS = [  # (route, body, status, param, code)
                                                                                            "content": "x"}]},
      400, "messages[1].role", "invalid_value"),
     ("chat/completions", {"model": BASE, "messages": [{"role": "user"}] * 0}, 400, "messages", "invalid_value"),
+    ("chat/completions", {"model": BASE, "messages": [{"role": "user"}]}, 400, "messages[0].content", "invalid_value"),
+    ("chat/completions", {"model": BASE, "messages": [{"role": "system", "content": "Be brief."},
+                                                      {"role": "user", "content": None}]}, 400, "messages[1].content",
+     "invalid_value"),
     ("chat/completions", {"model": BASE, "messages": [{"content": "hi"}]}, 400, "messages", "invalid_type"),
 ]
 
