@@ -175,6 +175,9 @@ def validation_error(errors: list[dict]) -> APIError:
 
     message = "; ".join(f"{where(x['loc'])}: {x['msg']}{got(x)}" for x in errors[:4])
     loc = first["loc"]
+    if tuple(loc) == ("body",) and isinstance(first.get("input"), (bytes, str)):
+        # FastAPI parses the body as JSON only when the request says it is (curl -d sends form encoding)
+        message = "body: expected a JSON object; send the header Content-Type: application/json" + got(first)
     return APIError(400, message, code="invalid_type", param=str(loc[1]) if len(loc) > 1 else None)
 
 

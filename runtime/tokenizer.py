@@ -108,7 +108,8 @@ class PromptTokenizer:
                 f"token ids, got {type(prompt).__name__}"
             )
         if not ids:
-            raise ValueError("prompt: tokenizes to zero tokens")
+            raise ValueError("prompt: expected at least one token id, got an empty list" if listed else
+                             "prompt: the text tokenizes to zero tokens")
         return list(ids)
 
     def decode(self, ids: list[int]) -> str:

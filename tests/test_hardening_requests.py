@@ -176,6 +176,8 @@ def test_one_message_dict_is_one_chat_prompt(engine):
     (["fine", [{"role": 1, "content": "x"}]], r"prompts\[1\]: .*'role' must be a string"),
     (["fine", [{"role": "usr", "content": "x"}]], r"prompts\[1\]: .*chat message 0: 'role' must be one of assistant, "
                                                    r"developer, .*user, got 'usr'"),
+    (["fine", []], r"prompts\[1\]: prompt: expected at least one token id, got an empty list"),
+    (["fine", ""], r"prompts\[1\]: prompt: the text tokenizes to zero tokens"),
     (["fine", "bad \ud800 text"], r"prompts\[1\]: prompt: not valid Unicode text \(surrogates not allowed at index 4\)"),
     ([[{"role": "user", "content": "ok \udfff"}]], r"prompts\[0\]: .*'content': not valid Unicode"),
 ])

@@ -453,6 +453,10 @@ def test_a_value_of_the_wrong_type_is_quoted(http):
     r = http.post("/v1/completions", json={"model": BASE, "prompt": "Hi", "temperature": "x" * 100})
     msg = r.json()["error"]["message"]
     assert r.status_code == 400 and msg.startswith("temperature: ") and msg.endswith('got "' + "x" * 59 + "..."), msg
+    r = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": "Hi"}',  # curl -d without -H
+                  headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        "body: expected a JSON object; send the header Content-Type: application/json, got "), r.text
     r = http.post("/v1/completions", json={"model": BASE})  # a missing field has no value to quote
     assert r.status_code == 400 and "got" not in r.json()["error"]["message"], r.text
     _serves(http)
