@@ -531,6 +531,9 @@ class Engine:
         token bucket, with and without LoRA (``ModelRunner.warm_pieces``: steps of padding only). Prompts are random
         token ids; the warm-up requests count in ``stats()`` like any others.
 
+        An engine off CUDA with no graphs (a CPU engine: its kernels are interpreted or torch ops) has nothing to warm:
+        it returns at once, having run nothing.
+
         Returns:
             ``{"seconds", "kernel_compiles", "decode_graphs", "piecewise_graphs", "requests"}``: wall time, Triton
             variants compiled (None when Triton has no JIT hooks), decode graphs and piecewise (bucket, lora) steps
@@ -545,6 +548,9 @@ class Engine:
             raise UnknownAdapterError(f"warmup: adapter {adapter!r} is not loaded")
         if self.has_unfinished():
             raise RuntimeError("warmup: requests are running; warm up before serving")
+        if self.device.type != "cuda" and self.runner.graphs is None and self.runner.pieces is None:
+            log.info("warm-up skipped: a %s engine compiles no kernels and captures no graphs", self.device.type)
+            return {"seconds": 0.0, "kernel_compiles": 0, "decode_graphs": 0, "piecewise_graphs": 0, "requests": 0}
         t0, c0 = time.perf_counter(), kernel_compiles()["kernel_compiles"]
         cfg = self.engine_config
         gen = torch.Generator().manual_seed(0)

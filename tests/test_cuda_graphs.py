@@ -234,6 +234,13 @@ def test_warmup_errors(tmp_path):
     e.add_request([5, 6, 7], None, SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="warmup: requests are running"):
         e.warmup()
+    while e.has_unfinished():
+        e.step()
+    steps = e.stats()["steps"]
+    # a CPU engine without graphs has nothing to warm: nothing runs (a user's CPU warm-up took 28-60 s for nothing)
+    assert e.warmup("a1") == {"seconds": 0.0, "kernel_compiles": 0, "decode_graphs": 0, "piecewise_graphs": 0,
+                              "requests": 0}
+    assert e.stats()["steps"] == steps
     e2 = _engine(tmp_path / "q", graphs=True, max_waiting_requests=3)  # the 6-row bucket cannot queue: skipped
     e2.warmup()
     assert {(1, False), (2, False)} <= set(e2.graphs.captured) and (6, False) not in e2.graphs.captured
