@@ -545,6 +545,23 @@ def test_targeted_module_without_tensors(mcfg, tmp_path):
             key=_key(2, "v_proj", "A"))
 
 
+def test_an_adapter_for_a_model_with_fewer_layers_says_so(mcfg, tmp_path):
+    """Tensors only for the first layers while the config targets every layer of this model: the error names the
+    likely cause (made for another base model, with its base_model_name_or_path); a gap in the middle does not."""
+    _write_valid(tmp_path, mcfg, keys=[(0, m) for m in ("q_proj", "v_proj", "down_proj")],
+                 base_model_name_or_path="org/smaller-model")
+    err = _raises(tmp_path, mcfg, "no lora_A / lora_B tensors", "model.layers.1.self_attn.q_proj",
+                  f"The file has tensors for layers 0-0 only and this base model has {NUM_LAYERS} layers: the adapter "
+                  f"was probably made for another base model (adapter_config.json names base_model_name_or_path "
+                  f"'org/smaller-model')", file=WTS)
+    assert isinstance(err, AdapterError)
+    _write_valid(tmp_path, mcfg)
+    _patch_tensors(tmp_path, lambda t: [t.pop(_key(1, m, k)) for m in ("q_proj", "v_proj", "down_proj") for k in "AB"])
+    with pytest.raises(AdapterError) as ei:
+        load_peft_adapter(tmp_path, mcfg)
+    assert "model.layers.1." in str(ei.value) and "another base model" not in str(ei.value)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite(bad, mcfg, tmp_path):
     _write_valid(tmp_path, mcfg)

@@ -5,6 +5,7 @@ header-only validation."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -181,7 +182,8 @@ def _match_keys(
         if not kinds:
             raise AdapterError(
                 f"{wpath}: no lora_A / lora_B tensors for {t.name}, which {cfg_path.name} targets; expected "
-                f"'{_PEFT_PREFIX}{t.name}.lora_A.weight' and '.lora_B.weight'",
+                f"'{_PEFT_PREFIX}{t.name}.lora_A.weight' and '.lora_B.weight'"
+                + _other_model_hint(found, layer, config, cfg_path),
                 path=wpath,
                 key=f"{_PEFT_PREFIX}{t.name}.lora_A.weight",
             )
@@ -194,6 +196,22 @@ def _match_keys(
                     key=kinds[have],
                 )
     return found
+
+
+def _other_model_hint(found: dict[tuple[int, str], dict[str, str]], layer: int, config: ModelConfig,
+                      cfg_path: Path) -> str:
+    """For a targeted layer with no tensors while the file stops at an earlier layer: the likely cause, an adapter
+    made for a base model with fewer layers (naming its ``base_model_name_or_path``); else ""."""
+    last = max((l for l, _ in found), default=-1)
+    if not found or layer <= last:
+        return ""
+    try:
+        base = json.loads(cfg_path.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    made_for = f" ({cfg_path.name} names base_model_name_or_path {base!r})" if base else ""
+    return (f". The file has tensors for layers 0-{last} only and this base model has {config.num_layers} layers: "
+            f"the adapter was probably made for another base model{made_for}")
 
 
 def _checked_values(x: torch.Tensor, key: str, wpath: Path) -> tuple[torch.Tensor, torch.Tensor]:
