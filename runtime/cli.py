@@ -49,7 +49,36 @@ def _int_range(low: int, high: int | None = None):
 _JSONL_KEYS = ("prompt", "adapter")
 
 
-def _read_jsonl(path: str) -> list[tuple[Any, str | None]]:
+class _ShapeOnly:
+    """A stand-in tokenizer for ``PromptTokenizer.encode``, so that its checks of a prompt (a string of valid
+    Unicode, chat messages with string 'role' in ``CHAT_ROLES`` and string 'content', or token ids) run before the
+    model and its tokenizer load (``_check_prompt``): any text is one token."""
+
+    def __call__(self, text: str, **kwargs: Any) -> dict:
+        return {"input_ids": [0]}
+
+    def apply_chat_template(self, messages: list, **kwargs: Any) -> str:
+        return ""
+
+
+def _check_prompt(prompt: Any) -> None:
+    """ValueError (``prompt: ...``, the engine's words) for a prompt the engine would refuse whatever the model: not
+    a string, chat messages or token ids; a chat message without string 'role' and 'content' or with an unknown role;
+    text that is not valid Unicode; a negative token id or none at all. (What needs the model is checked as the
+    engine takes the prompt: ids past its vocabulary, a chat template that refuses the messages.)"""
+    from multilora.runtime.tokenizer import PromptTokenizer
+
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        negative = [t for t in prompt if t < 0]  # (the vocabulary's end is checked at the load)
+        if negative:
+            raise ValueError(f"prompt: token ids must be >= 0 (and below the model's vocabulary size), got "
+                             f"{negative[:5]}")
+    PromptTokenizer(_ShapeOnly(), vocab_size=sys.maxsize, eos_token_ids=(), source="--jsonl").encode(prompt)
+
+
+def _read_jsonl(path: str) -> list[tuple[Any, str | None, str]]:
+    """``(prompt, adapter, "FILE:LINE")`` of each non-blank line, every line checked (``_check_prompt``) before the
+    model loads; ValueError naming ``FILE:LINE``."""
     items = []
     try:
         lines = Path(path).read_text().splitlines()
@@ -70,13 +99,61 @@ def _read_jsonl(path: str) -> list[tuple[Any, str | None]]:
         adapter = obj.get("adapter")
         if adapter is not None and not isinstance(adapter, str):
             raise ValueError(f"{path}:{n}: 'adapter' must be a string or null, got {adapter!r}")
-        items.append((obj["prompt"], adapter))
+        try:
+            _check_prompt(obj["prompt"])
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: {e}") from None
+        items.append((obj["prompt"], adapter, f"{path}:{n}"))
     return items
 
 
 _SERVED = ("model_type llama: Llama 2/3, SmolLM2; mistral; qwen2: Qwen2/2.5; qwen3: Qwen3 dense; "
            "phi3: Phi-3 mini/medium; gemma2: Gemma 2 (multilora.config.SERVED_MODEL_TYPES)")
 _MODEL_HELP = f"HF model directory or .gguf file of a served family ({_SERVED}; default: embedded SmolLM2-135M-Instruct)"
+
+
+#: what an EngineConfig field's None default means, for the fields whose help does not say it
+_NONE_MEANS = {
+    "adapter_slots": "as many as the planned pool holds of rank-8 q/k/v/o adapters, 256 to 4096",
+    "adapter_pool_bytes": "no cap: the memory plan's share",
+    "kv_cache_bytes": "no cap: the memory plan's KV share, at most --max-batch-size sequences of --max-seq-len tokens",
+}
+
+
+def _help_with_default(action: argparse.Action) -> str | None:
+    """An engine flag's help ending with its default, ``(default: 16)`` (``on`` / ``off`` for a --X / --no-X pair),
+    unless the help names it already; a None default is said by the field's help or ``_NONE_MEANS``; a lone
+    ``--no-X`` switch (``--no-cuda-graphs``) says nothing more."""
+    text, default = action.help or "", action.default
+    if isinstance(default, bool) and not isinstance(action, argparse.BooleanOptionalAction):
+        return action.help
+    if default is None:
+        means = None if "default" in text else _NONE_MEANS.get(action.dest)
+        return f"{text} (default: {means})" if means else action.help
+    shown = ("on" if default else "off") if isinstance(default, bool) else str(default)
+    if re.search(rf"\(default:? {re.escape(shown)}\b", text):
+        return text
+    return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+class _DefaultsInHelp:
+    """What ``EngineConfig.add_cli_flags`` adds its flags to: an argument group whose flags' help names the default
+    (``_help_with_default``; set on the action, over any text argparse added itself)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = self.group.add_argument(*args, **kwargs)
+        action.help = _help_with_default(action)
+        return action
+
+
+_ALLOW_PICKLE = ("also load an adapter directory whose only weight file is adapter_model.bin (a pickle, as peft "
+                 "writes with safe_serialization=False). SECURITY: unpickling can run code from the file "
+                 "(torch.load(weights_only=True) limits what it may do, but pickle loaders have had exploits): "
+                 "only for files you trust; better, convert them to adapter_model.safetensors (default: off, such "
+                 "a directory is refused)")
 
 
 def _engine_args(sp: argparse.ArgumentParser) -> None:
@@ -86,7 +163,7 @@ def _engine_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--model", help=_MODEL_HELP)
     sp.add_argument("--adapter", action="append", default=[], type=_parse_adapter, metavar="NAME=PATH",
                     help="load a PEFT adapter directory under NAME (repeatable)")
-    EngineConfig.add_cli_flags(sp.add_argument_group("engine options (EngineConfig)"))
+    EngineConfig.add_cli_flags(_DefaultsInHelp(sp.add_argument_group("engine options (EngineConfig)")))
 
 
 def _http_args(sp: argparse.ArgumentParser) -> None:
@@ -147,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="random seed of sampled requests (default: none, not reproducible)")
     g.add_argument("--stop", action="append", default=[],
                    help="stop string, matched literally (repeatable); in a shell, a newline is $'\\n', not \"\\n\"")
+    g.add_argument("--allow-pickle", action="store_true", help=_ALLOW_PICKLE)
     g.add_argument("--json", action="store_true", help="print one JSON object per request")
     g.add_argument("--stats", action="store_true", help="print engine statistics at the end")
 
@@ -197,15 +275,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if reserved:  # --prompt base ... would mean the base model, not this adapter
         raise ValueError(f"--adapter {reserved[0]}=...: {', '.join(repr(b) for b in BASE_NAMES)} name the base model "
                          "in --prompt; give the adapter another NAME")
-    items: list[tuple[Any, str | None]] = [(text, None if a in BASE_NAMES else a) for a, text in args.prompt]
+    items: list[tuple[Any, str | None, str]] = []  # (prompt, adapter, where it was given: named in errors)
+    for a, text in args.prompt:
+        where = f"--prompt {a} {text[:40]!r}"
+        try:
+            _check_prompt(text)  # text that is not valid Unicode (undecodable bytes in the argument)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        items.append((text, None if a in BASE_NAMES else a, where))
     if args.jsonl:
         items += _read_jsonl(args.jsonl)
     if not items:
         raise ValueError("generate: no prompts (use --prompt ADAPTER TEXT or --jsonl FILE)")
     if args.chat:
-        items = [([{"role": "user", "content": p}] if isinstance(p, str) else p, a) for p, a in items]
+        items = [([{"role": "user", "content": p}] if isinstance(p, str) else p, a, w) for p, a, w in items]
     known = {n for n, _ in args.adapter}
-    unknown = sorted({a for _, a in items if a is not None and a not in known})
+    unknown = sorted({a for _, a, _ in items if a is not None and a not in known})
     if unknown:
         raise ValueError(f"generate: prompts name adapter(s) {unknown} not given with --adapter NAME=PATH")
     try:
@@ -214,8 +299,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:  # name the flag, not the dataclass field
         raise ValueError(re.sub(r"SamplingParams\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from e
     engine = _load_engine(args)
-    outs = engine.generate([p for p, _ in items], adapters=[a for _, a in items], sampling=sampling,
-                           progress=not args.json)
+    try:
+        outs = engine.generate([p for p, _, _ in items], adapters=[a for _, a, _ in items], sampling=sampling,
+                               progress=not args.json)
+    except ValueError as e:  # what needs the model (ids past its vocabulary, ...): name the line, not prompts[i]
+        m = re.match(r"prompts\[(\d+)\]: ", str(e))
+        if m is None or int(m.group(1)) >= len(items):
+            raise
+        raise ValueError(f"{items[int(m.group(1))][2]}: {str(e)[m.end():]}") from e
     for o in outs:
         if args.json:
             print(json.dumps({"prompt": o.prompt, "adapter": o.adapter, "text": o.text, "token_ids": o.token_ids,
@@ -264,13 +355,22 @@ def _engine_config(args: argparse.Namespace) -> Any:
     except ValueError as e:
         field = re.search(r"Engine: (\w+)", str(e))
         raise ValueError(f"--{field.group(1).replace('_', '-')}: {e}" if field else str(e)) from e
-    from multilora.runtime.adapters import AdapterError, check_adapter_files
+    from multilora.runtime.adapters import PICKLE_NAME, SAFETENSORS_NAME, AdapterError, check_adapter_files
+    from multilora.runtime.adapters.disk import weights_path
 
     for name, path in args.adapter:  # what needs no model: a directory, its config, a weight file, the rank
         try:
             check_adapter_files(path, max_rank=config.max_lora_rank)
         except AdapterError as e:
             raise ValueError(f"--adapter {name}={path}: {e}") from e
+        wpath = weights_path(Path(path))
+        if wpath is not None and wpath.name == PICKLE_NAME and not getattr(args, "allow_pickle", False):
+            how = ("If you trust it, pass --allow-pickle, or convert it" if hasattr(args, "allow_pickle") else
+                   f"`multilora {args.command}` has no --allow-pickle (`multilora generate` has): convert it")
+            raise ValueError(f"--adapter {name}={path}: {wpath}: only a pickle weight file was found (no "
+                             f"{SAFETENSORS_NAME}); a pickle can run arbitrary code when loaded, so it is refused by "
+                             f"default. {how} to {SAFETENSORS_NAME} (e.g. safetensors.torch.save_file("
+                             f"torch.load(path, weights_only=True), ...))")
     return config
 
 
@@ -279,8 +379,23 @@ def _load_engine(args: argparse.Namespace, *, progress: bool = False) -> Any:
     warmed up where the command has ``--warmup`` on."""
     from multilora.runtime.engine_process import load_engine
 
-    return load_engine(args.model, _engine_config(args), args.adapter, progress=progress,
-                       warmup=getattr(args, "warmup", False))
+    config, warmup = _engine_config(args), getattr(args, "warmup", False)
+    if not getattr(args, "allow_pickle", False):
+        return load_engine(args.model, config, args.adapter, progress=progress, warmup=warmup)
+    # generate --allow-pickle: load_engine takes no allow_pickle, so the adapters are loaded here (generate has no
+    # warm-up), with load_engine's messages
+    assert not warmup
+    engine = load_engine(args.model, config, [], progress=progress)
+    try:
+        for name, path in args.adapter:
+            try:
+                engine.load_adapter(name, path, allow_pickle=True)
+            except ValueError as e:
+                raise ValueError(f"--adapter {name}={path}: {e}") from e
+    except BaseException:
+        engine.close()
+        raise
+    return engine
 
 
 def _check_port(host: str, port: int) -> None:

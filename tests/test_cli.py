@@ -460,3 +460,141 @@ def test_unified_pool_flag_and_verbosity_after_the_command(tiny, capsys, caplog)
     assert code == 0, err
     assert "unified pool + KV: one buffer of" in caplog.text and "memory plan:" in caplog.text
     assert "unified_units" in out + err
+
+
+# ---------------------------------------------------------------------------------- engine flags' defaults
+def _option_helps(help_text):
+    """{first option string: its invocation and help on one line} of an argparse help."""
+    blocks, cur = {}, None
+    for line in help_text.splitlines():
+        if line.startswith("  -"):
+            cur = line.split()[0].rstrip(",")
+            blocks[cur] = line
+        elif line.startswith("   ") and cur is not None:
+            blocks[cur] += " " + line
+        else:
+            cur = None
+    return {k: " ".join(v.split()) for k, v in blocks.items()}
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_every_engine_flag_names_its_default(capsys, monkeypatch, command):
+    """Each flag made from an EngineConfig field says its default in its help: ``(default: 16)`` (on / off for a
+    --X / --no-X pair); a None default says what None means; a lone --no-X switch (--no-cuda-graphs) needs not."""
+    from dataclasses import fields
+
+    from multilora.runtime.config import EngineConfig
+
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = run(capsys, command, "--help")
+    assert code == 0
+    helps = _option_helps(out)
+    checked = 0
+    for f in fields(EngineConfig):
+        if not f.metadata.get("cli"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool) and f.metadata["kind"] is not bool:  # --no-cuda-graphs: a switch off
+            assert "--no-" + f.name.replace("_", "-") in helps
+            continue
+        text = helps[flag]
+        if f.default is None:
+            assert "default" in text, text
+            continue
+        shown = ("on" if f.default else "off") if isinstance(f.default, bool) else str(f.default)
+        assert re.search(rf"\(default:? {re.escape(shown)}\b", text), (flag, text)
+        checked += 1
+    assert checked >= 15  # (17 when written)
+    for flag, words in {"--max-batch-size": "(default: 16)", "--kv-block-size": "(default: 16)",
+                        "--max-lora-rank": "(default: 64)", "--max-prefill-tokens": "(default: 4096)",
+                        "--gpu-memory-fraction": "(default: 0.9)", "--starvation-patience": "(default: 16)",
+                        "--prefetch-adapters": "(default: 4)", "--enable-chunked-prefill": "(default: on)"}.items():
+        assert helps[flag].endswith(words), helps[flag]
+
+
+# ------------------------------------------------------------------------ JSONL prompts before the model
+@pytest.mark.parametrize("prompt, words", [
+    (5, "prompt: expected a string, a list of chat messages"),
+    ([{"role": "bot", "content": "x"}], "prompt: chat message 0: 'role' must be one of"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant"}], "prompt: chat messages must be dicts with 'role' "
+                                                                "and 'content'"),
+    ([{"role": "user", "content": 3}], "prompt: chat message 0: 'content' must be a string, got int"),
+    ([1, True], "prompt: expected a string"),
+    ([1, -2], "prompt: token ids must be >= 0"),
+    ([], "prompt: expected at least one token id"),
+    ("\ud800", "prompt: not valid Unicode"),
+])
+def test_bad_jsonl_prompt_exits_2_before_the_model_loads(tmp_path, capsys, prompt, words):
+    """A JSONL line whose prompt is no string, chat messages or token ids is refused naming FILE:LINE, before the
+    model (here a path that does not exist: its error would come first otherwise)."""
+    f = tmp_path / "bad.jsonl"
+    f.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"prompt": prompt}) + "\n")
+    code, out, err = run(capsys, "generate", "--model", tmp_path / "no-model", "--jsonl", f)
+    assert code == 2 and out == "" and f"{f}:2: {words}" in err and "no-model" not in err, err
+    assert "prompts[" not in err
+
+
+def test_bad_prompt_text_names_the_flag_before_the_model_loads(tmp_path, capsys):
+    code, out, err = run(capsys, "generate", "--model", tmp_path / "no-model", "--prompt", "-", "a\udcff")
+    assert code == 2 and "--prompt - 'a\\udcff': prompt: not valid Unicode" in err and "no-model" not in err, err
+
+
+def test_what_needs_the_model_names_the_jsonl_line(tiny, tmp_path, capsys):
+    """A token id past the model's vocabulary is found as the engine takes the prompt: still FILE:LINE, not
+    prompts[i]."""
+    f = tmp_path / "ids.jsonl"
+    f.write_text(json.dumps({"prompt": [1, 2]}) + "\n" + json.dumps({"prompt": [1, VOCAB]}) + "\n")
+    code, out, err = run(capsys, "generate", "--model", tiny, "--prompt", "-", "hi", "--jsonl", f, "--max-tokens", 1)
+    assert code == 2 and f"{f}:2: prompt: token ids must be in [0, {VOCAB})" in err and "prompts[" not in err, err
+
+
+# ------------------------------------------------------------------------------------------ --allow-pickle
+@pytest.fixture
+def pickled_adapter(demo_dir, tmp_path):
+    """demo-a with its weights as adapter_model.bin only (torch.save of the state dict, as peft writes with
+    safe_serialization=False)."""
+    from safetensors.torch import load_file
+
+    d = tmp_path / "pickled"
+    shutil.copytree(demo_dir / "demo-a", d)
+    torch.save(load_file(str(d / "adapter_model.safetensors")), d / "adapter_model.bin")
+    (d / "adapter_model.safetensors").unlink()
+    return d
+
+
+def test_a_pickled_adapter_is_refused_without_allow_pickle(pickled_adapter, tmp_path, capsys):
+    code, out, err = run(capsys, "generate", "--model", tmp_path / "no-model", "--adapter", f"p={pickled_adapter}",
+                         "--prompt", "p", "hi")
+    assert code == 2 and out == "" and "no-model" not in err, err  # before the model loads
+    assert f"--adapter p={pickled_adapter}: {pickled_adapter / 'adapter_model.bin'}: only a pickle" in err, err
+    assert "arbitrary code" in err and "pass --allow-pickle" in err, err
+
+
+def test_a_pickled_adapter_loads_with_allow_pickle(tiny, engine, pickled_adapter, capsys):
+    code, out, err = run(capsys, "generate", "--model", tiny, "--adapter", f"p={pickled_adapter}", "--allow-pickle",
+                         "--prompt", "p", "hi", "--prompt", "-", "hello", "--max-tokens", 4, "--json")
+    assert code == 0, err
+    objs = _json_lines(out)
+    assert [o["token_ids"] for o in objs] == _greedy(engine, ["hi", "hello"], ["demo-a", None], 4)
+
+
+def test_allow_pickle_help_warns(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    _, out, _ = run(capsys, "generate", "--help")
+    text = _option_helps(out)["--allow-pickle"]
+    assert "adapter_model.bin" in text and "SECURITY" in text and "run code from the file" in text, text
+
+
+def test_serve_refuses_a_pickled_adapter_before_loading(pickled_adapter, tmp_path, capsys):
+    """serve has no --allow-pickle (its engine is built by engine_process.load_engine): a pickle-only adapter is
+    refused before the model loads, saying so."""
+    import socket
+
+    pytest.importorskip("uvicorn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, _, err = run(capsys, "serve", "--model", tmp_path / "no-model", "--port", port,
+                       "--adapter", f"p={pickled_adapter}")
+    assert code == 2 and "only a pickle" in err and "`multilora serve` has no --allow-pickle" in err, err
+    assert "no-model" not in err
