@@ -234,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--adapter-root", help="runtime-loaded adapter paths must resolve inside this directory")
     s.add_argument("--allow-runtime-adapters", action="store_true",
                    help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    s.add_argument("--allow-pickle", action="store_true", help=_ALLOW_PICKLE + "; for the --adapter directories only, "
+                   "not for adapters loaded at run time")
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="step the engine in a child process (HTTP, tokenization and detokenization stay in this one, "
                         "so they never hold the GIL the steps need); default: on (--no-engine-process: one process)")
@@ -366,7 +368,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         wpath = weights_path(Path(path))
         if wpath is not None and wpath.name == PICKLE_NAME and not getattr(args, "allow_pickle", False):
             how = ("If you trust it, pass --allow-pickle, or convert it" if hasattr(args, "allow_pickle") else
-                   f"`multilora {args.command}` has no --allow-pickle (`multilora generate` has): convert it")
+                   f"`multilora {args.command}` has no --allow-pickle (`generate` and `serve` have): convert it")
             raise ValueError(f"--adapter {name}={path}: {wpath}: only a pickle weight file was found (no "
                              f"{SAFETENSORS_NAME}); a pickle can run arbitrary code when loaded, so it is refused by "
                              f"default. {how} to {SAFETENSORS_NAME} (e.g. safetensors.torch.save_file("
@@ -379,23 +381,8 @@ def _load_engine(args: argparse.Namespace, *, progress: bool = False) -> Any:
     warmed up where the command has ``--warmup`` on."""
     from multilora.runtime.engine_process import load_engine
 
-    config, warmup = _engine_config(args), getattr(args, "warmup", False)
-    if not getattr(args, "allow_pickle", False):
-        return load_engine(args.model, config, args.adapter, progress=progress, warmup=warmup)
-    # generate --allow-pickle: load_engine takes no allow_pickle, so the adapters are loaded here (generate has no
-    # warm-up), with load_engine's messages
-    assert not warmup
-    engine = load_engine(args.model, config, [], progress=progress)
-    try:
-        for name, path in args.adapter:
-            try:
-                engine.load_adapter(name, path, allow_pickle=True)
-            except ValueError as e:
-                raise ValueError(f"--adapter {name}={path}: {e}") from e
-    except BaseException:
-        engine.close()
-        raise
-    return engine
+    return load_engine(args.model, _engine_config(args), args.adapter, progress=progress,
+                       warmup=getattr(args, "warmup", False), allow_pickle=getattr(args, "allow_pickle", False))
 
 
 def _check_port(host: str, port: int) -> None:
@@ -445,24 +432,33 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"serve: {e.name} is not installed (pip install 'multilora[serve]')") from e
     if args.adapter_root is not None and not Path(args.adapter_root).is_dir():
         raise ValueError(f"--adapter-root {args.adapter_root}: not a directory")
-    served = args.served_model_name or args.model
+    from multilora.runtime.weights import resolve_model_path
+
+    # the base model's name in requests: as given, else the default model file's stem (a missing model fails here in a
+    # second, before any loading)
+    served = args.served_model_name or args.model or resolve_model_path(None).stem
     if served in {n for n, _ in args.adapter}:
-        raise ValueError(f"--adapter {served}=...: that name is the base model's served name")
+        raise ValueError(f"--adapter {served}=...: that name is the base model's served name (requests naming it "
+                         f"would reach the base model): give the adapter another name, or the base model another "
+                         f"one with --served-model-name")
     _check_port(args.host, args.port)  # before minutes of loading, not after
     if args.engine_process:  # the engine and its steps in a child process; HTTP, tokens and text in this one
         import functools
 
         from multilora.runtime.engine_process import EngineProcess, load_engine
-        from multilora.runtime.weights import resolve_model_path
 
         config = _engine_config(args)  # the flags and --adapter paths first, as in one process
         resolve_model_path(args.model)  # a missing model fails here in a second, before the engine process starts
         engine = EngineProcess.start(functools.partial(load_engine, args.model, config, args.adapter, progress=True,
-                                                       warmup=args.warmup))
+                                                       warmup=args.warmup, allow_pickle=args.allow_pickle))
     else:
         engine = _load_engine(args, progress=True)
-    app = create_app(engine, served_model_name=served or engine.model_path.stem, api_key=args.api_key,
-                     adapter_root=args.adapter_root, allow_runtime_adapters=args.allow_runtime_adapters)
+    try:
+        app = create_app(engine, served_model_name=served, api_key=args.api_key, adapter_root=args.adapter_root,
+                         allow_runtime_adapters=args.allow_runtime_adapters)
+    except BaseException:
+        engine.close()
+        raise
     # uvicorn shuts down gracefully on SIGINT and SIGTERM (open streams finish), then raises the signal again under
     # the handler it found: SIGTERM's default would end this process there, with no engine.close() and exit -15
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)

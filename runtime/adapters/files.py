@@ -221,8 +221,9 @@ def _read_weights(root: Path, allow_pickle: bool, header_only: bool = False,
         if not allow_pickle:
             raise AdapterError(
                 f"{wpath}: only a pickle weight file was found (no {SAFETENSORS_NAME}); a pickle can run arbitrary "
-                "code when loaded, so it is refused by default. If you trust it, pass allow_pickle=True (it is "
-                f"then read with torch.load(weights_only=True)), or convert it to {SAFETENSORS_NAME} "
+                "code when loaded, so it is refused by default. If you trust it, pass allow_pickle=True (CLI: "
+                "--allow-pickle; it is then read with torch.load(weights_only=True)), or convert it to "
+                f"{SAFETENSORS_NAME} "
                 "(e.g. safetensors.torch.save_file(torch.load(path, weights_only=True), ...))",
                 path=wpath,
             )
