@@ -112,24 +112,15 @@ _SERVED = ("model_type llama: Llama 2/3, SmolLM2; mistral; qwen2: Qwen2/2.5; qwe
 _MODEL_HELP = f"HF model directory or .gguf file of a served family ({_SERVED}; default: embedded SmolLM2-135M-Instruct)"
 
 
-#: what an EngineConfig field's None default means, for the fields whose help does not say it
-_NONE_MEANS = {
-    "adapter_slots": "as many as the planned pool holds of rank-8 q/k/v/o adapters, 256 to 4096",
-    "adapter_pool_bytes": "no cap: the memory plan's share",
-    "kv_cache_bytes": "no cap: the memory plan's KV share, at most --max-batch-size sequences of --max-seq-len tokens",
-}
-
-
 def _help_with_default(action: argparse.Action) -> str | None:
     """An engine flag's help ending with its default, ``(default: 16)`` (``on`` / ``off`` for a --X / --no-X pair),
-    unless the help names it already; a None default is said by the field's help or ``_NONE_MEANS``; a lone
-    ``--no-X`` switch (``--no-cuda-graphs``) says nothing more."""
+    unless the help names it already; a None default is said by the field's help; a lone ``--no-X`` switch
+    (``--no-cuda-graphs``) says nothing more."""
     text, default = action.help or "", action.default
     if isinstance(default, bool) and not isinstance(action, argparse.BooleanOptionalAction):
         return action.help
-    if default is None:
-        means = None if "default" in text else _NONE_MEANS.get(action.dest)
-        return f"{text} (default: {means})" if means else action.help
+    if default is None:  # the field's help says what None means (tests/test_cli.py checks that each one does)
+        return action.help
     shown = ("on" if default else "off") if isinstance(default, bool) else str(default)
     if re.search(rf"\(default:? {re.escape(shown)}\b", text):
         return text

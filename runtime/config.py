@@ -167,9 +167,13 @@ class EngineConfig:
     kv_block_size: int = _opt(16, "tokens per KV-cache block")
     max_lora_rank: int = _opt(64, "largest adapter rank accepted")
     adapter_slots: int | None = _opt(None, "most adapters resident at once; also caps the pool at this many "
-                                           "max-rank adapters", kind=int)
-    adapter_pool_bytes: int | None = _opt(None, "cap on the adapter pool's bytes", kind=int)
-    kv_cache_bytes: int | None = _opt(None, "cap on the KV cache's bytes (the reserved null block included)", kind=int)
+                                           "max-rank adapters (default: as many as the planned pool holds of rank-8 "
+                                           "q/k/v/o adapters, 256 to 4096)", kind=int)
+    adapter_pool_bytes: int | None = _opt(None, "cap on the adapter pool's bytes (default: no cap, the memory plan's "
+                                                "share)", kind=int)
+    kv_cache_bytes: int | None = _opt(None, "cap on the KV cache's bytes, the reserved null block included (default: "
+                                            "no cap, the memory plan's KV share, at most --max-batch-size sequences "
+                                            "of --max-seq-len tokens)", kind=int)
     host_adapter_bytes: int | None = _opt(None, "host-tier size in bytes (default: the memory plan's)", kind=int)
     gpu_memory_fraction: float = _opt(0.9, "share of usable device memory the memory plan may budget")
     local_ranks: int = _opt(1, "engine processes sharing this device / host")
