@@ -348,22 +348,14 @@ def _engine_config(args: argparse.Namespace) -> Any:
     except ValueError as e:
         field = re.search(r"Engine: (\w+)", str(e))
         raise ValueError(f"--{field.group(1).replace('_', '-')}: {e}" if field else str(e)) from e
-    from multilora.runtime.adapters import PICKLE_NAME, SAFETENSORS_NAME, AdapterError, check_adapter_files
-    from multilora.runtime.adapters.disk import weights_path
+    from multilora.runtime.adapters import AdapterError, check_adapter_files
 
-    for name, path in args.adapter:  # what needs no model: a directory, its config, a weight file, the rank
+    # what needs no model: a directory, its config, a weight file (a pickle only with --allow-pickle), the rank
+    for name, path in args.adapter:
         try:
-            check_adapter_files(path, max_rank=config.max_lora_rank)
+            check_adapter_files(path, max_rank=config.max_lora_rank, allow_pickle=args.allow_pickle)
         except AdapterError as e:
             raise ValueError(f"--adapter {name}={path}: {e}") from e
-        wpath = weights_path(Path(path))
-        if wpath is not None and wpath.name == PICKLE_NAME and not getattr(args, "allow_pickle", False):
-            how = ("If you trust it, pass --allow-pickle, or convert it" if hasattr(args, "allow_pickle") else
-                   f"`multilora {args.command}` has no --allow-pickle (`generate` and `serve` have): convert it")
-            raise ValueError(f"--adapter {name}={path}: {wpath}: only a pickle weight file was found (no "
-                             f"{SAFETENSORS_NAME}); a pickle can run arbitrary code when loaded, so it is refused by "
-                             f"default. {how} to {SAFETENSORS_NAME} (e.g. safetensors.torch.save_file("
-                             f"torch.load(path, weights_only=True), ...))")
     return config
 
 
@@ -373,7 +365,7 @@ def _load_engine(args: argparse.Namespace, *, progress: bool = False) -> Any:
     from multilora.runtime.engine_process import load_engine
 
     return load_engine(args.model, _engine_config(args), args.adapter, progress=progress,
-                       warmup=getattr(args, "warmup", False), allow_pickle=getattr(args, "allow_pickle", False))
+                       warmup=getattr(args, "warmup", False), allow_pickle=args.allow_pickle)
 
 
 def _check_port(host: str, port: int) -> None:

@@ -194,13 +194,22 @@ def _read_pickle(pk: Path) -> tuple[dict[str, torch.Tensor], FileStamp]:
     return dict(obj), f.stamp
 
 
-def require_weights_path(root: Path) -> Path:
-    """``weights_path(root)``; AdapterError naming the directory when it holds neither weight file."""
+def require_weights_path(root: Path, allow_pickle: bool = True) -> Path:
+    """``weights_path(root)``; AdapterError naming the directory when it holds neither weight file, or naming the
+    file when it is only a pickle and not ``allow_pickle``."""
     wpath = weights_path(root)
     if wpath is None:
         raise AdapterError(
             f"{root}: no adapter weights: expected {SAFETENSORS_NAME} (or {PICKLE_NAME}) in the directory, found neither",
             path=root,
+        )
+    if wpath.name == PICKLE_NAME and not allow_pickle:
+        raise AdapterError(
+            f"{wpath}: only a pickle weight file was found (no {SAFETENSORS_NAME}); a pickle can run arbitrary "
+            "code when loaded, so it is refused by default. If you trust it, pass allow_pickle=True (on the command "
+            "line: pass --allow-pickle; it is then read with torch.load(weights_only=True)), or convert it to "
+            f"{SAFETENSORS_NAME} (e.g. safetensors.torch.save_file(torch.load(path, weights_only=True), ...))",
+            path=wpath,
         )
     return wpath
 
@@ -216,17 +225,8 @@ def _read_weights(root: Path, allow_pickle: bool, header_only: bool = False,
 
     Raises AdapterError: no weight file; a pickle without ``allow_pickle``; an entry that is no readable file;
     a malformed file; a file that changed while it was read. The message names the file."""
-    wpath = require_weights_path(root)
+    wpath = require_weights_path(root, allow_pickle)
     if wpath.name == PICKLE_NAME:
-        if not allow_pickle:
-            raise AdapterError(
-                f"{wpath}: only a pickle weight file was found (no {SAFETENSORS_NAME}); a pickle can run arbitrary "
-                "code when loaded, so it is refused by default. If you trust it, pass allow_pickle=True (CLI: "
-                "--allow-pickle; it is then read with torch.load(weights_only=True)), or convert it to "
-                f"{SAFETENSORS_NAME} "
-                "(e.g. safetensors.torch.save_file(torch.load(path, weights_only=True), ...))",
-                path=wpath,
-            )
         tensors, stamp = _read_pickle(wpath)
         return wpath, tensors, list(tensors), stamp
     lazy_tensors = _open_safetensors(wpath, scratch=lazy)
