@@ -97,8 +97,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         ValueError: an adapter (loaded, or listed by ``listed_adapters``) has the base model's served name: requests
             naming it could reach only one of the two (``/v1/load_lora_adapter`` refuses such a name too).
     """
-    clash = served_model_name in set((listed_adapters or engine.list_adapters)())
-    if clash:
+    if served_model_name in set((listed_adapters or engine.list_adapters)()):
         raise ValueError(f"served_model_name: {served_model_name!r} is also the name of an adapter; requests naming it "
                          f"would reach the base model only: give the adapter another name (--adapter NAME=PATH) or "
                          f"the base model another one (--served-model-name)")
@@ -185,8 +184,7 @@ class _Server:
     async def model(self, model: str) -> dict:
         """``GET /v1/models/{model}`` (OpenAI's retrieve): one card of ``models``, or a 404 naming the model."""
         if model != self.served_model_name and model not in set(self.listed_adapters()):
-            raise APIError(404, f"The model `{model}` does not exist: serving {self.served_model_name!r} and the "
-                                f"adapters listed by GET /v1/models", code="model_not_found", param="model")
+            raise self._not_found(model)
         return self._card(model)
 
     # ---------------------------------------------------------------------------------- generation
@@ -231,8 +229,11 @@ class _Server:
             return None
         if model in self.engine.list_adapters():
             return model
-        raise APIError(404, f"The model `{model}` does not exist: serving {self.served_model_name!r} and the adapters "
-                            f"listed by GET /v1/models", code="model_not_found", param="model")
+        raise self._not_found(model)
+
+    def _not_found(self, model: str) -> APIError:
+        return APIError(404, f"The model `{model}` does not exist: serving {self.served_model_name!r} and the adapters "
+                             f"listed by GET /v1/models", code="model_not_found", param="model")
 
     def _submit(self, loop: EngineLoop | EngineProcess, prompts: list, adapter: str | None, sampling: SamplingParams,
                 params: dict[str, str]) -> list[RequestStream]:
