@@ -159,6 +159,15 @@ def tile_sweep(group, T, n, rank, K=8):
     return rows
 
 
+def _int_pair(text: str) -> tuple[int, int]:
+    """An argparse type: ``"A,B"`` as two ints."""
+    try:
+        a, b = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two ints A,B, got {text!r}") from None
+    return a, b
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "overlap"))
@@ -186,13 +195,13 @@ def main(argv=None):
     ap.add_argument("--shrink-warps", type=int, default=None, metavar="N",
                     help="warps of the decode shrink outside the wide-rank regime (triton_sgmv.DECODE_SHRINK_WARPS; 4 "
                     "is what ran before session 18); the run's JSON gets a _shrink<N>w suffix")
-    ap.add_argument("--wide-shrink", default=None, metavar="SPLIT,BLOCK_K",
+    ap.add_argument("--wide-shrink", default=None, type=_int_pair, metavar="SPLIT,BLOCK_K",
                     help="the wide-rank regime's shrink (triton_sgmv.WIDE_SHRINK: cap on the K split, block_k; default "
                     "16 and the launcher's 128), e.g. 32,64; the run's JSON gets _wshrink<SPLIT>x<BLOCK_K>")
     ap.add_argument("--old-rank-tiles", action="store_true",
                     help="decode expand from a rank > 16 pool as before session 18 (DECODE_EXPAND_RANK_TILES = None: "
                     "256-wide tiles, 2 warps up to 16 tokens, 4 above); the run's JSON gets _oldranktiles")
-    ap.add_argument("--expand-rank-tiles", default=None, metavar="BLOCK_N,WARPS",
+    ap.add_argument("--expand-rank-tiles", default=None, type=_int_pair, metavar="BLOCK_N,WARPS",
                     help="decode expand from a rank > 16 pool with these tiles (triton_sgmv.DECODE_EXPAND_RANK_TILES; "
                     "default 128,2 since session 18), e.g. 256,4; the run's JSON gets _xtiles<BLOCK_N>x<WARPS>")
     args = ap.parse_args(argv)
@@ -210,10 +219,7 @@ def main(argv=None):
         triton_sgmv.DECODE_SHRINK_WARPS = args.shrink_warps
         tag += f"_shrink{args.shrink_warps}w"
     if args.wide_shrink:
-        try:
-            split, block_k = (int(v) for v in args.wide_shrink.split(","))
-        except ValueError:
-            ap.error(f"--wide-shrink: expected SPLIT,BLOCK_K (two ints), got {args.wide_shrink!r}")
+        split, block_k = args.wide_shrink
         if split < 1 or block_k < 16 or block_k & (block_k - 1):
             ap.error(f"--wide-shrink: expected SPLIT >= 1 and BLOCK_K a power of two >= 16, got {split},{block_k}")
         triton_sgmv.WIDE_SHRINK = (split, block_k)
@@ -224,10 +230,7 @@ def main(argv=None):
     if args.expand_rank_tiles:
         if args.old_rank_tiles:
             ap.error("--expand-rank-tiles and --old-rank-tiles: expected one of them, got both")
-        try:
-            block_n, warps = (int(v) for v in args.expand_rank_tiles.split(","))
-        except ValueError:
-            ap.error(f"--expand-rank-tiles: expected BLOCK_N,WARPS (two ints), got {args.expand_rank_tiles!r}")
+        block_n, warps = args.expand_rank_tiles
         if block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16):
             ap.error(f"--expand-rank-tiles: expected BLOCK_N a power of two >= 16 and WARPS in 1, 2, 4, 8, 16, got "
                      f"{block_n},{warps}")
