@@ -271,7 +271,8 @@ class Engine:
         self._step_lock = threading.RLock()
         self.last_run: dict[str, float] = {}
         log.info("%s (%d layers, hidden %d) on %s/%s; adapter pool %.1f MB (%d pages of %d B); KV %d blocks x %d "
-                 "tokens (+1 reserved; %.1f MB: %.1f sequences of max_seq_len=%d tokens); max batch %d%s", self.model_path.name,
+                 "tokens (+1 reserved; %.1f MB: %.1f sequences of max_seq_len=%d tokens); max batch %d%s",
+                 self.model_path.name,
                  config_.num_layers, config_.hidden_size, self.device,
                  str(self.dtype).replace("torch.", "") + (" (fp8 base weights)" if cfg.weight_dtype else ""),
                  self.pool.bytes_total / 1e6, self.pool.num_pages, self.pool.page_bytes, self.kv.num_usable_blocks, cfg.kv_block_size,

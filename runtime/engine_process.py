@@ -283,7 +283,8 @@ class EngineProcess:
 
     Made by ``EngineProcess.start``. Engine side: ``tokenizer``, ``model_path``, ``max_seq_len``, ``list_adapters``,
     ``adapter_path``, ``load_adapter``, ``unload_adapter``, ``stats`` (each a round trip to the child, except
-    ``list_adapters`` and ``adapter_path``: the names and paths are kept here). Loop side: ``submit``, ``abort``, ``close``, ``running``, ``num_streams``. Thread-safe.
+    ``list_adapters`` and ``adapter_path``: the names and paths are kept here). Loop side: ``submit``, ``abort``,
+    ``close``, ``running``, ``num_streams``. Thread-safe.
 
     Attributes:
         pid: the child's process id.

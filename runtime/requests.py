@@ -44,8 +44,8 @@ class RequestFactory:
         Raises:
             ValueError: a bad prompt or sampling value, a prompt that leaves no room to generate within
                 ``max_seq_len``, a prompt + ``max_tokens`` past ``max_seq_len`` when ``max_tokens_must_fit``
-                (else it is capped there), or a request whose whole length (``min(prompt + max_tokens, max_seq_len)`` tokens)
-                needs more KV blocks than the whole cache has.
+                (else it is capped there), or a request whose whole length (``min(prompt + max_tokens,
+                max_seq_len)`` tokens) needs more KV blocks than the whole cache has.
             UnknownAdapterError (a KeyError): ``adapter`` is not loaded.
         """
         params = sampling or SamplingParams()

@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 #: The roles a chat message may have: OpenAI's (with the deprecated ``function``) and Llama 3.1's ``ipython`` (its chat
-#: template's tool-output role); a ``developer`` message is rendered as a system message, as OpenAI treats it. Another role (a typo such as ``"usr"``) is refused, naming the message and the role:
-#: chat templates render unknown roles in ways that differ by model, some silently. The HTTP server's 400 uses it too.
+#: template's tool-output role); a ``developer`` message is rendered as a system message, as OpenAI treats it. Another
+#: role (a typo such as ``"usr"``) is refused, naming the message and the role: chat templates render unknown roles in
+#: ways that differ by model, some silently. The HTTP server's 400 uses it too.
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
 
 Prompt = Any  # str | list[dict] (chat messages) | list[int] (token ids)
@@ -66,8 +67,8 @@ class PromptTokenizer:
             ValueError: a prompt of another type, ids out of range, chat messages without string 'role' and
                 'content' or with a role not in ``CHAT_ROLES``, chat messages the model's chat template refuses
                 (its ``raise_exception``: e.g. Gemma's templates refuse a system role), text that is not valid
-                Unicode (a lone surrogate),
-                text for a model without a tokenizer, or a prompt that tokenizes to nothing.
+                Unicode (a lone surrogate), text for a model without a tokenizer, or a prompt that tokenizes to
+                nothing.
         """
         listed = isinstance(prompt, (list, tuple))
         if self.tokenizer is None and not (listed and all(isinstance(t, int) for t in prompt)):
