@@ -446,12 +446,12 @@ def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: Adap
     return adapter, None if packer is None else packer.finish()
 
 
-def check_adapter_files(path: str | os.PathLike, *, max_rank: int | None = None, allow_pickle: bool = False) -> None:
+def check_adapter_files(path: str | os.PathLike, *, max_rank: int | None = None, allow_pickle: bool = True) -> None:
     """What can be checked of an adapter directory without the model (``multilora generate`` and ``serve`` run it
     on every ``--adapter`` before the model loads): a directory, a well-formed LoRA ``adapter_config.json``, a weight
-    file (only a pickle one: refused unless ``allow_pickle``, as by ``load_peft_adapter``), and, when the config has
-    no ``rank_pattern``, ``r`` at most ``max_rank``. The targets, key names and shapes need the model's config:
-    ``load_peft_adapter`` checks them (and the ranks of a ``rank_pattern``) at the load.
+    file (only a pickle one: refused with ``allow_pickle=False``, as ``load_peft_adapter`` refuses it), and, when
+    the config has no ``rank_pattern``, ``r`` at most ``max_rank``. The targets, key names and shapes need the
+    model's config: ``load_peft_adapter`` checks them (and the ranks of a ``rank_pattern``) at the load.
 
     Raises:
         AdapterError: as ``load_peft_adapter`` for the same defects (the message names the file and the field), or
