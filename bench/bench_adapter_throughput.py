@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--load-threads", type=int, default=8, help="threads calling engine.load_adapter")
     ap.add_argument("--adapter-finish", default="host", choices=("host", "device"),
                     help="Engine(adapter_finish=...): where reloaded adapters get the pool layout (session 12)")
+    ap.add_argument("--io-threads", type=int, default=None,
+                    help="Engine(adapter_io_threads=...): threads reading adapters from disk (default: the engine's)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval (seconds; Python's default is 0.005): how long a thread back from I/O "
@@ -128,6 +130,7 @@ def main() -> None:
     adapter_bytes = layout.page_bytes * layout.max_adapter_pages
     engine = Engine(config, device=device, dtype=dtype, progress=False, max_batch_size=args.batch,
                     adapter_finish=args.adapter_finish,
+                    **({"adapter_io_threads": args.io_threads} if args.io_threads else {}),
                     **({"gil_switch_interval": args.switch_interval} if args.switch_interval else {}),
                     max_seq_len=args.prompt_len + args.gen + 1, max_lora_rank=args.rank,
                     **({"adapter_slots": args.pool_adapters} if args.pool_adapters else {}),
@@ -143,7 +146,8 @@ def main() -> None:
             "pool_adapters": engine.pool.num_pages // max_adapter_pages(config, args.rank),
             "host_adapters": engine.stats()["host_tier_budget"] // adapter_bytes,
             "pool_from_plan": not args.pool_adapters, "host_from_plan": not args.host_adapters,
-            "base_tokens_per_s": base_tok / base_s, "adapter_finish": args.adapter_finish}
+            "base_tokens_per_s": base_tok / base_s, "adapter_finish": args.adapter_finish,
+            "adapter_io_threads": engine.engine_config.adapter_io_threads}
     # warm-up on a throw-away adapter, unloaded again: Engine.warmup (every step class's kernels, the decode and
     # piecewise graphs, the device finish's kernels) as a serving engine runs it, then a LoRA batch at full size.
     # Without Engine.warmup the first row compiled kernels inside its timed steps (session 15: 38% of the step
