@@ -14,6 +14,8 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
     multilora-lora-s17tiles  the same engine and adapters with the decode LoRA tiles as before session 18: 4-warp
                     shrink programs, the rank > 16 expand's older tiles (``triton_sgmv.DECODE_SHRINK_WARPS = 4``,
                     ``DECODE_EXPAND_RANK_TILES = None``)
+    multilora-lora-nopdl  the same engine and adapters with plain launches of the LoRA kernels instead of
+                    programmatic dependent launch (``kernels.triton_sgmv.PDL = False``: what ran before session 20)
     multilora-lora-carve  the same engine and adapters with the base GEMMs of side-stream steps leaving ``--carveout``
                     SMs to the LoRA kernels (``DecoderModel.lora_side_sm_carveout``; issue 12)
     multilora-lt, multilora-lora-lt  the first two with the base GEMMs of steps of 17-64 tokens through cuBLASLt
@@ -83,8 +85,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-fp8", "multilora-fp8-lora", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-fp8", "multilora-fp8-lora", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -278,6 +280,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
 
     loop_default = triton_sgmv.DECODE_EXPAND_LOOP
     tiles_default = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
+    pdl_default = triton_sgmv.PDL
     carve_default = engine.model.lora_side_sm_carveout if engine is not None else 0
     lt_default = engine.model.gemm_cublaslt_tokens if engine is not None else None
     # --rounds: the variant list again, every other round in reverse, so each variant runs early and late
@@ -295,11 +298,13 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             carve = a.carveout if v.endswith("-carve") else 0 if v.endswith("-lt") else carve_default
             lt = (17, 64) if v.endswith("-lt") else lt_default
             tiles = (4, None) if v.endswith("-s17tiles") else tiles_default
+            pdl = False if v.endswith("-nopdl") else pdl_default
             m = engine.model
             now = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
             if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
-                    m.gemm_cublaslt_tokens, now) != (side, prio, loop, carve, lt, tiles):
-                m.lora_side_max_tokens = side  # captured graphs bake all six in: capture again
+                    m.gemm_cublaslt_tokens, now, triton_sgmv.PDL) != (side, prio, loop, carve, lt, tiles, pdl):
+                m.lora_side_max_tokens = side  # captured graphs bake all seven in: capture again
+                triton_sgmv.PDL = pdl
                 m.lora_side_priority = prio
                 triton_sgmv.DECODE_EXPAND_LOOP = loop
                 triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES = tiles
@@ -320,7 +325,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
                         "lora_side_sm_carveout": m.lora_side_sm_carveout,
                         "gemm_cublaslt_tokens": m.gemm_cublaslt_tokens,
                         "decode_shrink_warps": triton_sgmv.DECODE_SHRINK_WARPS,
-                        "decode_expand_rank_tiles": triton_sgmv.DECODE_EXPAND_RANK_TILES}
+                        "decode_expand_rank_tiles": triton_sgmv.DECODE_EXPAND_RANK_TILES, "lora_pdl": triton_sgmv.PDL}
             for b in batches:
                 adapters = names[:b] if "-lora" in v else None
                 run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
@@ -328,6 +333,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     finally:  # the module-level knobs as they were, whatever happened
         triton_sgmv.DECODE_EXPAND_LOOP = loop_default
         triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES = tiles_default
+        triton_sgmv.PDL = pdl_default
     engine = None  # free it before the caller goes on (in-process runs)
     free_memory()
     if run.device.type == "cuda":  # the engine capped this process's allocator from its memory plan
@@ -626,7 +632,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                 f"decode tokens/s {lo['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.3g}x" if x else "a row is missing"))
     base_rows = {b: ok.get(("multilora", b)) for b in (1, TARGET_BATCH)}
     for v in ("multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile",
-              "multilora-lora-s17tiles", "multilora-lora-carve", "multilora-lora-lt"):  # issue 12: adapters over base
+              "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lora-lt"):  # issue 12: adapters over base
         for b, what, key, need in ((1, "TPOT", "tpot_ms", 1.05), (TARGET_BATCH, "TPOT", "tpot_ms", 1.30),
                                    (TARGET_BATCH, "TTFT", "ttft_s", 1.10)):
             lo, hi = base_rows.get(b), ok.get((v, b))

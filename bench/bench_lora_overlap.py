@@ -204,6 +204,9 @@ def main(argv=None):
     ap.add_argument("--expand-rank-tiles", default=None, type=_int_pair, metavar="BLOCK_N,WARPS",
                     help="decode expand from a rank > 16 pool with these tiles (triton_sgmv.DECODE_EXPAND_RANK_TILES; "
                     "default 128,2 since session 18), e.g. 256,4; the run's JSON gets _xtiles<BLOCK_N>x<WARPS>")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="plain launches of the LoRA kernels instead of programmatic dependent launch "
+                    "(triton_sgmv.PDL = False: what ran before session 20); the run's JSON gets _nopdl")
     args = ap.parse_args(argv)
     from multilora.kernels import triton_sgmv
 
@@ -236,6 +239,9 @@ def main(argv=None):
                      f"{block_n},{warps}")
         triton_sgmv.DECODE_EXPAND_RANK_TILES = (block_n, warps)
         tag += f"_xtiles{block_n}x{warps}"
+    if args.no_pdl:
+        triton_sgmv.PDL = False
+        tag += "_nopdl"
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
         tag += f"_{args.blas}"
@@ -253,7 +259,7 @@ def main(argv=None):
                settings=dict(decode_expand_loop=triton_sgmv.DECODE_EXPAND_LOOP,
                              decode_shrink_warps=triton_sgmv.DECODE_SHRINK_WARPS,
                              decode_expand_rank_tiles=triton_sgmv.DECODE_EXPAND_RANK_TILES,
-                             wide_shrink=triton_sgmv.WIDE_SHRINK,
+                             wide_shrink=triton_sgmv.WIDE_SHRINK, pdl=triton_sgmv.PDL,
                              blas=str(torch.backends.cuda.preferred_blas_library()),
                              sm_carveout=torch._C._get_sm_carveout_experimental()))
     cases = [(1, 1, 16, None), (8, 8, 16, None), (64, 64, 16, None), (256, 256, 16, None), (1, 1, 64, None),

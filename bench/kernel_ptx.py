@@ -33,9 +33,10 @@ PTRS = {"x_ptr": "*bf16", "y_ptr": "*bf16", "buf_ptr": "*bf16", "offa_ptr": "*i6
         "scal_ptr": "*fp32", "tab_ptr": "*i64", "v_ptr": "*fp32", "chunks_ptr": "*i32"}
 DIV16 = {"T", "d_in", "k_per_split", "stride_xm", "stride_ym", "stride_c"}
 KERNELS = {
-    "shrink": ("_sgmv_shrink_kernel", dict(NUM_SLICES=3, RMAX=16, BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, IEEE=False)),
+    "shrink": ("_sgmv_shrink_kernel", dict(NUM_SLICES=3, RMAX=16, BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, IEEE=False,
+                                           PDL=False)),
     "expand": ("_sgmv_expand_kernel", dict(NUM_SLICES=3, SPLIT_K=2, RMAX=16, BLOCK_M=16, BLOCK_N=256, BLOCK_R=16,
-                                           IEEE=False)),
+                                           IEEE=False, PDL=False)),
 }
 
 

@@ -162,6 +162,19 @@ def _add_scaled(y_ptr, stride_ym, tok, m_mask, n, n_mask, scale, acc):
     _store_scaled(y_ptrs, y_mask, y_old, scale, acc)
 
 
+@triton.jit
+def _pdl_wait():
+    """Programmatic dependent launch (sm_90+; ``PDL``): wait until the kernel before this one on the stream has
+    completed and its writes are visible (``griddepcontrol.wait``; at once when not launched with PDL), then let the
+    kernel after this one start launching (``griddepcontrol.launch_dependents``). Every program of a PDL kernel calls
+    it, programs with nothing to do included, and reads nothing another kernel may be writing before it: only the
+    plan (chunk table, ranks, offsets, scalings) and the pool, which no kernel of the step writes. A program thus
+    triggers only after everything before it on the stream has completed, so a kernel launched early after it sees
+    all of that too."""
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+
+
 @triton.jit(do_not_specialize=["T", "stride_c"])  # one compiled variant for every token count (module docstring)
 def _sgmv_shrink_kernel(
     # pointers
@@ -172,7 +185,7 @@ def _sgmv_shrink_kernel(
     stride_xm, stride_c,
     # meta
     NUM_SLICES: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_K: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     chunk = tl.program_id(0) // NUM_SLICES
     sid = tl.program_id(0) % NUM_SLICES
@@ -180,10 +193,15 @@ def _sgmv_shrink_kernel(
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
     if BLOCK_M <= 16:  # decode-sized tiles: the tokens beside the slot (prologue: see _sgmv_expand_kernel)
         tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
-    if slot < 0:
-        return
-    r = tl.load(ranks_ptr + sid * meta_stride + slot)  # no table read on the way to the rank
-    off_a = _slot_offset(offa_ptr, sid, meta_stride, slot, ALIGN)  # independent of r: loaded alongside it
+    if PDL:  # launched early (programmatic dependent launch): the plan and pool reads, then wait (``_pdl_wait``)
+        r = tl.load(ranks_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0)
+        off_a = tl.multiple_of(tl.load(offa_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0), ALIGN)
+        _pdl_wait()
+    else:
+        if slot < 0:
+            return
+        r = tl.load(ranks_ptr + sid * meta_stride + slot)  # no table read on the way to the rank
+        off_a = _slot_offset(offa_ptr, sid, meta_stride, slot, ALIGN)  # independent of r: loaded alongside it
     if r == 0:
         return
     if BLOCK_M > 16:
@@ -223,6 +241,7 @@ def _sgmv_expand_kernel(
     # meta
     NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr, TILES: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)  # n tiles of all slices, slice after slice (groups of TILES sub-tiles of BLOCK_N)
@@ -240,11 +259,17 @@ def _sgmv_expand_kernel(
         tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)  # padding chunks: len 0, nothing loaded
         n = n_tile * (TILES * BLOCK_N) + tl.arange(0, BLOCK_N)
         n_mask = n < d_out
-    if slot < 0:
-        return
-    r = tl.load(ranks_ptr + sid * meta_stride + slot)
-    off_b = _slot_offset(offb_ptr, sid, meta_stride, slot, ALIGN)
-    scale = tl.load(scal_ptr + sid * meta_stride + slot)
+    if PDL:  # launched early (programmatic dependent launch): the plan and pool reads, then wait (``_pdl_wait``)
+        r = tl.load(ranks_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0)
+        off_b = tl.multiple_of(tl.load(offb_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0), ALIGN)
+        scale = tl.load(scal_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0.0)
+        _pdl_wait()
+    else:
+        if slot < 0:
+            return
+        r = tl.load(ranks_ptr + sid * meta_stride + slot)
+        off_b = _slot_offset(offb_ptr, sid, meta_stride, slot, ALIGN)
+        scale = tl.load(scal_ptr + sid * meta_stride + slot)
     if r == 0:
         return
     if BLOCK_M <= 16 and TILES > 1:  # decode, a rank-16 pool (RMAX <= BLOCK_R): one v tile, TILES B tiles in a loop
@@ -326,6 +351,28 @@ DECODE_SHRINK_WARPS = 2
 DECODE_EXPAND_RANK_TILES: tuple[int, int] | None = (128, 2)
 
 
+#: Launch the shrink and expand with programmatic dependent launch (PDL) on GPUs that have it (compute capability
+#: 9.0+: Hopper, Blackwell): each kernel may start launching while the kernel before it on the stream drains, reads
+#: its slot, rank, offset and scaling, and waits (``_pdl_wait``) before its first read of activations; an expand thus
+#: starts while its shrink's last programs run instead of after the shrink has completed and the launch latency.
+#: False: plain launches (what ran before session 20). Captured CUDA graphs keep the programmatic edges.
+PDL = True
+
+
+def _pdl(device: torch.device) -> bool:
+    """Whether launches on ``device`` use PDL (``PDL`` and a CUDA device of compute capability >= 9)."""
+    return PDL and device.type == "cuda" and _capability(device.index)[0] >= 9
+
+
+_CAPABILITY: dict[int | None, tuple[int, int]] = {}
+
+
+def _capability(index: int | None) -> tuple[int, int]:
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
+
+
 def decode_expand_tiles(T: int) -> tuple[int, int | None, int | None]:
     """``(tiles, block_n, num_stages)`` of ``DECODE_EXPAND_LOOP``'s row for a decode step of ``T`` tokens (a pool of
     rank <= 16, on a GPU); ``(1, None, None)`` (the launcher's defaults) past its last row."""
@@ -401,6 +448,8 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
     k_per = triton.cdiv(triton.cdiv(d_in, split), block_k) * block_k
     v_out = torch.empty(split, S, T, rmax, dtype=torch.float32, device=x.device)
     extra = {} if num_stages is None else {"num_stages": num_stages}
+    if _pdl(x.device):
+        extra.update(PDL=True, launch_pdl=True)
     _sgmv_shrink_kernel[(chunks * S, split)](
         x, slices.buffer, slices.offsets_a, slices.ranks, v_out, plan.chunks,
         T, d_in, k_per, slices.meta_stride,
@@ -434,6 +483,8 @@ def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan
         # for resident programs (H200 sweep, bench/results/tune.log: 59 vs 80 us at T = 512 distinct)
         num_stages = 2
     extra = {} if num_stages is None else {"num_stages": num_stages}
+    if _pdl(y.device):
+        extra.update(PDL=True, launch_pdl=True)
     _sgmv_expand_kernel[(num_chunks(plan, slices), n_tiles)](
         y, slices.buffer, slices.offsets_b, slices.ranks, slices.scalings, slices.table, v, plan.chunks,
         T, *tile_ends(slices, group * block_n), slices.meta_stride,

@@ -752,6 +752,59 @@ def test_decode_cuda_graph_capture(path):
     torch.testing.assert_close(y.float(), y_eager.float(), atol=0, rtol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
+@pytest.mark.parametrize("rows", [1, 13, 64, 600])
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "graph"])
+def test_pdl_launches_equal_plain_launches(rows, capture, monkeypatch):
+    """Programmatic dependent launch (``triton_sgmv.PDL``, on by default from sm_90): each kernel may start while the
+    one before it drains and waits before it reads activations. Here a kernel writes x, another y, right before the
+    shrink and the expand (the race PDL could open: reading them before they are written), on rows with and without
+    an adapter, a rank-64 pool (the wide tiles at 1 and 13 rows) and a rank-16 one, eager and replayed from a CUDA
+    graph with new inputs: bit-identical to plain launches, and to the fp32 reference's tolerance."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0+")
+    dtype, device = torch.bfloat16, "cuda"
+    for ranks in ([16, 8, 16, 4], [64, 16, 33, 64]):
+        pool, slots = make_pool(LLAMA8B, ranks * 2, dtype=dtype, device=device)
+        token_slots = [slots[(i * 7) % len(slots)] if i % 5 else -1 for i in range(rows)]
+        plan = build_lora_plan(token_slots, device=device)
+        slices = lora_slices([pool.module_view(0, m) for m in QKV])
+        gen = torch.Generator(device=device).manual_seed(rows)
+        x_src = [torch.randn(rows, 4096, device=device, dtype=dtype, generator=gen) for _ in range(3)]
+        y_src = [torch.randn(rows, slices.d_out, device=device, dtype=dtype, generator=gen) for _ in range(3)]
+        x_in, y_in = torch.empty_like(x_src[0]), torch.empty_like(y_src[0])  # a graph's static inputs
+        x, y = torch.empty_like(x_in), torch.empty_like(y_in)
+
+        def step():
+            x.copy_(x_in * 1.5)  # a kernel writing x right before the shrink
+            y.copy_(y_in - 0.25)  # and one writing y (after the shrink's inputs, before the expand)
+            lora_apply_triton(y, x, slices, plan)
+
+        def run(i, graph=None):
+            x_in.copy_(x_src[i])
+            y_in.copy_(y_src[i])
+            graph.replay() if graph is not None else step()
+            torch.cuda.synchronize()
+            return y.clone()
+
+        monkeypatch.setattr(triton_sgmv, "PDL", False)
+        want = [run(i) for i in range(3)]
+        monkeypatch.setattr(triton_sgmv, "PDL", True)
+        assert triton_sgmv._pdl(x.device)
+        graph = None
+        if capture:
+            run(0)  # compiles before capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        for i in (1, 0, 2, 1, 2):
+            assert torch.equal(run(i, graph), want[i]), f"rows {rows}, ranks {ranks}, input {i}"
+        got = run(2, graph).float()
+        ref = reference(y_src[2] - 0.25, x, pool, 0, QKV, token_slots)  # x, y as the kernels saw them (bf16)
+        torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
 # ---------------------------------------------------------------------------------------------- compaction
 def _compaction_case(device, dtype, apply, capture=False):
     """One slices descriptor and one plan, applied before and after the pool compacts (every adapter moves, the
