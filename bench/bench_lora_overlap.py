@@ -207,6 +207,9 @@ def main(argv=None):
     ap.add_argument("--no-pdl", action="store_true",
                     help="plain launches of the LoRA kernels instead of programmatic dependent launch "
                     "(triton_sgmv.PDL = False: what ran before session 20); the run's JSON gets _nopdl")
+    ap.add_argument("--pdl-late-trigger", action="store_true",
+                    help="with PDL, let the next kernel launch as each program exits instead of right after its wait "
+                    "(triton_sgmv.PDL_EARLY_TRIGGER = False); the run's JSON gets _pdllate")
     args = ap.parse_args(argv)
     from multilora.kernels import triton_sgmv
 
@@ -242,6 +245,9 @@ def main(argv=None):
     if args.no_pdl:
         triton_sgmv.PDL = False
         tag += "_nopdl"
+    if args.pdl_late_trigger:
+        triton_sgmv.PDL_EARLY_TRIGGER = False
+        tag += "_pdllate"
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
         tag += f"_{args.blas}"
@@ -260,6 +266,7 @@ def main(argv=None):
                              decode_shrink_warps=triton_sgmv.DECODE_SHRINK_WARPS,
                              decode_expand_rank_tiles=triton_sgmv.DECODE_EXPAND_RANK_TILES,
                              wide_shrink=triton_sgmv.WIDE_SHRINK, pdl=triton_sgmv.PDL,
+                             pdl_early_trigger=triton_sgmv.PDL_EARLY_TRIGGER,
                              blas=str(torch.backends.cuda.preferred_blas_library()),
                              sm_carveout=torch._C._get_sm_carveout_experimental()))
     cases = [(1, 1, 16, None), (8, 8, 16, None), (64, 64, 16, None), (256, 256, 16, None), (1, 1, 64, None),

@@ -163,7 +163,7 @@ def _add_scaled(y_ptr, stride_ym, tok, m_mask, n, n_mask, scale, acc):
 
 
 @triton.jit
-def _pdl_wait():
+def _pdl_wait(TRIGGER: tl.constexpr):
     """Programmatic dependent launch (sm_90+; ``PDL``): wait until the kernel before this one on the stream has
     completed and its writes are visible (``griddepcontrol.wait``; at once when not launched with PDL), then let the
     kernel after this one start launching (``griddepcontrol.launch_dependents``). Every program of a PDL kernel calls
@@ -172,7 +172,8 @@ def _pdl_wait():
     triggers only after everything before it on the stream has completed, so a kernel launched early after it sees
     all of that too."""
     tl.extra.cuda.gdc_wait()
-    tl.extra.cuda.gdc_launch_dependents()
+    if TRIGGER:  # else the next kernel launches as each program exits (the implicit trigger)
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit(do_not_specialize=["T", "stride_c"])  # one compiled variant for every token count (module docstring)
@@ -186,6 +187,7 @@ def _sgmv_shrink_kernel(
     # meta
     NUM_SLICES: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
+    PDL_TRIGGER: tl.constexpr = True,
 ):
     chunk = tl.program_id(0) // NUM_SLICES
     sid = tl.program_id(0) % NUM_SLICES
@@ -196,7 +198,7 @@ def _sgmv_shrink_kernel(
     if PDL:  # launched early (programmatic dependent launch): the plan and pool reads, then wait (``_pdl_wait``)
         r = tl.load(ranks_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0)
         off_a = tl.multiple_of(tl.load(offa_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0), ALIGN)
-        _pdl_wait()
+        _pdl_wait(PDL_TRIGGER)
     else:
         if slot < 0:
             return
@@ -241,7 +243,7 @@ def _sgmv_expand_kernel(
     # meta
     NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr, TILES: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
 ):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)  # n tiles of all slices, slice after slice (groups of TILES sub-tiles of BLOCK_N)
@@ -263,7 +265,7 @@ def _sgmv_expand_kernel(
         r = tl.load(ranks_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0)
         off_b = tl.multiple_of(tl.load(offb_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0), ALIGN)
         scale = tl.load(scal_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0.0)
-        _pdl_wait()
+        _pdl_wait(PDL_TRIGGER)
     else:
         if slot < 0:
             return
@@ -357,6 +359,9 @@ DECODE_EXPAND_RANK_TILES: tuple[int, int] | None = (128, 2)
 #: starts while its shrink's last programs run instead of after the shrink has completed and the launch latency.
 #: False: plain launches (what ran before session 20). Captured CUDA graphs keep the programmatic edges.
 PDL = True
+#: With PDL, whether a program lets the next kernel launch right after its wait (``griddepcontrol.launch_dependents``)
+#: rather than when it exits.
+PDL_EARLY_TRIGGER = True
 
 
 def _pdl(device: torch.device) -> bool:
@@ -449,7 +454,7 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
     v_out = torch.empty(split, S, T, rmax, dtype=torch.float32, device=x.device)
     extra = {} if num_stages is None else {"num_stages": num_stages}
     if _pdl(x.device):
-        extra.update(PDL=True, launch_pdl=True)
+        extra.update(PDL=True, PDL_TRIGGER=PDL_EARLY_TRIGGER, launch_pdl=True)
     _sgmv_shrink_kernel[(chunks * S, split)](
         x, slices.buffer, slices.offsets_a, slices.ranks, v_out, plan.chunks,
         T, d_in, k_per, slices.meta_stride,
@@ -484,7 +489,7 @@ def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan
         num_stages = 2
     extra = {} if num_stages is None else {"num_stages": num_stages}
     if _pdl(y.device):
-        extra.update(PDL=True, launch_pdl=True)
+        extra.update(PDL=True, PDL_TRIGGER=PDL_EARLY_TRIGGER, launch_pdl=True)
     _sgmv_expand_kernel[(num_chunks(plan, slices), n_tiles)](
         y, slices.buffer, slices.offsets_b, slices.ranks, slices.scalings, slices.table, v, plan.chunks,
         T, *tile_ends(slices, group * block_n), slices.meta_stride,

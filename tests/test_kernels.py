@@ -756,14 +756,17 @@ def test_decode_cuda_graph_capture(path):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
 @pytest.mark.parametrize("rows", [1, 13, 64, 600])
 @pytest.mark.parametrize("capture", [False, True], ids=["eager", "graph"])
-def test_pdl_launches_equal_plain_launches(rows, capture, monkeypatch):
+@pytest.mark.parametrize("early", [True, False], ids=["trigger-early", "trigger-at-exit"])
+def test_pdl_launches_equal_plain_launches(rows, capture, early, monkeypatch):
     """Programmatic dependent launch (``triton_sgmv.PDL``, on by default from sm_90): each kernel may start while the
     one before it drains and waits before it reads activations. Here a kernel writes x, another y, right before the
     shrink and the expand (the race PDL could open: reading them before they are written), on rows with and without
     an adapter, a rank-64 pool (the wide tiles at 1 and 13 rows) and a rank-16 one, eager and replayed from a CUDA
-    graph with new inputs: bit-identical to plain launches, and to the fp32 reference's tolerance."""
+    graph with new inputs: bit-identical to plain launches, and to the fp32 reference's tolerance; with the next
+    kernel let launch right after a program's wait, or as it exits (``PDL_EARLY_TRIGGER``)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9.0+")
+    monkeypatch.setattr(triton_sgmv, "PDL_EARLY_TRIGGER", early)
     dtype, device = torch.bfloat16, "cuda"
     for ranks in ([16, 8, 16, 4], [64, 16, 33, 64]):
         pool, slots = make_pool(LLAMA8B, ranks * 2, dtype=dtype, device=device)
