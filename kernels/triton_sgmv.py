@@ -41,6 +41,10 @@ output tiles of its chunk: the slot's rank, offset, scale and v are read once, a
 tiles in flight while one is multiplied and stored (each token its own adapter, one 256-wide tile per program
 read B at a third of copy bandwidth: a few KB behind a chain of dependent loads per program).
 
+On GPUs of compute capability 9.0+ both kernels are launched with programmatic dependent launch (``PDL``): a kernel
+may start while the one before it on the stream drains; its programs read the plan (slot, rank, offset, scaling),
+then wait for that kernel to complete (``_pdl_wait``) before they read x, v or y, and let the next kernel launch.
+
 A one-launch shrink + expand kernel was tried and is off by default: ``multilora.kernels.experimental``.
 """
 
@@ -357,16 +361,27 @@ DECODE_EXPAND_RANK_TILES: tuple[int, int] | None = (128, 2)
 #: 9.0+: Hopper, Blackwell): each kernel may start launching while the kernel before it on the stream drains, reads
 #: its slot, rank, offset and scaling, and waits (``_pdl_wait``) before its first read of activations; an expand thus
 #: starts while its shrink's last programs run instead of after the shrink has completed and the launch latency.
-#: False: plain launches (what ran before session 20). Captured CUDA graphs keep the programmatic edges.
+#: Not in the wide-rank regime past one token (``_use_pdl``). False: plain launches (what ran before session 20).
+#: Captured CUDA graphs keep the programmatic edges. H200, one Llama-3-8B layer's seven projections in a CUDA graph,
+#: each token its own adapter, LoRA added in place (bench/results/session20/call3, two runs each, us the LoRA adds):
+#: rank 16 at 1 / 8 / 64 tokens 29.8 -> 21.5, 35.1 -> 27.5, 78.2 -> 76.2; rank 64 at 1 / 64 tokens 70.6 -> 60.0,
+#: 247.1 -> 238.6; but rank 64 at 8 tokens (the wide regime: 16-way split shrink, 2-warp expand) 86.7 -> 108.5, and
+#: the same with the trigger at exit (``PDL_EARLY_TRIGGER = False``): hence plain launches there.
 PDL = True
 #: With PDL, whether a program lets the next kernel launch right after its wait (``griddepcontrol.launch_dependents``)
-#: rather than when it exits.
+#: rather than when it exits (session 20: right after the wait was as fast or faster in every case measured).
 PDL_EARLY_TRIGGER = True
 
 
 def _pdl(device: torch.device) -> bool:
-    """Whether launches on ``device`` use PDL (``PDL`` and a CUDA device of compute capability >= 9)."""
+    """Whether launches on ``device`` may use PDL (``PDL`` and a CUDA device of compute capability >= 9)."""
     return PDL and device.type == "cuda" and _capability(device.index)[0] >= 9
+
+
+def _use_pdl(device: torch.device, T: int, rmax: int) -> bool:
+    """Whether a launch of ``T`` tokens from a pool of rank ``rmax`` on ``device`` uses PDL: ``_pdl``, except the
+    wide-rank regime (``_wide``) past one token, where it measured slower (``PDL``)."""
+    return _pdl(device) and not (_wide(T, rmax) and T > 1)
 
 
 _CAPABILITY: dict[int | None, tuple[int, int]] = {}
@@ -453,7 +468,7 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
     k_per = triton.cdiv(triton.cdiv(d_in, split), block_k) * block_k
     v_out = torch.empty(split, S, T, rmax, dtype=torch.float32, device=x.device)
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    if _pdl(x.device):
+    if _use_pdl(x.device, T, rmax):
         extra.update(PDL=True, PDL_TRIGGER=PDL_EARLY_TRIGGER, launch_pdl=True)
     _sgmv_shrink_kernel[(chunks * S, split)](
         x, slices.buffer, slices.offsets_a, slices.ranks, v_out, plan.chunks,
@@ -488,7 +503,7 @@ def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan
         # for resident programs (H200 sweep, bench/results/tune.log: 59 vs 80 us at T = 512 distinct)
         num_stages = 2
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    if _pdl(y.device):
+    if _use_pdl(y.device, T, rmax):
         extra.update(PDL=True, PDL_TRIGGER=PDL_EARLY_TRIGGER, launch_pdl=True)
     _sgmv_expand_kernel[(num_chunks(plan, slices), n_tiles)](
         y, slices.buffer, slices.offsets_b, slices.ranks, slices.scalings, slices.table, v, plan.chunks,

@@ -761,7 +761,8 @@ def test_pdl_launches_equal_plain_launches(rows, capture, early, monkeypatch):
     """Programmatic dependent launch (``triton_sgmv.PDL``, on by default from sm_90): each kernel may start while the
     one before it drains and waits before it reads activations. Here a kernel writes x, another y, right before the
     shrink and the expand (the race PDL could open: reading them before they are written), on rows with and without
-    an adapter, a rank-64 pool (the wide tiles at 1 and 13 rows) and a rank-16 one, eager and replayed from a CUDA
+    an adapter, a rank-64 pool (the wide tiles at 1 row with PDL, at 13 without: ``_use_pdl``) and a rank-16 one,
+    eager and replayed from a CUDA
     graph with new inputs: bit-identical to plain launches, and to the fp32 reference's tolerance; with the next
     kernel let launch right after a program's wait, or as it exits (``PDL_EARLY_TRIGGER``)."""
     if torch.cuda.get_device_capability()[0] < 9:
@@ -806,6 +807,22 @@ def test_pdl_launches_equal_plain_launches(rows, capture, early, monkeypatch):
         got = run(2, graph).float()
         ref = reference(y_src[2] - 0.25, x, pool, 0, QKV, token_slots)  # x, y as the kernels saw them (bf16)
         torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
+def test_pdl_rule(monkeypatch):
+    """``_use_pdl``: PDL wherever the device has it, except the wide-rank regime (rank >= 64 pools, 2-16 tokens) where
+    it measured slower; never off CUDA or with ``PDL = False``."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(triton_sgmv, "_capability", lambda index: (9, 0))
+    assert not triton_sgmv._use_pdl(cpu, 1, 16)
+    want = {(1, 16): True, (8, 16): True, (64, 16): True, (4096, 16): True, (1, 64): True, (2, 64): False,
+            (8, 64): False, (16, 64): False, (17, 64): True, (64, 64): True, (8, 128): False}
+    assert {k: triton_sgmv._use_pdl(cuda, *k) for k in want} == want
+    monkeypatch.setattr(triton_sgmv, "_capability", lambda index: (8, 0))
+    assert not any(triton_sgmv._use_pdl(cuda, *k) for k in want)
+    monkeypatch.setattr(triton_sgmv, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(triton_sgmv, "PDL", False)
+    assert not any(triton_sgmv._use_pdl(cuda, *k) for k in want)
 
 
 # ---------------------------------------------------------------------------------------------- compaction
