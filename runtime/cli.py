@@ -348,15 +348,20 @@ def _engine_config(args: argparse.Namespace) -> Any:
     except ValueError as e:
         field = re.search(r"Engine: (\w+)", str(e))
         raise ValueError(f"--{field.group(1).replace('_', '-')}: {e}" if field else str(e)) from e
+    _check_adapter_files(args.adapter, config.max_lora_rank, args.allow_pickle)
+    return config
+
+
+def _check_adapter_files(adapters: list[tuple[str, str]], max_rank: int, allow_pickle: bool) -> None:
+    """What needs no model, for every ``--adapter NAME=PATH``: a directory, its config, a weight file (a pickle only
+    with ``allow_pickle``), the rank within ``max_rank``; ValueError naming the flag."""
     from multilora.runtime.adapters import AdapterError, check_adapter_files
 
-    # what needs no model: a directory, its config, a weight file (a pickle only with --allow-pickle), the rank
-    for name, path in args.adapter:
+    for name, path in adapters:
         try:
-            check_adapter_files(path, max_rank=config.max_lora_rank, allow_pickle=args.allow_pickle)
+            check_adapter_files(path, max_rank=max_rank, allow_pickle=allow_pickle)
         except AdapterError as e:
             raise ValueError(f"--adapter {name}={path}: {e}") from e
-    return config
 
 
 def _load_engine(args: argparse.Namespace, *, progress: bool = False) -> Any:
@@ -498,6 +503,16 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
             return "--" + ("adapter" if m.group(1) == "adapters" else m.group(1).replace("_", "-"))
 
         raise ValueError(re.sub(r"RayAppSpec\.(\w+)", flag, str(e))) from e
+    # what the replicas would find only after Ray started: a missing model, an adapter named as the default model's
+    # stem, adapter files they would refuse (the replicas load no pickle)
+    from multilora.runtime.weights import resolve_model_path
+
+    stem = resolve_model_path(args.model).stem
+    if spec.base_name is None and stem in spec.adapters:
+        raise ValueError(f"--adapter {stem}=...: that name is the base model's served name (requests naming it would "
+                         f"reach the base model): give the adapter another name, or the base model another one with "
+                         f"--served-model-name")
+    _check_adapter_files(args.adapter, config.max_lora_rank, allow_pickle=False)
     try:
         import ray
         from ray import serve

@@ -619,3 +619,28 @@ def test_serve_help_offers_allow_pickle(capsys, monkeypatch):
     _, out, _ = run(capsys, "serve", "--help")
     text = _option_helps(out)["--allow-pickle"]
     assert "SECURITY" in text and "not for adapters loaded at run time" in text, text
+
+
+# ------------------------------------------------------------------------------------------ serve-ray's early checks
+def test_serve_ray_checks_what_replicas_would_refuse_before_ray_starts(pickled_adapter, demo_dir, tmp_path, capsys,
+                                                                       monkeypatch):
+    """serve-ray fails in a second, naming the flag, on what its replicas would only find after Ray has started: a
+    missing model, an adapter named as the default model's served name, a pickle-only adapter (replicas load none),
+    an adapter of a rank past --max-lora-rank. Ray itself is never imported here."""
+    import sys
+
+    from multilora.runtime.weights import resolve_model_path
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # reaching Ray would fail with "ray is not installed"
+    code, _, err = run(capsys, "serve-ray", "--model", tmp_path / "no-model")
+    assert code == 2 and f"model: path {str(tmp_path / 'no-model')!r} does not exist" in err, err
+    stem = resolve_model_path(None).stem
+    code, _, err = run(capsys, "serve-ray", "--adapter", f"{stem}={demo_dir / 'demo-a'}")
+    assert code == 2 and f"--adapter {stem}=...: that name is the base model's served name" in err, err
+    code, _, err = run(capsys, "serve-ray", "--adapter", f"p={pickled_adapter}")
+    assert code == 2 and f"--adapter p={pickled_adapter}: {pickled_adapter / 'adapter_model.bin'}: only a pickle" \
+        in err, err
+    code, _, err = run(capsys, "serve-ray", "--adapter", f"a={demo_dir / 'demo-a'}", "--max-lora-rank", "1")
+    assert code == 2 and f"--adapter a={demo_dir / 'demo-a'}: " in err and "max_lora_rank" in err, err
+    code, _, err = run(capsys, "serve-ray", "--adapter", f"a={demo_dir / 'demo-a'}")
+    assert code == 2 and "ray is not installed" in err, err  # every check passed: on to Ray
