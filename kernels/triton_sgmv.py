@@ -171,10 +171,10 @@ def _pdl_wait(TRIGGER: tl.constexpr):
     """Programmatic dependent launch (sm_90+; ``PDL``): wait until the kernel before this one on the stream has
     completed and its writes are visible (``griddepcontrol.wait``; at once when not launched with PDL), then let the
     kernel after this one start launching (``griddepcontrol.launch_dependents``). Every program of a PDL kernel calls
-    it, programs with nothing to do included, and reads nothing another kernel may be writing before it: only the
-    plan (chunk table, ranks, offsets, scalings) and the pool, which no kernel of the step writes. A program thus
-    triggers only after everything before it on the stream has completed, so a kernel launched early after it sees
-    all of that too."""
+    it, programs with nothing to do included (their plan reads masked), and reads nothing another kernel may be
+    writing before it: only the plan (chunk table, ranks, offsets, scalings), which no kernel of a step writes. A
+    program thus triggers only after everything before it on the stream has completed, so a kernel launched early
+    after it sees all of that too."""
     tl.extra.cuda.gdc_wait()
     if TRIGGER:  # else the next kernel launches as each program exits (the implicit trigger)
         tl.extra.cuda.gdc_launch_dependents()
@@ -199,7 +199,7 @@ def _sgmv_shrink_kernel(
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
     if BLOCK_M <= 16:  # decode-sized tiles: the tokens beside the slot (prologue: see _sgmv_expand_kernel)
         tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
-    if PDL:  # launched early (programmatic dependent launch): the plan and pool reads, then wait (``_pdl_wait``)
+    if PDL:  # launched early (programmatic dependent launch): the slot's plan entries, then wait (``_pdl_wait``)
         r = tl.load(ranks_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0)
         off_a = tl.multiple_of(tl.load(offa_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0), ALIGN)
         _pdl_wait(PDL_TRIGGER)
@@ -265,7 +265,7 @@ def _sgmv_expand_kernel(
         tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)  # padding chunks: len 0, nothing loaded
         n = n_tile * (TILES * BLOCK_N) + tl.arange(0, BLOCK_N)
         n_mask = n < d_out
-    if PDL:  # launched early (programmatic dependent launch): the plan and pool reads, then wait (``_pdl_wait``)
+    if PDL:  # launched early (programmatic dependent launch): the slot's plan entries, then wait (``_pdl_wait``)
         r = tl.load(ranks_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0)
         off_b = tl.multiple_of(tl.load(offb_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0), ALIGN)
         scale = tl.load(scal_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0.0)

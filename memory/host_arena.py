@@ -44,7 +44,8 @@ maps the next chunk on a background thread when the holes left could take fewer 
 granule, so a later ``alloc`` finds room; its units count against the budget while it is mapped, and an ``alloc``
 that finds no hole meanwhile waits for it (rather than map another chunk, or be refused for want of budget).
 ``alloc`` still grows on the caller's thread when it must (``sync_grows`` counts those, ``sync_register_seconds``
-their time; ``grown_ahead`` the background ones).
+their time; ``grown_ahead`` the background ones). ``map_ahead(nbytes)`` has the same thread map whole chunks one
+after another up to ``nbytes`` (an engine's ``host_arena_map_ahead_bytes``, from its start), each usable as it lands.
 
 Thread safety: every method takes the arena's lock (a background growth maps outside it, then appends under it).
 """
@@ -197,6 +198,7 @@ class HostArena:
         self.grown_ahead = 0  # chunks mapped by grow_ahead's background thread
         self._pending_units = 0  # units of a chunk being mapped in the background (counted against the budget)
         self._growth: threading.Thread | None = None
+        self._map_target_units = 0  # map_ahead: units the background thread maps chunks up to
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -242,11 +244,14 @@ class HostArena:
                 start = c.space.take(units)
                 if start is not None:
                     return self._place(i, start, units, nbytes, fixed)
+            seen = len(self._chunks)
             while self._growth is not None:  # a chunk is being mapped ahead: wait for it rather than map another
                 self._grown.wait()
-                start = self._chunks[-1].space.take(units) if self._chunks else None
-                if start is not None:
-                    return self._place(len(self._chunks) - 1, start, units, nbytes, fixed)
+                for i in range(seen, len(self._chunks)):  # the chunks that landed meanwhile, first fit
+                    start = self._chunks[i].space.take(units)
+                    if start is not None:
+                        return self._place(i, start, units, nbytes, fixed)
+                seen = len(self._chunks)
             i = self._grow(units)
             if i is not None:
                 return self._place(i, self._chunks[i].space.take(units), units, nbytes, fixed)
@@ -307,36 +312,89 @@ class HostArena:
             size = self._next_chunk_units(g)
             if size is None:
                 return False
-            self._pending_units = size
-            # the caller's CUDA device, so the chunk is registered in the same context as alloc's would be
-            device = torch.cuda.current_device() if self.want_pinned and torch.cuda.is_available() else None
-            self._growth = threading.Thread(target=self._map_ahead, args=(size, device),
-                                            name="multilora-host-arena-grow", daemon=True)
-            self._growth.start()
+            self._start_growth(size)
             return True
 
-    def _map_ahead(self, size: int, device: int | None) -> None:
-        t0 = time.perf_counter()
-        try:
-            if device is not None:
-                torch.cuda.set_device(device)
-            chunk = _Chunk(size * self.unit, size, self.want_pinned)
-        except Exception as e:  # noqa: BLE001 - out of memory or mapping refused: alloc grows (or fails) itself
-            log.warning("host arena: mapping a %d-byte chunk ahead failed: %s", size * self.unit, e)
-            chunk = None
-        dt = time.perf_counter() - t0
+    def map_ahead(self, nbytes: int) -> bool:
+        """Map (and, ``pinned``, register) chunks on the background thread until the arena holds at least ``nbytes``
+        (rounded up to whole images of the granule, at most the budget): whole chunks of ``chunk_bytes``, not the
+        doubling sizes of chunks mapped on demand. What an engine that expects to fill its host tier does at start
+        (``EngineConfig.host_arena_map_ahead_bytes``), so that no ``alloc`` waits for a chunk to be mapped while the
+        tier fills. An ``alloc`` meanwhile takes room in each chunk as it lands. Returns whether a chunk is being
+        mapped when it returns. A failure is logged and ends the mapping ahead (``alloc`` grows itself then).
+
+        Raises:
+            ValueError: a negative ``nbytes``.
+        """
+        if nbytes < 0:
+            raise ValueError(f"HostArena.map_ahead: nbytes must be >= 0, got {nbytes}")
         with self._lock:
-            if chunk is not None:
-                self._chunks.append(chunk)
-                self.register_seconds += dt
-                self.grown_ahead += 1
-            self._pending_units = 0
-            self._growth = None
-            self._grown.notify_all()
+            self._map_target_units = max(self._map_target_units, self._units(nbytes))
+            if self._growth is not None:  # the running growth goes on to the target
+                return True
+            size = self._next_ahead_units()
+            if size is None:
+                return False
+            self._start_growth(size)
+            return True
+
+    def _next_ahead_units(self) -> int | None:
+        """Units of the next chunk ``map_ahead`` maps (its target not reached: a whole chunk, or what the target or
+        the budget leaves, in whole granules), or None."""
+        g = self.granule_units
+        held = sum(c.space.num_units for c in self._chunks) + self._pending_units
+        left = self._map_target_units - held
+        if left <= 0:
+            return None
+        size = min(self.chunk_units, -(-left // g) * g)
+        if self.budget is not None:
+            size = min(size, (self.budget // self.unit - held) // g * g)
+        return size if size >= g else None
+
+    def _start_growth(self, size: int) -> None:
+        """Map a chunk of ``size`` units on the background thread (the arena's lock held)."""
+        self._pending_units = size
+        # the caller's CUDA device, so the chunk is registered in the same context as alloc's would be
+        device = torch.cuda.current_device() if self.want_pinned and torch.cuda.is_available() else None
+        self._growth = threading.Thread(target=self._map_ahead, args=(size, device),
+                                        name="multilora-host-arena-grow", daemon=True)
+        self._growth.start()
+
+    def _map_ahead(self, size: int | None, device: int | None) -> None:
+        """The background thread: map a chunk of ``size`` units, then, while ``map_ahead``'s target is not reached,
+        the next one (each appended, and the waiting ``alloc`` calls woken, as it lands)."""
+        if device is not None:
+            try:
+                torch.cuda.set_device(device)
+            except Exception as e:  # noqa: BLE001 - registration then fails the same way, and is logged below
+                log.warning("host arena: mapping ahead on device %s: %s", device, e)
+        while size is not None:
+            t0 = time.perf_counter()
+            try:
+                chunk = _Chunk(size * self.unit, size, self.want_pinned)
+            except Exception as e:  # noqa: BLE001 - out of memory or mapping refused: alloc grows (or fails) itself
+                log.warning("host arena: mapping a %d-byte chunk ahead failed: %s", size * self.unit, e)
+                chunk = None
+            dt = time.perf_counter() - t0
+            with self._lock:
+                self._pending_units = 0
+                if chunk is not None:
+                    self._chunks.append(chunk)
+                    self.register_seconds += dt
+                    self.grown_ahead += 1
+                    size = self._next_ahead_units()
+                else:
+                    self._map_target_units = 0  # a failure ends the mapping ahead
+                    size = None
+                if size is None:
+                    self._growth = None
+                else:
+                    self._pending_units = size
+                self._grown.notify_all()
 
     def wait_growth(self, timeout: float | None = None) -> None:
-        """Wait for a chunk being mapped in the background (if any) to be in place (or its mapping to have
-        failed). Not with the arena's lock held: the background thread takes it to append the chunk."""
+        """Wait for the background mapping (if any: ``grow_ahead``'s chunk, ``map_ahead``'s chunks) to be in place
+        (or to have failed). Not with the arena's lock held: the background thread takes it to append each chunk."""
         t = self._growth
         if t is not None:
             t.join(timeout)

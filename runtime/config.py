@@ -64,6 +64,12 @@ class EngineConfig:
             blocks than are free, the newest are preempted and recomputed later (``multilora.runtime.scheduler``).
         host_adapter_bytes: explicit host-tier size, passed to the memory plan (which rejects one that
             over-commits a shared-memory device); None = the plan's automatic size.
+        host_arena_map_ahead_bytes: bytes of the host tier's pinned arena mapped (and page-locked) on a background
+            thread from the engine's start, in whole chunks, up to the tier's size (``HostArena.map_ahead``), so
+            that a tier filling fast (thousands of adapters) never waits for a chunk to be mapped on the step
+            thread. 0 (default): chunks are mapped as adapters need them, a chunk ahead (``HostArena.grow_ahead``).
+            Not measured yet against the default (session 20: the step thread of the one-batch bench at 2,048
+            adapters waited 11-25% of its samples for chunks being mapped ahead); it pins that memory at once.
         gpu_memory_fraction: share of usable device memory the plan may budget, in (0, 1].
         local_ranks: engine processes sharing this device/host (the plan divides host memory by it).
         tensor_parallel_size: ranks the model is split over (``runtime.parallel``: Megatron-style shards, one
@@ -175,6 +181,8 @@ class EngineConfig:
                                             "no cap, the memory plan's KV share, at most --max-batch-size sequences "
                                             "of --max-seq-len tokens)", kind=int)
     host_adapter_bytes: int | None = _opt(None, "host-tier size in bytes (default: the memory plan's)", kind=int)
+    host_arena_map_ahead_bytes: int = _opt(0, "bytes of the host tier mapped and pinned on a background thread from "
+                                              "the start, up to its size (default 0: as adapters need them)", kind=int)
     gpu_memory_fraction: float = _opt(0.9, "share of usable device memory the memory plan may budget")
     local_ranks: int = _opt(1, "engine processes sharing this device / host")
     tensor_parallel_size: int = _opt(1, "ranks (processes, GPUs) the model is split over")
@@ -235,7 +243,8 @@ class EngineConfig:
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise fail(name, "an int >= 0")
         for name, unit in (("adapter_pool_bytes", "bytes"), ("kv_cache_bytes", "bytes"),
-                           ("host_adapter_bytes", "bytes"), ("lora_side_stream_max_tokens", "tokens"),
+                           ("host_adapter_bytes", "bytes"), ("host_arena_map_ahead_bytes", "bytes"),
+                           ("lora_side_stream_max_tokens", "tokens"),
                            ("piecewise_cuda_graph_max_tokens", "tokens")):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):

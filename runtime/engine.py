@@ -253,6 +253,8 @@ class Engine:
         self.raw_reloads = cfg.adapter_finish == "device"
         self.cache = AdapterCache(self.pool, host_bytes=sizes.host_bytes, reload=self._reload_adapter,
                                   io_threads=cfg.adapter_io_threads)
+        if cfg.host_arena_map_ahead_bytes:  # the host tier's chunks mapped from now on, off every step
+            self.cache.arena.map_ahead(cfg.host_arena_map_ahead_bytes)
         self.scheduler = Scheduler(self.cache, kv=self.kv, max_batch_size=cfg.max_batch_size,
                                    max_prefill_tokens=cfg.max_prefill_tokens, patience=cfg.starvation_patience,
                                    recompute_after=self.model.rope_long_after, chunked=cfg.enable_chunked_prefill,

@@ -88,6 +88,7 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("done"), st.integers(0, 50), st.booleans()),           # fixed block written / copy completes
     st.tuples(st.just("compact"), st.integers(0, 3), st.booleans()),
     st.tuples(st.just("grow"), st.integers(1, 12), st.booleans()),           # grow_ahead(images); wait for it?
+    st.tuples(st.just("map"), st.integers(0, 80), st.booleans()),            # map_ahead(units); wait for it?
 ), max_size=60)
 
 
@@ -171,6 +172,12 @@ def test_arena_keeps_bytes_exact_and_contents_intact(ops, chunk_units, budget_ch
             if flag:  # else the next ops run while the chunk may still be mapped (alloc waits for it if it must)
                 arena.wait_growth(10)
                 assert arena.num_chunks == chunks + (started or pending)  # (mapping cannot fail here)
+        elif op == "map":
+            arena.map_ahead(x * UNIT)
+            if flag:
+                arena.wait_growth(10)
+                assert arena.bytes_held >= min(x * UNIT, budget // UNIT * UNIT) or \
+                    budget - arena.bytes_held < UNIT  # the target, or as much of the budget as whole units allow
         elif op == "compact" and arena.num_chunks:
             fixed = {b: (b.chunk, b.start) for b in live if b.fixed}
             places = {b: (b.chunk, b.start) for b in live}
@@ -297,6 +304,62 @@ def test_grow_ahead_counts_against_the_budget_and_survives_a_failure(monkeypatch
     assert arena.alloc(8 * MiB).chunk == 1 and arena.sync_grows == 2  # grows on this thread instead
 
 
+def test_map_ahead_maps_whole_chunks_to_the_target_in_the_background(monkeypatch, caplog):
+    """``map_ahead`` maps whole chunks (not the on-demand doubling sizes) on the background thread, one after another,
+    up to its target rounded up to images and capped by the budget; allocs meanwhile land in each chunk as it comes
+    (never growing on their own thread); a larger target later extends it; a failed chunk ends it, logged."""
+    import multilora.memory.host_arena as ha
+
+    MiB = 1 << 20
+    gate = threading.Semaphore(0)
+    threads = []
+    real = ha._Chunk
+
+    def chunk(*a, **k):
+        threads.append(threading.current_thread().name)
+        if threading.current_thread().name == "multilora-host-arena-grow":
+            assert gate.acquire(timeout=10)  # one chunk per release
+        return real(*a, **k)
+
+    monkeypatch.setattr(ha, "_Chunk", chunk)
+    arena = HostArena(500 * MiB, pinned=False, unit=MiB, chunk_bytes=128 * MiB, granule=8 * MiB)
+    with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
+        arena.map_ahead(-1)
+    assert arena.map_ahead(0) is False and arena.num_chunks == 0
+    assert arena.map_ahead(300 * MiB) is True  # 128 + 128 + 48 (300 rounded up to whole 8 MiB images: 304)
+    got = []
+    waiter = threading.Thread(target=lambda: got.extend(arena.alloc(8 * MiB) for _ in range(17)))
+    waiter.start()  # finds no chunk: waits for the first one mapped ahead, then for the second
+    gate.release()
+    gate.release()
+    waiter.join(10)
+    assert not waiter.is_alive() and [b.chunk for b in got] == [0] * 16 + [1]
+    gate.release()
+    arena.wait_growth(10)
+    assert arena.bytes_held == 304 * MiB and arena.num_chunks == 3 and arena.grown_ahead == 3 and arena.sync_grows == 0
+    assert threads == ["multilora-host-arena-grow"] * 3
+    assert arena.map_ahead(300 * MiB) is False  # already held
+    assert arena.map_ahead(10 << 30) is True  # past the budget: up to it, in whole images (496 MiB)
+    gate.release()
+    gate.release()
+    arena.wait_growth(10)
+    assert arena.bytes_held == 496 * MiB and arena.num_chunks == 5 and arena.grown_ahead == 5
+
+    def broken(*a, **k):
+        if threading.current_thread().name == "multilora-host-arena-grow":
+            raise MemoryError("no room for a chunk")
+        return real(*a, **k)
+
+    monkeypatch.setattr(ha, "_Chunk", broken)
+    arena = HostArena(None, pinned=False, unit=MiB, chunk_bytes=128 * MiB, granule=8 * MiB)
+    with caplog.at_level("WARNING", logger="multilora"):
+        assert arena.map_ahead(1 << 30) is True
+        arena.wait_growth(10)
+    assert "mapping a 134217728-byte chunk ahead failed: no room for a chunk" in caplog.text
+    assert arena.num_chunks == 0 and arena._growth is None
+    assert arena.alloc(8 * MiB).chunk == 0 and arena.sync_grows == 1  # alloc grows on its own thread instead
+
+
 def test_arena_refuses_what_can_never_fit_and_validates():
     arena = HostArena(1000, pinned=False, unit=10, chunk_bytes=300)
     assert not arena.could_ever_fit(301) and arena.could_ever_fit(300) and arena.alloc(301) is None
@@ -354,6 +417,29 @@ def test_host_tier_counts_exact_bytes_in_the_arena(tiny):
     s = engine.stats()
     assert s["host_tier_bytes"] == 3 * unit and s["host_arena_bytes_used"] == 3 * unit
     assert s["host_arena_bytes_held"] == arena.bytes_held and s["host_arena_pinned"] is False
+    engine.cache.close()
+
+
+def test_engine_maps_the_host_tier_ahead_when_asked(tiny):
+    """``host_arena_map_ahead_bytes``: the engine maps the host tier's chunks from its start on the background
+    thread, up to the tier's size (here asked past it), so loading adapters grows nothing on its own thread; the
+    copies are the same bytes as without it; 0 (the default) maps nothing until an adapter needs it."""
+    _, dirs, _, unit = tiny
+    plain = _engine(tiny, 1, 3 * unit)
+    assert plain.cache.arena.bytes_held == 0 and plain.engine_config.host_arena_map_ahead_bytes == 0
+    engine = _engine(tiny, 1, 3 * unit, host_arena_map_ahead_bytes=100 * unit)
+    engine.cache.arena.wait_growth(30)
+    s = engine.stats()
+    assert s["host_arena_bytes_held"] == 3 * unit and s["host_arena_grown_ahead"] >= 1 and s["host_arena_sync_grows"] == 0
+    for e in (plain, engine):
+        for i in range(3):
+            e.load_adapter(f"a{i}", dirs[i])
+    assert engine.stats()["host_arena_sync_grows"] == 0 and engine.cache.arena.bytes_held == 3 * unit
+    for name in ("a0", "a1", "a2"):
+        assert torch.equal(engine.cache.get(name).host.data, plain.cache.get(name).host.data)
+    with pytest.raises(ValueError, match="host_arena_map_ahead_bytes"):
+        _engine(tiny, 1, 3 * unit, host_arena_map_ahead_bytes=-1)
+    plain.cache.close()
     engine.cache.close()
 
 
