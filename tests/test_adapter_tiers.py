@@ -598,6 +598,25 @@ def test_chunks_grown_ahead_are_pinned():
 
 @pytest.mark.gpu
 @gpu
+def test_chunks_mapped_ahead_are_pinned():
+    """``map_ahead``'s chunks (whole chunks, one after another on the background thread) are registered too: every
+    block placed in them is pinned memory, and a copy from one to the GPU lands its bytes."""
+    MiB = 1 << 20
+    arena = HostArena(None, pinned=True, unit=MiB, chunk_bytes=256 * MiB, granule=32 * MiB)
+    assert arena.map_ahead(600 * MiB) is True  # 256 + 256 + 96 (600 rounded up to whole 32 MiB images)
+    arena.wait_growth(60)
+    assert arena.num_chunks == 3 and arena.bytes_held == 608 * MiB and arena.grown_ahead == 3 and arena.pinned
+    blocks = [arena.alloc(32 * MiB) for _ in range(19)]
+    assert arena.sync_grows == 0 and all(b.bytes().is_pinned() for b in blocks)
+    dst = torch.empty(32 * MiB, dtype=torch.uint8, device="cuda")
+    blocks[-1].bytes().copy_(torch.arange(32 * MiB, dtype=torch.int64).to(torch.uint8))
+    dst.copy_(blocks[-1].bytes(), non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), blocks[-1].bytes())
+
+
+@pytest.mark.gpu
+@gpu
 def test_arena_chunks_are_pinned_and_copies_land_bit_identical():
     arena = HostArena(64 << 20, pinned=True, unit=128, chunk_bytes=32 << 20)
     blocks = [arena.alloc(3 << 20) for _ in range(12)]  # two chunks
