@@ -112,14 +112,17 @@ def test_fp8_gemv_one_variant_for_every_row_count(monkeypatch, ignore):
         assert counts == {"_w8_gemv_splitk_kernel": 1, "_w8_gemv2_kernel": 1}
 
 
-def test_warmup_token_counts_reach_every_lora_kernel_variant(monkeypatch):
+@pytest.mark.parametrize("rank, pdl", [(8, False), (8, True), (64, True)],
+                         ids=["r8", "r8-pdl", "r64-pdl"])
+def test_warmup_token_counts_reach_every_lora_kernel_variant(monkeypatch, rank, pdl):
     """The LoRA kernels' compile-time constants still follow a step's token count T (block sizes above 512 tokens;
     the shrink's split count, which a GPU's rule halves as T doubles). With an H200's rule (132 SMs) on Llama-3-8B
     widths and 8 resident adapters, the variants of every T from 1 to 600 are exactly those of
     ``WARMUP_PROMPT_TOKENS`` up to 600, the prefill step sizes of ``Engine.warmup`` (the kernels are recorded, not
     run); and the tile constants that follow T (block sizes, split counts) of every T up to 4,096 (the default largest
     step) are those of the warm-up's step sizes, with pools of 8, 140 and 4,096 slots (with many slots a class can be
-    a few tokens wide: 513-527)."""
+    a few tokens wide: 513-527). With PDL as on an H200 (``triton_sgmv._use_pdl``: on, but not in the wide-rank
+    regime past one token) the variants of a rank-64 pool too."""
     from test_kernels import GATE_UP, LLAMA8B, QKV, make_pool
 
     from multilora.kernels import build_lora_plan, lora_slices, triton_sgmv
@@ -128,7 +131,9 @@ def test_warmup_token_counts_reach_every_lora_kernel_variant(monkeypatch):
     real = triton_sgmv._split_k
     monkeypatch.setattr(triton_sgmv, "num_sms", lambda index: 132)
     monkeypatch.setattr(triton_sgmv, "_split_k", lambda device, *a, **k: real(torch.device("cuda", 0), *a, **k))
-    pool, slots = make_pool(LLAMA8B, [8] * 8, dtype=torch.float32, device="cpu")
+    if pdl:  # (recorded, not launched: the interpreter has no PDL)
+        monkeypatch.setattr(triton_sgmv, "_pdl", lambda device: True)
+    pool, slots = make_pool(LLAMA8B, [rank] * 8, dtype=torch.float32, device="cpu")
     groups = [lora_slices([pool.module_view(0, m) for m in mods]) for mods in (QKV, ("o_proj",), GATE_UP, ("down_proj",))]
 
     def variants(counts):
@@ -148,6 +153,10 @@ def test_warmup_token_counts_reach_every_lora_kernel_variant(monkeypatch):
     warm, _ = variants([n for n in WARMUP_PROMPT_TOKENS if n <= 600])
     assert len(splits) >= 3, splits  # the rule does vary the split over these token counts
     assert warm == every
+    pdls = {dict(kw).get("PDL") for ks in every.values() for _, kw in ks}  # (values as recorded: their repr)
+    assert pdls == ({None} if not pdl else {"True"} if rank < 64 else {"True", None}), pdls
+    if rank != 8:
+        return  # the tile constants below are those of rank-16 pools
     # the decode expand's looped tiles (on a GPU, a rank-16 pool): warm-up's step sizes reach each row, and decode
     # graph buckets of up to 16 requests (captured by warm-up) the first
     loops = {triton_sgmv.decode_expand_tiles(T) for T in range(1, 4097)}
