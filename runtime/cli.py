@@ -241,11 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
     _http_args(r)
     r.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1)")
     r.add_argument("--adapters-per-replica", type=int, default=16,
-                   help="adapters registered on one replica at once; past it the least recently used is unloaded")
+                   help="adapters registered on one replica at once; past it the least recently used is unloaded "
+                        "(default 16)")
     r.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica (default 1)")
     r.add_argument("--replica-gpus", type=float,
                    help="Ray GPUs per replica (default: 1 if this machine has CUDA, else 0)")
-    r.add_argument("--max-ongoing-requests", type=int, default=64, help="HTTP requests one replica takes at once")
+    r.add_argument("--max-ongoing-requests", type=int, default=64, help="HTTP requests one replica takes at once (default 64)")
     r.add_argument("--address", help="a running Ray cluster (e.g. 'auto'; default: start one on this machine)")
     for flag in ("--adapter-root", "--allow-runtime-adapters"):  # serve's; refused with the reason
         r.add_argument(flag, nargs="?", const=True, help=argparse.SUPPRESS)
@@ -279,7 +280,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.jsonl:
         items += _read_jsonl(args.jsonl)
     if not items:
-        raise ValueError("generate: no prompts (use --prompt ADAPTER TEXT or --jsonl FILE)")
+        raise ValueError("no prompts (use --prompt ADAPTER TEXT or --jsonl FILE)")
     if args.chat:
         items = [([{"role": "user", "content": p}] if isinstance(p, str) else p, a, w) for p, a, w in items]
     known = {n for n, _ in args.adapter}
@@ -504,7 +505,10 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
 
         raise ValueError(re.sub(r"RayAppSpec\.(\w+)", flag, str(e))) from e
     # what the replicas would find only after Ray started: a missing model, an adapter named as the default model's
-    # stem, adapter files they would refuse (the replicas load no pickle)
+    # stem, adapter files they would refuse (the replicas load no pickle); on a cluster of our own (every replica on
+    # this host) also a device this host lacks and a host:port it cannot listen on (Ray's HTTP proxy binds it here)
+    from multilora.runtime.adapters.disk import weights_path
+    from multilora.runtime.config import resolve_device
     from multilora.runtime.weights import resolve_model_path
 
     stem = resolve_model_path(args.model).stem
@@ -512,7 +516,20 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
         raise ValueError(f"--adapter {stem}=...: that name is the base model's served name (requests naming it would "
                          f"reach the base model): give the adapter another name, or the base model another one with "
                          f"--served-model-name")
-    _check_adapter_files(args.adapter, config.max_lora_rank, allow_pickle=False)
+    _check_adapter_files(args.adapter, config.max_lora_rank, allow_pickle=True)
+    for name, path in args.adapter:
+        wpath = weights_path(Path(path))
+        if wpath is not None and wpath.suffix != ".safetensors":
+            raise ValueError(f"--adapter {name}={path}: {wpath}: only a pickle weight file was found; serve-ray's "
+                             f"replicas load no pickle (it can run arbitrary code when loaded): convert it to "
+                             f"adapter_model.safetensors (e.g. safetensors.torch.save_file(torch.load(path, "
+                             f"weights_only=True), ...)), or serve it with `multilora serve --allow-pickle`")
+    if args.address is None:
+        try:
+            resolve_device(config.device)
+        except ValueError as e:
+            raise ValueError(f"--device: {e}") from e
+        _check_port(args.host, args.port)
     try:
         import ray
         from ray import serve
@@ -589,8 +606,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_memory(args)
     except (ValueError, ModelLoadError, UnknownAdapterError, EngineProcessError) as e:  # AdapterError: a ValueError
-        print(f"multilora {args.command}: error: {e}", file=sys.stderr)
+        msg = str(e)
+        if isinstance(e, ModelLoadError) and msg.startswith("model: ") and getattr(args, "model", None) is not None:
+            msg = f"--model {args.model}: {msg[len('model: '):]}"  # the flag, not the Engine argument
+        print(f"multilora {args.command}: error: {msg}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading or generating (a server that started handles its own)
+        print(f"multilora {args.command}: interrupted", file=sys.stderr)
+        return 130
     return 1
 
 

@@ -167,10 +167,13 @@ def validation_error(errors: list[dict]) -> APIError:
     def got(x: dict) -> str:  # the value sent, short ("missing" fields have none to show)
         if x.get("type") == "missing" or "input" not in x:
             return ""
+        value = x["input"]
+        if isinstance(value, bytes):  # a body sent without a JSON content type: show it as the text it is
+            value = value.decode("utf-8", "replace")
         try:
-            text = json.dumps(x["input"])
+            text = json.dumps(value)
         except (TypeError, ValueError):
-            text = repr(x["input"])
+            text = repr(value)
         return f", got {text[:60] + '...' if len(text) > 60 else text}"
 
     message = "; ".join(f"{where(x['loc'])}: {x['msg']}{got(x)}" for x in errors[:4])

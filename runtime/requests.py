@@ -63,8 +63,8 @@ class RequestFactory:
         if params.max_tokens_must_fit and len(ids) + params.max_tokens > self.max_seq_len:
             raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens={params.max_tokens} = "
                              f"{len(ids) + params.max_tokens} tokens exceed the model's context of max_seq_len="
-                             f"{self.max_seq_len}: ask for at most {self.max_seq_len - len(ids)} tokens or shorten "
-                             f"the prompt")
+                             f"{self.max_seq_len}: ask for at most {self.max_seq_len - len(ids)} "
+                             f"token{'s' if self.max_seq_len - len(ids) != 1 else ''} or shorten the prompt")
         total = min(len(ids) + params.max_tokens, self.max_seq_len)
         kv = self.kv
         if kv.blocks_for_tokens(total) > kv.max_usable_blocks:

@@ -297,8 +297,8 @@ class _Server:
         self._check_runtime_adapters()
         name = body.lora_name
         if not name or name == self.served_model_name:
-            raise APIError(400, f"lora_name: {name!r} is empty or the base model's served name",
-                           code="invalid_value", param="lora_name")
+            why = "expected a non-empty name" if not name else "that is the base model's served name: choose another"
+            raise APIError(400, f"lora_name: {why}, got {name!r}", code="invalid_value", param="lora_name")
         if name in self.engine.list_adapters() and not body.load_inplace:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded (load_inplace=true replaces it).",
                            code="invalid_value", param="lora_name")

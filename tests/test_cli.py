@@ -625,22 +625,52 @@ def test_serve_help_offers_allow_pickle(capsys, monkeypatch):
 def test_serve_ray_checks_what_replicas_would_refuse_before_ray_starts(pickled_adapter, demo_dir, tmp_path, capsys,
                                                                        monkeypatch):
     """serve-ray fails in a second, naming the flag, on what its replicas would only find after Ray has started: a
-    missing model, an adapter named as the default model's served name, a pickle-only adapter (replicas load none),
-    an adapter of a rank past --max-lora-rank. Ray itself is never imported here."""
+    missing model, an adapter named as the default model's served name, a pickle-only adapter (replicas load none:
+    not told to pass a flag serve-ray lacks), an adapter of a rank past --max-lora-rank, and on a cluster of its own
+    a device this host lacks or a port in use. Ray itself is never imported here."""
     import sys
 
     from multilora.runtime.weights import resolve_model_path
 
     monkeypatch.setitem(sys.modules, "ray", None)  # reaching Ray would fail with "ray is not installed"
     code, _, err = run(capsys, "serve-ray", "--model", tmp_path / "no-model")
-    assert code == 2 and f"model: path {str(tmp_path / 'no-model')!r} does not exist" in err, err
+    missing = tmp_path / "no-model"
+    assert code == 2 and f"--model {missing}: path {str(missing)!r} does not exist" in err, err
     stem = resolve_model_path(None).stem
     code, _, err = run(capsys, "serve-ray", "--adapter", f"{stem}={demo_dir / 'demo-a'}")
     assert code == 2 and f"--adapter {stem}=...: that name is the base model's served name" in err, err
     code, _, err = run(capsys, "serve-ray", "--adapter", f"p={pickled_adapter}")
     assert code == 2 and f"--adapter p={pickled_adapter}: {pickled_adapter / 'adapter_model.bin'}: only a pickle" \
-        in err, err
+        in err and "serve-ray's replicas load no pickle" in err and "--allow-pickle`" in err, err
+    if not torch.cuda.is_available():  # a device this host lacks, on a cluster of our own
+        code, _, err = run(capsys, "serve-ray", "--adapter", f"a={demo_dir / 'demo-a'}", "--device", "cuda")
+        assert code == 2 and err.count("--device: ") == 1 and "CUDA is not available" in err, err
+    import socket
+
+    with socket.socket() as s:  # a port in use
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code, _, err = run(capsys, "serve-ray", "--adapter", f"a={demo_dir / 'demo-a'}", "--host", "127.0.0.1",
+                           "--port", port)
+    assert code == 2 and f"--host 127.0.0.1 --port {port}: cannot listen" in err, err
     code, _, err = run(capsys, "serve-ray", "--adapter", f"a={demo_dir / 'demo-a'}", "--max-lora-rank", "1")
     assert code == 2 and f"--adapter a={demo_dir / 'demo-a'}: " in err and "max_lora_rank" in err, err
-    code, _, err = run(capsys, "serve-ray", "--adapter", f"a={demo_dir / 'demo-a'}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed
+    code, _, err = run(capsys, "serve-ray", "--adapter", f"a={demo_dir / 'demo-a'}", "--host", "127.0.0.1",
+                       "--port", port)
     assert code == 2 and "ray is not installed" in err, err  # every check passed: on to Ray
+
+
+def test_ctrl_c_ends_a_command_with_one_line(capsys, monkeypatch):
+    """Ctrl-C while a command loads or generates: one line and exit status 130, not a traceback."""
+    import multilora.runtime.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_generate", interrupted)
+    code, out, err = run(capsys, "generate", "--prompt", "-", "hi")
+    assert code == 130 and err.strip() == "multilora generate: interrupted" and out == "", err

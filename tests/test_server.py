@@ -455,8 +455,9 @@ def test_a_value_of_the_wrong_type_is_quoted(http):
     assert r.status_code == 400 and msg.startswith("temperature: ") and msg.endswith('got "' + "x" * 59 + "..."), msg
     r = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": "Hi"}',  # curl -d without -H
                   headers={"content-type": "application/x-www-form-urlencoded"})
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
-        "body: expected a JSON object; send the header Content-Type: application/json, got "), r.text
+    assert r.status_code == 400 and r.json()["error"]["message"] == (  # the body as text, not a bytes repr
+        'body: expected a JSON object; send the header Content-Type: application/json, got '
+        '"{\\"model\\": \\"tiny\\", \\"prompt\\": \\"Hi\\"}"'), r.text
     r = http.post("/v1/completions", json={"model": BASE})  # a missing field has no value to quote
     assert r.status_code == 400 and "got" not in r.json()["error"]["message"], r.text
     _serves(http)
@@ -597,6 +598,9 @@ def test_runtime_adapter_paths_must_stay_inside_the_adapter_root(http, engine, s
         assert r.status_code == 400 and err["param"] == "lora_path" and words in err["message"], (lora_path, r.text)
     r = http.post("/v1/load_lora_adapter", json={"lora_name": BASE, "lora_path": "ad0"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+    assert f"that is the base model's served name: choose another, got {BASE!r}" in r.json()["error"]["message"]
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "", "lora_path": "ad0"})
+    assert r.status_code == 400 and "lora_name: expected a non-empty name, got ''" in r.json()["error"]["message"]
     assert "x" not in served.apply(hooks.list_adapters)
     _serves(http)
 
@@ -774,7 +778,8 @@ def test_engine_process_startup_errors_are_the_servers_exit_message(capsys, mode
     """An engine that fails to build in its process (a memory plan that does not fit) ends ``multilora serve
     --engine-process`` with exit code 2 and the engine's own message; a missing model fails before it starts."""
     assert cli_main(["serve", "--engine-process", "--model", "/no/such/model"]) == 2
-    assert "multilora serve: error: model: path '/no/such/model' does not exist" in capsys.readouterr().err
+    assert "multilora serve: error: --model /no/such/model: path '/no/such/model' does not exist" in \
+        capsys.readouterr().err
     assert cli_main(["serve", "--engine-process", "--model", str(model_dir), "--kv-cache-bytes", "1000"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("multilora serve: error: ") and "KV" in err, err
