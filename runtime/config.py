@@ -181,8 +181,9 @@ class EngineConfig:
                                             "no cap, the memory plan's KV share, at most --max-batch-size sequences "
                                             "of --max-seq-len tokens)", kind=int)
     host_adapter_bytes: int | None = _opt(None, "host-tier size in bytes (default: the memory plan's)", kind=int)
-    host_arena_map_ahead_bytes: int = _opt(0, "bytes of the host tier mapped and pinned on a background thread from "
-                                              "the start, up to its size (default 0: as adapters need them)", kind=int)
+    host_arena_map_ahead_bytes: int = _opt(0, "bytes of the host tier mapped (on CUDA: and pinned) on a background "
+                                              "thread from the start, up to the tier's size (default 0: as adapters "
+                                              "need them; not measured against that yet)", kind=int)
     gpu_memory_fraction: float = _opt(0.9, "share of usable device memory the memory plan may budget")
     local_ranks: int = _opt(1, "engine processes sharing this device / host")
     tensor_parallel_size: int = _opt(1, "ranks (processes, GPUs) the model is split over")
@@ -239,12 +240,11 @@ class EngineConfig:
             v = getattr(self, name)
             if not (v is None and name == "adapter_slots") and (not _is_int(v) or v < 1):
                 raise fail(name, "an int >= 1")
-        for name in ("starvation_patience", "prefetch_adapters"):
+        for name in ("starvation_patience", "prefetch_adapters", "host_arena_map_ahead_bytes"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise fail(name, "an int >= 0")
         for name, unit in (("adapter_pool_bytes", "bytes"), ("kv_cache_bytes", "bytes"),
-                           ("host_adapter_bytes", "bytes"), ("host_arena_map_ahead_bytes", "bytes"),
-                           ("lora_side_stream_max_tokens", "tokens"),
+                           ("host_adapter_bytes", "bytes"), ("lora_side_stream_max_tokens", "tokens"),
                            ("piecewise_cuda_graph_max_tokens", "tokens")):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):
