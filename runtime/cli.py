@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (adapter = the request's model)")
     _engine_args(s)
     _http_args(s)
-    s.add_argument("--adapter-root", help="runtime-loaded adapter paths must resolve inside this directory")
+    s.add_argument("--adapter-root", help="with --allow-runtime-adapters: runtime-loaded adapter paths must resolve "
+                                          "inside this directory (default: none, any directory this process can read)")
     s.add_argument("--allow-runtime-adapters", action="store_true",
                    help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     s.add_argument("--allow-pickle", action="store_true", help=_ALLOW_PICKLE + "; for the --adapter directories only, "
@@ -421,6 +422,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"serve: {e.name} is not installed (pip install 'multilora[serve]')") from e
     if args.adapter_root is not None and not Path(args.adapter_root).is_dir():
         raise ValueError(f"--adapter-root {args.adapter_root}: not a directory")
+    log = logging.getLogger("multilora")
+    if args.allow_runtime_adapters and args.adapter_root is None:
+        log.warning("--allow-runtime-adapters without --adapter-root: %s may load any adapter directory this process "
+                    "can read; bound the paths with --adapter-root DIR",
+                    "a client with the API key" if args.api_key else "any client (no --api-key)")
+    elif args.adapter_root is not None and not args.allow_runtime_adapters:
+        log.warning("--adapter-root %s has no effect without --allow-runtime-adapters (it bounds the paths "
+                    "/v1/load_lora_adapter may load)", args.adapter_root)
     from multilora.runtime.weights import resolve_model_path
 
     # the base model's name in requests: as given, else the default model file's stem (a missing model fails here in a

@@ -103,6 +103,7 @@ def test_arena_keeps_bytes_exact_and_contents_intact(ops, chunk_units, budget_ch
     deferred: list = []  # (freed block, its place, the events of the copies reading it)
     reads: dict = {}  # block -> events of copies reading it
     events: list[FakeEvent] = []
+    mapped_ahead = False  # a map op ran: a growth may then map several chunks (up to its target) before it ends
 
     def busy(evs) -> bool:
         return any(not e.done for e in evs)
@@ -171,8 +172,10 @@ def test_arena_keeps_bytes_exact_and_contents_intact(ops, chunk_units, budget_ch
             started = arena.grow_ahead(images=x)
             if flag:  # else the next ops run while the chunk may still be mapped (alloc waits for it if it must)
                 arena.wait_growth(10)
-                assert arena.num_chunks == chunks + (started or pending)  # (mapping cannot fail here)
+                grown = arena.num_chunks - chunks  # (mapping cannot fail here)
+                assert grown == (started or pending) if not mapped_ahead else grown >= (started or pending), grown
         elif op == "map":
+            mapped_ahead = True
             arena.map_ahead(x * UNIT)
             if flag:
                 arena.wait_growth(10)

@@ -674,3 +674,29 @@ def test_ctrl_c_ends_a_command_with_one_line(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_cmd_generate", interrupted)
     code, out, err = run(capsys, "generate", "--prompt", "-", "hi")
     assert code == 130 and err.strip() == "multilora generate: interrupted" and out == "", err
+
+
+def test_serve_warns_about_runtime_adapters_without_a_root(capsys, caplog, tmp_path):
+    """--allow-runtime-adapters without --adapter-root lets a client load any readable directory: said at start (here
+    the port in use then stops the command before the model loads); --adapter-root alone has no effect: said too."""
+    import socket
+
+    pytest.importorskip("uvicorn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        base = ["serve", "--model", tmp_path / "no-model", "--served-model-name", "m", "--host", "127.0.0.1",
+                "--port", port]
+        with caplog.at_level("WARNING", logger="multilora"):
+            code, _, err = run(capsys, *base, "--allow-runtime-adapters")
+            assert code == 2 and "cannot listen" in err, err
+            assert "--allow-runtime-adapters without --adapter-root: any client (no --api-key) may load any adapter " \
+                   "directory" in caplog.text
+            caplog.clear()
+            code, _, err = run(capsys, *base, "--adapter-root", tmp_path)
+            assert code == 2 and f"--adapter-root {tmp_path} has no effect without --allow-runtime-adapters" in \
+                caplog.text
+            caplog.clear()
+            code, _, err = run(capsys, *base, "--adapter-root", tmp_path, "--allow-runtime-adapters")
+            assert code == 2 and "adapter-root" not in caplog.text
