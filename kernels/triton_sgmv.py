@@ -50,6 +50,7 @@ A one-launch shrink + expand kernel was tried and is off by default: ``multilora
 
 from __future__ import annotations
 
+import functools
 
 import numpy as np
 import torch
@@ -384,13 +385,10 @@ def _use_pdl(device: torch.device, T: int, rmax: int) -> bool:
     return _pdl(device) and not (_wide(T, rmax) and T > 1)
 
 
-_CAPABILITY: dict[int | None, tuple[int, int]] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _capability(index: int | None) -> tuple[int, int]:
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITY[index]
+    """Compute capability of CUDA device ``index`` (None: the current one), read once per device."""
+    return torch.cuda.get_device_capability(index)
 
 
 def decode_expand_tiles(T: int) -> tuple[int, int | None, int | None]:

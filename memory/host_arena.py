@@ -291,7 +291,7 @@ class HostArena:
         size, within what the budget leaves after the mapped chunks and one being mapped), or None if that is
         fewer than ``units``."""
         g = self.granule_units
-        room = None if self.budget is None else (self.budget - self.bytes_held) // self.unit - self._pending_units
+        room = self._room_units()
         first = -(-(FIRST_CHUNK_BYTES // self.unit) // g) * g
         grown = max(-(-units // g) * g, first << (len(self._chunks) + (self._growth is not None)))
         size = min(self.chunk_units, grown) if room is None else min(self.chunk_units, grown, room)
@@ -342,14 +342,18 @@ class HostArena:
         """Units of the next chunk ``map_ahead`` maps (its target not reached: a whole chunk, or what the target or
         the budget leaves, in whole granules), or None."""
         g = self.granule_units
-        held = sum(c.space.num_units for c in self._chunks) + self._pending_units
-        left = self._map_target_units - held
+        left = self._map_target_units - self.bytes_held // self.unit - self._pending_units
         if left <= 0:
             return None
         size = min(self.chunk_units, -(-left // g) * g)
-        if self.budget is not None:
-            size = min(size, (self.budget // self.unit - held) // g * g)
+        room = self._room_units()
+        if room is not None:
+            size = min(size, room // g * g)
         return size if size >= g else None
+
+    def _room_units(self) -> int | None:
+        """Units the budget leaves after the mapped chunks and one being mapped (None: no budget)."""
+        return None if self.budget is None else (self.budget - self.bytes_held) // self.unit - self._pending_units
 
     def _start_growth(self, size: int) -> None:
         """Map a chunk of ``size`` units on the background thread (the arena's lock held)."""

@@ -366,6 +366,15 @@ def _check_adapter_files(adapters: list[tuple[str, str]], max_rank: int, allow_p
             raise ValueError(f"--adapter {name}={path}: {e}") from e
 
 
+def _refuse_served_name(served: str, adapter_names: Any) -> None:
+    """ValueError naming ``--adapter`` when an adapter has the base model's served name ``served`` (requests naming
+    it would reach the base model)."""
+    if served in set(adapter_names):
+        raise ValueError(f"--adapter {served}=...: that name is the base model's served name (requests naming it "
+                         f"would reach the base model): give the adapter another name, or the base model another "
+                         f"one with --served-model-name")
+
+
 def _load_engine(args: argparse.Namespace, *, progress: bool = False) -> Any:
     """The engine of --model and the engine flags, with every --adapter loaded (``_engine_config``'s checks first),
     warmed up where the command has ``--warmup`` on."""
@@ -435,10 +444,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # the base model's name in requests: as given, else the default model file's stem (a missing model fails here in a
     # second, before any loading)
     served = args.served_model_name or args.model or resolve_model_path(None).stem
-    if served in {n for n, _ in args.adapter}:
-        raise ValueError(f"--adapter {served}=...: that name is the base model's served name (requests naming it "
-                         f"would reach the base model): give the adapter another name, or the base model another "
-                         f"one with --served-model-name")
+    _refuse_served_name(served, [n for n, _ in args.adapter])
     _check_port(args.host, args.port)  # before minutes of loading, not after
     if args.engine_process:  # the engine and its steps in a child process; HTTP, tokens and text in this one
         import functools
@@ -516,19 +522,16 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
     # what the replicas would find only after Ray started: a missing model, an adapter named as the default model's
     # stem, adapter files they would refuse (the replicas load no pickle); on a cluster of our own (every replica on
     # this host) also a device this host lacks and a host:port it cannot listen on (Ray's HTTP proxy binds it here)
-    from multilora.runtime.adapters.disk import weights_path
+    from multilora.runtime.adapters.disk import PICKLE_NAME, weights_path
     from multilora.runtime.config import resolve_device
     from multilora.runtime.weights import resolve_model_path
 
-    stem = resolve_model_path(args.model).stem
-    if spec.base_name is None and stem in spec.adapters:
-        raise ValueError(f"--adapter {stem}=...: that name is the base model's served name (requests naming it would "
-                         f"reach the base model): give the adapter another name, or the base model another one with "
-                         f"--served-model-name")
+    stem = resolve_model_path(args.model).stem  # (a missing model fails here)
+    _refuse_served_name(spec.base_name or stem, spec.adapters)
     _check_adapter_files(args.adapter, config.max_lora_rank, allow_pickle=True)
     for name, path in args.adapter:
         wpath = weights_path(Path(path))
-        if wpath is not None and wpath.suffix != ".safetensors":
+        if wpath is not None and wpath.name == PICKLE_NAME:
             raise ValueError(f"--adapter {name}={path}: {wpath}: only a pickle weight file was found; serve-ray's "
                              f"replicas load no pickle (it can run arbitrary code when loaded): convert it to "
                              f"adapter_model.safetensors (e.g. safetensors.torch.save_file(torch.load(path, "
