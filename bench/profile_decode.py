@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-tokens", type=int, default=0,
                     help="profile mixed steps instead: before each step a new request of this many prompt tokens "
                          "(max_tokens 1) joins, so every step carries the batch's decode rows and one prompt chunk")
+    ap.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="base linear weights: bf16, or fp8 (e4m3, Engine(weight_dtype='fp8'); Hopper and newer)")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -92,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                     max_batch_size=max(args.batch, 1) + (1 if args.mixed_tokens else 0),
                     max_seq_len=max(args.prompt_len + 2 * total_steps + 16, args.mixed_tokens + 16),
                     max_lora_rank=16, adapter_slots=args.batch if args.lora else 1,
-                    adapter_pool_share=0.3 if args.lora else None, cuda_graphs=not args.no_cuda_graphs)
+                    adapter_pool_share=0.3 if args.lora else None, cuda_graphs=not args.no_cuda_graphs,
+                    weight_dtype="fp8" if args.weight_dtype == "fp8" else None)
     names = None
     tmp = tempfile.TemporaryDirectory()
     if args.lora:
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"profiled {steps_prof} steps; step kinds {dict(kinds)}; mixed tokens {args.mixed_tokens}")
     print(f"host time of the forward call (runner.run; launches queued, not waited for): median "
           f"{statistics.median(enq[: args.steps]) * 1e3:.3f} ms")
-    print(f"{args.shape} bf16, batch {args.batch}, {'adapters' if args.lora else 'no adapters'}, "
+    print(f"{args.shape} {args.weight_dtype} weights, batch {args.batch}, {'adapters' if args.lora else 'no adapters'}, "
           f"cuda_graphs={not args.no_cuda_graphs}, ops={'torch' if args.torch_ops else 'triton'}; copy bandwidth {bw:.0f} GB/s")
     wbytes = engine.model.nbytes - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2)
     print(f"wall {wall_ms:.3f} ms/step (median of {args.steps}); GPU kernels {total_us / steps_prof / 1e3:.3f} ms/step "
@@ -182,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"shape": args.shape, "batch": args.batch, "lora": args.lora,
                                          "mixed_tokens": args.mixed_tokens, "step_kinds": kinds,
+                                         "weight_dtype": args.weight_dtype,
                                          "host_forward_ms": statistics.median(enq[: args.steps]) * 1e3,
                                          "copy_gbps": bw, "wall_ms": wall_ms, "gpu_kernel_ms": total_us / steps_prof / 1e3,
                                          "kernels": [{"name": n, "calls_per_step": c, "us_per_call": us, "share": sh}
