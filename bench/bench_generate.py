@@ -16,6 +16,9 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     ``DECODE_EXPAND_RANK_TILES = None``)
     multilora-lora-nopdl  the same engine and adapters with plain launches of the LoRA kernels instead of
                     programmatic dependent launch (``kernels.triton_sgmv.PDL = False``: what ran before session 20)
+    multilora-plain, multilora-lora-plain  the first two with every Triton kernel launched plainly: neither the step's
+                    kernels (``kernels.triton_pdl.ENABLED = False``) nor the LoRA kernels (``triton_sgmv.PDL = False``)
+                    use programmatic dependent launch (what ran before session 21 / session 20)
     multilora-lora-carve  the same engine and adapters with the base GEMMs of side-stream steps leaving ``--carveout``
                     SMs to the LoRA kernels (``DecoderModel.lora_side_sm_carveout``; issue 12)
     multilora-lt, multilora-lora-lt  the first two with the base GEMMs of steps of 17-64 tokens through cuBLASLt
@@ -23,6 +26,8 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     and no SM carve-out (``lora_side_sm_carveout = 0``): cuBLASLt alone
     multilora-fp8, multilora-fp8-lora   the same two with Engine(weight_dtype="fp8") (issue 16; not in the default
                     --providers: ask for them)
+    multilora-fp8-plain, multilora-fp8-lora-plain   those two with every Triton kernel launched plainly (as the
+                    ``-plain`` providers above; the fp8 GEMVs are Triton kernels)
     hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
     peft            peft's mixed-batch generate (adapter_names=) with the same adapter files as multilora-lora
 
@@ -85,8 +90,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-fp8", "multilora-fp8-lora", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -276,11 +281,12 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             failed.update({v: f"adapter setup failed: {type(e).__name__}: {e}"[:2000] for v in lora_variants})
     side_default = engine.model.lora_side_max_tokens if engine is not None else None
     prio_default = engine.model.lora_side_priority if engine is not None else 0
-    from multilora.kernels import triton_sgmv
+    from multilora.kernels import triton_pdl, triton_sgmv
 
     loop_default = triton_sgmv.DECODE_EXPAND_LOOP
     tiles_default = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
     pdl_default = triton_sgmv.PDL
+    step_pdl_default = triton_pdl.ENABLED
     carve_default = engine.model.lora_side_sm_carveout if engine is not None else 0
     lt_default = engine.model.gemm_cublaslt_tokens if engine is not None else None
     # --rounds: the variant list again, every other round in reverse, so each variant runs early and late
@@ -298,13 +304,16 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             carve = a.carveout if v.endswith("-carve") else 0 if v.endswith("-lt") else carve_default
             lt = (17, 64) if v.endswith("-lt") else lt_default
             tiles = (4, None) if v.endswith("-s17tiles") else tiles_default
-            pdl = False if v.endswith("-nopdl") else pdl_default
+            pdl = False if v.endswith(("-nopdl", "-plain")) else pdl_default
+            step_pdl = False if v.endswith("-plain") else step_pdl_default
             m = engine.model
             now = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
             if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
-                    m.gemm_cublaslt_tokens, now, triton_sgmv.PDL) != (side, prio, loop, carve, lt, tiles, pdl):
-                m.lora_side_max_tokens = side  # captured graphs bake all seven in: capture again
+                    m.gemm_cublaslt_tokens, now, triton_sgmv.PDL, triton_pdl.ENABLED) != (side, prio, loop, carve, lt,
+                                                                                          tiles, pdl, step_pdl):
+                m.lora_side_max_tokens = side  # captured graphs bake all eight in: capture again
                 triton_sgmv.PDL = pdl
+                triton_pdl.ENABLED = step_pdl
                 m.lora_side_priority = prio
                 triton_sgmv.DECODE_EXPAND_LOOP = loop
                 triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES = tiles
@@ -325,7 +334,8 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
                         "lora_side_sm_carveout": m.lora_side_sm_carveout,
                         "gemm_cublaslt_tokens": m.gemm_cublaslt_tokens,
                         "decode_shrink_warps": triton_sgmv.DECODE_SHRINK_WARPS,
-                        "decode_expand_rank_tiles": triton_sgmv.DECODE_EXPAND_RANK_TILES, "lora_pdl": triton_sgmv.PDL}
+                        "decode_expand_rank_tiles": triton_sgmv.DECODE_EXPAND_RANK_TILES, "lora_pdl": triton_sgmv.PDL,
+                        "step_pdl": triton_pdl.ENABLED}
             for b in batches:
                 adapters = names[:b] if "-lora" in v else None
                 run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
@@ -334,6 +344,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         triton_sgmv.DECODE_EXPAND_LOOP = loop_default
         triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES = tiles_default
         triton_sgmv.PDL = pdl_default
+        triton_pdl.ENABLED = step_pdl_default
     engine = None  # free it before the caller goes on (in-process runs)
     free_memory()
     if run.device.type == "cuda":  # the engine capped this process's allocator from its memory plan

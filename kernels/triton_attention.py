@@ -38,6 +38,9 @@ would leave SMs idle, each sequence's keys are cut into ``num_splits`` equal run
 the kernel from ``seq_lens[b]``; ``num_splits`` itself from static sizes), each split writes its partial
 output and log-sum-exp in fp32, and a second small kernel combines them.
 
+On GPUs of compute capability 9.0+ both kernels are launched with programmatic dependent launch
+(``triton_pdl``): their programs wait for the kernels before them (the RoPE + KV write) first.
+
 **Prefill and mixed batches** use a tile table built on the host with the step's metadata
 (``build_attention_metadata(..., tiles_block_q=prefill_block_q(...))``, ``meta.tiles``; a launch whose
 metadata carries no table for its ``BLOCK_Q`` builds one for that call): int32 ``[2, num_tiles]``,
@@ -61,13 +64,14 @@ would stall on the compile.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
+from multilora.kernels import triton_pdl
 from multilora.kernels.attention import tile_table
 from multilora.kernels.backends import num_sms
+from multilora.kernels.triton_pdl import pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -162,7 +166,10 @@ def _paged_attention_kernel(
     G: tl.constexpr, G_TILE: tl.constexpr, GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # launched early (``triton_pdl``): wait for the kernels before, then let the next one launch
+        pdl_wait(True)
     kvh = tl.program_id(1) // GROUPS
     grp = tl.program_id(1) % GROUPS
     split = tl.program_id(2)
@@ -261,9 +268,11 @@ def _combine_splits_kernel(
     # strides
     stride_ot, stride_oh,
     # meta
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """out[b, h] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse) (empty splits: lse = -inf)."""
+    if PDL:  # launched early (``triton_pdl``): wait for the kernels before, then let the next one launch
+        pdl_wait(True)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -445,10 +454,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         G=G, G_TILE=g_tile, GROUPS=groups, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D,
         BLOCK_SIZE=meta.block_size, DECODE=decode, NUM_SPLITS=splits, SLIDING=sliding_window > 0,
         SOFTCAP=softcap > 0, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        **triton_pdl.launch_args(q.device),
     )
     if splits > 1:
         _combine_splits_kernel[(B, H)](
             out, part_o, part_lse, H, out.stride(0), out.stride(1),
             NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=D, num_warps=4,
+            **triton_pdl.launch_args(q.device),
         )
     return out

@@ -17,7 +17,9 @@ fp8 activations) and the per-token activation quantization. Semantics are those 
   and accumulating with ``tl.dot`` in fp32. The column scale and the bias are applied once, after the K loop.
 - ``_quant_kernel``: one program per token: the row in registers, its absmax, the scale and the fp8 row.
 
-Grids depend only on shapes, so all of them are safe inside CUDA graphs. The row count ``M`` is not specialised on
+Grids depend only on shapes, so all of them are safe inside CUDA graphs. On GPUs of compute capability 9.0+ every
+kernel here is launched with programmatic dependent launch (``triton_pdl``): its programs wait for the kernels
+before them first, so a GEMV's programs are already placed when the op before it (a norm, SiLU * up) completes. The row count ``M`` is not specialised on
 (``do_not_specialize``): one compiled variant serves every batch size, so a new batch size never stalls a step
 on a compile.
 """
@@ -35,8 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
+from multilora.kernels import triton_pdl
 from multilora.kernels.backends import num_sms as num_sms_of
 from multilora.kernels.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
+from multilora.kernels.triton_pdl import pdl_wait
 
 MAX_QUANT_ROW = 65536
 log = logging.getLogger("multilora")
@@ -57,7 +61,9 @@ def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
                     M, N, K,
                     stride_xm, stride_wn, stride_ym,
                     HAS_BIAS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (``triton_pdl``): wait for the kernels before, then let the next one launch
+        pdl_wait(True)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -82,12 +88,15 @@ def _w8_gemv_splitk_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_pt
                            M, N, K, K_PER_SPLIT,
                            stride_xm, stride_wn, stride_ym,
                            HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """Decode-sized M, split-K: program (n, k) reduces weight rows ``offs_n`` over ``[k * K_PER_SPLIT, (k + 1) *
     K_PER_SPLIT)`` for all M (<= BLOCK_M) rows of x (``USE_DOT``: one ``tl.dot`` per K tile; else per-row sums), writes its fp32 partial [BLOCK_M, BLOCK_N] to ``part``, then takes a ticket
     on ``count[n]``; the last of the SPLIT_K programs of column block n sums the partials (in a fixed order: the
     result does not depend on which program came last), applies the scale and bias, stores y and resets the
     ticket to 0 for the next call."""
+    if PDL:  # launched early (``triton_pdl``): wait for the kernels before, then let the next one launch
+        pdl_wait(True)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -131,7 +140,8 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
                      M, N, K, K_PER_SPLIT, SPLIT_K,
                      stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
-                     FP8_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     FP8_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """``_w8_gemv_splitk_kernel`` with fewer registers per byte in flight, run with the tiles of a GPU's tuned table
     (``kernels/tuned/``, ``bench/sweep_fp8_gemv.py``):
     SPLIT_K is a runtime argument (not a constexpr: one variant serves every split above 1; Triton still
@@ -163,6 +173,8 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
         else:
             w_next = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0,
                              eviction_policy="evict_first")
+    if PDL:  # launched early (``triton_pdl``): weights are no kernel's output, so the first tile (PREFETCH) may
+        pdl_wait(True)  # load before the wait; x, the partials and the tickets after it
     for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
         kk = k0 + offs_k
         if PREFETCH:
@@ -250,7 +262,8 @@ def fp8_gemv_splitk(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     _w8_gemv_splitk_kernel[(n_blocks, split_k)](x, qweight, scale, bias if bias is not None else scale, y, part, count,
                                                 M, N, K, k_per, x.stride(0), qweight.stride(0), y.stride(0),
                                                 HAS_BIAS=bias is not None, SPLIT_K=split_k, USE_DOT=use_dot, BLOCK_M=bm,
-                                                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+                                                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+                                                **triton_pdl.launch_args(x.device))
     return y
 
 
@@ -300,7 +313,8 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
                                           M, N, K, k_per, split_k, x.stride(0), qweight.stride(0), y.stride(0),
                                           HAS_BIAS=bias is not None, USE_DOT=use_dot, EVEN=even, PREFETCH=prefetch,
                                           FP8_X=fp8_x, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
-                                          num_warps=num_warps, num_stages=num_stages)
+                                          num_warps=num_warps, num_stages=num_stages,
+                                          **triton_pdl.launch_args(x.device))
     return y
 
 
@@ -460,14 +474,18 @@ def fp8_weight_only_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.
     cfg = _config(N)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]))
     _w8_gemm_kernel[grid](x, qweight, scale, bias if bias is not None else scale, y, M, N, K,
-                          x.stride(0), qweight.stride(0), y.stride(0), HAS_BIAS=bias is not None, **cfg)
+                          x.stride(0), qweight.stride(0), y.stride(0), HAS_BIAS=bias is not None, **cfg,
+                          **triton_pdl.launch_args(x.device))
     return y
 
 
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, fp8_max, min_scale, BLOCK: tl.constexpr):
+def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, fp8_max, min_scale, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    if PDL:  # launched early (``triton_pdl``): wait for the kernels before, then let the next one launch
+        pdl_wait(True)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
@@ -490,5 +508,5 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if T:
         block = triton.next_power_of_2(K)
         _quant_kernel[(T,)](x, q, s, K, x.stride(0), q.stride(0), FP8_MAX, _MIN_SCALE, BLOCK=block,
-                            num_warps=8 if block >= 4096 else 4)
+                            num_warps=8 if block >= 4096 else 4, **triton_pdl.launch_args(x.device))
     return q, s

@@ -3,7 +3,9 @@ delta before it), RoPE + KV-cache write, SiLU * up and GELU_tanh * up. Semantics
 of the torch versions there (the oracle).
 
 Every grid depends only on tensor shapes, never on values, so the kernels are safe inside a CUDA graph whose
-buffers (positions, slots) are updated in place between replays.
+buffers (positions, slots) are updated in place between replays. On GPUs of compute capability 9.0+ they are
+launched with programmatic dependent launch (``triton_pdl``): each program waits for the kernels before it first,
+then lets the next kernel launch.
 
 - ``_rms_norm_kernel``: one program per row; the row (``BLOCK = next_pow2(N)``, N <= 65536) is held in
   registers, so the residual add, the sum of squares and the scaled store read and write the row once.
@@ -22,6 +24,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from multilora.kernels import triton_pdl
+from multilora.kernels.triton_pdl import pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROW = 65536
@@ -52,7 +57,9 @@ def _load_sum(p, lp, m, HAS_LORA: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(x_ptr, d_ptr, l_ptr, w_ptr, dw_ptr, out_ptr, stride_x, stride_d, stride_l, stride_o, N, eps,
                      HAS_DELTA: tl.constexpr, HAS_LORA: tl.constexpr, DELTA_NORM: tl.constexpr,
-                     UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+                     UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (``triton_pdl``): wait for the kernels before, then let the next one launch
+        pdl_wait(True)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -97,7 +104,9 @@ def _rope_kv_kernel(qkv_ptr, l_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, 
                     eps,
                     H: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                    HAS_NORM: tl.constexpr, HAS_LORA: tl.constexpr):
+                    HAS_NORM: tl.constexpr, HAS_LORA: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (``triton_pdl``): wait for the kernels before, then let the next one launch
+        pdl_wait(True)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -131,7 +140,9 @@ def _rope_kv_kernel(qkv_ptr, l_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, 
 
 @triton.jit
 def _glu_kernel(gu_ptr, l_ptr, out_ptr, stride_gu, stride_l, stride_o, I, GELU_TANH: tl.constexpr,
-                HAS_LORA: tl.constexpr, BLOCK: tl.constexpr):
+                HAS_LORA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # launched early (``triton_pdl``): wait for the kernels before, then let the next one launch
+        pdl_wait(True)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
@@ -194,7 +205,7 @@ def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps
     _rms_norm_kernel[(x.shape[0],)](x, d, lo, weight, dw, out, x.stride(0), d.stride(0), lo.stride(0), out.stride(0),
                                     N, float(eps), HAS_DELTA=delta is not None, HAS_LORA=lora_delta is not None,
                                     DELTA_NORM=delta_weight is not None, UNIT_OFFSET=bool(unit_offset), BLOCK=block,
-                                    num_warps=max(1, min(16, block // 512)))
+                                    num_warps=max(1, min(16, block // 512)), **triton_pdl.launch_args(x.device))
     return out
 
 
@@ -256,7 +267,8 @@ def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Ten
                           H=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim,
                           HALF=half, BLOCK_H=triton.next_power_of_2(num_heads),
                           BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
-                          HAS_NORM=has_norm, HAS_LORA=lora_delta is not None, num_warps=4)
+                          HAS_NORM=has_norm, HAS_LORA=lora_delta is not None, num_warps=4,
+                          **triton_pdl.launch_args(qkv.device))
     return q
 
 
@@ -284,5 +296,6 @@ def _glu(gate_up: torch.Tensor, lora_delta: torch.Tensor | None, *, gelu_tanh: b
     lo = lora_delta if lora_delta is not None else gate_up
     _glu_kernel[(T, triton.cdiv(inter, block))](gate_up, lo, out, gate_up.stride(0), lo.stride(0), out.stride(0),
                                                 inter, GELU_TANH=gelu_tanh, HAS_LORA=lora_delta is not None,
-                                                BLOCK=block, num_warps=4)
+                                                BLOCK=block, num_warps=4,
+                                                **triton_pdl.launch_args(gate_up.device))
     return out

@@ -50,14 +50,14 @@ A one-launch shrink + expand kernel was tried and is off by default: ``multilora
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from multilora.kernels import triton_pdl
 from multilora.kernels.backends import num_sms
+from multilora.kernels.triton_pdl import pdl_wait as _pdl_wait
 from multilora.kernels.lora import MAX_SLICES, LoRAPlan, LoRASlices
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -165,20 +165,6 @@ def _add_scaled(y_ptr, stride_ym, tok, m_mask, n, n_mask, scale, acc):
     """``y[tok, n] += scale * acc`` (``_y_tile`` then ``_store_scaled``)."""
     y_ptrs, y_mask, y_old = _y_tile(y_ptr, stride_ym, tok, m_mask, n, n_mask)
     _store_scaled(y_ptrs, y_mask, y_old, scale, acc)
-
-
-@triton.jit
-def _pdl_wait(TRIGGER: tl.constexpr):
-    """Programmatic dependent launch (sm_90+; ``PDL``): wait until the kernel before this one on the stream has
-    completed and its writes are visible (``griddepcontrol.wait``; at once when not launched with PDL), then let the
-    kernel after this one start launching (``griddepcontrol.launch_dependents``). Every program of a PDL kernel calls
-    it, programs with nothing to do included (their plan reads masked), and reads nothing another kernel may be
-    writing before it: only the plan (chunk table, ranks, offsets, scalings), which no kernel of a step writes. A
-    program thus triggers only after everything before it on the stream has completed, so a kernel launched early
-    after it sees all of that too."""
-    tl.extra.cuda.gdc_wait()
-    if TRIGGER:  # else the next kernel launches as each program exits (the implicit trigger)
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit(do_not_specialize=["T", "stride_c"])  # one compiled variant for every token count (module docstring)
@@ -375,20 +361,15 @@ PDL_EARLY_TRIGGER = True
 
 
 def _pdl(device: torch.device) -> bool:
-    """Whether launches on ``device`` may use PDL (``PDL`` and a CUDA device of compute capability >= 9)."""
-    return PDL and device.type == "cuda" and _capability(device.index)[0] >= 9
+    """Whether launches on ``device`` may use PDL (``PDL`` and a CUDA device of compute capability >= 9:
+    ``triton_pdl.has_pdl``)."""
+    return PDL and triton_pdl.has_pdl(device)
 
 
 def _use_pdl(device: torch.device, T: int, rmax: int) -> bool:
     """Whether a launch of ``T`` tokens from a pool of rank ``rmax`` on ``device`` uses PDL: ``_pdl``, except the
     wide-rank regime (``_wide``) past one token, where it measured slower (``PDL``)."""
     return _pdl(device) and not (_wide(T, rmax) and T > 1)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int | None) -> tuple[int, int]:
-    """Compute capability of CUDA device ``index`` (None: the current one), read once per device."""
-    return torch.cuda.get_device_capability(index)
 
 
 def decode_expand_tiles(T: int) -> tuple[int, int | None, int | None]:

@@ -338,3 +338,44 @@ def test_piecewise_graphs_on_gpu_match_eager_steps(setup):
     e = engines[None]
     assert e.stats()["mixed_steps"] > 0 and any(lora for _, lora in e.runner.pieces.captured)
     assert e.kv.num_free_blocks == e.kv.num_usable_blocks
+
+
+def test_step_kernels_with_pdl_equal_plain_launches(setup, monkeypatch):
+    """Programmatic dependent launch of the step's Triton kernels (``triton_pdl.ENABLED``: norms, RoPE + KV write,
+    SiLU * up, paged attention and its split combine) and of the LoRA kernels (``triton_sgmv.PDL``) against plain
+    launches, in one bf16 engine with the side stream: each kernel may start while the one before drains and waits
+    before its first read, which must not change a bit. The prefill logits of a mixed batch (eager), one decode step
+    replayed from a CUDA graph on the same KV state (8 rows, split-key attention), and 10 greedy tokens per row
+    through graphs: identical."""
+    from multilora import Engine, SamplingParams
+    from multilora.kernels import triton_pdl, triton_sgmv
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0+")
+    model, d, rows = setup
+    engine = Engine(model=d / "model", device="cuda", progress=False, max_batch_size=8, max_seq_len=128)
+    assert engine.graphs is not None
+    for n in ADAPTERS:
+        engine.load_adapter(n, d / "adapters" / n)
+    slots, tables = [], []
+    for i, (r, a) in enumerate(zip(rows, ROW_ADAPTERS)):
+        slots.append(engine.cache.acquire(engine.cache.get(a)) if a else -1)
+        tables.append(engine.kv.allocate_seq(("probe", i), len(r) + 1))
+    engine.runner.run_eager(rows, [0] * len(rows), tables, slots)  # prefill: the KV state both decode steps read
+    nxt = [11 + i for i in range(len(rows))]
+    sp = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0)
+    got = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(triton_pdl, "ENABLED", pdl)
+        monkeypatch.setattr(triton_sgmv, "PDL", pdl)
+        engine.runner.reset_graphs()  # a capture bakes the launch attributes in
+        assert triton_pdl.launch_args(torch.device("cuda")) == ({"PDL": True, "launch_pdl": True} if pdl else {})
+        with torch.inference_mode():
+            step = engine.runner.decode_graph(nxt, [len(r) for r in rows], tables, slots).cpu()
+        logits = engine.logits(rows, adapters=ROW_ADAPTERS)
+        tokens = [o.token_ids for o in engine.generate(rows, adapters=ROW_ADAPTERS, sampling=sp)]
+        assert engine.graphs.captured
+        got[pdl] = step, logits, tokens
+    assert torch.equal(got[False][0], got[True][0]), rel_err(got[True][0], got[False][0])
+    assert torch.equal(got[False][1], got[True][1]), rel_err(got[True][1], got[False][1])
+    assert got[False][2] == got[True][2]

@@ -164,3 +164,67 @@ def test_engine_fp8_logits_at_a_tuned_shape():
         err = rel_err(e8.logits(rows), e16.logits(rows))
         print(f"fp8 vs bf16 engine logits, llama3-8b widths, batch {batch}: relative error {err:.4f}")
         assert 0 < err < ENGINE_LOGITS_REL_ERR
+
+
+@pytest.mark.parametrize("M", [1, 2, 16, 64, 130])
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "graph"])
+def test_fp8_gemms_with_pdl_equal_plain_launches(M, capture, monkeypatch):
+    """The fp8 GEMMs, GEMVs and the per-token quantization launched with programmatic dependent launch
+    (``triton_pdl.ENABLED``) against plain launches: a kernel writes x right before a GEMM whose output is the next
+    GEMM's input (what an early launch could race with), at every tuned shape and an untuned one, eager and
+    replayed from a CUDA graph with new inputs: bit-identical."""
+    from multilora.kernels import triton_pdl
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0+")
+    g = torch.Generator(device="cuda").manual_seed(M)
+    for N, K in _tuned_shapes() + [(2049, 3424)]:
+        w = fp8.quantize_weight(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5)
+        w2 = fp8.quantize_weight(torch.randn(K, N, device="cuda", generator=g) * N ** -0.5)
+        srcs = [torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)]
+        x_in = torch.empty_like(srcs[0])
+        x = torch.empty_like(x_in)
+        out = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+
+        def step():
+            x.copy_(x_in * 1.5)  # writes the first GEMM's input right before it
+            out.copy_(fp8.fp8_linear(fp8.fp8_linear(x, w), w2))  # the second GEMM reads the first's output
+
+        def run(i, graph=None):
+            x_in.copy_(srcs[i])
+            graph.replay() if graph is not None else step()
+            torch.cuda.synchronize()
+            return out.clone()
+
+        monkeypatch.setattr(triton_pdl, "ENABLED", False)
+        want = [run(i) for i in range(3)]
+        monkeypatch.setattr(triton_pdl, "ENABLED", True)
+        graph = None
+        if capture:
+            run(0)  # compiles the PDL variants before the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        for i in (1, 0, 2, 1):
+            assert torch.equal(run(i, graph), want[i]), (N, K, M, i)
+
+
+def test_engine_fp8_with_pdl_equals_plain_launches(engines, monkeypatch):
+    """The fp8 engine's steps with every Triton kernel launched with PDL (``triton_pdl.ENABLED``) against plain
+    launches: prefill logits and 12 greedy tokens through CUDA-graph decode steps, identical."""
+    from multilora.kernels import triton_pdl
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0+")
+    _, e8 = engines
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 70)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(triton_pdl, "ENABLED", pdl)
+        e8.runner.reset_graphs()
+        got[pdl] = e8.logits(prompts), [o.token_ids for o in e8.generate(prompts, sampling=sp)]
+        assert e8.graphs.captured
+    assert torch.equal(got[False][0], got[True][0]), rel_err(got[True][0], got[False][0])
+    assert got[False][1] == got[True][1]

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from multilora.kernels import (LoRAPlan, block_m_for, build_lora_plan, chunk_table, fill_chunk_table, lora_apply,
                                lora_apply_torch, lora_slices)
-from multilora.kernels import triton_sgmv
+from multilora.kernels import triton_pdl, triton_sgmv
 from multilora.kernels.experimental.lora_fused import lora_fused
 from multilora.kernels.triton_sgmv import lora_apply_triton
 from multilora.memory.pool import PAGE_ELEMS, AdapterPool, image_layout
@@ -813,14 +813,14 @@ def test_pdl_rule(monkeypatch):
     """``_use_pdl``: PDL wherever the device has it, except the wide-rank regime (rank >= 64 pools, 2-16 tokens) where
     it measured slower; never off CUDA or with ``PDL = False``."""
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    monkeypatch.setattr(triton_sgmv, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(triton_pdl, "capability", lambda index: (9, 0))
     assert not triton_sgmv._use_pdl(cpu, 1, 16)
     want = {(1, 16): True, (8, 16): True, (64, 16): True, (4096, 16): True, (1, 64): True, (2, 64): False,
             (8, 64): False, (16, 64): False, (17, 64): True, (64, 64): True, (8, 128): False}
     assert {k: triton_sgmv._use_pdl(cuda, *k) for k in want} == want
-    monkeypatch.setattr(triton_sgmv, "_capability", lambda index: (8, 0))
+    monkeypatch.setattr(triton_pdl, "capability", lambda index: (8, 0))
     assert not any(triton_sgmv._use_pdl(cuda, *k) for k in want)
-    monkeypatch.setattr(triton_sgmv, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(triton_pdl, "capability", lambda index: (9, 0))
     monkeypatch.setattr(triton_sgmv, "PDL", False)
     assert not any(triton_sgmv._use_pdl(cuda, *k) for k in want)
 
