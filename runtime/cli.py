@@ -211,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    g.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k most likely tokens (default 0: off; -1 is off too, as in the HTTP API)")
     g.add_argument("--seed", type=int, help="random seed of sampled requests (default: none, not reproducible)")
     g.add_argument("--stop", action="append", default=[],
                    help="stop string, matched literally (repeatable); in a shell, a newline is $'\\n', not \"\\n\"")
@@ -288,9 +289,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     unknown = sorted({a for _, a, _ in items if a is not None and a not in known})
     if unknown:
         raise ValueError(f"generate: prompts name adapter(s) {unknown} not given with --adapter NAME=PATH")
+    if args.top_k < -1:
+        raise ValueError(f"--top-k: expected a positive int, or 0 or -1 (off), got {args.top_k}")
     try:
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                  top_k=args.top_k, seed=args.seed, stop=args.stop)
+                                  top_k=max(args.top_k, 0), seed=args.seed, stop=args.stop)
     except ValueError as e:  # name the flag, not the dataclass field
         raise ValueError(re.sub(r"SamplingParams\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from e
     engine = _load_engine(args)

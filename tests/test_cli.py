@@ -298,6 +298,17 @@ def test_bad_sampling_option_exits_2(tiny, capsys, opt, value, field):
     assert code == 2 and f"{opt}: expected" in err and f"got {value}" in err, err
 
 
+def test_top_k_minus_one_is_off_as_in_the_http_api(tiny, capsys):
+    """--top-k -1 means off (vLLM's convention, which the HTTP API's top_k takes too): the same greedy tokens as 0."""
+    outs = []
+    for k in (0, -1):
+        code, out, err = run(capsys, "generate", "--model", tiny, "--prompt", "-", "hi", "--max-tokens", 4,
+                             "--top-k", k, "--temperature", 0)
+        assert code == 0, err
+        outs.append([line for line in out.splitlines() if "tokens/s" not in line])  # timings differ
+    assert outs[0] == outs[1] and outs[0]
+
+
 def test_jsonl_file_missing_exits_2(tiny, tmp_path, capsys):
     code, _, err = run(capsys, "generate", "--model", tiny, "--jsonl", tmp_path / "none.jsonl")
     assert code == 2 and "none.jsonl" in err
