@@ -324,8 +324,8 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
                 m.gemm_cublaslt_tokens = lt
                 if engine.graphs is not None:
                     engine.runner.reset_graphs()  # decode and piecewise
-                    try:
-                        warm_up_engine(engine, run.prompts, names)
+                    try:  # (an engine without adapters has none loaded: warm it without)
+                        warm_up_engine(engine, run.prompts, names if lora_variant is not None else None)
                     except Exception as e:  # this variant's rows fail; the others still run
                         traceback.print_exc()
                         failed[v] = f"warm-up after re-capture failed: {type(e).__name__}: {e}"[:2000]
