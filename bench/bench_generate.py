@@ -424,9 +424,16 @@ def multilora_row(run: Run, engine: Engine, provider: str, b: int, names: list[s
     after = engine.stats()
     # decode steps that carried the whole batch, timed one by one inside the timed runs: a TPOT estimate that the
     # prefill's run-to-run spread (in TTFT and T_total, which TPOT subtracts) does not reach
-    full = sorted(sec for kind, rows, sec in engine.step_times.since(mark) if kind == "decode" and rows == b)
+    steps = engine.step_times.since(mark)
+    full = sorted(sec for kind, rows, sec in steps if kind == "decode" and rows == b)
     row["decode_step_ms_p50"] = round(statistics.median(full) * 1e3, 4) if full else None
     row["decode_steps_full_batch"] = len(full)
+    # where a TPOT far above the step median comes from: the timed runs' slowest steps and the time by step kind
+    row["slowest_steps"] = [[kind, rows, round(sec * 1e3, 2)] for kind, rows, sec in sorted(steps, key=lambda s: -s[2])[:4]]
+    row["step_ms_by_kind"] = {k: round(sum(sec for kind, _, sec in steps if kind == k) * 1e3, 1)
+                              for k in sorted({kind for kind, _, _ in steps})}
+    if run.args.repeats == 1 and row.get("ttft_s") and row.get("total_s"):  # host time between and around steps
+        row["ms_outside_steps"] = round((row["ttft_s"] + row["total_s"]) * 1e3 - sum(sec for _, _, sec in steps) * 1e3, 1)
     run.first_tokens[(provider, b)] = outs[0]
     row["first_request_tokens"] = outs[0]
     d = {k: after[k] - before[k] for k in ("decode_steps", "prefill_steps", "mixed_steps", "bytes_host_to_gpu",
