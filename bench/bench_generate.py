@@ -65,6 +65,7 @@ come ``generate_<shape>.md`` (the table and the targets, also printed) and ``gen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.metadata
 import json
@@ -405,6 +406,29 @@ def warm_up_engine(engine: Engine, prompts: list[list[int]], names: list[str] | 
             engine.generate([p[:8] for p in prompts[:bk]], adapters=names[:bk] if names else None, sampling=sp(2))
 
 
+@contextlib.contextmanager
+def gc_pauses():
+    """Python's cyclic collections while the block runs: yields ``{generation: [count, ms]}``, filled as they happen
+    (``gc.callbacks``). A full (generation 2) collection walks every tracked object of the process: with torch,
+    transformers and peft imported, hundreds of thousands; a step it lands in waits for it."""
+    pauses: dict[int, list] = {}
+    start = [0.0]
+
+    def cb(phase: str, info: dict) -> None:
+        if phase == "start":
+            start[0] = time.perf_counter()
+        else:
+            p = pauses.setdefault(info["generation"], [0, 0.0])
+            p[0] += 1
+            p[1] += (time.perf_counter() - start[0]) * 1e3
+
+    gc.callbacks.append(cb)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(cb)
+
+
 def multilora_row(run: Run, engine: Engine, provider: str, b: int, names: list[str] | None, info: dict) -> dict:
     loop = {}
 
@@ -420,8 +444,10 @@ def multilora_row(run: Run, engine: Engine, provider: str, b: int, names: list[s
     generate(2)  # untimed: first use of this batch's shapes; makes its adapters resident
     before = engine.stats()
     mark = engine.step_times.observed
-    row, outs = measure(generate, b, run.args.gen, run.device, run.args.repeats, warmup=False)
+    with gc_pauses() as pauses:
+        row, outs = measure(generate, b, run.args.gen, run.device, run.args.repeats, warmup=False)
     after = engine.stats()
+    row["gc_pauses_ms"] = {str(g): [n, round(ms, 1)] for g, (n, ms) in sorted(pauses.items())}  # {gen: [count, ms]}
     # decode steps that carried the whole batch, timed one by one inside the timed runs: a TPOT estimate that the
     # prefill's run-to-run spread (in TTFT and T_total, which TPOT subtracts) does not reach
     steps = engine.step_times.since(mark)
