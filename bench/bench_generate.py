@@ -443,6 +443,9 @@ def multilora_row(run: Run, engine: Engine, provider: str, b: int, names: list[s
 
     generate(2)  # untimed: first use of this batch's shapes; makes its adapters resident
     before = engine.stats()
+    if run.args.gc_freeze:  # (this process runs one group of rows and exits: nothing frozen outlives it)
+        gc.collect()
+        gc.freeze()
     mark = engine.step_times.observed
     with gc_pauses() as pauses:
         row, outs = measure(generate, b, run.args.gen, run.device, run.args.repeats, warmup=False)
@@ -831,6 +834,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="run the multilora group's providers this many times, every other round in reverse order "
                          "(rows carry 'round'); the table, targets and plot take each (provider, batch)'s median round "
                          "(row-to-row noise on an H200 is ~5%%, and the first variant after warm-up runs slower)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="before each multilora row's timed runs: gc.collect() and gc.freeze(), so Python's full "
+                         "collections skip every object alive then (what vLLM and SGLang do in their engine "
+                         "processes); rows record gc_pauses_ms either way")
     ap.add_argument("--seed", type=int, default=0, help="prompt token ids")
     ap.add_argument("--carveout", type=int, default=32, metavar="SMS",
                     help="multilora-lora-carve: SMs the base GEMMs of side-stream steps leave to the LoRA kernels")
