@@ -338,6 +338,18 @@ def _check_adapter_names(args: argparse.Namespace) -> None:
         raise ValueError(f"--adapter: name(s) {twice} given more than once (each NAME=PATH needs its own NAME)")
 
 
+
+def _as_flag_error(e: ValueError) -> ValueError:
+    """An ``EngineConfig`` error in the command line's words: "Engine: max_batch_size must be an int >= 1, got 0"
+    becomes "--max-batch-size: must be an int >= 1, got 0", and "Engine: device='tpu' is not a device" becomes
+    "--device: 'tpu' is not a device". Other errors as they are."""
+    m = re.match(r"Engine: (\w+)[ =]", str(e))
+    if m is None:
+        return ValueError(str(e))
+    rest = str(e)[m.end():]  # after the field and the space or "=" that follows it
+    return ValueError(f"--{m.group(1).replace('_', '-')}: {rest}")
+
+
 def _engine_config(args: argparse.Namespace) -> Any:
     """The ``EngineConfig`` of the engine flags, every --adapter path checked first (a typo fails in a second, not
     after the model loads); errors name the flag."""
@@ -351,8 +363,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         config = EngineConfig.from_cli(args)
         resolve_device(config.device)  # a CPU build asked for cuda fails here, not after the model loads
     except ValueError as e:
-        field = re.search(r"Engine: (\w+)", str(e))
-        raise ValueError(f"--{field.group(1).replace('_', '-')}: {e}" if field else str(e)) from e
+        raise _as_flag_error(e) from e
     _check_adapter_files(args.adapter, config.max_lora_rank, args.allow_pickle)
     return config
 
@@ -510,8 +521,7 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig.from_cli(args, progress=False, **overrides)
     except ValueError as e:
-        field = re.search(r"Engine: (\w+)", str(e))
-        raise ValueError(f"--{field.group(1).replace('_', '-')}: {e}" if field else str(e)) from e
+        raise _as_flag_error(e) from e
     try:
         spec = RayAppSpec(model=args.model, config=config, adapters=dict(args.adapter),
                           served_model_name=args.served_model_name, api_key=args.api_key, replicas=args.replicas,
