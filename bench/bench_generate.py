@@ -46,7 +46,9 @@ is slow, so it generates --peft-gen tokens (default 16): compare it by TPOT and 
 its gen; output_tokens_per_s_projected extrapolates every row to --gen tokens from its TTFT and TPOT). The
 multilora rows also carry ``decode_step_ms_p50``: the median wall time of the decode steps that carried the whole
 batch in the timed runs (the engine's own step timer): TPOT subtracts two runs' prefills, whose spread reaches
-+-1 ms of TPOT at batch 64 (session 20), the step median does not; the issue-12 targets quote both.
++-1 ms of TPOT at batch 64 (session 20), the step median does not; the issue-12 targets quote both. And
+``tpot_in_run_ms``: TPOT request by request within the timed gen-token run, ``(finish - first token) / (tokens - 1)``
+averaged over the batch (what serving metrics call TPOT; mixed steps a request decodes through included).
 
     python bench/bench_generate.py --out bench/results        # H200, Llama-3-8B, all providers: ~7 min
     python bench/bench_generate.py --shape tiny --batches 1,2 --prompt-len 8 --gen 3 --peft-gen 2   # CPU smoke run
@@ -431,6 +433,7 @@ def gc_pauses():
 
 def multilora_row(run: Run, engine: Engine, provider: str, b: int, names: list[str] | None, info: dict) -> dict:
     loop = {}
+    per_request: dict[int, list[float]] = {}  # output tokens -> each request's TPOT in the last run of that length
 
     def generate(n: int) -> list[list[int]]:
         outs = engine.generate(run.prompts[:b], adapters=names,
@@ -439,6 +442,8 @@ def multilora_row(run: Run, engine: Engine, provider: str, b: int, names: list[s
         if failed:
             raise RuntimeError(f"{len(failed)} of {b} requests failed: {failed[0]}")
         loop[n] = engine.last_run["seconds"]
+        per_request[n] = [(o.finish_time - o.first_token_time) / (len(o.token_ids) - 1) for o in outs
+                          if o.first_token_time is not None and o.finish_time is not None and len(o.token_ids) > 1]
         return [o.token_ids for o in outs]
 
     generate(2)  # untimed: first use of this batch's shapes; makes its adapters resident
@@ -456,6 +461,9 @@ def multilora_row(run: Run, engine: Engine, provider: str, b: int, names: list[s
     steps = engine.step_times.since(mark)
     full = sorted(sec for kind, rows, sec in steps if kind == "decode" and rows == b)
     row["decode_step_ms_p50"] = round(statistics.median(full) * 1e3, 4) if full else None
+    # TPOT within one run, request by request: (finish - first token) / (tokens - 1), as serving metrics define it
+    tp = per_request.get(run.args.gen) or []
+    row["tpot_in_run_ms"] = round(statistics.fmean(tp) * 1e3, 4) if tp else None
     row["decode_steps_full_batch"] = len(full)
     # where a TPOT far above the step median comes from: the timed runs' slowest steps and the time by step kind
     row["slowest_steps"] = [[kind, rows, round(sec * 1e3, 2)] for kind, rows, sec in sorted(steps, key=lambda s: -s[2])[:4]]
@@ -700,7 +708,10 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                         "not measured" if not x else ("met" if x <= need else "missed"),
                         (f"{x:.3g}x ({hi[key]:.4g} vs {lo[key]:.4g})" if x else "a row is missing") +
                         (f"; full-batch decode step p50 {hi['decode_step_ms_p50'] / lo['decode_step_ms_p50']:.3g}x "
-                         f"({hi['decode_step_ms_p50']:.4g} vs {lo['decode_step_ms_p50']:.4g} ms)" if steps else "")))
+                         f"({hi['decode_step_ms_p50']:.4g} vs {lo['decode_step_ms_p50']:.4g} ms)" if steps else "") +
+                        (f"; TPOT within the run {hi['tpot_in_run_ms'] / lo['tpot_in_run_ms']:.3g}x "
+                         f"({hi['tpot_in_run_ms']:.4g} vs {lo['tpot_in_run_ms']:.4g} ms)"
+                         if what == "TPOT" and lo and lo.get("tpot_in_run_ms") and hi.get("tpot_in_run_ms") else "")))
             # and against the base whose GEMMs take the same library (the carve-out's are cuBLASLt's too)
             lo = ok.get(("multilora-lt", b)) if v.endswith(("-lt", "-carve")) else None
             x = lo and lo.get(key) and hi.get(key) and hi[key] / lo[key]
