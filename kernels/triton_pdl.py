@@ -57,8 +57,9 @@ def capability(index: int | None) -> tuple[int, int]:
 
 
 def has_pdl(device: torch.device) -> bool:
-    """Whether ``device`` can launch with PDL: a CUDA device of compute capability >= 9.0 (Hopper, Blackwell)."""
-    return device.type == "cuda" and capability(device.index)[0] >= 9
+    """Whether ``device`` can launch with PDL: an NVIDIA CUDA device of compute capability >= 9.0 (Hopper, Blackwell).
+    Not a ROCm build's GPU, whose "capability" (MI300: 9.4) is not CUDA's and has no ``griddepcontrol``."""
+    return device.type == "cuda" and torch.version.hip is None and capability(device.index)[0] >= 9
 
 
 def launch_args(device: torch.device) -> dict:

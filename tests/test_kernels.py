@@ -823,6 +823,27 @@ def test_pdl_rule(monkeypatch):
     monkeypatch.setattr(triton_pdl, "capability", lambda index: (9, 0))
     monkeypatch.setattr(triton_sgmv, "PDL", False)
     assert not any(triton_sgmv._use_pdl(cuda, *k) for k in want)
+    monkeypatch.setattr(triton_sgmv, "PDL", True)
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # a ROCm build: capability 9.x is not CUDA's there
+    assert not any(triton_sgmv._use_pdl(cuda, *k) for k in want)
+
+
+def test_step_kernels_launch_args(monkeypatch):
+    """``triton_pdl.launch_args``: PDL (the kernels' constexpr and the launch option) on NVIDIA GPUs of compute
+    capability 9.0+ while ``ENABLED``; nothing (a plain launch) on the CPU, older GPUs, ROCm, or with it off."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    on = {"PDL": True, "launch_pdl": True}
+    monkeypatch.setattr(triton_pdl, "capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert triton_pdl.launch_args(cuda) == on and triton_pdl.launch_args(cpu) == {}
+    monkeypatch.setattr(triton_pdl, "ENABLED", False)
+    assert triton_pdl.launch_args(cuda) == {}
+    monkeypatch.setattr(triton_pdl, "ENABLED", True)
+    monkeypatch.setattr(triton_pdl, "capability", lambda index: (8, 9))
+    assert triton_pdl.launch_args(cuda) == {}
+    monkeypatch.setattr(triton_pdl, "capability", lambda index: (9, 4))
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert triton_pdl.launch_args(cuda) == {}
 
 
 # ---------------------------------------------------------------------------------------------- compaction
