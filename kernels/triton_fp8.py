@@ -141,7 +141,7 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
                      stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
                      FP8_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, WIDEN_F16: tl.constexpr = False):
     """``_w8_gemv_splitk_kernel`` with fewer registers per byte in flight, run with the tiles of a GPU's tuned table
     (``kernels/tuned/``, ``bench/sweep_fp8_gemv.py``):
     SPLIT_K is a runtime argument (not a constexpr: one variant serves every split above 1; Triton still
@@ -203,7 +203,10 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
                 x = tl.load(x_ptr + kk).to(tl.float32)
             else:
                 x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            acc2 += w.to(dt).to(tl.float32) * x[None, :]
+            if WIDEN_F16:  # fp8 -> f16 -> f32, both exact (``GEMV_WIDEN_F16``)
+                acc2 += w.to(tl.float16).to(tl.float32) * x[None, :]
+            else:
+                acc2 += w.to(dt).to(tl.float32) * x[None, :]
     if not USE_DOT:
         acc = tl.where(offs_m[:, None] == 0, tl.sum(acc2, axis=1)[None, :], 0.0)  # [BLOCK_M, BLOCK_N], row 0
     p = part_ptr + (pid_k * BLOCK_M + offs_m[:, None]) * N + offs_n[None, :]
@@ -224,6 +227,19 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
             _store_scaled(y_ptr, s_ptr, b_ptr, stride_ym, offs_m, offs_n, m_mask, n_mask, total, HAS_BIAS)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
+
+#: The one-row (CUDA-core) path of ``_w8_gemv2_kernel`` widens each fp8 weight to float32 through float16 instead of
+#: through x's dtype. Both routes are exact (every e4m3 value is a float16 and a bfloat16), so the products and sums
+#: are bit for bit the same (``tests/test_fp8.py::test_gemv_widening_through_f16_is_bit_identical``). What changes
+#: is the instructions, for bf16 x: Triton widens e4m3 to bfloat16 through float16 (``cvt.rn.f16x2.e4m3x2`` then a
+#: ``cvt.bf16.f16`` per weight, which ptxas emits as ``F2F``, a conversion-pipe instruction), then to float32; the
+#: float16 route replaces the ``F2F`` with ``HADD2.F32`` (the FMA pipe). sm_90 SASS of the H200's one-row tile
+#: (BLOCK_N 2, BLOCK_K 2048, 4 warps; cuobjdump of a Triton 3.9 compile on the CPU): 32 F2F per 32 weight bytes per
+#: thread before, none after; 496 -> 464 instructions. If the conversion pipe runs F2F and the e4m3 unpack at 16
+#: per clock per SM, those 48 conversions per 32 bytes cap the GEMV near 2.8 TB/s, which is where it measured
+#: (2.0-3.2 TB/s; bench/results/fp8/README.md). NOT MEASURED on a GPU yet: False until an H200 A/B
+#: (``bench/bench_fp8.py --ms 1``, provider ``weight_only_f16widen``) says it is faster.
+GEMV_WIDEN_F16 = False
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -313,7 +329,8 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
                                           M, N, K, k_per, split_k, x.stride(0), qweight.stride(0), y.stride(0),
                                           HAS_BIAS=bias is not None, USE_DOT=use_dot, EVEN=even, PREFETCH=prefetch,
                                           FP8_X=fp8_x, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
-                                          num_warps=num_warps, num_stages=num_stages,
+                                          WIDEN_F16=GEMV_WIDEN_F16 and not use_dot, num_warps=num_warps,
+                                          num_stages=num_stages,
                                           **triton_pdl.launch_args(x.device))
     return y
 

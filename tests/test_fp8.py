@@ -280,6 +280,28 @@ def test_split_k_workspaces_are_per_column_block_count():
         assert count.numel() == blocks and int(count.sum()) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gemv_widening_through_f16_is_bit_identical(dtype, monkeypatch):
+    """``GEMV_WIDEN_F16``: the one-row path widens each fp8 weight through float16 instead of x's dtype. Every e4m3
+    value (subnormals, the largest, negatives) is exact in both, so y is bit for bit the same, with and without a
+    split and with masked tails. (bf16, the case it is for, runs on a GPU: ``test_fp8_gpu.py``; the interpreter has no
+    bf16.)"""
+    from multilora.kernels import triton_fp8
+
+    g = torch.Generator().manual_seed(11)
+    w = fp8.quantize_weight(torch.randn(37, 300, generator=g) * torch.logspace(-3, 2, 300))  # wide range of codes
+    x = torch.randn(1, 300, generator=g).to(dtype)
+    ref = fp8_reference(x, w, None, quantize_x=False)
+    for split in (1, 3):
+        kw = dict(block_n=4, block_k=64, split_k=split, use_dot=False)
+        monkeypatch.setattr(triton_fp8, "GEMV_WIDEN_F16", False)
+        want = triton_fp8.fp8_gemv2(x, w.qweight, w.scale, **kw)
+        monkeypatch.setattr(triton_fp8, "GEMV_WIDEN_F16", True)
+        got = triton_fp8.fp8_gemv2(x, w.qweight, w.scale, **kw)
+        assert torch.equal(got, want), split
+        assert rel_err(got.float(), ref) < (2e-3 if dtype == torch.float16 else 1e-5), split
+
+
 @pytest.mark.parametrize("bad,why", [
     ({"device": "cpu", "weight_only_max_tokens": "abc", "configs": {}}, "weight_only_max_tokens must be an integer"),
     ({"device": "cpu", "configs": {"32x64": {"8": {}}}}, "row class must be"),
