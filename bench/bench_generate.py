@@ -28,6 +28,8 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     --providers: ask for them)
     multilora-fp8-plain, multilora-fp8-lora-plain   those two with every Triton kernel launched plainly (as the
                     ``-plain`` providers above; the fp8 GEMVs are Triton kernels)
+    multilora-fp8-f16widen  multilora-fp8 with the one-row GEMV widening fp8 weights through float16
+                    (``kernels.triton_fp8.GEMV_WIDEN_F16 = True``; the same results bit for bit)
     hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
     peft            peft's mixed-batch generate (adapter_names=) with the same adapter files as multilora-lora
 
@@ -96,8 +98,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -287,12 +289,13 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             failed.update({v: f"adapter setup failed: {type(e).__name__}: {e}"[:2000] for v in lora_variants})
     side_default = engine.model.lora_side_max_tokens if engine is not None else None
     prio_default = engine.model.lora_side_priority if engine is not None else 0
-    from multilora.kernels import triton_pdl, triton_sgmv
+    from multilora.kernels import triton_fp8, triton_pdl, triton_sgmv
 
     loop_default = triton_sgmv.DECODE_EXPAND_LOOP
     tiles_default = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
     pdl_default = triton_sgmv.PDL
     step_pdl_default = triton_pdl.ENABLED
+    widen_default = triton_fp8.GEMV_WIDEN_F16
     carve_default = engine.model.lora_side_sm_carveout if engine is not None else 0
     lt_default = engine.model.gemm_cublaslt_tokens if engine is not None else None
     # --rounds: the variant list again, every other round in reverse, so each variant runs early and late
@@ -312,12 +315,14 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             tiles = (4, None) if v.endswith("-s17tiles") else tiles_default
             pdl = False if v.endswith(("-nopdl", "-plain")) else pdl_default
             step_pdl = False if v.endswith("-plain") else step_pdl_default
+            widen = True if v.endswith("-f16widen") else widen_default
             m = engine.model
             now = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
             if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
-                    m.gemm_cublaslt_tokens, now, triton_sgmv.PDL, triton_pdl.ENABLED) != (side, prio, loop, carve, lt,
-                                                                                          tiles, pdl, step_pdl):
-                m.lora_side_max_tokens = side  # captured graphs bake all eight in: capture again
+                    m.gemm_cublaslt_tokens, now, triton_sgmv.PDL, triton_pdl.ENABLED, triton_fp8.GEMV_WIDEN_F16) != (
+                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen):
+                m.lora_side_max_tokens = side  # captured graphs bake all nine in: capture again
+                triton_fp8.GEMV_WIDEN_F16 = widen
                 triton_sgmv.PDL = pdl
                 triton_pdl.ENABLED = step_pdl
                 m.lora_side_priority = prio
@@ -341,7 +346,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
                         "gemm_cublaslt_tokens": m.gemm_cublaslt_tokens,
                         "decode_shrink_warps": triton_sgmv.DECODE_SHRINK_WARPS,
                         "decode_expand_rank_tiles": triton_sgmv.DECODE_EXPAND_RANK_TILES, "lora_pdl": triton_sgmv.PDL,
-                        "step_pdl": triton_pdl.ENABLED}
+                        "step_pdl": triton_pdl.ENABLED, "fp8_gemv_widen_f16": triton_fp8.GEMV_WIDEN_F16}
             for b in batches:
                 adapters = names[:b] if "-lora" in v else None
                 run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
@@ -351,6 +356,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES = tiles_default
         triton_sgmv.PDL = pdl_default
         triton_pdl.ENABLED = step_pdl_default
+        triton_fp8.GEMV_WIDEN_F16 = widen_default
     engine = None  # free it before the caller goes on (in-process runs)
     free_memory()
     if run.device.type == "cuda":  # the engine capped this process's allocator from its memory plan
@@ -719,7 +725,8 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                 out.append((f"{v} batch {b} on {b} adapters: {what} <= {need}x multilora-lt's",
                             "met" if x <= need else "missed", f"{x:.3g}x ({hi[key]:.4g} vs {lo[key]:.4g})"))
     for b, need in ((1, 1.7), (TARGET_BATCH, 1.3)):  # issue 16: fp8 base weights against bf16, decode tokens/s
-        for base, fp8 in (("multilora", "multilora-fp8"), ("multilora-lora", "multilora-fp8-lora")):
+        for base, fp8 in (("multilora", "multilora-fp8"), ("multilora-lora", "multilora-fp8-lora"),
+                          ("multilora", "multilora-fp8-f16widen")):
             lo, hi = ok.get((base, b)), ok.get((fp8, b))
             if hi is None:
                 continue
