@@ -11,9 +11,11 @@ LoRA plan) may come before the wait.
 The rule every PDL kernel of multilora keeps: wait first, then trigger (``pdl_wait`` does both, in that order).
 A program thus lets the next kernel launch only once everything before it on the stream has completed, so a
 kernel launched early after it sees all of that too, whichever kernels in the chain used PDL. CUDA graphs
-captured from such launches keep programmatic edges (tested against plain launches, bit for bit:
-``tests/test_kernels.py::test_pdl_launches_equal_plain_launches``, ``tests/test_fused_ops.py::
-test_step_kernels_with_pdl_equal_plain_launches``).
+captured from such launches keep programmatic edges (tested against plain launches, bit for bit, on an H200:
+``tests/test_kernels.py::test_pdl_launches_equal_plain_launches``,
+``tests/test_engine_gpu.py::test_step_kernels_with_pdl_equal_plain_launches``,
+``tests/test_fp8_gpu.py::test_fp8_gemms_with_pdl_equal_plain_launches`` and
+``::test_engine_fp8_with_pdl_equals_plain_launches``).
 
 ``ENABLED`` switches PDL for the step's kernels: RMSNorm (+ residual), RoPE + KV write, SiLU/GELU * up, the
 paged attention and its split combine, the fp8 GEMVs and the per-token quantization. The LoRA shrink and expand
