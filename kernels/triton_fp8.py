@@ -19,9 +19,9 @@ fp8 activations) and the per-token activation quantization. Semantics are those 
 
 Grids depend only on shapes, so all of them are safe inside CUDA graphs. On GPUs of compute capability 9.0+ every
 kernel here is launched with programmatic dependent launch (``triton_pdl``): its programs wait for the kernels
-before them first, so a GEMV's programs are already placed when the op before it (a norm, SiLU * up) completes. The row count ``M`` is not specialised on
-(``do_not_specialize``): one compiled variant serves every batch size, so a new batch size never stalls a step
-on a compile.
+before them first, so a GEMV's programs are already placed when the op before it (a norm, SiLU * up) completes.
+The row count ``M`` is not specialised on (``do_not_specialize``): one compiled variant serves every batch size,
+so a new batch size never stalls a step on a compile.
 """
 
 from __future__ import annotations
