@@ -465,12 +465,12 @@ def multilora_row(run: Run, engine: Engine, provider: str, b: int, names: list[s
     # decode steps that carried the whole batch, timed one by one inside the timed runs: a TPOT estimate that the
     # prefill's run-to-run spread (in TTFT and T_total, which TPOT subtracts) does not reach
     steps = engine.step_times.since(mark)
-    full = sorted(sec for kind, rows, sec in steps if kind == "decode" and rows == b)
+    full = [sec for kind, rows, sec in steps if kind == "decode" and rows == b]
     row["decode_step_ms_p50"] = round(statistics.median(full) * 1e3, 4) if full else None
+    row["decode_steps_full_batch"] = len(full)
     # TPOT within one run, request by request: (finish - first token) / (tokens - 1), as serving metrics define it
     tp = per_request.get(run.args.gen) or []
     row["tpot_in_run_ms"] = round(statistics.fmean(tp) * 1e3, 4) if tp else None
-    row["decode_steps_full_batch"] = len(full)
     # where a TPOT far above the step median comes from: the timed runs' slowest steps and the time by step kind
     row["slowest_steps"] = [[kind, rows, round(sec * 1e3, 2)] for kind, rows, sec in sorted(steps, key=lambda s: -s[2])[:4]]
     row["step_ms_by_kind"] = {k: round(sum(sec for kind, _, sec in steps if kind == k) * 1e3, 1)
@@ -709,15 +709,14 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
             if hi is None:
                 continue
             x = lo and lo.get(key) and hi.get(key) and hi[key] / lo[key]
-            steps = what == "TPOT" and lo and lo.get("decode_step_ms_p50") and hi.get("decode_step_ms_p50")
+            # TPOT's ratio, then the same ratio by the steadier per-step and per-request measures where both rows have them
+            also = "".join(f"; {label} {hi[k] / lo[k]:.3g}x ({hi[k]:.4g} vs {lo[k]:.4g} ms)"
+                           for k, label in (("decode_step_ms_p50", "full-batch decode step p50"),
+                                            ("tpot_in_run_ms", "TPOT within the run"))
+                           if what == "TPOT" and lo and lo.get(k) and hi.get(k))
             out.append((f"{v} batch {b} on {b} adapters: {what} <= {need}x multilora's",
                         "not measured" if not x else ("met" if x <= need else "missed"),
-                        (f"{x:.3g}x ({hi[key]:.4g} vs {lo[key]:.4g})" if x else "a row is missing") +
-                        (f"; full-batch decode step p50 {hi['decode_step_ms_p50'] / lo['decode_step_ms_p50']:.3g}x "
-                         f"({hi['decode_step_ms_p50']:.4g} vs {lo['decode_step_ms_p50']:.4g} ms)" if steps else "") +
-                        (f"; TPOT within the run {hi['tpot_in_run_ms'] / lo['tpot_in_run_ms']:.3g}x "
-                         f"({hi['tpot_in_run_ms']:.4g} vs {lo['tpot_in_run_ms']:.4g} ms)"
-                         if what == "TPOT" and lo and lo.get("tpot_in_run_ms") and hi.get("tpot_in_run_ms") else "")))
+                        (f"{x:.3g}x ({hi[key]:.4g} vs {lo[key]:.4g})" if x else "a row is missing") + also))
             # and against the base whose GEMMs take the same library (the carve-out's are cuBLASLt's too)
             lo = ok.get(("multilora-lt", b)) if v.endswith(("-lt", "-carve")) else None
             x = lo and lo.get(key) and hi.get(key) and hi[key] / lo[key]

@@ -338,7 +338,6 @@ def _check_adapter_names(args: argparse.Namespace) -> None:
         raise ValueError(f"--adapter: name(s) {twice} given more than once (each NAME=PATH needs its own NAME)")
 
 
-
 def _as_flag_error(e: ValueError) -> ValueError:
     """An ``EngineConfig`` error in the command line's words: "Engine: max_batch_size must be an int >= 1, got 0"
     becomes "--max-batch-size: must be an int >= 1, got 0", and "Engine: device='tpu' is not a device" becomes
@@ -553,7 +552,7 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
         try:
             resolve_device(config.device)
         except ValueError as e:
-            raise ValueError(f"--device: {e}") from e
+            raise _as_flag_error(e) from e
         _check_port(args.host, args.port)
     try:
         import ray
