@@ -6,8 +6,9 @@ down 4096 x 14336), M = 1 ... 256 rows (decode batch or prefill tokens). Provide
     bf16         x @ W^T, W bfloat16 (cuBLAS): what the engine runs without weight_dtype="fp8"
     scaled_mm    per-token fp8 activations (one Triton quantization launch) + torch._scaled_mm (cuBLASLt fp8)
     weight_only  bf16 activations, fp8 weights widened in registers (multilora.kernels.triton_fp8)
-    weight_only_f16widen  (one row) the same with the weights widened through float16 instead of bfloat16
-                 (``triton_fp8.GEMV_WIDEN_F16``, off by default until this row says it is faster)
+    weight_only_f16widen  (one row) the same with the weights widened through float16 (``triton_fp8.GEMV_WIDEN_F16``
+                 forced on; the default since session 22)
+    weight_only_bf16widen (one row) the same widened through bfloat16 (``GEMV_WIDEN_F16`` forced off: the A/B)
 
 Times are medians of ``triton.testing.do_bench_cudagraph`` (the engine replays decode steps from CUDA graphs).
 Each row also gives the bytes the GEMM must read (weights + activations) over its time, and the relative error
@@ -29,12 +30,12 @@ import torch
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 
 
-def _widened(fn):
-    """``fn()`` with ``triton_fp8.GEMV_WIDEN_F16`` on (the A/B of that switch; a graph captured through this keeps
-    the launch made while it was on)."""
+def _widened(fn, f16: bool):
+    """``fn()`` with ``triton_fp8.GEMV_WIDEN_F16`` set to ``f16`` (the A/B of that switch; a graph captured through
+    this keeps the launch made while it was set)."""
     from multilora.kernels import triton_fp8
 
-    was, triton_fp8.GEMV_WIDEN_F16 = triton_fp8.GEMV_WIDEN_F16, True
+    was, triton_fp8.GEMV_WIDEN_F16 = triton_fp8.GEMV_WIDEN_F16, f16
     try:
         return fn()
     finally:
@@ -71,8 +72,9 @@ def main(argv: list[str] | None = None) -> None:
             provs = {"bf16": (lambda: x @ w.t(), 2 * N * K),
                      "scaled_mm": (lambda: fp8_linear(x, q, method="scaled_mm"), N * K),
                      "weight_only": (lambda: fp8_linear(x, q, method="weight_only"), N * K)}
-            if M == 1:  # the engine's one-row GEMV with the weights widened through float16 (GEMV_WIDEN_F16)
-                provs["weight_only_f16widen"] = (lambda: _widened(lambda: fp8_linear(x, q, method="weight_only")), N * K)
+            if M == 1:  # the engine's one-row GEMV with the weights widened through float16 / bfloat16 (GEMV_WIDEN_F16)
+                for name, f16 in (("weight_only_f16widen", True), ("weight_only_bf16widen", False)):
+                    provs[name] = (lambda f16=f16: _widened(lambda: fp8_linear(x, q, method="weight_only"), f16), N * K)
             # the split-K GEMV at a few tile shapes, rows summed on CUDA cores (M <= 2) or by tl.dot (the engine's
             # choice is made from these rows)
             for dot, bn, bk, nw in ((False, 64, 256, 4), (False, 32, 512, 4), (True, 64, 128, 4), (True, 128, 128, 4),

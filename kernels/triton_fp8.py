@@ -230,16 +230,16 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
 
 #: The one-row (CUDA-core) path of ``_w8_gemv2_kernel`` widens each fp8 weight to float32 through float16 instead of
 #: through x's dtype. Both routes are exact (every e4m3 value is a float16 and a bfloat16), so the products and sums
-#: are bit for bit the same (``tests/test_fp8.py::test_gemv_widening_through_f16_is_bit_identical``). What changes
-#: is the instructions, for bf16 x: Triton widens e4m3 to bfloat16 through float16 (``cvt.rn.f16x2.e4m3x2`` then a
-#: ``cvt.bf16.f16`` per weight, which ptxas emits as ``F2F``, a conversion-pipe instruction), then to float32; the
-#: float16 route replaces the ``F2F`` with ``HADD2.F32`` (the FMA pipe). sm_90 SASS of the H200's one-row tile
-#: (BLOCK_N 2, BLOCK_K 2048, 4 warps; cuobjdump of a Triton 3.9 compile on the CPU): 32 F2F per 32 weight bytes per
-#: thread before, none after; 496 -> 464 instructions. If the conversion pipe runs F2F and the e4m3 unpack at 16
-#: per clock per SM, those 48 conversions per 32 bytes cap the GEMV near 2.8 TB/s, which is where it measured
-#: (2.0-3.2 TB/s; bench/results/fp8/README.md). NOT MEASURED on a GPU yet: False until an H200 A/B
-#: (``bench/bench_fp8.py --ms 1``, provider ``weight_only_f16widen``) says it is faster.
-GEMV_WIDEN_F16 = False
+#: are bit for bit the same (``tests/test_fp8.py::test_gemv_widening_through_f16_is_bit_identical``, and its bf16
+#: twin in ``tests/test_fp8_gpu.py``). What changes is the instructions, for bf16 x: Triton widens e4m3 to bfloat16
+#: through float16 (``cvt.rn.f16x2.e4m3x2`` then a ``cvt.bf16.f16`` per weight, which ptxas emits as ``F2F``, a
+#: conversion-pipe instruction), then to float32; the float16 route replaces the ``F2F`` with ``HADD2.F32`` (the FMA
+#: pipe). sm_90 SASS of the H200's one-row tile (BLOCK_N 2, BLOCK_K 2048, 4 warps): 32 F2F per 32 weight bytes per
+#: thread before, none after; 496 -> 464 instructions. Measured on an H200 (session 22, ``python bench/bench_fp8.py
+#: --ms 1``, session 9's tiles, ``bench/results/session22/``): qkv 9.5 -> 8.2 us, o 6.9 -> 6.0, gate_up 37.0 -> 32.3,
+#: down 21.1 -> 16.8 us (2.79 -> 3.49 TB/s); engine batch-1 decode TPOT 3.57 -> 3.26 ms. Off (False) only for A/Bs
+#: (``bench_fp8.py`` provider ``weight_only_bf16widen``, ``bench_generate.py`` provider ``multilora-fp8-bf16widen``).
+GEMV_WIDEN_F16 = True
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
