@@ -30,6 +30,8 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     ``-plain`` providers above; the fp8 GEMVs are Triton kernels)
     multilora-fp8-f16widen  multilora-fp8 with the one-row GEMV widening fp8 weights through float16
                     (``kernels.triton_fp8.GEMV_WIDEN_F16 = True``, the default since session 22)
+    multilora-fp8-lmhead  multilora-fp8 with the LM head in fp8 too (``EngineConfig.fp8_lm_head``; here the same
+                    engine's head swapped for its quantized copy, graphs captured again, so rounds interleave)
     multilora-fp8-bf16widen  the same through bfloat16 (``GEMV_WIDEN_F16 = False``: the A/B; the same results bit
                     for bit)
     hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
@@ -100,8 +102,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -298,6 +300,8 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     pdl_default = triton_sgmv.PDL
     step_pdl_default = triton_pdl.ENABLED
     widen_default = triton_fp8.GEMV_WIDEN_F16
+    head_default = engine.model.lm_head if engine is not None else None
+    head_fp8 = None  # -lmhead: the quantized copy of head_default, made on first use
     carve_default = engine.model.lora_side_sm_carveout if engine is not None else 0
     lt_default = engine.model.gemm_cublaslt_tokens if engine is not None else None
     # --rounds: the variant list again, every other round in reverse, so each variant runs early and late
@@ -319,11 +323,17 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             step_pdl = False if v.endswith("-plain") else step_pdl_default
             widen = True if v.endswith("-f16widen") else False if v.endswith("-bf16widen") else widen_default
             m = engine.model
+            if v.endswith("-lmhead") and head_fp8 is None and isinstance(head_default, torch.Tensor):
+                from multilora.kernels.fp8 import quantize_weight
+
+                head_fp8 = quantize_weight(head_default)  # what Engine(fp8_lm_head=True) stores
+            head = head_fp8 if v.endswith("-lmhead") else head_default
             now = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
             if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
                     m.gemm_cublaslt_tokens, now, triton_sgmv.PDL, triton_pdl.ENABLED, triton_fp8.GEMV_WIDEN_F16) != (
-                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen):
-                m.lora_side_max_tokens = side  # captured graphs bake all nine in: capture again
+                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen) or m.lm_head is not head:
+                m.lora_side_max_tokens = side  # captured graphs bake all ten in: capture again
+                m.lm_head = head
                 triton_fp8.GEMV_WIDEN_F16 = widen
                 triton_sgmv.PDL = pdl
                 triton_pdl.ENABLED = step_pdl
@@ -341,7 +351,8 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
                         failed[v] = f"warm-up after re-capture failed: {type(e).__name__}: {e}"[:2000]
                         run.skip(v, batches, a.gen, failed[v], status="error")
                         continue
-            row_info = {**info, "round": rnd, "lora_side_stream_max_tokens": m.lora_side_limit(),
+            row_info = {**info, "round": rnd, "weight_bytes": m.nbytes, "fp8_lm_head": not isinstance(m.lm_head, torch.Tensor),
+                        "lora_side_stream_max_tokens": m.lora_side_limit(),
                         "lora_side_priority": m.lora_side_priority,
                         "decode_expand_loop": triton_sgmv.DECODE_EXPAND_LOOP,
                         "lora_side_sm_carveout": m.lora_side_sm_carveout,
@@ -359,6 +370,8 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         triton_sgmv.PDL = pdl_default
         triton_pdl.ENABLED = step_pdl_default
         triton_fp8.GEMV_WIDEN_F16 = widen_default
+        if engine is not None:
+            engine.model.lm_head = head_default
     engine = None  # free it before the caller goes on (in-process runs)
     free_memory()
     if run.device.type == "cuda":  # the engine capped this process's allocator from its memory plan
@@ -727,7 +740,8 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                             "met" if x <= need else "missed", f"{x:.3g}x ({hi[key]:.4g} vs {lo[key]:.4g})"))
     for b, need in ((1, 1.7), (TARGET_BATCH, 1.3)):  # issue 16: fp8 base weights against bf16, decode tokens/s
         for base, fp8 in (("multilora", "multilora-fp8"), ("multilora-lora", "multilora-fp8-lora"),
-                          ("multilora", "multilora-fp8-f16widen"), ("multilora", "multilora-fp8-bf16widen")):
+                          ("multilora", "multilora-fp8-f16widen"), ("multilora", "multilora-fp8-bf16widen"),
+                          ("multilora", "multilora-fp8-lmhead")):
             lo, hi = ok.get((base, b)), ok.get((fp8, b))
             if hi is None:
                 continue

@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rep", type=int, default=25, help="ms of replays per timing (do_bench_cudagraph rep)")
     ap.add_argument("--paths", default="row,dot,scaled", help="comma list of the tile grids to sweep: row (M = 1, "
                     "CUDA cores), dot (bf16 tensor cores), scaled (fp8 activations, fp8 tensor cores)")
+    ap.add_argument("--lm-head", type=int, default=0, metavar="VOCAB",
+                    help="also sweep the LM head [VOCAB, 4096] (Llama-3: 128256) for the fp8 LM head "
+                         "(EngineConfig.fp8_lm_head); its tiles join the table, not the layer phase")
     ap.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): tiny shapes, wall-clock timer; "
                     "checks the script, not speed")
     args = ap.parse_args(argv)
@@ -97,8 +100,11 @@ def main(argv: list[str] | None = None) -> None:
     global DTYPE
     DTYPE = torch.float16 if args.smoke else torch.bfloat16  # the interpreter has no bf16
     g = torch.Generator(device=dev).manual_seed(0)
+    swept = dict(SHAPES)  # the sweep phase's shapes: the layer's four, and the LM head if asked
+    if args.lm_head:
+        swept["lm_head"] = (args.lm_head, SHAPES["o"][1])
     weights = {}
-    for name, (N, K) in SHAPES.items():
+    for name, (N, K) in swept.items():
         c = max(1, int(args.rotate_mb * 2**20 // (N * K)) + 1)
         c = 2 if args.smoke else c
         w = [torch.randn(N, K, device=dev, dtype=DTYPE, generator=g) * K ** -0.5 for _ in range(c)]
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
 
     paths = args.paths.split(",")
     t0 = time.perf_counter()
-    for name, (N, K) in SHAPES.items():
+    for name, (N, K) in swept.items():
         wb, wq = weights[name]
         for M in (1, 16, 64):
             x = torch.randn(M, K, device=dev, dtype=DTYPE, generator=g)
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"# {name} M={M} done at {time.perf_counter() - t0:.0f} s", flush=True)
     for r in rows:
         if r.get("us"):
-            N, K = SHAPES[r["module"]]
+            N, K = swept[r["module"]]
             wbytes = N * K * (2 if r["config"] == "bf16" else 1)
             r["weight_tb_s"] = wbytes / (r["us"] * 1e-6) / 1e12
 
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
             if k not in into or r["us"] < into[k]["us"]:
                 into[k] = r
     # the engine's current weight-only path competes too (the shipped table's config, possibly not re-swept here)
-    for name, (N, K) in SHAPES.items():
+    for name, (N, K) in swept.items():
         for M in (1, 16, 64):
             cur, cfg = at(name, M, "current"), triton_fp8.gemv_config(dev, N, K, M)
             if cur and cur["method"] == "weight_only" and cfg and ((name, M) not in best or cur["us"] < best[(name, M)]["us"]):
@@ -195,12 +201,12 @@ def main(argv: list[str] | None = None) -> None:
              + meta["timing"] + ")", "torch": meta["torch"], "triton": meta["triton"],
              "weight_only_max_tokens": wo_max, "configs": {}, "scaled_configs": {}}
     for (name, M), r in sorted(best.items()):
-        N, K = SHAPES[name]
+        N, K = swept[name]
         tuned["configs"].setdefault(f"{N}x{K}", {})[str(M)] = r["cfg"]
     for (name, M), r in sorted(best_sc.items()):
         cub = at(name, M, "scaled_mm")
         if cub is None or r["us"] < cub["us"]:
-            N, K = SHAPES[name]
+            N, K = swept[name]
             tuned["scaled_configs"].setdefault(f"{N}x{K}", {})[str(M)] = r["cfg"]
     tuned_path = out / "fp8_gemv_tuned.json"
     tuned_path.write_text(json.dumps(tuned, indent=1))
@@ -233,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}; {meta['timing']}; paths {args.paths}", "",
              "| module | M | bf16 us | engine before us | cuBLASLt scaled_mm us | best weight-only us (config, TB/s) | "
              "best fp8-activation us (config) |", "|---|---|---|---|---|---|---|"]
-    for name in SHAPES:
+    for name in swept:
         for M in (1, 16, 64):
             b, c, sm = at(name, M, "bf16"), at(name, M, "current"), at(name, M, "scaled_mm")
             wo, sc = best.get((name, M)), best_sc.get((name, M))

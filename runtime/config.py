@@ -42,7 +42,12 @@ class EngineConfig:
             float32 on CPU).
         weight_dtype: None (base weights in ``dtype``) or "fp8": the base projections (q/k/v, o, gate/up, down) as
             float8 e4m3 with per-output-channel scales, quantized at load (``multilora.kernels.fp8``; CUDA compute
-            capability 8.9+, or the CPU); LoRA, embeddings, norms, the LM head and activations stay in ``dtype``.
+            capability 8.9+, or the CPU); LoRA, embeddings, norms, the LM head (unless ``fp8_lm_head``) and activations
+            stay in ``dtype``.
+        fp8_lm_head: with ``weight_dtype="fp8"``, the LM head too as float8 e4m3 with per-row scales (off by default:
+            the logits then carry the fp8 rounding of one more GEMM; measured in ``bench/results/fp8/README.md``). It
+            halves the LM head's bytes (Llama-3-8B: 1.05 GB -> 0.53 GB read per decode step). With tied embeddings the
+            embedding table stays in ``dtype`` and the fp8 copy is extra memory (vocab x hidden bytes).
         fp8_gemm: the fp8 GEMM: "scaled_mm" (per-token fp8 activations, ``torch._scaled_mm``), "weight_only" (bf16
             activations, fp8 weights widened in a Triton kernel), or None = weight_only for decode-sized steps on
             CUDA, scaled_mm otherwise (``multilora.kernels.fp8``).
@@ -165,6 +170,8 @@ class EngineConfig:
     dtype: torch.dtype | str | None = _opt(None, "default: bfloat16 on GPU, float32 on CPU", choices=_DTYPES)
     weight_dtype: str | None = _opt(None, "base weights: fp8 = float8 e4m3 with per-channel scales (default: dtype)",
                                     choices=("fp8",))
+    fp8_lm_head: bool = _opt(False, "with --weight-dtype fp8: the LM head in fp8 too (half its bytes per step; the "
+                                    "logits carry one more GEMM's fp8 rounding)", kind=bool)
     fp8_gemm: str | None = _opt(None, "the fp8 GEMM (default: weight_only for decode steps on CUDA, else scaled_mm)",
                                 choices=("scaled_mm", "weight_only"))
     max_batch_size: int = _opt(16, "most requests running at once")
@@ -271,6 +278,10 @@ class EngineConfig:
             raise fail("fp8_gemm", "None, 'scaled_mm' or 'weight_only'")
         if self.fp8_gemm is not None and self.weight_dtype != "fp8":
             raise fail("fp8_gemm", "None unless weight_dtype='fp8'")
+        if not isinstance(self.fp8_lm_head, bool):
+            raise fail("fp8_lm_head", "True or False")
+        if self.fp8_lm_head and self.weight_dtype != "fp8":
+            raise fail("fp8_lm_head", "False unless weight_dtype='fp8'")
         for name in ("cuda_graphs", "enable_chunked_prefill", "adapter_aware_admission", "unified_pool"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "True or False")

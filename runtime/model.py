@@ -197,6 +197,8 @@ class DecoderModel:
             (``multilora.kernels.fp8``), quantized here once; embeddings, norms, biases, the LM head, the LoRA
             pool and the activations stay in ``dtype``.
         fp8_method: the fp8 GEMM (``multilora.kernels.fp8.fp8_linear``'s ``method``; None = by rows and device).
+        fp8_lm_head: with ``weight_dtype="fp8"``, the LM head too (``self.lm_head`` an ``Fp8Weight``; tied
+            embeddings keep the embedding table in ``dtype`` beside the fp8 copy).
         tp_group: None, or a tensor-parallel rank's group (``runtime.parallel.TPGroup``): ``config`` and ``weights``
             are then that rank's shard, and the outputs of o and down (partial sums, LoRA included) are all-reduced.
         lora_side_max_tokens: ``self.lora_side_max_tokens`` (None: ``lora_side_limit``'s measured default).
@@ -204,9 +206,11 @@ class DecoderModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device, dtype: torch.dtype,
                  weight_dtype: str | None = None, fp8_method: str | None = None, tp_group: Any = None,
-                 lora_side_max_tokens: int | None = None):
+                 lora_side_max_tokens: int | None = None, fp8_lm_head: bool = False):
         if weight_dtype not in (None, "fp8"):
             raise ValueError(f"DecoderModel: weight_dtype must be None or 'fp8', got {weight_dtype!r}")
+        if fp8_lm_head and weight_dtype != "fp8":
+            raise ValueError(f"DecoderModel: fp8_lm_head needs weight_dtype='fp8', got weight_dtype={weight_dtype!r}")
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -230,6 +234,8 @@ class DecoderModel:
                 f"(vocab {config.vocab_size}, hidden {config.hidden_size})"
             )
         self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in weights else put(weights["lm_head.weight"])
+        if fp8_lm_head:  # [vocab, hidden] fp8 + scales; an untied model-dtype head is freed here
+            self.lm_head = quantize_weight(self.lm_head)
         self.norm = put(w("model.norm.weight"))
         self.layers = []
         for i in range(config.num_layers):
@@ -362,10 +368,12 @@ class DecoderModel:
     def nbytes(self) -> int:
         """Bytes of the base weights as stored (fp8 projections at 1 byte per weight plus their float32 scales)."""
         total = self.embed.numel() + self.norm.numel()
-        if self.lm_head is not self.embed:
+        if isinstance(self.lm_head, torch.Tensor) and self.lm_head is not self.embed:
             total += self.lm_head.numel()
         total += sum(t.numel() for layer in self.layers for t in layer.values() if isinstance(t, torch.Tensor))
         fp8 = sum(t.nbytes for layer in self.layers for t in layer.values() if isinstance(t, Fp8Weight))
+        if isinstance(self.lm_head, Fp8Weight):
+            fp8 += self.lm_head.nbytes
         return total * self.embed.element_size() + fp8
 
     def bind_pool(self, pool: AdapterPool) -> None:
@@ -512,7 +520,10 @@ class DecoderModel:
         same, in bf16 ours is the more exact). A tensor-parallel worker returns [n, 1] of nothing (rank 0 samples)."""
         if self.skip_logits:
             return hidden[:, :1].float()
-        logits = (hidden @ self.lm_head.t()).float()
+        if isinstance(self.lm_head, Fp8Weight):  # fp8_lm_head
+            logits = fp8_linear(hidden, self.lm_head, method=self.fp8_method).float()
+        else:
+            logits = (hidden @ self.lm_head.t()).float()
         cap = self.config.final_logit_softcapping
         if cap:
             logits.div_(cap).tanh_().mul_(cap)

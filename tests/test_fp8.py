@@ -131,6 +131,10 @@ def test_engine_config_validation():
         Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", fp8_gemm="scaled_mm")
     with pytest.raises(ValueError, match=r"Engine: fp8_gemm='weight_only' needs a CUDA GPU .*got device cpu"):
         Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", weight_dtype="fp8", fp8_gemm="weight_only")
+    with pytest.raises(ValueError, match=r"Engine: fp8_lm_head must be False unless weight_dtype='fp8', got True"):
+        Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", fp8_lm_head=True)
+    with pytest.raises(ValueError, match=r"Engine: fp8_lm_head must be True or False, got 'yes'"):
+        Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", weight_dtype="fp8", fp8_lm_head="yes")
 
 
 CFG = ModelConfig(**MODEL_SHAPES["tiny"])
@@ -180,6 +184,40 @@ def test_engine_fp8_default_gemm_close_and_smaller(engines):
     assert e32.model.nbytes - e8.model.nbytes == proj * 4 - (proj + 4 * rows)
     out = e8.generate([ROWS[0]], adapters=["a1"])[0]
     assert out.finish_reason in ("length", "stop") and len(out.token_ids) > 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_engine_fp8_lm_head(tied):
+    """``fp8_lm_head``: the LM head is quantized like the projections; with the reference GEMM the engine IS the fp32
+    engine with every projection AND the head dequantized (logits and greedy tokens, with adapters); the head's
+    bytes go from 4 to 1 per weight (+ a float32 scale per vocab row), or, tied, an fp8 copy joins the table."""
+    cfg = ModelConfig(**{**MODEL_SHAPES["tiny"], "tie_word_embeddings": tied})
+    kw = dict(device="cpu", progress=False, max_batch_size=4, max_seq_len=64, max_lora_rank=16)
+    e8 = Engine(cfg, weight_dtype="fp8", fp8_lm_head=True, fp8_gemm=None, **kw)
+    ref = Engine(cfg, **kw)  # the same seeded random weights
+    head = e8.model.lm_head
+    assert isinstance(head, fp8.Fp8Weight) and tuple(head.shape) == (cfg.vocab_size, cfg.hidden_size)
+    assert (ref.model.lm_head is ref.model.embed) == tied and isinstance(e8.model.embed, torch.Tensor)
+    # the head quantized from the model-dtype weights this config loads (the embedding table when tied)
+    torch.testing.assert_close(head.dequantize(), fp8.quantize_weight(ref.model.lm_head).dequantize(), rtol=0, atol=0)
+    for l8, l32 in zip(e8.model.layers, ref.model.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            l32[name] = l8[name].dequantize()
+    before = ref.model.nbytes
+    ref.model.lm_head = head.dequantize()
+    c = cfg
+    proj = c.num_layers * ((c.q_size + 2 * c.kv_size) * c.hidden_size + c.hidden_size * c.q_size
+                           + 3 * c.intermediate_size * c.hidden_size)
+    rows = c.num_layers * (c.q_size + 2 * c.kv_size + 2 * c.hidden_size + 2 * c.intermediate_size)
+    assert head.nbytes == c.vocab_size * c.hidden_size + 4 * c.vocab_size
+    # untied: the float32 head (4 bytes a weight) is replaced; tied: the fp8 copy is extra
+    head_saved = 4 * c.vocab_size * c.hidden_size - head.nbytes if not tied else -head.nbytes
+    assert before - e8.model.nbytes == proj * 4 - (proj + 4 * rows) + head_saved
+    e8.model.fp8_method = "dequant"
+    assert rel_err(e8.logits(ROWS, [None, None, None]), ref.logits(ROWS, [None, None, None])) < 1e-5
+    assert [o.token_ids for o in e8.generate(ROWS[:2])] == [o.token_ids for o in ref.generate(ROWS[:2])]
+    e8.model.fp8_method = None  # the CPU's default GEMM (fp8 activations): close, not equal
+    assert 0 < rel_err(e8.logits(ROWS, [None] * 3), ref.logits(ROWS, [None] * 3)) < 0.1
 
 
 def _tuned_file(tmp_path, data) -> str:
