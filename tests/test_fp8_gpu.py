@@ -246,3 +246,36 @@ def test_gemv_widening_through_f16_is_bit_identical_in_bf16(monkeypatch):
         got = triton_fp8.fp8_gemv2(x, w.qweight, w.scale, **cfg)
         assert torch.equal(got, want), (N, K)
         assert rel_err(got.float(), x.float() @ w.dequantize().t()) < BF16_OUT, (N, K)
+
+
+def test_engine_fp8_lm_head(engines):
+    """``fp8_lm_head``: the LM head's GEMM computes the bf16 hidden times the dequantized fp8 head (one row: the
+    weight-only GEMV, within bf16 output rounding; more rows: fp8 activations, within their rounding), the engine's
+    logits stay within ENGINE_LOGITS_REL_ERR of the bf16 engine's, and its CUDA-graph decode equals eager decode."""
+    e16, e8 = engines
+    kw = dict(device="cuda", progress=False, max_batch_size=8, max_seq_len=256, kv_cache_bytes=64 << 20,
+              adapter_pool_bytes=32 << 20)
+    eh = Engine(SHAPE, weight_dtype="fp8", fp8_lm_head=True, **kw)
+    head = eh.model.lm_head
+    assert isinstance(head, fp8.Fp8Weight) and eh.model.nbytes < e8.model.nbytes
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for M, bound in ((1, BF16_OUT), (3, 0.06), (64, 0.06)):
+        h = torch.randn(M, SHAPE.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
+        ref = h.float() @ head.dequantize().t()
+        err = rel_err(eh.model.compute_logits(h), ref)
+        assert err < bound, (M, err)
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g).tolist() for n in (1, 7, 40, 130)]
+    err_head, err = rel_err(eh.logits(rows), e16.logits(rows)), rel_err(e8.logits(rows), e16.logits(rows))
+    print(f"fp8 vs bf16 engine logits: relative error {err:.4f}; with the fp8 LM head {err_head:.4f}")
+    assert 0 < err_head < ENGINE_LOGITS_REL_ERR
+    prompts = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    graphed = [o.token_ids for o in eh.generate(prompts, sampling=sp)]
+    saved = eh.runner.graphs, eh.runner.pieces
+    eh.runner.graphs = eh.runner.pieces = None  # every step eager
+    try:
+        eager = [o.token_ids for o in eh.generate(prompts, sampling=sp)]
+    finally:
+        eh.runner.graphs, eh.runner.pieces = saved
+    assert graphed == eager
