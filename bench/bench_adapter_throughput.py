@@ -106,9 +106,10 @@ def main() -> None:
                     help="Engine(adapter_finish=...): where reloaded adapters get the pool layout (session 12)")
     ap.add_argument("--io-threads", type=int, default=None,
                     help="Engine(adapter_io_threads=...): threads reading adapters from disk (default: the engine's)")
-    ap.add_argument("--host-map-ahead", type=float, default=0, metavar="GB",
+    ap.add_argument("--host-map-ahead", type=float, default=None, metavar="GB",
                     help="Engine(host_arena_map_ahead_bytes=GB * 1e9): the host tier's chunks mapped and pinned on a "
-                         "background thread from the engine's start (default 0: as adapters need them)")
+                         "background thread from the engine's start; 0: as adapters need them (default: the engine's, "
+                         "a pool's worth once the adapters outgrow the pool, on a discrete GPU)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval (seconds; Python's default is 0.005): how long a thread back from I/O "
@@ -134,7 +135,8 @@ def main() -> None:
     engine = Engine(config, device=device, dtype=dtype, progress=False, max_batch_size=args.batch,
                     adapter_finish=args.adapter_finish,
                     **({"adapter_io_threads": args.io_threads} if args.io_threads else {}),
-                    host_arena_map_ahead_bytes=int(args.host_map_ahead * 1e9),
+                    **({"host_arena_map_ahead_bytes": int(args.host_map_ahead * 1e9)}
+                       if args.host_map_ahead is not None else {}),
                     **({"gil_switch_interval": args.switch_interval} if args.switch_interval else {}),
                     max_seq_len=args.prompt_len + args.gen + 1, max_lora_rank=args.rank,
                     **({"adapter_slots": args.pool_adapters} if args.pool_adapters else {}),
@@ -152,7 +154,8 @@ def main() -> None:
             "pool_from_plan": not args.pool_adapters, "host_from_plan": not args.host_adapters,
             "base_tokens_per_s": base_tok / base_s, "adapter_finish": args.adapter_finish,
             "adapter_io_threads": engine.engine_config.adapter_io_threads,
-            "host_arena_map_ahead_bytes": engine.engine_config.host_arena_map_ahead_bytes}
+            "host_arena_map_ahead_bytes": engine.engine_config.host_arena_map_ahead_bytes,
+            "host_arena_map_ahead_on_overflow": engine.map_ahead_on_overflow}
     # warm-up on a throw-away adapter, unloaded again: Engine.warmup (every step class's kernels, the decode and
     # piecewise graphs, the device finish's kernels) as a serving engine runs it, then a LoRA batch at full size.
     # Without Engine.warmup the first row compiled kernels inside its timed steps (session 15: 38% of the step

@@ -192,10 +192,14 @@ class AdapterCache:
         chunk_bytes: bytes of one chunk of the host arena (default ``DEFAULT_CHUNK_BYTES``, at least one image of
             the pool's largest adapter).
         io_threads: threads reading adapters from disk for ``prefetch`` (default 4).
+        map_ahead_on_overflow: bytes of the host arena to map ahead (``HostArena.map_ahead``, on the background
+            thread) once the registered adapters' pool bytes first exceed the pool's: from then on the host tier
+            fills, and no adapter's copy into it should wait for a chunk to be mapped. 0 (default): never.
     """
 
     def __init__(self, pool: AdapterPool, *, host_bytes: int | None,
-                 reload: Callable[..., PackedAdapter], chunk_bytes: int | None = None, io_threads: int = 4):
+                 reload: Callable[..., PackedAdapter], chunk_bytes: int | None = None, io_threads: int = 4,
+                 map_ahead_on_overflow: int = 0):
         self.pool = pool
         self.host_budget = host_bytes
         self._reload = reload
@@ -218,6 +222,12 @@ class AdapterCache:
         self._timing: list[tuple[_CopyTimer, int]] = []  # host -> GPU copies not timed yet
         self._orphans: list[AdapterHandle] = []  # forgotten while a disk -> host read was writing their block
         self.stats = CacheStats()
+        if not isinstance(map_ahead_on_overflow, int) or isinstance(map_ahead_on_overflow, bool) or map_ahead_on_overflow < 0:
+            raise ValueError(f"AdapterCache: map_ahead_on_overflow must be an int >= 0, got {map_ahead_on_overflow!r}")
+        self.map_ahead_on_overflow = map_ahead_on_overflow
+        self._registered_bytes = 0  # pool bytes of the registered (not retired) versions
+        #: when the registered adapters first outgrew the pool and the arena was mapped ahead (None: not yet)
+        self.mapped_ahead_at_adapters: int | None = None
         #: a unified memory (``multilora.memory.unified``) whose pool is ``pool``: the pool grows into free KV
         #: blocks before idle adapters are evicted, and ``yield_to_kv`` gives units back; None: a fixed pool
         self.unified: Any = None
@@ -244,8 +254,13 @@ class AdapterCache:
             )
             old = self._by_name.get(name)
             self._by_name[name] = handle
+            self._registered_bytes += handle.pool_bytes - (old.pool_bytes if old is not None else 0)
             if old is not None:
                 self._retire(old)
+            if (self.map_ahead_on_overflow and self.mapped_ahead_at_adapters is None
+                    and self._registered_bytes > self.pool.bytes_total):
+                self.mapped_ahead_at_adapters = len(self._by_name)
+                self.arena.map_ahead(self.map_ahead_on_overflow)
             if packed is not None:
                 self._set_host(handle, self._into_arena(packed, keep=handle))
                 self._enforce_host_budget(keep=handle)
@@ -260,6 +275,7 @@ class AdapterCache:
         with self._lock:
             handle = self.get(name)
             del self._by_name[name]
+            self._registered_bytes -= handle.pool_bytes
             self._pinned.discard(name)
             self._retire(handle)
 
@@ -806,7 +822,10 @@ class AdapterCache:
         in-flight copy still reads), ``host_arena_chunks``, ``host_arena_compactions`` and the bytes they moved,
         ``host_arena_map_seconds`` (mapping and registering the chunks, on any thread), ``host_arena_sync_grows``
         and ``host_arena_sync_map_seconds`` (chunks mapped on the thread that needed the room, and their time) and
-        ``host_arena_grown_ahead`` (chunks mapped ahead on a background thread: ``HostArena.grow_ahead``)."""
+        ``host_arena_grown_ahead`` (chunks mapped ahead on a background thread: ``HostArena.grow_ahead``);
+        ``host_arena_map_ahead_on_overflow`` (the constructor's ``map_ahead_on_overflow``) and
+        ``host_arena_mapped_ahead_at_adapters`` (how many adapters were registered when they first outgrew the pool
+        and that many bytes began to be mapped ahead; None: not yet or never)."""
         s, pool = self.stats, self.pool
         with self._lock:
             self._settle_timings()
@@ -844,7 +863,8 @@ class AdapterCache:
             "host_arena_compactions": a.compactions, "host_arena_bytes_compacted": a.bytes_compacted,
             "host_arena_map_seconds": a.register_seconds, "host_arena_sync_map_seconds": a.sync_register_seconds,
             "host_arena_sync_grows": a.sync_grows,
-            "host_arena_grown_ahead": a.grown_ahead,
+            "host_arena_grown_ahead": a.grown_ahead, "host_arena_map_ahead_on_overflow": self.map_ahead_on_overflow,
+            "host_arena_mapped_ahead_at_adapters": self.mapped_ahead_at_adapters,
             "pool_bytes_capacity": pool.bytes_capacity, "evictions_for_kv": s.evictions_for_kv,
             **(self.unified.report() if self.unified is not None else {}),
         }

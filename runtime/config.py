@@ -70,11 +70,15 @@ class EngineConfig:
         host_adapter_bytes: explicit host-tier size, passed to the memory plan (which rejects one that
             over-commits a shared-memory device); None = the plan's automatic size.
         host_arena_map_ahead_bytes: bytes of the host tier's pinned arena mapped (and page-locked) on a background
-            thread from the engine's start, in whole chunks, up to the tier's size (``HostArena.map_ahead``), so
-            that a tier filling fast (thousands of adapters) never waits for a chunk to be mapped on the step
-            thread. 0 (default): chunks are mapped as adapters need them, a chunk ahead (``HostArena.grow_ahead``).
-            Not measured yet against the default (session 20: the step thread of the one-batch bench at 2,048
-            adapters waited 11-25% of its samples for chunks being mapped ahead); it pins that memory at once.
+            thread, in whole chunks, up to the tier's size (``HostArena.map_ahead``), so that a tier filling fast
+            (thousands of adapters) never waits for a chunk to be mapped on the step thread. None (default): on a
+            discrete CUDA GPU, ``min(pool bytes, host tier, 8 GB)`` once the registered adapters' bytes first exceed
+            the GPU pool's (``AdapterCache(map_ahead_on_overflow=)``; an engine whose adapters fit its pool maps
+            nothing ahead); elsewhere 0. 0: chunks are mapped as adapters need them, a chunk ahead
+            (``HostArena.grow_ahead``). n > 0: n bytes from the engine's start. Measured on an H200 (session 22,
+            ``bench_adapter_throughput.py`` at 2,048 adapters, 8 GB ahead vs 0, interleaved): 34.2 / 29.9% vs 25.3 /
+            27.9% of the no-adapter tokens/s cold, 48.1 / 43.8% vs 36.7 / 36.0% warm; the step thread's waits for a
+            chunk (10-23% of its samples) went to none.
         gpu_memory_fraction: share of usable device memory the plan may budget, in (0, 1].
         local_ranks: engine processes sharing this device/host (the plan divides host memory by it).
         tensor_parallel_size: ranks the model is split over (``runtime.parallel``: Megatron-style shards, one
@@ -188,9 +192,10 @@ class EngineConfig:
                                             "no cap, the memory plan's KV share, at most --max-batch-size sequences "
                                             "of --max-seq-len tokens)", kind=int)
     host_adapter_bytes: int | None = _opt(None, "host-tier size in bytes (default: the memory plan's)", kind=int)
-    host_arena_map_ahead_bytes: int = _opt(0, "bytes of the host tier mapped (on CUDA: and pinned) on a background "
-                                              "thread from the start, up to the tier's size (default 0: as adapters "
-                                              "need them; not measured against that yet)", kind=int)
+    host_arena_map_ahead_bytes: int | None = _opt(None, "bytes of the host tier mapped (on CUDA: and pinned) on a "
+                                                     "background thread from the start, up to the tier's size; 0: as "
+                                                     "adapters need them (default: on a discrete GPU, min(pool, host "
+                                                     "tier, 8 GB) once the adapters outgrow the GPU pool)", kind=int)
     gpu_memory_fraction: float = _opt(0.9, "share of usable device memory the memory plan may budget")
     local_ranks: int = _opt(1, "engine processes sharing this device / host")
     tensor_parallel_size: int = _opt(1, "ranks (processes, GPUs) the model is split over")
@@ -248,8 +253,9 @@ class EngineConfig:
             if not (v is None and name == "adapter_slots") and (not _is_int(v) or v < 1):
                 raise fail(name, "an int >= 1")
         for name in ("starvation_patience", "prefetch_adapters", "host_arena_map_ahead_bytes"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
-                raise fail(name, "an int >= 0")
+            v = getattr(self, name)
+            if not (v is None and name == "host_arena_map_ahead_bytes") and (not _is_int(v) or v < 0):
+                raise fail(name, "an int >= 0" if name != "host_arena_map_ahead_bytes" else "None or an int >= 0")
         for name, unit in (("adapter_pool_bytes", "bytes"), ("kv_cache_bytes", "bytes"),
                            ("host_adapter_bytes", "bytes"), ("lora_side_stream_max_tokens", "tokens"),
                            ("piecewise_cuda_graph_max_tokens", "tokens")):

@@ -281,3 +281,20 @@ def measure_and_size(request: MemoryRequest, cfg: EngineConfig, device: torch.de
         sizes = size_engine(request, cfg, snapshot(), reserve_bytes=reserve)
         apply_torch_memory_fraction(sizes.plan, device)
     return sizes
+
+
+#: The most host-arena bytes an engine maps ahead by default (``default_map_ahead_bytes``): what was measured on an
+#: H200 (session 22, ``bench/bench_adapter_throughput.py --host-map-ahead 8`` at 2,048 adapters, where one batch's
+#: new adapters were 2.9 GB).
+DEFAULT_MAP_AHEAD_CAP = 8_000_000_000
+
+
+def default_map_ahead_bytes(device_type: str, plan_kind: str | None, pool_bytes: int, host_bytes: int | None) -> int:
+    """The host-arena bytes mapped ahead once the registered adapters outgrow the GPU pool
+    (``EngineConfig.host_arena_map_ahead_bytes=None``): ``min(pool_bytes, host_bytes, DEFAULT_MAP_AHEAD_CAP)`` on a
+    discrete CUDA GPU (``plan_kind`` "discrete", or None without a memory plan), the tier filling at up to a pool's
+    worth of adapters; 0 on the CPU and on integrated GPUs, whose host memory is the device's too (pinning it ahead
+    would take it from the KV cache and the pool)."""
+    if device_type != "cuda" or plan_kind not in (None, "discrete"):
+        return 0
+    return max(0, min(pool_bytes, DEFAULT_MAP_AHEAD_CAP, host_bytes if host_bytes is not None else pool_bytes))

@@ -428,8 +428,8 @@ def test_engine_maps_the_host_tier_ahead_when_asked(tiny):
     thread, up to the tier's size (here asked past it), so loading adapters grows nothing on its own thread; the
     copies are the same bytes as without it; 0 (the default) maps nothing until an adapter needs it."""
     _, dirs, _, unit = tiny
-    plain = _engine(tiny, 1, 3 * unit)
-    assert plain.cache.arena.bytes_held == 0 and plain.engine_config.host_arena_map_ahead_bytes == 0
+    plain = _engine(tiny, 1, 3 * unit, host_arena_map_ahead_bytes=0)
+    assert plain.cache.arena.bytes_held == 0 and plain.cache.map_ahead_on_overflow == 0
     engine = _engine(tiny, 1, 3 * unit, host_arena_map_ahead_bytes=100 * unit)
     engine.cache.arena.wait_growth(30)
     s = engine.stats()
@@ -444,6 +444,49 @@ def test_engine_maps_the_host_tier_ahead_when_asked(tiny):
         _engine(tiny, 1, 3 * unit, host_arena_map_ahead_bytes=-1)
     plain.cache.close()
     engine.cache.close()
+
+
+def test_host_tier_is_mapped_ahead_once_adapters_outgrow_the_pool(tiny):
+    """``AdapterCache(map_ahead_on_overflow=)`` (what ``host_arena_map_ahead_bytes=None`` sets on a discrete GPU):
+    nothing is mapped ahead while the registered adapters fit the pool; the adapter whose registration first
+    takes their bytes past the pool's starts mapping that many bytes of the host arena ahead, once; on the CPU the
+    default is 0. Removing adapters counts their bytes out."""
+    _, dirs, _, unit = tiny
+    engine = _engine(tiny, 1, 2000 * unit)  # a pool of one adapter; a host tier of 2,000 (118 MB: past the first chunk)
+    assert engine.engine_config.host_arena_map_ahead_bytes is None and engine.map_ahead_on_overflow == 0
+    engine.cache.map_ahead_on_overflow = 2000 * unit  # as a discrete GPU's default would be (min(pool, tier, cap))
+    engine.load_adapter("a0", dirs[0])  # the arena's first chunk, mapped on this thread (a few images)
+    engine.load_adapter("a0", dirs[0])  # a new version of the same name: still one adapter's bytes
+    engine.cache.arena.wait_growth(30)
+    s = engine.stats()
+    assert s["host_arena_mapped_ahead_at_adapters"] is None and s["host_arena_grown_ahead"] == 0
+    assert s["host_arena_bytes_held"] < 2000 * unit
+    engine.unload_adapter("a0")
+    engine.load_adapter("b0", dirs[1])  # one registered again (a0's bytes counted out): fits the pool
+    assert engine.stats()["host_arena_mapped_ahead_at_adapters"] is None
+    engine.load_adapter("b1", dirs[2])  # two adapters' bytes > the pool's one: the tier will fill
+    engine.cache.arena.wait_growth(30)
+    s = engine.stats()
+    assert s["host_arena_mapped_ahead_at_adapters"] == 2 and s["host_arena_map_ahead_on_overflow"] == 2000 * unit
+    assert s["host_arena_grown_ahead"] >= 1 and s["host_arena_bytes_held"] == 2000 * unit
+    grows = s["host_arena_sync_grows"]
+    for i in range(3, 6):  # the tier fills into what was mapped ahead: no growth on the loading thread
+        engine.load_adapter(f"b{i}", dirs[i])
+    s = engine.stats()
+    assert s["host_arena_sync_grows"] == grows and s["host_arena_mapped_ahead_at_adapters"] == 2
+    engine.cache.close()
+
+
+def test_default_map_ahead_bytes():
+    """``host_arena_map_ahead_bytes=None``: a pool's worth (at most the host tier and the measured 8 GB) on a
+    discrete CUDA GPU, nothing on the CPU or where host memory is the device's (integrated GPUs)."""
+    from multilora.runtime.sizing import DEFAULT_MAP_AHEAD_CAP, default_map_ahead_bytes
+
+    assert default_map_ahead_bytes("cuda", "discrete", 5 << 30, 60 << 30) == 5 << 30
+    assert default_map_ahead_bytes("cuda", None, 5 << 30, 2 << 30) == 2 << 30
+    assert default_map_ahead_bytes("cuda", "discrete", 20 << 30, None) == DEFAULT_MAP_AHEAD_CAP
+    assert default_map_ahead_bytes("cuda", "integrated", 5 << 30, 60 << 30) == 0
+    assert default_map_ahead_bytes("cpu", "host", 5 << 30, 60 << 30) == 0
 
 
 def test_disk_host_pool_round_trips_are_bit_identical(tiny):
