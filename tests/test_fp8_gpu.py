@@ -173,22 +173,25 @@ def test_fp8_gemms_with_pdl_equal_plain_launches(M, capture, monkeypatch):
     (``triton_pdl.ENABLED``) against plain launches: a kernel writes x right before a GEMM whose output is the next
     GEMM's input (what an early launch could race with), at every tuned shape and an untuned one, eager and
     replayed from a CUDA graph with new inputs: bit-identical."""
-    from multilora.kernels import triton_pdl
+    from multilora.kernels import triton_fp8, triton_pdl
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9.0+")
     g = torch.Generator(device="cuda").manual_seed(M)
     for N, K in _tuned_shapes() + [(2049, 3424)]:
         w = fp8.quantize_weight(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5)
-        w2 = fp8.quantize_weight(torch.randn(K, N, device="cuda", generator=g) * N ** -0.5)
+        # the second GEMM maps N back to K; not after the LM head (N = vocab: no model has a GEMM that wide in K)
+        back = N <= triton_fp8.MAX_QUANT_ROW
+        w2 = fp8.quantize_weight(torch.randn(K, N, device="cuda", generator=g) * N ** -0.5) if back else None
         srcs = [torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)]
         x_in = torch.empty_like(srcs[0])
         x = torch.empty_like(x_in)
-        out = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(M, K if back else N, device="cuda", dtype=torch.bfloat16)
 
         def step():
             x.copy_(x_in * 1.5)  # writes the first GEMM's input right before it
-            out.copy_(fp8.fp8_linear(fp8.fp8_linear(x, w), w2))  # the second GEMM reads the first's output
+            y = fp8.fp8_linear(x, w)
+            out.copy_(fp8.fp8_linear(y, w2) if w2 is not None else y * 2)  # the next kernel reads the GEMM's output
 
         def run(i, graph=None):
             x_in.copy_(srcs[i])
