@@ -199,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("out_dir")
     m.add_argument("--model", help=_MODEL_HELP)
     m.add_argument("--rank", type=_int_range(1), default=8, help="LoRA rank of every demo adapter (default 8)")
+    m.add_argument("--force", action="store_true", help="overwrite demo adapters already in OUT_DIR (default: refuse)")
 
     g = sub.add_parser("generate", help="generate for prompts, each with its own adapter, in one batch")
     _engine_args(g)
@@ -585,6 +586,15 @@ def _cmd_make(args: argparse.Namespace) -> int:
     from multilora.runtime.demo import make_demo_adapters
     from multilora.runtime.weights import load_model_files, resolve_model_path
 
+    from multilora.runtime.demo import DEMO_ADAPTERS
+
+    if not args.force:  # before the model loads: an adapter someone trained or edited there is never lost
+        for name in DEMO_ADAPTERS:
+            held = [f for f in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+                    if (Path(args.out_dir) / name / f).exists()]
+            if held:
+                raise ValueError(f"{Path(args.out_dir) / name} already holds an adapter ({', '.join(held)}): pass "
+                                 f"--force to overwrite the demo adapters there, or choose another OUT_DIR")
     path = resolve_model_path(args.model)
     config, weights = load_model_files(path, dtype=torch.float32)
     for name, d in make_demo_adapters(args.out_dir, weights, config, rank=args.rank,

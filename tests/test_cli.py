@@ -94,6 +94,20 @@ def test_make_demo_adapters_prints_and_writes_peft_dirs(tiny, tmp_path, capsys):
         assert (tmp_path / "ad" / n / "adapter_model.safetensors").is_file()
 
 
+def test_make_demo_adapters_refuses_to_overwrite_without_force(tiny, tmp_path, capsys):
+    """An adapter already in OUT_DIR (here a hand-edited one) is kept unless --force: the error names the directory,
+    the file and the flag, and nothing is written; with --force the demo adapter replaces it."""
+    d = tmp_path / "ad" / DEMO_NAMES[0]
+    d.mkdir(parents=True)
+    (d / "adapter_config.json").write_text('{"mine": true}')
+    code, out, err = run(capsys, "make-demo-adapters", tmp_path / "ad", "--model", tiny)
+    assert code == 2 and out == ""
+    assert f"{d} already holds an adapter (adapter_config.json): pass --force" in err
+    assert (d / "adapter_config.json").read_text() == '{"mine": true}' and sorted(p.name for p in d.parent.iterdir()) == [d.name]
+    code, out, _ = run(capsys, "make-demo-adapters", tmp_path / "ad", "--model", tiny, "--force")
+    assert code == 0 and json.loads((d / "adapter_config.json").read_text())["peft_type"] == "LORA"
+
+
 @pytest.mark.parametrize("name", DEMO_NAMES)
 def test_demo_adapters_load_in_peft_and_match_the_engine(demo_dir, engine, name):
     from peft import PeftModel
