@@ -315,7 +315,12 @@ class EngineConfig:
     def warn_ineffective(self) -> None:
         """Log a warning for each option set that this combination makes do nothing (``Engine`` calls it once):
         ``max_num_batched_tokens`` with ``enable_chunked_prefill=False`` (an A/B of the two modes may keep its
-        budget: a warning, not an error)."""
+        budget: a warning, not an error); ``page_rows`` other than its default (ignored since the pool stores
+        adapters at their exact size)."""
+        if self.page_rows != 8:
+            logging.getLogger("multilora").warning(
+                "page_rows=%s has no effect: the adapter pool stores each adapter at its exact size in pages of 64 "
+                "elements (multilora.memory.pool); the option is kept only so old scripts still run", self.page_rows)
         if self.max_num_batched_tokens is not None and not self.enable_chunked_prefill:
             logging.getLogger("multilora").warning(
                 "max_num_batched_tokens=%s has no effect with enable_chunked_prefill=False (it is chunked prefill's "

@@ -416,7 +416,11 @@ def test_a_chunked_budget_without_chunking_is_said(caplog):
     with caplog.at_level("WARNING", logger="multilora"):
         EngineConfig(max_num_batched_tokens=512).warn_ineffective()
         EngineConfig(enable_chunked_prefill=False).warn_ineffective()
+        EngineConfig(page_rows=8).warn_ineffective()  # the default: said nothing
     assert "no effect" not in caplog.text
+    with caplog.at_level("WARNING", logger="multilora"):
+        EngineConfig(page_rows=16).warn_ineffective()
+    assert "page_rows=16 has no effect: the adapter pool stores each adapter at its exact size" in caplog.text
 
 
 def test_serve_refuses_a_port_in_use_before_loading(tmp_path, capsys):
