@@ -32,9 +32,6 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     (``kernels.triton_fp8.GEMV_WIDEN_F16 = True``, the default since session 22)
     multilora-fp8-lmhead  multilora-fp8 with the LM head in fp8 too (``EngineConfig.fp8_lm_head``; here the same
                     engine's head swapped for its quantized copy, graphs captured again, so rounds interleave)
-    multilora-sepcombine, multilora-fp8-sepcombine  multilora / multilora-fp8 with split-KV decode attention combining
-                    its splits in a second kernel (``triton_attention.FUSED_COMBINE = False``: the A/B of the fused
-                    combine; batch 1-16 on an H200, where decode attention splits the keys)
     multilora-fp8-bf16widen  the same through bfloat16 (``GEMV_WIDEN_F16 = False``: the A/B; the same results bit
                     for bit)
     hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
@@ -105,8 +102,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-sepcombine", "multilora-fp8-sepcombine", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sepcombine"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-sepcombine"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -296,14 +293,13 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             failed.update({v: f"adapter setup failed: {type(e).__name__}: {e}"[:2000] for v in lora_variants})
     side_default = engine.model.lora_side_max_tokens if engine is not None else None
     prio_default = engine.model.lora_side_priority if engine is not None else 0
-    from multilora.kernels import triton_attention, triton_fp8, triton_pdl, triton_sgmv
+    from multilora.kernels import triton_fp8, triton_pdl, triton_sgmv
 
     loop_default = triton_sgmv.DECODE_EXPAND_LOOP
     tiles_default = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
     pdl_default = triton_sgmv.PDL
     step_pdl_default = triton_pdl.ENABLED
     widen_default = triton_fp8.GEMV_WIDEN_F16
-    combine_default = triton_attention.FUSED_COMBINE
     head_default = engine.model.lm_head if engine is not None else None
     head_fp8 = None  # -lmhead: the quantized copy of head_default, made on first use
     carve_default = engine.model.lora_side_sm_carveout if engine is not None else 0
@@ -332,15 +328,12 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
 
                 head_fp8 = quantize_weight(head_default)  # what Engine(fp8_lm_head=True) stores
             head = head_fp8 if v.endswith("-lmhead") else head_default
-            combine = False if v.endswith("-sepcombine") else combine_default
             now = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
             if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
                     m.gemm_cublaslt_tokens, now, triton_sgmv.PDL, triton_pdl.ENABLED, triton_fp8.GEMV_WIDEN_F16) != (
-                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen) or m.lm_head is not head \
-                    or triton_attention.FUSED_COMBINE != combine:
-                m.lora_side_max_tokens = side  # captured graphs bake all eleven in: capture again
+                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen) or m.lm_head is not head:
+                m.lora_side_max_tokens = side  # captured graphs bake all ten in: capture again
                 m.lm_head = head
-                triton_attention.FUSED_COMBINE = combine
                 triton_fp8.GEMV_WIDEN_F16 = widen
                 triton_sgmv.PDL = pdl
                 triton_pdl.ENABLED = step_pdl
@@ -366,8 +359,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
                         "gemm_cublaslt_tokens": m.gemm_cublaslt_tokens,
                         "decode_shrink_warps": triton_sgmv.DECODE_SHRINK_WARPS,
                         "decode_expand_rank_tiles": triton_sgmv.DECODE_EXPAND_RANK_TILES, "lora_pdl": triton_sgmv.PDL,
-                        "step_pdl": triton_pdl.ENABLED, "fp8_gemv_widen_f16": triton_fp8.GEMV_WIDEN_F16,
-                        "attention_fused_combine": triton_attention.FUSED_COMBINE}
+                        "step_pdl": triton_pdl.ENABLED, "fp8_gemv_widen_f16": triton_fp8.GEMV_WIDEN_F16}
             for b in batches:
                 adapters = names[:b] if "-lora" in v else None
                 run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
@@ -378,7 +370,6 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         triton_sgmv.PDL = pdl_default
         triton_pdl.ENABLED = step_pdl_default
         triton_fp8.GEMV_WIDEN_F16 = widen_default
-        triton_attention.FUSED_COMBINE = combine_default
         if engine is not None:
             engine.model.lm_head = head_default
     engine = None  # free it before the caller goes on (in-process runs)

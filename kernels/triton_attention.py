@@ -36,8 +36,7 @@ each replay. A sequence with ``seq_lens[b] == 0`` (a padding slot of a graph buc
 **Split-KV for decode** (flash-decoding, Dao, Haziza, Massa and Sizov, 2023): when ``B * Hkv`` programs
 would leave SMs idle, each sequence's keys are cut into ``num_splits`` equal runs of key tiles (computed in
 the kernel from ``seq_lens[b]``; ``num_splits`` itself from static sizes), each split writes its partial
-output and log-sum-exp in fp32, and the split program that finishes last for its (sequence, head group) combines
-them (``FUSED_COMBINE``; a ticket per group, the split-K reduction of ``triton_fp8``; before: a second kernel).
+output and log-sum-exp in fp32, and a second small kernel combines them.
 
 On GPUs of compute capability 9.0+ both kernels are launched with programmatic dependent launch
 (``triton_pdl``): their programs wait for the kernels before them (the RoPE + KV write) first.
@@ -77,23 +76,6 @@ from multilora.kernels.triton_pdl import pdl_wait
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
-#: Split-KV decode combines its splits in the attention kernel itself: each split program stores its partial, takes
-#: a ticket (an atomic add on its (sequence, head group)), and the one that takes the last combines the group's heads
-#: and puts the ticket back to 0 (the split-K reduction of ``triton_fp8``'s GEMVs). One kernel a layer instead of
-#: two. False: the separate ``_combine_splits_kernel`` (the A/B). Same formula either way (``_combine_heads``).
-FUSED_COMBINE = True
-_TICKETS: dict[tuple, torch.Tensor] = {}
-
-
-def _tickets(device: torch.device, n: int) -> torch.Tensor:
-    """The fused combine's tickets, int32 [n] zeros, one per (sequence, head group) of a decode launch: made once per
-    (device, n) and kept (a CUDA graph replays the same address; every launch leaves them at 0). Launches of one n
-    must not run concurrently on two streams (the engine runs attention on one)."""
-    key = (device, n)
-    t = _TICKETS.get(key)
-    if t is None:
-        t = _TICKETS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return t
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -174,7 +156,7 @@ def _attend_range(
 @triton.jit(do_not_specialize=["num_tiles", "stride_bt"])  # one variant per config (module docstring)
 def _paged_attention_kernel(
     # pointers
-    out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr, part_o_ptr, part_lse_ptr, tickets_ptr,
+    out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr, part_o_ptr, part_lse_ptr,
     # sizes
     num_tiles, num_heads, window, qk_scale, cap_scale,
     # strides
@@ -184,7 +166,7 @@ def _paged_attention_kernel(
     G: tl.constexpr, G_TILE: tl.constexpr, GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr = False, COMBINE: tl.constexpr = False, SPLITS_PAD: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     if PDL:  # launched early (``triton_pdl``): wait for the kernels before, then let the next one launch
         pdl_wait(True)
@@ -272,43 +254,9 @@ def _paged_attention_kernel(
         tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
-        if COMBINE:  # decode: the split that finishes last combines its heads (``_combine_heads``), no 2nd kernel
-            ticket_at = tickets_ptr + b.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-            ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel")  # orders the stores above before the last reader
-            if ticket == NUM_SPLITS - 1:
-                for r in range(G_TILE):
-                    if grp * G_TILE + r < G:
-                        _combine_heads(out_ptr, part_o_ptr, part_lse_ptr, b.to(tl.int64), kvh * G + grp * G_TILE + r,
-                                       num_heads, stride_ot, stride_oh, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, True)
-                tl.atomic_xchg(ticket_at, 0)
     else:
         tl.store(out_ptr + tok[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _combine_heads(out_ptr, part_o_ptr, part_lse_ptr, b, h, num_heads, stride_ot, stride_oh,
-                   NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, L2: tl.constexpr):
-    """out[b, h] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse) (empty splits: lse = -inf). ``L2``:
-    read the partials from L2 (``.cg``), as the last split of the fused combine must: the other programs' stores
-    are ordered before its ticket, not in its SM's L1."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < NUM_SPLITS
-    part = (b * num_heads + h) * NUM_SPLITS + offs_s
-    if L2:
-        lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0,
-                    cache_modifier=".cg")
-    else:
-        lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
-        o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.exp2(lse - top)
-    den = tl.sum(w, 0)
-    res = tl.sum(w[:, None] * o, 0) / tl.where(den == 0.0, 1.0, den)
-    tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -322,11 +270,23 @@ def _combine_splits_kernel(
     # meta
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """``_combine_heads`` for head ``program_id(1)`` of sequence ``program_id(0)`` (``FUSED_COMBINE`` off)."""
+    """out[b, h] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse) (empty splits: lse = -inf)."""
     if PDL:  # launched early (``triton_pdl``): wait for the kernels before, then let the next one launch
         pdl_wait(True)
-    _combine_heads(out_ptr, part_o_ptr, part_lse_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), num_heads,
-                   stride_ot, stride_oh, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, False)
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < NUM_SPLITS
+    part = (b * num_heads + h) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)
+    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    den = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(den == 0.0, 1.0, den)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -480,26 +440,23 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             tiles = tile_table(meta.q_lens, meta.seq_lens_host, block_q).to(q.device)
         num_tiles = tiles.shape[1]
         grid = (num_tiles, Hkv * groups, 1)
-    fused = splits > 1 and FUSED_COMBINE
     if splits > 1:
         part_o = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
-    tickets = _tickets(q.device, B * Hkv * groups) if fused else meta.seq_lens  # (unused without)
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles, part_o, part_lse,
-        tickets,
         num_tiles, H, sliding_window, scale / softcap if softcap else scale * _LOG2E, softcap * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), meta.block_tables.stride(0),
         G=G, G_TILE=g_tile, GROUPS=groups, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D,
         BLOCK_SIZE=meta.block_size, DECODE=decode, NUM_SPLITS=splits, SLIDING=sliding_window > 0,
-        SOFTCAP=softcap > 0, IEEE=q.dtype == torch.float32, COMBINE=fused, SPLITS_PAD=triton.next_power_of_2(splits),
-        num_warps=num_warps, num_stages=num_stages, **triton_pdl.launch_args(q.device),
+        SOFTCAP=softcap > 0, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        **triton_pdl.launch_args(q.device),
     )
-    if splits > 1 and not fused:
+    if splits > 1:
         _combine_splits_kernel[(B, H)](
             out, part_o, part_lse, H, out.stride(0), out.stride(1),
             NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=D, num_warps=4,

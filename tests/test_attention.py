@@ -298,25 +298,6 @@ def test_triton_head_dims_and_key_tiles(D):
 
 
 @interp
-@pytest.mark.parametrize("splits", [2, 3])
-def test_fused_split_combine_equals_the_combine_kernel(splits, monkeypatch):
-    """``FUSED_COMBINE``: the last split program of each (sequence, head group) combines the group's heads in the
-    attention kernel; against the separate combine kernel (the same formula, ``_combine_heads``) and the naive
-    reference, with head groups whose last one is partly padding (20 heads in groups of 8), and twice in a row: each
-    launch leaves every ticket at 0 for the next."""
-    monkeypatch.setattr(triton_attention, "DECODE_MAX_G_TILE", 8)
-    b = make_batch([1, 1, 1], [9, 30, 17], H=20, Hkv=1, D=16, block_size=4, seed=splits)
-    monkeypatch.setattr(triton_attention, "FUSED_COMBINE", False)
-    two = paged_attention_triton(b.q, b.k_cache, b.v_cache, b.meta, scale=0.25, num_splits=splits)
-    monkeypatch.setattr(triton_attention, "FUSED_COMBINE", True)
-    for _ in range(2):
-        one = paged_attention_triton(b.q, b.k_cache, b.v_cache, b.meta, scale=0.25, num_splits=splits)
-        torch.testing.assert_close(one, two, rtol=1e-6, atol=1e-7)
-        assert int(triton_attention._tickets(b.q.device, 3 * 3).abs().sum()) == 0  # 3 sequences x 3 head groups
-    check(one, naive_attention(b, scale=0.25), torch.float32)
-
-
-@interp
 def test_triton_head_groups(monkeypatch):
     """More query heads per KV head than one program's rows: heads cut into groups (prefill and decode)."""
     monkeypatch.setitem(triton_attention._CPU_CONFIG, False, (16, 16, 1, 1))  # 16-row prefill tiles
