@@ -4,6 +4,7 @@ Numbers from these runs mean nothing; the real ones come from the H200 (bench/re
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -309,7 +310,9 @@ def test_generate_bench_rounds(tmp_path):
     rows = json.loads((out / "generate_tiny.json").read_text())
     assert [(r["provider"], r["round"]) for r in rows] == [("multilora", 0), ("multilora-lora", 0),
                                                            ("multilora-lora", 1), ("multilora", 1)]
-    assert all(r["status"] == "ok" and r["tpot_ms"] > 0 for r in rows)
+    # TPOT subtracts a 1-token run from a 3-token one: on a busy 2-core machine their difference can even come out
+    # negative, so only its presence is asserted here (the rounds and the table are what this test checks)
+    assert all(r["status"] == "ok" and math.isfinite(r["tpot_ms"]) for r in rows)
     md = (out / "generate_tiny.md").read_text()
     for prov in ("multilora", "multilora-lora"):
         t = [r["tpot_ms"] for r in rows if r["provider"] == prov]
