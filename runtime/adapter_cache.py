@@ -222,7 +222,8 @@ class AdapterCache:
         self._timing: list[tuple[_CopyTimer, int]] = []  # host -> GPU copies not timed yet
         self._orphans: list[AdapterHandle] = []  # forgotten while a disk -> host read was writing their block
         self.stats = CacheStats()
-        if not isinstance(map_ahead_on_overflow, int) or isinstance(map_ahead_on_overflow, bool) or map_ahead_on_overflow < 0:
+        ahead = map_ahead_on_overflow
+        if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 0:
             raise ValueError(f"AdapterCache: map_ahead_on_overflow must be an int >= 0, got {map_ahead_on_overflow!r}")
         self.map_ahead_on_overflow = map_ahead_on_overflow
         self._registered_bytes = 0  # pool bytes of the registered (not retired) versions

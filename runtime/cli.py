@@ -583,10 +583,8 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
 def _cmd_make(args: argparse.Namespace) -> int:
     import torch
 
-    from multilora.runtime.demo import make_demo_adapters
+    from multilora.runtime.demo import DEMO_ADAPTERS, make_demo_adapters
     from multilora.runtime.weights import load_model_files, resolve_model_path
-
-    from multilora.runtime.demo import DEMO_ADAPTERS
 
     if not args.force:  # before the model loads: an adapter someone trained or edited there is never lost
         for name in DEMO_ADAPTERS:

@@ -194,7 +194,8 @@ class Engine:
             self.tp.wait_loaded()
             self.tp.connect()
         self.model = DecoderModel(shard_cfg, weights, device=self.device, dtype=self.dtype, weight_dtype=cfg.weight_dtype,
-                                  fp8_method=cfg.fp8_gemm, fp8_lm_head=cfg.fp8_lm_head, tp_group=TPGroup(0, tp) if self.tp is not None else None,
+                                  fp8_method=cfg.fp8_gemm, fp8_lm_head=cfg.fp8_lm_head,
+                                  tp_group=TPGroup(0, tp) if self.tp is not None else None,
                                   lora_side_max_tokens=cfg.lora_side_stream_max_tokens)
         del weights
         if self.tokenizer is None:
