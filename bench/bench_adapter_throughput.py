@@ -155,7 +155,7 @@ def main() -> None:
             "base_tokens_per_s": base_tok / base_s, "adapter_finish": args.adapter_finish,
             "adapter_io_threads": engine.engine_config.adapter_io_threads,
             "host_arena_map_ahead_bytes": engine.engine_config.host_arena_map_ahead_bytes,
-            "host_arena_map_ahead_on_overflow": engine.map_ahead_on_overflow}
+            "host_arena_map_ahead_on_overflow": engine.cache.map_ahead_on_overflow}
     # warm-up on a throw-away adapter, unloaded again: Engine.warmup (every step class's kernels, the decode and
     # piecewise graphs, the device finish's kernels) as a serving engine runs it, then a LoRA batch at full size.
     # Without Engine.warmup the first row compiled kernels inside its timed steps (session 15: 38% of the step

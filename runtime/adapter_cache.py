@@ -224,8 +224,8 @@ class AdapterCache:
         self.stats = CacheStats()
         ahead = map_ahead_on_overflow
         if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 0:
-            raise ValueError(f"AdapterCache: map_ahead_on_overflow must be an int >= 0, got {map_ahead_on_overflow!r}")
-        self.map_ahead_on_overflow = map_ahead_on_overflow
+            raise ValueError(f"AdapterCache: map_ahead_on_overflow must be an int >= 0, got {ahead!r}")
+        self.map_ahead_on_overflow = ahead
         self._registered_bytes = 0  # pool bytes of the registered (not retired) versions
         #: when the registered adapters first outgrew the pool and the arena was mapped ahead (None: not yet)
         self.mapped_ahead_at_adapters: int | None = None

@@ -252,13 +252,13 @@ class Engine:
         #: the cache's disk -> host reloads read raw images, finished on the device by the pool (issue 13 item 4;
         #: ``adapter_finish="device"``; a CPU pool finishes them with torch ops)
         self.raw_reloads = cfg.adapter_finish == "device"
-        #: host-arena bytes mapped ahead once the registered adapters outgrow the pool (``host_arena_map_ahead_bytes``
-        #: None: ``sizing.default_map_ahead_bytes``; 0 otherwise: an explicit value is mapped from the start below)
-        self.map_ahead_on_overflow = default_map_ahead_bytes(
+        # host-arena bytes mapped ahead once the registered adapters outgrow the pool (``host_arena_map_ahead_bytes``
+        # None: ``sizing.default_map_ahead_bytes``; 0 otherwise: an explicit value is mapped from the start below)
+        on_overflow = default_map_ahead_bytes(
             self.device.type, sizes.plan.kind if sizes.plan is not None else None,
             self.pool.bytes_total, sizes.host_bytes) if cfg.host_arena_map_ahead_bytes is None else 0
         self.cache = AdapterCache(self.pool, host_bytes=sizes.host_bytes, reload=self._reload_adapter,
-                                  io_threads=cfg.adapter_io_threads, map_ahead_on_overflow=self.map_ahead_on_overflow)
+                                  io_threads=cfg.adapter_io_threads, map_ahead_on_overflow=on_overflow)
         if cfg.host_arena_map_ahead_bytes:  # the host tier's chunks mapped from now on, off every step
             self.cache.arena.map_ahead(cfg.host_arena_map_ahead_bytes)
         self.scheduler = Scheduler(self.cache, kv=self.kv, max_batch_size=cfg.max_batch_size,

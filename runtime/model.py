@@ -194,8 +194,8 @@ class DecoderModel:
         device, dtype: where and in which dtype the model runs.
         weight_dtype: None (the base projections in ``dtype``) or "fp8": the four fused projections of every layer
             (qkv, o, gate_up, down) stored as float8 e4m3 with per-output-channel scales
-            (``multilora.kernels.fp8``), quantized here once; embeddings, norms, biases, the LM head, the LoRA
-            pool and the activations stay in ``dtype``.
+            (``multilora.kernels.fp8``), quantized here once; embeddings, norms, biases, the LM head (unless
+            ``fp8_lm_head``), the LoRA pool and the activations stay in ``dtype``.
         fp8_method: the fp8 GEMM (``multilora.kernels.fp8.fp8_linear``'s ``method``; None = by rows and device).
         fp8_lm_head: with ``weight_dtype="fp8"``, the LM head too (``self.lm_head`` an ``Fp8Weight``; tied
             embeddings keep the embedding table in ``dtype`` beside the fp8 copy).

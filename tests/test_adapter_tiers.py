@@ -453,7 +453,7 @@ def test_host_tier_is_mapped_ahead_once_adapters_outgrow_the_pool(tiny):
     default is 0. Removing adapters counts their bytes out."""
     _, dirs, _, unit = tiny
     engine = _engine(tiny, 1, 2000 * unit)  # a pool of one adapter; a host tier of 2,000 (118 MB: past the first chunk)
-    assert engine.engine_config.host_arena_map_ahead_bytes is None and engine.map_ahead_on_overflow == 0
+    assert engine.engine_config.host_arena_map_ahead_bytes is None and engine.cache.map_ahead_on_overflow == 0
     engine.cache.map_ahead_on_overflow = 2000 * unit  # as a discrete GPU's default would be (min(pool, tier, cap))
     engine.load_adapter("a0", dirs[0])  # the arena's first chunk, mapped on this thread (a few images)
     engine.load_adapter("a0", dirs[0])  # a new version of the same name: still one adapter's bytes
