@@ -279,7 +279,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         engine = build_engine(run, lora=lora_variant is not None, fp8=variants[0].startswith("multilora-fp8"))
         st = engine.stats()
         seq_blocks = -(-(a.prompt_len + a.gen) // st["kv_block_size"])  # blocks one request needs at its end
-        info = {"kv_seqs": st["kv_blocks_total"] // seq_blocks, "weight_bytes": engine.model.nbytes}
+        info = {"kv_seqs": st["kv_blocks_total"] // seq_blocks}  # (weight_bytes: per round, the head may be swapped)
         warm_up_engine(engine, run.prompts, None)
     except Exception as e:
         traceback.print_exc()
