@@ -18,12 +18,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from a checkout
-    sys.path.insert(0, str(ROOT))
-
-from multilora.config import TARGET_MODULES, ModelConfig  # noqa: E402
-from multilora.memory.pool import AdapterPool  # noqa: E402
+# (multilora as installed: the checkout's root is never put on sys.path, where its kernels/ directory would shadow
+# Hugging Face's `kernels` package, which transformers >= 5.25 imports)
+from multilora.config import TARGET_MODULES, ModelConfig
+from multilora.memory.pool import AdapterPool
 
 #: SmolLM2-135M: 30 layers, hidden 576, 9 heads of 64 (q 576), 3 KV heads (k/v 192), MLP 1536.
 SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
