@@ -5,11 +5,6 @@
 # half with CUDA hidden (exactly what CI runs), then the tests marked gpu (tests/conftest.py).
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
-# `python -m pytest` would put the repository root on sys.path, where our kernels/ directory then shadows Hugging
-# Face's `kernels` package: transformers >= 5.25 requires that package and imports it (`from kernels import ...`),
-# which failed every test importing peft or transformers' models. Python 3.11+ leaves the root off with this (the
-# tests import multilora as installed, and tests/ comes in through pytest's conftest handling).
-export PYTHONSAFEPATH=1
 if python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "== a CUDA GPU is present: running the CPU half (CUDA hidden), then the GPU half"
     cpu=0; gpu=0
