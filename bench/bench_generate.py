@@ -34,6 +34,8 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     engine's head swapped for its quantized copy, graphs captured again, so rounds interleave)
     multilora-fp8-bf16widen  the same through bfloat16 (``GEMV_WIDEN_F16 = False``: the A/B; the same results bit
                     for bit)
+    multilora-fp8-onepassmax  multilora-fp8 with the greedy row maximum over the vocabulary in one pass
+                    (``runtime.sampling.ROW_MAX_TWO_PASS = False``, what ran before session 23: the A/B)
     hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
     peft            peft's mixed-batch generate (adapter_names=) with the same adapter files as multilora-lora
 
@@ -102,8 +104,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -294,12 +296,14 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     side_default = engine.model.lora_side_max_tokens if engine is not None else None
     prio_default = engine.model.lora_side_priority if engine is not None else 0
     from multilora.kernels import triton_fp8, triton_pdl, triton_sgmv
+    from multilora.runtime import sampling
 
     loop_default = triton_sgmv.DECODE_EXPAND_LOOP
     tiles_default = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
     pdl_default = triton_sgmv.PDL
     step_pdl_default = triton_pdl.ENABLED
     widen_default = triton_fp8.GEMV_WIDEN_F16
+    twopass_default = sampling.ROW_MAX_TWO_PASS
     head_default = engine.model.lm_head if engine is not None else None
     head_fp8 = None  # -lmhead: the quantized copy of head_default, made on first use
     carve_default = engine.model.lora_side_sm_carveout if engine is not None else 0
@@ -322,6 +326,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             pdl = False if v.endswith(("-nopdl", "-plain")) else pdl_default
             step_pdl = False if v.endswith("-plain") else step_pdl_default
             widen = True if v.endswith("-f16widen") else False if v.endswith("-bf16widen") else widen_default
+            sampling.ROW_MAX_TWO_PASS = False if v.endswith("-onepassmax") else twopass_default  # not in graphs
             m = engine.model
             if v.endswith("-lmhead") and head_fp8 is None and isinstance(head_default, torch.Tensor):
                 from multilora.kernels.fp8 import quantize_weight
@@ -370,6 +375,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         triton_sgmv.PDL = pdl_default
         triton_pdl.ENABLED = step_pdl_default
         triton_fp8.GEMV_WIDEN_F16 = widen_default
+        sampling.ROW_MAX_TWO_PASS = twopass_default
         if engine is not None:
             engine.model.lm_head = head_default
     engine = None  # free it before the caller goes on (in-process runs)
@@ -741,7 +747,8 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
     for b, need in ((1, 1.7), (TARGET_BATCH, 1.3)):  # issue 16: fp8 base weights against bf16, decode tokens/s
         for base, fp8 in (("multilora", "multilora-fp8"), ("multilora-lora", "multilora-fp8-lora"),
                           ("multilora", "multilora-fp8-f16widen"), ("multilora", "multilora-fp8-bf16widen"),
-                          ("multilora", "multilora-fp8-lmhead")):
+                          ("multilora", "multilora-fp8-lmhead"),
+                          ("multilora", "multilora-fp8-onepassmax")):
             lo, hi = ok.get((base, b)), ok.get((fp8, b))
             if hi is None:
                 continue

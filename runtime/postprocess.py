@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from multilora.runtime.sampling import SamplingTensors, sample_batch
+from multilora.runtime.sampling import SamplingTensors, row_max, sample_batch
 from multilora.runtime.scheduler import Request
 from multilora.runtime.tokenizer import Prompt, PromptTokenizer
 
@@ -62,7 +62,7 @@ def sample_tokens(batch: list[Request], logits: torch.Tensor) -> list[int | None
     The row maxima that tell this are the greedy path's own reduction; the step's only host sync reads both."""
     params = [r.params for r in batch]
     with torch.inference_mode():
-        top, ids = logits.float().max(dim=-1)  # the greedy tokens (first of ties, as argmax) and each row's max
+        top, ids = row_max(logits.float())  # the greedy tokens (first of ties, as argmax) and each row's max
         if not all(p.greedy for p in params):
             t = SamplingTensors.from_params(params, [r.seed for r in batch], [len(r.output_ids) for r in batch],
                                             logits.device)

@@ -11,6 +11,7 @@ so a request's n-th token is the same whatever batch it runs in, at whatever row
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import secrets
@@ -293,6 +294,40 @@ def _keep_threshold(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return s.gather(1, (n - 1)[:, None])
 
 
+#: ``row_max`` reduces a row in two passes from this many entries on: torch's one-pass row reduction runs one
+#: thread block per row, so a batch of a few rows over a 128,256-entry vocabulary keeps one SM busy (27 us on an
+#: H200 at batch 1 for Llama-3's vocabulary, ``bench/results/session22/call2/prof_fp8_b1.log``).
+ROW_MAX_SPLIT_MIN = 16384
+#: The pieces' target length in the first pass (a divisor of the row length near it is taken).
+ROW_MAX_PIECE = 1024
+#: Off (False) only for A/Bs (``bench_generate.py`` provider ``multilora-onepassmax``).
+ROW_MAX_TWO_PASS = True
+
+
+@functools.lru_cache(maxsize=64)
+def _row_max_piece(vocab: int) -> int:
+    """The piece length for a row of ``vocab`` entries: the divisor of ``vocab`` in [ROW_MAX_PIECE / 4,
+    ROW_MAX_PIECE * 4] nearest ROW_MAX_PIECE (on a log scale), or 0 where none is (one pass then)."""
+    lo, hi = ROW_MAX_PIECE // 4, ROW_MAX_PIECE * 4
+    divs = [d for d in range(lo, min(hi, vocab // 2) + 1) if vocab % d == 0]
+    return min(divs, key=lambda d: abs(math.log(d / ROW_MAX_PIECE))) if divs else 0
+
+
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.max(dim=-1)`` of a 2-D floating tensor x [B, V]: (values [B] in x's dtype, int64 indices [B]), the
+    index of the first maximum on ties (as ``torch.argmax``) and a NaN's value where a row has one. A few long rows
+    (V >= ``ROW_MAX_SPLIT_MIN``, fewer than 256 rows) are reduced in two passes, over pieces of the row and then
+    over the pieces' maxima, so the first pass spreads over many thread blocks; the result is the same as one
+    pass (``tests/test_sampling.py::test_row_max_equals_torch_max``)."""
+    B, V = x.shape
+    piece = _row_max_piece(V) if ROW_MAX_TWO_PASS and V >= ROW_MAX_SPLIT_MIN and B < 256 else 0
+    if not piece:
+        return x.max(dim=-1)
+    vals, idx = x.reshape(B, V // piece, piece).max(dim=-1)  # [B, n]: each piece's first maximum
+    top, which = vals.max(dim=-1)  # [B]: the first piece holding the row's maximum (or a NaN)
+    return top, which * piece + idx.gather(1, which[:, None]).squeeze(1)
+
+
 def sample_batch(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Each row's next token: greedy, or temperature + top-k + top-p + seeded Gumbel-max sampling.
 
@@ -330,7 +365,7 @@ def sample_batch(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         raise ValueError(f"logits: expected {t.batch_size} rows on {t.device} (as t), "
                          f"got {logits.shape[0]} on {logits.device}")
     logits = logits.float()
-    greedy_ids = logits.argmax(dim=-1)  # [B]
+    greedy_ids = row_max(logits)[1]  # [B]: argmax
     if t.all_greedy:
         return greedy_ids
     greedy = t.temperature == 0  # [B]

@@ -20,7 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from multilora.runtime.sampling import SamplingParams, SamplingTensors, make_seed, random_bits, sample_batch
+from multilora.runtime.sampling import (SamplingParams, SamplingTensors, make_seed, random_bits, row_max,
+                                        sample_batch)
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")]
@@ -415,3 +416,49 @@ def test_cuda_graph_replays_with_new_values(mark):
         copy_into(static, new)
         graph.replay()
         assert static_out.tolist() == sample_batch(new_logits.cuda(), new).tolist()
+
+
+def _check_row_max(x: torch.Tensor) -> None:
+    want_v, want_i = x.max(dim=-1)  # torch's one-pass reduction: the reference
+    got_v, got_i = row_max(x)
+    assert got_v.dtype == want_v.dtype and got_i.dtype == torch.int64
+    nan = torch.isnan(want_v)
+    assert torch.equal(torch.isnan(got_v), nan)
+    assert torch.equal(got_v[~nan], want_v[~nan]) and torch.equal(got_i[~nan], want_i[~nan])
+    assert torch.isnan(x[nan.nonzero().flatten(), got_i[nan]]).all()  # a NaN row points at one of its NaNs
+
+
+@pytest.mark.parametrize("b,vocab", [(1, 128256), (3, 49152), (5, 32000), (2, 16411), (300, 32768), (4, 100)])
+def test_row_max_equals_torch_max(b, vocab):
+    g = torch.Generator().manual_seed(vocab + b)
+    x = torch.randn(b, vocab, generator=g)
+    _check_row_max(x)
+    # ties across pieces and inside one: the first index wins, as in argmax
+    x[:, vocab // 3] = x[:, vocab - 1] = x[:, vocab - 2] = 50.0
+    _check_row_max(x)
+    x = torch.randint(-3, 3, (b, vocab), generator=g).float()  # many ties everywhere
+    _check_row_max(x)
+    x[0, :] = float("-inf")
+    x[-1, vocab // 2] = float("inf")
+    x[-1, vocab // 5] = float("nan")
+    _check_row_max(x)
+    _check_row_max(x.half())
+    if b > 1:
+        _check_row_max(x[:, : vocab - vocab % 2])  # a non-contiguous view
+
+
+def test_row_max_pieces_divide_the_row():
+    from multilora.runtime.sampling import ROW_MAX_PIECE, _row_max_piece
+    for v in (128256, 49152, 32000, 151936, 262144, 256000, 102400):
+        p = _row_max_piece(v)
+        assert p and v % p == 0 and ROW_MAX_PIECE // 4 <= p <= ROW_MAX_PIECE * 4, (v, p)
+    assert _row_max_piece(16411) == 0  # a prime: one pass
+
+
+@pytest.mark.parametrize("mark", [pytest.param(None, marks=gpu)])
+def test_row_max_on_cuda_equals_cpu(mark):
+    g = torch.Generator().manual_seed(5)
+    for b, vocab in ((1, 128256), (8, 151936), (64, 128256)):
+        x = torch.randint(-20, 20, (b, vocab), generator=g).float()  # ties
+        v, i = row_max(x.cuda())
+        assert torch.equal(v.cpu(), x.max(dim=-1).values) and torch.equal(i.cpu(), x.argmax(dim=-1))
