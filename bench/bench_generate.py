@@ -36,6 +36,8 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     for bit)
     multilora-fp8-onepassmax  multilora-fp8 with the greedy row maximum over the vocabulary in one pass
                     (``runtime.sampling.ROW_MAX_TWO_PASS = False``, what ran before session 23: the A/B)
+    multilora-fp8-sepquant  multilora-fp8 with each fp8 GEMM quantizing its activations in a launch of its own
+                    (``runtime.model.FUSE_FP8_QUANT = False``, what ran before session 23: the A/B; same values)
     hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
     peft            peft's mixed-batch generate (adapter_names=) with the same adapter files as multilora-lora
 
@@ -104,8 +106,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -296,6 +298,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     side_default = engine.model.lora_side_max_tokens if engine is not None else None
     prio_default = engine.model.lora_side_priority if engine is not None else 0
     from multilora.kernels import triton_fp8, triton_pdl, triton_sgmv
+    from multilora.runtime import model as model_mod
     from multilora.runtime import sampling
 
     loop_default = triton_sgmv.DECODE_EXPAND_LOOP
@@ -304,6 +307,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     step_pdl_default = triton_pdl.ENABLED
     widen_default = triton_fp8.GEMV_WIDEN_F16
     twopass_default = sampling.ROW_MAX_TWO_PASS
+    fuse_quant_default = model_mod.FUSE_FP8_QUANT
     head_default = engine.model.lm_head if engine is not None else None
     head_fp8 = None  # -lmhead: the quantized copy of head_default, made on first use
     carve_default = engine.model.lora_side_sm_carveout if engine is not None else 0
@@ -327,6 +331,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             step_pdl = False if v.endswith("-plain") else step_pdl_default
             widen = True if v.endswith("-f16widen") else False if v.endswith("-bf16widen") else widen_default
             sampling.ROW_MAX_TWO_PASS = False if v.endswith("-onepassmax") else twopass_default  # not in graphs
+            fuse_quant = False if v.endswith("-sepquant") else fuse_quant_default
             m = engine.model
             if v.endswith("-lmhead") and head_fp8 is None and isinstance(head_default, torch.Tensor):
                 from multilora.kernels.fp8 import quantize_weight
@@ -335,10 +340,12 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             head = head_fp8 if v.endswith("-lmhead") else head_default
             now = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
             if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
-                    m.gemm_cublaslt_tokens, now, triton_sgmv.PDL, triton_pdl.ENABLED, triton_fp8.GEMV_WIDEN_F16) != (
-                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen) or m.lm_head is not head:
-                m.lora_side_max_tokens = side  # captured graphs bake all ten in: capture again
+                    m.gemm_cublaslt_tokens, now, triton_sgmv.PDL, triton_pdl.ENABLED, triton_fp8.GEMV_WIDEN_F16,
+                    model_mod.FUSE_FP8_QUANT) != (
+                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen, fuse_quant) or m.lm_head is not head:
+                m.lora_side_max_tokens = side  # captured graphs bake all of these in: capture again
                 m.lm_head = head
+                model_mod.FUSE_FP8_QUANT = fuse_quant
                 triton_fp8.GEMV_WIDEN_F16 = widen
                 triton_sgmv.PDL = pdl
                 triton_pdl.ENABLED = step_pdl
@@ -376,6 +383,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         triton_pdl.ENABLED = step_pdl_default
         triton_fp8.GEMV_WIDEN_F16 = widen_default
         sampling.ROW_MAX_TWO_PASS = twopass_default
+        model_mod.FUSE_FP8_QUANT = fuse_quant_default
         if engine is not None:
             engine.model.lm_head = head_default
     engine = None  # free it before the caller goes on (in-process runs)
@@ -748,7 +756,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
         for base, fp8 in (("multilora", "multilora-fp8"), ("multilora-lora", "multilora-fp8-lora"),
                           ("multilora", "multilora-fp8-f16widen"), ("multilora", "multilora-fp8-bf16widen"),
                           ("multilora", "multilora-fp8-lmhead"),
-                          ("multilora", "multilora-fp8-onepassmax")):
+                          ("multilora", "multilora-fp8-onepassmax"), ("multilora", "multilora-fp8-sepquant")):
             lo, hi = ok.get((base, b)), ok.get((fp8, b))
             if hi is None:
                 continue

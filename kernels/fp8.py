@@ -122,34 +122,58 @@ def resolve_method(method: str | None, x: torch.Tensor, n: int | None = None) ->
         ValueError: an unknown method, or "weight_only" where the Triton kernel is not available (no CUDA tensor,
             or Triton does not import).
     """
+    return resolve_method_for(method, x.shape[0], x.shape[1], n, x.device)
+
+
+def resolve_method_for(method: str | None, rows: int, k: int, n: int | None, device: torch.device) -> str:
+    """``resolve_method`` from the shapes alone: an input of ``rows`` x ``k`` on ``device`` (what the op that
+    produces that input asks, to write its fp8 copy beside it: ``wants_fp8_input``). Same result and errors."""
     if method not in (None, *METHODS):
         raise ValueError(f"fp8_linear: method must be one of {list(METHODS)} or None, got {method!r}")
+    is_cuda = device.type == "cuda"
     interpret = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU tests run the kernel in Triton's interpreter
-    triton_ok = (x.is_cuda or interpret) and triton_module("triton_fp8") is not None
+    triton_ok = (is_cuda or interpret) and triton_module("triton_fp8") is not None
     if method is None:
         # cuBLASLt's fp8 GEMM needs K and N multiples of 16 (every real model's are; tiny test models' may not be)
-        aligned = x.shape[1] % 16 == 0 and (n is None or n % 16 == 0)
+        aligned = k % 16 == 0 and (n is None or n % 16 == 0)
         # a GPU's tuned limit holds where it was measured: shapes whose fp8-activation tiles are in its table
-        k = triton_module("triton_fp8") if x.is_cuda and triton_ok else None
-        tuned = k is not None and n is not None and k.gemv_config(x.device, n, x.shape[1], x.shape[0], scaled=True)
-        limit = k.weight_only_max_tokens(x.device) if tuned else None
-        small = x.shape[0] <= (WEIGHT_ONLY_MAX_TOKENS if limit is None else limit) or not aligned
-        return "weight_only" if x.is_cuda and triton_ok and small else "scaled_mm"
+        kern = triton_module("triton_fp8") if is_cuda and triton_ok else None
+        tuned = kern is not None and n is not None and kern.gemv_config(device, n, k, rows, scaled=True)
+        limit = kern.weight_only_max_tokens(device) if tuned else None
+        small = rows <= (WEIGHT_ONLY_MAX_TOKENS if limit is None else limit) or not aligned
+        return "weight_only" if is_cuda and triton_ok and small else "scaled_mm"
     if method == "weight_only" and not triton_ok:
-        raise ValueError(f"fp8_linear: method='weight_only' needs Triton and a CUDA tensor, got a {x.device.type} "
+        raise ValueError(f"fp8_linear: method='weight_only' needs Triton and a CUDA tensor, got a {device.type} "
                          f"tensor{'' if triton_module('triton_fp8') is not None else ' and no Triton'}")
     return method
 
 
+def wants_fp8_input(method: str | None, rows: int, w: "Fp8Weight", device: torch.device) -> bool:
+    """Whether ``fp8_linear(x, w, method=method)`` of an x [rows, w.shape[1]] on ``device`` quantizes x per token
+    (the "scaled_mm" semantics), so that the op producing x can write that fp8 copy too (``fp8_linear``'s ``x_fp8``:
+    RMSNorm and SiLU * up do, in the same kernel, ``multilora.kernels.fused``), saving the quantization's launch."""
+    return resolve_method_for(method, rows, w.shape[1], w.shape[0], device) == "scaled_mm"
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *,
-               method: str | None = None) -> torch.Tensor:
+               method: str | None = None, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``y = x @ (w.qweight * w.scale[:, None])^T (+ bias)``: x [T, K] float16/bfloat16/float32, bias None or [N]
     in x's dtype; returns a new [T, N] tensor in x's dtype. ``method``: see the module docstring.
+
+    ``x_fp8``: x already quantized per token, ``(xq float8_e4m3fn [T, K], xs float32 [T, 1])`` exactly as
+    ``quantize_per_token_torch(x)`` gives it (the fused ops' ``quant=True`` output); the "scaled_mm" path then
+    uses it instead of quantizing x again (the same product, one launch fewer); the other paths ignore it.
 
     Raises:
         ValueError: shapes or dtypes that disagree (named), or an unknown / unavailable method.
     """
     _check(x, w, bias)
+    if x_fp8 is not None:
+        xq, xs = x_fp8
+        if xq.dtype != FP8_DTYPE or xq.shape != x.shape or xs.dtype != torch.float32 or \
+                tuple(xs.shape) != (x.shape[0], 1):
+            raise ValueError(f"fp8_linear: x_fp8 must be (float8_e4m3fn {tuple(x.shape)}, float32 "
+                             f"[{x.shape[0]}, 1]), got ({xq.dtype} {tuple(xq.shape)}, {xs.dtype} {tuple(xs.shape)})")
     how = resolve_method(method, x, w.shape[0])
     if how == "dequant":
         y = x.float() @ w.dequantize().t()
@@ -162,8 +186,14 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
     cfg = k.gemv_config(x.device, w.shape[0], x.shape[1], x.shape[0], scaled=True) if k is not None else None
     if cfg is not None and x.dtype in (torch.float16, torch.bfloat16):
         # the same product on our split-K kernel, where this GPU's sweep measured it faster than cuBLASLt
+        if x_fp8 is not None:
+            return k.fp8_gemv2(x_fp8[0], w.qweight, w.scale, bias, fp8_x=True, x_scale=x_fp8[1], out_dtype=x.dtype,
+                               **cfg)
         return k.fp8_gemv2(x, w.qweight, w.scale, bias, fp8_x=True, **cfg)
-    xq, xs = k.quantize_per_token(x) if k is not None else quantize_per_token_torch(x)
+    if x_fp8 is not None:
+        xq, xs = x_fp8
+    else:
+        xq, xs = k.quantize_per_token(x) if k is not None else quantize_per_token_torch(x)
     # cuBLASLt's row-wise-scaled fp8 GEMM: mat2 column-major ([K, N] view of the row-major [N, K] weight).
     # A bias goes in the epilogue where the output dtype is bf16 (its only supported case), else after.
     fused_bias = bias is not None and x.dtype == torch.bfloat16

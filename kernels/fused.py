@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from multilora.kernels.backends import select_triton
+from multilora.kernels.fp8 import quantize_per_token_torch
 
 
 # --------------------------------------------------------------------------------------- torch (oracle)
@@ -149,23 +150,36 @@ def _kernels(backend: str | None, x: torch.Tensor):
     return select_triton(backend, x, "triton_fused")
 
 
+def _with_fp8(y: torch.Tensor, quant: bool):
+    """The torch path's ``quant``: ``(y, fp8.quantize_per_token_torch(y))``, else y."""
+    return (y, quantize_per_token_torch(y)) if quant else y
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False,
-             backend: str | None = None) -> torch.Tensor:
-    """``rms_norm_torch`` or its one-kernel Triton twin (see the module docstring for ``backend``)."""
+             backend: str | None = None, quant: bool = False):
+    """``rms_norm_torch`` or its one-kernel Triton twin (see the module docstring for ``backend``).
+
+    ``quant``: return ``(y, (yq, ys))``, y with its per-token fp8 copy (float8_e4m3fn [T, N], float32 [T, 1];
+    bit for bit ``fp8.quantize_per_token_torch(y)``), written by the same kernel: the input of an fp8 GEMM that
+    quantizes its activations (``fp8.fp8_linear``'s ``x_fp8``), one launch fewer per GEMM."""
     k = _kernels(backend, x)
-    fn = rms_norm_torch if k is None else k.rms_norm
-    return fn(x, weight, eps, unit_offset=unit_offset)
+    if k is None:
+        return _with_fp8(rms_norm_torch(x, weight, eps, unit_offset=unit_offset), quant)
+    return k.rms_norm(x, weight, eps, unit_offset=unit_offset, quant=quant)
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
                  delta_weight: torch.Tensor | None = None, unit_offset: bool = False,
-                 lora_delta: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+                 lora_delta: torch.Tensor | None = None, backend: str | None = None, quant: bool = False):
     """``add_rms_norm_torch`` (``h += delta``, or ``h += rms_norm(delta, delta_weight)``, in place; returns the
     normed sum; ``lora_delta`` added to ``delta`` first) or its one-kernel twin (both norms and the adds in one
-    pass over the row)."""
+    pass over the row). ``quant`` as ``rms_norm``'s."""
     k = _kernels(backend, h)
-    fn = add_rms_norm_torch if k is None else k.add_rms_norm
-    return fn(h, delta, weight, eps, delta_weight=delta_weight, unit_offset=unit_offset, lora_delta=lora_delta)
+    if k is None:
+        return _with_fp8(add_rms_norm_torch(h, delta, weight, eps, delta_weight=delta_weight,
+                                            unit_offset=unit_offset, lora_delta=lora_delta), quant)
+    return k.add_rms_norm(h, delta, weight, eps, delta_weight=delta_weight, unit_offset=unit_offset,
+                          lora_delta=lora_delta, quant=quant)
 
 
 def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor,
@@ -183,17 +197,21 @@ def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Ten
 
 
 def silu_mul(gate_up: torch.Tensor, *, lora_delta: torch.Tensor | None = None,
-             backend: str | None = None) -> torch.Tensor:
-    """``silu_mul_torch`` or its one-kernel Triton twin."""
+             backend: str | None = None, quant: bool = False):
+    """``silu_mul_torch`` or its one-kernel Triton twin; ``quant`` as ``rms_norm``'s (the down GEMM's input)."""
     k = _kernels(backend, gate_up)
-    return (silu_mul_torch if k is None else k.silu_mul)(gate_up, lora_delta)
+    if k is None:
+        return _with_fp8(silu_mul_torch(gate_up, lora_delta), quant)
+    return k.silu_mul(gate_up, lora_delta, quant=quant)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor, *, lora_delta: torch.Tensor | None = None,
-                  backend: str | None = None) -> torch.Tensor:
-    """``gelu_tanh_mul_torch`` or its one-kernel Triton twin."""
+                  backend: str | None = None, quant: bool = False):
+    """``gelu_tanh_mul_torch`` or its one-kernel Triton twin; ``quant`` as ``rms_norm``'s."""
     k = _kernels(backend, gate_up)
-    return (gelu_tanh_mul_torch if k is None else k.gelu_tanh_mul)(gate_up, lora_delta)
+    if k is None:
+        return _with_fp8(gelu_tanh_mul_torch(gate_up, lora_delta), quant)
+    return k.gelu_tanh_mul(gate_up, lora_delta, quant=quant)
 
 
 #: HF MLP activation name (``ModelConfig.hidden_act``) -> the gated op: ``act(gate) * up``.

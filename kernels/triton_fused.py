@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from multilora.kernels import triton_pdl
+from multilora.kernels.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
 from multilora.kernels.triton_pdl import pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -55,9 +56,22 @@ def _load_sum(p, lp, m, HAS_LORA: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, d_ptr, l_ptr, w_ptr, dw_ptr, out_ptr, stride_x, stride_d, stride_l, stride_o, N, eps,
+def _quant_row(y, q_ptr, s_ptr, row, stride_q, offs, mask, fp8_max, min_scale):
+    """Per-token fp8 quantization of one row ``y`` [BLOCK] (masked lanes 0), from registers: as ``triton_fp8``'s
+    ``_quant_kernel`` on the stored row (``fp8.quantize_per_token_torch``), bit for bit."""
+    yf = y.to(tl.float32)
+    sc = tl.maximum(tl.max(tl.abs(yf), axis=0) / fp8_max, min_scale)
+    q = tl.minimum(tl.maximum(yf / sc, -fp8_max), fp8_max)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, sc)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, d_ptr, l_ptr, w_ptr, dw_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_d, stride_l, stride_o,
+                     stride_q, N, eps, fp8_max, min_scale,
                      HAS_DELTA: tl.constexpr, HAS_LORA: tl.constexpr, DELTA_NORM: tl.constexpr,
-                     UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                     UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                     QUANT: tl.constexpr = False):
     if PDL:  # launched early (``triton_pdl``): wait for the kernels before, then let the next one launch
         pdl_wait(True)
     row = tl.program_id(0).to(tl.int64)
@@ -73,6 +87,8 @@ def _rms_norm_kernel(x_ptr, d_ptr, l_ptr, w_ptr, dw_ptr, out_ptr, stride_x, stri
         tl.store(x_ptr + row * stride_x + offs, x, mask=mask)
     y = _normed_row(x, w_ptr, out_ptr, offs, mask, N, eps, UNIT_OFFSET)
     tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+    if QUANT:  # the next fp8 GEMM's per-token input too (``fused.rms_norm(quant=True)``)
+        _quant_row(y, q_ptr, s_ptr, row, stride_q, offs, mask, fp8_max, min_scale)
 
 
 @triton.jit
@@ -139,8 +155,9 @@ def _rope_kv_kernel(qkv_ptr, l_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, 
 
 
 @triton.jit
-def _glu_kernel(gu_ptr, l_ptr, out_ptr, stride_gu, stride_l, stride_o, I, GELU_TANH: tl.constexpr,
-                HAS_LORA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _glu_kernel(gu_ptr, l_ptr, out_ptr, q_ptr, s_ptr, stride_gu, stride_l, stride_o, stride_q, I, fp8_max, min_scale,
+                GELU_TANH: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                QUANT: tl.constexpr = False):
     if PDL:  # launched early (``triton_pdl``): wait for the kernels before, then let the next one launch
         pdl_wait(True)
     t = tl.program_id(0).to(tl.int64)
@@ -154,7 +171,10 @@ def _glu_kernel(gu_ptr, l_ptr, out_ptr, stride_gu, stride_l, stride_o, I, GELU_T
     else:  # F.silu
         a = g / (1.0 + tl.exp(-g))
     a = a.to(out_ptr.dtype.element_ty)  # rounded as torch rounds the activation before the product
-    tl.store(out_ptr + t * stride_o + offs, (a.to(tl.float32) * u).to(out_ptr.dtype.element_ty), mask=m)
+    h = (a.to(tl.float32) * u).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_o + offs, h, mask=m)
+    if QUANT:  # one program holds the whole row (BLOCK >= I): the down GEMM's per-token fp8 input too
+        _quant_row(h, q_ptr, s_ptr, t, stride_q, offs, m, fp8_max, min_scale)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -178,9 +198,19 @@ def _check_lora(lora_delta: torch.Tensor | None, like: torch.Tensor, like_name: 
         raise ValueError(f"lora_delta: expected {like_name}'s shape {tuple(like.shape)}, got {tuple(lora_delta.shape)}")
 
 
+def _fp8_out(x: torch.Tensor, quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token fp8 copy of an op's output [T, N] (``quant``): float8_e4m3fn [T, N] and float32 [T, 1]; else
+    one-element placeholders (the kernel does not touch them)."""
+    T, N = x.shape
+    if quant:
+        return (torch.empty(T, N, dtype=FP8_DTYPE, device=x.device),
+                torch.empty(T, 1, dtype=torch.float32, device=x.device))
+    return x, x
+
+
 def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
           delta_weight: torch.Tensor | None = None, unit_offset: bool = False,
-          lora_delta: torch.Tensor | None = None) -> torch.Tensor:
+          lora_delta: torch.Tensor | None = None, quant: bool = False):
     _check("x", x, 2)
     N = x.shape[1]
     if N > MAX_ROW:
@@ -196,30 +226,35 @@ def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps
     elif lora_delta is not None:
         raise ValueError("lora_delta: only with a delta (it is added to the delta)")
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    q, s = _fp8_out(out, quant)
     if x.shape[0] == 0:
-        return out
+        return (out, (q, s)) if quant else out
     block = triton.next_power_of_2(N)
     d = delta if delta is not None else x
     lo = lora_delta if lora_delta is not None else d
     dw = delta_weight if delta_weight is not None else weight
-    _rms_norm_kernel[(x.shape[0],)](x, d, lo, weight, dw, out, x.stride(0), d.stride(0), lo.stride(0), out.stride(0),
-                                    N, float(eps), HAS_DELTA=delta is not None, HAS_LORA=lora_delta is not None,
+    _rms_norm_kernel[(x.shape[0],)](x, d, lo, weight, dw, out, q, s, x.stride(0), d.stride(0), lo.stride(0),
+                                    out.stride(0), q.stride(0), N, float(eps), FP8_MAX, _MIN_SCALE,
+                                    HAS_DELTA=delta is not None, HAS_LORA=lora_delta is not None,
                                     DELTA_NORM=delta_weight is not None, UNIT_OFFSET=bool(unit_offset), BLOCK=block,
-                                    num_warps=max(1, min(16, block // 512)), **triton_pdl.launch_args(x.device))
-    return out
+                                    QUANT=quant, num_warps=max(1, min(16, block // 512)),
+                                    **triton_pdl.launch_args(x.device))
+    return (out, (q, s)) if quant else out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False) -> torch.Tensor:
-    """Triton ``rms_norm_torch``: x [T, N] (last dim contiguous), weight [N] -> new [T, N]."""
-    return _norm(x, None, weight, eps, unit_offset=unit_offset)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False, quant: bool = False):
+    """Triton ``rms_norm_torch``: x [T, N] (last dim contiguous), weight [N] -> new [T, N]; with ``quant``
+    ``(y, (yq, ys))``, y's per-token fp8 copy made in the same kernel (``fused.rms_norm``)."""
+    return _norm(x, None, weight, eps, unit_offset=unit_offset, quant=quant)
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
                  delta_weight: torch.Tensor | None = None, unit_offset: bool = False,
-                 lora_delta: torch.Tensor | None = None) -> torch.Tensor:
+                 lora_delta: torch.Tensor | None = None, quant: bool = False):
     """Triton ``add_rms_norm_torch``: ``h += delta`` (or ``h += rms_norm(delta, delta_weight)``; ``lora_delta``
-    added to the delta first) in place, returns RMSNorm(h) as a new [T, N]; one kernel."""
-    return _norm(h, delta, weight, eps, delta_weight, unit_offset, lora_delta)
+    added to the delta first) in place, returns RMSNorm(h) as a new [T, N]; one kernel. ``quant`` as
+    ``rms_norm``'s."""
+    return _norm(h, delta, weight, eps, delta_weight, unit_offset, lora_delta, quant)
 
 
 def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor,
@@ -272,30 +307,37 @@ def rope_write_kv(qkv: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Ten
     return q
 
 
-def silu_mul(gate_up: torch.Tensor, lora_delta: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton ``silu_mul_torch``: gate_up [T, 2 I] (+ lora_delta, same shape) -> new [T, I]."""
-    return _glu(gate_up, lora_delta, gelu_tanh=False)
+def silu_mul(gate_up: torch.Tensor, lora_delta: torch.Tensor | None = None, quant: bool = False):
+    """Triton ``silu_mul_torch``: gate_up [T, 2 I] (+ lora_delta, same shape) -> new [T, I]; with ``quant``
+    ``(h, (hq, hs))``, h's per-token fp8 copy made in the same kernel (one program per row then)."""
+    return _glu(gate_up, lora_delta, gelu_tanh=False, quant=quant)
 
 
-def gelu_tanh_mul(gate_up: torch.Tensor, lora_delta: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton ``gelu_tanh_mul_torch``: gate_up [T, 2 I] (+ lora_delta, same shape) -> new [T, I]."""
-    return _glu(gate_up, lora_delta, gelu_tanh=True)
+def gelu_tanh_mul(gate_up: torch.Tensor, lora_delta: torch.Tensor | None = None, quant: bool = False):
+    """Triton ``gelu_tanh_mul_torch``: gate_up [T, 2 I] (+ lora_delta, same shape) -> new [T, I]; ``quant`` as
+    ``silu_mul``'s."""
+    return _glu(gate_up, lora_delta, gelu_tanh=True, quant=quant)
 
 
-def _glu(gate_up: torch.Tensor, lora_delta: torch.Tensor | None, *, gelu_tanh: bool) -> torch.Tensor:
+def _glu(gate_up: torch.Tensor, lora_delta: torch.Tensor | None, *, gelu_tanh: bool, quant: bool = False):
     _check("gate_up", gate_up, 2)
     _check_lora(lora_delta, gate_up, "gate_up")
     T, two_i = gate_up.shape
     if two_i % 2:
         raise ValueError(f"gate_up: expected an even number of columns [gate | up], got {two_i}")
     inter = two_i // 2
+    if quant and inter > MAX_ROW:
+        raise ValueError(f"gate_up: quant=True holds a row of at most {MAX_ROW} elements in one program, got {inter}")
     out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
+    q, s = _fp8_out(out, quant)
     if T == 0:
-        return out
-    block = 1024
+        return (out, (q, s)) if quant else out
+    # quant: one program per row (the row's absolute maximum before any store of q), else 1,024-wide column blocks
+    block = triton.next_power_of_2(inter) if quant else 1024
+    warps = max(4, min(16, block // 1024)) if quant else 4
     lo = lora_delta if lora_delta is not None else gate_up
-    _glu_kernel[(T, triton.cdiv(inter, block))](gate_up, lo, out, gate_up.stride(0), lo.stride(0), out.stride(0),
-                                                inter, GELU_TANH=gelu_tanh, HAS_LORA=lora_delta is not None,
-                                                BLOCK=block, num_warps=4,
-                                                **triton_pdl.launch_args(gate_up.device))
-    return out
+    _glu_kernel[(T, triton.cdiv(inter, block))](gate_up, lo, out, q, s, gate_up.stride(0), lo.stride(0), out.stride(0),
+                                                q.stride(0), inter, FP8_MAX, _MIN_SCALE, GELU_TANH=gelu_tanh,
+                                                HAS_LORA=lora_delta is not None, BLOCK=block, QUANT=quant,
+                                                num_warps=warps, **triton_pdl.launch_args(gate_up.device))
+    return (out, (q, s)) if quant else out

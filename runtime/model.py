@@ -30,7 +30,7 @@ import torch
 
 from multilora.config import ModelConfig
 from multilora.kernels.attention import paged_attention
-from multilora.kernels.fp8 import Fp8Weight, fp8_linear, quantize_weight
+from multilora.kernels.fp8 import Fp8Weight, fp8_linear, quantize_weight, wants_fp8_input
 from multilora.kernels.fused import GATED_ACTS, add_rms_norm, rms_norm, rope_write_kv
 from multilora.kernels.lora import LoRASlices, lora_apply, lora_slices
 from multilora.memory.kv_cache import PagedKVCache
@@ -71,6 +71,13 @@ LORA_SIDE_PRIORITY = 0
 #: -> 10.38 ms with 32 (base 7.80: 1.38x -> 1.33x), batch 1 unchanged (4.99 ms, its steps are below the minimum);
 #: one layer at 64 tokens, LoRA adds 60.2 -> 55.4 us (16: 52.6), base layer 128.3 -> 121.6 us.
 LORA_SIDE_SM_CARVEOUT, LORA_SIDE_CARVEOUT_MIN_TOKENS = 32, 17
+#: fp8 weights whose GEMM quantizes its activations per token (``fp8.fp8_linear``'s "scaled_mm" semantics: from 2
+#: rows on the H200's tuned table) take them from the op before: the RMSNorms before q/k/v and gate/up and the
+#: SiLU * up before down write the fp8 copy beside their output in the same kernel (``quant=True``), instead of a
+#: quantization launch per GEMM (three of the layer's four; o's input comes from attention and is quantized as
+#: before). The same values bit for bit (``tests/test_fp8.py``). False only for A/Bs (``bench_generate.py``
+#: provider ``multilora-fp8-sepquant``).
+FUSE_FP8_QUANT = True
 
 
 #: Token counts ``(lo, hi)`` of the steps whose base GEMMs go through cuBLASLt instead of cuBLAS
@@ -394,8 +401,17 @@ class DecoderModel:
             return 0
         return LORA_SIDE_MAX_TOKENS if self._pool_max_rank <= LORA_SIDE_NARROW_RANK else LORA_SIDE_WIDE_MAX_TOKENS
 
+    def _fp8_in(self, layer: int, name: str, x: torch.Tensor) -> bool:
+        """Whether the op producing projection ``name``'s input ``x`` [T, K] should also write its per-token fp8
+        copy (``quant=True`` of the fused ops): the weight is fp8 and its GEMM quantizes activations at T rows
+        (``fp8.wants_fp8_input``), and ``FUSE_FP8_QUANT`` is on."""
+        w = self.layers[layer][name]
+        return FUSE_FP8_QUANT and isinstance(w, Fp8Weight) and wants_fp8_input(self.fp8_method, x.shape[0], w,
+                                                                                  x.device)
+
     def _linear(self, x: torch.Tensor, layer: int, name: str, plan: "StepPlan", lora_backend: str | None, *,
-                defer: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                defer: bool = False, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x W^T (+ b)`` of a fused projection and its LoRA; returns ``(y, lora_delta)``.
 
         The bias is the GEMM's own epilogue (addmm: one launch, graph-safe), added before the LoRA delta as peft
@@ -404,7 +420,7 @@ class DecoderModel:
         is None. With ``defer`` (and LoRA in the step) it goes into a zeroed ``lora_delta`` [T, d_out] instead,
         computed on the side stream while the GEMM runs (on CUDA; the main stream waits for it before returning),
         for the following op to add: at decode the two small LoRA launches then cost no time of their own
-        (``bench/bench_lora_overlap.py``)."""
+        (``bench/bench_lora_overlap.py``). ``x_fp8``: x's per-token fp8 copy for an fp8 GEMM (``fp8_linear``)."""
         w, b = self.layers[layer][name], self.layers[layer].get(name + "_bias")
         slices = self._lora[layer][name] if plan.lora.has_lora and self._lora is not None else None
         delta = side = None
@@ -424,7 +440,7 @@ class DecoderModel:
             and self.gemm_cublaslt_tokens[0] <= x.shape[0] <= self.gemm_cublaslt_tokens[1]
         with gemm_sm_carveout(carve, lt):
             if isinstance(w, Fp8Weight):
-                y = fp8_linear(x, w, b, method=self.fp8_method)
+                y = fp8_linear(x, w, b, method=self.fp8_method, x_fp8=x_fp8)
             else:
                 y = x @ w.t() if b is None else torch.addmm(b, x, w.t())
         if side is not None:
@@ -467,8 +483,11 @@ class DecoderModel:
         st = ForwardPass(plan=plan, kv=kv, h=h, rope_rows=self._rope_rows(plan), defer=defer,
                          defer_row=defer and self.tp_group is None,  # row-parallel o / down: LoRA in place, inside
                          lora_backend=lora_backend, ops_backend=ops_backend)  # the all-reduce
-        x = rms_norm(h, self.layers[0]["in_norm"], c.rms_norm_eps, unit_offset=c.norm_unit_offset, backend=ops_backend)
-        return st, self._qkv_rope(st, 0, x)
+        quant = self._fp8_in(0, "qkv", h)
+        x = rms_norm(h, self.layers[0]["in_norm"], c.rms_norm_eps, unit_offset=c.norm_unit_offset, backend=ops_backend,
+                     quant=quant)
+        x, xq = x if quant else (x, None)
+        return st, self._qkv_rope(st, 0, x, xq)
 
     def attend(self, i: int, q: torch.Tensor, meta: Any, kv: PagedKVCache, *, backend: str | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -491,23 +510,33 @@ class DecoderModel:
         o, lo = self._linear(attn.reshape(T, c.q_size), i, "o", plan, lb, defer=st.defer_row)
         if self.tp_group is not None:
             self.tp_group.all_reduce(o)  # row-parallel: the ranks' partial sums (base + LoRA), before any norm
+        # (an fp8 GEMM that quantizes its activations gets them from the op before it: quant=True, no launch of its own)
+        quant = self._fp8_in(i, "gate_up", h)
         x = add_rms_norm(h, o, layer["post_norm"], eps, delta_weight=layer.get("attn_out_norm"),
-                         unit_offset=offset, lora_delta=lo, backend=ops)
-        gu, lg = self._linear(x, i, "gate_up", plan, lb, defer=st.defer)  # [T, 2 * inter]
-        d, ld = self._linear(self._act(gu, lora_delta=lg, backend=ops), i, "down", plan, lb, defer=st.defer_row)
+                         unit_offset=offset, lora_delta=lo, backend=ops, quant=quant)
+        x, xq = x if quant else (x, None)
+        gu, lg = self._linear(x, i, "gate_up", plan, lb, defer=st.defer, x_fp8=xq)  # [T, 2 * inter]
+        quant = self._fp8_in(i, "down", gu[:, : gu.shape[1] // 2])
+        a = self._act(gu, lora_delta=lg, backend=ops, quant=quant)
+        a, aq = a if quant else (a, None)
+        d, ld = self._linear(a, i, "down", plan, lb, defer=st.defer_row, x_fp8=aq)
         if self.tp_group is not None:
             self.tp_group.all_reduce(d)
         last = i + 1 == len(self.layers)
         nxt = self.norm if last else self.layers[i + 1]["in_norm"]
+        quant = not last and self._fp8_in(i + 1, "qkv", h)
         x = add_rms_norm(h, d, nxt, eps, delta_weight=layer.get("mlp_out_norm"), unit_offset=offset,
-                         lora_delta=ld, backend=ops)
-        return x if last else self._qkv_rope(st, i + 1, x)
+                         lora_delta=ld, backend=ops, quant=quant)
+        x, xq = x if quant else (x, None)
+        return x if last else self._qkv_rope(st, i + 1, x, xq)
 
-    def _qkv_rope(self, st: "ForwardPass", i: int, x: torch.Tensor) -> torch.Tensor:
-        """Layer ``i``'s q/k/v projection of the normed ``x`` and its LoRA, then RoPE (and q/k norms) with the KV-cache
-        write; the queries [T, num_heads, head_dim]."""
+    def _qkv_rope(self, st: "ForwardPass", i: int, x: torch.Tensor,
+                  x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Layer ``i``'s q/k/v projection of the normed ``x`` (and its fp8 copy ``x_fp8``) and its LoRA, then RoPE
+        (and q/k norms) with the KV-cache write; the queries [T, num_heads, head_dim]."""
         c, layer = self.config, self.layers[i]
-        qkv, lq = self._linear(x, i, "qkv", st.plan, st.lora_backend, defer=st.defer)  # [T, q + 2 kv]
+        qkv, lq = self._linear(x, i, "qkv", st.plan, st.lora_backend, defer=st.defer,
+                               x_fp8=x_fp8)  # [T, q + 2 kv]
         k_cache, v_cache = st.kv.layer(i)
         return rope_write_kv(qkv, self.rope_cos, self.rope_sin, st.rope_rows, st.plan.attn.slot_mapping, k_cache,
                              v_cache, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,

@@ -360,3 +360,40 @@ def test_malformed_tuned_tables_are_skipped_whole(tmp_path, monkeypatch, caplog,
         assert triton_fp8.gemv_config(torch.device("cpu"), 32, 64, 1) is None
         assert triton_fp8.weight_only_max_tokens(torch.device("cpu")) is None
     assert "ignoring" in caplog.text and why in caplog.text
+
+
+def test_fused_activation_quantization_is_taken_and_exact(engines, monkeypatch):
+    """The RMSNorms and SiLU * up write the per-token fp8 input of the q/k/v, gate/up and down GEMMs
+    (``model.FUSE_FP8_QUANT``); o's input is quantized by its GEMM as before. Logits are bit for bit those of the
+    separate quantization, base and with adapters; ``fp8_linear`` refuses a malformed ``x_fp8``."""
+    from multilora.runtime import model as model_mod
+    e8, _ = engines
+    seen = []
+    real = model_mod.fp8_linear
+
+    def spy(x, w, b=None, *, method=None, x_fp8=None):
+        seen.append(x_fp8 is not None)
+        return real(x, w, b, method=method, x_fp8=x_fp8)
+
+    monkeypatch.setattr(model_mod, "fp8_linear", spy)
+    for adapters in ([None, None, None], ["a0", None, "a1"]):
+        fused = e8.logits(ROWS, adapters)
+        calls = list(seen)
+        seen.clear()
+        monkeypatch.setattr(model_mod, "FUSE_FP8_QUANT", False)
+        try:
+            sep = e8.logits(ROWS, adapters)
+        finally:
+            monkeypatch.setattr(model_mod, "FUSE_FP8_QUANT", True)
+        assert not any(seen)
+        seen.clear()
+        assert torch.equal(fused, sep)
+        assert calls and calls.count(True) == 3 * CFG.num_layers * (len(calls) // (4 * CFG.num_layers))
+    x = torch.randn(3, 64)
+    w = fp8.quantize_weight(torch.randn(16, 64))
+    xq, xs = fp8.quantize_per_token_torch(x)
+    assert torch.equal(fp8.fp8_linear(x, w, x_fp8=(xq, xs)), fp8.fp8_linear(x, w))
+    with pytest.raises(ValueError, match="x_fp8 must be"):
+        fp8.fp8_linear(x, w, x_fp8=(xq, xs.view(3)))
+    with pytest.raises(ValueError, match="x_fp8 must be"):
+        fp8.fp8_linear(x, w, x_fp8=(x, xs))

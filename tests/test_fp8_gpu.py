@@ -236,6 +236,41 @@ def test_engine_fp8_with_pdl_equals_plain_launches(engines, monkeypatch):
     assert got[False][1] == got[True][1]
 
 
+def test_engine_fp8_fused_quantization_equals_separate(engines, monkeypatch):
+    """``model.FUSE_FP8_QUANT``: the norms and SiLU * up write the fp8 GEMMs' per-token inputs; prefill logits and 12
+    greedy tokens through CUDA-graph decode steps are those of the separate quantization launches, bit for bit."""
+    from multilora.runtime import model as model_mod
+
+    _, e8 = engines
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, SHAPE.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 70, 33, 2, 8, 40)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = {}
+    for fuse in (False, True):
+        monkeypatch.setattr(model_mod, "FUSE_FP8_QUANT", fuse)
+        e8.runner.reset_graphs()
+        got[fuse] = e8.logits(prompts), [o.token_ids for o in e8.generate(prompts, sampling=sp)]
+    assert torch.equal(got[False][0], got[True][0]), rel_err(got[True][0], got[False][0])
+    assert got[False][1] == got[True][1]
+
+
+def test_fp8_linear_with_given_fp8_input_equals_its_own_quantization():
+    """``fp8_linear(x, w, x_fp8=quantize_per_token(x))`` at every tuned shape and 2-64 rows (the tuned fp8-activation
+    kernel) and past 64 rows (cuBLASLt): the same bf16 y bit for bit as letting it quantize x itself."""
+    from multilora.kernels import triton_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for N, K in _tuned_shapes():
+        w = fp8.quantize_weight(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5)
+        for M in (2, 16, 64, 100):
+            x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+            if fp8.resolve_method(None, x, N) != "scaled_mm":
+                continue
+            want = fp8.fp8_linear(x, w)
+            got = fp8.fp8_linear(x, w, x_fp8=triton_fp8.quantize_per_token(x))
+            assert torch.equal(got, want), (N, K, M)
+
+
 def test_gemv_widening_through_f16_is_bit_identical_in_bf16(monkeypatch):
     """``triton_fp8.GEMV_WIDEN_F16`` (fp8 weights widened through float16 instead of bfloat16 in the one-row path):
     bf16 y bit for bit the same at every tuned shape and an untuned one, and within bf16 rounding of float32."""

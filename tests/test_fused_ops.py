@@ -421,3 +421,50 @@ def test_lora_delta_of_the_wrong_shape_or_dtype_is_refused(backend):
             fused.add_rms_norm(h.clone(), d, w, 1e-6, lora_delta=torch.randn(T, 2 * N), backend=backend)
         with pytest.raises(ValueError, match="lora_delta: expected dtype"):
             fused.silu_mul(torch.randn(T, 2 * N), lora_delta=torch.randn(T, 2 * N).half(), backend=backend)
+
+
+# ------------------------------------------------------------------ fp8 copies written beside the output (quant=True)
+def _check_fp8_copy(y: torch.Tensor, yq: torch.Tensor, ys: torch.Tensor, backend: str) -> None:
+    """``(yq, ys)`` is the quantization an fp8 GEMM would run on y, bit for bit: ``fp8.quantize_per_token_torch`` on
+    the torch path, the Triton ``quantize_per_token`` kernel on the Triton path (Triton's float32 division is not
+    torch's: the two agree on all but a rare value, ``tests/test_fp8_gpu.py``)."""
+    from multilora.kernels.fp8 import FP8_DTYPE, quantize_per_token_torch
+    if backend == "torch":
+        wq, ws = quantize_per_token_torch(y)
+    else:
+        from multilora.kernels import triton_fp8
+        wq, ws = triton_fp8.quantize_per_token(y)
+    assert yq.dtype == FP8_DTYPE and ys.dtype == torch.float32 and ys.shape == (y.shape[0], 1)
+    assert torch.equal(yq.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(ys, ws)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", CPU_DTYPES + ([torch.bfloat16] if HAS_CUDA else []))
+@pytest.mark.parametrize("T,N,I", [(1, 64, 96), (5, 96, 1000), (3, 256, 2304)])
+def test_ops_write_the_fp8_copy_of_their_output(backend, dtype, T, N, I):
+    """rms_norm / add_rms_norm / silu_mul / gelu_tanh_mul with ``quant=True``: the same output as without, and its
+    per-token fp8 copy equal to quantizing that output (what an fp8 GEMM would do with it), incl. an all-zero row."""
+    g = torch.Generator().manual_seed(T * N + I)
+    x = (torch.randn(T, N, generator=g) * 3).to(DEV, dtype)
+    x[0] = 0  # the minimum scale
+    w = (torch.rand(N, generator=g) + 0.5).to(DEV, dtype)
+    d = torch.randn(T, N, generator=g).to(DEV, dtype)
+    y = fused.rms_norm(x, w, 1e-6, backend=backend)
+    got, (q, s) = fused.rms_norm(x, w, 1e-6, backend=backend, quant=True)
+    assert torch.equal(got, y)
+    _check_fp8_copy(y, q, s, backend)
+    h1, h2 = x.clone(), x.clone()
+    y = fused.add_rms_norm(h1, d, w, 1e-6, backend=backend)
+    got, (q, s) = fused.add_rms_norm(h2, d, w, 1e-6, backend=backend, quant=True)
+    assert torch.equal(got, y) and torch.equal(h1, h2)
+    _check_fp8_copy(y, q, s, backend)
+    gu = torch.randn(T, 2 * I, generator=g).to(DEV, dtype)
+    lora = (torch.randn(T, 2 * I, generator=g) * 0.1).to(DEV, dtype)
+    for op in (fused.silu_mul, fused.gelu_tanh_mul):
+        for ld in (None, lora):
+            y = op(gu, lora_delta=ld, backend=backend)
+            got, (q, s) = op(gu, lora_delta=ld, backend=backend, quant=True)
+            assert torch.equal(got, y), op
+            _check_fp8_copy(y, q, s, backend)
+    empty, (q, s) = fused.silu_mul(gu[:0], backend=backend, quant=True)
+    assert empty.shape == (0, I) and q.shape == (0, I) and s.shape == (0, 1)

@@ -438,10 +438,15 @@ def ptx(fn, ptrs, consts, floats, opts):
 bf = "*bf16"
 out = {}
 ptrs = {p: bf for p in ("x_ptr", "d_ptr", "l_ptr", "w_ptr", "dw_ptr", "out_ptr")}
-out["rms_norm"] = len(ptx(tf._rms_norm_kernel, ptrs, dict(HAS_DELTA=True, HAS_LORA=True, DELTA_NORM=True,
-                                                       UNIT_OFFSET=True, BLOCK=4096), {"eps"}, {"num_warps": 8}))
-out["gelu_tanh_mul"] = len(ptx(tf._glu_kernel, {"gu_ptr": bf, "l_ptr": bf, "out_ptr": bf},
-                               dict(GELU_TANH=True, HAS_LORA=True, BLOCK=1024), set(), {"num_warps": 4}))
+fp8 = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}  # quant=True: the next fp8 GEMM's per-token input, written beside
+f8s = {"fp8_max", "min_scale"}
+out["rms_norm"] = len(ptx(tf._rms_norm_kernel, ptrs | fp8, dict(HAS_DELTA=True, HAS_LORA=True, DELTA_NORM=True,
+                                                             UNIT_OFFSET=True, BLOCK=4096, QUANT=True),
+                          {"eps"} | f8s, {"num_warps": 8}))
+out["gelu_tanh_mul"] = len(ptx(tf._glu_kernel, {"gu_ptr": bf, "l_ptr": bf, "out_ptr": bf} | fp8,
+                               dict(GELU_TANH=True, HAS_LORA=True, BLOCK=1024), f8s, {"num_warps": 4}))
+out["silu_mul/quant"] = len(ptx(tf._glu_kernel, {"gu_ptr": bf, "l_ptr": bf, "out_ptr": bf} | fp8,
+                                dict(GELU_TANH=False, HAS_LORA=False, BLOCK=16384, QUANT=True), f8s, {"num_warps": 16}))
 ptrs = {p: bf for p in ("qkv_ptr", "l_ptr", "q_ptr", "kc_ptr", "vc_ptr", "qn_ptr", "kn_ptr")}
 ptrs |= {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64"}
 out["rope_kv/lora"] = len(ptx(tf._rope_kv_kernel, ptrs, dict(H=8, HKV=4, HEAD_DIM=256, HALF=128, BLOCK_H=8,
@@ -479,5 +484,5 @@ def test_gemma2_kernels_compile_for_sm90():
         pytest.skip(f"no ptxas for sm_90 here: {p.stderr[-300:]}")
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["rms_norm"] > 0 and out["gelu_tanh_mul"] > 0 and out["rope_kv/lora"] > 0
+    assert out["rms_norm"] > 0 and out["gelu_tanh_mul"] > 0 and out["rope_kv/lora"] > 0 and out["silu_mul/quant"] > 0
     assert out["attention/decode/softcap=True"] > out["attention/decode/softcap=False"] > 0, out
