@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
                          "(max_tokens 1) joins, so every step carries the batch's decode rows and one prompt chunk")
     ap.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16",
                     help="base linear weights: bf16, or fp8 (e4m3, Engine(weight_dtype='fp8'); Hopper and newer)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch every Triton kernel plainly (kernels.triton_pdl.ENABLED and triton_sgmv.PDL off): "
+                         "with programmatic dependent launch a kernel starts while the one before drains and waits, "
+                         "so its profiled time includes that wait and the kernels' times overlap")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -87,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.torch_ops:
         from multilora.kernels import fused
         fused._kernels = lambda backend, x: None
+    if args.no_pdl:
+        from multilora.kernels import triton_pdl, triton_sgmv
+        triton_pdl.ENABLED = triton_sgmv.PDL = False
     cfg = ModelConfig(**MODEL_SHAPES[args.shape])
     bw, _ = copy_bandwidth(dev)
     total_steps = args.steps + 8
@@ -157,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host time of the forward call (runner.run; launches queued, not waited for): median "
           f"{statistics.median(enq[: args.steps]) * 1e3:.3f} ms")
     print(f"{args.shape} {args.weight_dtype} weights, batch {args.batch}, {'adapters' if args.lora else 'no adapters'}, "
-          f"cuda_graphs={not args.no_cuda_graphs}, ops={'torch' if args.torch_ops else 'triton'}; copy bandwidth {bw:.0f} GB/s")
+          f"cuda_graphs={not args.no_cuda_graphs}, ops={'torch' if args.torch_ops else 'triton'}, pdl={not args.no_pdl}; copy bandwidth {bw:.0f} GB/s")
     wbytes = engine.model.nbytes - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2)
     print(f"wall {wall_ms:.3f} ms/step (median of {args.steps}); GPU kernels {total_us / steps_prof / 1e3:.3f} ms/step "
           f"over {sum(len(v) for v in kern.values()) / steps_prof:.0f} kernels/step; weights {wbytes / 1e9:.2f} GB -> "
