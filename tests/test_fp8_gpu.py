@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from testsupport import fp8_reference, rel_err
+from testsupport import fp8_reference, pdl_against_plain, rel_err
 
 from multilora import Engine, SamplingParams
 from multilora.config import ModelConfig
@@ -196,23 +196,8 @@ def test_fp8_gemms_with_pdl_equal_plain_launches(M, capture, monkeypatch):
             y = fp8.fp8_linear(x, w)
             out.copy_(fp8.fp8_linear(y, w2) if w2 is not None else y * 2)  # the next kernel reads the GEMM's output
 
-        def run(i, graph=None):
-            x_in.copy_(srcs[i])
-            graph.replay() if graph is not None else step()
-            torch.cuda.synchronize()
-            return out.clone()
-
-        monkeypatch.setattr(triton_pdl, "ENABLED", False)
-        want = [run(i) for i in range(3)]
-        monkeypatch.setattr(triton_pdl, "ENABLED", True)
-        graph = None
-        if capture:
-            run(0)  # compiles the PDL variants before the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-        for i in (1, 0, 2, 1):
-            assert torch.equal(run(i, graph), want[i]), (N, K, M, i)
+        pdl_against_plain(monkeypatch, triton_pdl, "ENABLED", lambda i: x_in.copy_(srcs[i]), step, out,
+                          capture=capture, label=(N, K, M))
 
 
 def test_engine_fp8_with_pdl_equals_plain_launches(engines, monkeypatch):

@@ -27,7 +27,7 @@ from multilora.kernels.experimental.lora_fused import lora_fused
 from multilora.kernels.triton_sgmv import lora_apply_triton
 from multilora.memory.pool import PAGE_ELEMS, AdapterPool, image_layout
 from multilora.config import TARGET_MODULES, ModelConfig
-from testsupport import read_module
+from testsupport import pdl_against_plain, read_module
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")]
@@ -785,26 +785,14 @@ def test_pdl_launches_equal_plain_launches(rows, capture, early, monkeypatch):
             y.copy_(y_in - 0.25)  # and one writing y (after the shrink's inputs, before the expand)
             lora_apply_triton(y, x, slices, plan)
 
-        def run(i, graph=None):
+        def feed(i):
             x_in.copy_(x_src[i])
             y_in.copy_(y_src[i])
-            graph.replay() if graph is not None else step()
-            torch.cuda.synchronize()
-            return y.clone()
 
-        monkeypatch.setattr(triton_sgmv, "PDL", False)
-        want = [run(i) for i in range(3)]
-        monkeypatch.setattr(triton_sgmv, "PDL", True)
+        run = pdl_against_plain(monkeypatch, triton_sgmv, "PDL", feed, step, y, capture=capture,
+                                order=(1, 0, 2, 1, 2), label=f"rows {rows}, ranks {ranks}")
         assert triton_sgmv._pdl(x.device)
-        graph = None
-        if capture:
-            run(0)  # compiles before capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-        for i in (1, 0, 2, 1, 2):
-            assert torch.equal(run(i, graph), want[i]), f"rows {rows}, ranks {ranks}, input {i}"
-        got = run(2, graph).float()
+        got = run(2).float()
         ref = reference(y_src[2] - 0.25, x, pool, 0, QKV, token_slots)  # x, y as the kernels saw them (bf16)
         torch.testing.assert_close(got, ref, **TOL[dtype])
 

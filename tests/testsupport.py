@@ -207,3 +207,31 @@ def hf_greedy(model, row, n, **kw):
         out = model.generate(input_ids=torch.tensor([row]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              pad_token_id=0, **kw)
     return out[0, len(row):].tolist()
+
+
+def pdl_against_plain(monkeypatch, module, flag, feed, step, out, *, capture, inputs=3, order=(1, 0, 2, 1),
+                      label=""):
+    """Programmatic dependent launch against plain launches, on a GPU: ``step()`` (kernels reading the static inputs
+    that ``feed(i)`` fills with input ``i``, writing ``out``) run with ``module.flag`` False for every input, then with it
+    True, eagerly or (``capture``) replayed from a CUDA graph captured once, for the inputs in ``order``: ``out`` must
+    be bit-identical. Returns ``run(i)``, which feeds input i, runs the PDL step (the graph where captured) and returns
+    a copy of ``out``, for further checks with the flag still True."""
+    graph = None
+
+    def run(i):
+        feed(i)
+        graph.replay() if graph is not None else step()
+        torch.cuda.synchronize()
+        return out.clone()
+
+    monkeypatch.setattr(module, flag, False)
+    want = [run(i) for i in range(inputs)]
+    monkeypatch.setattr(module, flag, True)
+    if capture:
+        run(0)  # compiles the PDL variants before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    for i in order:
+        assert torch.equal(run(i), want[i]), (label, i)
+    return run
