@@ -319,3 +319,18 @@ def test_generate_bench_rounds(tmp_path):
         cell = f"| {prov} | 1 | 3 | "
         line = next(ln for ln in md.splitlines() if ln.startswith(cell))
         assert f"| {max(t):.2f} ({t[0]:.2f} / {t[1]:.2f}) |" in line, (line, t)
+
+
+def test_fused_quant_bench_checks_the_bits(tmp_path):
+    """``bench_fused_quant.py --smoke``: on the CPU (Triton's interpreter) every row's fused and separate quantization
+    give the same bits, and the table and JSON are written."""
+    pytest.importorskip("triton")
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_fused_quant.py"), "--smoke", "--tokens", "1,5", "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = json.loads((out / "fused_quant.json").read_text())["rows"]
+    assert [(r["op"], r["tokens"]) for r in rows] == [("add_rms_norm", 1), ("silu_mul", 1), ("add_rms_norm", 5),
+                                                     ("silu_mul", 5)]
+    assert all(r["same_bits"] for r in rows) and "| silu_mul | 5 |" in (out / "fused_quant.md").read_text()
