@@ -159,9 +159,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: 
              backend: str | None = None, quant: bool = False):
     """``rms_norm_torch`` or its one-kernel Triton twin (see the module docstring for ``backend``).
 
-    ``quant``: return ``(y, (yq, ys))``, y with its per-token fp8 copy (float8_e4m3fn [T, N], float32 [T, 1];
-    bit for bit ``fp8.quantize_per_token_torch(y)``), written by the same kernel: the input of an fp8 GEMM that
-    quantizes its activations (``fp8.fp8_linear``'s ``x_fp8``), one launch fewer per GEMM."""
+    ``quant``: return ``(y, (yq, ys))``, y with its per-token fp8 copy (float8_e4m3fn [T, N], float32 [T, 1]; bit for
+    bit what the quantization of that y gives: ``fp8.quantize_per_token_torch`` on the torch path, Triton's
+    ``quantize_per_token`` on the Triton path), written by the same kernel: the input of an fp8 GEMM that quantizes
+    its activations (``fp8.fp8_linear``'s ``x_fp8``), one launch fewer per GEMM. On the GPU, y itself may differ in
+    the last place from the call without ``quant`` (another compiled variant; the torch path is exact)."""
     k = _kernels(backend, x)
     if k is None:
         return _with_fp8(rms_norm_torch(x, weight, eps, unit_offset=unit_offset), quant)

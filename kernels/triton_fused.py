@@ -18,8 +18,8 @@ then lets the next kernel launch.
 - ``_glu_kernel``: (token, column block) programs over [T, I]; ``GELU_TANH`` picks GELU_tanh over SiLU, as
   ``x * sigmoid(2 sqrt(2 / pi) (x + 0.044715 x^3))`` (equal to ``0.5 x (1 + tanh(...))``, no cancellation).
 - ``QUANT`` (RMSNorm and the gated activations, ``quant=True``): the output row, still in registers, is also
-  quantized per token to fp8 e4m3 (``_quant_row``: the same operations as ``triton_fp8``'s ``_quant_kernel``, so the
-  same bits) for the fp8 GEMM that reads it next (``fp8.fp8_linear``'s ``x_fp8``); the gated activation then runs one
+  quantized per token to fp8 e4m3 (``_quant_row``: the same operations as ``triton_fp8``'s ``_quant_kernel`` on the
+  stored row, so the same bits) for the fp8 GEMM that reads it next (``fp8.fp8_linear``'s ``x_fp8``); the gated activation then runs one
   program per row (the row's absolute maximum comes before the first fp8 store).
 """
 

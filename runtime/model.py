@@ -75,9 +75,15 @@ LORA_SIDE_SM_CARVEOUT, LORA_SIDE_CARVEOUT_MIN_TOKENS = 32, 17
 #: rows on the H200's tuned table) take them from the op before: the RMSNorms before q/k/v and gate/up and the
 #: SiLU * up before down write the fp8 copy beside their output in the same kernel (``quant=True``), instead of a
 #: quantization launch per GEMM (three of the layer's four; o's input comes from attention and is quantized as
-#: before). The same values bit for bit (``tests/test_fp8.py``). False only for A/Bs (``bench_generate.py``
-#: provider ``multilora-fp8-sepquant``).
+#: before). The fp8 copy is exactly the per-token quantization of the op's output; that output can differ in the
+#: last place from the kernel variant without the copy (its sums of squares compiled in another order: 30 of 4.2M
+#: bf16 values, one row, at 1,024 tokens on the H200, ``bench/results/session23/``). One pair (H200, ``python
+#: bench/bench_fused_quant.py``, us per op + its quantization): RMSNorm 2.9 -> 2.2 at 64 tokens, 46.6 -> 39.8 at
+#: 4,096; SiLU * up, whose fused form runs one program per row, 4.3 -> 4.0 at 64 and 127 -> 115 at 4,096 but 3.2 ->
+#: 3.8 at 16, hence ``FUSE_FP8_QUANT_GLU_MIN_TOKENS``. False only for A/Bs (``bench_generate.py`` provider
+#: ``multilora-fp8-sepquant``).
 FUSE_FP8_QUANT = True
+FUSE_FP8_QUANT_GLU_MIN_TOKENS = 64
 
 
 #: Token counts ``(lo, hi)`` of the steps whose base GEMMs go through cuBLASLt instead of cuBLAS
@@ -516,7 +522,7 @@ class DecoderModel:
                          unit_offset=offset, lora_delta=lo, backend=ops, quant=quant)
         x, xq = x if quant else (x, None)
         gu, lg = self._linear(x, i, "gate_up", plan, lb, defer=st.defer, x_fp8=xq)  # [T, 2 * inter]
-        quant = self._fp8_in(i, "down", gu[:, : gu.shape[1] // 2])
+        quant = T >= FUSE_FP8_QUANT_GLU_MIN_TOKENS and self._fp8_in(i, "down", gu[:, : gu.shape[1] // 2])
         a = self._act(gu, lora_delta=lg, backend=ops, quant=quant)
         a, aq = a if quant else (a, None)
         d, ld = self._linear(a, i, "down", plan, lb, defer=st.defer_row, x_fp8=aq)
