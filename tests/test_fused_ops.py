@@ -438,9 +438,9 @@ def _check_fp8_copy(y: torch.Tensor, yq: torch.Tensor, ys: torch.Tensor, backend
     assert torch.equal(yq.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(ys, ws)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.gpu) for b in BACKENDS] if HAS_CUDA else BACKENDS)
 @pytest.mark.parametrize("dtype", CPU_DTYPES + ([torch.bfloat16] if HAS_CUDA else []))
-@pytest.mark.parametrize("T,N,I", [(1, 64, 96), (5, 96, 1000), (3, 256, 2304)])
+@pytest.mark.parametrize("T,N,I", [(1, 64, 96), (5, 96, 1000), (3, 256, 2304)] + ([(70, 4096, 14336)] if HAS_CUDA else []))
 def test_ops_write_the_fp8_copy_of_their_output(backend, dtype, T, N, I):
     """rms_norm / add_rms_norm / silu_mul / gelu_tanh_mul with ``quant=True``: the output as without (bit for bit on
     the CPU; on a GPU the variant with the copy is another compile, within the output's rounding), and its per-token
