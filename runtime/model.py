@@ -407,13 +407,12 @@ class DecoderModel:
             return 0
         return LORA_SIDE_MAX_TOKENS if self._pool_max_rank <= LORA_SIDE_NARROW_RANK else LORA_SIDE_WIDE_MAX_TOKENS
 
-    def _fp8_in(self, layer: int, name: str, x: torch.Tensor) -> bool:
-        """Whether the op producing projection ``name``'s input ``x`` [T, K] should also write its per-token fp8
-        copy (``quant=True`` of the fused ops): the weight is fp8 and its GEMM quantizes activations at T rows
-        (``fp8.wants_fp8_input``), and ``FUSE_FP8_QUANT`` is on."""
+    def _fp8_in(self, layer: int, name: str, rows: int, device: torch.device) -> bool:
+        """Whether the op producing projection ``name``'s input (``rows`` tokens on ``device``) should also write its
+        per-token fp8 copy (``quant=True`` of the fused ops): the weight is fp8 and its GEMM quantizes activations at
+        that many rows (``fp8.wants_fp8_input``), and ``FUSE_FP8_QUANT`` is on."""
         w = self.layers[layer][name]
-        return FUSE_FP8_QUANT and isinstance(w, Fp8Weight) and wants_fp8_input(self.fp8_method, x.shape[0], w,
-                                                                                  x.device)
+        return FUSE_FP8_QUANT and isinstance(w, Fp8Weight) and wants_fp8_input(self.fp8_method, rows, w, device)
 
     def _linear(self, x: torch.Tensor, layer: int, name: str, plan: "StepPlan", lora_backend: str | None, *,
                 defer: bool = False, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -489,7 +488,7 @@ class DecoderModel:
         st = ForwardPass(plan=plan, kv=kv, h=h, rope_rows=self._rope_rows(plan), defer=defer,
                          defer_row=defer and self.tp_group is None,  # row-parallel o / down: LoRA in place, inside
                          lora_backend=lora_backend, ops_backend=ops_backend)  # the all-reduce
-        quant = self._fp8_in(0, "qkv", h)
+        quant = self._fp8_in(0, "qkv", T, h.device)
         x = rms_norm(h, self.layers[0]["in_norm"], c.rms_norm_eps, unit_offset=c.norm_unit_offset, backend=ops_backend,
                      quant=quant)
         x, xq = x if quant else (x, None)
@@ -517,12 +516,12 @@ class DecoderModel:
         if self.tp_group is not None:
             self.tp_group.all_reduce(o)  # row-parallel: the ranks' partial sums (base + LoRA), before any norm
         # (an fp8 GEMM that quantizes its activations gets them from the op before it: quant=True, no launch of its own)
-        quant = self._fp8_in(i, "gate_up", h)
+        quant = self._fp8_in(i, "gate_up", T, h.device)
         x = add_rms_norm(h, o, layer["post_norm"], eps, delta_weight=layer.get("attn_out_norm"),
                          unit_offset=offset, lora_delta=lo, backend=ops, quant=quant)
         x, xq = x if quant else (x, None)
         gu, lg = self._linear(x, i, "gate_up", plan, lb, defer=st.defer, x_fp8=xq)  # [T, 2 * inter]
-        quant = T >= FUSE_FP8_QUANT_GLU_MIN_TOKENS and self._fp8_in(i, "down", gu[:, : gu.shape[1] // 2])
+        quant = T >= FUSE_FP8_QUANT_GLU_MIN_TOKENS and self._fp8_in(i, "down", T, h.device)
         a = self._act(gu, lora_delta=lg, backend=ops, quant=quant)
         a, aq = a if quant else (a, None)
         d, ld = self._linear(a, i, "down", plan, lb, defer=st.defer_row, x_fp8=aq)
@@ -530,7 +529,7 @@ class DecoderModel:
             self.tp_group.all_reduce(d)
         last = i + 1 == len(self.layers)
         nxt = self.norm if last else self.layers[i + 1]["in_norm"]
-        quant = not last and self._fp8_in(i + 1, "qkv", h)
+        quant = not last and self._fp8_in(i + 1, "qkv", T, h.device)
         x = add_rms_norm(h, d, nxt, eps, delta_weight=layer.get("mlp_out_norm"), unit_offset=offset,
                          lora_delta=ld, backend=ops, quant=quant)
         x, xq = x if quant else (x, None)

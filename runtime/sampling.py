@@ -300,7 +300,7 @@ def _keep_threshold(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 ROW_MAX_SPLIT_MIN = 16384
 #: The pieces' target length in the first pass (a divisor of the row length near it is taken).
 ROW_MAX_PIECE = 1024
-#: Off (False) only for A/Bs (``bench_generate.py`` provider ``multilora-onepassmax``).
+#: Off (False) only for A/Bs (``bench_generate.py`` provider ``multilora-fp8-onepassmax``).
 ROW_MAX_TWO_PASS = True
 
 
