@@ -203,6 +203,7 @@ def test_a_bare_kernels_import_from_the_checkout_gets_the_installed_package(tmp_
     from it), ``import kernels`` finds our ``kernels/`` folder first; it hands the name to the package of that name
     installed elsewhere (Hugging Face's, which transformers >= 5.25 imports), submodules included, and stays an empty
     module where there is none. ``multilora.kernels`` is unaffected either way."""
+    import importlib.machinery
     import subprocess
     import sys
 
@@ -213,16 +214,12 @@ def test_a_bare_kernels_import_from_the_checkout_gets_the_installed_package(tmp_
     code = ("import sys, kernels; from kernels import {names}; import multilora.kernels as mk; "
             "print(kernels.__file__, {names}, hasattr(mk, 'lora_apply'))")
     env_path = [str(ROOT)] + [p for p in sys.path if p and Path(p).resolve() != ROOT]
-    import importlib.machinery
     installed = importlib.machinery.PathFinder.find_spec("kernels", env_path[1:])  # Hugging Face's, if installed
     for extra, names, want in (([str(site)], "CUDAProperties, layer", f"{site}/kernels/__init__.py hub"),
                                ([], "__name__", f"{installed.origin if installed else ROOT / 'kernels/__init__.py'} "
                                                 f"kernels")):
-        if extra:  # the stand-in package first, before any installed one
-            env_path_run = env_path[:1] + extra + env_path[1:]
-        else:
-            env_path_run = env_path
-        prog = f"import sys; sys.path[:] = {env_path_run!r}; " + code.format(names=names)
+        path = env_path[:1] + extra + env_path[1:]  # a stand-in package right after the root, before any installed one
+        prog = f"import sys; sys.path[:] = {path!r}; " + code.format(names=names)
         p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert p.returncode == 0, p.stderr[-2000:]
         out = p.stdout.strip()
