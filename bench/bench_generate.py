@@ -38,6 +38,9 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     (``runtime.sampling.ROW_MAX_TWO_PASS = False``, what ran before session 23: the A/B)
     multilora-fp8-sepquant  multilora-fp8 with each fp8 GEMM quantizing its activations in a launch of its own
                     (``runtime.model.FUSE_FP8_QUANT = False``, what ran before session 23: the A/B; same values)
+    multilora-sync, multilora-lora-sync, multilora-fp8-sync  multilora, multilora-lora and multilora-fp8 with every
+                    step read back before the next is launched (``EngineConfig.async_scheduling`` off, what ran
+                    before session 24: the A/B of the default on CUDA)
     hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
     peft            peft's mixed-batch generate (adapter_names=) with the same adapter files as multilora-lora
 
@@ -106,8 +109,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-sync"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -308,6 +311,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     widen_default = triton_fp8.GEMV_WIDEN_F16
     twopass_default = sampling.ROW_MAX_TWO_PASS
     fuse_quant_default = model_mod.FUSE_FP8_QUANT
+    async_default = engine._async if engine is not None else False
     head_default = engine.model.lm_head if engine is not None else None
     head_fp8 = None  # -lmhead: the quantized copy of head_default, made on first use
     carve_default = engine.model.lora_side_sm_carveout if engine is not None else 0
@@ -332,6 +336,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             widen = True if v.endswith("-f16widen") else False if v.endswith("-bf16widen") else widen_default
             sampling.ROW_MAX_TWO_PASS = False if v.endswith("-onepassmax") else twopass_default  # not in graphs
             fuse_quant = False if v.endswith("-sepquant") else fuse_quant_default
+            engine._async = async_default and not v.endswith("-sync")  # (not in graphs: no capture again)
             m = engine.model
             if v.endswith("-lmhead") and head_fp8 is None and isinstance(head_default, torch.Tensor):
                 from multilora.kernels.fp8 import quantize_weight
@@ -371,7 +376,8 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
                         "gemm_cublaslt_tokens": m.gemm_cublaslt_tokens,
                         "decode_shrink_warps": triton_sgmv.DECODE_SHRINK_WARPS,
                         "decode_expand_rank_tiles": triton_sgmv.DECODE_EXPAND_RANK_TILES, "lora_pdl": triton_sgmv.PDL,
-                        "step_pdl": triton_pdl.ENABLED, "fp8_gemv_widen_f16": triton_fp8.GEMV_WIDEN_F16}
+                        "step_pdl": triton_pdl.ENABLED, "fp8_gemv_widen_f16": triton_fp8.GEMV_WIDEN_F16,
+                        "async_scheduling": engine._async}
             for b in batches:
                 adapters = names[:b] if "-lora" in v else None
                 run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
@@ -756,7 +762,8 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
         for base, fp8 in (("multilora", "multilora-fp8"), ("multilora-lora", "multilora-fp8-lora"),
                           ("multilora", "multilora-fp8-f16widen"), ("multilora", "multilora-fp8-bf16widen"),
                           ("multilora", "multilora-fp8-lmhead"),
-                          ("multilora", "multilora-fp8-onepassmax"), ("multilora", "multilora-fp8-sepquant")):
+                          ("multilora", "multilora-fp8-onepassmax"), ("multilora", "multilora-fp8-sepquant"),
+                          ("multilora-sync", "multilora-fp8-sync")):
             lo, hi = ok.get((base, b)), ok.get((fp8, b))
             if hi is None:
                 continue

@@ -4,7 +4,9 @@ A random-weight model of a real shape (default Llama-3-8B, bf16) on CUDA; B requ
 tokens (no adapters, or request i on adapter a<i> with --lora), prefilled, then --steps decode steps run under
 ``torch.profiler`` (CPU + CUDA activities; kernels replayed from CUDA graphs are traced too). Printed:
 
-- wall ms per step (host clock, between synchronizations) and GPU kernel ms per step (sum of kernel times);
+- wall ms per step (host clock, step call to step call, the median; no synchronization between them, so with
+  async scheduling a step's host work overlaps the GPU's step before: ``--sync`` for the old behaviour) and GPU
+  kernel ms per step (sum of kernel times);
 - the kernels grouped by name: calls per step, us per call, share of kernel time;
 - for each weight GEMM shape of the model at M = B tokens, ``x @ W.t()`` alone (CUDA events, median of 50):
   its time and the weight bytes it reads over that time against the copy bandwidth (the ceiling of a
@@ -81,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="launch every Triton kernel plainly (kernels.triton_pdl.ENABLED and triton_sgmv.PDL off): "
                          "with programmatic dependent launch a kernel starts while the one before drains and waits, "
                          "so its profiled time includes that wait and the kernels' times overlap")
+    ap.add_argument("--sync", action="store_true",
+                    help="read each step back before launching the next (EngineConfig.async_scheduling=False; the "
+                         "default on CUDA launches a step before reading the step before back)")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -102,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                     max_seq_len=max(args.prompt_len + 2 * total_steps + 16, args.mixed_tokens + 16),
                     max_lora_rank=16, adapter_slots=args.batch if args.lora else 1,
                     adapter_pool_share=0.3 if args.lora else None, cuda_graphs=not args.no_cuda_graphs,
-                    weight_dtype="fp8" if args.weight_dtype == "fp8" else None)
+                    weight_dtype="fp8" if args.weight_dtype == "fp8" else None,
+                    async_scheduling=False if args.sync else None)
     names = None
     tmp = tempfile.TemporaryDirectory()
     if args.lora:
@@ -140,12 +146,14 @@ def main(argv: list[str] | None = None) -> int:
 
     engine.runner.run = timed_run
     before = dict(engine._counters)
-    walls = []
+    walls = []  # step to step, no sync between (async scheduling overlaps a step's host work with the one before)
+    t0 = time.perf_counter()
     for _ in range(args.steps):
-        t0 = time.perf_counter()
         step()
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        walls.append(t1 - t0)
+        t0 = t1
+    torch.cuda.synchronize()
     kinds = {k: engine._counters[k] - before.get(k, 0) for k in ("decode_steps", "mixed_steps", "prefill_steps")}
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -164,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host time of the forward call (runner.run; launches queued, not waited for): median "
           f"{statistics.median(enq[: args.steps]) * 1e3:.3f} ms")
     print(f"{args.shape} {args.weight_dtype} weights, batch {args.batch}, {'adapters' if args.lora else 'no adapters'}, "
-          f"cuda_graphs={not args.no_cuda_graphs}, ops={'torch' if args.torch_ops else 'triton'}, pdl={not args.no_pdl}; copy bandwidth {bw:.0f} GB/s")
+          f"cuda_graphs={not args.no_cuda_graphs}, ops={'torch' if args.torch_ops else 'triton'}, pdl={not args.no_pdl}, "
+          f"async_scheduling={engine._async}; copy bandwidth {bw:.0f} GB/s")
     wbytes = engine.model.nbytes - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2)
     print(f"wall {wall_ms:.3f} ms/step (median of {args.steps}); GPU kernels {total_us / steps_prof / 1e3:.3f} ms/step "
           f"over {sum(len(v) for v in kern.values()) / steps_prof:.0f} kernels/step; weights {wbytes / 1e9:.2f} GB -> "
@@ -192,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"shape": args.shape, "batch": args.batch, "lora": args.lora,
                                          "mixed_tokens": args.mixed_tokens, "step_kinds": kinds,
-                                         "weight_dtype": args.weight_dtype,
+                                         "weight_dtype": args.weight_dtype, "async_scheduling": engine._async,
                                          "host_forward_ms": statistics.median(enq[: args.steps]) * 1e3,
                                          "copy_gbps": bw, "wall_ms": wall_ms, "gpu_kernel_ms": total_us / steps_prof / 1e3,
                                          "kernels": [{"name": n, "calls_per_step": c, "us_per_call": us, "share": sh}

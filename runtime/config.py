@@ -162,6 +162,17 @@ class EngineConfig:
             plain read against 37-39%) and its copies keep the pinned copy's speed under compute, but in the
             one-batch bench at 2,048 adapters the batch still ran slower than with "host" (bench/README.md,
             "Session 12" and "Session 13"): hence "host" by default.
+        async_scheduling: launch each step before reading the step before back (vLLM's name): the step's last
+            tokens stay on the device (``Request.pending``) and the next step takes them from there
+            (``runner.Feed``), so the host schedules and stages step n + 1 while the GPU runs step n, instead of
+            the GPU idling from the end of step n until the host has read its tokens, checked them and launched
+            step n + 1. Stop conditions are then checked one step late: a request that ends on an end-of-sequence
+            token or a stop string computes one more row, whose token is dropped (outputs are the same token for
+            token). The engine reads back first (no step ahead) when a request of the step before reaches
+            ``max_tokens`` or ``max_seq_len`` with it, and for steps with ``Engine.logits`` rows. None (default):
+            on for CUDA without tensor parallelism (where the host's preparation was 0.26 ms of idle GPU per
+            batch-1 step and 0.52 ms per batch-64 step, Llama-3-8B fp8 on an H200: ``bench/results/session23``),
+            off elsewhere. Not with tensor parallelism.
         progress: show a progress bar while loading the model.
 
     Raises:
@@ -240,6 +251,9 @@ class EngineConfig:
                                        "threads transpose lora_B and check values; default) or device (raw reads, "
                                        "finished in the pool at the next step: a GPU kernel, torch ops on a CPU "
                                        "pool; not with tensor parallelism)", choices=("host", "device"))
+    async_scheduling: bool | None = _opt(None, "launch each step before reading the step before back, so the host "
+                                               "prepares step n + 1 while the GPU runs step n (default: on on CUDA "
+                                               "without tensor parallelism)", kind=bool)
     progress: bool = _opt(True, "", cli=False)
 
     def __post_init__(self) -> None:
@@ -291,6 +305,11 @@ class EngineConfig:
         for name in ("cuda_graphs", "enable_chunked_prefill", "adapter_aware_admission", "unified_pool"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "True or False")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise fail("async_scheduling", "None, True or False")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise fail("async_scheduling", "None or False with tensor_parallel_size > 1 (the workers take their "
+                                           "token ids from the host)")
         if self.gil_switch_interval is not None and not (_is_number(self.gil_switch_interval)
                                                          and 0 <= self.gil_switch_interval <= 1):
             raise fail("gil_switch_interval", "None or a number of seconds in [0, 1] (0: leave Python's)")
@@ -338,7 +357,7 @@ class EngineConfig:
             if not meta.get("cli"):
                 continue
             flag = "--" + f.name.replace("_", "-")
-            if isinstance(f.default, bool) and meta["kind"] is bool:  # --name / --no-name
+            if meta["kind"] is bool and (f.default is None or isinstance(f.default, bool)):  # --name / --no-name
                 parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                     help=meta["help"])
                 continue

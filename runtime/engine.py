@@ -41,9 +41,9 @@ from multilora.runtime.config import EngineConfig, resolve_device
 from multilora.runtime.model import DecoderModel
 from multilora.runtime.parallel import TensorParallel, TensorParallelError, TPGroup
 from multilora.runtime.sharding import check_tp_size, shard_weights, tp_rank_config
-from multilora.runtime.postprocess import Postprocessor, RequestOutput
+from multilora.runtime.postprocess import Postprocessor, RequestOutput, draw_tokens
 from multilora.runtime.requests import RequestFactory, per_row
-from multilora.runtime.runner import CAPTURE_WORKSPACE_BYTES, ModelRunner
+from multilora.runtime.runner import CAPTURE_WORKSPACE_BYTES, Feed, ModelRunner
 from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.scheduler import Request, Schedule, Scheduler, Status
 from multilora.runtime.sizing import default_map_ahead_bytes, default_slots, measure_and_size, memory_request
@@ -69,11 +69,24 @@ class EngineOverloadedError(RuntimeError):
 
 
 _COUNTERS = ("steps", "prefill_steps", "decode_steps", "mixed_steps", "prefill_chunks", "prompt_tokens",
-             "recomputed_tokens", "generated_tokens", "requests_finished", "requests_failed")
+             "recomputed_tokens", "generated_tokens", "requests_finished", "requests_failed", "async_steps",
+             "async_dropped_tokens")
 
 
 #: upper bounds (seconds) of the step-duration histogram (``Engine.stats()["step_seconds"]``): doubling from 1 ms
 STEP_BUCKETS = tuple(0.001 * 2**i for i in range(14))  # 1 ms .. 8.2 s
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """A step launched and not yet read back (``EngineConfig.async_scheduling``): its sampled requests (``batch``,
+    row ``i`` for ``batch[i]``), their drawn ids on the device (``ids``, int64, -1 = logits not finite), the pinned
+    host copy being made of them (``host``; ``ids`` itself off CUDA) and the event after that copy (None off CUDA)."""
+
+    batch: list[Request]
+    ids: torch.Tensor
+    host: torch.Tensor
+    event: Any
 
 
 class StepTimes:
@@ -278,6 +291,15 @@ class Engine:
         self.requests = RequestFactory(self.text, self.cache, self.kv, max_seq_len=self.max_seq_len)
         self._step_lock = threading.RLock()
         self.last_run: dict[str, float] = {}
+        # async scheduling (``EngineConfig.async_scheduling``): the step launched and not yet read back, and two
+        # pinned buffers (with their copy events) that consecutive steps' drawn ids alternate between
+        self._async = (cfg.async_scheduling if cfg.async_scheduling is not None
+                       else self.device.type == "cuda" and self.tp is None)
+        self._ahead: _Ahead | None = None
+        self._flip = 0
+        if self._async and self.device.type == "cuda":
+            self._host_ids = [torch.empty(cfg.max_batch_size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._host_events = [torch.cuda.Event() for _ in range(2)]
         log.info("%s (%d layers, hidden %d) on %s/%s; adapter pool %.1f MB (%d pages of %d B); KV %d blocks x %d "
                  "tokens (+1 reserved; %.1f MB: %.1f sequences of max_seq_len=%d tokens); max batch %d%s",
                  self.model_path.name,
@@ -406,7 +428,8 @@ class Engine:
     # ---------------------------------------------------------------------------------------- step
     def step(self) -> list[Request]:
         """Run one engine step (a prefill, a decode or, with chunked prefill, a mixed step: ``Schedule``); return
-        the requests that finished in it."""
+        the requests that finished in it. With ``async_scheduling`` a step is launched before the step before is
+        read back, and the requests returned are those that the step before finished (``_step_ahead``)."""
         with self._step_lock:
             t0 = time.perf_counter()
             if self.tp is not None:
@@ -414,21 +437,99 @@ class Engine:
                     return self._fail_all(list(self.scheduler.running) + list(self.scheduler.waiting),
                                           TensorParallelError(self.tp.dead), log_it=False)
                 self._sync_workers()
-            sched = self.scheduler.schedule()
+            ahead, self._ahead = self._ahead, None
+            done: list[Request] = []
+            if ahead is not None and not self._can_step_ahead(ahead):
+                done += self._read_back(ahead)
+                ahead = None
+            try:
+                sched = self.scheduler.schedule()
+            except BaseException:
+                if ahead is not None:
+                    self._read_back(ahead)
+                raise
             self._counters["requests_failed"] += len(sched.failed)
+            done += sched.failed
             if sched.kind is None:
-                return sched.failed
+                return done + (self._read_back(ahead) if ahead is not None else [])
             self._make_resident(sched.batch)
             if self.tp is not None:
                 self.tp.set_slot_map({h.slot: (h.name, h.version) for h in self.cache.handles() if h.slot is not None})
+            feed = self._feed(ahead, sched.batch) if ahead is not None else None
             try:
-                logits = self.runner.run(sched.kind, sched.batch)
+                logits = self.runner.run(sched.kind, sched.batch, feed=feed)
             except Exception as e:  # never leave a batch holding resources; report per request
-                return sched.failed + self._fail_all(sched.batch, e)
+                done += self._fail_all(sched.batch, e)
+                return done + (self._read_back(ahead) if ahead is not None else [])
             self._count(sched, *self.scheduler.advance(sched.batch))
-            done = sched.failed + self.postprocess(sched.sampling, logits)  # (its read-back waits for the GPU)
+            if ahead is not None:
+                self._counters["async_steps"] += 1
+            nxt = self._launch(sched.sampling, logits) if self._async else None
+            if ahead is not None:
+                done += self._read_back(ahead)
+            if nxt is not None and all(r.status is Status.FINISHED for r in nxt.batch):
+                self._read_back(nxt)  # every row stopped in the step before: nothing is left to read one step late
+            elif nxt is not None:
+                self._ahead = nxt
+            else:
+                done += self.postprocess(sched.sampling, logits)  # (its read-back waits for the GPU)
             self.step_times.observe(sched.kind, time.perf_counter() - t0, len(sched.batch))
             return done
+
+    # ------------------------------------------------------------------ async scheduling (one step ahead)
+    def _can_step_ahead(self, ahead: _Ahead) -> bool:
+        """Whether the next step may be scheduled before ``ahead`` is read back: no request of it that is still
+        unfinished ends by length with the token ``ahead`` drew (the schedule would grow its KV blocks past its
+        last position; the read-back finishes it first)."""
+        cap = self.max_seq_len
+        for r in ahead.batch:
+            if r.status is not Status.FINISHED:
+                n = len(r.output_ids) + r.pending
+                if n >= r.params.max_tokens or len(r.prompt_ids) + n >= cap:
+                    return False
+        return True
+
+    def _feed(self, ahead: _Ahead, batch: list[Request]) -> Feed | None:
+        """Where each row of ``batch`` finds the id of its token that ``ahead`` drew (``runner.Feed``), or None."""
+        rows = {r.request_id: i for i, r in enumerate(ahead.batch)}
+        src = [rows.get(r.request_id, -1) if r.pending else -1 for r in batch]
+        return Feed(ahead.ids, src) if any(i >= 0 for i in src) else None
+
+    def _launch(self, batch: list[Request], logits: torch.Tensor) -> _Ahead | None:
+        """Draw the step's tokens on the device and queue their copy to the host, without waiting (``_Ahead``);
+        each request's ``pending`` grows by one. None (the step is read back now instead): nothing to draw, an
+        ``Engine.logits`` row, or a draw that raised (``Postprocessor`` then draws each request alone)."""
+        if not batch or any(r.logits_only for r in batch):
+            return None
+        try:
+            ids = draw_tokens(batch, logits)
+        except Exception:
+            log.debug("the batched draw raised; reading this step back now", exc_info=True)
+            return None
+        event = None
+        if ids.is_cuda:
+            self._flip ^= 1
+            host = self._host_ids[self._flip][: ids.shape[0]]
+            host.copy_(ids, non_blocking=True)
+            event = self._host_events[self._flip]
+            event.record()
+        else:
+            host = ids
+        for r in batch:
+            r.pending += 1
+        return _Ahead(batch, ids, host, event)
+
+    def _read_back(self, ahead: _Ahead) -> list[Request]:
+        """Wait for ``ahead``'s tokens, append them and check stops (``Postprocessor.take``): the requests that
+        finished. A request that finished meanwhile has its token dropped (``async_dropped_tokens``)."""
+        if ahead.event is not None:
+            ahead.event.synchronize()
+        tokens = ahead.host.tolist()
+        for r in ahead.batch:
+            r.pending -= 1
+            if r.status is Status.FINISHED:
+                self._counters["async_dropped_tokens"] += 1
+        return self.postprocess.take(ahead.batch, [t if t >= 0 else None for t in tokens])
 
     def _make_resident(self, batch: list[Request]) -> None:
         """Prefetch the adapters of waiting requests; make the compute stream wait for this batch's."""
@@ -494,7 +595,8 @@ class Engine:
         c["recomputed_tokens"] += recomputed
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request is waiting or running, or a step is still to be read back (``async_scheduling``)."""
+        return self.scheduler.has_unfinished() or self._ahead is not None
 
     def abort(self, request_id: int) -> bool:
         """Withdraw a request (from any thread): it leaves before the next step, with ``finish_reason="abort"``;

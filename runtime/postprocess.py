@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from multilora.runtime.sampling import SamplingTensors, row_max, sample_batch
-from multilora.runtime.scheduler import Request
+from multilora.runtime.scheduler import Request, Status
 from multilora.runtime.tokenizer import Prompt, PromptTokenizer
 
 log = logging.getLogger("multilora")
@@ -56,19 +56,29 @@ class RequestOutput:
     finish_time: float | None = None
 
 
-def sample_tokens(batch: list[Request], logits: torch.Tensor) -> list[int | None]:
-    """One batched draw on the logits' device: the next token of each request (``multilora.runtime.sampling``),
-    or None for a row whose logits are not finite (a NaN, an inf, or every entry -inf: no token can be drawn).
-    The row maxima that tell this are the greedy path's own reduction; the step's only host sync reads both."""
+def draw_tokens(batch: list[Request], logits: torch.Tensor) -> torch.Tensor:
+    """One batched draw on the logits' device, without a host sync (``multilora.runtime.sampling``): int64 [B], the
+    next token of each request, or -1 for a row whose logits are not finite (a NaN, an inf, or every entry -inf: no
+    token can be drawn). The row maxima that tell this are the greedy path's own reduction. Request ``r`` draws its
+    token number ``len(r.output_ids) + r.pending`` (its tokens not yet read back come before it).
+
+    Raises:
+        ValueError: a row's sampling parameters cannot be packed (``SamplingTensors.from_params``).
+    """
     params = [r.params for r in batch]
     with torch.inference_mode():
         top, ids = row_max(logits.float())  # the greedy tokens (first of ties, as argmax) and each row's max
         if not all(p.greedy for p in params):
-            t = SamplingTensors.from_params(params, [r.seed for r in batch], [len(r.output_ids) for r in batch],
-                                            logits.device)
+            t = SamplingTensors.from_params(params, [r.seed for r in batch],
+                                            [len(r.output_ids) + r.pending for r in batch], logits.device)
             ids = sample_batch(logits, t)
-        out = torch.where(torch.isfinite(top), ids, -1).tolist()
-    return [t if t >= 0 else None for t in out]
+        return torch.where(torch.isfinite(top), ids, -1)
+
+
+def sample_tokens(batch: list[Request], logits: torch.Tensor) -> list[int | None]:
+    """``draw_tokens`` read back to the host (the step's only host sync): each request's next token, or None for a
+    row whose logits are not finite."""
+    return [t if t >= 0 else None for t in draw_tokens(batch, logits).tolist()]
 
 
 class Postprocessor:
@@ -106,9 +116,18 @@ class Postprocessor:
             if not keep:
                 return finished
             batch, logits = [batch[i] for i in keep], logits[keep]
+        return finished + self.take(batch, self._sample(batch, logits))
+
+    def take(self, batch: list[Request], tokens: list[int | None | Exception]) -> list[Request]:
+        """Append each request's drawn token (``tokens[i]`` for ``batch[i]``: an id, None for logits that were not
+        finite, or the exception its draw raised) and check its stop conditions; return the requests that finished.
+        A request that finished meanwhile (an abort, or a stop found one step behind: ``EngineConfig.
+        async_scheduling``) is passed over: its token is dropped."""
+        finished = []
         now = time.perf_counter()
-        tokens = self._sample(batch, logits)
         for req, tok in zip(batch, tokens):
+            if req.status is Status.FINISHED:
+                continue
             try:
                 if isinstance(tok, Exception):
                     raise tok
@@ -164,7 +183,7 @@ class Postprocessor:
             if cut >= 0:
                 req.text = text[:cut]
                 return "stop"
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_seq_len:
+        if len(req.output_ids) >= p.max_tokens or len(req.prompt_ids) + len(req.output_ids) >= self.max_seq_len:
             req.text = self.tokenizer.decode(req.output_ids)
             return "length"
         return None

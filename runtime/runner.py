@@ -88,6 +88,43 @@ def _staged_fields(fields: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], d
     return dev, host, h, d, spans
 
 
+@dataclass
+class Feed:
+    """Token ids a step takes from the device instead of the host: the tokens that the step before drew and the
+    engine has not read back yet (``Request.pending``; ``EngineConfig.async_scheduling``). The host staged a
+    placeholder (0) for each; ``apply`` overwrites them in stream order, so the step reads the drawn ids without
+    the host waiting for them.
+
+    Attributes:
+        ids: int64 [S] on the device: the step before's draw (``postprocess.draw_tokens``; -1 for a row whose
+            logits were not finite: its request fails when read back, and its placeholder becomes token 0).
+        src: one int per row of this step's batch: the row of ``ids`` holding the id of that row's last token, or
+            -1 (the row's tokens are all on the host). A pending token is always the last of its row's chunk.
+    """
+
+    ids: torch.Tensor
+    src: Sequence[int]
+
+    def apply(self, input_ids: torch.Tensor, q_lens: Sequence[int] | None) -> None:
+        """Write the drawn ids into a step's device ``input_ids`` [T] (int64), whose row ``b`` holds ``q_lens[b]``
+        tokens (None: one each, a decode step). No host sync: at most one small pinned copy of the indices, none
+        when the rows keep the step before's order (a decode step of the same batch)."""
+        src = np.asarray(self.src, dtype=np.int64)
+        rows = np.flatnonzero(src >= 0)
+        n = rows.size
+        if n == 0:
+            return
+        dst = rows if q_lens is None else (np.cumsum(np.asarray(q_lens, dtype=np.int64)) - 1)[rows]
+        src = src[rows]
+        if dst[-1] == n - 1 and src[-1] == n - 1 and (n == 1 or (np.all(np.diff(dst) == 1) and np.all(np.diff(src) == 1))):
+            torch.clamp(self.ids[:n], min=0, out=input_ids[:n])  # the same rows in the same order: one kernel
+            return
+        idx = torch.from_numpy(np.stack([dst, src]))
+        if input_ids.is_cuda:  # pinned + non_blocking: queued on the stream, the host does not wait
+            idx = idx.pin_memory().to(input_ids.device, non_blocking=True)
+        input_ids.index_copy_(0, idx[0], self.ids.index_select(0, idx[1]).clamp_(min=0))
+
+
 class DecodeBuffers:
     """The static inputs of CUDA-graph decode steps: made once for the largest bucket, filled in place per step.
 
@@ -444,50 +481,60 @@ class ModelRunner:
             hidden = hidden.index_select(0, plan.last_index)
         return self.model.compute_logits(hidden)
 
-    def run(self, kind: str, batch: list[Request]) -> torch.Tensor:
+    def run(self, kind: str, batch: list[Request], feed: Feed | None = None) -> torch.Tensor:
         """The forward of a scheduled step (``Scheduler.schedule``): request ``r`` computes its tokens
         ``r.computed .. r.computed + r.chunk - 1``. Returns float32 logits [S, vocab] on the device, one row per
         request whose chunk reaches its last token (``Request.samples``), in batch order (S = B for a decode step
         and for an unchunked prefill). A decode step that fits a graph bucket replays it; everything else (prefill
-        and mixed steps) replays piecewise graphs when it fits their largest bucket, or runs eagerly."""
+        and mixed steps) replays piecewise graphs when it fits their largest bucket, or runs eagerly.
+
+        ``feed``: the ids of tokens drawn on the device by the step before and not read back (``Request.pending``;
+        the engine's ``async_scheduling``): ``Feed``. Not with tensor parallelism (ValueError)."""
         tables = [self.kv.block_table(r.seq_id) for r in batch]
         slots = [r.slot for r in batch]
+        if feed is not None and self.tp is not None:
+            raise ValueError("run: feed (tokens read back one step late) is not supported with tensor parallelism")
         with torch.inference_mode():
             if kind == "decode" and self.graphs is not None and self.graphs.bucket_for(len(batch)) is not None:
                 args = ([r.tokens(r.computed, 1)[0] for r in batch], [r.computed for r in batch], tables, slots)
                 if self.tp is not None:  # tensor-parallel workers run the same step (runtime.parallel)
                     self.tp.step("graph", args)
                 self.path_counts["graph_steps"] += 1
-                return self.decode_graph(*args)
+                return self.decode_graph(*args, feed=feed)
             token_ids = [r.tokens(r.computed, r.chunk) for r in batch]  # a prefill: prompt + any tokens generated
             starts = [r.computed for r in batch]  # before a preemption, whole or a chunk of it
             sample = [r.samples for r in batch]
             if (self.pieces is not None and self.tp is None
                     and self.pieces.bucket_for(sum(r.chunk for r in batch)) is not None):
                 self.path_counts["piecewise_graph_steps"] += 1
-                return self.piecewise_step(token_ids, starts, tables, slots, sample=None if all(sample) else sample)
+                return self.piecewise_step(token_ids, starts, tables, slots, sample=None if all(sample) else sample,
+                                           feed=feed)
             self.path_counts["eager_steps"] += 1
             if self.tp is not None:
                 self.tp.step("eager", (token_ids, starts, tables, slots))
             plan = self.build_plan(token_ids, starts, tables, slots, block_size=self.kv.block_size,
                                    sample=None if all(sample) else sample)
+            if feed is not None:
+                feed.apply(plan.input_ids, [len(t) for t in token_ids])
             return self._logits_of(plan)
 
     def decode_graph(self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
-                     slots: Sequence[int]) -> torch.Tensor:
+                     slots: Sequence[int], feed: Feed | None = None) -> torch.Tensor:
         """One decode step through the static buffers and its bucket's graph: float32 logits [B, vocab]."""
         B = len(token_ids)
         bucket = self.graphs.bucket_for(B)
         lora = any(s >= 0 for s in slots)
         self.buffers.stage(bucket, token_ids, positions, block_tables, slots)
+        if feed is not None:
+            feed.apply(self.buffers.d["input_ids"], None)
         return self.graphs.replay((bucket, lora), lambda: self.buffers.plan(bucket, lora))[:B]
 
     def piecewise_step(self, token_ids: Sequence[Sequence[int]], starts: Sequence[int],
                        block_tables: Sequence[Sequence[int]], slots: Sequence[int], *,
-                       sample: Sequence[bool] | None = None) -> torch.Tensor:
+                       sample: Sequence[bool] | None = None, feed: Feed | None = None) -> torch.Tensor:
         """One step of B sequences (``build_plan``'s arguments) through the static buffers and its token bucket's
         piecewise graphs, attention eager between them over the real tokens: float32 logits [S, vocab] (the rows of
-        ``sample``, default all)."""
+        ``sample``, default all). ``feed``: as in ``run``."""
         B = len(token_ids)
         q_lens = tuple(len(t) for t in token_ids)
         T = sum(q_lens)
@@ -500,6 +547,8 @@ class ModelRunner:
         if self.pieces.capture and not self.pieces.captured:  # the largest bucket first lays out the shared pool
             self.warm_pieces(lora=(True,), buckets=self.pieces.buckets[-1:])  # (``warm_pieces``)
         bufs.stage(bucket, token_ids, starts, slots, meta.slot_mapping)
+        if feed is not None:
+            feed.apply(bufs.d["input_ids"], q_lens)
 
         def between(i: int) -> None:  # layer i's attention over the real tokens, into the next piece's input
             self.model.attend(i, bufs.q[:T], meta, self.kv, backend=self.attention_backend, out=bufs.attn[:T])

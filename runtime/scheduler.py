@@ -142,10 +142,14 @@ class Request:
     computed: int = 0  # positions whose KV this admission has computed (scheduler-kept; 0 while waiting)
     chunk: int = 0  # tokens the scheduled step computes: positions computed .. computed + chunk - 1
     max_computed: int = 0  # most positions ever computed (over preemptions): a position below it is recomputed
+    #: tokens drawn on the device by a step launched ahead (``EngineConfig.async_scheduling``) and not yet read back:
+    #: they follow ``output_ids``; their ids exist only on the device until the engine reads the step back
+    pending: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Its positions: prompt, generated, and any drawn but not yet read back (``pending``)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
 
     @property
     def kv_need(self) -> int:
@@ -165,11 +169,13 @@ class Request:
         return self.computed < self.admitted_tokens
 
     def tokens(self, start: int, n: int) -> list[int]:
-        """Its token ids ``start .. start + n - 1`` (prompt, then generated)."""
+        """Its token ids ``start .. start + n - 1`` (prompt, then generated; 0 stands for a ``pending`` token, whose id
+        the runner takes from the device)."""
         p = len(self.prompt_ids)
         if start + n <= p:
             return self.prompt_ids[start : start + n]
-        return (self.prompt_ids[start:] + self.output_ids[max(0, start - p) : start + n - p])[:n]
+        out = (self.prompt_ids[start:] + self.output_ids[max(0, start - p) : start + n - p])[:n]
+        return out + [0] * (n - len(out)) if len(out) < n else out
 
     @property
     def seq_id(self) -> int:
@@ -288,7 +294,7 @@ class Scheduler:
         full of pinned adapters), the waiting requests fail."""
         for req in self.running:
             req.chunk = 0
-            n = len(req.prompt_ids) + len(req.output_ids)
+            n = len(req.prompt_ids) + len(req.output_ids) + req.pending
             if req.computed >= n:  # its step ran, its token was not taken (an interrupt): the last position
                 req.computed = n - 1  # again gives the logits
         if not self.chunked:
@@ -311,7 +317,7 @@ class Scheduler:
             if self.running:
                 self._reserve_decode()
                 for req in self.running:
-                    req.computed, req.chunk = len(req.prompt_ids) + len(req.output_ids) - 1, 1
+                    req.computed, req.chunk = len(req.prompt_ids) + len(req.output_ids) + req.pending - 1, 1
                 sched = Schedule("decode", list(self.running), failed, list(self.running))
         if sched is not None:
             return sched
@@ -346,7 +352,7 @@ class Scheduler:
                     room -= n
                     first = False
                     batch.append(req)
-                    if req.computed + n == len(req.prompt_ids) + len(req.output_ids):
+                    if req.computed + n == len(req.prompt_ids) + len(req.output_ids) + req.pending:
                         sampling.append(req)
         if not preempted and room > 0:  # a request preempted now would be admitted again at once: wait a step
             for req in self._admit(failed, room=room, first=first):
