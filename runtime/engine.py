@@ -428,8 +428,12 @@ class Engine:
     # ---------------------------------------------------------------------------------------- step
     def step(self) -> list[Request]:
         """Run one engine step (a prefill, a decode or, with chunked prefill, a mixed step: ``Schedule``); return
-        the requests that finished in it. With ``async_scheduling`` a step is launched before the step before is
-        read back, and the requests returned are those that the step before finished (``_step_ahead``)."""
+        the requests that finished in it. With ``EngineConfig.async_scheduling`` a step is launched before the step
+        before is read back, and the requests returned are mostly those that the step before finished.
+
+        An exception or interrupt leaves every request consistent: a step launched and not read back is read back
+        (its tokens kept) before it propagates, or, after an interrupted read-back, its tokens are dropped and
+        computed again by later steps."""
         with self._step_lock:
             t0 = time.perf_counter()
             if self.tp is not None:
@@ -437,44 +441,62 @@ class Engine:
                     return self._fail_all(list(self.scheduler.running) + list(self.scheduler.waiting),
                                           TensorParallelError(self.tp.dead), log_it=False)
                 self._sync_workers()
-            ahead, self._ahead = self._ahead, None
+            ahead, self._ahead = self._ahead, None  # a step launched by the call before, not read back yet
+            nxt: _Ahead | None = None  # this step, once launched, until it is handed to the next call
             done: list[Request] = []
-            if ahead is not None and not self._can_step_ahead(ahead):
-                done += self._read_back(ahead)
-                ahead = None
-            try:
+            broken = False  # a read-back was interrupted: the tokens of steps after it are dropped (recomputed)
+
+            def back(a: _Ahead) -> list[Request]:
+                nonlocal broken
+                try:
+                    return self._read_back(a, drop=broken)
+                except BaseException:
+                    broken = True
+                    raise
+
+            try:  # (finally: a step left unread by an exception or an interrupt is read back, tokens kept)
+                if ahead is not None and not self._can_step_ahead(ahead):
+                    a, ahead = ahead, None
+                    done += back(a)
                 sched = self.scheduler.schedule()
-            except BaseException:
+                self._counters["requests_failed"] += len(sched.failed)
+                done += sched.failed
+                if sched.kind is None:
+                    return done
+                self._make_resident(sched.batch)
+                if self.tp is not None:
+                    self.tp.set_slot_map({h.slot: (h.name, h.version) for h in self.cache.handles()
+                                          if h.slot is not None})
+                feed = self._feed(ahead, sched.batch) if ahead is not None else None
+                try:
+                    logits = self.runner.run(sched.kind, sched.batch, feed=feed)
+                except Exception as e:  # never leave a batch holding resources; report per request
+                    done += self._fail_all(sched.batch, e)
+                    return done
+                self._count(sched, *self.scheduler.advance(sched.batch))
                 if ahead is not None:
-                    self._read_back(ahead)
-                raise
-            self._counters["requests_failed"] += len(sched.failed)
-            done += sched.failed
-            if sched.kind is None:
-                return done + (self._read_back(ahead) if ahead is not None else [])
-            self._make_resident(sched.batch)
-            if self.tp is not None:
-                self.tp.set_slot_map({h.slot: (h.name, h.version) for h in self.cache.handles() if h.slot is not None})
-            feed = self._feed(ahead, sched.batch) if ahead is not None else None
-            try:
-                logits = self.runner.run(sched.kind, sched.batch, feed=feed)
-            except Exception as e:  # never leave a batch holding resources; report per request
-                done += self._fail_all(sched.batch, e)
-                return done + (self._read_back(ahead) if ahead is not None else [])
-            self._count(sched, *self.scheduler.advance(sched.batch))
-            if ahead is not None:
-                self._counters["async_steps"] += 1
-            nxt = self._launch(sched.sampling, logits) if self._async else None
-            if ahead is not None:
-                done += self._read_back(ahead)
-            if nxt is not None and all(r.status is Status.FINISHED for r in nxt.batch):
-                self._read_back(nxt)  # every row stopped in the step before: nothing is left to read one step late
-            elif nxt is not None:
-                self._ahead = nxt
-            else:
-                done += self.postprocess(sched.sampling, logits)  # (its read-back waits for the GPU)
-            self.step_times.observe(sched.kind, time.perf_counter() - t0, len(sched.batch))
-            return done
+                    self._counters["async_steps"] += 1
+                nxt = self._launch(sched.sampling, logits) if self._async else None
+                if ahead is not None:
+                    a, ahead = ahead, None
+                    done += back(a)
+                if nxt is None:
+                    done += self.postprocess(sched.sampling, logits)  # (its read-back waits for the GPU)
+                elif any(r.status is not Status.FINISHED for r in nxt.batch):
+                    self._ahead, nxt = nxt, None
+                # (else every row stopped in the step before: ``finally`` reads it back, nothing is left for later)
+                self.step_times.observe(sched.kind, time.perf_counter() - t0, len(sched.batch))
+                return done
+            finally:
+                err = None
+                for a in (ahead, nxt):  # in step order
+                    if a is not None:
+                        try:
+                            done += back(a)
+                        except BaseException as e:
+                            err = err or e
+                if err is not None:
+                    raise err
 
     # ------------------------------------------------------------------ async scheduling (one step ahead)
     def _can_step_ahead(self, ahead: _Ahead) -> bool:
@@ -519,16 +541,19 @@ class Engine:
             r.pending += 1
         return _Ahead(batch, ids, host, event)
 
-    def _read_back(self, ahead: _Ahead) -> list[Request]:
+    def _read_back(self, ahead: _Ahead, drop: bool = False) -> list[Request]:
         """Wait for ``ahead``'s tokens, append them and check stops (``Postprocessor.take``): the requests that
-        finished. A request that finished meanwhile has its token dropped (``async_dropped_tokens``)."""
+        finished. A request that finished meanwhile has its token dropped (``async_dropped_tokens``). ``drop``: the
+        read-back of a step before was interrupted, so these tokens follow tokens that were lost: drop them all
+        (the scheduler computes the positions again from the last token kept, ``Scheduler.schedule``)."""
+        for r in ahead.batch:
+            r.pending -= 1
+        if drop:
+            return []
         if ahead.event is not None:
             ahead.event.synchronize()
         tokens = ahead.host.tolist()
-        for r in ahead.batch:
-            r.pending -= 1
-            if r.status is Status.FINISHED:
-                self._counters["async_dropped_tokens"] += 1
+        self._counters["async_dropped_tokens"] += sum(r.status is Status.FINISHED for r in ahead.batch)
         return self.postprocess.take(ahead.batch, [t if t >= 0 else None for t in tokens])
 
     def _make_resident(self, batch: list[Request]) -> None:

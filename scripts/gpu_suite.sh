@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU tests (-m gpu) on a machine with one CUDA GPU, in three shards run at once (about 5 minutes on the H200
-# instead of about 11 one after the other), for the device machine's 10-minute calls.
+# The GPU tests (-m gpu) on a machine with one CUDA GPU, in four shards run at once (about 6 minutes on the H200
+# instead of about 13 one after the other), for the device machine's 10-minute calls.
 #
 #   bash scripts/gpu_suite.sh OUT_DIR [LIMIT_SECONDS]     (LIMIT: each shard's time limit, default 400)
 #
@@ -18,12 +18,15 @@ mkdir -p "$OUT"
 LOGS=$(mktemp -d)
 # by the durations seen on the H200 (session 18: A 242 s, B 291 s, C 117 s when run together; session 21, with the
 # PDL tests: A and B past 300 s, C 116 s, so Phi-3 and Gemma 2 moved from A and B to C; session 22: A past 330 s 38
-# tests into test_fp8_gpu.py, B 322 s, C 207 s, so test_fp8_gpu.py (50 s alone) moved from A to C)
-A="test_kernels.py test_fused_ops.py test_image_finish.py"
-B="test_attention.py test_sampling.py test_engine_gpu.py"
+# tests into test_fp8_gpu.py, B 322 s, C 207 s, so test_fp8_gpu.py (50 s alone) moved from A to C; session 24: A and B
+# both past 380 s (B with the async-scheduling tests), C 308 s, so test_engine_gpu.py got a shard of its own, D, and
+# test_image_finish.py moved from A to B)
+A="test_kernels.py test_fused_ops.py"
+B="test_attention.py test_sampling.py test_image_finish.py"
+D="test_engine_gpu.py"
 C="test_adapter_tiers.py test_engine_loop.py test_engine_diagnostics.py test_adapter_memory.py test_suite_halves.py
    test_model_families_gpu.py test_engine_unified.py test_model_phi3_gpu.py test_model_gemma2_gpu.py test_fp8_gpu.py"
-named=" $(echo $A $B $C) "  # (echo: one space between names)
+named=" $(echo $A $B $C $D) "  # (echo: one space between names)
 extra=""
 for f in $(grep -l "mark\.gpu" "$T"/test_*.py | xargs -n1 basename); do
     case "$named" in *" $f "*) ;; *) extra="$extra $f" ;; esac
@@ -39,10 +42,11 @@ shard() {  # name, files...
 shard A $A &
 shard B $B &
 shard C $C &
+shard D $D &
 wait
 {
     [ -n "$extra" ] && echo "=== files with a gpu mark that no shard named, run in shard C:$extra"
-    for n in A B C; do echo "=== shard $n"; tail -25 "$LOGS/shard_$n.log"; done
+    for n in A B C D; do echo "=== shard $n"; tail -25 "$LOGS/shard_$n.log"; done
 } > "$OUT/gpu_tests.log"
 status=0
 grep -q "rc=[^0]" "$LOGS"/shard_*.log && status=1

@@ -58,9 +58,9 @@ def slow_steps(engine, seconds):
     """Every forward sleeps ``seconds`` first (undo: ``restore_steps``)."""
     run = _original_run(engine)
 
-    def slow(kind, batch):
+    def slow(kind, batch, **kw):
         time.sleep(seconds)
-        return run(kind, batch)
+        return run(kind, batch, **kw)
 
     engine.runner.run = slow
 
@@ -69,7 +69,7 @@ def failing_steps(engine, message):
     """Every forward raises RuntimeError(message) (undo: ``restore_steps``)."""
     _original_run(engine)
 
-    def boom(kind, batch):
+    def boom(kind, batch, **kw):
         raise RuntimeError(message)
 
     engine.runner.run = boom

@@ -196,6 +196,51 @@ def test_non_finite_logits_fail_their_request_only(adapters, monkeypatch):
     _assert_idle(e)
 
 
+class _Interrupt:
+    """Wraps a function: raises KeyboardInterrupt on its ``at``-th call (1-based), else calls through."""
+
+    def __init__(self, fn, at):
+        self.fn, self.at, self.calls = fn, at, 0
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return self.fn(*a, **k)
+
+
+@pytest.mark.parametrize("where,at", [("forward", 2), ("forward", 4), ("draw", 2), ("draw", 4), ("read back", 2),
+                                      ("read back", 4)])
+def test_an_interrupt_keeps_every_request_on_its_tokens(adapters, monkeypatch, where, at):
+    """An interrupt in a step's forward (a step ahead is read back, its tokens kept), in its draw, or in a
+    read-back (the tokens not appended are lost, and those of the step launched after it dropped: the scheduler
+    computes them again): the requests, stepped on by their caller, still finish with their own tokens."""
+    from multilora.runtime import engine as engine_mod
+
+    prompts, params = _prompts()[:4], [SamplingParams(max_tokens=8, ignore_eos=True, seed=5, temperature=t)
+                                       for t in (0.0, 0.9, 0.0, 1.0)]
+    want = [o.token_ids for o in _engine(adapters, False).generate(prompts, adapters=ADAPTER_OF[:4], sampling=params)]
+    e = _engine(adapters, True)
+    if where == "forward":
+        monkeypatch.setattr(e.runner, "run", _Interrupt(e.runner.run, at))
+    elif where == "draw":
+        monkeypatch.setattr(engine_mod, "draw_tokens", _Interrupt(engine_mod.draw_tokens, at))
+    else:
+        monkeypatch.setattr(e.postprocess, "take", _Interrupt(e.postprocess.take, at))
+    reqs = [e.add_request(p, a, sp) for p, a, sp in zip(prompts, ADAPTER_OF, params)]
+    interrupted = 0
+    while e.has_unfinished():
+        try:
+            e.step()
+        except KeyboardInterrupt:
+            interrupted += 1
+            assert e._ahead is None and all(r.pending == 0 for r in reqs)
+    assert interrupted == 1
+    assert [r.output_ids for r in reqs] == want and all(r.finish_reason == "length" for r in reqs)
+    assert e.stats()["async_steps"] > 0
+    _assert_idle(e)
+
+
 @pytest.mark.parametrize("q_lens,src,want", [
     (None, [0, 1, 2], [10, 11, 0]),  # a decode step in the same order (one clamp, the -1 becomes 0)
     (None, [2, -1, 0], [0, 101, 10]),  # rows reordered, one row from the host

@@ -566,7 +566,7 @@ def test_all_greedy_step_samples_as_sample_batch():
     logits = torch.randn(4, e.config.vocab_size, generator=g)
     logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie: the first index wins in both
     for temps in ([0, 0, 0, 0], [0, 0.8, 0, 1.0]):
-        batch = [SimpleNamespace(params=SamplingParams(temperature=t, seed=i), seed=100 + i, output_ids=[1] * i)
+        batch = [SimpleNamespace(params=SamplingParams(temperature=t, seed=i), seed=100 + i, output_ids=[1] * i, pending=0)
                  for i, t in enumerate(temps)]
         want = sample_batch(logits, SamplingTensors.from_params([r.params for r in batch], [r.seed for r in batch],
                                                                 [len(r.output_ids) for r in batch], "cpu")).tolist()

@@ -282,11 +282,11 @@ def test_an_exception_in_a_step_fails_that_batch_only(tiny, reference, monkeypat
     calls = {"n": 0}
     run = e.runner.run
 
-    def flaky(kind, batch):
+    def flaky(kind, batch, **kw):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("a bad step")
-        return run(kind, batch)
+        return run(kind, batch, **kw)
 
     monkeypatch.setattr(e.runner, "run", flaky)
     outs = e.generate(PROMPTS, adapters=ADAPTERS, sampling=GREEDY)
