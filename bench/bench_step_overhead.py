@@ -118,7 +118,7 @@ def drain(e: Engine) -> None:
 # ----------------------------------------------------------------------------------------- part timers
 def _parts(e: Engine) -> list[tuple[str, int, Any, str]]:
     """(label, depth, owner, attribute): the functions timed, inclusive; depth = nesting for the printout."""
-    from multilora.runtime import cuda_graphs, postprocess, runner, sampling, scheduler
+    from multilora.runtime import cuda_graphs, engine, postprocess, runner, sampling, scheduler
 
     return [
         ("schedule (scheduler.schedule)", 0, scheduler.Scheduler, "schedule"),
@@ -136,6 +136,10 @@ def _parts(e: Engine) -> list[tuple[str, int, Any, str]]:
         ("SamplingTensors.from_params", 2, sampling.SamplingTensors, "from_params"),
         ("sample_batch", 2, postprocess, "sample_batch"),
         ("stop checks (Postprocessor.check_stop)", 1, postprocess.Postprocessor, "check_stop"),
+        # async scheduling (the CUDA default): the draw is launched, the step before read back one call later
+        ("draw launched (Engine._launch; async)", 0, engine.Engine, "_launch"),
+        ("read back (Engine._read_back; async: waits for the step before)", 0, engine.Engine, "_read_back"),
+        ("append + stops (Postprocessor.take)", 1, postprocess.Postprocessor, "take"),
     ]
 
 
