@@ -58,7 +58,9 @@ Asynchronous loads. ``load(..., stream=s)`` copies on side stream ``s`` and reco
 makes the current stream wait on every such event still pending (so no extent moves before its copy landed),
 and a later side-stream load waits on the last compaction (so its copy cannot land in a place that a move is
 still reading). ``free`` of a slot whose copy is pending makes the current stream wait on it too, so the next
-owner's copy cannot be overtaken. Nothing here synchronises the host.
+owner's copy cannot be overtaken; and ``free`` records an event on the current stream that later side-stream loads
+wait on, so a copy into freed pages cannot land while work queued before the free (a step still in flight, launched
+before the one before it was read back) reads them. Nothing here synchronises the host.
 
 Raw images (``PackedAdapter.finish``; ``multilora.kernels.image_finish``). On CUDA a raw image is copied into its
 extent like any other (one copy) and then finished there in place (lora_B transposed through a scratch buffer, a
@@ -432,7 +434,9 @@ class AdapterPool:
         # slot -> (event after its finish, FinishOps, finish_torch's answer on a CPU pool else None)
         self._checks: dict[int, tuple[Any, Any, int | None]] = {}
         self._tiles: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}  # layout -> (pinned, device) tiles; LRU
-        self._last_compaction: Any = None  # event after the last compaction's moves (or the last growth: ``resize``)
+        # event after the last compaction's moves, growth (``resize``) or free: a side-stream load waits for it, as the
+        # pages it writes may still be read or written by work queued before on the current stream
+        self._reuse_after: Any = None
         self.compactions = 0
         self.bytes_moved = 0
         self._lock = threading.RLock()
@@ -585,7 +589,7 @@ class AdapterPool:
                 moved += n
             self.compactions += 1
             self.bytes_moved += moved * self.page_bytes
-            self._last_compaction = self.order.record()
+            self._reuse_after = self.order.record()
             return moved
 
     def resize(self, num_pages: int) -> None:
@@ -609,7 +613,7 @@ class AdapterPool:
                 self.compact()
             self._space.resize(num_pages)
             if cut < 0:
-                self._last_compaction = self.order.record()
+                self._reuse_after = self.order.record()
             self.num_pages = num_pages
 
     @property
@@ -681,7 +685,8 @@ class AdapterPool:
             raise ValueError(f"adapter {packed.name!r}: a raw image of {packed.data.numel()} elements with finish ops "
                              f"for {fin.numel}")
         if stream is not None:
-            self.order.wait(self._last_compaction, stream)  # not before the moves out of these pages
+            # not before the moves out of these pages, nor before their last readers (``free``)
+            self.order.wait(self._reuse_after, stream)
         answer = None
         with self.order.on(stream):
             if timer is not None:
@@ -880,6 +885,9 @@ class AdapterPool:
             self.offsets_b[:, :, slot] = 0
             self._give(start, n)
             self._free_slots.append(slot)
+            # the pages' last readers may still be queued (a step launched before its predecessor was read back:
+            # the engine's async scheduling): the next side-stream copy into them waits for that work
+            self._reuse_after = self.order.record()
 
 
 def _module_ranks(adapter: "AdapterWeights") -> dict[tuple[int, str], int]:

@@ -167,12 +167,16 @@ class EngineConfig:
             (``runner.Feed``), so the host schedules and stages step n + 1 while the GPU runs step n, instead of
             the GPU idling from the end of step n until the host has read its tokens, checked them and launched
             step n + 1. Stop conditions are then checked one step late: a request that ends on an end-of-sequence
-            token or a stop string computes one more row, whose token is dropped (outputs are the same token for
-            token). The engine reads back first (no step ahead) when a request of the step before reaches
-            ``max_tokens`` or ``max_seq_len`` with it, and for steps with ``Engine.logits`` rows. None (default):
-            on for CUDA without tensor parallelism (where the host's preparation was 0.26 ms of idle GPU per
-            batch-1 step and 0.52 ms per batch-64 step, Llama-3-8B fp8 on an H200: ``bench/results/session23``),
-            off elsewhere. Not with tensor parallelism.
+            token or a stop string computes one more row, whose token is dropped. The tokens are those of steps
+            read back one by one (``tests/test_async_scheduling.py``), except that such an extra row can change a
+            later step's batch size, and on the GPU kernels of another batch size may round bf16 differently. The
+            engine reads back first (no step ahead) when a request of the step before reaches ``max_tokens`` or
+            ``max_seq_len`` with it, and for steps with ``Engine.logits`` rows; ``Engine.abort`` reads back a
+            request's drawn tokens before it withdraws it. Prefill and mixed steps copy some of their inputs from
+            pageable host memory, which waits for the GPU: only decode steps overlap fully. None (default): on for
+            CUDA without tensor parallelism (H200, Llama-3-8B: the GPU idled 0.52 ms between fp8 batch-64 decode
+            steps without it, 0.09 ms with it; decode steps 5.1-6.2% faster at batch 64, 2.7-3.8% at batch 1:
+            ``bench/results/session24``), off elsewhere. Not with tensor parallelism.
         progress: show a progress bar while loading the model.
 
     Raises:

@@ -16,6 +16,7 @@ import atexit
 import bisect
 import collections
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -297,9 +298,8 @@ class Engine:
                        else self.device.type == "cuda" and self.tp is None)
         self._ahead: _Ahead | None = None
         self._flip = 0
-        if self._async and self.device.type == "cuda":
-            self._host_ids = [torch.empty(cfg.max_batch_size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-            self._host_events = [torch.cuda.Event() for _ in range(2)]
+        self._host_ids: list[torch.Tensor] = []  # (made by the first step drawn on CUDA)
+        self._host_events: list[Any] = []
         log.info("%s (%d layers, hidden %d) on %s/%s; adapter pool %.1f MB (%d pages of %d B); KV %d blocks x %d "
                  "tokens (+1 reserved; %.1f MB: %.1f sequences of max_seq_len=%d tokens); max batch %d%s",
                  self.model_path.name,
@@ -454,6 +454,7 @@ class Engine:
                     broken = True
                     raise
 
+            clean = False  # set on each normal return; else ``finally`` also makes every ``pending`` count true again
             try:  # (finally: a step left unread by an exception or an interrupt is read back, tokens kept)
                 if ahead is not None and not self._can_step_ahead(ahead):
                     a, ahead = ahead, None
@@ -462,6 +463,7 @@ class Engine:
                 self._counters["requests_failed"] += len(sched.failed)
                 done += sched.failed
                 if sched.kind is None:
+                    clean = True
                     return done
                 self._make_resident(sched.batch)
                 if self.tp is not None:
@@ -472,11 +474,15 @@ class Engine:
                     logits = self.runner.run(sched.kind, sched.batch, feed=feed)
                 except Exception as e:  # never leave a batch holding resources; report per request
                     done += self._fail_all(sched.batch, e)
+                    clean = True
                     return done
                 self._count(sched, *self.scheduler.advance(sched.batch))
                 if ahead is not None:
                     self._counters["async_steps"] += 1
                 nxt = self._launch(sched.sampling, logits) if self._async else None
+                if nxt is not None:
+                    for r in nxt.batch:
+                        r.pending += 1
                 if ahead is not None:
                     a, ahead = ahead, None
                     done += back(a)
@@ -486,8 +492,11 @@ class Engine:
                     self._ahead, nxt = nxt, None
                 # (else every row stopped in the step before: ``finally`` reads it back, nothing is left for later)
                 self.step_times.observe(sched.kind, time.perf_counter() - t0, len(sched.batch))
+                clean = True
                 return done
             finally:
+                if not clean and self._ahead is not None:  # interrupted right after handing this step over
+                    nxt, self._ahead = self._ahead, None
                 err = None
                 for a in (ahead, nxt):  # in step order
                     if a is not None:
@@ -495,6 +504,9 @@ class Engine:
                             done += back(a)
                         except BaseException as e:
                             err = err or e
+                if not clean:  # no step is left ahead: nothing is pending (a count an interrupt cut short included;
+                    for r in itertools.chain(self.scheduler.running, self.scheduler.waiting):  # tokens not read back
+                        r.pending = 0  # are computed again: ``Scheduler.schedule``)
                 if err is not None:
                     raise err
 
@@ -518,8 +530,8 @@ class Engine:
         return Feed(ahead.ids, src) if any(i >= 0 for i in src) else None
 
     def _launch(self, batch: list[Request], logits: torch.Tensor) -> _Ahead | None:
-        """Draw the step's tokens on the device and queue their copy to the host, without waiting (``_Ahead``);
-        each request's ``pending`` grows by one. None (the step is read back now instead): nothing to draw, an
+        """Draw the step's tokens on the device and queue their copy to the host, without waiting (``_Ahead``; the
+        caller adds one to each request's ``pending``). None (the step is read back now instead): nothing to draw, an
         ``Engine.logits`` row, or a draw that raised (``Postprocessor`` then draws each request alone)."""
         if not batch or any(r.logits_only for r in batch):
             return None
@@ -530,6 +542,10 @@ class Engine:
             return None
         event = None
         if ids.is_cuda:
+            if not self._host_ids:  # two: the step being read back and the one just launched
+                n = self.engine_config.max_batch_size
+                self._host_ids = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+                self._host_events = [torch.cuda.Event() for _ in range(2)]
             self._flip ^= 1
             host = self._host_ids[self._flip][: ids.shape[0]]
             host.copy_(ids, non_blocking=True)
@@ -537,8 +553,6 @@ class Engine:
             event.record()
         else:
             host = ids
-        for r in batch:
-            r.pending += 1
         return _Ahead(batch, ids, host, event)
 
     def _read_back(self, ahead: _Ahead, drop: bool = False) -> list[Request]:
@@ -620,14 +634,23 @@ class Engine:
         c["recomputed_tokens"] += recomputed
 
     def has_unfinished(self) -> bool:
-        """Whether a request is waiting or running, or a step is still to be read back (``async_scheduling``)."""
-        return self.scheduler.has_unfinished() or self._ahead is not None
+        """Whether a request is waiting or running (or, with ``async_scheduling``, waits for its last tokens to be
+        read back)."""
+        a = self._ahead
+        return self.scheduler.has_unfinished() or (a is not None and any(r.status is not Status.FINISHED
+                                                                           for r in a.batch))
 
     def abort(self, request_id: int) -> bool:
         """Withdraw a request (from any thread): it leaves before the next step, with ``finish_reason="abort"``;
-        its KV blocks and adapter reference go back. Returns False when no unfinished request has that id."""
+        its KV blocks and adapter reference go back. Returns False when no unfinished request has that id. With
+        ``async_scheduling``, the step that drew the request's last tokens is read back first: a request that
+        finished on them keeps its finish reason (and this returns False), as without it."""
         with self._step_lock:
             req = self.scheduler.get(request_id)
+            if req is not None and req.pending and self._ahead is not None:  # its last tokens are drawn: read them
+                a, self._ahead = self._ahead, None  # first, as a step read back at once would have (it may have
+                self._read_back(a)  # finished on them)
+                req = self.scheduler.get(request_id)
             if req is not None:
                 self.scheduler.finish(req, "abort", "aborted")
             return req is not None

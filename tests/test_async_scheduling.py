@@ -126,22 +126,39 @@ def test_async_steps_give_the_tokens_of_steps_read_back_one_by_one(adapters, sce
 
 
 def test_an_abort_while_a_token_is_pending_leaves_the_others_untouched(adapters):
+    """The aborted request's drawn token is read back first (as a synchronous step would have given it), then it
+    leaves; the others keep their tokens."""
     prompts, params = _prompts()[:4], [SamplingParams(max_tokens=10, ignore_eos=True, seed=3, temperature=t)
                                        for t in (0.0, 0.9, 0.0, 0.0)]
     e = _engine(adapters, True)
     reqs = [e.add_request(p, a, sp) for p, a, sp in zip(prompts, ADAPTER_OF, params)]
     victim = reqs[1]
-    while not victim.pending:
+    while len(victim.output_ids) < 3 or not victim.pending:
         e.step()
+    n = len(victim.output_ids)
     assert e.abort(victim.request_id)
+    assert victim.finish_reason == "abort" and len(victim.output_ids) == n + 1 and victim.pending == 0
     while e.has_unfinished():
         e.step()
-    assert victim.finish_reason == "abort" and len(victim.output_ids) < 10
-    keep = [0, 2, 3]
-    ref = _engine(adapters, False).generate([prompts[i] for i in keep], adapters=[ADAPTER_OF[i] for i in keep],
-                                            sampling=[params[i] for i in keep])
-    assert [reqs[i].output_ids for i in keep] == [o.token_ids for o in ref]
-    assert e.stats()["async_dropped_tokens"] >= 1
+    ref = _engine(adapters, False).generate(prompts, adapters=ADAPTER_OF[:4], sampling=params)
+    assert victim.output_ids == ref[1].token_ids[: n + 1]
+    assert [reqs[i].output_ids for i in (0, 2, 3)] == [ref[i].token_ids for i in (0, 2, 3)]
+    _assert_idle(e)
+
+
+def test_an_abort_after_the_last_token_was_drawn_finds_the_request_finished(adapters):
+    """As without async scheduling: once the step that drew a request's last token has run, it finished by
+    length, so there is nothing to abort, and nothing is left unfinished."""
+    e = _engine(adapters, True)
+    req = e.add_request(_prompts()[0], "a0", SamplingParams(max_tokens=3, ignore_eos=True))
+    for _ in range(3):
+        e.step()
+    assert req.pending == 1 and e.has_unfinished()
+    assert not e.abort(req.request_id)
+    assert req.finish_reason == "length" and len(req.output_ids) == 3
+    ref = _engine(adapters, False).generate([_prompts()[0]], adapters=["a0"],
+                                            sampling=SamplingParams(max_tokens=3, ignore_eos=True))
+    assert req.output_ids == ref[0].token_ids
     _assert_idle(e)
 
 
@@ -209,12 +226,24 @@ class _Interrupt:
         return self.fn(*a, **k)
 
 
-@pytest.mark.parametrize("where,at", [("forward", 2), ("forward", 4), ("draw", 2), ("draw", 4), ("read back", 2),
-                                      ("read back", 4)])
+class _InterruptAfter(_Interrupt):
+    """Raises KeyboardInterrupt right after its ``at``-th call returned (the call's work done, its result lost)."""
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        out = self.fn(*a, **k)
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return out
+
+
+@pytest.mark.parametrize("where,at", [("forward", 2), ("forward", 4), ("draw", 2), ("draw", 4), ("after draw", 3),
+                                      ("read back", 2), ("read back", 4), ("after read back", 3)])
 def test_an_interrupt_keeps_every_request_on_its_tokens(adapters, monkeypatch, where, at):
-    """An interrupt in a step's forward (a step ahead is read back, its tokens kept), in its draw, or in a
-    read-back (the tokens not appended are lost, and those of the step launched after it dropped: the scheduler
-    computes them again): the requests, stepped on by their caller, still finish with their own tokens."""
+    """An interrupt in a step's forward (a step ahead is read back, its tokens kept), in its draw or just after it
+    (before the step is handed on: its tokens are lost), or in a read-back or just after it (the tokens not
+    appended are lost, and those of the step launched after it dropped): the scheduler computes lost tokens again,
+    and the requests, stepped on by their caller, still finish with their own tokens."""
     from multilora.runtime import engine as engine_mod
 
     prompts, params = _prompts()[:4], [SamplingParams(max_tokens=8, ignore_eos=True, seed=5, temperature=t)
@@ -225,6 +254,10 @@ def test_an_interrupt_keeps_every_request_on_its_tokens(adapters, monkeypatch, w
         monkeypatch.setattr(e.runner, "run", _Interrupt(e.runner.run, at))
     elif where == "draw":
         monkeypatch.setattr(engine_mod, "draw_tokens", _Interrupt(engine_mod.draw_tokens, at))
+    elif where == "after draw":  # the step's draw launched, the step not yet handed on
+        monkeypatch.setattr(e, "_launch", _InterruptAfter(e._launch, at))
+    elif where == "after read back":  # tokens appended, the interrupt before the step returns
+        monkeypatch.setattr(e, "_read_back", _InterruptAfter(e._read_back, at))
     else:
         monkeypatch.setattr(e.postprocess, "take", _Interrupt(e.postprocess.take, at))
     reqs = [e.add_request(p, a, sp) for p, a, sp in zip(prompts, ADAPTER_OF, params)]

@@ -367,8 +367,8 @@ def _logged_pool(num_pages):
 
 def test_compaction_waits_for_pending_side_stream_loads_first():
     """A side-stream load leaves an event pending; a compaction makes the current stream wait on it before the
-    first move, a later side-stream load waits on the compaction's event before its copy, and a free of a slot
-    whose copy is pending waits on it (the next owner's copy cannot overtake it)."""
+    first move, a later side-stream load waits on the compaction's event (or a later free's) before its copy, and a
+    free of a slot whose copy is pending waits on it (the next owner's copy cannot overtake it)."""
     unit = _adapter("u", {(0, "q_proj"): 8}, seed=0)
     n = _doc_pages(CFG, _ranks(unit))
     pool, log = _logged_pool(4 * n)
@@ -388,12 +388,17 @@ def test_compaction_waits_for_pending_side_stream_loads_first():
     ev_compact = log[-1][1]
     log.clear()
     pool.free(big)
+    assert [e[0] for e in log] == ["record"]  # the free's event: after work queued so far on the current stream
+    ev_free = log[0][1]
+    log.clear()
     late = pool.load(_adapter("late", {(1, "k_proj"): 2}, seed=4), stream="side")
-    assert log[0] == ("wait", ev_compact, "side"), log  # before its copy: not into pages a move still reads
+    # before its copy: not into pages that a move, or a step queued before the free, still reads (the free's event
+    # was recorded on the current stream after the compaction's: waiting on it waits for both)
+    assert log[0] == ("wait", ev_free, "side") and ev_free != ev_compact, log
     pending = next(e[1] for e in log if e[0] == "record")
     log.clear()
     pool.free(late)
-    assert log == [("wait", pending, "current")]
+    assert log[0] == ("wait", pending, "current") and [e[0] for e in log] == ["wait", "record"], log
     _check_round_trip(pool, side, _adapter("s", {(0, "q_proj"): 8}, seed=1))  # moved after its copy, intact
 
 
