@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from multilora.kernels.backends import select_triton
+from multilora.kernels.backends import select_triton, to_device
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def build_attention_metadata(
     buf[: 8 * T].view(np.int64)[:] = table[seq, pos // block_size].astype(np.int64) * block_size + pos % block_size
     if tiles is not None:
         buf[o_tiles:].view(np.int32)[:] = tiles.reshape(-1)
-    dev = host.to(device)
+    dev = to_device(host, device)  # (pinned, non-blocking on CUDA)
     return AttentionMetadata(
         query_start_loc=dev[o_qsl : o_qsl + 4 * (B + 1)].view(torch.int32),
         seq_lens=dev[o_len : o_len + 4 * B].view(torch.int32),

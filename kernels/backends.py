@@ -52,6 +52,18 @@ def select_triton(backend: str | None, x: torch.Tensor | torch.device, module: s
 
 
 @functools.lru_cache(maxsize=None)
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``. To CUDA through pinned memory and a non-blocking copy: it queues on the
+    current stream and the host goes on at once. A copy from pageable memory waits for the work queued on the stream
+    before it (the driver stages it), which would stall a host that prepares step n + 1 while the GPU runs step n
+    (the engine's async scheduling). The pinned staging tensor outlives the copy (torch's caching host allocator
+    records it on the stream). To the CPU: ``host`` itself."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def num_sms(index: int) -> int:
     """Streaming multiprocessors of CUDA device ``index`` (read once per device): what the kernels size their
     split-K and split-key grids by."""

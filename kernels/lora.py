@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from multilora.kernels.backends import select_triton
+from multilora.kernels.backends import select_triton, to_device
 
 
 @dataclass(frozen=True)
@@ -360,7 +360,7 @@ def build_lora_plan(token_slots: Sequence[int] | torch.Tensor, device: torch.dev
     chunks = host[: 4 * W].reshape(4, W)
     fill_chunk_table(chunks, s, bm)
     host[4 * W :] = s
-    dev = torch.from_numpy(host).to(device)
+    dev = to_device(torch.from_numpy(host), device)  # (pinned, non-blocking on CUDA)
     return LoRAPlan(token_slots=dev[4 * W :], chunks=dev[: 4 * W].view(4, W), block_m=bm,
                     has_lora=bool(chunks[1, 0] >= 0))
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from multilora.kernels.attention import AttentionMetadata, build_attention_metadata
-from multilora.kernels.backends import select_triton, triton_module
+from multilora.kernels.backends import select_triton, to_device, triton_module
 from multilora.kernels.lora import LoRAPlan, block_m_for, build_lora_plan, fill_chunk_table
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
@@ -119,9 +119,7 @@ class Feed:
         if dst[-1] == n - 1 and src[-1] == n - 1 and (n == 1 or (np.all(np.diff(dst) == 1) and np.all(np.diff(src) == 1))):
             torch.clamp(self.ids[:n], min=0, out=input_ids[:n])  # the same rows in the same order: one kernel
             return
-        idx = torch.from_numpy(np.stack([dst, src]))
-        if input_ids.is_cuda:  # pinned + non_blocking: queued on the stream, the host does not wait
-            idx = idx.pin_memory().to(input_ids.device, non_blocking=True)
+        idx = to_device(torch.from_numpy(np.stack([dst, src])), input_ids.device)  # (pinned on CUDA: no wait)
         input_ids.index_copy_(0, idx[0], self.ids.index_select(0, idx[1]).clamp_(min=0))
 
 
@@ -454,14 +452,14 @@ class ModelRunner:
         last = np.cumsum(qn) - 1
         if sample is not None:
             last = last[np.fromiter(sample, dtype=bool, count=B)]
-        return StepPlan(
-            input_ids=torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
-            q_lens=q_lens,
-            last_index=torch.from_numpy(last).to(dev),
-            attn=attn,
-            lora=lora,
-        )
+        T = int(qn.sum())  # ids, positions and the sampled rows in one host buffer: one copy (pinned on CUDA)
+        host = np.empty(2 * T + last.size, dtype=np.int64)
+        host[:T] = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=T)
+        host[T : 2 * T] = positions
+        host[2 * T :] = last
+        d = to_device(torch.from_numpy(host), dev)
+        return StepPlan(input_ids=d[:T], positions=d[T : 2 * T], q_lens=q_lens, last_index=d[2 * T :], attn=attn,
+                        lora=lora)
 
     # -------------------------------------------------------------------------------------- runs
     def forward(self, plan: StepPlan, kv: PagedKVCache | None = None) -> torch.Tensor:
@@ -556,9 +554,9 @@ class ModelRunner:
         last = np.cumsum(q_lens) - 1
         if sample is not None:
             last = last[np.fromiter(sample, dtype=bool, count=B)]
-        # before the pieces are queued: a pageable copy waits for the stream, and after them it would wait for the
-        # whole forward before the lm_head could be queued
-        index = torch.from_numpy(last).to(self.device) if 0 < last.size < T else None
+        # the sampled rows' index (a pinned, non-blocking copy: a pageable one would wait for the work queued on the
+        # stream, the step before included)
+        index = to_device(torch.from_numpy(last), self.device) if 0 < last.size < T else None
         self.pieces.run((bucket, lora), lambda: bufs.context(bucket, lora, self.kv.block_size), self._piece, between)
         if last.size == 0:
             return torch.empty(0, self.model.lm_head.shape[0], dtype=torch.float32, device=self.device)

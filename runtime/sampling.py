@@ -21,6 +21,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from multilora.kernels.backends import to_device
+
 
 @dataclass
 class SamplingParams:
@@ -133,12 +135,6 @@ def _int64(v: int, name: str, i: int) -> int:
     return (v + 2**63) % 2**64 - 2**63
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":  # pinned + non_blocking: the copy queues on the stream, the host does not wait
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 @dataclass
 class SamplingTensors:
     """A batch's sampling parameters as device tensors, row b for request b, plus host flags for fast paths.
@@ -202,7 +198,7 @@ class SamplingTensors:
         buf = host.numpy()
         buf[: 24 * b].view(np.int64)[:] = [p.top_k for p in params] + seeds + steps
         buf[24 * b :].view(np.float32)[:] = [p.temperature for p in params] + [p.top_p for p in params]
-        dev = _to_device(host, torch.device(device))
+        dev = to_device(host, device)  # (pinned + non-blocking on CUDA: the host does not wait)
         ints, floats = dev[: 24 * b].view(torch.int64), dev[24 * b :].view(torch.float32)
         sampled = [p for p in params if not p.greedy]
         return SamplingTensors(
