@@ -147,6 +147,7 @@ def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path
                     enable_chunked_prefill=args.chunked_prefill == "on",
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
+                    async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
                     **({"gil_switch_interval": args.switch_interval} if args.switch_interval else {}),
                     **({} if args.max_prefill_tokens is None else {"max_prefill_tokens": args.max_prefill_tokens}))
     t0 = time.perf_counter()
@@ -418,7 +419,8 @@ def summarize(results: list[Result], wall: float, offered: float, before: dict |
         row[k] = v
         row[f"{k}_per_s"] = v / span if v is not None and span > 0 else None
     for k in ("prefill_steps", "decode_steps", "mixed_steps", "prefill_chunks",  # the engine's step kinds, and
-              "graph_steps", "piecewise_graph_steps", "eager_steps"):  # how they ran
+              "graph_steps", "piecewise_graph_steps", "eager_steps",  # how they ran; steps launched before the
+              "async_steps", "async_dropped_tokens"):  # step before was read back (async scheduling)
         row[k] = after.get(k, 0) - before.get(k, 0) if before is not None else None
     # Triton compiles inside the row (each stalls every running request; at 90% load the backlog takes long to
     # drain): nonzero means the warm-up missed a kernel variant and the row's latencies include it
@@ -600,6 +602,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the engine's option: prefill/mixed steps of up to this many tokens replay piecewise CUDA "
                          "graphs (default: the engine's, 2048 capped by the step budget; 0: eager, as before)")
     ap.add_argument("--max-prefill-tokens", type=int, default=None, help="default: the engine's (4096)")
+    ap.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
+                    help="Engine(async_scheduling=...): auto = the engine's default (on for CUDA); off = every step "
+                         "read back before the next is launched (the A/B)")
     ap.add_argument("--long-prompt-share", type=float, default=0.0,
                     help="share of requests with a --long-prompt-len prompt (the long-prompt mix)")
     ap.add_argument("--long-prompt-len", type=int, default=4096)
