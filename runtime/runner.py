@@ -452,13 +452,17 @@ class ModelRunner:
         last = np.cumsum(qn) - 1
         if sample is not None:
             last = last[np.fromiter(sample, dtype=bool, count=B)]
-        T = int(qn.sum())  # ids, positions and the sampled rows in one host buffer: one copy (pinned on CUDA)
-        host = np.empty(2 * T + last.size, dtype=np.int64)
+        # ids, positions and the sampled rows in one host buffer, one copy (pinned on CUDA); each field starts on 64
+        # bytes, as separate tensors would (Triton specialises kernels on 16-byte aligned pointers)
+        T, S = int(qn.sum()), last.size
+        p0 = -(-T // 8) * 8
+        s0 = p0 + -(-T // 8) * 8
+        host = np.zeros(s0 + S, dtype=np.int64)
         host[:T] = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=T)
-        host[T : 2 * T] = positions
-        host[2 * T :] = last
+        host[p0 : p0 + T] = positions
+        host[s0:] = last
         d = to_device(torch.from_numpy(host), dev)
-        return StepPlan(input_ids=d[:T], positions=d[T : 2 * T], q_lens=q_lens, last_index=d[2 * T :], attn=attn,
+        return StepPlan(input_ids=d[:T], positions=d[p0 : p0 + T], q_lens=q_lens, last_index=d[s0:], attn=attn,
                         lora=lora)
 
     # -------------------------------------------------------------------------------------- runs
