@@ -21,7 +21,7 @@ from multilora.runtime.config import EngineConfig
 from multilora.runtime.runner import Feed
 from multilora.runtime.weights import MODEL_SHAPES
 from testsupport import one_thread  # noqa: F401 (autouse fixture)
-from testsupport import write_adapter
+from testsupport import Interrupt, write_adapter
 
 CFG = ModelConfig(**MODEL_SHAPES["tiny"])
 MAX_SEQ_LEN = 48
@@ -213,20 +213,7 @@ def test_non_finite_logits_fail_their_request_only(adapters, monkeypatch):
     _assert_idle(e)
 
 
-class _Interrupt:
-    """Wraps a function: raises KeyboardInterrupt on its ``at``-th call (1-based), else calls through."""
-
-    def __init__(self, fn, at):
-        self.fn, self.at, self.calls = fn, at, 0
-
-    def __call__(self, *a, **k):
-        self.calls += 1
-        if self.calls == self.at:
-            raise KeyboardInterrupt
-        return self.fn(*a, **k)
-
-
-class _InterruptAfter(_Interrupt):
+class _InterruptAfter(Interrupt):
     """Raises KeyboardInterrupt right after its ``at``-th call returned (the call's work done, its result lost)."""
 
     def __call__(self, *a, **k):
@@ -251,15 +238,15 @@ def test_an_interrupt_keeps_every_request_on_its_tokens(adapters, monkeypatch, w
     want = [o.token_ids for o in _engine(adapters, False).generate(prompts, adapters=ADAPTER_OF[:4], sampling=params)]
     e = _engine(adapters, True)
     if where == "forward":
-        monkeypatch.setattr(e.runner, "run", _Interrupt(e.runner.run, at))
+        monkeypatch.setattr(e.runner, "run", Interrupt(e.runner.run, at))
     elif where == "draw":
-        monkeypatch.setattr(engine_mod, "draw_tokens", _Interrupt(engine_mod.draw_tokens, at))
+        monkeypatch.setattr(engine_mod, "draw_tokens", Interrupt(engine_mod.draw_tokens, at))
     elif where == "after draw":  # the step's draw launched, the step not yet handed on
         monkeypatch.setattr(e, "_launch", _InterruptAfter(e._launch, at))
     elif where == "after read back":  # tokens appended, the interrupt before the step returns
         monkeypatch.setattr(e, "_read_back", _InterruptAfter(e._read_back, at))
     else:
-        monkeypatch.setattr(e.postprocess, "take", _Interrupt(e.postprocess.take, at))
+        monkeypatch.setattr(e.postprocess, "take", Interrupt(e.postprocess.take, at))
     reqs = [e.add_request(p, a, sp) for p, a, sp in zip(prompts, ADAPTER_OF, params)]
     interrupted = 0
     while e.has_unfinished():

@@ -31,6 +31,7 @@ transformers = pytest.importorskip("transformers")
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.runtime import postprocess  # noqa: E402
+from testsupport import Interrupt  # noqa: E402
 from multilora.runtime.adapters import save_peft_adapter  # noqa: E402
 from testsupport import tiny_llama_dir, token_ids, tokenizer_dir, write_adapter  # noqa: E402
 
@@ -229,23 +230,10 @@ def test_sampled_rows_are_checked_too(engine):
 
 
 # ------------------------------------------------------------------------------------------ 2: interrupts
-class _Interrupt:
-    """Wraps a function: raises KeyboardInterrupt on its ``at``-th call (1-based), else calls through."""
-
-    def __init__(self, fn, at: int):
-        self.fn, self.at, self.calls = fn, at, 0
-
-    def __call__(self, *a, **k):
-        self.calls += 1
-        if self.calls == self.at:
-            raise KeyboardInterrupt
-        return self.fn(*a, **k)
-
-
 @pytest.mark.parametrize("at", [1, 3], ids=["prefill", "decode"])
 def test_interrupted_generate_withdraws_its_requests(tiny, reference, monkeypatch, at):
     e = _engine(tiny)
-    monkeypatch.setattr(e.runner, "run", _Interrupt(e.runner.run, at))
+    monkeypatch.setattr(e.runner, "run", Interrupt(e.runner.run, at))
     with pytest.raises(KeyboardInterrupt):
         e.generate(PROMPTS, adapters=ADAPTERS, sampling=GREEDY)
     monkeypatch.undo()
@@ -259,11 +247,11 @@ def test_requests_survive_an_interrupted_step(tiny, reference, monkeypatch, wher
     interrupt in the forward, in the sampling or in the middle of admission."""
     e = _engine(tiny)
     if where == "forward":
-        monkeypatch.setattr(e.runner, "run", _Interrupt(e.runner.run, at))
+        monkeypatch.setattr(e.runner, "run", Interrupt(e.runner.run, at))
     elif where == "sample":
-        monkeypatch.setattr(postprocess, "sample_tokens", _Interrupt(postprocess.sample_tokens, at))
+        monkeypatch.setattr(postprocess, "sample_tokens", Interrupt(postprocess.sample_tokens, at))
     else:
-        monkeypatch.setattr(e.kv, "allocate_seq", _Interrupt(e.kv.allocate_seq, at))
+        monkeypatch.setattr(e.kv, "allocate_seq", Interrupt(e.kv.allocate_seq, at))
     reqs = [e.add_request(p, a, GREEDY) for p, a in zip(PROMPTS, ADAPTERS)]
     interrupted = 0
     while e.has_unfinished():

@@ -235,3 +235,16 @@ def pdl_against_plain(monkeypatch, module, flag, feed, step, out, *, capture, in
     for i in order:
         assert torch.equal(run(i), want[i]), (label, i)
     return run
+
+
+class Interrupt:
+    """Wraps a function: raises KeyboardInterrupt on its ``at``-th call (1-based), else calls through."""
+
+    def __init__(self, fn, at: int):
+        self.fn, self.at, self.calls = fn, at, 0
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return self.fn(*a, **k)
