@@ -116,7 +116,7 @@ class Feed:
             return
         dst = rows if q_lens is None else (np.cumsum(np.asarray(q_lens, dtype=np.int64)) - 1)[rows]
         src = src[rows]
-        if dst[-1] == n - 1 and src[-1] == n - 1 and (n == 1 or (np.all(np.diff(dst) == 1) and np.all(np.diff(src) == 1))):
+        if dst[-1] == n - 1 and np.array_equal(src, np.arange(n)):  # (dst rises: ending at n - 1, it is 0 .. n - 1)
             torch.clamp(self.ids[:n], min=0, out=input_ids[:n])  # the same rows in the same order: one kernel
             return
         idx = to_device(torch.from_numpy(np.stack([dst, src])), input_ids.device)  # (pinned on CUDA: no wait)
@@ -456,7 +456,7 @@ class ModelRunner:
         # bytes, as separate tensors would (Triton specialises kernels on 16-byte aligned pointers)
         T, S = int(qn.sum()), last.size
         p0 = -(-T // 8) * 8
-        s0 = p0 + -(-T // 8) * 8
+        s0 = 2 * p0
         host = np.zeros(s0 + S, dtype=np.int64)
         host[:T] = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=T)
         host[p0 : p0 + T] = positions

@@ -264,6 +264,7 @@ def test_an_interrupt_keeps_every_request_on_its_tokens(adapters, monkeypatch, w
 @pytest.mark.parametrize("q_lens,src,want", [
     (None, [0, 1, 2], [10, 11, 0]),  # a decode step in the same order (one clamp, the -1 becomes 0)
     (None, [2, -1, 0], [0, 101, 10]),  # rows reordered, one row from the host
+    (None, [1, 0, -1], [11, 10, 102]),  # the first rows, swapped: not the one-kernel path
     ([3, 1, 2], [-1, 0, 1], [100, 101, 102, 10, 104, 11]),  # chunks: each pending token is its row's last
 ])
 def test_feed_writes_the_drawn_ids_into_the_staged_tokens(q_lens, src, want):
