@@ -38,6 +38,9 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     (``runtime.sampling.ROW_MAX_TWO_PASS = False``, what ran before session 23: the A/B)
     multilora-fp8-sepquant  multilora-fp8 with each fp8 GEMM quantizing its activations in a launch of its own
                     (``runtime.model.FUSE_FP8_QUANT = False``, what ran before session 23: the A/B; same values)
+    multilora-fp8-shipped  multilora-fp8 with the fp8 GEMMs' tiles of the shipped tables alone (``kernels/tuned/``),
+                    where the other fp8 providers also read the file ``MULTILORA_FP8_TUNED`` names (a new sweep's
+                    ``fp8_gemv_tuned.json``): the engine A/B of a new table; the same as multilora-fp8 when it is unset
     multilora-sync, multilora-lora-sync, multilora-fp8-sync  multilora, multilora-lora and multilora-fp8 with every
                     step read back before the next is launched (``EngineConfig.async_scheduling`` off, what ran
                     before session 24: the A/B of the default on CUDA)
@@ -109,8 +112,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-sync"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-sync"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -313,6 +316,8 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     fuse_quant_default = model_mod.FUSE_FP8_QUANT
     async_default = engine._async if engine is not None else False
     head_default = engine.model.lm_head if engine is not None else None
+    table_default = triton_fp8.tuned_table()  # with MULTILORA_FP8_TUNED on top, if set
+    table_shipped = None  # -shipped: the shipped tables alone, read on first use
     head_fp8 = None  # -lmhead: the quantized copy of head_default, made on first use
     carve_default = engine.model.lora_side_sm_carveout if engine is not None else 0
     lt_default = engine.model.gemm_cublaslt_tokens if engine is not None else None
@@ -343,11 +348,16 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
 
                 head_fp8 = quantize_weight(head_default)  # what Engine(fp8_lm_head=True) stores
             head = head_fp8 if v.endswith("-lmhead") else head_default
+            if v.endswith("-shipped") and table_shipped is None:
+                table_shipped = triton_fp8.shipped_table()
+            table = table_shipped if v.endswith("-shipped") else table_default
             now = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
             if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
                     m.gemm_cublaslt_tokens, now, triton_sgmv.PDL, triton_pdl.ENABLED, triton_fp8.GEMV_WIDEN_F16,
                     model_mod.FUSE_FP8_QUANT) != (
-                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen, fuse_quant) or m.lm_head is not head:
+                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen, fuse_quant) or m.lm_head is not head \
+                    or triton_fp8._tuned is not table:
+                triton_fp8._tuned = table  # the fp8 GEMMs' tiles (read when a graph is captured)
                 m.lora_side_max_tokens = side  # captured graphs bake all of these in: capture again
                 m.lm_head = head
                 model_mod.FUSE_FP8_QUANT = fuse_quant
@@ -763,6 +773,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                           ("multilora", "multilora-fp8-f16widen"), ("multilora", "multilora-fp8-bf16widen"),
                           ("multilora", "multilora-fp8-lmhead"),
                           ("multilora", "multilora-fp8-onepassmax"), ("multilora", "multilora-fp8-sepquant"),
+                          ("multilora", "multilora-fp8-shipped"),
                           ("multilora-sync", "multilora-fp8-sync")):
             lo, hi = ok.get((base, b)), ok.get((fp8, b))
             if hi is None:

@@ -47,15 +47,31 @@ def configs(path: str, quick: bool) -> list[dict]:
         grid = itertools.product((32, 64, 128), (128, 256), (4, 8), (2, 4), (2, 4))
         out = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, programs_per_sm=pps, prefetch=False,
                     use_dot=True) for bn, bk, w, st, pps in grid]
-    else:
+    elif path == "scaled":
         grid = itertools.product((32, 64, 128), (128, 256), (4,), (2, 4), (2, 4))
         out = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st, programs_per_sm=pps, prefetch=False,
                     use_dot=True, fp8_x=True) for bn, bk, w, st, pps in grid]
+    else:  # "scaled2": the coarse grid (4 stages, 2 programs per SM) of the four kernels; ``refine`` does the rest
+        grid = itertools.product(((False, False), (True, False), (False, True), (True, True)), (32, 64, 128, 256),
+                                 (128, 256), (4, 8))
+        out = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=4, programs_per_sm=2, prefetch=False,
+                    use_dot=True, fp8_x=True, swap=sw, tma=tma) for (sw, tma), bn, bk, w in grid
+               if 4 * (64 + bn) * bk <= 200 * 1024]  # 4 stages of x and w tiles in shared memory (at 64 rows)
     return out[:3] if quick else out
+
+
+def refine(cfg: dict, quick: bool) -> list[dict]:
+    """The "scaled2" neighbours of a coarse winner: its tiles at 3-6 pipeline stages and 1-4 programs per SM."""
+    grid = itertools.product((3, 4, 5, 6), (1, 2, 3, 4))
+    out = [dict(cfg, num_stages=st, programs_per_sm=pps) for st, pps in grid
+           if (st, pps) != (cfg["num_stages"], cfg["programs_per_sm"])
+           and st * (64 + cfg["block_n"]) * cfg["block_k"] <= 220 * 1024]
+    return out[:2] if quick else out
 
 
 def name_of(c: dict) -> str:
     kind = "x8" if c.get("fp8_x") else ("dot" if c["use_dot"] else "row")
+    kind += ("_tma" if c.get("tma") else "") + ("_swap" if c.get("swap") else "")
     return (f"{kind}_{c['block_n']}x{c['block_k']}w{c['num_warps']}s{c['num_stages']}"
             f"{'p' if c['prefetch'] else ''}_pps{c['programs_per_sm']}")
 
@@ -68,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rep", type=int, default=25, help="ms of replays per timing (do_bench_cudagraph rep)")
     ap.add_argument("--paths", default="row,dot,scaled", help="comma list of the tile grids to sweep: row (M = 1, "
                     "CUDA cores), dot (bf16 tensor cores), scaled (fp8 activations, fp8 tensor cores)")
+    ap.add_argument("--ms", default="1,16,64", help="comma list of the row counts to sweep (of 1, 16, 64: one per "
+                    "row class of the table)")
+    ap.add_argument("--refine", type=int, default=4, help="scaled2: how many of the coarse grid's fastest configs per "
+                    "(module, rows) are tried again at 3-6 stages and 1-4 programs per SM")
     ap.add_argument("--lm-head", type=int, default=0, metavar="VOCAB",
                     help="also sweep the LM head [VOCAB, 4096] (Llama-3: 128256) for the fp8 LM head "
                          "(EngineConfig.fp8_lm_head); its tiles join the table, not the layer phase")
@@ -124,10 +144,13 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
     paths = args.paths.split(",")
+    sweep_ms = tuple(int(m) for m in args.ms.split(","))
+    if not set(sweep_ms) <= {1, 16, 64}:
+        sys.exit(f"sweep_fp8_gemv: --ms takes row counts of 1, 16, 64 (one per row class), got {args.ms}")
     t0 = time.perf_counter()
     for name, (N, K) in swept.items():
         wb, wq = weights[name]
-        for M in (1, 16, 64):
+        for M in sweep_ms:
             x = torch.randn(M, K, device=dev, dtype=DTYPE, generator=g)
             ref = x.float() @ wb[0].float().t()
             record(phase="sweep", module=name, M=M, config="bf16",
@@ -138,20 +161,28 @@ def main(argv: list[str] | None = None) -> None:
             if not args.smoke:
                 record(phase="sweep", module=name, M=M, config="scaled_mm",
                        us=bench(lambda: [triton_scaled_mm(x, q) for q in wq], len(wq)))
+            def try_cfg(cfg):
+                fn = lambda cfg=cfg: [triton_fp8.fp8_gemv2(x, q.qweight, q.scale, num_sms=num_sms, **cfg) for q in wq]
+                try:
+                    y = fn()[0]
+                except Exception as e:  # a config Triton cannot compile (shared memory, registers)
+                    record(phase="sweep", module=name, M=M, config=name_of(cfg), us=None, error=str(e)[:200])
+                    return
+                err = float((y.float() - ref).norm() / ref.norm())
+                record(phase="sweep", module=name, M=M, config=name_of(cfg), cfg=cfg, us=bench(fn, len(wq)),
+                       rel_err=err)
+
             for path in paths:
                 if (path == "row") != (M == 1):
                     continue
+                start = len(rows)
                 for cfg in configs(path, args.quick):
-                    fn = lambda cfg=cfg: [triton_fp8.fp8_gemv2(x, q.qweight, q.scale, num_sms=num_sms, **cfg)
-                                          for q in wq]
-                    try:
-                        y = fn()[0]
-                    except Exception as e:  # a config Triton cannot compile (shared memory, registers)
-                        record(phase="sweep", module=name, M=M, config=name_of(cfg), us=None, error=str(e)[:200])
-                        continue
-                    err = float((y.float() - ref).norm() / ref.norm())
-                    record(phase="sweep", module=name, M=M, config=name_of(cfg), cfg=cfg, us=bench(fn, len(wq)),
-                           rel_err=err)
+                    try_cfg(cfg)
+                if path == "scaled2":  # the coarse grid's fastest, at other stages and programs per SM
+                    done = sorted((r for r in rows[start:] if r.get("us") and r["rel_err"] < 0.1), key=lambda r: r["us"])
+                    for r in done[:args.refine]:
+                        for cfg in refine(r["cfg"], args.quick):
+                            try_cfg(cfg)
             print(f"# {name} M={M} done at {time.perf_counter() - t0:.0f} s", flush=True)
     for r in rows:
         if r.get("us"):
@@ -173,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
                 into[k] = r
     # the engine's current weight-only path competes too (the shipped table's config, possibly not re-swept here)
     for name, (N, K) in swept.items():
-        for M in (1, 16, 64):
+        for M in sweep_ms:
             cur, cfg = at(name, M, "current"), triton_fp8.gemv_config(dev, N, K, M)
             if cur and cur["method"] == "weight_only" and cfg and ((name, M) not in best or cur["us"] < best[(name, M)]["us"]):
                 best[(name, M)] = dict(cur, cfg=cfg, config="current (" + name_of(cfg) + ")")
@@ -240,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
              "| module | M | bf16 us | engine before us | cuBLASLt scaled_mm us | best weight-only us (config, TB/s) | "
              "best fp8-activation us (config) |", "|---|---|---|---|---|---|---|"]
     for name in swept:
-        for M in (1, 16, 64):
+        for M in sweep_ms:
             b, c, sm = at(name, M, "bf16"), at(name, M, "current"), at(name, M, "scaled_mm")
             wo, sc = best.get((name, M)), best_sc.get((name, M))
             lines.append(f"| {name} | {M} | {b['us']:.1f} | {c['us']:.1f} ({c['method']}) | "

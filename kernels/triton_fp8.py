@@ -141,7 +141,7 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
                      stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
                      FP8_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr = False, WIDEN_F16: tl.constexpr = False):
+                     PDL: tl.constexpr = False, WIDEN_F16: tl.constexpr = False, SWAP: tl.constexpr = False):
     """``_w8_gemv_splitk_kernel`` with fewer registers per byte in flight, run with the tiles of a GPU's tuned table
     (``kernels/tuned/``, ``bench/sweep_fp8_gemv.py``):
     SPLIT_K is a runtime argument (not a constexpr: one variant serves every split above 1; Triton still
@@ -151,7 +151,9 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
     current one (a register double buffer of raw fp8 bytes); ``EVEN`` (N % BLOCK_N == 0 and K % K_PER_SPLIT == 0)
     drops the masks. ``FP8_X`` (with ``USE_DOT``): x is already fp8 (per-token quantized, row scales ``xs``
     float32 [M]) and the dot runs on fp8 tensor cores with no widening; the partials are unscaled and
-    ``xs[m] * s[n]`` is applied once at the store. The ticket reduction is the same as ``_w8_gemv_splitk_kernel``'s."""
+    ``xs[m] * s[n]`` is applied once at the store. ``SWAP`` (with ``USE_DOT``): the product is taken as
+    ``w @ x^T`` [BLOCK_N, BLOCK_M] (the weight tile on the MMA's M side, the rows of x on its N side) and transposed
+    once before the store. The ticket reduction is the same as ``_w8_gemv_splitk_kernel``'s."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -162,7 +164,9 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
     dt = x_ptr.dtype.element_ty
     k_lo = pid_k * K_PER_SPLIT
     w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
-    if USE_DOT:
+    if USE_DOT and SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    elif USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -194,7 +198,11 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
             else:
                 x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
                             mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)
-            if FP8_X:
+            if SWAP and FP8_X:
+                acc += tl.dot(w, tl.trans(x))
+            elif SWAP:
+                acc += tl.dot(w.to(dt), tl.trans(x))
+            elif FP8_X:
                 acc += tl.dot(x, tl.trans(w))
             else:
                 acc += tl.dot(x, tl.trans(w.to(dt)))
@@ -209,6 +217,19 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
                 acc2 += w.to(dt).to(tl.float32) * x[None, :]
     if not USE_DOT:
         acc = tl.where(offs_m[:, None] == 0, tl.sum(acc2, axis=1)[None, :], 0.0)  # [BLOCK_M, BLOCK_N], row 0
+    elif SWAP:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    _finish_split(acc, xs_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, N, SPLIT_K, stride_ym,
+                  offs_m, offs_n, m_mask, n_mask, HAS_BIAS, FP8_X, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _finish_split(acc, xs_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, N, SPLIT_K, stride_ym,
+                  offs_m, offs_n, m_mask, n_mask, HAS_BIAS: tl.constexpr, FP8_X: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """The end of a split-K program, fp32 ``acc`` [BLOCK_M, BLOCK_N] its partial: with one split, scale and store
+    y; else store the partial, take a ticket on ``count[pid_n]``, and the last of the column block's programs sums the
+    partials in split order, scales, stores y and resets the ticket (``_w8_gemv_splitk_kernel``)."""
     p = part_ptr + (pid_k * BLOCK_M + offs_m[:, None]) * N + offs_n[None, :]
     if SPLIT_K == 1:
         if FP8_X:
@@ -226,6 +247,52 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
                 total = total * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
             _store_scaled(y_ptr, s_ptr, b_ptr, stride_ym, offs_m, offs_n, m_mask, n_mask, total, HAS_BIAS)
             tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8_gemv_tma_kernel(x_desc, xs_ptr, w_desc, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
+                        M, N, K, K_PER_SPLIT, SPLIT_K, stride_ym,
+                        HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """``_w8_gemv2_kernel``'s ``FP8_X`` product (fp8 x and weights on fp8 tensor cores, split K, the same ticket
+    reduction and store) with both tiles loaded through tensor descriptors (``x_desc`` fp8 [M, K] in blocks
+    [BLOCK_M, BLOCK_K], ``w_desc`` fp8 [N, K] in blocks [BLOCK_N, BLOCK_K]): on Hopper each tile is one TMA copy
+    into shared memory, with no per-element addresses or masks in registers; rows and columns past the tensor's
+    edge read as zeros. ``SWAP``: ``w @ x^T`` as in ``_w8_gemv2_kernel``."""
+    if PDL:  # launched early (``triton_pdl``): wait for the kernels before, then let the next one launch
+        pdl_wait(True)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w = w_desc.load([pid_n * BLOCK_N, k0])  # [BLOCK_N, BLOCK_K] fp8
+        x = x_desc.load([0, k0])  # [BLOCK_M, BLOCK_K] fp8
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if SWAP:
+        acc = tl.trans(acc)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    _finish_split(acc, xs_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, N, SPLIT_K, stride_ym,
+                  offs_m, offs_n, offs_m < M, offs_n < N, HAS_BIAS, True, BLOCK_M, BLOCK_N)
+
+
+#: Most elements along one dimension of a TMA box (CUDA's ``cuTensorMapEncodeTiled``: boxDim[i] <= 256).
+TMA_MAX_BOX = 256
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Whether a 2-D tensor can back a TMA descriptor: CUDA, unit last stride, base and row stride multiples of 16
+    bytes (``cuTensorMapEncodeTiled``'s alignment rules)."""
+    return ((t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
 #: The one-row (CUDA-core) path of ``_w8_gemv2_kernel`` widens each fp8 weight to float32 through float16 instead of
@@ -287,14 +354,22 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
               block_n: int = 32, block_k: int = 512, split_k: int | None = None, programs_per_sm: int = 4,
               num_warps: int = 4, num_stages: int = 1, prefetch: bool = False, use_dot: bool | None = None,
               num_sms: int | None = None, fp8_x: bool = False, out_dtype: torch.dtype | None = None,
-              x_scale: torch.Tensor | None = None) -> torch.Tensor:
+              x_scale: torch.Tensor | None = None, swap: bool = False, tma: bool = False) -> torch.Tensor:
     """``fp8_gemv_splitk`` through ``_w8_gemv2_kernel``: same arguments, result and errors, plus ``programs_per_sm``
     (split_k None: about that many programs per SM of ``num_sms``, each at least 2 K tiles; None = x's GPU's, 4
     on the CPU), ``num_stages`` and
     ``prefetch`` (the kernel's docstring). ``use_dot`` None = tensor cores from 2 rows; the CUDA-core path takes one
     row only. ``fp8_x``: the "scaled_mm" semantics (``fp8.fp8_linear``): x is quantized per token
     (``quantize_per_token``) and multiplied on fp8 tensor cores; ``x`` may then also be given already quantized
-    (float8_e4m3fn, with ``x_scale`` float32 [M, 1] and ``out_dtype``)."""
+    (float8_e4m3fn, with ``x_scale`` float32 [M, 1] and ``out_dtype``). ``swap`` (tensor cores): the product as
+    ``w @ x^T``, weight rows on the MMA's M side (``_w8_gemv2_kernel``'s ``SWAP``). ``tma`` (``fp8_x`` only):
+    ``_w8_gemv_tma_kernel``, both tiles through tensor descriptors; ``block_n`` and ``block_k`` at most
+    ``TMA_MAX_BOX``. Where x or the weight cannot back a descriptor (``_tma_ok``: alignment) the call takes the
+    pointer kernel with the same tiles instead: the same product.
+
+    Raises:
+        ValueError: more than 64 rows; ``fp8_x`` with ``use_dot=False``; an fp8 x without ``x_scale`` or
+            ``out_dtype``; ``tma`` without ``fp8_x`` or with a tile wider than ``TMA_MAX_BOX``."""
     M, K = x.shape
     N = qweight.shape[0]
     if not 1 <= M <= 64:
@@ -325,11 +400,27 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     even = N % block_n == 0 and K % k_per == 0
     part, count = _workspace(x.device, split_k, bm, N, n_blocks)
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    if tma:
+        if not fp8_x:
+            raise ValueError("fp8_gemv2: tma=True takes the fp8-activation product (fp8_x=True)")
+        if max(block_n, block_k, bm) > TMA_MAX_BOX:
+            raise ValueError(f"fp8_gemv2: tma=True needs block_n, block_k and the padded rows at most {TMA_MAX_BOX}, "
+                             f"got block_n {block_n}, block_k {block_k}, rows {bm}")
+    if tma and _tma_ok(x) and _tma_ok(qweight):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _w8_gemv_tma_kernel[(n_blocks, split_k)](
+            TensorDescriptor.from_tensor(x, [bm, block_k]), xs, TensorDescriptor.from_tensor(qweight, [block_n, block_k]),
+            scale, bias if bias is not None else scale, y, part, count, M, N, K, k_per, split_k, y.stride(0),
+            HAS_BIAS=bias is not None, SWAP=swap, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+            num_stages=num_stages, **triton_pdl.launch_args(x.device))
+        return y
     _w8_gemv2_kernel[(n_blocks, split_k)](x, xs, qweight, scale, bias if bias is not None else scale, y, part, count,
                                           M, N, K, k_per, split_k, x.stride(0), qweight.stride(0), y.stride(0),
                                           HAS_BIAS=bias is not None, USE_DOT=use_dot, EVEN=even, PREFETCH=prefetch,
                                           FP8_X=fp8_x, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
-                                          WIDEN_F16=GEMV_WIDEN_F16 and not use_dot, num_warps=num_warps,
+                                          WIDEN_F16=GEMV_WIDEN_F16 and not use_dot, SWAP=swap and use_dot,
+                                          num_warps=num_warps,
                                           num_stages=num_stages,
                                           **triton_pdl.launch_args(x.device))
     return y
@@ -351,14 +442,20 @@ _tuned_lock = threading.Lock()
 _INT_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "programs_per_sm")
 _BOOL_KEYS = ("prefetch", "use_dot")
 _KEYS = set(_INT_KEYS + _BOOL_KEYS)
+#: Keys an entry may add (tables written before them leave them out: False): ``fp8_gemv2``'s ``swap`` and ``tma``.
+_OPTIONAL_BOOL_KEYS = ("swap", "tma")
 
 
 def _check_entry(section: str, shape: str, rows: str, cfg: Any) -> None:
     where = f"{section}[{shape!r}][{rows!r}]"
     if rows not in ("1", "16", "64"):
         raise ValueError(f"{where}: the row class must be '1', '16' or '64'")
-    if not isinstance(cfg, dict) or not _KEYS <= set(cfg) <= _KEYS | {"fp8_x"}:
-        raise ValueError(f"{where}: expected the keys {sorted(_KEYS)}, got {sorted(cfg) if isinstance(cfg, dict) else cfg!r}")
+    if not isinstance(cfg, dict) or not _KEYS <= set(cfg) <= _KEYS | {"fp8_x", *_OPTIONAL_BOOL_KEYS}:
+        raise ValueError(f"{where}: expected the keys {sorted(_KEYS)} (and optionally {list(_OPTIONAL_BOOL_KEYS)}), "
+                         f"got {sorted(cfg) if isinstance(cfg, dict) else cfg!r}")
+    for k in _OPTIONAL_BOOL_KEYS:
+        if not isinstance(cfg.get(k, False), bool):
+            raise ValueError(f"{where}: {k} must be true or false, got {cfg[k]!r}")
     for k in _INT_KEYS:
         if not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or cfg[k] < 1:
             raise ValueError(f"{where}: {k} must be a positive integer, got {cfg[k]!r}")
@@ -367,6 +464,8 @@ def _check_entry(section: str, shape: str, rows: str, cfg: Any) -> None:
             raise ValueError(f"{where}: {k} must be true or false, got {cfg[k]!r}")
     if section == "scaled_configs" and not cfg["use_dot"]:
         raise ValueError(f"{where}: fp8 activations need use_dot true")
+    if cfg.get("tma") and (section != "scaled_configs" or max(cfg["block_n"], cfg["block_k"]) > TMA_MAX_BOX):
+        raise ValueError(f"{where}: tma takes fp8 activations (scaled_configs) and tiles of at most {TMA_MAX_BOX}")
 
 
 def _read_tuned(path: Path, into: dict[str, dict]) -> None:
@@ -403,14 +502,21 @@ def tuned_table() -> dict[str, dict]:
     global _tuned
     with _tuned_lock:
         if _tuned is None:
-            table: dict[str, dict] = {}
-            for path in sorted(TUNED_DIR.glob("fp8_gemv_*.json")):
-                _read_tuned(path, table)
+            table = shipped_table()
             extra = os.environ.get("MULTILORA_FP8_TUNED")
             if extra:
                 _read_tuned(Path(extra), table)
             _tuned = table
         return _tuned
+
+
+def shipped_table() -> dict[str, dict]:
+    """A new table of the shipped files alone (``kernels/tuned/``; ``tuned_table``'s form, without
+    ``MULTILORA_FP8_TUNED``): what A/B benchmarks compare a new sweep's file against."""
+    table: dict[str, dict] = {}
+    for path in sorted(TUNED_DIR.glob("fp8_gemv_*.json")):
+        _read_tuned(path, table)
+    return table
 
 
 def row_class(M: int) -> str:

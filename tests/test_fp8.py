@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -297,6 +298,53 @@ def test_gemv2_fp8_activations_match_the_scaled_mm_reference(M, N, K):
         triton_fp8.fp8_gemv2(x, w.qweight, w.scale, fp8_x=True, use_dot=False)
     with pytest.raises(ValueError, match="needs x_scale"):
         triton_fp8.fp8_gemv2(xq, w.qweight, w.scale, fp8_x=True)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU cases need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("M,N,K", [(3, 48, 128), (20, 70, 160), (64, 32, 256)])
+def test_gemv2_swapped_and_tma_kernels_compute_the_same_product(M, N, K):
+    """The product taken as w @ x^T (``swap``) and through tensor descriptors (``tma``, both tiles TMA-loaded; the
+    rows and columns past the edge read as zeros) equal the scaled_mm reference, for every split of K, unaligned
+    N and padded rows included; tma asks fp8 activations and tiles of at most TMA_MAX_BOX."""
+    from multilora.kernels import triton_fp8
+
+    g = torch.Generator().manual_seed(M * N)
+    w = fp8.quantize_weight(torch.randn(N, K, generator=g))
+    x = torch.randn(M, K, generator=g).half()
+    b = torch.randn(N, generator=g).half()
+    xq, xs = triton_fp8.quantize_per_token(x)
+    ref = (xq.float() * xs) @ w.dequantize().t() + b.float()
+    for kw in (dict(block_n=16, block_k=32), dict(block_n=16, block_k=32, split_k=3), dict(block_n=32, block_k=64, split_k=1)):
+        for swap, tma in ((True, False), (False, True), (True, True)):
+            y = triton_fp8.fp8_gemv2(x, w.qweight, w.scale, b, fp8_x=True, swap=swap, tma=tma, **kw)
+            assert y.dtype == torch.float16 and rel_err(y.float(), ref) < 2e-3, (kw, swap, tma)
+    wref = fp8_reference(x, w, b, quantize_x=False)  # swap on the weight-only tensor-core path too
+    y = triton_fp8.fp8_gemv2(x, w.qweight, w.scale, b, block_n=16, block_k=32, split_k=2, use_dot=True, swap=True)
+    assert rel_err(y.float(), wref) < 2e-3
+    with pytest.raises(ValueError, match="fp8_x=True"):
+        triton_fp8.fp8_gemv2(x, w.qweight, w.scale, tma=True, use_dot=True)
+    with pytest.raises(ValueError, match="at most 256"):
+        triton_fp8.fp8_gemv2(x, w.qweight, w.scale, fp8_x=True, tma=True, block_n=16, block_k=512)
+
+
+def test_tuned_entries_may_name_swap_and_tma(tmp_path, caplog):
+    """Entries may add swap / tma (booleans; tma only in scaled_configs with tiles of at most 256); older entries
+    without them still read; a bad value skips the file with a warning naming the key."""
+    from multilora.kernels import triton_fp8
+
+    cfg = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, programs_per_sm=2, prefetch=False, use_dot=True)
+    table: dict = {}
+    triton_fp8._read_tuned(Path(_tuned_file(tmp_path, {"device": "g", "configs": {"8x8": {"64": dict(cfg, swap=True)}},
+                                                       "scaled_configs": {"8x8": {"64": dict(cfg, fp8_x=True, tma=True,
+                                                                                             swap=False)}}})), table)
+    assert table["g"]["scaled_configs"]["8x8"]["64"]["tma"] is True and table["g"]["configs"]["8x8"]["64"]["swap"]
+    for bad, why in (({"configs": {"8x8": {"64": dict(cfg, swap="yes")}}}, "swap must be true or false"),
+                     ({"configs": {"8x8": {"64": dict(cfg, tma=True)}}}, "tma takes fp8 activations"),
+                     ({"scaled_configs": {"8x8": {"64": dict(cfg, tma=True, block_k=512)}}}, "tiles of at most 256")):
+        table = {}
+        with caplog.at_level("WARNING", logger="multilora"):
+            triton_fp8._read_tuned(Path(_tuned_file(tmp_path, {"device": "g", **bad})), table)
+        assert table == {} and why in caplog.text, why
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU cases need TRITON_INTERPRET=1")

@@ -298,3 +298,34 @@ def test_engine_fp8_lm_head(engines):
     print(f"fp8 vs bf16 engine logits: relative error {err:.4f}; with the fp8 LM head {err_head:.4f}")
     assert 0 < err_head < ENGINE_LOGITS_REL_ERR
     _assert_graph_decode_equals_eager(eh, g)
+
+
+@pytest.mark.parametrize("M", [2, 17, 40, 64])
+@pytest.mark.parametrize("swap,tma", [(False, False), (True, False), (False, True), (True, True)])
+def test_fp8_activation_kernels_in_bf16(M, swap, tma):
+    """``fp8_gemv2(fp8_x=True)``'s four kernels (pointer loads or TMA, x @ w^T or w @ x^T) in bf16 at Llama-3-8B
+    widths and an unaligned one, with and without a bias and a split of K: the scaled_mm product within bf16 output
+    rounding; and replayed from a CUDA graph with a new x, the eager result bit for bit."""
+    from multilora.kernels import triton_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(M)
+    for (N, K), bn, bk in (((4096, 4096), 64, 128), ((28672, 4096), 128, 128), ((4096, 14336), 256, 128),
+                           ((2049, 3424), 64, 256)):
+        w = fp8.quantize_weight(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5)
+        x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+        b = torch.randn(N, device="cuda", generator=g).to(torch.bfloat16)
+        for bias, split in ((None, None), (b, 1), (b, 4)):
+            kw = dict(block_n=bn, block_k=bk, num_warps=4, num_stages=3, fp8_x=True, swap=swap, tma=tma, split_k=split)
+            y = triton_fp8.fp8_gemv2(x, w.qweight, w.scale, bias, **kw)
+            ref = fp8_reference(x, w, bias, quantize_x=True)
+            assert rel_err(y.float(), ref) < BF16_OUT, (N, K, bias is not None, split)
+        xg = x.clone()
+        triton_fp8.fp8_gemv2(xg, w.qweight, w.scale, b, **kw)  # compiled before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            yg = triton_fp8.fp8_gemv2(xg, w.qweight, w.scale, b, **kw)
+        x2 = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+        xg.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(yg, triton_fp8.fp8_gemv2(x2, w.qweight, w.scale, b, **kw)), (N, K)
