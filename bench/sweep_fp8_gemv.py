@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
                     "row class of the table)")
     ap.add_argument("--refine", type=int, default=4, help="scaled2: how many of the coarse grid's fastest configs per "
                     "(module, rows) are tried again at 3-6 stages and 1-4 programs per SM")
+    ap.add_argument("--layer-only", metavar="TABLE", help="skip the sweep: the layer phase alone, with the table file "
+                    "TABLE (read on top of the shipped ones) as its \"tuned\" rows, e.g. an older table for an A/B")
+    ap.add_argument("--layer-ms", default="1,2,4,8,16,32,64", help="comma list of the layer phase's row counts (1-64)")
     ap.add_argument("--lm-head", type=int, default=0, metavar="VOCAB",
                     help="also sweep the LM head [VOCAB, 4096] (Llama-3: 128256) for the fp8 LM head "
                          "(EngineConfig.fp8_lm_head); its tiles join the table, not the layer phase")
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     if not set(sweep_ms) <= {1, 16, 64}:
         sys.exit(f"sweep_fp8_gemv: --ms takes row counts of 1, 16, 64 (one per row class), got {args.ms}")
     t0 = time.perf_counter()
-    for name, (N, K) in swept.items():
+    for name, (N, K) in ({} if args.layer_only else swept).items():
         wb, wq = weights[name]
         for M in sweep_ms:
             x = torch.randn(M, K, device=dev, dtype=DTYPE, generator=g)
@@ -239,15 +242,21 @@ def main(argv: list[str] | None = None) -> None:
         if cub is None or r["us"] < cub["us"]:
             N, K = swept[name]
             tuned["scaled_configs"].setdefault(f"{N}x{K}", {})[str(M)] = r["cfg"]
-    tuned_path = out / "fp8_gemv_tuned.json"
-    tuned_path.write_text(json.dumps(tuned, indent=1))
+    if args.layer_only:
+        tuned_path = Path(args.layer_only)
+        tuned = json.loads(tuned_path.read_text())
+    else:
+        tuned_path = out / "fp8_gemv_tuned.json"
+        tuned_path.write_text(json.dumps(tuned, indent=1))
 
     # phase 2: whole layers (4 GEMMs in sequence, 4 layers of distinct weights per graph) through the product path,
     # fp8_linear(method=None): first with the shipped tables ("current"), then with the table just written ("tuned")
     layers = 4
     lw = {name: [(weights[name][0][i % len(weights[name][0])], weights[name][1][i % len(weights[name][1])])
                  for i in range(layers)] for name in SHAPES}
-    ms = (1, 2, 4, 8, 16, 32, 64)
+    ms = tuple(int(m) for m in args.layer_ms.split(","))
+    if not all(1 <= m <= 64 for m in ms):
+        sys.exit(f"sweep_fp8_gemv: --layer-ms takes row counts 1..64, got {args.layer_ms}")
     xs = {M: {name: torch.randn(M, K, device=dev, dtype=DTYPE, generator=g) for name, (N, K) in SHAPES.items()}
           for M in ms}
 
@@ -270,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}; {meta['timing']}; paths {args.paths}", "",
              "| module | M | bf16 us | engine before us | cuBLASLt scaled_mm us | best weight-only us (config, TB/s) | "
              "best fp8-activation us (config) |", "|---|---|---|---|---|---|---|"]
-    for name in swept:
+    for name in ({} if args.layer_only else swept):
         for M in sweep_ms:
             b, c, sm = at(name, M, "bf16"), at(name, M, "current"), at(name, M, "scaled_mm")
             wo, sc = best.get((name, M)), best_sc.get((name, M))

@@ -286,11 +286,6 @@ def _w8_gemv_tma_kernel(x_desc, xs_ptr, w_desc, s_ptr, b_ptr, y_ptr, part_ptr, c
 
 #: Most elements along one dimension of a TMA box (CUDA's ``cuTensorMapEncodeTiled``: boxDim[i] <= 256).
 TMA_MAX_BOX = 256
-#: Rows of x a TMA tile (not swapped) always holds, the rows past M reading as zeros (no bytes moved): Hopper's
-#: warpgroup MMA takes 64 rows on its M side, and a tile of fewer runs the older per-warp MMA instead (session 25,
-#: H200, the layer's four GEMMs at 32 rows with the 64-row class's TMA tiles: 99.0 us with 32-row tiles against
-#: 81.4 us at 64 rows; ``bench/results/session25/``).
-TMA_MIN_ROWS = 64
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -369,7 +364,7 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     (float8_e4m3fn, with ``x_scale`` float32 [M, 1] and ``out_dtype``). ``swap`` (tensor cores): the product as
     ``w @ x^T``, weight rows on the MMA's M side (``_w8_gemv2_kernel``'s ``SWAP``). ``tma`` (``fp8_x`` only):
     ``_w8_gemv_tma_kernel``, both tiles through tensor descriptors; ``block_n`` and ``block_k`` at most
-    ``TMA_MAX_BOX``; not swapped, x's tiles hold at least ``TMA_MIN_ROWS`` rows. Where x or the weight cannot back a descriptor (``_tma_ok``: alignment) the call takes the
+    ``TMA_MAX_BOX``. Where x or the weight cannot back a descriptor (``_tma_ok``: alignment) the call takes the
     pointer kernel with the same tiles instead: the same product.
 
     Raises:
@@ -414,9 +409,6 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     if tma and _tma_ok(x) and _tma_ok(qweight):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        if not swap and bm < TMA_MIN_ROWS:
-            bm = TMA_MIN_ROWS
-            part, count = _workspace(x.device, split_k, bm, N, n_blocks)
 
         _w8_gemv_tma_kernel[(n_blocks, split_k)](
             TensorDescriptor.from_tensor(x, [bm, block_k]), xs, TensorDescriptor.from_tensor(qweight, [block_n, block_k]),
