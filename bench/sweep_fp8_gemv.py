@@ -17,6 +17,15 @@ weights). Phases:
 
     python bench/sweep_fp8_gemv.py --out bench/results/fp8/sweep       # H200: about 3-4 minutes
     python bench/sweep_fp8_gemv.py --quick --out DIR                     # a few configs (smoke run)
+
+Path ``scaled2`` (session 25) sweeps the fp8-activation product over its four kernels (pointer or TMA loads, x @ w^T
+or w @ x^T: ``fp8_gemv2``'s ``tma`` / ``swap``) on a coarse grid (4 stages, 2 programs per SM), then the ``--refine``
+fastest of each (module, rows) again at 3-6 stages and 1-4 programs per SM; ``--ms`` picks the row classes swept
+(H200, one class: under 2 minutes). ``--layer-only TABLE`` skips the sweep and runs the layer phase with TABLE's
+entries as its "tuned" rows (an A/B of two tables at the ``--layer-ms`` row counts):
+
+    python bench/sweep_fp8_gemv.py --paths scaled2 --ms 64 --rep 10 --out DIR
+    python bench/sweep_fp8_gemv.py --layer-only OLD.json --layer-ms 16,32,48,64 --out DIR
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ Two GEMMs compute ``y = x @ (Wq * scale[:, None])^T (+ bias)`` [T, N] in x's dty
   row-wise scales ``scale_a = xs [T, 1]`` and ``scale_b = scale [1, N]`` applied in its epilogue); for at most
   64 rows, where the GPU's tuned table has a "scaled_configs" entry for the shape, our split-K Triton kernel
   instead (``triton_fp8.fp8_gemv2(fp8_x=True)``: the same quantization, fp8 tensor cores, the scales at the
-  store). Reads 1 byte per weight and uses fp8 tensor cores; adds the activation's rounding to e4m3 (3 mantissa
-  bits).
+  store; on the H200 most of those tiles load through TMA tensor descriptors: ``triton_fp8``'s module docstring).
+  Reads 1 byte per weight and uses fp8 tensor cores; adds the activation's rounding to e4m3 (3 mantissa bits).
 - ``"weight_only"`` (CUDA, Triton: ``multilora.kernels.triton_fp8``): the activations stay in bf16; each fp8
   weight tile is widened to bf16 in registers and the product accumulates in fp32, the scale applied once per
   output column. Reads 1 byte per weight and adds no activation rounding; uses bf16 tensor cores.

@@ -11,7 +11,15 @@ fp8 activations) and the per-token activation quantization. Semantics are those 
   scheme with a runtime split count, an accumulate-then-sum CUDA-core path for one row, and ``FP8_X``: per-token
   fp8 activations on fp8 tensor cores (method "scaled_mm"'s product). On the H200 a layer's four GEMMs take 1.13-1.22x
   less time than with the first kernel at 1-16 rows (``bench/results/fp8/README.md``, session 9); the first stays for GPUs nobody has tuned
-  (its tiles were measured; the second's defaults would not be).
+  (its tiles were measured; the second's defaults would not be). ``SWAP`` takes the tensor-core product as
+  ``w @ x^T``.
+- ``_w8_gemv_tma_kernel`` (``fp8_gemv2(fp8_x=True, tma=True)``, where a tuned entry says ``"tma": true``): the
+  ``FP8_X`` product with both tiles loaded through host-built tensor descriptors (TMA on Hopper: one bulk copy per
+  tile into a multi-stage shared-memory pipeline). Compiled for sm_90 (Triton 3.6), the pointer kernel's 64-row
+  fp8-activation tile holds 255 registers and spills, where the TMA tile of the same shape takes 126 and none. On
+  the H200 (session 25, ``bench/results/session25/``) a layer's four GEMMs at 64 rows take 80.6 us against 93.0
+  with the pointer tiles, at 16 rows 75.4 against 83.8; 17-47 rows gain less or lose (40 rows: 98.8 against
+  93.1 us), row counts the engine's graph buckets (16, 32, 48, 64) do not produce but 32 (98.3 against 103.9).
 - ``_w8_gemm_kernel`` (M > 64): ``y[M, N] = x[M, K] @ (Wq[N, K] * s[N])^T (+ b)``. Programs tile (N, M); each loops
   over K, loading an fp8 [BLOCK_K, BLOCK_N] weight tile (1 byte per weight), widening it to x's dtype in registers
   and accumulating with ``tl.dot`` in fp32. The column scale and the bias are applied once, after the K loop.
@@ -433,7 +441,8 @@ def _config(N: int) -> dict:
 
 
 #: Tuned tiles of ``fp8_gemv2`` per device, shape and row class: ``kernels/tuned/fp8_gemv_*.json`` as written by
-#: ``bench/sweep_fp8_gemv.py`` ({"device": name, "configs": {"NxK": {"1" | "16" | "64": kwargs}}, and
+#: ``bench/sweep_fp8_gemv.py`` ({"device": name, "configs": {"NxK": {"1" | "16" | "64": kwargs (the tile sizes, and
+#: optionally "swap" / "tma": which kernel)}}, and
 #: "scaled_configs" of the same form for the fp8-activation path where it beat cuBLASLt, ...}); the file named by
 #: the environment variable ``MULTILORA_FP8_TUNED`` (if set) is read last and wins.
 TUNED_DIR = Path(__file__).resolve().with_name("tuned")
