@@ -18,8 +18,11 @@ fp8 activations) and the per-token activation quantization. Semantics are those 
   tile into a multi-stage shared-memory pipeline). Compiled for sm_90 (Triton 3.6), the pointer kernel's 64-row
   fp8-activation tile holds 255 registers and spills, where the TMA tile of the same shape takes 126 and none. On
   the H200 (session 25, ``bench/results/session25/``) a layer's four GEMMs at 64 rows take 80.6 us against 93.0
-  with the pointer tiles, at 16 rows 75.4 against 83.8; 17-47 rows gain less or lose (40 rows: 98.8 against
-  93.1 us), row counts the engine's graph buckets (16, 32, 48, 64) do not produce but 32 (98.3 against 103.9).
+  with the pointer tiles, at 16 rows 75.4 against 83.8. Tiles of x that run past its edge are zero-filled by the
+  TMA unit, which measured slower the more rows it fills (48 rows 84.4 us, 40 rows 98.8 us, 32 rows with 32-row
+  tiles 98.3 us); so the fp8 activations are quantized into buffers of at least 64 rows (``fp8.empty_fp8_rows``)
+  and a TMA tile (not swapped) reads all 64 from memory, the rows past M computed and never stored (not yet timed
+  on the GPU: the same loads and MMAs as 64 rows).
 - ``_w8_gemm_kernel`` (M > 64): ``y[M, N] = x[M, K] @ (Wq[N, K] * s[N])^T (+ b)``. Programs tile (N, M); each loops
   over K, loading an fp8 [BLOCK_K, BLOCK_N] weight tile (1 byte per weight), widening it to x's dtype in registers
   and accumulating with ``tl.dot`` in fp32. The column scale and the bias are applied once, after the K loop.
@@ -47,7 +50,7 @@ import triton.language as tl
 
 from multilora.kernels import triton_pdl
 from multilora.kernels.backends import num_sms as num_sms_of
-from multilora.kernels.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
+from multilora.kernels.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX, FP8_X_ROWS, empty_fp8_rows
 from multilora.kernels.triton_pdl import pdl_wait
 
 MAX_QUANT_ROW = 65536
@@ -296,6 +299,16 @@ def _w8_gemv_tma_kernel(x_desc, xs_ptr, w_desc, s_ptr, b_ptr, y_ptr, part_ptr, c
 TMA_MAX_BOX = 256
 
 
+def _rows_view(x: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """x [M, K] (unit last stride) seen with ``rows`` rows from its first, where its storage holds them (an fp8 buffer
+    of ``fp8.empty_fp8_rows``): the rows past M are whatever the buffer holds, for a TMA tile of ``rows`` rows whose
+    rows past M are computed and never stored; else None."""
+    need = x.storage_offset() + (rows - 1) * x.stride(0) + x.shape[1]
+    if x.untyped_storage().nbytes() < need * x.element_size():
+        return None
+    return x.as_strided((rows, x.shape[1]), x.stride())
+
+
 def _tma_ok(t: torch.Tensor) -> bool:
     """Whether a 2-D tensor can back a TMA descriptor: CUDA, unit last stride, base and row stride multiples of 16
     bytes (``cuTensorMapEncodeTiled``'s alignment rules)."""
@@ -372,7 +385,8 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     (float8_e4m3fn, with ``x_scale`` float32 [M, 1] and ``out_dtype``). ``swap`` (tensor cores): the product as
     ``w @ x^T``, weight rows on the MMA's M side (``_w8_gemv2_kernel``'s ``SWAP``). ``tma`` (``fp8_x`` only):
     ``_w8_gemv_tma_kernel``, both tiles through tensor descriptors; ``block_n`` and ``block_k`` at most
-    ``TMA_MAX_BOX``. Where x or the weight cannot back a descriptor (``_tma_ok``: alignment) the call takes the
+    ``TMA_MAX_BOX``; not swapped, below ``fp8.FP8_X_ROWS`` rows, x's tiles hold ``FP8_X_ROWS`` rows where x's buffer
+    has them (``_rows_view``). Where x or the weight cannot back a descriptor (``_tma_ok``: alignment) the call takes the
     pointer kernel with the same tiles instead: the same product.
 
     Raises:
@@ -418,8 +432,16 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
 
+        xv = x
+        if not swap and M < FP8_X_ROWS:  # tiles of FP8_X_ROWS rows over real memory where x's buffer has them
+            xv = _rows_view(x, FP8_X_ROWS)
+            if xv is None:
+                xv = x
+            else:
+                bm = FP8_X_ROWS
+                part, count = _workspace(x.device, split_k, bm, N, n_blocks)
         _w8_gemv_tma_kernel[(n_blocks, split_k)](
-            TensorDescriptor.from_tensor(x, [bm, block_k]), xs, TensorDescriptor.from_tensor(qweight, [block_n, block_k]),
+            TensorDescriptor.from_tensor(xv, [bm, block_k]), xs, TensorDescriptor.from_tensor(qweight, [block_n, block_k]),
             scale, bias if bias is not None else scale, y, part, count, M, N, K, k_per, split_k, y.stride(0),
             HAS_BIAS=bias is not None, SWAP=swap, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
             num_stages=num_stages, **triton_pdl.launch_args(x.device))
@@ -631,12 +653,13 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, fp8_max, min_scale
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``fp8.quantize_per_token_torch`` in one launch: x [T, K] (K <= 65536, contiguous rows) ->
-    (float8_e4m3fn [T, K], float32 [T, 1])."""
+    (float8_e4m3fn [T, K], float32 [T, 1]); the fp8 rows lie in a buffer of at least ``FP8_X_ROWS`` rows
+    (``fp8.empty_fp8_rows``)."""
     T, K = x.shape
     if K > MAX_QUANT_ROW or x.stride(1) != 1:
         raise ValueError(f"quantize_per_token: rows must be contiguous and at most {MAX_QUANT_ROW} wide, got "
                          f"{tuple(x.shape)} with strides {x.stride()}")
-    q = torch.empty(T, K, dtype=FP8_DTYPE, device=x.device)
+    q = empty_fp8_rows(T, K, x.device)  # (in a buffer of at least 64 rows: TMA tiles of x read real memory)
     s = torch.empty(T, 1, dtype=torch.float32, device=x.device)
     if T:
         block = triton.next_power_of_2(K)

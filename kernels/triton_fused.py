@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from multilora.kernels import triton_pdl
-from multilora.kernels.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
+from multilora.kernels.fp8 import _MIN_SCALE, FP8_MAX, empty_fp8_rows
 from multilora.kernels.triton_pdl import pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -206,9 +206,8 @@ def _fp8_out(x: torch.Tensor, quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-token fp8 copy of an op's output [T, N] (``quant``): float8_e4m3fn [T, N] and float32 [T, 1]; else
     one-element placeholders (the kernel does not touch them)."""
     T, N = x.shape
-    if quant:
-        return (torch.empty(T, N, dtype=FP8_DTYPE, device=x.device),
-                torch.empty(T, 1, dtype=torch.float32, device=x.device))
+    if quant:  # (in a buffer of at least 64 rows: fp8.empty_fp8_rows)
+        return empty_fp8_rows(T, N, x.device), torch.empty(T, 1, dtype=torch.float32, device=x.device)
     return x, x
 
 

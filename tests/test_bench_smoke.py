@@ -78,7 +78,9 @@ def test_recapture_bench_runs(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     rows = json.loads((out / "recapture_tiny.json").read_text())["rows"]
     assert [r["phase"] for r in rows] == ["first", "recapture"]
-    assert all(r["tpot_ms"] > 0 and r["layers"] == 1 and r["batch"] == 2 for r in rows)
+    # a TPOT here is a difference of two CPU timings (gen tokens minus 1 token): finite, but of either sign on a busy
+    # machine (CI once saw one below 0 while another process ran); its value is a GPU bench's business
+    assert all(math.isfinite(r["tpot_ms"]) and r["layers"] == 1 and r["batch"] == 2 for r in rows)
 
 
 def test_generate_bench_runs(tmp_path):

@@ -327,6 +327,49 @@ def test_gemv2_swapped_and_tma_kernels_compute_the_same_product(M, N, K):
         triton_fp8.fp8_gemv2(x, w.qweight, w.scale, fp8_x=True, tma=True, block_n=16, block_k=512)
 
 
+def test_fp8_activation_buffers_hold_64_rows():
+    """``empty_fp8_rows``: 1-63 rows are the leading rows of a 64-row buffer (a TMA tile of 64 rows reads real memory),
+    0 and 64+ rows exactly what is asked; ``quantize_per_token`` and the fused ops' fp8 copies use it."""
+    from multilora.kernels import triton_fp8
+
+    for rows, alloc in ((1, 64), (17, 64), (63, 64), (64, 64), (65, 65), (0, 0)):
+        t = fp8.empty_fp8_rows(rows, 48, "cpu")
+        assert t.shape == (rows, 48) and t.dtype == fp8.FP8_DTYPE and t.is_contiguous()
+        assert t.untyped_storage().nbytes() == alloc * 48, rows
+        r = triton_fp8._rows_view(t, 64)
+        assert (r is not None) == (rows >= 1 and alloc >= 64) and (r is None or r.data_ptr() == t.data_ptr())
+    assert triton_fp8._rows_view(torch.empty(3, 48, dtype=fp8.FP8_DTYPE), 64) is None  # a buffer of its own size
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        q, _ = triton_fp8.quantize_per_token(torch.randn(5, 48).half())
+        assert q.untyped_storage().nbytes() == 64 * 48
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU cases need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("M", [3, 20, 40])
+def test_tma_tiles_over_a_padded_buffer_ignore_its_other_rows(M):
+    """An fp8 x in a 64-row buffer (``empty_fp8_rows``) is read by 64-row TMA tiles; the buffer's rows past M hold NaN
+    here and change nothing: the result equals the scaled_mm reference and the same x in a buffer of its own size
+    (64-row tile past the edge, zeros from TMA), for one split and three."""
+    from multilora.kernels import triton_fp8
+
+    g = torch.Generator().manual_seed(M)
+    N, K = 48, 128
+    w = fp8.quantize_weight(torch.randn(N, K, generator=g))
+    x = torch.randn(M, K, generator=g).half()
+    xq, xs = triton_fp8.quantize_per_token(x)
+    padded = fp8.empty_fp8_rows(M, K, "cpu")
+    padded.as_strided((64, K), (K, 1))[M:] = float("nan")  # the rows no one writes, poisoned
+    padded.copy_(xq)
+    own = xq.clone()  # storage of exactly M rows
+    assert triton_fp8._rows_view(padded, 64) is not None and triton_fp8._rows_view(own, 64) is None
+    ref = (xq.float() * xs) @ w.dequantize().t()
+    for split in (1, 3):
+        kw = dict(fp8_x=True, x_scale=xs, out_dtype=torch.float16, tma=True, block_n=16, block_k=32, split_k=split)
+        y = triton_fp8.fp8_gemv2(padded, w.qweight, w.scale, **kw)
+        assert torch.isfinite(y).all() and rel_err(y.float(), ref) < 2e-3, split
+        assert torch.equal(y, triton_fp8.fp8_gemv2(own, w.qweight, w.scale, **kw)), split
+
+
 def test_tuned_entries_may_name_swap_and_tma(tmp_path, caplog):
     """Entries may add swap / tma (booleans; tma only in scaled_configs with tiles of at most 256); older entries
     without them still read; a bad value skips the file with a warning naming the key."""

@@ -304,8 +304,9 @@ def test_engine_fp8_lm_head(engines):
 @pytest.mark.parametrize("swap,tma", [(False, False), (True, False), (False, True), (True, True)])
 def test_fp8_activation_kernels_in_bf16(M, swap, tma):
     """``fp8_gemv2(fp8_x=True)``'s four kernels (pointer loads or TMA, x @ w^T or w @ x^T) in bf16 at Llama-3-8B
-    widths and an unaligned one, with and without a bias and a split of K: the scaled_mm product within bf16 output
-    rounding; and replayed from a CUDA graph with a new x, the eager result bit for bit."""
+    widths and an unaligned one, with and without a bias and a split of K, x quantized into a 64-row buffer (TMA:
+    64-row tiles over it) and into one of its own size: the scaled_mm product within bf16 output rounding; and
+    replayed from a CUDA graph with a new x, the eager result bit for bit."""
     from multilora.kernels import triton_fp8
 
     g = torch.Generator(device="cuda").manual_seed(M)
@@ -319,6 +320,10 @@ def test_fp8_activation_kernels_in_bf16(M, swap, tma):
             y = triton_fp8.fp8_gemv2(x, w.qweight, w.scale, bias, **kw)
             ref = fp8_reference(x, w, bias, quantize_x=True)
             assert rel_err(y.float(), ref) < BF16_OUT, (N, K, bias is not None, split)
+            # x quantized into a buffer of exactly M rows (no 64-row buffer: TMA tiles past its edge read zeros)
+            xq, xs = triton_fp8.quantize_per_token(x)
+            y2 = triton_fp8.fp8_gemv2(xq.clone(), w.qweight, w.scale, bias, x_scale=xs, out_dtype=torch.bfloat16, **kw)
+            assert rel_err(y2.float(), ref) < BF16_OUT, (N, K, bias is not None, split)
         xg = x.clone()
         triton_fp8.fp8_gemv2(xg, w.qweight, w.scale, b, **kw)  # compiled before the capture
         graph = torch.cuda.CUDAGraph()
