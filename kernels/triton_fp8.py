@@ -385,8 +385,8 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     (float8_e4m3fn, with ``x_scale`` float32 [M, 1] and ``out_dtype``). ``swap`` (tensor cores): the product as
     ``w @ x^T``, weight rows on the MMA's M side (``_w8_gemv2_kernel``'s ``SWAP``). ``tma`` (``fp8_x`` only):
     ``_w8_gemv_tma_kernel``, both tiles through tensor descriptors; ``block_n`` and ``block_k`` at most
-    ``TMA_MAX_BOX``; not swapped, below ``fp8.FP8_X_ROWS`` rows, x's tiles hold ``FP8_X_ROWS`` rows where x's buffer
-    has them (``_rows_view``). Where x or the weight cannot back a descriptor (``_tma_ok``: alignment) the call takes the
+    ``TMA_MAX_BOX``; x's tiles are read from x's buffer where it holds their rows (``_rows_view``; not swapped, the
+    tiles then hold ``fp8.FP8_X_ROWS`` rows), else zero-filled past x's edge. Where x or the weight cannot back a descriptor (``_tma_ok``: alignment) the call takes the
     pointer kernel with the same tiles instead: the same product.
 
     Raises:
@@ -432,14 +432,14 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
 
-        xv = x
-        if not swap and M < FP8_X_ROWS:  # tiles of FP8_X_ROWS rows over real memory where x's buffer has them
-            xv = _rows_view(x, FP8_X_ROWS)
-            if xv is None:
-                xv = x
-            else:
-                bm = FP8_X_ROWS
-                part, count = _workspace(x.device, split_k, bm, N, n_blocks)
+        # tiles over x's buffer where it has the rows (not swapped: FP8_X_ROWS, swapped: bm), else past its edge
+        want = bm if swap else max(bm, FP8_X_ROWS)
+        xv = _rows_view(x, want) if M < want else x
+        if xv is None:
+            xv = x
+        elif want != bm:
+            bm = want
+            part, count = _workspace(x.device, split_k, bm, N, n_blocks)
         _w8_gemv_tma_kernel[(n_blocks, split_k)](
             TensorDescriptor.from_tensor(xv, [bm, block_k]), xs, TensorDescriptor.from_tensor(qweight, [block_n, block_k]),
             scale, bias if bias is not None else scale, y, part, count, M, N, K, k_per, split_k, y.stride(0),

@@ -349,7 +349,8 @@ def test_fp8_activation_buffers_hold_64_rows():
 def test_tma_tiles_over_a_padded_buffer_ignore_its_other_rows(M):
     """An fp8 x in a 64-row buffer (``empty_fp8_rows``) is read by 64-row TMA tiles; the buffer's rows past M hold NaN
     here and change nothing: the result equals the scaled_mm reference and the same x in a buffer of its own size
-    (64-row tile past the edge, zeros from TMA), for one split and three."""
+    (64-row tile past the edge, zeros from TMA), for one split and three, and swapped (tiles of the padded row count
+    read from the buffer)."""
     from multilora.kernels import triton_fp8
 
     g = torch.Generator().manual_seed(M)
@@ -363,8 +364,9 @@ def test_tma_tiles_over_a_padded_buffer_ignore_its_other_rows(M):
     own = xq.clone()  # storage of exactly M rows
     assert triton_fp8._rows_view(padded, 64) is not None and triton_fp8._rows_view(own, 64) is None
     ref = (xq.float() * xs) @ w.dequantize().t()
-    for split in (1, 3):
-        kw = dict(fp8_x=True, x_scale=xs, out_dtype=torch.float16, tma=True, block_n=16, block_k=32, split_k=split)
+    for split, swap in ((1, False), (3, False), (2, True)):
+        kw = dict(fp8_x=True, x_scale=xs, out_dtype=torch.float16, tma=True, block_n=16, block_k=32, split_k=split,
+                  swap=swap)
         y = triton_fp8.fp8_gemv2(padded, w.qweight, w.scale, **kw)
         assert torch.isfinite(y).all() and rel_err(y.float(), ref) < 2e-3, split
         assert torch.equal(y, triton_fp8.fp8_gemv2(own, w.qweight, w.scale, **kw)), split
