@@ -400,6 +400,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         triton_fp8.GEMV_WIDEN_F16 = widen_default
         sampling.ROW_MAX_TWO_PASS = twopass_default
         model_mod.FUSE_FP8_QUANT = fuse_quant_default
+        triton_fp8._tuned = table_default
         if engine is not None:
             engine.model.lm_head = head_default
     engine = None  # free it before the caller goes on (in-process runs)

@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> None:
     tuned = {"device": meta["device"], "source": "python bench/sweep_fp8_gemv.py --paths " + args.paths + " ("
              + meta["timing"] + ")", "torch": meta["torch"], "triton": meta["triton"],
              "weight_only_max_tokens": wo_max, "configs": {}, "scaled_configs": {}}
+    if not any(M in sweep_ms for M in (16, 64)) or not any((n, M) in best for n in SHAPES for M in (16, 64)):
+        del tuned["weight_only_max_tokens"]  # not measured here (no weight-only tiles of 16 or 64 rows swept):
+        wo_max = None  # a table read on top of the shipped ones then keeps theirs
     for (name, M), r in sorted(best.items()):
         N, K = swept[name]
         tuned["configs"].setdefault(f"{N}x{K}", {})[str(M)] = r["cfg"]
@@ -251,9 +254,15 @@ def main(argv: list[str] | None = None) -> None:
         if cub is None or r["us"] < cub["us"]:
             N, K = swept[name]
             tuned["scaled_configs"].setdefault(f"{N}x{K}", {})[str(M)] = r["cfg"]
-    if args.layer_only:
+    if args.layer_only:  # the table must hold entries for this GPU, or "tuned" would silently be "current"
         tuned_path = Path(args.layer_only)
+        read: dict = {}
+        triton_fp8._read_tuned(tuned_path, read)
+        if not any(read.get(meta["device"], {}).get(k) for k in ("configs", "scaled_configs")):
+            sys.exit(f"sweep_fp8_gemv: --layer-only {tuned_path}: no valid entry for {meta['device']} "
+                     f"(devices in it: {sorted(read) or 'none: the file did not parse, see the warning'})")
         tuned = json.loads(tuned_path.read_text())
+        wo_max = tuned.get("weight_only_max_tokens")
     else:
         tuned_path = out / "fp8_gemv_tuned.json"
         tuned_path.write_text(json.dumps(tuned, indent=1))
@@ -296,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"{sm['us']:.1f} | " if sm else f"| {name} | {M} | {b['us']:.1f} | {c['us']:.1f} | - | ")
             lines[-1] += (f"{wo['us']:.1f} ({wo['config']}, {wo['weight_tb_s']:.2f}) | " if wo else "- | ")
             lines[-1] += (f"{sc['us']:.1f} ({sc['config']}) |" if sc else "- |")
-    lines += ["", f"weight_only_max_tokens: {wo_max}", "",
+    lines += ["", f"weight_only_max_tokens: {'not measured (left out of the table)' if wo_max is None else wo_max}", "",
               "| layer (4 GEMMs, 4 layers per graph) | M | bf16 us | engine before us | tuned us | tuned vs bf16 |",
               "|---|---|---|---|---|---|"]
     for M in ms:

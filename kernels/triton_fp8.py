@@ -483,7 +483,7 @@ def _check_entry(section: str, shape: str, rows: str, cfg: Any) -> None:
     if rows not in ("1", "16", "64"):
         raise ValueError(f"{where}: the row class must be '1', '16' or '64'")
     if not isinstance(cfg, dict) or not _KEYS <= set(cfg) <= _KEYS | {"fp8_x", *_OPTIONAL_BOOL_KEYS}:
-        raise ValueError(f"{where}: expected the keys {sorted(_KEYS)} (and optionally {list(_OPTIONAL_BOOL_KEYS)}), "
+        raise ValueError(f"{where}: expected the keys {sorted(_KEYS)} (and optionally {['fp8_x', *_OPTIONAL_BOOL_KEYS]}), "
                          f"got {sorted(cfg) if isinstance(cfg, dict) else cfg!r}")
     for k in _OPTIONAL_BOOL_KEYS:
         if not isinstance(cfg.get(k, False), bool):
@@ -496,8 +496,11 @@ def _check_entry(section: str, shape: str, rows: str, cfg: Any) -> None:
             raise ValueError(f"{where}: {k} must be true or false, got {cfg[k]!r}")
     if section == "scaled_configs" and not cfg["use_dot"]:
         raise ValueError(f"{where}: fp8 activations need use_dot true")
-    if cfg.get("tma") and (section != "scaled_configs" or max(cfg["block_n"], cfg["block_k"]) > TMA_MAX_BOX):
-        raise ValueError(f"{where}: tma takes fp8 activations (scaled_configs) and tiles of at most {TMA_MAX_BOX}")
+    if cfg.get("tma") and section != "scaled_configs":
+        raise ValueError(f"{where}: tma takes fp8 activations (scaled_configs)")
+    if cfg.get("tma") and max(cfg["block_n"], cfg["block_k"]) > TMA_MAX_BOX:
+        raise ValueError(f"{where}: tma tiles of at most {TMA_MAX_BOX} (block_n, block_k), got {cfg['block_n']}, "
+                         f"{cfg['block_k']}")
 
 
 def _read_tuned(path: Path, into: dict[str, dict]) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from testsupport import fp8_reference, rel_err, write_adapter
+from testsupport import fp8_reference, rel_err, spy_launches, write_adapter
 
 from multilora import Engine
 from multilora.config import ModelConfig
@@ -301,13 +301,16 @@ def test_gemv2_fp8_activations_match_the_scaled_mm_reference(M, N, K):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU cases need TRITON_INTERPRET=1")
-@pytest.mark.parametrize("M,N,K", [(3, 48, 128), (20, 70, 160), (64, 32, 256)])
-def test_gemv2_swapped_and_tma_kernels_compute_the_same_product(M, N, K):
+@pytest.mark.parametrize("M,N,K", [(3, 48, 128), (20, 70, 160), (64, 32, 256), (5, 48, 200)])
+def test_gemv2_swapped_and_tma_kernels_compute_the_same_product(M, N, K, monkeypatch):
     """The product taken as w @ x^T (``swap``) and through tensor descriptors (``tma``, both tiles TMA-loaded; the
     rows and columns past the edge read as zeros) equal the scaled_mm reference, for every split of K, unaligned
-    N and padded rows included; tma asks fp8 activations and tiles of at most TMA_MAX_BOX."""
+    N and padded rows included; the TMA kernel runs exactly for the tma calls, except where a row of K fp8 bytes
+    is no multiple of 16 (K = 200: no descriptor; the pointer kernel, same product); tma asks fp8 activations and
+    tiles of at most TMA_MAX_BOX."""
     from multilora.kernels import triton_fp8
 
+    launches = spy_launches(monkeypatch, triton_fp8, "_w8_gemv_tma_kernel")
     g = torch.Generator().manual_seed(M * N)
     w = fp8.quantize_weight(torch.randn(N, K, generator=g))
     x = torch.randn(M, K, generator=g).half()
@@ -316,8 +319,10 @@ def test_gemv2_swapped_and_tma_kernels_compute_the_same_product(M, N, K):
     ref = (xq.float() * xs) @ w.dequantize().t() + b.float()
     for kw in (dict(block_n=16, block_k=32), dict(block_n=16, block_k=32, split_k=3), dict(block_n=32, block_k=64, split_k=1)):
         for swap, tma in ((True, False), (False, True), (True, True)):
+            before = len(launches)
             y = triton_fp8.fp8_gemv2(x, w.qweight, w.scale, b, fp8_x=True, swap=swap, tma=tma, **kw)
             assert y.dtype == torch.float16 and rel_err(y.float(), ref) < 2e-3, (kw, swap, tma)
+            assert len(launches) - before == (1 if tma and K % 16 == 0 else 0), (kw, swap, tma)
     wref = fp8_reference(x, w, b, quantize_x=False)  # swap on the weight-only tensor-core path too
     y = triton_fp8.fp8_gemv2(x, w.qweight, w.scale, b, block_n=16, block_k=32, split_k=2, use_dot=True, swap=True)
     assert rel_err(y.float(), wref) < 2e-3
@@ -346,13 +351,14 @@ def test_fp8_activation_buffers_hold_64_rows():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU cases need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("M", [3, 20, 40])
-def test_tma_tiles_over_a_padded_buffer_ignore_its_other_rows(M):
+def test_tma_tiles_over_a_padded_buffer_ignore_its_other_rows(M, monkeypatch):
     """An fp8 x in a 64-row buffer (``empty_fp8_rows``) is read by 64-row TMA tiles; the buffer's rows past M hold NaN
     here and change nothing: the result equals the scaled_mm reference and the same x in a buffer of its own size
     (64-row tile past the edge, zeros from TMA), for one split and three, and swapped (tiles of the padded row count
     read from the buffer)."""
     from multilora.kernels import triton_fp8
 
+    launches = spy_launches(monkeypatch, triton_fp8, "_w8_gemv_tma_kernel")
     g = torch.Generator().manual_seed(M)
     N, K = 48, 128
     w = fp8.quantize_weight(torch.randn(N, K, generator=g))
@@ -370,6 +376,7 @@ def test_tma_tiles_over_a_padded_buffer_ignore_its_other_rows(M):
         y = triton_fp8.fp8_gemv2(padded, w.qweight, w.scale, **kw)
         assert torch.isfinite(y).all() and rel_err(y.float(), ref) < 2e-3, split
         assert torch.equal(y, triton_fp8.fp8_gemv2(own, w.qweight, w.scale, **kw)), split
+    assert len(launches) == 6  # every call above through the TMA kernel
 
 
 def test_tuned_entries_may_name_swap_and_tma(tmp_path, caplog):
@@ -384,9 +391,11 @@ def test_tuned_entries_may_name_swap_and_tma(tmp_path, caplog):
                                                                                              swap=False)}}})), table)
     assert table["g"]["scaled_configs"]["8x8"]["64"]["tma"] is True and table["g"]["configs"]["8x8"]["64"]["swap"]
     for bad, why in (({"configs": {"8x8": {"64": dict(cfg, swap="yes")}}}, "swap must be true or false"),
-                     ({"configs": {"8x8": {"64": dict(cfg, tma=True)}}}, "tma takes fp8 activations"),
-                     ({"scaled_configs": {"8x8": {"64": dict(cfg, tma=True, block_k=512)}}}, "tiles of at most 256")):
+                     ({"configs": {"8x8": {"64": dict(cfg, tma=1)}}}, "tma must be true or false"),
+                     ({"configs": {"8x8": {"64": dict(cfg, tma=True)}}}, "tma takes fp8 activations (scaled_configs)"),
+                     ({"scaled_configs": {"8x8": {"64": dict(cfg, tma=True, block_k=512)}}}, "tma tiles of at most 256")):
         table = {}
+        caplog.clear()
         with caplog.at_level("WARNING", logger="multilora"):
             triton_fp8._read_tuned(Path(_tuned_file(tmp_path, {"device": "g", **bad})), table)
         assert table == {} and why in caplog.text, why

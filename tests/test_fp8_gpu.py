@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from testsupport import fp8_reference, pdl_against_plain, rel_err
+from testsupport import fp8_reference, pdl_against_plain, rel_err, spy_launches
 
 from multilora import Engine, SamplingParams
 from multilora.config import ModelConfig
@@ -302,13 +302,15 @@ def test_engine_fp8_lm_head(engines):
 
 @pytest.mark.parametrize("M", [2, 17, 40, 64])
 @pytest.mark.parametrize("swap,tma", [(False, False), (True, False), (False, True), (True, True)])
-def test_fp8_activation_kernels_in_bf16(M, swap, tma):
+def test_fp8_activation_kernels_in_bf16(M, swap, tma, monkeypatch):
     """``fp8_gemv2(fp8_x=True)``'s four kernels (pointer loads or TMA, x @ w^T or w @ x^T) in bf16 at Llama-3-8B
     widths and an unaligned one, with and without a bias and a split of K, x quantized into a 64-row buffer (TMA:
     64-row tiles over it) and into one of its own size: the scaled_mm product within bf16 output rounding; and
-    replayed from a CUDA graph with a new x, the eager result bit for bit."""
+    replayed from a CUDA graph with a new x, the eager result bit for bit. The TMA kernel runs exactly when asked
+    (every shape here can back a descriptor)."""
     from multilora.kernels import triton_fp8
 
+    launches = spy_launches(monkeypatch, triton_fp8, "_w8_gemv_tma_kernel")
     g = torch.Generator(device="cuda").manual_seed(M)
     for (N, K), bn, bk in (((4096, 4096), 64, 128), ((28672, 4096), 128, 128), ((4096, 14336), 256, 128),
                            ((2049, 3424), 64, 256)):
@@ -324,6 +326,8 @@ def test_fp8_activation_kernels_in_bf16(M, swap, tma):
             xq, xs = triton_fp8.quantize_per_token(x)
             y2 = triton_fp8.fp8_gemv2(xq.clone(), w.qweight, w.scale, bias, x_scale=xs, out_dtype=torch.bfloat16, **kw)
             assert rel_err(y2.float(), ref) < BF16_OUT, (N, K, bias is not None, split)
+        assert len(launches) == (6 if tma else 0), (N, K)
+        launches.clear()
         xg = x.clone()
         triton_fp8.fp8_gemv2(xg, w.qweight, w.scale, b, **kw)  # compiled before the capture
         graph = torch.cuda.CUDAGraph()

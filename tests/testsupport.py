@@ -248,3 +248,21 @@ class Interrupt:
         if self.calls == self.at:
             raise KeyboardInterrupt
         return self.fn(*a, **k)
+
+
+def spy_launches(monkeypatch, module, name):
+    """Replace the Triton kernel ``module.name`` with a wrapper that records the grid of every launch
+    (``kernel[grid](...)``) and then launches it: returns the list of grids (so a test can tell which kernel ran)."""
+    kernel, grids = getattr(module, name), []
+
+    class _Spy:
+        def __getitem__(self, grid):
+            launch = kernel[grid]
+
+            def run(*args, **kwargs):
+                grids.append(grid)
+                return launch(*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(module, name, _Spy())
+    return grids
