@@ -51,7 +51,6 @@ def select_triton(backend: str | None, x: torch.Tensor | torch.device, module: s
     return mod
 
 
-@functools.lru_cache(maxsize=None)
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``host`` (a CPU tensor) on ``device``. To CUDA through pinned memory and a non-blocking copy: it queues on the
     current stream and the host goes on at once. A copy from pageable memory waits for the work queued on the stream
@@ -64,6 +63,7 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return host.to(device)
 
 
+@functools.lru_cache(maxsize=None)
 def num_sms(index: int) -> int:
     """Streaming multiprocessors of CUDA device ``index`` (read once per device): what the kernels size their
     split-K and split-key grids by."""

@@ -602,6 +602,30 @@ def test_triton_module_hides_only_import_errors(monkeypatch):
         uncached("triton_stale")
 
 
+def test_to_device_keeps_nothing_and_num_sms_reads_once(monkeypatch):
+    """``to_device`` holds no reference to what it copied (each step's plan goes through it: a cache there would keep
+    every step's host and device tensors alive); ``num_sms`` reads a device's properties once."""
+    import gc
+    import weakref
+
+    from multilora.kernels import backends
+
+    host = torch.arange(5)
+    gone = weakref.ref(host)
+    assert torch.equal(backends.to_device(host, "cpu"), torch.arange(5))
+    del host
+    gc.collect()
+    assert gone() is None
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: calls.append(i) or type("P", (), {"multi_processor_count": 7})())
+    backends.num_sms.cache_clear()
+    try:
+        assert backends.num_sms(3) == 7 and backends.num_sms(3) == 7 and calls == [3]
+    finally:
+        backends.num_sms.cache_clear()
+
+
 @pytest.mark.parametrize("device,dtype", CASES)
 def test_torch_and_triton_backends_agree(device, dtype):
     pool, slots = make_pool(SMALL, [8, 16, 3], dtype=dtype, device=device, seed=5)
