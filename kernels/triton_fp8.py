@@ -420,26 +420,24 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     split_k = triton.cdiv(K, k_per)
     bm = max(16, triton.next_power_of_2(M)) if use_dot else 1
     even = N % block_n == 0 and K % k_per == 0
-    part, count = _workspace(x.device, split_k, bm, N, n_blocks)
-    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if tma:
         if not fp8_x:
             raise ValueError("fp8_gemv2: tma=True takes the fp8-activation product (fp8_x=True)")
         if max(block_n, block_k, bm) > TMA_MAX_BOX:
             raise ValueError(f"fp8_gemv2: tma=True needs block_n, block_k and the padded rows at most {TMA_MAX_BOX}, "
                              f"got block_n {block_n}, block_k {block_k}, rows {bm}")
-    if tma and _tma_ok(x) and _tma_ok(qweight):
+        tma = _tma_ok(x) and _tma_ok(qweight)  # (else the pointer kernel: the same product)
+    xv = x
+    if tma:  # tiles over x's buffer where it has the rows (not swapped: FP8_X_ROWS, swapped: bm), else past its edge
+        want = bm if swap else max(bm, FP8_X_ROWS)
+        view = _rows_view(x, want) if M < want else None
+        if view is not None:
+            xv, bm = view, want
+    part, count = _workspace(x.device, split_k, bm, N, n_blocks)
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-
-        # tiles over x's buffer where it has the rows (not swapped: FP8_X_ROWS, swapped: bm), else past its edge
-        want = bm if swap else max(bm, FP8_X_ROWS)
-        xv = _rows_view(x, want) if M < want else x
-        if xv is None:
-            xv = x
-        elif want != bm:
-            bm = want
-            part, count = _workspace(x.device, split_k, bm, N, n_blocks)
         _w8_gemv_tma_kernel[(n_blocks, split_k)](
             TensorDescriptor.from_tensor(xv, [bm, block_k]), xs, TensorDescriptor.from_tensor(qweight, [block_n, block_k]),
             scale, bias if bias is not None else scale, y, part, count, M, N, K, k_per, split_k, y.stride(0),
