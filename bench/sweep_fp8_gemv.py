@@ -127,6 +127,19 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "sms": num_sms, "rotate_mb": args.rotate_mb,
             "timing": "triton.testing.do_bench_cudagraph median over C rotated weight copies, per GEMM"}
+    # the arguments, checked before any weight is made
+    sweep_ms = tuple(int(m) for m in args.ms.split(","))
+    if not set(sweep_ms) <= {1, 16, 64}:
+        sys.exit(f"sweep_fp8_gemv: --ms takes row counts of 1, 16, 64 (one per row class), got {args.ms}")
+    ms = tuple(int(m) for m in args.layer_ms.split(","))
+    if not all(1 <= m <= 64 for m in ms):
+        sys.exit(f"sweep_fp8_gemv: --layer-ms takes row counts 1..64, got {args.layer_ms}")
+    if args.layer_only:  # the table must hold entries for this GPU, or "tuned" would silently be "current"
+        read: dict = {}
+        triton_fp8._read_tuned(Path(args.layer_only), read)
+        if not any(read.get(meta["device"], {}).get(k) for k in ("configs", "scaled_configs")):
+            sys.exit(f"sweep_fp8_gemv: --layer-only {args.layer_only}: no valid entry for {meta['device']} "
+                     f"(devices in it: {sorted(read) or 'none: the file did not parse, see the warning'})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     global DTYPE
@@ -156,11 +169,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
     paths = args.paths.split(",")
-    sweep_ms = tuple(int(m) for m in args.ms.split(","))
-    if not set(sweep_ms) <= {1, 16, 64}:
-        sys.exit(f"sweep_fp8_gemv: --ms takes row counts of 1, 16, 64 (one per row class), got {args.ms}")
+    swept_now = {} if args.layer_only else swept  # the shapes the sweep phase runs (none with --layer-only)
     t0 = time.perf_counter()
-    for name, (N, K) in ({} if args.layer_only else swept).items():
+    for name, (N, K) in swept_now.items():
         wb, wq = weights[name]
         for M in sweep_ms:
             x = torch.randn(M, K, device=dev, dtype=DTYPE, generator=g)
@@ -254,13 +265,8 @@ def main(argv: list[str] | None = None) -> None:
         if cub is None or r["us"] < cub["us"]:
             N, K = swept[name]
             tuned["scaled_configs"].setdefault(f"{N}x{K}", {})[str(M)] = r["cfg"]
-    if args.layer_only:  # the table must hold entries for this GPU, or "tuned" would silently be "current"
+    if args.layer_only:  # (checked above: it has entries for this GPU)
         tuned_path = Path(args.layer_only)
-        read: dict = {}
-        triton_fp8._read_tuned(tuned_path, read)
-        if not any(read.get(meta["device"], {}).get(k) for k in ("configs", "scaled_configs")):
-            sys.exit(f"sweep_fp8_gemv: --layer-only {tuned_path}: no valid entry for {meta['device']} "
-                     f"(devices in it: {sorted(read) or 'none: the file did not parse, see the warning'})")
         tuned = json.loads(tuned_path.read_text())
         wo_max = tuned.get("weight_only_max_tokens")
     else:
@@ -272,9 +278,6 @@ def main(argv: list[str] | None = None) -> None:
     layers = 4
     lw = {name: [(weights[name][0][i % len(weights[name][0])], weights[name][1][i % len(weights[name][1])])
                  for i in range(layers)] for name in SHAPES}
-    ms = tuple(int(m) for m in args.layer_ms.split(","))
-    if not all(1 <= m <= 64 for m in ms):
-        sys.exit(f"sweep_fp8_gemv: --layer-ms takes row counts 1..64, got {args.layer_ms}")
     xs = {M: {name: torch.randn(M, K, device=dev, dtype=DTYPE, generator=g) for name, (N, K) in SHAPES.items()}
           for M in ms}
 
@@ -297,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}; {meta['timing']}; paths {args.paths}", "",
              "| module | M | bf16 us | engine before us | cuBLASLt scaled_mm us | best weight-only us (config, TB/s) | "
              "best fp8-activation us (config) |", "|---|---|---|---|---|---|---|"]
-    for name in ({} if args.layer_only else swept):
+    for name in swept_now:
         for M in sweep_ms:
             b, c, sm = at(name, M, "bf16"), at(name, M, "current"), at(name, M, "scaled_mm")
             wo, sc = best.get((name, M)), best_sc.get((name, M))
