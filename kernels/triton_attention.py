@@ -390,7 +390,8 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, *, scale: float,
                            sliding_window: int = 0, softcap: float = 0.0, num_splits: int | None = None,
-                           block_n: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton backend of ``paged_attention`` (semantics above and in ``multilora.kernels.attention``).
 
     Args:
@@ -403,6 +404,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         softcap: 0 = none, else the scores are ``softcap * tanh(scale * q.k / softcap)`` (the ``SOFTCAP`` branch).
         num_splits: decode only, key splits per sequence (None: from static sizes and the SM count; 1 on CPU).
         block_n: keys per tile (a power of two >= 16; None: the config for the device, phase and dtype).
+        num_warps, num_stages: the main kernel's warps (a power of two, 1-16) and software-pipeline stages (>= 1);
+            None: the config's (``bench/sweep_attention.py`` sweeps them).
         out: None, or a contiguous ``[T, H, D]`` tensor of q's dtype that receives the result (``paged_attention``
             checks it).
 
@@ -421,10 +424,18 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     B, Hkv = meta.seq_lens.shape[0], k_cache.shape[2]
     G = H // Hkv
     decode = T == B
-    block_m, cfg_n, num_warps, num_stages = _config(decode, D, q.dtype, q.device)
+    block_m, cfg_n, cfg_warps, cfg_stages = _config(decode, D, q.dtype, q.device)
     block_n = block_n or cfg_n
+    num_warps = num_warps or cfg_warps
+    num_stages = num_stages or cfg_stages
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"paged_attention_triton: block_n must be a power of two >= 16, got {block_n}")
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"paged_attention_triton: num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
+    if num_stages < 1:
+        raise ValueError(f"paged_attention_triton: num_stages must be >= 1, got {num_stages}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"paged_attention_triton: num_splits must be >= 1 or None, got {num_splits}")
     block_q, g_tile, groups, block_m = _tiling(decode, G, block_m)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)

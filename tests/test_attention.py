@@ -683,3 +683,59 @@ def test_bench_script_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
             assert r[f"{name}_ms"] == 0.01 / r["sets_per_call"]
             assert r[f"{name}_max_abs_err"] < 1e-2, (name, r[f"{name}_max_abs_err"])
     assert res["rows"][0]["ours_gbps"] > 0 and res["rows"][1]["ours_tflops"] > 0
+
+
+def _sweep_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "sweep_attention.py"
+    spec = importlib.util.spec_from_file_location("sweep_attention", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sweep_script_checks_its_arguments():
+    """bench/sweep_attention.py refuses malformed rows and grids with a message naming the flag."""
+    mod = _sweep_module()
+    assert mod.parse_rows("1:576:592,64:512:2048") == [(1, 576, 592), (64, 512, 2048)]
+    for bad in ("1:576", "1:600:592", "0:8:8", "a:b:c"):
+        with pytest.raises(SystemExit, match="--rows"):
+            mod.parse_rows(bad)
+    with pytest.raises(SystemExit, match="--warps"):
+        mod._ints("4,x", "--warps")
+    with pytest.raises(SystemExit, match="--block-n"):
+        mod.main(["--block-n", "24", "--out", "/nonexistent"])
+    if not HAS_CUDA:
+        assert mod.main(["--out", "/nonexistent"]) == 2, "without CUDA the script says so and exits"
+
+
+@interp
+def test_sweep_script_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
+    """main() on a tiny row on the CPU (kernel under the interpreter, fp32, timing stubbed by a clock that favours
+    one config): every config is checked against the torch reference, the split step takes the best configs of the
+    first step, and the JSON names the best. Numbers mean nothing."""
+    mod = _sweep_module()
+    for name, value in dict(DEV="cpu", DTYPE=torch.float32, H=4, HKV=2, D=16, SCALE=16 ** -0.5, MAX_SETS=2).items():
+        monkeypatch.setattr(mod, name, value)
+    monkeypatch.setattr(mod, "has_device", lambda: True)
+    monkeypatch.setattr(mod, "copy_bandwidth", lambda: 1000.0)
+    calls = []
+
+    def fake_time(fn, n_sets):  # runs the call once; a different positive time for each config
+        calls.append(len(fn()))
+        return 5.0 + (len(calls) * 7) % 5
+    monkeypatch.setattr(mod, "time_us", fake_time)
+    assert mod.main(["--rows", "2:40:64", "--block-n", "16,32", "--warps", "1", "--stages", "1", "--splits", "1,2",
+                     "--top", "1", "--out", str(tmp_path)]) == 0
+    import json
+
+    res = json.loads((tmp_path / "attention_sweep.json").read_text())
+    (row,) = res["rows"]
+    assert (row["batch"], row["context"], row["capacity"]) == (2, 40, 64)
+    assert len(row["step1"]) == 2 and all(r["max_abs_err"] < 1e-4 for r in row["step1"])
+    assert len(row["step2"]) == 1 and row["step2"][0]["splits"] == 2  # the top config at the split it lacked
+    assert row["step2"][0]["max_abs_err"] < 1e-4, "two splits and their combine agree with the reference"
+    assert row["best"]["us"] == min(r["us"] for r in row["step1"] + row["step2"])
+    assert set(calls) == {row["sets_per_call"]}
