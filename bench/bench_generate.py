@@ -38,6 +38,8 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     (``runtime.sampling.ROW_MAX_TWO_PASS = False``, what ran before session 23: the A/B)
     multilora-fp8-sepquant  multilora-fp8 with each fp8 GEMM quantizing its activations in a launch of its own
                     (``runtime.model.FUSE_FP8_QUANT = False``, what ran before session 23: the A/B; same values)
+    multilora-fp8-nopad  multilora-fp8 with fp8 activations of 1-63 rows in buffers of their own size
+                    (``fp8.FP8_X_ROWS = 1``; TMA tiles past x's edge read zeros): the A/B of the 64-row buffers
     multilora-fp8-shipped  multilora-fp8 with the fp8 GEMMs' tiles of the shipped tables alone (``kernels/tuned/``),
                     where the other fp8 providers also read the file ``MULTILORA_FP8_TUNED`` names (a new sweep's
                     ``fp8_gemv_tuned.json``): the engine A/B of a new table; the same as multilora-fp8 when it is unset
@@ -112,8 +114,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-sync"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-sync"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -303,6 +305,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             failed.update({v: f"adapter setup failed: {type(e).__name__}: {e}"[:2000] for v in lora_variants})
     side_default = engine.model.lora_side_max_tokens if engine is not None else None
     prio_default = engine.model.lora_side_priority if engine is not None else 0
+    from multilora.kernels import fp8 as fp8_mod
     from multilora.kernels import triton_fp8, triton_pdl, triton_sgmv
     from multilora.runtime import model as model_mod
     from multilora.runtime import sampling
@@ -314,6 +317,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     widen_default = triton_fp8.GEMV_WIDEN_F16
     twopass_default = sampling.ROW_MAX_TWO_PASS
     fuse_quant_default = model_mod.FUSE_FP8_QUANT
+    xrows_default = fp8_mod.FP8_X_ROWS
     async_default = engine._async if engine is not None else False
     head_default = engine.model.lm_head if engine is not None else None
     table_default = triton_fp8.tuned_table()  # with MULTILORA_FP8_TUNED on top, if set
@@ -341,6 +345,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             widen = True if v.endswith("-f16widen") else False if v.endswith("-bf16widen") else widen_default
             sampling.ROW_MAX_TWO_PASS = False if v.endswith("-onepassmax") else twopass_default  # not in graphs
             fuse_quant = False if v.endswith("-sepquant") else fuse_quant_default
+            xrows = 1 if v.endswith("-nopad") else xrows_default
             engine._async = async_default and not v.endswith("-sync")  # (not in graphs: no capture again)
             m = engine.model
             if v.endswith("-lmhead") and head_fp8 is None and isinstance(head_default, torch.Tensor):
@@ -354,13 +359,14 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             now = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
             if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
                     m.gemm_cublaslt_tokens, now, triton_sgmv.PDL, triton_pdl.ENABLED, triton_fp8.GEMV_WIDEN_F16,
-                    model_mod.FUSE_FP8_QUANT) != (
-                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen, fuse_quant) or m.lm_head is not head \
+                    model_mod.FUSE_FP8_QUANT, fp8_mod.FP8_X_ROWS) != (
+                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen, fuse_quant, xrows) or m.lm_head is not head \
                     or triton_fp8._tuned is not table:
                 triton_fp8._tuned = table  # the fp8 GEMMs' tiles (read when a graph is captured)
                 m.lora_side_max_tokens = side  # captured graphs bake all of these in: capture again
                 m.lm_head = head
                 model_mod.FUSE_FP8_QUANT = fuse_quant
+                fp8_mod.FP8_X_ROWS = xrows
                 triton_fp8.GEMV_WIDEN_F16 = widen
                 triton_sgmv.PDL = pdl
                 triton_pdl.ENABLED = step_pdl
@@ -400,6 +406,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         triton_fp8.GEMV_WIDEN_F16 = widen_default
         sampling.ROW_MAX_TWO_PASS = twopass_default
         model_mod.FUSE_FP8_QUANT = fuse_quant_default
+        fp8_mod.FP8_X_ROWS = xrows_default
         triton_fp8._tuned = table_default
         if engine is not None:
             engine.model.lm_head = head_default
@@ -774,7 +781,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                           ("multilora", "multilora-fp8-f16widen"), ("multilora", "multilora-fp8-bf16widen"),
                           ("multilora", "multilora-fp8-lmhead"),
                           ("multilora", "multilora-fp8-onepassmax"), ("multilora", "multilora-fp8-sepquant"),
-                          ("multilora", "multilora-fp8-shipped"),
+                          ("multilora", "multilora-fp8-shipped"), ("multilora", "multilora-fp8-nopad"),
                           ("multilora-sync", "multilora-fp8-sync")):
             lo, hi = ok.get((base, b)), ok.get((fp8, b))
             if hi is None:

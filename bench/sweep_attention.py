@@ -129,7 +129,6 @@ def main(argv=None) -> int:
     if not has_device():
         print("sweep_attention: needs a CUDA GPU", file=sys.stderr)
         return 2
-    sys.path.insert(0, os.path.dirname(HERE))
     import triton
 
     from multilora.kernels import triton_attention as ta
