@@ -199,8 +199,7 @@ def bench_row(phase: str, B: int, ctx: int, sets: list[ProblemSet], names, copy_
         if phase == "decode":
             capacity = sets[0].meta.block_tables.shape[1] * BLOCK
             dev = torch.device(DEV)
-            block_n = triton_attention._config(True, D, DTYPE, dev)[1]
-            row["ours_num_splits"] = triton_attention._num_splits(dev, B * HKV, capacity, block_n)
+            row["ours_num_splits"] = triton_attention._decode_launch(dev, B * HKV, capacity, D, DTYPE)[4]
         else:
             row["causal_flops"] = causal_flops(B, n)
     try:

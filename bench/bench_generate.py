@@ -38,6 +38,8 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     (``runtime.sampling.ROW_MAX_TWO_PASS = False``, what ran before session 23: the A/B)
     multilora-fp8-sepquant  multilora-fp8 with each fp8 GEMM quantizing its activations in a launch of its own
                     (``runtime.model.FUSE_FP8_QUANT = False``, what ran before session 23: the A/B; same values)
+    multilora-s25attn, multilora-lora-s25attn, multilora-fp8-s25attn  those with session 25's decode attention
+                    config and splits (``triton_attention.DECODE_TUNED = False``): the A/B of session 26's
     multilora-fp8-nopad  multilora-fp8 with fp8 activations of 1-63 rows in buffers of their own size
                     (``fp8.FP8_X_ROWS = 1``; TMA tiles past x's edge read zeros): the A/B of the 64-row buffers
     multilora-fp8-shipped  multilora-fp8 with the fp8 GEMMs' tiles of the shipped tables alone (``kernels/tuned/``),
@@ -114,8 +116,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-sync"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-s25attn", "multilora-lora-s25attn", "multilora-fp8-s25attn", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync", "multilora-s25attn", "multilora-lora-s25attn"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-s25attn", "multilora-fp8-sync"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -306,7 +308,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     side_default = engine.model.lora_side_max_tokens if engine is not None else None
     prio_default = engine.model.lora_side_priority if engine is not None else 0
     from multilora.kernels import fp8 as fp8_mod
-    from multilora.kernels import triton_fp8, triton_pdl, triton_sgmv
+    from multilora.kernels import triton_attention, triton_fp8, triton_pdl, triton_sgmv
     from multilora.runtime import model as model_mod
     from multilora.runtime import sampling
 
@@ -318,6 +320,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     twopass_default = sampling.ROW_MAX_TWO_PASS
     fuse_quant_default = model_mod.FUSE_FP8_QUANT
     xrows_default = fp8_mod.FP8_X_ROWS
+    attn_default = triton_attention.DECODE_TUNED
     async_default = engine._async if engine is not None else False
     head_default = engine.model.lm_head if engine is not None else None
     table_default = triton_fp8.tuned_table()  # with MULTILORA_FP8_TUNED on top, if set
@@ -346,6 +349,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             sampling.ROW_MAX_TWO_PASS = False if v.endswith("-onepassmax") else twopass_default  # not in graphs
             fuse_quant = False if v.endswith("-sepquant") else fuse_quant_default
             xrows = 1 if v.endswith("-nopad") else xrows_default
+            attn = False if v.endswith("-s25attn") else attn_default
             engine._async = async_default and not v.endswith("-sync")  # (not in graphs: no capture again)
             m = engine.model
             if v.endswith("-lmhead") and head_fp8 is None and isinstance(head_default, torch.Tensor):
@@ -359,14 +363,16 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             now = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
             if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
                     m.gemm_cublaslt_tokens, now, triton_sgmv.PDL, triton_pdl.ENABLED, triton_fp8.GEMV_WIDEN_F16,
-                    model_mod.FUSE_FP8_QUANT, fp8_mod.FP8_X_ROWS) != (
-                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen, fuse_quant, xrows) or m.lm_head is not head \
+                    model_mod.FUSE_FP8_QUANT, fp8_mod.FP8_X_ROWS, triton_attention.DECODE_TUNED) != (
+                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen, fuse_quant, xrows, attn) \
+                    or m.lm_head is not head \
                     or triton_fp8._tuned is not table:
                 triton_fp8._tuned = table  # the fp8 GEMMs' tiles (read when a graph is captured)
                 m.lora_side_max_tokens = side  # captured graphs bake all of these in: capture again
                 m.lm_head = head
                 model_mod.FUSE_FP8_QUANT = fuse_quant
                 fp8_mod.FP8_X_ROWS = xrows
+                triton_attention.DECODE_TUNED = attn
                 triton_fp8.GEMV_WIDEN_F16 = widen
                 triton_sgmv.PDL = pdl
                 triton_pdl.ENABLED = step_pdl
@@ -407,6 +413,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         sampling.ROW_MAX_TWO_PASS = twopass_default
         model_mod.FUSE_FP8_QUANT = fuse_quant_default
         fp8_mod.FP8_X_ROWS = xrows_default
+        triton_attention.DECODE_TUNED = attn_default
         triton_fp8._tuned = table_default
         if engine is not None:
             engine.model.lm_head = head_default
@@ -753,9 +760,11 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                 verdict(x or None, 3),
                 f"{x:.3g}x output tokens/s ({lo['output_tokens_per_s']:.0f} vs {hf['output_tokens_per_s']:.0f}); "
                 f"decode tokens/s {lo['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.3g}x" if x else "a row is missing"))
-    base_rows = {b: ok.get(("multilora", b)) for b in (1, TARGET_BATCH)}
     for v in ("multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile",
-              "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lora-lt"):  # issue 12: adapters over base
+              "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lora-lt",
+              "multilora-lora-s25attn"):  # issue 12: adapters over base (-s25attn: over the base with that attention)
+        base = "multilora-s25attn" if v.endswith("-s25attn") else "multilora"
+        base_rows = {b: ok.get((base, b)) for b in (1, TARGET_BATCH)}
         for b, what, key, need in ((1, "TPOT", "tpot_ms", 1.05), (TARGET_BATCH, "TPOT", "tpot_ms", 1.30),
                                    (TARGET_BATCH, "TTFT", "ttft_s", 1.10)):
             lo, hi = base_rows.get(b), ok.get((v, b))
@@ -767,7 +776,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                            for k, label in (("decode_step_ms_p50", "full-batch decode step p50"),
                                             ("tpot_in_run_ms", "TPOT within the run"))
                            if what == "TPOT" and lo and lo.get(k) and hi.get(k))
-            out.append((f"{v} batch {b} on {b} adapters: {what} <= {need}x multilora's",
+            out.append((f"{v} batch {b} on {b} adapters: {what} <= {need}x {base}'s",
                         "not measured" if not x else ("met" if x <= need else "missed"),
                         (f"{x:.3g}x ({hi[key]:.4g} vs {lo[key]:.4g})" if x else "a row is missing") + also))
             # and against the base whose GEMMs take the same library (the carve-out's are cuBLASLt's too)
@@ -782,6 +791,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                           ("multilora", "multilora-fp8-lmhead"),
                           ("multilora", "multilora-fp8-onepassmax"), ("multilora", "multilora-fp8-sepquant"),
                           ("multilora", "multilora-fp8-shipped"), ("multilora", "multilora-fp8-nopad"),
+                          ("multilora-s25attn", "multilora-fp8-s25attn"),
                           ("multilora-sync", "multilora-fp8-sync")):
             lo, hi = ok.get((base, b)), ok.get((fp8, b))
             if hi is None:

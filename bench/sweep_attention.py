@@ -1,15 +1,15 @@
 """Decode paged attention on a GPU: key tile, warps, pipeline stages and key splits swept per batch size.
 
-The engine's decode attention (``kernels/triton_attention.py``) takes one config per (phase, head_dim, dtype)
-and a split count from static sizes (``_num_splits``: the programs, the SM count and the block table's
-capacity). This sweep times the alternatives per row so the profile picks them: for each row
-(batch B, context ctx, block-table capacity in tokens — the engine's ``max_seq_len`` rounded up to whole blocks)
-it times
+The engine's decode attention (``kernels/triton_attention.py``) takes its config and split count from static
+sizes (``_decode_launch``: the programs before splitting, the SM count and the block table's capacity). This
+sweep times the alternatives per row so the profile picks them: for each row (batch B, context ctx, block-table
+capacity in tokens — the engine's ``max_seq_len`` rounded up to whole blocks) it times the launcher's default
+(``default``) and session 25's (``s25``: ``DECODE_TUNED = False``), then, unless ``--no-grid``,
 
   1. every (block_n, num_warps, num_stages) of the grid at the splits the launcher would pick for that tile, then
   2. the best ``--top`` of those at every split count of ``--splits``,
 
-and the current default beside them. Times are medians of CUDA-graph replays (``do_bench_cudagraph``) of calls
+and every ``--configs`` entry. Times are medians of CUDA-graph replays (``do_bench_cudagraph``) of calls
 cycling through disjoint problem sets (>= 256 MB of KV per replay, so the 60 MB L2 is not measured), attention
 kernel plus the split combine, launched as the engine launches them (with PDL where the GPU has it). Every
 config's output is checked against ``paged_attention_torch`` on the first set (bf16 tolerance).
@@ -19,6 +19,7 @@ of a row has the row's context (the engine's ``bench_generate.py`` rows: prompt 
 
     python bench/sweep_attention.py --out DIR                       # the default rows, ~2 minutes on an H200
     python bench/sweep_attention.py --rows 1:576:592,64:576:592 --block-n 32,64 --warps 4 --stages 2,3 --out DIR
+    python bench/sweep_attention.py --no-grid --configs 64:2:2:8 --out DIR   # the defaults, s25's and one config
 
 Writes ``DIR/attention_sweep.json`` (device, versions, copy bandwidth, per row every timed config) and prints a
 table per row.
@@ -119,13 +120,25 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="1,2,3,4")
     ap.add_argument("--splits", default="1,2,4,8,16,32,64")
     ap.add_argument("--top", type=int, default=3, help="configs of step 1 taken to the split sweep")
+    ap.add_argument("--no-grid", action="store_true", help="time the default, s25's and --configs only")
+    ap.add_argument("--configs", default="", help="block_n:warps:stages:splits,... also timed (splits 0: the "
+                    "launcher's for that tile)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rows = parse_rows(args.rows)
     block_ns, warps, stages, splits = (_ints(args.block_n, "--block-n"), _ints(args.warps, "--warps"),
                                        _ints(args.stages, "--stages"), _ints(args.splits, "--splits"))
-    if any(b < 16 or b & (b - 1) for b in block_ns):
-        raise SystemExit(f"sweep_attention: --block-n must be powers of two >= 16, got {args.block_n!r}")
+    extra = []
+    for part in filter(None, args.configs.split(",")):
+        try:
+            bn, w, st, sp = (int(v) for v in part.split(":"))
+        except ValueError:
+            raise SystemExit(f"sweep_attention: --configs entries must be block_n:warps:stages:splits, got {part!r}") \
+                from None
+        extra.append((bn, w, st, sp or None))
+    if any(b < 16 or b & (b - 1) for b in block_ns + [e[0] for e in extra]):
+        raise SystemExit(f"sweep_attention: --block-n and --configs key tiles must be powers of two >= 16, got "
+                         f"{args.block_n!r}, {args.configs!r}")
     if not has_device():
         print("sweep_attention: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -137,12 +150,9 @@ def main(argv=None) -> int:
     dev = DEV
     device = torch.device(dev)
     copy_gbps = copy_bandwidth()
-    default_cfg = ta._config(True, D, DTYPE, device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     res = dict(device=name, torch=torch.__version__, triton=triton.__version__,
-               copy_gbps=copy_gbps, default_config=dict(block_m=default_cfg[0], block_n=default_cfg[1],
-                                                        num_warps=default_cfg[2], num_stages=default_cfg[3]),
-               heads=H, kv_heads=HKV, head_dim=D, block_size=BLOCK, dtype=str(DTYPE).split(".")[-1], rows=[])
+               copy_gbps=copy_gbps, heads=H, kv_heads=HKV, head_dim=D, block_size=BLOCK, dtype=str(DTYPE).split(".")[-1], rows=[])
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
     for (B, ctx, cap) in rows:
@@ -156,7 +166,7 @@ def main(argv=None) -> int:
                                               num_splits=sp) for (q, k, v, m) in sets]
 
         def measure(bn, w, st, sp):
-            sp_eff = sp or ta._num_splits(device, B * HKV, cap, bn)
+            sp_eff = sp or ta._decode_launch(device, B * HKV, cap, D, DTYPE, bn)[4]
             rec = dict(block_n=bn, num_warps=w, num_stages=st, splits=sp_eff)
             try:
                 out = run(bn, w, st, sp_eff)[0]
@@ -169,18 +179,30 @@ def main(argv=None) -> int:
             return rec
 
         row = dict(batch=B, context=ctx, capacity=cap, kv_bytes=kv_bytes, sets_per_call=len(sets))
-        row["default"] = measure(default_cfg[1], default_cfg[2], default_cfg[3], None)
-        grid = [measure(bn, w, st, None) for bn in block_ns for w in warps for st in stages]
+        _, bn, w, st, sp = ta._decode_launch(device, B * HKV, cap, D, DTYPE)
+        row["default"] = measure(bn, w, st, sp)
+        tuned = ta.DECODE_TUNED
+        try:
+            ta.DECODE_TUNED = False
+            _, bn, w, st, sp = ta._decode_launch(device, B * HKV, cap, D, DTYPE)
+        finally:
+            ta.DECODE_TUNED = tuned
+        row["s25"] = measure(bn, w, st, sp)
+        grid = [] if args.no_grid else [measure(bn, w, st, None) for bn in block_ns for w in warps for st in stages]
         ok = sorted((r for r in grid if "us" in r and r["max_abs_err"] < TOL), key=lambda r: r["us"])
         split_recs = [measure(r["block_n"], r["num_warps"], r["num_stages"], sp)
                       for r in ok[:args.top] for sp in splits if sp != r["splits"]]
         row["step1"], row["step2"] = grid, split_recs
-        everything = [r for r in grid + split_recs if "us" in r and r["max_abs_err"] < TOL]
+        row["configs"] = [measure(*e) for e in extra]
+        everything = [r for r in [row["default"], row["s25"]] + grid + split_recs + row["configs"]
+                      if "us" in r and r["max_abs_err"] < TOL]
         row["best"] = min(everything, key=lambda r: r["us"]) if everything else None
         res["rows"].append(row)
-        d, b = row["default"], row["best"]
+        d, o, b = row["default"], row["s25"], row["best"]
         print(f"B={B} ctx={ctx} cap={cap}: default {d.get('us', float('nan')):.2f} us "
-              f"(bn {d['block_n']} w {d['num_warps']} st {d['num_stages']} splits {d['splits']}); best "
+              f"(bn {d['block_n']} w {d['num_warps']} st {d['num_stages']} splits {d['splits']}); s25 "
+              f"{o.get('us', float('nan')):.2f} us (bn {o['block_n']} w {o['num_warps']} st {o['num_stages']} "
+              f"splits {o['splits']}); best "
               + (f"{b['us']:.2f} us (bn {b['block_n']} w {b['num_warps']} st {b['num_stages']} splits {b['splits']}, "
                  f"{b['gbps']:.0f} GB/s = {b['gbps'] / copy_gbps:.0%} of copy)" if b else "none")
               + f"  [{time.time() - t_start:.0f} s]", flush=True)

@@ -75,7 +75,7 @@ from multilora.kernels.triton_pdl import pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
-MAX_SPLITS = 16
+MAX_SPLITS = 32  # key splits of one sequence at decode, at most
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -291,14 +291,18 @@ def _combine_splits_kernel(
 
 # ---------------------------------------------------------------------------------------------- configs
 # Tile sizes per phase, head_dim and dtype on an H100/H200 (sm_90). Decode is memory-bound: 64-key tiles
-# (2 x 16 KiB of K/V at D = 128 bf16) in a 3-stage cp.async pipeline, 4 warps, mma.sync on 16 rows.
-# Prefill: 128-row tiles (FA-2's choice for D <= 128), 64-key tiles, 8 warps (wgmma). D = 256 halves the
-# tiles; fp32 (IEEE dots on FMA units, a test path) uses small tiles. Every entry compiles for sm_90
-# without register spills (ptxas, Triton 3.9: 146 / 184 registers for bf16 decode / prefill at D = 128).
-# CPU (the interpreter) uses small tiles so that tests walk several.
+# (2 x 16 KiB of K/V at D = 128 bf16) in a 2-stage cp.async pipeline, 2 warps, mma.sync on 16 rows; a launch of
+# at most ``DECODE_FEW_PROGRAMS`` programs before splitting (batch 1-2 of Llama-3-8B) takes 32-key tiles and up to
+# ``MAX_SPLITS`` splits instead (``_decode_launch``). Chosen by ``bench/sweep_attention.py`` on an H200
+# (``bench/results/session26/call2``; Llama-3-8B heads, bf16, context 576, us per call with the split combine,
+# session 25's (64 keys, 4 warps, 3 stages) -> these): batch 64 50.4 -> 39.1 (91% of copy bandwidth), 32 29.0 ->
+# 23.8, 8 14.6 -> 12.1, 1 9.5 -> 6.1. Prefill: 128-row tiles (FA-2's choice for D <= 128), 64-key tiles, 8 warps
+# (wgmma). D = 256 halves the tiles; fp32 (IEEE dots on FMA units, a test path) uses small tiles. Every entry of
+# session 25 compiled for sm_90 without register spills (ptxas, Triton 3.9: 146 / 184 registers for bf16 decode /
+# prefill at D = 128). CPU (the interpreter) uses small tiles so that tests walk several.
 _GPU_CONFIGS = {
     # (decode, head_dim <= 128, 16-bit): block_m, block_n, num_warps, num_stages
-    (True, True, True): (16, 64, 4, 3),
+    (True, True, True): (16, 64, 2, 2),
     (True, False, True): (16, 32, 4, 2),
     (True, True, False): (16, 32, 8, 1),
     (True, False, False): (16, 16, 8, 1),
@@ -307,6 +311,11 @@ _GPU_CONFIGS = {
     (False, True, False): (32, 32, 8, 1),
     (False, False, False): (16, 16, 8, 1),
 }
+_GPU_DECODE_FEW = (16, 32, 2, 2)  # decode, head_dim <= 128, 16-bit, at most DECODE_FEW_PROGRAMS programs
+DECODE_FEW_PROGRAMS = 16
+#: The decode configs and split rule above. False: session 25's ((16, 64, 4, 3) for 16-bit D <= 128 and its split
+#: rule), the A/B of ``bench_generate.py``'s ``-s25attn`` providers.
+DECODE_TUNED = True
 _CPU_CONFIG = {True: (16, 16, 1, 1), False: (32, 16, 1, 1)}
 DECODE_MAX_G_TILE = 64  # query heads per KV head that one decode program packs (more: head groups)
 
@@ -326,16 +335,45 @@ def _tiling(decode: bool, G: int, block_m: int) -> tuple[int, int, int, int]:
     return block_m // g_tile, g_tile, triton.cdiv(G, g_tile), block_m
 
 
-def _num_splits(device: torch.device, programs: int, capacity: int, block_n: int) -> int:
-    """Decode key splits from static sizes only: double while ``programs * splits`` is below one wave of
-    SMs, at most ``MAX_SPLITS`` and at most one split per two key tiles of the block table's capacity."""
+def _num_splits(device: torch.device, programs: int, capacity: int, block_n: int, few: bool = False) -> int:
+    """Decode key splits from static sizes only. The split of a sequence's keys is computed in the kernel from its
+    length, so splits past its key tiles are empty programs that exit at once. Doubled while ``splits`` is below the key tiles of the
+    block table's capacity, and: ``few`` (``_decode_launch``) while the doubled ``programs * splits`` stays within two
+    waves of SMs, up to ``MAX_SPLITS``; else while ``programs * splits`` is below one wave, up to 16 (session 25's
+    rule, with at most one split per two key tiles, when not ``DECODE_TUNED``)."""
     if device.type != "cuda":
         return 1
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
     splits = 1
-    while splits < MAX_SPLITS and programs * splits < sms and 2 * splits * 2 * block_n <= capacity:
-        splits *= 2
+    if not DECODE_TUNED:
+        while splits < 16 and programs * splits < sms and 2 * splits * 2 * block_n <= capacity:
+            splits *= 2
+        return splits
+    tiles = triton.cdiv(capacity, block_n)
+    if few:
+        while splits < MAX_SPLITS and programs * 2 * splits <= 2 * sms and splits < tiles:
+            splits *= 2
+    else:
+        while splits < 16 and programs * splits < sms and splits < tiles:
+            splits *= 2
     return splits
+
+
+def _decode_launch(device: torch.device, programs: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                   block_n: int | None = None) -> tuple[int, int, int, int, int]:
+    """``(block_m, block_n, num_warps, num_stages, splits)`` of a decode launch of ``programs`` programs before
+    splitting (``B * Hkv * head groups``) over block tables of ``capacity`` tokens; ``block_n`` overrides the
+    config's key tile (the splits follow it)."""
+    cfg = _config(True, head_dim, dtype, device)
+    few = (DECODE_TUNED and device.type == "cuda" and head_dim <= 128 and dtype != torch.float32
+           and programs <= DECODE_FEW_PROGRAMS)
+    if few:
+        cfg = _GPU_DECODE_FEW
+    elif not DECODE_TUNED and device.type == "cuda" and head_dim <= 128 and dtype != torch.float32:
+        cfg = (16, 64, 4, 3)
+    block_m, bn, warps, stages = cfg
+    bn = block_n or bn
+    return block_m, bn, warps, stages, _num_splits(device, programs, capacity, bn, few)
 
 
 def prefill_block_q(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -424,7 +462,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     B, Hkv = meta.seq_lens.shape[0], k_cache.shape[2]
     G = H // Hkv
     decode = T == B
-    block_m, cfg_n, cfg_warps, cfg_stages = _config(decode, D, q.dtype, q.device)
+    if decode:
+        capacity = meta.block_tables.shape[1] * meta.block_size
+        groups0 = _tiling(True, G, 16)[2]
+        block_m, cfg_n, cfg_warps, cfg_stages, cfg_splits = _decode_launch(q.device, B * Hkv * groups0, capacity, D,
+                                                                           q.dtype, block_n)
+    else:
+        block_m, cfg_n, cfg_warps, cfg_stages = _config(decode, D, q.dtype, q.device)
     block_n = block_n or cfg_n
     num_warps = num_warps or cfg_warps
     num_stages = num_stages or cfg_stages
@@ -440,8 +484,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if decode:
-        capacity = meta.block_tables.shape[1] * meta.block_size
-        splits = num_splits or _num_splits(q.device, B * Hkv * groups, capacity, block_n)
+        splits = num_splits or cfg_splits
         grid = (B, Hkv * groups, splits)
         tiles, num_tiles = meta.seq_lens, 0  # unused
     else:

@@ -223,6 +223,32 @@ def test_blocks_that_lie_apart(lens, backend):
     check(fn(b.q, ks, vs, b.meta, scale=0.25), naive_attention(b, scale=0.25), torch.float32)
 
 
+def test_decode_launch_rule(monkeypatch):
+    """The decode launch's config and splits from static sizes, as the H200 sweep chose them (module comment): few
+    programs take 32-key tiles and split to two waves of SMs (up to MAX_SPLITS, at most a power of two past the
+    capacity's key tiles); more take 64-key tiles, 2 warps, 2 stages and split to one wave; session 25's rule when
+    ``DECODE_TUNED`` is False; fp32 and head_dim 256 keep their configs. No GPU needed: the SM count is given."""
+    ta = triton_attention
+    monkeypatch.setattr(ta, "num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    bf16 = torch.bfloat16
+    assert ta._decode_launch(cuda, 8, 592, 128, bf16) == (16, 32, 2, 2, 32)  # Llama-3-8B batch 1
+    assert ta._decode_launch(cuda, 8, 2048, 128, bf16) == (16, 32, 2, 2, 32)
+    assert ta._decode_launch(cuda, 8, 64, 128, bf16)[4] == 2  # two 32-key tiles of capacity: two splits
+    assert ta._decode_launch(cuda, 16, 592, 128, bf16) == (16, 32, 2, 2, 16)  # batch 2: two waves at 16 splits
+    assert ta._decode_launch(cuda, 64, 592, 128, bf16) == (16, 64, 2, 2, 4)  # batch 8: 256 programs
+    assert ta._decode_launch(cuda, 128, 592, 128, bf16) == (16, 64, 2, 2, 2)
+    assert ta._decode_launch(cuda, 256, 592, 128, bf16) == (16, 64, 2, 2, 1)  # batch 32, 64: no split
+    assert ta._decode_launch(cuda, 8, 592, 128, bf16, block_n=128)[1:] == (128, 2, 2, 8)  # splits follow the tile
+    assert ta._decode_launch(cuda, 8, 2048, 128, torch.float32) == (16, 32, 8, 1, 16)  # fp32: one wave, up to 16
+    assert ta._decode_launch(cuda, 4, 2048, 256, bf16)[:4] == ta._GPU_CONFIGS[(True, False, True)]
+    assert ta._decode_launch(torch.device("cpu"), 8, 592, 128, bf16)[4] == 1
+    monkeypatch.setattr(ta, "DECODE_TUNED", False)
+    assert ta._decode_launch(cuda, 8, 592, 128, bf16) == (16, 64, 4, 3, 4)  # session 25: one split per two tiles
+    assert ta._decode_launch(cuda, 8, 2048, 128, bf16) == (16, 64, 4, 3, 16)
+    assert ta._decode_launch(cuda, 256, 592, 128, bf16) == (16, 64, 4, 3, 1)
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("H,Hkv", [HEADS[2], HEADS[3]])
@@ -707,6 +733,8 @@ def test_sweep_script_checks_its_arguments():
         mod._ints("4,x", "--warps")
     with pytest.raises(SystemExit, match="--block-n"):
         mod.main(["--block-n", "24", "--out", "/nonexistent"])
+    with pytest.raises(SystemExit, match="--configs"):
+        mod.main(["--configs", "64:2:2", "--out", "/nonexistent"])
     if not HAS_CUDA:
         assert mod.main(["--out", "/nonexistent"]) == 2, "without CUDA the script says so and exits"
 
@@ -737,5 +765,10 @@ def test_sweep_script_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     assert len(row["step1"]) == 2 and all(r["max_abs_err"] < 1e-4 for r in row["step1"])
     assert len(row["step2"]) == 1 and row["step2"][0]["splits"] == 2  # the top config at the split it lacked
     assert row["step2"][0]["max_abs_err"] < 1e-4, "two splits and their combine agree with the reference"
-    assert row["best"]["us"] == min(r["us"] for r in row["step1"] + row["step2"])
+    assert row["default"]["max_abs_err"] < 1e-4 and row["s25"]["max_abs_err"] < 1e-4
+    assert row["best"]["us"] == min(r["us"] for r in [row["default"], row["s25"]] + row["step1"] + row["step2"])
     assert set(calls) == {row["sets_per_call"]}
+    assert mod.main(["--rows", "1:24:32", "--no-grid", "--configs", "16:1:1:2", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "attention_sweep.json").read_text())["rows"]
+    assert row["step1"] == [] and row["step2"] == []
+    assert [(r["block_n"], r["splits"]) for r in row["configs"]] == [(16, 2)] and row["configs"][0]["max_abs_err"] < 1e-4
