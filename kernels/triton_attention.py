@@ -360,10 +360,12 @@ def _num_splits(device: torch.device, programs: int, capacity: int, block_n: int
 
 
 def _decode_launch(device: torch.device, programs: int, capacity: int, head_dim: int, dtype: torch.dtype,
-                   block_n: int | None = None) -> tuple[int, int, int, int, int]:
+                   block_n: int | None = None, rows: int = 16) -> tuple[int, int, int, int, int]:
     """``(block_m, block_n, num_warps, num_stages, splits)`` of a decode launch of ``programs`` programs before
     splitting (``B * Hkv * head groups``) over block tables of ``capacity`` tokens; ``block_n`` overrides the
-    config's key tile (the splits follow it)."""
+    config's key tile (the splits follow it). ``rows``: a program's query rows (``_tiling``: the query heads of a KV
+    head, at least 16); past 16 (more than 16 query heads per KV head) the 2-warp configs take 4 warps, as before
+    session 26 (the sweep timed G = 4 only)."""
     cfg = _config(True, head_dim, dtype, device)
     few = (DECODE_TUNED and device.type == "cuda" and head_dim <= 128 and dtype != torch.float32
            and programs <= DECODE_FEW_PROGRAMS)
@@ -373,6 +375,8 @@ def _decode_launch(device: torch.device, programs: int, capacity: int, head_dim:
         cfg = (16, 64, 4, 3)
     block_m, bn, warps, stages = cfg
     bn = block_n or bn
+    if rows > 16 and device.type == "cuda":
+        warps = max(warps, 4)
     return block_m, bn, warps, stages, _num_splits(device, programs, capacity, bn, few)
 
 
@@ -464,9 +468,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     decode = T == B
     if decode:
         capacity = meta.block_tables.shape[1] * meta.block_size
-        groups0 = _tiling(True, G, 16)[2]
+        _, _, groups0, rows = _tiling(True, G, 16)
         block_m, cfg_n, cfg_warps, cfg_stages, cfg_splits = _decode_launch(q.device, B * Hkv * groups0, capacity, D,
-                                                                           q.dtype, block_n)
+                                                                           q.dtype, block_n, rows)
     else:
         block_m, cfg_n, cfg_warps, cfg_stages = _config(decode, D, q.dtype, q.device)
     block_n = block_n or cfg_n

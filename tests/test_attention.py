@@ -242,6 +242,7 @@ def test_decode_launch_rule(monkeypatch):
     assert ta._decode_launch(cuda, 8, 592, 128, bf16, block_n=128)[1:] == (128, 2, 2, 8)  # splits follow the tile
     assert ta._decode_launch(cuda, 8, 2048, 128, torch.float32) == (16, 32, 8, 1, 16)  # fp32: one wave, up to 16
     assert ta._decode_launch(cuda, 4, 2048, 256, bf16)[:4] == ta._GPU_CONFIGS[(True, False, True)]
+    assert ta._decode_launch(cuda, 256, 592, 128, bf16, rows=32)[2] == 4  # 32 query heads per KV head: 4 warps
     assert ta._decode_launch(torch.device("cpu"), 8, 592, 128, bf16)[4] == 1
     monkeypatch.setattr(ta, "DECODE_TUNED", False)
     assert ta._decode_launch(cuda, 8, 592, 128, bf16) == (16, 64, 4, 3, 4)  # session 25: one split per two tiles
