@@ -399,7 +399,8 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
                         "decode_shrink_warps": triton_sgmv.DECODE_SHRINK_WARPS,
                         "decode_expand_rank_tiles": triton_sgmv.DECODE_EXPAND_RANK_TILES, "lora_pdl": triton_sgmv.PDL,
                         "step_pdl": triton_pdl.ENABLED, "fp8_gemv_widen_f16": triton_fp8.GEMV_WIDEN_F16,
-                        "async_scheduling": engine._async}
+                        "async_scheduling": engine._async, "fp8_x_rows": fp8_mod.FP8_X_ROWS,
+                        "attention_decode_tuned": triton_attention.DECODE_TUNED}
             for b in batches:
                 adapters = names[:b] if "-lora" in v else None
                 run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,

@@ -10,7 +10,8 @@ capacity in tokens — the engine's ``max_seq_len`` rounded up to whole blocks) 
   2. the best ``--top`` of those at every split count of ``--splits``,
 
 and every ``--configs`` entry. Times are medians of CUDA-graph replays (``do_bench_cudagraph``) of calls
-cycling through disjoint problem sets (>= 256 MB of KV per replay, so the 60 MB L2 is not measured), attention
+cycling through disjoint problem sets (256 MB of KV per replay, or 64 sets where that is less: >= 150 MB
+at batch 1, context 576; the L2 is 60 MB), attention
 kernel plus the split combine, launched as the engine launches them (with PDL where the GPU has it). Every
 config's output is checked against ``paged_attention_torch`` on the first set (bf16 tolerance).
 
@@ -73,7 +74,8 @@ def parse_rows(text: str) -> list[tuple[int, int, int]]:
 
 def make_sets(B: int, ctx: int, cap: int, dev: str):
     """Disjoint problem sets of one row: random K/V in shuffled blocks (block 0 left as the null block), block
-    tables ``cap / BLOCK`` wide (the engine's width for its ``max_seq_len``), q; at least ``SET_BYTES`` of KV."""
+    tables ``cap / BLOCK`` wide (the engine's width for its ``max_seq_len``), q; ``SET_BYTES`` of KV in all, in at
+    most ``MAX_SETS`` sets."""
     from multilora.kernels.attention import build_attention_metadata
 
     nblk, width = -(-ctx // BLOCK), -(-cap // BLOCK)
@@ -125,6 +127,8 @@ def main(argv=None) -> int:
                     "launcher's for that tile)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.top < 1:
+        raise SystemExit(f"sweep_attention: --top must be >= 1, got {args.top}")
     rows = parse_rows(args.rows)
     block_ns, warps, stages, splits = (_ints(args.block_n, "--block-n"), _ints(args.warps, "--warps"),
                                        _ints(args.stages, "--stages"), _ints(args.splits, "--splits"))
@@ -152,7 +156,8 @@ def main(argv=None) -> int:
     copy_gbps = copy_bandwidth()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     res = dict(device=name, torch=torch.__version__, triton=triton.__version__,
-               copy_gbps=copy_gbps, heads=H, kv_heads=HKV, head_dim=D, block_size=BLOCK, dtype=str(DTYPE).split(".")[-1], rows=[])
+               copy_gbps=copy_gbps, heads=H, kv_heads=HKV, head_dim=D, block_size=BLOCK,
+               dtype=str(DTYPE).split(".")[-1], rows=[])
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
     for (B, ctx, cap) in rows:

@@ -335,26 +335,29 @@ def _tiling(decode: bool, G: int, block_m: int) -> tuple[int, int, int, int]:
     return block_m // g_tile, g_tile, triton.cdiv(G, g_tile), block_m
 
 
-def _num_splits(device: torch.device, programs: int, capacity: int, block_n: int, few: bool = False) -> int:
+def _num_splits(device: torch.device, programs: int, capacity: int, block_n: int, rule: str = "s25") -> int:
     """Decode key splits from static sizes only. The split of a sequence's keys is computed in the kernel from its
-    length, so splits past its key tiles are empty programs that exit at once. Doubled while ``splits`` is below the key tiles of the
-    block table's capacity, and: ``few`` (``_decode_launch``) while the doubled ``programs * splits`` stays within two
-    waves of SMs, up to ``MAX_SPLITS``; else while ``programs * splits`` is below one wave, up to 16 (session 25's
-    rule, with at most one split per two key tiles, when not ``DECODE_TUNED``)."""
+    length, so splits past its key tiles are empty programs that exit at once. ``rule`` (``_decode_launch``):
+
+    - ``"few"``: doubled while the doubled ``programs * splits`` stays within two waves of SMs and ``splits`` is below
+      the key tiles of the block table's capacity, up to ``MAX_SPLITS``;
+    - ``"many"``: doubled while ``programs * splits`` is below one wave and ``splits`` below the capacity's key tiles,
+      up to 16;
+    - ``"s25"``: session 25's rule (one wave, up to 16, at most one split per two key tiles of the capacity): the
+      configs the session 26 sweep did not time (fp32, head_dim > 128) and ``DECODE_TUNED = False``."""
     if device.type != "cuda":
         return 1
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
     splits = 1
-    if not DECODE_TUNED:
-        while splits < 16 and programs * splits < sms and 2 * splits * 2 * block_n <= capacity:
-            splits *= 2
-        return splits
     tiles = triton.cdiv(capacity, block_n)
-    if few:
+    if rule == "few":
         while splits < MAX_SPLITS and programs * 2 * splits <= 2 * sms and splits < tiles:
             splits *= 2
-    else:
+    elif rule == "many":
         while splits < 16 and programs * splits < sms and splits < tiles:
+            splits *= 2
+    else:
+        while splits < 16 and programs * splits < sms and 2 * splits * 2 * block_n <= capacity:
             splits *= 2
     return splits
 
@@ -365,19 +368,23 @@ def _decode_launch(device: torch.device, programs: int, capacity: int, head_dim:
     splitting (``B * Hkv * head groups``) over block tables of ``capacity`` tokens; ``block_n`` overrides the
     config's key tile (the splits follow it). ``rows``: a program's query rows (``_tiling``: the query heads of a KV
     head, at least 16); past 16 (more than 16 query heads per KV head) the 2-warp configs take 4 warps, as before
-    session 26 (the sweep timed G = 4 only)."""
+    session 26 (the sweep timed G = 4 only). Only 16-bit head_dim <= 128 launches on a GPU take session 26's
+    configs and split rules (``DECODE_TUNED``); the others keep session 25's."""
     cfg = _config(True, head_dim, dtype, device)
-    few = (DECODE_TUNED and device.type == "cuda" and head_dim <= 128 and dtype != torch.float32
-           and programs <= DECODE_FEW_PROGRAMS)
-    if few:
-        cfg = _GPU_DECODE_FEW
-    elif not DECODE_TUNED and device.type == "cuda" and head_dim <= 128 and dtype != torch.float32:
-        cfg = (16, 64, 4, 3)
+    timed = device.type == "cuda" and head_dim <= 128 and dtype != torch.float32
+    if timed and DECODE_TUNED:
+        rule = "few" if programs <= DECODE_FEW_PROGRAMS else "many"
+        if rule == "few":
+            cfg = _GPU_DECODE_FEW
+    else:
+        rule = "s25"
+        if timed:
+            cfg = (16, 64, 4, 3)
     block_m, bn, warps, stages = cfg
-    bn = block_n or bn
+    bn = bn if block_n is None else block_n
     if rows > 16 and device.type == "cuda":
         warps = max(warps, 4)
-    return block_m, bn, warps, stages, _num_splits(device, programs, capacity, bn, few)
+    return block_m, bn, warps, stages, _num_splits(device, programs, capacity, bn, rule)
 
 
 def prefill_block_q(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -464,6 +471,14 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check(q, k_cache, v_cache, meta, sliding_window, softcap)
     T, H, D = q.shape
     B, Hkv = meta.seq_lens.shape[0], k_cache.shape[2]
+    if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"paged_attention_triton: block_n must be a power of two >= 16 or None, got {block_n}")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"paged_attention_triton: num_warps must be 1, 2, 4, 8, 16 or None, got {num_warps}")
+    if num_stages is not None and num_stages < 1:
+        raise ValueError(f"paged_attention_triton: num_stages must be >= 1 or None, got {num_stages}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"paged_attention_triton: num_splits must be >= 1 or None, got {num_splits}")
     G = H // Hkv
     decode = T == B
     if decode:
@@ -473,17 +488,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                                                            q.dtype, block_n, rows)
     else:
         block_m, cfg_n, cfg_warps, cfg_stages = _config(decode, D, q.dtype, q.device)
-    block_n = block_n or cfg_n
-    num_warps = num_warps or cfg_warps
-    num_stages = num_stages or cfg_stages
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"paged_attention_triton: block_n must be a power of two >= 16, got {block_n}")
-    if num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"paged_attention_triton: num_warps must be 1, 2, 4, 8 or 16, got {num_warps}")
-    if num_stages < 1:
-        raise ValueError(f"paged_attention_triton: num_stages must be >= 1, got {num_stages}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"paged_attention_triton: num_splits must be >= 1 or None, got {num_splits}")
+    block_n = cfg_n if block_n is None else block_n
+    num_warps = cfg_warps if num_warps is None else num_warps
+    num_stages = cfg_stages if num_stages is None else num_stages
     block_q, g_tile, groups, block_m = _tiling(decode, G, block_m)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)

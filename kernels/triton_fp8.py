@@ -50,7 +50,8 @@ import triton.language as tl
 
 from multilora.kernels import triton_pdl
 from multilora.kernels.backends import num_sms as num_sms_of
-from multilora.kernels.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX, FP8_X_ROWS, empty_fp8_rows
+from multilora.kernels import fp8 as _fp8
+from multilora.kernels.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX, empty_fp8_rows
 from multilora.kernels.triton_pdl import pdl_wait
 
 MAX_QUANT_ROW = 65536
@@ -429,7 +430,7 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
         tma = _tma_ok(x) and _tma_ok(qweight)  # (else the pointer kernel: the same product)
     xv = x
     if tma:  # tiles over x's buffer where it has the rows (not swapped: FP8_X_ROWS, swapped: bm), else past its edge
-        want = bm if swap else max(bm, FP8_X_ROWS)
+        want = bm if swap else max(bm, _fp8.FP8_X_ROWS)  # (read per call: a knob the A/B benches set)
         view = _rows_view(x, want) if M < want else None
         if view is not None:
             xv, bm = view, want

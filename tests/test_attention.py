@@ -226,8 +226,8 @@ def test_blocks_that_lie_apart(lens, backend):
 def test_decode_launch_rule(monkeypatch):
     """The decode launch's config and splits from static sizes, as the H200 sweep chose them (module comment): few
     programs take 32-key tiles and split to two waves of SMs (up to MAX_SPLITS, at most a power of two past the
-    capacity's key tiles); more take 64-key tiles, 2 warps, 2 stages and split to one wave; session 25's rule when
-    ``DECODE_TUNED`` is False; fp32 and head_dim 256 keep their configs. No GPU needed: the SM count is given."""
+    capacity's key tiles); more take 64-key tiles, 2 warps, 2 stages and split to one wave; session 25's configs and
+    rule when ``DECODE_TUNED`` is False and for fp32 and head_dim 256. No GPU needed: the SM count is given."""
     ta = triton_attention
     monkeypatch.setattr(ta, "num_sms", lambda index: 132)
     cuda = torch.device("cuda", 0)
@@ -240,8 +240,11 @@ def test_decode_launch_rule(monkeypatch):
     assert ta._decode_launch(cuda, 128, 592, 128, bf16) == (16, 64, 2, 2, 2)
     assert ta._decode_launch(cuda, 256, 592, 128, bf16) == (16, 64, 2, 2, 1)  # batch 32, 64: no split
     assert ta._decode_launch(cuda, 8, 592, 128, bf16, block_n=128)[1:] == (128, 2, 2, 8)  # splits follow the tile
-    assert ta._decode_launch(cuda, 8, 2048, 128, torch.float32) == (16, 32, 8, 1, 16)  # fp32: one wave, up to 16
+    # fp32 and head_dim 256 (not timed by the sweep): session 25's configs and split rule
+    assert ta._decode_launch(cuda, 8, 2048, 128, torch.float32) == (16, 32, 8, 1, 16)
+    assert ta._decode_launch(cuda, 8, 592, 128, torch.float32)[4] == 8  # one split per two 32-key tiles: 8, not 16
     assert ta._decode_launch(cuda, 4, 2048, 256, bf16)[:4] == ta._GPU_CONFIGS[(True, False, True)]
+    assert ta._decode_launch(cuda, 8, 592, 256, bf16)[4] == 8
     assert ta._decode_launch(cuda, 256, 592, 128, bf16, rows=32)[2] == 4  # 32 query heads per KV head: 4 warps
     assert ta._decode_launch(torch.device("cpu"), 8, 592, 128, bf16)[4] == 1
     monkeypatch.setattr(ta, "DECODE_TUNED", False)
@@ -476,6 +479,18 @@ def test_bad_shapes_are_value_errors(change, match):
         b = make_batch(*MIXED, **kw)
     with pytest.raises(ValueError, match=match):
         paged_attention_triton(b.q, b.k_cache, b.v_cache, b.meta, scale=0.25)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(block_n=0), "block_n must be a power of two >= 16"), (dict(block_n=24), "block_n"),
+    (dict(num_warps=0), "num_warps must be 1, 2, 4, 8, 16"), (dict(num_warps=3), "num_warps"),
+    (dict(num_stages=0), "num_stages must be >= 1"), (dict(num_splits=0), "num_splits must be >= 1"),
+])
+def test_bad_launch_overrides_are_value_errors(kw, match):
+    """An explicit 0 is refused, not read as "the config's" (the launcher takes None for that)."""
+    b = make_batch(*DECODE, H=4, Hkv=2, D=16, block_size=4)
+    with pytest.raises(ValueError, match=match):
+        paged_attention_triton(b.q, b.k_cache, b.v_cache, b.meta, scale=0.25, **kw)
 
 
 def test_dtype_and_block_size_mismatch_are_value_errors():
@@ -734,6 +749,8 @@ def test_sweep_script_checks_its_arguments():
         mod._ints("4,x", "--warps")
     with pytest.raises(SystemExit, match="--block-n"):
         mod.main(["--block-n", "24", "--out", "/nonexistent"])
+    with pytest.raises(SystemExit, match="--top"):
+        mod.main(["--top", "0", "--out", "/nonexistent"])
     with pytest.raises(SystemExit, match="--configs"):
         mod.main(["--configs", "64:2:2", "--out", "/nonexistent"])
     if not HAS_CUDA:
@@ -772,4 +789,5 @@ def test_sweep_script_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     assert mod.main(["--rows", "1:24:32", "--no-grid", "--configs", "16:1:1:2", "--out", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "attention_sweep.json").read_text())["rows"]
     assert row["step1"] == [] and row["step2"] == []
-    assert [(r["block_n"], r["splits"]) for r in row["configs"]] == [(16, 2)] and row["configs"][0]["max_abs_err"] < 1e-4
+    assert [(r["block_n"], r["splits"]) for r in row["configs"]] == [(16, 2)]
+    assert row["configs"][0]["max_abs_err"] < 1e-4
