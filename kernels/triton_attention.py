@@ -312,9 +312,10 @@ _GPU_CONFIGS = {
     (False, False, False): (16, 16, 8, 1),
 }
 _GPU_DECODE_FEW = (16, 32, 2, 2)  # decode, head_dim <= 128, 16-bit, at most DECODE_FEW_PROGRAMS programs
+_GPU_DECODE_S25 = (16, 64, 4, 3)  # session 25's decode config there (DECODE_TUNED = False)
 DECODE_FEW_PROGRAMS = 16
-#: The decode configs and split rule above. False: session 25's ((16, 64, 4, 3) for 16-bit D <= 128 and its split
-#: rule), the A/B of ``bench_generate.py``'s ``-s25attn`` providers.
+#: The decode configs and split rule above. False: session 25's (``_GPU_DECODE_S25`` for 16-bit D <= 128 and its
+#: split rule), the A/B of ``bench_generate.py``'s ``-s25attn`` providers.
 DECODE_TUNED = True
 _CPU_CONFIG = {True: (16, 16, 1, 1), False: (32, 16, 1, 1)}
 DECODE_MAX_G_TILE = 64  # query heads per KV head that one decode program packs (more: head groups)
@@ -379,7 +380,7 @@ def _decode_launch(device: torch.device, programs: int, capacity: int, head_dim:
     else:
         rule = "s25"
         if timed:
-            cfg = (16, 64, 4, 3)
+            cfg = _GPU_DECODE_S25
     block_m, bn, warps, stages = cfg
     bn = bn if block_n is None else block_n
     if rows > 16 and device.type == "cuda":
@@ -481,17 +482,17 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"paged_attention_triton: num_splits must be >= 1 or None, got {num_splits}")
     G = H // Hkv
     decode = T == B
-    if decode:
+    if decode:  # (a decode program's rows follow G alone, not the config's block_m)
+        block_q, g_tile, groups, block_m = _tiling(True, G, 16)
         capacity = meta.block_tables.shape[1] * meta.block_size
-        _, _, groups0, rows = _tiling(True, G, 16)
-        block_m, cfg_n, cfg_warps, cfg_stages, cfg_splits = _decode_launch(q.device, B * Hkv * groups0, capacity, D,
-                                                                           q.dtype, block_n, rows)
+        _, cfg_n, cfg_warps, cfg_stages, cfg_splits = _decode_launch(q.device, B * Hkv * groups, capacity, D, q.dtype,
+                                                                     block_n, block_m)
     else:
-        block_m, cfg_n, cfg_warps, cfg_stages = _config(decode, D, q.dtype, q.device)
+        block_m, cfg_n, cfg_warps, cfg_stages = _config(False, D, q.dtype, q.device)
+        block_q, g_tile, groups, block_m = _tiling(False, G, block_m)
     block_n = cfg_n if block_n is None else block_n
     num_warps = cfg_warps if num_warps is None else num_warps
     num_stages = cfg_stages if num_stages is None else num_stages
-    block_q, g_tile, groups, block_m = _tiling(decode, G, block_m)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if decode:
