@@ -38,6 +38,9 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _common import copy_bandwidth  # noqa: E402  (bench/_common.py: GB/s and how it was measured)
+
 DEV = "cuda"  # the CPU smoke test (tests/test_attention.py) runs main() on "cpu" with tiny shapes
 H, HKV, D, BLOCK = 32, 8, 128, 16
 SCALE = D ** -0.5
@@ -101,15 +104,6 @@ def time_us(fn, n_sets: int) -> float:
     return tt.do_bench_cudagraph(fn, rep=25, return_mode="median") * 1e3 / n_sets
 
 
-def copy_bandwidth() -> float:
-    """GB/s of a 1 GiB device-to-device copy (bytes read + written / time)."""
-    import triton.testing as tt
-
-    src = torch.empty(2 ** 30, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (tt.do_bench(lambda: dst.copy_(src), rep=50, return_mode="median") * 1e-3) / 1e9
-
-
 def has_device() -> bool:
     return torch.cuda.is_available()
 
@@ -153,10 +147,10 @@ def main(argv=None) -> int:
 
     dev = DEV
     device = torch.device(dev)
-    copy_gbps = copy_bandwidth()
+    copy_gbps, copy_how = copy_bandwidth(device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     res = dict(device=name, torch=torch.__version__, triton=triton.__version__,
-               copy_gbps=copy_gbps, heads=H, kv_heads=HKV, head_dim=D, block_size=BLOCK,
+               copy_gbps=copy_gbps, copy_how=copy_how, heads=H, kv_heads=HKV, head_dim=D, block_size=BLOCK,
                dtype=str(DTYPE).split(".")[-1], rows=[])
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()

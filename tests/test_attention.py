@@ -766,7 +766,7 @@ def test_sweep_script_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     for name, value in dict(DEV="cpu", DTYPE=torch.float32, H=4, HKV=2, D=16, SCALE=16 ** -0.5, MAX_SETS=2).items():
         monkeypatch.setattr(mod, name, value)
     monkeypatch.setattr(mod, "has_device", lambda: True)
-    monkeypatch.setattr(mod, "copy_bandwidth", lambda: 1000.0)
+    monkeypatch.setattr(mod, "copy_bandwidth", lambda device: (1000.0, "stub"))
     calls = []
 
     def fake_time(fn, n_sets):  # runs the call once; a different positive time for each config
