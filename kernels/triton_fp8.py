@@ -21,8 +21,8 @@ fp8 activations) and the per-token activation quantization. Semantics are those 
   with the pointer tiles, at 16 rows 75.4 against 83.8. Tiles of x that run past its edge are zero-filled by the
   TMA unit, which measured slower the more rows it fills (48 rows 84.4 us, 40 rows 98.8 us, 32 rows with 32-row
   tiles 98.3 us); so the fp8 activations are quantized into buffers of at least 64 rows (``fp8.empty_fp8_rows``)
-  and a TMA tile (not swapped) reads all 64 from memory, the rows past M computed and never stored (not yet timed
-  on the GPU: the same loads and MMAs as 64 rows).
+  and a TMA tile (not swapped) reads all 64 from memory, the rows past M computed and never stored: 24-40 rows then
+  take the 64-row time, 80-81 us (session 26, ``bench/results/session26/``).
 - ``_w8_gemm_kernel`` (M > 64): ``y[M, N] = x[M, K] @ (Wq[N, K] * s[N])^T (+ b)``. Programs tile (N, M); each loops
   over K, loading an fp8 [BLOCK_K, BLOCK_N] weight tile (1 byte per weight), widening it to x's dtype in registers
   and accumulating with ``tl.dot`` in fp32. The column scale and the bias are applied once, after the K loop.
@@ -387,8 +387,9 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     ``w @ x^T``, weight rows on the MMA's M side (``_w8_gemv2_kernel``'s ``SWAP``). ``tma`` (``fp8_x`` only):
     ``_w8_gemv_tma_kernel``, both tiles through tensor descriptors; ``block_n`` and ``block_k`` at most
     ``TMA_MAX_BOX``; x's tiles are read from x's buffer where it holds their rows (``_rows_view``; not swapped, the
-    tiles then hold ``fp8.FP8_X_ROWS`` rows), else zero-filled past x's edge. Where x or the weight cannot back a descriptor (``_tma_ok``: alignment) the call takes the
-    pointer kernel with the same tiles instead: the same product.
+    tiles then hold ``fp8.FP8_X_ROWS`` rows), else zero-filled past x's edge. Where x or the weight cannot back a
+    descriptor (``_tma_ok``: alignment) the call takes the pointer kernel with the same tiles instead: the same
+    product.
 
     Raises:
         ValueError: more than 64 rows; ``fp8_x`` with ``use_dot=False``; an fp8 x without ``x_scale`` or
