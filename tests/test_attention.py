@@ -22,6 +22,7 @@ from multilora.kernels import triton_attention
 from multilora.kernels.attention import (AttentionMetadata, build_attention_metadata, paged_attention,
                                          paged_attention_torch, tile_table)
 from multilora.kernels.triton_attention import paged_attention_triton, prefill_block_q
+from testsupport import spy_launches
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -377,26 +378,12 @@ def _rewrite_in_place(b: Batch, seq_lens: list[int], seed: int) -> Batch:
     return Batch(b.q, b.k_cache, b.v_cache, fresh, tables, b.q_lens, seq_lens)
 
 
-class _Recorder:
-    """Stands in for the kernel: records the grid and every non-tensor argument, then launches the real one."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.calls.append((grid, [a for a in args if not isinstance(a, torch.Tensor)], kwargs))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 @interp
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_metadata_updated_in_place(splits, monkeypatch):
     """CUDA-graph replay, emulated: the same metadata object after in-place updates of seq_lens and
     block_tables gives what fresh metadata gives, and the launch (grid and every scalar) does not change."""
-    rec = _Recorder(triton_attention._paged_attention_kernel)
-    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", rec)
+    calls = spy_launches(monkeypatch, triton_attention, "_paged_attention_kernel")
     b = make_batch([1] * 4, [3, 17, 9, 1], H=8, Hkv=2, D=16, block_size=4, spare_blocks=12, extra_width=3)
     asked = build_attention_metadata(b.q_lens, b.seq_lens, b.tables, block_size=4, device="cpu", tiles_block_q=4)
     assert asked.tiles is None and asked.tiles_block_q == 0, "a decode step must carry no host-built table"
@@ -408,7 +395,7 @@ def test_decode_metadata_updated_in_place(splits, monkeypatch):
         fresh = paged_attention_triton(new.q, new.k_cache, new.v_cache, new.meta, scale=0.25, num_splits=splits)
         assert torch.equal(replay, fresh)
         check(replay, naive_attention(new, scale=0.25), torch.float32)
-    assert all(c == rec.calls[0] for c in rec.calls), "decode launches must depend on shapes only"
+    assert all(c == calls[0] for c in calls), "decode launches must depend on shapes only"
 
 
 @interp

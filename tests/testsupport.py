@@ -251,18 +251,19 @@ class Interrupt:
 
 
 def spy_launches(monkeypatch, module, name):
-    """Replace the Triton kernel ``module.name`` with a wrapper that records the grid of every launch
-    (``kernel[grid](...)``) and then launches it: returns the list of grids (so a test can tell which kernel ran)."""
-    kernel, grids = getattr(module, name), []
+    """Replace the Triton kernel ``module.name`` with a wrapper that records every launch (``kernel[grid](...)``) as
+    ``(grid, [its non-tensor positional arguments], its keyword arguments)`` and then launches it: returns that list
+    (so a test can tell which kernel ran, and with what grid and scalars)."""
+    kernel, calls = getattr(module, name), []
 
     class _Spy:
         def __getitem__(self, grid):
             launch = kernel[grid]
 
             def run(*args, **kwargs):
-                grids.append(grid)
+                calls.append((grid, [a for a in args if not isinstance(a, torch.Tensor)], kwargs))
                 return launch(*args, **kwargs)
             return run
 
     monkeypatch.setattr(module, name, _Spy())
-    return grids
+    return calls
