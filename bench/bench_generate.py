@@ -40,6 +40,11 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     (``runtime.model.FUSE_FP8_QUANT = False``, what ran before session 23: the A/B; same values)
     multilora-s25attn, multilora-lora-s25attn, multilora-fp8-s25attn  those with session 25's decode attention
                     config and splits (``triton_attention.DECODE_TUNED = False``): the A/B of session 26's
+    multilora-lora-zeroed  multilora-lora with the side stream's LoRA term added into a zeroed buffer (a memset and the
+                    expand's read-add; ``runtime.model.LORA_DELTA_OVERWRITE = False``, what ran before session 27):
+                    the A/B of ``lora_delta``
+    multilora-fp8-nopreload  multilora-fp8 with no weight tiles of the one-row GEMV loaded before its PDL wait
+                    (``kernels.triton_fp8.GEMV_PRELOAD = 0``, what ran before session 27): the A/B of the preload
     multilora-fp8-nopad  multilora-fp8 with fp8 activations of 1-63 rows in buffers of their own size
                     (``fp8.FP8_X_ROWS = 1``; TMA tiles past x's edge read zeros): the A/B of the 64-row buffers
     multilora-fp8-shipped  multilora-fp8 with the fp8 GEMMs' tiles of the shipped tables alone (``kernels/tuned/``),
@@ -116,8 +121,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-s25attn", "multilora-lora-s25attn", "multilora-fp8-s25attn", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync", "multilora-s25attn", "multilora-lora-s25attn"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-s25attn", "multilora-fp8-sync"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-s25attn", "multilora-lora-s25attn", "multilora-fp8-s25attn", "multilora-lora-zeroed", "multilora-fp8-nopreload", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync", "multilora-s25attn", "multilora-lora-s25attn", "multilora-lora-zeroed"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-s25attn", "multilora-fp8-sync", "multilora-fp8-nopreload"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -321,6 +326,8 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     fuse_quant_default = model_mod.FUSE_FP8_QUANT
     xrows_default = fp8_mod.FP8_X_ROWS
     attn_default = triton_attention.DECODE_TUNED
+    overwrite_default = model_mod.LORA_DELTA_OVERWRITE
+    preload_default = triton_fp8.GEMV_PRELOAD
     async_default = engine._async if engine is not None else False
     head_default = engine.model.lm_head if engine is not None else None
     table_default = triton_fp8.tuned_table()  # with MULTILORA_FP8_TUNED on top, if set
@@ -350,6 +357,8 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             fuse_quant = False if v.endswith("-sepquant") else fuse_quant_default
             xrows = 1 if v.endswith("-nopad") else xrows_default
             attn = False if v.endswith("-s25attn") else attn_default
+            overwrite = False if v.endswith("-zeroed") else overwrite_default
+            preload = 0 if v.endswith("-nopreload") else preload_default
             engine._async = async_default and not v.endswith("-sync")  # (not in graphs: no capture again)
             m = engine.model
             if v.endswith("-lmhead") and head_fp8 is None and isinstance(head_default, torch.Tensor):
@@ -363,8 +372,10 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             now = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
             if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
                     m.gemm_cublaslt_tokens, now, triton_sgmv.PDL, triton_pdl.ENABLED, triton_fp8.GEMV_WIDEN_F16,
-                    model_mod.FUSE_FP8_QUANT, fp8_mod.FP8_X_ROWS, triton_attention.DECODE_TUNED) != (
-                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen, fuse_quant, xrows, attn) \
+                    model_mod.FUSE_FP8_QUANT, fp8_mod.FP8_X_ROWS, triton_attention.DECODE_TUNED,
+                    model_mod.LORA_DELTA_OVERWRITE, triton_fp8.GEMV_PRELOAD) != (
+                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen, fuse_quant, xrows, attn, overwrite,
+                    preload) \
                     or m.lm_head is not head \
                     or triton_fp8._tuned is not table:
                 triton_fp8._tuned = table  # the fp8 GEMMs' tiles (read when a graph is captured)
@@ -373,6 +384,8 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
                 model_mod.FUSE_FP8_QUANT = fuse_quant
                 fp8_mod.FP8_X_ROWS = xrows
                 triton_attention.DECODE_TUNED = attn
+                model_mod.LORA_DELTA_OVERWRITE = overwrite
+                triton_fp8.GEMV_PRELOAD = preload
                 triton_fp8.GEMV_WIDEN_F16 = widen
                 triton_sgmv.PDL = pdl
                 triton_pdl.ENABLED = step_pdl
@@ -400,7 +413,8 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
                         "decode_expand_rank_tiles": triton_sgmv.DECODE_EXPAND_RANK_TILES, "lora_pdl": triton_sgmv.PDL,
                         "step_pdl": triton_pdl.ENABLED, "fp8_gemv_widen_f16": triton_fp8.GEMV_WIDEN_F16,
                         "async_scheduling": engine._async, "fp8_x_rows": fp8_mod.FP8_X_ROWS,
-                        "attention_decode_tuned": triton_attention.DECODE_TUNED}
+                        "attention_decode_tuned": triton_attention.DECODE_TUNED,
+                        "lora_delta_overwrite": model_mod.LORA_DELTA_OVERWRITE, "fp8_gemv_preload": triton_fp8.GEMV_PRELOAD}
             for b in batches:
                 adapters = names[:b] if "-lora" in v else None
                 run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
@@ -415,6 +429,8 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         model_mod.FUSE_FP8_QUANT = fuse_quant_default
         fp8_mod.FP8_X_ROWS = xrows_default
         triton_attention.DECODE_TUNED = attn_default
+        model_mod.LORA_DELTA_OVERWRITE = overwrite_default
+        triton_fp8.GEMV_PRELOAD = preload_default
         triton_fp8._tuned = table_default
         if engine is not None:
             engine.model.lm_head = head_default
@@ -763,7 +779,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                 f"decode tokens/s {lo['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.3g}x" if x else "a row is missing"))
     for v in ("multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile",
               "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lora-lt",
-              "multilora-lora-s25attn"):  # issue 12: adapters over base (-s25attn: over the base with that attention)
+              "multilora-lora-s25attn", "multilora-lora-zeroed"):  # issue 12: adapters over base (-s25attn: over the base with that attention)
         base = "multilora-s25attn" if v.endswith("-s25attn") else "multilora"
         base_rows = {b: ok.get((base, b)) for b in (1, TARGET_BATCH)}
         for b, what, key, need in ((1, "TPOT", "tpot_ms", 1.05), (TARGET_BATCH, "TPOT", "tpot_ms", 1.30),
@@ -792,7 +808,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                           ("multilora", "multilora-fp8-lmhead"),
                           ("multilora", "multilora-fp8-onepassmax"), ("multilora", "multilora-fp8-sepquant"),
                           ("multilora", "multilora-fp8-shipped"), ("multilora", "multilora-fp8-nopad"),
-                          ("multilora-s25attn", "multilora-fp8-s25attn"),
+                          ("multilora-s25attn", "multilora-fp8-s25attn"), ("multilora", "multilora-fp8-nopreload"),
                           ("multilora-sync", "multilora-fp8-sync")):
             lo, hi = ok.get((base, b)), ok.get((fp8, b))
             if hi is None:

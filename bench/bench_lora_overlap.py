@@ -9,6 +9,8 @@ captured in one CUDA graph, in these schedules (``--schedules`` picks some):
   side_all       zero a delta buffer + shrink + expand into it on a side stream, concurrent with the GEMM; join
                  (the delta would be added by the op that follows the projection: RoPE + KV write, the residual
                  add + RMSNorm, SiLU * up, so no launch on the main stream)
+  side_write     side_all with no zeroing: the expand writes the LoRA term into the buffer (``lora_delta``, what
+                 the engine runs since session 27; ``side_all`` is what ran before)
   side_all_add   side_all plus an explicit ``y += delta`` (what it costs when the following op cannot take it)
   side_all_hi    side_all on a side stream of the highest CUDA priority (captured into the graph's nodes), so the
                  block scheduler starts the LoRA programs before the GEMM's pending ones
@@ -78,14 +80,15 @@ def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None, popularity="dist
                 main.wait_stream(side)
                 _expand(ys[k], v, sl, plans[k])
 
-    def side_all(add=False, stream=side):
+    def side_all(add=False, stream=side, write=False):
         main = torch.cuda.current_stream()
         for k in range(K):
             for _, sl, ws, xs, ys, ds in parts:
                 stream.wait_stream(main)
                 with torch.cuda.stream(stream):
-                    ds[k].zero_()
-                    _expand(ds[k], _shrink(xs[k], sl, plans[k]), sl, plans[k])
+                    if not write:
+                        ds[k].zero_()
+                    _expand(ds[k], _shrink(xs[k], sl, plans[k]), sl, plans[k], overwrite=write)
                 torch.matmul(xs[k], ws[k].t(), out=ys[k])
                 main.wait_stream(stream)
                 if add:
@@ -96,11 +99,16 @@ def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None, popularity="dist
     ref = [p[4][0].clone() for p in parts]
     side_all(add=True)
     err = max(float((p[4][0].float() - r.float()).abs().max() / r.float().abs().max()) for p, r in zip(parts, ref))
+    zeroed = [p[5][0].clone() for p in parts]
+    for p in parts:
+        p[5][0].fill_(float("nan"))
+    side_all(write=True)
+    same = all(torch.equal(p[5][0], z) for p, z in zip(parts, zeroed))
     row = dict(tokens=T, adapters=n, rank=rank, pool_max_rank=pool_rank or rank, sets_per_call=K,
                popularity=popularity, distinct_adapters=int(torch.unique(slots[0]).numel()),
-               side_all_add_vs_serial_max_rel=err)
+               side_all_add_vs_serial_max_rel=err, side_write_equals_side_all=same)
     fns = {"base": base, "serial": serial, "side_shrink": side_shrink, "side_all": side_all,
-           "side_all_add": lambda: side_all(True), "side_all_hi": lambda: side_all(stream=side_hi)}
+           "side_write": lambda: side_all(write=True), "side_all_add": lambda: side_all(True), "side_all_hi": lambda: side_all(stream=side_hi)}
     from multilora.kernels import triton_sgmv
 
     # "old": the tiles before the wide-rank rule (session 14), and so before session 18's decode tiles too
@@ -176,7 +184,7 @@ def main(argv=None):
                     help="wide: the wide-rank tiles old vs new (rank 16 and 64 adapters, pool of rank 64); r16: the "
                     "rank-16 cases of all (1, 8, 64 and 256 tokens, as many adapters)")
     ap.add_argument("--schedules", default=None, help="comma-separated subset of base,serial,side_shrink,side_all,"
-                    "side_all_add,side_all_hi (default: all; base is always run)")
+                    "side_write,side_all_add,side_all_hi (default: all; base is always run)")
     ap.add_argument("--expand-one-tile", action="store_true",
                     help="decode expand as before session 16: one 256-wide output tile per program "
                     "(triton_sgmv.DECODE_EXPAND_LOOP = ((512, 1, 256, 2),)); the run's JSON gets a _onetile suffix")
@@ -257,7 +265,7 @@ def main(argv=None):
     schedules = ("base", "serial", "side_all") if args.cases == "wide" else None
     if args.schedules:
         schedules = ("base", *[s for s in args.schedules.split(",") if s and s != "base"])
-        known = ("serial", "side_shrink", "side_all", "side_all_add", "side_all_hi")
+        known = ("serial", "side_shrink", "side_all", "side_write", "side_all_add", "side_all_hi")
         if any(s not in known for s in schedules[1:]):
             ap.error(f"--schedules: expected names from base,{','.join(known)}, got {args.schedules!r}")
     os.makedirs(args.out, exist_ok=True)
@@ -286,7 +294,8 @@ def main(argv=None):
         print(f"layer T={T:4d} n={n:4d} ({row['distinct_adapters']} distinct) r={rank:3d} "
               f"pool r={row['pool_max_rank']}: base {row['base_us']:.1f} us; "
               "LoRA adds " + ", ".join(f"{k[:-9]} {v:.1f}" for k, v in row.items() if k.endswith("_added_us"))
-              + f" us (err {row['side_all_add_vs_serial_max_rel']:.1e})", flush=True)
+              + f" us (err {row['side_all_add_vs_serial_max_rel']:.1e}; side_write == side_all: "
+              f"{row['side_write_equals_side_all']})", flush=True)
     if not args.no_sweep:
         for group in ("8b-qkv", "8b-gate_up", "8b-down"):
             for T in (1, 8):

@@ -1,6 +1,6 @@
 """LoRA kernels: the shrink/expand apply op over a batch of per-token adapter slots.
 
-``lora_apply`` is the public op; ``lora_slices`` describes a layer's fused projection in the pool (once),
+``lora_apply`` is the public op (``lora_delta``: the LoRA term alone, written into its own buffer); ``lora_slices`` describes a layer's fused projection in the pool (once),
 ``build_lora_plan`` builds the per-step metadata (``chunk_table`` / ``fill_chunk_table`` its chunk table).
 The torch backend (``lora_apply_torch``) serves the CPU and is the test oracle; ``resolve_backend`` picks it
 or the Triton kernels (``triton_sgmv``).
@@ -16,10 +16,10 @@ from __future__ import annotations
 if __name__ == "multilora.kernels":
     from multilora.kernels.lora import (LoRAModuleView, LoRAPlan, LoRASlices, block_m_for, build_lora_plan,
                                         chunk_table, fill_chunk_table, gather_adapter, lora_apply, lora_apply_torch,
-                                        lora_slices, resolve_backend)
+                                        lora_delta, lora_slices, resolve_backend)
 
     __all__ = ["LoRAModuleView", "LoRAPlan", "LoRASlices", "block_m_for", "build_lora_plan", "chunk_table",
-               "fill_chunk_table", "gather_adapter", "lora_apply", "lora_apply_torch", "lora_slices",
+               "fill_chunk_table", "gather_adapter", "lora_apply", "lora_apply_torch", "lora_delta", "lora_slices",
                "resolve_backend"]
 else:
     def _yield_the_name() -> None:

@@ -413,6 +413,11 @@ def lora_apply_torch(y: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan:
     return y
 
 
+def lora_delta_torch(out: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan) -> torch.Tensor:
+    """Torch reference of ``lora_delta``: ``lora_apply_torch`` on ``out`` zeroed first."""
+    return lora_apply_torch(out.zero_(), x, slices, plan)
+
+
 def resolve_backend(backend: str | None, x: torch.Tensor) -> Callable:
     """The apply function for ``backend`` ("torch", "triton" or None = triton on CUDA if available).
 
@@ -449,3 +454,32 @@ def lora_apply(
     """
     _check(y, x, slices, plan)
     return resolve_backend(backend, x)(y, x, slices, plan)
+
+
+def lora_delta(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    slices: LoRASlices,
+    plan: LoRAPlan,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Write every token's LoRA term into ``out``: what ``lora_apply`` would add to ``y`` (rounded to out's dtype the
+    same way: ``lora_apply`` on a zeroed ``y`` gives the same bits), and 0 in the rows of tokens without an adapter
+    (slot -1) and in the columns of slices their adapter does not target (rank 0). ``out``'s old values are never
+    read: the Triton backend writes every element in its expand, with no zeroing launch and no read of ``out``
+    (``runtime.model``'s side-stream LoRA, whose term the op after the projection adds).
+
+    Args:
+        out: ``[num_tokens, slices.d_out]`` float16/bfloat16/float32 (the pool's dtype); overwritten.
+        x, slices, plan, backend: as for ``lora_apply``.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: as ``lora_apply``, for ``out`` in place of y.
+    """
+    _check(out, x, slices, plan)
+    mod = select_triton(backend, x, "triton_sgmv")
+    return (lora_delta_torch if mod is None else mod.lora_delta_triton)(out, x, slices, plan)

@@ -153,7 +153,8 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
                      stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
                      FP8_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr = False, WIDEN_F16: tl.constexpr = False, SWAP: tl.constexpr = False):
+                     PDL: tl.constexpr = False, WIDEN_F16: tl.constexpr = False, SWAP: tl.constexpr = False,
+                     PRELOAD: tl.constexpr = 0):
     """``_w8_gemv_splitk_kernel`` with fewer registers per byte in flight, run with the tiles of a GPU's tuned table
     (``kernels/tuned/``, ``bench/sweep_fp8_gemv.py``):
     SPLIT_K is a runtime argument (not a constexpr: one variant serves every split above 1; Triton still
@@ -165,7 +166,11 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
     float32 [M]) and the dot runs on fp8 tensor cores with no widening; the partials are unscaled and
     ``xs[m] * s[n]`` is applied once at the store. ``SWAP`` (with ``USE_DOT``): the product is taken as
     ``w @ x^T`` [BLOCK_N, BLOCK_M] (the weight tile on the MMA's M side, the rows of x on its N side) and transposed
-    once before the store. The ticket reduction is the same as ``_w8_gemv_splitk_kernel``'s."""
+    once before the store. ``PRELOAD`` (0-4; the CUDA-core path without ``PREFETCH``; at most K_PER_SPLIT / BLOCK_K):
+    the first that many weight tiles of the program are loaded before the PDL wait (weights are no kernel's output),
+    so that a program launched early moves its first bytes while the kernel before it drains; they are then
+    multiplied in order, as the loop would (the same result bit for bit). The ticket reduction is the same as
+    ``_w8_gemv_splitk_kernel``'s."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -189,9 +194,25 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
         else:
             w_next = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0,
                              eviction_policy="evict_first")
-    if PDL:  # launched early (``triton_pdl``): weights are no kernel's output, so the first tile (PREFETCH) may
-        pdl_wait(True)  # load before the wait; x, the partials and the tickets after it
-    for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+    if PRELOAD >= 1:
+        w0 = _row_tile(w_rows, k_lo + offs_k, n_mask, K, EVEN)
+    if PRELOAD >= 2:
+        w1 = _row_tile(w_rows, k_lo + BLOCK_K + offs_k, n_mask, K, EVEN)
+    if PRELOAD >= 3:
+        w2 = _row_tile(w_rows, k_lo + 2 * BLOCK_K + offs_k, n_mask, K, EVEN)
+    if PRELOAD >= 4:
+        w3 = _row_tile(w_rows, k_lo + 3 * BLOCK_K + offs_k, n_mask, K, EVEN)
+    if PDL:  # launched early (``triton_pdl``): weights are no kernel's output, so the first tiles (PREFETCH, PRELOAD)
+        pdl_wait(True)  # may load before the wait; x, the partials and the tickets after it
+    if PRELOAD >= 1:
+        acc2 = _row_fma(acc2, w0, x_ptr, k_lo + offs_k, K, EVEN, WIDEN_F16)
+    if PRELOAD >= 2:
+        acc2 = _row_fma(acc2, w1, x_ptr, k_lo + BLOCK_K + offs_k, K, EVEN, WIDEN_F16)
+    if PRELOAD >= 3:
+        acc2 = _row_fma(acc2, w2, x_ptr, k_lo + 2 * BLOCK_K + offs_k, K, EVEN, WIDEN_F16)
+    if PRELOAD >= 4:
+        acc2 = _row_fma(acc2, w3, x_ptr, k_lo + 3 * BLOCK_K + offs_k, K, EVEN, WIDEN_F16)
+    for k0 in range(k_lo + PRELOAD * BLOCK_K, k_lo + K_PER_SPLIT, BLOCK_K):
         kk = k0 + offs_k
         if PREFETCH:
             w = w_next
@@ -219,20 +240,34 @@ def _w8_gemv2_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_
             else:
                 acc += tl.dot(x, tl.trans(w.to(dt)))
         else:
-            if EVEN:
-                x = tl.load(x_ptr + kk).to(tl.float32)
-            else:
-                x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            if WIDEN_F16:  # fp8 -> f16 -> f32, both exact (``GEMV_WIDEN_F16``)
-                acc2 += w.to(tl.float16).to(tl.float32) * x[None, :]
-            else:
-                acc2 += w.to(dt).to(tl.float32) * x[None, :]
+            acc2 = _row_fma(acc2, w, x_ptr, kk, K, EVEN, WIDEN_F16)
     if not USE_DOT:
         acc = tl.where(offs_m[:, None] == 0, tl.sum(acc2, axis=1)[None, :], 0.0)  # [BLOCK_M, BLOCK_N], row 0
     elif SWAP:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     _finish_split(acc, xs_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, N, SPLIT_K, stride_ym,
                   offs_m, offs_n, m_mask, n_mask, HAS_BIAS, FP8_X, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _row_tile(w_rows, kk, n_mask, K, EVEN: tl.constexpr):
+    """The raw fp8 weight tile [BLOCK_N, BLOCK_K] at columns ``kk`` of rows ``w_rows`` (``_w8_gemv2_kernel``)."""
+    if EVEN:
+        return tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
+    return tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _row_fma(acc2, w, x_ptr, kk, K, EVEN: tl.constexpr, WIDEN_F16: tl.constexpr):
+    """The one-row path's step: ``acc2 + widen(w) * x[kk]`` (fp32, elementwise [BLOCK_N, BLOCK_K])."""
+    if EVEN:
+        x = tl.load(x_ptr + kk).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+    if WIDEN_F16:  # fp8 -> f16 -> f32, both exact (``GEMV_WIDEN_F16``)
+        return acc2 + w.to(tl.float16).to(tl.float32) * x[None, :]
+    return acc2 + w.to(x_ptr.dtype.element_ty).to(tl.float32) * x[None, :]
 
 
 @triton.jit
@@ -329,6 +364,12 @@ def _tma_ok(t: torch.Tensor) -> bool:
 #: down 21.1 -> 16.8 us (2.79 -> 3.49 TB/s); engine batch-1 decode TPOT 3.57 -> 3.26 ms. Off (False) only for A/Bs
 #: (``bench_fp8.py`` provider ``weight_only_bf16widen``, ``bench_generate.py`` provider ``multilora-fp8-bf16widen``).
 GEMV_WIDEN_F16 = True
+#: Weight tiles each program of the one-row path loads before its PDL wait (``_w8_gemv2_kernel``'s ``PRELOAD``, read
+#: per call; at most 4, and at most the program's K tiles; not with ``prefetch``). At one row a step's GEMVs follow
+#: latency-bound kernels (RMSNorm, RoPE, attention, SiLU * up) whose time leaves the memory bus idle; a GEMV launched
+#: early under PDL can spend that time reading its first weights. Bit for bit the same products. 0: none (what ran
+#: before session 27; the ``bench_generate.py`` provider ``multilora-fp8-nopreload``).
+GEMV_PRELOAD = 2
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -376,7 +417,8 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
               block_n: int = 32, block_k: int = 512, split_k: int | None = None, programs_per_sm: int = 4,
               num_warps: int = 4, num_stages: int = 1, prefetch: bool = False, use_dot: bool | None = None,
               num_sms: int | None = None, fp8_x: bool = False, out_dtype: torch.dtype | None = None,
-              x_scale: torch.Tensor | None = None, swap: bool = False, tma: bool = False) -> torch.Tensor:
+              x_scale: torch.Tensor | None = None, swap: bool = False, tma: bool = False,
+              preload: int | None = None) -> torch.Tensor:
     """``fp8_gemv_splitk`` through ``_w8_gemv2_kernel``: same arguments, result and errors, plus ``programs_per_sm``
     (split_k None: about that many programs per SM of ``num_sms``, each at least 2 K tiles; None = x's GPU's, 4
     on the CPU), ``num_stages`` and
@@ -389,11 +431,13 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     ``TMA_MAX_BOX``; x's tiles are read from x's buffer where it holds their rows (``_rows_view``; not swapped, the
     tiles then hold ``fp8.FP8_X_ROWS`` rows), else zero-filled past x's edge. Where x or the weight cannot back a
     descriptor (``_tma_ok``: alignment) the call takes the pointer kernel with the same tiles instead: the same
-    product.
+    product. ``preload`` (the one-row path without ``prefetch``): weight tiles per program loaded before the PDL wait
+    (None = ``GEMV_PRELOAD``; capped at the program's K tiles; the same result).
 
     Raises:
         ValueError: more than 64 rows; ``fp8_x`` with ``use_dot=False``; an fp8 x without ``x_scale`` or
-            ``out_dtype``; ``tma`` without ``fp8_x`` or with a tile wider than ``TMA_MAX_BOX``."""
+            ``out_dtype``; ``tma`` without ``fp8_x`` or with a tile wider than ``TMA_MAX_BOX``; ``preload`` outside
+            0..4."""
     M, K = x.shape
     N = qweight.shape[0]
     if not 1 <= M <= 64:
@@ -422,6 +466,10 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     split_k = triton.cdiv(K, k_per)
     bm = max(16, triton.next_power_of_2(M)) if use_dot else 1
     even = N % block_n == 0 and K % k_per == 0
+    preload = GEMV_PRELOAD if preload is None else preload
+    if not 0 <= preload <= 4:
+        raise ValueError(f"fp8_gemv2: preload must be 0..4 weight tiles, got {preload}")
+    preload = 0 if use_dot or prefetch else min(preload, k_per // block_k)
     if tma:
         if not fp8_x:
             raise ValueError("fp8_gemv2: tma=True takes the fp8-activation product (fp8_x=True)")
@@ -451,6 +499,7 @@ def fp8_gemv2(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
                                           HAS_BIAS=bias is not None, USE_DOT=use_dot, EVEN=even, PREFETCH=prefetch,
                                           FP8_X=fp8_x, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
                                           WIDEN_F16=GEMV_WIDEN_F16 and not use_dot, SWAP=swap and use_dot,
+                                          PRELOAD=preload,
                                           num_warps=num_warps,
                                           num_stages=num_stages,
                                           **triton_pdl.launch_args(x.device))

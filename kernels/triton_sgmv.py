@@ -161,6 +161,26 @@ def _store_scaled(y_ptrs, y_mask, y_old, scale, acc):
 
 
 @triton.jit
+def _store_term(y_ptrs, y_mask, scale, acc):
+    """``y = scale * acc`` rounded to y's dtype: ``_store_scaled`` of a zero ``y_old`` (bit for bit, as ``0 + t == t``)
+    with no read of y (``OVERWRITE``)."""
+    tl.store(y_ptrs, (scale * acc).to(y_ptrs.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _zero_unadapted(y_ptr, slots_ptr, stride_ym, T, chunk, col, n, d_out, TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``OVERWRITE``: zero ``y[t, col + n + g * BLOCK_N]`` (g < TILES, columns below ``d_out``) for the tokens ``t =
+    chunk, chunk + G, ...`` (G the grid's chunk count) whose slot is -1: the rows no chunk covers, so that the expand
+    alone defines every row of its output tiles."""
+    for t in range(chunk, T, tl.num_programs(0)):
+        slot = tl.load(slots_ptr + t)
+        row = y_ptr + tl.cast(t, tl.int64) * stride_ym + col
+        for g in tl.static_range(TILES):
+            ng = n + g * BLOCK_N
+            tl.store(row + ng, tl.zeros((BLOCK_N,), dtype=y_ptr.dtype.element_ty), mask=(ng < d_out) & (ng * 0 + slot < 0))
+
+
+@triton.jit
 def _add_scaled(y_ptr, stride_ym, tok, m_mask, n, n_mask, scale, acc):
     """``y[tok, n] += scale * acc`` (``_y_tile`` then ``_store_scaled``)."""
     y_ptrs, y_mask, y_old = _y_tile(y_ptr, stride_ym, tok, m_mask, n, n_mask)
@@ -226,7 +246,7 @@ def _v_tile(v_ptr, sid, T, tok, j, vm, NUM_SLICES: tl.constexpr, SPLIT_K: tl.con
 @triton.jit(do_not_specialize=["T", "stride_c"])  # one compiled variant for every token count (module docstring)
 def _sgmv_expand_kernel(
     # pointers
-    y_ptr, buf_ptr, offb_ptr, ranks_ptr, scal_ptr, tab_ptr, v_ptr, chunks_ptr,
+    y_ptr, buf_ptr, offb_ptr, ranks_ptr, scal_ptr, tab_ptr, v_ptr, chunks_ptr, slots_ptr,
     # sizes
     T, e0, e1, e2, meta_stride,
     # strides
@@ -234,7 +254,7 @@ def _sgmv_expand_kernel(
     # meta
     NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr, TILES: tl.constexpr = 1,
-    PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,
+    PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True, OVERWRITE: tl.constexpr = False,
 ):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)  # n tiles of all slices, slice after slice (groups of TILES sub-tiles of BLOCK_N)
@@ -257,13 +277,20 @@ def _sgmv_expand_kernel(
         off_b = tl.multiple_of(tl.load(offb_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0), ALIGN)
         scale = tl.load(scal_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0.0)
         _pdl_wait(PDL_TRIGGER)
-    else:
+    if OVERWRITE:  # y is the LoRA term alone: the rows of slot -1 get zeros here (after the wait: a write)
+        _zero_unadapted(y_ptr, slots_ptr, stride_ym, T, chunk, col, n_tile * (TILES * BLOCK_N) + tl.arange(0, BLOCK_N),
+                        d_out, TILES, BLOCK_N)
+    if not PDL:
         if slot < 0:
             return
         r = tl.load(ranks_ptr + sid * meta_stride + slot)
         off_b = _slot_offset(offb_ptr, sid, meta_stride, slot, ALIGN)
         scale = tl.load(scal_ptr + sid * meta_stride + slot)
-    if r == 0:
+    if OVERWRITE:
+        if slot < 0:  # a padding chunk: no tokens
+            return
+        scale = tl.where(r > 0, scale, 0.0)  # a slice the adapter does not target (r == 0): its rows get zeros
+    elif r == 0:
         return
     if BLOCK_M <= 16 and TILES > 1:  # decode, a rank-16 pool (RMAX <= BLOCK_R): one v tile, TILES B tiles in a loop
         j = tl.arange(0, BLOCK_R)
@@ -275,15 +302,19 @@ def _sgmv_expand_kernel(
             ng = n + g * BLOCK_N
             ng_mask = ng < d_out
             bt = tl.load(b_rows[:, None] + ng[None, :], mask=j_mask[:, None] & ng_mask[None, :], other=0.0)
-            y_ptrs, y_mask, y_old = _y_tile(y_ptr, stride_ym, tok, m_mask, col + ng, ng_mask)
-            _store_scaled(y_ptrs, y_mask, y_old, scale, _dot(vt.to(bt.dtype), bt, IEEE))
+            if OVERWRITE:
+                y_ptrs = y_ptr + tok[:, None] * stride_ym + (col + ng)[None, :]
+                _store_term(y_ptrs, m_mask[:, None] & ng_mask[None, :], scale, _dot(vt.to(bt.dtype), bt, IEEE))
+            else:
+                y_ptrs, y_mask, y_old = _y_tile(y_ptr, stride_ym, tok, m_mask, col + ng, ng_mask)
+                _store_scaled(y_ptrs, y_mask, y_old, scale, _dot(vt.to(bt.dtype), bt, IEEE))
         return
     if BLOCK_M > 16:  # prefill tiles: as before the reordering
         tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
         n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n < d_out
-    else:  # (after the slot's loads in program order: a load waits in line for its address, here the tokens)
-        y_ptrs, y_mask, y_old = _y_tile(y_ptr, stride_ym, tok, m_mask, col + n, n_mask)
+    elif not OVERWRITE:  # (after the slot's loads in program order: a load waits in line for its address, here the
+        y_ptrs, y_mask, y_old = _y_tile(y_ptr, stride_ym, tok, m_mask, col + n, n_mask)  # tokens)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j0 in range(0, r, BLOCK_R):
         j = j0 + tl.arange(0, BLOCK_R)
@@ -293,7 +324,10 @@ def _sgmv_expand_kernel(
         vm = m_mask[:, None] & j_mask[None, :]
         vt = _v_tile(v_ptr, sid, T, tok, j, vm, NUM_SLICES, SPLIT_K, RMAX, BLOCK_M, BLOCK_R)
         acc += _dot(vt.to(bt.dtype), bt, IEEE)  # IEEE: both fp32 (the cast is a no-op)
-    if BLOCK_M > 16:
+    if OVERWRITE:
+        _store_term(y_ptr + tok[:, None] * stride_ym + (col + n)[None, :], m_mask[:, None] & n_mask[None, :], scale,
+                    acc)
+    elif BLOCK_M > 16:
         _add_scaled(y_ptr, stride_ym, tok, m_mask, col + n, n_mask, scale, acc)
     else:
         _store_scaled(y_ptrs, y_mask, y_old, scale, acc)
@@ -460,7 +494,8 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
 
 
 def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_n: int | None = None,
-            num_warps: int | None = None, num_stages: int | None = None, tiles: int | None = None) -> torch.Tensor:
+            num_warps: int | None = None, num_stages: int | None = None, tiles: int | None = None,
+            overwrite: bool = False) -> torch.Tensor:
     split, S, T, rmax = v.shape
     loop = plan.block_m <= 16 and rmax <= 16  # the looped tiles: decode chunks of a rank-16 pool (one v tile)
     if y.device.type == "cuda" and plan.block_m <= 16 and rmax > 16 and DECODE_EXPAND_RANK_TILES is not None:
@@ -486,11 +521,11 @@ def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan
         extra.update(PDL=True, PDL_TRIGGER=PDL_EARLY_TRIGGER, launch_pdl=True)
     _sgmv_expand_kernel[(num_chunks(plan, slices), n_tiles)](
         y, slices.buffer, slices.offsets_b, slices.ranks, slices.scalings, slices.table, v, plan.chunks,
-        T, *tile_ends(slices, group * block_n), slices.meta_stride,
+        plan.token_slots, T, *tile_ends(slices, group * block_n), slices.meta_stride,
         y.stride(0), plan.chunks.stride(0),
         NUM_SLICES=S, SPLIT_K=split, RMAX=rmax, BLOCK_M=plan.block_m,
         BLOCK_N=block_n, BLOCK_R=16, ALIGN=slices.align, IEEE=y.dtype == torch.float32, TILES=group,
-        num_warps=num_warps, **extra,
+        OVERWRITE=overwrite, num_warps=num_warps, **extra,
     )
     return y
 
@@ -518,8 +553,12 @@ def sgmv_shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k:
 
 
 def sgmv_expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_n: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None, tiles: int | None = None) -> torch.Tensor:
-    """Expand: ``y[t, c_i + n] += scalings_i[s] * sum_sp v[sp, i, t, :r] @ B_i[s].T[:r, n]`` in place.
+                num_warps: int | None = None, num_stages: int | None = None, tiles: int | None = None,
+                overwrite: bool = False) -> torch.Tensor:
+    """Expand: ``y[t, c_i + n] += scalings_i[s] * sum_sp v[sp, i, t, :r] @ B_i[s].T[:r, n]`` in place; with
+    ``overwrite``, ``y[t, c_i + n] = ...`` instead (the term rounded to y's dtype, bit for bit what the in-place
+    add gives on a zeroed y) and every other element of y (rows of slot -1, slices of rank 0) set to 0: y's old
+    values are never read.
 
     Args:
         y: ``[T, slices.d_out]`` fp16/bf16/fp32 (the pool's dtype), unit stride along features; updated in place.
@@ -528,6 +567,7 @@ def sgmv_expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRA
         block_n, num_warps, num_stages: tile overrides (None = the measured defaults).
         tiles: output tiles of ``block_n`` columns per program, looped (None = ``DECODE_EXPAND_LOOP``'s); used by
             decode chunks (``plan.block_m <= 16``) of a pool of rank <= 16 only, else 1.
+        overwrite: write the LoRA term instead of adding it (above).
 
     Returns:
         ``y``.
@@ -541,7 +581,8 @@ def sgmv_expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRA
     if v.dim() != 4 or tuple(v.shape[1:]) != want or v.dtype != torch.float32 or not v.is_contiguous():
         raise ValueError(f"v: expected contiguous float32 [split_k, {', '.join(map(str, want))}], got "
                          f"{v.dtype} {tuple(v.shape)}")
-    return _expand(y, v, slices, plan, block_n=block_n, num_warps=num_warps, num_stages=num_stages, tiles=tiles)
+    return _expand(y, v, slices, plan, block_n=block_n, num_warps=num_warps, num_stages=num_stages, tiles=tiles,
+                   overwrite=overwrite)
 
 
 def lora_apply_triton(y: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan) -> torch.Tensor:
@@ -558,3 +599,18 @@ def lora_apply_triton(y: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan
     if not plan.has_lora or plan.num_tokens == 0:
         return y
     return _expand(y, _shrink(x, slices, plan), slices, plan)
+
+
+def lora_delta_triton(out: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan) -> torch.Tensor:
+    """Triton backend of ``lora_delta``: ``out`` = every token's LoRA term (``lora_apply_triton``'s, rounded to
+    out's dtype), 0 in the rows of slot -1 and the slices of rank 0; out's old values are never read, so it needs no
+    zeroing (the expand writes every element: ``sgmv_expand(overwrite=True)``). One shrink and one expand launch; no
+    host synchronisation.
+
+    Raises:
+        ValueError: as ``lora_apply_triton``, for ``out`` in place of y.
+    """
+    check_io(slices, plan, x=x, y=out)
+    if not plan.has_lora or plan.num_tokens == 0:
+        return out.zero_()
+    return _expand(out, _shrink(x, slices, plan), slices, plan, overwrite=True)

@@ -442,6 +442,30 @@ def test_gemv_widening_through_f16_is_bit_identical(dtype, monkeypatch):
         assert rel_err(got.float(), ref) < (2e-3 if dtype == torch.float16 else 1e-5), split
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_preload_is_bit_identical(dtype):
+    """``preload`` (``GEMV_PRELOAD``): the one-row path's first weight tiles loaded before the PDL wait and multiplied
+    ahead of the loop. y is bit for bit that of no preload, for 1-4 tiles, with and without a split (whose programs
+    hold 2-5 tiles: preload capped there), with masked tails (300 = 4 x 64 + 44, 37 rows) and an even shape; a
+    preload outside 0..4 is refused."""
+    from multilora.kernels import triton_fp8
+
+    g = torch.Generator().manual_seed(12)
+    for n, k in ((37, 300), (32, 256)):
+        w = fp8.quantize_weight(torch.randn(n, k, generator=g))
+        x = torch.randn(1, k, generator=g).to(dtype)
+        ref = fp8_reference(x, w, None, quantize_x=False)
+        for split in (1, 2):
+            kw = dict(block_n=4, block_k=64, split_k=split, use_dot=False)
+            want = triton_fp8.fp8_gemv2(x, w.qweight, w.scale, preload=0, **kw)
+            assert rel_err(want.float(), ref) < (2e-3 if dtype == torch.float16 else 1e-5)
+            for p in (1, 2, 3, 4):
+                got = triton_fp8.fp8_gemv2(x, w.qweight, w.scale, preload=p, **kw)
+                assert torch.equal(got, want), (n, k, split, p)
+    with pytest.raises(ValueError, match="preload must be 0..4"):
+        triton_fp8.fp8_gemv2(x, w.qweight, w.scale, preload=5, use_dot=False)
+
+
 @pytest.mark.parametrize("bad,why", [
     ({"device": "cpu", "weight_only_max_tokens": "abc", "configs": {}}, "weight_only_max_tokens must be an integer"),
     ({"device": "cpu", "configs": {"32x64": {"8": {}}}}, "row class must be"),

@@ -276,6 +276,25 @@ def test_gemv_widening_through_f16_is_bit_identical_in_bf16(monkeypatch):
         assert rel_err(got.float(), x.float() @ w.dequantize().t()) < BF16_OUT, (N, K)
 
 
+def test_gemv_preload_is_bit_identical_in_bf16():
+    """``triton_fp8.GEMV_PRELOAD`` (the one-row path's first weight tiles loaded before the PDL wait): bf16 y bit for
+    bit that of no preload, 1-4 tiles, at every tuned shape and an untuned one, launched with PDL after a kernel that
+    writes x (``triton_pdl.launch_args``: PDL on this GPU)."""
+    from multilora.kernels import triton_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for N, K in _tuned_shapes() + [(2049, 3424)]:
+        w = fp8.quantize_weight(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5)
+        src = torch.randn(1, K, device="cuda", generator=g).to(torch.bfloat16)
+        cfg = triton_fp8.gemv_config(src.device, N, K, 1) or dict(block_n=2, block_k=1024, use_dot=False)
+        outs = []
+        for p in (0, 1, 2, 4):
+            x = src * 1.5  # a kernel writing x right before the GEMV
+            outs.append(triton_fp8.fp8_gemv2(x, w.qweight, w.scale, preload=p, **cfg))
+        for p, got in zip((1, 2, 4), outs[1:]):
+            assert torch.equal(got, outs[0]), (N, K, p)
+
+
 def test_engine_fp8_lm_head(engines):
     """``fp8_lm_head``: the LM head's GEMM computes the bf16 hidden times the dequantized fp8 head (one row: the
     weight-only GEMV, within bf16 output rounding; more rows: fp8 activations, within their rounding), the engine's

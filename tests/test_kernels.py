@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from multilora.kernels import (LoRAPlan, block_m_for, build_lora_plan, chunk_table, fill_chunk_table, lora_apply,
-                               lora_apply_torch, lora_slices)
+                               lora_apply_torch, lora_delta, lora_slices)
 from multilora.kernels import triton_pdl, triton_sgmv
 from multilora.kernels.experimental.lora_fused import lora_fused
 from multilora.kernels.triton_sgmv import lora_apply_triton
@@ -325,6 +325,38 @@ def test_module_not_targeted(device, dtype):
                      device=device, dtype=dtype, skip={0: ("k_proj",)})
     q, k = SMALL.q_size, SMALL.kv_size
     assert torch.equal(y[0::2, q : q + k], y0[0::2, q : q + k])
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("block_m", [16, 64], ids=["decode", "prefill"])
+@pytest.mark.parametrize("ranks", [[8, 4, 1], [8, 24, 4]], ids=["r16-pool", "r24-pool"])
+def test_lora_delta_writes_every_element(ranks, block_m, device, dtype):
+    """``lora_delta`` into a buffer full of NaN: the rows with an adapter hold the LoRA term, bit for bit what
+    ``lora_apply`` adds to zeros (both backends); rows of slot -1 and the slice an adapter does not target (k_proj of
+    adapter 0) hold 0; the term matches the fp32 reference. Decode chunks (looped expand tiles from a rank-16 pool,
+    the rank loop from a rank-24 one) and prefill chunks, with -1 rows between and after the adapted ones, and a
+    batch with no adapted row."""
+    gen = torch.Generator().manual_seed(len(ranks) + block_m)
+    pool, slots = make_pool(SMALL, ranks, dtype=dtype, device=device, skip={0: ("k_proj",)})
+    slices = lora_slices([pool.module_view(1, m) for m in QKV])
+    a, b, c = slots
+    for token_slots in ([a, -1, b, c, -1, a, a, c, b, -1] * 3, [-1] * 5):
+        T = len(token_slots)
+        x = torch.randn(T, slices.d_in, generator=gen).to(device, dtype)
+        plan = build_lora_plan(token_slots, device=device, block_m=block_m)
+        zeros = torch.zeros(T, slices.d_out, dtype=dtype, device=device)
+        ref = reference(zeros, x, pool, 1, QKV, token_slots)
+        for backend in ("torch", "triton"):
+            added = lora_apply(zeros.clone(), x, slices, plan, backend=backend)
+            out = lora_delta(torch.full_like(zeros, float("nan")), x, slices, plan, backend=backend)
+            assert torch.equal(out, added), backend
+            torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+        none = torch.tensor([s < 0 for s in token_slots], device=device)
+        assert not out[none].any()
+        if T > 5:
+            q, k = SMALL.q_size, SMALL.kv_size
+            rows_a = torch.tensor([s == a for s in token_slots], device=device)
+            assert not out[rows_a, q : q + k].any(), "k_proj is not targeted by adapter 0: zeros there"
 
 
 class _CountLaunches:
