@@ -45,6 +45,7 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     the A/B of ``lora_delta``
     multilora-fp8-nopreload  multilora-fp8 with no weight tiles of the one-row GEMV loaded before its PDL wait
                     (``kernels.triton_fp8.GEMV_PRELOAD = 0``, what ran before session 27): the A/B of the preload
+    multilora-fp8-preload4  multilora-fp8 with 4 such tiles (``GEMV_PRELOAD = 4``)
     multilora-fp8-nopad  multilora-fp8 with fp8 activations of 1-63 rows in buffers of their own size
                     (``fp8.FP8_X_ROWS = 1``; TMA tiles past x's edge read zeros): the A/B of the 64-row buffers
     multilora-fp8-shipped  multilora-fp8 with the fp8 GEMMs' tiles of the shipped tables alone (``kernels/tuned/``),
@@ -121,8 +122,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-s25attn", "multilora-lora-s25attn", "multilora-fp8-s25attn", "multilora-lora-zeroed", "multilora-fp8-nopreload", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync", "multilora-s25attn", "multilora-lora-s25attn", "multilora-lora-zeroed"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-s25attn", "multilora-fp8-sync", "multilora-fp8-nopreload"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-s25attn", "multilora-lora-s25attn", "multilora-fp8-s25attn", "multilora-lora-zeroed", "multilora-fp8-nopreload", "multilora-fp8-preload4", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync", "multilora-s25attn", "multilora-lora-s25attn", "multilora-lora-zeroed"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-s25attn", "multilora-fp8-sync", "multilora-fp8-nopreload", "multilora-fp8-preload4"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -358,7 +359,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             xrows = 1 if v.endswith("-nopad") else xrows_default
             attn = False if v.endswith("-s25attn") else attn_default
             overwrite = False if v.endswith("-zeroed") else overwrite_default
-            preload = 0 if v.endswith("-nopreload") else preload_default
+            preload = 0 if v.endswith("-nopreload") else 4 if v.endswith("-preload4") else preload_default
             engine._async = async_default and not v.endswith("-sync")  # (not in graphs: no capture again)
             m = engine.model
             if v.endswith("-lmhead") and head_fp8 is None and isinstance(head_default, torch.Tensor):
@@ -809,6 +810,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                           ("multilora", "multilora-fp8-onepassmax"), ("multilora", "multilora-fp8-sepquant"),
                           ("multilora", "multilora-fp8-shipped"), ("multilora", "multilora-fp8-nopad"),
                           ("multilora-s25attn", "multilora-fp8-s25attn"), ("multilora", "multilora-fp8-nopreload"),
+                          ("multilora", "multilora-fp8-preload4"),
                           ("multilora-sync", "multilora-fp8-sync")):
             lo, hi = ok.get((base, b)), ok.get((fp8, b))
             if hi is None:

@@ -168,16 +168,25 @@ def _store_term(y_ptrs, y_mask, scale, acc):
 
 
 @triton.jit
-def _zero_unadapted(y_ptr, slots_ptr, stride_ym, T, chunk, col, n, d_out, TILES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``OVERWRITE``: zero ``y[t, col + n + g * BLOCK_N]`` (g < TILES, columns below ``d_out``) for the tokens ``t =
-    chunk, chunk + G, ...`` (G the grid's chunk count) whose slot is -1: the rows no chunk covers, so that the expand
-    alone defines every row of its output tiles."""
-    for t in range(chunk, T, tl.num_programs(0)):
-        slot = tl.load(slots_ptr + t)
-        row = y_ptr + tl.cast(t, tl.int64) * stride_ym + col
-        for g in tl.static_range(TILES):
-            ng = n + g * BLOCK_N
-            tl.store(row + ng, tl.zeros((BLOCK_N,), dtype=y_ptr.dtype.element_ty), mask=(ng < d_out) & (ng * 0 + slot < 0))
+def _zero_row(y_ptr, slot, t, stride_ym, col, n, d_out, TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Zeros into ``y[t, col + n + g * BLOCK_N]`` (g < TILES, columns below ``d_out``) if ``slot`` is -1."""
+    row = y_ptr + tl.cast(t, tl.int64) * stride_ym + col
+    for g in tl.static_range(TILES):
+        ng = n + g * BLOCK_N
+        tl.store(row + ng, tl.zeros((BLOCK_N,), dtype=y_ptr.dtype.element_ty), mask=(ng < d_out) & (ng * 0 + slot < 0))
+
+
+@triton.jit
+def _zero_unadapted(y_ptr, slots_ptr, first_slot, stride_ym, T, chunk, col, n, d_out, TILES: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """``OVERWRITE``: zero the output tiles' columns of the tokens ``t = chunk, chunk + G, ...`` (G the grid's chunk
+    count) whose slot is -1 (``_zero_row``): the rows no chunk covers, so that the expand alone defines every row of
+    its output tiles. ``first_slot``: token ``chunk``'s slot, loaded by the caller before its PDL wait (the plan is no
+    kernel's output), so that at decode (T <= G: one token per program) no load stands between the wait and the
+    stores."""
+    _zero_row(y_ptr, first_slot, chunk, stride_ym, col, n, d_out, TILES, BLOCK_N)
+    for t in range(chunk + tl.num_programs(0), T, tl.num_programs(0)):
+        _zero_row(y_ptr, tl.load(slots_ptr + t), t, stride_ym, col, n, d_out, TILES, BLOCK_N)
 
 
 @triton.jit
@@ -272,14 +281,16 @@ def _sgmv_expand_kernel(
         tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)  # padding chunks: len 0, nothing loaded
         n = n_tile * (TILES * BLOCK_N) + tl.arange(0, BLOCK_N)
         n_mask = n < d_out
+    if OVERWRITE:
+        first_slot = tl.load(slots_ptr + chunk)  # (chunk < the grid's chunk count <= T)
     if PDL:  # launched early (programmatic dependent launch): the slot's plan entries, then wait (``_pdl_wait``)
         r = tl.load(ranks_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0)
         off_b = tl.multiple_of(tl.load(offb_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0), ALIGN)
         scale = tl.load(scal_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0.0)
         _pdl_wait(PDL_TRIGGER)
     if OVERWRITE:  # y is the LoRA term alone: the rows of slot -1 get zeros here (after the wait: a write)
-        _zero_unadapted(y_ptr, slots_ptr, stride_ym, T, chunk, col, n_tile * (TILES * BLOCK_N) + tl.arange(0, BLOCK_N),
-                        d_out, TILES, BLOCK_N)
+        _zero_unadapted(y_ptr, slots_ptr, first_slot, stride_ym, T, chunk, col,
+                        n_tile * (TILES * BLOCK_N) + tl.arange(0, BLOCK_N), d_out, TILES, BLOCK_N)
     if not PDL:
         if slot < 0:
             return
