@@ -41,7 +41,8 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
     multilora-s25attn, multilora-lora-s25attn, multilora-fp8-s25attn  those with session 25's decode attention
                     config and splits (``triton_attention.DECODE_TUNED = False``): the A/B of session 26's
     multilora-lora-zeroed  multilora-lora with the side stream's LoRA term added into a zeroed buffer (a memset and the
-                    expand's read-add; ``runtime.model.LORA_DELTA_OVERWRITE = False``, what ran before session 27):
+                    expand's read-add; ``runtime.model.LORA_DELTA_OVERWRITE_MIN_TOKENS = 1 << 30``, what ran before
+                    session 27):
                     the A/B of ``lora_delta``
     multilora-fp8-nopreload  multilora-fp8 with no weight tiles of the one-row GEMV loaded before its PDL wait
                     (``kernels.triton_fp8.GEMV_PRELOAD = 0``, what ran before session 27): the A/B of the preload
@@ -327,7 +328,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     fuse_quant_default = model_mod.FUSE_FP8_QUANT
     xrows_default = fp8_mod.FP8_X_ROWS
     attn_default = triton_attention.DECODE_TUNED
-    overwrite_default = model_mod.LORA_DELTA_OVERWRITE
+    overwrite_default = model_mod.LORA_DELTA_OVERWRITE_MIN_TOKENS
     preload_default = triton_fp8.GEMV_PRELOAD
     async_default = engine._async if engine is not None else False
     head_default = engine.model.lm_head if engine is not None else None
@@ -358,7 +359,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             fuse_quant = False if v.endswith("-sepquant") else fuse_quant_default
             xrows = 1 if v.endswith("-nopad") else xrows_default
             attn = False if v.endswith("-s25attn") else attn_default
-            overwrite = False if v.endswith("-zeroed") else overwrite_default
+            overwrite = 1 << 30 if v.endswith("-zeroed") else overwrite_default
             preload = 0 if v.endswith("-nopreload") else 4 if v.endswith("-preload4") else preload_default
             engine._async = async_default and not v.endswith("-sync")  # (not in graphs: no capture again)
             m = engine.model
@@ -374,7 +375,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
             if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
                     m.gemm_cublaslt_tokens, now, triton_sgmv.PDL, triton_pdl.ENABLED, triton_fp8.GEMV_WIDEN_F16,
                     model_mod.FUSE_FP8_QUANT, fp8_mod.FP8_X_ROWS, triton_attention.DECODE_TUNED,
-                    model_mod.LORA_DELTA_OVERWRITE, triton_fp8.GEMV_PRELOAD) != (
+                    model_mod.LORA_DELTA_OVERWRITE_MIN_TOKENS, triton_fp8.GEMV_PRELOAD) != (
                     side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen, fuse_quant, xrows, attn, overwrite,
                     preload) \
                     or m.lm_head is not head \
@@ -385,7 +386,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
                 model_mod.FUSE_FP8_QUANT = fuse_quant
                 fp8_mod.FP8_X_ROWS = xrows
                 triton_attention.DECODE_TUNED = attn
-                model_mod.LORA_DELTA_OVERWRITE = overwrite
+                model_mod.LORA_DELTA_OVERWRITE_MIN_TOKENS = overwrite
                 triton_fp8.GEMV_PRELOAD = preload
                 triton_fp8.GEMV_WIDEN_F16 = widen
                 triton_sgmv.PDL = pdl
@@ -415,7 +416,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
                         "step_pdl": triton_pdl.ENABLED, "fp8_gemv_widen_f16": triton_fp8.GEMV_WIDEN_F16,
                         "async_scheduling": engine._async, "fp8_x_rows": fp8_mod.FP8_X_ROWS,
                         "attention_decode_tuned": triton_attention.DECODE_TUNED,
-                        "lora_delta_overwrite": model_mod.LORA_DELTA_OVERWRITE, "fp8_gemv_preload": triton_fp8.GEMV_PRELOAD}
+                        "lora_delta_overwrite_min_tokens": model_mod.LORA_DELTA_OVERWRITE_MIN_TOKENS, "fp8_gemv_preload": triton_fp8.GEMV_PRELOAD}
             for b in batches:
                 adapters = names[:b] if "-lora" in v else None
                 run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
@@ -430,7 +431,7 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         model_mod.FUSE_FP8_QUANT = fuse_quant_default
         fp8_mod.FP8_X_ROWS = xrows_default
         triton_attention.DECODE_TUNED = attn_default
-        model_mod.LORA_DELTA_OVERWRITE = overwrite_default
+        model_mod.LORA_DELTA_OVERWRITE_MIN_TOKENS = overwrite_default
         triton_fp8.GEMV_PRELOAD = preload_default
         triton_fp8._tuned = table_default
         if engine is not None:

@@ -71,12 +71,14 @@ LORA_SIDE_PRIORITY = 0
 #: -> 10.38 ms with 32 (base 7.80: 1.38x -> 1.33x), batch 1 unchanged (4.99 ms, its steps are below the minimum);
 #: one layer at 64 tokens, LoRA adds 60.2 -> 55.4 us (16: 52.6), base layer 128.3 -> 121.6 us.
 LORA_SIDE_SM_CARVEOUT, LORA_SIDE_CARVEOUT_MIN_TOKENS = 32, 17
-#: The side stream's LoRA term goes into its buffer through ``lora_delta`` (the expand writes every element: rows
-#: without an adapter get zeros from it) instead of a zeroing launch and ``lora_apply``'s read-add of the zeros. Per
-#: Llama-3-8B layer at 64 tokens that is 5.5 MB written and 5.5 MB read less, and four memset nodes less on the side
-#: stream. The same bits. False: the zeroing and the in-place add (what ran before session 27; the
-#: ``bench_generate.py`` provider ``multilora-lora-zeroed``).
-LORA_DELTA_OVERWRITE = True
+#: Steps of at least this many tokens write the side stream's LoRA term into its buffer through ``lora_delta`` (the
+#: expand writes every element: rows without an adapter get zeros from it) instead of a zeroing launch and
+#: ``lora_apply``'s read-add of the zeros; the same bits. H200, Llama-3-8B, rank 16 on all seven projections
+#: (bench/results/session27/): one layer at 64 tokens on 64 adapters, LoRA adds 67.2 -> 49.7 us (``bench_lora_overlap.py``
+#: side_all -> side_write); engine batch 64 on 64 adapters, decode step 7.96 -> 7.67 ms and 7.88 -> 7.52 ms (two calls).
+#: At one token it was slower (LoRA adds 3.6 -> 4.3 us a layer; engine batch 1 4.60 -> 4.66 ms), hence the minimum.
+#: ``1 << 30``: never (what ran before session 27; the ``bench_generate.py`` provider ``multilora-lora-zeroed``).
+LORA_DELTA_OVERWRITE_MIN_TOKENS = 17
 #: fp8 weights whose GEMM quantizes its activations per token (``fp8.fp8_linear``'s "scaled_mm" semantics: from 2
 #: rows on the H200's tuned table) take them from the op before: the RMSNorms before q/k/v and gate/up and the
 #: SiLU * up before down write the fp8 copy beside their output in the same kernel (``quant=True``), instead of a
@@ -444,7 +446,7 @@ class DecoderModel:
                 side, main = self._side, torch.cuda.current_stream(x.device)
                 side.wait_stream(main)  # x (and delta's block) are ready
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                if LORA_DELTA_OVERWRITE:
+                if x.shape[0] >= LORA_DELTA_OVERWRITE_MIN_TOKENS:
                     lora_delta(delta, x, slices, plan.lora, backend=lora_backend)
                 else:
                     lora_apply(delta.zero_(), x, slices, plan.lora, backend=lora_backend)
