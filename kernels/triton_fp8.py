@@ -367,8 +367,10 @@ GEMV_WIDEN_F16 = True
 #: Weight tiles each program of the one-row path loads before its PDL wait (``_w8_gemv2_kernel``'s ``PRELOAD``, read
 #: per call; at most 4, and at most the program's K tiles; not with ``prefetch``). At one row a step's GEMVs follow
 #: latency-bound kernels (RMSNorm, RoPE, attention, SiLU * up) whose time leaves the memory bus idle; a GEMV launched
-#: early under PDL can spend that time reading its first weights. Bit for bit the same products. 0: none (what ran
-#: before session 27; the ``bench_generate.py`` provider ``multilora-fp8-nopreload``).
+#: early under PDL can spend that time reading its first weights. Bit for bit the same products. H200, Llama-3-8B,
+#: fp8 engine, median batch-1 decode step (``bench_generate.py``, bench/results/session27/ calls 1 and 2): none 2.728
+#: and 2.710 ms, 2 tiles 2.703 and 2.674 ms, 4 tiles 2.942 ms (call 2). 0: none (what ran before session 27; the
+#: ``bench_generate.py`` provider ``multilora-fp8-nopreload``; ``multilora-fp8-preload4``: 4).
 GEMV_PRELOAD = 2
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
