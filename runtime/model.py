@@ -74,12 +74,14 @@ LORA_SIDE_SM_CARVEOUT, LORA_SIDE_CARVEOUT_MIN_TOKENS = 32, 17
 #: Steps of at least this many tokens write the side stream's LoRA term into its buffer through ``lora_delta`` (the
 #: expand writes every element: rows without an adapter get zeros from it) instead of a zeroing launch and
 #: ``lora_apply``'s read-add of the zeros; the same bits. H200, Llama-3-8B, rank 16 on all seven projections, each
-#: token its own adapter (bench/results/session27/, ``bench_lora_overlap.py`` side_all -> side_write), LoRA added to
-#: one layer, us: 1 token 3.7 -> 4.3 (slower: hence the minimum), 2 tokens 2.9 -> 2.3, 4 11.0 -> 6.8, 8 20.7 -> 12.3,
-#: 16 28.4 -> 17.4, 32 45.1 -> 31.0, 64 66.9 -> 49.4; engine batch 64 on 64 adapters, median decode step 7.96 -> 7.67
-#: and 7.87 -> 7.52 ms (two calls), batch 1 4.68 -> 4.72 and 4.59 -> 4.66 ms (so batch 1 keeps the zeroing).
-#: ``1 << 30``: never (what ran before session 27; the ``bench_generate.py`` provider ``multilora-lora-zeroed``).
-LORA_DELTA_OVERWRITE_MIN_TOKENS = 2
+#: token its own adapter (bench/results/session27/): the engine's median decode step, zeroed -> written (calls 1, 2,
+#: 4, 5): batch 1 4.68 -> 4.72 and 4.59 -> 4.66 ms, batch 4 5.12 -> 5.20, batch 8 5.54 -> 5.44, batch 16 5.96 -> 5.84,
+#: batch 64 7.96 -> 7.67 and 7.87 -> 7.52 ms; hence the minimum of 8 (a graph bucket). One layer alone
+#: (``bench_lora_overlap.py`` side_all -> side_write, call 3), LoRA added, us: 1 token 3.7 -> 4.3, 2 2.9 -> 2.3,
+#: 4 11.0 -> 6.8, 8 20.7 -> 12.3, 16 28.4 -> 17.4, 32 45.1 -> 31.0, 64 66.9 -> 49.4: from 2 tokens faster there, so
+#: what costs at 2-4 tokens in the engine is not the kernels alone (not profiled). ``1 << 30``: never (what ran
+#: before session 27; the ``bench_generate.py`` provider ``multilora-lora-zeroed``).
+LORA_DELTA_OVERWRITE_MIN_TOKENS = 8
 #: fp8 weights whose GEMM quantizes its activations per token (``fp8.fp8_linear``'s "scaled_mm" semantics: from 2
 #: rows on the H200's tuned table) take them from the op before: the RMSNorms before q/k/v and gate/up and the
 #: SiLU * up before down write the fp8 copy beside their output in the same kernel (``quant=True``), instead of a
