@@ -24,7 +24,9 @@ req/s is its capacity. ``--rate auto`` first measures that capacity with a burst
 ``--rate-fraction`` (default 0.9) of it to every mode, so rows compare at one offered rate.
 
 Reported per row (mode ``engine`` also: every step's wall time by kind, ``<kind>_step_ms`` p50 / p99 / max, and
-``stall_steps`` / ``stall_seconds``: steps over 5x their kind's median, as from a compile; ``StepTrace``; and
+``stall_steps`` / ``stall_seconds``: steps over 5x their kind's median, as from a compile; ``<kind>_phase_ms``:
+where the steps' host time went, and ``<kind>_step_ms_by_misses``: steps that copied adapters to the GPU pool
+against those that did not; ``StepTrace``; and
 ``output_tok_s_under_load`` / ``backlog_at_last_arrival``, the row until its last arrival, without the drain:
 ``under_load``): offered and achieved req/s, output tokens/s, TTFT p50/p90/p99, TPOT p50/p99, end-to-end latency
 p50/p99 (all seconds, measured by the client: from the request's scheduled arrival to its first token / last byte),
@@ -205,10 +207,13 @@ class StepTrace:
     ``step_times`` observed inside the block), to tell stalls (a few steps far above their kind's median: a
     compile, a capture, a garbage collection) from a uniformly slower engine. ``summary()``: per kind the steps,
     p50 / p99 / max milliseconds and the batch rows' p50; ``stall_steps`` (steps over 5x their kind's median and
-    over 50 ms) and ``stall_seconds`` (their time above that median)."""
+    over 50 ms) and ``stall_seconds`` (their time above that median). Where the steps carry the engine's host phases
+    (``StepTimes.phases_since``): per kind ``<kind>_phase_ms`` (each phase's p50 and mean, ms) and the steps that
+    copied adapters to the GPU pool against those that did not (``<kind>_step_ms_by_misses``: steps and p50 of each),
+    which tells a step slowed by its new adapters from one slowed by its batch."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine, self.steps = engine, []  # (kind, rows, seconds)
+        self.engine, self.steps, self.phases = engine, [], []  # (kind, rows, seconds); dict or None per step
 
     def __enter__(self) -> "StepTrace":
         self._mark = self.engine.step_times.observed
@@ -216,6 +221,7 @@ class StepTrace:
 
     def __exit__(self, *exc) -> None:
         self.steps = self.engine.step_times.since(self._mark)
+        self.phases = self.engine.step_times.phases_since(self._mark)
 
     def summary(self) -> dict:
         out: dict[str, Any] = {"stall_steps": 0, "stall_seconds": 0.0}
@@ -228,6 +234,17 @@ class StepTrace:
             stalls = [t for t in secs if t > max(5 * med, 0.05)]
             out["stall_steps"] += len(stalls)
             out["stall_seconds"] += sum(t - med for t in stalls)
+            ph = [(t, p) for (k, _, t), p in zip(self.steps, self.phases) if k == kind and p]
+            if ph:
+                names = [n for n in ph[0][1] if n.endswith("_s")]
+                out[f"{kind}_phase_ms"] = {n[:-2]: {"p50": 1e3 * pct(sorted(p[n] for _, p in ph), 50),
+                                                    "mean": 1e3 * sum(p[n] for _, p in ph) / len(ph)} for n in names}
+                split = {}
+                for label, keep in (("with_misses", lambda p: p.get("adapter_misses", 0) > 0),
+                                    ("without_misses", lambda p: p.get("adapter_misses", 0) == 0)):
+                    ts = sorted(t for t, p in ph if keep(p))
+                    split[label] = {"steps": len(ts), "p50": 1e3 * pct(ts, 50) if ts else None}
+                out[f"{kind}_step_ms_by_misses"] = split
         return out
 
 

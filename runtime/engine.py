@@ -101,10 +101,12 @@ class StepTimes:
         self._lock = threading.Lock()
         self._by_kind: dict[str, list] = {}  # kind -> [count, sum, per-bucket counts (+1 overflow)]
         self._recent: collections.deque[tuple[str, int, float]] = collections.deque(maxlen=keep)
+        self._phases: collections.deque[dict | None] = collections.deque(maxlen=keep)  # beside ``_recent``
         self.observed = 0  # steps observed since start
 
-    def observe(self, kind: str, seconds: float, rows: int = 0) -> None:
-        """One step of ``kind`` that took ``seconds`` (wall) with ``rows`` requests in its batch."""
+    def observe(self, kind: str, seconds: float, rows: int = 0, phases: dict[str, float] | None = None) -> None:
+        """One step of ``kind`` that took ``seconds`` (wall) with ``rows`` requests in its batch; ``phases``: where
+        its wall time went on the host (``Engine.step``'s, see ``phases_since``), kept beside it."""
         i = bisect.bisect_left(STEP_BUCKETS, seconds)  # the first bound >= seconds (len: past the last)
         with self._lock:
             h = self._by_kind.setdefault(kind, [0, 0.0, [0] * (len(STEP_BUCKETS) + 1)])
@@ -112,7 +114,23 @@ class StepTimes:
             h[1] += seconds
             h[2][i] += 1
             self._recent.append((kind, rows, seconds))
+            self._phases.append(phases)
             self.observed += 1
+
+    def phases_since(self, mark: int) -> list[dict | None]:
+        """The ``phases`` of the steps ``since(mark)`` returns, in the same order (None where a step had none). The
+        engine's: ``read_back_s`` (reading tokens back, which waits for the GPU: with async scheduling the step before's,
+        so a slow step's GPU time shows in the next step's; without, this step's), ``schedule_s`` (the scheduler: admission,
+        each admitted request's adapter made resident, a miss's copy queued), ``resident_s`` (prefetch for the waiting
+        queue, the compute stream made to wait for the batch's adapter copies), ``run_s`` (building the step's inputs
+        and launching it, or running it eagerly), and ``adapter_misses`` (adapters this step's scheduling copied to
+        the GPU pool). Raises ValueError as ``since``."""
+        with self._lock:
+            n = self.observed - mark
+            if not 0 <= n <= len(self._phases):
+                raise ValueError(f"StepTimes.phases_since({mark}): expected a mark within the last "
+                                 f"{self._phases.maxlen} steps, got one {n} steps back")
+            return list(self._phases)[len(self._phases) - n:]
 
     def since(self, mark: int) -> list[tuple[str, int, float]]:
         """``(kind, rows, seconds)`` of every step observed after the first ``mark`` (a past ``observed``), oldest
@@ -455,17 +473,24 @@ class Engine:
                     raise
 
             clean = False  # set on each normal return; else ``finally`` also makes every ``pending`` count true again
+            misses0 = self.cache.stats.gpu_misses
+            t_back = 0.0  # (the phases of ``StepTimes.phases_since``)
             try:  # (finally: a step left unread by an exception or an interrupt is read back, tokens kept)
                 if ahead is not None and not self._can_step_ahead(ahead):
                     a, ahead = ahead, None
+                    t = time.perf_counter()
                     done += back(a)
+                    t_back += time.perf_counter() - t
+                t1 = time.perf_counter()
                 sched = self.scheduler.schedule()
                 self._counters["requests_failed"] += len(sched.failed)
                 done += sched.failed
                 if sched.kind is None:
                     clean = True
                     return done
+                t2 = time.perf_counter()
                 self._make_resident(sched.batch)
+                t3 = time.perf_counter()
                 if self.tp is not None:
                     self.tp.set_slot_map({h.slot: (h.name, h.version) for h in self.cache.handles()
                                           if h.slot is not None})
@@ -476,6 +501,7 @@ class Engine:
                     done += self._fail_all(sched.batch, e)
                     clean = True
                     return done
+                t4 = time.perf_counter()
                 self._count(sched, *self.scheduler.advance(sched.batch))
                 if ahead is not None:
                     self._counters["async_steps"] += 1
@@ -485,13 +511,19 @@ class Engine:
                         r.pending += 1
                 if ahead is not None:
                     a, ahead = ahead, None
+                    t = time.perf_counter()
                     done += back(a)
+                    t_back += time.perf_counter() - t
                 if nxt is None:
+                    t = time.perf_counter()
                     done += self.postprocess(sched.sampling, logits)  # (its read-back waits for the GPU)
+                    t_back += time.perf_counter() - t
                 elif any(r.status is not Status.FINISHED for r in nxt.batch):
                     self._ahead, nxt = nxt, None
                 # (else every row stopped in the step before: ``finally`` reads it back, nothing is left for later)
-                self.step_times.observe(sched.kind, time.perf_counter() - t0, len(sched.batch))
+                self.step_times.observe(sched.kind, time.perf_counter() - t0, len(sched.batch),
+                                        {"read_back_s": t_back, "schedule_s": t2 - t1, "resident_s": t3 - t2,
+                                         "run_s": t4 - t3, "adapter_misses": self.cache.stats.gpu_misses - misses0})
                 clean = True
                 return done
             finally:

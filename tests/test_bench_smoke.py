@@ -148,6 +148,11 @@ def test_serving_bench_runs(tmp_path):
             d = r["decode_step_ms"]
             assert d["steps"] > 0 and 0 < d["p50"] <= d["p99"] <= d["max"] and r["stall_steps"] >= 0
             assert r["decode_steps"] == d["steps"]
+            ph = r["decode_phase_ms"]  # the engine's host phases per step (StepTimes.phases_since)
+            assert set(ph) == {"read_back", "schedule", "resident", "run"}
+            assert all(0 <= v["p50"] <= d["max"] and v["mean"] >= 0 for v in ph.values())
+            by = r["decode_step_ms_by_misses"]
+            assert by["with_misses"]["steps"] + by["without_misses"]["steps"] == d["steps"]
     assert "| http | apart | 3 | S1 | burst |" in (out / "serving_tiny.md").read_text()
     for r in rows:  # the first N's rows are their own SLO reference (issue 13: 5x its TTFT p50, 2x its TPOT p50)
         assert r["slo_ttft_s"] == pytest.approx(5 * r["ttft_p50_s"]) and r["slo_tpot_s"] == pytest.approx(2 * r["tpot_p50_s"])

@@ -133,10 +133,45 @@ def test_step_times_keep_the_recent_steps():
     st.observe("mixed", 0.03, 3)
     assert st.since(mark) == [("decode", 2, 0.002), ("mixed", 3, 0.03)]
     assert st.since(st.observed) == []
+    assert st.phases_since(mark) == [None, None]
     st.observe("decode", 0.001, 1)
-    st.observe("decode", 0.001, 1)
+    st.observe("decode", 0.001, 1, {"run_s": 0.0005})
+    assert st.phases_since(st.observed - 2) == [None, {"run_s": 0.0005}]
     with pytest.raises(ValueError, match="within the last 3 steps"):
         st.since(mark)
+    with pytest.raises(ValueError, match="within the last 3 steps"):
+        st.phases_since(mark)
+
+
+def test_engine_steps_record_where_their_time_went(tmp_path):
+    """``Engine.step`` passes each step's host phases to ``StepTimes`` (``phases_since``): read-back, scheduling,
+    residency and launch seconds, each >= 0 and together at most the step's wall time, and the adapters its
+    scheduling copied to the GPU pool: the first step of two requests on two new adapters copies both, later steps
+    none, and a third adapter admitted later is counted in the step that admits it."""
+    from multilora import Engine, SamplingParams
+    from multilora.config import ModelConfig
+    from testsupport import write_adapter
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    e = Engine(cfg, device="cpu", dtype=torch.float32, progress=False, max_batch_size=4)
+    for i in range(3):
+        e.load_adapter(f"a{i}", write_adapter(tmp_path / f"a{i}", cfg, seed=i, rank=2, modules=["q_proj", "v_proj"]))
+    mark = e.step_times.observed
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    e.add_request([1, 2, 3], adapter="a0", sampling=sp)
+    e.add_request([4, 5], adapter="a1", sampling=sp)
+    e.step()
+    e.add_request([6, 7, 8], adapter="a2", sampling=sp)
+    while e.has_unfinished():
+        e.step()
+    steps, phases = e.step_times.since(mark), e.step_times.phases_since(mark)
+    assert len(steps) == len(phases) >= 4
+    keys = {"read_back_s", "schedule_s", "resident_s", "run_s", "adapter_misses"}
+    for (_, _, secs), p in zip(steps, phases):
+        assert set(p) == keys and all(p[k] >= 0 for k in keys)
+        assert p["read_back_s"] + p["schedule_s"] + p["resident_s"] + p["run_s"] <= secs
+    misses = [p["adapter_misses"] for p in phases]
+    assert misses[0] == 2 and misses[1] == 1 and sum(misses) == 3, misses
 
 
 def test_gil_switch_interval_is_set_while_the_engine_lives_and_restored_at_close(tmp_path_factory):
