@@ -209,7 +209,8 @@ class StepTrace:
     p50 / p99 / max milliseconds and the batch rows' p50; ``stall_steps`` (steps over 5x their kind's median and
     over 50 ms) and ``stall_seconds`` (their time above that median). Where the steps carry the engine's host phases
     (``StepTimes.phases_since``): per kind ``<kind>_phase_ms`` (each phase's p50 and mean, ms) and the steps that
-    copied adapters to the GPU pool against those that did not (``<kind>_step_ms_by_misses``: steps and p50 of each),
+    copied adapters to the GPU pool (misses of their batch or prefetches for the queue) against those that did not
+    (``<kind>_step_ms_by_misses``: steps and p50 of each),
     which tells a step slowed by its new adapters from one slowed by its batch."""
 
     def __init__(self, engine: Engine) -> None:
@@ -240,8 +241,10 @@ class StepTrace:
                 out[f"{kind}_phase_ms"] = {n[:-2]: {"p50": 1e3 * pct(sorted(p[n] for _, p in ph), 50),
                                                     "mean": 1e3 * sum(p[n] for _, p in ph) / len(ph)} for n in names}
                 split = {}
-                for label, keep in (("with_misses", lambda p: p.get("adapter_misses", 0) > 0),
-                                    ("without_misses", lambda p: p.get("adapter_misses", 0) == 0)):
+                def copies(p):  # adapters the step copied to the GPU pool: for its batch, and ahead for the queue
+                    return p.get("adapter_misses", 0) + p.get("adapter_prefetches", 0)
+
+                for label, keep in (("with_misses", lambda p: copies(p) > 0), ("without_misses", lambda p: copies(p) == 0)):
                     ts = sorted(t for t, p in ph if keep(p))
                     split[label] = {"steps": len(ts), "p50": 1e3 * pct(ts, 50) if ts else None}
                 out[f"{kind}_step_ms_by_misses"] = split

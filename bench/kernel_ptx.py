@@ -30,13 +30,16 @@ import sys
 from collections import Counter
 
 PTRS = {"x_ptr": "*bf16", "y_ptr": "*bf16", "buf_ptr": "*bf16", "offa_ptr": "*i64", "offb_ptr": "*i64", "ranks_ptr": "*i32",
-        "scal_ptr": "*fp32", "tab_ptr": "*i64", "v_ptr": "*fp32", "chunks_ptr": "*i32"}
+        "scal_ptr": "*fp32", "tab_ptr": "*i64", "v_ptr": "*fp32", "chunks_ptr": "*i32", "slots_ptr": "*i32"}
 DIV16 = {"T", "d_in", "k_per_split", "stride_xm", "stride_ym", "stride_c"}
 KERNELS = {
     "shrink": ("_sgmv_shrink_kernel", dict(NUM_SLICES=3, RMAX=16, BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, IEEE=False,
-                                           PDL=False)),
+                                           PDL=False, PDL_TRIGGER=True)),
     "expand": ("_sgmv_expand_kernel", dict(NUM_SLICES=3, SPLIT_K=2, RMAX=16, BLOCK_M=16, BLOCK_N=256, BLOCK_R=16,
-                                           IEEE=False, PDL=False)),
+                                           IEEE=False, PDL=False, PDL_TRIGGER=True, TILES=1, OVERWRITE=False)),
+    # ``lora_delta``'s expand: the term written, zeros for rows of slot -1 (the decode default's looped tiles)
+    "expand_write": ("_sgmv_expand_kernel", dict(NUM_SLICES=3, SPLIT_K=2, RMAX=16, BLOCK_M=16, BLOCK_N=128, BLOCK_R=16,
+                                                 IEEE=False, PDL=False, PDL_TRIGGER=True, TILES=4, OVERWRITE=True)),
 }
 
 

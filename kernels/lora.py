@@ -230,7 +230,8 @@ class LoRAPlan:
         chunk_len     = [1, 2, 1, 2, 1, 0, 0, 0]
 
     Invariants: the chunks tile ``sorted_tokens[:n]`` (``n`` adapted tokens) in order, slots ascending;
-    ``chunk_len <= block_m``. Token 7 (slot -1) is in no chunk and is never touched.
+    ``chunk_len <= block_m``. Token 7 (slot -1) is in no chunk and is never touched (``lora_delta`` writes zeros
+    there).
 
     The tensors may be static buffers rewritten in place between calls (a CUDA-graph decode step): every
     backend derives what it needs from them at call time, nothing is cached from their values.

@@ -5,7 +5,8 @@ Semantics (``lora_apply`` in ``multilora.kernels.lora``; slice ``i`` owns column
     for every token t with s = token_slots[t] >= 0 and r = ranks_i[s] > 0:
         v[t, i, :r]                = x[t] @ A_i[s].T                            # shrink, fp32   [r]
         y[t, c_i : c_i + d_out_i] += scalings_i[s] * v[t, i, :r] @ B_i[s].T     # expand, in place
-    rows with s == -1 (and slices with r == 0) are never read or written.
+    rows with s == -1 (and slices with r == 0) are never read or written; with ``overwrite`` (``lora_delta``) y is
+    written, not added to, and those rows and slices get zeros: every element is written once, none read.
 
 ``A_i[s]`` row ``j`` is ``buffer[offsets_a_i[s] + j * d_in ...]`` and ``B_i[s]^T`` row ``j`` is
 ``buffer[offsets_b_i[s] + j * d_out_i ...]`` (layout and worked example: ``multilora.memory.pool``): one offset
@@ -162,31 +163,41 @@ def _store_scaled(y_ptrs, y_mask, y_old, scale, acc):
 
 @triton.jit
 def _store_term(y_ptrs, y_mask, scale, acc):
-    """``y = scale * acc`` rounded to y's dtype: ``_store_scaled`` of a zero ``y_old`` (bit for bit, as ``0 + t == t``)
-    with no read of y (``OVERWRITE``)."""
-    tl.store(y_ptrs, (scale * acc).to(y_ptrs.dtype.element_ty), mask=y_mask)
+    """``y = 0 + scale * acc``: ``_store_scaled`` of a zero ``y_old``, bit for bit (the term rounded to y's dtype, then
+    the add of +0, which turns a -0 into +0 as the in-place add does), with no read of y (``OVERWRITE``)."""
+    dt = y_ptrs.dtype.element_ty
+    tl.store(y_ptrs, (0.0 + (scale * acc).to(dt).to(tl.float32)).to(dt), mask=y_mask)
 
 
 @triton.jit
-def _zero_row(y_ptr, slot, t, stride_ym, col, n, d_out, TILES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Zeros into ``y[t, col + n + g * BLOCK_N]`` (g < TILES, columns below ``d_out``) if ``slot`` is -1."""
-    row = y_ptr + tl.cast(t, tl.int64) * stride_ym + col
+def _zero_rows(y_ptr, slots, ts, T, stride_ym, col, n, d_out, TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Zeros into ``y[ts, col + n + g * BLOCK_N]`` (g < TILES, columns below ``d_out``) for the tokens ``ts`` (int
+    ``[BLOCK_M]``) below ``T`` whose ``slots`` are -1: a [BLOCK_M, BLOCK_N] store per tile, in the expand's tile layout
+    (so in 16-byte vectors, as its other stores)."""
+    rows = y_ptr + ts.to(tl.int64)[:, None] * stride_ym + col
+    keep = (ts < T) & (slots < 0)
     for g in tl.static_range(TILES):
         ng = n + g * BLOCK_N
-        tl.store(row + ng, tl.zeros((BLOCK_N,), dtype=y_ptr.dtype.element_ty), mask=(ng < d_out) & (ng * 0 + slot < 0))
+        tl.store(rows + ng[None, :], tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty),
+                 mask=keep[:, None] & (ng < d_out)[None, :])
 
 
 @triton.jit
-def _zero_unadapted(y_ptr, slots_ptr, first_slot, stride_ym, T, chunk, col, n, d_out, TILES: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+def _zero_unadapted(y_ptr, slots_ptr, first_slots, stride_ym, T, chunk, col, n, d_out, TILES: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``OVERWRITE``: zero the output tiles' columns of the tokens ``t = chunk, chunk + G, ...`` (G the grid's chunk
-    count) whose slot is -1 (``_zero_row``): the rows no chunk covers, so that the expand alone defines every row of
-    its output tiles. ``first_slot``: token ``chunk``'s slot, loaded by the caller before its PDL wait (the plan is no
-    kernel's output), so that at decode (T <= G: one token per program) no load stands between the wait and the
-    stores."""
-    _zero_row(y_ptr, first_slot, chunk, stride_ym, col, n, d_out, TILES, BLOCK_N)
-    for t in range(chunk + tl.num_programs(0), T, tl.num_programs(0)):
-        _zero_row(y_ptr, tl.load(slots_ptr + t), t, stride_ym, col, n, d_out, TILES, BLOCK_N)
+    count) whose slot is -1 (``_zero_rows``, BLOCK_M tokens at a time): the rows no chunk covers, so that the expand
+    alone defines every row of its output tiles. ``first_slots``: the slots of the first BLOCK_M of those tokens,
+    loaded by the caller before its PDL wait (the plan is no kernel's output), so that at decode (T <= G: one token
+    per program) no load stands between the wait and the stores."""
+    G = tl.num_programs(0)
+    ts = chunk + G * tl.arange(0, BLOCK_M)
+    _zero_rows(y_ptr, first_slots, ts, T, stride_ym, col, n, d_out, TILES, BLOCK_M, BLOCK_N)
+    for t0 in range(chunk + G * BLOCK_M, T, G * BLOCK_M):
+        ts = t0 + G * tl.arange(0, BLOCK_M)
+        _zero_rows(y_ptr, tl.load(slots_ptr + ts, mask=ts < T, other=0), ts, T, stride_ym, col, n, d_out, TILES,
+                   BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -281,16 +292,17 @@ def _sgmv_expand_kernel(
         tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)  # padding chunks: len 0, nothing loaded
         n = n_tile * (TILES * BLOCK_N) + tl.arange(0, BLOCK_N)
         n_mask = n < d_out
-    if OVERWRITE:
-        first_slot = tl.load(slots_ptr + chunk)  # (chunk < the grid's chunk count <= T)
+    if OVERWRITE:  # (the slots of this program's first BLOCK_M tokens for ``_zero_unadapted``)
+        ts0 = chunk + tl.num_programs(0) * tl.arange(0, BLOCK_M)
+        first_slots = tl.load(slots_ptr + ts0, mask=ts0 < T, other=0)
     if PDL:  # launched early (programmatic dependent launch): the slot's plan entries, then wait (``_pdl_wait``)
         r = tl.load(ranks_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0)
         off_b = tl.multiple_of(tl.load(offb_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0), ALIGN)
         scale = tl.load(scal_ptr + sid * meta_stride + slot, mask=slot >= 0, other=0.0)
         _pdl_wait(PDL_TRIGGER)
     if OVERWRITE:  # y is the LoRA term alone: the rows of slot -1 get zeros here (after the wait: a write)
-        _zero_unadapted(y_ptr, slots_ptr, first_slot, stride_ym, T, chunk, col,
-                        n_tile * (TILES * BLOCK_N) + tl.arange(0, BLOCK_N), d_out, TILES, BLOCK_N)
+        _zero_unadapted(y_ptr, slots_ptr, first_slots, stride_ym, T, chunk, col,
+                        n_tile * (TILES * BLOCK_N) + tl.arange(0, BLOCK_N), d_out, TILES, BLOCK_M, BLOCK_N)
     if not PDL:
         if slot < 0:
             return

@@ -123,8 +123,9 @@ class StepTimes:
         so a slow step's GPU time shows in the next step's; without, this step's), ``schedule_s`` (the scheduler: admission,
         each admitted request's adapter made resident, a miss's copy queued), ``resident_s`` (prefetch for the waiting
         queue, the compute stream made to wait for the batch's adapter copies), ``run_s`` (building the step's inputs
-        and launching it, or running it eagerly), and ``adapter_misses`` (adapters this step's scheduling copied to
-        the GPU pool). Raises ValueError as ``since``."""
+        and launching it, or running it eagerly), ``adapter_misses`` (adapters this step's scheduling copied to the GPU
+        pool for its own batch) and ``adapter_prefetches`` (copies it queued for waiting requests). Raises ValueError
+        as ``since``."""
         with self._lock:
             n = self.observed - mark
             if not 0 <= n <= len(self._phases):
@@ -473,7 +474,7 @@ class Engine:
                     raise
 
             clean = False  # set on each normal return; else ``finally`` also makes every ``pending`` count true again
-            misses0 = self.cache.stats.gpu_misses
+            misses0, prefetched0 = self.cache.stats.gpu_misses, self.cache.stats.prefetch_gpu
             t_back = 0.0  # (the phases of ``StepTimes.phases_since``)
             try:  # (finally: a step left unread by an exception or an interrupt is read back, tokens kept)
                 if ahead is not None and not self._can_step_ahead(ahead):
@@ -523,7 +524,8 @@ class Engine:
                 # (else every row stopped in the step before: ``finally`` reads it back, nothing is left for later)
                 self.step_times.observe(sched.kind, time.perf_counter() - t0, len(sched.batch),
                                         {"read_back_s": t_back, "schedule_s": t2 - t1, "resident_s": t3 - t2,
-                                         "run_s": t4 - t3, "adapter_misses": self.cache.stats.gpu_misses - misses0})
+                                         "run_s": t4 - t3, "adapter_misses": self.cache.stats.gpu_misses - misses0,
+                                         "adapter_prefetches": self.cache.stats.prefetch_gpu - prefetched0})
                 clean = True
                 return done
             finally:

@@ -147,7 +147,8 @@ def test_engine_steps_record_where_their_time_went(tmp_path):
     """``Engine.step`` passes each step's host phases to ``StepTimes`` (``phases_since``): read-back, scheduling,
     residency and launch seconds, each >= 0 and together at most the step's wall time, and the adapters its
     scheduling copied to the GPU pool: the first step of two requests on two new adapters copies both, later steps
-    none, and a third adapter admitted later is counted in the step that admits it."""
+    none, and a third adapter admitted later is counted in the step that admits it; an adapter prefetched for a
+    waiting request counts as a prefetch of the step that queued it, and not again when the request is admitted."""
     from multilora import Engine, SamplingParams
     from multilora.config import ModelConfig
     from testsupport import write_adapter
@@ -166,12 +167,25 @@ def test_engine_steps_record_where_their_time_went(tmp_path):
         e.step()
     steps, phases = e.step_times.since(mark), e.step_times.phases_since(mark)
     assert len(steps) == len(phases) >= 4
-    keys = {"read_back_s", "schedule_s", "resident_s", "run_s", "adapter_misses"}
+    keys = {"read_back_s", "schedule_s", "resident_s", "run_s", "adapter_misses", "adapter_prefetches"}
     for (_, _, secs), p in zip(steps, phases):
         assert set(p) == keys and all(p[k] >= 0 for k in keys)
         assert p["read_back_s"] + p["schedule_s"] + p["resident_s"] + p["run_s"] <= secs
     misses = [p["adapter_misses"] for p in phases]
     assert misses[0] == 2 and misses[1] == 1 and sum(misses) == 3, misses
+    assert sum(p["adapter_prefetches"] for p in phases) == 0  # every request was admitted at once
+    # one row at a time: the second request waits, and the first step prefetches its adapter for it
+    e = Engine(cfg, device="cpu", dtype=torch.float32, progress=False, max_batch_size=1)
+    for i in range(2):
+        e.load_adapter(f"a{i}", tmp_path / f"a{i}")
+    mark = e.step_times.observed
+    e.add_request([1, 2, 3], adapter="a0", sampling=sp)
+    e.add_request([4, 5], adapter="a1", sampling=sp)
+    while e.has_unfinished():
+        e.step()
+    phases = e.step_times.phases_since(mark)
+    assert (phases[0]["adapter_misses"], phases[0]["adapter_prefetches"]) == (1, 1), phases[0]
+    assert sum(p["adapter_misses"] for p in phases) == 1 and sum(p["adapter_prefetches"] for p in phases) == 1
 
 
 def test_gil_switch_interval_is_set_while_the_engine_lives_and_restored_at_close(tmp_path_factory):

@@ -41,6 +41,13 @@ def test_expand_moves_b_rows_and_y_in_vectors(ops):
     assert _scalar_halves(ops["expand/align1"]) > 0  # the check sees the failure it guards against
 
 
+def test_written_expand_stores_in_vectors(ops):
+    """``lora_delta``'s expand (``OVERWRITE``): the term's stores and the zero rows of slot -1 in vectors too."""
+    assert _scalar_halves(ops["expand_write/align16"]) == 0, ops["expand_write/align16"]
+    assert any(op.startswith("st.global.v4") for op in ops["expand_write/align16"]), ops["expand_write/align16"]
+    assert _scalar_halves(ops["expand_write/align1"]) > 0
+
+
 def test_shrink_reads_a_rows_without_scalar_loads(ops):
     assert _scalar_halves(ops["shrink/align16"]) == 0, ops["shrink/align16"]
     assert _scalar_halves(ops["shrink/align1"]) > 0

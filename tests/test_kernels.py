@@ -327,36 +327,57 @@ def test_module_not_targeted(device, dtype):
     assert torch.equal(y[0::2, q : q + k], y0[0::2, q : q + k])
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns (``torch.equal`` takes -0.0 for +0.0)."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("block_m", [16, 64], ids=["decode", "prefill"])
 @pytest.mark.parametrize("ranks", [[8, 4, 1], [8, 24, 4]], ids=["r16-pool", "r24-pool"])
 def test_lora_delta_writes_every_element(ranks, block_m, device, dtype):
     """``lora_delta`` into a buffer full of NaN: the rows with an adapter hold the LoRA term, bit for bit what
-    ``lora_apply`` adds to zeros (both backends); rows of slot -1 and the slice an adapter does not target (k_proj of
-    adapter 0) hold 0; the term matches the fp32 reference. Decode chunks (looped expand tiles from a rank-16 pool,
-    the rank loop from a rank-24 one) and prefill chunks, with -1 rows between and after the adapted ones, and a
-    batch with no adapted row."""
+    ``lora_apply`` adds to zeros (both backends; -0.0 included: tiny x makes terms that round to zero); rows of slot
+    -1 and the slice an adapter does not target (k_proj of adapter 0) hold +0; the term matches the fp32 reference.
+    Decode chunks (the rank loop from a rank-24 pool; from a rank-16 pool one tile per program on the CPU, and 2 or
+    3 looped tiles through ``_expand(tiles=)``) and prefill chunks, with -1 rows between and after the adapted ones;
+    a batch with no adapted row through the host's shortcut and through the kernel (a plan that says it has LoRA, as
+    a CUDA graph captured with LoRA replays one)."""
     gen = torch.Generator().manual_seed(len(ranks) + block_m)
     pool, slots = make_pool(SMALL, ranks, dtype=dtype, device=device, skip={0: ("k_proj",)})
     slices = lora_slices([pool.module_view(1, m) for m in QKV])
     a, b, c = slots
-    for token_slots in ([a, -1, b, c, -1, a, a, c, b, -1] * 3, [-1] * 5):
+    looped = [None] + ([2, 3] if block_m <= 16 and max(ranks) <= 16 else [])
+    for token_slots, scale in (([a, -1, b, c, -1, a, a, c, b, -1] * 3, 1.0), ([a, -1, b, c, -1, a] * 2, 1e-7),
+                               ([-1] * 5, 1.0)):
         T = len(token_slots)
-        x = torch.randn(T, slices.d_in, generator=gen).to(device, dtype)
+        x = (torch.randn(T, slices.d_in, generator=gen) * scale).to(device, dtype)
         plan = build_lora_plan(token_slots, device=device, block_m=block_m)
         zeros = torch.zeros(T, slices.d_out, dtype=dtype, device=device)
         ref = reference(zeros, x, pool, 1, QKV, token_slots)
         for backend in ("torch", "triton"):
             added = lora_apply(zeros.clone(), x, slices, plan, backend=backend)
             out = lora_delta(torch.full_like(zeros, float("nan")), x, slices, plan, backend=backend)
-            assert torch.equal(out, added), backend
+            assert torch.equal(_bits(out), _bits(added)), backend
             torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+        for tiles in looped[1:]:  # the looped expand tiles (the GPU's decode default) on the interpreter too
+            v = triton_sgmv._shrink(x, slices, plan)
+            want = triton_sgmv._expand(zeros.clone(), v, slices, plan, tiles=tiles, block_n=16)
+            got = triton_sgmv._expand(torch.full_like(zeros, float("nan")), v, slices, plan, tiles=tiles, block_n=16,
+                                      overwrite=True)
+            assert torch.equal(_bits(got), _bits(want)), tiles
         none = torch.tensor([s < 0 for s in token_slots], device=device)
-        assert not out[none].any()
+        assert not _bits(out[none]).any(), "rows of slot -1: +0"
+        if scale == 1e-7:
+            assert _bits(added).eq(_bits(torch.tensor(-0.0, dtype=dtype))).sum() == 0  # the in-place add gives +0
         if T > 5:
             q, k = SMALL.q_size, SMALL.kv_size
             rows_a = torch.tensor([s == a for s in token_slots], device=device)
-            assert not out[rows_a, q : q + k].any(), "k_proj is not targeted by adapter 0: zeros there"
+            assert not _bits(out[rows_a, q : q + k]).any(), "k_proj is not targeted by adapter 0: +0 there"
+        else:  # no adapted row: the same through the kernel with a plan that says it has LoRA
+            forced = replace(plan, has_lora=True)
+            got = triton_sgmv.lora_delta_triton(torch.full_like(zeros, float("nan")), x, slices, forced)
+            assert not _bits(got).any()
 
 
 class _CountLaunches:
