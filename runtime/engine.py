@@ -126,22 +126,22 @@ class StepTimes:
         and launching it, or running it eagerly), ``adapter_misses`` (adapters this step's scheduling copied to the GPU
         pool for its own batch) and ``adapter_prefetches`` (copies it queued for waiting requests). Raises ValueError
         as ``since``."""
-        with self._lock:
-            n = self.observed - mark
-            if not 0 <= n <= len(self._phases):
-                raise ValueError(f"StepTimes.phases_since({mark}): expected a mark within the last "
-                                 f"{self._phases.maxlen} steps, got one {n} steps back")
-            return list(self._phases)[len(self._phases) - n:]
+        return self._tail(self._phases, mark, "phases_since")
 
     def since(self, mark: int) -> list[tuple[str, int, float]]:
         """``(kind, rows, seconds)`` of every step observed after the first ``mark`` (a past ``observed``), oldest
         first. Raises ValueError when some of them are no longer kept (more than ``keep`` steps since)."""
+        return self._tail(self._recent, mark, "since")
+
+    def _tail(self, kept: collections.deque, mark: int, name: str) -> list:
+        """The entries of ``kept`` (``_recent`` or ``_phases``) observed after ``mark``; ValueError (naming ``name``)
+        when some are no longer kept."""
         with self._lock:
             n = self.observed - mark
-            if not 0 <= n <= len(self._recent):
-                raise ValueError(f"StepTimes.since({mark}): expected a mark within the last {self._recent.maxlen} "
-                                 f"steps, got one {n} steps back")
-            return list(self._recent)[len(self._recent) - n:]
+            if not 0 <= n <= len(kept):
+                raise ValueError(f"StepTimes.{name}({mark}): expected a mark within the last {kept.maxlen} steps, got "
+                                 f"one {n} steps back")
+            return list(kept)[len(kept) - n:]
 
     def report(self) -> dict[str, dict]:
         """``{kind: {"count", "sum" (seconds), "max_bucket" (upper bound of the slowest step's bucket; inf past the
