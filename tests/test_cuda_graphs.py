@@ -126,9 +126,16 @@ def test_graph_replay_path_equals_eager(tmp_path, chunked):
     assert e.kv.num_free_blocks == e.kv.num_usable_blocks
 
 
-def test_graphs_reset_captures_again_with_the_deferred_lora_path(tmp_path):
+@pytest.mark.parametrize("written_from", [8, 1], ids=["zeroed-decode", "written-decode"])
+def test_graphs_reset_captures_again_with_the_deferred_lora_path(tmp_path, written_from, monkeypatch):
     """``DecodeGraphs.reset`` drops every graph; the next steps capture again, here with the model switched to the
-    deferred LoRA adds (the GPU's side-stream path, on one stream here), and generate what eager decode does."""
+    deferred LoRA adds (the GPU's side-stream path, on one stream here), and generate what eager decode does. The
+    deferred term is written by ``lora_delta`` from ``LORA_DELTA_OVERWRITE_MIN_TOKENS`` tokens: the prefills (18
+    tokens) either way, the decode steps (buckets of up to 4 rows, a row without an adapter and padding rows among
+    them) only with the minimum at 1."""
+    from multilora.runtime import model as model_mod
+
+    monkeypatch.setattr(model_mod, "LORA_DELTA_OVERWRITE_MIN_TOKENS", written_from)
     pytest.importorskip("triton")
     if torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU check under the Triton interpreter (the GPU runs real graphs: test_engine_gpu.py)")
