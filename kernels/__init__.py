@@ -1,7 +1,8 @@
 """LoRA kernels: the shrink/expand apply op over a batch of per-token adapter slots.
 
-``lora_apply`` is the public op (``lora_delta``: the LoRA term alone, written into its own buffer); ``lora_slices`` describes a layer's fused projection in the pool (once),
-``build_lora_plan`` builds the per-step metadata (``chunk_table`` / ``fill_chunk_table`` its chunk table).
+``lora_apply`` is the public op (``lora_delta``: the LoRA term alone, written into its own buffer);
+``lora_slices`` describes a layer's fused projection in the pool (once), ``build_lora_plan`` builds the per-step
+metadata (``chunk_table`` / ``fill_chunk_table`` its chunk table).
 The torch backend (``lora_apply_torch``) serves the CPU and is the test oracle; ``resolve_backend`` picks it
 or the Triton kernels (``triton_sgmv``).
 """

@@ -119,13 +119,13 @@ class StepTimes:
 
     def phases_since(self, mark: int) -> list[dict | None]:
         """The ``phases`` of the steps ``since(mark)`` returns, in the same order (None where a step had none). The
-        engine's: ``read_back_s`` (reading tokens back, which waits for the GPU: with async scheduling the step before's,
-        so a slow step's GPU time shows in the next step's; without, this step's), ``schedule_s`` (the scheduler: admission,
-        each admitted request's adapter made resident, a miss's copy queued), ``resident_s`` (prefetch for the waiting
-        queue, the compute stream made to wait for the batch's adapter copies), ``run_s`` (building the step's inputs
-        and launching it, or running it eagerly), ``adapter_misses`` (adapters this step's scheduling copied to the GPU
-        pool for its own batch) and ``adapter_prefetches`` (copies it queued for waiting requests). Raises ValueError
-        as ``since``."""
+        engine's: ``read_back_s`` (reading tokens back, which waits for the GPU: with async scheduling the step
+        before's, so a slow step's GPU time shows in the next step's; without, this step's), ``schedule_s`` (the
+        scheduler: admission, each admitted request's adapter made resident, a miss's copy queued), ``resident_s``
+        (prefetch for the waiting queue, the compute stream made to wait for the batch's adapter copies), ``run_s``
+        (building the step's inputs and launching it, or running it eagerly), ``adapter_misses`` (adapters this step's
+        scheduling copied to the GPU pool for its own batch) and ``adapter_prefetches`` (copies it queued for waiting
+        requests). Raises ValueError as ``since``."""
         return self._tail(self._phases, mark, "phases_since")
 
     def since(self, mark: int) -> list[tuple[str, int, float]]:
@@ -464,24 +464,25 @@ class Engine:
             nxt: _Ahead | None = None  # this step, once launched, until it is handed to the next call
             done: list[Request] = []
             broken = False  # a read-back was interrupted: the tokens of steps after it are dropped (recomputed)
+            t_back = 0.0  # seconds spent reading tokens back (the phases of ``StepTimes.phases_since``)
 
             def back(a: _Ahead) -> list[Request]:
-                nonlocal broken
+                nonlocal broken, t_back
+                t = time.perf_counter()
                 try:
                     return self._read_back(a, drop=broken)
                 except BaseException:
                     broken = True
                     raise
+                finally:
+                    t_back += time.perf_counter() - t
 
             clean = False  # set on each normal return; else ``finally`` also makes every ``pending`` count true again
             misses0, prefetched0 = self.cache.stats.gpu_misses, self.cache.stats.prefetch_gpu
-            t_back = 0.0  # (the phases of ``StepTimes.phases_since``)
             try:  # (finally: a step left unread by an exception or an interrupt is read back, tokens kept)
                 if ahead is not None and not self._can_step_ahead(ahead):
                     a, ahead = ahead, None
-                    t = time.perf_counter()
                     done += back(a)
-                    t_back += time.perf_counter() - t
                 t1 = time.perf_counter()
                 sched = self.scheduler.schedule()
                 self._counters["requests_failed"] += len(sched.failed)
@@ -512,9 +513,7 @@ class Engine:
                         r.pending += 1
                 if ahead is not None:
                     a, ahead = ahead, None
-                    t = time.perf_counter()
                     done += back(a)
-                    t_back += time.perf_counter() - t
                 if nxt is None:
                     t = time.perf_counter()
                     done += self.postprocess(sched.sampling, logits)  # (its read-back waits for the GPU)

@@ -433,7 +433,8 @@ class DecoderModel:
         The bias is the GEMM's own epilogue (addmm: one launch, graph-safe), added before the LoRA delta as peft
         does (``base_layer(x) + lora``); fp8 weights go through ``fp8_linear`` (its bias in the GEMM's epilogue
         where it can be). Without ``defer`` the LoRA is added to ``y`` in place after the GEMM and ``lora_delta``
-        is None. With ``defer`` (and LoRA in the step) it goes into ``lora_delta`` [T, d_out] instead (``lora_delta``: 0 in rows without one),
+        is None. With ``defer`` (and LoRA in the step) it goes into ``lora_delta`` [T, d_out] instead (0 in rows
+        without an adapter; written by ``kernels.lora_delta`` from ``LORA_DELTA_OVERWRITE_MIN_TOKENS`` tokens),
         computed on the side stream while the GEMM runs (on CUDA; the main stream waits for it before returning),
         for the following op to add: at decode the two small LoRA launches then cost no time of their own
         (``bench/bench_lora_overlap.py``). ``x_fp8``: x's per-token fp8 copy for an fp8 GEMM (``fp8_linear``)."""
