@@ -162,11 +162,13 @@ def _store_scaled(y_ptrs, y_mask, y_old, scale, acc):
 
 
 @triton.jit
-def _store_term(y_ptrs, y_mask, scale, acc):
-    """``y = 0 + scale * acc``: ``_store_scaled`` of a zero ``y_old``, bit for bit (the term rounded to y's dtype, then
-    the add of +0, which turns a -0 into +0 as the in-place add does), with no read of y (``OVERWRITE``)."""
-    dt = y_ptrs.dtype.element_ty
-    tl.store(y_ptrs, (0.0 + (scale * acc).to(dt).to(tl.float32)).to(dt), mask=y_mask)
+def _write_scaled(y_ptr, stride_ym, tok, m_mask, n, n_mask, scale, acc):
+    """``y[tok, n] = 0 + scale * acc`` (``OVERWRITE``; ``_add_scaled``'s twin): ``_store_scaled`` of a zero
+    ``y_old``, bit for bit (the term rounded to y's dtype, then the add of +0, which turns a -0 into +0 as the in-place
+    add does), with no read of y."""
+    dt = y_ptr.dtype.element_ty
+    tl.store(y_ptr + tok[:, None] * stride_ym + n[None, :], (0.0 + (scale * acc).to(dt).to(tl.float32)).to(dt),
+             mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -326,8 +328,7 @@ def _sgmv_expand_kernel(
             ng_mask = ng < d_out
             bt = tl.load(b_rows[:, None] + ng[None, :], mask=j_mask[:, None] & ng_mask[None, :], other=0.0)
             if OVERWRITE:
-                y_ptrs = y_ptr + tok[:, None] * stride_ym + (col + ng)[None, :]
-                _store_term(y_ptrs, m_mask[:, None] & ng_mask[None, :], scale, _dot(vt.to(bt.dtype), bt, IEEE))
+                _write_scaled(y_ptr, stride_ym, tok, m_mask, col + ng, ng_mask, scale, _dot(vt.to(bt.dtype), bt, IEEE))
             else:
                 y_ptrs, y_mask, y_old = _y_tile(y_ptr, stride_ym, tok, m_mask, col + ng, ng_mask)
                 _store_scaled(y_ptrs, y_mask, y_old, scale, _dot(vt.to(bt.dtype), bt, IEEE))
@@ -348,8 +349,7 @@ def _sgmv_expand_kernel(
         vt = _v_tile(v_ptr, sid, T, tok, j, vm, NUM_SLICES, SPLIT_K, RMAX, BLOCK_M, BLOCK_R)
         acc += _dot(vt.to(bt.dtype), bt, IEEE)  # IEEE: both fp32 (the cast is a no-op)
     if OVERWRITE:
-        _store_term(y_ptr + tok[:, None] * stride_ym + (col + n)[None, :], m_mask[:, None] & n_mask[None, :], scale,
-                    acc)
+        _write_scaled(y_ptr, stride_ym, tok, m_mask, col + n, n_mask, scale, acc)
     elif BLOCK_M > 16:
         _add_scaled(y_ptr, stride_ym, tok, m_mask, col + n, n_mask, scale, acc)
     else:
