@@ -26,19 +26,20 @@ def adapter_bytes(config: ModelConfig, rank: int, dtype: torch.dtype) -> int:
     return per_layer * config.num_layers * torch.empty((), dtype=dtype).element_size()
 
 
-def write_adapter(d: Path, config: ModelConfig, seed: int, rank: int, dtype: torch.dtype) -> Path:
-    """A seeded random PEFT adapter in ``d`` (kept if already there): rank ``rank`` on all seven projections,
-    A ~ N(0, 1/d_in), B ~ N(0, 0.01^2), lora_alpha = 2 r."""
+def write_adapter(d: Path, config: ModelConfig, seed: int, rank: int, dtype: torch.dtype,
+                  modules: tuple[str, ...] = TARGET_MODULES) -> Path:
+    """A seeded random PEFT adapter in ``d`` (kept if already there): rank ``rank`` on ``modules`` (default all
+    seven projections), A ~ N(0, 1/d_in), B ~ N(0, 0.01^2), lora_alpha = 2 r."""
     if (d / "adapter_config.json").is_file():
         return d
     g = torch.Generator().manual_seed(seed)
     t = {}
     for layer in range(config.num_layers):
-        for m in TARGET_MODULES:
+        for m in modules:
             d_in, d_out = config.module_shape(m)
             t[(layer, m)] = ((torch.randn(rank, d_in, generator=g) / d_in**0.5).to(dtype),
                              (torch.randn(d_out, rank, generator=g) * 0.01).to(dtype))
-    return save_peft_adapter(d, t, r=rank, lora_alpha=2 * rank, target_modules=list(TARGET_MODULES))
+    return save_peft_adapter(d, t, r=rank, lora_alpha=2 * rank, target_modules=list(modules))
 
 
 def write_adapters(root: Path, config: ModelConfig, n: int, rank: int, dtype: torch.dtype,

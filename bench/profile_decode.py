@@ -14,6 +14,7 @@ tokens (no adapters, or request i on adapter a<i> with --lora), prefilled, then 
 
     python bench/profile_decode.py                    # H200: ~1 min
     python bench/profile_decode.py --batch 64 --lora
+    python bench/profile_decode.py --batch 40 --lora --rank 8 --targets qkvo --distinct 40 --mixed-tokens 256 --mixed-miss
     python bench/profile_decode.py --json bench/results/profile_decode.json
 """
 
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from multilora import Engine, SamplingParams
-from multilora.config import ModelConfig
+from multilora.config import TARGET_MODULES, ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -70,7 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--lora", action="store_true", help="request i on its own rank-16 adapter (all seven projections)")
+    ap.add_argument("--lora", action="store_true",
+                    help="request i on adapter a<i mod --distinct> (rank --rank on --targets; default its own)")
+    ap.add_argument("--rank", type=int, default=16, help="the adapters' rank (with --lora; default 16)")
+    ap.add_argument("--targets", choices=("all", "qkvo"), default="all",
+                    help="the adapters' target modules: all seven projections, or q/k/v/o (issue 13's S1 set)")
+    ap.add_argument("--distinct", type=int, default=None,
+                    help="with --lora: how many distinct adapters the batch's requests take in turn (default: one "
+                         "each); a mixed step's decode rows then run that many adapters")
+    ap.add_argument("--mixed-miss", action="store_true",
+                    help="with --mixed-tokens and --lora: each step's new request takes an adapter not used before "
+                         "(registered, not on the GPU: a pool miss copied in by that step), not a0")
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--torch-ops", action="store_true",
                     help="RMSNorm / RoPE + KV write / SiLU-mul as torch ops instead of the fused Triton kernels")
@@ -102,19 +113,31 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig(**MODEL_SHAPES[args.shape])
     bw, _ = copy_bandwidth(dev)
     total_steps = args.steps + 8
+    distinct = min(args.distinct or args.batch, args.batch)
+    if args.mixed_miss and not (args.lora and args.mixed_tokens):
+        ap.error("--mixed-miss needs --lora and --mixed-tokens")
     engine = Engine(cfg, device=dev, dtype=dtype, progress=False,
                     max_batch_size=max(args.batch, 1) + (1 if args.mixed_tokens else 0),
                     max_seq_len=max(args.prompt_len + 2 * total_steps + 16, args.mixed_tokens + 16),
-                    max_lora_rank=16, adapter_slots=args.batch if args.lora else 1,
+                    max_lora_rank=args.rank,
+                    adapter_slots=distinct + (total_steps + 2 if args.mixed_miss else 2) if args.lora else 1,
                     adapter_pool_share=0.3 if args.lora else None, cuda_graphs=not args.no_cuda_graphs,
                     weight_dtype="fp8" if args.weight_dtype == "fp8" else None,
                     async_scheduling=False if args.sync else None)
     names = None
     tmp = tempfile.TemporaryDirectory()
+    fresh: list[str] = []  # --mixed-miss: the new requests' adapters, each used once
     if args.lora:
-        names = [f"a{i}" for i in range(args.batch)]
-        for i, n in enumerate(names):
-            engine.load_adapter(n, write_adapter(Path(tmp.name) / n, cfg, seed=i, rank=16, dtype=dtype))
+        modules = TARGET_MODULES if args.targets == "all" else ("q_proj", "k_proj", "v_proj", "o_proj")
+        files = [write_adapter(Path(tmp.name) / f"a{i}", cfg, seed=i, rank=args.rank, dtype=dtype, modules=modules)
+                 for i in range(distinct)]
+        names = [f"a{i % distinct}" for i in range(args.batch)]
+        for i in range(distinct):
+            engine.load_adapter(f"a{i}", files[i])
+        if args.mixed_miss:  # the same weights under new names: each a distinct adapter to the engine
+            fresh = [f"m{i}" for i in range(args.steps + 8)]
+            for i, n in enumerate(fresh):
+                engine.load_adapter(n, files[i % distinct])
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
     sp = SamplingParams(max_tokens=total_steps + 8, ignore_eos=True, temperature=0.0)  # all running to the end
@@ -128,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     def step() -> None:
         if args.mixed_tokens:  # a fresh prompt each step: its one chunk rides beside the decode rows
             p = torch.randint(0, cfg.vocab_size, (args.mixed_tokens,), generator=g).tolist()
-            engine.add_request(p, names[0] if names else None, one)
+            engine.add_request(p, fresh.pop() if fresh else names[0] if names else None, one)
         engine.step()
 
     for _ in range(4):  # untimed: the steps' first runs (graph captures)
@@ -146,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
 
     engine.runner.run = timed_run
     before = dict(engine._counters)
+    mark = engine.step_times.observed
+    misses0 = engine.cache.stats.gpu_misses
     walls = []  # step to step, no sync between (async scheduling overlaps a step's host work with the one before)
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -155,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = t1
     torch.cuda.synchronize()
     kinds = {k: engine._counters[k] - before.get(k, 0) for k in ("decode_steps", "mixed_steps", "prefill_steps")}
+    misses = engine.cache.stats.gpu_misses - misses0
+    ph = [p for p in engine.step_times.phases_since(mark) if p]
+    phases = {n[:-2]: statistics.median(p[n] for p in ph) * 1e3 for n in (ph[0] if ph else {}) if n.endswith("_s")}
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(4):
@@ -171,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"profiled {steps_prof} steps; step kinds {dict(kinds)}; mixed tokens {args.mixed_tokens}")
     print(f"host time of the forward call (runner.run; launches queued, not waited for): median "
           f"{statistics.median(enq[: args.steps]) * 1e3:.3f} ms")
-    print(f"{args.shape} {args.weight_dtype} weights, batch {args.batch}, {'adapters' if args.lora else 'no adapters'}, "
+    lora = (f"{distinct} adapters of rank {args.rank} on {args.targets}" + (", a pool miss per step" if args.mixed_miss
+                                                                          else "") if args.lora else "no adapters")
+    print(f"pool misses in the timed steps: {misses}; the steps' host phases (Engine.step; median ms): "
+          + ", ".join(f"{n} {v:.3f}" for n, v in phases.items()))
+    print(f"{args.shape} {args.weight_dtype} weights, batch {args.batch}, {lora}, "
           f"cuda_graphs={not args.no_cuda_graphs}, ops={'torch' if args.torch_ops else 'triton'}, pdl={not args.no_pdl}, "
           f"async_scheduling={engine._async}; copy bandwidth {bw:.0f} GB/s")
     wbytes = engine.model.nbytes - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2)
@@ -200,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"shape": args.shape, "batch": args.batch, "lora": args.lora,
+                                         "rank": args.rank, "targets": args.targets, "distinct": distinct,
+                                         "mixed_miss": args.mixed_miss, "pool_misses": misses,
+                                         "phase_ms": phases,
                                          "mixed_tokens": args.mixed_tokens, "step_kinds": kinds,
                                          "weight_dtype": args.weight_dtype, "async_scheduling": engine._async,
                                          "host_forward_ms": statistics.median(enq[: args.steps]) * 1e3,

@@ -417,7 +417,9 @@ def read_packed_adapter(path: str | os.PathLike, config: ModelConfig, pool: Adap
                         shard: tuple[int, int] | None = None) -> tuple[LoRAAdapter, PackedAdapter | None]:
     """disk -> host: read, validate and lay out an adapter as its ``pool`` image in one pass.
 
-    What the engine's reload and ``load_adapter(preload=True)`` run: :func:`load_peft_adapter_into` streams
+    The general path (``read_image``, what the engine's reload and ``load_adapter(preload=True)`` run, falls back to
+    it for pickles, float64 / float8 files, ranks above the pool's and errors; a tensor-parallel shard's preload
+    runs it): :func:`load_peft_adapter_into` streams
     each module, in the file's dtype, into ``pool.packer`` (no float32 copies, no zero-fill pass); the image
     is bit-identical to ``pool.pack(load_peft_adapter(...))`` and the errors are the same.
 
