@@ -84,6 +84,7 @@ from typing import Any, Mapping, Protocol
 import torch
 
 from multilora.config import MODULE_INDEX, TARGET_MODULES, ModelConfig
+from multilora.kernels.backends import to_device
 from multilora.kernels.image_finish import SCRATCH_ELEMS, block_cols_for, finish_ops, finish_torch
 from multilora.kernels.lora import LoRAModuleView
 from multilora.memory.extents import Extents, move_down
@@ -705,8 +706,11 @@ class AdapterPool:
             self._pending[slot] = self.order.record(stream)
         if fin is not None and not self.order.cuda and not packed.checked:
             self._checks[slot] = (None, fin, answer)
-        self.ranks[:, :, slot] = packed.ranks.to(self.device)
-        self.scalings[:, :, slot] = packed.scalings.to(self.device)
+        # (small host tensors queued without a host wait: ``to_device``. A plain ``.to(device)`` from pageable memory
+        # synchronizes the stream: with a step in flight, as async scheduling keeps one, each of a load's four such
+        # copies waited for it, and a pool miss cost a serving step ~5 ms of host time; session 28)
+        self.ranks[:, :, slot] = to_device(packed.ranks, self.device)
+        self.scalings[:, :, slot] = to_device(packed.scalings, self.device)
         self._write_offsets(slot)
 
     # ------------------------------------------------------------------ raw images (kernels/image_finish.py)
@@ -840,8 +844,8 @@ class AdapterPool:
         used = ranks > 0
         a = torch.where(used, rel + self._base + self._extents[slot][0] * PAGE_ELEMS, 0)
         b = torch.where(used, a + ranks.to(torch.int64) * self._d_in, 0)
-        self.offsets_a[:, :, slot] = a.to(self.device)
-        self.offsets_b[:, :, slot] = b.to(self.device)
+        self.offsets_a[:, :, slot] = to_device(a, self.device)  # (no host wait: ``_write``)
+        self.offsets_b[:, :, slot] = to_device(b, self.device)
 
     def unpack(self, slot: int, name: str | None = None, *, out: torch.Tensor | None = None) -> PackedAdapter:
         """Copy a resident slot's image and metadata back to the host (the inverse of ``load``: loading the result

@@ -227,6 +227,7 @@ class AdapterCache:
             raise ValueError(f"AdapterCache: map_ahead_on_overflow must be an int >= 0, got {ahead!r}")
         self.map_ahead_on_overflow = ahead
         self._registered_bytes = 0  # pool bytes of the registered (not retired) versions
+        self._host_total = 0  # ``host_bytes``: the footprints of the handles' host copies
         #: when the registered adapters first outgrew the pool and the arena was mapped ahead (None: not yet)
         self.mapped_ahead_at_adapters: int | None = None
         #: a unified memory (``multilora.memory.unified``) whose pool is ``pool``: the pool grows into free KV
@@ -340,10 +341,12 @@ class AdapterCache:
     def host_bytes(self) -> int:
         """Host bytes the host tier's copies hold: their arena blocks' bytes (exact), plus any copy outside the
         arena (one larger than a chunk or the budget) at its own size."""
-        with self._lock:
-            return sum(h.host.footprint for h in self._host_lru.values() if h.host is not None)
+        return self._host_total  # (kept by _set_host / _drop_host: summing 2,000 copies at each miss took ~0.5 ms)
 
     def _set_host(self, handle: AdapterHandle, packed: PackedAdapter) -> None:
+        if handle.host is not None:
+            self._host_total -= handle.host.footprint
+        self._host_total += packed.footprint
         handle.host = packed
         handle.had_host = True
         handle.prefetch_failed = False  # a read succeeded: prefetch it again when it leaves the host tier
@@ -353,6 +356,8 @@ class AdapterCache:
 
     def _drop_host(self, handle: AdapterHandle) -> None:
         packed, handle.host = handle.host, None
+        if packed is not None:
+            self._host_total -= packed.footprint
         self._host_lru.pop(id(handle), None)
         if packed is not None and packed.block is not None:
             self.arena.free(packed.block)  # deferred while a host -> GPU copy may still read it

@@ -731,6 +731,52 @@ def test_engine_host_tier_is_pinned_and_moves_are_timed(tiny):
     ref.cache.close()
 
 
+@pytest.mark.gpu
+@gpu
+def test_pool_miss_queues_without_a_host_sync(tiny):
+    """A pool miss from the host tier (``AdapterCache.acquire``: the image's copy on the side stream, the slot's
+    ranks / scalings / offsets written on the compute stream) and an eviction never wait for the GPU: with a long
+    kernel queued on the compute stream (a step in flight, as with async scheduling) and torch's sync debug mode on
+    "error", the miss returns before the kernel is done, and the slot's metadata then equals the reference's."""
+    d, dirs, _, unit = tiny
+    bf16_unit = unit // 2
+    engine = Engine(model=str(d), device="cuda", progress=False, max_batch_size=4, max_seq_len=16, max_lora_rank=8,
+                    adapter_slots=2, adapter_pool_bytes=2 * bf16_unit)
+    ref = Engine(model=str(d), device="cuda", progress=False, max_batch_size=4, max_seq_len=16, max_lora_rank=8)
+    for i in range(3):
+        engine.load_adapter(f"a{i}", dirs[i])
+        ref.load_adapter(f"a{i}", dirs[i])
+    h = [engine.cache.get(f"a{i}") for i in range(3)]
+    engine.cache.acquire(h[0])
+    engine.cache.acquire(h[1])
+    engine.cache.release(h[0])  # a0 idle: the next miss evicts it
+    torch.cuda.synchronize()
+    busy = torch.cuda.Event()
+    torch.cuda._sleep(300_000_000)  # ~0.1-0.3 s of GPU time on the compute stream
+    busy.record()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        slot = engine.cache.acquire(h[2])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert not busy.query(), "the miss waited for the queued kernel"
+    assert h[0].slot is None and engine.cache.stats.gpu_evictions == 1
+    torch.cuda.synchronize()
+    want = ref.pool
+    want_slot = ref.cache.acquire(ref.cache.get("a2"))
+    torch.cuda.synchronize()
+    for name in ("ranks", "scalings"):
+        assert torch.equal(getattr(engine.pool, name)[:, :, slot], getattr(want, name)[:, :, want_slot]), name
+    base = engine.pool.offsets_a[:, :, slot] - want.offsets_a[:, :, want_slot]
+    used = want.ranks[:, :, want_slot] > 0  # offsets relative to each pool's extent start agree
+    assert torch.equal(engine.pool.offsets_b[:, :, slot] - want.offsets_b[:, :, want_slot], base)
+    assert len(set(base[used].tolist())) == 1
+    prompts = [_ids(5, 1)]
+    assert torch.equal(engine.logits(prompts, adapters="a2"), ref.logits(prompts, adapters="a2"))
+    engine.cache.close()
+    ref.cache.close()
+
+
 # ------------------------------------------------------------------------------- the bit-pattern finite check
 SPECIALS = [0.0, -0.0, 1.0, -1.0, float("inf"), -float("inf"), float("nan"), -float("nan")]
 
