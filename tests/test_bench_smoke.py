@@ -223,11 +223,23 @@ def test_serving_bench_long_prompt_mix_chunked_on_and_off(tmp_path):
               output_len=(2, 5), vocab=100, seed=1)
     import torch
 
-    def trace(**extra):  # the gaps come from torch's global generator (the bench seeds it once)
-        torch.manual_seed(0)
+    def trace(**extra):
         return bs.make_trace(**kw, **extra)
 
     assert trace() == trace(long_share=0.0, long_len=50)
+    # the arrival times depend on the seed alone, not on torch's global generator (which the bench's rows before
+    # consume): every row of a run replays the same arrivals
+    first = trace()
+    torch.rand(1000)
+    assert [r.arrival for r in trace()] == [r.arrival for r in first]
+    gaps = [b.arrival - a.arrival for a, b in zip(first, first[1:])]
+    assert first[0].arrival == 0.0 and all(x >= 0 for x in gaps)
+    assert abs(sum(gaps) / len(gaps) - 1 / kw["rate"]) < 0.5 / kw["rate"]  # exponential gaps of mean 1 / rate
+    for arrival in ("poisson", "gamma"):
+        torch.manual_seed(5)
+        a = [r.arrival for r in bs.make_trace(**{**kw, "arrival": arrival})]
+        torch.manual_seed(6)
+        assert a == [r.arrival for r in bs.make_trace(**{**kw, "arrival": arrival})], arrival
     mixed = trace(long_share=0.3, long_len=50)
     lens = [len(r.prompt) for r in mixed]
     assert 0 < lens.count(50) < 40 and all(n == 50 or 4 <= n <= 9 for n in lens)
