@@ -10,7 +10,8 @@ driven like a load generator (mode ``http``: the engine steps on a thread of the
     python bench/bench_serving.py --adapters 5 --modes engine --rate 4 --long-prompt-share 0.1 --long-prompt-len 4096 \
         --chunked-prefill off --tag llama3-8b-long-off --out bench/results        # then --chunked-prefill on: TPOT p99
 
-The trace (seeded: the same arguments give the same requests): arrivals Poisson at ``--rate`` req/s (or gamma with
+The trace (seeded: the same arguments give the same requests, and every row of a run at one rate the same arrivals
+and lengths, whatever its N: ``trace_span_s`` and ``trace_digest`` in each row say so): arrivals Poisson at ``--rate`` req/s (or gamma with
 coefficient of variation 2, ``--arrival gamma``: burstier), adapter popularity power law with alpha = 1 (``zipf``)
 or ``uniform``, input and output lengths uniform in ``--input-len`` / ``--output-len`` (default [8, 512]; every
 request runs to its output length: ``ignore_eos``); ``--long-prompt-share`` of the requests (drawn per request)
@@ -41,11 +42,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import hashlib
 import json
 import math
 import os
 import platform
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -121,6 +124,17 @@ def make_trace(*, n_requests: int, rate: float, arrival: str, popularity: str, n
         ins = [long_len if is_long else n for n, is_long in zip(ins, long)]
     return [TraceRequest(t, a, torch.randint(0, vocab, (n,), generator=g).tolist(), o)
             for t, a, n, o in zip(times, adapters, ins, outs)]
+
+
+def trace_facts(trace: list[TraceRequest]) -> dict:
+    """What makes rows comparable: ``trace_span_s`` (first to last arrival, seconds) and ``trace_digest`` (a hash of
+    the arrival times, prompt lengths and output lengths, not of the adapters, which depend on N): rows with equal
+    digests replayed the same arrivals and lengths."""
+    h = hashlib.sha256()
+    for req in trace:
+        h.update(struct.pack("<dii", req.arrival, len(req.prompt), req.output_len))
+    span = trace[-1].arrival - trace[0].arrival if trace else 0.0
+    return {"trace_span_s": span, "trace_digest": h.hexdigest()[:16]}
 
 
 # ------------------------------------------------------------------------------------------------ adapters
@@ -710,7 +724,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         def record(mode: str, r: float, results: list[Result], wall: float, before: dict | None,
                    after: dict | None, steps: dict | None = None) -> dict:
-            row = {"mode": mode, "n_adapters": n, "adapter_set": args.adapter_set, "popularity": args.popularity,
+            row = {**trace_facts(trace_at(r)), "mode": mode, "n_adapters": n, "adapter_set": args.adapter_set, "popularity": args.popularity,
                    "unified_pool": unified, "adapter_pool_bytes": args.adapter_pool_bytes,
                    "kv_cache_bytes": args.kv_cache_bytes,
                    "arrival": args.arrival, "rate": "burst" if math.isinf(r) else f"{r:.2f}",

@@ -154,6 +154,9 @@ def test_serving_bench_runs(tmp_path):
             by = r["decode_step_ms_by_misses"]
             assert by["with_misses"]["steps"] + by["without_misses"]["steps"] == d["steps"]
     assert "| http | apart | 3 | S1 | burst |" in (out / "serving_tiny.md").read_text()
+    burst, fixed = rows[0::2], rows[1::2]  # every mode replayed the same trace at each rate
+    assert len({r["trace_digest"] for r in burst}) == len({r["trace_digest"] for r in fixed}) == 1
+    assert all(r["trace_span_s"] == 0 for r in burst) and all(r["trace_span_s"] > 0 for r in fixed)
     for r in rows:  # the first N's rows are their own SLO reference (issue 13: 5x its TTFT p50, 2x its TPOT p50)
         assert r["slo_ttft_s"] == pytest.approx(5 * r["ttft_p50_s"]) and r["slo_tpot_s"] == pytest.approx(2 * r["tpot_p50_s"])
         assert 0 <= r["slo_share"] <= 1
@@ -260,6 +263,23 @@ def test_serving_bench_long_prompt_mix_chunked_on_and_off(tmp_path):
     assert off["failed"] == on["failed"] == 0 and off["output_tokens"] == on["output_tokens"]
     assert (off["chunked_prefill"], on["chunked_prefill"]) == ("off", "on") and on["long_prompt_len"] == 64
     assert off["mixed_steps"] == 0 and on["mixed_steps"] > 0 and on["prefill_chunks"] > off["prefill_chunks"]
+
+
+def test_serving_bench_rows_of_each_n_replay_one_trace(tmp_path):
+    """Rows of different N at one rate replay the same arrivals and lengths (``trace_digest``, ``trace_span_s``):
+    the gaps no longer come from torch's global generator, which each row before consumed."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_serving.py"), "--shape", "tiny", "--adapters", "2,3",
+           "--requests", "6", "--input-len", "4,12", "--output-len", "2,5", "--max-batch-size", "4",
+           "--adapter-files", "2", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out), "--modes", "engine",
+           "--warmup-requests", "0", "--no-burst-rows", "--rate", "50"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    rows = json.loads((out / "serving_tiny.json").read_text())["rows"]
+    assert [r["n_adapters"] for r in rows] == [2, 3]
+    assert rows[0]["trace_digest"] == rows[1]["trace_digest"] and rows[0]["trace_span_s"] == rows[1]["trace_span_s"] > 0
+    assert rows[0]["output_tokens"] == rows[1]["output_tokens"]
 
 
 def test_serving_bench_engine_warmup_flag(tmp_path):
