@@ -53,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,15 +139,17 @@ def trace_facts(trace: list[TraceRequest]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ adapters
-def write_adapter_set(root: Path, config: ModelConfig, kind: str, n_files: int, dtype: torch.dtype) -> list[Path]:
-    """``n_files`` seeded random PEFT adapters of set ``kind`` under ``root`` (kept when already there)."""
+def write_adapter_set(root: Path, config: ModelConfig, kind: str, n_files: int, dtype: torch.dtype,
+                      threads: int | None = None) -> list[Path]:
+    """``n_files`` seeded random PEFT adapters of set ``kind`` under ``root`` (kept when already there), written by
+    ``threads`` threads (default: up to 8, one per CPU; each file has its own seeded generator, so the files are the
+    same whatever the count; ``torch.randn`` and the writes release the GIL)."""
     ranks, modules = ADAPTER_SETS[kind]
-    out = []
-    for i in range(n_files):
+
+    def one(i: int) -> Path:
         d = root / f"{kind}-{i}"
-        out.append(d)
         if (d / "adapter_config.json").is_file():
-            continue
+            return d
         r = ranks[i % len(ranks)]
         g = torch.Generator().manual_seed(i)
         t = {}
@@ -156,7 +159,13 @@ def write_adapter_set(root: Path, config: ModelConfig, kind: str, n_files: int, 
                 t[(layer, m)] = ((torch.randn(r, d_in, generator=g) / d_in**0.5).to(dtype),
                                  (torch.randn(d_out, r, generator=g) * 0.01).to(dtype))
         save_peft_adapter(d, t, r=r, lora_alpha=2 * r, target_modules=list(modules))
-    return out
+        return d
+
+    workers = max(1, min(n_files, threads or min(8, os.cpu_count() or 1)))
+    if workers == 1:
+        return [one(i) for i in range(n_files)]
+    with ThreadPoolExecutor(workers) as ex:
+        return list(ex.map(one, range(n_files)))
 
 
 def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path], n_adapters: int,

@@ -282,6 +282,30 @@ def test_serving_bench_rows_of_each_n_replay_one_trace(tmp_path):
     assert rows[0]["output_tokens"] == rows[1]["output_tokens"]
 
 
+def test_serving_adapter_set_is_the_same_whatever_the_threads(tmp_path):
+    """``write_adapter_set`` writes each file from its own seeded generator: the bytes do not depend on how many
+    threads write them (S4: ranks 16, 32, 64 in turn)."""
+    import hashlib
+
+    import torch
+
+    bs = _load_bench("bench_serving")
+    from multilora.config import ModelConfig
+    from multilora.runtime.weights import MODEL_SHAPES
+
+    cfg = ModelConfig(**MODEL_SHAPES["tiny"])
+
+    def digests(paths):
+        return [hashlib.sha256((p / "adapter_model.safetensors").read_bytes()).hexdigest() for p in paths]
+
+    one = bs.write_adapter_set(tmp_path / "one", cfg, "S4", 5, torch.bfloat16, threads=1)
+    many = bs.write_adapter_set(tmp_path / "many", cfg, "S4", 5, torch.bfloat16, threads=3)
+    assert [p.name for p in one] == [p.name for p in many] == [f"S4-{i}" for i in range(5)]
+    assert digests(one) == digests(many) and len(set(digests(one))) == 5
+    ranks = [json.loads((p / "adapter_config.json").read_text())["r"] for p in one]
+    assert ranks == [16, 32, 64, 16, 32]
+
+
 def test_serving_bench_engine_warmup_flag(tmp_path):
     """``--engine-warmup`` runs the product's ``Engine.warmup`` (on adapter a0) before the rows and says what it did."""
     out = tmp_path / "out"
