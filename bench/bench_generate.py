@@ -58,6 +58,9 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
     hf              transformers' generate on the same base weights (sdpa attention, its default dynamic cache)
     peft            peft's mixed-batch generate (adapter_names=) with the same adapter files as multilora-lora
 
+The settings the multilora variants change are ``Knob``s in ``variant_knobs`` (a new A/B: a suffix in ``PROVIDERS``
+and a knob there; its rows then record its value and it is put back after the run).
+
 With ``--rounds N`` the multilora providers run N times (every other round in reverse order, so none is always the
 first after warm-up; rows carry ``round``) and the table, targets and plot take each (provider, batch)'s median round
 by TPOT (``merge_rounds``; odd N avoids choosing between two middles): use it for A/B decisions, single rows differ
@@ -288,6 +291,108 @@ def clean(v: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------- multilora
+@dataclass
+class Knob:
+    """A setting that provider variants change (``variant_knobs``): ``get`` / ``put`` read and write it (a module's
+    attribute or the engine's), ``pick(variant, default)`` is the value a variant runs with, ``graphs``: captured
+    CUDA graphs bake it in (a change captures them again), ``identity``: values compare by ``is`` (tensors,
+    tables), ``key``: the row field that records it (``record()``, default ``get()``; None: not recorded)."""
+    get: Callable[[], Any]
+    put: Callable[[Any], None]
+    pick: Callable[[str, Any], Any]
+    graphs: bool = True
+    identity: bool = False
+    key: str | None = None
+    record: Callable[[], Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.record is None:
+            self.record = self.get
+
+    def same(self, x: Any, y: Any) -> bool:
+        return x is y if self.identity else x == y
+
+
+def _attr(obj: Any, name: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    return (lambda: getattr(obj, name)), (lambda value: setattr(obj, name, value))
+
+
+def _by_suffix(*pairs: tuple[str | tuple[str, ...], Any]) -> Callable[[str, Any], Any]:
+    """``pick``: the value of the first suffix (or tuple of suffixes) the variant ends with, else the default."""
+    def pick(v: str, default: Any) -> Any:
+        return next((value for suffix, value in pairs if v.endswith(suffix)), default)
+    return pick
+
+
+def variant_knobs(engine: Engine | None, a: argparse.Namespace) -> list[Knob]:
+    """Every setting a multilora provider variant changes (the module docstring's provider list), as ``Knob``s: one
+    place to add an A/B. ``bench_multilora`` reads their defaults once, gives each variant its values (capturing the
+    graphs again when one they bake in changed), records them in the variant's rows and puts the defaults back at
+    the end. An engine that failed to build (None) leaves only the module-level knobs."""
+    from multilora.kernels import fp8 as fp8_mod
+    from multilora.kernels import triton_attention, triton_fp8, triton_pdl, triton_sgmv
+    from multilora.runtime import model as model_mod
+    from multilora.runtime import sampling
+
+    lazy: dict[str, Any] = {}
+
+    def fp8_head(v: str, default: Any) -> Any:  # -lmhead: the quantized copy of the head, made on first use
+        if not v.endswith("-lmhead") or not isinstance(default, torch.Tensor):
+            return default
+        if "head" not in lazy:
+            from multilora.kernels.fp8 import quantize_weight
+
+            lazy["head"] = quantize_weight(default)  # what Engine(fp8_lm_head=True) stores
+        return lazy["head"]
+
+    def shipped(v: str, default: Any) -> Any:  # -shipped: the shipped tables alone, read on first use
+        if not v.endswith("-shipped"):
+            return default
+        if "table" not in lazy:
+            lazy["table"] = triton_fp8.shipped_table()
+        return lazy["table"]
+
+    def hiprio(v: str, default: int) -> int:  # (lowest, highest): the highest
+        return torch.cuda.Stream.priority_range()[1] if v.endswith("-hiprio") and torch.cuda.is_available() else default
+
+    knobs = [
+        Knob(*_attr(triton_sgmv, "DECODE_EXPAND_LOOP"), _by_suffix(("-onetile", ((512, 1, 256, 2),))),
+             key="decode_expand_loop"),
+        Knob(*_attr(triton_sgmv, "DECODE_SHRINK_WARPS"), _by_suffix(("-s17tiles", 4)), key="decode_shrink_warps"),
+        Knob(*_attr(triton_sgmv, "DECODE_EXPAND_RANK_TILES"), _by_suffix(("-s17tiles", None)),
+             key="decode_expand_rank_tiles"),
+        Knob(*_attr(triton_sgmv, "PDL"), _by_suffix((("-nopdl", "-plain"), False)), key="lora_pdl"),
+        Knob(*_attr(triton_pdl, "ENABLED"), _by_suffix(("-plain", False)), key="step_pdl"),
+        Knob(*_attr(triton_fp8, "GEMV_WIDEN_F16"), _by_suffix(("-f16widen", True), ("-bf16widen", False)),
+             key="fp8_gemv_widen_f16"),
+        Knob(*_attr(sampling, "ROW_MAX_TWO_PASS"), _by_suffix(("-onepassmax", False)), graphs=False),  # not in graphs
+        Knob(*_attr(model_mod, "FUSE_FP8_QUANT"), _by_suffix(("-sepquant", False))),
+        Knob(*_attr(fp8_mod, "FP8_X_ROWS"), _by_suffix(("-nopad", 1)), key="fp8_x_rows"),
+        Knob(*_attr(triton_attention, "DECODE_TUNED"), _by_suffix(("-s25attn", False)), key="attention_decode_tuned"),
+        Knob(*_attr(model_mod, "LORA_DELTA_OVERWRITE_MIN_TOKENS"), _by_suffix(("-zeroed", 1 << 30)),
+             key="lora_delta_overwrite_min_tokens"),
+        Knob(*_attr(triton_fp8, "GEMV_PRELOAD"), _by_suffix(("-nopreload", 0), ("-preload4", 4)),
+             key="fp8_gemv_preload"),
+        Knob(triton_fp8.tuned_table, lambda t: setattr(triton_fp8, "_tuned", t), shipped,  # the fp8 GEMMs' tiles
+             identity=True),  # (read at capture; the default: the shipped ones with MULTILORA_FP8_TUNED on top)
+    ]
+    if engine is None:
+        return knobs
+    m = engine.model
+    return knobs + [
+        Knob(*_attr(m, "lora_side_max_tokens"), _by_suffix(("-inplace", 0)), key="lora_side_stream_max_tokens",
+             record=m.lora_side_limit),
+        Knob(*_attr(m, "lora_side_priority"), hiprio, key="lora_side_priority"),
+        Knob(*_attr(m, "lora_side_sm_carveout"), _by_suffix(("-carve", a.carveout), ("-lt", 0)),
+             key="lora_side_sm_carveout"),
+        Knob(*_attr(m, "gemm_cublaslt_tokens"), _by_suffix(("-lt", (17, 64))), key="gemm_cublaslt_tokens"),
+        Knob(*_attr(m, "lm_head"), fp8_head, identity=True, key="fp8_lm_head",
+             record=lambda: not isinstance(m.lm_head, torch.Tensor)),
+        Knob(*_attr(engine, "_async"), lambda v, d: d and not v.endswith("-sync"), graphs=False,
+             key="async_scheduling"),  # (not in graphs: no capture again)
+    ]
+
+
 def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
     """One engine for both variants, sized for the largest batch (all its adapters resident at once)."""
     a, batches = run.args, run.args.batches
@@ -312,31 +417,8 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
         except Exception as e:  # the no-adapter rows can still run
             traceback.print_exc()
             failed.update({v: f"adapter setup failed: {type(e).__name__}: {e}"[:2000] for v in lora_variants})
-    side_default = engine.model.lora_side_max_tokens if engine is not None else None
-    prio_default = engine.model.lora_side_priority if engine is not None else 0
-    from multilora.kernels import fp8 as fp8_mod
-    from multilora.kernels import triton_attention, triton_fp8, triton_pdl, triton_sgmv
-    from multilora.runtime import model as model_mod
-    from multilora.runtime import sampling
-
-    loop_default = triton_sgmv.DECODE_EXPAND_LOOP
-    tiles_default = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
-    pdl_default = triton_sgmv.PDL
-    step_pdl_default = triton_pdl.ENABLED
-    widen_default = triton_fp8.GEMV_WIDEN_F16
-    twopass_default = sampling.ROW_MAX_TWO_PASS
-    fuse_quant_default = model_mod.FUSE_FP8_QUANT
-    xrows_default = fp8_mod.FP8_X_ROWS
-    attn_default = triton_attention.DECODE_TUNED
-    overwrite_default = model_mod.LORA_DELTA_OVERWRITE_MIN_TOKENS
-    preload_default = triton_fp8.GEMV_PRELOAD
-    async_default = engine._async if engine is not None else False
-    head_default = engine.model.lm_head if engine is not None else None
-    table_default = triton_fp8.tuned_table()  # with MULTILORA_FP8_TUNED on top, if set
-    table_shipped = None  # -shipped: the shipped tables alone, read on first use
-    head_fp8 = None  # -lmhead: the quantized copy of head_default, made on first use
-    carve_default = engine.model.lora_side_sm_carveout if engine is not None else 0
-    lt_default = engine.model.gemm_cublaslt_tokens if engine is not None else None
+    knobs = variant_knobs(engine, a)
+    defaults = [k.get() for k in knobs]
     # --rounds: the variant list again, every other round in reverse, so each variant runs early and late
     schedule = [(rnd, v) for rnd in range(a.rounds) for v in (variants if rnd % 2 == 0 else variants[::-1])]
     try:
@@ -345,97 +427,29 @@ def bench_multilora(run: Run, variants: list[str], dirs: list[Path]) -> None:
                 if rnd == 0:
                     run.skip(v, batches, a.gen, failed[v], status="error")
                 continue
-            side = 0 if v.endswith("-inplace") else side_default
-            prio = torch.cuda.Stream.priority_range()[1] if v.endswith("-hiprio") and torch.cuda.is_available() \
-                else prio_default  # (lowest, highest): the highest
-            loop = ((512, 1, 256, 2),) if v.endswith("-onetile") else loop_default
-            carve = a.carveout if v.endswith("-carve") else 0 if v.endswith("-lt") else carve_default
-            lt = (17, 64) if v.endswith("-lt") else lt_default
-            tiles = (4, None) if v.endswith("-s17tiles") else tiles_default
-            pdl = False if v.endswith(("-nopdl", "-plain")) else pdl_default
-            step_pdl = False if v.endswith("-plain") else step_pdl_default
-            widen = True if v.endswith("-f16widen") else False if v.endswith("-bf16widen") else widen_default
-            sampling.ROW_MAX_TWO_PASS = False if v.endswith("-onepassmax") else twopass_default  # not in graphs
-            fuse_quant = False if v.endswith("-sepquant") else fuse_quant_default
-            xrows = 1 if v.endswith("-nopad") else xrows_default
-            attn = False if v.endswith("-s25attn") else attn_default
-            overwrite = 1 << 30 if v.endswith("-zeroed") else overwrite_default
-            preload = 0 if v.endswith("-nopreload") else 4 if v.endswith("-preload4") else preload_default
-            engine._async = async_default and not v.endswith("-sync")  # (not in graphs: no capture again)
+            want = [k.pick(v, d) for k, d in zip(knobs, defaults)]
+            recapture = any(k.graphs and not k.same(k.get(), w) for k, w in zip(knobs, want))
+            for k, w in zip(knobs, want):
+                k.put(w)
+            if recapture and engine.graphs is not None:  # captured graphs bake the changed knobs in: capture again
+                engine.runner.reset_graphs()  # decode and piecewise
+                try:  # (an engine without adapters has none loaded: warm it without)
+                    warm_up_engine(engine, run.prompts, names if lora_variant is not None else None)
+                except Exception as e:  # this variant's rows fail; the others still run
+                    traceback.print_exc()
+                    failed[v] = f"warm-up after re-capture failed: {type(e).__name__}: {e}"[:2000]
+                    run.skip(v, batches, a.gen, failed[v], status="error")
+                    continue
             m = engine.model
-            if v.endswith("-lmhead") and head_fp8 is None and isinstance(head_default, torch.Tensor):
-                from multilora.kernels.fp8 import quantize_weight
-
-                head_fp8 = quantize_weight(head_default)  # what Engine(fp8_lm_head=True) stores
-            head = head_fp8 if v.endswith("-lmhead") else head_default
-            if v.endswith("-shipped") and table_shipped is None:
-                table_shipped = triton_fp8.shipped_table()
-            table = table_shipped if v.endswith("-shipped") else table_default
-            now = (triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
-            if (m.lora_side_max_tokens, m.lora_side_priority, triton_sgmv.DECODE_EXPAND_LOOP, m.lora_side_sm_carveout,
-                    m.gemm_cublaslt_tokens, now, triton_sgmv.PDL, triton_pdl.ENABLED, triton_fp8.GEMV_WIDEN_F16,
-                    model_mod.FUSE_FP8_QUANT, fp8_mod.FP8_X_ROWS, triton_attention.DECODE_TUNED,
-                    model_mod.LORA_DELTA_OVERWRITE_MIN_TOKENS, triton_fp8.GEMV_PRELOAD) != (
-                    side, prio, loop, carve, lt, tiles, pdl, step_pdl, widen, fuse_quant, xrows, attn, overwrite,
-                    preload) \
-                    or m.lm_head is not head \
-                    or triton_fp8._tuned is not table:
-                triton_fp8._tuned = table  # the fp8 GEMMs' tiles (read when a graph is captured)
-                m.lora_side_max_tokens = side  # captured graphs bake all of these in: capture again
-                m.lm_head = head
-                model_mod.FUSE_FP8_QUANT = fuse_quant
-                fp8_mod.FP8_X_ROWS = xrows
-                triton_attention.DECODE_TUNED = attn
-                model_mod.LORA_DELTA_OVERWRITE_MIN_TOKENS = overwrite
-                triton_fp8.GEMV_PRELOAD = preload
-                triton_fp8.GEMV_WIDEN_F16 = widen
-                triton_sgmv.PDL = pdl
-                triton_pdl.ENABLED = step_pdl
-                m.lora_side_priority = prio
-                triton_sgmv.DECODE_EXPAND_LOOP = loop
-                triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES = tiles
-                m.lora_side_sm_carveout = carve
-                m.gemm_cublaslt_tokens = lt
-                if engine.graphs is not None:
-                    engine.runner.reset_graphs()  # decode and piecewise
-                    try:  # (an engine without adapters has none loaded: warm it without)
-                        warm_up_engine(engine, run.prompts, names if lora_variant is not None else None)
-                    except Exception as e:  # this variant's rows fail; the others still run
-                        traceback.print_exc()
-                        failed[v] = f"warm-up after re-capture failed: {type(e).__name__}: {e}"[:2000]
-                        run.skip(v, batches, a.gen, failed[v], status="error")
-                        continue
-            row_info = {**info, "round": rnd, "weight_bytes": m.nbytes, "fp8_lm_head": not isinstance(m.lm_head, torch.Tensor),
-                        "lora_side_stream_max_tokens": m.lora_side_limit(),
-                        "lora_side_priority": m.lora_side_priority,
-                        "decode_expand_loop": triton_sgmv.DECODE_EXPAND_LOOP,
-                        "lora_side_sm_carveout": m.lora_side_sm_carveout,
-                        "gemm_cublaslt_tokens": m.gemm_cublaslt_tokens,
-                        "decode_shrink_warps": triton_sgmv.DECODE_SHRINK_WARPS,
-                        "decode_expand_rank_tiles": triton_sgmv.DECODE_EXPAND_RANK_TILES, "lora_pdl": triton_sgmv.PDL,
-                        "step_pdl": triton_pdl.ENABLED, "fp8_gemv_widen_f16": triton_fp8.GEMV_WIDEN_F16,
-                        "async_scheduling": engine._async, "fp8_x_rows": fp8_mod.FP8_X_ROWS,
-                        "attention_decode_tuned": triton_attention.DECODE_TUNED,
-                        "lora_delta_overwrite_min_tokens": model_mod.LORA_DELTA_OVERWRITE_MIN_TOKENS, "fp8_gemv_preload": triton_fp8.GEMV_PRELOAD}
+            row_info = {**info, "round": rnd, "weight_bytes": m.nbytes,
+                        **{k.key: k.record() for k in knobs if k.key is not None}}
             for b in batches:
                 adapters = names[:b] if "-lora" in v else None
                 run.row(v, b, a.gen, lambda v=v, b=b, adapters=adapters, ri=row_info: multilora_row(run, engine, v, b,
                                                                                                    adapters, ri))
-    finally:  # the module-level knobs as they were, whatever happened
-        triton_sgmv.DECODE_EXPAND_LOOP = loop_default
-        triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES = tiles_default
-        triton_sgmv.PDL = pdl_default
-        triton_pdl.ENABLED = step_pdl_default
-        triton_fp8.GEMV_WIDEN_F16 = widen_default
-        sampling.ROW_MAX_TWO_PASS = twopass_default
-        model_mod.FUSE_FP8_QUANT = fuse_quant_default
-        fp8_mod.FP8_X_ROWS = xrows_default
-        triton_attention.DECODE_TUNED = attn_default
-        model_mod.LORA_DELTA_OVERWRITE_MIN_TOKENS = overwrite_default
-        triton_fp8.GEMV_PRELOAD = preload_default
-        triton_fp8._tuned = table_default
-        if engine is not None:
-            engine.model.lm_head = head_default
+    finally:  # every knob as it was, whatever happened
+        for k, d in zip(knobs, defaults):
+            k.put(d)
     engine = None  # free it before the caller goes on (in-process runs)
     free_memory()
     if run.device.type == "cuda":  # the engine capped this process's allocator from its memory plan

@@ -384,6 +384,35 @@ def test_generate_bench_rounds(tmp_path):
         assert f"| {max(t):.2f} ({t[0]:.2f} / {t[1]:.2f}) |" in line, (line, t)
 
 
+def test_generate_bench_variants_set_record_and_restore_their_knobs(tmp_path, monkeypatch):
+    """The provider variants' knobs (``variant_knobs``): each variant's rows record the values it ran with (the
+    zeroed buffer, plain LoRA launches, the side stream off, reads back synchronously), the plain rows the defaults,
+    and every knob is back at its default after the run (in-process, as ``--in-process`` runs it)."""
+    from multilora.kernels import triton_sgmv
+    from multilora.runtime import model as model_mod
+
+    bg = _load_bench("bench_generate")
+    monkeypatch.chdir(tmp_path)
+    before = (model_mod.LORA_DELTA_OVERWRITE_MIN_TOKENS, triton_sgmv.PDL, triton_sgmv.DECODE_EXPAND_LOOP)
+    out = tmp_path / "out"
+    provs = "multilora,multilora-lora,multilora-lora-zeroed,multilora-lora-nopdl,multilora-lora-onetile,multilora-lora-sync"
+    bg.main(["--shape", "tiny", "--batches", "1", "--prompt-len", "8", "--gen", "2", "--dtype", "float32", "--device",
+             "cpu", "--providers", provs, "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out), "--in-process",
+             "--rounds", "2"])  # round 1 runs the variants in reverse: the plain rows come after the others
+    got = json.loads((out / "generate_tiny.json").read_text())
+    assert all(r["status"] == "ok" for r in got), got
+    rows = {r["provider"]: r for r in got if r["round"] == 1}
+    base = rows["multilora-lora"]
+    assert base["lora_delta_overwrite_min_tokens"] == before[0] and base["lora_pdl"] == before[1]
+    assert rows["multilora-lora-zeroed"]["lora_delta_overwrite_min_tokens"] == 1 << 30
+    assert rows["multilora-lora-nopdl"]["lora_pdl"] is False
+    assert rows["multilora-lora-onetile"]["decode_expand_loop"] == [[512, 1, 256, 2]]
+    assert rows["multilora-lora-sync"]["async_scheduling"] is False
+    for name in ("lora_delta_overwrite_min_tokens", "lora_pdl", "decode_expand_loop", "fp8_gemv_preload"):
+        assert rows["multilora"][name] == base[name], name  # the variants' values did not leak into later rows
+    assert (model_mod.LORA_DELTA_OVERWRITE_MIN_TOKENS, triton_sgmv.PDL, triton_sgmv.DECODE_EXPAND_LOOP) == before
+
+
 def test_fused_quant_bench_checks_the_bits(tmp_path):
     """``bench_fused_quant.py --smoke``: on the CPU (Triton's interpreter) every row's fused copy is its output's
     quantization and, there, fused and separate agree bit for bit; the table and JSON are written."""
