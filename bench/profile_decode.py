@@ -15,6 +15,7 @@ tokens (no adapters, or request i on adapter a<i> with --lora), prefilled, then 
     python bench/profile_decode.py                    # H200: ~1 min
     python bench/profile_decode.py --batch 64 --lora
     python bench/profile_decode.py --batch 40 --lora --rank 8 --targets qkvo --distinct 40 --mixed-tokens 256 --mixed-miss
+    python bench/profile_decode.py --batch 8 --lora --mixed-tokens 64 --mixed-miss --sync-audit   # host syncs per site
     python bench/profile_decode.py --json bench/results/profile_decode.json
 """
 
@@ -65,6 +66,38 @@ def gemm_table(cfg: ModelConfig, B: int, dtype: torch.dtype, device: torch.devic
     return rows
 
 
+def sync_audit(step, steps: int) -> dict[str, int]:
+    """Run ``step()`` ``steps`` times under ``torch.cuda.set_sync_debug_mode("warn")`` and count the warnings it gives
+    (a pageable host -> device copy, ``.item()``, a stream or device synchronize...) by the innermost multilora frame
+    that made the call: ``{"path:line function": count}``. An event's ``synchronize`` (the engine's read-back) is not
+    reported by the mode."""
+    import traceback
+    import warnings
+
+    sites: dict[str, int] = defaultdict(int)
+    shown = warnings.showwarning
+
+    def hook(message, category, filename, lineno, file=None, line=None):  # (warnings.showwarning's signature)
+        if "synchroniz" not in str(message).lower():
+            return shown(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1] if "multilora" in f.filename and "/bench/" not in f.filename]
+        f = frames[-1] if frames else None
+        sites[f"{f.filename.split('multilora/')[-1]}:{f.lineno} {f.name}" if f else f"{filename}:{lineno}"] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return dict(sites)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(MODEL_SHAPES))
@@ -97,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync", action="store_true",
                     help="read each step back before launching the next (EngineConfig.async_scheduling=False; the "
                          "default on CUDA launches a step before reading the step before back)")
+    ap.add_argument("--sync-audit", action="store_true",
+                    help="after the profile, run --steps more steps under torch's sync debug mode ('warn') and print "
+                         "where in multilora each host-synchronizing CUDA call came from (file:line, count): a step "
+                         "should wait for the GPU only in its read-back (an event, which the mode does not report)")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -112,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         triton_pdl.ENABLED = triton_sgmv.PDL = False
     cfg = ModelConfig(**MODEL_SHAPES[args.shape])
     bw, _ = copy_bandwidth(dev)
-    total_steps = args.steps + 8
+    total_steps = args.steps * (2 if args.sync_audit else 1) + 8  # steps every running request lives through
     distinct = min(args.distinct or args.batch, args.batch)
     if args.mixed_miss and not (args.lora and args.mixed_tokens):
         ap.error("--mixed-miss needs --lora and --mixed-tokens")
@@ -135,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(distinct):
             engine.load_adapter(f"a{i}", files[i])
         if args.mixed_miss:  # the same weights under new names: each a distinct adapter to the engine
-            fresh = [f"m{i}" for i in range(args.steps + 8)]
+            fresh = [f"m{i}" for i in range(total_steps)]
             for i, n in enumerate(fresh):
                 engine.load_adapter(n, files[i % distinct])
     g = torch.Generator().manual_seed(0)
@@ -229,11 +266,18 @@ def main(argv: list[str] | None = None) -> int:
     per_layer = sum(r["us"] for r in gt if r["gemm"] != "lm_head")
     lm = next(r["us"] for r in gt if r["gemm"] == "lm_head")
     print(f"  GEMMs of one step: {(per_layer * cfg.num_layers + lm) / 1e3:.3f} ms")
+    audit = sync_audit(step, args.steps) if args.sync_audit else None
+    if audit is not None:
+        print(f"\nhost syncs in {args.steps} steps under sync debug mode (site: count): "
+              + ("none" if not audit else ""))
+        for where, n in sorted(audit.items(), key=lambda kv: -kv[1]):
+            print(f"{n:8d}  {where}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"shape": args.shape, "batch": args.batch, "lora": args.lora,
                                          "rank": args.rank, "targets": args.targets, "distinct": distinct,
                                          "mixed_miss": args.mixed_miss, "pool_misses": misses,
+                                         "sync_audit": audit,
                                          "phase_ms": phases,
                                          "mixed_tokens": args.mixed_tokens, "step_kinds": kinds,
                                          "weight_dtype": args.weight_dtype, "async_scheduling": engine._async,
