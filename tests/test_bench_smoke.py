@@ -427,3 +427,19 @@ def test_fused_quant_bench_checks_the_bits(tmp_path):
                                                      ("silu_mul", 5)]
     assert all(r["copy_exact"] and r["outputs_differing"] == 0 and r["fp8_differing"] == 0 for r in rows)
     assert "| silu_mul | 5 |" in (out / "fused_quant.md").read_text()
+
+
+def test_read_contention_bench_runs(tmp_path):
+    """``read_contention.py`` on the tiny shape: three variants, each timed alone and beside a busy Python thread, the
+    image's bytes and GB/s consistent with the times."""
+    rc = _load_bench("read_contention")
+    interval = sys.getswitchinterval()
+    rows = rc.main(["--shape", "tiny", "--rank", "4", "--reads", "1", "--adapter-dir", str(tmp_path),
+                    "--json", str(tmp_path / "rc.json")])
+    assert [r["variant"] for r in rows] == ["the read", "without the finite check",
+                                            "without the finite check and the lora_B transposes"]
+    saved = json.loads((tmp_path / "rc.json").read_text())
+    for r in saved["rows"]:
+        assert r["alone_ms"] > 0 and r["beside_busy_ms"] > 0
+        assert r["alone_gbps"] == pytest.approx(saved["image_bytes"] / (r["alone_ms"] / 1e3) / 1e9)
+    assert sys.getswitchinterval() == interval  # the interpreter's switch interval put back
