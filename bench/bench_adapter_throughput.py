@@ -110,6 +110,10 @@ def main() -> None:
                     help="Engine(host_arena_map_ahead_bytes=GB * 1e9): the host tier's chunks mapped and pinned on a "
                          "background thread from the engine's start; 0: as adapters need them (default: the engine's, "
                          "a pool's worth once the adapters outgrow the pool, on a discrete GPU)")
+    ap.add_argument("--read-batch-bytes", type=int, default=None,
+                    help="runtime.adapters.image._BATCH_B_BYTES: images with at most this many lora_B bytes are read "
+                         "with every lora_B in the scratch and one transpose per module; 0: in 1 MiB groups, one "
+                         "transpose per (layer, module), what ran before session 28 (default: the module's)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval (seconds; Python's default is 0.005): how long a thread back from I/O "
@@ -120,6 +124,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.switch_interval:  # (the engine sets it too: Engine(gil_switch_interval=...) below)
         sys.setswitchinterval(args.switch_interval)
+    from multilora.runtime.adapters import image as image_mod
+    if args.read_batch_bytes is not None:
+        image_mod._BATCH_B_BYTES = args.read_batch_bytes
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -153,6 +160,7 @@ def main() -> None:
             "host_adapters": engine.stats()["host_tier_budget"] // adapter_bytes,
             "pool_from_plan": not args.pool_adapters, "host_from_plan": not args.host_adapters,
             "base_tokens_per_s": base_tok / base_s, "adapter_finish": args.adapter_finish,
+            "read_batch_bytes": image_mod._BATCH_B_BYTES,
             "adapter_io_threads": engine.engine_config.adapter_io_threads,
             "host_arena_map_ahead_bytes": engine.engine_config.host_arena_map_ahead_bytes,
             "host_arena_map_ahead_on_overflow": engine.cache.map_ahead_on_overflow}

@@ -161,6 +161,46 @@ def test_fast_path_pages_are_bit_identical(layout, file_dtype, pool_dtype, tmp_p
         assert w.a.dtype == w.b.dtype == file_dtype
 
 
+def _write_uneven(path, dtype, seed=0):
+    """q and k on every layer, k at rank 8 on layer 1 only (rank_pattern by layer): layer 1's region is larger, so
+    q's B^T regions are not evenly spaced (placed one by one) and k's rank-4 ones are (one strided copy)."""
+    ranks = {}
+    for layer in range(CFG.num_layers):
+        ranks[(layer, "q_proj")] = 4
+        ranks[(layer, "k_proj")] = 8 if layer == 1 else 4
+    save_peft_adapter(path, _modules(ranks, dtype, seed), r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"],
+                      rank_pattern={"model.layers.1.self_attn.k_proj": 8})
+    return path
+
+
+@pytest.mark.parametrize("batch_bytes", [64 << 20, 0], ids=["batched", "groups"])
+@pytest.mark.parametrize("layout", ["uniform", "patterned", "uneven"])
+def test_scatter_paths_are_bit_identical(layout, batch_bytes, tmp_path, monkeypatch):
+    """Both same-dtype scatter paths of ``read_image`` (every lora_B of the image in the scratch and one strided
+    copy per module, ``_scatter_batched``; or groups of ``_SCATTER_BYTES``, ``_scatter_into``) give the reference's
+    image, with B^T regions evenly spaced (one copy for all layers) and not (per-layer ranks: one copy each)."""
+    import multilora.runtime.adapters.image as image
+
+    monkeypatch.setattr(image, "_BATCH_B_BYTES", batch_bytes)
+    write = {"uniform": _write_uniform, "patterned": _write_patterned, "uneven": _write_uneven}[layout]
+    for dtype in (torch.bfloat16, torch.float32):
+        d = write(tmp_path / f"{layout}-{dtype}".replace("torch.", ""), dtype)
+        pool = _pool(dtype)
+        want = _reference_pack(pool, load_peft_adapter(d, CFG, name="x"))
+        out = torch.full_like(want.data, float("nan"))
+        _assert_same_packed(read_image(d, CFG, pool, name="x", out=out)[1], want)
+    if layout == "uneven":  # both kinds of batch were there
+        f = image.OpenFile(d / WTS)
+        try:
+            cfg_path, cfg_bytes, cfg_stamp, wpath = image._config_and_weights(d)
+            plan = image._plan_of(f, d, wpath, cfg_path, cfg_bytes, cfg_stamp, CFG, pool)
+        finally:
+            f.close()
+        assert sorted((b.modules[0].name, b.modules[0].r, len(b.modules), b.stride is None) for b in plan.batches) == [
+            ("k_proj", 4, 2, False), ("k_proj", 8, 1, False), ("q_proj", 4, 3, True)]
+        assert plan.b_bytes == sum(m.b.nbytes for m in plan.modules)
+
+
 def test_pack_of_user_modules_is_bit_identical(tmp_path):
     """``pool.pack`` on LoRAAdapters built in memory: any floating dtype, non-contiguous tensors, every
     module rank (partial pages of every size), modules left out."""

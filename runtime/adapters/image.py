@@ -63,6 +63,12 @@ _DEFER_CHECK = True  # False: check tensor by tensor while in cache (an A/B swit
 #: threads); _SCATTER False: one read per tensor (the A/B switch of bench_adapter_load.py)
 _SCATTER_BYTES = 1 << 20
 _SCATTER = True
+#: an image whose lora_B bytes are at most this many is read in one pass with every lora_B in the per-thread scratch,
+#: laid out by module and layer, and each module's B^T of every layer placed by one strided numpy call (``_Batch``)
+#: instead of one call per (layer, module): each call gives the GIL up and must take it back, which beside a step
+#: thread running Python costs up to a switch interval (``bench/read_contention.py``, session 28). 0: off (the
+#: groups of ``_SCATTER_BYTES``, what ran before)
+_BATCH_B_BYTES = 64 << 20
 
 _scratch = threading.local()
 
@@ -108,6 +114,18 @@ class _Module:
     r: int
     d_in: int
     slices: tuple[tuple[int, int, int, int], ...]  # (offset of A, offset of B^T, first row of B, rows)
+    name: str = ""  # the module (q_proj, ...): what ``_batches`` groups by
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """lora_B of one module over layers whose B^T regions are ``stride`` elements apart in the image (one slice each,
+    one rank, one width): in the scratch they sit one after another from ``scratch_off`` (bytes), so one strided
+    copy places them all. ``stride`` None: the regions are not evenly spaced (per-layer ranks), placed one by one."""
+
+    modules: tuple[_Module, ...]  # by image offset
+    scratch_off: int
+    stride: int | None
 
 
 @dataclass(frozen=True)
@@ -124,6 +142,27 @@ class _Plan:
     adapter: LoRAAdapter  # its modules hold meta tensors and the scalings
     reads: tuple[tuple[int, bool, _Module], ...] = ()  # every tensor (begin, is lora_B, its module) in file order
     finish: FinishOps | None = None  # what the pool does on the device to a raw read of this layout
+    batches: tuple[_Batch, ...] = ()  # every lora_B, by module (``_batches``)
+    b_bytes: int = 0  # their bytes, all in the file's dtype
+
+
+def _batches(modules: list[_Module]) -> tuple[tuple[_Batch, ...], int]:
+    """Every module's lora_B grouped for ``_scatter_batched``: by (module, rank, widths, dtype), each group in image
+    order with its scratch offset; a group's stride when its B^T regions are evenly spaced (uniform layers), else
+    None. Returns the batches and the scratch bytes they take."""
+    groups: dict[tuple, list[_Module]] = {}
+    for m in modules:
+        key = (m.name, m.r, m.d_in, tuple(rows for _, _, _, rows in m.slices), m.b.dtype)
+        groups.setdefault(key, []).append(m)
+    out, off = [], 0
+    for ms in groups.values():
+        ms.sort(key=lambda m: m.slices[0][1])
+        obs = [m.slices[0][1] for m in ms]
+        steps = {b - a for a, b in zip(obs, obs[1:])}
+        stride = (steps.pop() if steps else 0) if len(steps) <= 1 and len(ms[0].slices) == 1 else None
+        out.append(_Batch(tuple(ms), off, stride))
+        off += sum(m.b.nbytes for m in ms)
+    return tuple(out), off
 
 
 _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
@@ -397,14 +436,15 @@ def _make_plan(f, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, pool,
             mi = MODULE_INDEX[part]
             ranks_t[layer, mi], scalings_t[layer, mi], offsets_t[layer, mi] = r, scaling, oa
         groups.append((group_start, pad_end, first_op))
-        plan_modules.append(_Module(tens[0], tens[1], r, d_in, tuple(slices)))
+        plan_modules.append(_Module(tens[0], tens[1], r, d_in, tuple(slices), module))
+    batches, b_bytes = _batches(plan_modules)
     return _Plan(data_start=min((m.a.begin for m in plan_modules), default=0), file_size=f.size,
                  numel=pages * PAGE_ELEMS, modules=tuple(plan_modules), pads=tuple(p for p in pads if p[1] > p[0]),
                  ranks=ranks_t, scalings=scalings_t, offsets=offsets_t,
                  max_rank=int(ranks_t.max()) if ranks_t.numel() else 0, adapter=adapter,
                  reads=tuple(sorted(((t.begin, t is m.b, m) for m in plan_modules for t in (m.a, m.b)),
                                     key=lambda x: x[0])),
-                 finish=finish_ops(ops, groups, op_keys, pages * PAGE_ELEMS))
+                 finish=finish_ops(ops, groups, op_keys, pages * PAGE_ELEMS), batches=batches, b_bytes=b_bytes)
 
 
 def _nonfinite(wpath: Path, t: _Tensor, x: torch.Tensor) -> AdapterError:
@@ -471,6 +511,52 @@ def _scatter_into(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memoryvi
         _share_a(img, m)
 
 
+def _scatter_batched(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memoryview, esize: int) -> None:
+    """``_scatter_into`` in one pass (an image of at most ``_BATCH_B_BYTES`` of lora_B): the file's tensors read in
+    file order by scatter reads, each lora_A straight into the image, each lora_B into its place in the per-thread
+    scratch (by module, then layer: ``plan.batches``); then each module's B^T of every layer placed by one strided
+    copy (a batch of evenly spaced regions; else one copy per layer), and a fused projection's A copied to its other
+    slices. About a dozen numpy calls and reads per image instead of a few hundred: each gives the GIL up."""
+    scratch = _scratch_np(plan.b_bytes)
+    where: dict[int, int] = {}  # id(module) -> its lora_B's offset in the scratch
+    for bt in plan.batches:
+        off = bt.scratch_off
+        for m in bt.modules:
+            where[id(m)] = off
+            off += m.b.nbytes
+    bufs: list[memoryview] = []
+    start = nxt = 0
+    for begin, is_b, m in plan.reads:
+        if bufs and begin != nxt:  # a gap in the file: read what is gathered
+            f.read_scatter(bufs, start)
+            bufs = []
+        if not bufs:
+            start = begin
+        t = m.b if is_b else m.a
+        if is_b:
+            bufs.append(memoryview(scratch[where[id(m)] : where[id(m)] + t.nbytes]))
+        else:
+            oa = m.slices[0][0] * esize
+            bufs.append(img_bytes[oa : oa + t.nbytes])
+        nxt = begin + t.nbytes
+    if bufs:
+        f.read_scatter(bufs, start)
+    for bt in plan.batches:
+        m0 = bt.modules[0]
+        if bt.stride is None:
+            for m in bt.modules:
+                _place_b(img, m, scratch[where[id(m)] : where[id(m)] + m.b.nbytes].view(img.dtype))
+            continue
+        n, r, d_out, ob0 = len(bt.modules), m0.r, m0.slices[0][3], m0.slices[0][1]
+        src = scratch[bt.scratch_off : bt.scratch_off + n * m0.b.nbytes].view(img.dtype).reshape(n, d_out, r)
+        isz = img.itemsize
+        dst = np.lib.stride_tricks.as_strided(img[ob0:], shape=(n, r, d_out),
+                                              strides=(bt.stride * isz, d_out * isz, isz), writeable=True)
+        np.copyto(dst, src.transpose(0, 2, 1))
+    for m in plan.modules:
+        _share_a(img, m)
+
+
 def _scatter_raw(plan: _Plan, f: OpenFile, img_bytes: memoryview, esize: int) -> None:
     """Every tensor in the pool dtype, read raw: in file order by scatter reads (``OpenFile.read_scatter``, up
     to 1024 buffers per ``preadv``), each lora_A into its first slice's A region, each slice's rows of lora_B
@@ -523,7 +609,9 @@ def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out
     deferred = _DEFER_CHECK and not verified and same
     verified = verified or deferred
     scatter = same and verified and _SCATTER  # no per-tensor check to make: read in file order
-    if scatter:
+    if scatter and 0 < plan.b_bytes <= _BATCH_B_BYTES:
+        _scatter_batched(plan, f, img, img_bytes, esize)
+    elif scatter:
         _scatter_into(plan, f, img, img_bytes, esize)
     for m in () if scatter else plan.modules:
         a, b, r, d_in = m.a, m.b, m.r, m.d_in
