@@ -75,7 +75,9 @@ _scratch = threading.local()
 
 def _scratch_bytes(nbytes: int) -> torch.Tensor:
     """A per-thread ``uint8`` scratch buffer of at least ``nbytes``, grown to powers of two from 64 KiB and never
-    shrunk: one lora_B (Llama-3-8B's largest at r = 64 is 1.8 MB), per I/O thread."""
+    shrunk: every lora_B of an image of at most ``_BATCH_B_BYTES`` (64 MiB for a Llama-3-8B rank-16 all-module one,
+    8 MiB at rank 8 on q/k/v/o), else a group of ``_SCATTER_BYTES`` or one lora_B, per thread that reads adapters
+    (docs/memory.md, section 4)."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < nbytes:
         buf = _scratch.buf = torch.empty(max(1 << (max(nbytes, 1) - 1).bit_length(), 1 << 16), dtype=torch.uint8)
