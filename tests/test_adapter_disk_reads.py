@@ -82,6 +82,7 @@ def test_scatter_image_equals_per_tensor_image(dtype, scratch_bytes, tmp_path, m
     want = read_image(d, CFG, pool, name="x")[1]
     monkeypatch.setattr(image, "_SCATTER", True)
     monkeypatch.setattr(image, "_SCATTER_BYTES", scratch_bytes)
+    monkeypatch.setattr(image, "_BATCH_B_BYTES", 0)  # the groups path (the batched one ignores _SCATTER_BYTES)
     for verified in (False, True):
         out = torch.full_like(want.data, float("nan"))  # every element written
         got = read_image(d, CFG, pool, name="x", out=out, verified=verified)[1]

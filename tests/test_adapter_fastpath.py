@@ -201,6 +201,46 @@ def test_scatter_paths_are_bit_identical(layout, batch_bytes, tmp_path, monkeypa
         assert plan.b_bytes == sum(m.b.nbytes for m in plan.modules)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_scatter_paths_are_bit_identical_on_fused_projections(dtype, tmp_path, monkeypatch):
+    """Phi-3's fused qkv_proj / gate_up_proj (one A shared by slices of different widths, B over the fused width),
+    with per-layer ranks: the batched path (fused modules placed one by one), the groups path and the per-tensor
+    path give the general path's image bit for bit."""
+    import json as _json
+
+    from safetensors.torch import save_file as _save
+
+    import multilora.runtime.adapters.image as image
+
+    cfg = ModelConfig.from_hf_dict(dict(model_type="phi3", vocab_size=10, hidden_size=32, intermediate_size=24,
+                                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+                                        max_position_embeddings=64))
+    mods = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+    shape = {"qkv_proj": (32, 48), "o_proj": (32, 32), "gate_up_proj": (32, 48), "down_proj": (24, 32)}
+    rp = {"model.layers.0.self_attn.qkv_proj": 6, "model.layers.2.mlp.down_proj": 3}
+    g = torch.Generator().manual_seed(0)
+    t = {}
+    for layer in range(4):
+        for m, parent in mods.items():
+            r = rp.get(f"model.layers.{layer}.{parent}.{m}", 4)
+            d_in, d_out = shape[m]
+            k = f"base_model.model.model.layers.{layer}.{parent}.{m}.lora_"
+            t[k + "A.weight"] = torch.randn(r, d_in, generator=g).to(dtype)
+            t[k + "B.weight"] = torch.randn(d_out, r, generator=g).to(dtype)
+    d = tmp_path / "phi3"
+    d.mkdir()
+    _save(t, str(d / WTS), metadata={"format": "pt"})
+    (d / "adapter_config.json").write_text(_json.dumps(dict(peft_type="LORA", r=4, lora_alpha=8,
+                                                            target_modules=list(mods), rank_pattern=rp)))
+    pool = AdapterPool(cfg, num_bytes=1 << 22, max_rank=16, dtype=dtype)
+    want = read_packed_adapter(d, cfg, pool, name="x")[1]
+    for batch, scatter in ((64 << 20, True), (0, True), (64 << 20, False)):
+        monkeypatch.setattr(image, "_BATCH_B_BYTES", batch)
+        monkeypatch.setattr(image, "_SCATTER", scatter)
+        out = torch.full_like(want.data, float("nan"))
+        _assert_same_packed(read_image(d, cfg, pool, name="x", out=out)[1], want)
+
+
 def test_pack_of_user_modules_is_bit_identical(tmp_path):
     """``pool.pack`` on LoRAAdapters built in memory: any floating dtype, non-contiguous tensors, every
     module rank (partial pages of every size), modules left out."""

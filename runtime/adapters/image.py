@@ -33,7 +33,7 @@ import math
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -123,11 +123,13 @@ class _Module:
 class _Batch:
     """lora_B of one module over layers whose B^T regions are ``stride`` elements apart in the image (one slice each,
     one rank, one width): in the scratch they sit one after another from ``scratch_off`` (bytes), so one strided
-    copy places them all. ``stride`` None: the regions are not evenly spaced (per-layer ranks), placed one by one."""
+    copy places them all. ``stride`` None: the regions are not evenly spaced (per-layer ranks), or the module is a
+    fused projection of several slices: placed one by one."""
 
     modules: tuple[_Module, ...]  # by image offset
     scratch_off: int
     stride: int | None
+    offs: tuple[int, ...] = ()  # each module's lora_B offset in the scratch (bytes), in ``modules`` order
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,11 @@ class _Plan:
     reads: tuple[tuple[int, bool, _Module], ...] = ()  # every tensor (begin, is lora_B, its module) in file order
     finish: FinishOps | None = None  # what the pool does on the device to a raw read of this layout
     batches: tuple[_Batch, ...] = ()  # every lora_B, by module (``_batches``)
-    b_bytes: int = 0  # their bytes, all in the file's dtype
+    b_where: dict = field(default=None, compare=False, repr=False)  # id(module) -> its lora_B's scratch offset
+    b_bytes: int = 0  # the scratch bytes they take (each lora_B in its file dtype)
+
+    def __post_init__(self) -> None:  # (from ``batches``, once per plan: a read looks each module up)
+        object.__setattr__(self, "b_where", {id(m): o for bt in self.batches for m, o in zip(bt.modules, bt.offs)})
 
 
 def _batches(modules: list[_Module]) -> tuple[tuple[_Batch, ...], int]:
@@ -162,7 +168,8 @@ def _batches(modules: list[_Module]) -> tuple[tuple[_Batch, ...], int]:
         obs = [m.slices[0][1] for m in ms]
         steps = {b - a for a, b in zip(obs, obs[1:])}
         stride = (steps.pop() if steps else 0) if len(steps) <= 1 and len(ms[0].slices) == 1 else None
-        out.append(_Batch(tuple(ms), off, stride))
+        offs = tuple(off + sum(m.b.nbytes for m in ms[:i]) for i in range(len(ms)))
+        out.append(_Batch(tuple(ms), off, stride, offs))
         off += sum(m.b.nbytes for m in ms)
     return tuple(out), off
 
@@ -520,12 +527,7 @@ def _scatter_batched(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memor
     copy (a batch of evenly spaced regions; else one copy per layer), and a fused projection's A copied to its other
     slices. About a dozen numpy calls and reads per image instead of a few hundred: each gives the GIL up."""
     scratch = _scratch_np(plan.b_bytes)
-    where: dict[int, int] = {}  # id(module) -> its lora_B's offset in the scratch
-    for bt in plan.batches:
-        off = bt.scratch_off
-        for m in bt.modules:
-            where[id(m)] = off
-            off += m.b.nbytes
+    where = plan.b_where  # id(module) -> its lora_B's offset in the scratch (the plan's modules: ids stable)
     bufs: list[memoryview] = []
     start = nxt = 0
     for begin, is_b, m in plan.reads:
