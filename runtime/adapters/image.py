@@ -122,14 +122,13 @@ class _Module:
 @dataclass(frozen=True)
 class _Batch:
     """lora_B of one module over layers whose B^T regions are ``stride`` elements apart in the image (one slice each,
-    one rank, one width): in the scratch they sit one after another from ``scratch_off`` (bytes), so one strided
+    one rank, one width): in the scratch they sit one after another from ``offs[0]`` (bytes), so one strided
     copy places them all. ``stride`` None: the regions are not evenly spaced (per-layer ranks), or the module is a
     fused projection of several slices: placed one by one."""
 
     modules: tuple[_Module, ...]  # by image offset
-    scratch_off: int
+    offs: tuple[int, ...]  # each module's lora_B offset in the scratch (bytes), in ``modules`` order: consecutive
     stride: int | None
-    offs: tuple[int, ...] = ()  # each module's lora_B offset in the scratch (bytes), in ``modules`` order
 
 
 @dataclass(frozen=True)
@@ -168,9 +167,11 @@ def _batches(modules: list[_Module]) -> tuple[tuple[_Batch, ...], int]:
         obs = [m.slices[0][1] for m in ms]
         steps = {b - a for a, b in zip(obs, obs[1:])}
         stride = (steps.pop() if steps else 0) if len(steps) <= 1 and len(ms[0].slices) == 1 else None
-        offs = tuple(off + sum(m.b.nbytes for m in ms[:i]) for i in range(len(ms)))
-        out.append(_Batch(tuple(ms), off, stride, offs))
-        off += sum(m.b.nbytes for m in ms)
+        offs = []
+        for m in ms:
+            offs.append(off)
+            off += m.b.nbytes
+        out.append(_Batch(tuple(ms), tuple(offs), stride))
     return tuple(out), off
 
 
@@ -520,14 +521,10 @@ def _scatter_into(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memoryvi
         _share_a(img, m)
 
 
-def _scatter_batched(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memoryview, esize: int) -> None:
-    """``_scatter_into`` in one pass (an image of at most ``_BATCH_B_BYTES`` of lora_B): the file's tensors read in
-    file order by scatter reads, each lora_A straight into the image, each lora_B into its place in the per-thread
-    scratch (by module, then layer: ``plan.batches``); then each module's B^T of every layer placed by one strided
-    copy (a batch of evenly spaced regions; else one copy per layer), and a fused projection's A copied to its other
-    slices. About a dozen numpy calls and reads per image instead of a few hundred: each gives the GIL up."""
-    scratch = _scratch_np(plan.b_bytes)
-    where = plan.b_where  # id(module) -> its lora_B's offset in the scratch (the plan's modules: ids stable)
+def _read_in_file_order(plan: _Plan, f: OpenFile, img_bytes: memoryview, esize: int, b_bufs) -> None:
+    """Every tensor of ``plan`` read in file order by scatter reads (``OpenFile.read_scatter``: one ``preadv`` per
+    contiguous run of up to 1024 buffers): each lora_A into its first slice's A region of the image, each lora_B into
+    the buffers ``b_bufs(module)`` gives (together exactly its bytes, in file order)."""
     bufs: list[memoryview] = []
     start = nxt = 0
     for begin, is_b, m in plan.reads:
@@ -536,15 +533,27 @@ def _scatter_batched(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memor
             bufs = []
         if not bufs:
             start = begin
-        t = m.b if is_b else m.a
         if is_b:
-            bufs.append(memoryview(scratch[where[id(m)] : where[id(m)] + t.nbytes]))
+            bufs += b_bufs(m)
+            nxt = begin + m.b.nbytes
         else:
             oa = m.slices[0][0] * esize
-            bufs.append(img_bytes[oa : oa + t.nbytes])
-        nxt = begin + t.nbytes
+            bufs.append(img_bytes[oa : oa + m.a.nbytes])
+            nxt = begin + m.a.nbytes
     if bufs:
         f.read_scatter(bufs, start)
+
+
+def _scatter_batched(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memoryview, esize: int) -> None:
+    """``_scatter_into`` in one pass (an image of at most ``_BATCH_B_BYTES`` of lora_B): the file's tensors read in
+    file order by scatter reads, each lora_A straight into the image, each lora_B into its place in the per-thread
+    scratch (by module, then layer: ``plan.batches``); then each module's B^T of every layer placed by one strided
+    copy (a batch of evenly spaced regions; else one copy per layer), and a fused projection's A copied to its other
+    slices. About a dozen numpy calls and reads per image instead of a few hundred: each gives the GIL up."""
+    scratch = _scratch_np(plan.b_bytes)
+    where = plan.b_where  # id(module) -> its lora_B's offset in the scratch (the plan's modules: ids stable)
+    _read_in_file_order(plan, f, img_bytes, esize,
+                        lambda m: [memoryview(scratch[where[id(m)] : where[id(m)] + m.b.nbytes])])
     for bt in plan.batches:
         m0 = bt.modules[0]
         if bt.stride is None:
@@ -552,7 +561,7 @@ def _scatter_batched(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memor
                 _place_b(img, m, scratch[where[id(m)] : where[id(m)] + m.b.nbytes].view(img.dtype))
             continue
         n, r, d_out, ob0 = len(bt.modules), m0.r, m0.slices[0][3], m0.slices[0][1]
-        src = scratch[bt.scratch_off : bt.scratch_off + n * m0.b.nbytes].view(img.dtype).reshape(n, d_out, r)
+        src = scratch[bt.offs[0] : bt.offs[0] + n * m0.b.nbytes].view(img.dtype).reshape(n, d_out, r)
         isz = img.itemsize
         dst = np.lib.stride_tricks.as_strided(img[ob0:], shape=(n, r, d_out),
                                               strides=(bt.stride * isz, d_out * isz, isz), writeable=True)
@@ -566,24 +575,9 @@ def _scatter_raw(plan: _Plan, f: OpenFile, img_bytes: memoryview, esize: int) ->
     to 1024 buffers per ``preadv``), each lora_A into its first slice's A region, each slice's rows of lora_B
     (contiguous in the file) into that slice's B region as they are. No copy, no check: the device finish
     (``plan.finish``) transposes B, fills the other slices' A and checks the values."""
-    bufs: list[memoryview] = []
-    start = nxt = 0
-    for begin, is_b, m in plan.reads:
-        if bufs and begin != nxt:  # a gap in the file: read what is gathered
-            f.read_scatter(bufs, start)
-            bufs = []
-        if not bufs:
-            start = begin
-        if is_b:
-            for _, ob, _, rows in m.slices:  # B's rows of each slice, in row order: contiguous in the file
-                bufs.append(img_bytes[ob * esize : (ob + m.r * rows) * esize])
-            nxt = begin + m.b.nbytes
-        else:
-            oa = m.slices[0][0] * esize
-            bufs.append(img_bytes[oa : oa + m.a.nbytes])
-            nxt = begin + m.a.nbytes
-    if bufs:
-        f.read_scatter(bufs, start)
+    # B's rows of each slice, in row order: contiguous in the file
+    _read_in_file_order(plan, f, img_bytes, esize, lambda m: [img_bytes[ob * esize : (ob + m.r * rows) * esize]
+                                                             for _, ob, _, rows in m.slices])
 
 
 def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out, verified: bool,
