@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU tests (-m gpu) on a machine with one CUDA GPU, in four shards run at once (about 6 minutes on the H200
+# The GPU tests (-m gpu) on a machine with one CUDA GPU, in five shards run at once (about 6 minutes on the H200
 # instead of about 13 one after the other), for the device machine's 10-minute calls.
 #
 #   bash scripts/gpu_suite.sh OUT_DIR [LIMIT_SECONDS]     (LIMIT: each shard's time limit, default 400)
@@ -20,9 +20,10 @@ LOGS=$(mktemp -d)
 # PDL tests: A and B past 300 s, C 116 s, so Phi-3 and Gemma 2 moved from A and B to C; session 22: A past 330 s 38
 # tests into test_fp8_gpu.py, B 322 s, C 207 s, so test_fp8_gpu.py (50 s alone) moved from A to C; session 24: A and B
 # both past 380 s (B with the async-scheduling tests), C 308 s, so test_engine_gpu.py got a shard of its own, D, and
-# test_image_finish.py moved from A to B)
-A="test_kernels.py test_fused_ops.py"
-B="test_attention.py test_sampling.py test_image_finish.py"
+# test_image_finish.py moved from A to B; session 28: A, test_kernels.py with test_fused_ops.py, past 396 s, so
+# test_fused_ops.py moved to B (71 s) and test_kernels.py's tests are dealt alternately to shards A and E)
+A="test_kernels.py"
+B="test_attention.py test_sampling.py test_image_finish.py test_fused_ops.py"
 D="test_engine_gpu.py"
 C="test_adapter_tiers.py test_engine_loop.py test_engine_diagnostics.py test_adapter_memory.py test_suite_halves.py
    test_model_families_gpu.py test_engine_unified.py test_model_phi3_gpu.py test_model_gemma2_gpu.py test_fp8_gpu.py"
@@ -33,20 +34,30 @@ for f in $(grep -l "mark\.gpu" "$T"/test_*.py | xargs -n1 basename); do
 done
 C="$C$extra"
 SECONDS=0
-shard() {  # name, files...
+shard() {  # name, test files or node ids (relative to tests/)...
     local n=$1; shift
-    (cd /tmp && timeout "$LIMIT" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=5 \
+    (set -f; cd /tmp && timeout "$LIMIT" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=5 \
         $(printf "$T/%s " "$@") > "$LOGS/shard_$n.log" 2>&1
      echo "shard $n rc=$? at $SECONDS s" >> "$LOGS/shard_$n.log")
 }
-shard A $A &
+# shard A's files' tests, dealt alternately to A and E (neighbours in a file tend to cost alike)
+(cd /tmp && python3 -m pytest -m gpu -q -p no:cacheprovider --collect-only $(printf "$T/%s " $A) 2>/dev/null) \
+    | grep "::" | sed "s|^.*tests/||" > "$LOGS/a_ids.txt"
+if [ -s "$LOGS/a_ids.txt" ]; then
+    A_IDS=$(awk 'NR % 2 == 1' "$LOGS/a_ids.txt"); E_IDS=$(awk 'NR % 2 == 0' "$LOGS/a_ids.txt")
+else  # collection failed: run the files whole in A, and let the shard's log say why
+    A_IDS=$A; E_IDS=""
+fi
+shard A $A_IDS &
+[ -n "$E_IDS" ] && shard E $E_IDS &
 shard B $B &
 shard C $C &
 shard D $D &
 wait
 {
     [ -n "$extra" ] && echo "=== files with a gpu mark that no shard named, run in shard C:$extra"
-    for n in A B C D; do echo "=== shard $n"; tail -25 "$LOGS/shard_$n.log"; done
+    for n in A E B C D; do
+        [ -f "$LOGS/shard_$n.log" ] || continue echo "=== shard $n"; tail -25 "$LOGS/shard_$n.log"; done
 } > "$OUT/gpu_tests.log"
 status=0
 grep -q "rc=[^0]" "$LOGS"/shard_*.log && status=1
