@@ -212,6 +212,11 @@ def main(argv=None):
     ap.add_argument("--expand-rank-tiles", default=None, type=_int_pair, metavar="BLOCK_N,WARPS",
                     help="decode expand from a rank > 16 pool with these tiles (triton_sgmv.DECODE_EXPAND_RANK_TILES; "
                     "default 128,2 since session 18), e.g. 256,4; the run's JSON gets _xtiles<BLOCK_N>x<WARPS>")
+    ap.add_argument("--expand-wide-out", default=None, metavar="MIN_D_OUT,BLOCK_N,WARPS|none",
+                    help="decode expand from a rank > 16 pool past the wide regime, for fused outputs at least MIN_D_OUT "
+                    "wide (triton_sgmv.DECODE_EXPAND_RANK_WIDE_OUT; default 16384,256,4 since session 29: gate/up); "
+                    "none: every width takes DECODE_EXPAND_RANK_TILES (what ran before); the run's JSON gets "
+                    "_wideout<...>")
     ap.add_argument("--no-pdl", action="store_true",
                     help="plain launches of the LoRA kernels instead of programmatic dependent launch "
                     "(triton_sgmv.PDL = False: what ran before session 20); the run's JSON gets _nopdl")
@@ -250,6 +255,21 @@ def main(argv=None):
                      f"{block_n},{warps}")
         triton_sgmv.DECODE_EXPAND_RANK_TILES = (block_n, warps)
         tag += f"_xtiles{block_n}x{warps}"
+    if args.expand_wide_out is not None:
+        if args.expand_wide_out == "none":
+            triton_sgmv.DECODE_EXPAND_RANK_WIDE_OUT = None
+            tag += "_wideoutnone"
+        else:
+            try:
+                min_d, block_n, warps = (int(v) for v in args.expand_wide_out.split(","))
+            except ValueError:
+                ap.error(f"--expand-wide-out: expected MIN_D_OUT,BLOCK_N,WARPS (three integers) or none, got "
+                         f"{args.expand_wide_out!r}")
+            if min_d < 1 or block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16):
+                ap.error(f"--expand-wide-out: expected MIN_D_OUT >= 1, BLOCK_N a power of two >= 16 and WARPS in 1, "
+                         f"2, 4, 8, 16, got {args.expand_wide_out}")
+            triton_sgmv.DECODE_EXPAND_RANK_WIDE_OUT = (min_d, block_n, warps)
+            tag += f"_wideout{min_d}x{block_n}x{warps}"
     if args.no_pdl:
         triton_sgmv.PDL = False
         tag += "_nopdl"
@@ -273,6 +293,7 @@ def main(argv=None):
                settings=dict(decode_expand_loop=triton_sgmv.DECODE_EXPAND_LOOP,
                              decode_shrink_warps=triton_sgmv.DECODE_SHRINK_WARPS,
                              decode_expand_rank_tiles=triton_sgmv.DECODE_EXPAND_RANK_TILES,
+                             decode_expand_rank_wide_out=triton_sgmv.DECODE_EXPAND_RANK_WIDE_OUT,
                              wide_shrink=triton_sgmv.WIDE_SHRINK, pdl=triton_sgmv.PDL,
                              pdl_early_trigger=triton_sgmv.PDL_EARLY_TRIGGER,
                              blas=str(torch.backends.cuda.preferred_blas_library()),

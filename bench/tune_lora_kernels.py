@@ -44,7 +44,8 @@ def _write(out_dir: str, stem: str, env: dict, rows: list, lines: list) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def decode_expand(out_dir: str, rank: int = 16, tokens: tuple[int, ...] = (8, 64, 256)) -> None:
+def decode_expand(out_dir: str, rank: int = 16, tokens: tuple[int, ...] = (8, 64, 256),
+                  groups: tuple[str, ...] | None = None) -> None:
     """The ``--decode-expand`` sweep (module docstring); writes ``tune_decode_expand[_r<rank>].json/.md`` (suffix for
     ranks other than 16)."""
     stem = "tune_decode_expand" + (f"_r{rank}" if rank != 16 else "")
@@ -62,8 +63,8 @@ def decode_expand(out_dir: str, rank: int = 16, tokens: tuple[int, ...] = (8, 64
                + [dict(tiles=t, block_n=256, num_stages=3, num_warps=8) for t in (2, 4, 8)])
     if rank > 16:  # looped tiles are for rank <= 16 pools only (the launcher ignores ``tiles`` above): warps instead
         configs = [dict(block_n=bn, num_stages=ns, num_warps=nw) for bn in (64, 128, 256, 512) for ns in (2, 3, 4)
-                   for nw in (1, 2, 4)]
-    for group in LAYER_8B:
+                   for nw in (1, 2, 4, 8)]
+    for group in groups or LAYER_8B:
         d_in, d_outs = G[group]
         for T in tokens:
             K = max(1, min(8, 256 // T * 2))  # sets per graph: enough distinct B bytes to pass L2
@@ -102,7 +103,8 @@ def decode_expand(out_dir: str, rank: int = 16, tokens: tuple[int, ...] = (8, 64
             torch.cuda.empty_cache()
 
 
-def decode_shrink(out_dir: str, rank: int = 16, tokens: tuple[int, ...] = (8, 64, 256)) -> None:
+def decode_shrink(out_dir: str, rank: int = 16, tokens: tuple[int, ...] = (8, 64, 256),
+                  groups: tuple[str, ...] | None = None) -> None:
     """The ``--decode-shrink`` sweep (module docstring); writes ``tune_decode_shrink[_r<rank>].json/.md`` (suffix for
     ranks other than 16)."""
     stem = "tune_decode_shrink" + (f"_r{rank}" if rank != 16 else "")
@@ -113,7 +115,7 @@ def decode_shrink(out_dir: str, rank: int = 16, tokens: tuple[int, ...] = (8, 64
     env = environment()
     rows, lines = [], ["| group | tokens = adapters | MB of A | default | best | best config | best GB/s |",
                        "|---|---|---|---|---|---|---|"]
-    for group in LAYER_8B:
+    for group in groups or LAYER_8B:
         d_in, d_outs = G[group]
         for T in tokens:
             K = max(1, min(8, 256 // T * 2))  # sets per graph: enough distinct A bytes to pass L2
@@ -162,14 +164,23 @@ def main():
     ap.add_argument("--rank", type=int, default=16, help="adapter rank of the decode sweeps (default 16)")
     ap.add_argument("--tokens", default="8,64,256",
                     help="comma-separated token counts of the decode sweeps, each token its own adapter")
+    ap.add_argument("--groups", default=None,
+                    help="comma-separated projection groups of the decode sweeps (default: the layer's four, "
+                         "8b-qkv,8b-o,8b-gate_up,8b-down)")
     args = ap.parse_args()
     tokens = tuple(int(t) for t in args.tokens.split(","))
+    groups = None
+    if args.groups:
+        groups = tuple(args.groups.split(","))
+        bad = [g for g in groups if g not in GROUPS]
+        if bad:
+            ap.error(f"--groups: expected names from {','.join(GROUPS)}, got {','.join(bad)}")
     if args.decode_shrink:
         os.makedirs(args.out, exist_ok=True)
-        return decode_shrink(args.out, args.rank, tokens)
+        return decode_shrink(args.out, args.rank, tokens, groups)
     if args.decode_expand:
         os.makedirs(args.out, exist_ok=True)
-        return decode_expand(args.out, args.rank, tokens)
+        return decode_expand(args.out, args.rank, tokens, groups)
     from multilora.kernels import build_lora_plan
     from multilora.kernels import triton_sgmv as ts
 

@@ -260,6 +260,20 @@ def test_wide_rank_tiles_and_knobs(modules, wide_shrink, dtype, monkeypatch):
                  device="cuda", dtype=dtype, seed=rows)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
+@pytest.mark.parametrize("wide_out", [(16384, 256, 4), None, (1, 64, 8)], ids=["default", "off", "every-width-64x8"])
+def test_rank_tiles_of_wide_outputs(wide_out, monkeypatch):
+    """Decode expand from a rank-64 pool past the wide regime: Llama-3-8B's fused gate/up (28,672 wide) takes
+    ``DECODE_EXPAND_RANK_WIDE_OUT``'s tiles, q/k/v (6,144) ``DECODE_EXPAND_RANK_TILES``'; either setting (and a rule
+    that sends every width to 64-wide 8-warp tiles) against the fp32 reference, ranks 1..64 in one pool."""
+    monkeypatch.setattr(triton_sgmv, "DECODE_EXPAND_RANK_WIDE_OUT", wide_out)
+    for modules in (GATE_UP, QKV):
+        for rows, popularity in ((17, "uniform"), (64, "distinct")):
+            run_case(LLAMA8B, [64, 1, 33, 16, 48], lambda s, g: popularity_slots(popularity, rows, s, g), modules,
+                     device="cuda", dtype=torch.bfloat16, seed=rows)
+
+
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("modules", [GATE_UP, ("down_proj",), ("o_proj",)], ids=["gate_up", "down", "o"])
 @pytest.mark.parametrize("rows", [7, 77])
