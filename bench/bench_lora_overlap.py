@@ -106,7 +106,10 @@ def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None, popularity="dist
     same = all(torch.equal(p[5][0].view(torch.int16), z.view(torch.int16)) for p, z in zip(parts, zeroed))  # bits
     row = dict(tokens=T, adapters=n, rank=rank, pool_max_rank=pool_rank or rank, sets_per_call=K,
                popularity=popularity, distinct_adapters=int(torch.unique(slots[0]).numel()),
-               side_all_add_vs_serial_max_rel=err, side_write_equals_side_all=same)
+               side_all_add_vs_serial_max_rel=err, side_write_equals_side_all=same,
+               # the bytes that must move: each distinct adapter's A and B of the seven projections, once
+               adapter_mb=int(torch.unique(slots[0]).numel()) * rank * 2 / 1e6
+               * sum(d_in * len(d_outs) + sum(d_outs) for d_in, d_outs in (GROUPS[g] for g in LAYER_8B)))
     fns = {"base": base, "serial": serial, "side_shrink": side_shrink, "side_all": side_all,
            "side_write": lambda: side_all(write=True), "side_all_add": lambda: side_all(True), "side_all_hi": lambda: side_all(stream=side_hi)}
     from multilora.kernels import triton_sgmv
@@ -212,11 +215,11 @@ def main(argv=None):
     ap.add_argument("--expand-rank-tiles", default=None, type=_int_pair, metavar="BLOCK_N,WARPS",
                     help="decode expand from a rank > 16 pool with these tiles (triton_sgmv.DECODE_EXPAND_RANK_TILES; "
                     "default 128,2 since session 18), e.g. 256,4; the run's JSON gets _xtiles<BLOCK_N>x<WARPS>")
-    ap.add_argument("--expand-wide-out", default=None, metavar="MIN_D_OUT,BLOCK_N,WARPS|none",
-                    help="decode expand from a rank > 16 pool past the wide regime, for fused outputs at least MIN_D_OUT "
-                    "wide (triton_sgmv.DECODE_EXPAND_RANK_WIDE_OUT; default 16384,256,4 since session 29: gate/up); "
-                    "none: every width takes DECODE_EXPAND_RANK_TILES (what ran before); the run's JSON gets "
-                    "_wideout<...>")
+    ap.add_argument("--expand-wide-out", default=None, metavar="MIN_T,MAX_T,MIN_D_OUT,BLOCK_N,WARPS|none",
+                    help="decode expand of MIN_T..MAX_T tokens from a rank > 16 pool, for fused outputs at least "
+                    "MIN_D_OUT wide (triton_sgmv.DECODE_EXPAND_RANK_WIDE_OUT; default 64,64,16384,256,4 since session "
+                    "29: gate/up at 64 tokens); none: every width takes DECODE_EXPAND_RANK_TILES (what ran before); "
+                    "the run's JSON gets _wideout<...>")
     ap.add_argument("--no-pdl", action="store_true",
                     help="plain launches of the LoRA kernels instead of programmatic dependent launch "
                     "(triton_sgmv.PDL = False: what ran before session 20); the run's JSON gets _nopdl")
@@ -261,15 +264,15 @@ def main(argv=None):
             tag += "_wideoutnone"
         else:
             try:
-                min_d, block_n, warps = (int(v) for v in args.expand_wide_out.split(","))
+                lo, hi, min_d, block_n, warps = (int(v) for v in args.expand_wide_out.split(","))
             except ValueError:
-                ap.error(f"--expand-wide-out: expected MIN_D_OUT,BLOCK_N,WARPS (three integers) or none, got "
-                         f"{args.expand_wide_out!r}")
-            if min_d < 1 or block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16):
-                ap.error(f"--expand-wide-out: expected MIN_D_OUT >= 1, BLOCK_N a power of two >= 16 and WARPS in 1, "
-                         f"2, 4, 8, 16, got {args.expand_wide_out}")
-            triton_sgmv.DECODE_EXPAND_RANK_WIDE_OUT = (min_d, block_n, warps)
-            tag += f"_wideout{min_d}x{block_n}x{warps}"
+                ap.error(f"--expand-wide-out: expected MIN_T,MAX_T,MIN_D_OUT,BLOCK_N,WARPS (five integers) or none, "
+                         f"got {args.expand_wide_out!r}")
+            if not 1 <= lo <= hi or min_d < 1 or block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16):
+                ap.error(f"--expand-wide-out: expected 1 <= MIN_T <= MAX_T, MIN_D_OUT >= 1, BLOCK_N a power of two "
+                         f">= 16 and WARPS in 1, 2, 4, 8, 16, got {args.expand_wide_out}")
+            triton_sgmv.DECODE_EXPAND_RANK_WIDE_OUT = (lo, hi, min_d, block_n, warps)
+            tag += f"_wideout{lo}-{hi}x{min_d}x{block_n}x{warps}"
     if args.no_pdl:
         triton_sgmv.PDL = False
         tag += "_nopdl"
@@ -289,7 +292,10 @@ def main(argv=None):
         if any(s not in known for s in schedules[1:]):
             ap.error(f"--schedules: expected names from base,{','.join(known)}, got {args.schedules!r}")
     os.makedirs(args.out, exist_ok=True)
-    res = dict(environment=environment(), layer=[], sweep=[],
+    from _common import copy_bandwidth
+
+    copy_gbps, copy_how = copy_bandwidth(torch.device("cuda"))
+    res = dict(environment=dict(environment(), copy_gbps=copy_gbps, copy_measured=copy_how), layer=[], sweep=[],
                settings=dict(decode_expand_loop=triton_sgmv.DECODE_EXPAND_LOOP,
                              decode_shrink_warps=triton_sgmv.DECODE_SHRINK_WARPS,
                              decode_expand_rank_tiles=triton_sgmv.DECODE_EXPAND_RANK_TILES,
@@ -311,11 +317,15 @@ def main(argv=None):
         tag += "_t" + "-".join(map(str, want))
     for T, n, rank, pool_rank in cases:
         row = layer_case(T, n, rank, pool_rank=pool_rank, schedules=schedules, popularity=args.popularity)
+        for key in [k for k in row if k.endswith("_added_us")]:  # the LoRA's bytes over its time, against copy
+            row[key[:-len("_added_us")] + "_frac_of_copy"] = row["adapter_mb"] * 1e3 / row[key] / copy_gbps
         res["layer"].append(row)
         print(f"layer T={T:4d} n={n:4d} ({row['distinct_adapters']} distinct) r={rank:3d} "
               f"pool r={row['pool_max_rank']}: base {row['base_us']:.1f} us; "
               "LoRA adds " + ", ".join(f"{k[:-9]} {v:.1f}" for k, v in row.items() if k.endswith("_added_us"))
-              + f" us (err {row['side_all_add_vs_serial_max_rel']:.1e}; side_write == side_all: "
+              + f" us; {row['adapter_mb']:.0f} MB of adapters, copy {copy_gbps:.0f} GB/s, side_write at "
+              f"{row.get('side_write_frac_of_copy', float('nan')):.0%} of copy"
+              + f" (err {row['side_all_add_vs_serial_max_rel']:.1e}; side_write == side_all: "
               f"{row['side_write_equals_side_all']})", flush=True)
     if not args.no_sweep:
         for group in ("8b-qkv", "8b-gate_up", "8b-down"):

@@ -45,7 +45,8 @@ def _write(out_dir: str, stem: str, env: dict, rows: list, lines: list) -> None:
 
 
 def decode_expand(out_dir: str, rank: int = 16, tokens: tuple[int, ...] = (8, 64, 256),
-                  groups: tuple[str, ...] | None = None) -> None:
+                  groups: tuple[str, ...] | None = None,
+                  expand_configs: list[tuple[int, int, int]] | None = None) -> None:
     """The ``--decode-expand`` sweep (module docstring); writes ``tune_decode_expand[_r<rank>].json/.md`` (suffix for
     ranks other than 16)."""
     stem = "tune_decode_expand" + (f"_r{rank}" if rank != 16 else "")
@@ -64,6 +65,8 @@ def decode_expand(out_dir: str, rank: int = 16, tokens: tuple[int, ...] = (8, 64
     if rank > 16:  # looped tiles are for rank <= 16 pools only (the launcher ignores ``tiles`` above): warps instead
         configs = [dict(block_n=bn, num_stages=ns, num_warps=nw) for bn in (64, 128, 256, 512) for ns in (2, 3, 4)
                    for nw in (1, 2, 4, 8)]
+    if expand_configs:
+        configs = [dict(block_n=bn, num_warps=nw, num_stages=ns) for bn, nw, ns in expand_configs]
     for group in groups or LAYER_8B:
         d_in, d_outs = G[group]
         for T in tokens:
@@ -167,8 +170,18 @@ def main():
     ap.add_argument("--groups", default=None,
                     help="comma-separated projection groups of the decode sweeps (default: the layer's four, "
                          "8b-qkv,8b-o,8b-gate_up,8b-down)")
+    ap.add_argument("--expand-configs", default=None, metavar="BLOCK_N:WARPS:STAGES,...",
+                    help="the decode expand sweep's configurations instead of its grid, e.g. 128:2:2,256:4:2")
     args = ap.parse_args()
     tokens = tuple(int(t) for t in args.tokens.split(","))
+    expand_configs = None
+    if args.expand_configs:
+        try:
+            expand_configs = [tuple(int(v) for v in c.split(":")) for c in args.expand_configs.split(",")]
+        except ValueError:
+            expand_configs = []
+        if not expand_configs or any(len(c) != 3 for c in expand_configs):
+            ap.error(f"--expand-configs: expected BLOCK_N:WARPS:STAGES,... (integers), got {args.expand_configs!r}")
     groups = None
     if args.groups:
         groups = tuple(args.groups.split(","))
@@ -180,7 +193,7 @@ def main():
         return decode_shrink(args.out, args.rank, tokens, groups)
     if args.decode_expand:
         os.makedirs(args.out, exist_ok=True)
-        return decode_expand(args.out, args.rank, tokens, groups)
+        return decode_expand(args.out, args.rank, tokens, groups, expand_configs)
     from multilora.kernels import build_lora_plan
     from multilora.kernels import triton_sgmv as ts
 

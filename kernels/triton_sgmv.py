@@ -400,14 +400,17 @@ DECODE_SHRINK_WARPS = 2
 #: 41.1 -> 19.3). ``None``: the launcher's older defaults (what ran before session 18).
 DECODE_EXPAND_RANK_TILES: tuple[int, int] | None = (128, 2)
 
-#: ``(min_d_out, block_n, num_warps)``: a decode expand from a pool of rank > 16 outside the wide-rank regime
-#: (``_wide``: more than ``WIDE_RANK_MAX_TOKENS`` tokens) whose slices' output width sums to at least ``min_d_out``
-#: (Llama-3-8B's fused gate/up: 2 x 14,336) takes these tiles instead of ``DECODE_EXPAND_RANK_TILES``. H200 sweep at
-#: rank 64, 64 tokens each its own adapter (``tune_lora_kernels.py --decode-expand --rank 64 --tokens 64``,
-#: bench/results/session19/call4): gate/up 92.9 -> 79.6 us with 256-wide 4-warp programs, while q/k/v, o and down
-#: (4,096-6,144 wide) are fastest at (128, 2) and lose 4-22 us at (256, 4). ``None``: every width takes
+#: ``(min_tokens, max_tokens, min_d_out, block_n, num_warps)``: a decode expand of ``min_tokens``..``max_tokens``
+#: tokens from a pool of rank > 16 whose slices' output width sums to at least ``min_d_out`` (Llama-3-8B's fused
+#: gate/up: 2 x 14,336) takes these tiles instead of ``DECODE_EXPAND_RANK_TILES``. H200, rank 64, each token its own
+#: adapter (``tune_lora_kernels.py --decode-expand --rank 64 --groups 8b-gate_up``): at 64 tokens gate/up 88.5 ->
+#: 75.3 us with 256-wide 4-warp programs (bench/results/session29/call2; session 19: 92.9 -> 79.6), while q/k/v, o and
+#: down (4,096-6,144 wide) are fastest at (128, 2) and lose 4-22 us at (256, 4) (session 19); but at 32 tokens
+#: gate/up is 52.4 us at (128, 2) and 87.9 at (256, 4), hence the token range. The layer's seven projections at rank
+#: 64, 64 tokens (``bench_lora_overlap.py --cases all --tokens 64 --expand-wide-out none``, two runs each): LoRA adds
+#: 218-219 -> 208-209 us on the side stream, 239-240 -> 227-228 serial. ``None``: every width takes
 #: ``DECODE_EXPAND_RANK_TILES`` (what ran before session 29).
-DECODE_EXPAND_RANK_WIDE_OUT: tuple[int, int, int] | None = (16384, 256, 4)
+DECODE_EXPAND_RANK_WIDE_OUT: tuple[int, int, int, int, int] | None = (64, 64, 16384, 256, 4)
 
 
 #: Launch the shrink and expand with programmatic dependent launch (PDL) on GPUs that have it (compute capability
@@ -533,8 +536,9 @@ def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan
     if y.device.type == "cuda" and plan.block_m <= 16 and rmax > 16 and DECODE_EXPAND_RANK_TILES is not None:
         tiles_bn, tiles_nw = DECODE_EXPAND_RANK_TILES
         wide_out = DECODE_EXPAND_RANK_WIDE_OUT
-        if wide_out is not None and not _wide(T, rmax) and sum(vw.d_out for vw in slices.views) >= wide_out[0]:
-            tiles_bn, tiles_nw = wide_out[1:]
+        if (wide_out is not None and wide_out[0] <= T <= wide_out[1]
+                and sum(vw.d_out for vw in slices.views) >= wide_out[2]):
+            tiles_bn, tiles_nw = wide_out[3:]
         block_n = block_n or tiles_bn
         num_warps = num_warps or tiles_nw
     if num_warps is None:
