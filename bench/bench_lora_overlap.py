@@ -217,8 +217,8 @@ def main(argv=None):
                     "default 128,2 since session 18), e.g. 256,4; the run's JSON gets _xtiles<BLOCK_N>x<WARPS>")
     ap.add_argument("--expand-wide-out", default=None, metavar="MIN_T,MAX_T,MIN_D_OUT,BLOCK_N,WARPS|none",
                     help="decode expand of MIN_T..MAX_T tokens from a rank > 16 pool, for fused outputs at least "
-                    "MIN_D_OUT wide (triton_sgmv.DECODE_EXPAND_RANK_WIDE_OUT; default 64,64,16384,256,4 since session "
-                    "29: gate/up at 64 tokens); none: every width takes DECODE_EXPAND_RANK_TILES (what ran before); "
+                    "MIN_D_OUT wide (triton_sgmv.DECODE_EXPAND_RANK_WIDE_OUT; default 48,64,16384,256,4 since session "
+                    "29: gate/up at 48-64 tokens); none: every width takes DECODE_EXPAND_RANK_TILES (what ran before); "
                     "the run's JSON gets _wideout<...>")
     ap.add_argument("--no-pdl", action="store_true",
                     help="plain launches of the LoRA kernels instead of programmatic dependent launch "

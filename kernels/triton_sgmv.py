@@ -402,15 +402,15 @@ DECODE_EXPAND_RANK_TILES: tuple[int, int] | None = (128, 2)
 
 #: ``(min_tokens, max_tokens, min_d_out, block_n, num_warps)``: a decode expand of ``min_tokens``..``max_tokens``
 #: tokens from a pool of rank > 16 whose slices' output width sums to at least ``min_d_out`` (Llama-3-8B's fused
-#: gate/up: 2 x 14,336) takes these tiles instead of ``DECODE_EXPAND_RANK_TILES``. H200, rank 64, each token its own
-#: adapter (``tune_lora_kernels.py --decode-expand --rank 64 --groups 8b-gate_up``): at 64 tokens gate/up 88.5 ->
-#: 75.3 us with 256-wide 4-warp programs (bench/results/session29/call2; session 19: 92.9 -> 79.6), while q/k/v, o and
-#: down (4,096-6,144 wide) are fastest at (128, 2) and lose 4-22 us at (256, 4) (session 19); but at 32 tokens
-#: gate/up is 52.4 us at (128, 2) and 87.9 at (256, 4), hence the token range. The layer's seven projections at rank
-#: 64, 64 tokens (``bench_lora_overlap.py --cases all --tokens 64 --expand-wide-out none``, two runs each): LoRA adds
-#: 218-219 -> 208-209 us on the side stream, 239-240 -> 227-228 serial. ``None``: every width takes
-#: ``DECODE_EXPAND_RANK_TILES`` (what ran before session 29).
-DECODE_EXPAND_RANK_WIDE_OUT: tuple[int, int, int, int, int] | None = (64, 64, 16384, 256, 4)
+#: gate/up: 2 x 14,336) takes these tiles instead of ``DECODE_EXPAND_RANK_TILES``. H200, rank 64, gate/up alone, each
+#: token its own adapter (``tune_lora_kernels.py --decode-expand --rank 64 --groups 8b-gate_up``,
+#: bench/results/session29/calls 2-3), us at (128, 2) -> (256, 4): 32 tokens 52.4 -> 87.9, **48 69.1 -> 57.5, 64 88.5
+#: -> 75.3**, 96 107.3 -> 110.1, 128 142.4 -> 145.8, 256 277.8 -> 287.8; q/k/v, o and down (4,096-6,144 wide) are
+#: fastest at (128, 2) and lose 4-22 us at (256, 4) at 64 tokens (session 19). The layer's seven projections at rank
+#: 64, 64 tokens (``bench_lora_overlap.py --cases all --tokens 64 [--expand-wide-out none]``): LoRA adds 216-219 ->
+#: 206-209 us on the side stream (73% -> 77% of copy bandwidth on its 671 MB), 239-240 -> 227-228 serial. ``None``:
+#: every width takes ``DECODE_EXPAND_RANK_TILES`` (what ran before session 29).
+DECODE_EXPAND_RANK_WIDE_OUT: tuple[int, int, int, int, int] | None = (48, 64, 16384, 256, 4)
 
 
 #: Launch the shrink and expand with programmatic dependent launch (PDL) on GPUs that have it (compute capability

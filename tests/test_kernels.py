@@ -262,7 +262,7 @@ def test_wide_rank_tiles_and_knobs(modules, wide_shrink, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
-@pytest.mark.parametrize("wide_out", [(64, 64, 16384, 256, 4), None, (17, 512, 1, 64, 8)],
+@pytest.mark.parametrize("wide_out", [(48, 64, 16384, 256, 4), None, (17, 512, 1, 64, 8)],
                          ids=["default", "off", "every-width-64x8"])
 def test_rank_tiles_of_wide_outputs(wide_out, monkeypatch):
     """Decode expand from a rank-64 pool past the wide regime: Llama-3-8B's fused gate/up (28,672 wide) at 64 tokens
@@ -271,7 +271,7 @@ def test_rank_tiles_of_wide_outputs(wide_out, monkeypatch):
     1..64 in one pool."""
     monkeypatch.setattr(triton_sgmv, "DECODE_EXPAND_RANK_WIDE_OUT", wide_out)
     for modules in (GATE_UP, QKV):
-        for rows, popularity in ((17, "uniform"), (64, "distinct")):
+        for rows, popularity in ((17, "uniform"), (48, "distinct"), (64, "distinct")):
             run_case(LLAMA8B, [64, 1, 33, 16, 48], lambda s, g: popularity_slots(popularity, rows, s, g), modules,
                      device="cuda", dtype=torch.bfloat16, seed=rows)
 
