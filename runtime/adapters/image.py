@@ -66,8 +66,11 @@ _SCATTER = True
 #: an image whose lora_B bytes are at most this many is read in one pass with every lora_B in the per-thread scratch,
 #: laid out by module and layer, and each module's B^T of every layer placed by one strided numpy call (``_Batch``)
 #: instead of one call per (layer, module): each call gives the GIL up and must take it back, which beside a step
-#: thread running Python costs up to a switch interval (``bench/read_contention.py``, session 28). 0: off (the
-#: groups of ``_SCATTER_BYTES``, what ran before)
+#: thread running Python costs up to a switch interval (``bench/read_contention.py``, session 28). In the engine
+#: (H200 host, ``bench_adapter_throughput.py ... --counts 2048 [--read-batch-bytes 0]``, alternated in one run,
+#: bench/results/session29/call1): warm batch at 58.8% and 56.2% of the no-adapter tokens/s against 50.2% and 48.6%
+#: with the groups, its 34 reads in 1.58-1.72 s against 1.96-2.12 s. 0: off (the groups of ``_SCATTER_BYTES``, what
+#: ran before)
 _BATCH_B_BYTES = 64 << 20
 
 _scratch = threading.local()
