@@ -114,6 +114,9 @@ def main() -> None:
                     help="runtime.adapters.image._BATCH_B_BYTES: images with at most this many lora_B bytes are read "
                          "with every lora_B in the scratch and one transpose per module; 0: in 1 MiB groups, one "
                          "transpose per (layer, module), what ran before session 28 (default: the module's)")
+    ap.add_argument("--check-chunk", type=int, default=None, metavar="ELEMENTS",
+                    help="runtime.adapters.image._CHECK_CHUNK: elements per numpy reduction of the disk -> host "
+                         "read's finite check (two per chunk, each giving the GIL up; default: the module's)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval (seconds; Python's default is 0.005): how long a thread back from I/O "
@@ -127,6 +130,10 @@ def main() -> None:
     from multilora.runtime.adapters import image as image_mod
     if args.read_batch_bytes is not None:
         image_mod._BATCH_B_BYTES = args.read_batch_bytes
+    if args.check_chunk is not None:
+        if args.check_chunk < 1:
+            ap.error(f"--check-chunk: expected a positive number of elements, got {args.check_chunk}")
+        image_mod._CHECK_CHUNK = args.check_chunk
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -160,7 +167,7 @@ def main() -> None:
             "host_adapters": engine.stats()["host_tier_budget"] // adapter_bytes,
             "pool_from_plan": not args.pool_adapters, "host_from_plan": not args.host_adapters,
             "base_tokens_per_s": base_tok / base_s, "adapter_finish": args.adapter_finish,
-            "read_batch_bytes": image_mod._BATCH_B_BYTES,
+            "read_batch_bytes": image_mod._BATCH_B_BYTES, "check_chunk": image_mod._CHECK_CHUNK,
             "adapter_io_threads": engine.engine_config.adapter_io_threads,
             "host_arena_map_ahead_bytes": engine.engine_config.host_arena_map_ahead_bytes,
             "host_arena_map_ahead_on_overflow": engine.cache.map_ahead_on_overflow}

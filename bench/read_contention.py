@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--busy-fractions", type=lambda v: [float(x) for x in v.split(",") if x],
                     default=[0.2, 0.4, 0.6, 0.8],
                     help="also time both paths beside a thread in Python this share of every 5 ms (comma list)")
+    ap.add_argument("--check-chunks", type=lambda v: [int(float(x) * (1 << 20)) for x in v.split(",") if x],
+                    default=[], metavar="M,...",
+                    help="also time the read with its finite check in chunks of M Mi elements (image._CHECK_CHUNK; "
+                    "the default's is %d Mi): fewer numpy calls, each giving the GIL up" % (image._CHECK_CHUNK >> 20))
     ap.add_argument("--adapter-dir", default=None, help="where the adapter is written (default: a temporary one)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -102,6 +106,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # (image._BATCH_B_BYTES: 0 reads in groups of _SCATTER_BYTES with one transpose per (layer, module), what ran
     # before session 28's batched path; the last two rows take the groups too, to show what each part costs there)
     variants = [("the read", {}, None, image._BATCH_B_BYTES),
+                *[(f"the read, finite check in chunks of {c / (1 << 20):g}M elements", {"check_chunk": c}, None,
+                   image._BATCH_B_BYTES) for c in args.check_chunks],
+                ("the read without the finite check", {"verified": True}, None, image._BATCH_B_BYTES),
                 ("the read in 1 MiB groups (before session 28)", {}, None, 0),
                 ("groups, without the finite check", {"verified": True}, None, 0),
                 ("groups, without the finite check and the lora_B transposes", {"verified": True}, lambda *a: None, 0)]
@@ -110,9 +117,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     try:
         batch_bytes = image._BATCH_B_BYTES
+        check_chunk = image._CHECK_CHUNK
         for label, kw, placer, batch in variants:
             image._place_b = placer or place_b
             image._BATCH_B_BYTES = batch
+            kw = dict(kw)
+            image._CHECK_CHUNK = kw.pop("check_chunk", check_chunk)
             try:
                 def read(kw=kw) -> None:
                     image.read_image(path, cfg, pool, name="probe", out=out, **kw)
@@ -121,6 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             finally:
                 image._place_b = place_b
                 image._BATCH_B_BYTES = batch_bytes
+                image._CHECK_CHUNK = check_chunk
             rows.append({"variant": label, "alone_ms": 1e3 * alone, "beside_busy_ms": 1e3 * beside,
                          "slowdown": beside / alone, "alone_gbps": nbytes / alone / 1e9,
                          "beside_busy_gbps": nbytes / beside / 1e9})

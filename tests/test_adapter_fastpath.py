@@ -29,6 +29,7 @@ from multilora.runtime.adapters import (
     save_peft_adapter,
 )
 from multilora.runtime.adapters.files import _LazyTensors, _read_weights
+from multilora.runtime.adapters import image as image_mod
 from multilora.runtime.adapters.image import read_header, read_image
 from multilora.runtime.adapters.load import _all_finite
 from multilora.config import MODULE_INDEX, MODULE_PARENT, TARGET_MODULES, ModelConfig
@@ -459,10 +460,15 @@ def test_deferred_image_check_names_the_tensor(where, dtype, tmp_path):
     assert _read(Path(d), CFG, pool, None, False, None, True)[1] is not None  # verified: no check at all
 
 
+@pytest.mark.parametrize("check_chunk", [None, 1000], ids=["default-chunk", "1000-element-chunks"])
 @pytest.mark.parametrize("file_dtype", DTYPES + [torch.float64], ids=str)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("where", ["A-first", "B-last", "many"])
-def test_non_finite_rejected_with_the_same_message(where, bad, file_dtype, tmp_path):
+def test_non_finite_rejected_with_the_same_message(where, bad, file_dtype, check_chunk, tmp_path, monkeypatch):
+    """(``check_chunk``: the whole-image check in the image's one default chunk, or in many chunks of 1000 elements
+    with a ragged last one, ``image._CHECK_CHUNK``)"""
+    if check_chunk is not None:
+        monkeypatch.setattr(image_mod, "_CHECK_CHUNK", check_chunk)
     d = _write_uniform(tmp_path / "a", file_dtype, r=4)
     k = _key(0, "q_proj", "A") if where == "A-first" else _key(CFG.num_layers - 1, "down_proj", "B")
 

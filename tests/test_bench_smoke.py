@@ -19,10 +19,10 @@ def test_adapter_throughput_bench_runs(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "bench_adapter_throughput.py"), "--shape", "tiny", "--counts", "1,8",
            "--batch", "4", "--gen", "2", "--prompt-len", "4", "--pool-adapters", "2", "--host-adapters", "2",
            "--distinct-files", "3", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(tmp_path / "out"),
-           "--sample-threads", "--switch-interval", "0.002", "--read-batch-bytes", "0"]
+           "--sample-threads", "--switch-interval", "0.002", "--read-batch-bytes", "0", "--check-chunk", "4096"]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     rows = json.loads((tmp_path / "out" / "adapter_throughput_tiny.json").read_text())
-    assert all(r["read_batch_bytes"] == 0 for r in rows)  # the reads' A/B switch, recorded
+    assert all(r["read_batch_bytes"] == 0 and r["check_chunk"] == 4096 for r in rows)  # the reads' A/B switches
     assert {(r["adapters"], r["popularity"], r["phase"]) for r in rows} == {(n, p, ph) for n in (1, 8) for p in ("zipf", "uniform") for ph in ("cold", "warm")}
     assert all(r["tokens_per_s"] > 0 and r["shape"] == "tiny" for r in rows)
     # the engine's own warm-up ran first (on this CPU it has nothing to warm: 0 s), and every row says whether
@@ -435,9 +435,15 @@ def test_read_contention_bench_runs(tmp_path):
     image's bytes and GB/s consistent with the times."""
     rc = _load_bench("read_contention")
     interval = sys.getswitchinterval()
+    from multilora.runtime.adapters import image
+
+    chunk = image._CHECK_CHUNK
     rows = rc.main(["--shape", "tiny", "--rank", "4", "--reads", "1", "--adapter-dir", str(tmp_path), "--busy-fractions", "0.5",
-                    "--json", str(tmp_path / "rc.json")])
-    assert [r["variant"] for r in rows] == ["the read", "the read in 1 MiB groups (before session 28)",
+                    "--check-chunks", "0.25", "--json", str(tmp_path / "rc.json")])
+    assert image._CHECK_CHUNK == chunk  # put back
+    assert [r["variant"] for r in rows] == ["the read", "the read, finite check in chunks of 0.25M elements",
+                                            "the read without the finite check",
+                                            "the read in 1 MiB groups (before session 28)",
                                             "groups, without the finite check",
                                             "groups, without the finite check and the lora_B transposes"]
     saved = json.loads((tmp_path / "rc.json").read_text())

@@ -54,9 +54,16 @@ from multilora.runtime.sharding import shard_lora
 #: than torch's for the small ranks of LoRA, measured on a 2-core x86 CPU; both release the GIL)
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _PLANS_KEPT = 64
-#: elements per finite-check call of a whole image (2 MiB of bf16: one core's L2; numpy releases the GIL for
-#: reductions this large and 2 threads check 1.5-1.8x faster than one, where 64 Ki-element calls did not scale)
-_CHECK_CHUNK = 1 << 20
+#: elements per finite-check call of a whole image (two numpy reductions per chunk, each releasing the GIL and taking
+#: it back). 16 Mi elements since session 29: with the batched lora_B read (``_BATCH_B_BYTES``) the check's calls were
+#: most of a read's GIL hand-offs (1 Mi-element chunks, 2 MiB of bf16 in one core's L2: 84 calls per 84 MB image), and
+#: each waits up to a switch interval beside a step thread running Python. ``bench/read_contention.py`` on a 2-core
+#: CPU (bench/results/session29/read_contention_cpu*.json; 4, 16 and 64 Mi compared), Llama-3-8B rank-16 image:
+#: beside an always-busy thread 83.6-89.0 -> 37.5-48.0 ms (the read without any check: 29.0-34.7), beside one busy
+#: 60-80% of the time 40.5-50.9 -> 38.4-44.0 ms; alone 25-31 ms either way (within this CPU's noise; the second
+#: reduction of a chunk now reads DRAM, not L2). Not yet measured in the engine:
+#: ``bench_adapter_throughput.py --check-chunk 1048576`` is the A/B (before: 1 << 20).
+_CHECK_CHUNK = 16 << 20
 _DEFER_CHECK = True  # False: check tensor by tensor while in cache (an A/B switch for bench_adapter_load.py)
 #: lora_B bytes per scatter read into the per-thread scratch (then transposed into the image while in one core's
 #: L2: 16 MiB groups read 5-10% slower than tensor-by-tensor reads on a 2-core CPU, 0.25-4 MiB 0-10% faster with 2
