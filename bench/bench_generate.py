@@ -44,6 +44,13 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     expand's read-add; ``runtime.model.LORA_DELTA_OVERWRITE_MIN_TOKENS = 1 << 30``, what ran before
                     session 27):
                     the A/B of ``lora_delta``
+    multilora-lora-sidepf, multilora-lora-sidepf0  multilora-lora with every step's LoRA on the side stream, prefill
+                    and mixed steps too (``DecoderModel.lora_side_max_tokens = 1 << 20``; the default stops at 64
+                    tokens, 2 from a rank > 16 pool); -sidepf0 also without the SM carve-out of side-stream steps
+                    (``lora_side_sm_carveout = 0``): the A/B of issue 12's TTFT (prefill LoRA in place adds 6-13%)
+    multilora-lora-nowideout  multilora-lora with every width of a rank > 16 pool's decode expand on
+                    ``DECODE_EXPAND_RANK_TILES`` (``triton_sgmv.DECODE_EXPAND_RANK_WIDE_OUT = None``, what ran before
+                    session 29): the engine A/B of gate/up's 48-64-token tiles (with ``--rank 64``)
     multilora-fp8-nopreload  multilora-fp8 with no weight tiles of the one-row GEMV loaded before its PDL wait
                     (``kernels.triton_fp8.GEMV_PRELOAD = 0``, what ran before session 27): the A/B of the preload
     multilora-fp8-preload4  multilora-fp8 with 4 such tiles (``GEMV_PRELOAD = 4``)
@@ -126,8 +133,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-s25attn", "multilora-lora-s25attn", "multilora-fp8-s25attn", "multilora-lora-zeroed", "multilora-fp8-nopreload", "multilora-fp8-preload4", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync", "multilora-s25attn", "multilora-lora-s25attn", "multilora-lora-zeroed"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-s25attn", "multilora-fp8-sync", "multilora-fp8-nopreload", "multilora-fp8-preload4"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-s25attn", "multilora-lora-s25attn", "multilora-fp8-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-fp8-nopreload", "multilora-fp8-preload4", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync", "multilora-s25attn", "multilora-lora-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-s25attn", "multilora-fp8-sync", "multilora-fp8-nopreload", "multilora-fp8-preload4"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -373,6 +380,8 @@ def variant_knobs(engine: Engine | None, a: argparse.Namespace) -> list[Knob]:
              key="lora_delta_overwrite_min_tokens"),
         Knob(*_attr(triton_fp8, "GEMV_PRELOAD"), _by_suffix(("-nopreload", 0), ("-preload4", 4)),
              key="fp8_gemv_preload"),
+        Knob(*_attr(triton_sgmv, "DECODE_EXPAND_RANK_WIDE_OUT"), _by_suffix(("-nowideout", None)),
+             key="decode_expand_rank_wide_out"),
         Knob(triton_fp8.tuned_table, lambda t: setattr(triton_fp8, "_tuned", t), shipped,  # the fp8 GEMMs' tiles
              identity=True),  # (read at capture; the default: the shipped ones with MULTILORA_FP8_TUNED on top)
     ]
@@ -380,10 +389,10 @@ def variant_knobs(engine: Engine | None, a: argparse.Namespace) -> list[Knob]:
         return knobs
     m = engine.model
     return knobs + [
-        Knob(*_attr(m, "lora_side_max_tokens"), _by_suffix(("-inplace", 0)), key="lora_side_stream_max_tokens",
-             record=m.lora_side_limit),
+        Knob(*_attr(m, "lora_side_max_tokens"), _by_suffix(("-inplace", 0), (("-sidepf", "-sidepf0"), 1 << 20)),
+             key="lora_side_stream_max_tokens", record=m.lora_side_limit),
         Knob(*_attr(m, "lora_side_priority"), hiprio, key="lora_side_priority"),
-        Knob(*_attr(m, "lora_side_sm_carveout"), _by_suffix(("-carve", a.carveout), ("-lt", 0)),
+        Knob(*_attr(m, "lora_side_sm_carveout"), _by_suffix(("-carve", a.carveout), (("-lt", "-sidepf0"), 0)),
              key="lora_side_sm_carveout"),
         Knob(*_attr(m, "gemm_cublaslt_tokens"), _by_suffix(("-lt", (17, 64))), key="gemm_cublaslt_tokens"),
         Knob(*_attr(m, "lm_head"), fp8_head, identity=True, key="fp8_lm_head",
@@ -795,7 +804,8 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
                 f"decode tokens/s {lo['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.3g}x" if x else "a row is missing"))
     for v in ("multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile",
               "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lora-lt",
-              "multilora-lora-s25attn", "multilora-lora-zeroed"):  # issue 12: adapters over base (-s25attn: over the base with that attention)
+              "multilora-lora-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0",
+              "multilora-lora-nowideout"):  # issue 12: adapters over base (-s25attn: over the base with that attention)
         base = "multilora-s25attn" if v.endswith("-s25attn") else "multilora"
         base_rows = {b: ok.get((base, b)) for b in (1, TARGET_BATCH)}
         for b, what, key, need in ((1, "TPOT", "tpot_ms", 1.05), (TARGET_BATCH, "TPOT", "tpot_ms", 1.30),
