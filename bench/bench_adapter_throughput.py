@@ -117,6 +117,10 @@ def main() -> None:
     ap.add_argument("--check-chunk", type=int, default=None, metavar="ELEMENTS",
                     help="runtime.adapters.image._CHECK_CHUNK: elements per numpy reduction of the disk -> host "
                          "read's finite check (two per chunk, each giving the GIL up; default: the module's)")
+    ap.add_argument("--urgent-read-wait", choices=("on", "off"), default="on",
+                    help="runtime.scheduler.URGENT_READ_WAIT: an urgent request whose adapter is being read waits for "
+                         "the read outside the steps (on, since session 29) or is admitted into a step that waits "
+                         "for it (off: what ran before)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval (seconds; Python's default is 0.005): how long a thread back from I/O "
@@ -130,6 +134,8 @@ def main() -> None:
     from multilora.runtime.adapters import image as image_mod
     if args.read_batch_bytes is not None:
         image_mod._BATCH_B_BYTES = args.read_batch_bytes
+    from multilora.runtime import scheduler as scheduler_mod
+    scheduler_mod.URGENT_READ_WAIT = args.urgent_read_wait == "on"
     if args.check_chunk is not None:
         if args.check_chunk < 1:
             ap.error(f"--check-chunk: expected a positive number of elements, got {args.check_chunk}")
@@ -168,6 +174,7 @@ def main() -> None:
             "pool_from_plan": not args.pool_adapters, "host_from_plan": not args.host_adapters,
             "base_tokens_per_s": base_tok / base_s, "adapter_finish": args.adapter_finish,
             "read_batch_bytes": image_mod._BATCH_B_BYTES, "check_chunk": image_mod._CHECK_CHUNK,
+            "urgent_read_wait": scheduler_mod.URGENT_READ_WAIT,
             "adapter_io_threads": engine.engine_config.adapter_io_threads,
             "host_arena_map_ahead_bytes": engine.engine_config.host_arena_map_ahead_bytes,
             "host_arena_map_ahead_on_overflow": engine.cache.map_ahead_on_overflow}
@@ -216,6 +223,7 @@ def main() -> None:
                        # where the time went (diagnostics): steps by kind, defers, reads and their summed seconds
                        **{k: after[k] - before[k] for k in ("steps", "prefill_steps", "decode_steps", "mixed_steps",
                                                             "queue_defers_for_adapter_load", "queue_waits_for_adapter",
+                                                            "queue_urgent_waits_for_adapter_read",
                                                             "disk_to_host_reads", "disk_to_host_seconds",
                                                             "host_to_gpu_copies", "host_misses", "host_hits",
                                                             "host_arena_map_seconds", "host_arena_sync_map_seconds",

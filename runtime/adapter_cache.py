@@ -570,6 +570,12 @@ class AdapterCache:
             self._drop_from_pool(victim)
             self.stats.gpu_evictions += 1
 
+    def reading(self, handle: AdapterHandle) -> bool:
+        """Whether a prefetch read of ``handle``'s files (disk -> host) is still in flight, so that ``acquire`` now
+        would wait for it on the calling thread (the scheduler's: every running request would wait too)."""
+        fut = handle.loading
+        return fut is not None and not fut.done()
+
     def could_ever_fit(self, handle: AdapterHandle) -> bool:
         """Whether the handle fits (its bytes and a slot) once every unpinned adapter has left the pool (a unified
         memory's pool at its largest, ``bytes_capacity``)."""

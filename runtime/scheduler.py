@@ -78,10 +78,18 @@ the read); such a request, while it is not urgent and something runs, is passed 
 ``queue_defers_for_adapter_load``) and stays in its place: the engine's prefetch (``prefetch_candidates``: queue
 order, reads already in flight not counted against the limit) brings its adapter to host memory, and meanwhile
 requests behind it whose adapters are resident or in host memory are admitted. Being passed over counts as a
-skipped step like waiting for pool room, so after ``patience`` steps the request is urgent and is admitted as
-before (reading its files if they are still not in), and the bounds above hold unchanged: they already allow
-each request ``patience`` steps of being passed over. With nothing running it is admitted at once (reading its
-files): deferring would only idle the engine.
+skipped step like waiting for pool room, so after ``patience`` steps the request is urgent. An urgent request
+whose adapter the prefetch is still reading (``AdapterCache.reading``) is not admitted into a step that would wait
+for that read (the step, and every running request with it, would stall on the disk: session 29's one-batch bench
+at 2,048 adapters spent 14-25% of its step thread there); as for any urgent request nobody behind it is admitted,
+the running requests keep stepping, and it is admitted in the first step after its read has landed (counted in
+``queue_urgent_waits_for_adapter_read``; ``URGENT_READ_WAIT``, on since session 29, not yet measured on a GPU). An urgent request with no read in flight is admitted as before (reading
+its files in the step), and so is one whose read has not landed after ``patience`` more steps. So the bounds above
+hold with ``patience`` doubled: ``(k + 1) * (2 * patience + F + 1)`` and
+``2 * patience + (k + (2 * patience + 1) * B) * L * c + 1``. While the head of the queue is such a request, the
+look-ahead (``prefetch_candidates``) stops at it: nobody behind it is admitted first, and reads for them would
+compete with its read for the host tier (a small tier could evict its copy before the step that admits it). With
+nothing running a request is admitted at once (reading its files): deferring would only idle the engine.
 
 ``tests/test_scheduler_chunked.py`` checks both chunked bounds on random traffic (and the rest of the chunked
 contract: every prompt position computed once unless recomputed, no decode stall, blocks and adapter references
@@ -98,6 +106,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+#: Whether an urgent request whose adapter the prefetch is still reading waits for the read outside the steps (up
+#: to ``patience`` more steps; module docstring), instead of being admitted into a step that waits for it. False:
+#: what ran before session 29 (the A/B switch of ``bench_adapter_throughput.py --urgent-read-wait off``).
+URGENT_READ_WAIT = True
 
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import PoolFullError
@@ -264,6 +277,7 @@ class Scheduler:
         self.admitted_total = 0
         self.adapter_waits = 0  # times a request was passed over because its adapter did not fit
         self.adapter_defers = 0  # times a request was passed over because its adapter was still on disk
+        self.adapter_read_waits = 0  # steps an urgent request waited, outside the step, for its adapter's read
         self.preemptions = 0
         #: a unified memory's reclaim (``AdapterCache.yield_to_kv``): ``kv_reclaim(blocks)`` frees up to that many
         #: KV blocks from the adapter pool (idle adapters evicted); None: the KV cache has a fixed size
@@ -460,11 +474,19 @@ class Scheduler:
             if not self.kv.can_fit(req.kv_need) and not self._kv_room(self.kv.blocks_for_tokens(req.kv_need)):
                 break  # the head waits for blocks; nothing behind it is admitted
             if req.handle is not None and req.slot < 0:  # (a slot kept from an interrupted admission is reused)
-                if (self.adapter_aware and self.running and req.skipped_steps < self.patience
-                        and req.handle.tier == "disk" and not req.handle.prefetch_failed):
-                    self.adapter_defers += 1  # acquire would read its files in this step: let prefetch do it
-                    i += 1
-                    continue
+                if (self.adapter_aware and self.running and req.handle.tier == "disk"
+                        and not req.handle.prefetch_failed):
+                    if req.skipped_steps < self.patience:
+                        self.adapter_defers += 1  # acquire would read its files in this step: let prefetch do it
+                        i += 1
+                        continue
+                    if (URGENT_READ_WAIT and req.skipped_steps < 2 * self.patience
+                            and self.cache.reading(req.handle)):
+                        # urgent, and its read is in flight: acquire would wait for it inside this step, with every
+                        # running request. Admit it in the first step after the read lands (at most ``patience``
+                        # steps more: then as before); nobody behind it before
+                        self.adapter_read_waits += 1
+                        break
                 if not self.cache.could_ever_fit(req.handle):
                     pool = self.cache.pool
                     self._fail(req, f"adapter {req.adapter_name!r} needs {req.handle.pool_bytes} bytes and a slot: "
@@ -549,7 +571,8 @@ class Scheduler:
         running, waiting = list(self.running), list(self.waiting)  # snapshots: another thread may be stepping
         return {
             "queue_wait_seconds_total": self.wait_seconds_total, "queue_wait_seconds_max": self.wait_seconds_max,
-            "queue_waits_for_adapter": self.adapter_waits, "queue_defers_for_adapter_load": self.adapter_defers, "kv_blocks_total": self.kv.num_usable_blocks,
+            "queue_waits_for_adapter": self.adapter_waits, "queue_defers_for_adapter_load": self.adapter_defers,
+            "queue_urgent_waits_for_adapter_read": self.adapter_read_waits, "kv_blocks_total": self.kv.num_usable_blocks,
             "kv_blocks_free": self.kv.num_free_blocks, "kv_block_size": self.kv.block_size,
             "preemptions": self.preemptions, "kv_reclaims_from_pool": self.kv_reclaims,
             "waiting": len(waiting), "running": len(running),
@@ -565,20 +588,24 @@ class Scheduler:
         """Distinct adapters of waiting requests that are not resident, in queue order, until ``limit`` of them need a
         move started (an adapter already on its way up, its disk read in flight, does not count against ``limit``:
         so the look-ahead reaches further down the queue while reads are slower than admissions), and at most
-        ``8 * limit`` in all (the cache's per-step prefetch work stays bounded)."""
+        ``8 * limit`` in all (the cache's per-step prefetch work stays bounded); with adapter-aware admission, none
+        past an urgent request whose adapter is on the disk tier (module docstring)."""
         out: list[AdapterHandle] = []
         seen: set[int] = set()
         starting = 0
         for req in self.waiting:
             h = req.handle
-            if h is None or h.slot is not None or id(h) in seen:
+            if h is None or h.slot is not None:
                 continue
-            seen.add(id(h))
-            out.append(h)
-            if getattr(h, "loading", None) is None:
-                starting += 1
-            if starting >= limit or len(out) >= 8 * limit:
-                break
+            if id(h) not in seen:
+                seen.add(id(h))
+                out.append(h)
+                if getattr(h, "loading", None) is None:
+                    starting += 1
+                if starting >= limit or len(out) >= 8 * limit:
+                    break
+            if URGENT_READ_WAIT and self.adapter_aware and req.skipped_steps >= self.patience and h.tier == "disk":
+                break  # urgent, its adapter still to be read: nothing behind it is admitted first (module docstring)
         return out
 
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:

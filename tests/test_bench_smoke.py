@@ -19,10 +19,11 @@ def test_adapter_throughput_bench_runs(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "bench_adapter_throughput.py"), "--shape", "tiny", "--counts", "1,8",
            "--batch", "4", "--gen", "2", "--prompt-len", "4", "--pool-adapters", "2", "--host-adapters", "2",
            "--distinct-files", "3", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(tmp_path / "out"),
-           "--sample-threads", "--switch-interval", "0.002", "--read-batch-bytes", "0", "--check-chunk", "4096"]
+           "--sample-threads", "--switch-interval", "0.002", "--read-batch-bytes", "0", "--check-chunk", "4096", "--urgent-read-wait", "off"]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     rows = json.loads((tmp_path / "out" / "adapter_throughput_tiny.json").read_text())
-    assert all(r["read_batch_bytes"] == 0 and r["check_chunk"] == 4096 for r in rows)  # the reads' A/B switches
+    assert all(r["read_batch_bytes"] == 0 and r["check_chunk"] == 4096 and r["urgent_read_wait"] is False
+               for r in rows)  # the A/B switches, recorded
     assert {(r["adapters"], r["popularity"], r["phase"]) for r in rows} == {(n, p, ph) for n in (1, 8) for p in ("zipf", "uniform") for ph in ("cold", "warm")}
     assert all(r["tokens_per_s"] > 0 and r["shape"] == "tiny" for r in rows)
     # the engine's own warm-up ran first (on this CPU it has nothing to warm: 0 s), and every row says whether

@@ -81,6 +81,9 @@ class FakeCache:
     def could_ever_fit(self, h):
         return True
 
+    def reading(self, h):
+        return h.loading is not None
+
     def acquire(self, h):
         if not h.host:
             self.sync_reads += 1
@@ -224,6 +227,7 @@ class Sim:
             F, c = math.ceil(B * L / p1) + L, math.ceil(L / p0)
         else:
             F, c = L, 1
+        pat = 2 * pat if self.s.adapter_aware else pat  # an urgent request may wait patience more for its read
         for rid, step in self.admitted.items():
             arrived, k = self.arrived[rid]
             waited = step - arrived
@@ -319,6 +323,62 @@ def test_adapter_aware_admission_keeps_file_reads_out_of_steps():
             assert sim.s.report()["queue_defers_for_adapter_load"] == sim.s.adapter_defers
     assert reads[False] == 12 and reads[True] == 0, reads
     assert [len(o) for o in outputs[True]] == [len(o) for o in outputs[False]]
+
+
+@pytest.mark.parametrize("read_steps,off", [(6, False), (20, False), (6, True)],
+                         ids=["read-lands-in-time", "read-too-slow", "switched-off"])
+def test_urgent_request_waits_for_its_read_outside_the_step(read_steps, off, monkeypatch):
+    """Patience 4: a request for an adapter on the disk tier is passed over for 4 steps (its prefetch read starts
+    after the first one's scheduling), then it is urgent. While a request runs and its read is still in flight, it
+    is not admitted into a step that would wait for the read (no file read inside a step), the request behind it for
+    a resident adapter is not admitted either, and the running request decodes at every step; the step after the
+    read lands admits it (a 6-step read: 3 steps of waiting). A read that has not landed after 4 more steps (20
+    steps) stops the wait: it is admitted and its files read in the step, as before. Meanwhile the look-ahead stops
+    at it (no read for the cold adapter behind it). With nothing running a request is admitted at once."""
+    from multilora.runtime import scheduler
+
+    monkeypatch.setattr(scheduler, "URGENT_READ_WAIT", not off)
+    sim = Sim(chunked=True, B=4, budget=16, max_prefill=16, blocks=64, block_size=4, patience=4, slots=3,
+              names=["hot", "cold", "cold2"], on_disk=["cold", "cold2"], read_steps=read_steps, adapter_aware=True)
+    sim.add(4, 40, "hot", False)
+    sim.step()
+    runner = sim.reqs[0]
+    sim.add(4, 3, "cold", False)
+    for _ in range(4):  # passed over (not urgent yet); its read starts after the first of these steps
+        sim.step()
+    sim.add(4, 3, "hot", False)  # behind the now urgent request
+    sim.add(4, 3, "cold2", False)  # and one whose adapter is on disk too
+    urgent, behind, cold2 = sim.reqs[1:]
+    want = ["cold", "cold2"] if off else ["cold"]  # the look-ahead stops at the urgent request
+    assert [h.name for h in sim.s.prefetch_candidates(4)] == want
+    waited = 0
+    while urgent.status is Status.WAITING:
+        n = len(runner.output_ids)
+        sim.step()
+        assert len(runner.output_ids) == n + 1  # the running request was not held up
+        if urgent.status is Status.WAITING:
+            waited += 1
+            assert behind.status is Status.WAITING and cold2.handle.loading is None  # nobody behind, no read
+    assert urgent.status is not Status.WAITING
+    if read_steps == 6 and not off:
+        assert (waited, sim.cache.sync_reads, sim.s.adapter_read_waits) == (3, 0, 3)
+    elif off:  # what ran before: admitted at once, its files read in the step
+        assert (waited, sim.cache.sync_reads, sim.s.adapter_read_waits) == (0, 1, 0)
+    else:  # 4 steps of waiting, then admitted with its read in the step; so is cold2, urgent by then with no read
+        assert (waited, sim.cache.sync_reads, sim.s.adapter_read_waits) == (4, 2, 4)  # started (the look-ahead)
+        assert cold2.status is not Status.WAITING
+    assert sim.s.report()["queue_urgent_waits_for_adapter_read"] == sim.s.adapter_read_waits
+    for _ in range(400):
+        if not sim.s.has_unfinished():
+            break
+        sim.step()
+    sim.check_end()
+    sim.check_bound()
+    reads = sim.cache.sync_reads
+    sim.cache.handles["cold2"].host, sim.cache.handles["cold2"].slot = False, None  # on disk again; nothing runs:
+    sim.add(4, 3, "cold2", False)  # admitted at once, its files read in the step
+    sim.step()
+    assert sim.reqs[-1].status is not Status.WAITING and sim.cache.sync_reads == reads + 1
 
 
 def test_long_prompt_never_stalls_decodes_and_is_chunked_by_the_budget():
