@@ -585,3 +585,45 @@ def test_engine_adapter_aware_admission_reads_no_files_inside_steps(tmp_path):
         ref.load_adapter(n, p)
     for (prompt, name), out in zip(plan, got[True][1:]):
         assert out == ref.generate([prompt], adapters=[name], sampling=_sp("greedy", 4, 0))[0].token_ids
+
+
+def test_engine_urgent_request_waits_for_its_read_outside_the_step(tmp_path, monkeypatch):
+    """The real cache and engine: a request's adapter is registered on the disk tier and its prefetch read is held
+    back (a gate in front of the I/O thread's read). Patience 2: passed over for 2 steps, then urgent; for 2 more
+    steps it waits for the read outside the steps (the running request gets a token at each, no step blocks), then
+    the read is let through and it is admitted; its tokens are those of the request run alone."""
+    import threading
+
+    root = tmp_path / "adapters"
+    cold = write_adapter(root / "cold", CFG, 71, 4, ("q_proj", "v_proj"))
+    hot = write_adapter(root / "hot", CFG, 69, 4, TARGET_MODULES)
+    e = Engine(CFG, device="cpu", progress=False, max_seq_len=MAX_SEQ, max_lora_rank=8, max_batch_size=4,
+               adapter_slots=4, starvation_patience=2)
+    e.load_adapter("hot", hot)
+    e.load_adapter("cold", cold, preload=False)
+    gate = threading.Event()
+    read = e.cache._prefetch_read
+
+    def gated(*args, **kwargs):
+        gate.wait(60)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(e.cache, "_prefetch_read", gated)
+    try:
+        runner = e.add_request([4, 5, 6], "hot", _sp("greedy", 30, 0))
+        e.step()
+        req = e.add_request([7, 8, 9], "cold", _sp("greedy", 4, 0))
+        for _ in range(4):  # 2 steps passed over (the read starts after the first), 2 waiting for the held read
+            n = len(runner.output_ids)
+            e.step()
+            assert len(runner.output_ids) == n + 1 and req.status is Status.WAITING
+        assert e.cache.reading(req.handle)
+        assert e.stats()["queue_urgent_waits_for_adapter_read"] == 2 and e.stats()["host_misses"] == 0
+    finally:
+        gate.set()
+    while e.has_unfinished():
+        e.step()
+    ref = Engine(CFG, device="cpu", progress=False, max_seq_len=MAX_SEQ, max_lora_rank=8, max_batch_size=1)
+    ref.load_adapter("cold", cold)
+    assert req.output_ids == ref.generate([[7, 8, 9]], adapters=["cold"], sampling=_sp("greedy", 4, 0))[0].token_ids
+    e.cache.close()
