@@ -28,7 +28,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from multilora import Engine
+from multilora import Engine, SamplingParams
 from multilora.memory.extents import Extents, move_down
 from multilora.memory.host_arena import HostArena
 from multilora.runtime.adapters import read_packed_adapter
@@ -836,3 +836,32 @@ def test_verified_reread_skips_only_the_finite_checks(tiny, tmp_path):
         read_image(bad, engine.config, engine.pool)
     assert torch.isnan(read_image(bad, engine.config, engine.pool, verified=True)[1].data).any()
     engine.cache.close()
+
+
+def test_gpu_to_host_copy_back_stays_within_the_host_budget(tiny, monkeypatch):
+    """An evicted adapter's image is copied back to host memory only into budget room, not merely arena room: a
+    copy that lives outside the arena (``_into_arena`` keeps one there when no block can be made, e.g. while reads
+    hold the blocks) counts against the budget without taking arena room. Found by the stateful cache test in
+    another test order: a third copy went into free arena room and the tier held 172 KB of a 119 KB budget."""
+    _, dirs, _, unit = tiny
+    e = _engine(tiny, 2, 2 * unit)  # a pool of 2 adapters, a host tier of 2 (one size)
+    cache = e.cache
+    e.load_adapter("a", dirs[0])
+    ha = cache.get("a")
+    cache.acquire(ha)
+    cache.release(ha)
+    with cache._lock:
+        cache._drop_host(ha)  # a is on the GPU only
+    with monkeypatch.context() as m:  # no block can be made: b's copy stays outside the arena
+        m.setattr(cache, "_host_block", lambda *args, **kwargs: None)
+        e.load_adapter("b", dirs[1])
+    assert cache.get("b").host.block is None
+    e.load_adapter("c", dirs[2])  # into the arena: the tier is at its budget, with one arena block free
+    assert cache.host_bytes == cache.host_budget
+    with cache._lock:
+        cache._drop_from_pool(ha)  # evicted: no copy back, the budget has no room (the arena has)
+    assert ha.host is None and ha.slot is None
+    assert cache.host_bytes <= cache.host_budget
+    out = e.generate([[3, 4, 5]], adapters=["a"], sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+    assert out[0].finish_reason == "length"  # read again from its files
+    cache.close()
