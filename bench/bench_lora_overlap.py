@@ -104,11 +104,12 @@ def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None, popularity="dist
         p[5][0].fill_(float("nan"))
     side_all(write=True)
     same = all(torch.equal(p[5][0].view(torch.int16), z.view(torch.int16)) for p, z in zip(parts, zeroed))  # bits
+    distinct = int(torch.unique(slots[0]).numel())
     row = dict(tokens=T, adapters=n, rank=rank, pool_max_rank=pool_rank or rank, sets_per_call=K,
-               popularity=popularity, distinct_adapters=int(torch.unique(slots[0]).numel()),
+               popularity=popularity, distinct_adapters=distinct,
                side_all_add_vs_serial_max_rel=err, side_write_equals_side_all=same,
                # the bytes that must move: each distinct adapter's A and B of the seven projections, once
-               adapter_mb=int(torch.unique(slots[0]).numel()) * rank * 2 / 1e6
+               adapter_mb=distinct * rank * 2 / 1e6
                * sum(d_in * len(d_outs) + sum(d_outs) for d_in, d_outs in (GROUPS[g] for g in LAYER_8B)))
     fns = {"base": base, "serial": serial, "side_shrink": side_shrink, "side_all": side_all,
            "side_write": lambda: side_all(write=True), "side_all_add": lambda: side_all(True), "side_all_hi": lambda: side_all(stream=side_hi)}

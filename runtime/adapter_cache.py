@@ -540,12 +540,11 @@ class AdapterCache:
             return
         if (handle.host is None and not handle.retired and handle.failed is None and self.host_budget is not None
                 and not self.pool.needs_check(handle.slot)):  # (never copy back values not checked, or bad)
-            block = self.arena.alloc(handle.pool_bytes)  # only into free room: gpu -> host never evicts
-            if block is not None and self._host_total + block.held_bytes > self.host_budget:
-                # free arena room is not budget room when a copy lives outside the arena (``_into_arena`` keeps one
-                # there when no block could be made, e.g. while reads held the blocks): stay within the budget
-                self.arena.free(block)
-                block = None
+            # only into free room, of the budget and of the arena: gpu -> host never evicts. Free arena room is not
+            # budget room when a copy lives outside the arena (``_into_arena`` keeps one there when no block could be
+            # made, e.g. while reads held the blocks), so the budget is checked first (the block's bytes: whole units)
+            held = -(-handle.pool_bytes // self.arena.unit) * self.arena.unit
+            block = self.arena.alloc(handle.pool_bytes) if self._host_total + held <= self.host_budget else None
             if block is not None:  # gpu -> host: copy the image back
                 t0 = time.perf_counter()
                 packed = self.pool.unpack(handle.slot, name=handle.name, out=block.view(self.pool.dtype))

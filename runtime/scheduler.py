@@ -83,8 +83,9 @@ whose adapter the prefetch is still reading (``AdapterCache.reading``) is not ad
 for that read (the step, and every running request with it, would stall on the disk: session 29's one-batch bench
 at 2,048 adapters spent 14-25% of its step thread there); as for any urgent request nobody behind it is admitted,
 the running requests keep stepping, and it is admitted in the first step after its read has landed (counted in
-``queue_urgent_waits_for_adapter_read``; ``URGENT_READ_WAIT``, on since session 29, not yet measured on a GPU). An urgent request with no read in flight is admitted as before (reading
-its files in the step), and so is one whose read has not landed after ``patience`` more steps. So the bounds above
+``queue_urgent_waits_for_adapter_read``; ``URGENT_READ_WAIT``, on since session 29, not yet measured on a GPU).
+An urgent request with no read in flight is admitted as before (reading its files in the step), and so is one
+whose read has not landed after ``patience`` more steps. So the bounds above
 hold with ``patience`` doubled: ``(k + 1) * (2 * patience + F + 1)`` and
 ``2 * patience + (k + (2 * patience + 1) * B) * L * c + 1``. While the head of the queue is such a request, the
 look-ahead (``prefetch_candidates``) stops at it: nobody behind it is admitted first, and reads for them would
@@ -107,15 +108,15 @@ from typing import Any, Callable
 
 import torch
 
-#: Whether an urgent request whose adapter the prefetch is still reading waits for the read outside the steps (up
-#: to ``patience`` more steps; module docstring), instead of being admitted into a step that waits for it. False:
-#: what ran before session 29 (the A/B switch of ``bench_adapter_throughput.py --urgent-read-wait off``).
-URGENT_READ_WAIT = True
-
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import PoolFullError
 from multilora.runtime.adapter_cache import AdapterCache, AdapterHandle
 from multilora.runtime.sampling import SamplingParams
+
+#: Whether an urgent request whose adapter the prefetch is still reading waits for the read outside the steps (up
+#: to ``patience`` more steps; module docstring), instead of being admitted into a step that waits for it. False:
+#: what ran before session 29 (the A/B switch of ``bench_adapter_throughput.py --urgent-read-wait off``).
+URGENT_READ_WAIT = True
 
 
 class Status(enum.Enum):
