@@ -63,6 +63,7 @@ from tqdm.auto import tqdm
 
 from multilora import Engine, SamplingParams
 from multilora.config import ModelConfig
+from multilora.runtime import scheduler as scheduler_mod
 from multilora.runtime.adapters import save_peft_adapter
 from multilora.runtime.weights import MODEL_SHAPES
 
@@ -673,6 +674,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval in the process that builds the engine (seconds; "
                          "Engine(gil_switch_interval=...); default the engine's 0.0005, Python's own is 0.005)")
+    ap.add_argument("--urgent-read-wait", choices=("on", "off"), default="on",
+                    help="runtime.scheduler.URGENT_READ_WAIT: an urgent request whose adapter is being read waits for "
+                         "the read outside the steps (on, since session 29) or is admitted into a step that waits "
+                         "for it (off: what ran before); each row records it")
     ap.add_argument("--serve-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--n-adapters", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--serve-engine-process", action="store_true", help=argparse.SUPPRESS)
@@ -712,6 +717,7 @@ def setup(args: argparse.Namespace) -> tuple[ModelConfig, list[Path]]:
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    scheduler_mod.URGENT_READ_WAIT = args.urgent_read_wait == "on"  # before any engine (a child sets its own)
     if args.serve_child is not None:
         serve_child(args)
         return []
@@ -739,7 +745,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "arrival": args.arrival, "rate": "burst" if math.isinf(r) else f"{r:.2f}",
                    "chunked_prefill": args.chunked_prefill, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,
-                   "long_prompt_share": args.long_prompt_share,
+                   "long_prompt_share": args.long_prompt_share, "urgent_read_wait": scheduler_mod.URGENT_READ_WAIT,
                    "long_prompt_len": args.long_prompt_len if args.long_prompt_share > 0 else None,
                    **summarize(results, wall, r, before, after), **(steps or {})}
             # SLO (issue 13): TTFT <= 5x and TPOT <= 2x the p50s of the first N's row of this mode and rate kind

@@ -21,12 +21,13 @@ LOGS=$(mktemp -d)
 # tests into test_fp8_gpu.py, B 322 s, C 207 s, so test_fp8_gpu.py (50 s alone) moved from A to C; session 24: A and B
 # both past 380 s (B with the async-scheduling tests), C 308 s, so test_engine_gpu.py got a shard of its own, D, and
 # test_image_finish.py moved from A to B; session 28: A, test_kernels.py with test_fused_ops.py, past 396 s, so
-# test_fused_ops.py moved to B (71 s) and test_kernels.py's tests are dealt alternately to shards A and E)
+# test_fused_ops.py moved to B (71 s) and test_kernels.py's tests are dealt alternately to shards A and E; session 30:
+# C past 420 s four tests before its end, B 166 s, so test_fp8_gpu.py moved from C to B)
 A="test_kernels.py"
-B="test_attention.py test_sampling.py test_image_finish.py test_fused_ops.py"
+B="test_attention.py test_sampling.py test_image_finish.py test_fused_ops.py test_fp8_gpu.py"
 D="test_engine_gpu.py"
 C="test_adapter_tiers.py test_engine_loop.py test_engine_diagnostics.py test_adapter_memory.py test_suite_halves.py
-   test_model_families_gpu.py test_engine_unified.py test_model_phi3_gpu.py test_model_gemma2_gpu.py test_fp8_gpu.py"
+   test_model_families_gpu.py test_engine_unified.py test_model_phi3_gpu.py test_model_gemma2_gpu.py"
 named=" $(echo $A $B $C $D) "  # (echo: one space between names)
 extra=""
 for f in $(grep -l "mark\.gpu" "$T"/test_*.py | xargs -n1 basename); do
