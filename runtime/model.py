@@ -95,6 +95,18 @@ LORA_DELTA_OVERWRITE_MIN_TOKENS = 8
 #: ``multilora-fp8-sepquant``).
 FUSE_FP8_QUANT = True
 FUSE_FP8_QUANT_GLU_MIN_TOKENS = 64
+#: Steps of at least this many tokens whose LoRA runs in place (not on the side stream) write the LoRA term first,
+#: into the projection's output (``lora_delta``: the expand writes every element, zeros in rows without an adapter),
+#: and the base GEMM then adds ``x W^T`` to it in its epilogue (``y.addmm_(x, W^T)``, cuBLAS with beta = 1): the
+#: expand no longer reads and rewrites ``y`` after the GEMM (at a 4,096-token prefill the expand moved
+#: [T, d_out] bf16 twice, 2 x 238 MB for gate/up), and the GEMM, compute-bound there, reads ``y`` in its epilogue.
+#: Profile before (H200, Llama-3-8B, rank 16 on all seven projections, 64 adapters; ``profile_decode.py --batch 64
+#: --mixed-tokens 4096 --no-pdl --lora``, bench/results/session30/call2): LoRA adds 9.1 ms to a 55.7 ms mixed step,
+#: 7.1 of it the in-place expands (128 launches, 55 us each). bf16 / fp16 weights without a bias only (an fp8 GEMM
+#: has no such epilogue; with a bias peft adds the LoRA term after it). Rounding: ``bf16(x W^T + bf16(lora))``
+#: instead of ``bf16(bf16(x W^T) + lora)``. ``1 << 30``: never (what ran before session 30; the
+#: ``bench_generate.py`` provider ``multilora-lora-addafter``).
+LORA_BEFORE_GEMM_MIN_TOKENS = 256
 
 
 #: Token counts ``(lo, hi)`` of the steps whose base GEMMs go through cuBLASLt instead of cuBLAS
@@ -433,7 +445,8 @@ class DecoderModel:
         The bias is the GEMM's own epilogue (addmm: one launch, graph-safe), added before the LoRA delta as peft
         does (``base_layer(x) + lora``); fp8 weights go through ``fp8_linear`` (its bias in the GEMM's epilogue
         where it can be). Without ``defer`` the LoRA is added to ``y`` in place after the GEMM and ``lora_delta``
-        is None. With ``defer`` (and LoRA in the step) it goes into ``lora_delta`` [T, d_out] instead (0 in rows
+        is None (from ``LORA_BEFORE_GEMM_MIN_TOKENS`` tokens, without a bias and fp8, the LoRA term is written into
+        ``y`` first and the GEMM adds ``x W^T`` to it). With ``defer`` (and LoRA in the step) it goes into ``lora_delta`` [T, d_out] instead (0 in rows
         without an adapter; written by ``kernels.lora_delta`` from ``LORA_DELTA_OVERWRITE_MIN_TOKENS`` tokens),
         computed on the side stream while the GEMM runs (on CUDA; the main stream waits for it before returning),
         for the following op to add: at decode the two small LoRA launches then cost no time of their own
@@ -454,17 +467,26 @@ class DecoderModel:
                     lora_delta(delta, x, slices, plan.lora, backend=lora_backend)
                 else:
                     lora_apply(delta.zero_(), x, slices, plan.lora, backend=lora_backend)
+        # in place, from LORA_BEFORE_GEMM_MIN_TOKENS: the LoRA term first, then the GEMM adds x W^T to it
+        first = slices is not None and delta is None and b is None and not isinstance(w, Fp8Weight) \
+            and x.shape[0] >= LORA_BEFORE_GEMM_MIN_TOKENS
+        y = None
+        if first:
+            y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+            lora_delta(y, x, slices, plan.lora, backend=lora_backend)
         carve = self.lora_side_sm_carveout if side is not None and x.shape[0] >= LORA_SIDE_CARVEOUT_MIN_TOKENS else 0
         lt = self.gemm_cublaslt_tokens is not None and x.device.type == "cuda" \
             and self.gemm_cublaslt_tokens[0] <= x.shape[0] <= self.gemm_cublaslt_tokens[1]
         with gemm_sm_carveout(carve, lt):
             if isinstance(w, Fp8Weight):
                 y = fp8_linear(x, w, b, method=self.fp8_method, x_fp8=x_fp8)
+            elif first:
+                y.addmm_(x, w.t())  # beta = 1: y = lora + x W^T, the GEMM's epilogue reading y
             else:
                 y = x @ w.t() if b is None else torch.addmm(b, x, w.t())
         if side is not None:
             main.wait_stream(side)  # before anything reads delta or frees x
-        elif slices is not None and delta is None:
+        elif slices is not None and delta is None and not first:
             lora_apply(y, x, slices, plan.lora, backend=lora_backend)
         return y, delta
 

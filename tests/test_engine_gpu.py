@@ -45,13 +45,20 @@ def setup(tmp_path_factory):
     return model, d, rows
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_engine_matches_peft_on_gpu(setup, dtype):
+@pytest.mark.parametrize("dtype,first", [(torch.float32, False), (torch.bfloat16, False), (torch.float16, False),
+                                         (torch.bfloat16, True), (torch.float16, True)],
+                         ids=["fp32", "bf16", "fp16", "bf16-lora-before-gemm", "fp16-lora-before-gemm"])
+def test_engine_matches_peft_on_gpu(setup, dtype, first, monkeypatch):
+    """``first``: every in-place step (the mixed batch's prefill, over the side stream's 64 tokens) writes the LoRA
+    term first and its GEMM adds x W^T to it (``LORA_BEFORE_GEMM_MIN_TOKENS`` = 1; by default from 256 tokens)."""
     from multilora import Engine
     from multilora.kernels import resolve_backend
     from multilora.kernels.triton_sgmv import lora_apply_triton
+    from multilora.runtime import model as model_mod
 
+    monkeypatch.setattr(model_mod, "LORA_BEFORE_GEMM_MIN_TOKENS", 1 if first else 1 << 30)
     model, d, rows = setup
+    assert sum(map(len, rows)) > 64  # the mixed batch's step is in place, not on the side stream
     ref32 = peft_batch_logits(model, rows, ROW_ADAPTERS, torch.float32)
     engine = Engine(model=d / "model", device="cuda", dtype=dtype, progress=False, max_batch_size=8)
     assert resolve_backend(None, torch.empty(1, device="cuda")) is lora_apply_triton

@@ -166,13 +166,45 @@ def _batch_rows(seed=5):
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for _, n in BATCH]
 
 
-@pytest.mark.parametrize("deferred", [False, True], ids=["lora-in-place", "lora-deferred"])
+def _lora_path(engine, deferred, monkeypatch):
+    """Set the engine's LoRA path: in place after the GEMM (False), deferred (True: each projection's LoRA into its
+    own buffer, added by the op after it, the GPU's decode path), or "first" (in place, the LoRA term written first
+    and the GEMM adding to it, the GPU's prefill path from ``LORA_BEFORE_GEMM_MIN_TOKENS``; projections with a bias
+    keep the add after)."""
+    from multilora.runtime import model as model_mod
+
+    if deferred is True:
+        monkeypatch.setattr(engine.model, "lora_side_max_tokens", 1 << 30)
+    monkeypatch.setattr(model_mod, "LORA_BEFORE_GEMM_MIN_TOKENS", 1 if deferred == "first" else 1 << 30)
+    calls = {"lora_apply": 0, "lora_delta": 0}  # which LoRA entry points the forward took
+
+    def spy(name):
+        real = getattr(model_mod, name)
+
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapped
+    for n in calls:
+        monkeypatch.setattr(model_mod, n, spy(n))
+    return calls
+
+
+LORA_PATHS = pytest.mark.parametrize("deferred", [False, True, "first"],
+                                     ids=["lora-in-place", "lora-deferred", "lora-before-gemm"])
+
+
+@LORA_PATHS
 def test_peft_adapters_mixed_batch_logits(peft_setup, deferred, monkeypatch):
     name, model, engine = peft_setup
-    if deferred:  # each projection's LoRA into its own buffer, added by the op after it (the GPU's decode path)
-        monkeypatch.setattr(engine.model, "lora_side_max_tokens", 1 << 30)
+    calls = _lora_path(engine, deferred, monkeypatch)
     rows = _batch_rows()
     ours = engine.logits(rows, adapters=[a for a, _ in BATCH])
+    # the path asked for ran: no written LoRA term in place; "first": written, and added after only where a bias is
+    assert (calls["lora_delta"] > 0) == (deferred is not False), calls
+    if deferred == "first":
+        biased = any(n.endswith("_bias") for n in engine.model.layers[0])
+        assert (calls["lora_apply"] > 0) == biased, (calls, biased)
     for i, ((a, _), r) in enumerate(zip(BATCH, rows)):
         ref = hf_last_logits(model, [r], adapter_names=[a or "__base__"])[0]
         assert rel_err(ours[i], ref) < REL_TOL, (name, a, rel_err(ours[i], ref))
@@ -183,11 +215,10 @@ def test_peft_adapters_mixed_batch_logits(peft_setup, deferred, monkeypatch):
     assert rel_err(ours[1], alone[0]) < REL_TOL and rel_err(ours[4], alone[1]) < REL_TOL
 
 
-@pytest.mark.parametrize("deferred", [False, True], ids=["lora-in-place", "lora-deferred"])
+@LORA_PATHS
 def test_peft_adapters_greedy_generate(peft_setup, deferred, monkeypatch):
     name, model, engine = peft_setup
-    if deferred:  # each projection's LoRA into its own buffer, added by the op after it (the GPU's decode path)
-        monkeypatch.setattr(engine.model, "lora_side_max_tokens", 1 << 30)
+    _lora_path(engine, deferred, monkeypatch)
     rows = _batch_rows(seed=6)
     outs = engine.generate(rows, adapters=[a for a, _ in BATCH],
                            sampling=SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True))
