@@ -12,6 +12,14 @@ warps, against the default configuration in the same run (issue 12: B is read fa
        python bench/tune_lora_kernels.py --decode-shrink --out DIR   (writes tune_decode_shrink.json / .md, ~3 min)
 The decode shrink alone, same cases: ``block_k`` x the K split (half, the default's, twice) x warps x stages,
 against the default configuration in the same run (issue 12: A is read at about half of copy speed at 64 tokens).
+
+       python bench/tune_lora_kernels.py --prefill --out DIR   (writes tune_prefill.json / .md)
+A prefill step's LoRA alone (``--tokens``, default 4,096, on 8 adapters in runs of 512 tokens; the four fused
+projections of a Llama-3-8B layer): the expand writing the LoRA term (``overwrite=True``, what the engine runs from
+``LORA_BEFORE_GEMM_MIN_TOKENS``) and then the shrink, each over chunk sizes (``block_m``) x tile widths x warps x
+stages against the default configuration in the same run, with each case's bytes (the expand's writes of y, the
+shrink's reads of x) per us (issue 12's TTFT: H200, a 4,096-token mixed step's expands ran at 48 us each, half of
+their write bandwidth).
 """
 
 from __future__ import annotations
@@ -159,11 +167,85 @@ def decode_shrink(out_dir: str, rank: int = 16, tokens: tuple[int, ...] = (8, 64
             torch.cuda.empty_cache()
 
 
+def prefill(out_dir: str, tokens: tuple[int, ...] = (4096,), groups: tuple[str, ...] | None = None) -> None:
+    """The ``--prefill`` sweep (module docstring); writes ``tune_prefill.json/.md``."""
+    from bench_lora_kernels import GROUPS as G, LAYER_8B, environment
+    from multilora.kernels import build_lora_plan
+    from multilora.kernels import triton_sgmv as ts
+
+    env = environment()
+    rows, lines = [], ["| kernel | group | tokens | MB moved | default | best | best config | best GB/s |",
+                       "|---|---|---|---|---|---|---|---|"]
+    n, K = 8, 2  # adapters per step; steps per timed graph (y and x of two steps pass the 50 MB L2)
+    for kernel in ("expand", "shrink"):
+        for group in groups or LAYER_8B:
+            d_in, d_outs = G[group]
+            d_out = sum(d_outs)
+            for T in tokens:
+                pool, slices = synthetic_pool(d_in, d_outs, K * n, 16)
+                runs = (torch.arange(T) * n // T)  # n runs of T / n tokens, as a prefill of n prompts
+                xs = [torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
+                ys = [torch.empty(T, d_out, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
+                plan0 = [build_lora_plan(runs + k * n, device="cuda") for k in range(K)]
+                vs = [ts.sgmv_shrink(xs[k], slices, plan0[k]) for k in range(K)]
+                auto = vs[0].shape[0]
+                if kernel == "expand":
+                    ref = ts.sgmv_expand(ys[0].clone(), vs[0], slices, plan0[0], overwrite=True)
+                    mb = T * d_out * 2 / 1e6
+                    configs = [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                               for bm in (64, 128) for bn in (128, 256) for nw in (4, 8) for ns in (2, 3)]
+                else:
+                    ref = vs[0].sum(0)
+                    mb = T * d_in * 2 / 1e6
+                    configs = [dict(block_m=bm, block_k=bk, split_k=sp, num_warps=nw)
+                               for bm in (64, 128) for bk in (128, 256) for sp in sorted({auto, 2 * auto})
+                               for nw in (4, 8) if sp * bk <= d_in]
+                case = []
+                for cfg in [{}] + configs:
+                    c = dict(cfg)
+                    bm = c.pop("block_m", None)
+                    plans = plan0 if bm is None else [build_lora_plan(runs + k * n, device="cuda", block_m=bm)
+                                                      for k in range(K)]
+                    if kernel == "expand":
+                        def fn():
+                            for k in range(K):
+                                ts.sgmv_expand(ys[k], vs[k], slices, plans[k], overwrite=True, **c)
+                    else:
+                        def fn():
+                            for k in range(K):
+                                ts.sgmv_shrink(xs[k], slices, plans[k], **c)
+                    try:
+                        got = (ts.sgmv_expand(ys[0].clone(), vs[0], slices, plans[0], overwrite=True, **c)
+                               if kernel == "expand" else ts.sgmv_shrink(xs[0], slices, plans[0], **c).sum(0))
+                        err = float((got.float() - ref.float()).abs().max())
+                        us = time_ms(fn, True) / K * 1e3
+                    except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is reported
+                        print(kernel, group, T, cfg, type(exc).__name__, exc, flush=True)
+                        continue
+                    case.append(dict(kernel=kernel, group=group, tokens=T, adapters=n, mb=mb, us=us,
+                                     max_abs_diff_vs_default=err, default=not cfg, auto_split=auto,
+                                     default_block_m=plan0[0].block_m, **cfg))
+                rows.extend(case)
+                default = next(r for r in case if r["default"])
+                best = min(case, key=lambda r: r["us"])
+                keys = ("block_m", "block_n", "block_k", "split_k", "num_stages", "num_warps")
+                cfg_s = ", ".join(f"{k} {best[k]}" for k in keys if k in best)
+                lines.append(f"| {kernel} | {group} | {T} | {mb:.0f} | {default['us']:.1f} us (block_m "
+                             f"{default['default_block_m']}, split {auto}) | {best['us']:.1f} us | "
+                             f"{cfg_s or 'default'} | {mb * 1e3 / best['us']:.0f} |")
+                print(lines[-1], flush=True)
+                _write(out_dir, "tune_prefill", env, rows, lines)  # after each case: a timeout keeps the cases done
+                del pool, slices
+                torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--decode-expand", action="store_true", help="the decode expand sweep (module docstring)")
     ap.add_argument("--decode-shrink", action="store_true", help="the decode shrink sweep (module docstring)")
+    ap.add_argument("--prefill", action="store_true", help="the prefill expand (overwrite) and shrink sweep (module "
+                    "docstring; --tokens default 4096 there)")
     ap.add_argument("--rank", type=int, default=16, help="adapter rank of the decode sweeps (default 16)")
     ap.add_argument("--tokens", default="8,64,256",
                     help="comma-separated token counts of the decode sweeps, each token its own adapter")
@@ -188,6 +270,9 @@ def main():
         bad = [g for g in groups if g not in GROUPS]
         if bad:
             ap.error(f"--groups: expected names from {','.join(GROUPS)}, got {','.join(bad)}")
+    if args.prefill:
+        os.makedirs(args.out, exist_ok=True)
+        return prefill(args.out, tokens if args.tokens != "8,64,256" else (4096,), groups)
     if args.decode_shrink:
         os.makedirs(args.out, exist_ok=True)
         return decode_shrink(args.out, args.rank, tokens, groups)

@@ -413,6 +413,21 @@ DECODE_EXPAND_RANK_TILES: tuple[int, int] | None = (128, 2)
 DECODE_EXPAND_RANK_WIDE_OUT: tuple[int, int, int, int, int] | None = (48, 64, 16384, 256, 4)
 
 
+#: Prefill tiles (``plan.block_m > 16``: steps of more than 512 tokens) from a pool of rank <= 16 on a GPU: the shrink's
+#: ``block_k`` (its K split still computed as for the 256-wide blocks that ran before), and the ``block_n`` of an
+#: expand that writes the LoRA term (``overwrite=True``: ``lora_delta``, the engine's in-place path from
+#: ``runtime.model.LORA_BEFORE_GEMM_MIN_TOKENS``). H200, bf16, 4,096 tokens on 8 adapters (runs of 512), each kernel
+#: alone per fused projection of a Llama-3-8B layer, the default against the sweep in one run (``python
+#: bench/tune_lora_kernels.py --prefill``, bench/results/session30/call4/), us: shrink with block_k 256 -> 128 (split
+#: 4 / 8 / 4 / 8, 4 warps) q/k/v 30.6 -> 19.7, o 17.7 -> 12.7, gate/up 21.6 -> 16.1, down 38.4 -> 33.9 (108 -> 82
+#: summed; block_m 128 would give 77 but the plan's chunks are shared with the expand, fastest at 64); expand writing,
+#: block_n 128 -> 256 (4 warps) q/k/v 29.8 -> 27.8, o 31.4 -> 20.8, gate/up 119.7 -> 116.6, down 30.8 -> 20.4 (211 ->
+#: 186 summed); the same bits in every case. Not measured in the engine yet. ``None``: the launcher's older defaults
+#: (256 and 128; what ran before session 30).
+PREFILL_SHRINK_BLOCK_K: int | None = 128
+PREFILL_WRITE_BLOCK_N: int | None = 256
+
+
 #: Launch the shrink and expand with programmatic dependent launch (PDL) on GPUs that have it (compute capability
 #: 9.0+: Hopper, Blackwell): each kernel may start launching while the kernel before it on the stream drains, reads
 #: its slot, rank, offset and scaling, and waits (``_pdl_wait``) before its first read of activations; an expand thus
@@ -449,6 +464,32 @@ def decode_expand_tiles(T: int) -> tuple[int, int | None, int | None]:
 
 def _wide(T: int, rmax: int) -> bool:
     return rmax >= WIDE_RANK and T <= WIDE_RANK_MAX_TOKENS
+
+
+def shrink_block_k(device_type: str, dtype: torch.dtype, T: int, block_m: int, rmax: int) -> tuple[int, int | None]:
+    """The shrink's default ``(block_k, split_block)`` for a step of ``T`` tokens in chunks of ``block_m`` from a pool
+    of rank ``rmax``: 64 on the CPU; 128 for fp32 and decode-sized steps (T <= 512) and 256 for prefill (H200,
+    ``bench/tune_lora_kernels.py``), except prefill chunks (``block_m > 16``) of a rank <= 16 pool, which take
+    ``PREFILL_SHRINK_BLOCK_K`` with the K split still computed for 256 (``split_block``; None: for block_k itself)."""
+    if device_type == "cpu":
+        return 64, None
+    if dtype == torch.float32 or T <= 512:
+        return 128, None
+    if block_m > 16 and rmax <= 16 and PREFILL_SHRINK_BLOCK_K is not None:
+        return PREFILL_SHRINK_BLOCK_K, 256  # session 30's prefill sweep
+    return 256, None
+
+
+def expand_block_n(device_type: str, T: int, block_m: int, rmax: int, overwrite: bool) -> int:
+    """The expand's default ``block_n`` where no decode rule (``DECODE_EXPAND_LOOP``, ``DECODE_EXPAND_RANK_TILES``)
+    sets it: 64 on the CPU; 256 for decode-sized steps (T <= 512: fewer, larger B reads) and 128 for prefill (H200),
+    except a prefill expand that writes (``overwrite``, chunks of ``block_m > 16``, a rank <= 16 pool), which takes
+    ``PREFILL_WRITE_BLOCK_N``."""
+    if device_type == "cpu":
+        return 64
+    if overwrite and block_m > 16 and rmax <= 16 and PREFILL_WRITE_BLOCK_N is not None:
+        return PREFILL_WRITE_BLOCK_N  # session 30's prefill sweep
+    return 256 if T <= 512 else 128
 
 
 def _split_k(device: torch.device, programs: int, d_in: int, block_k: int, max_split: int = 32) -> int:
@@ -508,11 +549,13 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
     chunks = num_chunks(plan, slices)
     if block_k is None and wide and WIDE_SHRINK[1]:
         block_k = WIDE_SHRINK[1]
+    split_block = None  # the block_k that the K split is computed for, when it is not block_k itself
     if block_k is None:
-        # measured on an H200 (bench/tune_lora_kernels.py): 128 for decode-sized batches, 256 for prefill
-        block_k = 64 if x.device.type == "cpu" else 128 if x.dtype == torch.float32 or T <= 512 else 256
-    block_k = min(block_k, max(16, triton.next_power_of_2(d_in)))
-    split = split_k or _split_k(x.device, chunks * S, d_in, block_k, WIDE_SHRINK[0] if wide else 32)
+        block_k, split_block = shrink_block_k(x.device.type, x.dtype, T, plan.block_m, rmax)
+    cap = max(16, triton.next_power_of_2(d_in))
+    block_k = min(block_k, cap)
+    split = split_k or _split_k(x.device, chunks * S, d_in, min(split_block or block_k, cap),
+                                WIDE_SHRINK[0] if wide else 32)
     k_per = triton.cdiv(triton.cdiv(d_in, split), block_k) * block_k
     v_out = torch.empty(split, S, T, rmax, dtype=torch.float32, device=x.device)
     extra = {} if num_stages is None else {"num_stages": num_stages}
@@ -549,8 +592,7 @@ def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan
         num_stages = num_stages or stages
     group = (tiles or 1) if loop else 1
     if block_n is None:
-        # measured on an H200: 256-wide tiles for decode (fewer, larger B reads), 128 for prefill
-        block_n = 64 if y.device.type == "cpu" else 256 if T <= 512 else 128
+        block_n = expand_block_n(y.device.type, T, plan.block_m, rmax, overwrite)
     n_tiles = sum(triton.cdiv(vw.d_out, group * block_n) for vw in slices.views)
     if num_stages is None and y.device.type == "cuda" and T <= 512:
         # decode: one rank tile per program (r <= 16), nothing to pipeline; 2 stages leave more shared memory

@@ -102,10 +102,14 @@ FUSE_FP8_QUANT_GLU_MIN_TOKENS = 64
 #: [T, d_out] bf16 twice, 2 x 238 MB for gate/up), and the GEMM, compute-bound there, reads ``y`` in its epilogue.
 #: Profile before (H200, Llama-3-8B, rank 16 on all seven projections, 64 adapters; ``profile_decode.py --batch 64
 #: --mixed-tokens 4096 --no-pdl --lora``, bench/results/session30/call2): LoRA adds 9.1 ms to a 55.7 ms mixed step,
-#: 7.1 of it the in-place expands (128 launches, 55 us each). bf16 / fp16 weights without a bias only (an fp8 GEMM
-#: has no such epilogue; with a bias peft adds the LoRA term after it). Rounding: ``bf16(x W^T + bf16(lora))``
-#: instead of ``bf16(bf16(x W^T) + lora)``. ``1 << 30``: never (what ran before session 30; the
-#: ``bench_generate.py`` provider ``multilora-lora-addafter``).
+#: 7.1 of it the in-place expands (128 launches, 55 us each). After (call 3, another host): expands 48.3 us each, the
+#: GEMMs with the epilogue read 1% slower, the step's kernels 64.83 -> 64.57 ms; engine A/B in one run
+#: (``bench_generate.py --providers multilora,multilora-lora,multilora-lora-addafter --rounds 5 --batches 64``): TTFT
+#: 0.862 -> 0.856 s (base 0.777). The writing expand was then half its write bandwidth: session 30's prefill tiles
+#: (``triton_sgmv.PREFILL_WRITE_BLOCK_N``) are for it. bf16 / fp16 weights without a bias only (an fp8 GEMM has no
+#: such epilogue; with a bias peft adds the LoRA term after it). Rounding: ``bf16(x W^T + bf16(lora))`` instead of
+#: ``bf16(bf16(x W^T) + lora)``; ``test_engine_gpu.py``'s peft bounds hold (call 4). ``1 << 30``: never (what ran
+#: before session 30; the ``bench_generate.py`` provider ``multilora-lora-addafter``).
 LORA_BEFORE_GEMM_MIN_TOKENS = 256
 
 

@@ -998,3 +998,54 @@ def test_compaction_between_calls_is_seen_by_the_next_call(path, device, dtype):
 def test_cuda_graph_replayed_after_compaction(path):
     """A graph captured before the pool compacts, replayed after: it reads the rewritten offsets in place."""
     _compaction_case("cuda", torch.bfloat16, lora_fused if path == "fused" else lora_apply_triton, capture=True)
+
+
+def test_prefill_tile_rules(monkeypatch):
+    """The launchers' default tiles by step (``shrink_block_k``, ``expand_block_n``): session 30's prefill sweep
+    changed only prefill chunks (block_m > 16) of rank <= 16 pools on a GPU (the shrink's block_k, its K split still
+    computed for 256; a writing expand's block_n); the CPU, decode-sized steps, fp32, rank > 16 pools and an adding
+    expand keep what ran before, and ``None`` restores it everywhere."""
+    from multilora.kernels import triton_sgmv as ts
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert ts.shrink_block_k("cpu", bf16, 4096, 64, 16) == (64, None)
+    assert ts.shrink_block_k("cuda", f32, 4096, 64, 16) == (128, None)
+    assert ts.shrink_block_k("cuda", bf16, 512, 16, 16) == (128, None)
+    assert ts.shrink_block_k("cuda", bf16, 4096, 64, 16) == (ts.PREFILL_SHRINK_BLOCK_K, 256) == (128, 256)
+    assert ts.shrink_block_k("cuda", bf16, 4096, 64, 64) == (256, None)  # rank 64: not swept
+    assert ts.expand_block_n("cpu", 4096, 64, 16, True) == 64
+    assert ts.expand_block_n("cuda", 512, 16, 16, True) == 256
+    assert ts.expand_block_n("cuda", 4096, 64, 16, False) == 128  # adding: not swept
+    assert ts.expand_block_n("cuda", 4096, 64, 16, True) == ts.PREFILL_WRITE_BLOCK_N == 256
+    assert ts.expand_block_n("cuda", 4096, 64, 64, True) == 128
+    monkeypatch.setattr(ts, "PREFILL_SHRINK_BLOCK_K", None)
+    monkeypatch.setattr(ts, "PREFILL_WRITE_BLOCK_N", None)
+    assert ts.shrink_block_k("cuda", bf16, 4096, 64, 16) == (256, None)
+    assert ts.expand_block_n("cuda", 4096, 64, 16, True) == 128
+
+
+def test_shrink_block_k_below_its_split_block_keeps_the_result():
+    """A prefill shrink whose K split is computed for 256-wide blocks but runs 128-wide ones (session 30's rule, as
+    ``_shrink`` launches it on a GPU: ``block_k`` 128, the split of 256), then a writing expand of 256-wide tiles over
+    a y of 7s: the torch reference of the LoRA term alone, as ``lora_delta`` gives it with the defaults
+    (interpreted on the CPU in fp32)."""
+    pytest.importorskip("triton")
+    if __import__("os").environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
+    from multilora.kernels import build_lora_plan, lora_apply_torch, lora_delta, lora_slices
+    from multilora.kernels import triton_sgmv as ts
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    pool, slots = make_pool(SMALL, [8, 16, 4], dtype=torch.float32, device=dev)
+    sl = lora_slices([pool.module_view(0, m) for m in QKV])
+    T = 600  # block_m 64: prefill chunks
+    plan = build_lora_plan([slots[t * 3 // T] for t in range(T)], device=dev)
+    assert plan.block_m > 16
+    x = torch.randn(T, sl.d_in, generator=torch.Generator().manual_seed(3)).to(dev)
+    k = ts._split_k(torch.device("cuda", 0), 1, sl.d_in, 256) if torch.cuda.is_available() else 2
+    y = ts.sgmv_expand(torch.full((T, sl.d_out), 7.0, device=dev), ts.sgmv_shrink(x, sl, plan, block_k=128, split_k=k),
+                       sl, plan, overwrite=True, block_n=256)
+    ref = lora_apply_torch(torch.zeros(T, sl.d_out, device=dev), x, sl, plan)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lora_delta(torch.empty_like(ref), x, sl, plan, backend="triton"), ref, rtol=1e-4,
+                               atol=1e-4)
