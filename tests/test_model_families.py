@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from testsupport import (  # noqa: E402,F401  (one_thread: autouse)
-    hf_greedy, hf_last_logits, one_thread, peft_adapters, rel_err, saved_engine, token_rows)
+    LORA_PATHS, hf_greedy, hf_last_logits, lora_path, one_thread, peft_adapters, rel_err, saved_engine, token_rows)
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.config import SERVED_MODEL_TYPES, ModelConfig  # noqa: E402
@@ -166,38 +166,10 @@ def _batch_rows(seed=5):
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for _, n in BATCH]
 
 
-def _lora_path(engine, deferred, monkeypatch):
-    """Set the engine's LoRA path: in place after the GEMM (False), deferred (True: each projection's LoRA into its
-    own buffer, added by the op after it, the GPU's decode path), or "first" (in place, the LoRA term written first
-    and the GEMM adding to it, the GPU's prefill path from ``LORA_BEFORE_GEMM_MIN_TOKENS``; projections with a bias
-    keep the add after)."""
-    from multilora.runtime import model as model_mod
-
-    if deferred is True:
-        monkeypatch.setattr(engine.model, "lora_side_max_tokens", 1 << 30)
-    monkeypatch.setattr(model_mod, "LORA_BEFORE_GEMM_MIN_TOKENS", 1 if deferred == "first" else 1 << 30)
-    calls = {"lora_apply": 0, "lora_delta": 0}  # which LoRA entry points the forward took
-
-    def spy(name):
-        real = getattr(model_mod, name)
-
-        def wrapped(*args, **kwargs):
-            calls[name] += 1
-            return real(*args, **kwargs)
-        return wrapped
-    for n in calls:
-        monkeypatch.setattr(model_mod, n, spy(n))
-    return calls
-
-
-LORA_PATHS = pytest.mark.parametrize("deferred", [False, True, "first"],
-                                     ids=["lora-in-place", "lora-deferred", "lora-before-gemm"])
-
-
 @LORA_PATHS
 def test_peft_adapters_mixed_batch_logits(peft_setup, deferred, monkeypatch):
     name, model, engine = peft_setup
-    calls = _lora_path(engine, deferred, monkeypatch)
+    calls = lora_path(engine, deferred, monkeypatch)
     rows = _batch_rows()
     ours = engine.logits(rows, adapters=[a for a, _ in BATCH])
     # the path asked for ran: no written LoRA term in place; "first": written, and added after only where a bias is
@@ -218,7 +190,7 @@ def test_peft_adapters_mixed_batch_logits(peft_setup, deferred, monkeypatch):
 @LORA_PATHS
 def test_peft_adapters_greedy_generate(peft_setup, deferred, monkeypatch):
     name, model, engine = peft_setup
-    _lora_path(engine, deferred, monkeypatch)
+    lora_path(engine, deferred, monkeypatch)
     rows = _batch_rows(seed=6)
     outs = engine.generate(rows, adapters=[a for a, _ in BATCH],
                            sampling=SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True))

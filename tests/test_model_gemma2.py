@@ -25,7 +25,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from testsupport import (  # noqa: E402,F401  (one_thread: autouse)
-    add_gguf_test_tokenizer, hf_greedy, hf_last_logits, one_thread, peft_adapters, rel_err, saved_engine, token_rows)
+    LORA_PATHS, add_gguf_test_tokenizer, hf_greedy, hf_last_logits, lora_path, one_thread, peft_adapters, rel_err,
+    saved_engine, token_rows)
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.config import ModelConfig  # noqa: E402
@@ -204,13 +205,13 @@ def test_peft_adapter_targets(peft_setup):
     assert len(al.modules) == 3 * 7 and al.modules[(1, "v_proj")].rank == 5
 
 
-@pytest.mark.parametrize("deferred", [False, True], ids=["lora-in-place", "lora-deferred"])
+@LORA_PATHS
 def test_peft_adapters_mixed_batch_logits(peft_setup, deferred, monkeypatch):
     model, engine, _ = peft_setup
-    if deferred:  # each projection's LoRA into its own buffer, added by the op after it (the GPU's decode path)
-        monkeypatch.setattr(engine.model, "lora_side_max_tokens", 1 << 30)
+    calls = lora_path(engine, deferred, monkeypatch)  # in place after / before the GEMM, or deferred
     rows = _batch_rows()
     ours = engine.logits(rows, adapters=[a for a, _ in BATCH])
+    assert (calls["lora_delta"] > 0) == (deferred is not False), calls  # the path asked for ran
     for i, ((a, _), r) in enumerate(zip(BATCH, rows)):
         ref = hf_last_logits(model, [r], adapter_names=[a or "__base__"])[0]
         assert rel_err(ours[i], ref) < REL_TOL, (a, rel_err(ours[i], ref))
@@ -221,11 +222,10 @@ def test_peft_adapters_mixed_batch_logits(peft_setup, deferred, monkeypatch):
     assert rel_err(ours[1], alone[0]) < REL_TOL and rel_err(ours[4], alone[1]) < REL_TOL
 
 
-@pytest.mark.parametrize("deferred", [False, True], ids=["lora-in-place", "lora-deferred"])
+@LORA_PATHS
 def test_peft_adapters_greedy_generate(peft_setup, deferred, monkeypatch):
     model, engine, _ = peft_setup
-    if deferred:  # each projection's LoRA into its own buffer, added by the op after it (the GPU's decode path)
-        monkeypatch.setattr(engine.model, "lora_side_max_tokens", 1 << 30)
+    lora_path(engine, deferred, monkeypatch)  # in place after / before the GEMM, or deferred
     rows = _batch_rows(seed=6)
     outs = engine.generate(rows, adapters=[a for a, _ in BATCH],
                            sampling=SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True))

@@ -267,3 +267,31 @@ def spy_launches(monkeypatch, module, name):
 
     monkeypatch.setattr(module, name, _Spy())
     return calls
+
+
+def lora_path(engine, deferred, monkeypatch):
+    """Set the engine's LoRA path: in place after the GEMM (False), deferred (True: each projection's LoRA into its
+    own buffer, added by the op after it, the GPU's decode path), or "first" (in place, the LoRA term written first
+    and the GEMM adding to it, the GPU's prefill path from ``LORA_BEFORE_GEMM_MIN_TOKENS``; projections with a bias
+    keep the add after)."""
+    from multilora.runtime import model as model_mod
+
+    if deferred is True:
+        monkeypatch.setattr(engine.model, "lora_side_max_tokens", 1 << 30)
+    monkeypatch.setattr(model_mod, "LORA_BEFORE_GEMM_MIN_TOKENS", 1 if deferred == "first" else 1 << 30)
+    calls = {"lora_apply": 0, "lora_delta": 0}  # which LoRA entry points the forward took
+
+    def spy(name):
+        real = getattr(model_mod, name)
+
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapped
+    for n in calls:
+        monkeypatch.setattr(model_mod, n, spy(n))
+    return calls
+
+
+LORA_PATHS = pytest.mark.parametrize("deferred", [False, True, "first"],
+                                     ids=["lora-in-place", "lora-deferred", "lora-before-gemm"])
