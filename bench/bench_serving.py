@@ -385,7 +385,9 @@ def serve_child(args: argparse.Namespace) -> None:
 
 
 def child_engine(args: argparse.Namespace) -> Engine:
-    """The server child's engine (in the server's process, or in its engine process)."""
+    """The server child's engine (in the server's process, or in its engine process: a spawned process that imports
+    the scheduler afresh, so ``--urgent-read-wait`` is set here too)."""
+    scheduler_mod.URGENT_READ_WAIT = args.urgent_read_wait == "on"
     config, files = setup(args)
     return build_engine(args, config, files, args.n_adapters)
 
@@ -717,7 +719,15 @@ def setup(args: argparse.Namespace) -> tuple[ModelConfig, list[Path]]:
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    before = scheduler_mod.URGENT_READ_WAIT
     scheduler_mod.URGENT_READ_WAIT = args.urgent_read_wait == "on"  # before any engine (a child sets its own)
+    try:
+        return _main(args, argv)
+    finally:  # (in-process callers get the module's value back)
+        scheduler_mod.URGENT_READ_WAIT = before
+
+
+def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     if args.serve_child is not None:
         serve_child(args)
         return []

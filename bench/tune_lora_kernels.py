@@ -16,8 +16,9 @@ against the default configuration in the same run (issue 12: A is read at about 
        python bench/tune_lora_kernels.py --prefill --out DIR   (writes tune_prefill.json / .md)
 A prefill step's LoRA alone (``--tokens``, default 4,096, on 8 adapters in runs of 512 tokens; the four fused
 projections of a Llama-3-8B layer): the expand writing the LoRA term (``overwrite=True``, what the engine runs from
-``LORA_BEFORE_GEMM_MIN_TOKENS``) and then the shrink, each over chunk sizes (``block_m``) x tile widths x warps x
-stages against the default configuration in the same run, with each case's bytes (the expand's writes of y, the
+``LORA_BEFORE_GEMM_MIN_TOKENS``; chunk sizes ``block_m`` x ``block_n`` x warps x stages) and then the shrink
+(``block_m`` x ``block_k`` x the K split, the default's and twice it, x warps), against the default configuration in
+the same run, with each case's bytes (the expand's writes of y, the
 shrink's reads of x) per us (issue 12's TTFT: H200, a 4,096-token mixed step's expands ran at 48 us each, half of
 their write bandwidth).
 """

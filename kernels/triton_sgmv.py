@@ -413,7 +413,8 @@ DECODE_EXPAND_RANK_TILES: tuple[int, int] | None = (128, 2)
 DECODE_EXPAND_RANK_WIDE_OUT: tuple[int, int, int, int, int] | None = (48, 64, 16384, 256, 4)
 
 
-#: Prefill tiles (``plan.block_m > 16``: steps of more than 512 tokens) from a pool of rank <= 16 on a GPU: the shrink's
+#: Prefill tiles (``plan.block_m > 16``: steps of more than 512 tokens) from a pool whose ``max_rank`` (the engine's
+#: ``max_lora_rank``, default 64: then these do not apply) is <= 16, in bf16 / fp16 on a GPU: the shrink's
 #: ``block_k`` (its K split still computed as for the 256-wide blocks that ran before), and the ``block_n`` of an
 #: expand that writes the LoRA term (``overwrite=True``: ``lora_delta``, the engine's in-place path from
 #: ``runtime.model.LORA_BEFORE_GEMM_MIN_TOKENS``). H200, bf16, 4,096 tokens on 8 adapters (runs of 512), each kernel
@@ -469,7 +470,7 @@ def _wide(T: int, rmax: int) -> bool:
 def shrink_block_k(device_type: str, dtype: torch.dtype, T: int, block_m: int, rmax: int) -> tuple[int, int | None]:
     """The shrink's default ``(block_k, split_block)`` for a step of ``T`` tokens in chunks of ``block_m`` from a pool
     of rank ``rmax``: 64 on the CPU; 128 for fp32 and decode-sized steps (T <= 512) and 256 for prefill (H200,
-    ``bench/tune_lora_kernels.py``), except prefill chunks (``block_m > 16``) of a rank <= 16 pool, which take
+    ``bench/tune_lora_kernels.py``), except prefill chunks (``block_m > 16``) of a pool of max rank <= 16, which take
     ``PREFILL_SHRINK_BLOCK_K`` with the K split still computed for 256 (``split_block``; None: for block_k itself)."""
     if device_type == "cpu":
         return 64, None
@@ -480,14 +481,14 @@ def shrink_block_k(device_type: str, dtype: torch.dtype, T: int, block_m: int, r
     return 256, None
 
 
-def expand_block_n(device_type: str, T: int, block_m: int, rmax: int, overwrite: bool) -> int:
+def expand_block_n(device_type: str, dtype: torch.dtype, T: int, block_m: int, rmax: int, overwrite: bool) -> int:
     """The expand's default ``block_n`` where no decode rule (``DECODE_EXPAND_LOOP``, ``DECODE_EXPAND_RANK_TILES``)
     sets it: 64 on the CPU; 256 for decode-sized steps (T <= 512: fewer, larger B reads) and 128 for prefill (H200),
-    except a prefill expand that writes (``overwrite``, chunks of ``block_m > 16``, a rank <= 16 pool), which takes
-    ``PREFILL_WRITE_BLOCK_N``."""
+    except a bf16 / fp16 prefill expand that writes (``overwrite``, chunks of ``block_m > 16``, a pool of max rank
+    <= 16), which takes ``PREFILL_WRITE_BLOCK_N``."""
     if device_type == "cpu":
         return 64
-    if overwrite and block_m > 16 and rmax <= 16 and PREFILL_WRITE_BLOCK_N is not None:
+    if overwrite and dtype != torch.float32 and block_m > 16 and rmax <= 16 and PREFILL_WRITE_BLOCK_N is not None:
         return PREFILL_WRITE_BLOCK_N  # session 30's prefill sweep
     return 256 if T <= 512 else 128
 
@@ -592,7 +593,7 @@ def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan
         num_stages = num_stages or stages
     group = (tiles or 1) if loop else 1
     if block_n is None:
-        block_n = expand_block_n(y.device.type, T, plan.block_m, rmax, overwrite)
+        block_n = expand_block_n(y.device.type, y.dtype, T, plan.block_m, rmax, overwrite)
     n_tiles = sum(triton.cdiv(vw.d_out, group * block_n) for vw in slices.views)
     if num_stages is None and y.device.type == "cuda" and T <= 512:
         # decode: one rank tile per program (r <= 16), nothing to pipeline; 2 stages leave more shared memory

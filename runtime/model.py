@@ -450,11 +450,12 @@ class DecoderModel:
         does (``base_layer(x) + lora``); fp8 weights go through ``fp8_linear`` (its bias in the GEMM's epilogue
         where it can be). Without ``defer`` the LoRA is added to ``y`` in place after the GEMM and ``lora_delta``
         is None (from ``LORA_BEFORE_GEMM_MIN_TOKENS`` tokens, without a bias and fp8, the LoRA term is written into
-        ``y`` first and the GEMM adds ``x W^T`` to it). With ``defer`` (and LoRA in the step) it goes into ``lora_delta`` [T, d_out] instead (0 in rows
-        without an adapter; written by ``kernels.lora_delta`` from ``LORA_DELTA_OVERWRITE_MIN_TOKENS`` tokens),
-        computed on the side stream while the GEMM runs (on CUDA; the main stream waits for it before returning),
-        for the following op to add: at decode the two small LoRA launches then cost no time of their own
-        (``bench/bench_lora_overlap.py``). ``x_fp8``: x's per-token fp8 copy for an fp8 GEMM (``fp8_linear``)."""
+        ``y`` first and the GEMM adds ``x W^T`` to it). With ``defer`` (and LoRA in the step) it goes into
+        ``lora_delta`` [T, d_out] instead (0 in rows without an adapter; written by ``kernels.lora_delta`` from
+        ``LORA_DELTA_OVERWRITE_MIN_TOKENS`` tokens), computed on the side stream while the GEMM runs (on CUDA; the
+        main stream waits for it before returning), for the following op to add: at decode the two small LoRA
+        launches then cost no time of their own (``bench/bench_lora_overlap.py``). ``x_fp8``: x's per-token fp8
+        copy for an fp8 GEMM (``fp8_linear``)."""
         w, b = self.layers[layer][name], self.layers[layer].get(name + "_bias")
         slices = self._lora[layer][name] if plan.lora.has_lora and self._lora is not None else None
         delta = side = None

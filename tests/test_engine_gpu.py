@@ -49,8 +49,9 @@ def setup(tmp_path_factory):
                                          (torch.bfloat16, True), (torch.float16, True)],
                          ids=["fp32", "bf16", "fp16", "bf16-lora-before-gemm", "fp16-lora-before-gemm"])
 def test_engine_matches_peft_on_gpu(setup, dtype, first, monkeypatch):
-    """``first``: every in-place step (the mixed batch's prefill, over the side stream's 64 tokens) writes the LoRA
-    term first and its GEMM adds x W^T to it (``LORA_BEFORE_GEMM_MIN_TOKENS`` = 1; by default from 256 tokens)."""
+    """``first``: every in-place step (the mixed batch's prefill, and each row alone past the side stream's limit:
+    2 tokens for this rank-64 pool) writes the LoRA term first and its GEMM adds x W^T to it
+    (``LORA_BEFORE_GEMM_MIN_TOKENS`` = 1; by default from 256 tokens)."""
     from multilora import Engine
     from multilora.kernels import resolve_backend
     from multilora.kernels.triton_sgmv import lora_apply_triton
@@ -58,12 +59,12 @@ def test_engine_matches_peft_on_gpu(setup, dtype, first, monkeypatch):
 
     monkeypatch.setattr(model_mod, "LORA_BEFORE_GEMM_MIN_TOKENS", 1 if first else 1 << 30)
     model, d, rows = setup
-    assert sum(map(len, rows)) > 64  # the mixed batch's step is in place, not on the side stream
     ref32 = peft_batch_logits(model, rows, ROW_ADAPTERS, torch.float32)
     engine = Engine(model=d / "model", device="cuda", dtype=dtype, progress=False, max_batch_size=8)
     assert resolve_backend(None, torch.empty(1, device="cuda")) is lora_apply_triton
     for n in ADAPTERS:
         engine.load_adapter(n, d / "adapters" / n)
+    assert sum(map(len, rows)) > engine.model.lora_side_limit()  # the mixed batch's step: in place, no side stream
     ours = engine.logits(rows, adapters=ROW_ADAPTERS)
     if dtype == torch.float32:
         for i, a in enumerate(ROW_ADAPTERS):  # TF32 may be used by GEMMs and tl.dot: a looser bound than CPU

@@ -180,9 +180,11 @@ def test_warmup_token_counts_reach_every_lora_kernel_variant(monkeypatch, rank, 
         for T in counts:
             for sl in groups:
                 st = Slices(sl, n_slots)
-                block_k = min(128 if T <= 512 else 256, max(16, triton.next_power_of_2(st.d_in)))
+                cap = max(16, triton.next_power_of_2(st.d_in))  # as _shrink: the rule's block_k and split width
+                block_k, split_block = triton_sgmv.shrink_block_k("cuda", torch.bfloat16, T, block_m_for(T), rank)
                 programs = triton_sgmv.num_chunks(Plan(T), st) * st.num_slices
-                split = real(torch.device("cuda", 0), programs, st.d_in, block_k, 32)
+                split = real(torch.device("cuda", 0), programs, st.d_in, min(split_block or block_k, cap), 32)
+                block_k = min(block_k, cap)
                 out.add((st.d_in, st.num_slices, block_m_for(T), block_k, split))
         return out
 

@@ -1013,39 +1013,62 @@ def test_prefill_tile_rules(monkeypatch):
     assert ts.shrink_block_k("cuda", bf16, 512, 16, 16) == (128, None)
     assert ts.shrink_block_k("cuda", bf16, 4096, 64, 16) == (ts.PREFILL_SHRINK_BLOCK_K, 256) == (128, 256)
     assert ts.shrink_block_k("cuda", bf16, 4096, 64, 64) == (256, None)  # rank 64: not swept
-    assert ts.expand_block_n("cpu", 4096, 64, 16, True) == 64
-    assert ts.expand_block_n("cuda", 512, 16, 16, True) == 256
-    assert ts.expand_block_n("cuda", 4096, 64, 16, False) == 128  # adding: not swept
-    assert ts.expand_block_n("cuda", 4096, 64, 16, True) == ts.PREFILL_WRITE_BLOCK_N == 256
-    assert ts.expand_block_n("cuda", 4096, 64, 64, True) == 128
+    assert ts.expand_block_n("cpu", bf16, 4096, 64, 16, True) == 64
+    assert ts.expand_block_n("cuda", bf16, 512, 16, 16, True) == 256
+    assert ts.expand_block_n("cuda", bf16, 4096, 64, 16, False) == 128  # adding: not swept
+    assert ts.expand_block_n("cuda", bf16, 4096, 64, 16, True) == ts.PREFILL_WRITE_BLOCK_N == 256
+    assert ts.expand_block_n("cuda", torch.float16, 4096, 64, 16, True) == 256
+    assert ts.expand_block_n("cuda", f32, 4096, 64, 16, True) == 128  # fp32: not swept
+    assert ts.expand_block_n("cuda", bf16, 4096, 64, 64, True) == 128  # a rank-64 pool: not swept
     monkeypatch.setattr(ts, "PREFILL_SHRINK_BLOCK_K", None)
     monkeypatch.setattr(ts, "PREFILL_WRITE_BLOCK_N", None)
     assert ts.shrink_block_k("cuda", bf16, 4096, 64, 16) == (256, None)
-    assert ts.expand_block_n("cuda", 4096, 64, 16, True) == 128
+    assert ts.expand_block_n("cuda", bf16, 4096, 64, 16, True) == 128
 
 
 def test_shrink_block_k_below_its_split_block_keeps_the_result():
-    """A prefill shrink whose K split is computed for 256-wide blocks but runs 128-wide ones (session 30's rule, as
-    ``_shrink`` launches it on a GPU: ``block_k`` 128, the split of 256), then a writing expand of 256-wide tiles over
-    a y of 7s: the torch reference of the LoRA term alone, as ``lora_delta`` gives it with the defaults
-    (interpreted on the CPU in fp32)."""
+    """Shrinks of 128-wide K blocks under K splits made for other widths (session 30's prefill rule runs 128-wide
+    blocks with the split of 256: ``k_per`` then covers several blocks, and the last split a partial or empty range),
+    on an input width that no block divides (2,049), then a writing expand of 256-wide tiles over a y of 7s: the
+    torch reference of the LoRA term alone. Prefill chunks (600 tokens: block_m 64); fp32 (interpreted on the CPU)."""
     pytest.importorskip("triton")
     if __import__("os").environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
-    from multilora.kernels import build_lora_plan, lora_apply_torch, lora_delta, lora_slices
+    from multilora.kernels import build_lora_plan, lora_apply_torch, lora_slices
     from multilora.kernels import triton_sgmv as ts
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    pool, slots = make_pool(SMALL, [8, 16, 4], dtype=torch.float32, device=dev)
-    sl = lora_slices([pool.module_view(0, m) for m in QKV])
-    T = 600  # block_m 64: prefill chunks
+    pool, slots = make_pool(ODD, [8, 16, 4], dtype=torch.float32, device=dev)
+    sl = lora_slices([pool.module_view(0, m) for m in ("down_proj",)])
+    assert sl.d_in % 128 != 0
+    T = 600
     plan = build_lora_plan([slots[t * 3 // T] for t in range(T)], device=dev)
     assert plan.block_m > 16
     x = torch.randn(T, sl.d_in, generator=torch.Generator().manual_seed(3)).to(dev)
-    k = ts._split_k(torch.device("cuda", 0), 1, sl.d_in, 256) if torch.cuda.is_available() else 2
-    y = ts.sgmv_expand(torch.full((T, sl.d_out), 7.0, device=dev), ts.sgmv_shrink(x, sl, plan, block_k=128, split_k=k),
-                       sl, plan, overwrite=True, block_n=256)
     ref = lora_apply_torch(torch.zeros(T, sl.d_out, device=dev), x, sl, plan)
-    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(lora_delta(torch.empty_like(ref), x, sl, plan, backend="triton"), ref, rtol=1e-4,
-                               atol=1e-4)
+    for split in (3, 5, 7):
+        v = ts.sgmv_shrink(x, sl, plan, block_k=128, split_k=split)
+        y = ts.sgmv_expand(torch.full((T, sl.d_out), 7.0, device=dev), v, sl, plan, overwrite=True, block_n=256)
+        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4, msg=f"split {split}")
+
+
+def test_shrink_computes_its_split_for_the_rules_split_block(monkeypatch):
+    """``_shrink`` takes the K split from ``_split_k`` for the width ``shrink_block_k`` names (256 under session 30's
+    prefill rule) while its programs step by the rule's block_k (128): the split a GPU would compute, recorded."""
+    pytest.importorskip("triton")
+    if __import__("os").environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 on the CPU")
+    from multilora.kernels import build_lora_plan, lora_slices
+    from multilora.kernels import triton_sgmv as ts
+
+    seen, real = [], ts._split_k
+    monkeypatch.setattr(ts, "shrink_block_k", lambda *a: (128, 256))  # the rule as on a GPU
+    monkeypatch.setattr(ts, "_split_k", lambda device, programs, d_in, block_k, *a: seen.append(block_k) or
+                        real(device, programs, d_in, block_k, *a))
+    pool, slots = make_pool(ODD, [8, 16], dtype=torch.float32, device="cpu")
+    sl = lora_slices([pool.module_view(0, "down_proj")])
+    plan = build_lora_plan([slots[t % 2] for t in range(600)], device="cpu")
+    ts.sgmv_shrink(torch.randn(600, sl.d_in), sl, plan)
+    assert seen == [256]
+    ts.sgmv_shrink(torch.randn(600, sl.d_in), sl, plan, block_k=64)  # an explicit block_k: its own split
+    assert seen == [256, 64]
