@@ -23,6 +23,7 @@ from testsupport import rel_err, write_adapter
 
 from multilora import Engine, SamplingParams
 from multilora.config import ModelConfig
+from multilora.runtime import model as model_mod
 from multilora.runtime.parallel import TensorParallelError
 from multilora.runtime.sharding import check_tp_size, shard_lora, shard_weights, tp_rank_config
 from multilora.runtime.weights import random_weights
@@ -149,6 +150,12 @@ def test_tp_engine_equals_one_process(size, side, adapter_paths, reference):
         mixed = ["a1", "a0", None, "a2"]
         got = [o.token_ids for o in e.generate(ROWS, adapters=mixed, sampling=GREEDY)]
         assert got == [o.token_ids for o in reference.generate(ROWS, adapters=mixed, sampling=GREEDY)]
+        # a step of LORA_BEFORE_GEMM_MIN_TOKENS tokens: each rank writes its LoRA term first and its GEMM adds to it
+        # (o / down: partial sums of both, reduced together); against each row alone on one process (the add after)
+        long = [[(7 * i + 3 * j) % 500 + 2 for j in range(64)] for i in range(4)]
+        assert sum(map(len, long)) >= model_mod.LORA_BEFORE_GEMM_MIN_TOKENS
+        want = torch.stack([reference.logits([r], [a])[0] for r, a in zip(long, mixed)])
+        assert rel_err(e.logits(long, mixed), want) < 1e-5
     time.sleep(0.5)
     assert not any(_alive(p) for p in pids), "close() left worker processes"
 
