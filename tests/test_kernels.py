@@ -1072,3 +1072,32 @@ def test_shrink_computes_its_split_for_the_rules_split_block(monkeypatch):
     assert seen == [256]
     ts.sgmv_shrink(torch.randn(600, sl.d_in), sl, plan, block_k=64)  # an explicit block_k: its own split
     assert seen == [256, 64]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("modules", [QKV, GATE_UP, ("o_proj",), ("down_proj",)], ids=["qkv", "gate_up", "o", "down"])
+def test_prefill_tiles_write_the_old_tiles_bits(modules, dtype, monkeypatch):
+    """A prefill step (600 tokens: block_m 64) from a pool of max rank 16 on Llama-3-8B widths takes session 30's
+    tiles (the shrink's 128-wide K blocks under the split of 256, the writing expand's 256-wide tiles): ``lora_delta``
+    gives the bits of the tiles before (``PREFILL_SHRINK_BLOCK_K = PREFILL_WRITE_BLOCK_N = None``; the sweep saw
+    none differ) and the torch reference within the dtype's rounding; a row without an adapter gets zeros."""
+    pool, slots = make_pool(LLAMA8B, [16, 8, 4], dtype=dtype, device="cuda")
+    assert pool.max_rank <= 16
+    sl = lora_slices([pool.module_view(0, m) for m in modules])
+    T = 600
+    token_slots = [slots[t * 3 // T] for t in range(T)]
+    token_slots[5] = -1
+    plan = build_lora_plan(token_slots, device="cuda")
+    assert plan.block_m > 16 and triton_sgmv.shrink_block_k("cuda", dtype, T, plan.block_m, pool.max_rank) == (128, 256)
+    assert triton_sgmv.expand_block_n("cuda", dtype, T, plan.block_m, pool.max_rank, True) == 256
+    x = torch.randn(T, sl.d_in, generator=torch.Generator().manual_seed(4)).to("cuda", dtype)
+    new = lora_delta(torch.full((T, sl.d_out), 3.0, device="cuda", dtype=dtype), x, sl, plan, backend="triton")
+    monkeypatch.setattr(triton_sgmv, "PREFILL_SHRINK_BLOCK_K", None)
+    monkeypatch.setattr(triton_sgmv, "PREFILL_WRITE_BLOCK_N", None)
+    old = lora_delta(torch.full((T, sl.d_out), 3.0, device="cuda", dtype=dtype), x, sl, plan, backend="triton")
+    assert torch.equal(new, old)
+    assert not new[5].any()
+    ref = reference(torch.zeros(T, sl.d_out, device="cuda"), x, pool, 0, modules, token_slots)
+    torch.testing.assert_close(new.float(), ref, **TOL[dtype])
