@@ -57,6 +57,24 @@ def write_adapters(root: Path, config: ModelConfig, n: int, rank: int, dtype: to
         return list(ex.map(lambda i: write_adapter(root / f"a{i}", config, i, rank, dtype), range(n)))
 
 
+def add_urgent_read_wait_arg(ap) -> None:
+    """``--urgent-read-wait on|off`` on the argparse parser ``ap``: the A/B switch of
+    ``runtime.scheduler.URGENT_READ_WAIT`` (``set_urgent_read_wait`` applies it)."""
+    ap.add_argument("--urgent-read-wait", choices=("on", "off"), default="on",
+                    help="runtime.scheduler.URGENT_READ_WAIT: an urgent request whose adapter is being read waits for "
+                         "the read outside the steps (on, since session 29) or is admitted into a step that waits "
+                         "for it (off: what ran before); recorded in the results")
+
+
+def set_urgent_read_wait(value: str) -> bool:
+    """Sets ``runtime.scheduler.URGENT_READ_WAIT`` from ``--urgent-read-wait``'s ``value`` ("on" / "off"); returns the
+    value it had before."""
+    from multilora.runtime import scheduler
+
+    before, scheduler.URGENT_READ_WAIT = scheduler.URGENT_READ_WAIT, value == "on"
+    return before
+
+
 def compiles_between(before: dict | None, after: dict) -> dict:
     """Triton compiles between two ``Engine.stats()`` (a timed row's start and end): ``kernel_compiles``,
     ``kernel_compile_seconds`` (None where a side has no count: no JIT hooks, or no ``before``) and

@@ -46,7 +46,7 @@ from multilora.memory.pool import AdapterPool, max_adapter_pages
 from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
 
-from _common import ThreadSampler, compiles_between, write_adapters  # bench/_common.py (bench/ is on sys.path when run as a script)
+from _common import ThreadSampler, add_urgent_read_wait_arg, compiles_between, set_urgent_read_wait, write_adapters  # bench/_common.py (bench/ is on sys.path when run as a script)
 
 
 def popularity(kind: str, n: int, k: int, g: torch.Generator) -> list[int]:
@@ -117,10 +117,7 @@ def main() -> None:
     ap.add_argument("--check-chunk", type=int, default=None, metavar="ELEMENTS",
                     help="runtime.adapters.image._CHECK_CHUNK: elements per numpy reduction of the disk -> host "
                          "read's finite check (two per chunk, each giving the GIL up; default: the module's)")
-    ap.add_argument("--urgent-read-wait", choices=("on", "off"), default="on",
-                    help="runtime.scheduler.URGENT_READ_WAIT: an urgent request whose adapter is being read waits for "
-                         "the read outside the steps (on, since session 29) or is admitted into a step that waits "
-                         "for it (off: what ran before)")
+    add_urgent_read_wait_arg(ap)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval (seconds; Python's default is 0.005): how long a thread back from I/O "
@@ -135,7 +132,7 @@ def main() -> None:
     if args.read_batch_bytes is not None:
         image_mod._BATCH_B_BYTES = args.read_batch_bytes
     from multilora.runtime import scheduler as scheduler_mod
-    scheduler_mod.URGENT_READ_WAIT = args.urgent_read_wait == "on"
+    set_urgent_read_wait(args.urgent_read_wait)
     if args.check_chunk is not None:
         if args.check_chunk < 1:
             ap.error(f"--check-chunk: expected a positive number of elements, got {args.check_chunk}")

@@ -68,7 +68,7 @@ from multilora.runtime.adapters import save_peft_adapter
 from multilora.runtime.weights import MODEL_SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import compiles_between  # noqa: E402  (bench/_common.py)
+from _common import add_urgent_read_wait_arg, compiles_between, set_urgent_read_wait  # noqa: E402  (bench/_common.py)
 
 ADAPTER_SETS = {"S1": ((8,), ("q_proj", "k_proj", "v_proj", "o_proj")),
                 "S4": ((16, 32, 64), ("q_proj", "k_proj", "v_proj", "o_proj"))}
@@ -387,7 +387,7 @@ def serve_child(args: argparse.Namespace) -> None:
 def child_engine(args: argparse.Namespace) -> Engine:
     """The server child's engine (in the server's process, or in its engine process: a spawned process that imports
     the scheduler afresh, so ``--urgent-read-wait`` is set here too)."""
-    scheduler_mod.URGENT_READ_WAIT = args.urgent_read_wait == "on"
+    set_urgent_read_wait(args.urgent_read_wait)
     config, files = setup(args)
     return build_engine(args, config, files, args.n_adapters)
 
@@ -676,10 +676,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval in the process that builds the engine (seconds; "
                          "Engine(gil_switch_interval=...); default the engine's 0.0005, Python's own is 0.005)")
-    ap.add_argument("--urgent-read-wait", choices=("on", "off"), default="on",
-                    help="runtime.scheduler.URGENT_READ_WAIT: an urgent request whose adapter is being read waits for "
-                         "the read outside the steps (on, since session 29) or is admitted into a step that waits "
-                         "for it (off: what ran before); each row records it")
+    add_urgent_read_wait_arg(ap)
     ap.add_argument("--serve-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--n-adapters", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--serve-engine-process", action="store_true", help=argparse.SUPPRESS)
@@ -719,8 +716,7 @@ def setup(args: argparse.Namespace) -> tuple[ModelConfig, list[Path]]:
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    before = scheduler_mod.URGENT_READ_WAIT
-    scheduler_mod.URGENT_READ_WAIT = args.urgent_read_wait == "on"  # before any engine (a child sets its own)
+    before = set_urgent_read_wait(args.urgent_read_wait)  # before any engine (a child sets its own)
     try:
         return _main(args, argv)
     finally:  # (in-process callers get the module's value back)

@@ -224,6 +224,10 @@ class HostArena:
     def _units(self, nbytes: int) -> int:
         return -(-nbytes // self.unit)
 
+    def held_bytes_for(self, nbytes: int) -> int:
+        """Bytes of the arena that a block of ``nbytes`` would take (rounded up to whole units: its ``held_bytes``)."""
+        return self._units(nbytes) * self.unit
+
     def could_ever_fit(self, nbytes: int) -> bool:
         """Whether an empty arena could place ``nbytes`` (it fits one chunk and the budget)."""
         units = self._units(nbytes)

@@ -543,7 +543,7 @@ class AdapterCache:
             # only into free room, of the budget and of the arena: gpu -> host never evicts. Free arena room is not
             # budget room when a copy lives outside the arena (``_into_arena`` keeps one there when no block could be
             # made, e.g. while reads held the blocks), so the budget is checked first (the block's bytes: whole units)
-            held = -(-handle.pool_bytes // self.arena.unit) * self.arena.unit
+            held = self.arena.held_bytes_for(handle.pool_bytes)
             block = self.arena.alloc(handle.pool_bytes) if self._host_total + held <= self.host_budget else None
             if block is not None:  # gpu -> host: copy the image back
                 t0 = time.perf_counter()

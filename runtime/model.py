@@ -475,7 +475,6 @@ class DecoderModel:
         # in place, from LORA_BEFORE_GEMM_MIN_TOKENS: the LoRA term first, then the GEMM adds x W^T to it
         first = slices is not None and delta is None and b is None and not isinstance(w, Fp8Weight) \
             and x.shape[0] >= LORA_BEFORE_GEMM_MIN_TOKENS
-        y = None
         if first:
             y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
             lora_delta(y, x, slices, plan.lora, backend=lora_backend)

@@ -61,8 +61,9 @@ _PLANS_KEPT = 64
 #: CPU (bench/results/session29/read_contention_cpu*.json; 4, 16 and 64 Mi compared), Llama-3-8B rank-16 image:
 #: beside an always-busy thread 83.6-89.0 -> 37.5-48.0 ms (the read without any check: 29.0-34.7), beside one busy
 #: 60-80% of the time 40.5-50.9 -> 38.4-44.0 ms; alone 25-31 ms either way (within this CPU's noise; the second
-#: reduction of a chunk now reads DRAM, not L2). Not yet measured in the engine:
-#: ``bench_adapter_throughput.py --check-chunk 1048576`` is the A/B (before: 1 << 20).
+#: reduction of a chunk now reads DRAM, not L2). In the engine (H200 host, ``bench_adapter_throughput.py ...
+#: --counts 2048 [--check-chunk 1048576]``, bench/results/session30/call1): 53.4% with 1 Mi chunks against 49.6% and
+#: 53.6% with 16 Mi, within the runs' spread: no engine difference seen (before: 1 << 20).
 _CHECK_CHUNK = 16 << 20
 _DEFER_CHECK = True  # False: check tensor by tensor while in cache (an A/B switch for bench_adapter_load.py)
 #: lora_B bytes per scatter read into the per-thread scratch (then transposed into the image while in one core's
