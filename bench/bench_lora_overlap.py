@@ -14,6 +14,13 @@ captured in one CUDA graph, in these schedules (``--schedules`` picks some):
   side_all_add   side_all plus an explicit ``y += delta`` (what it costs when the following op cannot take it)
   side_all_hi    side_all on a side stream of the highest CUDA priority (captured into the graph's nodes), so the
                  block scheduler starts the LoRA programs before the GEMM's pending ones
+  write_first    shrink + an expand that writes the LoRA term into the output (``lora_delta``), then the GEMM adds
+                 ``x W^T`` to it (``y.addmm_``, beta 1): the engine's in-place path from
+                 ``runtime.model.LORA_BEFORE_GEMM_MIN_TOKENS`` tokens (prefill)
+
+``--prefill`` times issue 12's prefill row instead: 4,096 tokens on 64 adapters (64 tokens each), rank 16, in a pool
+of max rank 16 (what ``bench_generate.py`` sizes) and of max rank 64 (the engine's default ``max_lora_rank``), in the
+schedules base, serial (the LoRA added after the GEMM) and write_first.
 
 and, for rank 64 at few tokens, a tile sweep of the shrink's split-K and the expand's ``block_n`` / warps.
 
@@ -94,6 +101,12 @@ def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None, popularity="dist
                 if add:
                     ys[k].add_(ds[k])
 
+    def write_first():
+        for k in range(K):
+            for _, sl, ws, xs, ys, _ in parts:
+                _expand(ys[k], _shrink(xs[k], sl, plans[k]), sl, plans[k], overwrite=True)
+                ys[k].addmm_(xs[k], ws[k].t())
+
     # correctness of the schedules against serial (same math)
     serial()
     ref = [p[4][0].clone() for p in parts]
@@ -104,31 +117,40 @@ def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None, popularity="dist
         p[5][0].fill_(float("nan"))
     side_all(write=True)
     same = all(torch.equal(p[5][0].view(torch.int16), z.view(torch.int16)) for p, z in zip(parts, zeroed))  # bits
+    write_first()  # the same sum in another order of rounding: near serial, not equal to it
+    err_first = max(float((p[4][0].float() - r.float()).abs().max() / r.float().abs().max()) for p, r in zip(parts, ref))
     distinct = int(torch.unique(slots[0]).numel())
     row = dict(tokens=T, adapters=n, rank=rank, pool_max_rank=pool_rank or rank, sets_per_call=K,
                popularity=popularity, distinct_adapters=distinct,
                side_all_add_vs_serial_max_rel=err, side_write_equals_side_all=same,
+               write_first_vs_serial_max_rel=err_first,
                # the bytes that must move: each distinct adapter's A and B of the seven projections, once
                adapter_mb=distinct * rank * 2 / 1e6
                * sum(d_in * len(d_outs) + sum(d_outs) for d_in, d_outs in (GROUPS[g] for g in LAYER_8B)))
     fns = {"base": base, "serial": serial, "side_shrink": side_shrink, "side_all": side_all,
-           "side_write": lambda: side_all(write=True), "side_all_add": lambda: side_all(True), "side_all_hi": lambda: side_all(stream=side_hi)}
+           "side_write": lambda: side_all(write=True), "side_all_add": lambda: side_all(True), "side_all_hi": lambda: side_all(stream=side_hi),
+           "write_first": write_first}
     from multilora.kernels import triton_sgmv
 
-    # "old": the tiles before the wide-rank rule (session 14), and so before session 18's decode tiles too
-    now = (triton_sgmv.WIDE_RANK, triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES)
-    old = (1 << 30, 4, None)
+    # "old": the tiles before the wide-rank rule (session 14), and so before session 18's decode tiles too; for
+    # prefill, "s29": the prefill tiles before session 30's (triton_sgmv.PREFILL_SHRINK_BLOCK_K / PREFILL_WRITE_BLOCK_N)
+    names = ("WIDE_RANK", "DECODE_SHRINK_WARPS", "DECODE_EXPAND_RANK_TILES", "PREFILL_SHRINK_BLOCK_K",
+             "PREFILL_WRITE_BLOCK_N")
+    now = tuple(getattr(triton_sgmv, a) for a in names)
+    tiles_of = {"new": now, "old": (1 << 30, 4, None) + now[3:], "s29": now[:3] + (None, None)}
+    variants = ("new", "s29") if T > 512 else ("new", "old") if (pool_rank or rank) >= now[0] else ("new",)
     try:
         for name in schedules or fns:
-            for tiles in (("new", "old") if name != "base" and (pool_rank or rank) >= now[0] else ("new",)):
-                (triton_sgmv.WIDE_RANK, triton_sgmv.DECODE_SHRINK_WARPS,
-                 triton_sgmv.DECODE_EXPAND_RANK_TILES) = now if tiles == "new" else old
-                key = name if tiles == "new" else f"{name}_old_tiles"
+            for tiles in (variants if name != "base" else ("new",)):
+                for a, v in zip(names, tiles_of[tiles]):
+                    setattr(triton_sgmv, a, v)
+                key = name if tiles == "new" else f"{name}_{tiles}_tiles"
                 row[f"{key}_us"] = time_ms(fns[name], True) / K * 1e3
                 if name != "base":
                     row[f"{key}_added_us"] = row[f"{key}_us"] - row["base_us"]
     finally:
-        triton_sgmv.WIDE_RANK, triton_sgmv.DECODE_SHRINK_WARPS, triton_sgmv.DECODE_EXPAND_RANK_TILES = now
+        for a, v in zip(names, now):
+            setattr(triton_sgmv, a, v)
     del parts
     torch.cuda.empty_cache()
     return row
@@ -184,11 +206,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "overlap"))
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--cases", default="all", choices=("all", "wide", "r16"),
+    ap.add_argument("--cases", default="all", choices=("all", "wide", "r16", "prefill"),
                     help="wide: the wide-rank tiles old vs new (rank 16 and 64 adapters, pool of rank 64); r16: the "
-                    "rank-16 cases of all (1, 8, 64 and 256 tokens, as many adapters)")
+                    "rank-16 cases of all (1, 8, 64 and 256 tokens, as many adapters); prefill: 4,096 tokens on 64 "
+                    "adapters of rank 16 in pools of max rank 16 and 64, session 30's prefill tiles against the ones "
+                    "before (_s29_tiles), no tile sweep")
     ap.add_argument("--schedules", default=None, help="comma-separated subset of base,serial,side_shrink,side_all,"
-                    "side_write,side_all_add,side_all_hi (default: all; base is always run)")
+                    "side_write,side_all_add,side_all_hi,write_first (default: all; base is always run)")
     ap.add_argument("--expand-one-tile", action="store_true",
                     help="decode expand as before session 16: one 256-wide output tile per program "
                     "(triton_sgmv.DECODE_EXPAND_LOOP = ((512, 1, 256, 2),)); the run's JSON gets a _onetile suffix")
@@ -286,10 +310,10 @@ def main(argv=None):
     if args.carveout is not None:
         torch._C._set_sm_carveout_experimental(args.carveout)
         tag += f"_carve{args.carveout}"
-    schedules = ("base", "serial", "side_all") if args.cases == "wide" else None
+    schedules = {"wide": ("base", "serial", "side_all"), "prefill": ("base", "serial", "write_first")}.get(args.cases)
     if args.schedules:
         schedules = ("base", *[s for s in args.schedules.split(",") if s and s != "base"])
-        known = ("serial", "side_shrink", "side_all", "side_write", "side_all_add", "side_all_hi")
+        known = ("serial", "side_shrink", "side_all", "side_write", "side_all_add", "side_all_hi", "write_first")
         if any(s not in known for s in schedules[1:]):
             ap.error(f"--schedules: expected names from base,{','.join(known)}, got {args.schedules!r}")
     os.makedirs(args.out, exist_ok=True)
@@ -309,6 +333,8 @@ def main(argv=None):
              (8, 8, 64, None), (64, 64, 64, None)]
     if args.cases == "r16":
         cases = [c for c in cases if c[2] == 16]
+    if args.cases == "prefill":  # issue 12's prefill row: 4,096 tokens on 64 adapters, pools of max rank 16 and 64
+        cases = [(4096, 64, 16, None), (4096, 64, 16, 64)]
     if args.cases == "wide":  # the wide-rank tiles, old and new: rank-16 and rank-64 adapters in a rank-64 pool
         cases = [(1, 1, 16, 64), (8, 8, 16, 64), (64, 64, 16, 64), (1, 1, 64, 64), (8, 8, 64, 64), (16, 16, 64, 64),
                  (64, 64, 64, 64)]
@@ -323,12 +349,13 @@ def main(argv=None):
         res["layer"].append(row)
         print(f"layer T={T:4d} n={n:4d} ({row['distinct_adapters']} distinct) r={rank:3d} "
               f"pool r={row['pool_max_rank']}: base {row['base_us']:.1f} us; "
-              "LoRA adds " + ", ".join(f"{k[:-9]} {v:.1f}" for k, v in row.items() if k.endswith("_added_us"))
+              "LoRA adds " + ", ".join(f"{k[:-9]} {v:.1f} ({v / row['base_us']:+.1%})" for k, v in row.items()
+                                       if k.endswith("_added_us"))
               + f" us; {row['adapter_mb']:.0f} MB of adapters, copy {copy_gbps:.0f} GB/s, side_write at "
               f"{row.get('side_write_frac_of_copy', float('nan')):.0%} of copy"
               + f" (err {row['side_all_add_vs_serial_max_rel']:.1e}; side_write == side_all: "
               f"{row['side_write_equals_side_all']})", flush=True)
-    if not args.no_sweep:
+    if not args.no_sweep and args.cases != "prefill":
         for group in ("8b-qkv", "8b-gate_up", "8b-down"):
             for T in (1, 8):
                 rows = tile_sweep(group, T, T, 64)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU tests (-m gpu) on a machine with one CUDA GPU, in five shards run at once (about 6 minutes on the H200
+# The GPU tests (-m gpu) on a machine with one CUDA GPU, in six shards run at once (about 6 minutes on the H200
 # instead of about 13 one after the other), for the device machine's 10-minute calls.
 #
 #   bash scripts/gpu_suite.sh OUT_DIR [LIMIT_SECONDS]     (LIMIT: each shard's time limit, default 400)
@@ -22,7 +22,8 @@ LOGS=$(mktemp -d)
 # both past 380 s (B with the async-scheduling tests), C 308 s, so test_engine_gpu.py got a shard of its own, D, and
 # test_image_finish.py moved from A to B; session 28: A, test_kernels.py with test_fused_ops.py, past 396 s, so
 # test_fused_ops.py moved to B (71 s) and test_kernels.py's tests are dealt alternately to shards A and E; session 30:
-# C past 420 s four tests before its end, B 166 s, so test_fp8_gpu.py moved from C to B)
+# C past 420 s four tests before its end, B 166 s, so test_fp8_gpu.py moved from C to B; D 418 s of its 420, so
+# session 31 deals test_engine_gpu.py's tests alternately to D and F)
 A="test_kernels.py"
 B="test_attention.py test_sampling.py test_image_finish.py test_fused_ops.py test_fp8_gpu.py"
 D="test_engine_gpu.py"
@@ -41,24 +42,32 @@ shard() {  # name, test files or node ids (relative to tests/)...
         $(printf "$T/%s " "$@") > "$LOGS/shard_$n.log" 2>&1
      echo "shard $n rc=$? at $SECONDS s" >> "$LOGS/shard_$n.log")
 }
-# shard A's files' tests, dealt alternately to A and E (neighbours in a file tend to cost alike)
-(cd /tmp && python3 -m pytest -m gpu -q -p no:cacheprovider --collect-only $(printf "$T/%s " $A) 2>/dev/null) \
-    | grep "::" | sed "s|^.*tests/||" > "$LOGS/a_ids.txt"
-if [ -s "$LOGS/a_ids.txt" ]; then
-    A_IDS=$(awk 'NR % 2 == 1' "$LOGS/a_ids.txt"); E_IDS=$(awk 'NR % 2 == 0' "$LOGS/a_ids.txt")
-else  # collection failed: run the files whole in A, and let the shard's log say why
-    A_IDS=$A; E_IDS=""
-fi
-shard A $A_IDS &
-[ -n "$E_IDS" ] && shard E $E_IDS &
+# a file group's tests dealt alternately to two shards (neighbours in a file tend to cost alike): prints the ids of
+# the first half to $LOGS/<first>_ids.txt and the second's to $LOGS/<second>_ids.txt; when collection fails, the files
+# whole go to the first shard (its log says why) and the second gets nothing
+deal() {  # first, second, files...
+    local first=$1 second=$2; shift 2
+    (set -f; cd /tmp && python3 -m pytest -m gpu -q -p no:cacheprovider --collect-only $(printf "$T/%s " "$@") 2>/dev/null) \
+        | grep "::" | sed "s|^.*tests/||" > "$LOGS/all_$first.txt"
+    if [ -s "$LOGS/all_$first.txt" ]; then
+        awk 'NR % 2 == 1' "$LOGS/all_$first.txt" > "$LOGS/${first}_ids.txt"
+        awk 'NR % 2 == 0' "$LOGS/all_$first.txt" > "$LOGS/${second}_ids.txt"
+    else
+        echo "$@" > "$LOGS/${first}_ids.txt"; : > "$LOGS/${second}_ids.txt"
+    fi
+}
+deal A E $A
+deal D F $D
+for n in A E D F; do
+    [ -s "$LOGS/${n}_ids.txt" ] && shard $n $(cat "$LOGS/${n}_ids.txt") &
+done
 shard B $B &
 shard C $C &
-shard D $D &
 wait
 {
     [ -n "$extra" ] && echo "=== files with a gpu mark that no shard named, run in shard C:$extra"
-    for n in A E B C D; do
-        [ -f "$LOGS/shard_$n.log" ] || continue echo "=== shard $n"; tail -25 "$LOGS/shard_$n.log"; done
+    for n in A E B C D F; do
+        [ -f "$LOGS/shard_$n.log" ] || continue; echo "=== shard $n"; tail -25 "$LOGS/shard_$n.log"; done
 } > "$OUT/gpu_tests.log"
 status=0
 grep -q "rc=[^0]" "$LOGS"/shard_*.log && status=1
