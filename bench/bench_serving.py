@@ -35,6 +35,11 @@ adapter bytes moved per tier and per second, pool / host-tier hit rates, and the
 (issue 13's: TTFT <= 5x and TPOT <= 2x the p50s of the first N's row of the same mode and rate kind). Both modes time the same thing from the
 outside (an ``async for`` over the engine's stream in-process; server-sent events over HTTP), so the difference is
 the HTTP layer: FastAPI + uvicorn + JSON + SSE, a socket and a second process.
+
+``--drop-page-cache S``: during every timed row a thread drops the OS page cache of the adapter files every S
+seconds, so the engine's disk -> host reads come from the disk, not from memory (issue 13's S4: "disk is in play").
+The run's ``cold_read_gbps`` (a plain sequential read of up to 8 of the files, their cache dropped first) is the
+disk's own figure to hold the rows' ``disk_to_host_gbps`` against.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -167,6 +173,84 @@ def write_adapter_set(root: Path, config: ModelConfig, kind: str, n_files: int, 
         return [one(i) for i in range(n_files)]
     with ThreadPoolExecutor(workers) as ex:
         return list(ex.map(one, range(n_files)))
+
+
+# ------------------------------------------------------------------------------------------------ the page cache
+def regular_files(dirs: list[Path]) -> list[Path]:
+    """Every regular file under the directories ``dirs`` (symbolic links followed), sorted."""
+    out = []
+    for d in dirs:
+        for parent, _, names in os.walk(d):
+            out += [Path(parent, name) for name in names if os.path.isfile(os.path.join(parent, name))]
+    return sorted(out)
+
+
+def drop_page_cache(dirs: list[Path]) -> int:
+    """Drops the OS page cache of every regular file under ``dirs``: opens each read-only,
+    ``posix_fadvise(POSIX_FADV_DONTNEED)`` over the whole file, closes it; returns the number of files. The kernel
+    drops clean pages only (``os.sync()`` first after writing); no root needed. Linux (``os.posix_fadvise``)."""
+    paths = regular_files(dirs)
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return len(paths)
+
+
+def cold_read(dirs: list[Path], buffer_bytes: int = 16 << 20) -> dict:
+    """The disk's plain sequential read, the reference for the rows' ``disk_to_host_gbps``: the page cache of the
+    files under ``dirs`` dropped, each file read whole in turn by one thread (``readinto`` one reusable
+    ``buffer_bytes`` buffer), their cache dropped again. ``cold_read_bytes`` and ``cold_read_gbps`` (bytes / s / 1e9)."""
+    paths = regular_files(dirs)
+    drop_page_cache(dirs)
+    view = memoryview(bytearray(buffer_bytes))
+    total = 0
+    t0 = time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    seconds = time.perf_counter() - t0
+    drop_page_cache(dirs)
+    return {"cold_read_bytes": total, "cold_read_gbps": total / seconds / 1e9 if seconds > 0 else None}
+
+
+class PageCacheDropper:
+    """``with PageCacheDropper(dirs, every) as drops``: inside the block (a timed row) a daemon thread drops the page
+    cache of every file under ``dirs`` (``drop_page_cache``), sleeps ``every`` seconds, and again, until the block
+    ends; ``passes`` counts the drops (at least 1 when on), ``files`` the files of the last. ``every`` 0: off,
+    no thread. A drop that fails is raised again at the block's end."""
+
+    def __init__(self, dirs: list[Path], every: float) -> None:
+        self.dirs, self.every = dirs, every
+        self.passes = self.files = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="page-cache-dropper", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self.files = drop_page_cache(self.dirs)
+                self.passes += 1
+                if self._stop.wait(self.every):
+                    return
+        except BaseException as e:
+            self.error = e
+
+    def __enter__(self) -> "PageCacheDropper":
+        if self.every > 0:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self.error is not None and exc[0] is None:
+            raise RuntimeError(f"--drop-page-cache: dropping the page cache failed: {self.error!r}") from self.error
 
 
 def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path], n_adapters: int,
@@ -622,6 +706,16 @@ def pair(s: str) -> tuple[int, int]:
     return a, b
 
 
+def seconds_arg(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 (0: off), got {s!r}")
+    return v
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(MODEL_SHAPES))
@@ -676,6 +770,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval in the process that builds the engine (seconds; "
                          "Engine(gil_switch_interval=...); default the engine's 0.0005, Python's own is 0.005)")
+    ap.add_argument("--drop-page-cache", type=seconds_arg, default=0.0, metavar="SECONDS",
+                    help="during every timed row, drop the OS page cache of the adapter files every SECONDS seconds "
+                         "(posix_fadvise DONTNEED, Linux), so the engine's disk -> host reads come from the disk; and "
+                         "measure a plain sequential read of up to 8 of them first (cold_read_gbps). 0: off")
     add_urgent_read_wait_arg(ap)
     ap.add_argument("--serve-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--n-adapters", type=int, help=argparse.SUPPRESS)
@@ -702,6 +800,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 raise ValueError
         except ValueError:
             ap.error(f"--rate: expected a positive number, 'burst' or 'auto', got {args.rate!r}")
+    if args.drop_page_cache > 0 and not hasattr(os, "posix_fadvise"):
+        ap.error(f"--drop-page-cache: needs os.posix_fadvise (Linux), which Python on {platform.system()} lacks")
     return args
 
 
@@ -731,6 +831,14 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     # the child reuses the parent's adapter files (and torch seed: the same random base weights)
     child_argv = [a for a in argv] + (["--adapter-dir", os.environ["MULTILORA_BENCH_ADAPTERS"]]
                                       if args.adapter_dir is None else [])
+    disk: dict = {}  # the run's cold sequential read (--drop-page-cache)
+    if args.drop_page_cache > 0:
+        os.sync()  # the kernel drops clean pages only: the freshly written files written back first
+        n_files = drop_page_cache(files)
+        disk = cold_read(files[:8])
+        print(f"page cache of {n_files} adapter files dropped every {args.drop_page_cache:g} s during rows (cold "
+              f"sequential read: {fmt(disk['cold_read_gbps'], '.2f')} GB/s over {disk['cold_read_bytes'] / 1e6:.1f} MB)",
+              flush=True)
     rows: list[dict] = []
     slo_ref: dict[tuple[str, bool], tuple[float | None, float | None]] = {}
     rate: float | None = None if args.rate == "auto" else (math.inf if args.rate == "burst" else float(args.rate))
@@ -744,7 +852,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
         unified = False
 
         def record(mode: str, r: float, results: list[Result], wall: float, before: dict | None,
-                   after: dict | None, steps: dict | None = None) -> dict:
+                   after: dict | None, steps: dict | None = None, drops: int = 0) -> dict:
             row = {**trace_facts(trace_at(r)), "mode": mode, "n_adapters": n, "adapter_set": args.adapter_set, "popularity": args.popularity,
                    "unified_pool": unified, "adapter_pool_bytes": args.adapter_pool_bytes,
                    "kv_cache_bytes": args.kv_cache_bytes,
@@ -752,6 +860,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                    "chunked_prefill": args.chunked_prefill, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,
                    "long_prompt_share": args.long_prompt_share, "urgent_read_wait": scheduler_mod.URGENT_READ_WAIT,
+                   "drop_page_cache_s": args.drop_page_cache, "page_cache_drops": drops,
                    "long_prompt_len": args.long_prompt_len if args.long_prompt_share > 0 else None,
                    **summarize(results, wall, r, before, after), **(steps or {})}
             # SLO (issue 13): TTFT <= 5x and TPOT <= 2x the p50s of the first N's row of this mode and rate kind
@@ -761,7 +870,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
             row.update(contract_keys(row))
             rows.append(row)
             print(json.dumps(row), flush=True)
-            write(args, argv, config, rows)
+            write(args, argv, config, rows, disk)
             return row
 
         def rates() -> list[float]:  # each mode: a burst row (its capacity), then the fixed-rate row
@@ -772,16 +881,16 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
             todo = rates() if rate is not None else []
             if rate is None:  # --rate auto: a burst fixes the rate every later row is offered
                 before = engine.stats()
-                with StepTrace(engine) as st:
+                with StepTrace(engine) as st, PageCacheDropper(files, args.drop_page_cache) as drops:
                     res, wall = asyncio.run(run_engine(engine, trace_at(math.inf)))
                 rate = args.rate_fraction * record("engine", math.inf, res, wall, before, engine.stats(),
-                                                   st.summary())["achieved_rps"]
+                                                   st.summary(), drops.passes)["achieved_rps"]
                 todo = [rate]
             for r in todo if "engine" in args.mode_list else []:
                 before = engine.stats()
-                with StepTrace(engine) as st:
+                with StepTrace(engine) as st, PageCacheDropper(files, args.drop_page_cache) as drops:
                     res, wall = asyncio.run(run_engine(engine, trace_at(r)))
-                record("engine", r, res, wall, before, engine.stats(), st.summary())
+                record("engine", r, res, wall, before, engine.stats(), st.summary(), drops.passes)
             del engine
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -791,8 +900,9 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
             proc, url = start_server(child_argv + extra, n, args.timeout)
             try:
                 for r in rates():
-                    res, wall = asyncio.run(run_http(url, trace_at(r), args.timeout))
-                    record(mode, r, res, wall, None, None)
+                    with PageCacheDropper(files, args.drop_page_cache) as drops:
+                        res, wall = asyncio.run(run_http(url, trace_at(r), args.timeout))
+                    record(mode, r, res, wall, None, None, drops=drops.passes)
             finally:
                 proc.terminate()  # SIGTERM: uvicorn's shutdown closes the engine process too
                 try:
@@ -803,14 +913,16 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     return rows
 
 
-def write(args: argparse.Namespace, argv: list[str], config: ModelConfig, rows: list[dict]) -> None:
-    """``serving_<tag>.json`` / ``.md`` in ``--out`` (rewritten after every row: a cut-off run keeps its rows)."""
+def write(args: argparse.Namespace, argv: list[str], config: ModelConfig, rows: list[dict],
+          disk: dict | None = None) -> None:
+    """``serving_<tag>.json`` / ``.md`` in ``--out`` (rewritten after every row: a cut-off run keeps its rows);
+    ``disk``: run-wide facts of the disk (``cold_read_gbps`` / ``cold_read_bytes``), put in the environment."""
     if not args.out:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = args.tag or args.shape
-    meta = {"command": "python bench/bench_serving.py " + " ".join(argv), "environment": environment(),
+    meta = {"command": "python bench/bench_serving.py " + " ".join(argv), "environment": {**environment(), **(disk or {})},
             "shape": args.shape, "config": {k: v for k, v in vars(config).items() if not k.startswith("_")}}
     (out / f"serving_{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     (out / f"serving_{tag}.md").write_text(f"`{meta['command']}`\n\n{markdown(rows)}\n")

@@ -325,6 +325,62 @@ def test_serving_bench_engine_warmup_flag(tmp_path):
     assert len(rows) == 1 and rows[0]["failed"] == 0 and rows[0]["requests"] == 6
 
 
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="--drop-page-cache needs os.posix_fadvise (Linux)")
+def test_serving_bench_drop_page_cache(tmp_path):
+    """``--drop-page-cache S``: every row says it dropped the adapter files' page cache during the row (at least one
+    pass), and the run's environment carries the cold sequential read it is held against."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_serving.py"), "--shape", "tiny", "--adapters", "2",
+           "--requests", "6", "--input-len", "4,12", "--output-len", "2,5", "--max-batch-size", "4",
+           "--adapter-files", "2", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out), "--modes", "engine",
+           "--warmup-requests", "0", "--rate", "50", "--drop-page-cache", "0.05"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert "page cache of 4 adapter files dropped every 0.05 s during rows" in p.stdout  # 2 dirs: config + weights
+    data = json.loads((out / "serving_tiny.json").read_text())
+    rows = data["rows"]
+    assert len(rows) == 2 and all(r["failed"] == 0 for r in rows)  # the burst row and the fixed-rate row
+    assert all(r["drop_page_cache_s"] == 0.05 and r["page_cache_drops"] >= 1 for r in rows), rows
+    env = data["meta"]["environment"]
+    assert env["cold_read_gbps"] > 0 and env["cold_read_bytes"] > 0
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "nan"])
+def test_serving_bench_drop_page_cache_refuses_bad_values(value, capsys):
+    bs = _load_bench("bench_serving")
+    with pytest.raises(SystemExit):
+        bs.parse_args(["--shape", "tiny", f"--drop-page-cache={value}"])
+    err = capsys.readouterr().err
+    assert "--drop-page-cache" in err and "expected seconds >= 0" in err and repr(value) in err
+    assert bs.parse_args(["--shape", "tiny"]).drop_page_cache == 0  # off by default
+    # where Python has no posix_fadvise (not Linux), the flag is refused at once rather than ignored
+    mp = pytest.MonkeyPatch()
+    mp.delattr(os, "posix_fadvise", raising=False)
+    try:
+        with pytest.raises(SystemExit):
+            bs.parse_args(["--shape", "tiny", "--drop-page-cache", "1"])
+    finally:
+        mp.undo()
+    assert "--drop-page-cache: needs os.posix_fadvise" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="drop_page_cache needs os.posix_fadvise (Linux)")
+def test_serving_drop_page_cache_helper(tmp_path):
+    """``drop_page_cache`` advises every regular file under the directories (subdirectories too) and counts them; the
+    page cache's state itself cannot be checked portably. ``cold_read`` reads them whole."""
+    bs = _load_bench("bench_serving")
+    (tmp_path / "a" / "sub").mkdir(parents=True)
+    (tmp_path / "a" / "w.bin").write_bytes(os.urandom(1 << 20))
+    (tmp_path / "a" / "sub" / "c.json").write_text("{}")
+    assert (tmp_path / "a" / "w.bin").read_bytes()  # in the page cache now
+    os.sync()
+    assert bs.drop_page_cache([tmp_path / "a"]) == 2
+    got = bs.cold_read([tmp_path / "a"], buffer_bytes=1 << 16)
+    assert got["cold_read_bytes"] == (1 << 20) + 2 and got["cold_read_gbps"] > 0
+
+
 def _load_bench(name: str):
     import importlib.util
 
