@@ -20,7 +20,8 @@ captured in one CUDA graph, in these schedules (``--schedules`` picks some):
 
 ``--prefill`` times issue 12's prefill row instead: 4,096 tokens on 64 adapters (64 tokens each), rank 16, in a pool
 of max rank 16 (what ``bench_generate.py`` sizes) and of max rank 64 (the engine's default ``max_lora_rank``), in the
-schedules base, serial (the LoRA added after the GEMM) and write_first.
+schedules base, serial (the LoRA added after the GEMM) and write_first, each with the prefill tiles of now, of
+session 30 (``_s30_tiles``) and before (``_s29_tiles``).
 
 and, for rank 64 at few tokens, a tile sweep of the shrink's split-K and the expand's ``block_n`` / warps.
 
@@ -133,12 +134,14 @@ def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None, popularity="dist
     from multilora.kernels import triton_sgmv
 
     # "old": the tiles before the wide-rank rule (session 14), and so before session 18's decode tiles too; for
-    # prefill, "s29": the prefill tiles before session 30's (triton_sgmv.PREFILL_SHRINK_BLOCK_K / PREFILL_WRITE_BLOCK_N)
+    # prefill, "s29": the prefill tiles before session 30's (triton_sgmv.PREFILL_SHRINK_BLOCK_K / PREFILL_WRITE_BLOCK_N
+    # / PREFILL_WRITE_LOOP), "s30": session 30's (PREFILL_WRITE_LOOP None: one tile per program)
     names = ("WIDE_RANK", "DECODE_SHRINK_WARPS", "DECODE_EXPAND_RANK_TILES", "PREFILL_SHRINK_BLOCK_K",
-             "PREFILL_WRITE_BLOCK_N")
+             "PREFILL_WRITE_BLOCK_N", "PREFILL_WRITE_LOOP")
     now = tuple(getattr(triton_sgmv, a) for a in names)
-    tiles_of = {"new": now, "old": (1 << 30, 4, None) + now[3:], "s29": now[:3] + (None, None)}
-    variants = ("new", "s29") if T > 512 else ("new", "old") if (pool_rank or rank) >= now[0] else ("new",)
+    tiles_of = {"new": now, "old": (1 << 30, 4, None) + now[3:], "s29": now[:3] + (None, None, None),
+                "s30": now[:5] + (None,)}
+    variants = (("new", "s30", "s29") if T > 512 else ("new", "old") if (pool_rank or rank) >= now[0] else ("new",))
     try:
         for name in schedules or fns:
             for tiles in (variants if name != "base" else ("new",)):
@@ -209,8 +212,8 @@ def main(argv=None):
     ap.add_argument("--cases", default="all", choices=("all", "wide", "r16", "prefill"),
                     help="wide: the wide-rank tiles old vs new (rank 16 and 64 adapters, pool of rank 64); r16: the "
                     "rank-16 cases of all (1, 8, 64 and 256 tokens, as many adapters); prefill: 4,096 tokens on 64 "
-                    "adapters of rank 16 in pools of max rank 16 and 64, session 30's prefill tiles against the ones "
-                    "before (_s29_tiles), no tile sweep")
+                    "adapters of rank 16 in pools of max rank 16 and 64, the prefill tiles against session 30's "
+                    "(_s30_tiles) and the ones before (_s29_tiles), no tile sweep")
     ap.add_argument("--schedules", default=None, help="comma-separated subset of base,serial,side_shrink,side_all,"
                     "side_write,side_all_add,side_all_hi,write_first (default: all; base is always run)")
     ap.add_argument("--expand-one-tile", action="store_true",

@@ -13,10 +13,12 @@ warps, against the default configuration in the same run (issue 12: B is read fa
 The decode shrink alone, same cases: ``block_k`` x the K split (half, the default's, twice) x warps x stages,
 against the default configuration in the same run (issue 12: A is read at about half of copy speed at 64 tokens).
 
-       python bench/tune_lora_kernels.py --prefill --out DIR   (writes tune_prefill.json / .md)
-A prefill step's LoRA alone (``--tokens``, default 4,096, on 8 adapters in runs of 512 tokens; the four fused
-projections of a Llama-3-8B layer): the expand writing the LoRA term (``overwrite=True``, what the engine runs from
-``LORA_BEFORE_GEMM_MIN_TOKENS``; chunk sizes ``block_m`` x ``block_n`` x warps x stages) and then the shrink
+       python bench/tune_lora_kernels.py --prefill [--prefill-kernels expand] [--adapters 64] --out DIR
+A prefill step's LoRA alone (writes tune_prefill.json / .md; ``--tokens``, default 4,096, on ``--adapters`` (8)
+adapters in runs of tokens / adapters, as a prefill of that many prompts; the four fused projections of a Llama-3-8B
+layer): the expand writing the LoRA term (``overwrite=True``, what the engine runs from
+``LORA_BEFORE_GEMM_MIN_TOKENS``; chunk sizes ``block_m`` x ``block_n`` x warps x stages, and output tiles looped per
+program, ``PREFILL_WRITE_LOOP``) and then the shrink
 (``block_m`` x ``block_k`` x the K split, the default's and twice it, x warps), against the default configuration in
 the same run, with each case's bytes (the expand's writes of y, the
 shrink's reads of x) per us (issue 12's TTFT: H200, a 4,096-token mixed step's expands ran at 48 us each, half of
@@ -168,7 +170,8 @@ def decode_shrink(out_dir: str, rank: int = 16, tokens: tuple[int, ...] = (8, 64
             torch.cuda.empty_cache()
 
 
-def prefill(out_dir: str, tokens: tuple[int, ...] = (4096,), groups: tuple[str, ...] | None = None) -> None:
+def prefill(out_dir: str, tokens: tuple[int, ...] = (4096,), groups: tuple[str, ...] | None = None,
+            kernels: tuple[str, ...] = ("expand", "shrink"), adapters: int = 8) -> None:
     """The ``--prefill`` sweep (module docstring); writes ``tune_prefill.json/.md``."""
     from bench_lora_kernels import GROUPS as G, LAYER_8B, environment
     from multilora.kernels import build_lora_plan
@@ -177,8 +180,8 @@ def prefill(out_dir: str, tokens: tuple[int, ...] = (4096,), groups: tuple[str, 
     env = environment()
     rows, lines = [], ["| kernel | group | tokens | MB moved | default | best | best config | best GB/s |",
                        "|---|---|---|---|---|---|---|---|"]
-    n, K = 8, 2  # adapters per step; steps per timed graph (y and x of two steps pass the 50 MB L2)
-    for kernel in ("expand", "shrink"):
+    n, K = adapters, 2  # adapters per step; steps per timed graph (y and x of two steps pass the 50 MB L2)
+    for kernel in kernels:
         for group in groups or LAYER_8B:
             d_in, d_outs = G[group]
             d_out = sum(d_outs)
@@ -193,8 +196,12 @@ def prefill(out_dir: str, tokens: tuple[int, ...] = (4096,), groups: tuple[str, 
                 if kernel == "expand":
                     ref = ts.sgmv_expand(ys[0].clone(), vs[0], slices, plan0[0], overwrite=True)
                     mb = T * d_out * 2 / 1e6
-                    configs = [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                    configs = [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, tiles=1)
                                for bm in (64, 128) for bn in (128, 256) for nw in (4, 8) for ns in (2, 3)]
+                    # looped tiles (PREFILL_WRITE_LOOP: one v tile, TILES B tiles per program)
+                    configs += [dict(block_n=bn, num_warps=nw, num_stages=2, tiles=t)
+                                for t in (2, 4) for bn in (128, 256) for nw in (4, 8)]
+                    configs += [dict(block_n=128, num_warps=4, num_stages=2, tiles=8)]
                 else:
                     ref = vs[0].sum(0)
                     mb = T * d_in * 2 / 1e6
@@ -229,7 +236,7 @@ def prefill(out_dir: str, tokens: tuple[int, ...] = (4096,), groups: tuple[str, 
                 rows.extend(case)
                 default = next(r for r in case if r["default"])
                 best = min(case, key=lambda r: r["us"])
-                keys = ("block_m", "block_n", "block_k", "split_k", "num_stages", "num_warps")
+                keys = ("block_m", "block_n", "tiles", "block_k", "split_k", "num_stages", "num_warps")
                 cfg_s = ", ".join(f"{k} {best[k]}" for k in keys if k in best)
                 lines.append(f"| {kernel} | {group} | {T} | {mb:.0f} | {default['us']:.1f} us (block_m "
                              f"{default['default_block_m']}, split {auto}) | {best['us']:.1f} us | "
@@ -247,6 +254,10 @@ def main():
     ap.add_argument("--decode-shrink", action="store_true", help="the decode shrink sweep (module docstring)")
     ap.add_argument("--prefill", action="store_true", help="the prefill expand (overwrite) and shrink sweep (module "
                     "docstring; --tokens default 4096 there)")
+    ap.add_argument("--prefill-kernels", default="expand,shrink",
+                    help="comma-separated kernels of the --prefill sweep (expand, shrink; default both)")
+    ap.add_argument("--adapters", type=int, default=8,
+                    help="adapters of a --prefill step (runs of tokens / adapters tokens; default 8)")
     ap.add_argument("--rank", type=int, default=16, help="adapter rank of the decode sweeps (default 16)")
     ap.add_argument("--tokens", default="8,64,256",
                     help="comma-separated token counts of the decode sweeps, each token its own adapter")
@@ -272,8 +283,13 @@ def main():
         if bad:
             ap.error(f"--groups: expected names from {','.join(GROUPS)}, got {','.join(bad)}")
     if args.prefill:
+        kernels = tuple(k for k in args.prefill_kernels.split(",") if k)
+        if not kernels or any(k not in ("expand", "shrink") for k in kernels):
+            ap.error(f"--prefill-kernels: expected expand, shrink or expand,shrink, got {args.prefill_kernels!r}")
+        if args.adapters < 1:
+            ap.error(f"--adapters: expected an int >= 1, got {args.adapters}")
         os.makedirs(args.out, exist_ok=True)
-        return prefill(args.out, tokens if args.tokens != "8,64,256" else (4096,), groups)
+        return prefill(args.out, tokens if args.tokens != "8,64,256" else (4096,), groups, kernels, args.adapters)
     if args.decode_shrink:
         os.makedirs(args.out, exist_ok=True)
         return decode_shrink(args.out, args.rank, tokens, groups)

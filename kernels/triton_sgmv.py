@@ -317,7 +317,10 @@ def _sgmv_expand_kernel(
         scale = tl.where(r > 0, scale, 0.0)  # a slice the adapter does not target (r == 0): its rows get zeros
     elif r == 0:
         return
-    if BLOCK_M <= 16 and TILES > 1:  # decode, a rank-16 pool (RMAX <= BLOCK_R): one v tile, TILES B tiles in a loop
+    if TILES > 1:  # a rank-16 pool (RMAX <= BLOCK_R): one v tile, TILES B tiles in a loop (decode; prefill writing)
+        if BLOCK_M > 16:
+            tok, m_mask = _chunk_tokens(chunks_ptr, stride_c, chunk, BLOCK_M)
+            n = n_tile * (TILES * BLOCK_N) + tl.arange(0, BLOCK_N)
         j = tl.arange(0, BLOCK_R)
         j_mask = j < r
         vm = m_mask[:, None] & j_mask[None, :]
@@ -427,6 +430,14 @@ DECODE_EXPAND_RANK_WIDE_OUT: tuple[int, int, int, int, int] | None = (48, 64, 16
 #: (256 and 128; what ran before session 30).
 PREFILL_SHRINK_BLOCK_K: int | None = 128
 PREFILL_WRITE_BLOCK_N: int | None = 256
+#: ``(tiles, block_n, num_stages)`` of a prefill expand that writes the LoRA term (``overwrite=True``, chunks of
+#: ``block_m > 16``) from a pool of max rank <= 16, bf16 / fp16 on a GPU: the looped tiles of the decode expand
+#: (``DECODE_EXPAND_LOOP``: one v tile per program, ``tiles`` B tiles of ``block_n`` in a loop, the next in flight
+#: while the last is stored), so each program's prologue (chunk, slot, rank, offset, scaling: dependent loads) is paid
+#: once per ``tiles * block_n`` columns. Why: the writing expand alone at 4,096 tokens wrote y at 1.6-2.0 TB/s, under
+#: half of copy bandwidth, with one tile per program in every configuration of session 30's sweep. ``None``: one
+#: tile per program (``PREFILL_WRITE_BLOCK_N``; what ran before session 31).
+PREFILL_WRITE_LOOP: tuple[int, int, int] | None = (2, 256, 2)
 
 
 #: Launch the shrink and expand with programmatic dependent launch (PDL) on GPUs that have it (compute capability
@@ -491,6 +502,17 @@ def expand_block_n(device_type: str, dtype: torch.dtype, T: int, block_m: int, r
     if overwrite and dtype != torch.float32 and block_m > 16 and rmax <= 16 and PREFILL_WRITE_BLOCK_N is not None:
         return PREFILL_WRITE_BLOCK_N  # session 30's prefill sweep
     return 256 if T <= 512 else 128
+
+
+def prefill_write_tiles(device_type: str, dtype: torch.dtype, block_m: int, rmax: int,
+                        overwrite: bool) -> tuple[int, int, int] | None:
+    """``PREFILL_WRITE_LOOP``'s ``(tiles, block_n, num_stages)`` for an expand of chunks of ``block_m`` from a pool
+    of rank ``rmax`` where it applies: one that writes the LoRA term (``overwrite``), prefill chunks (``block_m >
+    16``), a pool of max rank <= 16 (one v tile), bf16 / fp16 on a GPU; else None (one tile per program)."""
+    if (PREFILL_WRITE_LOOP is None or not overwrite or block_m <= 16 or rmax > 16 or device_type != "cuda"
+            or dtype == torch.float32):
+        return None
+    return PREFILL_WRITE_LOOP
 
 
 def _split_k(device: torch.device, programs: int, d_in: int, block_k: int, max_split: int = 32) -> int:
@@ -576,7 +598,10 @@ def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan
             num_warps: int | None = None, num_stages: int | None = None, tiles: int | None = None,
             overwrite: bool = False) -> torch.Tensor:
     split, S, T, rmax = v.shape
-    loop = plan.block_m <= 16 and rmax <= 16  # the looped tiles: decode chunks of a rank-16 pool (one v tile)
+    # the looped tiles (one v tile, TILES B tiles per program): decode chunks of a rank-16 pool, prefill chunks of one
+    # that write the LoRA term (prefill_write_tiles), and any chunks of one when ``tiles`` is given
+    prefill_loop = prefill_write_tiles(y.device.type, y.dtype, plan.block_m, rmax, overwrite)
+    loop = rmax <= 16 and (plan.block_m <= 16 or prefill_loop is not None or tiles is not None)
     if y.device.type == "cuda" and plan.block_m <= 16 and rmax > 16 and DECODE_EXPAND_RANK_TILES is not None:
         tiles_bn, tiles_nw = DECODE_EXPAND_RANK_TILES
         wide_out = DECODE_EXPAND_RANK_WIDE_OUT
@@ -588,7 +613,7 @@ def _expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan
     if num_warps is None:
         num_warps = 2 if y.device.type == "cuda" and _wide(T, rmax) else 4
     if tiles is None and loop and y.device.type == "cuda":
-        tiles, bn, stages = decode_expand_tiles(T)
+        tiles, bn, stages = prefill_loop or decode_expand_tiles(T)
         block_n = block_n or bn
         num_stages = num_stages or stages
     group = (tiles or 1) if loop else 1
@@ -648,8 +673,9 @@ def sgmv_expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRA
         v: ``sgmv_shrink``'s fp32 ``[SPLIT_K, num_slices, T, slices.max_rank_rows]``.
         slices, plan: as for ``sgmv_shrink``.
         block_n, num_warps, num_stages: tile overrides (None = the measured defaults).
-        tiles: output tiles of ``block_n`` columns per program, looped (None = ``DECODE_EXPAND_LOOP``'s); used by
-            decode chunks (``plan.block_m <= 16``) of a pool of rank <= 16 only, else 1.
+        tiles: output tiles of ``block_n`` columns per program, looped (None = ``DECODE_EXPAND_LOOP``'s for decode
+            chunks, ``plan.block_m <= 16``, and ``PREFILL_WRITE_LOOP``'s for a writing prefill expand:
+            ``prefill_write_tiles``); used by pools of rank <= 16 only (one v tile), else 1.
         overwrite: write the LoRA term instead of adding it (above).
 
     Returns:

@@ -355,15 +355,15 @@ def test_lora_delta_writes_every_element(ranks, block_m, device, dtype):
     """``lora_delta`` into a buffer full of NaN: the rows with an adapter hold the LoRA term, bit for bit what
     ``lora_apply`` adds to zeros (both backends; -0.0 included: tiny x makes terms that round to zero); rows of slot
     -1 and the slice an adapter does not target (k_proj of adapter 0) hold +0; the term matches the fp32 reference.
-    Decode chunks (the rank loop from a rank-24 pool; from a rank-16 pool one tile per program on the CPU, and 2 or
-    3 looped tiles through ``_expand(tiles=)``) and prefill chunks, with -1 rows between and after the adapted ones;
+    Decode and prefill chunks (the rank loop from a rank-24 pool; from a rank-16 pool one tile per program on the
+    CPU, and 2 or 3 looped tiles through ``_expand(tiles=)``), with -1 rows between and after the adapted ones;
     a batch with no adapted row through the host's shortcut and through the kernel (a plan that says it has LoRA, as
     a CUDA graph captured with LoRA replays one)."""
     gen = torch.Generator().manual_seed(len(ranks) + block_m)
     pool, slots = make_pool(SMALL, ranks, dtype=dtype, device=device, skip={0: ("k_proj",)})
     slices = lora_slices([pool.module_view(1, m) for m in QKV])
     a, b, c = slots
-    looped = [None] + ([2, 3] if block_m <= 16 and max(ranks) <= 16 else [])
+    looped = [None] + ([2, 3] if max(ranks) <= 16 else [])  # (prefill: PREFILL_WRITE_LOOP's tiles on the GPU)
     for token_slots, scale in (([a, -1, b, c, -1, a, a, c, b, -1] * 3, 1.0), ([a, -1, b, c, -1, a] * 2, 1e-7),
                                ([-1] * 5, 1.0)):
         T = len(token_slots)
@@ -382,6 +382,7 @@ def test_lora_delta_writes_every_element(ranks, block_m, device, dtype):
             got = triton_sgmv._expand(torch.full_like(zeros, float("nan")), v, slices, plan, tiles=tiles, block_n=16,
                                       overwrite=True)
             assert torch.equal(_bits(got), _bits(want)), tiles
+            torch.testing.assert_close(got.float(), ref, **TOL[dtype])
         none = torch.tensor([s < 0 for s in token_slots], device=device)
         assert not _bits(out[none]).any(), "rows of slot -1: +0"
         if scale == 1e-7:
@@ -1001,10 +1002,10 @@ def test_cuda_graph_replayed_after_compaction(path):
 
 
 def test_prefill_tile_rules(monkeypatch):
-    """The launchers' default tiles by step (``shrink_block_k``, ``expand_block_n``): session 30's prefill sweep
-    changed only prefill chunks (block_m > 16) of rank <= 16 pools on a GPU (the shrink's block_k, its K split still
-    computed for 256; a writing expand's block_n); the CPU, decode-sized steps, fp32, rank > 16 pools and an adding
-    expand keep what ran before, and ``None`` restores it everywhere."""
+    """The launchers' default tiles by step (``shrink_block_k``, ``expand_block_n``, ``prefill_write_tiles``):
+    sessions 30 and 31 changed only prefill chunks (block_m > 16) of rank <= 16 pools on a GPU (the shrink's block_k,
+    its K split still computed for 256; a writing expand's block_n and looped tiles); the CPU, decode-sized steps,
+    fp32, rank > 16 pools and an adding expand keep what ran before, and ``None`` restores it everywhere."""
     from multilora.kernels import triton_sgmv as ts
 
     bf16, f32 = torch.bfloat16, torch.float32
@@ -1020,6 +1021,14 @@ def test_prefill_tile_rules(monkeypatch):
     assert ts.expand_block_n("cuda", torch.float16, 4096, 64, 16, True) == 256
     assert ts.expand_block_n("cuda", f32, 4096, 64, 16, True) == 128  # fp32: not swept
     assert ts.expand_block_n("cuda", bf16, 4096, 64, 64, True) == 128  # a rank-64 pool: not swept
+    # session 31's looped writing expand: the same places as the writing expand's block_n
+    assert ts.prefill_write_tiles("cuda", bf16, 64, 16, True) == ts.PREFILL_WRITE_LOOP == (2, 256, 2)
+    assert ts.prefill_write_tiles("cuda", torch.float16, 128, 8, True) == (2, 256, 2)
+    for args in (("cpu", bf16, 64, 16, True), ("cuda", f32, 64, 16, True), ("cuda", bf16, 16, 16, True),
+                 ("cuda", bf16, 64, 64, True), ("cuda", bf16, 64, 16, False)):
+        assert ts.prefill_write_tiles(*args) is None, args
+    monkeypatch.setattr(ts, "PREFILL_WRITE_LOOP", None)
+    assert ts.prefill_write_tiles("cuda", bf16, 64, 16, True) is None
     monkeypatch.setattr(ts, "PREFILL_SHRINK_BLOCK_K", None)
     monkeypatch.setattr(ts, "PREFILL_WRITE_BLOCK_N", None)
     assert ts.shrink_block_k("cuda", bf16, 4096, 64, 16) == (256, None)
@@ -1080,9 +1089,10 @@ def test_shrink_computes_its_split_for_the_rules_split_block(monkeypatch):
 @pytest.mark.parametrize("modules", [QKV, GATE_UP, ("o_proj",), ("down_proj",)], ids=["qkv", "gate_up", "o", "down"])
 def test_prefill_tiles_write_the_old_tiles_bits(modules, dtype, monkeypatch):
     """A prefill step (600 tokens: block_m 64) from a pool of max rank 16 on Llama-3-8B widths takes session 30's
-    tiles (the shrink's 128-wide K blocks under the split of 256, the writing expand's 256-wide tiles): ``lora_delta``
-    gives the bits of the tiles before (``PREFILL_SHRINK_BLOCK_K = PREFILL_WRITE_BLOCK_N = None``; the sweep saw
-    none differ) and the torch reference within the dtype's rounding; a row without an adapter gets zeros."""
+    tiles (the shrink's 128-wide K blocks under the split of 256, the writing expand's 256-wide tiles) and session
+    31's looped ones (``PREFILL_WRITE_LOOP``): ``lora_delta`` gives the bits of the tiles before
+    (``PREFILL_SHRINK_BLOCK_K = PREFILL_WRITE_BLOCK_N = PREFILL_WRITE_LOOP = None``; the sweeps saw none differ) and
+    the torch reference within the dtype's rounding; a row without an adapter gets zeros."""
     pool, slots = make_pool(LLAMA8B, [16, 8, 4], dtype=dtype, device="cuda")
     assert pool.max_rank <= 16
     sl = lora_slices([pool.module_view(0, m) for m in modules])
@@ -1096,6 +1106,7 @@ def test_prefill_tiles_write_the_old_tiles_bits(modules, dtype, monkeypatch):
     new = lora_delta(torch.full((T, sl.d_out), 3.0, device="cuda", dtype=dtype), x, sl, plan, backend="triton")
     monkeypatch.setattr(triton_sgmv, "PREFILL_SHRINK_BLOCK_K", None)
     monkeypatch.setattr(triton_sgmv, "PREFILL_WRITE_BLOCK_N", None)
+    monkeypatch.setattr(triton_sgmv, "PREFILL_WRITE_LOOP", None)
     old = lora_delta(torch.full((T, sl.d_out), 3.0, device="cuda", dtype=dtype), x, sl, plan, backend="triton")
     assert torch.equal(new, old)
     assert not new[5].any()
