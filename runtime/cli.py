@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 BASE_NAMES = ("-", "none", "base")
+#: how a device error tells the command line's user to run on the CPU (``resolve_device``'s ``use_cpu``; the Python
+#: API's words are ``device='cpu'``)
+USE_CPU = "--device cpu"
 
 
 def _parse_adapter(spec: str) -> tuple[str, str]:
@@ -190,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="run the main job on the default model with demo adapters")
     d.add_argument("--adapters-dir", help="where the demo adapters are kept: DIR/demo-a, demo-b, demo-c (default: "
-                                          "$MULTILORA_HOME/demo-adapters/<model file name>, MULTILORA_HOME defaulting "
-                                          "to ~/.cache/multilora)")
+                                          "$MULTILORA_HOME/demo-adapters/<model file name without .gguf>, "
+                                          "MULTILORA_HOME defaulting to ~/.cache/multilora)")
     d.add_argument("--max-tokens", type=_int_range(1), default=32, help="tokens per completion (default 32)")
     d.add_argument("--model", help="another model instead of the default (" + _SERVED + ")")
 
@@ -209,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--jsonl", help='file of {"prompt": ..., "adapter": NAME|null} lines (prompt: text, chat messages '
                                    'or a list of token ids; no other keys)')
     g.add_argument("--chat", action="store_true", help="wrap text prompts as a user message and apply the chat template")
-    g.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt (default 64)")
+    g.add_argument("--max-tokens", type=_int_range(1), default=64,
+                   help="most tokens generated per prompt (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
     g.add_argument("--top-k", type=int, default=0,
@@ -361,7 +365,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
     _check_adapter_names(args)
     try:
         config = EngineConfig.from_cli(args)
-        resolve_device(config.device)  # a CPU build asked for cuda fails here, not after the model loads
+        resolve_device(config.device, use_cpu=USE_CPU)  # a CPU build asked for cuda fails here, not at the load
     except ValueError as e:
         raise _as_flag_error(e) from e
     _check_adapter_files(args.adapter, config.max_lora_rank, args.allow_pickle)
@@ -551,7 +555,7 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
                              f"weights_only=True), ...)), or serve it with `multilora serve --allow-pickle`")
     if args.address is None:
         try:
-            resolve_device(config.device)
+            resolve_device(config.device, use_cpu=USE_CPU)
         except ValueError as e:
             raise _as_flag_error(e) from e
         _check_port(args.host, args.port)

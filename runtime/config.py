@@ -389,9 +389,10 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def resolve_device(device: "str | torch.device | None") -> "torch.device":
+def resolve_device(device: "str | torch.device | None", *, use_cpu: str = "device='cpu'") -> "torch.device":
     """The device an ``Engine`` of ``EngineConfig.device`` runs on, checked before anything loads: None is CUDA when
-    available, else the CPU.
+    available, else the CPU. ``use_cpu``: how the error for cuda without CUDA tells the caller to ask for the CPU,
+    in the caller's spelling (the Python API's ``device='cpu'``; the command line passes ``--device cpu``).
 
     Raises:
         ValueError: naming ``device``: not a torch device string; a device type other than cpu and cuda (the only
@@ -411,7 +412,7 @@ def resolve_device(device: "str | torch.device | None") -> "torch.device":
         if not torch.cuda.is_available():
             build = "a CPU build of torch" if torch.version.cuda is None else "no CUDA device is visible"
             raise ValueError(f"Engine: device={device!r}, but CUDA is not available here ({build}, torch "
-                             f"{torch.__version__}); use device='cpu'")
+                             f"{torch.__version__}); use {use_cpu}")
         n = torch.cuda.device_count()
         if d.index is not None and d.index >= n:
             raise ValueError(f"Engine: device={device!r}, but this machine has {n} CUDA device(s) (cuda:0 to "

@@ -271,10 +271,19 @@ def test_the_engine_checks_its_device_before_the_model(tmp_path):
         Engine(model=str(tmp_path / "no-model"), device="meta")  # (the missing model would say "does not exist")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
-def test_cuda_on_a_machine_without_it_names_the_flag(tmp_path, capsys):
+def test_cuda_on_a_machine_without_it_names_the_flag(tmp_path, capsys, monkeypatch):
+    """The command line's error names its flag, `--device cpu`, where the Python API's says `device='cpu'`."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA, wherever this runs
     code, _, err = run(capsys, "generate", "--model", tmp_path / "no-model", "--device", "cuda", "--prompt", "-", "hi")
     assert code == 2 and "--device: 'cuda', but CUDA is not available here" in err, err
+    assert err.rstrip().endswith("; use --device cpu") and "device='cpu'" not in err, err
+
+
+def test_cuda_on_a_machine_without_it_names_the_engine_argument(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^Engine: device='cuda', but CUDA is not available here .*; use "
+                                         r"device='cpu'$"):
+        Engine(model=str(tmp_path / "no-model"), device="cuda")  # (the missing model would say "does not exist")
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -287,6 +296,21 @@ def test_cuda_on_a_machine_without_it_names_the_flag(tmp_path, capsys):
 def test_flag_ranges_are_checked_by_the_parser(capsys, argv, words):
     code, _, err = run(capsys, *argv)
     assert code == 2 and words in err, err
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "ten", "1.5"])
+def test_max_tokens_is_refused_in_the_same_words_by_every_command(capsys, value):
+    """demo and generate (every command with --max-tokens) check it with the same parser type: the same message,
+    but for the program's name."""
+    errors = {}
+    for command in ("demo", "generate"):
+        code, out, err = run(capsys, command, "--max-tokens", value)
+        assert code == 2 and out == "", err
+        errors[command] = err.strip().splitlines()[-1].replace(f"multilora {command}: ", "multilora COMMAND: ")
+    assert errors["demo"] == errors["generate"], errors
+    got = value if value.lstrip("-").isdigit() else repr(value)
+    want = "an integer >= 1" if value.lstrip("-").isdigit() else "an integer"
+    assert errors["demo"] == f"multilora COMMAND: error: argument --max-tokens: expected {want}, got {got}", errors
 
 
 @pytest.mark.parametrize("line,match", [
@@ -345,6 +369,27 @@ def test_demo_on_a_given_model(tiny, tmp_path, capsys):
     for n in DEMO_NAMES:
         assert f"[{n}]" in out and (tmp_path / "demo" / n / "adapter_config.json").is_file()
     assert "[base]" in out and "tokens/s" in out
+
+
+def test_readme_names_the_demo_adapters_directory_as_the_demo_makes_it(monkeypatch):
+    """README.md says where `multilora demo` writes its adapters in one way, `<model file name without .gguf>`, and
+    its example is the directory the demo derives for the embedded model."""
+    from pathlib import Path
+
+    from multilora.runtime.demo import default_demo_dir
+    from multilora.runtime.weights import resolve_model_path
+
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    if not readme.is_file():
+        pytest.skip("no README.md beside tests/")
+    text = " ".join(readme.read_text().split())  # (a path in backquotes may be wrapped over two lines)
+    placeholders = set(re.findall(r"demo-adapters/(<[^>]*>)", text))
+    assert placeholders == {"<model file name without .gguf>"}, placeholders
+    monkeypatch.delenv("MULTILORA_HOME", raising=False)
+    model = resolve_model_path(None)
+    real = default_demo_dir() / model.stem
+    assert model.suffix == ".gguf" and real.name == model.name[:-len(".gguf")]
+    assert f"`~/{real.relative_to(Path.home())}/`" in text, real
 
 
 def test_memory_json_runs(capsys):
