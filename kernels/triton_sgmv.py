@@ -434,10 +434,16 @@ PREFILL_WRITE_BLOCK_N: int | None = 256
 #: ``block_m > 16``) from a pool of max rank <= 16, bf16 / fp16 on a GPU: the looped tiles of the decode expand
 #: (``DECODE_EXPAND_LOOP``: one v tile per program, ``tiles`` B tiles of ``block_n`` in a loop, the next in flight
 #: while the last is stored), so each program's prologue (chunk, slot, rank, offset, scaling: dependent loads) is paid
-#: once per ``tiles * block_n`` columns. Why: the writing expand alone at 4,096 tokens wrote y at 1.6-2.0 TB/s, under
-#: half of copy bandwidth, with one tile per program in every configuration of session 30's sweep. ``None``: one
-#: tile per program (``PREFILL_WRITE_BLOCK_N``; what ran before session 31).
-PREFILL_WRITE_LOOP: tuple[int, int, int] | None = (2, 256, 2)
+#: once per ``tiles * block_n`` columns. The writing expand alone at 4,096 tokens wrote y at 1.6-2.0 TB/s with one
+#: tile per program in every configuration of session 30's sweep. H200, bf16, 4,096 tokens on 64 adapters (runs of
+#: 64), 4 warps, summed over the four fused projections of a Llama-3-8B layer (``python bench/tune_lora_kernels.py
+#: --prefill --prefill-kernels expand --adapters 64``, bench/results/session31/call3/), us: one 256-wide tile per
+#: program (session 30) 217.6; 2 x 256 200.0; **4 x 128 153.3** (q/k/v 32.0 -> 23.8, o 24.1 -> 17.7, gate/up 137.5
+#: -> 94.2, down 24.1 -> 17.6; gate/up alone is best at 8 x 128, 92.5); 8 warps slower in each looped case; the same
+#: bits. In the engine (``bench_generate.py``, batch 64, TTFT of 64 x 512-token prompts) 2 x 256 against one tile
+#: measured 0.901 against 0.894 s, within its spread. ``None``: one tile per program (``PREFILL_WRITE_BLOCK_N``; what
+#: ran before session 31).
+PREFILL_WRITE_LOOP: tuple[int, int, int] | None = (4, 128, 2)
 
 
 #: Launch the shrink and expand with programmatic dependent launch (PDL) on GPUs that have it (compute capability

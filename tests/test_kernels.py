@@ -1022,8 +1022,8 @@ def test_prefill_tile_rules(monkeypatch):
     assert ts.expand_block_n("cuda", f32, 4096, 64, 16, True) == 128  # fp32: not swept
     assert ts.expand_block_n("cuda", bf16, 4096, 64, 64, True) == 128  # a rank-64 pool: not swept
     # session 31's looped writing expand: the same places as the writing expand's block_n
-    assert ts.prefill_write_tiles("cuda", bf16, 64, 16, True) == ts.PREFILL_WRITE_LOOP == (2, 256, 2)
-    assert ts.prefill_write_tiles("cuda", torch.float16, 128, 8, True) == (2, 256, 2)
+    assert ts.prefill_write_tiles("cuda", bf16, 64, 16, True) == ts.PREFILL_WRITE_LOOP == (4, 128, 2)
+    assert ts.prefill_write_tiles("cuda", torch.float16, 128, 8, True) == (4, 128, 2)
     for args in (("cpu", bf16, 64, 16, True), ("cuda", f32, 64, 16, True), ("cuda", bf16, 16, 16, True),
                  ("cuda", bf16, 64, 64, True), ("cuda", bf16, 64, 16, False)):
         assert ts.prefill_write_tiles(*args) is None, args
