@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from testsupport import peft_adapters, peft_batch_logits, rel_err
+from testsupport import gpu_engine, peft_adapters, peft_batch_logits, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -84,6 +84,42 @@ def test_engine_matches_peft_on_gpu(setup, dtype, first, monkeypatch):
     plan = engine.memory_plan
     assert plan is not None and engine.pool.bytes_total <= plan.adapter_pool_bytes
     assert engine.kv.nbytes <= plan.kv_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_prefill_from_a_rank16_pool_matches_peft_on_gpu(setup, dtype, monkeypatch):
+    """A prefill step of more than 512 tokens (chunks of ``block_m > 16``) from a pool of max rank 16
+    (``max_lora_rank=16``): the path that sessions 30-31's prefill tiles take in the engine (the LoRA term written
+    before the GEMM, the shrink's 128-wide K blocks, the writing expand's looped tiles, ``PREFILL_WRITE_LOOP``), which
+    the rank-64 pool of the other cases never takes. Last-position logits against a float32 peft reference, about as
+    close as peft's own run in the dtype; a row without an adapter too."""
+    from multilora.kernels import triton_sgmv
+    from multilora.runtime import model as model_mod
+
+    model, d, _ = setup
+    names = ["attn-r8", "mlp-r16-rslora", "all-r2"]
+    adapters = ["attn-r8", "mlp-r16-rslora", None, "all-r2"]
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (200, 180, 150, 90)]  # 620 tokens
+    engine = gpu_engine(d, names, dtype, max_lora_rank=16)
+    assert engine.pool.max_rank == 16
+    assert sum(map(len, rows)) >= max(513, model_mod.LORA_BEFORE_GEMM_MIN_TOKENS)
+    looped = []  # the writing expand's launches that took PREFILL_WRITE_LOOP's tiles
+    rule = triton_sgmv.prefill_write_tiles
+
+    def spy(*args):
+        got = rule(*args)
+        looped.append(got is not None)
+        return got
+
+    monkeypatch.setattr(triton_sgmv, "prefill_write_tiles", spy)
+    ours = engine.logits(rows, adapters=adapters)
+    assert any(looped), "no expand took the looped prefill tiles"
+    ref32 = peft_batch_logits(model, rows, adapters, torch.float32)
+    theirs = peft_batch_logits(model, rows, adapters, dtype)
+    for i, a in enumerate(adapters):
+        ours_err, peft_err = rel_err(ours[i], ref32[i]), rel_err(theirs[i], ref32[i])
+        assert ours_err < 2 * peft_err + 1e-3, (a, ours_err, peft_err)
 
 
 def test_engine_generate_on_gpu(setup):
