@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from multilora.runtime.config import CLI_USE_CPU as USE_CPU  # the CLI's words for the API's device='cpu'
+
 BASE_NAMES = ("-", "none", "base")
-#: how a device error tells the command line's user to run on the CPU (``resolve_device``'s ``use_cpu``; the Python
-#: API's words are ``device='cpu'``)
-USE_CPU = "--device cpu"
 
 
 def _parse_adapter(spec: str) -> tuple[str, str]:
@@ -193,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="run the main job on the default model with demo adapters")
     d.add_argument("--adapters-dir", help="where the demo adapters are kept: DIR/demo-a, demo-b, demo-c (default: "
-                                          "$MULTILORA_HOME/demo-adapters/<model file name without .gguf>, "
+                                          "$MULTILORA_HOME/demo-adapters/<model file name without .gguf, or model directory "
+                                          "name>, "
                                           "MULTILORA_HOME defaulting to ~/.cache/multilora)")
     d.add_argument("--max-tokens", type=_int_range(1), default=32, help="tokens per completion (default 32)")
     d.add_argument("--model", help="another model instead of the default (" + _SERVED + ")")

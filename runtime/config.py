@@ -389,6 +389,11 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+#: how a device error tells the command line's user to run on the CPU (``resolve_device``'s ``use_cpu``; the Python
+#: API's words are ``device='cpu'``)
+CLI_USE_CPU = "--device cpu"
+
+
 def resolve_device(device: "str | torch.device | None", *, use_cpu: str = "device='cpu'") -> "torch.device":
     """The device an ``Engine`` of ``EngineConfig.device`` runs on, checked before anything loads: None is CUDA when
     available, else the CPU. ``use_cpu``: how the error for cuda without CUDA tells the caller to ask for the CPU,

@@ -87,10 +87,10 @@ def run_demo(adapters_dir: str | os.PathLike | None = None, *, max_tokens: int =
     """Load the (default) model, write demo adapters if missing, generate a mixed batch, print it."""
     from multilora.runtime.engine import Engine
     from multilora.runtime.sampling import SamplingParams
-    from multilora.runtime.weights import load_model_files
+    from multilora.runtime.weights import load_model_files, model_label
 
     engine = Engine(model)
-    d = Path(adapters_dir) if adapters_dir else default_demo_dir() / engine.model_path.stem
+    d = Path(adapters_dir) if adapters_dir else default_demo_dir() / model_label(engine.model_path)
     missing = [n for n in DEMO_ADAPTERS if not (d / n / "adapter_config.json").is_file()]
     if missing:
         print(f"Writing demo adapters {', '.join(missing)} to {d}")

@@ -119,6 +119,14 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     return p
 
 
+def model_label(path: str | os.PathLike) -> str:
+    """The name a model goes by in paths it owns (``multilora demo``'s adapters directory): a ``.gguf`` file's name
+    without ``.gguf`` (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct.Q4_1``), a directory's whole
+    name (``Qwen2.5-0.5B-Instruct``: ``Path.stem`` would cut it to ``Qwen2``, the name of every Qwen2.5 size)."""
+    p = Path(path)
+    return p.name[: -len(".gguf")] if p.suffix == ".gguf" and not p.is_dir() else p.name
+
+
 def load_model_files(
     path: Path, *, dtype: torch.dtype, progress: bool = True
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -279,6 +279,20 @@ def test_cuda_on_a_machine_without_it_names_the_flag(tmp_path, capsys, monkeypat
     assert err.rstrip().endswith("; use --device cpu") and "device='cpu'" not in err, err
 
 
+@pytest.mark.parametrize("device, words", [
+    ("cuda", "--device: 'cuda', but CUDA is not available here"),
+    ("tpu:0", "--device: 'tpu:0' is not a device"),
+])
+def test_memory_refuses_a_device_this_machine_lacks(capsys, monkeypatch, device, words):
+    """`multilora memory --device cuda` on a machine without CUDA (and a device name torch does not know) exits 2
+    with the flag's error, not torch's traceback ("Torch not compiled with CUDA enabled")."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = run(capsys, "memory", "--device", device)
+    assert code == 2 and words in err and "Traceback" not in err, err
+    if device == "cuda":
+        assert err.rstrip().endswith("; use --device cpu"), err
+
+
 def test_cuda_on_a_machine_without_it_names_the_engine_argument(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"^Engine: device='cuda', but CUDA is not available here .*; use "
@@ -372,24 +386,38 @@ def test_demo_on_a_given_model(tiny, tmp_path, capsys):
 
 
 def test_readme_names_the_demo_adapters_directory_as_the_demo_makes_it(monkeypatch):
-    """README.md says where `multilora demo` writes its adapters in one way, `<model file name without .gguf>`, and
-    its example is the directory the demo derives for the embedded model."""
+    """README.md says where `multilora demo` writes its adapters in one way, `<model file name without .gguf, or model
+    directory name>`, and its example is the directory the demo derives for the embedded model (``model_label``);
+    a model directory keeps its whole name (dots in it too)."""
     from pathlib import Path
 
     from multilora.runtime.demo import default_demo_dir
-    from multilora.runtime.weights import resolve_model_path
+    from multilora.runtime.weights import model_label, resolve_model_path
 
     readme = Path(__file__).resolve().parent.parent / "README.md"
     if not readme.is_file():
         pytest.skip("no README.md beside tests/")
     text = " ".join(readme.read_text().split())  # (a path in backquotes may be wrapped over two lines)
     placeholders = set(re.findall(r"demo-adapters/(<[^>]*>)", text))
-    assert placeholders == {"<model file name without .gguf>"}, placeholders
+    assert placeholders == {"<model file name without .gguf, or model directory name>"}, placeholders
     monkeypatch.delenv("MULTILORA_HOME", raising=False)
     model = resolve_model_path(None)
-    real = default_demo_dir() / model.stem
+    real = default_demo_dir() / model_label(model)
     assert model.suffix == ".gguf" and real.name == model.name[:-len(".gguf")]
     assert f"`~/{real.relative_to(Path.home())}/`" in text, real
+
+
+def test_model_label_keeps_a_directory_name_whole(tmp_path):
+    """``model_label``: a .gguf file loses ``.gguf`` only; a model directory keeps its whole name, so two sizes of
+    one family (``Qwen2.5-0.5B-Instruct``, ``Qwen2.5-7B-Instruct``) get two demo directories, not one ``Qwen2``."""
+    from multilora.runtime.weights import model_label
+
+    for name in ("Qwen2.5-0.5B-Instruct", "Qwen2.5-7B-Instruct", "plain"):
+        (tmp_path / name).mkdir()
+        assert model_label(tmp_path / name) == name
+    assert model_label(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
+    (tmp_path / "odd.gguf").mkdir()  # a directory named like a file keeps its name
+    assert model_label(tmp_path / "odd.gguf") == "odd.gguf"
 
 
 def test_memory_json_runs(capsys):
