@@ -582,6 +582,13 @@ def summarize(results: list[Result], wall: float, offered: float, before: dict |
             continue
         t = after[secs] - before[secs]
         row[f"{move}_gbps"] = (after[nbytes] - before[nbytes]) / t / 1e9 if t > 0 else None
+    # all disk -> host readers together (the union of their in-flight time), the figure to hold against the run's
+    # cold_read_gbps (--drop-page-cache); disk_to_host_gbps above is one reader's
+    row["disk_to_host_aggregate_gbps"] = None
+    if before is not None and "disk_to_host_busy_seconds" in after:
+        t = after["disk_to_host_busy_seconds"] - before["disk_to_host_busy_seconds"]
+        nb = after["disk_to_host_busy_bytes"] - before["disk_to_host_busy_bytes"]
+        row["disk_to_host_aggregate_gbps"] = nb / t / 1e9 if t > 0 else None
     errors = sorted({r.error for r in results if r.error})[:3]
     if errors:
         row["errors"] = errors

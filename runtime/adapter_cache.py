@@ -165,6 +165,42 @@ class CacheStats:
     evictions_for_kv: int = 0  # adapters evicted so that a unified memory's KV side could take their units
 
 
+class BusyClock:
+    """The wall time during which at least one of several threads' operations was in flight (the union of their
+    intervals) and the bytes of those that completed: the aggregate speed of concurrent disk -> host reads, where
+    their summed per-read seconds give the speed of one reader. Thread-safe (one lock, held for a few attribute
+    updates). ``seconds`` leaves out the part of an operation still in flight."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._since = 0.0
+        self.seconds = 0.0
+        self.nbytes = 0
+
+    def _tick(self) -> float:  # (under the lock) the time since the last event, if anything was in flight
+        now = time.perf_counter()
+        if self._inflight:
+            self.seconds += now - self._since
+        self._since = now
+        return now
+
+    def begin(self) -> float:
+        """An operation starts; returns the clock's time of it (``time.perf_counter()`` seconds)."""
+        with self._lock:
+            now = self._tick()
+            self._inflight += 1
+            return now
+
+    def end(self, nbytes: int = 0) -> float:
+        """An operation ends (``nbytes``: what it moved; 0 for one that failed); returns the clock's time of it."""
+        with self._lock:
+            now = self._tick()
+            self._inflight -= 1
+            self.nbytes += nbytes
+            return now
+
+
 class _CopyTimer:
     """Times a host -> GPU copy with two CUDA events on its stream (``AdapterPool.load``'s ``timer``)."""
 
@@ -222,6 +258,7 @@ class AdapterCache:
         self._timing: list[tuple[_CopyTimer, int]] = []  # host -> GPU copies not timed yet
         self._orphans: list[AdapterHandle] = []  # forgotten while a disk -> host read was writing their block
         self.stats = CacheStats()
+        self.disk_busy = BusyClock()  # the disk -> host reads' union of in-flight time (aggregate GB/s)
         ahead = map_ahead_on_overflow
         if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 0:
             raise ValueError(f"AdapterCache: map_ahead_on_overflow must be an int >= 0, got {ahead!r}")
@@ -510,9 +547,13 @@ class AdapterCache:
                 not of the size registered (its files changed in a way their stamps did not show).
         """
         self._check_files(handle, "since load_adapter")
-        t0 = time.perf_counter()
-        packed = self._reload(handle, None if block is None else block.view(self.pool.dtype))
-        seconds = time.perf_counter() - t0
+        t0 = self.disk_busy.begin()
+        try:
+            packed = self._reload(handle, None if block is None else block.view(self.pool.dtype))
+        except BaseException:
+            self.disk_busy.end(0)
+            raise
+        seconds = self.disk_busy.end(packed.nbytes) - t0  # (the clock's own times: its union <= the reads' sum)
         self._check_files(handle, "while it was read again")
         if packed.nbytes != handle.pool_bytes:
             raise AdapterError(f"{handle.path}: adapter {handle.name!r} read again as an image of {packed.nbytes} "
@@ -832,7 +873,10 @@ class AdapterCache:
         GPU between two CUDA events on the side stream (on a CPU pool, the copies' wall time), of the copies
         completed so far (``host_to_gpu_copies`` counts all, one copy per adapter); ``disk_to_host_gbps`` =
         ``bytes_disk_to_host`` / ``disk_to_host_seconds``, the reads' wall time summed over the I/O threads (the
-        speed of one reader; ``disk_to_host_reads`` reads); ``gpu_to_host_gbps`` = ``bytes_gpu_to_host`` /
+        speed of one reader; ``disk_to_host_reads`` reads), and ``disk_to_host_aggregate_gbps`` =
+        ``disk_to_host_busy_bytes`` / ``disk_to_host_busy_seconds``, the bytes of the reads that completed over the
+        wall time during which at least one read was in flight (``BusyClock``: the speed of all readers together,
+        the figure to hold against a plain sequential read of the disk); ``gpu_to_host_gbps`` = ``bytes_gpu_to_host`` /
         ``gpu_to_host_seconds`` (synchronous copies back). The host arena: ``host_arena_bytes_held`` (mapped and,
         with ``host_arena_pinned``, page-locked), ``host_arena_bytes_used`` (blocks, including freed ones an
         in-flight copy still reads), ``host_arena_chunks``, ``host_arena_compactions`` and the bytes they moved,
@@ -872,6 +916,8 @@ class AdapterCache:
             "host_to_gpu_gbps": gbps(s.host_to_gpu_timed_bytes, s.host_to_gpu_seconds),
             "disk_to_host_reads": s.disk_to_host_reads, "disk_to_host_seconds": s.disk_to_host_seconds,
             "disk_to_host_gbps": gbps(s.bytes_disk_to_host, s.disk_to_host_seconds),
+            "disk_to_host_busy_seconds": self.disk_busy.seconds, "disk_to_host_busy_bytes": self.disk_busy.nbytes,
+            "disk_to_host_aggregate_gbps": gbps(self.disk_busy.nbytes, self.disk_busy.seconds),
             "gpu_to_host_seconds": s.gpu_to_host_seconds,
             "gpu_to_host_gbps": gbps(s.bytes_gpu_to_host, s.gpu_to_host_seconds),
             "host_arena_bytes_held": a.bytes_held, "host_arena_bytes_used": a.bytes_used,

@@ -600,7 +600,7 @@ def test_tier_move_stats_are_present_and_consistent(tiny):
     _, dirs, _, unit = tiny
     engine = _engine(tiny, 1, 2 * unit)
     s0 = engine.stats()
-    for k in ("host_to_gpu_gbps", "disk_to_host_gbps", "gpu_to_host_gbps"):
+    for k in ("host_to_gpu_gbps", "disk_to_host_gbps", "gpu_to_host_gbps", "disk_to_host_aggregate_gbps"):
         assert k in s0 and s0[k] is None  # nothing moved yet
     for i in range(4):
         engine.load_adapter(f"a{i}", dirs[i], preload=False)
@@ -613,6 +613,11 @@ def test_tier_move_stats_are_present_and_consistent(tiny):
     assert s["host_to_gpu_gbps"] == pytest.approx(s["host_to_gpu_timed_bytes"] / s["host_to_gpu_seconds"] / 1e9)
     assert s["disk_to_host_reads"] >= 4 and s["bytes_disk_to_host"] == s["disk_to_host_reads"] * unit
     assert s["disk_to_host_gbps"] == pytest.approx(s["bytes_disk_to_host"] / s["disk_to_host_seconds"] / 1e9)
+    # all readers together: the union of the reads' in-flight time, never more than their sum
+    assert s["disk_to_host_busy_bytes"] == s["bytes_disk_to_host"]  # (every read here completed and was taken)
+    assert 0 < s["disk_to_host_busy_seconds"] <= s["disk_to_host_seconds"] * (1 + 1e-9)
+    assert s["disk_to_host_aggregate_gbps"] == pytest.approx(
+        s["disk_to_host_busy_bytes"] / s["disk_to_host_busy_seconds"] / 1e9)
     if s["bytes_gpu_to_host"]:
         assert s["gpu_to_host_gbps"] == pytest.approx(s["bytes_gpu_to_host"] / s["gpu_to_host_seconds"] / 1e9)
     assert s["host_arena_chunks"] == 1 and s["host_arena_bytes_held"] == 2 * unit
@@ -865,3 +870,57 @@ def test_gpu_to_host_copy_back_stays_within_the_host_budget(tiny, monkeypatch):
     out = e.generate([[3, 4, 5]], adapters=["a"], sampling=SamplingParams(max_tokens=2, ignore_eos=True))
     assert out[0].finish_reason == "length"  # read again from its files
     cache.close()
+
+
+def test_busy_clock_counts_the_union_of_overlapping_reads(monkeypatch):
+    """``BusyClock`` against intervals worked out by hand on a fake clock: two reads overlapping, a gap, a third
+    alone, one that fails (its time counts, its bytes do not): busy = the union of the intervals, not their sum."""
+    from multilora.runtime import adapter_cache
+
+    now = [0.0]
+    monkeypatch.setattr(adapter_cache.time, "perf_counter", lambda: now[0])
+    clock = adapter_cache.BusyClock()
+
+    def at(t):
+        now[0] = t
+
+    at(1.0); clock.begin()           # A: 1 .. 4
+    at(2.0); clock.begin()           # B: 2 .. 5
+    at(4.0); clock.end(100)
+    at(5.0); clock.end(50)
+    at(7.0); clock.begin()           # C: 7 .. 8 (after a 2 s gap nothing was in flight)
+    at(8.0); clock.end(10)
+    at(9.0); clock.begin()           # D: 9 .. 9.5, failed
+    at(9.5); clock.end(0)
+    assert clock.seconds == pytest.approx(4.0 + 1.0 + 0.5)  # [1, 5] + [7, 8] + [9, 9.5]; the sum would be 7.5
+    assert clock.nbytes == 160
+    at(10.0); clock.begin()          # in flight: not counted until it ends
+    at(12.0)
+    assert clock.seconds == pytest.approx(5.5)
+
+
+def test_busy_clock_from_threads():
+    """Many threads beginning and ending at once: the clock's counters stay consistent (bytes summed exactly, the
+    busy time between 0 and the wall time of the whole)."""
+    import threading
+    import time as _time
+
+    from multilora.runtime.adapter_cache import BusyClock
+
+    clock = BusyClock()
+
+    def work():
+        for _ in range(200):
+            clock.begin()
+            clock.end(3)
+
+    t0 = _time.perf_counter()
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = _time.perf_counter() - t0
+    assert clock.nbytes == 4 * 200 * 3 and clock._inflight == 0
+    assert 0 <= clock.seconds <= wall
+
