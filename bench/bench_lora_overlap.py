@@ -30,6 +30,7 @@ requests); before session 18 each token's adapter was drawn uniformly from the n
 (the layer figures of sessions 15-18 in bench/README.md are of such draws).
 
 Usage: python bench/bench_lora_overlap.py --out bench/results/overlap      (~2 min on an H200)
+       python bench/bench_lora_overlap.py --cases prefill --rounds 5 --out DIR  (the prefill row, medians of 5)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -47,7 +49,7 @@ sys.path.insert(0, HERE)
 from bench_lora_kernels import GROUPS, LAYER_8B, assign, environment, synthetic_pool, time_ms  # noqa: E402
 
 
-def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None, popularity="distinct"):
+def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None, popularity="distinct", rounds=1):
     from multilora.kernels import build_lora_plan
     from multilora.kernels.triton_sgmv import _expand, _shrink
 
@@ -142,15 +144,24 @@ def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None, popularity="dist
     tiles_of = {"new": now, "old": (1 << 30, 4, None) + now[3:], "s29": now[:3] + (None, None, None),
                 "s30": now[:5] + (None,)}
     variants = (("new", "s30", "s29") if T > 512 else ("new", "old") if (pool_rank or rank) >= now[0] else ("new",))
+    # every (schedule, tiles) pair once per round, every other round in reverse order (so a drift of the clocks
+    # over the run does not favour the pairs timed first); each pair's figure is the median of its rounds
+    pairs = [(name, tiles) for name in schedules or fns for tiles in (variants if name != "base" else ("new",))]
+    times: dict[str, list[float]] = {}
     try:
-        for name in schedules or fns:
-            for tiles in (variants if name != "base" else ("new",)):
+        for rnd in range(rounds):
+            for name, tiles in (pairs if rnd % 2 == 0 else pairs[::-1]):
                 for a, v in zip(names, tiles_of[tiles]):
                     setattr(triton_sgmv, a, v)
                 key = name if tiles == "new" else f"{name}_{tiles}_tiles"
-                row[f"{key}_us"] = time_ms(fns[name], True) / K * 1e3
-                if name != "base":
-                    row[f"{key}_added_us"] = row[f"{key}_us"] - row["base_us"]
+                times.setdefault(key, []).append(time_ms(fns[name], True) / K * 1e3)
+        for key, ts in times.items():
+            row[f"{key}_us"] = statistics.median(ts)
+            if rounds > 1:
+                row[f"{key}_us_rounds"] = ts
+        for key in times:
+            if key != "base":
+                row[f"{key}_added_us"] = row[f"{key}_us"] - row["base_us"]
     finally:
         for a, v in zip(names, now):
             setattr(triton_sgmv, a, v)
@@ -209,6 +220,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "overlap"))
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every schedule (and tile variant) this many times, interleaved, every other round in "
+                         "reverse; each figure is the median of its rounds (prefill: the GEMMs run at full power and "
+                         "single timings spread by more than the tile effects)")
     ap.add_argument("--cases", default="all", choices=("all", "wide", "r16", "prefill"),
                     help="wide: the wide-rank tiles old vs new (rank 16 and 64 adapters, pool of rank 64); r16: the "
                     "rank-16 cases of all (1, 8, 64 and 256 tokens, as many adapters); prefill: 4,096 tokens on 64 "
@@ -255,6 +270,8 @@ def main(argv=None):
                     help="with PDL, let the next kernel launch as each program exits instead of right after its wait "
                     "(triton_sgmv.PDL_EARLY_TRIGGER = False); the run's JSON gets _pdllate")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected an int >= 1, got {args.rounds}")
     from multilora.kernels import triton_sgmv
 
     tag = ""
@@ -346,7 +363,8 @@ def main(argv=None):
         cases = [c for c in cases if c[0] in want] + [(t, t, 16, None) for t in want if t not in [c[0] for c in cases]]
         tag += "_t" + "-".join(map(str, want))
     for T, n, rank, pool_rank in cases:
-        row = layer_case(T, n, rank, pool_rank=pool_rank, schedules=schedules, popularity=args.popularity)
+        row = layer_case(T, n, rank, pool_rank=pool_rank, schedules=schedules, popularity=args.popularity,
+                         rounds=args.rounds)
         for key in [k for k in row if k.endswith("_added_us")]:  # the LoRA's bytes over its time, against copy
             row[key[:-len("_added_us")] + "_frac_of_copy"] = row["adapter_mb"] * 1e3 / row[key] / copy_gbps
         res["layer"].append(row)
