@@ -1087,13 +1087,15 @@ def test_shrink_computes_its_split_for_the_rules_split_block(monkeypatch):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("modules", [QKV, GATE_UP, ("o_proj",), ("down_proj",)], ids=["qkv", "gate_up", "o", "down"])
-def test_prefill_tiles_write_the_old_tiles_bits(modules, dtype, monkeypatch):
+@pytest.mark.parametrize("cfg", [LLAMA8B, ODD], ids=["llama8b", "odd"])
+def test_prefill_tiles_write_the_old_tiles_bits(cfg, modules, dtype, monkeypatch):
     """A prefill step (600 tokens: block_m 64) from a pool of max rank 16 on Llama-3-8B widths takes session 30's
     tiles (the shrink's 128-wide K blocks under the split of 256, the writing expand's 256-wide tiles) and session
-    31's looped ones (``PREFILL_WRITE_LOOP``): ``lora_delta`` gives the bits of the tiles before
+    31's looped ones (``PREFILL_WRITE_LOOP``; also on odd widths, 2049 / 3424, whose last group of looped tiles
+    is partial): ``lora_delta`` gives the bits of the tiles before
     (``PREFILL_SHRINK_BLOCK_K = PREFILL_WRITE_BLOCK_N = PREFILL_WRITE_LOOP = None``; the sweeps saw none differ) and
     the torch reference within the dtype's rounding; a row without an adapter gets zeros."""
-    pool, slots = make_pool(LLAMA8B, [16, 8, 4], dtype=dtype, device="cuda")
+    pool, slots = make_pool(cfg, [16, 8, 4], dtype=dtype, device="cuda")  # (ODD: partial 4 x 128 column groups)
     assert pool.max_rank <= 16
     sl = lora_slices([pool.module_view(0, m) for m in modules])
     T = 600
