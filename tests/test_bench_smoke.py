@@ -536,3 +536,22 @@ def test_read_contention_bench_runs(tmp_path):
     assert [d["busy_fraction"] for d in saved["duty"]] == [0.5]
     assert all(d["groups_ms"] > 0 and d["batched_ms"] > 0 for d in saved["duty"])
     assert sys.getswitchinterval() == interval  # the interpreter's switch interval put back
+
+
+def test_expand_glu_bench_refuses_bad_flags_clearly(capsys):
+    """``bench_expand_glu.py`` (GPU only): bad ``--fused-configs`` and ``--pool-rank`` values, and a machine without
+    CUDA, end in argparse errors naming the flag or the need, before anything is built."""
+    bg = _load_bench("bench_expand_glu")
+    assert bg._configs("128:4:4,64:2:8") == [(128, 4, 4), (64, 2, 8)]
+    for argv, words in ((["--fused-configs", "100:1:4"], "argument --fused-configs: expected BLOCK_N:TILES:WARPS"),
+                        (["--fused-configs", "128:4"], "argument --fused-configs: expected BLOCK_N:TILES:WARPS"),
+                        (["--pool-rank", "8"], "--pool-rank: expected comma-separated ints >= 16, got '8'")):
+        with pytest.raises(SystemExit):
+            bg.main(argv)
+        assert words in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            bg.main([])
+        assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -1114,3 +1114,59 @@ def test_prefill_tiles_write_the_old_tiles_bits(cfg, modules, dtype, monkeypatch
     assert not new[5].any()
     ref = reference(torch.zeros(T, sl.d_out, device="cuda"), x, pool, 0, modules, token_slots)
     torch.testing.assert_close(new.float(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("block_m", [16, 64], ids=["decode-chunks", "prefill-chunks"])
+@pytest.mark.parametrize("gelu_tanh", [False, True], ids=["silu", "gelu_tanh"])
+def test_expand_glu_is_lora_apply_then_the_activation(gelu_tanh, block_m, device, dtype):
+    """``kernels.experimental.expand_glu`` (the gate/up expand fused into the gated activation; not used by the
+    product): bit for bit ``lora_apply`` in place (Triton) followed by the Triton ``silu_mul`` / ``gelu_tanh_mul``,
+    from a rank-16 pool with rows of slot -1 between runs of three adapters, one of which does not target up_proj
+    (its up columns get no term); and the fp32 torch reference (loop + ``F.silu`` / tanh ``F.gelu``) within the
+    dtype's rounding. GPU: odd widths (I = 3,424: a partial last group of 4 x 128 columns)."""
+    from multilora.kernels import triton_fused
+    from multilora.kernels.experimental.expand_glu import expand_glu
+
+    cfg = SMALL if device == "cpu" else ODD
+    pool, (a, b, c) = make_pool(cfg, [16, 8, 4], dtype=dtype, device=device, skip={1: ("up_proj",)})
+    slices = lora_slices([pool.module_view(0, m) for m in GATE_UP])
+    token_slots = [a, -1, b, b, c, -1, a, a, c, b, -1] * 3
+    T, inter = len(token_slots), slices.views[0].d_out
+    gen = torch.Generator().manual_seed(block_m + gelu_tanh)
+    x = torch.randn(T, slices.d_in, generator=gen).to(device, dtype)
+    gate_up = (torch.randn(T, 2 * inter, generator=gen) * 1.5).to(device, dtype)
+    plan = build_lora_plan(token_slots, device=device, block_m=block_m)
+    v = triton_sgmv.sgmv_shrink(x, slices, plan)
+    got = expand_glu(gate_up, v, slices, plan, gelu_tanh=gelu_tanh)
+    act = triton_fused.gelu_tanh_mul if gelu_tanh else triton_fused.silu_mul
+    want = act(lora_apply(gate_up.clone(), x, slices, plan, backend="triton"))
+    assert got.shape == (T, inter) and got.dtype == dtype
+    assert torch.equal(_bits(got), _bits(want))
+    ref_y = reference(gate_up, x, pool, 0, GATE_UP, token_slots)
+    g, u = ref_y[:, :inter], ref_y[:, inter:]
+    ref = (torch.nn.functional.gelu(g, approximate="tanh") if gelu_tanh else torch.nn.functional.silu(g)) * u
+    tol = {torch.float32: dict(atol=1e-3, rtol=1e-3), torch.float16: dict(atol=6e-2, rtol=2e-2),
+           torch.bfloat16: dict(atol=3e-1, rtol=6e-2)}[dtype]
+    torch.testing.assert_close(got.float(), ref, **tol)
+
+
+@pytest.mark.parametrize("device,dtype", CPU_CASES[:1])
+def test_expand_glu_refuses_what_is_not_gate_up(device, dtype):
+    """Slices that are not two of width I (q/k/v), a gate_up of another width, and a v of another shape are refused
+    with errors naming the argument, what was expected and what was got."""
+    from multilora.kernels.experimental.expand_glu import expand_glu
+
+    pool, (a,) = make_pool(SMALL, [4], dtype=dtype, device=device)
+    plan = build_lora_plan([a, -1, a], device=device)
+    qkv = lora_slices([pool.module_view(0, m) for m in QKV])
+    gu = lora_slices([pool.module_view(0, m) for m in GATE_UP])
+    inter = gu.views[0].d_out
+    x = torch.randn(3, SMALL.hidden_size, dtype=dtype)
+    with pytest.raises(ValueError, match=r"slices: expected the gate and up slices.*got widths \[40, 8, 8\]"):
+        expand_glu(torch.zeros(3, 2 * inter, dtype=dtype), triton_sgmv.sgmv_shrink(x, qkv, plan), qkv, plan)
+    v = triton_sgmv.sgmv_shrink(x, gu, plan)
+    with pytest.raises(ValueError, match=rf"slices: expected .* {inter + 1:g} wide, got widths \[{inter}, {inter}\]"):
+        expand_glu(torch.zeros(3, 2 * inter + 2, dtype=dtype), v, gu, plan)
+    with pytest.raises(ValueError, match=r"v: expected contiguous float32 \[split_k, 2, 3, "):
+        expand_glu(torch.zeros(3, 2 * inter, dtype=dtype), v[:, :1].contiguous(), gu, plan)

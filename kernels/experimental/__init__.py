@@ -1,5 +1,8 @@
-"""Kernels that were tried, are tested, and are not used by the product (each module says why).
+"""Kernels that were tried (or are waiting to be measured), are tested, and are not used by the product (each
+module says why).
 
 - ``lora_fused``: LoRA shrink + expand in one launch (slower than the two launches of ``triton_sgmv`` on every
   H200 decode case measured).
+- ``expand_glu``: the gate/up expand fused into the gated activation, for prefill (session 31; not yet measured on a
+  GPU: ``bench/bench_expand_glu.py``).
 """
