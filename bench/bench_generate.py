@@ -788,7 +788,7 @@ def merge_rounds(rows: list[dict]) -> list[dict]:
         ttfts = sorted(r["ttft_s"] for r in ok if r.get("ttft_s") is not None)
         m = {**by_tpot[len(ok) // 2], "rounds": len(ok), "tpot_ms_rounds": [r.get("tpot_ms") for r in ok],
              "ttft_s_rounds": [r.get("ttft_s") for r in ok],
-             "ttft_s_median": ttfts[(len(ttfts) - 1) // 2 if len(ttfts) % 2 else len(ttfts) // 2] if ttfts else None}
+             "ttft_s_median": ttfts[len(ttfts) // 2] if ttfts else None}  # (of an even count, the slower middle)
         if len(ok) < len(rs):
             failed = f"{len(rs) - len(ok)} of {len(rs)} rounds did not run ok"
             m["note"] = f"{m['note']}; {failed}" if m.get("note") else failed

@@ -21,7 +21,8 @@ captured in one CUDA graph, in these schedules (``--schedules`` picks some):
 ``--prefill`` times issue 12's prefill row instead: 4,096 tokens on 64 adapters (64 tokens each), rank 16, in a pool
 of max rank 16 (what ``bench_generate.py`` sizes) and of max rank 64 (the engine's default ``max_lora_rank``), in the
 schedules base, serial (the LoRA added after the GEMM) and write_first, each with the prefill tiles of now, of
-session 30 (``_s30_tiles``) and before (``_s29_tiles``).
+session 30 (``_s30_tiles``) and before (``_s29_tiles``). The prefill tile rules apply to pools of max rank <= 16 only:
+the rank-64 pool's three variants run the same code, a measure of the spread between repeats.
 
 and, for rank 64 at few tokens, a tile sweep of the shrink's split-K and the expand's ``block_n`` / warps.
 

@@ -38,8 +38,9 @@ the HTTP layer: FastAPI + uvicorn + JSON + SSE, a socket and a second process.
 
 ``--drop-page-cache S``: during every timed row a thread drops the OS page cache of the adapter files every S
 seconds, so the engine's disk -> host reads come from the disk, not from memory (issue 13's S4: "disk is in play").
-The run's ``cold_read_gbps`` (a plain sequential read of up to 8 of the files, their cache dropped first) is the
-disk's own figure to hold the rows' ``disk_to_host_gbps`` against.
+The run's ``cold_read_gbps`` (a plain sequential read of the files of up to 8 adapter directories, their cache
+dropped first) is the disk's own figure to hold the rows' ``disk_to_host_aggregate_gbps`` (all the engine's readers
+together) against; ``disk_to_host_gbps`` is one reader's speed.
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def drop_page_cache(dirs: list[Path]) -> int:
 
 
 def cold_read(dirs: list[Path], buffer_bytes: int = 16 << 20) -> dict:
-    """The disk's plain sequential read, the reference for the rows' ``disk_to_host_gbps``: the page cache of the
+    """The disk's plain sequential read, the reference for the rows' ``disk_to_host_aggregate_gbps``: the page cache of the
     files under ``dirs`` dropped, each file read whole in turn by one thread (``readinto`` one reusable
     ``buffer_bytes`` buffer), their cache dropped again. ``cold_read_bytes`` and ``cold_read_gbps`` (bytes / s / 1e9)."""
     paths = regular_files(dirs)

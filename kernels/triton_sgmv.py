@@ -40,7 +40,8 @@ prefill lengths and decode buckets reach every one of them (``tests/test_kernel_
 At decode (chunks of at most 16 tokens) from a pool of rank <= 16, an expand program loops over ``TILES`` adjacent
 output tiles of its chunk: the slot's rank, offset, scale and v are read once, and the pipeliner keeps the next B
 tiles in flight while one is multiplied and stored (each token its own adapter, one 256-wide tile per program
-read B at a third of copy bandwidth: a few KB behind a chain of dependent loads per program).
+read B at a third of copy bandwidth: a few KB behind a chain of dependent loads per program). A prefill expand that
+writes the LoRA term (``lora_delta``) from such a pool loops too (``PREFILL_WRITE_LOOP``, ``prefill_write_tiles``).
 
 On GPUs of compute capability 9.0+ both kernels are launched with programmatic dependent launch (``PDL``): a kernel
 may start while the one before it on the stream drains; its programs read the plan (slot, rank, offset, scaling),
@@ -502,7 +503,8 @@ def expand_block_n(device_type: str, dtype: torch.dtype, T: int, block_m: int, r
     """The expand's default ``block_n`` where no decode rule (``DECODE_EXPAND_LOOP``, ``DECODE_EXPAND_RANK_TILES``)
     sets it: 64 on the CPU; 256 for decode-sized steps (T <= 512: fewer, larger B reads) and 128 for prefill (H200),
     except a bf16 / fp16 prefill expand that writes (``overwrite``, chunks of ``block_m > 16``, a pool of max rank
-    <= 16), which takes ``PREFILL_WRITE_BLOCK_N``."""
+    <= 16), which takes ``PREFILL_WRITE_BLOCK_N`` (used only when ``PREFILL_WRITE_LOOP`` is None: the looped tiles
+    bring their own ``block_n``, ``prefill_write_tiles``)."""
     if device_type == "cpu":
         return 64
     if overwrite and dtype != torch.float32 and block_m > 16 and rmax <= 16 and PREFILL_WRITE_BLOCK_N is not None:

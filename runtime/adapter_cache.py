@@ -167,11 +167,13 @@ class CacheStats:
 
 class BusyClock:
     """The wall time during which at least one of several threads' operations was in flight (the union of their
-    intervals) and the bytes of those that completed: the aggregate speed of concurrent disk -> host reads, where
+    intervals) and the bytes those operations delivered: the aggregate speed of concurrent disk -> host reads, where
     their summed per-read seconds give the speed of one reader. Thread-safe (one lock, held for a few attribute
-    updates). ``seconds`` leaves out the part of an operation still in flight."""
+    updates). ``seconds`` leaves out the part of an operation still in flight. ``clock``: the time source
+    (``time.perf_counter``; a test passes its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
         self._lock = threading.Lock()
         self._inflight = 0
         self._since = 0.0
@@ -179,7 +181,7 @@ class BusyClock:
         self.nbytes = 0
 
     def _tick(self) -> float:  # (under the lock) the time since the last event, if anything was in flight
-        now = time.perf_counter()
+        now = self._clock()
         if self._inflight:
             self.seconds += now - self._since
         self._since = now
@@ -199,6 +201,12 @@ class BusyClock:
             self._inflight -= 1
             self.nbytes += nbytes
             return now
+
+    def snapshot(self) -> tuple[float, int]:
+        """``(seconds, nbytes)`` read together under the lock (a read ending between two attribute reads would
+        pair one read's bytes with another moment's seconds)."""
+        with self._lock:
+            return self.seconds, self.nbytes
 
 
 class _CopyTimer:
@@ -874,9 +882,12 @@ class AdapterCache:
         completed so far (``host_to_gpu_copies`` counts all, one copy per adapter); ``disk_to_host_gbps`` =
         ``bytes_disk_to_host`` / ``disk_to_host_seconds``, the reads' wall time summed over the I/O threads (the
         speed of one reader; ``disk_to_host_reads`` reads), and ``disk_to_host_aggregate_gbps`` =
-        ``disk_to_host_busy_bytes`` / ``disk_to_host_busy_seconds``, the bytes of the reads that completed over the
-        wall time during which at least one read was in flight (``BusyClock``: the speed of all readers together,
-        the figure to hold against a plain sequential read of the disk); ``gpu_to_host_gbps`` = ``bytes_gpu_to_host`` /
+        ``disk_to_host_busy_bytes`` / ``disk_to_host_busy_seconds``, the bytes every read delivered over the wall
+        time during which at least one read was in flight (``BusyClock``: the speed of all readers together, the
+        figure to hold against a plain sequential read of the disk). The busy bytes count what the disk delivered:
+        also prefetch reads later dropped (the adapter got a host copy another way, or was forgotten) and reads
+        whose after-read check then failed, so under prefetch they may exceed ``bytes_disk_to_host`` (the reads
+        taken into the host tier); ``gpu_to_host_gbps`` = ``bytes_gpu_to_host`` /
         ``gpu_to_host_seconds`` (synchronous copies back). The host arena: ``host_arena_bytes_held`` (mapped and,
         with ``host_arena_pinned``, page-locked), ``host_arena_bytes_used`` (blocks, including freed ones an
         in-flight copy still reads), ``host_arena_chunks``, ``host_arena_compactions`` and the bytes they moved,
@@ -898,6 +909,7 @@ class AdapterCache:
             return nbytes / seconds / 1e9 if seconds > 0 else None
 
         a = self.arena
+        busy_s, busy_b = self.disk_busy.snapshot()
         return {
             "adapters_loaded": len(self.names()), "adapters_resident": self.resident(), "adapters_per_tier": tiers,
             "pool_pages_total": pool.num_pages, "pool_pages_used": pool.pages_used, "pool_page_bytes": pool.page_bytes,
@@ -916,8 +928,8 @@ class AdapterCache:
             "host_to_gpu_gbps": gbps(s.host_to_gpu_timed_bytes, s.host_to_gpu_seconds),
             "disk_to_host_reads": s.disk_to_host_reads, "disk_to_host_seconds": s.disk_to_host_seconds,
             "disk_to_host_gbps": gbps(s.bytes_disk_to_host, s.disk_to_host_seconds),
-            "disk_to_host_busy_seconds": self.disk_busy.seconds, "disk_to_host_busy_bytes": self.disk_busy.nbytes,
-            "disk_to_host_aggregate_gbps": gbps(self.disk_busy.nbytes, self.disk_busy.seconds),
+            "disk_to_host_busy_seconds": busy_s, "disk_to_host_busy_bytes": busy_b,
+            "disk_to_host_aggregate_gbps": gbps(busy_b, busy_s),
             "gpu_to_host_seconds": s.gpu_to_host_seconds,
             "gpu_to_host_gbps": gbps(s.bytes_gpu_to_host, s.gpu_to_host_seconds),
             "host_arena_bytes_held": a.bytes_held, "host_arena_bytes_used": a.bytes_used,

@@ -872,14 +872,13 @@ def test_gpu_to_host_copy_back_stays_within_the_host_budget(tiny, monkeypatch):
     cache.close()
 
 
-def test_busy_clock_counts_the_union_of_overlapping_reads(monkeypatch):
+def test_busy_clock_counts_the_union_of_overlapping_reads():
     """``BusyClock`` against intervals worked out by hand on a fake clock: two reads overlapping, a gap, a third
     alone, one that fails (its time counts, its bytes do not): busy = the union of the intervals, not their sum."""
     from multilora.runtime import adapter_cache
 
     now = [0.0]
-    monkeypatch.setattr(adapter_cache.time, "perf_counter", lambda: now[0])
-    clock = adapter_cache.BusyClock()
+    clock = adapter_cache.BusyClock(clock=lambda: now[0])  # (a clock of its own: the process's is left alone)
 
     def at(t):
         now[0] = t
@@ -893,7 +892,7 @@ def test_busy_clock_counts_the_union_of_overlapping_reads(monkeypatch):
     at(9.0); clock.begin()           # D: 9 .. 9.5, failed
     at(9.5); clock.end(0)
     assert clock.seconds == pytest.approx(4.0 + 1.0 + 0.5)  # [1, 5] + [7, 8] + [9, 9.5]; the sum would be 7.5
-    assert clock.nbytes == 160
+    assert clock.nbytes == 160 and clock.snapshot() == (clock.seconds, 160)
     at(10.0); clock.begin()          # in flight: not counted until it ends
     at(12.0)
     assert clock.seconds == pytest.approx(5.5)

@@ -343,6 +343,8 @@ def test_serving_bench_drop_page_cache(tmp_path):
     rows = data["rows"]
     assert len(rows) == 2 and all(r["failed"] == 0 for r in rows)  # the burst row and the fixed-rate row
     assert all(r["drop_page_cache_s"] == 0.05 and r["page_cache_drops"] >= 1 for r in rows), rows
+    # all readers' speed beside one reader's (None in a row that read nothing from disk)
+    assert all(r["disk_to_host_aggregate_gbps"] is None or r["disk_to_host_aggregate_gbps"] > 0 for r in rows), rows
     env = data["meta"]["environment"]
     assert env["cold_read_gbps"] > 0 and env["cold_read_bytes"] > 0
 
