@@ -4,5 +4,5 @@ module says why).
 - ``lora_fused``: LoRA shrink + expand in one launch (slower than the two launches of ``triton_sgmv`` on every
   H200 decode case measured).
 - ``expand_glu``: the gate/up expand fused into the gated activation, for prefill (session 31; not yet measured on a
-  GPU: ``bench/bench_expand_glu.py``).
+  GPU: ``bench/bench_expand_glu.py``; the engine's switch ``runtime.model.LORA_FUSED_GLU_MIN_TOKENS`` is off).
 """

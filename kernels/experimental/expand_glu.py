@@ -1,5 +1,6 @@
 """The gate/up LoRA expand fused into the gated activation (prefill): written and tested (CPU interpreter), not yet
-measured on a GPU, OFF: no product code calls it.
+measured on a GPU, OFF: the engine calls it only from ``runtime.model.LORA_FUSED_GLU_MIN_TOKENS`` tokens, by default
+never.
 
 For ``gate_up = x [W_gate; W_up]^T`` (the base GEMM's output without LoRA, ``[T, 2 I]``) and ``v`` the shrink of
 ``x`` on the two slices gate and up (``triton_sgmv.sgmv_shrink``), every row ``t``::
