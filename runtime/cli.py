@@ -246,14 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
                                          "routed to a replica that holds its adapter (runtime/ray_serve.py)")
     _engine_args(r)
     _http_args(r)
-    r.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1)")
-    r.add_argument("--adapters-per-replica", type=int, default=16,
+    r.add_argument("--replicas", type=_int_range(1), default=1, help="engine replicas (default 1)")
+    r.add_argument("--adapters-per-replica", type=_int_range(1), default=16,
                    help="adapters registered on one replica at once; past it the least recently used is unloaded "
                         "(default 16)")
     r.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica (default 1)")
     r.add_argument("--replica-gpus", type=float,
                    help="Ray GPUs per replica (default: 1 if this machine has CUDA, else 0)")
-    r.add_argument("--max-ongoing-requests", type=int, default=64, help="HTTP requests one replica takes at once (default 64)")
+    r.add_argument("--max-ongoing-requests", type=_int_range(1), default=64,
+                   help="HTTP requests one replica takes at once (default 64)")
     r.add_argument("--address", help="a running Ray cluster (e.g. 'auto'; default: start one on this machine)")
     for flag in ("--adapter-root", "--allow-runtime-adapters"):  # serve's; refused with the reason
         r.add_argument(flag, nargs="?", const=True, help=argparse.SUPPRESS)
