@@ -3,8 +3,8 @@ the engine's prefill paths (issue 12: the prefill row and TTFT). GPU only.
 
 One Llama-3-8B gate/up projection (4,096 -> 2 x 14,336) and its SiLU * up at ``--tokens`` prefill tokens on
 ``--adapters`` adapters of rank 16 (runs of tokens / adapters, as a prefill of that many prompts), from a pool of
-max rank 16 (``--pool-rank`` 64: the engine's default ``max_lora_rank``), ``K`` copies per CUDA graph (more bytes
-than the L2), bf16, in these schedules:
+max rank 16 (``--pool-rank 16,64`` adds the engine's default ``max_lora_rank``, where the engine does not take the
+fused path), ``K`` copies per CUDA graph (more bytes than the L2), bf16, in these schedules:
 
   base         y = x W^T (cuBLAS); out = silu_mul(y)
   serial       y = x W^T; lora_apply(y) in place (shrink + adding expand); out = silu_mul(y)
@@ -120,7 +120,9 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results", "expand_glu"))
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--adapters", type=int, default=64)
-    ap.add_argument("--pool-rank", default="16,64", help="comma-separated pool max ranks, one case each")
+    ap.add_argument("--pool-rank", default="16", help="comma-separated pool max ranks, one case each (default 16: "
+                    "the engine's switch applies to pools of max rank <= 16; from a wider pool the fused term is one "
+                    "dot over all ranks, whose bits may differ from serial's)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--fused-configs", type=_configs, default=_configs(DEFAULT_CONFIGS), metavar="BLOCK_N:TILES:WARPS,...",
                     help=f"the fused kernel's tiles to time (default {DEFAULT_CONFIGS})")

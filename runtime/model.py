@@ -116,8 +116,10 @@ LORA_BEFORE_GEMM_MIN_TOKENS = 256
 #: activation instead (``kernels.experimental.expand_glu``: the base GEMM writes ``x W^T`` alone, the shrink runs,
 #: and the activation's kernel adds each row's terms before SiLU / GELU): the [T, 2 I] term is neither written nor read
 #: back (235 MB at a 4,096-token Llama-3-8B prefill; the writing expand alone took 94 of a layer's ~350 us of prefill
-#: LoRA in session 31). Where: the Triton LoRA backend, a pool of max rank <= 16, gate/up without a bias, bf16 / fp16
-#: weights, no fp8 copy of the activation wanted, no tensor parallelism, SiLU or tanh GELU. ``1 << 30``: never, the
+#: LoRA in session 31). Where: the Triton LoRA backend (the activation then is the Triton kernel's, whatever the ops
+#: backend), a pool of max rank <= 16, gate/up without a bias, weights not fp8, no fp8 copy of the activation wanted,
+#: no tensor parallelism, SiLU or tanh GELU. Rounding: ``rnd(rnd(x W^T) + rnd(term))`` as the LoRA added after the
+#: GEMM, not the write-first path's ``rnd(x W^T + rnd(term))``. ``1 << 30``: never, the
 #: default until it is measured on a GPU (``bench/bench_expand_glu.py``; the ``bench_generate.py`` provider
 #: ``multilora-lora-fusedglu`` sets it to 256).
 LORA_FUSED_GLU_MIN_TOKENS = 1 << 30

@@ -50,7 +50,7 @@ def _glu_math(gate, up, dt: tl.constexpr, GELU_TANH: tl.constexpr):
     return (a.to(dt).to(tl.float32) * up).to(dt)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "stride_c"])  # one compiled variant for every token count (as triton_sgmv's)
 def _expand_glu_kernel(
     gu_ptr, out_ptr, buf_ptr, offb_ptr, ranks_ptr, scal_ptr, v_ptr, chunks_ptr, slots_ptr,
     T, I, meta_stride, stride_gu, stride_o, stride_c,
@@ -127,7 +127,7 @@ def expand_glu(gate_up: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan:
 
     Raises:
         ValueError: slices that are not two of width I = gate_up's columns / 2; gate_up or v of the wrong shape,
-            dtype, device or stride (``check_io``).
+            dtype, device or stride (``check_io``); a ``block_n`` that is not a power of two >= 16.
     """
     check_io(slices, plan, gate_up=gate_up)
     if gate_up.dim() != 2:
@@ -150,7 +150,11 @@ def expand_glu(gate_up: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan:
     cuda = gate_up.device.type == "cuda"
     block_n = block_n or (128 if cuda else 16)
     tiles = tiles or (4 if cuda else 2)
-    extra = {} if num_stages is None and not cuda else {"num_stages": num_stages or 2}
+    if block_n < 16 or block_n & (block_n - 1) or tiles < 1:
+        raise ValueError(f"block_n, tiles: expected a power of two >= 16 and an int >= 1, got {block_n}, {tiles}")
+    if num_stages is None and cuda:
+        num_stages = 2
+    extra = {} if num_stages is None else {"num_stages": num_stages}  # (the CPU's interpreter: none)
     split, _, _, rmax = v.shape
     _expand_glu_kernel[(num_chunks(plan, slices), triton.cdiv(inter, tiles * block_n))](
         gate_up, out, slices.buffer, slices.offsets_b, slices.ranks, slices.scalings, v, plan.chunks,
