@@ -159,20 +159,6 @@ def _rope_kv_kernel(qkv_ptr, l_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, 
 
 
 @triton.jit
-def gated_act(g, u, out_ptr, GELU_TANH: tl.constexpr):
-    """``rnd(rnd(act(g)) * u)`` of fp32 ``g`` and ``u`` (each already rounded to ``rnd``'s dtype: ``out_ptr``'s
-    element type): SiLU or, with ``GELU_TANH``, the tanh GELU; the activation rounded before the product, as torch
-    rounds it. Shared with ``kernels.experimental.expand_glu`` (its bits must stay these)."""
-    dt = out_ptr.dtype.element_ty
-    if GELU_TANH:  # 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
-        z2 = 1.5957691216057308 * (g + 0.044715 * g * g * g)
-        a = g / (1.0 + tl.exp(-z2))
-    else:  # F.silu
-        a = g / (1.0 + tl.exp(-g))
-    return (a.to(dt).to(tl.float32) * u).to(dt)
-
-
-@triton.jit
 def _glu_kernel(gu_ptr, l_ptr, out_ptr, q_ptr, s_ptr, stride_gu, stride_l, stride_o, stride_q, I, fp8_max, min_scale,
                 GELU_TANH: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
                 QUANT: tl.constexpr = False):
@@ -183,7 +169,13 @@ def _glu_kernel(gu_ptr, l_ptr, out_ptr, q_ptr, s_ptr, stride_gu, stride_l, strid
     m = offs < I
     g = _load_sum(gu_ptr + t * stride_gu + offs, l_ptr + t * stride_l + offs, m, HAS_LORA).to(tl.float32)
     u = _load_sum(gu_ptr + t * stride_gu + I + offs, l_ptr + t * stride_l + I + offs, m, HAS_LORA).to(tl.float32)
-    h = gated_act(g, u, out_ptr, GELU_TANH)
+    if GELU_TANH:  # 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+        z2 = 1.5957691216057308 * (g + 0.044715 * g * g * g)
+        a = g / (1.0 + tl.exp(-z2))
+    else:  # F.silu
+        a = g / (1.0 + tl.exp(-g))
+    a = a.to(out_ptr.dtype.element_ty)  # rounded as torch rounds the activation before the product
+    h = (a.to(tl.float32) * u).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * stride_o + offs, h, mask=m)
     if QUANT:  # one program holds the whole row (BLOCK >= I): the down GEMM's per-token fp8 input too
         _quant_row(h, q_ptr, s_ptr, t, stride_q, offs, m, fp8_max, min_scale)
