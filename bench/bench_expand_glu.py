@@ -124,7 +124,8 @@ def main(argv=None):
                     "the engine's switch applies to pools of max rank <= 16; from a wider pool the fused term is one "
                     "dot over all ranks, whose bits may differ from serial's)")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--fused-configs", type=_configs, default=_configs(DEFAULT_CONFIGS), metavar="BLOCK_N:TILES:WARPS,...",
+    ap.add_argument("--fused-configs", type=_configs, default=_configs(DEFAULT_CONFIGS),
+                    metavar="BLOCK_N:TILES:WARPS,...",
                     help=f"the fused kernel's tiles to time (default {DEFAULT_CONFIGS})")
     args = ap.parse_args(argv)
     try:

@@ -39,9 +39,10 @@ from multilora.kernels.triton_sgmv import (_chunk_tokens, _dot, _rank_rows, _slo
 
 
 @triton.jit
-def _glu_math(gate, up, dt: tl.constexpr, GELU_TANH: tl.constexpr):
-    """``rnd(rnd(act(gate)) * up)`` of fp32 ``gate`` and ``up`` (each already rounded to ``dt``), as
-    ``triton_fused._glu_kernel`` computes it."""
+def _glu_math(gate, up, out_ptr, GELU_TANH: tl.constexpr):
+    """``rnd(rnd(act(gate)) * up)`` of fp32 ``gate`` and ``up`` (each already rounded to ``out_ptr``'s element type,
+    ``rnd``'s), as ``triton_fused._glu_kernel`` computes it (the bit tests hold the two together)."""
+    dt = out_ptr.dtype.element_ty
     if GELU_TANH:  # 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
         z2 = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
         a = gate / (1.0 + tl.exp(-z2))
@@ -72,7 +73,8 @@ def _expand_glu_kernel(
             gp = gu_ptr + rows[:, None] * stride_gu + n[None, :]
             gate = tl.load(gp, mask=msk, other=0.0).to(tl.float32)
             up = tl.load(gp + I, mask=msk, other=0.0).to(tl.float32)
-            tl.store(out_ptr + rows[:, None] * stride_o + n[None, :], _glu_math(gate, up, dt, GELU_TANH), mask=msk)
+            tl.store(out_ptr + rows[:, None] * stride_o + n[None, :], _glu_math(gate, up, out_ptr, GELU_TANH),
+                     mask=msk)
     # the chunk's rows: one slot, the gate (slice 0) and up (slice 1) terms added before the activation
     slot = tl.load(chunks_ptr + stride_c + chunk)  # chunk_slot
     if slot < 0:  # a padding chunk
@@ -103,7 +105,7 @@ def _expand_glu_kernel(
         up = tl.load(gp + I, mask=msk, other=0.0).to(tl.float32)
         gate = tl.where(r_g > 0, (gate + lg).to(dt).to(tl.float32), gate)  # (rank 0: the expand leaves y as it is)
         up = tl.where(r_u > 0, (up + lu).to(dt).to(tl.float32), up)
-        tl.store(out_ptr + tok[:, None] * stride_o + n[None, :], _glu_math(gate, up, dt, GELU_TANH), mask=msk)
+        tl.store(out_ptr + tok[:, None] * stride_o + n[None, :], _glu_math(gate, up, out_ptr, GELU_TANH), mask=msk)
 
 
 def expand_glu(gate_up: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *,
