@@ -167,13 +167,17 @@ def test_arena_keeps_bytes_exact_and_contents_intact(ops, chunk_units, budget_ch
             elif events:
                 events[x % len(events)].done = True
         elif op == "grow":
-            chunks = arena.num_chunks
-            pending = arena._growth is not None
+            with arena._lock:  # (the background thread lands a chunk and clears _growth under it: read both at once)
+                chunks = arena.num_chunks
+                pending = arena._growth is not None
             started = arena.grow_ahead(images=x)
             if flag:  # else the next ops run while the chunk may still be mapped (alloc waits for it if it must)
                 arena.wait_growth(10)
                 grown = arena.num_chunks - chunks  # (mapping cannot fail here)
-                assert grown == (started or pending) if not mapped_ahead else grown >= (started or pending), grown
+                # a growth pending from an earlier op may land before this op's grow_ahead, which may then start
+                # another (both land by the wait): one or two chunks then (hypothesis found this race: session 31)
+                lo, hi = int(bool(started or pending)), int(bool(started)) + int(pending)
+                assert (lo <= grown <= hi) if not mapped_ahead else grown >= lo, (grown, started, pending)
         elif op == "map":
             mapped_ahead = True
             arena.map_ahead(x * UNIT)
