@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from multilora.runtime.config import CLI_USE_CPU as USE_CPU  # the CLI's words for the API's device='cpu'
+from multilora.runtime.config import as_flag_error as _as_flag_error
 
 BASE_NAMES = ("-", "none", "base")
 
@@ -342,17 +343,6 @@ def _check_adapter_names(args: argparse.Namespace) -> None:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"--adapter: name(s) {twice} given more than once (each NAME=PATH needs its own NAME)")
-
-
-def _as_flag_error(e: ValueError) -> ValueError:
-    """An ``EngineConfig`` error in the command line's words: "Engine: max_batch_size must be an int >= 1, got 0"
-    becomes "--max-batch-size: must be an int >= 1, got 0", and "Engine: device='tpu' is not a device" becomes
-    "--device: 'tpu' is not a device". Other errors as they are."""
-    m = re.match(r"Engine: (\w+)[ =]", str(e))
-    if m is None:
-        return ValueError(str(e))
-    rest = str(e)[m.end():]  # after the field and the space or "=" that follows it
-    return ValueError(f"--{m.group(1).replace('_', '-')}: {rest}")
 
 
 def _engine_config(args: argparse.Namespace) -> Any:

@@ -150,13 +150,13 @@ def _snapshot(args: argparse.Namespace) -> MemorySnapshot:
     if args.snapshot is not None:
         return read_snapshot_file(args.snapshot)
     from multilora.memory.snapshot import take_snapshot  # imports torch.cuda only when measuring
-    from multilora.runtime.config import CLI_USE_CPU, resolve_device
+    from multilora.runtime.config import CLI_USE_CPU, as_flag_error, resolve_device
 
     if args.device is not None:  # cuda on a machine without it, or a bad name: the flag's error, not a traceback
         try:
             resolve_device(args.device, use_cpu=CLI_USE_CPU)
         except ValueError as e:
-            raise ValueError(re.sub(r"^Engine: device=", "--device: ", str(e))) from None
+            raise as_flag_error(e) from None
     return take_snapshot(args.device)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -392,6 +393,18 @@ def _is_number(v: Any) -> bool:
 #: how a device error tells the command line's user to run on the CPU (``resolve_device``'s ``use_cpu``; the Python
 #: API's words are ``device='cpu'``)
 CLI_USE_CPU = "--device cpu"
+
+
+def as_flag_error(e: ValueError) -> ValueError:
+    """An ``EngineConfig`` error in the command line's words: "Engine: max_batch_size must be an int >= 1, got 0"
+    becomes "--max-batch-size: must be an int >= 1, got 0", and "Engine: device='tpu' is not a device" becomes
+    "--device: 'tpu' is not a device". Other errors as they are. (Here, not in ``cli``, so that ``cli_memory`` can
+    use it without an import cycle.)"""
+    m = re.match(r"Engine: (\w+)[ =]", str(e))
+    if m is None:
+        return ValueError(str(e))
+    rest = str(e)[m.end():]  # after the field and the space or "=" that follows it
+    return ValueError(f"--{m.group(1).replace('_', '-')}: {rest}")
 
 
 def resolve_device(device: "str | torch.device | None", *, use_cpu: str = "device='cpu'") -> "torch.device":
