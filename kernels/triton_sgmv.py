@@ -565,6 +565,19 @@ def check_io(slices: LoRASlices, plan: LoRAPlan, **tensors: torch.Tensor) -> Non
             raise ValueError(f"{name}: expected unit stride along features, got strides {t.stride()}")
 
 
+def check_v(v: torch.Tensor, slices: LoRASlices, plan: LoRAPlan) -> None:
+    """``v`` is ``sgmv_shrink``'s output for ``slices`` and ``plan``: contiguous fp32 ``[split_k, num_slices, T,
+    slices.max_rank_rows]``.
+
+    Raises:
+        ValueError: naming ``v``, the shape expected and the dtype and shape got.
+    """
+    want = (slices.num_slices, plan.num_tokens, slices.max_rank_rows)
+    if v.dim() != 4 or tuple(v.shape[1:]) != want or v.dtype != torch.float32 or not v.is_contiguous():
+        raise ValueError(f"v: expected contiguous float32 [split_k, {', '.join(map(str, want))}], got "
+                         f"{v.dtype} {tuple(v.shape)}")
+
+
 def _check_rows(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
     if tuple(t.shape) != (rows, cols):
         raise ValueError(f"{name}: expected shape [{rows}, {cols}], got {tuple(t.shape)}")
@@ -694,10 +707,7 @@ def sgmv_expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRA
     """
     check_io(slices, plan, y=y)
     _check_rows("y", y, plan.num_tokens, slices.d_out)
-    want = (slices.num_slices, plan.num_tokens, slices.max_rank_rows)
-    if v.dim() != 4 or tuple(v.shape[1:]) != want or v.dtype != torch.float32 or not v.is_contiguous():
-        raise ValueError(f"v: expected contiguous float32 [split_k, {', '.join(map(str, want))}], got "
-                         f"{v.dtype} {tuple(v.shape)}")
+    check_v(v, slices, plan)
     return _expand(y, v, slices, plan, block_n=block_n, num_warps=num_warps, num_stages=num_stages, tiles=tiles,
                    overwrite=overwrite)
 

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from multilora.kernels.lora import LoRAPlan, LoRASlices
 from multilora.kernels.triton_sgmv import (_chunk_tokens, _dot, _rank_rows, _slot_offset, _v_tile, check_io,
-                                          num_chunks)
+                                          check_v, num_chunks)
 
 
 @triton.jit
@@ -141,10 +141,7 @@ def expand_glu(gate_up: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan:
                          f"got widths {widths}")
     if T != plan.num_tokens:
         raise ValueError(f"gate_up: expected the plan's {plan.num_tokens} rows, got {T}")
-    want = (2, T, slices.max_rank_rows)
-    if v.dim() != 4 or tuple(v.shape[1:]) != want or v.dtype != torch.float32 or not v.is_contiguous():
-        raise ValueError(f"v: expected contiguous float32 [split_k, {', '.join(map(str, want))}], got "
-                         f"{v.dtype} {tuple(v.shape)}")
+    check_v(v, slices, plan)  # (two slices, checked above)
     inter = two_i // 2
     out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
     if T == 0:
