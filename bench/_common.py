@@ -75,6 +75,17 @@ def set_urgent_read_wait(value: str) -> bool:
     return before
 
 
+def interleaved_rounds(keys: list, rounds: int, measure) -> dict:
+    """``measure(key)`` for every key once per round, every other round in reverse order (so a drift of the GPU's
+    clocks over the run favours no key, the first timed nor the last); returns key -> its ``rounds`` values in round
+    order (``statistics.median`` of them is what the benches report)."""
+    values: dict = {k: [] for k in keys}
+    for rnd in range(rounds):
+        for k in (keys if rnd % 2 == 0 else keys[::-1]):
+            values[k].append(measure(k))
+    return values
+
+
 def compiles_between(before: dict | None, after: dict) -> dict:
     """Triton compiles between two ``Engine.stats()`` (a timed row's start and end): ``kernel_compiles``,
     ``kernel_compile_seconds`` (None where a side has no count: no JIT hooks, or no ``before``) and

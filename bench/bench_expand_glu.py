@@ -31,6 +31,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from _common import interleaved_rounds  # noqa: E402  (bench/_common.py)
 from bench_lora_kernels import GROUPS, environment, synthetic_pool, time_ms  # noqa: E402
 
 DEFAULT_CONFIGS = "128:4:4,128:2:4,256:2:4,64:4:4,128:8:4,128:4:8"
@@ -101,10 +102,7 @@ def run(T: int, n: int, pool_rank: int, rounds: int, configs: list[tuple[int, in
             fns[name]()
             same[name] = bool(torch.equal(outs[0].view(torch.int16), want.view(torch.int16)))
     names = list(fns)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for rnd in range(rounds):
-        for name in (names if rnd % 2 == 0 else names[::-1]):
-            times[name].append(time_ms(fns[name], True) / K * 1e3)
+    times = interleaved_rounds(names, rounds, lambda name: time_ms(fns[name], True) / K * 1e3)
     us = {k: statistics.median(v) for k, v in times.items()}
     row = dict(tokens=T, adapters=n, rank=16, pool_max_rank=pool_rank, copies_per_graph=K, rounds=rounds,
                us=us, us_rounds=times, added_us={k: us[k] - us["base"] for k in names if k != "base"},

@@ -47,6 +47,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from _common import interleaved_rounds  # noqa: E402  (bench/_common.py)
 from bench_lora_kernels import GROUPS, LAYER_8B, assign, environment, synthetic_pool, time_ms  # noqa: E402
 
 
@@ -148,14 +149,16 @@ def layer_case(T, n, rank, K=4, pool_rank=None, schedules=None, popularity="dist
     # every (schedule, tiles) pair once per round, every other round in reverse order (so a drift of the clocks
     # over the run does not favour the pairs timed first); each pair's figure is the median of its rounds
     pairs = [(name, tiles) for name in schedules or fns for tiles in (variants if name != "base" else ("new",))]
-    times: dict[str, list[float]] = {}
+
+    def measure(pair):
+        name, tiles = pair
+        for a, v in zip(names, tiles_of[tiles]):
+            setattr(triton_sgmv, a, v)
+        return time_ms(fns[name], True) / K * 1e3
+
     try:
-        for rnd in range(rounds):
-            for name, tiles in (pairs if rnd % 2 == 0 else pairs[::-1]):
-                for a, v in zip(names, tiles_of[tiles]):
-                    setattr(triton_sgmv, a, v)
-                key = name if tiles == "new" else f"{name}_{tiles}_tiles"
-                times.setdefault(key, []).append(time_ms(fns[name], True) / K * 1e3)
+        times = {name if tiles == "new" else f"{name}_{tiles}_tiles": ts
+                 for (name, tiles), ts in interleaved_rounds(pairs, rounds, measure).items()}
         for key, ts in times.items():
             row[f"{key}_us"] = statistics.median(ts)
             if rounds > 1:

@@ -557,3 +557,16 @@ def test_expand_glu_bench_refuses_bad_flags_clearly(capsys):
         with pytest.raises(SystemExit):
             bg.main([])
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_interleaved_rounds_alternate_the_order():
+    """``_common.interleaved_rounds``: every key once per round, every other round reversed, values kept per key in
+    round order (what bench_lora_overlap.py --rounds and bench_expand_glu.py take medians of)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _common import interleaved_rounds
+
+    calls = []
+    got = interleaved_rounds(["a", "b", "c"], 3, lambda k: calls.append(k) or len(calls))
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert got == {"a": [1, 6, 7], "b": [2, 5, 8], "c": [3, 4, 9]}
+    assert interleaved_rounds(["a"], 0, lambda k: 1) == {"a": []}
