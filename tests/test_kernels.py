@@ -1089,12 +1089,16 @@ def test_shrink_computes_its_split_for_the_rules_split_block(monkeypatch):
 @pytest.mark.parametrize("modules", [QKV, GATE_UP, ("o_proj",), ("down_proj",)], ids=["qkv", "gate_up", "o", "down"])
 @pytest.mark.parametrize("cfg", [LLAMA8B, ODD], ids=["llama8b", "odd"])
 def test_prefill_tiles_write_the_old_tiles_bits(cfg, modules, dtype, monkeypatch):
-    """A prefill step (600 tokens: block_m 64) from a pool of max rank 16 on Llama-3-8B widths takes session 30's
-    tiles (the shrink's 128-wide K blocks under the split of 256, the writing expand's 256-wide tiles) and session
-    31's looped ones (``PREFILL_WRITE_LOOP``; also on odd widths, 2049 / 3424, whose last group of looped tiles
-    is partial): ``lora_delta`` gives the bits of the tiles before
-    (``PREFILL_SHRINK_BLOCK_K = PREFILL_WRITE_BLOCK_N = PREFILL_WRITE_LOOP = None``; the sweeps saw none differ) and
-    the torch reference within the dtype's rounding; a row without an adapter gets zeros."""
+    """A prefill step (600 tokens: block_m 64) from a pool of max rank 16 takes session 30's tiles (the shrink's
+    128-wide K blocks under the split of 256, the writing expand's 256-wide tiles) and session 31's looped ones
+    (``PREFILL_WRITE_LOOP``; on odd widths, 2049 / 3424, the last group of looped tiles is partial). The writing
+    expand's tiles give the bits of the tiles before (``PREFILL_WRITE_BLOCK_N = PREFILL_WRITE_LOOP = None``) at every
+    width: each element's sum runs over the ranks, in one tile. With the shrink's blocks of before too
+    (``PREFILL_SHRINK_BLOCK_K = None``) the bits are the same on Llama-3-8B widths (the sweeps saw none differ); on
+    odd widths the K sums split differently and may round differently (session 32, H200: they did, for d_in =
+    2049), so there both are held to the torch reference within the dtype's rounding
+    (``test_prefill_shrink_sums_are_the_fp64_sums`` holds the shrink's sums alone). A row without an adapter gets
+    zeros."""
     pool, slots = make_pool(cfg, [16, 8, 4], dtype=dtype, device="cuda")  # (ODD: partial 4 x 128 column groups)
     assert pool.max_rank <= 16
     sl = lora_slices([pool.module_view(0, m) for m in modules])
@@ -1105,15 +1109,59 @@ def test_prefill_tiles_write_the_old_tiles_bits(cfg, modules, dtype, monkeypatch
     assert plan.block_m > 16 and triton_sgmv.shrink_block_k("cuda", dtype, T, plan.block_m, pool.max_rank) == (128, 256)
     assert triton_sgmv.expand_block_n("cuda", dtype, T, plan.block_m, pool.max_rank, True) == 256
     x = torch.randn(T, sl.d_in, generator=torch.Generator().manual_seed(4)).to("cuda", dtype)
-    new = lora_delta(torch.full((T, sl.d_out), 3.0, device="cuda", dtype=dtype), x, sl, plan, backend="triton")
-    monkeypatch.setattr(triton_sgmv, "PREFILL_SHRINK_BLOCK_K", None)
+
+    def delta():
+        return lora_delta(torch.full((T, sl.d_out), 3.0, device="cuda", dtype=dtype), x, sl, plan, backend="triton")
+
+    new = delta()
     monkeypatch.setattr(triton_sgmv, "PREFILL_WRITE_BLOCK_N", None)
     monkeypatch.setattr(triton_sgmv, "PREFILL_WRITE_LOOP", None)
-    old = lora_delta(torch.full((T, sl.d_out), 3.0, device="cuda", dtype=dtype), x, sl, plan, backend="triton")
-    assert torch.equal(new, old)
-    assert not new[5].any()
+    assert torch.equal(new, delta())
+    monkeypatch.setattr(triton_sgmv, "PREFILL_SHRINK_BLOCK_K", None)
+    old = delta()
+    assert not new[5].any() and not old[5].any()
     ref = reference(torch.zeros(T, sl.d_out, device="cuda"), x, pool, 0, modules, token_slots)
     torch.testing.assert_close(new.float(), ref, **TOL[dtype])
+    if cfg is LLAMA8B:
+        assert torch.equal(new, old)
+    else:
+        torch.testing.assert_close(old.float(), ref, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the device machine)")
+@pytest.mark.parametrize("cfg", [LLAMA8B, ODD], ids=["llama8b", "odd"])
+@pytest.mark.parametrize("tiles", ["rule", "before"])
+def test_prefill_shrink_sums_are_the_fp64_sums(cfg, tiles, monkeypatch):
+    """The prefill shrink's K split (``shrink_block_k``'s 128-wide blocks under the split of 256, and the blocks of
+    before: ``PREFILL_SHRINK_BLOCK_K = None``), summed over its partials, equals ``x A^T`` computed in float64 within
+    fp32 accumulation: ``|err| <= 1e-5 (|x| |A|^T)`` element-wise, which a dropped or doubled K element (the last
+    one of d_in = 2049 in a partial block) would break by orders of magnitude. bf16, q/k/v (d_in 4096 / 2049) and
+    down (14336 / 3424), 600 tokens on three adapters."""
+    if tiles == "before":
+        monkeypatch.setattr(triton_sgmv, "PREFILL_SHRINK_BLOCK_K", None)
+    dtype = torch.bfloat16
+    pool, slots = make_pool(cfg, [16, 8, 4], dtype=dtype, device="cuda")
+    T = 600
+    token_slots = [slots[t * 3 // T] for t in range(T)]
+    plan = build_lora_plan(token_slots, device="cuda")
+    worst = 0.0
+    for modules in (QKV, ("down_proj",)):
+        sl = lora_slices([pool.module_view(0, m) for m in modules])
+        x = torch.randn(T, sl.d_in, generator=torch.Generator().manual_seed(5)).to("cuda", dtype)
+        v = triton_sgmv.sgmv_shrink(x, sl, plan).sum(0)  # [slices, T, rank rows]
+        for i, m in enumerate(modules):
+            for s in slots:
+                a = read_module(pool, s, 0, m)[0].double()  # [r, d_in]
+                if a.shape[0] == 0:
+                    continue
+                rows = torch.tensor([t for t in range(T) if token_slots[t] == s], device="cuda")
+                xs = x[rows].double()
+                want, bound = xs @ a.t(), 1e-5 * (xs.abs() @ a.abs().t())
+                got = v[i, rows, : a.shape[0]].double()
+                worst = max(worst, ((got - want).abs() / bound).max().item())
+                assert ((got - want).abs() <= bound).all(), (m, s, tiles, (got - want).abs().max().item())
+    print(f"largest |err| / bound: {worst:.3g}")
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
