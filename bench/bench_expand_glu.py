@@ -3,8 +3,8 @@ the engine's prefill paths (issue 12: the prefill row and TTFT). GPU only.
 
 One Llama-3-8B gate/up projection (4,096 -> 2 x 14,336) and its SiLU * up at ``--tokens`` prefill tokens on
 ``--adapters`` adapters of rank 16 (runs of tokens / adapters, as a prefill of that many prompts), from a pool of
-max rank 16 (``--pool-rank 16,64`` adds the engine's default ``max_lora_rank``, where the engine does not take the
-fused path), ``K`` copies per CUDA graph (more bytes than the L2), bf16, in these schedules:
+max rank 16 (``--pool-rank 16,64`` adds the engine's default ``max_lora_rank``, which the fused kernel does not
+serve), ``K`` copies per CUDA graph (more bytes than the L2), bf16, in these schedules:
 
   base         y = x W^T (cuBLAS); out = silu_mul(y)
   serial       y = x W^T; lora_apply(y) in place (shrink + adding expand); out = silu_mul(y)

@@ -59,9 +59,6 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     engine A/B of session 30's prefill sweep
     multilora-lora-s30tiles  multilora-lora with the prefill writing expand one tile per program, as in session 30
                     (``triton_sgmv.PREFILL_WRITE_LOOP = None``): the engine A/B of session 31's looped prefill tiles
-    multilora-lora-fusedglu  multilora-lora with gate/up's LoRA added inside the activation from 256 tokens
-                    (``runtime.model.LORA_FUSED_GLU_MIN_TOKENS = 256``, off by default;
-                    ``kernels.experimental.expand_glu``): the engine A/B of issue 12's TTFT
     multilora-fp8-nopreload  multilora-fp8 with no weight tiles of the one-row GEMV loaded before its PDL wait
                     (``kernels.triton_fp8.GEMV_PRELOAD = 0``, what ran before session 27): the A/B of the preload
     multilora-fp8-preload4  multilora-fp8 with 4 such tiles (``GEMV_PRELOAD = 4``)
@@ -144,8 +141,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-s25attn", "multilora-lora-s25attn", "multilora-fp8-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles", "multilora-lora-fusedglu", "multilora-fp8-nopreload", "multilora-fp8-preload4", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync", "multilora-s25attn", "multilora-lora-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles", "multilora-lora-fusedglu"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-s25attn", "multilora-fp8-sync", "multilora-fp8-nopreload", "multilora-fp8-preload4"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-s25attn", "multilora-lora-s25attn", "multilora-fp8-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles", "multilora-fp8-nopreload", "multilora-fp8-preload4", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync", "multilora-s25attn", "multilora-lora-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-s25attn", "multilora-fp8-sync", "multilora-fp8-nopreload", "multilora-fp8-preload4"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -391,8 +388,6 @@ def variant_knobs(engine: Engine | None, a: argparse.Namespace) -> list[Knob]:
              key="lora_delta_overwrite_min_tokens"),
         Knob(*_attr(model_mod, "LORA_BEFORE_GEMM_MIN_TOKENS"), _by_suffix(("-addafter", 1 << 30)),
              key="lora_before_gemm_min_tokens"),
-        Knob(*_attr(model_mod, "LORA_FUSED_GLU_MIN_TOKENS"), _by_suffix(("-fusedglu", 256)),
-             key="lora_fused_glu_min_tokens"),
         Knob(*_attr(triton_sgmv, "PREFILL_SHRINK_BLOCK_K"), _by_suffix(("-s29tiles", None)),
              key="prefill_shrink_block_k"),
         Knob(*_attr(triton_sgmv, "PREFILL_WRITE_BLOCK_N"), _by_suffix(("-s29tiles", None)),
@@ -830,7 +825,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
     for v in ("multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile",
               "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lora-lt",
               "multilora-lora-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0",
-              "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles", "multilora-lora-fusedglu"):  # issue 12: adapters over base (-s25attn: over the base with that attention)
+              "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles"):  # issue 12: adapters over base (-s25attn: over the base with that attention)
         base = "multilora-s25attn" if v.endswith("-s25attn") else "multilora"
         base_rows = {b: ok.get((base, b)) for b in (1, TARGET_BATCH)}
         for b, what, key, need in ((1, "TPOT", "tpot_ms", 1.05), (TARGET_BATCH, "TPOT", "tpot_ms", 1.30),

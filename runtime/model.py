@@ -32,8 +32,7 @@ from multilora.config import ModelConfig
 from multilora.kernels.attention import paged_attention
 from multilora.kernels.fp8 import Fp8Weight, fp8_linear, quantize_weight, wants_fp8_input
 from multilora.kernels.fused import GATED_ACTS, add_rms_norm, rms_norm, rope_write_kv
-from multilora.kernels.lora import (LoRASlices, lora_apply, lora_apply_torch, lora_delta, lora_slices,
-                                   resolve_backend)
+from multilora.kernels.lora import LoRASlices, lora_apply, lora_delta, lora_slices
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
 
@@ -112,17 +111,6 @@ FUSE_FP8_QUANT_GLU_MIN_TOKENS = 64
 #: ``bf16(bf16(x W^T) + lora)``; ``test_engine_gpu.py``'s peft bounds hold (call 4). ``1 << 30``: never (what ran
 #: before session 30; the ``bench_generate.py`` provider ``multilora-lora-addafter``).
 LORA_BEFORE_GEMM_MIN_TOKENS = 256
-#: Steps of at least this many tokens whose gate/up LoRA runs in place add gate/up's LoRA terms inside the gated
-#: activation instead (``kernels.experimental.expand_glu``: the base GEMM writes ``x W^T`` alone, the shrink runs,
-#: and the activation's kernel adds each row's terms before SiLU / GELU): the [T, 2 I] term is neither written nor read
-#: back (235 MB at a 4,096-token Llama-3-8B prefill; the writing expand alone took 94 of a layer's ~350 us of prefill
-#: LoRA in session 31). Where: the Triton LoRA backend (the activation then is the Triton kernel's, whatever the ops
-#: backend), a pool of max rank <= 16, gate/up without a bias, weights not fp8, no fp8 copy of the activation wanted,
-#: no tensor parallelism, SiLU or tanh GELU. Rounding: ``rnd(rnd(x W^T) + rnd(term))`` as the LoRA added after the
-#: GEMM, not the write-first path's ``rnd(x W^T + rnd(term))``. ``1 << 30``: never, the
-#: default until it is measured on a GPU (``bench/bench_expand_glu.py``; the ``bench_generate.py`` provider
-#: ``multilora-lora-fusedglu`` sets it to 256).
-LORA_FUSED_GLU_MIN_TOKENS = 1 << 30
 
 
 #: Token counts ``(lo, hi)`` of the steps whose base GEMMs go through cuBLASLt instead of cuBLAS
@@ -453,22 +441,8 @@ class DecoderModel:
         w = self.layers[layer][name]
         return FUSE_FP8_QUANT and isinstance(w, Fp8Weight) and wants_fp8_input(self.fp8_method, rows, w, device)
 
-    def _fused_glu_slices(self, layer: int, plan: "StepPlan", lora_backend: str | None, x: torch.Tensor,
-                          defer: bool, quant: bool) -> LoRASlices | None:
-        """Layer ``layer``'s gate/up slices when this step adds their LoRA inside the activation
-        (``LORA_FUSED_GLU_MIN_TOKENS``: where it applies), else None."""
-        if (x.shape[0] < LORA_FUSED_GLU_MIN_TOKENS or defer or quant or not plan.lora.has_lora or self._lora is None
-                or self.tp_group is not None or self.config.hidden_act not in ("silu", "gelu_pytorch_tanh")):
-            return None
-        w = self.layers[layer]["gate_up"]
-        slices = self._lora[layer]["gate_up"]
-        if (isinstance(w, Fp8Weight) or self.layers[layer].get("gate_up_bias") is not None or slices.num_slices != 2
-                or slices.max_rank_rows > 16 or resolve_backend(lora_backend, x) is lora_apply_torch):
-            return None
-        return slices
-
     def _linear(self, x: torch.Tensor, layer: int, name: str, plan: "StepPlan", lora_backend: str | None, *,
-                defer: bool = False, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None, lora: bool = True,
+                defer: bool = False, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x W^T (+ b)`` of a fused projection and its LoRA; returns ``(y, lora_delta)``.
 
@@ -481,9 +455,9 @@ class DecoderModel:
         ``LORA_DELTA_OVERWRITE_MIN_TOKENS`` tokens), computed on the side stream while the GEMM runs (on CUDA; the
         main stream waits for it before returning), for the following op to add: at decode the two small LoRA
         launches then cost no time of their own (``bench/bench_lora_overlap.py``). ``x_fp8``: x's per-token fp8
-        copy for an fp8 GEMM (``fp8_linear``). ``lora=False``: the GEMM alone (the caller applies the LoRA)."""
+        copy for an fp8 GEMM (``fp8_linear``)."""
         w, b = self.layers[layer][name], self.layers[layer].get(name + "_bias")
-        slices = self._lora[layer][name] if lora and plan.lora.has_lora and self._lora is not None else None
+        slices = self._lora[layer][name] if plan.lora.has_lora and self._lora is not None else None
         delta = side = None
         if slices is not None and defer:
             delta = torch.empty(x.shape[0], slices.d_out, dtype=x.dtype, device=x.device)  # on the main stream
@@ -587,19 +561,9 @@ class DecoderModel:
                          unit_offset=offset, lora_delta=lo, backend=ops, quant=quant)
         x, xq = x if quant else (x, None)
         quant = T >= FUSE_FP8_QUANT_GLU_MIN_TOKENS and self._fp8_in(i, "down", T, h.device)
-        glu = self._fused_glu_slices(i, plan, lb, x, st.defer, quant)
-        if glu is not None:  # gate/up's LoRA terms added inside the activation (LORA_FUSED_GLU_MIN_TOKENS)
-            from multilora.kernels.experimental.expand_glu import expand_glu  # (Triton: imported when used)
-            from multilora.kernels.triton_sgmv import sgmv_shrink
-
-            gu, _ = self._linear(x, i, "gate_up", plan, lb, lora=False)  # [T, 2 * inter], x W^T alone
-            a = expand_glu(gu, sgmv_shrink(x, glu, plan.lora), glu, plan.lora,
-                           gelu_tanh=self.config.hidden_act == "gelu_pytorch_tanh")
-            aq = None
-        else:
-            gu, lg = self._linear(x, i, "gate_up", plan, lb, defer=st.defer, x_fp8=xq)  # [T, 2 * inter]
-            a = self._act(gu, lora_delta=lg, backend=ops, quant=quant)
-            a, aq = a if quant else (a, None)
+        gu, lg = self._linear(x, i, "gate_up", plan, lb, defer=st.defer, x_fp8=xq)  # [T, 2 * inter]
+        a = self._act(gu, lora_delta=lg, backend=ops, quant=quant)
+        a, aq = a if quant else (a, None)
         d, ld = self._linear(a, i, "down", plan, lb, defer=st.defer_row, x_fp8=aq)
         if self.tp_group is not None:
             self.tp_group.all_reduce(d)

@@ -86,24 +86,15 @@ def test_engine_matches_peft_on_gpu(setup, dtype, first, monkeypatch):
     assert engine.kv.nbytes <= plan.kv_bytes
 
 
-@pytest.mark.parametrize("glu", [False, True], ids=["glu-apart", "fused-glu"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_prefill_from_a_rank16_pool_matches_peft_on_gpu(setup, dtype, glu, monkeypatch):
+def test_prefill_from_a_rank16_pool_matches_peft_on_gpu(setup, dtype, monkeypatch):
     """A prefill step of more than 512 tokens (chunks of ``block_m > 16``) from a pool of max rank 16
     (``max_lora_rank=16``): the path that sessions 30-31's prefill tiles take in the engine (the LoRA term written
     before the GEMM, the shrink's 128-wide K blocks, the writing expand's looped tiles, ``PREFILL_WRITE_LOOP``), which
     the rank-64 pool of the other cases never takes. Last-position logits against a float32 peft reference, about as
-    close as peft's own run in the dtype; a row without an adapter too. ``glu``: gate/up's LoRA added inside the
-    activation (``LORA_FUSED_GLU_MIN_TOKENS`` = 256, off by default; ``kernels.experimental.expand_glu``)."""
+    close as peft's own run in the dtype; a row without an adapter too."""
     from multilora.kernels import triton_sgmv
-    from multilora.kernels.experimental import expand_glu as glu_mod
     from multilora.runtime import model as model_mod
-
-    glu_calls = []
-    if glu:
-        monkeypatch.setattr(model_mod, "LORA_FUSED_GLU_MIN_TOKENS", 256)
-        real_glu = glu_mod.expand_glu
-        monkeypatch.setattr(glu_mod, "expand_glu", lambda *a, **k: glu_calls.append(1) or real_glu(*a, **k))
 
     model, d, _ = setup
     names = ["attn-r8", "mlp-r16-rslora", "all-r2"]
@@ -124,7 +115,6 @@ def test_prefill_from_a_rank16_pool_matches_peft_on_gpu(setup, dtype, glu, monke
     monkeypatch.setattr(triton_sgmv, "prefill_write_tiles", spy)
     ours = engine.logits(rows, adapters=adapters)
     assert any(looped), "no expand took the looped prefill tiles"
-    assert bool(glu_calls) == glu
     ref32 = peft_batch_logits(model, rows, adapters, torch.float32)
     theirs = peft_batch_logits(model, rows, adapters, dtype)
     for i, a in enumerate(adapters):

@@ -3,6 +3,6 @@ module says why).
 
 - ``lora_fused``: LoRA shrink + expand in one launch (slower than the two launches of ``triton_sgmv`` on every
   H200 decode case measured).
-- ``expand_glu``: the gate/up expand fused into the gated activation, for prefill (session 31; not yet measured on a
-  GPU: ``bench/bench_expand_glu.py``; the engine's switch ``runtime.model.LORA_FUSED_GLU_MIN_TOKENS`` is off).
+- ``expand_glu``: the gate/up expand fused into the gated activation, for prefill (session 31; measured slower than
+  the engine's path in session 32, ``bench/bench_expand_glu.py``: the engine's switch for it was removed).
 """

@@ -1,6 +1,12 @@
-"""The gate/up LoRA expand fused into the gated activation (prefill): written and tested (CPU interpreter), not yet
-measured on a GPU, OFF: the engine calls it only from ``runtime.model.LORA_FUSED_GLU_MIN_TOKENS`` tokens, by default
-never.
+"""The gate/up LoRA expand fused into the gated activation (prefill): measured SLOWER than the engine's path, so the
+engine does not call it (its switch, session 31's ``runtime.model.LORA_FUSED_GLU_MIN_TOKENS``, was removed in session
+32). Session 32, H200 (``python bench/bench_expand_glu.py``, 4,096 tokens on 64 adapters, Llama-3-8B gate/up, rank
+16, 5 interleaved rounds; ``bench/results/session32/call1``): the layer's LoRA added 296-679 us over the base GEMM +
+activation (1,556 us) at six tile configs (best 64 x 4 tiles, 4 warps), against 155 us for the engine's path (the
+term written before the GEMM) and 189 us for the LoRA added after it; the same bits as ``lora_apply`` + the
+activation at every config. This kernel moves less memory than those paths, so it is far from its bandwidth: each
+program gathers a chunk's rows of gate and of up (two 2-D loads I apart) and its v tile; why it is slow is not yet
+profiled.
 
 For ``gate_up = x [W_gate; W_up]^T`` (the base GEMM's output without LoRA, ``[T, 2 I]``) and ``v`` the shrink of
 ``x`` on the two slices gate and up (``triton_sgmv.sgmv_shrink``), every row ``t``::
@@ -19,8 +25,8 @@ tile; a wider pool's term is one dot over all its ranks, which may round its sum
 Why: at 4,096 prefill tokens the engine's in-place LoRA writes gate/up's term (235 MB for Llama-3-8B) and the base
 GEMM's epilogue reads it back; here it never leaves registers. Session 31 (H200): the writing expand alone took 94
 us of a layer's ~350 us of prefill LoRA (``bench/results/session31/``), the GEMM's extra read about 1% of its 1.3
-ms; the layer's prefill LoRA added 13-16% against issue 12's goal of 8%. Measure before using it:
-``python bench/bench_expand_glu.py`` (GPU) times it against the engine's path and the add-after path.
+ms; the layer's prefill LoRA added 13-16% against issue 12's goal of 8%. ``python bench/bench_expand_glu.py`` (GPU)
+times it against the engine's path and the add-after path.
 
 Each program takes one chunk of the plan (``LoRAPlan``: tokens of one slot) and ``TILES`` output tiles of
 ``BLOCK_N`` columns of I; rows without an adapter (in no chunk) are taken by the programs in turn, token
