@@ -30,8 +30,11 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
                     ``-plain`` providers above; the fp8 GEMVs are Triton kernels)
     multilora-fp8-f16widen  multilora-fp8 with the one-row GEMV widening fp8 weights through float16
                     (``kernels.triton_fp8.GEMV_WIDEN_F16 = True``, the default since session 22)
-    multilora-fp8-lmhead  multilora-fp8 with the LM head in fp8 too (``EngineConfig.fp8_lm_head``; here the same
-                    engine's head swapped for its quantized copy, graphs captured again, so rounds interleave)
+    multilora-fp8-bf16head  multilora-fp8 with the LM head in bf16 (``EngineConfig.fp8_lm_head=False``; from session 32
+                    the default engine's head is fp8 when untied, as here): the A/B of the fp8 head. One engine
+                    serves both, its head swapped for the quantized copy, graphs captured again, so rounds
+                    interleave; the rows record ``fp8_lm_head``
+    multilora-fp8-lmhead  the same as multilora-fp8 since session 32 (the LM head in fp8; before, the A/B of it)
     multilora-fp8-bf16widen  the same through bfloat16 (``GEMV_WIDEN_F16 = False``: the A/B; the same results bit
                     for bit)
     multilora-fp8-onepassmax  multilora-fp8 with the greedy row maximum over the vocabulary in one pass
@@ -141,8 +144,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-s25attn", "multilora-lora-s25attn", "multilora-fp8-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles", "multilora-fp8-nopreload", "multilora-fp8-preload4", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync", "multilora-s25attn", "multilora-lora-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-s25attn", "multilora-fp8-sync", "multilora-fp8-nopreload", "multilora-fp8-preload4"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-bf16head", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-s25attn", "multilora-lora-s25attn", "multilora-fp8-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles", "multilora-fp8-nopreload", "multilora-fp8-preload4", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync", "multilora-s25attn", "multilora-lora-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-bf16head", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-s25attn", "multilora-fp8-sync", "multilora-fp8-nopreload", "multilora-fp8-preload4"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -351,8 +354,9 @@ def variant_knobs(engine: Engine | None, a: argparse.Namespace) -> list[Knob]:
 
     lazy: dict[str, Any] = {}
 
-    def fp8_head(v: str, default: Any) -> Any:  # -lmhead: the quantized copy of the head, made on first use
-        if not v.endswith("-lmhead") or not isinstance(default, torch.Tensor):
+    def fp8_head(v: str, default: Any) -> Any:  # fp8 engines' head (the engine's default: untied heads in fp8)
+        if (not v.startswith("multilora-fp8") or v.endswith("-bf16head") or not isinstance(default, torch.Tensor)
+                or default is engine.model.embed):  # (tied: the engine keeps the table as its head)
             return default
         if "head" not in lazy:
             from multilora.kernels.fp8 import quantize_weight
@@ -489,6 +493,7 @@ def build_engine(run: Run, lora: bool, fp8: bool = False) -> Engine:
     return Engine(run.config, device=run.device, dtype=run.dtype, progress=False, max_batch_size=maxb,
                   max_seq_len=max_seq, max_lora_rank=a.rank, adapter_slots=maxb if lora else 1,
                   adapter_pool_share=0.3 if lora else None, weight_dtype="fp8" if fp8 else None,
+                  fp8_lm_head=False if fp8 else None,  # (the fp8 providers' head: variant_knobs swaps it in)
                   lora_side_stream_max_tokens=a.lora_side_stream_max_tokens)
 
 
@@ -861,7 +866,7 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
     for b, need in ((1, 1.7), (TARGET_BATCH, 1.3)):  # issue 16: fp8 base weights against bf16, decode tokens/s
         for base, fp8 in (("multilora", "multilora-fp8"), ("multilora-lora", "multilora-fp8-lora"),
                           ("multilora", "multilora-fp8-f16widen"), ("multilora", "multilora-fp8-bf16widen"),
-                          ("multilora", "multilora-fp8-lmhead"),
+                          ("multilora", "multilora-fp8-lmhead"), ("multilora", "multilora-fp8-bf16head"),
                           ("multilora", "multilora-fp8-onepassmax"), ("multilora", "multilora-fp8-sepquant"),
                           ("multilora", "multilora-fp8-shipped"), ("multilora", "multilora-fp8-nopad"),
                           ("multilora-s25attn", "multilora-fp8-s25attn"), ("multilora", "multilora-fp8-nopreload"),

@@ -45,10 +45,13 @@ class EngineConfig:
             float8 e4m3 with per-output-channel scales, quantized at load (``multilora.kernels.fp8``; CUDA compute
             capability 8.9+, or the CPU); LoRA, embeddings, norms, the LM head (unless ``fp8_lm_head``) and activations
             stay in ``dtype``.
-        fp8_lm_head: with ``weight_dtype="fp8"``, the LM head too as float8 e4m3 with per-row scales (off by default:
-            the logits then carry the fp8 rounding of one more GEMM; measured in ``bench/results/fp8/README.md``). It
-            halves the LM head's bytes (Llama-3-8B: 1.05 GB -> 0.53 GB read per decode step). With tied embeddings the
-            embedding table stays in ``dtype`` and the fp8 copy is extra memory (vocab x hidden bytes).
+        fp8_lm_head: with ``weight_dtype="fp8"``, the LM head too as float8 e4m3 with per-row scales. None (the
+            default) = on exactly when the model has a head of its own (untied embeddings, as Llama-3-8B): it then
+            replaces the ``dtype`` head, halving its bytes read per decode step (Llama-3-8B: 1.05 GB -> 0.53 GB) and
+            its memory, at one more GEMM's fp8 rounding in the logits (relative error against the bf16 engine 0.1330
+            -> 0.1356 on the GPU test model; ``bench/results/fp8/README.md``); with tied embeddings off, since the
+            embedding table stays in ``dtype`` and the fp8 copy would be extra memory (vocab x hidden bytes). True /
+            False force it (True needs ``weight_dtype="fp8"``).
         fp8_gemm: the fp8 GEMM: "scaled_mm" (per-token fp8 activations, ``torch._scaled_mm``), "weight_only" (bf16
             activations, fp8 weights widened in a Triton kernel), or None = weight_only for decode-sized steps on
             CUDA, scaled_mm otherwise (``multilora.kernels.fp8``).
@@ -191,8 +194,9 @@ class EngineConfig:
     dtype: torch.dtype | str | None = _opt(None, "default: bfloat16 on GPU, float32 on CPU", choices=_DTYPES)
     weight_dtype: str | None = _opt(None, "base weights: fp8 = float8 e4m3 with per-channel scales (default: dtype)",
                                     choices=("fp8",))
-    fp8_lm_head: bool = _opt(False, "with --weight-dtype fp8: the LM head in fp8 too (half its bytes per step; the "
-                                    "logits carry one more GEMM's fp8 rounding)", kind=bool)
+    fp8_lm_head: bool | None = _opt(None, "with --weight-dtype fp8: the LM head in fp8 too (half its bytes per step; "
+                                           "the logits carry one more GEMM's fp8 rounding); default: on when the "
+                                           "model's head is untied", kind=bool)
     fp8_gemm: str | None = _opt(None, "the fp8 GEMM (default: weight_only for decode steps on CUDA, else scaled_mm)",
                                 choices=("scaled_mm", "weight_only"))
     max_batch_size: int = _opt(16, "most requests running at once")
@@ -304,8 +308,8 @@ class EngineConfig:
             raise fail("fp8_gemm", "None, 'scaled_mm' or 'weight_only'")
         if self.fp8_gemm is not None and self.weight_dtype != "fp8":
             raise fail("fp8_gemm", "None unless weight_dtype='fp8'")
-        if not isinstance(self.fp8_lm_head, bool):
-            raise fail("fp8_lm_head", "True or False")
+        if self.fp8_lm_head is not None and not isinstance(self.fp8_lm_head, bool):
+            raise fail("fp8_lm_head", "None, True or False")
         if self.fp8_lm_head and self.weight_dtype != "fp8":
             raise fail("fp8_lm_head", "False unless weight_dtype='fp8'")
         for name in ("cuda_graphs", "enable_chunked_prefill", "adapter_aware_admission", "unified_pool"):

@@ -238,7 +238,8 @@ class DecoderModel:
             ``fp8_lm_head``), the LoRA pool and the activations stay in ``dtype``.
         fp8_method: the fp8 GEMM (``multilora.kernels.fp8.fp8_linear``'s ``method``; None = by rows and device).
         fp8_lm_head: with ``weight_dtype="fp8"``, the LM head too (``self.lm_head`` an ``Fp8Weight``; tied
-            embeddings keep the embedding table in ``dtype`` beside the fp8 copy).
+            embeddings keep the embedding table in ``dtype`` beside the fp8 copy). None: on when ``weight_dtype`` is
+            "fp8" and the model's head is untied (``EngineConfig.fp8_lm_head``'s default).
         tp_group: None, or a tensor-parallel rank's group (``runtime.parallel.TPGroup``): ``config`` and ``weights``
             are then that rank's shard, and the outputs of o and down (partial sums, LoRA included) are all-reduced.
         lora_side_max_tokens: ``self.lora_side_max_tokens`` (None: ``lora_side_limit``'s measured default).
@@ -246,7 +247,7 @@ class DecoderModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device, dtype: torch.dtype,
                  weight_dtype: str | None = None, fp8_method: str | None = None, tp_group: Any = None,
-                 lora_side_max_tokens: int | None = None, fp8_lm_head: bool = False):
+                 lora_side_max_tokens: int | None = None, fp8_lm_head: bool | None = False):
         if weight_dtype not in (None, "fp8"):
             raise ValueError(f"DecoderModel: weight_dtype must be None or 'fp8', got {weight_dtype!r}")
         if fp8_lm_head and weight_dtype != "fp8":
@@ -274,6 +275,8 @@ class DecoderModel:
                 f"(vocab {config.vocab_size}, hidden {config.hidden_size})"
             )
         self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in weights else put(weights["lm_head.weight"])
+        if fp8_lm_head is None:  # (the default: where it replaces a head of the model's own)
+            fp8_lm_head = weight_dtype == "fp8" and self.lm_head is not self.embed
         if fp8_lm_head:  # [vocab, hidden] fp8 + scales; an untied model-dtype head is freed here
             self.lm_head = quantize_weight(self.lm_head)
         self.norm = put(w("model.norm.weight"))

@@ -455,6 +455,22 @@ def test_generate_bench_rounds(tmp_path):
         assert f"| {max(t):.2f} ({t[0]:.2f} / {t[1]:.2f}) |" in line, (line, t)
 
 
+def test_generate_bench_fp8_rows_take_the_engines_default_head(tmp_path, monkeypatch):
+    """The fp8 providers' one engine: multilora-fp8 (and -lmhead) run with the LM head in fp8 as
+    ``Engine(weight_dtype="fp8")`` builds it for an untied model (``fp8_lm_head=None``), -bf16head with the model-dtype
+    head; the rows record which (tiny model on the CPU)."""
+    bg = _load_bench("bench_generate")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    bg.main(["--shape", "tiny", "--batches", "1", "--prompt-len", "8", "--gen", "2", "--dtype", "float32", "--device",
+             "cpu", "--providers", "multilora-fp8,multilora-fp8-bf16head,multilora-fp8-lmhead", "--out", str(out),
+             "--in-process"])
+    got = json.loads((out / "generate_tiny.json").read_text())
+    assert all(r["status"] == "ok" for r in got), got
+    head = {r["provider"]: r["fp8_lm_head"] for r in got}
+    assert head == {"multilora-fp8": True, "multilora-fp8-bf16head": False, "multilora-fp8-lmhead": True}
+
+
 def test_generate_bench_variants_set_record_and_restore_their_knobs(tmp_path, monkeypatch):
     """The provider variants' knobs (``variant_knobs``): each variant's rows record the values it ran with (the
     zeroed buffer, plain LoRA launches, the side stream off, reads back synchronously), the plain rows the defaults,

@@ -134,7 +134,7 @@ def test_engine_config_validation():
         Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", weight_dtype="fp8", fp8_gemm="weight_only")
     with pytest.raises(ValueError, match=r"Engine: fp8_lm_head must be False unless weight_dtype='fp8', got True"):
         Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", fp8_lm_head=True)
-    with pytest.raises(ValueError, match=r"Engine: fp8_lm_head must be True or False, got 'yes'"):
+    with pytest.raises(ValueError, match=r"Engine: fp8_lm_head must be None, True or False, got 'yes'"):
         Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", weight_dtype="fp8", fp8_lm_head="yes")
 
 
@@ -144,10 +144,11 @@ ROWS = [[5, 9, 14, 3, 77, 301, 12], [8, 1, 400], [2, 3, 4, 5, 6, 7, 8, 9, 10, 11
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """An fp8 engine and an fp32 engine whose projections are the fp8 engine's dequantized weights, same adapters."""
+    """An fp8 engine (its LM head kept in float32: ``test_engine_fp8_lm_head`` takes the head) and an fp32 engine
+    whose projections are the fp8 engine's dequantized weights, same adapters."""
     d = tmp_path_factory.mktemp("fp8-adapters")
     kw = dict(device="cpu", progress=False, max_batch_size=4, max_seq_len=64, max_lora_rank=16)
-    e8 = Engine(CFG, weight_dtype="fp8", **kw)
+    e8 = Engine(CFG, weight_dtype="fp8", fp8_lm_head=False, **kw)
     e32 = Engine(CFG, **kw)  # the same seeded random weights
     for l8, l32 in zip(e8.model.layers, e32.model.layers):
         for name in ("qkv", "o", "gate_up", "down"):
@@ -185,6 +186,34 @@ def test_engine_fp8_default_gemm_close_and_smaller(engines):
     assert e32.model.nbytes - e8.model.nbytes == proj * 4 - (proj + 4 * rows)
     out = e8.generate([ROWS[0]], adapters=["a1"])[0]
     assert out.finish_reason in ("length", "stop") and len(out.token_ids) > 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fp8_lm_head_default_follows_the_head(tied):
+    """``fp8_lm_head=None`` (the default): with ``weight_dtype="fp8"`` the head is fp8 exactly when the model has one
+    of its own (untied: the float32 head is replaced, the model's bytes fall by 3 per head weight less the row
+    scales), and stays the embedding table when tied; without fp8 it is the model-dtype head. True / False force it,
+    and the CLI's ``--fp8-lm-head`` / ``--no-fp8-lm-head`` set them (no flag: None)."""
+    from multilora.runtime.config import EngineConfig
+
+    cfg = ModelConfig(**{**MODEL_SHAPES["tiny"], "tie_word_embeddings": tied})
+    kw = dict(device="cpu", progress=False, max_batch_size=2, max_seq_len=32, max_lora_rank=8)
+    auto, off = Engine(cfg, weight_dtype="fp8", **kw), Engine(cfg, weight_dtype="fp8", fp8_lm_head=False, **kw)
+    assert isinstance(off.model.lm_head, torch.Tensor)
+    if tied:
+        assert auto.model.lm_head is auto.model.embed and auto.model.nbytes == off.model.nbytes
+        assert isinstance(Engine(cfg, weight_dtype="fp8", fp8_lm_head=True, **kw).model.lm_head, fp8.Fp8Weight)
+    else:
+        head = auto.model.lm_head
+        assert isinstance(head, fp8.Fp8Weight)
+        torch.testing.assert_close(head.dequantize(), fp8.quantize_weight(off.model.lm_head).dequantize(), rtol=0,
+                                   atol=0)
+        assert off.model.nbytes - auto.model.nbytes == 3 * cfg.vocab_size * cfg.hidden_size - 4 * cfg.vocab_size
+    assert isinstance(Engine(cfg, **kw).model.lm_head, torch.Tensor)
+    parser = __import__("argparse").ArgumentParser()
+    EngineConfig.add_cli_flags(parser)
+    assert [parser.parse_args(f).fp8_lm_head for f in ([], ["--fp8-lm-head"], ["--no-fp8-lm-head"])] == [None, True,
+                                                                                                          False]
 
 
 @pytest.mark.parametrize("tied", [False, True])
