@@ -162,6 +162,43 @@ def test_fast_path_pages_are_bit_identical(layout, file_dtype, pool_dtype, tmp_p
         assert w.a.dtype == w.b.dtype == file_dtype
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "posix_fadvise"), reason="posix_fadvise: Linux")
+@pytest.mark.parametrize("raw", [False, True], ids=["host-finish", "raw"])
+def test_read_ahead_advises_the_whole_weight_file_once_and_keeps_the_bits(raw, tmp_path, monkeypatch):
+    """``image.READ_AHEAD`` (off by default): each ``read_image`` asks the OS for the whole weight file once,
+    ``posix_fadvise(fd, 0, 0, WILLNEED)`` on the file it then reads, before any read; the image is the same bits as
+    without the advice. A file system that refuses the advice (OSError) reads the same, and ``will_need`` says so."""
+    import os
+
+    from multilora.runtime.adapters.disk import OpenFile
+
+    d = _write_uniform(tmp_path / "a", torch.float32)
+    pool = _pool(torch.float32)
+    want = read_image(d, CFG, pool, name="x", raw=raw)[1]
+    calls, real = [], os.posix_fadvise
+
+    def spy(fd, offset, length, advice):
+        calls.append((os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else None, offset,
+                      length, advice))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    _assert_same_packed(read_image(d, CFG, pool, name="x", raw=raw)[1], want)
+    assert calls == []  # off by default
+    monkeypatch.setattr(image_mod, "READ_AHEAD", True)
+    _assert_same_packed(read_image(d, CFG, pool, name="x", raw=raw)[1], want)
+    wpath = str((d / WTS).resolve()) if os.path.exists("/proc/self/fd") else None
+    assert calls == [(wpath, 0, 0, os.POSIX_FADV_WILLNEED)]
+
+    def refuse(*a):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    _assert_same_packed(read_image(d, CFG, pool, name="x", raw=raw)[1], want)
+    with OpenFile(d / WTS) as f:
+        assert f.will_need() is False
+
+
 def _write_uneven(path, dtype, seed=0):
     """q and k on every layer, k at rank 8 on layer 1 only (rank_pattern by layer): layer 1's region is larger, so
     q's B^T regions are not evenly spaced (placed one by one) and k's rank-4 ones are (one strided copy)."""

@@ -263,6 +263,19 @@ class OpenFile:
             if n:  # a short read ended inside bufs[i]: the rest of it next
                 bufs[i] = bufs[i][n:]
 
+    def will_need(self) -> bool:
+        """Ask the OS to start reading the whole file into its page cache now, asynchronously
+        (``posix_fadvise(POSIX_FADV_WILLNEED)``), so that the reads that follow find the bytes on their way or
+        there, the disk's queue kept full instead of one read's readahead at a time. Advice only: True if given;
+        False where the platform has no ``posix_fadvise`` or the file system refuses it (the reads work the same)."""
+        if not hasattr(os, "posix_fadvise"):
+            return False
+        try:
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return False
+        return True
+
     def read(self, offset: int, n: int) -> bytes:
         """``n`` bytes from ``offset`` (as :meth:`read_into`)."""
         buf = bytearray(n)

@@ -80,6 +80,13 @@ _SCATTER = True
 #: with the groups, its 34 reads in 1.58-1.72 s against 1.96-2.12 s. 0: off (the groups of ``_SCATTER_BYTES``, what
 #: ran before)
 _BATCH_B_BYTES = 64 << 20
+#: True: before an image is read, the whole weight file is asked of the OS at once (``OpenFile.will_need``:
+#: ``posix_fadvise(WILLNEED)``), so that a read from a cold page cache keeps the disk's queue full instead of waiting
+#: on the readahead of one read at a time (a file in the page cache: one system call more). Off until measured on the
+#: GPU host (session 32 wrote it with no device time left): ``python bench/bench_adapter_load.py --cold --modules
+#: q_proj,k_proj,v_proj,o_proj --rank 32``, provider ``ours_readahead`` against ``ours`` and ``plain``. Issue 13's S4
+#: read 0.89 GB/s (all readers) against a plain cold read's 1.61 in session 32 (``bench/results/session32``).
+READ_AHEAD = False
 
 _scratch = threading.local()
 
@@ -361,6 +368,8 @@ def _read(root: Path, config, pool, name, allow_pickle, out, verified=False, raw
     cfg_path, cfg_bytes, cfg_stamp, wpath = found
     f = OpenFile(wpath)
     try:
+        if READ_AHEAD:
+            f.will_need()
         try:
             plan = _plan_of(f, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, pool)
             packed = _execute(plan, f, wpath, pool, name, out, verified, raw) if isinstance(plan, _Plan) else None
