@@ -6,6 +6,7 @@ The scripts run as ``python bench/<script>.py``, so ``bench/`` is on ``sys.path`
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import sys
@@ -188,3 +189,26 @@ class ThreadSampler:
         n = max(1, self.samples)
         return {name: [[k, round(v / n, 4)] for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]]
                 for name, per in merged.items()}
+
+
+def regular_files(dirs: list[Path]) -> list[Path]:
+    """Every regular file under the directories ``dirs`` (symbolic links followed), sorted."""
+    out = []
+    for d in dirs:
+        for parent, _, names in os.walk(d):
+            out += [Path(parent, name) for name in names if os.path.isfile(os.path.join(parent, name))]
+    return sorted(out)
+
+
+def drop_page_cache(dirs: list[Path]) -> int:
+    """Drops the OS page cache of every regular file under ``dirs``: opens each read-only,
+    ``posix_fadvise(POSIX_FADV_DONTNEED)`` over the whole file, closes it; returns the number of files. The kernel
+    drops clean pages only (``os.sync()`` first after writing); no root needed. Linux (``os.posix_fadvise``)."""
+    paths = regular_files(dirs)
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return len(paths)

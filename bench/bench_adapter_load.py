@@ -6,7 +6,9 @@ disk -> host (files in the page cache):
               cache's I/O threads run on a host-tier miss with ``Engine(adapter_finish="device")``: every tensor
               read in file order by scatter reads straight into its place, lora_B untransposed, nothing checked: the
               pool finishes the image on the GPU after the copy (``kernels/image_finish.py``; its cost is in the
-              host -> GPU rows); the same files, the same number of threads;
+              host -> GPU rows); the same files, the same number of threads; ``ours_readahead``: the same with
+              the whole-file ``posix_fadvise(WILLNEED)`` before the read (``image.READ_AHEAD = True``; off by
+              default until measured on the GPU host);
   ``ours_host_finish``  ``read_image`` without ``raw`` (the I/O threads' work with the default
               ``adapter_finish="host"``): lora_B transposed on the host, the whole image checked finite at the end when the files
               are in the pool dtype, the tensors read in file order by scatter reads; ``ours_per_tensor``: that with each
@@ -31,6 +33,10 @@ host -> GPU (CUDA only):
   ``ours_under_gemm`` the same while the compute stream runs a bf16 GEMM loop: the copies' GB/s and the GEMMs'
               slowdown (and ``ours_host_finished_under_gemm``).
 
+``--cold`` drops the files' page cache before every timed disk -> host run (and before the ``cache`` row), so those
+rows read the disk (issue 13's item 4 compares the reads with a plain read of the same files from the disk);
+``--modules q_proj,k_proj,v_proj,o_proj`` writes adapters of issue 13's S1 / S4 kind.
+
 Goals (issue 13): disk -> host >= 70% of ``plain``; host -> GPU >= 80% of ``raw``. GB = 1e9 bytes; every rate
 counts the same bytes: the weight files' for disk -> host, the images' for host -> GPU (equal for Llama shapes,
 whose modules fill whole pages). Results: ``--out``/``adapter_moves_<shape>.json`` (one object per measurement,
@@ -39,6 +45,8 @@ with the device, versions and shapes) and a table on stdout.
     python bench/bench_adapter_load.py --out bench/results                  # H200: Llama-3-8B r=16 bf16, ~1 min
     python bench/bench_adapter_load.py --shape tiny --adapters 4 --threads 1  # CPU smoke run
     python bench/bench_adapter_load.py --file-dtype float32 --general        # a converting read; the old path too
+    python bench/bench_adapter_load.py --cold --modules q_proj,k_proj,v_proj,o_proj --rank 32 --adapters 16
+                                                                             # S4-like files from the disk
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ from pathlib import Path
 
 import torch
 
-from multilora.config import ModelConfig
+from multilora.config import TARGET_MODULES, ModelConfig
 from multilora.memory.host_arena import HostArena
 from multilora.memory.pool import AdapterPool, host_footprint
 from multilora.runtime.adapter_cache import AdapterCache
@@ -68,7 +76,7 @@ from multilora.runtime.adapters.load import load_peft_adapter
 from multilora.runtime.weights import MODEL_SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_common.py, also under ``python -P``
-from _common import write_adapter  # noqa: E402
+from _common import drop_page_cache, write_adapter  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WEIGHTS = "adapter_model.safetensors"
@@ -103,17 +111,24 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     def ours_host_finish(i, w):
         read_image(dirs[i], config, pool, name=f"a{i}", out=blocks[w].view(pool.dtype))
 
-    def without(switch: str):  # ``ours`` with one of read_image's A/B switches off (read once per read_image call)
-        def run(i, w):
-            setattr(image, switch, False)
+    def without(switch: str, read=ours_host_finish, value=False):  # ``read`` with one of read_image's A/B switches
+        def run(i, w):                                                # set to ``value`` (each read once per call)
+            was = getattr(image, switch)
+            setattr(image, switch, value)
             try:
-                ours_host_finish(i, w)
+                read(i, w)
             finally:
-                setattr(image, switch, True)
+                setattr(image, switch, was)
         return run
 
     ours_per_tensor = without("_DEFER_CHECK")  # each tensor checked while in cache (before the whole-image check)
     ours_tensor_reads = without("_SCATTER")  # one read per tensor instead of the scatter reads (before session 8)
+    ours_readahead = without("READ_AHEAD", ours, True)  # the whole-file advice before the read (session 32, off)
+
+    def timed(nt: int, fn) -> float:  # GB/s of one run (--cold: the files' page cache dropped first, untimed)
+        if args.cold:
+            drop_page_cache(dirs)
+        return total / _parallel(nt, jobs, fn) / 1e9
 
     def ours_verified(i, w):  # a re-read of a file version the cache has read before: no finite checks
         read_image(dirs[i], config, pool, name=f"a{i}", out=blocks[w].view(pool.dtype), verified=True)
@@ -125,18 +140,18 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     for fn in (plain, ours):  # warm-up: page cache, scratch buffers, first-touch of the blocks and buffers
         _parallel(max(threads), jobs, fn)
     for nt in threads:
-        rates = {"plain": [], "ours": [], "ours_host_finish": [], "ours_per_tensor": [], "ours_tensor_reads": [],
-                 "ours_verified": [], "general": []}
+        rates = {"plain": [], "ours": [], "ours_readahead": [], "ours_host_finish": [], "ours_per_tensor": [],
+                 "ours_tensor_reads": [], "ours_verified": [], "general": []}
         for _ in range(args.runs):  # interleaved, so drift hits both alike
-            for name, fn in (("plain", plain), ("ours", ours), ("ours_host_finish", ours_host_finish),
-                             ("ours_per_tensor", ours_per_tensor),
+            for name, fn in (("plain", plain), ("ours", ours), ("ours_readahead", ours_readahead),
+                             ("ours_host_finish", ours_host_finish), ("ours_per_tensor", ours_per_tensor),
                              ("ours_tensor_reads", ours_tensor_reads), ("ours_verified", ours_verified)) + (
                     (("general", general),) if args.general else ()):
-                rates[name].append(total / _parallel(nt, jobs, fn) / 1e9)
+                rates[name].append(timed(nt, fn))
         med = {k: statistics.median(v) for k, v in rates.items() if v}
         for name, gbps in med.items():
             rows.append({"move": "disk_to_host", "provider": name, "threads": nt, "gbps": gbps,
-                         "runs_gbps": rates[name], "bytes_per_run": total,
+                         "runs_gbps": rates[name], "bytes_per_run": total, "cold": args.cold,
                          "vs_plain": gbps / med["plain"]})
     return rows
 
@@ -150,15 +165,22 @@ def through_cache(args, config, pool, dirs, image_bytes, file_bytes) -> tuple[li
         return read_image(handle.path, config, pool, name=handle.name, out=out, verified=handle.values_checked,
                           raw=pool.device.type == "cuda")[1]
 
-    cache = AdapterCache(pool, host_bytes=n * image_bytes, reload=reload)
+    # an unbounded host tier: every adapter must get its host copy (a budget of n images could leave the last one no
+    # room, the arena's chunks holding whole images only, and the loop below waiting for it forever)
+    cache = AdapterCache(pool, host_bytes=None, reload=reload)
     meta = load_peft_adapter(dirs[0], config, header_only=True)
     handles = [cache.add(f"a{i}", None, path=d, allow_pickle=False, summary="", max_rank=meta.max_rank,
                          pool_bytes=image_bytes) for i, d in enumerate(dirs)]
     rows = []
+    if args.cold:
+        drop_page_cache(dirs)
     t0 = time.perf_counter()
     while any(h.host is None for h in handles):  # reads on the I/O threads; the pool is full: no GPU copies yet
         cache.prefetch([h for h in handles if h.host is None], wanted=set())
         time.sleep(0.001)
+        if time.perf_counter() - t0 > 120 + n:
+            raise SystemExit(f"the cache row: {sum(h.host is None for h in handles)} of {n} adapters still have no "
+                             f"host copy after {time.perf_counter() - t0:.0f} s (stats: {cache.report()})")
     wall = time.perf_counter() - t0
     s = cache.report()
     rows.append({"move": "disk_to_host", "provider": "cache", "threads": 4, "gbps": sum(file_bytes) / wall / 1e9,
@@ -300,19 +322,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported")
     ap.add_argument("--general", action="store_true", help="also time read_packed_adapter (the reload before)")
+    ap.add_argument("--cold", action="store_true",
+                    help="disk -> host rows from the disk: the files' page cache dropped before every timed run "
+                         "(posix_fadvise DONTNEED, Linux; default: the files in the page cache)")
+    ap.add_argument("--modules", default=",".join(TARGET_MODULES),
+                    help="comma list of the adapters' target modules (default all seven; issue 13's S1 / S4 sets: "
+                         "q_proj,k_proj,v_proj,o_proj)")
     ap.add_argument("--gemm-ms", type=float, default=300.0, help="length of the compute loop of the overlap run")
     ap.add_argument("--pool-device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--adapter-dir", type=Path, default=Path(tempfile.gettempdir()) / "multilora-bench-adapter-load")
     ap.add_argument("--out", type=Path, default=None, help="directory for adapter_moves_<shape>.json")
     args = ap.parse_args(argv)
+    modules = tuple(m for m in args.modules.split(",") if m)
+    if not modules or any(m not in TARGET_MODULES for m in modules):
+        ap.error(f"--modules: expected a comma list of {', '.join(TARGET_MODULES)}, got {args.modules!r}")
+    if args.cold and not hasattr(os, "posix_fadvise"):
+        ap.error("--cold: needs os.posix_fadvise (Linux) to drop the files' page cache")
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     config = ModelConfig(**MODEL_SHAPES[args.shape])
     fdt, pdt = DTYPES[args.file_dtype], DTYPES[args.pool_dtype]
     threads = [int(t) for t in args.threads.split(",")]
-    dirs = [write_adapter(args.adapter_dir / f"{args.shape}-r{args.rank}-{args.file_dtype}-{i}", config, i, args.rank,
-                          fdt) for i in range(args.adapters)]
+    tag = "" if modules == TARGET_MODULES else "-" + "-".join(m.split("_")[0] for m in modules)
+    dirs = [write_adapter(args.adapter_dir / f"{args.shape}-r{args.rank}-{args.file_dtype}{tag}-{i}", config, i,
+                          args.rank, fdt, modules) for i in range(args.adapters)]
+    if args.cold:
+        os.sync()  # (the page cache drops clean pages only: the files just written must reach the disk first)
     file_bytes = [(d / WEIGHTS).stat().st_size for d in dirs]
     meta = load_peft_adapter(dirs[0], config, header_only=True)
     probe = AdapterPool(config, num_bytes=1 << 20, max_rank=args.rank, dtype=pdt, device="meta")
@@ -323,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     head = {"device": torch.cuda.get_device_name() if pool.device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
             "shape": args.shape, "rank": args.rank, "file_dtype": args.file_dtype, "pool_dtype": args.pool_dtype,
-            "adapters": args.adapters, "file_bytes": file_bytes[0], "image_bytes": image_bytes}
+            "adapters": args.adapters, "file_bytes": file_bytes[0], "image_bytes": image_bytes,
+            "modules": list(modules), "read_ahead": image.READ_AHEAD}
     print(f"# {head}", flush=True)
     pool.warm_finish()  # the raw images' finish kernel (CUDA), compiled outside the timed rows
     rows = disk_to_host(args, config, pool, dirs, file_bytes, threads)

@@ -75,7 +75,8 @@ from multilora.runtime.adapters import save_peft_adapter
 from multilora.runtime.weights import MODEL_SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_urgent_read_wait_arg, compiles_between, set_urgent_read_wait  # noqa: E402  (bench/_common.py)
+from _common import (add_urgent_read_wait_arg, compiles_between, drop_page_cache, regular_files,  # noqa: E402
+                     set_urgent_read_wait)  # (bench/_common.py)
 
 ADAPTER_SETS = {"S1": ((8,), ("q_proj", "k_proj", "v_proj", "o_proj")),
                 "S4": ((16, 32, 64), ("q_proj", "k_proj", "v_proj", "o_proj"))}
@@ -177,29 +178,6 @@ def write_adapter_set(root: Path, config: ModelConfig, kind: str, n_files: int, 
 
 
 # ------------------------------------------------------------------------------------------------ the page cache
-def regular_files(dirs: list[Path]) -> list[Path]:
-    """Every regular file under the directories ``dirs`` (symbolic links followed), sorted."""
-    out = []
-    for d in dirs:
-        for parent, _, names in os.walk(d):
-            out += [Path(parent, name) for name in names if os.path.isfile(os.path.join(parent, name))]
-    return sorted(out)
-
-
-def drop_page_cache(dirs: list[Path]) -> int:
-    """Drops the OS page cache of every regular file under ``dirs``: opens each read-only,
-    ``posix_fadvise(POSIX_FADV_DONTNEED)`` over the whole file, closes it; returns the number of files. The kernel
-    drops clean pages only (``os.sync()`` first after writing); no root needed. Linux (``os.posix_fadvise``)."""
-    paths = regular_files(dirs)
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return len(paths)
-
-
 def cold_read(dirs: list[Path], buffer_bytes: int = 16 << 20) -> dict:
     """The disk's plain sequential read, the reference for the rows' ``disk_to_host_aggregate_gbps``: the page cache of the
     files under ``dirs`` dropped, each file read whole in turn by one thread (``readinto`` one reusable

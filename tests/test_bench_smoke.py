@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from multilora.config import TARGET_MODULES
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,23 +44,30 @@ def test_adapter_throughput_bench_runs(tmp_path):
         assert 0 < sum(share for _, share in main) <= 1.0 + 1e-3  # (shares rounded to 4 decimals)
 
 
-@pytest.mark.parametrize("file_dtype", ["bfloat16", "float32"])
-def test_adapter_load_bench_runs(file_dtype, tmp_path):
+@pytest.mark.parametrize("file_dtype,cold", [("bfloat16", False), ("float32", False), ("bfloat16", True)])
+def test_adapter_load_bench_runs(file_dtype, cold, tmp_path):
     """The tier-move bench (CPU: disk -> host only): every provider at every thread count, rates against the plain
-    read of the same bytes, the cache's own stats beside, in the JSON."""
+    read of the same bytes, the cache's own stats beside, in the JSON; ``--cold`` (the files' page cache dropped
+    before each run) and ``--modules`` recorded in the rows, ``image.READ_AHEAD`` as it was (off)."""
+    if cold and not hasattr(os, "posix_fadvise"):
+        pytest.skip("--cold needs os.posix_fadvise (Linux)")
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "bench" / "bench_adapter_load.py"), "--shape", "tiny", "--rank", "4",
            "--adapters", "3", "--file-dtype", file_dtype, "--pool-dtype", "float32", "--threads", "1,2",
            "--runs", "1", "--general", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out)]
+    cmd += ["--cold", "--modules", "q_proj,v_proj"] if cold else []
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     rows = json.loads((out / "adapter_moves_tiny.json").read_text())
     got = {(r["move"], r["provider"], r.get("threads")) for r in rows}
-    assert got == {("disk_to_host", name, t) for name in ("plain", "ours", "ours_host_finish", "ours_per_tensor",
-                                                               "ours_tensor_reads",
+    assert got == {("disk_to_host", name, t) for name in ("plain", "ours", "ours_readahead", "ours_host_finish",
+                                                               "ours_per_tensor", "ours_tensor_reads",
                                                                "ours_verified", "general")
                    for t in (1, 2)} | {("disk_to_host", "cache", 4)}, got
     assert all(r["gbps"] > 0 and r["file_dtype"] == file_dtype and r["adapters"] == 3 for r in rows)
+    assert all(r["modules"] == (["q_proj", "v_proj"] if cold else list(TARGET_MODULES)) and r["read_ahead"] is False
+               for r in rows)
+    assert all(r["cold"] is cold for r in rows if r["provider"] != "cache")
     for r in rows:
         if r["provider"] == "plain":
             assert r["vs_plain"] == 1.0
@@ -67,6 +76,15 @@ def test_adapter_load_bench_runs(file_dtype, tmp_path):
             assert r["vs_plain"] == pytest.approx(r["gbps"] / plain["gbps"])
     cache = next(r for r in rows if r["provider"] == "cache")
     assert cache["stats_bytes_disk_to_host"] == 3 * rows[0]["image_bytes"] and cache["stats_disk_to_host_gbps"] > 0
+
+
+def test_adapter_load_bench_refuses_unknown_modules(capsys):
+    """``--modules`` names target modules: an unknown one is refused naming the flag and what it takes."""
+    bl = _load_bench("bench_adapter_load")
+    with pytest.raises(SystemExit):
+        bl.main(["--shape", "tiny", "--modules", "q_proj,qkv_proj"])
+    err = capsys.readouterr().err
+    assert "--modules: expected a comma list of q_proj" in err and "'q_proj,qkv_proj'" in err
 
 
 def test_recapture_bench_runs(tmp_path):
