@@ -40,7 +40,12 @@ the HTTP layer: FastAPI + uvicorn + JSON + SSE, a socket and a second process.
 seconds, so the engine's disk -> host reads come from the disk, not from memory (issue 13's S4: "disk is in play").
 The run's ``cold_read_gbps`` (a plain sequential read of the files of up to 8 adapter directories, their cache
 dropped first) is the disk's own figure to hold the rows' ``disk_to_host_aggregate_gbps`` (all the engine's readers
-together) against; ``disk_to_host_gbps`` is one reader's speed.
+together) against; ``disk_to_host_gbps`` is one reader's speed. The periodic sweep can also drop pages the OS has
+read ahead for a read still in flight, which that read then fetches again in small pieces: ``--drop-after-read``
+(engine mode) instead drops an adapter directory's page cache right after each engine read of it finishes, so every
+later read of those files comes from the disk and no read in flight is disturbed (but a read of the same files
+running at that moment; S4 draws 2,000 adapters from ``--adapter-files`` directories). Either flag measures the
+cold read first.
 """
 
 from __future__ import annotations
@@ -194,6 +199,29 @@ def cold_read(dirs: list[Path], buffer_bytes: int = 16 << 20) -> dict:
     seconds = time.perf_counter() - t0
     drop_page_cache(dirs)
     return {"cold_read_bytes": total, "cold_read_gbps": total / seconds / 1e9 if seconds > 0 else None}
+
+
+class DropAfterRead:
+    """``--drop-after-read``: wraps an in-process engine's disk -> host adapter reads (its adapter cache's reload) so
+    that each one drops its adapter directory's page cache when it is done (``drop_page_cache``, also after a failed
+    read): every later read of those files comes from the disk. ``reads`` counts them (thread-safe: the cache reads
+    on its I/O threads too)."""
+
+    def __init__(self, engine: Engine) -> None:
+        cache = engine.cache
+        real = cache._reload  # (the cache's reload callable: ``reload(handle, out) -> PackedAdapter``)
+        lock = threading.Lock()
+        self.reads = 0
+
+        def reload(handle: Any, out: Any = None) -> Any:
+            try:
+                return real(handle, out)
+            finally:
+                drop_page_cache([Path(handle.path)])
+                with lock:
+                    self.reads += 1
+
+        cache._reload = reload
 
 
 class PageCacheDropper:
@@ -760,6 +788,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="during every timed row, drop the OS page cache of the adapter files every SECONDS seconds "
                          "(posix_fadvise DONTNEED, Linux), so the engine's disk -> host reads come from the disk; and "
                          "measure a plain sequential read of up to 8 of them first (cold_read_gbps). 0: off")
+    ap.add_argument("--drop-after-read", action="store_true",
+                    help="engine mode: drop an adapter directory's OS page cache right after each engine read of it "
+                         "(so later reads of it come from the disk, and no read in flight loses its read-ahead "
+                         "pages as with the periodic --drop-page-cache); measures the cold read first too")
     add_urgent_read_wait_arg(ap)
     ap.add_argument("--serve-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--n-adapters", type=int, help=argparse.SUPPRESS)
@@ -786,8 +818,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 raise ValueError
         except ValueError:
             ap.error(f"--rate: expected a positive number, 'burst' or 'auto', got {args.rate!r}")
-    if args.drop_page_cache > 0 and not hasattr(os, "posix_fadvise"):
-        ap.error(f"--drop-page-cache: needs os.posix_fadvise (Linux), which Python on {platform.system()} lacks")
+    for flag, on in (("--drop-page-cache", args.drop_page_cache > 0), ("--drop-after-read", args.drop_after_read)):
+        if on and not hasattr(os, "posix_fadvise"):
+            ap.error(f"{flag}: needs os.posix_fadvise (Linux), which Python on {platform.system()} lacks")
     return args
 
 
@@ -817,14 +850,15 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     # the child reuses the parent's adapter files (and torch seed: the same random base weights)
     child_argv = [a for a in argv] + (["--adapter-dir", os.environ["MULTILORA_BENCH_ADAPTERS"]]
                                       if args.adapter_dir is None else [])
-    disk: dict = {}  # the run's cold sequential read (--drop-page-cache)
-    if args.drop_page_cache > 0:
+    disk: dict = {}  # the run's cold sequential read (--drop-page-cache, --drop-after-read)
+    if args.drop_page_cache > 0 or args.drop_after_read:
         os.sync()  # the kernel drops clean pages only: the freshly written files written back first
         n_files = drop_page_cache(files)
         disk = cold_read(files[:8])
-        print(f"page cache of {n_files} adapter files dropped every {args.drop_page_cache:g} s during rows (cold "
-              f"sequential read: {fmt(disk['cold_read_gbps'], '.2f')} GB/s over {disk['cold_read_bytes'] / 1e6:.1f} MB)",
-              flush=True)
+        how = " and".join(([f" every {args.drop_page_cache:g} s during rows"] if args.drop_page_cache > 0 else [])
+                          + ([" after each engine read"] if args.drop_after_read else []))
+        print(f"page cache of {n_files} adapter files dropped{how} (cold sequential read: "
+              f"{fmt(disk['cold_read_gbps'], '.2f')} GB/s over {disk['cold_read_bytes'] / 1e6:.1f} MB)", flush=True)
     rows: list[dict] = []
     slo_ref: dict[tuple[str, bool], tuple[float | None, float | None]] = {}
     rate: float | None = None if args.rate == "auto" else (math.inf if args.rate == "burst" else float(args.rate))
@@ -838,7 +872,8 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
         unified = False
 
         def record(mode: str, r: float, results: list[Result], wall: float, before: dict | None,
-                   after: dict | None, steps: dict | None = None, drops: int = 0) -> dict:
+                   after: dict | None, steps: dict | None = None, drops: int = 0,
+                   after_reads: int | None = None) -> dict:
             row = {**trace_facts(trace_at(r)), "mode": mode, "n_adapters": n, "adapter_set": args.adapter_set, "popularity": args.popularity,
                    "unified_pool": unified, "adapter_pool_bytes": args.adapter_pool_bytes,
                    "kv_cache_bytes": args.kv_cache_bytes,
@@ -847,6 +882,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                    "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,
                    "long_prompt_share": args.long_prompt_share, "urgent_read_wait": scheduler_mod.URGENT_READ_WAIT,
                    "drop_page_cache_s": args.drop_page_cache, "page_cache_drops": drops,
+                   "drop_after_read": after_reads is not None, "drops_after_reads": after_reads,
                    "long_prompt_len": args.long_prompt_len if args.long_prompt_share > 0 else None,
                    **summarize(results, wall, r, before, after), **(steps or {})}
             # SLO (issue 13): TTFT <= 5x and TPOT <= 2x the p50s of the first N's row of this mode and rate kind
@@ -864,19 +900,27 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
 
         for unified in args.unified_list if "engine" in args.mode_list or rate is None else []:
             engine = build_engine(args, config, files, n, unified)
+            dropper = DropAfterRead(engine) if args.drop_after_read else None
+            if dropper is not None:  # (registering and warming up read files into the page cache)
+                drop_page_cache(files)
+
+            def after_reads(before_reads: int) -> int | None:  # this row's reads that dropped their files' cache
+                return None if dropper is None else dropper.reads - before_reads
+
             todo = rates() if rate is not None else []
             if rate is None:  # --rate auto: a burst fixes the rate every later row is offered
-                before = engine.stats()
+                before, reads0 = engine.stats(), dropper.reads if dropper else 0
                 with StepTrace(engine) as st, PageCacheDropper(files, args.drop_page_cache) as drops:
                     res, wall = asyncio.run(run_engine(engine, trace_at(math.inf)))
                 rate = args.rate_fraction * record("engine", math.inf, res, wall, before, engine.stats(),
-                                                   st.summary(), drops.passes)["achieved_rps"]
+                                                   st.summary(), drops.passes, after_reads(reads0))["achieved_rps"]
                 todo = [rate]
             for r in todo if "engine" in args.mode_list else []:
-                before = engine.stats()
+                before, reads0 = engine.stats(), dropper.reads if dropper else 0
                 with StepTrace(engine) as st, PageCacheDropper(files, args.drop_page_cache) as drops:
                     res, wall = asyncio.run(run_engine(engine, trace_at(r)))
-                record("engine", r, res, wall, before, engine.stats(), st.summary(), drops.passes)
+                record("engine", r, res, wall, before, engine.stats(), st.summary(), drops.passes,
+                       after_reads(reads0))
             del engine
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

@@ -367,6 +367,28 @@ def test_serving_bench_drop_page_cache(tmp_path):
     assert env["cold_read_gbps"] > 0 and env["cold_read_bytes"] > 0
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="--drop-after-read needs os.posix_fadvise (Linux)")
+def test_serving_bench_drop_after_read(tmp_path):
+    """``--drop-after-read``: the engine's reads from the disk tier (adapters registered with ``--preload 0``: each
+    read on first use) each drop their directory's page cache when done: the row counts them and says the mode, it
+    read bytes from the disk tier, and the run measured the cold read."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_serving.py"), "--shape", "tiny", "--adapters", "3",
+           "--requests", "8", "--input-len", "4,12", "--output-len", "2,5", "--max-batch-size", "4",
+           "--adapter-files", "3", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out), "--modes", "engine",
+           "--warmup-requests", "0", "--rate", "50", "--no-burst-rows", "--preload", "0", "--drop-after-read"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert "page cache of 6 adapter files dropped after each engine read (cold sequential read:" in p.stdout
+    data = json.loads((out / "serving_tiny.json").read_text())
+    rows = data["rows"]
+    assert len(rows) == 1 and rows[0]["failed"] == 0 and rows[0]["drop_after_read"] is True
+    reads = rows[0]["drops_after_reads"]
+    assert reads >= 1 and rows[0]["bytes_disk_to_host"] > 0, rows[0]
+    assert data["meta"]["environment"]["cold_read_gbps"] > 0
+
+
 @pytest.mark.parametrize("value", ["-1", "x", "nan"])
 def test_serving_bench_drop_page_cache_refuses_bad_values(value, capsys):
     bs = _load_bench("bench_serving")
