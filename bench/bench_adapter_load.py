@@ -111,24 +111,33 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     def ours_host_finish(i, w):
         read_image(dirs[i], config, pool, name=f"a{i}", out=blocks[w].view(pool.dtype))
 
-    def without(switch: str, read=ours_host_finish, value=False):  # ``read`` with one of read_image's A/B switches
-        def run(i, w):                                                # set to ``value`` (each read once per call)
-            was = getattr(image, switch)
-            setattr(image, switch, value)
-            try:
-                read(i, w)
-            finally:
-                setattr(image, switch, was)
+    def switched(switch: str, value, read):
+        """``read`` run with one of read_image's A/B switches set to ``value``: ``timed`` sets it once for the whole
+        run, around all threads, and puts it back after (set inside each job, a job starting while another had it
+        set would put back the set value)."""
+        def run(i, w):
+            read(i, w)
+        run.switch = (switch, value)
         return run
 
-    ours_per_tensor = without("_DEFER_CHECK")  # each tensor checked while in cache (before the whole-image check)
-    ours_tensor_reads = without("_SCATTER")  # one read per tensor instead of the scatter reads (before session 8)
-    ours_readahead = without("READ_AHEAD", ours, True)  # the whole-file advice before the read (session 32, off)
+    # each tensor checked while in cache (before the whole-image check); one read per tensor instead of the scatter
+    # reads (before session 8); the whole-file advice before the read (session 32, off by default)
+    ours_per_tensor = switched("_DEFER_CHECK", False, ours_host_finish)
+    ours_tensor_reads = switched("_SCATTER", False, ours_host_finish)
+    ours_readahead = switched("READ_AHEAD", True, ours)
 
     def timed(nt: int, fn) -> float:  # GB/s of one run (--cold: the files' page cache dropped first, untimed)
         if args.cold:
             drop_page_cache(dirs)
-        return total / _parallel(nt, jobs, fn) / 1e9
+        switch, value = getattr(fn, "switch", (None, None))
+        was = getattr(image, switch) if switch else None
+        if switch:
+            setattr(image, switch, value)
+        try:
+            return total / _parallel(nt, jobs, fn) / 1e9
+        finally:
+            if switch:
+                setattr(image, switch, was)
 
     def ours_verified(i, w):  # a re-read of a file version the cache has read before: no finite checks
         read_image(dirs[i], config, pool, name=f"a{i}", out=blocks[w].view(pool.dtype), verified=True)
@@ -151,7 +160,7 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
         med = {k: statistics.median(v) for k, v in rates.items() if v}
         for name, gbps in med.items():
             rows.append({"move": "disk_to_host", "provider": name, "threads": nt, "gbps": gbps,
-                         "runs_gbps": rates[name], "bytes_per_run": total, "cold": args.cold,
+                         "runs_gbps": rates[name], "bytes_per_run": total,
                          "vs_plain": gbps / med["plain"]})
     return rows
 
@@ -179,6 +188,7 @@ def through_cache(args, config, pool, dirs, image_bytes, file_bytes) -> tuple[li
         cache.prefetch([h for h in handles if h.host is None], wanted=set())
         time.sleep(0.001)
         if time.perf_counter() - t0 > 120 + n:
+            cache.close()
             raise SystemExit(f"the cache row: {sum(h.host is None for h in handles)} of {n} adapters still have no "
                              f"host copy after {time.perf_counter() - t0:.0f} s (stats: {cache.report()})")
     wall = time.perf_counter() - t0
@@ -360,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
             "shape": args.shape, "rank": args.rank, "file_dtype": args.file_dtype, "pool_dtype": args.pool_dtype,
             "adapters": args.adapters, "file_bytes": file_bytes[0], "image_bytes": image_bytes,
-            "modules": list(modules), "read_ahead": image.READ_AHEAD}
+            "modules": list(modules), "read_ahead": image.READ_AHEAD, "cold": args.cold}
     print(f"# {head}", flush=True)
     pool.warm_finish()  # the raw images' finish kernel (CUDA), compiled outside the timed rows
     rows = disk_to_host(args, config, pool, dirs, file_bytes, threads)

@@ -119,7 +119,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--adapters", type=int, default=64)
     ap.add_argument("--pool-rank", default="16", help="comma-separated pool max ranks, one case each (default 16: "
-                    "the engine's switch applies to pools of max rank <= 16; from a wider pool the fused term is one "
+                    "the fused kernel's bits are serial's for pools of max rank <= 16; from a wider pool the fused term is one "
                     "dot over all ranks, whose bits may differ from serial's)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--fused-configs", type=_configs, default=_configs(DEFAULT_CONFIGS),

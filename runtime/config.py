@@ -43,8 +43,8 @@ class EngineConfig:
             float32 on CPU).
         weight_dtype: None (base weights in ``dtype``) or "fp8": the base projections (q/k/v, o, gate/up, down) as
             float8 e4m3 with per-output-channel scales, quantized at load (``multilora.kernels.fp8``; CUDA compute
-            capability 8.9+, or the CPU); LoRA, embeddings, norms, the LM head (unless ``fp8_lm_head``) and activations
-            stay in ``dtype``.
+            capability 8.9+, or the CPU); LoRA, embeddings, norms and activations stay in ``dtype``, and the LM head
+            too unless ``fp8_lm_head`` (by default an untied head is fp8).
         fp8_lm_head: with ``weight_dtype="fp8"``, the LM head too as float8 e4m3 with per-row scales. None (the
             default) = on exactly when the model has a head of its own (untied embeddings, as Llama-3-8B): it then
             replaces the ``dtype`` head, halving its bytes read per decode step (Llama-3-8B: 1.05 GB -> 0.53 GB) and
@@ -311,7 +311,7 @@ class EngineConfig:
         if self.fp8_lm_head is not None and not isinstance(self.fp8_lm_head, bool):
             raise fail("fp8_lm_head", "None, True or False")
         if self.fp8_lm_head and self.weight_dtype != "fp8":
-            raise fail("fp8_lm_head", "False unless weight_dtype='fp8'")
+            raise fail("fp8_lm_head", "None or False unless weight_dtype='fp8'")
         for name in ("cuda_graphs", "enable_chunked_prefill", "adapter_aware_admission", "unified_pool"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "True or False")

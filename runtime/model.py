@@ -234,12 +234,13 @@ class DecoderModel:
         device, dtype: where and in which dtype the model runs.
         weight_dtype: None (the base projections in ``dtype``) or "fp8": the four fused projections of every layer
             (qkv, o, gate_up, down) stored as float8 e4m3 with per-output-channel scales
-            (``multilora.kernels.fp8``), quantized here once; embeddings, norms, biases, the LM head (unless
-            ``fp8_lm_head``), the LoRA pool and the activations stay in ``dtype``.
+            (``multilora.kernels.fp8``), quantized here once; embeddings, norms, biases, the LoRA pool and the
+            activations stay in ``dtype``, and the LM head too unless ``fp8_lm_head`` (by default an untied head is
+            fp8).
         fp8_method: the fp8 GEMM (``multilora.kernels.fp8.fp8_linear``'s ``method``; None = by rows and device).
         fp8_lm_head: with ``weight_dtype="fp8"``, the LM head too (``self.lm_head`` an ``Fp8Weight``; tied
-            embeddings keep the embedding table in ``dtype`` beside the fp8 copy). None: on when ``weight_dtype`` is
-            "fp8" and the model's head is untied (``EngineConfig.fp8_lm_head``'s default).
+            embeddings keep the embedding table in ``dtype`` beside the fp8 copy). None (default): on when
+            ``weight_dtype`` is "fp8" and the model's head is untied (as ``EngineConfig.fp8_lm_head``).
         tp_group: None, or a tensor-parallel rank's group (``runtime.parallel.TPGroup``): ``config`` and ``weights``
             are then that rank's shard, and the outputs of o and down (partial sums, LoRA included) are all-reduced.
         lora_side_max_tokens: ``self.lora_side_max_tokens`` (None: ``lora_side_limit``'s measured default).
@@ -247,7 +248,7 @@ class DecoderModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device, dtype: torch.dtype,
                  weight_dtype: str | None = None, fp8_method: str | None = None, tp_group: Any = None,
-                 lora_side_max_tokens: int | None = None, fp8_lm_head: bool | None = False):
+                 lora_side_max_tokens: int | None = None, fp8_lm_head: bool | None = None):
         if weight_dtype not in (None, "fp8"):
             raise ValueError(f"DecoderModel: weight_dtype must be None or 'fp8', got {weight_dtype!r}")
         if fp8_lm_head and weight_dtype != "fp8":

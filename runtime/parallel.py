@@ -311,7 +311,7 @@ class _Worker:
         shard = shard_weights(weights, self.full_config, rank, size)
         del weights
         self.model = DecoderModel(self.config, shard, device=device, dtype=dtype, weight_dtype=cfg.weight_dtype,
-                                  fp8_method=cfg.fp8_gemm, tp_group=TPGroup(rank, size),
+                                  fp8_method=cfg.fp8_gemm, fp8_lm_head=cfg.fp8_lm_head, tp_group=TPGroup(rank, size),
                                   lora_side_max_tokens=cfg.lora_side_stream_max_tokens)
         self.model.skip_logits = True  # rank 0 computes logits and samples
         self.adapters: dict[tuple[str, int], Any] = {}  # key -> PackedAdapter (this rank's shard)

@@ -6,7 +6,8 @@
 #
 # Needs the package importable (an editable install, or PYTHONPATH at an install of this tree). Writes
 # OUT_DIR/gpu_tests.log: each shard's tail (and `shard X rc=N at S s`; rc 124 = its time limit), then the tests that
-# failed in a shard run again alone (two processes on one GPU can disturb each other's timing-sensitive tests).
+# failed in a shard run again alone (two processes on one GPU can disturb each other's timing-sensitive tests; at
+# most 150 s, and not past 560 s from the script's start, so that a 600 s device call keeps the log).
 # Every test file with a gpu mark runs: a file not named in a shard below goes to shard C, and the log says so.
 # Exit status: 0 when no shard failed or timed out and no failure repeated alone.
 set -uo pipefail
@@ -80,7 +81,8 @@ grep -q "rc=[^0]" "$LOGS"/shard_*.log && status=1
 grep -h "^FAILED\|^ERROR" "$LOGS"/shard_*.log | sed 's/^[A-Z]* //; s/ - .*//' | sort -u > "$LOGS/failed.txt"
 if [ -s "$LOGS/failed.txt" ]; then
     echo "=== re-run alone: $(wc -l < "$LOGS/failed.txt") failed in the shards" >> "$OUT/gpu_tests.log"
-    (cd /tmp && timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs $(cat "$LOGS/failed.txt") 2>&1 \
+    left=$(( 560 - SECONDS )); [ $left -gt 150 ] && left=150; [ $left -lt 30 ] && left=30  # (a 600 s device call)
+    (cd /tmp && timeout $left python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs $(cat "$LOGS/failed.txt") 2>&1 \
         | tail -60 >> "$OUT/gpu_tests.log"; exit "${PIPESTATUS[0]}") || status=1
 fi
 echo "tests done at $SECONDS s, status $status" >> "$OUT/gpu_tests.log"

@@ -166,8 +166,8 @@ def test_fast_path_pages_are_bit_identical(layout, file_dtype, pool_dtype, tmp_p
 @pytest.mark.parametrize("raw", [False, True], ids=["host-finish", "raw"])
 def test_read_ahead_advises_the_whole_weight_file_once_and_keeps_the_bits(raw, tmp_path, monkeypatch):
     """``image.READ_AHEAD`` (off by default): each ``read_image`` asks the OS for the whole weight file once,
-    ``posix_fadvise(fd, 0, 0, WILLNEED)`` on the file it then reads, before any read; the image is the same bits as
-    without the advice. A file system that refuses the advice (OSError) reads the same, and ``will_need`` says so."""
+    ``posix_fadvise(fd, 0, 0, WILLNEED)`` on the file it then reads; the image is the same bits as without the
+    advice. A file system that refuses the advice (OSError) reads the same, and ``will_need`` says so."""
     import os
 
     from multilora.runtime.adapters.disk import OpenFile

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,36 @@ def test_adapter_load_bench_runs(file_dtype, cold, tmp_path):
             assert r["vs_plain"] == pytest.approx(r["gbps"] / plain["gbps"])
     cache = next(r for r in rows if r["provider"] == "cache")
     assert cache["stats_bytes_disk_to_host"] == 3 * rows[0]["image_bytes"] and cache["stats_disk_to_host_gbps"] > 0
+
+
+def test_adapter_load_bench_puts_read_image_switches_back(tmp_path):
+    """The A/B providers set ``runtime.adapters.image``'s switches for their runs only: after a run on several
+    threads (where a switch set per job leaked) every switch is at its default, and each provider's reads saw its
+    own value (seen by a spy on ``read_image``'s fast path, which makes each read slow enough to overlap)."""
+    from multilora.runtime.adapters import image
+
+    bl = _load_bench("bench_adapter_load")
+    names = ("READ_AHEAD", "_DEFER_CHECK", "_SCATTER")
+    before = {n: getattr(image, n) for n in names}
+    seen, real = [], image._read
+    mp = pytest.MonkeyPatch()
+
+    def spy(*a, **k):  # (slow enough that the threads' reads overlap)
+        seen.append(tuple(getattr(image, n) for n in names))
+        time.sleep(0.01)
+        return real(*a, **k)
+
+    mp.setattr(image, "_read", spy)
+    try:
+        assert bl.main(["--shape", "tiny", "--rank", "4", "--adapters", "3", "--threads", "1,3", "--runs", "2",
+                        "--pool-dtype", "float32", "--adapter-dir", str(tmp_path / "a")]) == 0
+    finally:
+        mp.undo()
+    assert {n: getattr(image, n) for n in names} == before
+    flipped = {(not before["READ_AHEAD"], before["_DEFER_CHECK"], before["_SCATTER"]),
+               (before["READ_AHEAD"], not before["_DEFER_CHECK"], before["_SCATTER"]),
+               (before["READ_AHEAD"], before["_DEFER_CHECK"], not before["_SCATTER"])}
+    assert set(seen) == {tuple(before.values())} | flipped  # no read saw two switches flipped at once
 
 
 def test_adapter_load_bench_refuses_unknown_modules(capsys):

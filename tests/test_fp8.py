@@ -132,7 +132,7 @@ def test_engine_config_validation():
         Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", fp8_gemm="scaled_mm")
     with pytest.raises(ValueError, match=r"Engine: fp8_gemm='weight_only' needs a CUDA GPU .*got device cpu"):
         Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", weight_dtype="fp8", fp8_gemm="weight_only")
-    with pytest.raises(ValueError, match=r"Engine: fp8_lm_head must be False unless weight_dtype='fp8', got True"):
+    with pytest.raises(ValueError, match=r"Engine: fp8_lm_head must be None or False unless weight_dtype='fp8', got True"):
         Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", fp8_lm_head=True)
     with pytest.raises(ValueError, match=r"Engine: fp8_lm_head must be None, True or False, got 'yes'"):
         Engine(ModelConfig(**MODEL_SHAPES["tiny"]), device="cpu", weight_dtype="fp8", fp8_lm_head="yes")

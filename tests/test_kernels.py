@@ -1118,6 +1118,7 @@ def test_prefill_tiles_write_the_old_tiles_bits(cfg, modules, dtype, monkeypatch
     monkeypatch.setattr(triton_sgmv, "PREFILL_WRITE_LOOP", None)
     assert torch.equal(new, delta())
     monkeypatch.setattr(triton_sgmv, "PREFILL_SHRINK_BLOCK_K", None)
+    assert triton_sgmv.shrink_block_k("cuda", dtype, T, plan.block_m, pool.max_rank) != (128, 256)  # (other blocks)
     old = delta()
     assert not new[5].any() and not old[5].any()
     ref = reference(torch.zeros(T, sl.d_out, device="cuda"), x, pool, 0, modules, token_slots)
@@ -1136,7 +1137,7 @@ def test_prefill_shrink_sums_are_the_fp64_sums(cfg, tiles, monkeypatch):
     """The prefill shrink's K split (``shrink_block_k``'s 128-wide blocks under the split of 256, and the blocks of
     before: ``PREFILL_SHRINK_BLOCK_K = None``), summed over its partials, equals ``x A^T`` computed in float64 within
     fp32 accumulation: ``|err| <= 1e-5 (|x| |A|^T)`` element-wise, which a dropped or doubled K element (the last
-    one of d_in = 2049 in a partial block) would break by orders of magnitude. bf16, q/k/v (d_in 4096 / 2049) and
+    one of d_in = 2049 in a partial block) would break well over 1 (about 50x at d_in 2049, 7x at 14336). bf16, q/k/v (d_in 4096 / 2049) and
     down (14336 / 3424), 600 tokens on three adapters."""
     if tiles == "before":
         monkeypatch.setattr(triton_sgmv, "PREFILL_SHRINK_BLOCK_K", None)
@@ -1145,6 +1146,8 @@ def test_prefill_shrink_sums_are_the_fp64_sums(cfg, tiles, monkeypatch):
     T = 600
     token_slots = [slots[t * 3 // T] for t in range(T)]
     plan = build_lora_plan(token_slots, device="cuda")
+    rule = triton_sgmv.shrink_block_k("cuda", dtype, T, plan.block_m, pool.max_rank)
+    assert (rule == (128, 256)) == (tiles == "rule"), rule  # (the two cases take different K blocks)
     worst = 0.0
     for modules in (QKV, ("down_proj",)):
         sl = lora_slices([pool.module_view(0, m) for m in modules])

@@ -264,9 +264,10 @@ class OpenFile:
                 bufs[i] = bufs[i][n:]
 
     def will_need(self) -> bool:
-        """Ask the OS to start reading the whole file into its page cache now, asynchronously
-        (``posix_fadvise(POSIX_FADV_WILLNEED)``), so that the reads that follow find the bytes on their way or
-        there, the disk's queue kept full instead of one read's readahead at a time. Advice only: True if given;
+        """Ask the OS to start reading the whole file into its page cache now (``posix_fadvise(POSIX_FADV_WILLNEED)``:
+        the reads are queued, not waited for, though queueing those of a large file can itself take a while), so
+        that the reads that follow find the bytes on their way or there, the disk's queue kept full instead of one
+        read's readahead at a time. Advice only: True if given;
         False where the platform has no ``posix_fadvise`` or the file system refuses it (the reads work the same)."""
         if not hasattr(os, "posix_fadvise"):
             return False

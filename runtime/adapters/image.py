@@ -84,7 +84,8 @@ _BATCH_B_BYTES = 64 << 20
 #: ``posix_fadvise(WILLNEED)``), so that a read from a cold page cache keeps the disk's queue full instead of waiting
 #: on the readahead of one read at a time (a file in the page cache: one system call more). Off until measured on the
 #: GPU host (session 32 wrote it with no device time left): ``python bench/bench_adapter_load.py --cold --modules
-#: q_proj,k_proj,v_proj,o_proj --rank 32``, provider ``ours_readahead`` against ``ours`` and ``plain``. Issue 13's S4
+#: q_proj,k_proj,v_proj,o_proj --rank 32 --adapters 12 --threads 1,4``, provider ``ours_readahead`` against ``ours``
+#: and ``plain``. Issue 13's S4
 #: read 0.89 GB/s (all readers) against a plain cold read's 1.61 in session 32 (``bench/results/session32``).
 READ_AHEAD = False
 
