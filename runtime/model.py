@@ -564,8 +564,8 @@ class DecoderModel:
         x = add_rms_norm(h, o, layer["post_norm"], eps, delta_weight=layer.get("attn_out_norm"),
                          unit_offset=offset, lora_delta=lo, backend=ops, quant=quant)
         x, xq = x if quant else (x, None)
-        quant = T >= FUSE_FP8_QUANT_GLU_MIN_TOKENS and self._fp8_in(i, "down", T, h.device)
         gu, lg = self._linear(x, i, "gate_up", plan, lb, defer=st.defer, x_fp8=xq)  # [T, 2 * inter]
+        quant = T >= FUSE_FP8_QUANT_GLU_MIN_TOKENS and self._fp8_in(i, "down", T, h.device)
         a = self._act(gu, lora_delta=lg, backend=ops, quant=quant)
         a, aq = a if quant else (a, None)
         d, ld = self._linear(a, i, "down", plan, lb, defer=st.defer_row, x_fp8=aq)
