@@ -47,6 +47,8 @@ with the device, versions and shapes) and a table on stdout.
     python bench/bench_adapter_load.py --file-dtype float32 --general        # a converting read; the old path too
     python bench/bench_adapter_load.py --cold --modules q_proj,k_proj,v_proj,o_proj --rank 32 --adapters 16
                                                                              # S4-like files from the disk
+    python bench/bench_adapter_load.py --cold --modules q_proj,k_proj,v_proj,o_proj --rank 32 --adapters 12 \
+        --providers plain,ours,ours_readahead --threads 1,2,4 --runs 7 --no-cache-row   # the read-ahead A/B only
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ from _common import drop_page_cache, write_adapter  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WEIGHTS = "adapter_model.safetensors"
+#: the disk -> host rows (module docstring), in their order
+DISK_PROVIDERS = ("plain", "ours", "ours_readahead", "ours_host_finish", "ours_per_tensor", "ours_tensor_reads",
+                  "ours_verified")
 
 
 def _parallel(threads: int, jobs: list, fn) -> float:
@@ -146,22 +151,23 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
         read_packed_adapter(dirs[i], config, pool, name=f"a{i}")
 
     jobs = list(range(len(dirs)))
+    providers = (("plain", plain), ("ours", ours), ("ours_readahead", ours_readahead),
+                 ("ours_host_finish", ours_host_finish), ("ours_per_tensor", ours_per_tensor),
+                 ("ours_tensor_reads", ours_tensor_reads), ("ours_verified", ours_verified)) + (
+        (("general", general),) if args.general else ())
+    providers = tuple((name, fn) for name, fn in providers if args.providers is None or name in args.providers)
     for fn in (plain, ours):  # warm-up: page cache, scratch buffers, first-touch of the blocks and buffers
         _parallel(max(threads), jobs, fn)
     for nt in threads:
-        rates = {"plain": [], "ours": [], "ours_readahead": [], "ours_host_finish": [], "ours_per_tensor": [],
-                 "ours_tensor_reads": [], "ours_verified": [], "general": []}
+        rates: dict[str, list[float]] = {name: [] for name, _ in providers}
         for _ in range(args.runs):  # interleaved, so drift hits both alike
-            for name, fn in (("plain", plain), ("ours", ours), ("ours_readahead", ours_readahead),
-                             ("ours_host_finish", ours_host_finish), ("ours_per_tensor", ours_per_tensor),
-                             ("ours_tensor_reads", ours_tensor_reads), ("ours_verified", ours_verified)) + (
-                    (("general", general),) if args.general else ()):
+            for name, fn in providers:
                 rates[name].append(timed(nt, fn))
         med = {k: statistics.median(v) for k, v in rates.items() if v}
         for name, gbps in med.items():
             rows.append({"move": "disk_to_host", "provider": name, "threads": nt, "gbps": gbps,
                          "runs_gbps": rates[name], "bytes_per_run": total,
-                         "vs_plain": gbps / med["plain"]})
+                         "vs_plain": gbps / med["plain"] if "plain" in med else None})
     return rows
 
 
@@ -332,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported")
     ap.add_argument("--general", action="store_true", help="also time read_packed_adapter (the reload before)")
+    ap.add_argument("--providers", default=None,
+                    help="comma list of the disk -> host rows to time (default all: " + ", ".join(DISK_PROVIDERS)
+                         + "; ``general`` also with --general), e.g. plain,ours,ours_readahead for the read-ahead A/B "
+                         "with more --runs in the same time")
+    ap.add_argument("--no-cache-row", action="store_true",
+                    help="skip the adapter cache's disk -> host row (and so the host -> GPU rows, which copy its images)")
     ap.add_argument("--cold", action="store_true",
                     help="disk -> host rows from the disk: the files' page cache dropped before every timed run "
                          "(posix_fadvise DONTNEED, Linux; default: the files in the page cache)")
@@ -346,6 +358,14 @@ def main(argv: list[str] | None = None) -> int:
     modules = tuple(m for m in args.modules.split(",") if m)
     if not modules or any(m not in TARGET_MODULES for m in modules):
         ap.error(f"--modules: expected a comma list of {', '.join(TARGET_MODULES)}, got {args.modules!r}")
+    if args.providers is not None:
+        args.providers = tuple(p for p in args.providers.split(",") if p)
+        known = DISK_PROVIDERS + ("general",)
+        bad = [p for p in args.providers if p not in known]
+        if bad or not args.providers:
+            ap.error(f"--providers: expected a comma list of {', '.join(known)}, got {','.join(args.providers)!r}")
+        if "general" in args.providers and not args.general:
+            args.general = True
     if args.cold and not hasattr(os, "posix_fadvise"):
         ap.error("--cold: needs os.posix_fadvise (Linux) to drop the files' page cache")
 
@@ -374,14 +394,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {head}", flush=True)
     pool.warm_finish()  # the raw images' finish kernel (CUDA), compiled outside the timed rows
     rows = disk_to_host(args, config, pool, dirs, file_bytes, threads)
-    cache_rows, cache = through_cache(args, config, pool, dirs, image_bytes, file_bytes)
-    plain4 = next((r["gbps"] for r in rows if r["provider"] == "plain" and r["threads"] == 4), None)
-    for r in cache_rows:
-        r["vs_plain"] = r["gbps"] / plain4 if plain4 else None
-    rows += cache_rows
-    if pool.device.type == "cuda":
-        rows += host_to_gpu(args, cache, image_bytes)
-    cache.close()
+    if not args.no_cache_row:
+        cache_rows, cache = through_cache(args, config, pool, dirs, image_bytes, file_bytes)
+        plain4 = next((r["gbps"] for r in rows if r["provider"] == "plain" and r["threads"] == 4), None)
+        for r in cache_rows:
+            r["vs_plain"] = r["gbps"] / plain4 if plain4 else None
+        rows += cache_rows
+        if pool.device.type == "cuda":
+            rows += host_to_gpu(args, cache, image_bytes)
+        cache.close()
     rows = [{**head, **r} for r in rows]
     for r in rows:
         extra = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()

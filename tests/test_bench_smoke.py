@@ -118,6 +118,51 @@ def test_adapter_load_bench_refuses_unknown_modules(capsys):
     assert "--modules: expected a comma list of q_proj" in err and "'q_proj,qkv_proj'" in err
 
 
+def test_adapter_load_bench_runs_chosen_providers(tmp_path, capsys):
+    """``--providers`` times only the rows named (the read-ahead A/B with more runs in the same time), each row's
+    ``vs_plain`` against the plain read of its thread count; ``--no-cache-row`` leaves the cache's row out; an
+    unknown provider is refused naming the flag and the providers there are."""
+    bl = _load_bench("bench_adapter_load")
+    out = tmp_path / "out"
+    assert bl.main(["--shape", "tiny", "--rank", "4", "--adapters", "2", "--threads", "1,2", "--runs", "3",
+                    "--pool-dtype", "float32", "--providers", "plain,ours_readahead", "--no-cache-row",
+                    "--adapter-dir", str(tmp_path / "a"), "--out", str(out)]) == 0
+    rows = json.loads((out / "adapter_moves_tiny.json").read_text())
+    assert sorted((r["provider"], r["threads"]) for r in rows) == [("ours_readahead", 1), ("ours_readahead", 2),
+                                                                   ("plain", 1), ("plain", 2)]
+    for r in rows:
+        assert len(r["runs_gbps"]) == 3
+        plain = next(q for q in rows if q["provider"] == "plain" and q["threads"] == r["threads"])
+        assert r["vs_plain"] == pytest.approx(r["gbps"] / plain["gbps"])
+    with pytest.raises(SystemExit):
+        bl.main(["--shape", "tiny", "--providers", "plain,fast"])
+    err = capsys.readouterr().err
+    assert "--providers: expected a comma list of plain, ours" in err and "'plain,fast'" in err
+
+
+def test_cold_read_patterns_bench_runs(tmp_path):
+    """The cold-read probe: every pattern timed each round with its rate against the plain read's, the block
+    queue's settings recorded (where the files' file system has a block device), ``image.READ_AHEAD`` put back."""
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("needs os.posix_fadvise (Linux)")
+    from multilora.runtime.adapters import image
+
+    before = image.READ_AHEAD
+    cr = _load_bench("cold_read_patterns")
+    out = tmp_path / "out"
+    assert cr.main(["--shape", "tiny", "--rank", "4", "--adapters", "2", "--rounds", "2",
+                    "--adapter-dir", str(tmp_path / "a"), "--out", str(out)]) == 0
+    assert image.READ_AHEAD is before
+    rows = json.loads((out / "cold_read_patterns.json").read_text())
+    assert [r["pattern"] for r in rows] == ["plain", "header_then_rest", "header_then_rest_willneed",
+                                            "header_then_rest_sequential", "header_then_rest_split2",
+                                            "header_then_rest_split4", "ours", "ours_readahead"]
+    plain = rows[0]["gbps"]
+    for r in rows:
+        assert len(r["runs_gbps"]) == 2 and r["gbps"] > 0 and r["vs_plain"] == pytest.approx(r["gbps"] / plain)
+        assert r["bytes_per_run"] == 2 * r["file_bytes"] and isinstance(r["queue"], dict)
+
+
 def test_recapture_bench_runs(tmp_path):
     """The first-capture / recapture diagnostic: one row per phase with its TPOTs (the compile count means
     nothing on the CPU)."""
