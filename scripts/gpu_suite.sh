@@ -9,7 +9,8 @@
 # failed in a shard run again alone (two processes on one GPU can disturb each other's timing-sensitive tests; at
 # most 150 s, and not past 560 s from the script's start, so that a 600 s device call keeps the log).
 # Every test file with a gpu mark runs: a file not named in a shard below goes to shard C, and the log says so.
-# Exit status: 0 when no shard failed or timed out and no failure repeated alone.
+# OUT_DIR/durations.txt: every test's time of 1 s or more, by shard (none from a shard that timed out), to deal the
+# shards by. Exit status: 0 when no shard failed or timed out and no failure repeated alone.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_suite.sh OUT_DIR [LIMIT_SECONDS]}
 LIMIT=${2:-470}
@@ -40,7 +41,8 @@ C="$C$extra"
 SECONDS=0
 shard() {  # name, test files or node ids (relative to tests/)...
     local n=$1; shift
-    (set -f; cd /tmp && timeout "$LIMIT" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=5 \
+    (set -f; cd /tmp && timeout "$LIMIT" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=0 \
+        --durations-min=1.0 \
         $(printf "$T/%s " "$@") > "$LOGS/shard_$n.log" 2>&1
      rc=$?
      [ $rc -eq 5 ] && { echo "(no gpu tests collected in this shard)" >> "$LOGS/shard_$n.log"; rc=0; }
@@ -74,8 +76,14 @@ wait
 {
     [ -n "$extra" ] && echo "=== files with a gpu mark that no shard named, run in shard C:$extra"
     for n in A E B C D F; do
-        [ -f "$LOGS/shard_$n.log" ] || continue; echo "=== shard $n"; tail -25 "$LOGS/shard_$n.log"; done
+        [ -f "$LOGS/shard_$n.log" ] || continue; echo "=== shard $n"
+        grep -Ev "^[0-9.]+s (call|setup|teardown) " "$LOGS/shard_$n.log" | tail -25; done
 } > "$OUT/gpu_tests.log"
+# every test's duration of 1 s or more, by shard (the data for the next rebalancing of the shards)
+for n in A E B C D F; do
+    [ -f "$LOGS/shard_$n.log" ] || continue
+    grep -E "^[0-9.]+s (call|setup|teardown) " "$LOGS/shard_$n.log" | sed "s/^/$n /" >> "$OUT/durations.txt"
+done
 status=0
 grep -q "rc=[^0]" "$LOGS"/shard_*.log && status=1
 grep -h "^FAILED\|^ERROR" "$LOGS"/shard_*.log | sed 's/^[A-Z]* //; s/ - .*//' | sort -u > "$LOGS/failed.txt"
