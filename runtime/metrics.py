@@ -5,7 +5,9 @@ Per request (counted when it ends): ``multilora_requests_total{adapter, finish_r
 ``multilora_time_to_first_token_seconds``, ``multilora_time_per_output_token_seconds`` (a request's mean gap between
 its tokens) and ``multilora_e2e_request_latency_seconds``, from ``RequestOutput``'s times.
 
-Read from ``Engine.stats()`` at each scrape: ``multilora_kv_blocks{state="total"|"free"}``, ``multilora_adapters
+Read from ``Engine.stats()`` at each scrape: ``multilora_engine_up`` (1; 0 when the stats cannot be read, an engine
+process that died, and then only the per-request metrics come with it: the scrape itself still succeeds),
+``multilora_kv_blocks{state="total"|"free"}``, ``multilora_adapters
 {tier}``, ``multilora_adapter_bytes_moved_total{source, destination}``, ``multilora_prompt_tokens_total``,
 ``multilora_generation_tokens_total``, ``multilora_preemptions_total``, the histogram
 ``multilora_step_duration_seconds{kind}`` (engine steps by kind), ``multilora_kernel_compiles_total`` /
@@ -18,6 +20,7 @@ names; the value is the scrape's Unix time, as vLLM sets it).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Iterator
 
@@ -25,6 +28,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from multilora.runtime.postprocess import RequestOutput
+
+log = logging.getLogger("multilora.server")
 
 # vLLM's buckets (seconds)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -84,12 +89,27 @@ class _EngineCollector:
 
     def __init__(self, engine: Any, served_model_name: str) -> None:
         self.engine, self.model_name = engine, served_model_name
+        self._down: str | None = None  # why the last scrape could not read the engine's stats
 
     def describe(self) -> list:
         return []  # no registration-time scrape
 
     def collect(self) -> Iterator[Metric]:
-        s = self.engine.stats()
+        up = GaugeMetricFamily("multilora_engine_up", "1 while the engine answers (its stats read at this scrape), 0 "
+                               "once it has stopped (an engine process that died: /health says why)")
+        try:
+            s = self.engine.stats()
+        except Exception as e:  # a dead engine: the scrape still succeeds, with the request metrics and up = 0
+            why = f"{type(e).__name__}: {e}"
+            if why != self._down:  # said once, not at every scrape
+                log.error("/metrics: the engine's stats cannot be read (%s); multilora_engine_up is 0", why)
+                self._down = why
+            up.add_metric([], 0)
+            yield up
+            return
+        self._down = None
+        up.add_metric([], 1)
+        yield up
         total, free = s["kv_blocks_total"], s["kv_blocks_free"]
         yield from self._vllm(s, (total - free) / total if total else 0.0)
         kv = GaugeMetricFamily("multilora_kv_blocks", "KV-cache blocks (the reserved null block excluded)",

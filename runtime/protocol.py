@@ -33,9 +33,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with an HTTP status."""
 
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers  # extra response headers (e.g. Retry-After of a 429)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),

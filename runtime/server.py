@@ -18,7 +18,7 @@ their KV blocks and adapter references go back at once. Errors are ``{"error": {
 "code"}}``: 400 bad request (malformed JSON, a wrong type, an unsupported parameter, a bad prompt or sampling value:
 the engine's message), 401 missing or wrong API key (every route but ``/health``), 403 an adapter path outside the
 adapter root, 404 unknown model or adapter (and runtime adapter routes when disabled), 429 the engine's waiting
-queue is full (``EngineOverloadedError``), 500 a request that failed in the engine, 503 shutting down or the engine
+queue is full (``EngineOverloadedError``; with ``Retry-After: 1``), 500 a request that failed in the engine, 503 shutting down or the engine
 stopped (an engine process that died: ``code="engine_dead"``, also on ``/health``).
 """
 
@@ -71,6 +71,9 @@ __all__ = ["api_key_error", "create_app"]
 log = logging.getLogger("multilora.server")
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+#: the ``Retry-After`` header (seconds, RFC 9110 section 10.2.3) of a 429 "engine overloaded": the waiting queue is
+#: full, and a step or two later (milliseconds to a second on a GPU) running requests have finished and made room
+RETRY_AFTER_S = 1
 _pumps: set[asyncio.Task] = set()  # the tasks reading engine streams (the event loop keeps only weak references)
 
 
@@ -250,7 +253,8 @@ class _Server:
             if isinstance(e, EngineDeadError):
                 raise APIError(503, f"the engine is not running: {e}; restart the server", code="engine_dead") from None
             if isinstance(e, EngineOverloadedError):
-                raise APIError(429, str(e), code="engine_overloaded") from None
+                raise APIError(429, str(e), code="engine_overloaded",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
             if isinstance(e, UnknownAdapterError):  # unloaded since _adapter looked
                 raise APIError(404, str(e.args[0]), code="model_not_found", param="model") from None
             if isinstance(e, ValueError):
@@ -484,7 +488,7 @@ def api_key_error(authorization: str | None, api_key: str) -> APIError | None:
 
 def _add_error_handlers(app: FastAPI) -> None:
     def reply(e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:

@@ -512,6 +512,7 @@ def test_overloaded_engine_is_429(http, client, served):
     try:
         r = http.post("/v1/completions", json={"model": BASE, "prompt": "Hi"})
         assert r.status_code == 429 and r.json()["error"]["code"] == "engine_overloaded"
+        assert r.headers["retry-after"] == "1"  # (RFC 9110: seconds; the openai client waits that long)
         assert "max_waiting_requests" in r.json()["error"]["message"]
         with pytest.raises(openai.RateLimitError):
             client.chat.completions.create(model=BASE, messages=CHAT)
@@ -637,6 +638,8 @@ def test_a_model_without_a_tokenizer_streams_a_chunk_per_token(mode):
 # ------------------------------------------------------------------------------------------ metrics
 def test_metrics_parse_and_hold_the_gateway_api_names(http, served):
     _serves(http)
+    r = http.post("/v1/completions", json={"model": "ad1", "prompt": "Hi", "max_tokens": 2})  # an adapter host -> gpu
+    assert r.status_code == 200, r.text
     m = _metrics(http)
     names = {n for n, _ in m}
     for name in ("vllm:lora_requests_info", "vllm:num_requests_waiting", "vllm:num_requests_running",
@@ -645,6 +648,7 @@ def test_metrics_parse_and_hold_the_gateway_api_names(http, served):
                  "multilora_kv_blocks", "multilora_adapters", "multilora_adapter_bytes_moved_total",
                  "multilora_prompt_tokens_total", "multilora_generation_tokens_total"):
         assert name in names, name
+    assert _one(m, "multilora_engine_up") == 1
     s = served.stats()
     ((labels, stamp),) = [(dict(k), v) for (n, k), v in m.items() if n == "vllm:lora_requests_info"]
     assert labels == {"max_lora": str(s["pool_max_rank_adapters"]), "running_lora_adapters": "",
@@ -788,7 +792,8 @@ def test_engine_process_startup_errors_are_the_servers_exit_message(capsys, mode
 # ------------------------------------------------------------------------------------------ the engine process dies
 def test_a_killed_engine_process_fails_health_and_its_requests(url, http, served):
     """The module's last test of the live server (it kills the engine process of mode process): a stream in flight
-    ends with an error event naming the signal, /health and new requests are 503 with that reason."""
+    ends with an error event naming the signal, /health and new requests are 503 with that reason, and /metrics is
+    still 200 with ``multilora_engine_up`` 0 (and the request metrics)."""
     if served.proc is None:
         pytest.skip("mode thread has no engine process to kill")
     served.apply(hooks.slow_steps, 0.05)
@@ -807,6 +812,11 @@ def test_a_killed_engine_process_fails_health_and_its_requests(url, http, served
     r = http.post("/v1/completions", json={"model": BASE, "prompt": "Hi"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
     assert not served.proc.running and "SIGKILL" in served.proc.error
+    for _ in range(2):  # the scrape still succeeds (a monitor sees the engine down), the request counters with it
+        m = _metrics(http)
+        assert _one(m, "multilora_engine_up") == 0
+        assert m[("multilora_requests_total", frozenset({("adapter", "ad1"), ("finish_reason", "error")}))] >= 1
+        assert not any(n == "multilora_kv_blocks" for n, _ in m)
 
 
 # ------------------------------------------------------------------------------------------ the stream's chunks
