@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                                           "MULTILORA_HOME defaulting to ~/.cache/multilora)")
     d.add_argument("--max-tokens", type=_int_range(1), default=32, help="tokens per completion (default 32)")
     d.add_argument("--model", help="another model instead of the default (" + _SERVED + ")")
+    d.add_argument("--max-lora-rank", type=_int_range(1), default=None,
+                   help="largest adapter rank the demo's engine accepts (default the engine's, 64): for adapters "
+                        "written by make-demo-adapters --rank above that")
 
     m = sub.add_parser("make-demo-adapters", help="write seeded random PEFT adapters for a model")
     m.add_argument("out_dir")
@@ -593,6 +596,13 @@ def _cmd_make(args: argparse.Namespace) -> int:
     for name, d in make_demo_adapters(args.out_dir, weights, config, rank=args.rank,
                                       base_model_name_or_path=str(path)).items():
         print(f"{name}: {d}")
+    from multilora.runtime.config import EngineConfig
+
+    default = EngineConfig().max_lora_rank
+    if args.rank > default:
+        print(f"note: rank {args.rank} is above the engine's default max_lora_rank {default}: load these adapters with "
+              f"--max-lora-rank {args.rank} (demo, generate, serve) or Engine(max_lora_rank={args.rank})",
+              file=sys.stderr)
     return 0
 
 
@@ -619,7 +629,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from multilora.runtime.demo import run_demo
 
-            return run_demo(args.adapters_dir, max_tokens=args.max_tokens, model=args.model)
+            return run_demo(args.adapters_dir, max_tokens=args.max_tokens, model=args.model,
+                            max_lora_rank=args.max_lora_rank)
         if args.command == "make-demo-adapters":
             return _cmd_make(args)
         if args.command == "generate":

@@ -83,13 +83,15 @@ def default_demo_dir() -> Path:
     return Path(os.environ.get("MULTILORA_HOME", Path.home() / ".cache" / "multilora")) / "demo-adapters"
 
 
-def run_demo(adapters_dir: str | os.PathLike | None = None, *, max_tokens: int = 32, model: str | None = None) -> int:
-    """Load the (default) model, write demo adapters if missing, generate a mixed batch, print it."""
+def run_demo(adapters_dir: str | os.PathLike | None = None, *, max_tokens: int = 32, model: str | None = None,
+             max_lora_rank: int | None = None) -> int:
+    """Load the (default) model, write demo adapters if missing, generate a mixed batch, print it.
+    ``max_lora_rank``: the engine's (None: ``EngineConfig``'s default), for demo adapters of a higher rank."""
     from multilora.runtime.engine import Engine
     from multilora.runtime.sampling import SamplingParams
     from multilora.runtime.weights import load_model_files, model_label
 
-    engine = Engine(model)
+    engine = Engine(model) if max_lora_rank is None else Engine(model, max_lora_rank=max_lora_rank)
     d = Path(adapters_dir) if adapters_dir else default_demo_dir() / model_label(engine.model_path)
     missing = [n for n in DEMO_ADAPTERS if not (d / n / "adapter_config.json").is_file()]
     if missing:

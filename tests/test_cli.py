@@ -385,6 +385,20 @@ def test_demo_on_a_given_model(tiny, tmp_path, capsys):
     assert "[base]" in out and "tokens/s" in out
 
 
+def test_demo_takes_adapters_above_the_default_max_lora_rank(tiny, tmp_path, capsys):
+    """make-demo-adapters --rank above the engine's default max_lora_rank (64) says how to load them; demo refuses
+    them with the engine's message naming --max-lora-rank, and runs with that flag."""
+    code, _, err = run(capsys, "make-demo-adapters", tmp_path / "ad", "--model", tiny, "--rank", 80)
+    assert code == 0 and "rank 80 is above the engine's default max_lora_rank 64" in err
+    assert "--max-lora-rank 80" in err
+    code, _, err = run(capsys, "demo", "--model", tiny, "--adapters-dir", tmp_path / "ad", "--max-tokens", 2)
+    assert code != 0 and "exceeds the engine's max_lora_rank 64" in err and "--max-lora-rank 80" in err, err
+    code, out, err = run(capsys, "demo", "--model", tiny, "--adapters-dir", tmp_path / "ad", "--max-tokens", 2,
+                         "--max-lora-rank", 80)
+    assert code == 0, err
+    assert all(f"[{n}]" in out for n in DEMO_NAMES)
+
+
 def test_readme_names_the_demo_adapters_directory_as_the_demo_makes_it(monkeypatch):
     """README.md says where `multilora demo` writes its adapters in one way, `<model file name without .gguf, or model
     directory name>`, and its example is the directory the demo derives for the embedded model (``model_label``);
