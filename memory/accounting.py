@@ -662,6 +662,18 @@ def _budget(view: _DeviceView, o: MemoryPlanOptions) -> tuple[int, Bound, Bound]
     """(hard budget, uncapped budget, budget after the total cap). Raises if the live state cannot fit."""
     hard = view.usable.value - o.non_kv_reserve_bytes
     need = o.live_state_minimum_bytes
+    if hard < 0:  # (the reserve alone does not fit: say so, rather than "0 B does not fit in at most 0 B")
+        raise MemoryPlanError(
+            f"the non-KV reserve {_gib(o.non_kv_reserve_bytes)} ({o.non_kv_reserve_bytes} B: activations and "
+            f"workspaces; non_kv_reserve_bytes, multilora memory --non-kv-reserve-bytes) does not fit: it leaves "
+            f"nothing of the usable "
+            f"memory {_gib(view.usable.value)} ({view.usable.value} B, bound by {view.usable.source}) for the adapter "
+            f"pool and the KV cache: it is {o.non_kv_reserve_bytes - view.usable.value} B too large (an engine's reserve "
+            f"grows with max_prefill_tokens and max_batch_size)",
+            needed_bytes=need,
+            fits_bytes=0,
+            source=view.usable.source,
+        )
     if need > hard:
         fits = max(0, hard)
         raise MemoryPlanError(

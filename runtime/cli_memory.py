@@ -12,7 +12,8 @@ Exit status 2, with one line that names the file or the option, for a snapshot t
 (``MemorySnapshotError``), a plan that does not fit (``MemoryPlanError``) or a bad option. A plan whose adapter
 pool is 0 B (asked for with ``--adapter-pool-share 0`` or ``--adapter-pool-bytes 0``, or left by the caps) exits 0
 with a note under the plan (stderr stays empty on exit 0; ``--json`` shows the 0 B): an engine needs room for one
-adapter, which ``--min-adapter-bytes`` makes the plan check.
+adapter, which ``--min-adapter-bytes`` makes the plan check; a 0 B KV cache likewise (``--min-kv-bytes``). A last
+note says how an engine's own bounds (its weights, ``max_batch_size`` x ``max_seq_len`` of KV) change the sizes.
 """
 
 from __future__ import annotations
@@ -184,10 +185,28 @@ def run_memory(args: argparse.Namespace) -> int:
         print(json.dumps({"plan": plan.to_dict(), "snapshot": snapshot.to_dict()}, indent=2))
     else:
         print(plan.explain())
-        if plan.adapter_pool_bytes == 0 and not options.min_adapter_pool_bytes:  # a plan, not an error: it may be
-            print("note: the adapter pool is 0 B; an engine refuses to start without room for one adapter of its "
-                  "max_lora_rank (pass --min-adapter-bytes with that size to plan against it)")  # what was asked
+        for note in plan_notes(plan, options):
+            print(f"note: {note}")
     return 0
+
+
+def plan_notes(plan, options: MemoryPlanOptions) -> list[str]:
+    """What an engine would make of ``plan`` that the plan itself does not say (printed under it, exit 0: a plan is
+    not an error, and may be what was asked for): a 0 B pool or KV cache, which an engine refuses, and how an
+    engine's own bounds change the sizes."""
+    notes = []
+    if plan.adapter_pool_bytes == 0 and not options.min_adapter_pool_bytes:
+        notes.append("the adapter pool is 0 B; an engine refuses to start without room for one adapter of its "
+                     "max_lora_rank (pass --min-adapter-bytes with that size to plan against it)")
+    if plan.kv_bytes == 0 and not options.min_kv_bytes:
+        notes.append("the KV cache is 0 B; an engine refuses to start without KV for one max_seq_len sequence "
+                     "(pass --min-kv-bytes with that size to plan against it)")
+    notes.append("this is the machine's plan before an engine's own bounds: an engine plans after loading its "
+                 "weights (not counted here unless in --non-kv-reserve-bytes), caps its KV cache at max_batch_size "
+                 "sequences of max_seq_len, and holds its pool to at least one adapter of max_lora_rank; the sizes an "
+                 "engine took are in Engine.stats() (pool_bytes_total, kv_blocks_total, host_tier_budget) and "
+                 "`multilora generate --stats`")
+    return notes
 
 
 def main(argv: list[str] | None = None) -> int:

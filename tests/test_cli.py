@@ -453,6 +453,21 @@ def test_memory_notes_a_zero_byte_adapter_pool(tmp_path, capsys):
         assert "adapter pool is 0 B" in out and "--min-adapter-bytes" in out, out
     code, out, err = run(capsys, "memory", "--snapshot", snap, "--adapter-pool-bytes", "0", "--min-adapter-bytes", "1MiB")
     assert code == 2 and "note" not in out + err, (out, err)
+    for flags in (["--kv-bytes", "0"], ["--adapter-pool-share", "1"]):  # the KV cache likewise
+        code, out, err = run(capsys, "memory", "--snapshot", snap, *flags)
+        assert code == 0 and not err and "KV cache is 0 B" in out and "--min-kv-bytes" in out, (out, err)
+    code, out, err = run(capsys, "memory", "--snapshot", snap)
+    assert "KV cache is 0 B" not in out and "caps its KV cache at max_batch_size" in out, out  # an engine's bounds
+
+
+def test_memory_says_when_the_reserve_alone_does_not_fit(tmp_path, capsys):
+    """A non-KV reserve above the usable memory is refused saying so (not "0 B does not fit in at most 0 B")."""
+    snap = tmp_path / "snap.json"
+    assert run(capsys, "memory", "--save-snapshot", snap)[0] == 0
+    usable = json.loads(run(capsys, "memory", "--snapshot", snap, "--json")[1])["plan"]["usable_bytes"]
+    code, out, err = run(capsys, "memory", "--snapshot", snap, "--non-kv-reserve-bytes", str(usable + 5))
+    assert code == 2 and "the non-KV reserve" in err and "leaves nothing of the usable memory" in err, err
+    assert "it is 5 B too large" in err and "--non-kv-reserve-bytes" in err, err
 
 
 def test_generate_engine_flags(tiny, capsys):
