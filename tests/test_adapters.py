@@ -9,6 +9,7 @@ thing and checks the error names the file, the key, and what was expected and go
 from __future__ import annotations
 
 import json
+import logging
 import math
 import warnings
 
@@ -418,6 +419,18 @@ def test_unsupported_targets(targets, fragments, mcfg, tmp_path):
     _write_valid(tmp_path, mcfg)
     _patch_config(tmp_path, target_modules=targets)
     _raises(tmp_path, mcfg, *fragments, key="target_modules", file=CFG)
+
+
+def test_layers_to_transform_outside_the_model_are_ignored_with_a_warning(mcfg, tmp_path, caplog):
+    """A layer index the model does not have is skipped, as PEFT skips it, and the load says so (a typo, or an
+    adapter for a deeper model); the layers it has are targeted."""
+    _write_valid(tmp_path, mcfg, keys=[(0, m) for m in ("q_proj", "v_proj", "down_proj")])
+    _patch_config(tmp_path, layers_to_transform=[0, 99])
+    with caplog.at_level(logging.WARNING, logger="multilora"):
+        adapter = load_peft_adapter(tmp_path, mcfg, header_only=True)
+    assert {layer for layer, _ in adapter.modules} == {0}
+    (msg,) = [r.getMessage() for r in caplog.records if "layers_to_transform" in r.getMessage()]
+    assert "[0, 99]" in msg and "layer(s) 99" in msg and f"layers 0 to {NUM_LAYERS - 1}" in msg, msg
 
 
 def test_targets_no_module(mcfg, tmp_path):

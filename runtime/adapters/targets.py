@@ -5,6 +5,7 @@ and alpha (``target_modules``, ``exclude_modules``, ``layers_to_transform`` / ``
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from typing import Any, Mapping
 
 from multilora.config import MODULE_PARENT, ModelConfig
 from multilora.runtime.adapters.spec import AdapterError, _jd, _Spec
+
+log = logging.getLogger("multilora")
 
 #: Prefix PEFT puts in front of the base model's module names in ``adapter_model.safetensors``.
 _PEFT_PREFIX = "base_model.model."
@@ -156,6 +159,15 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
             bad = [n for n, proj in all_hits if proj is None and not _excluded(spec, n)]
             if bad:
                 raise reject("target_modules", f"the entry {entry!r}", bad)
+
+    ltt = spec.layers_to_transform
+    if ltt is not None:  # PEFT skips a layer the model does not have, and so does this; said, as it may be a typo
+        outside = [i for i in ((ltt,) if isinstance(ltt, int) else ltt) if not 0 <= i < config.num_layers]
+        if outside:
+            log.warning("%s: layers_to_transform %s names layer(s) %s, which this %s model (layers 0 to %d) does not "
+                        "have: ignored, as PEFT does (an adapter for another model, or a typo?)", cfg_path,
+                        _jd(ltt if isinstance(ltt, int) else list(ltt)), ", ".join(map(str, outside)),
+                        config.architecture, config.num_layers - 1)
 
     targets: dict[tuple[int, str], _Target] = {}
     for n, proj in names:
