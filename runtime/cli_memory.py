@@ -4,6 +4,8 @@
     multilora memory --save-snapshot snap.json        # ... and record the snapshot it used
     multilora memory --snapshot snap.json --json      # replay a recorded snapshot, machine-readable
     multilora memory --kv-bytes 8GiB --fraction 0.8 --local-ranks 4
+    multilora memory --model                          # what an engine of the default model would take here
+    multilora memory --model llama-3-8b/ --max-batch-size 64 --max-seq-len 4096 --max-lora-rank 16
 
 Byte options take an integer or a number with a unit: B, KiB, MiB, GiB, TiB (powers of 1024),
 KB, MB, GB, TB (powers of 1000); K, M, G, T alone are read as KiB, MiB, GiB, TiB; at most 2^64 - 1.
@@ -114,6 +116,36 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--min-kv-bytes", type=_bytes_arg, default=0, help="KV of one max-length sequence (live-state minimum)"
     )
+    e = p.add_argument_group(
+        "an engine's plan (--model)",
+        "the sizes an Engine of that model would take here: the plan above with the engine's own inputs (its weights "
+        "in the reserve, since it plans after loading them; KV capped at max_batch_size sequences of max_seq_len; the "
+        "pool at least one adapter of max_lora_rank). Only the model's config is read, not its weights.")
+    e.add_argument("--model", nargs="?", const="", default=None, metavar="PATH",
+                   help="a GGUF file or Hugging Face model directory (no PATH: the embedded default model)")
+    for flag, kind, what in _ENGINE_FLAGS:
+        e.add_argument(flag, type=kind, default=None, help=what)
+
+
+#: the engine options ``--model`` takes beside the plan's own (``EngineConfig`` fields of the same names)
+_ENGINE_FLAGS = (
+    ("--max-batch-size", int, "requests per step (default the engine's, 16); KV holds this many max_seq_len sequences"),
+    ("--max-seq-len", int, "longest sequence in tokens (default: the model's, at most 2,048 on CUDA, 1,024 on the CPU)"),
+    ("--max-lora-rank", int, "largest adapter rank (default 64): the pool holds one such adapter on every module"),
+    ("--kv-block-size", int, "tokens per KV block (default 16)"),
+    ("--adapter-slots", int, "cap on adapters resident at once (default: as many rank-8 q/k/v/o ones as fit)"),
+    ("--max-prefill-tokens", int, "largest prefill (default 4,096): sizes the activation reserve"),
+    ("--dtype", str, "float32, float16 or bfloat16 (default: bfloat16 on CUDA, float32 on the CPU)"),
+    ("--weight-dtype", str, "fp8: the base projections (and an untied LM head) at 1 byte per weight"),
+)
+#: the plan's options an engine computes itself: not with --model
+_NOT_WITH_MODEL = (
+    ("total_bytes", "--total-bytes", "an engine has no cap on pool + KV together: cap each (--adapter-pool-bytes, "
+                                     "--kv-bytes)"),
+    ("non_kv_reserve_bytes", "--non-kv-reserve-bytes", "an engine's reserve is its weights and activations, computed "
+                                                       "from the model"),
+    ("min_adapter_bytes", "--min-adapter-bytes", "an engine's minimum is one adapter of --max-lora-rank"),
+    ("min_kv_bytes", "--min-kv-bytes", "an engine's minimum is KV for one sequence of --max-seq-len"))
 
 
 def _options(args: argparse.Namespace) -> MemoryPlanOptions:
@@ -161,10 +193,89 @@ def _snapshot(args: argparse.Namespace) -> MemorySnapshot:
     return take_snapshot(args.device)
 
 
+def _engine_config(args: argparse.Namespace):
+    """The ``EngineConfig`` of ``--model``'s plan: the engine flags given and the plan's own options by their
+    engine names. Raises ValueError naming the flag (a value the engine refuses, or an option it computes itself)."""
+    from multilora.runtime.config import EngineConfig, as_flag_error
+
+    for name, flag, why in _NOT_WITH_MODEL:
+        if getattr(args, name):
+            raise ValueError(f"{flag}: not with --model ({why})")
+    fields = {"gpu_memory_fraction": args.fraction, "adapter_pool_share": args.adapter_pool_share,
+              "adapter_pool_bytes": args.adapter_pool_bytes, "kv_cache_bytes": args.kv_bytes,
+              "host_adapter_bytes": args.host_adapter_bytes, "local_ranks": args.local_ranks}
+    for flag, _, _ in _ENGINE_FLAGS:
+        fields[flag[2:].replace("-", "_")] = getattr(args, flag[2:].replace("-", "_"))
+    try:
+        return EngineConfig(**{k: v for k, v in fields.items() if v is not None})
+    except ValueError as e:  # "--gpu-memory-fraction: ...", "--kv-cache-bytes: ...": aliases of this command's flags
+        raise as_flag_error(e) from None
+
+
+def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
+    """What an ``Engine`` of ``--model`` would allocate on the machine of ``snapshot`` (taken before the model is
+    loaded: its weights' bytes join the reserve), as ``runtime.sizing`` sizes it: a dict of the inputs and sizes (the
+    keys of ``--json``'s ``"engine"``) with the plan under ``"plan"``. On CUDA an engine measures its reserve with a
+    forward pass of the largest prefill; this uses the estimate the engine starts from (``activation_bytes``).
+
+    Raises:
+        ValueError: a bad flag (named), a model that cannot be read (``ModelLoadError``), a plan that does not fit
+            (``MemoryPlanError``).
+    """
+    from multilora.runtime.sizing import (default_dtype, default_max_seq_len, memory_request, size_engine,
+                                          weight_bytes)
+    from multilora.runtime.weights import model_config, resolve_model_path
+
+    cfg = _engine_config(args)
+    path = resolve_model_path(args.model or None)
+    model = model_config(path)
+    device_type = "cuda" if snapshot.has_gpu else "cpu"
+    dtype = default_dtype(cfg, device_type)
+    max_seq_len = default_max_seq_len(model, cfg, device_type)
+    request = memory_request(model, cfg, dtype=dtype, max_seq_len=max_seq_len)
+    weights = weight_bytes(model, dtype, cfg.weight_dtype, cfg.fp8_lm_head)
+    sizes = size_engine(request, cfg, snapshot, reserve_bytes=request.activation_bytes + weights)
+    r = request
+    return {"model": str(path), "architecture": model.architecture, "layers": model.num_layers,
+            "dtype": str(dtype).replace("torch.", ""), "weight_dtype": cfg.weight_dtype,
+            "max_batch_size": cfg.max_batch_size, "max_seq_len": max_seq_len, "max_lora_rank": cfg.max_lora_rank,
+            "kv_block_size": cfg.kv_block_size, "weight_bytes": weights, "activation_bytes": r.activation_bytes,
+            "pool_bytes": sizes.num_pages * r.page_bytes, "pool_pages": sizes.num_pages, "page_bytes": r.page_bytes,
+            "max_rank_adapters": sizes.num_pages // r.pages_per_adapter, "adapter_slots": sizes.slots,
+            "kv_blocks": sizes.num_blocks, "kv_block_bytes": r.block_bytes,
+            "kv_tokens": (sizes.num_blocks - 1) * cfg.kv_block_size, "host_tier_bytes": sizes.host_bytes,
+            "plan": sizes.plan}
+
+
+def _explain_engine(e: dict) -> str:
+    gib = lambda n: f"{n / (1 << 30):.2f} GiB"  # noqa: E731
+    kv_seqs = e["kv_tokens"] / e["max_seq_len"]
+    host = "none" if e["host_tier_bytes"] is None else f"{gib(e['host_tier_bytes'])} ({e['host_tier_bytes']} B)"
+    return "\n".join([
+        f"engine of {e['model']} ({e['architecture']}, {e['layers']} layers; {e['dtype']}"
+        + (f", {e['weight_dtype']} weights" if e["weight_dtype"] else "")
+        + f", max_lora_rank {e['max_lora_rank']}, max_batch_size {e['max_batch_size']}, max_seq_len {e['max_seq_len']}, "
+          f"kv_block_size {e['kv_block_size']}):",
+        f"  weights       {gib(e['weight_bytes'])} ({e['weight_bytes']} B), in the reserve: the engine plans after "
+        "loading them",
+        f"  activations   {gib(e['activation_bytes'])} ({e['activation_bytes']} B), in the reserve (an estimate: on "
+        "CUDA the engine measures it with a forward pass of its largest prefill)",
+        f"  adapter pool  {gib(e['pool_bytes'])} ({e['pool_bytes']} B) = {e['pool_pages']} pages of {e['page_bytes']} B: "
+        f"{e['max_rank_adapters']} adapters of rank {e['max_lora_rank']} on every module, {e['adapter_slots']} slots",
+        f"  KV cache      {gib(e['kv_blocks'] * e['kv_block_bytes'])} ({e['kv_blocks']} blocks of {e['kv_block_bytes']} "
+        f"B, the null block included) = {e['kv_tokens']} tokens, {kv_seqs:.2f} sequences of max_seq_len",
+        f"  host tier     {host}",
+    ])
+
+
 def run_memory(args: argparse.Namespace) -> int:
     """Handler of ``multilora memory``: 0 on success, 2 on bad input or a plan that does not fit."""
     try:
         options = _options(args)
+        if args.model is None:
+            given = [flag for flag, _, _ in _ENGINE_FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None]
+            if given:
+                raise ValueError(f"{given[0]}: only with --model (the sizes of an engine of that model)")
         snapshot = _snapshot(args)
     except (ValueError, OSError) as e:
         print(f"multilora memory: {e}", file=sys.stderr)
@@ -176,21 +287,29 @@ def run_memory(args: argparse.Namespace) -> int:
             print(f"multilora memory: cannot write the snapshot to {args.save_snapshot}: {e.strerror or e}",
                   file=sys.stderr)
             return 2
+    engine = None
     try:
-        plan = compute_memory_plan(snapshot, options)
-    except MemoryPlanError as e:
+        if args.model is not None:
+            engine = engine_sizes(args, snapshot)
+            plan = engine.pop("plan")
+        else:
+            plan = compute_memory_plan(snapshot, options)
+    except ValueError as e:  # (MemoryPlanError, ModelLoadError, a flag the engine refuses)
         print(f"multilora memory: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"plan": plan.to_dict(), "snapshot": snapshot.to_dict()}, indent=2))
+        print(json.dumps({"plan": plan.to_dict(), "snapshot": snapshot.to_dict(),
+                          **({"engine": engine} if engine is not None else {})}, indent=2))
     else:
         print(plan.explain())
-        for note in plan_notes(plan, options):
+        if engine is not None:
+            print(_explain_engine(engine))
+        for note in plan_notes(plan, plan.options, engine=engine is not None):
             print(f"note: {note}")
     return 0
 
 
-def plan_notes(plan, options: MemoryPlanOptions) -> list[str]:
+def plan_notes(plan, options: MemoryPlanOptions, engine: bool = False) -> list[str]:
     """What an engine would make of ``plan`` that the plan itself does not say (printed under it, exit 0: a plan is
     not an error, and may be what was asked for): a 0 B pool or KV cache, which an engine refuses, and how an
     engine's own bounds change the sizes."""
@@ -201,11 +320,13 @@ def plan_notes(plan, options: MemoryPlanOptions) -> list[str]:
     if plan.kv_bytes == 0 and not options.min_kv_bytes:
         notes.append("the KV cache is 0 B; an engine refuses to start without KV for one max_seq_len sequence "
                      "(pass --min-kv-bytes with that size to plan against it)")
-    notes.append("this is the machine's plan before an engine's own bounds: an engine plans after loading its "
-                 "weights (not counted here unless in --non-kv-reserve-bytes), caps its KV cache at max_batch_size "
-                 "sequences of max_seq_len, and holds its pool to at least one adapter of max_lora_rank; the sizes an "
-                 "engine took are in Engine.stats() (pool_bytes_total, kv_blocks_total, host_tier_budget) and "
-                 "`multilora generate --stats`")
+    if not engine:
+        notes.append("this is the machine's plan before an engine's own bounds: an engine plans after loading its "
+                     "weights (not counted here unless in --non-kv-reserve-bytes), caps its KV cache at max_batch_size "
+                     "sequences of max_seq_len, and holds its pool to at least one adapter of max_lora_rank (--model "
+                     "PATH: the sizes an engine of that model would take); the sizes an engine took are in "
+                     "Engine.stats() (pool_bytes_total, kv_blocks_total, host_tier_budget) and `multilora generate "
+                     "--stats`")
     return notes
 
 

@@ -47,7 +47,8 @@ from multilora.runtime.requests import RequestFactory, per_row
 from multilora.runtime.runner import CAPTURE_WORKSPACE_BYTES, Feed, ModelRunner
 from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.scheduler import Request, Schedule, Scheduler, Status
-from multilora.runtime.sizing import default_map_ahead_bytes, default_slots, measure_and_size, memory_request
+from multilora.runtime.sizing import (default_dtype, default_map_ahead_bytes, default_max_seq_len, default_slots,
+                                     measure_and_size, memory_request)
 from multilora.runtime.tokenizer import Prompt, PromptTokenizer, prompt_list
 from multilora.runtime.weights import load_model, model_config
 
@@ -189,7 +190,7 @@ class Engine:
         cfg.warn_ineffective()
         self._switch_interval: tuple[float, float] | None = None  # (ours, the interpreter's before): Engine.close
         self.device = resolve_device(cfg.device)
-        self.dtype = cfg.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.dtype = default_dtype(cfg, self.device.type)
         if cfg.fp8_gemm == "weight_only" and self.device.type != "cuda":
             raise ValueError(f"Engine: fp8_gemm='weight_only' needs a CUDA GPU (a Triton kernel), got device "
                              f"{self.device}; leave fp8_gemm unset on the CPU (torch._scaled_mm)")
@@ -236,8 +237,7 @@ class Engine:
         self.text = PromptTokenizer(self.tokenizer, vocab_size=config_.vocab_size, eos_token_ids=config_.eos_token_ids,
                                     source=self.model_path)
         self.load_seconds = time.perf_counter() - t0
-        self.max_seq_len = cfg.max_seq_len or min(config_.max_position_embeddings,
-                                                  2048 if self.device.type == "cuda" else 1024)
+        self.max_seq_len = default_max_seq_len(config_, cfg, self.device.type)
         self.runner = ModelRunner(self.model, max_batch_size=cfg.max_batch_size, max_seq_len=self.max_seq_len,
                                   lora_backend=cfg.lora_backend, attention_backend=cfg.attention_backend)
         tokens = min(cfg.max_prefill_tokens, self.max_seq_len)  # the largest prefill, profiled on CUDA

@@ -299,10 +299,11 @@ class _Worker:
 
     def __init__(self, rank: int, size: int, model: Any, cfg: Any, device: torch.device) -> None:
         from multilora.runtime.model import DecoderModel
+        from multilora.runtime.sizing import default_dtype
         from multilora.runtime.weights import load_model
 
         self.rank, self.size, self.cfg, self.device = rank, size, cfg, device
-        dtype = cfg.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        dtype = default_dtype(cfg, device.type)
         self.dtype = dtype
         _, self.full_config, weights, _ = load_model(model, dtype=dtype, device=torch.device("cpu") if not isinstance(
             model, ModelConfig) else device, progress=False)

@@ -41,6 +41,52 @@ MAX_DEFAULT_SLOTS = 4096
 SLOT_SIZING_RANK, SLOT_SIZING_MODULES = 8, ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
+def default_dtype(cfg: EngineConfig, device_type: str) -> torch.dtype:
+    """The engine's compute dtype: ``cfg.dtype``, else bfloat16 on CUDA and float32 on the CPU."""
+    return cfg.dtype or (torch.bfloat16 if device_type == "cuda" else torch.float32)
+
+
+def default_max_seq_len(model: ModelConfig, cfg: EngineConfig, device_type: str) -> int:
+    """The engine's longest sequence (prompt + output, tokens): ``cfg.max_seq_len``, else the model's
+    ``max_position_embeddings`` capped at 2,048 on CUDA and 1,024 on the CPU (the KV cache holds ``max_batch_size``
+    of them at most)."""
+    return cfg.max_seq_len or min(model.max_position_embeddings, 2048 if device_type == "cuda" else 1024)
+
+
+def weight_bytes(model: ModelConfig, dtype: torch.dtype, weight_dtype: str | None = None,
+                 fp8_lm_head: bool | None = None) -> int:
+    """Bytes of ``model``'s base weights as an engine stores them (``DecoderModel.nbytes``), from the shapes alone:
+    the embedding table, the final norm, an untied LM head, and per layer the seven projections (fused or not: the
+    same elements), its norms (two; four with ``block_output_norms``), q/k/v and o biases where the family has them
+    and q/k norms; all in ``dtype``. With ``weight_dtype="fp8"`` the projections take 1 byte per weight plus a float32
+    scale per output row (``kernels.fp8.Fp8Weight``), and so does an untied LM head unless ``fp8_lm_head`` is False
+    (None: fp8 for an untied head, as ``EngineConfig.fp8_lm_head``)."""
+    c, eb = model, torch.empty((), dtype=dtype).element_size()
+    fp8 = weight_dtype == "fp8"
+    plain = c.vocab_size * c.hidden_size + c.hidden_size  # the embedding table, the final norm
+    quantized = 0  # fp8 bytes
+    if not c.tie_word_embeddings:
+        head = c.vocab_size * c.hidden_size
+        if fp8 and fp8_lm_head is not False:
+            quantized += head + 4 * c.vocab_size
+        else:
+            plain += head
+    elif fp8 and fp8_lm_head:  # a tied head asked for in fp8: a copy beside the table
+        quantized += c.vocab_size * c.hidden_size + 4 * c.vocab_size
+    for _ in range(c.num_layers):
+        for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            d_in, d_out = c.module_shape(m)
+            if fp8:
+                quantized += d_in * d_out + 4 * d_out
+            else:
+                plain += d_in * d_out
+        plain += (4 if c.block_output_norms else 2) * c.hidden_size
+        plain += sum(c.module_shape(m)[1] for m in (("q_proj", "k_proj", "v_proj") if c.qkv_bias else ())
+                     + (("o_proj",) if c.o_bias else ()))
+        plain += 2 * c.head_dim if c.qk_norm else 0
+    return plain * eb + quantized
+
+
 @dataclass(frozen=True)
 class MemoryRequest:
     """What the engine asks of the memory plan, derived from the model and the options (all bytes).

@@ -96,3 +96,89 @@ def test_kv_blocks_follow_the_block_size_and_a_small_cap_is_honoured(tiny_dir):
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="kv_block_size must be an int >= 1"):
             Engine(model=tiny_dir, progress=False, max_seq_len=128, kv_block_size=bad)
+
+
+# ------------------------------------------------------------------------------ multilora memory --model
+_FAMILIES = {  # (config class, overrides): every family's weights, tied and untied heads, biases, q/k norms, fusion
+    "llama-untied-bias": ("LlamaConfig", dict(tie_word_embeddings=False, attention_bias=True)),
+    "llama-tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True)),
+    "gemma2": ("Gemma2Config", dict(head_dim=16)),
+    "phi3": ("Phi3Config", dict(tie_word_embeddings=False, pad_token_id=0)),
+}
+
+
+@pytest.mark.parametrize("family", list(_FAMILIES))
+def test_weight_bytes_from_the_config_are_the_models_parameters(family, tmp_path):
+    """``sizing.weight_bytes`` (what ``multilora memory --model`` puts in the reserve, from config.json alone) is
+    4 bytes per parameter of the transformers model of that config in float32 (tied heads counted once)."""
+    from multilora.runtime.sizing import weight_bytes
+    from multilora.runtime.weights import model_config
+
+    cls, overrides = _FAMILIES[family]
+    cfg = getattr(transformers, cls)(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                     **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(str(tmp_path))  # (model_config reads config.json only, of a directory with weights)
+    params = sum(p.numel() for p in model.parameters())  # (a tied head is one parameter)
+    assert weight_bytes(model_config(tmp_path), torch.float32) == 4 * params
+
+
+def test_weight_bytes_fp8_are_the_engines(tiny_dir):
+    """fp8 projections (and the untied head, by default) as ``DecoderModel.nbytes`` counts them in an engine."""
+    from multilora.runtime.sizing import weight_bytes
+
+    for head in (None, False):
+        e = Engine(model=tiny_dir, progress=False, max_seq_len=64, max_batch_size=2, weight_dtype="fp8",
+                   fp8_lm_head=head, memory_snapshot=_host_snapshot(1 * GiB))
+        assert weight_bytes(e.config, torch.float32, "fp8", head) == e.model.nbytes, head
+
+
+def test_memory_model_gives_the_sizes_an_engine_takes(tiny_dir, tmp_path, capsys):
+    """``multilora memory --model`` on a snapshot taken before loading (the weights' bytes join the reserve) gives
+    the pool, KV and host tier an engine of that model takes on the same machine after loading (its snapshot with
+    MemAvailable lowered by the weights' bytes: within the kB rounding of /proc/meminfo)."""
+    import json
+
+    from multilora.runtime.cli import main
+
+    before = _host_snapshot(4 * GiB)
+    snap = tmp_path / "snap.json"
+    snap.write_text(json.dumps(before.to_dict()))
+    flags = ["--max-batch-size", "3", "--max-seq-len", "96", "--max-lora-rank", "8", "--kv-block-size", "8"]
+    assert main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), "--json", *flags]) == 0
+    got = json.loads(capsys.readouterr().out)["engine"]
+    assert got["max_seq_len"] == 96 and got["dtype"] == "float32" and got["kv_block_size"] == 8
+    wb = got["weight_bytes"]
+    after = _host_snapshot(4 * GiB - wb // 1024 * 1024)
+    e = Engine(model=tiny_dir, progress=False, max_batch_size=3, max_seq_len=96, max_lora_rank=8, kv_block_size=8,
+               memory_snapshot=after)
+    s = e.stats()
+    assert wb == e.model.nbytes
+    assert abs(got["pool_bytes"] - s["pool_bytes_total"]) <= e.pool.page_bytes, (got, s["pool_bytes_total"])
+    assert got["kv_blocks"] - 1 == s["kv_blocks_total"] == 3 * 96 // 8  # (KV capped: 3 sequences of 96 tokens)
+    assert got["kv_tokens"] == 3 * 96
+    assert abs(got["host_tier_bytes"] - s["host_tier_budget"]) <= 1024, (got, s["host_tier_budget"])
+    assert got["adapter_slots"] == e.pool.max_slots
+    # the text form says the same
+    assert main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), *flags]) == 0
+    out = capsys.readouterr().out
+    assert f"= {got['pool_pages']} pages of" in out and f"= {3 * 96} tokens, 3.00 sequences of max_seq_len" in out
+
+
+def test_memory_model_flags_are_checked_by_name(tiny_dir, capsys):
+    """Engine flags need --model; the plan's own minimum / reserve / total flags are refused with it (an engine
+    computes them); values an engine refuses are refused by their flag, before anything is read."""
+    from multilora.runtime.cli import main
+
+    cases = [(["--max-batch-size", "4"], "--max-batch-size: only with --model"),
+             (["--model", str(tiny_dir), "--total-bytes", "1G"], "--total-bytes: not with --model"),
+             (["--model", str(tiny_dir), "--min-kv-bytes", "1M"], "--min-kv-bytes: not with --model"),
+             (["--model", str(tiny_dir), "--adapter-pool-share", "1"], "--adapter-pool-share: must be a number in (0, 1)"),
+             (["--model", str(tiny_dir), "--max-batch-size", "0"], "--max-batch-size: must be an int >= 1, got 0")]
+    for argv, want in cases:
+        assert main(["memory", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("multilora memory: ") and want in err, (argv, err)
