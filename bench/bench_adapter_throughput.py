@@ -91,6 +91,9 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--pool-adapters", type=int, default=32,
                     help="adapter slots of the GPU pool; 0: the memory plan's default pool (issue 13's goal row)")
+    ap.add_argument("--adapter-pool-fill", action="store_true",
+                    help="Engine(adapter_pool_fill=True): with --pool-adapters 0, the pool also takes the budget the KV "
+                         "cache can never use (the A/B of session 33's switch)")
     ap.add_argument("--host-adapters", type=int, default=128,
                     help="adapters the host tier holds; 0: the memory plan's default host tier")
     ap.add_argument("--adapter-dir", help="where adapter files go (default: a temporary directory)")
@@ -150,7 +153,7 @@ def main() -> None:
     layout = AdapterPool(config, num_bytes=1 << 20, max_rank=args.rank, dtype=dtype, device="meta")  # sizes only
     adapter_bytes = layout.page_bytes * layout.max_adapter_pages
     engine = Engine(config, device=device, dtype=dtype, progress=False, max_batch_size=args.batch,
-                    adapter_finish=args.adapter_finish,
+                    adapter_finish=args.adapter_finish, adapter_pool_fill=args.adapter_pool_fill,
                     **({"adapter_io_threads": args.io_threads} if args.io_threads else {}),
                     **({"host_arena_map_ahead_bytes": int(args.host_map_ahead * 1e9)}
                        if args.host_map_ahead is not None else {}),
@@ -169,6 +172,7 @@ def main() -> None:
             "pool_adapters": engine.pool.num_pages // max_adapter_pages(config, args.rank),
             "host_adapters": engine.stats()["host_tier_budget"] // adapter_bytes,
             "pool_from_plan": not args.pool_adapters, "host_from_plan": not args.host_adapters,
+            "adapter_pool_fill": args.adapter_pool_fill,
             "base_tokens_per_s": base_tok / base_s, "adapter_finish": args.adapter_finish,
             "read_batch_bytes": image_mod._BATCH_B_BYTES, "check_chunk": image_mod._CHECK_CHUNK,
             "urgent_read_wait": scheduler_mod.URGENT_READ_WAIT,

@@ -67,6 +67,7 @@ NON_KV_RESERVE = "non_kv_reserve"
 DEVICE_QUOTA = "device_quota"
 EXPLICIT = "explicit"
 UNMEASURED = "unmeasured"
+KV_NEED = "kv_need"  # the pool took what the KV cache can never use (``MemoryPlanOptions.kv_need_bytes``)
 
 
 class MemoryPlanError(ValueError):
@@ -341,6 +342,10 @@ class MemoryPlanOptions:
     - ``min_adapter_pool_bytes`` (one max-size adapter) + ``min_kv_bytes`` (KV for one max-length
       sequence) = the live-state minimum.
     - ``max_adapter_pool_bytes``, ``max_kv_bytes``, ``max_total_bytes``: user caps; they only lower sizes.
+    - ``kv_need_bytes``: the most KV bytes the caller can ever use (an engine: ``max_batch_size`` sequences of
+      ``max_seq_len``), or None. Where KV's share of the budget is larger, KV gets this much and the adapter pool the
+      rest of the budget (then ``max_adapter_pool_bytes`` applies): memory the KV cache could never fill holds
+      adapters instead (source ``kv_need``). Unlike ``max_kv_bytes``, a cap whose remainder stays unallocated.
     - ``host_tier_bytes``: explicit host-tier size (None = automatic); honoured, or MemoryPlanError
       where it would over-commit a shared memory pool.
     - ``local_ranks``: processes on this host that share its memory (one per GPU on a discrete host;
@@ -357,6 +362,7 @@ class MemoryPlanOptions:
     max_total_bytes: int | None = None
     host_tier_bytes: int | None = None
     local_ranks: int = 1
+    kv_need_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.fraction <= 1.0:
@@ -367,7 +373,7 @@ class MemoryPlanOptions:
             raise ValueError(f"local_ranks: expected an integer >= 1, got {self.local_ranks!r}")
         for name in ("non_kv_reserve_bytes", "min_adapter_pool_bytes", "min_kv_bytes"):
             _check_bytes(name, getattr(self, name))
-        for name in ("max_adapter_pool_bytes", "max_kv_bytes", "max_total_bytes", "host_tier_bytes"):
+        for name in ("max_adapter_pool_bytes", "max_kv_bytes", "max_total_bytes", "host_tier_bytes", "kv_need_bytes"):
             if getattr(self, name) is not None:
                 _check_bytes(name, getattr(self, name))
 
@@ -715,11 +721,16 @@ _LIVE_PARTS = (
 
 
 def _split(budget: Bound, o: MemoryPlanOptions) -> tuple[Bound, Bound]:
-    """Adapter pool = share of the budget, held to [one adapter, budget - one sequence's KV]; KV = rest."""
+    """Adapter pool = share of the budget, held to [one adapter, budget - one sequence's KV]; KV = rest. With
+    ``kv_need_bytes``, KV is at most that and the pool also takes what KV leaves of the rest (up to its own cap)."""
     share = _scale(budget.value, o.adapter_pool_share)
     lo, hi = o.min_adapter_pool_bytes, budget.value - o.min_kv_bytes
     pool = Bound(min(max(share, lo), hi), budget.source if lo <= share <= hi else LIVE_STATE_MINIMUM)
     kv = Bound(budget.value - pool.value, budget.source)
+    if o.kv_need_bytes is not None and kv.value > max(o.kv_need_bytes, o.min_kv_bytes):
+        need = max(o.kv_need_bytes, o.min_kv_bytes)  # (the live state's KV stays, whatever the caller needs)
+        pool = Bound(pool.value + kv.value - need, KV_NEED)
+        kv = Bound(need, KV_NEED)
     pool, kv = _cap(pool, o.max_adapter_pool_bytes), _cap(kv, o.max_kv_bytes)
     for (name, cap, minimum, what), size, need in zip(_LIVE_PARTS, (pool, kv), (lo, o.min_kv_bytes)):
         if size.value < need:
@@ -888,7 +899,8 @@ def _input_lines(s: MemorySnapshot) -> list[str]:
 
 
 def _option_lines(o: MemoryPlanOptions) -> list[str]:
-    caps = {k: getattr(o, k) for k in ("max_adapter_pool_bytes", "max_kv_bytes", "max_total_bytes", "host_tier_bytes")}
+    caps = {k: getattr(o, k) for k in ("max_adapter_pool_bytes", "max_kv_bytes", "max_total_bytes", "host_tier_bytes",
+                                       "kv_need_bytes")}
     cap_text = ", ".join(f"{k}={v:,d}" for k, v in caps.items() if v is not None) or "none"
     return [
         f"  fraction {o.fraction}, adapter pool share {o.adapter_pool_share}, local ranks {o.local_ranks}",

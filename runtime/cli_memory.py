@@ -125,6 +125,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a GGUF file or Hugging Face model directory (no PATH: the embedded default model)")
     for flag, kind, what in _ENGINE_FLAGS:
         e.add_argument(flag, type=kind, default=None, help=what)
+    e.add_argument("--adapter-pool-fill", action="store_true", default=None,
+                   help="the pool also takes the budget the KV cache can never use (Engine(adapter_pool_fill=True))")
 
 
 #: the engine options ``--model`` takes beside the plan's own (``EngineConfig`` fields of the same names)
@@ -204,7 +206,7 @@ def _engine_config(args: argparse.Namespace):
     fields = {"gpu_memory_fraction": args.fraction, "adapter_pool_share": args.adapter_pool_share,
               "adapter_pool_bytes": args.adapter_pool_bytes, "kv_cache_bytes": args.kv_bytes,
               "host_adapter_bytes": args.host_adapter_bytes, "local_ranks": args.local_ranks}
-    for flag, _, _ in _ENGINE_FLAGS:
+    for flag in [f for f, _, _ in _ENGINE_FLAGS] + ["--adapter-pool-fill"]:
         fields[flag[2:].replace("-", "_")] = getattr(args, flag[2:].replace("-", "_"))
     try:
         return EngineConfig(**{k: v for k, v in fields.items() if v is not None})
@@ -273,7 +275,8 @@ def run_memory(args: argparse.Namespace) -> int:
     try:
         options = _options(args)
         if args.model is None:
-            given = [flag for flag, _, _ in _ENGINE_FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None]
+            given = [flag for flag in [f for f, _, _ in _ENGINE_FLAGS] + ["--adapter-pool-fill"]
+                     if getattr(args, flag[2:].replace("-", "_")) is not None]
             if given:
                 raise ValueError(f"{given[0]}: only with --model (the sizes of an engine of that model)")
         snapshot = _snapshot(args)

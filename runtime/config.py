@@ -148,6 +148,12 @@ class EngineConfig:
             parallelism or longrope.
         adapter_pool_share: share of the memory budget for the adapter pool, in (0, 1) (None: the memory
             plan's default, 0.1); the KV cache takes the rest.
+        adapter_pool_fill: the adapter pool also takes the budget the KV cache can never use: where KV's share
+            (``1 - adapter_pool_share`` of the budget) exceeds ``max_batch_size`` sequences of ``max_seq_len``
+            tokens, the pool gets the difference (up to ``adapter_pool_bytes`` / ``adapter_slots``), so that memory
+            holds adapters instead of lying idle (an H200 with Llama-3-8B at the defaults: the KV cache can use 4 of
+            its ~98 GiB share). ``kv_cache_bytes`` stays a cap whose remainder is left free. Default off until
+            measured on the GPU (``memory.accounting.MemoryPlanOptions.kv_need_bytes``).
         unified_pool: put the adapter pool and the KV cache in one device buffer with a movable boundary
             (``multilora.memory.unified``; S-LoRA's unified paging): adapters grow into KV blocks that running and
             waiting requests do not need (more adapters resident, fewer tier moves at low load), and give them
@@ -253,6 +259,9 @@ class EngineConfig:
                                                              "0: off)", kind=int)
     adapter_pool_share: float | None = _opt(None, "share of the memory budget for the adapter pool (default: the "
                                                   "memory plan's, 0.1)", kind=float)
+    adapter_pool_fill: bool = _opt(False, "the adapter pool also takes the budget the KV cache can never use "
+                                          "(more than max_batch_size sequences of max_seq_len; default: off)",
+                                   kind=bool)
     unified_pool: bool = _opt(False, "one device buffer for the adapter pool and the KV cache, with a movable "
                                      "boundary: idle KV memory holds more adapters, and adapters give way when "
                                      "requests need KV blocks; --adapter-pool-bytes and --kv-cache-bytes then size "

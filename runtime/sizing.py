@@ -104,6 +104,7 @@ class MemoryRequest:
         pool_cap_rank: the largest rank whose largest adapter fits under ``pool_cap`` (``largest_rank_that_fits``),
             or None without a cap: what the too-small-pool message suggests.
         kv_cap: the cap on the KV cache: ``max_batch_size`` sequences + the null block, lowered by ``kv_cache_bytes``.
+        kv_need: ``max_batch_size`` sequences + the null block: the most KV the engine can use.
         live_blocks: blocks of the live state the plan must fit (one sequence, or fewer under an explicit cap).
         activation_bytes: the estimated activations of the largest prefill + the sampler's reserve + (with
             ``adapter_finish="device"``) the adapter pool's scratch for finishing raw images in place
@@ -126,6 +127,7 @@ class MemoryRequest:
     activation_bytes: int
     sampling_bytes: int
     slot_sizing_pages: int = 0  # pages of the small adapter ``default_slots`` counts (``slot_sizing_pages``)
+    kv_need: int = 0
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,7 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
     if cfg.adapter_slots is not None:
         slots_bytes = cfg.adapter_slots * pages_per * page_bytes
         pool_cap = slots_bytes if pool_cap is None else min(pool_cap, slots_bytes)
-    kv_cap = (cfg.max_batch_size * seq_blocks + 1) * block_bytes  # + the null block
+    kv_cap = kv_need = (cfg.max_batch_size * seq_blocks + 1) * block_bytes  # + the null block
     live_blocks = seq_blocks  # the plan's live state: one max_seq_len sequence (+ the null block)
     if cfg.kv_cache_bytes is not None:
         if cfg.kv_cache_bytes // block_bytes < 2:
@@ -193,7 +195,7 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
                          block_bytes=block_bytes, seq_blocks=seq_blocks, pool_cap=pool_cap,
                          pool_cap_rank=None if pool_cap is None else largest_rank_that_fits(
                              model, pool_cap, dtype_bytes, cfg.max_lora_rank),
-                         kv_cap=kv_cap,
+                         kv_cap=kv_cap, kv_need=kv_need,
                          live_blocks=live_blocks,
                          activation_bytes=activation_bytes(model, cfg, dtype, max_seq_len) + sampling
                          + (scratch_elems(model, cfg.max_lora_rank) * dtype_bytes
@@ -220,7 +222,9 @@ def plan_options(request: MemoryRequest, cfg: EngineConfig, reserve_bytes: int) 
         min_adapter_pool_bytes=request.pages_per_adapter * request.page_bytes,
         min_kv_bytes=(request.live_blocks + 1) * request.block_bytes,  # whole blocks, the null block included
         max_adapter_pool_bytes=request.pool_cap,
-        max_kv_bytes=request.kv_cap,
+        # adapter_pool_fill: what KV cannot use goes to the pool (kv_need); kv_cache_bytes stays a plain cap
+        max_kv_bytes=cfg.kv_cache_bytes if cfg.adapter_pool_fill else request.kv_cap,
+        kv_need_bytes=request.kv_need if cfg.adapter_pool_fill else None,
         host_tier_bytes=cfg.host_adapter_bytes,
         local_ranks=cfg.local_ranks,
         **kw,

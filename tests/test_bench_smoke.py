@@ -22,11 +22,12 @@ def test_adapter_throughput_bench_runs(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "bench_adapter_throughput.py"), "--shape", "tiny", "--counts", "1,8",
            "--batch", "4", "--gen", "2", "--prompt-len", "4", "--pool-adapters", "2", "--host-adapters", "2",
            "--distinct-files", "3", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(tmp_path / "out"),
-           "--sample-threads", "--switch-interval", "0.002", "--read-batch-bytes", "0", "--check-chunk", "4096", "--urgent-read-wait", "off"]
+           "--sample-threads", "--switch-interval", "0.002", "--read-batch-bytes", "0", "--check-chunk", "4096", "--urgent-read-wait", "off",
+           "--adapter-pool-fill"]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     rows = json.loads((tmp_path / "out" / "adapter_throughput_tiny.json").read_text())
     assert all(r["read_batch_bytes"] == 0 and r["check_chunk"] == 4096 and r["urgent_read_wait"] is False
-               for r in rows)  # the A/B switches, recorded
+               and r["adapter_pool_fill"] is True for r in rows)  # the A/B switches, recorded
     assert {(r["adapters"], r["popularity"], r["phase"]) for r in rows} == {(n, p, ph) for n in (1, 8) for p in ("zipf", "uniform") for ph in ("cold", "warm")}
     assert all(r["tokens_per_s"] > 0 and r["shape"] == "tiny" for r in rows)
     # the engine's own warm-up ran first (on this CPU it has nothing to warm: 0 s), and every row says whether
@@ -272,7 +273,7 @@ def test_serving_bench_unified_pool_rows(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "bench_serving.py"), "--shape", "tiny", "--adapters", "6",
            "--requests", "12", "--input-len", "4,24", "--output-len", "2,9", "--max-batch-size", "4",
            "--adapter-files", "2", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out), "--modes", "engine",
-           "--unified-pool", "off,on", "--warmup-requests", "8", "--urgent-read-wait", "off"]
+           "--unified-pool", "off,on", "--warmup-requests", "8", "--urgent-read-wait", "off", "--adapter-pool-fill"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
@@ -282,6 +283,7 @@ def test_serving_bench_unified_pool_rows(tmp_path):
     assert all(r["failed"] == 0 for r in rows) and len({r["output_tokens"] for r in rows}) == 1
     assert rows[1]["offered_rps"] == pytest.approx(rows[3]["offered_rps"])
     assert [r["urgent_read_wait"] for r in rows] == [False] * 4  # --urgent-read-wait off, recorded per row
+    assert [r["adapter_pool_fill"] for r in rows] == [True] * 4
     assert all(r["unified_floor_moves_up"] is None for r in rows[:2])
     assert all(r["unified_floor_moves_up"] is not None and r["adapters_resident_end"] >= 1 for r in rows[2:])
     assert "| engine | unified | 6 | S1 |" in (out / "serving_tiny.md").read_text()

@@ -182,3 +182,21 @@ def test_memory_model_flags_are_checked_by_name(tiny_dir, capsys):
         assert main(["memory", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("multilora memory: ") and want in err, (argv, err)
+
+
+def test_adapter_pool_fill_gives_the_kv_slack_to_the_pool(tiny_dir):
+    """``adapter_pool_fill``: the KV cache gets its max_batch_size sequences of max_seq_len and no more, the pool the
+    rest of the plan's budget (in whole pages); without it the pool keeps its share and the rest lies idle;
+    ``kv_cache_bytes`` below the need stays a plain cap (its remainder idle, the pool unchanged)."""
+    snap = _host_snapshot(1 * GiB)
+    kw = dict(model=tiny_dir, progress=False, max_seq_len=64, max_batch_size=2, memory_snapshot=snap)
+    off, on = Engine(**kw), Engine(**kw, adapter_pool_fill=True)
+    block = 16 * PagedKVCache.bytes_per_token(2, 2, 16, torch.float32)
+    assert off.kv.num_blocks == on.kv.num_blocks == 2 * 64 // 16 + 1  # (both capped by the need)
+    plan = on.memory_plan
+    assert plan.adapter_pool_source == "kv_need" and plan.kv_bytes == on.kv.num_blocks * block
+    assert plan.adapter_pool_bytes + plan.kv_bytes == plan.budget_bytes == off.memory_plan.budget_bytes
+    assert on.pool.bytes_total == plan.adapter_pool_bytes // on.pool.page_bytes * on.pool.page_bytes
+    assert on.pool.bytes_total > 5 * off.pool.bytes_total  # share 0.1 of the budget before, ~all of it now
+    capped = Engine(**kw, adapter_pool_fill=True, kv_cache_bytes=4 * block)
+    assert capped.kv.num_blocks == 4 and capped.pool.bytes_total == on.pool.bytes_total

@@ -221,6 +221,27 @@ def test_adapter_pool_share_and_caps():
     assert gib(total.adapter_pool_bytes) == 2 and gib(total.kv_bytes) == 18
 
 
+def test_kv_need_gives_what_kv_cannot_use_to_the_pool():
+    """``kv_need_bytes`` (an engine's max_batch_size sequences of max_seq_len, with adapter_pool_fill): KV gets at
+    most that, the pool the rest of the budget; a user's KV cap below it leaves its remainder free; the pool's own
+    cap still applies; a need above KV's share changes nothing; the live state's KV stays."""
+    snap = MemorySnapshot(has_gpu=True, cuda_free_bytes=50 * GiB, cuda_total_bytes=80 * GiB)  # budget 45
+    plan = compute_memory_plan(snap, MemoryPlanOptions(kv_need_bytes=10 * GiB))
+    assert gib(plan.kv_bytes) == 10 and gib(plan.adapter_pool_bytes) == 35
+    assert plan.kv_source == plan.adapter_pool_source == "kv_need"
+    capped = compute_memory_plan(snap, MemoryPlanOptions(kv_need_bytes=10 * GiB, max_kv_bytes=5 * GiB))
+    assert gib(capped.kv_bytes) == 5 and capped.kv_source == "user_cap" and gib(capped.adapter_pool_bytes) == 35
+    pool_cap = compute_memory_plan(snap, MemoryPlanOptions(kv_need_bytes=10 * GiB, max_adapter_pool_bytes=20 * GiB))
+    assert gib(pool_cap.adapter_pool_bytes) == 20 and pool_cap.adapter_pool_source == "user_cap"
+    assert gib(pool_cap.kv_bytes) == 10
+    big = compute_memory_plan(snap, MemoryPlanOptions(kv_need_bytes=41 * GiB))
+    plain = compute_memory_plan(snap, MemoryPlanOptions())
+    assert (big.adapter_pool_bytes, big.kv_bytes) == (plain.adapter_pool_bytes, plain.kv_bytes)
+    floor = compute_memory_plan(snap, MemoryPlanOptions(kv_need_bytes=GiB, min_kv_bytes=2 * GiB))
+    assert gib(floor.kv_bytes) == 2 and gib(floor.adapter_pool_bytes) == 43
+    assert plan.device_quota_bytes == plain.device_quota_bytes  # the device takes what it was promised, no more
+
+
 def test_pool_is_lifted_to_one_adapter_and_caps_below_the_live_state_raise():
     snap = MemorySnapshot(has_gpu=True, cuda_free_bytes=10 * GiB, cuda_total_bytes=80 * GiB)
     options = MemoryPlanOptions(adapter_pool_share=0.0, min_adapter_pool_bytes=2 * GiB)
@@ -508,6 +529,7 @@ def options(draw, explicit_host: bool = False, caps: bool = True) -> MemoryPlanO
         max_total_bytes=draw(maybe_cap),
         host_tier_bytes=draw(st.one_of(st.none(), st.integers(0, 1 << 33))) if explicit_host else None,
         local_ranks=draw(st.integers(1, 8)),
+        kv_need_bytes=draw(st.one_of(st.none(), byte_counts)),
     )
 
 

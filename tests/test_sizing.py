@@ -181,6 +181,25 @@ def test_default_pool_slots_and_host_tier_hold_thousands_of_adapters():
     assert size_engine(tiny_req, EngineConfig(), _host(1 * GiB), reserve_bytes=0).slots >= 256
 
 
+def test_adapter_pool_fill_on_the_h200_defaults():
+    """docs/memory.md's figures for ``adapter_pool_fill`` on that H200: the KV cache keeps its 16 sequences of 2,048
+    tokens (+ the null block, 4 GiB), the pool takes the rest of the 108.9 GiB budget, ~105 GiB: 1,340 rank-16
+    all-module adapters, and the slot cap of 4,096 S1 ones; the host tier is unchanged."""
+    ec = EngineConfig(max_lora_rank=64, adapter_pool_fill=True)
+    req = memory_request(LLAMA3, ec, dtype=torch.bfloat16, max_seq_len=2048)
+    sizes = size_engine(req, ec, _h200(), reserve_bytes=4 * GiB)
+    budget = (125 * GiB - 4 * GiB) * 9 // 10
+    kv = (16 * 2048 // 16 + 1) * req.block_bytes
+    assert req.block_bytes == 16 * 131072 and sizes.num_blocks * req.block_bytes == kv  # 4 GiB + one block
+    pool = sizes.num_pages * req.page_bytes
+    assert pool == (budget - kv) // req.page_bytes * req.page_bytes and round(pool / GiB) == 105
+    plain = size_engine(req, EngineConfig(max_lora_rank=64), _h200(), reserve_bytes=4 * GiB)
+    idle = plain.plan.budget_bytes - plain.plan.adapter_pool_bytes - plain.plan.kv_bytes  # budgeted, given to none
+    assert plain.plan.kv_bytes == kv and round(idle / GiB) == 94
+    assert pool // _bytes_of(LLAMA3, 16, TARGET_MODULES) == 1342 and sizes.slots == 4096
+    assert sizes.host_bytes == plain.host_bytes == 55 * GiB
+
+
 def test_memlock_bound_host_tier_is_explained():
     ec = EngineConfig(max_lora_rank=16)
     req = memory_request(LLAMA3, ec, dtype=torch.bfloat16, max_seq_len=2048)
