@@ -14,7 +14,7 @@ takes the difference apart at the system-call level, without our code in between
   ``ours`` / ``ours_readahead``  ``read_image(..., raw=True)`` itself into a reused image, without / with the advice.
 
 Each round drops the files' page cache (``posix_fadvise(DONTNEED)``) before each pattern, patterns in alternating
-order; medians of ``--rounds``. The block device's queue settings (``read_ahead_kb``, ``max_sectors_kb``,
+order; medians of ``--rounds`` (the JSON rewritten after every round, so a run cut short keeps its rounds). The block device's queue settings (``read_ahead_kb``, ``max_sectors_kb``,
 ``nr_requests``, ``rotational``) are recorded with the rows: the kernel's readahead, and so every pattern above, depends
 on them. Results: ``--out``/``cold_read_patterns.json`` and a table on stdout.
 
@@ -172,25 +172,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {head}", flush=True)
     rates: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
+
+    def rows_so_far() -> list[dict]:
+        plain = statistics.median(rates["plain"])
+        return [{**head, "pattern": name, "gbps": statistics.median(v), "vs_plain": statistics.median(v) / plain,
+                 "runs_gbps": v, "bytes_per_run": total} for name, v in rates.items()]
+
+    path = None if args.out is None else args.out / "cold_read_patterns.json"
+    if path is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             drop_page_cache(dirs)
             t0 = time.perf_counter()
             runs[name]()
             rates[name].append(total / (time.perf_counter() - t0) / 1e9)
-        print(f"  round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+        print(f"  round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {rates[n][-1]:.2f}" for n in names) + " GB/s",
+              file=sys.stderr, flush=True)
+        if path is not None:  # after every round: a run cut short by a time limit keeps what it measured
+            path.write_text(json.dumps(rows_so_far(), indent=1))
     pool_ex.shutdown()
-    plain = statistics.median(rates["plain"])
-    rows = []
-    for name, v in rates.items():
-        med = statistics.median(v)
-        rows.append({**head, "pattern": name, "gbps": med, "vs_plain": med / plain, "runs_gbps": v,
-                     "bytes_per_run": total})
-        print(f"{name:28s} {med:6.2f} GB/s  {med / plain:5.2f}x plain  runs {[round(x, 2) for x in v]}", flush=True)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / "cold_read_patterns.json"
-        path.write_text(json.dumps(rows, indent=1))
+    for row in rows_so_far():
+        print(f"{row['pattern']:28s} {row['gbps']:6.2f} GB/s  {row['vs_plain']:5.2f}x plain  runs "
+              f"{[round(x, 2) for x in row['runs_gbps']]}", flush=True)
+    if path is not None:
         print(f"wrote {path}")
     return 0
 

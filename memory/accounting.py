@@ -670,12 +670,10 @@ def _budget(view: _DeviceView, o: MemoryPlanOptions) -> tuple[int, Bound, Bound]
     need = o.live_state_minimum_bytes
     if hard < 0:  # (the reserve alone does not fit: say so, rather than "0 B does not fit in at most 0 B")
         raise MemoryPlanError(
-            f"the non-KV reserve {_gib(o.non_kv_reserve_bytes)} ({o.non_kv_reserve_bytes} B: activations and "
-            f"workspaces; non_kv_reserve_bytes, multilora memory --non-kv-reserve-bytes) does not fit: it leaves "
-            f"nothing of the usable "
-            f"memory {_gib(view.usable.value)} ({view.usable.value} B, bound by {view.usable.source}) for the adapter "
-            f"pool and the KV cache: it is {o.non_kv_reserve_bytes - view.usable.value} B too large (an engine's reserve "
-            f"grows with max_prefill_tokens and max_batch_size)",
+            f"the non-KV reserve {_gib(o.non_kv_reserve_bytes)} ({o.non_kv_reserve_bytes} B, non_kv_reserve_bytes) does "
+            f"not fit: it leaves nothing of the usable memory {_gib(view.usable.value)} ({view.usable.value} B, bound "
+            f"by {view.usable.source}) for the adapter pool and the KV cache: it is "
+            f"{o.non_kv_reserve_bytes - view.usable.value} B too large",
             needed_bytes=need,
             fits_bytes=0,
             source=view.usable.source,

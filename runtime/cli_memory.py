@@ -130,13 +130,24 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 #: the engine options ``--model`` takes beside the plan's own (``EngineConfig`` fields of the same names)
+def _engine_default(name: str):
+    import dataclasses
+
+    from multilora.runtime.config import EngineConfig
+
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
+
+
 _ENGINE_FLAGS = (
-    ("--max-batch-size", int, "requests per step (default the engine's, 16); KV holds this many max_seq_len sequences"),
+    ("--max-batch-size", int, f"requests per step (default the engine's, {_engine_default('max_batch_size')}); KV "
+                              "holds this many max_seq_len sequences"),
     ("--max-seq-len", int, "longest sequence in tokens (default: the model's, at most 2,048 on CUDA, 1,024 on the CPU)"),
-    ("--max-lora-rank", int, "largest adapter rank (default 64): the pool holds one such adapter on every module"),
-    ("--kv-block-size", int, "tokens per KV block (default 16)"),
+    ("--max-lora-rank", int, f"largest adapter rank (default {_engine_default('max_lora_rank')}): the pool holds one "
+                             "such adapter on every module"),
+    ("--kv-block-size", int, f"tokens per KV block (default {_engine_default('kv_block_size')})"),
     ("--adapter-slots", int, "cap on adapters resident at once (default: as many rank-8 q/k/v/o ones as fit)"),
-    ("--max-prefill-tokens", int, "largest prefill (default 4,096): sizes the activation reserve"),
+    ("--max-prefill-tokens", int, f"largest prefill (default {_engine_default('max_prefill_tokens')}): sizes the "
+                                  "activation reserve"),
     ("--dtype", str, "float32, float16 or bfloat16 (default: bfloat16 on CUDA, float32 on the CPU)"),
     ("--weight-dtype", str, "fp8: the base projections (and an untied LM head) at 1 byte per weight"),
 )
@@ -228,15 +239,26 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
                                           weight_bytes)
     from multilora.runtime.weights import model_config, resolve_model_path
 
+    from multilora.runtime.config import as_flag_error
+
     cfg = _engine_config(args)
-    path = resolve_model_path(args.model or None)
-    model = model_config(path)
+    path = resolve_model_path(args.model or None, require_weights=False)
+    model = model_config(path, require_weights=False)
     device_type = "cuda" if snapshot.has_gpu else "cpu"
     dtype = default_dtype(cfg, device_type)
     max_seq_len = default_max_seq_len(model, cfg, device_type)
-    request = memory_request(model, cfg, dtype=dtype, max_seq_len=max_seq_len)
+    try:
+        request = memory_request(model, cfg, dtype=dtype, max_seq_len=max_seq_len)
+    except ValueError as e:  # "Engine: kv_cache_bytes=1 holds 0 KV block(s)": in this command's flag
+        raise as_flag_error(e) from None
     weights = weight_bytes(model, dtype, cfg.weight_dtype, cfg.fp8_lm_head)
-    sizes = size_engine(request, cfg, snapshot, reserve_bytes=request.activation_bytes + weights)
+    try:
+        sizes = size_engine(request, cfg, snapshot, reserve_bytes=request.activation_bytes + weights)
+    except MemoryPlanError as e:  # the reserve is the model's: say of what
+        raise ValueError(f"{as_flag_error(e)} (the reserve of an engine of this model: its weights {weights} B + the "
+                         f"activations of its largest prefill {request.activation_bytes} B)") from None
+    except ValueError as e:
+        raise as_flag_error(e) from None
     r = request
     return {"model": str(path), "architecture": model.architecture, "layers": model.num_layers,
             "dtype": str(dtype).replace("torch.", ""), "weight_dtype": cfg.weight_dtype,
@@ -324,12 +346,8 @@ def plan_notes(plan, options: MemoryPlanOptions, engine: bool = False) -> list[s
         notes.append("the KV cache is 0 B; an engine refuses to start without KV for one max_seq_len sequence "
                      "(pass --min-kv-bytes with that size to plan against it)")
     if not engine:
-        notes.append("this is the machine's plan before an engine's own bounds: an engine plans after loading its "
-                     "weights (not counted here unless in --non-kv-reserve-bytes), caps its KV cache at max_batch_size "
-                     "sequences of max_seq_len, and holds its pool to at least one adapter of max_lora_rank (--model "
-                     "PATH: the sizes an engine of that model would take); the sizes an engine took are in "
-                     "Engine.stats() (pool_bytes_total, kv_blocks_total, host_tier_budget) and `multilora generate "
-                     "--stats`")
+        notes.append("the machine's plan, before an engine's own bounds (its weights, max_batch_size x max_seq_len "
+                     "of KV): --model [PATH] plans as an engine of that model")
     return notes
 
 

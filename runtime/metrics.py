@@ -5,8 +5,9 @@ Per request (counted when it ends): ``multilora_requests_total{adapter, finish_r
 ``multilora_time_to_first_token_seconds``, ``multilora_time_per_output_token_seconds`` (a request's mean gap between
 its tokens) and ``multilora_e2e_request_latency_seconds``, from ``RequestOutput``'s times.
 
-Read from ``Engine.stats()`` at each scrape: ``multilora_engine_up`` (1; 0 when the stats cannot be read, an engine
-process that died, and then only the per-request metrics come with it: the scrape itself still succeeds),
+Read from ``Engine.stats()`` at each scrape: ``multilora_engine_up`` (1 while the engine's loop runs; 0 once it has
+stopped, as ``/health``'s 503; when its stats cannot be read either, an engine process that died, only the
+per-request metrics come with it: the scrape itself still succeeds),
 ``multilora_kv_blocks{state="total"|"free"}``, ``multilora_adapters
 {tier}``, ``multilora_adapter_bytes_moved_total{source, destination}``, ``multilora_prompt_tokens_total``,
 ``multilora_generation_tokens_total``, ``multilora_preemptions_total``, the histogram
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -53,9 +54,10 @@ class ServerMetrics:
     Args:
         engine: read at each scrape (``Engine.stats()``).
         served_model_name: the ``model_name`` label of the ``vllm:`` gauges.
+        running: whether the engine's loop runs (the server's liveness, as ``/health``); None: always.
     """
 
-    def __init__(self, engine: Any, served_model_name: str) -> None:
+    def __init__(self, engine: Any, served_model_name: str, running: Callable[[], bool] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter("multilora_requests", "requests ended, by adapter and finish reason",
                                 ["adapter", "finish_reason"], registry=self.registry)
@@ -65,7 +67,7 @@ class ServerMetrics:
                               buckets=_TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("multilora_e2e_request_latency_seconds", "arrival to finish",
                              buckets=_E2E_BUCKETS, registry=self.registry)
-        self.registry.register(_EngineCollector(engine, served_model_name))
+        self.registry.register(_EngineCollector(engine, served_model_name, running))
 
     def observe(self, adapter: str, finish_reason: str, out: RequestOutput | None = None) -> None:
         """Count one ended request; its latencies when ``out`` (its ``RequestOutput``) is known."""
@@ -87,28 +89,29 @@ class _EngineCollector:
     """The gauges and counters read from ``Engine.stats()`` when scraped (a custom collector: the values are the
     engine's own, and the ``vllm:`` names come out exactly as written)."""
 
-    def __init__(self, engine: Any, served_model_name: str) -> None:
-        self.engine, self.model_name = engine, served_model_name
-        self._down: str | None = None  # why the last scrape could not read the engine's stats
+    def __init__(self, engine: Any, served_model_name: str, running: Callable[[], bool] | None = None) -> None:
+        self.engine, self.model_name, self.running = engine, served_model_name, running
+        self._down: str | None = None  # why the last scrape could not read the engine's stats (said once)
 
     def describe(self) -> list:
         return []  # no registration-time scrape
 
     def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily("multilora_engine_up", "1 while the engine answers (its stats read at this scrape), 0 "
-                               "once it has stopped (an engine process that died: /health says why)")
+        up = GaugeMetricFamily("multilora_engine_up", "1 while the engine's loop runs, 0 once it has stopped (as "
+                               "/health's 503: an engine process that died, a loop that stopped)")
+        running = self.running is None or self.running()
         try:
             s = self.engine.stats()
-        except Exception as e:  # a dead engine: the scrape still succeeds, with the request metrics and up = 0
-            why = f"{type(e).__name__}: {e}"
+        except RuntimeError as e:  # an engine process that died (EngineDeadError) or was closed: up 0, the scrape
+            why = f"{type(e).__name__}: {e}"  # still succeeds with the request metrics; another error is a bug (500)
             if why != self._down:  # said once, not at every scrape
-                log.error("/metrics: the engine's stats cannot be read (%s); multilora_engine_up is 0", why)
+                log.warning("/metrics: the engine's stats cannot be read (%s); multilora_engine_up is 0", why)
                 self._down = why
             up.add_metric([], 0)
             yield up
             return
         self._down = None
-        up.add_metric([], 1)
+        up.add_metric([], 1 if running else 0)
         yield up
         total, free = s["kv_blocks_total"], s["kv_blocks_free"]
         yield from self._vllm(s, (total - free) / total if total else 0.0)

@@ -18,8 +18,8 @@ their KV blocks and adapter references go back at once. Errors are ``{"error": {
 "code"}}``: 400 bad request (malformed JSON, a wrong type, an unsupported parameter, a bad prompt or sampling value:
 the engine's message), 401 missing or wrong API key (every route but ``/health``), 403 an adapter path outside the
 adapter root, 404 unknown model or adapter (and runtime adapter routes when disabled), 429 the engine's waiting
-queue is full (``EngineOverloadedError``; with ``Retry-After: 1``), 500 a request that failed in the engine, 503 shutting down or the engine
-stopped (an engine process that died: ``code="engine_dead"``, also on ``/health``).
+queue is full (``EngineOverloadedError``; with ``Retry-After: 1``), 500 a request that failed in the engine, 503
+shutting down or the engine stopped (an engine process that died: ``code="engine_dead"``, also on ``/health``).
 """
 
 from __future__ import annotations
@@ -132,7 +132,8 @@ class _Server:
         self.adapter_paths = adapter_paths
         self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
         self.allow_runtime_adapters = allow_runtime_adapters
-        self.metrics = ServerMetrics(engine, served_model_name)
+        self.metrics = ServerMetrics(engine, served_model_name,
+                                     running=lambda: self.loop is None or self.loop.running)
         self.loop: EngineLoop | EngineProcess | None = None
         self.closing = False
         self.created = int(time.time())

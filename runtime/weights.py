@@ -102,8 +102,9 @@ def default_model_path() -> Path:
     )
 
 
-def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """The model file or directory to load (the default model when ``model`` is None)."""
+def resolve_model_path(model: str | os.PathLike | None, *, require_weights: bool = True) -> Path:
+    """The model file or directory to load (the default model when ``model`` is None); ``require_weights`` False:
+    a HF directory's ``config.json`` suffices (``multilora memory --model`` reads the config only)."""
     if model is None:
         return default_model_path()
     p = Path(model).expanduser()
@@ -112,7 +113,7 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelLoadError(f"model: directory {str(p)!r} has no config.json (expected a HF model directory)")
-        if not any(p.glob("*.safetensors")):
+        if require_weights and not any(p.glob("*.safetensors")):
             raise ModelLoadError(f"model: directory {str(p)!r} has no *.safetensors weights")
     elif p.suffix != ".gguf":
         raise ModelLoadError(f"model: expected a HF directory or a .gguf file, got file {str(p)!r}")
@@ -136,13 +137,13 @@ def load_model_files(
     return _load_gguf(path, dtype=dtype, progress=progress)
 
 
-def model_config(model: "str | os.PathLike | ModelConfig | None") -> ModelConfig:
+def model_config(model: "str | os.PathLike | ModelConfig | None", *, require_weights: bool = True) -> ModelConfig:
     """The configuration of ``model`` without its weights (a HF directory's ``config.json``, a GGUF file's metadata,
     read through its memory map): what a tensor-parallel engine checks before it starts any worker. Raises
     ModelLoadError as ``load_model`` (and ValueError for a ``model_type`` not served)."""
     if isinstance(model, ModelConfig):
         return model
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, require_weights=require_weights)
     return _hf_config(path) if path.is_dir() else _open_gguf(path)[2]
 
 

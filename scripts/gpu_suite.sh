@@ -80,6 +80,7 @@ wait
         grep -Ev "^[0-9.]+s (call|setup|teardown) " "$LOGS/shard_$n.log" | tail -25; done
 } > "$OUT/gpu_tests.log"
 # every test's duration of 1 s or more, by shard (the data for the next rebalancing of the shards)
+: > "$OUT/durations.txt"
 for n in A E B C D F; do
     [ -f "$LOGS/shard_$n.log" ] || continue
     grep -E "^[0-9.]+s (call|setup|teardown) " "$LOGS/shard_$n.log" | sed "s/^/$n /" >> "$OUT/durations.txt"

@@ -431,6 +431,10 @@ def test_layers_to_transform_outside_the_model_are_ignored_with_a_warning(mcfg, 
     assert {layer for layer, _ in adapter.modules} == {0}
     (msg,) = [r.getMessage() for r in caplog.records if "layers_to_transform" in r.getMessage()]
     assert "[0, 99]" in msg and "layer(s) 99" in msg and f"layers 0 to {NUM_LAYERS - 1}" in msg, msg
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="multilora"):  # read again (a reload): not said again
+        load_peft_adapter(tmp_path, mcfg)
+    assert not [r for r in caplog.records if "layers_to_transform" in r.getMessage()]
 
 
 def test_targets_no_module(mcfg, tmp_path):

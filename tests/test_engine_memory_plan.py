@@ -178,10 +178,27 @@ def test_memory_model_flags_are_checked_by_name(tiny_dir, capsys):
              (["--model", str(tiny_dir), "--min-kv-bytes", "1M"], "--min-kv-bytes: not with --model"),
              (["--model", str(tiny_dir), "--adapter-pool-share", "1"], "--adapter-pool-share: must be a number in (0, 1)"),
              (["--model", str(tiny_dir), "--max-batch-size", "0"], "--max-batch-size: must be an int >= 1, got 0")]
+    cases += [(["--model", str(tiny_dir), "--kv-bytes", "1"], "--kv-cache-bytes: 1 holds 0 KV block(s)"),
+              (["--model", str(tiny_dir), "--max-seq-len", "100000000"],
+               "(the reserve of an engine of this model: its weights ")]
     for argv, want in cases:
         assert main(["memory", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("multilora memory: ") and want in err, (argv, err)
+
+
+def test_memory_model_reads_a_config_alone(tiny_dir, tmp_path, capsys):
+    """A HF directory with its config.json and no weights is planned (only the config is read)."""
+    import json
+    import shutil
+
+    from multilora.runtime.cli import main
+
+    shutil.copy(tiny_dir / "config.json", tmp_path / "config.json")
+    snap = tmp_path / "snap.json"
+    snap.write_text(json.dumps(_host_snapshot(4 * GiB).to_dict()))
+    assert main(["memory", "--snapshot", str(snap), "--model", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["engine"]["layers"] == 2
 
 
 def test_adapter_pool_fill_gives_the_kv_slack_to_the_pool(tiny_dir):

@@ -636,6 +636,41 @@ def test_a_model_without_a_tokenizer_streams_a_chunk_per_token(mode):
 
 
 # ------------------------------------------------------------------------------------------ metrics
+def test_engine_up_follows_the_loop_and_a_dead_engine_keeps_the_scrape(served):
+    """``multilora_engine_up``: 1 while the server's loop runs, 0 once it stopped (the stats still read, as in mode
+    thread), 0 when the stats cannot be read (an engine process that died: EngineDeadError), the request metrics kept;
+    another error in ``stats()`` is a bug and fails the scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from multilora.runtime.engine_process import EngineDeadError
+    from multilora.runtime.metrics import ServerMetrics
+
+    stats = served.stats()
+
+    class Fake:
+        def __init__(self, error=None):
+            self.error = error
+
+        def stats(self):
+            if self.error is not None:
+                raise self.error
+            return stats
+
+    def scrape(engine, running):
+        m = ServerMetrics(engine, BASE, running=running)
+        m.observe("ad1", "length")
+        return {fam.name: fam for fam in text_string_to_metric_families(m.render().decode())}
+
+    for engine, running, up in ((Fake(), lambda: True, 1), (Fake(), lambda: False, 0),
+                                (Fake(EngineDeadError("killed by signal SIGKILL")), lambda: False, 0)):
+        fams = scrape(engine, running)
+        assert fams["multilora_engine_up"].samples[0].value == up
+        assert fams["multilora_requests"].samples[0].value == 1  # the request metrics, always
+        assert ("multilora_kv_blocks" in fams) == (engine.error is None)
+    with pytest.raises(KeyError):
+        scrape(Fake(KeyError("kv_blocks_total")), lambda: True)
+
+
 def test_metrics_parse_and_hold_the_gateway_api_names(http, served):
     _serves(http)
     r = http.post("/v1/completions", json={"model": "ad1", "prompt": "Hi", "max_tokens": 2})  # an adapter host -> gpu

@@ -16,6 +16,8 @@ from multilora.config import MODULE_PARENT, ModelConfig
 from multilora.runtime.adapters.spec import AdapterError, _jd, _Spec
 
 log = logging.getLogger("multilora")
+#: (config path, layers outside the model, its layer count) already warned about (``_resolve_targets``)
+_SAID_OUTSIDE: set[tuple[str, tuple[int, ...], int]] = set()
 
 #: Prefix PEFT puts in front of the base model's module names in ``adapter_model.safetensors``.
 _PEFT_PREFIX = "base_model.model."
@@ -163,7 +165,11 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
     ltt = spec.layers_to_transform
     if ltt is not None:  # PEFT skips a layer the model does not have, and so does this; said, as it may be a typo
         outside = [i for i in ((ltt,) if isinstance(ltt, int) else ltt) if not 0 <= i < config.num_layers]
-        if outside:
+        said = (str(cfg_path), tuple(outside), config.num_layers)
+        if outside and said not in _SAID_OUTSIDE:  # once per file and model: not at every reload of it
+            if len(_SAID_OUTSIDE) > 4096:
+                _SAID_OUTSIDE.clear()
+            _SAID_OUTSIDE.add(said)
             log.warning("%s: layers_to_transform %s names layer(s) %s, which this %s model (layers 0 to %d) does not "
                         "have: ignored, as PEFT does (an adapter for another model, or a typo?)", cfg_path,
                         _jd(ltt if isinstance(ltt, int) else list(ltt)), ", ".join(map(str, outside)),

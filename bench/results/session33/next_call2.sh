@@ -13,10 +13,10 @@ trap 'tar czf $OUT/c2.tgz -C $OUT c2 && rm -rf $OUT/c2' EXIT
 cp "$0" $OUT/c2/script.sh
 git log --oneline -1 > $OUT/c2/tree.txt 2>/dev/null; git status --short >> $OUT/c2/tree.txt 2>/dev/null
 (df -h /tmp; lsblk -o NAME,MODEL,SIZE,ROTA,TYPE,MOUNTPOINT; mount | grep -E " / | /tmp ") > $OUT/c2/disk.txt 2>&1
-timeout 120 python3 bench/cold_read_patterns.py --adapter-dir /tmp/bal --rounds 7 --out $OUT/c2/patterns \
+timeout 120 python3 bench/cold_read_patterns.py --adapter-dir /tmp/bal --rounds 5 --out $OUT/c2/patterns \
   > $OUT/c2/patterns.log 2>&1; echo "rc=$? at $SECONDS s" >> $OUT/c2/patterns.log
 timeout 150 python3 bench/bench_adapter_load.py --cold --modules q_proj,k_proj,v_proj,o_proj --rank 32 --adapters 12 \
-  --providers plain,ours,ours_readahead --threads 1,2,4 --runs 5 --gemm-ms 50 --adapter-dir /tmp/bal \
+  --providers plain,ours,ours_readahead --threads 1,2,4 --runs 3 --gemm-ms 50 --adapter-dir /tmp/bal \
   --out $OUT/c2/load > $OUT/c2/load.log 2>&1; echo "rc=$? at $SECONDS s" >> $OUT/c2/load.log
 mkdir -p /tmp/s4
 timeout $(( 590 - SECONDS )) python3 bench/bench_serving.py --shape llama3-8b --adapter-set S4 --adapters 5,2000 \
