@@ -281,6 +281,7 @@ def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path
                     max_batch_size=args.max_batch_size, max_seq_len=max_seq, max_lora_rank=max(ranks),
                     adapter_pool_share=args.adapter_pool_share, adapter_pool_bytes=args.adapter_pool_bytes,
                     kv_cache_bytes=args.kv_cache_bytes, unified_pool=unified, adapter_pool_fill=args.adapter_pool_fill,
+                    adapter_finish=args.adapter_finish,
                     enable_chunked_prefill=args.chunked_prefill == "on",
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
@@ -755,6 +756,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--adapter-pool-bytes", type=float, default=None, help="the pool's bytes (default: the plan's "
                     "share); with --unified-pool on, its starting size")
     ap.add_argument("--kv-cache-bytes", type=float, default=None, help="cap on the KV cache's bytes")
+    ap.add_argument("--adapter-finish", default="host", choices=("host", "device"),
+                    help="Engine(adapter_finish=...): where an adapter read from disk gets the pool's layout (device: "
+                         "the I/O threads read the file raw, the GPU finishes it; issue 13 item 4's read goal)")
     ap.add_argument("--adapter-pool-fill", action="store_true", help="Engine(adapter_pool_fill=True): the pool also "
                     "takes the budget the KV cache can never use (max_batch_size sequences of the trace's longest)")
     ap.add_argument("--unified-pool", default="off", help="comma-separated off,on: rows with the pool and the KV "
@@ -888,7 +892,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                    after_reads: int | None = None) -> dict:
             row = {**trace_facts(trace_at(r)), "mode": mode, "n_adapters": n, "adapter_set": args.adapter_set, "popularity": args.popularity,
                    "unified_pool": unified, "adapter_pool_bytes": args.adapter_pool_bytes,
-                   "adapter_pool_fill": args.adapter_pool_fill,
+                   "adapter_pool_fill": args.adapter_pool_fill, "adapter_finish": args.adapter_finish,
                    "kv_cache_bytes": args.kv_cache_bytes,
                    "arrival": args.arrival, "rate": "burst" if math.isinf(r) else f"{r:.2f}",
                    "chunked_prefill": args.chunked_prefill, "max_num_batched_tokens": args.max_num_batched_tokens,
