@@ -241,6 +241,10 @@ class LoRAPlan:
     chunks: torch.Tensor
     block_m: int
     has_lora: bool
+    #: the distinct slots of the step when the host knows them (a plan built for one step, ``build_lora_plan``):
+    #: the Triton launches then size their grid by them instead of the pool's ``max_slots`` (``num_chunks``); None for
+    #: a plan of static buffers rewritten in place (a CUDA graph), whose grid must hold any grouping
+    num_segments: int | None = None
 
     def __post_init__(self) -> None:
         ts, c = self.token_slots, self.chunks
@@ -362,8 +366,10 @@ def build_lora_plan(token_slots: Sequence[int] | torch.Tensor, device: torch.dev
     fill_chunk_table(chunks, s, bm)
     host[4 * W :] = s
     dev = to_device(torch.from_numpy(host), device)  # (pinned, non-blocking on CUDA)
+    live = chunks[1][chunks[1] >= 0]  # the chunks' slots, ascending: the step's distinct slots are its runs
+    segments = int(np.count_nonzero(live[1:] != live[:-1])) + 1 if live.size else 0
     return LoRAPlan(token_slots=dev[4 * W :], chunks=dev[: 4 * W].view(4, W), block_m=bm,
-                    has_lora=bool(chunks[1, 0] >= 0))
+                    has_lora=bool(chunks[1, 0] >= 0), num_segments=segments)
 
 
 # ---------------------------------------------------------------------------------------------- the op

@@ -19,8 +19,10 @@ to ``MAX_SLICES`` slices is one shrink and one expand launch.
 
 One kernel family serves prefill (SGMV) and decode (BGMV). Each program takes one chunk of the plan's chunk
 table (``LoRAPlan``: at most ``block_m`` tokens of one slot, worked example there). The grid is
-``min(T, cdiv(T, block_m) + max_slots)`` chunks, a bound that depends only on the token count and the pool,
-never on how the batch is grouped; unused chunk entries hold slot ``-1`` and their programs return at once.
+``min(T, cdiv(T, block_m) + max_slots)`` chunks for a plan of static buffers (a CUDA graph), a bound that depends
+only on the token count and the pool, never on how the batch is grouped; a plan built for one step
+(``LoRAPlan.num_segments``) puts its distinct slots in place of ``max_slots`` (``num_chunks``). Unused chunk entries
+hold slot ``-1`` and their programs return at once.
 The launchers read nothing back from the device, so a decode step can be captured in a CUDA graph and
 replayed with the plan's tensors rewritten in place.
 
@@ -534,11 +536,29 @@ def _split_k(device: torch.device, programs: int, d_in: int, block_k: int, max_s
     return split
 
 
-def num_chunks(plan: LoRAPlan, slices: LoRASlices) -> int:
-    """The grid's chunk count: ``min(T, cdiv(T, block_m) + max_slots)``, enough for any grouping of T tokens
-    (a function of the token count and the pool only, so CUDA-graph safe)."""
+#: size an eager step's grid by its distinct slots (``LoRAPlan.num_segments``) rather than the pool's ``max_slots``
+#: (session 33: an engine's default pool has 256-4,096 slots, so a 4,096-token prefill on 64 adapters launched ~14x
+#: the chunk programs it has, the rest returning at once); False: the bound for any grouping (an A/B switch)
+GRID_BY_SEGMENTS = True
+
+
+def chunk_bound(plan: LoRAPlan, slices: LoRASlices) -> int:
+    """``min(T, cdiv(T, block_m) + max_slots)``: chunks enough for any grouping of T tokens (a function of the token
+    count and the pool only, so CUDA-graph safe). The shrink's K split is computed from it, whatever the grid."""
     T = plan.num_tokens
     return min(T, triton.cdiv(T, plan.block_m) + slices.max_slots)
+
+
+def num_chunks(plan: LoRAPlan, slices: LoRASlices) -> int:
+    """The grid's chunk count: ``chunk_bound``, or with the step's distinct slots known on the host
+    (``plan.num_segments``, an eager step) ``min(T, cdiv(T, block_m) + num_segments)``: the step's chunks are at most
+    ``cdiv(n, block_m) + num_segments`` for its ``n <= T`` adapted tokens, and at least ``cdiv(T, block_m)`` programs
+    keep the OVERWRITE expand's zeroing of unadapted rows (a grid-stride loop) spread as before. Same bits either way:
+    the programs past the chunks return at once."""
+    T, seg = plan.num_tokens, plan.num_segments
+    if seg is None or not GRID_BY_SEGMENTS:
+        return chunk_bound(plan, slices)
+    return min(T, triton.cdiv(T, plan.block_m) + min(seg, slices.max_slots))
 
 
 def check_io(slices: LoRASlices, plan: LoRAPlan, **tensors: torch.Tensor) -> None:
@@ -598,8 +618,9 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
         block_k, split_block = shrink_block_k(x.device.type, x.dtype, T, plan.block_m, rmax)
     cap = max(16, triton.next_power_of_2(d_in))
     block_k = min(block_k, cap)
-    split = split_k or _split_k(x.device, chunks * S, d_in, min(split_block or block_k, cap),
-                                WIDE_SHRINK[0] if wide else 32)
+    split = split_k or _split_k(x.device, chunk_bound(plan, slices) * S, d_in, min(split_block or block_k, cap),
+                                WIDE_SHRINK[0] if wide else 32)  # (the bound: the split and so the bits do not
+    # depend on how the step is grouped)
     k_per = triton.cdiv(triton.cdiv(d_in, split), block_k) * block_k
     v_out = torch.empty(split, S, T, rmax, dtype=torch.float32, device=x.device)
     extra = {} if num_stages is None else {"num_stages": num_stages}

@@ -166,7 +166,7 @@ def test_warmup_token_counts_reach_every_lora_kernel_variant(monkeypatch, rank, 
 
     from multilora.kernels.lora import block_m_for
 
-    class Plan:  # what num_chunks reads of a plan
+    class Plan:  # what chunk_bound reads of a plan
         def __init__(self, T):
             self.num_tokens, self.block_m = T, block_m_for(T)
 
@@ -182,7 +182,7 @@ def test_warmup_token_counts_reach_every_lora_kernel_variant(monkeypatch, rank, 
                 st = Slices(sl, n_slots)
                 cap = max(16, triton.next_power_of_2(st.d_in))  # as _shrink: the rule's block_k and split width
                 block_k, split_block = triton_sgmv.shrink_block_k("cuda", torch.bfloat16, T, block_m_for(T), rank)
-                programs = triton_sgmv.num_chunks(Plan(T), st) * st.num_slices
+                programs = triton_sgmv.chunk_bound(Plan(T), st) * st.num_slices  # (what the split is computed from)
                 split = real(torch.device("cuda", 0), programs, st.d_in, min(split_block or block_k, cap), 32)
                 block_k = min(block_k, cap)
                 out.add((st.d_in, st.num_slices, block_m_for(T), block_k, split))

@@ -397,6 +397,48 @@ def test_lora_delta_writes_every_element(ranks, block_m, device, dtype):
             assert not _bits(got).any()
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("block_m", [16, 64], ids=["decode", "prefill"])
+def test_grid_by_the_steps_slots_gives_the_same_bits(block_m, device, dtype, monkeypatch):
+    """A plan built for one step (``build_lora_plan``: ``num_segments``) sizes the launches' grid by its distinct
+    slots, ``min(T, cdiv(T, block_m) + segments)``, not by the pool's ``max_slots``: fewer programs, the same bits
+    as the bound's grid (``GRID_BY_SEGMENTS`` False) for ``lora_apply`` and ``lora_delta`` (whose unadapted rows, most
+    of them here, a grid-stride loop zeroes), and the same K split of the shrink."""
+    gen = torch.Generator().manual_seed(block_m)
+    pool, slots = make_pool(SMALL, [8, 4, 1, 2, 3, 5], dtype=dtype, device=device)
+    a, b = slots[1], slots[4]
+    token_slots = [-1] * 40 + [a] * 5 + [-1] * 20 + [b] * 3 + [-1] * 9 + [a] * 2
+    T, segments = len(token_slots), 2
+    slices = lora_slices([pool.module_view(0, m) for m in QKV])
+    x = torch.randn(T, slices.d_in, generator=gen).to(device, dtype)
+    y0 = torch.randn(T, slices.d_out, generator=gen).to(device, dtype)
+    plan = build_lora_plan(token_slots, device=device, block_m=block_m)
+    assert plan.num_segments == segments and pool.max_slots > segments
+    out, grids = {}, {}
+    for by_segments in (True, False):
+        monkeypatch.setattr(triton_sgmv, "GRID_BY_SEGMENTS", by_segments)
+        shrink = _CountLaunches(triton_sgmv._sgmv_shrink_kernel)
+        expand = _CountLaunches(triton_sgmv._sgmv_expand_kernel)
+        monkeypatch.setattr(triton_sgmv, "_sgmv_shrink_kernel", shrink)
+        monkeypatch.setattr(triton_sgmv, "_sgmv_expand_kernel", expand)
+        out[by_segments] = (lora_apply(y0.clone(), x, slices, plan, backend="triton"),
+                            lora_delta(torch.full_like(y0, float("nan")), x, slices, plan, backend="triton"))
+        grids[by_segments] = (shrink.grids, expand.grids)
+        monkeypatch.undo()
+    for got, want in zip(out[True], out[False]):
+        assert torch.equal(_bits(got), _bits(want))
+    torch.testing.assert_close(out[True][0].float(), reference(y0, x, pool, 0, QKV, token_slots), **TOL[dtype])
+    chunks = min(T, -(-T // block_m) + segments)
+    bound = min(T, -(-T // block_m) + pool.max_slots)
+    assert chunks < bound
+    (s_new, e_new), (s_old, e_old) = grids[True], grids[False]
+    assert [g[0] for g in s_new] == [chunks * 3] * 2 and [g[0] for g in s_old] == [bound * 3] * 2  # (chunk, slice)
+    assert [g[1] for g in s_new] == [g[1] for g in s_old]  # the same K split
+    assert [g[0] for g in e_new] == [chunks] * 2 and [g[0] for g in e_old] == [bound] * 2
+    static = replace(plan, num_segments=None)  # a CUDA graph's plan of static buffers: the bound, whatever the step
+    assert triton_sgmv.num_chunks(static, slices) == bound == triton_sgmv.chunk_bound(plan, slices)
+
+
 class _CountLaunches:
     """Stands in for a @triton.jit kernel in its module: counts ``kernel[grid](...)`` launches, then launches."""
 
@@ -418,7 +460,7 @@ def test_more_than_three_slices(device, dtype, monkeypatch):
     run_case(SMALL, [8, 5], lambda s, g: [s[1], -1, s[0], s[1], s[0]], QKVO,
              device=device, dtype=dtype)
     assert len(shrink.grids) == 1 and len(expand.grids) == 1
-    chunks = min(5, 1 + 6)  # min(T, cdiv(T, 16) + max_slots) with 6 slots (make_pool: 2 adapters, 3 fillers, + 1)
+    chunks = min(5, 1 + 2)  # min(T, cdiv(T, 16) + the step's 2 distinct slots): an eager plan (num_segments)
     block_n = 64 if device == "cpu" else 256  # the expand default for T <= 512
     assert shrink.grids[0][0] == chunks * 4  # (chunk, slice) programs
     widths = (SMALL.q_size, SMALL.kv_size, SMALL.kv_size, SMALL.hidden_size)
