@@ -172,7 +172,8 @@ def main() -> None:
             "pool_adapters": engine.pool.num_pages // max_adapter_pages(config, args.rank),
             "host_adapters": engine.stats()["host_tier_budget"] // adapter_bytes,
             "pool_from_plan": not args.pool_adapters, "host_from_plan": not args.host_adapters,
-            "adapter_pool_fill": args.adapter_pool_fill,
+            "adapter_pool_fill": args.adapter_pool_fill, "pool_max_slots": engine.pool.max_slots,
+            "pool_bytes": engine.pool.bytes_total,
             "base_tokens_per_s": base_tok / base_s, "adapter_finish": args.adapter_finish,
             "read_batch_bytes": image_mod._BATCH_B_BYTES, "check_chunk": image_mod._CHECK_CHUNK,
             "urgent_read_wait": scheduler_mod.URGENT_READ_WAIT,
@@ -227,6 +228,7 @@ def main() -> None:
                                                             "queue_urgent_waits_for_adapter_read",
                                                             "disk_to_host_reads", "disk_to_host_seconds",
                                                             "host_to_gpu_copies", "host_misses", "host_hits",
+                                                            "pool_compactions", "pool_bytes_compacted",
                                                             "host_arena_map_seconds", "host_arena_sync_map_seconds",
                                                             "host_arena_sync_grows",
                                                             "host_arena_grown_ahead")

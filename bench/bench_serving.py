@@ -587,7 +587,9 @@ def summarize(results: list[Result], wall: float, offered: float, before: dict |
         row["adapters_resident_end"] = len(after.get("adapters_resident") or [])
         row["pool_bytes_end"] = after.get("pool_bytes_total")
         row["gpu_evictions"] = after["gpu_evictions"] - before["gpu_evictions"] if before is not None else None
-        for k in ("evictions_for_kv", "unified_floor_moves_up", "unified_floor_moves_down", "kv_reclaims_from_pool"):
+        row["pool_max_slots"] = after.get("pool_max_slots")
+        for k in ("evictions_for_kv", "unified_floor_moves_up", "unified_floor_moves_down", "kv_reclaims_from_pool",
+                  "pool_compactions", "pool_bytes_compacted"):
             row[k] = (after[k] - before[k]) if before is not None and k in after else None
     row["pool_hit_rate"] = rate("gpu_hits", "gpu_misses")
     row["host_hit_rate"] = rate("host_hits", "host_misses")

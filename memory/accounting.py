@@ -15,6 +15,7 @@ The formulae, with their sources, are in ``docs/memory.md``; in short (all per l
     budget           = max(fraction * hard budget, live_state_minimum)      (raises if minimum > hard)
                        then lowered by the user's total cap
     adapter pool     = adapter_pool_share * budget, KV = the rest         (each lowered by its cap)
+                       with kv_need: KV = min(the rest, kv_need), the pool = budget - KV (then the caps)
     device quota     = uncapped budget + non_kv_reserve
     host tier, shared memory (integrated GPU or host): (host_available / ranks - quota) / 2
     host tier, discrete GPU:  min(device_total, host_available / ranks / 2, 0.8 * RLIMIT_MEMLOCK)
@@ -897,15 +898,15 @@ def _input_lines(s: MemorySnapshot) -> list[str]:
 
 
 def _option_lines(o: MemoryPlanOptions) -> list[str]:
-    caps = {k: getattr(o, k) for k in ("max_adapter_pool_bytes", "max_kv_bytes", "max_total_bytes", "host_tier_bytes",
-                                       "kv_need_bytes")}
+    caps = {k: getattr(o, k) for k in ("max_adapter_pool_bytes", "max_kv_bytes", "max_total_bytes", "host_tier_bytes")}
     cap_text = ", ".join(f"{k}={v:,d}" for k, v in caps.items() if v is not None) or "none"
     return [
         f"  fraction {o.fraction}, adapter pool share {o.adapter_pool_share}, local ranks {o.local_ranks}",
         f"  non-KV reserve {o.non_kv_reserve_bytes:,d} B, live-state minimum {o.live_state_minimum_bytes:,d} B "
         f"(adapter {o.min_adapter_pool_bytes:,d} B + KV {o.min_kv_bytes:,d} B)",
         f"  caps / explicit sizes: {cap_text}",
-    ]
+    ] + ([f"  KV need {o.kv_need_bytes:,d} B (what the KV share leaves above it goes to the adapter pool)"]
+         if o.kv_need_bytes is not None else [])
 
 
 def _explain_lines(p: MemoryPlan) -> list[str]:

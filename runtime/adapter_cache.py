@@ -873,7 +873,8 @@ class AdapterCache:
     def report(self) -> dict:
         """The cache's part of ``Engine.stats()``: adapters per tier, pool pages (``PAGE_ELEMS`` elements each, the
         pool's allocation unit) and bytes, compactions and the bytes they moved (and ``pool_max_rank_adapters``, how
-        many adapters of the pool's max rank on every module it holds at once), host-tier bytes, hits and misses per tier, evictions,
+        many adapters of the pool's max rank on every module it holds at once; ``pool_max_slots``, its slots), host-tier
+        bytes, hits and misses per tier, evictions,
         bytes moved per tier, prefetches and load failures (key names are a contract).
 
         The tier moves' speeds, each with the bytes and seconds it comes from (GB = 1e9 bytes; None before any):
@@ -916,6 +917,7 @@ class AdapterCache:
             "pool_bytes_total": pool.bytes_total, "pool_bytes_used": pool.bytes_used,
             "pool_compactions": pool.compactions, "pool_bytes_compacted": pool.bytes_moved,
             "pool_max_rank_adapters": min(pool.max_slots, pool.num_pages // pool.max_adapter_pages),
+            "pool_max_slots": pool.max_slots,
             "host_tier_bytes": self.host_bytes, "host_tier_budget": self.host_budget, "gpu_hits": s.gpu_hits,
             "gpu_misses": s.gpu_misses, "host_hits": s.host_hits, "host_misses": s.host_misses,
             "gpu_evictions": s.gpu_evictions, "host_evictions": s.host_evictions,

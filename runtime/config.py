@@ -153,7 +153,8 @@ class EngineConfig:
             tokens, the pool gets the difference (up to ``adapter_pool_bytes`` / ``adapter_slots``), so that memory
             holds adapters instead of lying idle (an H200 with Llama-3-8B at the defaults: the KV cache can use 4 of
             its ~98 GiB share). ``kv_cache_bytes`` stays a cap whose remainder is left free. Default off until
-            measured on the GPU (``memory.accounting.MemoryPlanOptions.kv_need_bytes``).
+            measured on the GPU (``memory.accounting.MemoryPlanOptions.kv_need_bytes``); not with tensor
+            parallelism; without a measured snapshot (no /proc/meminfo) the caps alone size the engine, as before.
         unified_pool: put the adapter pool and the KV cache in one device buffer with a movable boundary
             (``multilora.memory.unified``; S-LoRA's unified paging): adapters grow into KV blocks that running and
             waiting requests do not need (more adapters resident, fewer tier moves at low load), and give them
@@ -321,7 +322,8 @@ class EngineConfig:
             raise fail("fp8_lm_head", "None, True or False")
         if self.fp8_lm_head and self.weight_dtype != "fp8":
             raise fail("fp8_lm_head", "None or False unless weight_dtype='fp8'")
-        for name in ("cuda_graphs", "enable_chunked_prefill", "adapter_aware_admission", "unified_pool"):
+        for name in ("cuda_graphs", "enable_chunked_prefill", "adapter_aware_admission", "unified_pool",
+                     "adapter_pool_fill"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "True or False")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
@@ -345,6 +347,11 @@ class EngineConfig:
             raise ValueError(f"Engine: unified_pool=True is not available with tensor_parallel_size="
                              f"{self.tensor_parallel_size} (each rank keeps its own pool and KV cache); leave "
                              f"unified_pool off")
+        if self.adapter_pool_fill and self.tensor_parallel_size > 1:
+            raise ValueError(f"Engine: adapter_pool_fill=True is not available with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} (the workers take rank 0's pool size without planning "
+                             f"their own memory, and a pool of nearly the whole budget leaves them no margin); leave "
+                             f"adapter_pool_fill off")
         if self.memory_snapshot is not None:  # checked before any weights load
             from multilora.memory.accounting import require_snapshot
 

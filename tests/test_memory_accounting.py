@@ -691,6 +691,24 @@ def test_prop_a_cap_never_increases_any_size(snap, opts, cap, value):
 
 
 @PROPERTY
+@given(snapshots(), options(), byte_counts)
+def test_prop_kv_need_moves_kv_slack_to_the_pool_and_nothing_else(snap, opts, need):
+    """``kv_need_bytes`` against none: the pool never shrinks and KV never grows; KV is unchanged or at most
+    max(need, min_kv); the budget, quota, host tier and torch fraction do not move; without caps, pool + KV is the
+    whole budget either way (the slack goes to the pool, nothing is lost)."""
+    a = plan_or_none(snap, dataclasses.replace(opts, kv_need_bytes=None))
+    b = plan_or_none(snap, dataclasses.replace(opts, kv_need_bytes=need))
+    assert (a is None) == (b is None)
+    assume(a is not None)
+    assert b.adapter_pool_bytes >= a.adapter_pool_bytes and b.kv_bytes <= a.kv_bytes
+    assert b.kv_bytes == a.kv_bytes or b.kv_bytes <= max(need, opts.min_kv_bytes)
+    for name in ("budget_bytes", "device_quota_bytes", "host_tier_bytes", "torch_memory_fraction", "usable_bytes"):
+        assert getattr(b, name) == getattr(a, name), name
+    if opts.max_adapter_pool_bytes is None and opts.max_kv_bytes is None:
+        assert a.adapter_pool_bytes + a.kv_bytes == a.budget_bytes == b.adapter_pool_bytes + b.kv_bytes
+
+
+@PROPERTY
 @given(st.one_of(snapshots("integrated"), snapshots("host")), options(explicit_host=True))
 def test_prop_shared_device_quotas_and_host_tiers_fit_host_memory(snap, opts):
     plan = plan_or_none(snap, opts)

@@ -183,7 +183,7 @@ def test_default_pool_slots_and_host_tier_hold_thousands_of_adapters():
 
 def test_adapter_pool_fill_on_the_h200_defaults():
     """docs/memory.md's figures for ``adapter_pool_fill`` on that H200: the KV cache keeps its 16 sequences of 2,048
-    tokens (+ the null block, 4 GiB), the pool takes the rest of the 108.9 GiB budget, ~105 GiB: 1,340 rank-16
+    tokens (+ the null block, 4 GiB), the pool takes the rest of the 108.9 GiB budget, ~105 GiB: 1,342 rank-16
     all-module adapters, and the slot cap of 4,096 S1 ones; the host tier is unchanged."""
     ec = EngineConfig(max_lora_rank=64, adapter_pool_fill=True)
     req = memory_request(LLAMA3, ec, dtype=torch.bfloat16, max_seq_len=2048)

@@ -1,38 +1,35 @@
 #!/usr/bin/env bash
-# Next GPU session, call 3 (written in session 33, which had no device): Engine(adapter_pool_fill=True), the pool given
-# the budget the KV cache can never use (~105 GiB instead of ~11 GiB at the defaults on an H200 with Llama-3-8B).
-# (1) issue 13's one-batch bench over 2,048 adapters with the plan's default pool, default against --adapter-pool-fill,
-# alternated (session 30's command; ~25 s a run); (2) S4 at 2,000 adapters with --adapter-pool-fill (compare with call
-# 2's S4, the same trace and drops: tier moves, SLO, TTFT).
-#   run: command="bash bench/results/session33/next_call3.sh", timeout_s=600; results in $OUT/c3.tgz
+# Next GPU session, call 3 (written in session 33, which had no device).
+# (1) Engine(adapter_pool_fill=True): the pool given the budget the KV cache can never use. S4's N = 2,000 row (pool
+#     share 0.3 in bench_serving: ~33 GB, ~520 of S4's 2,000 adapters; with fill ~100 GB) with and without it,
+#     alternated, at one fixed offered rate: RATE from call 2's S4 (its rows[0].offered_rps; session 32: 18.49), e.g.
+#     run(command="RATE=18.3 bash bench/results/session33/next_call3.sh"). (The one-batch bench cannot show fill: its
+#     ~41 distinct adapters per batch never filled the default pool, gpu_evictions 0 in every run since session 29.)
+# (2) the LoRA grid sized by a step's distinct slots (triton_sgmv.GRID_BY_SEGMENTS, new default) against the bound
+#     (provider multilora-lora-boundgrid): issue 12's TTFT row and decode rows, 5 interleaved rounds.
+#   results in $OUT/c3.tgz
 set -o pipefail
 mkdir -p $OUT/c3
 trap 'tar czf $OUT/c3.tgz -C $OUT c3 && rm -rf $OUT/c3' EXIT
 . scripts/device_env.sh
 cp "$0" $OUT/c3/script.sh
 git log --oneline -1 > $OUT/c3/tree.txt 2>/dev/null; git status --short >> $OUT/c3/tree.txt 2>/dev/null
-mkdir -p /tmp/adapters
-(cd bench && timeout 200 python3 -c "
-import torch; from pathlib import Path; from _common import write_adapters
-from multilora.config import ModelConfig; from multilora.runtime.weights import MODEL_SHAPES
-write_adapters(Path('/tmp/adapters'), ModelConfig(**MODEL_SHAPES['llama3-8b']), 64, 16, torch.bfloat16, threads=4)
-" > $OUT/c3/write.log 2>&1; echo "write rc=$? at $SECONDS s" >> $OUT/c3/write.log)
-sync
-ob() {  # name, flags...
-  local n=$1; shift
-  [ $SECONDS -gt 330 ] && { echo "skipped $n at $SECONDS s" >> $OUT/c3/skipped.txt; return; }
-  timeout 120 python3 bench/bench_adapter_throughput.py --shape llama3-8b --distinct-files 64 --counts 2048 \
-    --popularity zipf --pool-adapters 0 --host-adapters 0 --adapter-dir /tmp/adapters --load-threads 2 --sample-threads \
-    --out $OUT/c3/ob_$n "$@" > $OUT/c3/ob_$n.log 2>&1
-  echo "rc=$? at $SECONDS s" >> $OUT/c3/ob_$n.log; rm -f $OUT/c3/ob_$n/*.png
-}
-ob def1
-ob fill1 --adapter-pool-fill
-ob fill2 --adapter-pool-fill
-ob def2
+RATE=${RATE:-18.49}
+echo "rate $RATE" >> $OUT/c3/tree.txt
+timeout 150 python3 bench/bench_generate.py --providers multilora,multilora-lora,multilora-lora-boundgrid \
+  --rounds 5 --batches 1,64 --gen 64 --time-budget 140 --out $OUT/c3/gen > $OUT/c3/gen.log 2>&1
+echo "rc=$? at $SECONDS s" >> $OUT/c3/gen.log; rm -f $OUT/c3/gen/*.png
 mkdir -p /tmp/s4
-timeout $(( 590 - SECONDS )) python3 bench/bench_serving.py --shape llama3-8b --adapter-set S4 --adapters 5,2000 \
-  --adapter-files 64 --adapter-dir /tmp/s4 --preload 300 --modes engine --requests 512 --rate auto --no-burst-rows \
-  --engine-warmup --warmup-requests 0 --drop-after-read --adapter-pool-fill --out $OUT/c3/s4fill > $OUT/c3/s4fill.log 2>&1
-echo "s4 rc=$? at $SECONDS s" >> $OUT/c3/s4fill.log; rm -f $OUT/c3/s4fill/*.png
+s4() {  # name, flags...
+  local n=$1; shift
+  [ $SECONDS -gt 470 ] && { echo "skipped $n at $SECONDS s" >> $OUT/c3/skipped.txt; return; }
+  timeout $(( 590 - SECONDS )) python3 bench/bench_serving.py --shape llama3-8b --adapter-set S4 --adapters 2000 \
+    --adapter-files 64 --adapter-dir /tmp/s4 --preload 300 --modes engine --requests 512 --rate $RATE --no-burst-rows \
+    --engine-warmup --warmup-requests 0 --drop-after-read --out $OUT/c3/s4_$n "$@" > $OUT/c3/s4_$n.log 2>&1
+  echo "rc=$? at $SECONDS s" >> $OUT/c3/s4_$n.log; rm -f $OUT/c3/s4_$n/*.png
+}
+s4 fill1 --adapter-pool-fill
+s4 def1
+s4 fill2 --adapter-pool-fill
+s4 def2
 true
