@@ -241,9 +241,10 @@ class LoRAPlan:
     chunks: torch.Tensor
     block_m: int
     has_lora: bool
-    #: the distinct slots of the step when the host knows them (a plan built for one step, ``build_lora_plan``):
-    #: the Triton launches then size their grid by them instead of the pool's ``max_slots`` (``num_chunks``); None for
-    #: a plan of static buffers rewritten in place (a CUDA graph), whose grid must hold any grouping
+    #: at most this many distinct slots in the step: exact for a plan built for one step (``build_lora_plan``), the
+    #: engine's batch for the static plans of its piecewise graphs (a step holds at most ``max_batch_size``
+    #: sequences); the Triton launches then size their grid by it instead of the pool's ``max_slots``
+    #: (``triton_sgmv.num_chunks``). None: any grouping (the bound by ``max_slots``)
     num_segments: int | None = None
 
     def __post_init__(self) -> None:

@@ -252,12 +252,16 @@ class StepBuffers:
 
     Args:
         max_tokens: the largest bucket. hidden, num_heads, head_dim: the model's widths. dtype, device: the model's.
+        max_segments: the most sequences (so distinct adapter slots) a step holds, ``max_batch_size``: the static
+            plans' LoRA grids are sized by it (``LoRAPlan.num_segments``) instead of by the pool's slots; ``stage``
+            refuses a step with more. None: the pool's slots.
     """
 
     def __init__(self, *, max_tokens: int, hidden: int, num_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, max_segments: int | None = None) -> None:
         n = max_tokens
         self.max_tokens, self.device = n, device
+        self.max_segments = max_segments  # the most distinct adapter slots a step may have (the engine's batch)
         self._dev, self._host, self.h, self.d, _ = _staged_fields(self._fields(n), device)
         self.h["token_slots"][:] = -1
         self._dev.copy_(self._host)
@@ -289,7 +293,7 @@ class StepBuffers:
                                  slot_mapping=d["slot_mapping"][:bucket], block_size=block_size, q_lens=(bucket,),
                                  seq_lens_host=(bucket,), max_query_len=bucket, max_seq_len=bucket)
         lora_plan = LoRAPlan(token_slots=d["token_slots"][:bucket], chunks=d["chunk"][: 4 * bucket].view(4, bucket),
-                             block_m=block_m_for(bucket), has_lora=lora)
+                             block_m=block_m_for(bucket), has_lora=lora, num_segments=self.max_segments)
         plan = StepPlan(input_ids=d["input_ids"][:bucket], positions=d["positions"][:bucket], q_lens=(bucket,),
                         last_index=d["positions"][:0], attn=attn, lora=lora_plan)
         return _PieceContext(bucket, plan)
@@ -300,6 +304,9 @@ class StepBuffers:
         onward, adapter slot ``token_slots[b]``), padded to ``bucket``, and copy it to the device; then the step's
         KV slots ``slot_mapping`` [T] (device int64, ``AttentionMetadata.slot_mapping``) into place. ``T = 0``
         (``slot_mapping`` None) stages a step of padding only."""
+        if self.max_segments is not None and len(token_ids) > self.max_segments:  # (never: the scheduler's batch)
+            raise ValueError(f"StepBuffers.stage: {len(token_ids)} sequences in one step, more than max_segments="
+                             f"{self.max_segments} (the captured LoRA grids hold that many distinct adapters)")
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has read the host buffer
         h = self.h
@@ -388,7 +395,8 @@ class ModelRunner:
         c = self.model.config
         buckets = token_buckets(max_tokens)
         self.step_buffers = StepBuffers(max_tokens=buckets[-1], hidden=c.hidden_size, num_heads=c.num_heads,
-                                        head_dim=c.head_dim, dtype=self.model.dtype, device=self.device)
+                                        head_dim=c.head_dim, dtype=self.model.dtype, device=self.device,
+                                        max_segments=self.max_batch_size)
         self.pieces = PiecewiseGraphs(c.num_layers + 1, buckets, self.device, capture=capture,
                                       stream=self.capture_stream)
         log.debug("piecewise graphs for %d token buckets up to %d", len(buckets), buckets[-1])

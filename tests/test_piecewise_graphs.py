@@ -224,3 +224,34 @@ def test_piecewise_tokens_and_config(tmp_path):
         with pytest.raises(ValueError, match="piecewise_cuda_graph_max_tokens"):
             EngineConfig(piecewise_cuda_graph_max_tokens=bad)
     assert cuda_graphs.PiecewiseGraphs(3, [16, 32], torch.device("cpu")).bucket_for(33) is None
+
+
+def test_piecewise_lora_grid_takes_the_batch_not_the_pools_slots(tmp_path, monkeypatch):
+    """The piecewise graphs' static LoRA plan says a step holds at most ``max_batch_size`` distinct adapters
+    (``LoRAPlan.num_segments``), so the Triton launches size their grid by the batch instead of the pool's slots;
+    a step through the pieces (Triton backend, on the interpreter here) gives the bits of the same step with the grid
+    at the pool's bound (``GRID_BY_SEGMENTS`` False) and the eager forward's logits; a step of more sequences than
+    the batch is refused (never staged by the engine: its scheduler runs at most ``max_batch_size``)."""
+    from multilora.kernels import triton_sgmv
+
+    e = _engine(tmp_path, capture=False, max_batch_size=2, lora_backend="triton")
+    r = e.runner
+    assert r.step_buffers.max_segments == 2 and e.pool.max_slots == 3
+    assert r.step_buffers.context(16, True, e.kv.block_size).plan.lora.num_segments == 2
+    slots = [e.cache.acquire(e.cache.get("a1")), e.cache.acquire(e.cache.get("a2"))]
+    tables = [e.kv.allocate_seq(("s", i), 20) for i in range(2)]
+    step, starts = [[5, 9, 11, 3, 7], list(range(3, 12))], [0, 0]
+    before = e.kv.k.clone(), e.kv.v.clone()
+    got = {}
+    for by_segments in (True, False):
+        monkeypatch.setattr(triton_sgmv, "GRID_BY_SEGMENTS", by_segments)
+        e.kv.k.copy_(before[0]), e.kv.v.copy_(before[1])
+        with torch.inference_mode():
+            got[by_segments] = r.piecewise_step(step, starts, tables, slots)
+    assert torch.equal(got[True], got[False])
+    e.kv.k.copy_(before[0]), e.kv.v.copy_(before[1])
+    with torch.inference_mode():
+        want = r.run_eager(step, starts, tables, slots)
+    torch.testing.assert_close(got[True], want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="3 sequences in one step, more than max_segments=2"):
+        r.step_buffers.stage(16, [[1], [2], [3]], [0, 0, 0], [slots[0], -1, slots[1]], None)
