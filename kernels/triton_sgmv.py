@@ -20,9 +20,10 @@ to ``MAX_SLICES`` slices is one shrink and one expand launch.
 One kernel family serves prefill (SGMV) and decode (BGMV). Each program takes one chunk of the plan's chunk
 table (``LoRAPlan``: at most ``block_m`` tokens of one slot, worked example there). The grid is
 ``min(T, cdiv(T, block_m) + max_slots)`` chunks for a plan of static buffers (a CUDA graph), a bound that depends
-only on the token count and the pool, never on how the batch is grouped; a plan built for one step
-(``LoRAPlan.num_segments``) puts its distinct slots in place of ``max_slots`` (``num_chunks``). Unused chunk entries
-hold slot ``-1`` and their programs return at once.
+only on the token count and the pool, never on how the batch is grouped; a plan that bounds its distinct slots
+(``LoRAPlan.num_segments``: exact for a plan built for one step, the engine's batch for the piecewise graphs' static
+plans) puts that bound in place of ``max_slots`` (``num_chunks``). Unused chunk entries hold slot ``-1`` and their
+programs return at once.
 The launchers read nothing back from the device, so a decode step can be captured in a CUDA graph and
 replayed with the plan's tensors rewritten in place.
 
@@ -536,8 +537,8 @@ def _split_k(device: torch.device, programs: int, d_in: int, block_k: int, max_s
     return split
 
 
-#: size an eager step's grid by its distinct slots (``LoRAPlan.num_segments``) rather than the pool's ``max_slots``
-#: (session 33: an engine's default pool has 256-4,096 slots, so a 4,096-token prefill on 64 adapters launched ~14x
+#: size a step's grid by its bound on distinct slots (``LoRAPlan.num_segments``) rather than the pool's ``max_slots``
+#: (session 33: an engine's default pool has 256-4,096 slots, so a 4,096-token prefill on 64 adapters launched ~7x
 #: the chunk programs it has, the rest returning at once); False: the bound for any grouping (an A/B switch)
 GRID_BY_SEGMENTS = True
 
@@ -550,8 +551,8 @@ def chunk_bound(plan: LoRAPlan, slices: LoRASlices) -> int:
 
 
 def num_chunks(plan: LoRAPlan, slices: LoRASlices) -> int:
-    """The grid's chunk count: ``chunk_bound``, or with the step's distinct slots known on the host
-    (``plan.num_segments``, an eager step) ``min(T, cdiv(T, block_m) + num_segments)``: the step's chunks are at most
+    """The grid's chunk count: ``chunk_bound``, or with a bound on the step's distinct slots
+    (``plan.num_segments``) ``min(T, cdiv(T, block_m) + num_segments)``: the step's chunks are at most
     ``cdiv(n, block_m) + num_segments`` for its ``n <= T`` adapted tokens, and at least ``cdiv(T, block_m)`` programs
     keep the OVERWRITE expand's zeroing of unadapted rows (a grid-stride loop) spread as before. Same bits either way:
     the programs past the chunks return at once."""
