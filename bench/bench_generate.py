@@ -65,7 +65,8 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
     multilora-lora-boundgrid  multilora-lora with every LoRA launch's grid at the bound for any grouping,
                     ``min(T, cdiv(T, block_m) + max_slots)`` (``triton_sgmv.GRID_BY_SEGMENTS = False``, what ran before
                     session 33; a prefill then launches its chunk programs for the pool's 256-4,096 slots): the A/B
-                    of sizing an eager step's grid by its distinct slots
+                    of sizing the grid by a step's distinct slots (eager steps) or the batch (the piecewise graphs,
+                    captured again); the shrink's K split is the same in both (it follows the bound)
     multilora-fp8-nopreload  multilora-fp8 with no weight tiles of the one-row GEMV loaded before its PDL wait
                     (``kernels.triton_fp8.GEMV_PRELOAD = 0``, what ran before session 27): the A/B of the preload
     multilora-fp8-preload4  multilora-fp8 with 4 such tiles (``GEMV_PRELOAD = 4``)

@@ -308,7 +308,7 @@ def main():
         plans = [build_lora_plan(assign(pop, T, n, gen) + k * n, device="cuda") for k in range(K)]
         xs = [torch.randn(T, d_in, device="cuda", dtype=torch.bfloat16) for _ in range(K)]
         ys = [torch.randn(T, sum(d_outs), device="cuda", dtype=torch.bfloat16) for _ in range(K)]
-        nc = ts.num_chunks(plans[0], slices)
+        nc = ts.chunk_bound(plans[0], slices)  # (the launcher's split follows the bound, not the launched grid)
         auto_split = ts._split_k(xs[0].device, nc * slices.num_slices, d_in, 256)
         for bk, nw, ns, sm in itertools.product((128, 256, 512), (4, 8), (2, 3, 4), (1, 2, 4)):
             split = auto_split * sm

@@ -234,7 +234,10 @@ class LoRAPlan:
     there).
 
     The tensors may be static buffers rewritten in place between calls (a CUDA-graph decode step): every
-    backend derives what it needs from them at call time, nothing is cached from their values.
+    backend derives what it needs from them at call time, nothing is cached from their values, but for
+    ``num_segments``: a plan whose tensors are rewritten must have it None or a bound that holds for every rewrite
+    (``build_lora_plan`` sets the exact count of its own table; a table rewritten with more distinct slots under it
+    would leave chunks without a program: wrong results, no error).
     """
 
     token_slots: torch.Tensor
@@ -257,6 +260,8 @@ class LoRAPlan:
                              f"{tuple(c.shape)} strides {c.stride()} on {c.device}")
         if self.block_m < 1:
             raise ValueError(f"block_m: expected >= 1, got {self.block_m}")
+        if self.num_segments is not None and (not isinstance(self.num_segments, int) or self.num_segments < 0):
+            raise ValueError(f"num_segments: expected None or an int >= 0, got {self.num_segments!r}")
 
     @property
     def num_tokens(self) -> int:

@@ -439,6 +439,50 @@ def test_grid_by_the_steps_slots_gives_the_same_bits(block_m, device, dtype, mon
     assert triton_sgmv.num_chunks(static, slices) == bound == triton_sgmv.chunk_bound(plan, slices)
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_grid_by_segments_holds_a_table_one_program_short_of_it(device, dtype):
+    """The tightest table under the grid ``min(T, cdiv(T, block_m) + segments)``: every token adapted, each slot's
+    tokens one more than a multiple of block_m, so the table has ``cdiv(T, block_m) + segments - 1`` chunks; the
+    results equal the reference (a grid one chunk smaller than this bound would leave the last chunk undone)."""
+    from multilora.kernels.lora import fill_chunk_table
+
+    pool, slots = make_pool(SMALL, [8, 4, 6, 2], dtype=dtype, device=device, seed=3)
+    slices = lora_slices([pool.module_view(1, m) for m in QKV])
+    for block_m in (16, 4):
+        token_slots = [s for s in slots for _ in range(block_m + 1)]  # runs of block_m + 1: two chunks each
+        T, d = len(token_slots), len(slots)
+        table = np.empty((4, T), dtype=np.int32)
+        fill_chunk_table(table, token_slots, block_m)
+        assert int((table[1] >= 0).sum()) == 2 * d == -(-T // block_m) + d - 1
+        plan = build_lora_plan(token_slots, device=device, block_m=block_m)
+        assert triton_sgmv.num_chunks(plan, slices) == min(T, -(-T // block_m) + d) < triton_sgmv.chunk_bound(plan,
+                                                                                                             slices)
+        gen = torch.Generator().manual_seed(block_m)
+        x = torch.randn(T, slices.d_in, generator=gen).to(device, dtype)
+        y0 = torch.randn(T, slices.d_out, generator=gen).to(device, dtype)
+        ref = reference(y0, x, pool, 1, QKV, token_slots)
+        torch.testing.assert_close(lora_apply(y0.clone(), x, slices, plan, backend="triton").float(), ref, **TOL[dtype])
+        got = lora_delta(torch.full_like(y0, float("nan")), x, slices, plan, backend="triton")
+        torch.testing.assert_close(got.float(), reference(torch.zeros_like(y0), x, pool, 1, QKV, token_slots),
+                                   **TOL[dtype])
+
+
+@settings(max_examples=300, deadline=None)
+@given(slots=st.lists(st.integers(-1, 6), min_size=0, max_size=120), block_m=st.integers(1, 70))
+def test_every_chunk_of_a_table_has_a_program(slots, block_m):
+    """Host-only property: whatever the slots (runs, interleaving, slot -1) and block_m, the chunk table
+    ``build_lora_plan`` builds has at most ``num_chunks`` chunks (its grid) and ``num_segments`` is its distinct
+    slots."""
+    plan = build_lora_plan(slots, block_m=block_m)
+
+    class Slices:
+        max_slots = 4096
+
+    table = plan.chunks.numpy()
+    assert plan.num_segments == len({s for s in slots if s >= 0})
+    assert int((table[1] >= 0).sum()) <= max(1, triton_sgmv.num_chunks(plan, Slices()))
+
+
 class _CountLaunches:
     """Stands in for a @triton.jit kernel in its module: counts ``kernel[grid](...)`` launches, then launches."""
 

@@ -242,13 +242,26 @@ def test_piecewise_lora_grid_takes_the_batch_not_the_pools_slots(tmp_path, monke
     tables = [e.kv.allocate_seq(("s", i), 20) for i in range(2)]
     step, starts = [[5, 9, 11, 3, 7], list(range(3, 12))], [0, 0]
     before = e.kv.k.clone(), e.kv.v.clone()
-    got = {}
+    got, grids = {}, {}
+    launch = triton_sgmv._sgmv_expand_kernel
     for by_segments in (True, False):
         monkeypatch.setattr(triton_sgmv, "GRID_BY_SEGMENTS", by_segments)
+        seen = []
+
+        class Count:  # the expand launches' grids
+            def __getitem__(self, grid):
+                seen.append(grid[0])
+                return launch[grid]
+
+        monkeypatch.setattr(triton_sgmv, "_sgmv_expand_kernel", Count())
         e.kv.k.copy_(before[0]), e.kv.v.copy_(before[1])
         with torch.inference_mode():
             got[by_segments] = r.piecewise_step(step, starts, tables, slots)
+        grids[by_segments] = set(seen)
+        monkeypatch.setattr(triton_sgmv, "_sgmv_expand_kernel", launch)
     assert torch.equal(got[True], got[False])
+    assert grids == {True: {1 + 2}, False: {1 + 3}}  # bucket 16, block_m 16: + the batch (2), + the pool's slots (3)
+    monkeypatch.setattr(triton_sgmv, "GRID_BY_SEGMENTS", True)
     e.kv.k.copy_(before[0]), e.kv.v.copy_(before[1])
     with torch.inference_mode():
         want = r.run_eager(step, starts, tables, slots)
