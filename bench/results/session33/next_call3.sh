@@ -22,7 +22,7 @@ echo "rc=$? at $SECONDS s" >> $OUT/c3/gen.log; rm -f $OUT/c3/gen/*.png
 mkdir -p /tmp/s4
 s4() {  # name, flags...
   local n=$1; shift
-  [ $SECONDS -gt 470 ] && { echo "skipped $n at $SECONDS s" >> $OUT/c3/skipped.txt; return; }
+  [ $SECONDS -gt 380 ] && { echo "skipped $n at $SECONDS s" >> $OUT/c3/skipped.txt; return; }
   timeout $(( 590 - SECONDS )) python3 bench/bench_serving.py --shape llama3-8b --adapter-set S4 --adapters 2000 \
     --adapter-files 64 --adapter-dir /tmp/s4 --preload 300 --modes engine --requests 512 --rate $RATE --no-burst-rows \
     --engine-warmup --warmup-requests 0 --drop-after-read --out $OUT/c3/s4_$n "$@" > $OUT/c3/s4_$n.log 2>&1
