@@ -541,6 +541,11 @@ def _split_k(device: torch.device, programs: int, d_in: int, block_k: int, max_s
 #: (session 33: an engine's default pool has 256-4,096 slots, so a 4,096-token prefill on 64 adapters launched ~7x
 #: the chunk programs it has, the rest returning at once); False: the bound for any grouping (an A/B switch)
 GRID_BY_SEGMENTS = True
+#: compute the shrink's K split from the launched grid (``num_chunks``) instead of the bound (``chunk_bound``): with
+#: the smaller grid a mid-size step may leave SMs idle at the bound's split, and a larger split fills them, at other
+#: bits (the partials sum in another order; within the reference). Off: the bits of the bound (an A/B switch, not yet
+#: measured: ``bench_generate.py`` provider ``multilora-lora-gridsplit``)
+SPLIT_BY_GRID = False
 
 
 def chunk_bound(plan: LoRAPlan, slices: LoRASlices) -> int:
@@ -619,9 +624,10 @@ def _shrink(x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, block_k: int
         block_k, split_block = shrink_block_k(x.device.type, x.dtype, T, plan.block_m, rmax)
     cap = max(16, triton.next_power_of_2(d_in))
     block_k = min(block_k, cap)
-    split = split_k or _split_k(x.device, chunk_bound(plan, slices) * S, d_in, min(split_block or block_k, cap),
-                                WIDE_SHRINK[0] if wide else 32)  # (the bound: the split and so the bits do not
-    # depend on how the step is grouped)
+    programs = (chunks if SPLIT_BY_GRID else chunk_bound(plan, slices)) * S  # (the bound: the split and so the bits
+    # do not depend on how the step is grouped)
+    split = split_k or _split_k(x.device, programs, d_in, min(split_block or block_k, cap),
+                                WIDE_SHRINK[0] if wide else 32)
     k_per = triton.cdiv(triton.cdiv(d_in, split), block_k) * block_k
     v_out = torch.empty(split, S, T, rmax, dtype=torch.float32, device=x.device)
     extra = {} if num_stages is None else {"num_stages": num_stages}

@@ -467,6 +467,31 @@ def test_grid_by_segments_holds_a_table_one_program_short_of_it(device, dtype):
                                    **TOL[dtype])
 
 
+@pytest.mark.parametrize("device,dtype", GPU_CASES)
+def test_split_by_the_launched_grid_matches_the_reference(device, dtype, monkeypatch):
+    """``SPLIT_BY_GRID`` (off by default, an A/B): the shrink's K split computed from the grid by the step's slots; on a
+    mid-size step with few adapters (the grid far below the bound) it splits more, and the result stays within the
+    fp32 reference."""
+    pool, slots = make_pool(LLAMA8B, [16, 16, 8, 16], dtype=dtype, device=device, seed=5)
+    slices = lora_slices([pool.module_view(0, m) for m in QKV])
+    token_slots = [slots[i % 4] for i in range(192)]
+    plan = build_lora_plan(token_slots, device=device)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(len(token_slots), slices.d_in, generator=gen).to(device, dtype)
+    y0 = torch.randn(len(token_slots), slices.d_out, generator=gen).to(device, dtype)
+    ref = reference(y0, x, pool, 0, QKV, token_slots)
+    splits = {}
+    for by_grid in (False, True):
+        monkeypatch.setattr(triton_sgmv, "SPLIT_BY_GRID", by_grid)
+        shrink = _CountLaunches(triton_sgmv._sgmv_shrink_kernel)
+        monkeypatch.setattr(triton_sgmv, "_sgmv_shrink_kernel", shrink)
+        y = lora_apply(y0.clone(), x, slices, plan, backend="triton")
+        torch.testing.assert_close(y.float(), ref, **TOL[dtype])
+        splits[by_grid] = shrink.grids[0][1]
+        monkeypatch.undo()
+    assert splits[True] >= splits[False], splits
+
+
 @settings(max_examples=300, deadline=None)
 @given(slots=st.lists(st.integers(-1, 6), min_size=0, max_size=120), block_m=st.integers(1, 70))
 def test_every_chunk_of_a_table_has_a_program(slots, block_m):

@@ -5,8 +5,9 @@
 #     alternated, at one fixed offered rate: RATE from call 2's S4 (its rows[0].offered_rps; session 32: 18.49), e.g.
 #     run(command="RATE=18.3 bash bench/results/session33/next_call3.sh"). (The one-batch bench cannot show fill: its
 #     ~41 distinct adapters per batch never filled the default pool, gpu_evictions 0 in every run since session 29.)
-# (2) the LoRA grid sized by a step's distinct slots (triton_sgmv.GRID_BY_SEGMENTS, new default) against the bound
-#     (provider multilora-lora-boundgrid): issue 12's TTFT row and decode rows, 5 interleaved rounds.
+# (2) first: the LoRA grid sized by a step's distinct slots (triton_sgmv.GRID_BY_SEGMENTS, new default) against the
+#     bound (provider multilora-lora-boundgrid), and the shrink's split from that grid (multilora-lora-gridsplit, off):
+#     issue 12's TTFT row and decode rows, 5 interleaved rounds.
 #   results in $OUT/c3.tgz
 set -o pipefail
 mkdir -p $OUT/c3
@@ -16,8 +17,8 @@ cp "$0" $OUT/c3/script.sh
 git log --oneline -1 > $OUT/c3/tree.txt 2>/dev/null; git status --short >> $OUT/c3/tree.txt 2>/dev/null
 RATE=${RATE:-18.49}
 echo "rate $RATE" >> $OUT/c3/tree.txt
-timeout 150 python3 bench/bench_generate.py --providers multilora,multilora-lora,multilora-lora-boundgrid \
-  --rounds 5 --batches 1,64 --gen 64 --time-budget 140 --out $OUT/c3/gen > $OUT/c3/gen.log 2>&1
+timeout 170 python3 bench/bench_generate.py --providers multilora,multilora-lora,multilora-lora-boundgrid,multilora-lora-gridsplit \
+  --rounds 5 --batches 1,64 --gen 64 --time-budget 160 --out $OUT/c3/gen > $OUT/c3/gen.log 2>&1
 echo "rc=$? at $SECONDS s" >> $OUT/c3/gen.log; rm -f $OUT/c3/gen/*.png
 mkdir -p /tmp/s4
 s4() {  # name, flags...
