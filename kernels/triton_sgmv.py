@@ -543,8 +543,10 @@ def _split_k(device: torch.device, programs: int, d_in: int, block_k: int, max_s
 GRID_BY_SEGMENTS = True
 #: compute the shrink's K split from the launched grid (``num_chunks``) instead of the bound (``chunk_bound``): with
 #: the smaller grid a mid-size step may leave SMs idle at the bound's split, and a larger split fills them, at other
-#: bits (the partials sum in another order; within the reference). Off: the bits of the bound (an A/B switch, not yet
-#: measured: ``bench_generate.py`` provider ``multilora-lora-gridsplit``)
+#: bits (the partials sum in another order; within the reference), and the split, a compile-time constant of the
+#: expand, then depends on how a step is grouped, so serving can meet variants the warm-up did not compile (rows'
+#: ``kernel_compiles``). Off: the bits of the bound (an A/B switch, not yet measured: ``bench_generate.py`` provider
+#: ``multilora-lora-gridsplit``)
 SPLIT_BY_GRID = False
 
 
