@@ -254,13 +254,19 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
     weights = weight_bytes(model, dtype, cfg.weight_dtype, cfg.fp8_lm_head)
     try:
         sizes = size_engine(request, cfg, snapshot, reserve_bytes=request.activation_bytes + weights)
-    except MemoryPlanError as e:  # the reserve is the model's: say of what
-        raise ValueError(f"{as_flag_error(e)} (the reserve of an engine of this model: its weights {weights} B + the "
-                         f"activations of its largest prefill {request.activation_bytes} B)") from None
+    except MemoryPlanError as e:  # a reserve or live state that does not fit: the reserve is the model's, say of what
+        why = str(as_flag_error(e))
+        if "reserve" in why or "live-state minimum" in why:
+            why += (f" (the reserve of an engine of this model: its weights {weights:,} B + the activations and sampling "
+                    f"workspace of its largest step {request.activation_bytes:,} B)")
+        raise ValueError(why) from None
     except ValueError as e:
         raise as_flag_error(e) from None
-    r = request
+    r, plan = request, sizes.plan
+    kv_seqs = (sizes.num_blocks - 1) // r.seq_blocks  # whole max_seq_len sequences (the null block aside)
     return {"model": str(path), "architecture": model.architecture, "layers": model.num_layers,
+            "adapter_pool_fill": cfg.adapter_pool_fill, "kv_sequences": kv_seqs, "kv_seq_blocks": r.seq_blocks,
+            "budget_unused_bytes": None if plan is None else plan.budget_bytes - plan.adapter_pool_bytes - plan.kv_bytes,
             "dtype": str(dtype).replace("torch.", ""), "weight_dtype": cfg.weight_dtype,
             "max_batch_size": cfg.max_batch_size, "max_seq_len": max_seq_len, "max_lora_rank": cfg.max_lora_rank,
             "kv_block_size": cfg.kv_block_size, "weight_bytes": weights, "activation_bytes": r.activation_bytes,
@@ -272,24 +278,38 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
 
 
 def _explain_engine(e: dict) -> str:
-    gib = lambda n: f"{n / (1 << 30):.2f} GiB"  # noqa: E731
-    kv_seqs = e["kv_tokens"] / e["max_seq_len"]
-    host = "none" if e["host_tier_bytes"] is None else f"{gib(e['host_tier_bytes'])} ({e['host_tier_bytes']} B)"
+    gib = lambda n: f"{n / (1 << 30):.2f} GiB ({n:,} B)"  # noqa: E731
+    host = "none" if e["host_tier_bytes"] is None else gib(e["host_tier_bytes"])
+    capped = e["kv_sequences"] >= e["max_batch_size"]
     return "\n".join([
         f"engine of {e['model']} ({e['architecture']}, {e['layers']} layers; {e['dtype']}"
         + (f", {e['weight_dtype']} weights" if e["weight_dtype"] else "")
         + f", max_lora_rank {e['max_lora_rank']}, max_batch_size {e['max_batch_size']}, max_seq_len {e['max_seq_len']}, "
-          f"kv_block_size {e['kv_block_size']}):",
-        f"  weights       {gib(e['weight_bytes'])} ({e['weight_bytes']} B), in the reserve: the engine plans after "
-        "loading them",
-        f"  activations   {gib(e['activation_bytes'])} ({e['activation_bytes']} B), in the reserve (an estimate: on "
+          f"kv_block_size {e['kv_block_size']}" + (", adapter_pool_fill" if e["adapter_pool_fill"] else "") + "):",
+        f"  weights       {gib(e['weight_bytes'])}, in the reserve: the engine plans after loading them",
+        f"  activations   {gib(e['activation_bytes'])}, in the reserve (with the sampling workspace; an estimate: on "
         "CUDA the engine measures it with a forward pass of its largest prefill)",
-        f"  adapter pool  {gib(e['pool_bytes'])} ({e['pool_bytes']} B) = {e['pool_pages']} pages of {e['page_bytes']} B: "
-        f"{e['max_rank_adapters']} adapters of rank {e['max_lora_rank']} on every module, {e['adapter_slots']} slots",
-        f"  KV cache      {gib(e['kv_blocks'] * e['kv_block_bytes'])} ({e['kv_blocks']} blocks of {e['kv_block_bytes']} "
-        f"B, the null block included) = {e['kv_tokens']} tokens, {kv_seqs:.2f} sequences of max_seq_len",
+        f"  adapter pool  {gib(e['pool_bytes'])} = {e['pool_pages']:,} pages of {e['page_bytes']} B: "
+        f"{e['max_rank_adapters']:,} adapters of rank {e['max_lora_rank']} on every module, {e['adapter_slots']:,} slots",
+        f"  KV cache      {gib(e['kv_blocks'] * e['kv_block_bytes'])} = {e['kv_blocks']:,} blocks of "
+        f"{e['kv_block_bytes']:,} B (the null block included): {e['kv_tokens']:,} tokens, {e['kv_sequences']:,} whole "
+        f"sequences of max_seq_len ({e['kv_seq_blocks']} blocks each)"
+        + (" = max_batch_size: the engine's cap (the plan above names it user_cap)" if capped else ""),
         f"  host tier     {host}",
     ])
+
+
+def engine_notes(e: dict) -> list[str]:
+    """What an engine of ``--model`` would make of its sizes (printed under them)."""
+    notes = []
+    if e["kv_sequences"] < e["max_batch_size"]:
+        notes.append(f"the KV cache holds {e['kv_sequences']} whole sequences of max_seq_len, fewer than max_batch_size "
+                     f"{e['max_batch_size']}: requests past that wait for blocks or are preempted")
+    unused = e["budget_unused_bytes"] or 0
+    if unused > (1 << 30) and not e["adapter_pool_fill"]:
+        notes.append(f"{unused / (1 << 30):.2f} GiB of the budget goes to neither the pool nor the KV cache (KV can use "
+                     f"at most max_batch_size sequences of max_seq_len): --adapter-pool-fill gives it to the adapter pool")
+    return notes
 
 
 def run_memory(args: argparse.Namespace) -> int:
@@ -329,7 +349,8 @@ def run_memory(args: argparse.Namespace) -> int:
         print(plan.explain())
         if engine is not None:
             print(_explain_engine(engine))
-        for note in plan_notes(plan, plan.options, engine=engine is not None):
+        for note in plan_notes(plan, plan.options, engine=engine is not None) + (
+                engine_notes(engine) if engine is not None else []):
             print(f"note: {note}")
     return 0
 

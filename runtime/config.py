@@ -261,7 +261,7 @@ class EngineConfig:
     adapter_pool_share: float | None = _opt(None, "share of the memory budget for the adapter pool (default: the "
                                                   "memory plan's, 0.1)", kind=float)
     adapter_pool_fill: bool = _opt(False, "the adapter pool also takes the budget the KV cache can never use "
-                                          "(more than max_batch_size sequences of max_seq_len; default: off)",
+                                          "(more than max_batch_size sequences of max_seq_len)",
                                    kind=bool)
     unified_pool: bool = _opt(False, "one device buffer for the adapter pool and the KV cache, with a movable "
                                      "boundary: idle KV memory holds more adapters, and adapters give way when "

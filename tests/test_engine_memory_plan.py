@@ -162,10 +162,20 @@ def test_memory_model_gives_the_sizes_an_engine_takes(tiny_dir, tmp_path, capsys
     assert got["kv_tokens"] == 3 * 96
     assert abs(got["host_tier_bytes"] - s["host_tier_budget"]) <= 1024, (got, s["host_tier_budget"])
     assert got["adapter_slots"] == e.pool.max_slots
-    # the text form says the same
+    assert got["kv_sequences"] == 3 and got["adapter_pool_fill"] is False
+    # the text form says the same, and notes the budget neither side takes (with the flag that gives it to the pool)
     assert main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), *flags]) == 0
     out = capsys.readouterr().out
-    assert f"= {got['pool_pages']} pages of" in out and f"= {3 * 96} tokens, 3.00 sequences of max_seq_len" in out
+    assert f"= {got['pool_pages']:,} pages of" in out and f"{3 * 96} tokens, 3 whole sequences of max_seq_len" in out
+    assert "= max_batch_size: the engine's cap" in out and "--adapter-pool-fill gives it to the adapter pool" in out
+    assert main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), *flags, "--adapter-pool-fill"]) == 0
+    out = capsys.readouterr().out
+    assert "adapter_pool_fill):" in out and "gives it to the adapter pool" not in out
+    # a KV cache that holds fewer sequences than the batch is noted
+    assert main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), *flags[:6], "--kv-block-size", "100",
+                 "--kv-bytes", str(3 * got["kv_block_bytes"] * 100 // 8)]) == 0
+    out = capsys.readouterr().out
+    assert "whole sequences of max_seq_len, fewer than max_batch_size 3" in out, out
 
 
 def test_memory_model_flags_are_checked_by_name(tiny_dir, capsys):
