@@ -14,6 +14,7 @@ measured reserve.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -55,36 +56,22 @@ def default_max_seq_len(model: ModelConfig, cfg: EngineConfig, device_type: str)
 
 def weight_bytes(model: ModelConfig, dtype: torch.dtype, weight_dtype: str | None = None,
                  fp8_lm_head: bool | None = None) -> int:
-    """Bytes of ``model``'s base weights as an engine stores them (``DecoderModel.nbytes``), from the shapes alone:
-    the embedding table, the final norm, an untied LM head, and per layer the seven projections (fused or not: the
-    same elements), its norms (two; four with ``block_output_norms``), q/k/v and o biases where the family has them
-    and q/k norms; all in ``dtype``. With ``weight_dtype="fp8"`` the projections take 1 byte per weight plus a float32
-    scale per output row (``kernels.fp8.Fp8Weight``), and so does an untied LM head unless ``fp8_lm_head`` is False
-    (None: fp8 for an untied head, as ``EngineConfig.fp8_lm_head``)."""
-    c, eb = model, torch.empty((), dtype=dtype).element_size()
-    fp8 = weight_dtype == "fp8"
-    plain = c.vocab_size * c.hidden_size + c.hidden_size  # the embedding table, the final norm
-    quantized = 0  # fp8 bytes
-    if not c.tie_word_embeddings:
-        head = c.vocab_size * c.hidden_size
-        if fp8 and fp8_lm_head is not False:
-            quantized += head + 4 * c.vocab_size
-        else:
-            plain += head
-    elif fp8 and fp8_lm_head:  # a tied head asked for in fp8: a copy beside the table
-        quantized += c.vocab_size * c.hidden_size + 4 * c.vocab_size
-    for _ in range(c.num_layers):
-        for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-            d_in, d_out = c.module_shape(m)
-            if fp8:
-                quantized += d_in * d_out + 4 * d_out
-            else:
-                plain += d_in * d_out
-        plain += (4 if c.block_output_norms else 2) * c.hidden_size
-        plain += sum(c.module_shape(m)[1] for m in (("q_proj", "k_proj", "v_proj") if c.qkv_bias else ())
-                     + (("o_proj",) if c.o_bias else ()))
-        plain += 2 * c.head_dim if c.qk_norm else 0
-    return plain * eb + quantized
+    """Bytes of ``model``'s base weights as an engine stores them (``DecoderModel.nbytes``), from the shapes alone
+    (``weights.weight_shapes``: fused projections or not, the same elements), all in ``dtype``. With
+    ``weight_dtype="fp8"`` the projections take 1 byte per weight plus a float32 scale per output row
+    (``kernels.fp8.Fp8Weight``), and so does an untied LM head unless ``fp8_lm_head`` is False (None: fp8 for an
+    untied head, as ``EngineConfig.fp8_lm_head``); a tied head asked for in fp8 is a copy beside the table."""
+    from multilora.runtime.weights import weight_shapes
+
+    eb, fp8 = torch.empty((), dtype=dtype).element_size(), weight_dtype == "fp8"
+    total = 0
+    for name, shape, _ in weight_shapes(model):
+        n = math.prod(shape)
+        quantized = fp8 and (name.endswith("_proj.weight") or (name == "lm_head.weight" and fp8_lm_head is not False))
+        total += n + 4 * shape[0] if quantized else n * eb
+    if fp8 and fp8_lm_head and model.tie_word_embeddings:
+        total += model.vocab_size * model.hidden_size + 4 * model.vocab_size
+    return total
 
 
 @dataclass(frozen=True)

@@ -393,43 +393,49 @@ def load_tokenizer(path: Path) -> Any:
         raise ModelLoadError(f"{path}: cannot load its tokenizer with transformers ({type(e).__name__}: {e})") from e
 
 
+def weight_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...], bool]]:
+    """Every base weight of ``config`` as a HF checkpoint of the family names it: ``(name, shape, is_norm)`` in a
+    fixed order (the embedding table, the final norm, an untied LM head, then per layer the seven projections, the
+    layer's norms, biases as the family has them and q/k norms), projections unfused (a fused checkpoint stacks
+    them: ``FUSED_PROJECTIONS``). ``random_weights`` draws them in this order; ``sizing.weight_bytes`` counts them."""
+    c = config
+    out = [("model.embed_tokens.weight", (c.vocab_size, c.hidden_size), False),
+           ("model.norm.weight", (c.hidden_size,), True)]
+    if not c.tie_word_embeddings:
+        out.append(("lm_head.weight", (c.vocab_size, c.hidden_size), False))
+    for i in range(c.num_layers):
+        for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            d_in, d_out = c.module_shape(m)
+            out.append((f"{c.hf_module_name(i, m)}.weight", (d_out, d_in), False))
+        norms = ("input_layernorm", "post_attention_layernorm")
+        if c.block_output_norms:
+            norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        out += [(f"model.layers.{i}.{n}.weight", (c.hidden_size,), True) for n in norms]
+        biased = (("q_proj", "k_proj", "v_proj") if c.qkv_bias else ()) + (("o_proj",) if c.o_bias else ())
+        out += [(f"{c.hf_module_name(i, m)}.bias", (c.module_shape(m)[1],), False) for m in biased]
+        if c.qk_norm:
+            out += [(f"model.layers.{i}.self_attn.{n}.weight", (c.head_dim,), True) for n in ("q_norm", "k_norm")]
+    return out
+
+
 def random_weights(config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
                    std: float = 0.02) -> dict[str, torch.Tensor]:
     """Seeded random HF-named weights of ``config``'s shape, made on ``device`` (N(0, std); biases N(0, std) as
-    the config asks; norms, q/k norms included, scale by 1: weight 1, or 0 with ``norm_unit_offset``).
+    the config asks; norms, q/k norms included, scale by 1: weight 1, or 0 with ``norm_unit_offset``), drawn in
+    ``weight_shapes``' order.
 
     For benchmarks and GPU tests of real model shapes (e.g. Llama-3-8B) without weight files.
     """
     g = torch.Generator(device=device).manual_seed(seed)
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
-
     c = config
-
-    def unit(n: int) -> torch.Tensor:  # a norm weight that scales by 1
-        return torch.full((n,), 0.0 if c.norm_unit_offset else 1.0, dtype=dtype, device=device)
-
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(c.vocab_size, c.hidden_size),
-                                  "model.norm.weight": unit(c.hidden_size)}
-    if not c.tie_word_embeddings:
-        w["lm_head.weight"] = rnd(c.vocab_size, c.hidden_size)
-    for i in range(c.num_layers):
-        for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-            d_in, d_out = c.module_shape(m)
-            w[f"{c.hf_module_name(i, m)}.weight"] = rnd(d_out, d_in)
-        norms = ("input_layernorm", "post_attention_layernorm")
-        if c.block_output_norms:
-            norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-        for n in norms:
-            w[f"model.layers.{i}.{n}.weight"] = unit(c.hidden_size)
-        biased = (("q_proj", "k_proj", "v_proj") if c.qkv_bias else ()) + (("o_proj",) if c.o_bias else ())
-        for m in biased:
-            w[f"{c.hf_module_name(i, m)}.bias"] = rnd(c.module_shape(m)[1])
-        if c.qk_norm:
-            for n in ("q_norm", "k_norm"):
-                w[f"model.layers.{i}.self_attn.{n}.weight"] = unit(c.head_dim)
-        if c.fused_projections:  # Phi-3 checkpoints hold qkv_proj / gate_up_proj: the slices stacked
+    w: dict[str, torch.Tensor] = {}
+    for name, shape, is_norm in weight_shapes(c):
+        if is_norm:  # a norm weight that scales by 1
+            w[name] = torch.full(shape, 0.0 if c.norm_unit_offset else 1.0, dtype=dtype, device=device)
+        else:
+            w[name] = (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+    if c.fused_projections:  # Phi-3 checkpoints hold qkv_proj / gate_up_proj: the slices stacked
+        for i in range(c.num_layers):
             for fused, parts in FUSED_PROJECTIONS.items():
                 w[f"{c.hf_module_name(i, fused)}.weight"] = torch.cat(
                     [w.pop(f"{c.hf_module_name(i, m)}.weight") for m in parts])
