@@ -151,11 +151,11 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
         read_packed_adapter(dirs[i], config, pool, name=f"a{i}")
 
     jobs = list(range(len(dirs)))
-    providers = (("plain", plain), ("ours", ours), ("ours_readahead", ours_readahead),
-                 ("ours_host_finish", ours_host_finish), ("ours_per_tensor", ours_per_tensor),
-                 ("ours_tensor_reads", ours_tensor_reads), ("ours_verified", ours_verified)) + (
-        (("general", general),) if args.general else ())
-    providers = tuple((name, fn) for name, fn in providers if args.providers is None or name in args.providers)
+    fns = {"plain": plain, "ours": ours, "ours_readahead": ours_readahead, "ours_host_finish": ours_host_finish,
+           "ours_per_tensor": ours_per_tensor, "ours_tensor_reads": ours_tensor_reads, "ours_verified": ours_verified,
+           "general": general}
+    names = DISK_PROVIDERS + (("general",) if args.general else ())  # (in DISK_PROVIDERS' order)
+    providers = tuple((n, fns[n]) for n in names if args.providers is None or n in args.providers)
     for fn in (plain, ours):  # warm-up: page cache, scratch buffers, first-touch of the blocks and buffers
         _parallel(max(threads), jobs, fn)
     for nt in threads:

@@ -151,6 +151,8 @@ _ENGINE_FLAGS = (
     ("--dtype", str, "float32, float16 or bfloat16 (default: bfloat16 on CUDA, float32 on the CPU)"),
     ("--weight-dtype", str, "fp8: the base projections (and an untied LM head) at 1 byte per weight"),
 )
+#: the EngineConfig fields of --model's flags (the engine flags and --adapter-pool-fill): argparse dests
+_ENGINE_FIELDS = tuple(f[2:].replace("-", "_") for f, _, _ in _ENGINE_FLAGS) + ("adapter_pool_fill",)
 #: the plan's options an engine computes itself: not with --model
 _NOT_WITH_MODEL = (
     ("total_bytes", "--total-bytes", "an engine has no cap on pool + KV together: cap each (--adapter-pool-bytes, "
@@ -217,8 +219,7 @@ def _engine_config(args: argparse.Namespace):
     fields = {"gpu_memory_fraction": args.fraction, "adapter_pool_share": args.adapter_pool_share,
               "adapter_pool_bytes": args.adapter_pool_bytes, "kv_cache_bytes": args.kv_bytes,
               "host_adapter_bytes": args.host_adapter_bytes, "local_ranks": args.local_ranks}
-    for flag in [f for f, _, _ in _ENGINE_FLAGS] + ["--adapter-pool-fill"]:
-        fields[flag[2:].replace("-", "_")] = getattr(args, flag[2:].replace("-", "_"))
+    fields.update({name: getattr(args, name) for name in _ENGINE_FIELDS})
     try:
         return EngineConfig(**{k: v for k, v in fields.items() if v is not None})
     except ValueError as e:  # "--gpu-memory-fraction: ...", "--kv-cache-bytes: ...": aliases of this command's flags
@@ -317,10 +318,10 @@ def run_memory(args: argparse.Namespace) -> int:
     try:
         options = _options(args)
         if args.model is None:
-            given = [flag for flag in [f for f, _, _ in _ENGINE_FLAGS] + ["--adapter-pool-fill"]
-                     if getattr(args, flag[2:].replace("-", "_")) is not None]
+            given = [name for name in _ENGINE_FIELDS if getattr(args, name) is not None]
             if given:
-                raise ValueError(f"{given[0]}: only with --model (the sizes of an engine of that model)")
+                raise ValueError(f"--{given[0].replace('_', '-')}: only with --model (the sizes of an engine of that "
+                                 f"model)")
         snapshot = _snapshot(args)
     except (ValueError, OSError) as e:
         print(f"multilora memory: {e}", file=sys.stderr)
