@@ -9,8 +9,9 @@
 # failed in a shard run again alone (two processes on one GPU can disturb each other's timing-sensitive tests; at
 # most 150 s, and not past 560 s from the script's start, so that a 600 s device call keeps the log).
 # Every test file with a gpu mark runs: a file not named in a shard below goes to shard C, and the log says so.
-# OUT_DIR/durations.txt: every test's time of 1 s or more, by shard (none from a shard that timed out), to deal the
-# shards by. Exit status: 0 when no shard failed or timed out and no failure repeated alone.
+# OUT_DIR/durations.txt: every test's time of 1 s or more, by shard, to deal the shards by. A shard past its limit
+# gets SIGINT (pytest then stops, names the test it was in and still reports the tests done and their durations),
+# and SIGKILL 20 s later if it has not stopped. Exit status: 0 when no shard failed or timed out and no failure repeated alone.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_suite.sh OUT_DIR [LIMIT_SECONDS]}
 LIMIT=${2:-470}
@@ -41,7 +42,7 @@ C="$C$extra"
 SECONDS=0
 shard() {  # name, test files or node ids (relative to tests/)...
     local n=$1; shift
-    (set -f; cd /tmp && timeout "$LIMIT" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=0 \
+    (set -f; cd /tmp && timeout -s INT -k 20 "$LIMIT" python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=0 \
         --durations-min=1.0 \
         $(printf "$T/%s " "$@") > "$LOGS/shard_$n.log" 2>&1
      rc=$?
