@@ -18,6 +18,7 @@ transformers' ``Gemma2TensorProcessor`` does. Phi-3 GGUF files keep the checkpoi
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -166,26 +167,49 @@ def load_model(model: "str | os.PathLike | ModelConfig | None", *, dtype: torch.
 
 # ---------------------------------------------------------------------------------------------- HF
 def _hf_config(path: Path) -> ModelConfig:
-    """A HF directory's ``config.json`` as a ``ModelConfig`` (ModelLoadError for malformed JSON)."""
+    """A HF directory's ``config.json`` as a ``ModelConfig`` (ModelLoadError for malformed JSON).
+
+    A config that does not tie the LM head to the embedding table, in a directory whose ``*.safetensors`` hold no
+    ``lm_head.weight``, is read as tied: the model then scores with the table (as ``DecoderModel`` does for a missing
+    head), and its sizes (``sizing.weight_bytes``) count no head. Only the files' headers are read."""
     cfg_file = path / "config.json"
     try:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{cfg_file}: malformed JSON ({e})") from e
-    return ModelConfig.from_hf_dict(raw)
+    config = ModelConfig.from_hf_dict(raw)
+    files = sorted(path.glob("*.safetensors"))
+    if not config.tie_word_embeddings and files and not any("lm_head.weight" in _safetensors_names(f) for f in files):
+        config = dataclasses.replace(config, tie_word_embeddings=True)
+    return config
+
+
+def _safetensors_names(file: Path) -> set[str]:
+    """The tensor names in a ``.safetensors`` file's header (no tensor data read); ModelLoadError for a file that
+    is not one."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as sf:
+            return set(sf.keys())
+    except (SafetensorError, OSError) as e:  # a bad header, a file that cannot be read
+        raise ModelLoadError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from e
 
 
 def _load_hf_dir(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     config = _hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     weights: dict[str, torch.Tensor] = {}
     with tqdm(total=len(files), desc=f"Loading {path.name}", unit="file", disable=not progress) as bar:
         for f in files:
-            with safe_open(str(f), framework="pt") as sf:
-                for key in sf.keys():
-                    weights[key] = sf.get_tensor(key).to(dtype)
+            try:
+                with safe_open(str(f), framework="pt") as sf:
+                    for key in sf.keys():
+                        weights[key] = sf.get_tensor(key).to(dtype)
+            except (SafetensorError, OSError) as e:  # a bad header or a short file
+                raise ModelLoadError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from e
             bar.update(1)
     return config, weights
 
@@ -326,7 +350,9 @@ def _open_gguf(path: Path) -> tuple[Any, dict[str, Any], ModelConfig]:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the gguf library raises various errors for bad files
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+        size = path.stat().st_size
+        raise ModelLoadError(f"{path}: not a readable GGUF file: corrupt, truncated or not GGUF ({size:,} B; the gguf "
+                             f"library says {type(e).__name__}: {e})") from e
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path}: GGUF has no token_embd.weight (not a Llama model?)")

@@ -126,6 +126,42 @@ def test_weight_bytes_from_the_config_are_the_models_parameters(family, tmp_path
     assert weight_bytes(model_config(tmp_path), torch.float32) == 4 * params
 
 
+def test_untied_config_without_a_head_in_the_checkpoint_is_tied(tmp_path):
+    """config.json says untied but the safetensors hold no ``lm_head.weight``: the engine scores with the embedding
+    table, and the config it reads (``model_config``, ``multilora memory --model``) says tied, so the sizes count
+    no head (``weight_bytes`` == ``DecoderModel.nbytes``) and the logits are the HF model's with its head tied."""
+    from safetensors.torch import load_file, save_file
+
+    from multilora.runtime.sizing import weight_bytes
+    from multilora.runtime.weights import model_config
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path))
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(str(f))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    assert model_config(tmp_path).tie_word_embeddings is True
+    e = Engine(model=tmp_path, progress=False, max_seq_len=64, max_batch_size=2, memory_snapshot=_host_snapshot(GiB))
+    assert e.model.lm_head is e.model.embed
+    assert weight_bytes(model_config(tmp_path), torch.float32) == e.model.nbytes
+    cfg.tie_word_embeddings = True
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), config=cfg).eval()
+    ids = [3, 17, 99, 5]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(e.logits([ids])[0].float(), want, rtol=1e-4, atol=1e-4)
+    (tmp_path / "broken.safetensors").write_bytes(b"not a header")
+    with pytest.raises(ValueError, match="broken.safetensors: not a readable safetensors file"):
+        model_config(tmp_path)
+    cfg.save_pretrained(str(tmp_path))  # (tied in config.json: the config is read without the headers, the load
+    with pytest.raises(ValueError, match="broken.safetensors: not a readable safetensors file"):  # names the file)
+        Engine(model=tmp_path, progress=False, max_seq_len=64, max_batch_size=2, memory_snapshot=_host_snapshot(GiB))
+
+
 def test_weight_bytes_fp8_are_the_engines(tiny_dir):
     """fp8 projections (and the untied head, by default) as ``DecoderModel.nbytes`` counts them in an engine."""
     from multilora.runtime.sizing import weight_bytes

@@ -154,3 +154,25 @@ def test_gguf_architecture_not_served_is_refused(tmp_path):
     with pytest.raises(ModelLoadError,
                        match=r"general.architecture 'gemma3' is not served.*llama, qwen2, qwen3, gemma2"):
         load_model_files(tmp_path / "m.gguf", dtype=torch.float32, progress=False)
+
+
+def test_truncated_or_foreign_gguf_is_named(tmp_path):
+    """A GGUF file cut short (its tensors past the end) or a file that is not GGUF: ModelLoadError naming the file,
+    its size and what the gguf library said, not numpy's reshape error bare."""
+    from multilora.runtime.weights import model_config
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.ones(64, 32).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 4096])
+    (tmp_path / "text.gguf").write_bytes(b"not a model\n")
+    for name in ("cut.gguf", "text.gguf"):
+        size = (tmp_path / name).stat().st_size
+        with pytest.raises(ModelLoadError, match=rf"{name}: not a readable GGUF file: corrupt, truncated or not GGUF "
+                                                 rf"\({size:,} B; the gguf library says \w+Error: "):
+            model_config(tmp_path / name)
