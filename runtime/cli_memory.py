@@ -196,6 +196,10 @@ def read_snapshot_file(path: Path) -> MemorySnapshot:
 
 def _snapshot(args: argparse.Namespace) -> MemorySnapshot:
     if args.snapshot is not None:
+        if args.device is not None:  # (was ignored: the plan is of the snapshot's device, whatever --device says)
+            raise ValueError(f"--device: not with --snapshot (the snapshot {str(args.snapshot)!r} is of the device it "
+                             f"was taken on; `multilora memory --device {args.device} --save-snapshot FILE` records "
+                             f"another)")
         return read_snapshot_file(args.snapshot)
     from multilora.memory.snapshot import take_snapshot  # imports torch.cuda only when measuring
     from multilora.runtime.config import CLI_USE_CPU, as_flag_error, resolve_device
@@ -243,6 +247,13 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
     from multilora.runtime.config import as_flag_error
 
     cfg = _engine_config(args)
+    if cfg.weight_dtype == "fp8" and args.snapshot is None:  # the engine's check, on the device measured
+        from multilora.kernels.fp8 import fp8_supported
+        from multilora.runtime.config import CLI_USE_CPU, resolve_device
+
+        ok, why = fp8_supported(resolve_device(args.device, use_cpu=CLI_USE_CPU))
+        if not ok:
+            raise ValueError(f"--weight-dtype: fp8 is not available here: {why}")
     path = resolve_model_path(args.model or None, require_weights=False)
     model = model_config(path, require_weights=False)
     device_type = "cuda" if snapshot.has_gpu else "cpu"
@@ -270,7 +281,8 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
             "budget_unused_bytes": None if plan is None else plan.budget_bytes - plan.adapter_pool_bytes - plan.kv_bytes,
             "dtype": str(dtype).replace("torch.", ""), "weight_dtype": cfg.weight_dtype,
             "max_batch_size": cfg.max_batch_size, "max_seq_len": max_seq_len, "max_lora_rank": cfg.max_lora_rank,
-            "kv_block_size": cfg.kv_block_size, "weight_bytes": weights, "activation_bytes": r.activation_bytes,
+            "kv_block_size": cfg.kv_block_size, "weight_bytes": weights,
+            "fp8_checked": None if cfg.weight_dtype != "fp8" else args.snapshot is None, "activation_bytes": r.activation_bytes,
             "pool_bytes": sizes.num_pages * r.page_bytes, "pool_pages": sizes.num_pages, "page_bytes": r.page_bytes,
             "max_rank_adapters": sizes.num_pages // r.pages_per_adapter, "adapter_slots": sizes.slots,
             "kv_blocks": sizes.num_blocks, "kv_block_bytes": r.block_bytes,
@@ -306,6 +318,9 @@ def engine_notes(e: dict) -> list[str]:
     if e["kv_sequences"] < e["max_batch_size"]:
         notes.append(f"the KV cache holds {e['kv_sequences']} whole sequences of max_seq_len, fewer than max_batch_size "
                      f"{e['max_batch_size']}: requests past that wait for blocks or are preempted")
+    if e["fp8_checked"] is False:
+        notes.append("fp8 weights are sized, not checked: a snapshot does not record the GPU's compute capability "
+                     "(fp8 needs 8.9 or newer); measured on the machine itself, the command checks it as an engine does")
     unused = e["budget_unused_bytes"] or 0
     if unused > (1 << 30) and not e["adapter_pool_fill"]:
         notes.append(f"{unused / (1 << 30):.2f} GiB of the budget goes to neither the pool nor the KV cache (KV can use "

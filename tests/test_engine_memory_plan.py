@@ -233,6 +233,27 @@ def test_memory_model_flags_are_checked_by_name(tiny_dir, capsys):
         assert err.startswith("multilora memory: ") and want in err, (argv, err)
 
 
+def test_memory_device_with_a_snapshot_and_fp8_are_checked(tiny_dir, tmp_path, capsys, monkeypatch):
+    """--device with --snapshot is refused (the plan is of the snapshot's device); --weight-dtype fp8 is checked as an
+    engine checks it on the device measured (here a device said to lack fp8), and only noted for a snapshot."""
+    import json
+
+    import multilora.kernels.fp8 as fp8
+    from multilora.runtime.cli import main
+
+    snap = tmp_path / "snap.json"
+    snap.write_text(json.dumps(_host_snapshot(4 * GiB).to_dict()))
+    assert main(["memory", "--snapshot", str(snap), "--device", "cpu"]) == 2
+    assert "--device: not with --snapshot" in capsys.readouterr().err
+    assert main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), "--weight-dtype", "fp8"]) == 0
+    assert "note: fp8 weights are sized, not checked" in capsys.readouterr().out
+    assert main(["memory", "--device", "cpu", "--model", str(tiny_dir), "--weight-dtype", "fp8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["engine"]["fp8_checked"] is True  # (the CPU runs fp8: _scaled_mm)
+    monkeypatch.setattr(fp8, "fp8_supported", lambda device: (False, f"{device} has no fp8 tensor cores"))
+    assert main(["memory", "--device", "cpu", "--model", str(tiny_dir), "--weight-dtype", "fp8"]) == 2
+    assert "--weight-dtype: fp8 is not available here: cpu has no fp8 tensor cores" in capsys.readouterr().err
+
+
 def test_memory_model_reads_a_config_alone(tiny_dir, tmp_path, capsys):
     """A HF directory with its config.json and no weights is planned (only the config is read)."""
     import json
