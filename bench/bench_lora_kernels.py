@@ -52,7 +52,7 @@ def group_config(d_in: int, d_outs: list[int]):
     from multilora.config import ModelConfig
 
     if len(d_outs) == 3:  # q/k/v: hidden = d_in, q = heads * head_dim, kv = kv_heads * head_dim
-        hd = 128
+        hd = min(128, d_outs[1])  # (128 at every real shape; a smoke run's tiny groups take their k width)
         cfg = ModelConfig(16, d_in, 256, 1, d_outs[0] // hd, d_outs[1] // hd, head_dim=hd)
         return cfg, ["q_proj", "k_proj", "v_proj"]
     if len(d_outs) == 2:  # gate/up: hidden = d_in, intermediate = d_out
@@ -62,9 +62,9 @@ def group_config(d_in: int, d_outs: list[int]):
     return ModelConfig(16, d_outs[0], 256, 1, 1, 1, head_dim=d_in), ["o_proj"]
 
 
-def synthetic_pool(d_in, d_outs, n_adapters, rank, pool_rank=None):
+def synthetic_pool(d_in, d_outs, n_adapters, rank, pool_rank=None, *, device="cuda", dtype=torch.bfloat16):
     """A pool with ``n_adapters`` resident adapters of one rank on the group's modules, random weights written
-    straight into the buffer on the GPU (bench only: ranks / scalings / offsets are set as ``AdapterPool.load``
+    straight into the buffer on ``device`` (bench only: ranks / scalings / offsets are set as ``AdapterPool.load``
     would, with the adapters' extents in a shuffled order). ``pool_rank``: the pool's ``max_rank`` (the kernels'
     RMAX, which picks their tiles), default ``rank``. Returns (pool, the group's ``LoRASlices``)."""
     from multilora.config import MODULE_INDEX
@@ -73,8 +73,8 @@ def synthetic_pool(d_in, d_outs, n_adapters, rank, pool_rank=None):
 
     cfg, modules = group_config(d_in, d_outs)
     rel, pages = image_layout(cfg, {(0, m): rank for m in modules})
-    pool = AdapterPool(cfg, num_bytes=n_adapters * pages * PAGE_ELEMS * 2, max_rank=pool_rank or rank,
-                       max_slots=n_adapters, dtype=torch.bfloat16, device="cuda")
+    pool = AdapterPool(cfg, num_bytes=n_adapters * pages * PAGE_ELEMS * torch.empty((), dtype=dtype).element_size(),
+                       max_rank=pool_rank or rank, max_slots=n_adapters, dtype=dtype, device=device)
     pool.buffer.normal_(0, 0.02)
     base = torch.randperm(n_adapters, dtype=torch.int64) * pages * PAGE_ELEMS  # [n_adapters] extent starts
     for m in modules:
@@ -311,6 +311,9 @@ def sweep(quick: bool, subset: str = "all"):
 
 
 def environment():
+    if not torch.cuda.is_available():  # (a CPU smoke run)
+        return {"gpu": None, "torch": torch.__version__, "python": sys.version.split()[0],
+                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     props = torch.cuda.get_device_properties(0)
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",

@@ -708,3 +708,24 @@ def test_interleaved_rounds_alternate_the_order():
     assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
     assert got == {"a": [1, 6, 7], "b": [2, 5, 8], "c": [3, 4, 9]}
     assert interleaved_rounds(["a"], 0, lambda k: 1) == {"a": []}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the smoke run needs TRITON_INTERPRET=1")
+def test_gemm_lora_bench_smoke(tmp_path):
+    """``bench_gemm_lora.py --smoke`` (CPU, interpreter, tiny groups): every provider of every group timed, the fused
+    kernel's checks against the engine's path and the fp32 reference recorded (fp32: within 1e-5), the layer table
+    written; a bad ``--configs`` is an argparse error naming it."""
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_gemm_lora.py"), "--out", str(tmp_path), "--smoke"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((tmp_path / "gemm_lora.json").read_text())
+    assert [g["group"] for g in res["groups"]] == ["qkv", "o", "gate_up", "down"]
+    for g in res["groups"]:
+        checks = [k for k in g if k.startswith("fused_") and k.endswith("_max_rel")]
+        assert len(checks) == 2 * len(res["settings"]["configs"]) and all(g[k] < 1e-5 for k in checks), g
+        assert all(f"{prov}_us" in g for prov in ("cublas", "engine")), g
+    assert set(res["layer"]) == {"cublas", "engine"} | {f"{kind}_{c}" for kind in ("triton", "fused")
+                                                        for c in res["settings"]["configs"]}
+    assert "| provider | layer us | over cuBLAS |" in (tmp_path / "gemm_lora.md").read_text()
+    p = subprocess.run(cmd + ["--configs", "7"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 2 and "--configs: expected indices 0..1" in p.stderr, p.stderr
