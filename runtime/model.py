@@ -111,6 +111,14 @@ FUSE_FP8_QUANT_GLU_MIN_TOKENS = 64
 #: ``bf16(bf16(x W^T) + lora)``; ``test_engine_gpu.py``'s peft bounds hold (call 4). ``1 << 30``: never (what ran
 #: before session 30; the ``bench_generate.py`` provider ``multilora-lora-addafter``).
 LORA_BEFORE_GEMM_MIN_TOKENS = 256
+#: Such steps (at least ``LORA_BEFORE_GEMM_MIN_TOKENS`` tokens, the LoRA term written before a bf16/fp16 GEMM without a
+#: bias) of at least this many tokens take the base GEMM with the LoRA expand in its epilogue instead
+#: (``kernels.experimental.gemm_lora``: the shrink, then one Triton GEMM adding each row's term to its accumulator;
+#: the term is neither written nor read back), where the Triton LoRA backend runs and every slice's width is a
+#: multiple of its column tile (``gemm_lora.fits``). ``1 << 30``: never, the default until measured on the H200
+#: (``bench/bench_gemm_lora.py`` for the layer, ``bench_generate.py`` provider ``multilora-lora-gemmfused`` for TTFT;
+#: written in session 34 without a GPU). Rounding: ``rnd(x W^T + term)``, one rounding instead of two.
+LORA_GEMM_EPILOGUE_MIN_TOKENS = 1 << 30
 
 
 #: Token counts ``(lo, hi)`` of the steps whose base GEMMs go through cuBLASLt instead of cuBLAS
@@ -118,6 +126,15 @@ LORA_BEFORE_GEMM_MIN_TOKENS = 256
 #: projections (H200, bench_lora_overlap, session 17): 118.6 vs 128.3 us at 64 tokens, 115.5 vs 122.3 at 32, equal at
 #: 1 and 128, 120.1 vs 118.1 at 8.
 GEMM_CUBLASLT_TOKENS: tuple[int, int] | None = None
+
+
+def _gemm_epilogue(x: torch.Tensor, slices: LoRASlices, lora_backend: str | None) -> bool:
+    """Whether ``kernels.experimental.gemm_lora`` can take this projection: the Triton LoRA backend runs for ``x``
+    (CUDA, or ``lora_backend="triton"`` under the interpreter) and every slice fits its column tiles."""
+    from multilora.kernels.backends import select_triton
+    from multilora.kernels.experimental.gemm_lora import fits
+
+    return select_triton(lora_backend, x, "triton_sgmv") is not None and fits(slices, x.device)
 
 
 @contextlib.contextmanager
@@ -454,7 +471,8 @@ class DecoderModel:
         does (``base_layer(x) + lora``); fp8 weights go through ``fp8_linear`` (its bias in the GEMM's epilogue
         where it can be). Without ``defer`` the LoRA is added to ``y`` in place after the GEMM and ``lora_delta``
         is None (from ``LORA_BEFORE_GEMM_MIN_TOKENS`` tokens, without a bias and fp8, the LoRA term is written into
-        ``y`` first and the GEMM adds ``x W^T`` to it). With ``defer`` (and LoRA in the step) it goes into
+        ``y`` first and the GEMM adds ``x W^T`` to it; from ``LORA_GEMM_EPILOGUE_MIN_TOKENS``, off by default, one Triton
+        GEMM adds the term in its epilogue instead). With ``defer`` (and LoRA in the step) it goes into
         ``lora_delta`` [T, d_out] instead (0 in rows without an adapter; written by ``kernels.lora_delta`` from
         ``LORA_DELTA_OVERWRITE_MIN_TOKENS`` tokens), computed on the side stream while the GEMM runs (on CUDA; the
         main stream waits for it before returning), for the following op to add: at decode the two small LoRA
@@ -479,6 +497,11 @@ class DecoderModel:
         # in place, from LORA_BEFORE_GEMM_MIN_TOKENS: the LoRA term first, then the GEMM adds x W^T to it
         first = slices is not None and delta is None and b is None and not isinstance(w, Fp8Weight) \
             and x.shape[0] >= LORA_BEFORE_GEMM_MIN_TOKENS
+        epilogue = first and x.shape[0] >= LORA_GEMM_EPILOGUE_MIN_TOKENS and _gemm_epilogue(x, slices, lora_backend)
+        if epilogue:  # the GEMM adds the LoRA term in its epilogue: nothing written first
+            from multilora.kernels.experimental.gemm_lora import gemm_lora
+
+            return gemm_lora(x, w, slices, plan.lora), None
         if first:
             y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
             lora_delta(y, x, slices, plan.lora, backend=lora_backend)

@@ -43,7 +43,7 @@ from multilora.kernels.triton_sgmv import _v_tile, check_io, check_v, sgmv_shrin
 _NO_SLOT = tl.constexpr(1 << 30)  # above any slot: the end of a tile's slot walk
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled variant for every token count (as triton_sgmv's kernels)
 def _gemm_lora_kernel(
     x_ptr, w_ptr, x_desc, w_desc, y_ptr, v_ptr, slots_ptr, buf_ptr, offb_ptr, ranks_ptr, scal_ptr,
     M, N, K, stride_xm, stride_wn, stride_ym, meta_stride, e0, e1, e2, e3,
@@ -127,6 +127,13 @@ def _dot_acc(a, b, acc, IEEE: tl.constexpr):
 #: tutorial's large-tile config for Hopper, not yet measured here (``bench/bench_gemm_lora.py`` sweeps a few)
 GPU_TILES = (128, 128, 64, 8, 8, 3)
 CPU_TILES = (16, 16, 16, 2, 4, 1)  # (the interpreter: small tiles, fast)
+
+
+def fits(slices: LoRASlices, device: torch.device | str) -> bool:
+    """Whether every slice of ``slices`` is a whole number of the default column tiles on ``device`` (``GPU_TILES``'
+    ``block_n`` on CUDA, ``CPU_TILES``' elsewhere): what ``gemm_lora`` with the default tiles needs."""
+    bn = (GPU_TILES if torch.device(device).type == "cuda" else CPU_TILES)[1]
+    return all(vw.d_out % bn == 0 for vw in slices.views)
 
 
 def gemm_lora(x: torch.Tensor, weight: torch.Tensor, slices: LoRASlices | None = None, plan: LoRAPlan | None = None,

@@ -3,7 +3,8 @@
 # (1) bench_gemm_lora.py: issue 12's prefill row with the LoRA expand in the base GEMM's epilogue
 #     (kernels.experimental.gemm_lora, new, never run on a GPU) against cuBLAS and the engine's path, six tile
 #     configs, 3 interleaved rounds (~2 min). Decides whether the prefill goal (LoRA <= 8% of the layer) is in reach.
-# (2) bench_generate.py: the engine rows of issue 12's goal 1, with the grid-by-segments A/B (boundgrid), 3 rounds.
+# (2) bench_generate.py: the engine rows of issue 12's goal 1, with the grid-by-segments A/B (boundgrid) and the
+#     engine through the epilogue GEMM for prefill (gemmfused: runtime.model.LORA_GEMM_EPILOGUE_MIN_TOKENS), 3 rounds.
 # (3) S4's N = 2,000 row with and without Engine(adapter_pool_fill=True), alternated at one fixed offered rate: RATE
 #     from call 2's S4 (its rows[0].offered_rps; session 32: 18.49), e.g.
 #     run(command="RATE=18.3 bash bench/results/session34/next_call3.sh"); pairs that would start past 330 s are
@@ -19,8 +20,8 @@ RATE=${RATE:-18.49}
 echo "rate $RATE" >> $OUT/c3/tree.txt
 timeout 200 python3 bench/bench_gemm_lora.py --out $OUT/c3/gemm --rounds 3 > $OUT/c3/gemm.log 2>&1
 echo "rc=$? at $SECONDS s" >> $OUT/c3/gemm.log
-timeout 120 python3 bench/bench_generate.py --providers multilora,multilora-lora,multilora-lora-boundgrid \
-  --rounds 3 --batches 1,64 --gen 64 --time-budget 110 --out $OUT/c3/gen > $OUT/c3/gen.log 2>&1
+timeout 150 python3 bench/bench_generate.py --providers multilora,multilora-lora,multilora-lora-boundgrid,multilora-lora-gemmfused \
+  --rounds 3 --batches 1,64 --gen 64 --time-budget 140 --out $OUT/c3/gen > $OUT/c3/gen.log 2>&1
 echo "rc=$? at $SECONDS s" >> $OUT/c3/gen.log; rm -f $OUT/c3/gen/*.png
 mkdir -p /tmp/s4
 s4() {  # name, flags...
