@@ -352,6 +352,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
     """The ``EngineConfig`` of the engine flags, every --adapter path checked first (a typo fails in a second, not
     after the model loads); errors name the flag."""
     from multilora.runtime.config import EngineConfig, resolve_device
+    from multilora.runtime.weights import ModelLoadError
 
     for name, path in args.adapter:
         if not Path(path).exists():
@@ -360,6 +361,13 @@ def _engine_config(args: argparse.Namespace) -> Any:
     try:
         config = EngineConfig.from_cli(args)
         resolve_device(config.device, use_cpu=USE_CPU)  # a CPU build asked for cuda fails here, not at the load
+        if config.max_seq_len is not None:  # past the model's context: from its config, before the weights load
+            from multilora.runtime.sizing import default_max_seq_len
+            from multilora.runtime.weights import model_config
+
+            default_max_seq_len(model_config(getattr(args, "model", None)), config, "cpu")
+    except ModelLoadError:
+        raise
     except ValueError as e:
         raise _as_flag_error(e) from e
     _check_adapter_files(args.adapter, config.max_lora_rank, args.allow_pickle)

@@ -258,7 +258,10 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
     model = model_config(path, require_weights=False)
     device_type = "cuda" if snapshot.has_gpu else "cpu"
     dtype = default_dtype(cfg, device_type)
-    max_seq_len = default_max_seq_len(model, cfg, device_type)
+    try:
+        max_seq_len = default_max_seq_len(model, cfg, device_type)
+    except ValueError as e:  # past the model's context: in this command's flag
+        raise as_flag_error(e) from None
     try:
         request = memory_request(model, cfg, dtype=dtype, max_seq_len=max_seq_len)
     except ValueError as e:  # "Engine: kv_cache_bytes=1 holds 0 KV block(s)": in this command's flag

@@ -57,7 +57,8 @@ class EngineConfig:
             CUDA, scaled_mm otherwise (``multilora.kernels.fp8``).
         max_batch_size: most requests running at once.
         max_seq_len: most tokens (prompt + generated) per request; None = min(model context, 2048 on GPU,
-            1024 on CPU).
+            1024 on CPU). At most the model's context (``max_position_embeddings``): more is refused when the engine
+            starts, before the weights load.
         kv_block_size: tokens per KV-cache block (``multilora.memory.kv_cache``).
         max_lora_rank: largest adapter rank accepted by ``load_adapter``.
         adapter_slots: at most this many adapters resident at once (the pool's slots), and a cap on the pool's
@@ -207,8 +208,8 @@ class EngineConfig:
     fp8_gemm: str | None = _opt(None, "the fp8 GEMM (default: weight_only for decode steps on CUDA, else scaled_mm)",
                                 choices=("scaled_mm", "weight_only"))
     max_batch_size: int = _opt(16, "most requests running at once")
-    max_seq_len: int | None = _opt(None, "most tokens per request, prompt + generated (default: min(model context, "
-                                         "2048 on GPU, 1024 on CPU))", kind=int)
+    max_seq_len: int | None = _opt(None, "most tokens per request, prompt + generated, at most the model's context "
+                                         "(default: min(model context, 2048 on GPU, 1024 on CPU))", kind=int)
     kv_block_size: int = _opt(16, "tokens per KV-cache block")
     max_lora_rank: int = _opt(64, "largest adapter rank accepted")
     adapter_slots: int | None = _opt(None, "most adapters resident at once; also caps the pool at this many "

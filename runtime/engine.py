@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -65,6 +66,22 @@ log = logging.getLogger("multilora")
 WARMUP_PROMPT_TOKENS = (1, 2, 3, 4, 6, 9, 13, 17, 19, 28, 42, 63, 94, 141, 211, 316, 474, 513, 600, 900, 1350, 2025,
                         3038, 4557, 6836, 8192)
 
+
+
+def check_adapter_name(name: Any, label: str = "load_adapter: name") -> None:
+    """Refuse an adapter name that a request, a metric label or a list of names could not carry: not a string,
+    empty, with whitespace at either end (a name that looks like another), a comma (the gateway's
+    ``running_lora_adapters`` label lists names comma-separated) or a control character.
+
+    Raises:
+        ValueError: ``"<label> must be ..., got ..."``: what was expected and what was got.
+    """
+    why = ("not a string" if not isinstance(name, str) else "empty" if not name
+           else "whitespace at an end" if name != name.strip() else "a comma" if "," in name
+           else "a control character" if any(unicodedata.category(c) == "Cc" for c in name) else None)
+    if why is not None:
+        raise ValueError(f"{label} must be a non-empty string without commas, control characters or whitespace at "
+                         f"its ends, got {name!r} ({why})")
 
 class EngineOverloadedError(RuntimeError):
     """More requests are waiting than ``EngineConfig.max_waiting_requests`` allows: try again later."""
@@ -183,6 +200,9 @@ class Engine:
 
     def __init__(self, model: "str | os.PathLike | ModelConfig | None" = None, *, config: EngineConfig | None = None,
                  **options: Any) -> None:
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"Engine: config must be an EngineConfig or None, got {type(config).__name__} (a dict of "
+                            f"options: Engine(model, **options) or EngineConfig(**options))")
         unknown = sorted(set(options) - {f.name for f in dataclasses.fields(EngineConfig)})
         if unknown:
             raise TypeError(f"Engine: unknown option(s) {unknown}; the options are EngineConfig's fields")
@@ -199,6 +219,8 @@ class Engine:
             if not ok:
                 raise ValueError(f"Engine: weight_dtype='fp8' is not available here: {why}; leave weight_dtype unset "
                                  f"to run the base weights in {str(self.dtype).replace('torch.', '')}")
+        if cfg.max_seq_len is not None:  # past the model's context: refused before anything loads
+            default_max_seq_len(model_config(model), cfg, self.device.type)
         t0 = time.perf_counter()
         self.tp: TensorParallel | None = None
         tp = cfg.tensor_parallel_size
@@ -346,7 +368,8 @@ class Engine:
         new requests only: running requests finish with the version they started with.
 
         Args:
-            name: the name requests use (non-empty string).
+            name: the name requests use: a non-empty string without commas, control characters or whitespace at
+                its ends (``check_adapter_name``).
             path: a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
             allow_pickle: also accept ``adapter_model.bin`` (a pickle; only for files you trust).
             preload: read the weights now into the host tier (default). ``False`` validates the config and the
@@ -362,11 +385,11 @@ class Engine:
         Raises:
             AdapterError: missing or malformed files, unsupported features, shapes that do not fit the model
                 (the message names the file, the key, what was expected and what was got).
-            ValueError: a bad ``name`` or ``path`` (not a str or os.PathLike, or empty), or a rank above
+            ValueError: a bad ``name`` (``check_adapter_name``) or ``path`` (not a str or os.PathLike, or empty), or
+                a rank above
                 ``max_lora_rank``.
         """
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"load_adapter: name must be a non-empty string, got {name!r}")
+        check_adapter_name(name)
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"load_adapter: path must be an adapter directory (a str or os.PathLike), got {path!r}")
         adapter, packed = read_adapter(path, self.config, self.pool, name=name, allow_pickle=allow_pickle,

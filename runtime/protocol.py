@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.tokenizer import CHAT_ROLES
@@ -49,9 +49,17 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
+def _null_is_false(value: Any) -> Any:
+    """``null`` for a boolean that OpenAI's API types nullable (``stream``, ``stream_options.include_usage``, ...):
+    its default, false."""
+    return False if value is None else value
+
+
 class StreamOptions(_Body):
     include_usage: bool = False  # a last chunk with the usage (OpenAI)
     continuous_usage_stats: bool = False  # vLLM's usage in every chunk: not supported (400 when true)
+
+    _nullable = field_validator("include_usage", "continuous_usage_stats", mode="before")(_null_is_false)
 
 
 class _Generate(_Body):
@@ -68,6 +76,8 @@ class _Generate(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension
     user: str | None = None  # accepted, unused
+
+    _nullable = field_validator("stream", "ignore_eos", mode="before")(_null_is_false)
 
 
 class CompletionRequest(_Generate):
@@ -94,6 +104,8 @@ class LoadLoRARequest(_Body):
     lora_name: str
     lora_path: str
     load_inplace: bool = False  # vLLM: replace an adapter of that name instead of refusing
+
+    _nullable = field_validator("load_inplace", mode="before")(_null_is_false)
 
 
 class UnloadLoRARequest(_Body):
@@ -139,18 +151,35 @@ def check_supported(body: _Generate, unsupported: dict[str, tuple]) -> None:
         log.warning("ignoring unknown request fields %s", ignored)
 
 
-def sampling_params(body: _Generate, max_tokens: int, *, asked: bool = False) -> SamplingParams:
+def sampling_params(body: _Generate, max_tokens: int, *, asked: bool = False,
+                    params: dict[str, str] | None = None) -> SamplingParams:
     """The request's ``SamplingParams`` (OpenAI's defaults: temperature 1, top_p 1; ``max_tokens`` when the request
-    names none). ``asked``: the client named ``max_tokens``, so a prompt + ``max_tokens`` past the context is a 400
-    (``max_tokens_must_fit``), as from OpenAI and vLLM; a default is capped at the context instead. Raises a 400
-    with the engine's message, naming the field."""
+    names none). ``asked``: the client named ``max_tokens``, so a prompt + ``max_tokens`` past the context or the KV
+    cache is a 400 (``max_tokens_must_fit``), as from OpenAI and vLLM; a default is capped at both instead
+    (``max_tokens_fit_kv``). Raises a 400 with the engine's message, naming the field as the request named it
+    (``params``: the engine's field -> the request's, ``renamed``)."""
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p,
                               top_k=0 if body.top_k in (None, -1) else body.top_k, seed=body.seed, stop=body.stop,
-                              ignore_eos=body.ignore_eos, max_tokens_must_fit=asked)
+                              ignore_eos=body.ignore_eos, max_tokens_must_fit=asked, max_tokens_fit_kv=not asked)
     except ValueError as e:
-        raise bad_value(e) from None
+        raise renamed(bad_value(e), params or {}) from None
+
+
+def renamed(err: APIError, params: dict[str, str]) -> APIError:
+    """``err`` (a 400 naming an engine field) in the request's words: ``param`` and the message's leading
+    ``field:`` mapped by ``params`` (``prompt`` -> ``messages``), and ``max_tokens=`` in the message likewise when
+    the request named it ``max_completion_tokens``."""
+    new = params.get(err.param) if err.param else None
+    if new is None:
+        return err
+    if err.message.startswith(f"{err.param}:"):
+        err.message = new + err.message[len(err.param):]
+    if err.param == "max_tokens":
+        err.message = err.message.replace("max_tokens=", f"{new}=")
+    err.param = new
+    return err
 
 
 def validation_error(errors: list[dict]) -> APIError:
@@ -222,9 +251,12 @@ def chat_prompt(messages: list[ChatMessage]) -> list[dict]:
                                 f"message, got none", code="invalid_value", param=f"messages[{i}].content")
         if isinstance(content, list):
             for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported, got type "
                                         f"{part.type!r}", code="unsupported_parameter", param=f"messages[{i}].content")
+                if part.text is None:
+                    raise APIError(400, f"messages[{i}].content[{j}].text: expected the text of a text part, got none",
+                                   code="invalid_value", param=f"messages[{i}].content")
             content = "\n".join(part.text for part in content)
         out.append({"role": m.role, "content": content or ""})
     return out

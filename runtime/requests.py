@@ -7,6 +7,7 @@ loaded), so a call of several prompts can be refused whole with nothing run (the
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 from multilora.memory.kv_cache import PagedKVCache
@@ -68,11 +69,20 @@ class RequestFactory:
         total = min(len(ids) + params.max_tokens, self.max_seq_len)
         kv = self.kv
         if kv.blocks_for_tokens(total) > kv.max_usable_blocks:
-            raise ValueError(
-                f"request: {len(ids)} prompt tokens + max_tokens={params.max_tokens} (at most max_seq_len="
-                f"{self.max_seq_len}) = {total} tokens need {kv.blocks_for_tokens(total)} KV blocks of "
-                f"{kv.block_size} tokens; the whole KV cache has {kv.max_usable_blocks}: lower max_tokens, "
-                f"shorten the prompt or {kv.size_hint}")
+            room = kv.max_usable_blocks * kv.block_size - len(ids)  # tokens the whole cache holds past the prompt
+            if params.max_tokens_fit_kv and room >= 1:  # a default: capped at what the cache holds
+                params = dataclasses.replace(params, max_tokens=room)
+            elif params.max_tokens_fit_kv:
+                raise ValueError(
+                    f"prompt: {len(ids)} tokens and one generated need {kv.blocks_for_tokens(len(ids) + 1)} KV blocks "
+                    f"of {kv.block_size} tokens; the whole KV cache has {kv.max_usable_blocks}: shorten the prompt "
+                    f"or {kv.size_hint}")
+            else:
+                raise ValueError(
+                    f"{'max_tokens' if params.max_tokens_must_fit else 'request'}: {len(ids)} prompt tokens + "
+                    f"max_tokens={params.max_tokens} (at most max_seq_len={self.max_seq_len}) = {total} tokens need "
+                    f"{kv.blocks_for_tokens(total)} KV blocks of {kv.block_size} tokens; the whole KV cache has "
+                    f"{kv.max_usable_blocks}: lower max_tokens, shorten the prompt or {kv.size_hint}")
         if adapter is not None and not isinstance(adapter, str):
             raise ValueError(f"adapters: expected a name (str) or None, got {type(adapter).__name__}")
         return Request(request_id=next_request_id(), prompt=prompt, prompt_ids=ids, adapter_name=adapter,

@@ -43,6 +43,10 @@ class SamplingParams:
             ``max_seq_len`` generates up to ``max_seq_len`` (finish reason ``length``); True: it is refused at
             submission (ValueError naming ``max_tokens``), as the OpenAI API and vLLM's server refuse it (the
             server sets it when a client names ``max_tokens``).
+        max_tokens_fit_kv: True: a prompt + ``max_tokens`` longer than the whole KV cache holds generates up to
+            what it holds (finish reason ``length``) instead of being refused, as past ``max_seq_len`` (the server
+            sets it for a ``max_tokens`` the client did not name: a default is capped, not refused). A prompt that
+            leaves no room for one token is refused either way. Not with ``max_tokens_must_fit``.
 
     Every field is checked here, type and range, so the batched sampler never meets a value it cannot use.
 
@@ -58,6 +62,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     max_tokens_must_fit: bool = False
+    max_tokens_fit_kv: bool = False
 
     def __post_init__(self) -> None:
         self.check()
@@ -94,11 +99,15 @@ class SamplingParams:
             raise fail("ignore_eos", "True or False")
         if not isinstance(self.max_tokens_must_fit, (bool, np.bool_)):
             raise fail("max_tokens_must_fit", "True or False")
+        if not isinstance(self.max_tokens_fit_kv, (bool, np.bool_)):
+            raise fail("max_tokens_fit_kv", "True or False")
+        if self.max_tokens_fit_kv and self.max_tokens_must_fit:
+            raise fail("max_tokens_fit_kv", "False with max_tokens_must_fit (a max_tokens that must fit is not capped)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise fail("stop", "non-empty strings")
         # numpy scalars become Python ones: the sampler packs them with the others
         self.max_tokens, self.top_k, self.ignore_eos = int(self.max_tokens), int(self.top_k), bool(self.ignore_eos)
-        self.max_tokens_must_fit = bool(self.max_tokens_must_fit)
+        self.max_tokens_must_fit, self.max_tokens_fit_kv = bool(self.max_tokens_must_fit), bool(self.max_tokens_fit_kv)
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         if self.seed is not None:
             self.seed = int(self.seed)

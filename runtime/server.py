@@ -42,7 +42,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from multilora.runtime.adapter_cache import UnknownAdapterError
-from multilora.runtime.engine import EngineOverloadedError
+from multilora.runtime.engine import EngineOverloadedError, check_adapter_name
 from multilora.runtime.engine_loop import EngineLoop, RequestDelta, RequestStream
 from multilora.runtime.engine_process import EngineDeadError, EngineProcess
 from multilora.runtime.metrics import ServerMetrics
@@ -60,6 +60,7 @@ from multilora.runtime.protocol import (
     chat_prompt,
     check_supported,
     completion_prompts,
+    renamed,
     sampling_params,
     usage,
     validation_error,
@@ -196,7 +197,7 @@ class _Server:
         check_supported(body, COMPLETION_UNSUPPORTED)
         prompts = completion_prompts(body.prompt)
         sampling = sampling_params(body, COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
-                                   asked=body.max_tokens is not None)
+                                   asked=body.max_tokens is not None)  # (a default: capped at the context and the KV)
         return await self._generate(request, body.model, prompts, sampling, body.stream,
                                     Responses(chat=False, model=body.model, stream_options=body.stream_options),
                                     {"prompt": "prompt"})
@@ -205,12 +206,12 @@ class _Server:
         check_supported(body, CHAT_UNSUPPORTED)
         prompt = chat_prompt(body.messages)
         asked = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        params = {"prompt": "messages", **({"max_tokens": "max_completion_tokens"}
+                                           if body.max_completion_tokens is not None else {})}
         sampling = sampling_params(body, self.engine.max_seq_len if asked is None else asked,  # None: to the end
-                                   asked=asked is not None)
+                                   asked=asked is not None, params=params)
         return await self._generate(request, body.model, [prompt], sampling, body.stream,
-                                    Responses(chat=True, model=body.model, stream_options=body.stream_options),
-                                    {"prompt": "messages", **({"max_tokens": "max_completion_tokens"}
-                                                              if body.max_completion_tokens is not None else {})})
+                                    Responses(chat=True, model=body.model, stream_options=body.stream_options), params)
 
     async def _generate(self, request: Request, model: str, prompts: list, sampling: SamplingParams, stream: bool,
                         out: Responses, params: dict[str, str]) -> Any:
@@ -259,9 +260,7 @@ class _Server:
             if isinstance(e, UnknownAdapterError):  # unloaded since _adapter looked
                 raise APIError(404, str(e.args[0]), code="model_not_found", param="model") from None
             if isinstance(e, ValueError):
-                err = bad_value(e)
-                err.param = params.get(err.param, err.param)
-                raise err from None
+                raise renamed(bad_value(e), params) from None
             if self.closing:  # the loop closed meanwhile ("EngineLoop: closed")
                 raise APIError(503, "the server is shutting down", code="unavailable") from None
             raise
@@ -301,9 +300,13 @@ class _Server:
     async def load_lora_adapter(self, body: LoadLoRARequest) -> PlainTextResponse:
         self._check_runtime_adapters()
         name = body.lora_name
-        if not name or name == self.served_model_name:
-            why = "expected a non-empty name" if not name else "that is the base model's served name: choose another"
-            raise APIError(400, f"lora_name: {why}, got {name!r}", code="invalid_value", param="lora_name")
+        try:
+            check_adapter_name(name, "lora_name:")
+        except ValueError as e:
+            raise APIError(400, str(e), code="invalid_value", param="lora_name") from None
+        if name == self.served_model_name:
+            raise APIError(400, f"lora_name: that is the base model's served name: choose another, got {name!r}",
+                           code="invalid_value", param="lora_name")
         if name in self.engine.list_adapters() and not body.load_inplace:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded (load_inplace=true replaces it).",
                            code="invalid_value", param="lora_name")

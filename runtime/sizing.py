@@ -50,7 +50,16 @@ def default_dtype(cfg: EngineConfig, device_type: str) -> torch.dtype:
 def default_max_seq_len(model: ModelConfig, cfg: EngineConfig, device_type: str) -> int:
     """The engine's longest sequence (prompt + output, tokens): ``cfg.max_seq_len``, else the model's
     ``max_position_embeddings`` capped at 2,048 on CUDA and 1,024 on the CPU (the KV cache holds ``max_batch_size``
-    of them at most)."""
+    of them at most).
+
+    Raises:
+        ValueError: ``cfg.max_seq_len`` past the model's context (``max_position_embeddings``: positions it was not
+            trained for, and RoPE tables sized by it), naming ``max_seq_len``.
+    """
+    if cfg.max_seq_len is not None and cfg.max_seq_len > model.max_position_embeddings:
+        raise ValueError(f"Engine: max_seq_len={cfg.max_seq_len} is past the model's context of "
+                         f"max_position_embeddings={model.max_position_embeddings} tokens (its config); ask for at "
+                         f"most {model.max_position_embeddings}")
     return cfg.max_seq_len or min(model.max_position_embeddings, 2048 if device_type == "cuda" else 1024)
 
 

@@ -214,10 +214,17 @@ def test_memory_model_gives_the_sizes_an_engine_takes(tiny_dir, tmp_path, capsys
     assert "whole sequences of max_seq_len, fewer than max_batch_size 3" in out, out
 
 
-def test_memory_model_flags_are_checked_by_name(tiny_dir, capsys):
+def test_memory_model_flags_are_checked_by_name(tiny_dir, capsys, tmp_path):
     """Engine flags need --model; the plan's own minimum / reserve / total flags are refused with it (an engine
     computes them); values an engine refuses are refused by their flag, before anything is read."""
+    import json
+
     from multilora.runtime.cli import main
+
+    long_ctx = tmp_path / "long-context"  # (a config alone: its context admits a max_seq_len whose reserve is huge)
+    long_ctx.mkdir()
+    raw = json.loads((tiny_dir / "config.json").read_text())
+    (long_ctx / "config.json").write_text(json.dumps({**raw, "max_position_embeddings": 100_000_000}))
 
     cases = [(["--max-batch-size", "4"], "--max-batch-size: only with --model"),
              (["--model", str(tiny_dir), "--total-bytes", "1G"], "--total-bytes: not with --model"),
@@ -225,8 +232,10 @@ def test_memory_model_flags_are_checked_by_name(tiny_dir, capsys):
              (["--model", str(tiny_dir), "--adapter-pool-share", "1"], "--adapter-pool-share: must be a number in (0, 1)"),
              (["--model", str(tiny_dir), "--max-batch-size", "0"], "--max-batch-size: must be an int >= 1, got 0")]
     cases += [(["--model", str(tiny_dir), "--kv-bytes", "1"], "--kv-cache-bytes: 1 holds 0 KV block(s)"),
-              (["--model", str(tiny_dir), "--max-seq-len", "100000000"],
-               "(the reserve of an engine of this model: its weights ")]
+              (["--model", str(long_ctx), "--max-seq-len", "100000000"],
+               "(the reserve of an engine of this model: its weights "),
+              (["--model", str(tiny_dir), "--max-seq-len", "513"],
+               "--max-seq-len: 513 is past the model's context of max_position_embeddings=512 tokens")]
     for argv, want in cases:
         assert main(["memory", *argv]) == 2, argv
         err = capsys.readouterr().err

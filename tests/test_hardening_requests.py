@@ -102,7 +102,7 @@ def _still_serves(e: Engine, reference) -> None:
     ("temperature", "1.0"), ("temperature", None), ("temperature", float("nan")), ("temperature", math.inf),
     ("temperature", -0.5), ("top_p", "0.9"), ("top_p", float("nan")), ("top_p", 0), ("top_p", 1.5),
     ("max_tokens", 0), ("max_tokens", 2.0), ("max_tokens", None), ("stop", 3), ("stop", [""]), ("stop", [None]),
-    ("ignore_eos", "yes"), ("ignore_eos", None),
+    ("ignore_eos", "yes"), ("ignore_eos", None), ("max_tokens_fit_kv", "yes"),
 ])
 def test_every_sampling_field_is_checked(field, value):
     with pytest.raises(ValueError, match=rf"^SamplingParams\.{field}: expected .*, got "):
@@ -357,3 +357,63 @@ def test_load_adapter_path_of_the_wrong_kind_names_path(engine, path):
     with pytest.raises(ValueError, match=r"load_adapter: path must be an adapter directory .*got " + repr(path)):
         engine.load_adapter("x", path)
     assert "x" not in engine.list_adapters()
+
+
+# ---------------------------------------------------------------------------------- found by session 34's trial
+def test_adapter_names_a_request_or_a_label_could_not_carry_are_refused(engine, tiny):
+    """Empty, whitespace at an end, a comma (the gateway metric's comma-separated list) or a control character: a
+    ValueError naming the name and why, and nothing loaded."""
+    _, dirs = tiny
+    for name, why in (("", "empty"), (" a", "whitespace at an end"), ("a,b", "a comma"), ("a\tb", "a control character"),
+                      (3, "not a string")):
+        with pytest.raises(ValueError, match=rf"^load_adapter: name must be a non-empty string without commas, control "
+                                             rf"characters or whitespace at its ends, got .* \({why}\)$"):
+            engine.load_adapter(name, dirs["a"])
+    assert sorted(engine.list_adapters()) == ["a", "b", "hot"]
+    engine.load_adapter("org/task-1 v2", dirs["a"])  # (slashes and inner spaces are fine)
+    engine.unload_adapter("org/task-1 v2")
+
+
+def test_a_max_seq_len_past_the_models_context_is_refused_before_loading(tiny, monkeypatch, capsys):
+    """``max_seq_len`` above ``max_position_embeddings`` (the tiny model's 256): a ValueError naming it and the
+    context, before the weights load (the command line: exit 2 naming ``--max-seq-len``); the context itself is
+    fine. ``Engine(config=<a dict>)`` is a TypeError saying what to pass."""
+    import multilora.runtime.engine as engine_mod
+    from multilora.runtime.cli import main
+
+    d, _ = tiny
+    loads = []
+    real = engine_mod.load_model
+    monkeypatch.setattr(engine_mod, "load_model", lambda *a, **k: loads.append(1) or real(*a, **k))
+    with pytest.raises(ValueError, match=r"^Engine: max_seq_len=257 is past the model's context of "
+                                         r"max_position_embeddings=256 tokens \(its config\); ask for at most 256$"):
+        Engine(model=str(d), progress=False, max_seq_len=257)
+    assert loads == []
+    assert Engine(model=str(d), progress=False, max_seq_len=256, max_batch_size=1).max_seq_len == 256
+    assert main(["generate", "--model", str(d), "--prompt", "-", "Hi", "--max-seq-len", "1000000000"]) == 2
+    assert "--max-seq-len: 1000000000 is past the model's context" in capsys.readouterr().err
+    with pytest.raises(TypeError, match=r"Engine: config must be an EngineConfig or None, got dict"):
+        Engine(model=str(d), config={"max_batch_size": 2})
+
+
+def test_max_tokens_fit_kv_caps_a_request_at_what_the_kv_cache_holds(tiny):
+    """``SamplingParams(max_tokens_fit_kv=True)`` (the server's default max_tokens): a request longer than the whole
+    KV cache runs to what it holds (finish reason "length"); without it the request is refused as before; a prompt
+    with no room for one token is refused either way; the flag is refused beside ``max_tokens_must_fit``."""
+    d, _ = tiny
+    e = Engine(model=str(d), progress=False, max_batch_size=2, kv_block_size=4, kv_cache_bytes=None, max_seq_len=64)
+    per_block = e.kv.block_bytes
+    e = Engine(model=str(d), progress=False, max_batch_size=2, kv_block_size=4, kv_cache_bytes=7 * per_block,
+               max_seq_len=64)
+    assert e.kv.max_usable_blocks == 6  # 24 tokens
+    capped = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, max_tokens_fit_kv=True)
+    out = e.generate([token_ids(20, 5, VOCAB)], sampling=capped)[0]
+    assert (out.finish_reason, len(out.token_ids)) == ("length", 4)
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: request: 20 prompt tokens \+ max_tokens=40"):
+        e.generate([token_ids(20, 5, VOCAB)], sampling=SamplingParams(max_tokens=40))
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: prompt: 24 tokens and one generated need 7 KV blocks of 4 "
+                                         r"tokens; the whole KV cache has 6"):
+        e.generate([token_ids(24, 5, VOCAB)], sampling=capped)
+    with pytest.raises(ValueError, match=r"^SamplingParams\.max_tokens_fit_kv: expected False with max_tokens_must_fit"):
+        SamplingParams(max_tokens_fit_kv=True, max_tokens_must_fit=True)
+    assert capped.max_tokens == 40  # (the request got a copy)

@@ -427,6 +427,11 @@ ERRORS = [  # (route, body, status, param, code)
                                                       {"role": "user", "content": None}]}, 400, "messages[1].content",
      "invalid_value"),
     ("chat/completions", {"model": BASE, "messages": [{"content": "hi"}]}, 400, "messages", "invalid_type"),
+    ("chat/completions", {"model": BASE, "messages": CHAT, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens", "invalid_value"),
+    ("chat/completions", {"model": BASE, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "messages[0].content", "invalid_value"),
+    ("completions", {"model": BASE, "prompt": "Hi", "stream": "yes"}, 400, "stream", "invalid_type"),
 ]
 
 
@@ -481,6 +486,71 @@ def test_max_tokens_past_the_context_is_refused_but_a_default_is_capped(http, se
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
     _idle(served)
     _serves(http)
+
+
+def test_messages_name_the_field_the_client_sent(http):
+    """A chat request's ``max_completion_tokens`` is named so in the message, not as the engine's ``max_tokens``; a
+    chat prompt too long is ``messages``; a text part without its text says so."""
+    r = http.post("/v1/chat/completions", json={"model": BASE, "messages": CHAT, "max_completion_tokens": 0})
+    assert r.json()["error"]["message"] == "max_completion_tokens: expected an int >= 1, got 0", r.text
+    r = http.post("/v1/chat/completions", json={"model": BASE, "messages": CHAT, "max_completion_tokens": 400})
+    msg = r.json()["error"]["message"]
+    assert msg.startswith("max_completion_tokens: ") and "max_completion_tokens=400" in msg, msg
+    assert "max_tokens" not in msg.replace("max_completion_tokens", ""), msg
+    r = http.post("/v1/chat/completions", json={"model": BASE, "messages": [{"role": "user", "content": "x " * 400}]})
+    assert r.json()["error"]["message"].startswith("messages: "), r.text
+    r = http.post("/v1/chat/completions", json={"model": BASE, "messages": [{"role": "user", "content": [
+        {"type": "text"}]}]})
+    assert r.json()["error"]["message"] == "messages[0].content[0].text: expected the text of a text part, got none"
+
+
+def test_a_default_max_tokens_stops_at_what_the_kv_cache_holds(model_dir):
+    """A KV cache below one max_seq_len sequence (7 blocks of 16 tokens: 112 tokens, max_seq_len 256): a request
+    that names no max_tokens runs to what the cache holds (finish_reason "length"), not a 400 blaming a max_tokens the
+    client never sent; a named max_tokens past it is a 400 naming max_tokens; a prompt that leaves no room for one
+    token is a 400 naming the prompt (``messages`` in chat)."""
+    import torch
+
+    from multilora.memory.kv_cache import PagedKVCache
+    from multilora.runtime.weights import model_config
+
+    cfg = model_config(model_dir)
+    per_block = 16 * PagedKVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    e = Engine(model=str(model_dir), progress=False, max_batch_size=2, max_seq_len=256, kv_block_size=16,
+               kv_cache_bytes=8 * per_block)  # (the null block included)
+    assert e.kv.max_usable_blocks == 7
+    with TestClient(create_app(e, served_model_name=BASE)) as c:
+        r = c.post("/v1/chat/completions", json={"model": BASE, "messages": CHAT, "temperature": 0,
+                                                 "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        u = r.json()["usage"]
+        assert r.json()["choices"][0]["finish_reason"] == "length" and u["total_tokens"] == 112, u
+        r = c.post("/v1/completions", json={"model": BASE, "prompt": token_ids(100, 0, VOCAB), "temperature": 0,
+                                            "ignore_eos": True})  # the completions default, 16, capped at 12
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12, r.text
+        r = c.post("/v1/completions", json={"model": BASE, "prompt": token_ids(100, 0, VOCAB), "max_tokens": 13})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "max_tokens" and err["message"].startswith(
+            "max_tokens: 100 prompt tokens + max_tokens=13"), r.text
+        r = c.post("/v1/completions", json={"model": BASE, "prompt": token_ids(112, 0, VOCAB)})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "prompt" and err["message"].startswith(
+            "prompt: 112 tokens and one generated need 8 KV blocks of 16 tokens; the whole KV cache has 7"), r.text
+        r = c.post("/v1/chat/completions", json={"model": BASE, "messages": [{"role": "user", "content": "x " * 120}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert r.json()["error"]["message"].startswith("messages: "), r.text
+    assert e.kv.num_free_blocks == e.kv.num_usable_blocks
+
+
+def test_null_is_the_default_of_nullable_booleans(http, client):
+    """``stream``, ``ignore_eos``, ``stream_options.include_usage`` and ``load_inplace`` as ``null`` (OpenAI types
+    them nullable): their default, false."""
+    r = http.post("/v1/completions", json={"model": BASE, "prompt": "Hi", "max_tokens": 2, "stream": None,
+                                           "ignore_eos": None})
+    assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
+    r = http.post("/v1/chat/completions", json={"model": BASE, "messages": CHAT, "max_tokens": 2, "stream": True,
+                                                "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and "data: [DONE]" in r.text and '"usage"' not in r.text, r.text
 
 
 def test_off_values_of_unsupported_parameters_and_unknown_fields_are_accepted(http):
@@ -600,9 +670,14 @@ def test_runtime_adapter_paths_must_stay_inside_the_adapter_root(http, engine, s
     r = http.post("/v1/load_lora_adapter", json={"lora_name": BASE, "lora_path": "ad0"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
     assert f"that is the base model's served name: choose another, got {BASE!r}" in r.json()["error"]["message"]
-    r = http.post("/v1/load_lora_adapter", json={"lora_name": "", "lora_path": "ad0"})
-    assert r.status_code == 400 and "lora_name: expected a non-empty name, got ''" in r.json()["error"]["message"]
+    for name, why in (("", "empty"), (" ", "whitespace at an end"), ("a,b", "a comma"), ("a\nb", "a control character")):
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "ad0"})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "lora_name", r.text
+        assert err["message"] == (f"lora_name: must be a non-empty string without commas, control characters or "
+                                  f"whitespace at its ends, got {name!r} ({why})"), r.text
     assert "x" not in served.apply(hooks.list_adapters)
+    assert not {" ", "a,b", "a\nb"} & set(served.apply(hooks.list_adapters))
     _serves(http)
 
 
