@@ -128,10 +128,22 @@ def group_case(group: str, T: int, n: int, rank: int, configs, rounds: int, smok
         row[f"fused_{config_name(c)}_vs_engine_max_rel"] = float((got - want).abs().max() / want.abs().max())
         row[f"fused_{config_name(c)}_vs_fp32_max_rel"] = float((got[rows] - ref).abs().max() / ref.abs().max())
     timer = _wall_ms if smoke else time_ms
-    times = interleaved_rounds(list(fns), rounds, lambda name: timer(fns[name], True) / SETS * 1e3)
+
+    def measure(name):  # a provider that fails (a compile, a launch) is recorded and left out of later rounds
+        if f"error_{name}" in row:
+            return float("nan")
+        try:
+            return timer(fns[name], True) / SETS * 1e3
+        except Exception as e:  # noqa: BLE001
+            print(f"  {group} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            row[f"error_{name}"] = f"{type(e).__name__}: {str(e)[:500]}"
+            return float("nan")
+
+    times = interleaved_rounds(list(fns), rounds, measure)
     for name, ts in times.items():
-        row[f"{name}_us"] = statistics.median(ts)
-        row[f"{name}_us_rounds"] = ts
+        if f"error_{name}" not in row:
+            row[f"{name}_us"] = statistics.median(ts)
+            row[f"{name}_us_rounds"] = ts
     del pool, slices, xs, ws, ys
     torch.cuda.empty_cache()
     return row
@@ -187,9 +199,12 @@ def main(argv=None) -> int:
     for g in SMOKE_GROUPS if args.smoke else LAYER_8B:
         row = group_case(g, args.tokens, args.adapters, args.rank, configs, args.rounds, args.smoke)
         res["groups"].append(row)
-        print(f"{g}: cublas {row['cublas_us']:.1f} us, engine {row['engine_us']:.1f}; " + ", ".join(
-            f"{config_name(c)} base {row.get('triton_' + config_name(c) + '_us', float('nan')):.1f} fused "
-            f"{row.get('fused_' + config_name(c) + '_us', float('nan')):.1f}" for c in configs), flush=True)
+        print(f"{g}: cublas {row.get('cublas_us', float('nan')):.1f} us, engine {row.get('engine_us', float('nan')):.1f}; "
+              + ", ".join(f"{config_name(c)} base {row.get('triton_' + config_name(c) + '_us', float('nan')):.1f} "
+                          f"fused {row.get('fused_' + config_name(c) + '_us', float('nan')):.1f}" for c in configs),
+              flush=True)
+        with open(os.path.join(args.out, "gemm_lora.json"), "w") as f:  # (after each group: a run cut short keeps
+            json.dump(res, f, indent=1)  # the groups it finished)
     names = [k[:-3] for k in res["groups"][0] if k.endswith("_us") and all(k in r for r in res["groups"])]
     layer = {name: sum(r[f"{name}_us"] for r in res["groups"]) for name in names}
     base = layer["cublas"]

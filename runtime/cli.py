@@ -341,7 +341,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _check_adapter_names(args: argparse.Namespace) -> None:
-    """ValueError naming ``--adapter`` for a NAME given more than once."""
+    """ValueError naming ``--adapter`` for a NAME given more than once or one ``load_adapter`` would refuse
+    (``check_adapter_name``), before the model loads."""
+    from multilora.runtime.config import check_adapter_name
+
+    for name, path in args.adapter:
+        check_adapter_name(name, f"--adapter {name}={path}: the name")
     names = [n for n, _ in args.adapter]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import unicodedata
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -414,6 +415,22 @@ def _is_number(v: Any) -> bool:
 #: how a device error tells the command line's user to run on the CPU (``resolve_device``'s ``use_cpu``; the Python
 #: API's words are ``device='cpu'``)
 CLI_USE_CPU = "--device cpu"
+
+
+def check_adapter_name(name: Any, label: str = "load_adapter: name") -> None:
+    """Refuse an adapter name that a request, a metric label or a list of names could not carry: not a string,
+    empty, with whitespace at either end (a name that looks like another), a comma (the gateway's
+    ``running_lora_adapters`` label lists names comma-separated) or a control character.
+
+    Raises:
+        ValueError: ``"<label> must be ..., got ..."``: what was expected and what was got.
+    """
+    why = ("not a string" if not isinstance(name, str) else "empty" if not name
+           else "whitespace at an end" if name != name.strip() else "a comma" if "," in name
+           else "a control character" if any(unicodedata.category(c) == "Cc" for c in name) else None)
+    if why is not None:
+        raise ValueError(f"{label} must be a non-empty string without commas, control characters or whitespace at "
+                         f"its ends, got {name!r} ({why})")
 
 
 def as_flag_error(e: ValueError) -> ValueError:

@@ -23,7 +23,6 @@ import os
 import sys
 import threading
 import time
-import unicodedata
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -39,7 +38,7 @@ from multilora.memory.unified import UnifiedMemory, unified_layout
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
 from multilora.runtime.adapters import LoRAAdapter, read_adapter, read_packed_adapter
 from multilora.runtime.adapters.image import read_image
-from multilora.runtime.config import EngineConfig, resolve_device
+from multilora.runtime.config import EngineConfig, check_adapter_name, resolve_device  # noqa: F401 (re-exported)
 from multilora.runtime.model import DecoderModel
 from multilora.runtime.parallel import TensorParallel, TensorParallelError, TPGroup
 from multilora.runtime.sharding import check_tp_size, shard_weights, tp_rank_config
@@ -66,22 +65,6 @@ log = logging.getLogger("multilora")
 WARMUP_PROMPT_TOKENS = (1, 2, 3, 4, 6, 9, 13, 17, 19, 28, 42, 63, 94, 141, 211, 316, 474, 513, 600, 900, 1350, 2025,
                         3038, 4557, 6836, 8192)
 
-
-
-def check_adapter_name(name: Any, label: str = "load_adapter: name") -> None:
-    """Refuse an adapter name that a request, a metric label or a list of names could not carry: not a string,
-    empty, with whitespace at either end (a name that looks like another), a comma (the gateway's
-    ``running_lora_adapters`` label lists names comma-separated) or a control character.
-
-    Raises:
-        ValueError: ``"<label> must be ..., got ..."``: what was expected and what was got.
-    """
-    why = ("not a string" if not isinstance(name, str) else "empty" if not name
-           else "whitespace at an end" if name != name.strip() else "a comma" if "," in name
-           else "a control character" if any(unicodedata.category(c) == "Cc" for c in name) else None)
-    if why is not None:
-        raise ValueError(f"{label} must be a non-empty string without commas, control characters or whitespace at "
-                         f"its ends, got {name!r} ({why})")
 
 class EngineOverloadedError(RuntimeError):
     """More requests are waiting than ``EngineConfig.max_waiting_requests`` allows: try again later."""

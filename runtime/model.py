@@ -128,13 +128,25 @@ LORA_GEMM_EPILOGUE_MIN_TOKENS = 1 << 30
 GEMM_CUBLASLT_TOKENS: tuple[int, int] | None = None
 
 
-def _gemm_epilogue(x: torch.Tensor, slices: LoRASlices, lora_backend: str | None) -> bool:
-    """Whether ``kernels.experimental.gemm_lora`` can take this projection: the Triton LoRA backend runs for ``x``
-    (CUDA, or ``lora_backend="triton"`` under the interpreter) and every slice fits its column tiles."""
+#: ``LORA_GEMM_EPILOGUE_MIN_TOKENS``' other condition: at least this many tokens per distinct slot of the step
+#: (``LoRAPlan.num_segments``, a bound for the piecewise graphs' static plans). The epilogue visits a row tile's
+#: slots one at a time, so it is for prefill-shaped steps (a 4,096-token prefill on 64 adapters: 64 per slot), not a
+#: large decode or mixed step whose row tiles hold up to 128 slots each.
+LORA_GEMM_EPILOGUE_MIN_TOKENS_PER_SLOT = 32
+
+
+def _gemm_epilogue(x: torch.Tensor, slices: LoRASlices, plan: Any, lora_backend: str | None) -> bool:
+    """Whether ``kernels.experimental.gemm_lora`` should take this projection: a bf16 / fp16 step of at least
+    ``LORA_GEMM_EPILOGUE_MIN_TOKENS_PER_SLOT`` tokens per distinct slot (``plan``, the step's ``LoRAPlan``), the
+    Triton LoRA backend running for ``x`` (CUDA, or ``lora_backend="triton"`` under the interpreter) and every slice a
+    whole number of column tiles."""
     from multilora.kernels.backends import select_triton
     from multilora.kernels.experimental.gemm_lora import fits
 
-    return select_triton(lora_backend, x, "triton_sgmv") is not None and fits(slices, x.device)
+    seg = plan.num_segments
+    return (x.dtype in (torch.float16, torch.bfloat16) or x.device.type != "cuda") and seg is not None \
+        and x.shape[0] >= LORA_GEMM_EPILOGUE_MIN_TOKENS_PER_SLOT * max(seg, 1) \
+        and select_triton(lora_backend, x, "triton_sgmv") is not None and fits(slices, x.device)
 
 
 @contextlib.contextmanager
@@ -497,7 +509,8 @@ class DecoderModel:
         # in place, from LORA_BEFORE_GEMM_MIN_TOKENS: the LoRA term first, then the GEMM adds x W^T to it
         first = slices is not None and delta is None and b is None and not isinstance(w, Fp8Weight) \
             and x.shape[0] >= LORA_BEFORE_GEMM_MIN_TOKENS
-        epilogue = first and x.shape[0] >= LORA_GEMM_EPILOGUE_MIN_TOKENS and _gemm_epilogue(x, slices, lora_backend)
+        epilogue = first and x.shape[0] >= LORA_GEMM_EPILOGUE_MIN_TOKENS \
+            and _gemm_epilogue(x, slices, plan.lora, lora_backend)
         if epilogue:  # the GEMM adds the LoRA term in its epilogue: nothing written first
             from multilora.kernels.experimental.gemm_lora import gemm_lora
 

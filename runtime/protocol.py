@@ -256,7 +256,7 @@ def chat_prompt(messages: list[ChatMessage]) -> list[dict]:
                                         f"{part.type!r}", code="unsupported_parameter", param=f"messages[{i}].content")
                 if part.text is None:
                     raise APIError(400, f"messages[{i}].content[{j}].text: expected the text of a text part, got none",
-                                   code="invalid_value", param=f"messages[{i}].content")
+                                   code="invalid_value", param=f"messages[{i}].content[{j}].text")
             content = "\n".join(part.text for part in content)
         out.append({"role": m.role, "content": content or ""})
     return out

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from multilora.runtime.config import EngineConfig
+from multilora.runtime.config import EngineConfig, check_adapter_name
 
 __all__ = ["RayAppSpec", "build_app"]
 
@@ -92,8 +92,7 @@ class RayAppSpec:
         if not isinstance(self.config, EngineConfig):
             raise ValueError(f"RayAppSpec.config: expected an EngineConfig, got {type(self.config).__name__}")
         for name, path in self.adapters.items():
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"RayAppSpec.adapters: adapter names must be non-empty strings, got {name!r}")
+            check_adapter_name(name, "RayAppSpec.adapters: an adapter name")
             if name == self.base_name:
                 raise ValueError(f"RayAppSpec.adapters: {name!r} is the base model's served name")
             if not (Path(path) / "adapter_config.json").is_file():

@@ -42,7 +42,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from multilora.runtime.adapter_cache import UnknownAdapterError
-from multilora.runtime.engine import EngineOverloadedError, check_adapter_name
+from multilora.runtime.config import check_adapter_name
+from multilora.runtime.engine import EngineOverloadedError
 from multilora.runtime.engine_loop import EngineLoop, RequestDelta, RequestStream
 from multilora.runtime.engine_process import EngineDeadError, EngineProcess
 from multilora.runtime.metrics import ServerMetrics

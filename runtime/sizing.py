@@ -53,14 +53,25 @@ def default_max_seq_len(model: ModelConfig, cfg: EngineConfig, device_type: str)
     of them at most).
 
     Raises:
-        ValueError: ``cfg.max_seq_len`` past the model's context (``max_position_embeddings``: positions it was not
-            trained for, and RoPE tables sized by it), naming ``max_seq_len``.
+        ValueError: ``cfg.max_seq_len`` past the model's context (``model_context``: positions it was not trained
+            or scaled for), naming ``max_seq_len``.
     """
-    if cfg.max_seq_len is not None and cfg.max_seq_len > model.max_position_embeddings:
-        raise ValueError(f"Engine: max_seq_len={cfg.max_seq_len} is past the model's context of "
-                         f"max_position_embeddings={model.max_position_embeddings} tokens (its config); ask for at "
-                         f"most {model.max_position_embeddings}")
+    context = model_context(model)
+    if cfg.max_seq_len is not None and cfg.max_seq_len > context:
+        how = (f"max_position_embeddings={model.max_position_embeddings}" if context == model.max_position_embeddings
+               else f"max_position_embeddings={model.max_position_embeddings} x its linear RoPE factor")
+        raise ValueError(f"Engine: max_seq_len={cfg.max_seq_len} is past the model's context of {context} tokens "
+                         f"({how} in its config); ask for at most {context}")
     return cfg.max_seq_len or min(model.max_position_embeddings, 2048 if device_type == "cuda" else 1024)
+
+
+def model_context(model: ModelConfig) -> int:
+    """The tokens the model's positions cover: ``max_position_embeddings``, times the factor of ``linear`` RoPE
+    scaling, whose configs keep the original length there (HF's position interpolation; vLLM reads them so too).
+    ``llama3`` and ``longrope`` configs already give the extended length."""
+    if model.rope_type == "linear":
+        return int(model.max_position_embeddings * float((model.rope_scaling or {}).get("factor", 1.0)))
+    return model.max_position_embeddings
 
 
 def weight_bytes(model: ModelConfig, dtype: torch.dtype, weight_dtype: str | None = None,

@@ -235,7 +235,7 @@ def test_memory_model_flags_are_checked_by_name(tiny_dir, capsys, tmp_path):
               (["--model", str(long_ctx), "--max-seq-len", "100000000"],
                "(the reserve of an engine of this model: its weights "),
               (["--model", str(tiny_dir), "--max-seq-len", "513"],
-               "--max-seq-len: 513 is past the model's context of max_position_embeddings=512 tokens")]
+               "--max-seq-len: 513 is past the model's context of 512 tokens (max_position_embeddings=512")]
     for argv, want in cases:
         assert main(["memory", *argv]) == 2, argv
         err = capsys.readouterr().err

@@ -66,14 +66,23 @@ def test_gemm_lora_is_the_base_gemm_plus_the_lora_term(rows, modules, device, dt
 @pytest.mark.parametrize("device,dtype", CPU_CASES)
 def test_tiles_tma_and_odd_k(device, dtype):
     """Other tiles (64-row tiles over several sequences, 32-wide columns), K not a multiple of block_k (down's 96
-    in 64-wide steps: the masked loop), group_m 1 and 4, and the tiles through tensor descriptors: all the reference's
-    values."""
+    in 64-wide steps: the masked loop), group_m 1 and 4, the tiles through tensor descriptors, and a shrink split 2
+    and 3 ways over K (the partials summed in the epilogue): all the reference's values."""
     for modules, kw in ((GATE_UP, dict(block_m=64, block_n=32, block_k=16, group_m=1)),
                         (("down_proj",), dict(block_m=32, block_n=16, block_k=64, group_m=4)),
                         (QKV, dict(block_m=16, block_n=32, block_k=32, tma=True)),
                         (("down_proj",), dict(block_m=16, block_n=16, block_k=64, tma=True))):
         pool, slices, plan, x, w, ref, _ = _case(WIDE16, modules, 53, device=device, dtype=dtype, seed=len(kw))
         torch.testing.assert_close(gemm_lora(x, w, slices, plan, **kw).float(), ref, **TOL[dtype])
+    # the shrink's K split as the kernel's runtime loop (2 and 3 partials summed in the epilogue)
+    from multilora.kernels.triton_sgmv import sgmv_shrink
+
+    pool, slices, plan, x, w, ref, _ = _case(WIDE16, ("down_proj",), 40, device=device, dtype=dtype, seed=9)
+    for split in (2, 3):
+        v = sgmv_shrink(x, slices, plan, split_k=split, block_k=16)
+        assert v.shape[0] == split
+        torch.testing.assert_close(gemm_lora(x, w, slices, plan, v, block_m=16, block_n=16, block_k=32).float(), ref,
+                                   **TOL[dtype])
 
 
 def test_errors_name_the_argument():

@@ -374,6 +374,24 @@ def test_adapter_names_a_request_or_a_label_could_not_carry_are_refused(engine, 
     engine.unload_adapter("org/task-1 v2")
 
 
+def test_adapter_names_are_checked_before_the_model_loads(tiny, capsys, monkeypatch):
+    """``--adapter "a,b=DIR"`` (generate, serve, serve-ray) exits 2 naming it before any model loads; a
+    ``RayAppSpec`` with such a name is refused when made, not at every request of the replicas."""
+    import multilora.runtime.engine as engine_mod
+    from multilora.runtime.cli import main
+    from multilora.runtime.config import EngineConfig
+    from multilora.runtime.ray_serve import RayAppSpec
+
+    d, dirs = tiny
+    monkeypatch.setattr(engine_mod, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    for cmd in (["generate", "--prompt", "-", "Hi"], ["serve"]):
+        assert main([*cmd, "--model", str(d), "--adapter", f"a,b={dirs['a']}"]) == 2
+        assert f"--adapter a,b={dirs['a']}: the name must be a non-empty string without commas" in \
+            capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^RayAppSpec.adapters: an adapter name must be .* got ' a' \(whitespace"):
+        RayAppSpec(model=str(d), config=EngineConfig(progress=False), adapters={" a": str(dirs["a"])})
+
+
 def test_a_max_seq_len_past_the_models_context_is_refused_before_loading(tiny, monkeypatch, capsys):
     """``max_seq_len`` above ``max_position_embeddings`` (the tiny model's 256): a ValueError naming it and the
     context, before the weights load (the command line: exit 2 naming ``--max-seq-len``); the context itself is
@@ -385,8 +403,8 @@ def test_a_max_seq_len_past_the_models_context_is_refused_before_loading(tiny, m
     loads = []
     real = engine_mod.load_model
     monkeypatch.setattr(engine_mod, "load_model", lambda *a, **k: loads.append(1) or real(*a, **k))
-    with pytest.raises(ValueError, match=r"^Engine: max_seq_len=257 is past the model's context of "
-                                         r"max_position_embeddings=256 tokens \(its config\); ask for at most 256$"):
+    with pytest.raises(ValueError, match=r"^Engine: max_seq_len=257 is past the model's context of 256 tokens "
+                                         r"\(max_position_embeddings=256 in its config\); ask for at most 256$"):
         Engine(model=str(d), progress=False, max_seq_len=257)
     assert loads == []
     assert Engine(model=str(d), progress=False, max_seq_len=256, max_batch_size=1).max_seq_len == 256

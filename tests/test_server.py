@@ -430,7 +430,7 @@ ERRORS = [  # (route, body, status, param, code)
     ("chat/completions", {"model": BASE, "messages": CHAT, "max_completion_tokens": 0}, 400,
      "max_completion_tokens", "invalid_value"),
     ("chat/completions", {"model": BASE, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
-     "messages[0].content", "invalid_value"),
+     "messages[0].content[0].text", "invalid_value"),
     ("completions", {"model": BASE, "prompt": "Hi", "stream": "yes"}, 400, "stream", "invalid_type"),
 ]
 

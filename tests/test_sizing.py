@@ -208,3 +208,26 @@ def test_memlock_bound_host_tier_is_explained():
     assert any("RLIMIT_MEMLOCK" in n and "--host-adapter-bytes" in n for n in sizes.plan.notes)
     free = size_engine(req, ec, _h200(), reserve_bytes=4 * GiB)
     assert not any("RLIMIT_MEMLOCK" in n for n in free.plan.notes)
+
+
+def test_max_seq_len_up_to_the_models_context():
+    """``default_max_seq_len``: a ``max_seq_len`` up to the model's context is taken, past it refused naming it;
+    linear RoPE scaling's configs keep the original length in ``max_position_embeddings`` (context = it x factor),
+    llama3's give the extended one."""
+    import dataclasses
+
+    from multilora.runtime.sizing import default_max_seq_len, model_context
+
+    base = dataclasses.replace(TINY, max_position_embeddings=4096)
+    linear = dataclasses.replace(base, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    llama3 = dataclasses.replace(base, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 512})
+    assert (model_context(base), model_context(linear), model_context(llama3)) == (4096, 16384, 4096)
+    assert default_max_seq_len(linear, EngineConfig(max_seq_len=16384), "cuda") == 16384
+    assert default_max_seq_len(base, EngineConfig(), "cuda") == 2048 and default_max_seq_len(base, EngineConfig(),
+                                                                                             "cpu") == 1024
+    with pytest.raises(ValueError, match=r"^Engine: max_seq_len=16385 is past the model's context of 16384 tokens "
+                                         r"\(max_position_embeddings=4096 x its linear RoPE factor in its config\)"):
+        default_max_seq_len(linear, EngineConfig(max_seq_len=16385), "cuda")
+    with pytest.raises(ValueError, match=r"^Engine: max_seq_len=4097 is past the model's context of 4096 tokens"):
+        default_max_seq_len(llama3, EngineConfig(max_seq_len=4097), "cuda")

@@ -38,16 +38,29 @@ import triton
 import triton.language as tl
 
 from multilora.kernels.lora import MAX_SLICES, LoRAPlan, LoRASlices
-from multilora.kernels.triton_sgmv import _v_tile, check_io, check_v, sgmv_shrink
+from multilora.kernels.triton_sgmv import check_io, check_v, sgmv_shrink
 
 _NO_SLOT = tl.constexpr(1 << 30)  # above any slot: the end of a tile's slot walk
 
 
-@triton.jit(do_not_specialize=["M"])  # one compiled variant for every token count (as triton_sgmv's kernels)
+@triton.jit
+def _v_rows(v_ptr, sid, T, tok, j, vm, split_k, NUM_SLICES: tl.constexpr, RMAX: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """fp32 ``[BLOCK_M, BLOCK_R]``: the shrink's ``v[:, sid, tok, j]`` summed over its ``split_k`` partials (``vm``
+    masks rows and ranks), as ``triton_sgmv._v_tile`` with the split a runtime value: the shrink's split changes
+    with the token count, and this kernel compiles one variant for every count."""
+    vt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for sp in range(split_k):
+        v_rows = v_ptr + ((sp * NUM_SLICES + sid).to(tl.int64) * T + tok[:, None]) * RMAX
+        vt += tl.load(v_rows + j[None, :], mask=vm, other=0.0)
+    return vt
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])  # one compiled variant for every token count (as triton_sgmv's)
 def _gemm_lora_kernel(
     x_ptr, w_ptr, x_desc, w_desc, y_ptr, v_ptr, slots_ptr, buf_ptr, offb_ptr, ranks_ptr, scal_ptr,
-    M, N, K, stride_xm, stride_wn, stride_ym, meta_stride, e0, e1, e2, e3,
-    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, RMAX: tl.constexpr, LORA: tl.constexpr, TMA: tl.constexpr,
+    M, N, K, stride_xm, stride_wn, stride_ym, meta_stride, e0, e1, e2, e3, split_k,
+    NUM_SLICES: tl.constexpr, RMAX: tl.constexpr, LORA: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
 ):
@@ -102,10 +115,10 @@ def _gemm_lora_kernel(
             off_b = tl.multiple_of(tl.load(offb_ptr + sid * meta_stride + s), ALIGN)
             scale = tl.load(scal_ptr + sid * meta_stride + s)
             rows = slots == s
-            for j0 in range(0, r, BLOCK_R):
+            for j0 in tl.range(0, r, BLOCK_R, num_stages=1):  # (usually once: nothing to pipeline)
                 j = j0 + tl.arange(0, BLOCK_R)
                 j_mask = j < r
-                vt = _v_tile(v_ptr, sid, M, tok, j, rows[:, None] & j_mask[None, :], NUM_SLICES, SPLIT_K, RMAX,
+                vt = _v_rows(v_ptr, sid, M, tok, j, rows[:, None] & j_mask[None, :], split_k, NUM_SLICES, RMAX,
                              BLOCK_M, BLOCK_R)
                 b_ptrs = buf_ptr + (off_b + j.to(tl.int64)[:, None] * d_out) + n_loc[None, :]
                 bt = tl.load(b_ptrs, mask=j_mask[:, None] & n_mask[None, :], other=0.0)
@@ -202,12 +215,12 @@ def gemm_lora(x: torch.Tensor, weight: torch.Tensor, slices: LoRASlices | None =
         ends = list(itertools.accumulate(vw.d_out for vw in slices.views))  # each slice's end column
         ends += [1 << 30] * (MAX_SLICES - len(ends))
         meta = (v, plan.token_slots, slices.buffer, slices.offsets_b, slices.ranks, slices.scalings)
-        consts = dict(NUM_SLICES=slices.num_slices, SPLIT_K=v.shape[0], RMAX=v.shape[3], ALIGN=slices.align)
-        stride = slices.meta_stride
+        consts = dict(NUM_SLICES=slices.num_slices, RMAX=v.shape[3], ALIGN=slices.align)
+        stride, split = slices.meta_stride, v.shape[0]
     else:
-        ends, stride = [N, 1 << 30, 1 << 30, 1 << 30], 0
+        ends, stride, split = [N, 1 << 30, 1 << 30, 1 << 30], 0, 1
         meta = (y, y, y, y, y, y)  # (not read)
-        consts = dict(NUM_SLICES=1, SPLIT_K=1, RMAX=16, ALIGN=1)
+        consts = dict(NUM_SLICES=1, RMAX=16, ALIGN=1)
     x_desc = w_desc = x  # (not read without TMA)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -221,7 +234,7 @@ def gemm_lora(x: torch.Tensor, weight: torch.Tensor, slices: LoRASlices | None =
     extra = {"num_stages": ns} if cuda else {}
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     _gemm_lora_kernel[grid](
-        x, weight, x_desc, w_desc, y, *meta, M, N, K, x.stride(0), weight.stride(0), y.stride(0), stride, *ends,
+        x, weight, x_desc, w_desc, y, *meta, M, N, K, x.stride(0), weight.stride(0), y.stride(0), stride, *ends, split,
         LORA=lora, TMA=tma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=16, GROUP_M=gm,
         IEEE=x.dtype == torch.float32, EVEN_K=K % bk == 0, num_warps=nw, **consts, **extra,
     )
