@@ -143,14 +143,19 @@ def test_gguf_logits_match_the_hf_model_and_transformers_gguf_loader(case):
     assert out.token_ids == ref_ids
 
 
-def test_gguf_architecture_not_served_is_refused(tmp_path):
-    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "gemma3")
+def _one_table_gguf(path, architecture: str, table: torch.Tensor) -> None:
+    """A GGUF file of ``architecture`` with one block and the embedding table alone."""
+    w = gguf.GGUFWriter(str(path), architecture)
     w.add_block_count(1)
-    w.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    w.add_tensor("token_embd.weight", table.numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def test_gguf_architecture_not_served_is_refused(tmp_path):
+    _one_table_gguf(tmp_path / "m.gguf", "gemma3", torch.zeros(8, 4))
     with pytest.raises(ModelLoadError,
                        match=r"general.architecture 'gemma3' is not served.*llama, qwen2, qwen3, gemma2"):
         load_model_files(tmp_path / "m.gguf", dtype=torch.float32, progress=False)
@@ -161,13 +166,7 @@ def test_truncated_or_foreign_gguf_is_named(tmp_path):
     its size and what the gguf library said, not numpy's reshape error bare."""
     from multilora.runtime.weights import model_config
 
-    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", torch.ones(64, 32).numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _one_table_gguf(tmp_path / "m.gguf", "llama", torch.ones(64, 32))
     data = (tmp_path / "m.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 4096])
     (tmp_path / "text.gguf").write_bytes(b"not a model\n")
