@@ -94,6 +94,16 @@ from multilora.runtime.adapters.disk import FileStamp, files_fingerprint
 log = logging.getLogger("multilora")
 
 
+def loaded_names(names: Any, shown: int = 10) -> str:
+    """``"loaded: a, b, c"`` for an unknown-adapter message: at most ``shown`` names (sorted), then how many more
+    (an engine may hold thousands)."""
+    names = sorted(names)
+    if not names:
+        return "loaded: none"
+    more = f", ... and {len(names) - shown} more (Engine.list_adapters())" if len(names) > shown else ""
+    return "loaded: " + ", ".join(names[:shown]) + more
+
+
 class UnknownAdapterError(KeyError):
     """A request or call named an adapter that is not loaded."""
 
@@ -356,8 +366,7 @@ class AdapterCache:
             try:
                 return self._by_name[name]
             except KeyError:
-                known = ", ".join(sorted(self._by_name)) or "none"
-                raise UnknownAdapterError(f"adapter {name!r} is not loaded (loaded: {known})") from None
+                raise UnknownAdapterError(f"adapter {name!r} is not loaded ({loaded_names(self._by_name)})") from None
 
     def names(self) -> list[str]:
         with self._lock:
@@ -629,6 +638,12 @@ class AdapterCache:
         fut = handle.loading
         return fut is not None and not fut.done()
 
+    def pinned(self, exclude: AdapterHandle | None = None) -> tuple[int, int]:
+        """(count, pool bytes) of the resident pinned adapters, ``exclude`` aside."""
+        with self._lock:
+            held = [h for h in self._gpu_lru.values() if h is not exclude and self.is_pinned(h)]
+            return len(held), sum(h.pool_bytes for h in held)
+
     def could_ever_fit(self, handle: AdapterHandle) -> bool:
         """Whether the handle fits (its bytes and a slot) once every unpinned adapter has left the pool (a unified
         memory's pool at its largest, ``bytes_capacity``)."""
@@ -771,10 +786,13 @@ class AdapterCache:
                 self._grow_for(handle.pool_bytes)
                 victims = self._evictable()
                 if not self._fits_after_evicting(handle, victims):
+                    n_pinned, _ = self.pinned(exclude=handle)
                     raise PoolFullError(
-                        f"adapter {handle.name!r} needs {handle.pool_bytes} bytes of the adapter pool; "
-                        f"{self.pool.bytes_free} free and {sum(v.pool_bytes for v in victims)} held by idle adapters, "
-                        f"of {self.pool.bytes_total}"
+                        f"adapter {handle.name!r} needs {handle.pool_bytes} bytes of the adapter pool and a slot; "
+                        f"{self.pool.bytes_free} bytes free and {sum(v.pool_bytes for v in victims)} held by idle "
+                        f"adapters, of {self.pool.bytes_total}; {self.pool.max_slots - self.pool.slots_used} of "
+                        f"{self.pool.max_slots} slot(s) free and {len(victims)} held by idle adapters "
+                        f"({n_pinned} pinned: Engine.pin_adapter(name, False) unpins one)"
                     )
                 packed = self._ensure_host(handle)
                 self.stats.gpu_misses += 1

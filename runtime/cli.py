@@ -296,9 +296,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         items = [([{"role": "user", "content": p}] if isinstance(p, str) else p, a, w) for p, a, w in items]
     known = {n for n, _ in args.adapter}
-    unknown = sorted({a for _, a, _ in items if a is not None and a not in known})
+    unknown = [(a, w) for _, a, w in items if a is not None and a not in known]
     if unknown:
-        raise ValueError(f"generate: prompts name adapter(s) {unknown} not given with --adapter NAME=PATH")
+        a, where = unknown[0]
+        base = (f" (the base model is {', '.join(repr(b) for b in BASE_NAMES)} in --prompt, null in --jsonl)"
+                if a in BASE_NAMES else "")
+        more = f"; {len(unknown) - 1} more prompt(s) name unknown adapters" if len(unknown) > 1 else ""
+        raise ValueError(f"{where}: adapter {a!r} was not given with --adapter NAME=PATH{base}{more}")
     if args.top_k < -1:
         raise ValueError(f"--top-k: expected a positive int, or 0 or -1 (off), got {args.top_k}")
     try:
@@ -594,9 +598,10 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
 def _cmd_make(args: argparse.Namespace) -> int:
     import torch
 
-    from multilora.runtime.demo import DEMO_ADAPTERS, make_demo_adapters
+    from multilora.runtime.demo import DEMO_ADAPTERS, check_output_dir, make_demo_adapters
     from multilora.runtime.weights import load_model_files, resolve_model_path
 
+    check_output_dir(args.out_dir, "OUT_DIR")
     if not args.force:  # before the model loads: an adapter someone trained or edited there is never lost
         for name in DEMO_ADAPTERS:
             held = [f for f in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
@@ -660,6 +665,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         msg = str(e)
         if isinstance(e, ModelLoadError) and msg.startswith("model: ") and getattr(args, "model", None) is not None:
             msg = f"--model {args.model}: {msg[len('model: '):]}"  # the flag, not the Engine argument
+        elif msg.startswith("Engine: "):  # an engine option refused once the model is known: its flag
+            msg = str(_as_flag_error(ValueError(msg)))
         print(f"multilora {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C while loading or generating (a server that started handles its own)

@@ -331,6 +331,25 @@ def engine_notes(e: dict) -> list[str]:
     return notes
 
 
+#: ``MemoryPlanOptions`` fields -> this command's flags (an option's error names the flag)
+_OPTION_FLAGS = {"fraction": "--fraction", "adapter_pool_share": "--adapter-pool-share",
+                 "non_kv_reserve_bytes": "--non-kv-reserve-bytes", "min_adapter_pool_bytes": "--min-adapter-bytes",
+                 "min_kv_bytes": "--min-kv-bytes", "max_adapter_pool_bytes": "--adapter-pool-bytes",
+                 "max_kv_bytes": "--kv-bytes", "max_total_bytes": "--total-bytes",
+                 "host_tier_bytes": "--host-adapter-bytes", "local_ranks": "--local-ranks"}
+
+
+def _flag_words(e: Exception, args: argparse.Namespace) -> str:
+    """``e``'s message with a leading option field (``local_ranks: ...``) or ``model: ...`` in this command's flags."""
+    msg = str(e)
+    field = msg.split(":", 1)[0]
+    if field in _OPTION_FLAGS:
+        return _OPTION_FLAGS[field] + msg[len(field):]
+    if field == "model" and args.model:
+        return f"--model {args.model}" + msg[len(field):]
+    return msg
+
+
 def run_memory(args: argparse.Namespace) -> int:
     """Handler of ``multilora memory``: 0 on success, 2 on bad input or a plan that does not fit."""
     try:
@@ -342,7 +361,7 @@ def run_memory(args: argparse.Namespace) -> int:
                                  f"model)")
         snapshot = _snapshot(args)
     except (ValueError, OSError) as e:
-        print(f"multilora memory: {e}", file=sys.stderr)
+        print(f"multilora memory: {_flag_words(e, args)}", file=sys.stderr)
         return 2
     if args.save_snapshot is not None:
         try:
@@ -359,7 +378,7 @@ def run_memory(args: argparse.Namespace) -> int:
         else:
             plan = compute_memory_plan(snapshot, options)
     except ValueError as e:  # (MemoryPlanError, ModelLoadError, a flag the engine refuses)
-        print(f"multilora memory: {e}", file=sys.stderr)
+        print(f"multilora memory: {_flag_words(e, args)}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"plan": plan.to_dict(), "snapshot": snapshot.to_dict(),

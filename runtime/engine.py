@@ -71,8 +71,8 @@ class EngineOverloadedError(RuntimeError):
 
 
 _COUNTERS = ("steps", "prefill_steps", "decode_steps", "mixed_steps", "prefill_chunks", "prompt_tokens",
-             "recomputed_tokens", "generated_tokens", "requests_finished", "requests_failed", "async_steps",
-             "async_dropped_tokens")
+             "recomputed_tokens", "generated_tokens", "requests_finished", "requests_failed", "requests_aborted",
+             "async_steps", "async_dropped_tokens")
 
 
 #: upper bounds (seconds) of the step-duration histogram (``Engine.stats()["step_seconds"]``): doubling from 1 ms
@@ -692,6 +692,7 @@ class Engine:
                 req = self.scheduler.get(request_id)
             if req is not None:
                 self.scheduler.finish(req, "abort", "aborted")
+                self._counters["requests_aborted"] += 1
             return req is not None
 
     def _run_until_done(self, reqs: list[Request], progress: bool) -> None:

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from multilora.runtime.adapter_cache import UnknownAdapterError
+from multilora.runtime.adapter_cache import UnknownAdapterError, loaded_names
 from multilora.runtime.engine import EngineOverloadedError
 from multilora.runtime.engine_loop import RequestDelta, RequestStream, _wake_all
 from multilora.runtime.postprocess import RequestOutput
@@ -379,8 +379,7 @@ class EngineProcess:
         UnknownAdapterError (a KeyError) if it is not loaded."""
         with self._lock:
             if name not in self._adapters:
-                known = ", ".join(sorted(self._adapters)) or "none"
-                raise UnknownAdapterError(f"adapter {name!r} is not loaded (loaded: {known})")
+                raise UnknownAdapterError(f"adapter {name!r} is not loaded ({loaded_names(self._adapters)})")
             return Path(self._adapters[name])
 
     def load_adapter(self, name: str, path: str | os.PathLike, *, allow_pickle: bool = False,

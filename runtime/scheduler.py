@@ -491,10 +491,12 @@ class Scheduler:
                         break
                 if not self.cache.could_ever_fit(req.handle):
                     pool = self.cache.pool
+                    n_pinned, pinned_bytes = self.cache.pinned(exclude=req.handle)
                     self._fail(req, f"adapter {req.adapter_name!r} needs {req.handle.pool_bytes} bytes and a slot: "
                                     f"more than the adapter pool holds besides pinned adapters ({pool.bytes_capacity} "
-                                    f"bytes, {pool.max_slots} slot(s); raise adapter_pool_bytes or adapter_slots)",
-                               failed)
+                                    f"bytes, {pool.max_slots} slot(s), {n_pinned} pinned adapter(s) holding "
+                                    f"{pinned_bytes} bytes; unpin some (Engine.pin_adapter(name, False)) or raise "
+                                    f"adapter_pool_bytes or adapter_slots)", failed)
                     continue
                 try:
                     req.slot = self.cache.acquire(req.handle)

@@ -334,13 +334,16 @@ def test_max_tokens_is_refused_in_the_same_words_by_every_command(capsys, value)
     ('["a list"]', r"expected an object with a 'prompt'"),
     ('{"adapter": "a"}', r"expected an object with a 'prompt'"),
     ('{"prompt": "hi", "adapter": 3}', r"'adapter' must be a string or null"),
+    ('{"prompt": "hi", "adapter": "zzz"}', r": adapter 'zzz' was not given with --adapter NAME=PATH$"),
+    ('{"prompt": "hi", "adapter": "none"}', r"adapter 'none' was not given with --adapter NAME=PATH \(the base model "
+                                            r"is '-', 'none', 'base' in --prompt, null in --jsonl\)"),
 ])
 def test_bad_jsonl_line_exits_2_naming_the_line(tiny, tmp_path, capsys, line, match):
     f = tmp_path / "bad.jsonl"
     f.write_text(json.dumps({"prompt": "fine"}) + "\n" + line + "\n")
     code, out, err = run(capsys, "generate", "--model", tiny, "--jsonl", f)
     assert code == 2 and out == ""
-    assert f"{f}:2" in err and re.search(match, err), err
+    assert f"{f}:2" in err and re.search(match, err.strip()), err
 
 
 @pytest.mark.parametrize("opt,value,field", [("--max-tokens", 0, "max_tokens"), ("--temperature", -1, "temperature"),
@@ -701,6 +704,51 @@ def test_a_pickled_adapter_is_refused_without_allow_pickle(pickled_adapter, tmp_
     assert "arbitrary code" in err and "pass --allow-pickle" in err, err
 
 
+def test_bad_adapter_weight_files_are_refused_before_the_model_loads(demo_dir, tmp_path, capsys):
+    """What the safetensors header tells without the model: a FIFO or a directory in its place, a truncated file,
+    an integer tensor, a rank (a rank_pattern's) above --max-lora-rank: exit 2 naming the flag, the file and the key,
+    before the (missing) model is looked for."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    def variant(name, change):
+        d = tmp_path / name
+        shutil.copytree(demo_dir / "demo-a", d)
+        change(d, d / "adapter_model.safetensors")
+        return d
+
+    def fifo(d, w):
+        w.unlink()
+        os.mkfifo(w)
+
+    def truncated(d, w):
+        w.write_bytes(w.read_bytes()[:-100])
+
+    def int32(d, w):
+        t = load_file(str(w))
+        k = sorted(t)[0]
+        save_file({**t, k: t[k].to(torch.int32)}, str(w))
+
+    def rank_pattern(d, w):
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        (d / "adapter_config.json").write_text(json.dumps({**cfg, "rank_pattern": {"q_proj": 128}}))
+        t = load_file(str(w))
+        save_file({k: (torch.zeros(128, v.shape[1]) if "q_proj.lora_A" in k else
+                       torch.zeros(v.shape[0], 128) if "q_proj.lora_B" in k else v) for k, v in t.items()}, str(w))
+
+    cases = ((fifo, "expected a file, got a named pipe (FIFO)"), (truncated, "cannot read the safetensors file"),
+             (int32, "expected a floating-point dtype"),
+             (rank_pattern, "rank 128 (its rows; the config's rank_pattern) exceeds the engine's max_lora_rank 64"))
+    for change, words in cases:
+        d = variant(change.__name__, change)
+        code, out, err = run(capsys, "generate", "--model", tmp_path / "no-model", "--adapter", f"x={d}",
+                             "--prompt", "x", "hi")
+        assert code == 2 and out == "" and "no-model" not in err, err  # before the model loads
+        assert f"--adapter x={d}: {d / 'adapter_model.safetensors'}: " in err and words in err, err
+
+
 def test_a_pickled_adapter_loads_with_allow_pickle(tiny, engine, pickled_adapter, capsys):
     code, out, err = run(capsys, "generate", "--model", tiny, "--adapter", f"p={pickled_adapter}", "--allow-pickle",
                          "--prompt", "p", "hi", "--prompt", "-", "hello", "--max-tokens", 4, "--json")
@@ -831,3 +879,26 @@ def test_serve_warns_about_runtime_adapters_without_a_root(capsys, caplog, tmp_p
             caplog.clear()
             code, _, err = run(capsys, *base, "--adapter-root", tmp_path, "--allow-runtime-adapters")
             assert code == 2 and "adapter-root" not in caplog.text
+
+
+def test_output_dirs_that_cannot_hold_adapters_are_refused_before_the_model_loads(tmp_path, capsys):
+    """make-demo-adapters OUT_DIR and demo --adapters-dir naming a file, or a path under a file: exit 2 naming it,
+    with the (missing) model never looked for."""
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    for argv, words in ((("make-demo-adapters", f, "--model", tmp_path / "no-model"), f"OUT_DIR {f}: not a directory"),
+                        (("make-demo-adapters", f / "sub", "--model", tmp_path / "no-model"),
+                         f"OUT_DIR {f / 'sub'}: {f} is not a directory"),
+                        (("demo", "--adapters-dir", f, "--model", tmp_path / "no-model"),
+                         f"--adapters-dir {f}: not a directory")):
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and words in err and "no-model" not in err, err
+
+
+def test_memory_errors_name_the_flag(tmp_path, capsys):
+    """``multilora memory``'s option errors name its flags, not the plan's fields; a missing --model names it."""
+    for argv, words in ((("--local-ranks", 0), "--local-ranks: expected an integer >= 1, got 0"),
+                        (("--fraction", 0), "--fraction: expected 0 < fraction <= 1"),
+                        (("--model", tmp_path / "nope"), f"--model {tmp_path / 'nope'}: path ")):
+        code, out, err = run(capsys, "memory", *argv)
+        assert code == 2 and err.startswith(f"multilora memory: {words}"), err

@@ -207,6 +207,8 @@ def _slow_steps(engine, loop, seconds=0.01):
 
 def test_abort_and_leaving_a_stream_free_the_request(engine, loop):
     _slow_steps(engine, loop)
+    stats = (lambda: loop.stats()) if isinstance(loop, EngineProcess) else engine.stats
+    aborted0 = stats()["requests_aborted"]
     long = SamplingParams(max_tokens=200, ignore_eos=True)
     s = loop.submit(token_ids(6, 50, VOCAB), "c", long)
     deltas = iter(s)
@@ -223,6 +225,7 @@ def test_abort_and_leaving_a_stream_free_the_request(engine, loop):
         time.sleep(0.01)
     _idle(engine, loop)
     assert not loop.abort(10**9)  # unknown id
+    assert stats()["requests_aborted"] - aborted0 == 2  # (counted apart from requests_finished / _failed)
 
 
 def test_async_consumer_cancelled_aborts(engine, loop):

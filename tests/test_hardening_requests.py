@@ -435,3 +435,29 @@ def test_max_tokens_fit_kv_caps_a_request_at_what_the_kv_cache_holds(tiny):
     with pytest.raises(ValueError, match=r"^SamplingParams\.max_tokens_fit_kv: expected False with max_tokens_must_fit"):
         SamplingParams(max_tokens_fit_kv=True, max_tokens_must_fit=True)
     assert capped.max_tokens == 40  # (the request got a copy)
+
+
+def test_pins_that_hold_every_slot_are_named(tiny):
+    """Two slots, both pinned: pinning a third says the slots are what is short and how to unpin; a request on an
+    unpinned adapter fails alone saying the same; after unpinning it runs. An unknown name lists at most ten of the
+    loaded names."""
+    from multilora.runtime.adapter_cache import PoolFullError
+
+    d, dirs = tiny
+    e = Engine(model=str(d), progress=False, max_batch_size=2, adapter_slots=2)
+    for i in range(12):
+        e.load_adapter(f"x{i:02d}", dirs["a"])
+    e.pin_adapter("x00")
+    e.pin_adapter("x01")
+    with pytest.raises(PoolFullError, match=r"needs \d+ bytes of the adapter pool and a slot; .* 0 of 2 slot\(s\) free "
+                                            r"and 0 held by idle adapters \(2 pinned: Engine.pin_adapter\(name, False\) "
+                                            r"unpins one\)"):
+        e.pin_adapter("x02")
+    out = e.generate([token_ids(4, 1, VOCAB)], adapters=["x03"], sampling=GREEDY)[0]
+    assert out.finish_reason == "error" and "2 pinned adapter(s) holding" in out.error and \
+        "unpin some (Engine.pin_adapter(name, False))" in out.error, out.error
+    e.pin_adapter("x00", False)
+    assert e.generate([token_ids(4, 1, VOCAB)], adapters=["x03"], sampling=GREEDY)[0].finish_reason == "length"
+    with pytest.raises(KeyError, match=r"adapter 'nope' is not loaded \(loaded: x00, x01, .*, x09, \.\.\. and 2 more "
+                                       r"\(Engine.list_adapters\(\)\)\)"):
+        e.generate(["hi"], adapters=["nope"])

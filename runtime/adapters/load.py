@@ -452,19 +452,32 @@ def check_adapter_files(path: str | os.PathLike, *, max_rank: int | None = None,
     """What can be checked of an adapter directory without the model (``multilora generate`` and ``serve`` run it
     on every ``--adapter`` before the model loads): a directory, a well-formed LoRA ``adapter_config.json``, a weight
     file (only a pickle one: refused with ``allow_pickle=False``, as ``load_peft_adapter`` refuses it), and, when
-    the config has no ``rank_pattern``, ``r`` at most ``max_rank``. The targets, key names and shapes need the
-    model's config: ``load_peft_adapter`` checks them (and the ranks of a ``rank_pattern``) at the load.
+    the config has no ``rank_pattern``, ``r`` at most ``max_rank``; of a safetensors file also its header (a
+    readable regular file, well-formed, every tensor of a floating-point dtype) and every ``lora_A``'s rank (its
+    rows; a ``rank_pattern``'s ranks too) at most ``max_rank``. The targets, key names and shapes need the model's
+    config, and the values a read of the whole file: ``load_peft_adapter`` checks them at the load.
 
     Raises:
-        AdapterError: as ``load_peft_adapter`` for the same defects (the message names the file and the field), or
-            ``r`` above ``max_rank``.
+        AdapterError: as ``load_peft_adapter`` for the same defects (the message names the file and the field or
+            key), or a rank above ``max_rank``.
     """
     root, cfg_path, _, spec, _ = _read_config(path)
-    require_weights_path(root, allow_pickle)
+    wpath = require_weights_path(root, allow_pickle)
     if max_rank is not None and not spec.rank_pattern and spec.r > max_rank:
         raise AdapterError(f"{cfg_path}: r: adapter rank {spec.r} exceeds the engine's max_lora_rank {max_rank} "
                            f"(raise it to {spec.r} or more: Engine(max_lora_rank={spec.r}), --max-lora-rank "
                            f"{spec.r})", path=cfg_path, key="r")
+    if wpath.name != SAFETENSORS_NAME:
+        return
+    _, metas, keys, _ = _read_weights(root, allow_pickle, header_only=True)  # (the header's bytes alone)
+    for key in keys:
+        _checked_values(metas[key], key, wpath)  # (a meta tensor: the dtype alone)
+        shape = tuple(metas[key].shape)
+        if max_rank is not None and ".lora_A." in key and len(shape) == 2 and shape[0] > max_rank:
+            why = "; the config's rank_pattern" if spec.rank_pattern else ""
+            raise AdapterError(f"{wpath}: tensor {key!r}: rank {shape[0]} (its rows{why}) exceeds the engine's "
+                               f"max_lora_rank {max_rank} (raise it to {shape[0]} or more: Engine(max_lora_rank="
+                               f"{shape[0]}), --max-lora-rank {shape[0]})", path=wpath, key=key)
 
 
 def _read_spec(path: str | os.PathLike,
