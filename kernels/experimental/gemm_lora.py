@@ -167,6 +167,8 @@ def gemm_lora(x: torch.Tensor, weight: torch.Tensor, slices: LoRASlices | None =
         block_m, block_n, block_k, group_m, num_warps, num_stages: tiles (None: ``GPU_TILES`` on CUDA, ``CPU_TILES``
             under the interpreter); block sizes powers of two >= 16.
         tma: x and W tiles through tensor descriptors (needs 16-byte aligned rows; Hopper's TMA on a GPU).
+            float32 on a GPU runs IEEE FMA dots at these tiles (254 registers, or spills with ``tma``: Triton 3.6 for
+            sm_90): for tests, not speed.
 
     Returns:
         ``[M, N]`` in x's dtype, a new tensor.
