@@ -100,7 +100,7 @@ def loaded_names(names: Any, shown: int = 10) -> str:
     names = sorted(names)
     if not names:
         return "loaded: none"
-    more = f", ... and {len(names) - shown} more (Engine.list_adapters())" if len(names) > shown else ""
+    more = f", ... and {len(names) - shown} more" if len(names) > shown else ""
     return "loaded: " + ", ".join(names[:shown]) + more
 
 
@@ -787,12 +787,14 @@ class AdapterCache:
                 victims = self._evictable()
                 if not self._fits_after_evicting(handle, victims):
                     n_pinned, _ = self.pinned(exclude=handle)
+                    busy = self.pool.slots_used - len(victims) - n_pinned
                     raise PoolFullError(
                         f"adapter {handle.name!r} needs {handle.pool_bytes} bytes of the adapter pool and a slot; "
                         f"{self.pool.bytes_free} bytes free and {sum(v.pool_bytes for v in victims)} held by idle "
                         f"adapters, of {self.pool.bytes_total}; {self.pool.max_slots - self.pool.slots_used} of "
-                        f"{self.pool.max_slots} slot(s) free and {len(victims)} held by idle adapters "
-                        f"({n_pinned} pinned: Engine.pin_adapter(name, False) unpins one)"
+                        f"{self.pool.max_slots} slot(s) free, {len(victims)} held by idle adapters, {busy} by "
+                        f"adapters in use and {n_pinned} by pinned ones"
+                        + (" (pin_adapter(name, False) unpins one)" if n_pinned else "")
                     )
                 packed = self._ensure_host(handle)
                 self.stats.gpu_misses += 1

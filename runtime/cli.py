@@ -624,6 +624,19 @@ def _cmd_make(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_option_error(msg: str, args: argparse.Namespace) -> bool:
+    """Whether ``msg`` is ``Engine: <field>...`` for an ``EngineConfig`` field that this command takes as a flag
+    (generate, serve, serve-ray: one flag per field), so ``as_flag_error`` names the flag."""
+    import dataclasses
+
+    from multilora.runtime.config import EngineConfig
+
+    m = re.match(r"Engine: (\w+)[ =]", msg)
+    return (m is not None and getattr(args, "command", None) in ("generate", "serve", "serve-ray")
+            and m.group(1) in {f.name for f in dataclasses.fields(EngineConfig)}
+            and hasattr(args, m.group(1)))
+
+
 def log_level(command: str, verbose: int) -> int:
     """The logging level of a command run with ``verbose`` times ``-v``: serve and serve-ray log INFO (their start,
     their requests' failures) and DEBUG with ``-v``; the other commands WARNING, INFO with ``-v``, DEBUG with ``-vv``
@@ -665,7 +678,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         msg = str(e)
         if isinstance(e, ModelLoadError) and msg.startswith("model: ") and getattr(args, "model", None) is not None:
             msg = f"--model {args.model}: {msg[len('model: '):]}"  # the flag, not the Engine argument
-        elif msg.startswith("Engine: "):  # an engine option refused once the model is known: its flag
+        elif _engine_option_error(msg, args):  # an engine option refused once the model is known: its flag
             msg = str(_as_flag_error(ValueError(msg)))
         print(f"multilora {args.command}: error: {msg}", file=sys.stderr)
         return 2

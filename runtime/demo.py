@@ -83,16 +83,20 @@ def default_demo_dir() -> Path:
     return Path(os.environ.get("MULTILORA_HOME", Path.home() / ".cache" / "multilora")) / "demo-adapters"
 
 
-def check_output_dir(path: str | os.PathLike, what: str) -> None:
+def check_output_dir(path: str | os.PathLike, what: str, *, writable: bool = True) -> None:
     """Raise ValueError naming ``what`` (a flag) when ``path`` cannot be a directory to write adapters in: it exists
-    and is not a directory, or its nearest existing ancestor is not a writable directory."""
-    p = Path(path).expanduser()
-    if p.exists() and not p.is_dir():
-        raise ValueError(f"{what} {path}: not a directory (a file of that name exists)")
-    ancestor = next(a for a in (p, *p.parents) if a.exists())
-    if not ancestor.is_dir():
-        raise ValueError(f"{what} {path}: {ancestor} is not a directory, so nothing can be made under it")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
+    and is not a directory, its nearest existing ancestor is not a directory, or (``writable``) that ancestor is not
+    writable. The path as given (no ``~`` expansion: the writes take it as given too)."""
+    p = Path(path)
+    try:
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"{what} {path}: not a directory (a file of that name exists)")
+        ancestor = next((a for a in (p, *p.parents) if a.exists()), Path("."))
+        if not ancestor.is_dir():
+            raise ValueError(f"{what} {path}: {ancestor} is not a directory, so nothing can be made under it")
+    except OSError as e:  # (a parent we may not search)
+        raise ValueError(f"{what} {path}: {e.strerror or e}") from None
+    if writable and not os.access(ancestor, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path}: {ancestor} is not writable")
 
 
@@ -104,8 +108,10 @@ def run_demo(adapters_dir: str | os.PathLike | None = None, *, max_tokens: int =
     from multilora.runtime.sampling import SamplingParams
     from multilora.runtime.weights import load_model_files, model_label
 
-    if adapters_dir:  # a path that cannot hold the adapters fails now, not after the model loads
-        check_output_dir(adapters_dir, "--adapters-dir")
+    if adapters_dir:  # a path that cannot hold the adapters fails now, not after the model loads (writable only
+        given = Path(adapters_dir)  # if some demo adapter is still to be written there)
+        check_output_dir(given, "--adapters-dir",
+                         writable=any(not (given / n / "adapter_config.json").is_file() for n in DEMO_ADAPTERS))
     engine = Engine(model) if max_lora_rank is None else Engine(model, max_lora_rank=max_lora_rank)
     d = Path(adapters_dir) if adapters_dir else default_demo_dir() / model_label(engine.model_path)
     missing = [n for n in DEMO_ADAPTERS if not (d / n / "adapter_config.json").is_file()]

@@ -495,8 +495,9 @@ class Scheduler:
                     self._fail(req, f"adapter {req.adapter_name!r} needs {req.handle.pool_bytes} bytes and a slot: "
                                     f"more than the adapter pool holds besides pinned adapters ({pool.bytes_capacity} "
                                     f"bytes, {pool.max_slots} slot(s), {n_pinned} pinned adapter(s) holding "
-                                    f"{pinned_bytes} bytes; unpin some (Engine.pin_adapter(name, False)) or raise "
-                                    f"adapter_pool_bytes or adapter_slots)", failed)
+                                    f"{pinned_bytes} bytes; "
+                                    + ("unpin some (Engine.pin_adapter(name, False)) or " if n_pinned else "")
+                                    + "raise adapter_pool_bytes or adapter_slots)", failed)
                     continue
                 try:
                     req.slot = self.cache.acquire(req.handle)

@@ -470,10 +470,12 @@ def check_adapter_files(path: str | os.PathLike, *, max_rank: int | None = None,
     if wpath.name != SAFETENSORS_NAME:
         return
     _, metas, keys, _ = _read_weights(root, allow_pickle, header_only=True)  # (the header's bytes alone)
+    configured = {spec.r, *(spec.rank_pattern or {}).values()}  # the ranks the config gives its modules
     for key in keys:
         _checked_values(metas[key], key, wpath)  # (a meta tensor: the dtype alone)
         shape = tuple(metas[key].shape)
-        if max_rank is not None and ".lora_A." in key and len(shape) == 2 and shape[0] > max_rank:
+        if (max_rank is not None and ".lora_A." in key and len(shape) == 2 and shape[0] > max_rank
+                and shape[0] in configured):  # (rows the config does not give: the loader's shape error names it)
             why = "; the config's rank_pattern" if spec.rank_pattern else ""
             raise AdapterError(f"{wpath}: tensor {key!r}: rank {shape[0]} (its rows{why}) exceeds the engine's "
                                f"max_lora_rank {max_rank} (raise it to {shape[0]} or more: Engine(max_lora_rank="
