@@ -173,6 +173,8 @@ class CacheStats:
     disk_to_host_seconds: float = 0.0  # summed over the reads (each on one thread)
     gpu_to_host_seconds: float = 0.0
     evictions_for_kv: int = 0  # adapters evicted so that a unified memory's KV side could take their units
+    preloads: int = 0  # adapters registered with their image read at load (load_adapter(preload=True))
+    bytes_preloaded: int = 0  # their images' bytes (read outside the tier moves: not in bytes_disk_to_host)
 
 
 class BusyClock:
@@ -319,6 +321,8 @@ class AdapterCache:
                 self.mapped_ahead_at_adapters = len(self._by_name)
                 self.arena.map_ahead(self.map_ahead_on_overflow)
             if packed is not None:
+                self.stats.preloads += 1
+                self.stats.bytes_preloaded += packed.nbytes
                 self._set_host(handle, self._into_arena(packed, keep=handle))
                 self._enforce_host_budget(keep=handle)
             return handle
@@ -895,7 +899,8 @@ class AdapterCache:
         pool's allocation unit) and bytes, compactions and the bytes they moved (and ``pool_max_rank_adapters``, how
         many adapters of the pool's max rank on every module it holds at once; ``pool_max_slots``, its slots), host-tier
         bytes, hits and misses per tier, evictions,
-        bytes moved per tier, prefetches and load failures (key names are a contract).
+        bytes moved per tier, prefetches and load failures (key names are a contract); ``adapter_preloads`` and
+        ``bytes_preloaded``: the images read by ``load_adapter(preload=True)``, at load, apart from the tier moves.
 
         The tier moves' speeds, each with the bytes and seconds it comes from (GB = 1e9 bytes; None before any):
         ``host_to_gpu_gbps`` = ``host_to_gpu_timed_bytes`` / ``host_to_gpu_seconds``, the copies' own time on the
@@ -944,7 +949,8 @@ class AdapterCache:
             "bytes_host_to_gpu": s.bytes_host_to_gpu, "bytes_gpu_to_host": s.bytes_gpu_to_host,
             "bytes_disk_to_host": s.bytes_disk_to_host, "prefetch_to_gpu": s.prefetch_gpu,
             "prefetch_to_host": s.prefetch_host, "prefetch_hits": s.prefetch_hits,
-            "adapter_load_failures": s.load_failures,
+            "adapter_load_failures": s.load_failures, "adapter_preloads": s.preloads,
+            "bytes_preloaded": s.bytes_preloaded,
             "host_to_gpu_copies": s.host_to_gpu_copies, "host_to_gpu_timed_bytes": s.host_to_gpu_timed_bytes,
             "host_to_gpu_seconds": s.host_to_gpu_seconds,
             "host_to_gpu_gbps": gbps(s.host_to_gpu_timed_bytes, s.host_to_gpu_seconds),

@@ -147,6 +147,9 @@ def test_generate_text_output_with_stats(tiny, demo_dir, capsys):
     stats = json.loads(re.search(r"^\{.*^\}", out, re.S | re.M).group(0))
     assert stats["requests_finished"] == 2 and stats["adapters_loaded"] == 1
     assert 0 < stats["generated_tokens"] <= 6
+    # the adapter's image, read at load, is counted apart from the tier moves
+    assert stats["adapter_preloads"] == 1 and stats["bytes_preloaded"] == stats["host_tier_bytes"] > 0
+    assert stats["bytes_disk_to_host"] == 0
 
 
 def test_generate_stats_go_to_stderr_with_json(tiny, demo_dir, capsys):
