@@ -8,10 +8,12 @@ disk -> host (files in the page cache):
               pool finishes the image on the GPU after the copy (``kernels/image_finish.py``; its cost is in the
               host -> GPU rows); the same files, the same number of threads; ``ours_readahead``: the same with
               the whole-file ``posix_fadvise(WILLNEED)`` before the read (``image.READ_AHEAD = True``; off by
-              default until measured on the GPU host);
+              default until measured on the GPU host); ``ours_split``: the same with each image's reads split
+              over ``SPLIT_THREADS`` threads (``image.SPLIT_READ_THREADS``; off by default, session 34);
   ``ours_host_finish``  ``read_image`` without ``raw`` (the I/O threads' work with the default
               ``adapter_finish="host"``): lora_B transposed on the host, the whole image checked finite at the end when the files
-              are in the pool dtype, the tensors read in file order by scatter reads; ``ours_per_tensor``: that with each
+              are in the pool dtype, the tensors read in file order by scatter reads (``ours_host_finish_split``: split
+              as ``ours_split``); ``ours_per_tensor``: that with each
               tensor read and checked while in cache instead (before session 8); ``ours_tensor_reads``: the whole-
               image check with one read per tensor (the scatter reads' A/B); ``ours_verified``: the same for a file version the cache has read before (its
               reloads after an eviction), which skips the finite checks;
@@ -83,8 +85,10 @@ from _common import drop_page_cache, write_adapter  # noqa: E402
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WEIGHTS = "adapter_model.safetensors"
 #: the disk -> host rows (module docstring), in their order
-DISK_PROVIDERS = ("plain", "ours", "ours_readahead", "ours_host_finish", "ours_per_tensor", "ours_tensor_reads",
-                  "ours_verified")
+DISK_PROVIDERS = ("plain", "ours", "ours_readahead", "ours_split", "ours_host_finish", "ours_host_finish_split",
+                  "ours_per_tensor", "ours_tensor_reads", "ours_verified")
+#: the split reads' threads per image in the ``*_split`` rows (``image.SPLIT_READ_THREADS``)
+SPLIT_THREADS = 4
 
 
 def _parallel(threads: int, jobs: list, fn) -> float:
@@ -130,6 +134,8 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     ours_per_tensor = switched("_DEFER_CHECK", False, ours_host_finish)
     ours_tensor_reads = switched("_SCATTER", False, ours_host_finish)
     ours_readahead = switched("READ_AHEAD", True, ours)
+    ours_split = switched("SPLIT_READ_THREADS", SPLIT_THREADS, ours)  # (session 34, off by default)
+    ours_host_finish_split = switched("SPLIT_READ_THREADS", SPLIT_THREADS, ours_host_finish)
 
     def timed(nt: int, fn) -> float:  # GB/s of one run (--cold: the files' page cache dropped first, untimed)
         if args.cold:
@@ -151,7 +157,8 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
         read_packed_adapter(dirs[i], config, pool, name=f"a{i}")
 
     jobs = list(range(len(dirs)))
-    fns = {"plain": plain, "ours": ours, "ours_readahead": ours_readahead, "ours_host_finish": ours_host_finish,
+    fns = {"plain": plain, "ours": ours, "ours_readahead": ours_readahead, "ours_split": ours_split,
+           "ours_host_finish": ours_host_finish, "ours_host_finish_split": ours_host_finish_split,
            "ours_per_tensor": ours_per_tensor, "ours_tensor_reads": ours_tensor_reads, "ours_verified": ours_verified,
            "general": general}
     names = DISK_PROVIDERS + (("general",) if args.general else ())  # (in DISK_PROVIDERS' order)
@@ -390,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
             "shape": args.shape, "rank": args.rank, "file_dtype": args.file_dtype, "pool_dtype": args.pool_dtype,
             "adapters": args.adapters, "file_bytes": file_bytes[0], "image_bytes": image_bytes,
-            "modules": list(modules), "read_ahead": image.READ_AHEAD, "cold": args.cold}
+            "modules": list(modules), "read_ahead": image.READ_AHEAD, "split_read_threads": image.SPLIT_READ_THREADS,
+            "split_threads_of_split_rows": SPLIT_THREADS, "cold": args.cold}
     print(f"# {head}", flush=True)
     pool.warm_finish()  # the raw images' finish kernel (CUDA), compiled outside the timed rows
     rows = disk_to_host(args, config, pool, dirs, file_bytes, threads)

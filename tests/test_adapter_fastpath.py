@@ -199,6 +199,49 @@ def test_read_ahead_advises_the_whole_weight_file_once_and_keeps_the_bits(raw, t
         assert f.will_need() is False
 
 
+@pytest.mark.parametrize("raw", [False, True], ids=["host-finish", "raw"])
+@pytest.mark.parametrize("threads", [2, 3, 64])
+def test_split_reads_keep_the_bits_and_land_before_returning(raw, threads, tmp_path, monkeypatch):
+    """``image.SPLIT_READ_THREADS`` (1 by default): the file's buffers cut into that many runs read at once (more
+    runs than tensors: one per tensor at most) give the same image in both finishes, with the runs past the first
+    read on the split pool's threads; a run that fails (a short read) fails the read with the file's message, after
+    every other run has landed."""
+    import threading
+
+    from multilora.runtime.adapters.disk import OpenFile
+
+    for layout, write in (("uniform", _write_uniform), ("uneven", _write_uneven)):
+        d = write(tmp_path / f"{layout}-{threads}-{raw}", torch.float32)
+        pool = _pool(torch.float32)
+        want = read_image(d, CFG, pool, name="x", raw=raw)[1]
+        monkeypatch.setattr(image_mod, "SPLIT_READ_THREADS", threads)
+        monkeypatch.setattr(image_mod, "SPLIT_READ_MIN_BYTES", 0)
+        seen, real = [], OpenFile.read_scatter
+
+        def spy(self, bufs, offset):
+            seen.append(threading.current_thread().name)
+            return real(self, bufs, offset)
+
+        monkeypatch.setattr(OpenFile, "read_scatter", spy)
+        out = torch.full_like(want.data, float("nan"))
+        _assert_same_packed(read_image(d, CFG, pool, name="x", out=out, raw=raw)[1], want)
+        assert any(n.startswith("multilora-split-read") for n in seen) and threading.current_thread().name in seen
+        monkeypatch.setattr(OpenFile, "read_scatter", real)
+        monkeypatch.setattr(image_mod, "SPLIT_READ_THREADS", 1)
+    calls = []
+
+    def short(self, bufs, offset):  # the second run to read fails
+        calls.append(offset)
+        if len(calls) == 2:
+            raise self.fault(f"a read of 1 bytes at byte {offset} came up 1 bytes short")
+        return real(self, bufs, offset)
+
+    monkeypatch.setattr(image_mod, "SPLIT_READ_THREADS", threads)
+    monkeypatch.setattr(OpenFile, "read_scatter", short)
+    with pytest.raises(AdapterError, match="came up 1 bytes short"):
+        read_image(d, CFG, pool, name="x", raw=raw)
+
+
 def _write_uneven(path, dtype, seed=0):
     """q and k on every layer, k at rank 8 on layer 1 only (rank_pattern by layer): layer 1's region is larger, so
     q's B^T regions are not evenly spaced (placed one by one) and k's rank-4 ones are (one strided copy)."""

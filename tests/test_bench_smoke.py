@@ -62,13 +62,14 @@ def test_adapter_load_bench_runs(file_dtype, cold, tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     rows = json.loads((out / "adapter_moves_tiny.json").read_text())
     got = {(r["move"], r["provider"], r.get("threads")) for r in rows}
-    assert got == {("disk_to_host", name, t) for name in ("plain", "ours", "ours_readahead", "ours_host_finish",
+    assert got == {("disk_to_host", name, t) for name in ("plain", "ours", "ours_readahead", "ours_split", "ours_host_finish",
+                                                               "ours_host_finish_split",
                                                                "ours_per_tensor", "ours_tensor_reads",
                                                                "ours_verified", "general")
                    for t in (1, 2)} | {("disk_to_host", "cache", 4)}, got
     assert all(r["gbps"] > 0 and r["file_dtype"] == file_dtype and r["adapters"] == 3 for r in rows)
     assert all(r["modules"] == (["q_proj", "v_proj"] if cold else list(TARGET_MODULES)) and r["read_ahead"] is False
-               for r in rows)
+               and r["split_read_threads"] == 1 for r in rows)
     assert all(r["cold"] is cold for r in rows if r["provider"] != "cache")
     for r in rows:
         if r["provider"] == "plain":

@@ -88,6 +88,29 @@ _BATCH_B_BYTES = 64 << 20
 #: and ``plain``. Issue 13's S4
 #: read 0.89 GB/s (all readers) against a plain cold read's 1.61 in session 32 (``bench/results/session32``).
 READ_AHEAD = False
+#: Threads one image's reads are split over (``_read_in_file_order``, the scatter reads of both finishes): the file's
+#: tensors cut into that many runs of about equal bytes, in file order, read at once (``preadv`` releases the GIL),
+#: the first on the calling thread, so that one cold read keeps several requests in the disk's queue (an NVMe drive
+#: reads faster at a deeper queue; S4's reads were ~1.1 in flight at a time in session 32). 1: one thread (what ran
+#: before). Off until measured on the GPU host (written in session 34 without one): ``python
+#: bench/bench_adapter_load.py --cold ... --providers plain,ours,ours_split``, with ``bench/cold_read_patterns.py``'s
+#: rows "rest split in 2 / 4 threads" for the disk's own answer.
+SPLIT_READ_THREADS = 1
+#: images of fewer bytes are read on one thread (a split costs a hand-off per run)
+SPLIT_READ_MIN_BYTES = 4 << 20
+_split_pool = None
+_split_pool_lock = threading.Lock()
+
+
+def _split_executor(workers: int):
+    """The shared pool that runs split reads' runs past the first (made on first use, grown if asked for more)."""
+    global _split_pool
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _split_pool_lock:
+        if _split_pool is None or _split_pool._max_workers < workers:
+            _split_pool = ThreadPoolExecutor(workers, thread_name_prefix="multilora-split-read")
+        return _split_pool
 
 _scratch = threading.local()
 
@@ -545,22 +568,52 @@ def _scatter_into(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memoryvi
 def _read_in_file_order(plan: _Plan, f: OpenFile, img_bytes: memoryview, esize: int, b_bufs) -> None:
     """Every tensor of ``plan`` read in file order by scatter reads (``OpenFile.read_scatter``: one ``preadv`` per
     contiguous run of up to 1024 buffers): each lora_A into its first slice's A region of the image, each lora_B into
-    the buffers ``b_bufs(module)`` gives (together exactly its bytes, in file order)."""
+    the buffers ``b_bufs(module)`` gives (together exactly its bytes, in file order). With ``SPLIT_READ_THREADS`` > 1
+    (and at least ``SPLIT_READ_MIN_BYTES``) the buffers are cut into that many runs of about equal bytes read at once;
+    every run has landed (or failed) when this returns."""
+    items: list[tuple[int, memoryview]] = []  # (file offset, buffer), in file order
+    for begin, is_b, m in plan.reads:
+        if is_b:
+            for b in b_bufs(m):
+                items.append((begin, b))
+                begin += len(b)
+        else:
+            oa = m.slices[0][0] * esize
+            items.append((begin, img_bytes[oa : oa + m.a.nbytes]))
+    total = sum(len(b) for _, b in items)
+    k = SPLIT_READ_THREADS if total >= SPLIT_READ_MIN_BYTES else 1
+    if k <= 1 or len(items) < 2:
+        _read_items(f, items)
+        return
+    groups, cut, acc = [], 0, 0  # k runs of about total / k bytes each, in file order
+    for i, (_, b) in enumerate(items):
+        acc += len(b)
+        if acc >= total * (len(groups) + 1) / k and len(groups) < k - 1:
+            groups.append(items[cut : i + 1])
+            cut = i + 1
+    groups.append(items[cut:])
+    futures = [_split_executor(4 * (k - 1)).submit(_read_items, f, g) for g in groups[1:] if g]
+    try:
+        _read_items(f, groups[0])
+    finally:  # (every run lands before the caller may reuse or free the buffers, even if one failed)
+        errors = [fu.exception() for fu in futures]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+
+
+def _read_items(f: OpenFile, items: list[tuple[int, memoryview]]) -> None:
+    """``items`` (file offset, buffer) in file order, read by one ``read_scatter`` per contiguous run."""
     bufs: list[memoryview] = []
     start = nxt = 0
-    for begin, is_b, m in plan.reads:
+    for begin, b in items:
         if bufs and begin != nxt:  # a gap in the file: read what is gathered
             f.read_scatter(bufs, start)
             bufs = []
         if not bufs:
             start = begin
-        if is_b:
-            bufs += b_bufs(m)
-            nxt = begin + m.b.nbytes
-        else:
-            oa = m.slices[0][0] * esize
-            bufs.append(img_bytes[oa : oa + m.a.nbytes])
-            nxt = begin + m.a.nbytes
+        bufs.append(b)
+        nxt = begin + len(b)
     if bufs:
         f.read_scatter(bufs, start)
 
