@@ -654,9 +654,8 @@ class AdapterCache:
         with self._lock:
             if handle.slot is not None:
                 return True
-            pinned = [h for h in self._gpu_lru.values() if h is not handle and self.is_pinned(h)]
-            return (handle.pool_bytes <= self.pool.bytes_capacity - sum(h.pool_bytes for h in pinned)
-                    and len(pinned) < self.pool.max_slots)
+            n_pinned, pinned_bytes = self.pinned(exclude=handle)
+            return handle.pool_bytes <= self.pool.bytes_capacity - pinned_bytes and n_pinned < self.pool.max_slots
 
     # ------------------------------------------------------------------ unified memory
     def _grow_for(self, nbytes: int) -> None:

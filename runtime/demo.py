@@ -108,13 +108,15 @@ def run_demo(adapters_dir: str | os.PathLike | None = None, *, max_tokens: int =
     from multilora.runtime.sampling import SamplingParams
     from multilora.runtime.weights import load_model_files, model_label
 
-    if adapters_dir:  # a path that cannot hold the adapters fails now, not after the model loads (writable only
-        given = Path(adapters_dir)  # if some demo adapter is still to be written there)
-        check_output_dir(given, "--adapters-dir",
-                         writable=any(not (given / n / "adapter_config.json").is_file() for n in DEMO_ADAPTERS))
+    def missing_in(d: Path) -> list[str]:
+        return [n for n in DEMO_ADAPTERS if not (d / n / "adapter_config.json").is_file()]
+
+    # a path that cannot hold the adapters fails now, not after the model loads (writable only if some is missing)
+    if adapters_dir:
+        check_output_dir(adapters_dir, "--adapters-dir", writable=bool(missing_in(Path(adapters_dir))))
     engine = Engine(model) if max_lora_rank is None else Engine(model, max_lora_rank=max_lora_rank)
     d = Path(adapters_dir) if adapters_dir else default_demo_dir() / model_label(engine.model_path)
-    missing = [n for n in DEMO_ADAPTERS if not (d / n / "adapter_config.json").is_file()]
+    missing = missing_in(d)
     if missing:
         print(f"Writing demo adapters {', '.join(missing)} to {d}")
         _, weights = load_model_files(engine.model_path, dtype=torch.float32, progress=False)

@@ -202,13 +202,15 @@ class Engine:
             if not ok:
                 raise ValueError(f"Engine: weight_dtype='fp8' is not available here: {why}; leave weight_dtype unset "
                                  f"to run the base weights in {str(self.dtype).replace('torch.', '')}")
-        if cfg.max_seq_len is not None:  # past the model's context: refused before anything loads
-            default_max_seq_len(model_config(model), cfg, self.device.type)
+        tp = cfg.tensor_parallel_size
+        # what is checked before anything loads or any process starts, from config.json / GGUF metadata only
+        early = model_config(model) if cfg.max_seq_len is not None or tp > 1 else None
+        if cfg.max_seq_len is not None:  # past the model's context
+            default_max_seq_len(early, cfg, self.device.type)
         t0 = time.perf_counter()
         self.tp: TensorParallel | None = None
-        tp = cfg.tensor_parallel_size
         if tp > 1:  # the workers load their shards while this process loads its own (runtime.parallel)
-            check_tp_size(model_config(model), tp)  # before any process starts (config.json / GGUF metadata only)
+            check_tp_size(early, tp)
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", 0)
             self.tp = TensorParallel(tp, model, cfg, self.device)

@@ -184,32 +184,31 @@ def _hf_config(path: Path) -> ModelConfig:
     return config
 
 
-def _safetensors_names(file: Path) -> set[str]:
-    """The tensor names in a ``.safetensors`` file's header (no tensor data read); ModelLoadError for a file that
-    is not one."""
+def _with_safetensors(file: Path, use: Any) -> Any:
+    """``use(sf)`` of ``file`` opened by safetensors' ``safe_open``; ModelLoadError naming the file for one that is
+    not a readable safetensors file (a bad header, a short file, one that cannot be read)."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(file), framework="pt") as sf:
-            return set(sf.keys())
-    except (SafetensorError, OSError) as e:  # a bad header, a file that cannot be read
+            return use(sf)
+    except (SafetensorError, OSError) as e:
         raise ModelLoadError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from e
 
 
-def _load_hf_dir(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors import SafetensorError, safe_open
+def _safetensors_names(file: Path) -> set[str]:
+    """The tensor names in a ``.safetensors`` file's header (no tensor data read); ModelLoadError as
+    ``_with_safetensors``."""
+    return _with_safetensors(file, lambda sf: set(sf.keys()))
 
+
+def _load_hf_dir(path: Path, *, dtype: torch.dtype, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     config = _hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     weights: dict[str, torch.Tensor] = {}
     with tqdm(total=len(files), desc=f"Loading {path.name}", unit="file", disable=not progress) as bar:
         for f in files:
-            try:
-                with safe_open(str(f), framework="pt") as sf:
-                    for key in sf.keys():
-                        weights[key] = sf.get_tensor(key).to(dtype)
-            except (SafetensorError, OSError) as e:  # a bad header or a short file
-                raise ModelLoadError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from e
+            weights.update(_with_safetensors(f, lambda sf: {k: sf.get_tensor(k).to(dtype) for k in sf.keys()}))
             bar.update(1)
     return config, weights
 
