@@ -710,9 +710,16 @@ class Engine:
                     bar.update(len(pending) - len(left))
                     pending = left
         except BaseException as e:
-            for r in reqs:
-                self.scheduler.finish(r, "error", f"withdrawn: interrupted by {type(e).__name__}")
+            self._withdraw(reqs, f"withdrawn: interrupted by {type(e).__name__}")
             raise
+
+    def _withdraw(self, reqs: Sequence[Request], why: str) -> None:
+        """Finish the unfinished ones of ``reqs`` (``finish_reason="error"``, ``error=why``), their KV blocks and
+        adapter references returned; each counts in ``requests_aborted`` (its caller gave it up)."""
+        for r in reqs:
+            if r.status is not Status.FINISHED:
+                self.scheduler.finish(r, "error", why)
+                self._counters["requests_aborted"] += 1
 
     # ------------------------------------------------------------------------------------ warm-up
     def warmup(self, adapter: str | None = None) -> dict[str, Any]:
@@ -783,8 +790,7 @@ class Engine:
                 self.step()
                 reqs += [self.add_request(prompt(n), a, sp) for n in late]
             except BaseException:
-                for r in reqs:
-                    self.scheduler.finish(r, "error", "withdrawn: warm-up stopped")
+                self._withdraw(reqs, "withdrawn: warm-up stopped")
                 raise
             self._run_until_done(reqs, False)
             runs += len(reqs)
@@ -849,8 +855,7 @@ class Engine:
                     except ValueError as e:
                         raise ValueError(f"prompts[{i}]: {e}") from None
             except BaseException:
-                for r in reqs:  # nothing was run: withdraw what was queued
-                    self.scheduler.finish(r, "error", "withdrawn")
+                self._withdraw(reqs, "withdrawn")  # nothing was run: withdraw what was queued
                 raise
         t0, gen0 = time.perf_counter(), self._counters["generated_tokens"]
         self._run_until_done(reqs, progress)

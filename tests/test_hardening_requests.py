@@ -234,9 +234,14 @@ def test_sampled_rows_are_checked_too(engine):
 def test_interrupted_generate_withdraws_its_requests(tiny, reference, monkeypatch, at):
     e = _engine(tiny)
     monkeypatch.setattr(e.runner, "run", Interrupt(e.runner.run, at))
+    before = e.stats()
     with pytest.raises(KeyboardInterrupt):
         e.generate(PROMPTS, adapters=ADAPTERS, sampling=GREEDY)
     monkeypatch.undo()
+    after = e.stats()  # every withdrawn request counted once, as aborted (not finished, not failed)
+    assert after["requests_aborted"] - before["requests_aborted"] == len(PROMPTS)
+    assert (after["requests_finished"], after["requests_failed"]) == (before["requests_finished"],
+                                                                      before["requests_failed"])
     _still_serves(e, reference)
     assert e.logits([PROMPTS[0]]).shape == (1, VOCAB)
 
