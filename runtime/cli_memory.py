@@ -127,6 +127,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         e.add_argument(flag, type=kind, default=None, help=what)
     e.add_argument("--adapter-pool-fill", action="store_true", default=None,
                    help="the pool also takes the budget the KV cache can never use (Engine(adapter_pool_fill=True))")
+    e.add_argument("--unified-pool", action="store_true", default=None,
+                   help="the pool and the KV cache in one buffer with a movable boundary (Engine(unified_pool=True)): "
+                        "also prints how far each side can grow")
+    e.add_argument("--fp8-lm-head", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --weight-dtype fp8: the LM head in fp8 too (default: when the model's head is untied; "
+                        "Engine(fp8_lm_head=...))")
 
 
 #: the engine options ``--model`` takes beside the plan's own (``EngineConfig`` fields of the same names)
@@ -152,7 +158,8 @@ _ENGINE_FLAGS = (
     ("--weight-dtype", str, "fp8: the base projections (and an untied LM head) at 1 byte per weight"),
 )
 #: the EngineConfig fields of --model's flags (the engine flags and --adapter-pool-fill): argparse dests
-_ENGINE_FIELDS = tuple(f[2:].replace("-", "_") for f, _, _ in _ENGINE_FLAGS) + ("adapter_pool_fill",)
+_ENGINE_FIELDS = tuple(f[2:].replace("-", "_") for f, _, _ in _ENGINE_FLAGS) + ("adapter_pool_fill", "unified_pool",
+                                                                                   "fp8_lm_head")
 #: the plan's options an engine computes itself: not with --model
 _NOT_WITH_MODEL = (
     ("total_bytes", "--total-bytes", "an engine has no cap on pool + KV together: cap each (--adapter-pool-bytes, "
@@ -241,7 +248,7 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
             (``MemoryPlanError``).
     """
     from multilora.runtime.sizing import (default_dtype, default_max_seq_len, memory_request, size_engine,
-                                          weight_bytes)
+                                          unified_sizes, weight_bytes)
     from multilora.runtime.weights import model_config, resolve_model_path
 
     from multilora.runtime.config import as_flag_error
@@ -278,18 +285,30 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
     except ValueError as e:
         raise as_flag_error(e) from None
     r, plan = request, sizes.plan
-    kv_seqs = (sizes.num_blocks - 1) // r.seq_blocks  # whole max_seq_len sequences (the null block aside)
+    pool_pages, kv_blocks, slots = sizes.num_pages, sizes.num_blocks, sizes.slots
+    pool_max_pages, kv_max_blocks, unified_bytes = pool_pages, kv_blocks, None
+    if cfg.unified_pool:  # the engine's one buffer: the same bytes in whole KV-block units (memory/unified.py)
+        try:
+            layout, slots = unified_sizes(sizes, cfg)
+        except ValueError as e:
+            raise ValueError(f"--unified-pool: {e}") from None
+        ppu, unified_bytes = layout.pages_per_unit, layout.nbytes
+        pool_pages, pool_max_pages = (layout.floor - 1) * ppu, (layout.max_floor - 1) * ppu
+        kv_blocks, kv_max_blocks = layout.num_units - layout.floor + 1, layout.num_units - layout.min_pool_units
+    kv_seqs = (kv_blocks - 1) // r.seq_blocks  # whole max_seq_len sequences (the null block aside)
     return {"model": str(path), "architecture": model.architecture, "layers": model.num_layers,
-            "adapter_pool_fill": cfg.adapter_pool_fill, "kv_sequences": kv_seqs, "kv_seq_blocks": r.seq_blocks,
+            "adapter_pool_fill": cfg.adapter_pool_fill, "unified_pool": cfg.unified_pool, "unified_bytes": unified_bytes,
+            "fp8_lm_head": cfg.fp8_lm_head, "kv_sequences": kv_seqs, "kv_seq_blocks": r.seq_blocks,
             "budget_unused_bytes": None if plan is None else plan.budget_bytes - plan.adapter_pool_bytes - plan.kv_bytes,
             "dtype": str(dtype).replace("torch.", ""), "weight_dtype": cfg.weight_dtype,
             "max_batch_size": cfg.max_batch_size, "max_seq_len": max_seq_len, "max_lora_rank": cfg.max_lora_rank,
             "kv_block_size": cfg.kv_block_size, "weight_bytes": weights,
             "fp8_checked": None if cfg.weight_dtype != "fp8" else args.snapshot is None, "activation_bytes": r.activation_bytes,
-            "pool_bytes": sizes.num_pages * r.page_bytes, "pool_pages": sizes.num_pages, "page_bytes": r.page_bytes,
-            "max_rank_adapters": sizes.num_pages // r.pages_per_adapter, "adapter_slots": sizes.slots,
-            "kv_blocks": sizes.num_blocks, "kv_block_bytes": r.block_bytes,
-            "kv_tokens": (sizes.num_blocks - 1) * cfg.kv_block_size, "host_tier_bytes": sizes.host_bytes,
+            "pool_bytes": pool_pages * r.page_bytes, "pool_pages": pool_pages, "page_bytes": r.page_bytes,
+            "pool_max_bytes": pool_max_pages * r.page_bytes, "max_rank_adapters": pool_pages // r.pages_per_adapter,
+            "max_rank_adapters_max": pool_max_pages // r.pages_per_adapter, "adapter_slots": slots,
+            "kv_blocks": kv_blocks, "kv_max_blocks": kv_max_blocks, "kv_block_bytes": r.block_bytes,
+            "kv_tokens": (kv_blocks - 1) * cfg.kv_block_size, "host_tier_bytes": sizes.host_bytes,
             "plan": sizes.plan}
 
 
@@ -301,7 +320,9 @@ def _explain_engine(e: dict) -> str:
         f"engine of {e['model']} ({e['architecture']}, {e['layers']} layers; {e['dtype']}"
         + (f", {e['weight_dtype']} weights" if e["weight_dtype"] else "")
         + f", max_lora_rank {e['max_lora_rank']}, max_batch_size {e['max_batch_size']}, max_seq_len {e['max_seq_len']}, "
-          f"kv_block_size {e['kv_block_size']}" + (", adapter_pool_fill" if e["adapter_pool_fill"] else "") + "):",
+          f"kv_block_size {e['kv_block_size']}" + (", adapter_pool_fill" if e["adapter_pool_fill"] else "")
+        + (", unified_pool" if e["unified_pool"] else "")
+        + (f", LM head in {e['dtype']}" if e["weight_dtype"] and e["fp8_lm_head"] is False else "") + "):",
         f"  weights       {gib(e['weight_bytes'])}, in the reserve: the engine plans after loading them",
         f"  activations   {gib(e['activation_bytes'])}, in the reserve (with the sampling workspace; an estimate: on "
         "CUDA the engine measures it with a forward pass of its largest prefill)",
@@ -312,7 +333,12 @@ def _explain_engine(e: dict) -> str:
         f"sequences of max_seq_len ({e['kv_seq_blocks']} blocks each)"
         + (" = max_batch_size: the engine's cap (the plan above names it user_cap)" if capped else ""),
         f"  host tier     {host}",
-    ])
+    ] + ([] if not e["unified_pool"] else [
+        f"  unified       {gib(e['unified_bytes'])}: the pool and the KV cache above are one buffer of "
+        f"{e['unified_bytes'] // e['kv_block_bytes']:,} units of one KV block; the pool grows into idle KV up to "
+        f"{gib(e['pool_max_bytes'])} ({e['max_rank_adapters_max']:,} "
+        f"adapters of rank {e['max_lora_rank']} on every module), the KV cache into free pool pages up to "
+        f"{e['kv_max_blocks']:,} blocks ({(e['kv_max_blocks'] - 1) * e['kv_block_size']:,} tokens)"]))
 
 
 def engine_notes(e: dict) -> list[str]:

@@ -34,7 +34,7 @@ from multilora.kernels.backends import count_kernel_compiles, kernel_compiles, r
 from multilora.kernels.fp8 import fp8_supported
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
-from multilora.memory.unified import UnifiedMemory, unified_layout
+from multilora.memory.unified import UnifiedMemory
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
 from multilora.runtime.adapters import LoRAAdapter, read_adapter, read_packed_adapter
 from multilora.runtime.adapters.image import read_image
@@ -47,8 +47,8 @@ from multilora.runtime.requests import RequestFactory, per_row
 from multilora.runtime.runner import CAPTURE_WORKSPACE_BYTES, Feed, ModelRunner
 from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.scheduler import Request, Schedule, Scheduler, Status
-from multilora.runtime.sizing import (default_dtype, default_map_ahead_bytes, default_max_seq_len, default_slots,
-                                     measure_and_size, memory_request)
+from multilora.runtime.sizing import (default_dtype, default_map_ahead_bytes, default_max_seq_len, measure_and_size,
+                                     memory_request, unified_sizes)
 from multilora.runtime.tokenizer import Prompt, PromptTokenizer, prompt_list
 from multilora.runtime.weights import load_model, model_config
 
@@ -269,12 +269,7 @@ class Engine:
         pool_bytes = sizes.num_pages * sizes.request.page_bytes
         self.unified: UnifiedMemory | None = None
         if cfg.unified_pool:  # one buffer: the plan's pool + KV bytes, the boundary movable (memory/unified.py)
-            r = sizes.request
-            layout = unified_layout(pool_bytes=pool_bytes, kv_bytes=sizes.num_blocks * r.block_bytes,
-                                    block_bytes=r.block_bytes, page_bytes=r.page_bytes,
-                                    min_pool_bytes=r.pages_per_adapter * r.page_bytes, min_kv_blocks=r.live_blocks)
-            slots = sizes.slots if cfg.adapter_slots is not None else default_slots(
-                r.slot_sizing_pages, (layout.max_floor - 1) * layout.pages_per_unit)
+            layout, slots = unified_sizes(sizes, cfg)
             self.unified = UnifiedMemory(shard_cfg, layout, block_size=cfg.kv_block_size, dtype=self.dtype,
                                          device=self.device, max_rank=cfg.max_lora_rank, max_slots=slots)
             self.pool, self.kv = self.unified.pool, self.unified.kv

@@ -27,6 +27,7 @@ from multilora.memory.accounting import (USER_CAP, MemoryPlan, MemoryPlanError, 
 from multilora.memory.snapshot import apply_torch_memory_fraction, take_snapshot
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import DEFAULT_MAX_SLOTS, PAGE_ELEMS, max_adapter_pages, scratch_elems
+from multilora.memory.unified import UnifiedLayout, unified_layout
 from multilora.runtime.config import EngineConfig
 
 log = logging.getLogger("multilora")
@@ -303,6 +304,23 @@ def size_engine(request: MemoryRequest, cfg: EngineConfig, snapshot: MemorySnaps
     slots = cfg.adapter_slots if cfg.adapter_slots is not None else default_slots(r.slot_sizing_pages, num_pages)
     return EngineSizes(num_pages=num_pages, num_blocks=num_blocks, host_bytes=host, plan=plan, request=request,
                        slots=slots)
+
+
+def unified_sizes(sizes: EngineSizes, cfg: EngineConfig) -> tuple[UnifiedLayout, int]:
+    """With ``unified_pool``: the one buffer for ``sizes``' pool and KV cache (``memory.unified.unified_layout``: the
+    same bytes in whole KV-block units, the pool starting at its planned share) and the pool's slots (``adapter_slots``,
+    else ``default_slots`` of the most pages the pool can grow to: all but one ``max_seq_len`` sequence of KV).
+
+    Raises:
+        ValueError: a KV block that is not a whole number of pool pages, or too few units (``unified_layout``).
+    """
+    r = sizes.request
+    layout = unified_layout(pool_bytes=sizes.num_pages * r.page_bytes, kv_bytes=sizes.num_blocks * r.block_bytes,
+                            block_bytes=r.block_bytes, page_bytes=r.page_bytes,
+                            min_pool_bytes=r.pages_per_adapter * r.page_bytes, min_kv_blocks=r.live_blocks)
+    slots = sizes.slots if cfg.adapter_slots is not None else default_slots(
+        r.slot_sizing_pages, (layout.max_floor - 1) * layout.pages_per_unit)
+    return layout, slots
 
 
 def recorded_snapshot(cfg: EngineConfig) -> MemorySnapshot:

@@ -214,6 +214,49 @@ def test_memory_model_gives_the_sizes_an_engine_takes(tiny_dir, tmp_path, capsys
     assert "whole sequences of max_seq_len, fewer than max_batch_size 3" in out, out
 
 
+def test_memory_model_unified_pool_and_fp8_head_are_an_engines(tiny_dir, tmp_path, capsys):
+    """``--unified-pool`` gives the one buffer, its starting split, how far each side can grow and the slots an
+    engine with ``unified_pool=True`` makes on the same snapshot (its ``stats()``, its pool and KV cache);
+    ``--weight-dtype fp8 --no-fp8-lm-head`` the weight bytes of that engine."""
+    import json
+
+    from multilora.runtime.cli import main
+
+    before = _host_snapshot(4 * GiB)
+    snap = tmp_path / "snap.json"
+    snap.write_text(json.dumps(before.to_dict()))
+    flags = ["--max-batch-size", "3", "--max-seq-len", "96", "--max-lora-rank", "8", "--kv-block-size", "8"]
+    assert main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), "--json", *flags, "--unified-pool"]) == 0
+    got = json.loads(capsys.readouterr().out)["engine"]
+    after = _host_snapshot(4 * GiB - got["weight_bytes"] // 1024 * 1024)
+    e = Engine(model=tiny_dir, progress=False, max_batch_size=3, max_seq_len=96, max_lora_rank=8, kv_block_size=8,
+               unified_pool=True, memory_snapshot=after)
+    s, u = e.stats(), e.unified
+    assert got["unified_pool"] is True and got["unified_bytes"] == s["unified_units"] * s["unified_unit_bytes"]
+    assert got["pool_pages"] == e.pool.num_pages and got["pool_bytes"] == s["unified_pool_units"] * s["unified_unit_bytes"]
+    assert got["kv_blocks"] - 1 == s["unified_kv_units"] == e.kv.num_free_blocks
+    assert got["pool_max_bytes"] == (u.layout.max_floor - 1) * u.layout.unit_bytes > got["pool_bytes"]
+    assert got["kv_max_blocks"] - 1 == e.kv.max_usable_blocks and got["adapter_slots"] == e.pool.max_slots
+    assert main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), *flags, "--unified-pool"]) == 0
+    out = capsys.readouterr().out
+    assert ", unified_pool):" in out and f"one buffer of {s['unified_units']:,} units" in out, out
+    # without the flag: no buffer, and each side's most is what it has
+    assert main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), "--json", *flags]) == 0
+    plain = json.loads(capsys.readouterr().out)["engine"]
+    assert plain["unified_bytes"] is None and plain["pool_max_bytes"] == plain["pool_bytes"]
+    assert plain["kv_max_blocks"] == plain["kv_blocks"] and plain["unified_pool"] is False
+    # the fp8 head: off is the head at the model's dtype, as the engine stores it
+    for head, flag in ((None, []), (False, ["--no-fp8-lm-head"]), (True, ["--fp8-lm-head"])):
+        assert main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), "--json", *flags,
+                     "--weight-dtype", "fp8", *flag]) == 0
+        got = json.loads(capsys.readouterr().out)["engine"]
+        e = Engine(model=tiny_dir, progress=False, max_seq_len=64, max_batch_size=2, weight_dtype="fp8",
+                   fp8_lm_head=head, memory_snapshot=_host_snapshot(1 * GiB))
+        assert got["weight_bytes"] == e.model.nbytes and got["fp8_lm_head"] is head, head
+    assert main(["memory", "--fp8-lm-head"]) == 2
+    assert "--fp8-lm-head: only with --model" in capsys.readouterr().err
+
+
 def test_memory_model_flags_are_checked_by_name(tiny_dir, capsys, tmp_path):
     """Engine flags need --model; the plan's own minimum / reserve / total flags are refused with it (an engine
     computes them); values an engine refuses are refused by their flag, before anything is read."""
