@@ -598,7 +598,7 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
 def _cmd_make(args: argparse.Namespace) -> int:
     import torch
 
-    from multilora.runtime.demo import DEMO_ADAPTERS, check_output_dir, make_demo_adapters
+    from multilora.runtime.demo import DEMO_ADAPTERS, check_output_dir, write_demo_adapters
     from multilora.runtime.weights import load_model_files, resolve_model_path
 
     check_output_dir(args.out_dir, "OUT_DIR")
@@ -611,8 +611,8 @@ def _cmd_make(args: argparse.Namespace) -> int:
                                  f"--force to overwrite the demo adapters there, or choose another OUT_DIR")
     path = resolve_model_path(args.model)
     config, weights = load_model_files(path, dtype=torch.float32)
-    for name, d in make_demo_adapters(args.out_dir, weights, config, rank=args.rank,
-                                      base_model_name_or_path=str(path)).items():
+    for name, d in write_demo_adapters(args.out_dir, "OUT_DIR", weights, config, rank=args.rank,
+                                       base_model_name_or_path=str(path)).items():
         print(f"{name}: {d}")
     from multilora.runtime.config import EngineConfig
 

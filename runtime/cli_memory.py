@@ -30,55 +30,13 @@ from pathlib import Path
 from multilora.memory.accounting import (
     DEFAULT_ADAPTER_POOL_SHARE,
     DEFAULT_FRACTION,
-    MAX_MEASURED_BYTES,
     MemoryPlanError,
     MemoryPlanOptions,
     MemorySnapshot,
     MemorySnapshotError,
     compute_memory_plan,
 )
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB' -> 2147483648, '512MiB', '1.5G', '4096' (exact: a decimal is not read as a float).
-
-    Raises ValueError on anything else, or on a count above 2^64 - 1 (16 EiB).
-    """
-    m = _BYTES.match(text)
-    unit = m.group(2).lower() if m else None
-    shown = repr(text[:40]) + ("..." if len(text) > 40 else "")
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"expected a byte count like 4096, 512MiB or 2GiB, got {shown}")
-    value = int(Fraction(m.group(1)) * _UNITS[unit]) if len(m.group(1)) <= 40 else None
-    if value is None or value > MAX_MEASURED_BYTES:
-        raise ValueError(f"expected a byte count below 2^64 (16 EiB), got {shown}")
-    return value
-
-
-def _bytes_arg(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
+from multilora.runtime.config import bytes_arg as _bytes_arg, parse_bytes  # noqa: F401 (parse_bytes: re-exported)
 
 def add_memory_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``memory`` subcommand to ``subparsers``; its handler is ``args.func = run_memory``."""

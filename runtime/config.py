@@ -16,9 +16,11 @@ import logging
 import re
 import unicodedata
 from dataclasses import MISSING, dataclass, field, fields
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from multilora.config import MODULE_INDEX, MODULE_PARENT, TARGET_MODULES, ModelConfig
+from multilora.memory.accounting import MAX_MEASURED_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover  (torch is imported only to check a dtype: the CLI parser stays light)
     import torch
@@ -27,6 +29,49 @@ __all__ = ["EngineConfig", "MODULE_INDEX", "MODULE_PARENT", "TARGET_MODULES", "M
 
 _DTYPES = ("float32", "float16", "bfloat16")
 _BACKENDS = ("torch", "triton")
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648, '512MiB', '1.5G', '4096' (exact: a decimal is not read as a float).
+
+    Raises ValueError on anything else, or on a count above 2^64 - 1 (16 EiB).
+    """
+    m = _BYTES.match(text)
+    unit = m.group(2).lower() if m else None
+    shown = repr(text[:40]) + ("..." if len(text) > 40 else "")
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"expected a byte count like 4096, 512MiB or 2GiB, got {shown}")
+    value = int(Fraction(m.group(1)) * _UNITS[unit]) if len(m.group(1)) <= 40 else None
+    if value is None or value > MAX_MEASURED_BYTES:
+        raise ValueError(f"expected a byte count below 2^64 (16 EiB), got {shown}")
+    return value
+
+
+def bytes_arg(text: str) -> int:
+    """``parse_bytes`` as an argparse ``type`` (its error as argparse's)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _opt(default: Any, help: str, *, cli: bool = True, choices: tuple[str, ...] | None = None, kind: type | None = None):
@@ -394,8 +439,11 @@ class EngineConfig:
                                     help=meta["help"])
                 continue
             kind = meta["kind"] or (type(f.default) if f.default is not None and f.default is not MISSING else str)
+            help = meta["help"]
+            if kind is int and f.name.endswith("_bytes"):  # a byte count: 4096, 512MiB, 8GiB, 1.5GB (parse_bytes)
+                kind, help = bytes_arg, help + "; a count or with a unit: 512MiB, 8GiB, 1.5GB"
             parser.add_argument(flag, dest=f.name, type=None if meta["choices"] else kind, default=f.default,
-                                choices=meta["choices"], help=meta["help"])
+                                choices=meta["choices"], help=help)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace, **overrides: Any) -> "EngineConfig":

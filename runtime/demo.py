@@ -79,6 +79,17 @@ def make_demo_adapters(
     return result
 
 
+def write_demo_adapters(out_dir: str | os.PathLike, what: str, *args, **kwargs) -> dict[str, Path]:
+    """``make_demo_adapters(out_dir, *args, **kwargs)`` with a failed write (a directory that cannot be made, a full
+    disk, a file system that refuses files: ``check_output_dir``'s permission test cannot see all of them) raised as a
+    ValueError naming ``what`` (the flag), the path and the system's reason."""
+    try:
+        return make_demo_adapters(out_dir, *args, **kwargs)
+    except OSError as e:
+        at = f" ({e.filename})" if e.filename and str(e.filename) != str(out_dir) else ""
+        raise ValueError(f"{what} {out_dir}: the demo adapters could not be written: {e.strerror or e}{at}") from None
+
+
 def default_demo_dir() -> Path:
     return Path(os.environ.get("MULTILORA_HOME", Path.home() / ".cache" / "multilora")) / "demo-adapters"
 
@@ -120,7 +131,9 @@ def run_demo(adapters_dir: str | os.PathLike | None = None, *, max_tokens: int =
     if missing:
         print(f"Writing demo adapters {', '.join(missing)} to {d}")
         _, weights = load_model_files(engine.model_path, dtype=torch.float32, progress=False)
-        make_demo_adapters(d, weights, engine.config, names=missing, base_model_name_or_path=str(engine.model_path))
+        write_demo_adapters(d, "--adapters-dir" if adapters_dir else "the demo adapters' directory ($MULTILORA_HOME/"
+                            "demo-adapters/...)", weights, engine.config, names=missing,
+                            base_model_name_or_path=str(engine.model_path))
         del weights
     for name in DEMO_ADAPTERS:
         a = engine.load_adapter(name, d / name)

@@ -94,6 +94,32 @@ def test_make_demo_adapters_prints_and_writes_peft_dirs(tiny, tmp_path, capsys):
         assert (tmp_path / "ad" / n / "adapter_model.safetensors").is_file()
 
 
+def test_make_demo_adapters_files_get_the_umask_mode(tiny, tmp_path, capsys):
+    """Files as open() would make them (0666 less the process's umask), not tempfile's private 0600: a service run as
+    another user can read them."""
+    from multilora.runtime.adapters import writer
+
+    assert run(capsys, "make-demo-adapters", tmp_path / "ad", "--model", tiny, "--rank", 2)[0] == 0
+    want = 0o666 & ~writer._UMASK
+    assert want != 0o600 or writer._UMASK == 0o066  # (the usual umask 022 gives 0644)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "ad" / DEMO_NAMES[0]).iterdir()}
+    assert modes == {"adapter_config.json": want, "adapter_model.safetensors": want}, modes
+
+
+def test_make_demo_adapters_a_failed_write_names_out_dir(tiny, tmp_path, capsys, monkeypatch):
+    """A write that fails after the model loaded (a directory the permission check passed but mkdir refuses, a full
+    disk) is exit 2 naming OUT_DIR and the system's reason, not a traceback."""
+    from multilora.runtime.adapters import writer
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device", str(tmp_path / "ad" / "demo-a" / "x.tmp"))
+
+    monkeypatch.setattr(writer.tempfile, "mkstemp", full)
+    code, out, err = run(capsys, "make-demo-adapters", tmp_path / "ad", "--model", tiny)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert f"OUT_DIR {tmp_path / 'ad'}: the demo adapters could not be written: No space left on device" in err, err
+
+
 def test_make_demo_adapters_refuses_to_overwrite_without_force(tiny, tmp_path, capsys):
     """An adapter already in OUT_DIR (here a hand-edited one) is kept unless --force: the error names the directory,
     the file and the flag, and nothing is written; with --force the demo adapter replaces it."""
@@ -940,6 +966,25 @@ def test_engine_errors_name_only_flags_the_command_has(tmp_path, capsys, monkeyp
     monkeypatch.setattr(demo, "run_demo", lambda *a, **k: (_ for _ in ()).throw(ValueError("Engine: device='x' bad")))
     code, _, err = run(capsys, "demo")
     assert code == 2 and "Engine: device='x' bad" in err, err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "serve-ray"])
+def test_engine_byte_flags_take_the_units_memory_takes(command):
+    """A size copied from ``multilora memory`` (``--kv-bytes 8GiB``) works in every command with engine flags: each
+    ``*_bytes`` flag reads a count or a number with a unit, as ``parse_bytes``; a bad one names the flag."""
+    from multilora.runtime.cli import build_parser
+    from multilora.runtime.cli_memory import parse_bytes
+
+    p = build_parser()
+    flags = {"--kv-cache-bytes": "1GiB", "--adapter-pool-bytes": "512MiB", "--host-adapter-bytes": "1.5GB",
+             "--host-arena-map-ahead-bytes": "4096"}
+    args = p.parse_args([command, *[x for kv in flags.items() for x in kv]])
+    got = {f: getattr(args, f[2:].replace("-", "_")) for f in flags}
+    assert got == {f: parse_bytes(v) for f, v in flags.items()} == {
+        "--kv-cache-bytes": 1 << 30, "--adapter-pool-bytes": 512 << 20, "--host-adapter-bytes": 1_500_000_000,
+        "--host-arena-map-ahead-bytes": 4096}
+    with pytest.raises(SystemExit):
+        p.parse_args([command, "--kv-cache-bytes", "8 gigs"])
 
 
 def test_check_output_dir_needs_write_access_only_to_write(tmp_path, monkeypatch):

@@ -15,6 +15,9 @@ from multilora.runtime.adapters.disk import SAFETENSORS_NAME
 from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _fmt_shape, _is_int, _parse_config
 from multilora.runtime.adapters.targets import _PEFT_PREFIX, _is_targeted, _overlap_hint, _pattern_value
 
+_UMASK = os.umask(0o022)  # the process's umask (read by setting it, then set back at once)
+os.umask(_UMASK)
+
 
 def save_peft_adapter(
     out_dir: str | os.PathLike,
@@ -123,6 +126,7 @@ def save_peft_adapter(
         os.close(fd)
         try:
             write(tmp)
+            os.chmod(tmp, 0o666 & ~_UMASK)  # (mkstemp makes it 0600: the file gets what open() would give it)
             os.replace(tmp, dest)
         except BaseException:
             if os.path.exists(tmp):
