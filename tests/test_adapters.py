@@ -562,15 +562,36 @@ def test_targeted_module_without_tensors(mcfg, tmp_path):
             key=_key(2, "v_proj", "A"))
 
 
+def test_an_adapter_for_a_larger_or_wider_model_says_so(mcfg, tmp_path):
+    """Tensors for layers past this model's, or whose in/out features are not this model's: the error names the
+    likely cause with what the adapter's config names and what this base model is; a rank that disagrees with r does
+    not (the features are this model's)."""
+    other = (f"the adapter was probably made for another base model (adapter_config.json names base_model_name_or_path "
+             f"'org/larger-model'; this base model is a {mcfg.architecture} of {NUM_LAYERS} layers, hidden size "
+             f"{mcfg.hidden_size})")
+    _write_valid(tmp_path, mcfg, base_model_name_or_path="org/larger-model")
+    extra = WKEY.format(NUM_LAYERS, "self_attn", "q_proj", "A")
+    _patch_tensors(tmp_path, lambda t: t.__setitem__(extra, torch.randn(4, mcfg.hidden_size)))
+    _raises(tmp_path, mcfg, f"layer {NUM_LAYERS} out of range: the base model has {NUM_LAYERS} layers", other,
+            key=extra, file=WTS)
+    for shape, hinted in (((4, 2 * mcfg.hidden_size), True), ((2, mcfg.hidden_size), False)):
+        _write_valid(tmp_path, mcfg, base_model_name_or_path="org/larger-model")
+        k = _key(0, "q_proj", "A")
+        _patch_tensors(tmp_path, lambda t: t.__setitem__(k, torch.randn(shape)))
+        err = _raises(tmp_path, mcfg, "expected shape", key=k, file=WTS)
+        assert (other in str(err)) is hinted, str(err)
+
+
 def test_an_adapter_for_a_model_with_fewer_layers_says_so(mcfg, tmp_path):
     """Tensors only for the first layers while the config targets every layer of this model: the error names the
     likely cause (made for another base model, with its base_model_name_or_path); a gap in the middle does not."""
     _write_valid(tmp_path, mcfg, keys=[(0, m) for m in ("q_proj", "v_proj", "down_proj")],
                  base_model_name_or_path="org/smaller-model")
     err = _raises(tmp_path, mcfg, "no lora_A / lora_B tensors", "model.layers.1.self_attn.q_proj",
-                  f"The file has tensors for layers 0-0 only and this base model has {NUM_LAYERS} layers: the adapter "
-                  f"was probably made for another base model (adapter_config.json names base_model_name_or_path "
-                  f"'org/smaller-model')", file=WTS)
+                  f"The file has tensors for layers 0-0 only and this base model has {NUM_LAYERS} layers: the file is "
+                  f"cut short, or the adapter was probably made for another base model (adapter_config.json names "
+                  f"base_model_name_or_path 'org/smaller-model'; this base model is a {mcfg.architecture} of "
+                  f"{NUM_LAYERS} layers, hidden size {mcfg.hidden_size})", file=WTS)
     assert isinstance(err, AdapterError)
     _write_valid(tmp_path, mcfg)
     _patch_tensors(tmp_path, lambda t: [t.pop(_key(1, m, k)) for m in ("q_proj", "v_proj", "down_proj") for k in "AB"])

@@ -158,7 +158,7 @@ def _match_keys(
     module without tensors, and a lora_A without its lora_B or the reverse."""
     found: dict[tuple[int, str], dict[str, str]] = {}
     for key in keys:
-        layer, module, kind = _parse_key(key, config, wpath)
+        layer, module, kind = _parse_key(key, config, wpath, hint=lambda: "; " + _other_model(config, cfg_path))
         if (layer, module) not in targets:
             raise AdapterError(
                 f"{wpath}: tensor {key!r}: {config.hf_module_name(layer, module)} is not targeted by {cfg_path.name} "
@@ -198,20 +198,27 @@ def _match_keys(
     return found
 
 
-def _other_model_hint(found: dict[tuple[int, str], dict[str, str]], layer: int, config: ModelConfig,
-                      cfg_path: Path) -> str:
-    """For a targeted layer with no tensors while the file stops at an earlier layer: the likely cause, an adapter
-    made for a base model with fewer layers (naming its ``base_model_name_or_path``); else ""."""
-    last = max((l for l, _ in found), default=-1)
-    if not found or layer <= last:
-        return ""
+def _other_model(config: ModelConfig, cfg_path: Path) -> str:
+    """The words for an adapter that looks made for another base model: what its config names and what this base
+    model is, so the two can be compared (``the adapter was probably made for another base model (...)``)."""
     try:
         base = json.loads(cfg_path.read_text()).get("base_model_name_or_path")
     except (OSError, ValueError, AttributeError):
         base = None
-    made_for = f" ({cfg_path.name} names base_model_name_or_path {base!r})" if base else ""
+    named = f"{cfg_path.name} names base_model_name_or_path {base!r}; " if base else ""
+    return (f"the adapter was probably made for another base model ({named}this base model is a "
+            f"{config.architecture} of {config.num_layers} layers, hidden size {config.hidden_size})")
+
+
+def _other_model_hint(found: dict[tuple[int, str], dict[str, str]], layer: int, config: ModelConfig,
+                      cfg_path: Path) -> str:
+    """For a targeted layer with no tensors while the file stops at an earlier layer: the likely cause, an adapter
+    made for a base model with fewer layers (or a file cut short); else ""."""
+    last = max((l for l, _ in found), default=-1)
+    if not found or layer <= last:
+        return ""
     return (f". The file has tensors for layers 0-{last} only and this base model has {config.num_layers} layers: "
-            f"the adapter was probably made for another base model{made_for}")
+            f"the file is cut short, or " + _other_model(config, cfg_path))
 
 
 def _checked_values(x: torch.Tensor, key: str, wpath: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,10 +298,13 @@ def _build_modules(
             key = found[(layer, module)][kind]
             x = tensors[key]
             if tuple(x.shape) != expect:
+                features = 1 if kind == "A" else 0  # in_features of A, out_features of B: the base model's
+                other = ("; " + _other_model(config, cfg_path) if x.dim() == 2 and x.shape[features] != expect[features]
+                         else "")
                 raise AdapterError(
                     f"{wpath}: tensor {key!r}: expected shape {_fmt_shape(expect)} ({what} with r={t.r} from "
                     f"{t.r_source} in {cfg_path.name}, in/out features of {module} from the base model), "
-                    f"got {_fmt_shape(x.shape)}" + _overlap_hint(spec.rank_pattern, t.name),
+                    f"got {_fmt_shape(x.shape)}" + other + _overlap_hint(spec.rank_pattern, t.name),
                     path=wpath,
                     key=key,
                 )

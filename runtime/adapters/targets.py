@@ -10,7 +10,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from multilora.config import MODULE_PARENT, ModelConfig
 from multilora.runtime.adapters.spec import AdapterError, _jd, _Spec
@@ -220,9 +220,10 @@ _KEY_RE = re.compile(
 )
 
 
-def _parse_key(key: str, config: ModelConfig, wpath: Path) -> tuple[int, str, str]:
+def _parse_key(key: str, config: ModelConfig, wpath: Path, hint: Callable[[], str] | None = None
+               ) -> tuple[int, str, str]:
     """``(layer, module, "A" | "B")`` of a tensor key (``module`` one of ``config.lora_modules``), or AdapterError
-    saying why it does not map."""
+    saying why it does not map (a layer past the base model's: with ``hint()`` appended, the likely cause)."""
 
     def fail(why: str) -> AdapterError:
         return AdapterError(f"{wpath}: tensor {key!r}: {why}", path=wpath, key=key)
@@ -260,7 +261,7 @@ def _parse_key(key: str, config: ModelConfig, wpath: Path) -> tuple[int, str, st
         raise fail(f"{module} sits under {want!r} in a {config.architecture} layer, got {parent!r}")
     if layer >= config.num_layers:
         n = config.num_layers
-        raise fail(f"layer {layer} out of range: the base model has {n} layers (0..{n - 1})")
+        raise fail(f"layer {layer} out of range: the base model has {n} layers (0..{n - 1})" + (hint() if hint else ""))
     return layer, module, m["kind"][-1]
 
 
