@@ -69,6 +69,7 @@ DEVICE_QUOTA = "device_quota"
 EXPLICIT = "explicit"
 UNMEASURED = "unmeasured"
 KV_NEED = "kv_need"  # the pool took what the KV cache can never use (``MemoryPlanOptions.kv_need_bytes``)
+MAX_BATCH_SIZE = "max_batch_size"  # KV held to an engine's max_batch_size sequences (``max_kv_source``)
 
 
 class MemoryPlanError(ValueError):
@@ -347,6 +348,9 @@ class MemoryPlanOptions:
       ``max_seq_len``), or None. Where KV's share of the budget is larger, KV gets this much and the adapter pool the
       rest of the budget (then ``max_adapter_pool_bytes`` applies): memory the KV cache could never fill holds
       adapters instead (source ``kv_need``). Unlike ``max_kv_bytes``, a cap whose remainder stays unallocated.
+    - ``max_kv_source``: the source a binding ``max_kv_bytes`` gives the KV size: ``user_cap`` (default), or
+      ``max_batch_size`` when the caller's cap is the most KV it can use rather than a user's choice (an engine
+      without ``kv_cache_bytes``, or with a larger one: ``max_batch_size`` sequences of ``max_seq_len``).
     - ``host_tier_bytes``: explicit host-tier size (None = automatic); honoured, or MemoryPlanError
       where it would over-commit a shared memory pool.
     - ``local_ranks``: processes on this host that share its memory (one per GPU on a discrete host;
@@ -364,6 +368,7 @@ class MemoryPlanOptions:
     host_tier_bytes: int | None = None
     local_ranks: int = 1
     kv_need_bytes: int | None = None
+    max_kv_source: str = USER_CAP
 
     def __post_init__(self) -> None:
         if not 0.0 < self.fraction <= 1.0:
@@ -651,8 +656,8 @@ def _scale(value: int, share: float | Fraction) -> int:
     return math.floor(value * (share if isinstance(share, Fraction) else Fraction(str(share))))
 
 
-def _cap(size: Bound, cap: int | None) -> Bound:
-    return size if cap is None or cap >= size.value else Bound(cap, USER_CAP)
+def _cap(size: Bound, cap: int | None, source: str = USER_CAP) -> Bound:
+    return size if cap is None or cap >= size.value else Bound(cap, source)
 
 
 def _gib_number(n: int) -> str:
@@ -730,7 +735,7 @@ def _split(budget: Bound, o: MemoryPlanOptions) -> tuple[Bound, Bound]:
         need = max(o.kv_need_bytes, o.min_kv_bytes)  # (the live state's KV stays, whatever the caller needs)
         pool = Bound(pool.value + kv.value - need, KV_NEED)
         kv = Bound(need, KV_NEED)
-    pool, kv = _cap(pool, o.max_adapter_pool_bytes), _cap(kv, o.max_kv_bytes)
+    pool, kv = _cap(pool, o.max_adapter_pool_bytes), _cap(kv, o.max_kv_bytes, o.max_kv_source)
     for (name, cap, minimum, what), size, need in zip(_LIVE_PARTS, (pool, kv), (lo, o.min_kv_bytes)):
         if size.value < need:
             raise MemoryPlanError(
@@ -899,7 +904,8 @@ def _input_lines(s: MemorySnapshot) -> list[str]:
 
 def _option_lines(o: MemoryPlanOptions) -> list[str]:
     caps = {k: getattr(o, k) for k in ("max_adapter_pool_bytes", "max_kv_bytes", "max_total_bytes", "host_tier_bytes")}
-    cap_text = ", ".join(f"{k}={v:,d}" for k, v in caps.items() if v is not None) or "none"
+    why = {"max_kv_bytes": f" ({o.max_kv_source})"} if o.max_kv_source != USER_CAP else {}
+    cap_text = ", ".join(f"{k}={v:,d}{why.get(k, '')}" for k, v in caps.items() if v is not None) or "none"
     return [
         f"  fraction {o.fraction}, adapter pool share {o.adapter_pool_share}, local ranks {o.local_ranks}",
         f"  non-KV reserve {o.non_kv_reserve_bytes:,d} B, live-state minimum {o.live_state_minimum_bytes:,d} B "

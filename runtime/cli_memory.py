@@ -289,7 +289,7 @@ def _explain_engine(e: dict) -> str:
         f"  KV cache      {gib(e['kv_blocks'] * e['kv_block_bytes'])} = {e['kv_blocks']:,} blocks of "
         f"{e['kv_block_bytes']:,} B (the null block included): {e['kv_tokens']:,} tokens, {e['kv_sequences']:,} whole "
         f"sequences of max_seq_len ({e['kv_seq_blocks']} blocks each)"
-        + (" = max_batch_size: the engine's cap (the plan above names it user_cap)" if capped else ""),
+        + (" = max_batch_size: the engine's cap" if capped else ""),
         f"  host tier     {host}",
     ] + ([] if not e["unified_pool"] else [
         f"  unified       {gib(e['unified_bytes'])}: the pool and the KV cache above are one buffer of "

@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 
 from multilora.config import TARGET_MODULES, ModelConfig
-from multilora.memory.accounting import (USER_CAP, MemoryPlan, MemoryPlanError, MemoryPlanOptions, MemorySnapshot,
-                                         compute_memory_plan, require_snapshot)
+from multilora.memory.accounting import (MAX_BATCH_SIZE, USER_CAP, MemoryPlan, MemoryPlanError, MemoryPlanOptions,
+                                         MemorySnapshot, compute_memory_plan, require_snapshot)
 from multilora.memory.snapshot import apply_torch_memory_fraction, take_snapshot
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import DEFAULT_MAX_SLOTS, PAGE_ELEMS, max_adapter_pages, scratch_elems
@@ -233,6 +233,8 @@ def plan_options(request: MemoryRequest, cfg: EngineConfig, reserve_bytes: int) 
         # adapter_pool_fill: what KV cannot use goes to the pool (kv_need); kv_cache_bytes stays a plain cap
         max_kv_bytes=cfg.kv_cache_bytes if cfg.adapter_pool_fill else request.kv_cap,
         kv_need_bytes=request.kv_need if cfg.adapter_pool_fill else None,
+        # a cap of max_batch_size sequences is the engine's bound, not the user's (the plan names it so)
+        max_kv_source=USER_CAP if cfg.adapter_pool_fill or request.kv_cap < request.kv_need else MAX_BATCH_SIZE,
         host_tier_bytes=cfg.host_adapter_bytes,
         local_ranks=cfg.local_ranks,
         **kw,

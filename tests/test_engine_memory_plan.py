@@ -214,6 +214,20 @@ def test_memory_model_gives_the_sizes_an_engine_takes(tiny_dir, tmp_path, capsys
     assert "whole sequences of max_seq_len, fewer than max_batch_size 3" in out, out
 
 
+def test_the_kv_bound_of_max_batch_size_is_named_so(tiny_dir):
+    """An engine's KV held to max_batch_size sequences of max_seq_len is bound by ``max_batch_size`` in its plan,
+    not by a ``user_cap`` the user never set; a smaller kv_cache_bytes is the user's cap."""
+    kw = dict(model=tiny_dir, progress=False, max_batch_size=2, max_seq_len=64, kv_block_size=8,
+              memory_snapshot=_host_snapshot(4 * GiB))
+    e = Engine(**kw)
+    plan = e.memory_plan
+    assert plan.kv_source == "max_batch_size" and plan.options.max_kv_source == "max_batch_size"
+    assert plan.kv_bytes == (2 * 64 // 8 + 1) * e.kv.block_bytes  # (2 sequences + the null block)
+    assert "bound by max_batch_size" in plan.explain() and "(max_batch_size)" in plan.explain(), plan.explain()
+    small = Engine(**kw, kv_cache_bytes=plan.kv_bytes // 2)
+    assert small.memory_plan.kv_source == "user_cap" and small.memory_plan.kv_bytes == plan.kv_bytes // 2
+
+
 def test_memory_model_unified_pool_and_fp8_head_are_an_engines(tiny_dir, tmp_path, capsys):
     """``--unified-pool`` gives the one buffer, its starting split, how far each side can grow and the slots an
     engine with ``unified_pool=True`` makes on the same snapshot (its ``stats()``, its pool and KV cache);
