@@ -292,7 +292,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.jsonl:
         items += _read_jsonl(args.jsonl)
     if not items:
-        raise ValueError("no prompts (use --prompt ADAPTER TEXT or --jsonl FILE)")
+        raise ValueError(f"--jsonl {args.jsonl}: no requests in the file (a line per request: {{\"prompt\": ..., "
+                         f"\"adapter\": ...}})" if args.jsonl else "no prompts (use --prompt ADAPTER TEXT or --jsonl FILE)")
     if args.chat:
         items = [([{"role": "user", "content": p}] if isinstance(p, str) else p, a, w) for p, a, w in items]
     known = {n for n, _ in args.adapter}

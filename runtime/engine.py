@@ -16,6 +16,7 @@ import atexit
 import bisect
 import collections
 import dataclasses
+import difflib
 import itertools
 import logging
 import math
@@ -35,7 +36,7 @@ from multilora.kernels.fp8 import fp8_supported
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import AdapterPool
 from multilora.memory.unified import UnifiedMemory
-from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError
+from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError, loaded_names
 from multilora.runtime.adapters import LoRAAdapter, read_adapter, read_packed_adapter
 from multilora.runtime.adapters.image import read_image
 from multilora.runtime.config import EngineConfig, check_adapter_name, resolve_device  # noqa: F401 (re-exported)
@@ -186,9 +187,12 @@ class Engine:
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"Engine: config must be an EngineConfig or None, got {type(config).__name__} (a dict of "
                             f"options: Engine(model, **options) or EngineConfig(**options))")
-        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(EngineConfig)})
+        names = [f.name for f in dataclasses.fields(EngineConfig)]
+        unknown = sorted(set(options) - set(names))
         if unknown:
-            raise TypeError(f"Engine: unknown option(s) {unknown}; the options are EngineConfig's fields")
+            near = {u: difflib.get_close_matches(u, names, n=1) for u in unknown}
+            hint = "".join(f"; did you mean {m[0]!r} for {u!r}?" for u, m in near.items() if m)
+            raise TypeError(f"Engine: unknown option(s) {unknown}{hint} (the options are EngineConfig's fields)")
         cfg = self.engine_config = dataclasses.replace(config or EngineConfig(), **options)
         cfg.warn_ineffective()
         self._switch_interval: tuple[float, float] | None = None  # (ours, the interpreter's before): Engine.close
@@ -748,7 +752,7 @@ class Engine:
                 (the engine would fail real ones alike: its error is in the message).
         """
         if adapter is not None and adapter not in self.list_adapters():
-            raise UnknownAdapterError(f"warmup: adapter {adapter!r} is not loaded")
+            raise UnknownAdapterError(f"warmup: adapter {adapter!r} is not loaded ({loaded_names(self.list_adapters())})")
         if self.has_unfinished():
             raise RuntimeError("warmup: requests are running; warm up before serving")
         if self.device.type != "cuda" and self.runner.graphs is None and self.runner.pieces is None:

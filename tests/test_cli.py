@@ -398,9 +398,12 @@ def test_jsonl_file_missing_exits_2(tiny, tmp_path, capsys):
     assert code == 2 and "none.jsonl" in err
 
 
-def test_no_prompts_exits_2(tiny, capsys):
+def test_no_prompts_exits_2(tiny, capsys, tmp_path):
     code, _, err = run(capsys, "generate", "--model", tiny)
     assert code == 2 and "no prompts" in err
+    (tmp_path / "empty.jsonl").write_text("\n  \n")  # blank lines only: the file is named, not "no prompts"
+    code, _, err = run(capsys, "generate", "--model", tiny, "--jsonl", tmp_path / "empty.jsonl")
+    assert code == 2 and f"--jsonl {tmp_path / 'empty.jsonl'}: no requests in the file" in err, err
 
 
 def test_missing_model_exits_2(tmp_path, capsys):

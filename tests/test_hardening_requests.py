@@ -417,6 +417,9 @@ def test_a_max_seq_len_past_the_models_context_is_refused_before_loading(tiny, m
     assert "--max-seq-len: 1000000000 is past the model's context" in capsys.readouterr().err
     with pytest.raises(TypeError, match=r"Engine: config must be an EngineConfig or None, got dict"):
         Engine(model=str(d), config={"max_batch_size": 2})
+    with pytest.raises(TypeError, match=r"^Engine: unknown option\(s\) \['max_batch_sise', 'zzz'\]; did you mean "
+                                        r"'max_batch_size' for 'max_batch_sise'\? \(the options are EngineConfig's"):
+        Engine(model=str(d), max_batch_sise=2, zzz=1)
 
 
 def test_max_tokens_fit_kv_caps_a_request_at_what_the_kv_cache_holds(tiny):
