@@ -637,8 +637,8 @@ class Engine:
 
     def close(self) -> None:
         """Release what the engine holds outside this process's memory: a tensor-parallel engine's worker processes
-        and process group (``runtime.parallel``). Idempotent; the engine cannot step afterwards when it had workers.
-        Also called at interpreter exit. Restores the interpreter's switch interval if the engine set it and nothing
+        and process group (``runtime.parallel``). Idempotent; the engine cannot step afterwards when it had workers
+        (a one-process engine still can: its memory goes back when it is no longer referenced). Also called at interpreter exit. Restores the interpreter's switch interval if the engine set it and nothing
         changed it since (``EngineConfig.gil_switch_interval``)."""
         if self._switch_interval is not None:
             ours, before = self._switch_interval

@@ -398,6 +398,18 @@ def test_jsonl_file_missing_exits_2(tiny, tmp_path, capsys):
     assert code == 2 and "none.jsonl" in err
 
 
+def test_a_stop_of_backslash_n_is_noted(tiny, capsys, monkeypatch):
+    """``--stop "\\n"`` (a shell's backslash and n) is matched as given, with a note on stderr saying so; a real
+    newline is not noted."""
+    import multilora.runtime.cli as cli
+
+    monkeypatch.setattr(cli, "_load_engine", lambda args, **k: (_ for _ in ()).throw(ValueError("not loaded")))
+    code, _, err = run(capsys, "generate", "--model", tiny, "--prompt", "-", "hi", "--stop", "\\n")
+    assert code == 2 and "note: --stop '\\\\n' holds a backslash and an n, matched literally" in err, err
+    code, _, err = run(capsys, "generate", "--model", tiny, "--prompt", "-", "hi", "--stop", "\n")
+    assert code == 2 and "note:" not in err, err
+
+
 def test_no_prompts_exits_2(tiny, capsys, tmp_path):
     code, _, err = run(capsys, "generate", "--model", tiny)
     assert code == 2 and "no prompts" in err
