@@ -323,7 +323,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         m = re.match(r"prompts\[(\d+)\]: ", str(e))
         if m is None or int(m.group(1)) >= len(items):
             raise
-        raise ValueError(f"{items[int(m.group(1))][2]}: {str(e)[m.end():]}") from e
+        why = re.sub(r"\b(kv_cache_bytes|adapter_pool_bytes|unified_pool|max_tokens)\b(?!=)",  # the flags' words
+                     lambda w: "--" + w.group(1).replace("_", "-"), str(e)[m.end():])
+        raise ValueError(f"{items[int(m.group(1))][2]}: {why}") from e
     for o in outs:
         if args.json:
             print(json.dumps({"prompt": o.prompt, "adapter": o.adapter, "text": o.text, "token_ids": o.token_ids,

@@ -489,8 +489,11 @@ def as_flag_error(e: ValueError) -> ValueError:
     m = re.match(r"Engine: (\w+)[ =]", str(e))
     if m is None:
         return ValueError(str(e))
+    flag = "--" + m.group(1).replace("_", "-")
     rest = str(e)[m.end():]  # after the field and the space or "=" that follows it
-    return ValueError(f"--{m.group(1).replace('_', '-')}: {rest}")
+    if "_" in m.group(1):  # the field named again ("raise kv_cache_bytes to ..."): the flag (not a plain word: device)
+        rest = re.sub(rf"\b{m.group(1)}\b(?!=)", flag, rest)
+    return ValueError(f"{flag}: {rest}")
 
 
 def resolve_device(device: "str | torch.device | None", *, use_cpu: str = "device='cpu'") -> "torch.device":

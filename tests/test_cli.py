@@ -398,6 +398,16 @@ def test_jsonl_file_missing_exits_2(tiny, tmp_path, capsys):
     assert code == 2 and "none.jsonl" in err
 
 
+def test_a_request_the_kv_cache_cannot_hold_names_the_flags(tiny, capsys):
+    """The engine's refusal of a request longer than the whole KV cache, in generate's words: the prompt's flag, and
+    --max-tokens / --kv-cache-bytes for what to change (the values quoted as given: max_tokens=...)."""
+    code, out, err = run(capsys, "generate", "--model", tiny, "--kv-cache-bytes", "8KiB", "--kv-block-size", "4",
+                         "--max-tokens", "100", "--prompt", "-", "hello there")
+    assert code == 2 and out == "", err
+    assert "--prompt - 'hello there': request: " in err and "max_tokens=100" in err, err
+    assert err.rstrip().endswith("lower --max-tokens, shorten the prompt or raise --kv-cache-bytes"), err
+
+
 def test_a_stop_of_backslash_n_is_noted(tiny, capsys, monkeypatch):
     """``--stop "\\n"`` (a shell's backslash and n) is matched as given, with a note on stderr saying so; a real
     newline is not noted."""
@@ -974,6 +984,8 @@ def test_engine_errors_name_only_flags_the_command_has(tmp_path, capsys, monkeyp
     import multilora.runtime.demo as demo
 
     for msg, want in (("Engine: kv_cache_bytes=1 holds 0 blocks", "--kv-cache-bytes: 1 holds 0 blocks"),
+                      ("Engine: kv_cache_bytes=1 is small: raise kv_cache_bytes (kv_cache_bytes=1)",
+                       "--kv-cache-bytes: 1 is small: raise --kv-cache-bytes (kv_cache_bytes=1)"),
                       ("Engine: the KV cache gets 0 blocks", "Engine: the KV cache gets 0 blocks")):
         monkeypatch.setattr(cli, "_load_engine", lambda args, msg=msg, **k: (_ for _ in ()).throw(ValueError(msg)))
         code, _, err = run(capsys, "generate", "--prompt", "-", "hi")
