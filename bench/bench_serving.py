@@ -77,6 +77,7 @@ from multilora import Engine, SamplingParams
 from multilora.config import ModelConfig
 from multilora.runtime import scheduler as scheduler_mod
 from multilora.runtime.adapters import save_peft_adapter
+from multilora.runtime.config import bytes_arg
 from multilora.runtime.weights import MODEL_SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -755,9 +756,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--adapter-dir", help="where adapter files go (default: a temporary directory)")
     ap.add_argument("--preload", type=int, default=10**9, help="adapters read at registration (the rest on first use)")
     ap.add_argument("--adapter-pool-share", type=float, default=0.3)
-    ap.add_argument("--adapter-pool-bytes", type=float, default=None, help="the pool's bytes (default: the plan's "
-                    "share); with --unified-pool on, its starting size")
-    ap.add_argument("--kv-cache-bytes", type=float, default=None, help="cap on the KV cache's bytes")
+    ap.add_argument("--adapter-pool-bytes", type=bytes_arg, default=None, help="the pool's bytes, a count or with a "
+                    "unit: 8GiB (default: the plan's share); with --unified-pool on, its starting size")
+    ap.add_argument("--kv-cache-bytes", type=bytes_arg, default=None, help="cap on the KV cache's bytes (8GiB, ...)")
     ap.add_argument("--adapter-finish", default="host", choices=("host", "device"),
                     help="Engine(adapter_finish=...): where an adapter read from disk gets the pool's layout (device: "
                          "the I/O threads read the file raw, the GPU finishes it; issue 13 item 4's read goal)")

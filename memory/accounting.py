@@ -343,7 +343,8 @@ class MemoryPlanOptions:
       profiling forward of the largest batch measured.
     - ``min_adapter_pool_bytes`` (one max-size adapter) + ``min_kv_bytes`` (KV for one max-length
       sequence) = the live-state minimum.
-    - ``max_adapter_pool_bytes``, ``max_kv_bytes``, ``max_total_bytes``: user caps; they only lower sizes.
+    - ``max_adapter_pool_bytes``, ``max_kv_bytes``, ``max_total_bytes``: caps (a user's, or for ``max_kv_bytes`` the
+      caller's own bound: ``max_kv_source``); they only lower sizes.
     - ``kv_need_bytes``: the most KV bytes the caller can ever use (an engine: ``max_batch_size`` sequences of
       ``max_seq_len``), or None. Where KV's share of the budget is larger, KV gets this much and the adapter pool the
       rest of the budget (then ``max_adapter_pool_bytes`` applies): memory the KV cache could never fill holds
@@ -375,6 +376,8 @@ class MemoryPlanOptions:
             raise ValueError(f"fraction: expected 0 < fraction <= 1, got {self.fraction}")
         if not 0.0 <= self.adapter_pool_share <= 1.0:
             raise ValueError(f"adapter_pool_share: expected a value in [0, 1], got {self.adapter_pool_share}")
+        if self.max_kv_source not in (USER_CAP, MAX_BATCH_SIZE):
+            raise ValueError(f"max_kv_source: expected {USER_CAP!r} or {MAX_BATCH_SIZE!r}, got {self.max_kv_source!r}")
         if not isinstance(self.local_ranks, int) or self.local_ranks < 1:
             raise ValueError(f"local_ranks: expected an integer >= 1, got {self.local_ranks!r}")
         for name in ("non_kv_reserve_bytes", "min_adapter_pool_bytes", "min_kv_bytes"):

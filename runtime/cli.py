@@ -308,7 +308,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--top-k: expected a positive int, or 0 or -1 (off), got {args.top_k}")
     for stop in args.stop:  # taken as given (a model may print a backslash and an n), but most who type it mean a newline
         if "\\n" in stop and "\n" not in stop:
-            print(f"note: --stop {stop!r} holds a backslash and an n, matched literally, not a newline; in bash a "
+            print(f"note: --stop '{stop}' holds a backslash and an n, matched literally, not a newline; in bash a "
                   f"newline is $'\\n'", file=sys.stderr)
     try:
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

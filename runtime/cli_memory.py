@@ -274,6 +274,7 @@ def _explain_engine(e: dict) -> str:
     gib = lambda n: f"{n / (1 << 30):.2f} GiB ({n:,} B)"  # noqa: E731
     host = "none" if e["host_tier_bytes"] is None else gib(e["host_tier_bytes"])
     capped = e["kv_sequences"] >= e["max_batch_size"]
+    used_tokens = e["max_batch_size"] * e["kv_seq_blocks"] * e["kv_block_size"]  # the most KV the engine can use
     return "\n".join([
         f"engine of {e['model']} ({e['architecture']}, {e['layers']} layers; {e['dtype']}"
         + (f", {e['weight_dtype']} weights" if e["weight_dtype"] else "")
@@ -293,10 +294,14 @@ def _explain_engine(e: dict) -> str:
         f"  host tier     {host}",
     ] + ([] if not e["unified_pool"] else [
         f"  unified       {gib(e['unified_bytes'])}: the pool and the KV cache above are one buffer of "
-        f"{e['unified_bytes'] // e['kv_block_bytes']:,} units of one KV block; the pool grows into idle KV up to "
-        f"{gib(e['pool_max_bytes'])} ({e['max_rank_adapters_max']:,} "
-        f"adapters of rank {e['max_lora_rank']} on every module), the KV cache into free pool pages up to "
-        f"{e['kv_max_blocks']:,} blocks ({(e['kv_max_blocks'] - 1) * e['kv_block_size']:,} tokens)"]))
+        f"{e['unified_bytes'] // e['kv_block_bytes']:,} units of one KV block; "
+        + ("the pool cannot grow (the KV side is at its minimum)" if e["pool_max_bytes"] == e["pool_bytes"] else
+           f"the pool grows into idle KV up to {gib(e['pool_max_bytes'])} ({e['max_rank_adapters_max']:,} adapters of "
+           f"rank {e['max_lora_rank']} on every module)")
+        + f", the KV cache into free pool pages up to {e['kv_max_blocks']:,} blocks "
+          f"({(e['kv_max_blocks'] - 1) * e['kv_block_size']:,} tokens"
+        + (f"; it uses at most max_batch_size x max_seq_len = {used_tokens:,})"
+           if e["kv_max_blocks"] - 1 > e["max_batch_size"] * e["kv_seq_blocks"] else ")")]))
 
 
 def engine_notes(e: dict) -> list[str]:

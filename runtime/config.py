@@ -20,7 +20,6 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from multilora.config import MODULE_INDEX, MODULE_PARENT, TARGET_MODULES, ModelConfig
-from multilora.memory.accounting import MAX_MEASURED_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover  (torch is imported only to check a dtype: the CLI parser stays light)
     import torch
@@ -30,6 +29,10 @@ __all__ = ["EngineConfig", "MODULE_INDEX", "MODULE_PARENT", "TARGET_MODULES", "M
 _DTYPES = ("float32", "float16", "bfloat16")
 _BACKENDS = ("torch", "triton")
 
+
+#: the largest byte count a flag takes: ``multilora.memory.accounting.MAX_MEASURED_BYTES`` (2^64 - 1, the most the
+#: kernel and CUDA can report), repeated here so that importing the config (and the CLI parser) does not load torch
+MAX_BYTE_COUNT = (1 << 64) - 1
 
 _UNITS = {
     "": 1,
@@ -61,7 +64,7 @@ def parse_bytes(text: str) -> int:
     if m is None or unit not in _UNITS:
         raise ValueError(f"expected a byte count like 4096, 512MiB or 2GiB, got {shown}")
     value = int(Fraction(m.group(1)) * _UNITS[unit]) if len(m.group(1)) <= 40 else None
-    if value is None or value > MAX_MEASURED_BYTES:
+    if value is None or value > MAX_BYTE_COUNT:
         raise ValueError(f"expected a byte count below 2^64 (16 EiB), got {shown}")
     return value
 

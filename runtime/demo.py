@@ -85,7 +85,7 @@ def write_demo_adapters(out_dir: str | os.PathLike, what: str, *args, **kwargs) 
     ValueError naming ``what`` (the flag), the path and the system's reason."""
     try:
         return make_demo_adapters(out_dir, *args, **kwargs)
-    except OSError as e:
+    except OSError as e:  # (save_peft_adapter raises safetensors' write errors as OSErrors too)
         at = f" ({e.filename})" if e.filename and str(e.filename) != str(out_dir) else ""
         raise ValueError(f"{what} {out_dir}: the demo adapters could not be written: {e.strerror or e}{at}") from None
 

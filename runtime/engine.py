@@ -638,8 +638,9 @@ class Engine:
     def close(self) -> None:
         """Release what the engine holds outside this process's memory: a tensor-parallel engine's worker processes
         and process group (``runtime.parallel``). Idempotent; the engine cannot step afterwards when it had workers
-        (a one-process engine still can: its memory goes back when it is no longer referenced). Also called at interpreter exit. Restores the interpreter's switch interval if the engine set it and nothing
-        changed it since (``EngineConfig.gil_switch_interval``)."""
+        (a one-process engine still can: its memory goes back when it is no longer referenced). Also called at
+        interpreter exit. Restores the interpreter's switch interval if the engine set it and nothing changed it
+        since (``EngineConfig.gil_switch_interval``)."""
         if self._switch_interval is not None:
             ours, before = self._switch_interval
             if abs(sys.getswitchinterval() - ours) < 1e-9:
@@ -712,13 +713,26 @@ class Engine:
             self._withdraw(reqs, f"withdrawn: interrupted by {type(e).__name__}")
             raise
 
-    def _withdraw(self, reqs: Sequence[Request], why: str) -> None:
+    def _withdraw(self, reqs: Sequence[Request], why: str, counter: str = "requests_aborted") -> None:
         """Finish the unfinished ones of ``reqs`` (``finish_reason="error"``, ``error=why``), their KV blocks and
-        adapter references returned; each counts in ``requests_aborted`` (its caller gave it up)."""
-        for r in reqs:
-            if r.status is not Status.FINISHED:
-                self.scheduler.finish(r, "error", why)
-                self._counters["requests_aborted"] += 1
+        adapter references returned; each counts once in ``counter`` (``requests_aborted``: its caller gave it up).
+        Under the step lock: a request another thread's step or ``abort`` finishes meanwhile keeps its own end and
+        count."""
+        with self._step_lock:
+            for r in reqs:
+                if r.status is not Status.FINISHED:
+                    self.scheduler.finish(r, "error", why)
+                    self._counters[counter] += 1
+
+    def fail(self, request_id: int, error: str) -> bool:
+        """Finish an unfinished request with ``finish_reason="error"`` and ``error`` (from any thread; counted in
+        ``requests_failed``): what a serving loop does to the requests of a step that raised. Returns False when no
+        unfinished request has that id."""
+        with self._step_lock:
+            req = self.scheduler.get(request_id)
+            if req is not None:
+                self._withdraw([req], error, "requests_failed")
+            return req is not None
 
     # ------------------------------------------------------------------------------------ warm-up
     def warmup(self, adapter: str | None = None) -> dict[str, Any]:

@@ -248,9 +248,7 @@ class EngineLoop:
                 with self._lock:
                     ids = list(self._tracked)
                 for rid in ids:
-                    req = self.engine.scheduler.get(rid)
-                    if req is not None:
-                        self.engine.scheduler.finish(req, "error", "the engine loop failed (see the log)")
+                    self.engine.fail(rid, "the engine loop failed (see the log)")
 
     def _publish(self) -> None:
         """Deliver each tracked request's new ids and text; the last delta of the finished ones."""

@@ -190,9 +190,7 @@ class _EngineCore:
             except Exception:  # a bug: never leave streams waiting forever, keep serving new requests
                 log.exception("engine process: a step failed; failing its requests")
                 for rid in list(self.tracked):
-                    req = engine.scheduler.get(rid)
-                    if req is not None:
-                        engine.scheduler.finish(req, "error", "the engine loop failed (see the log)")
+                    engine.fail(rid, "the engine loop failed (see the log)")
         for rid in list(self.tracked):  # closed: abort what is left, tell the parent, and leave
             engine.abort(rid)
         self.publish()

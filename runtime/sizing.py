@@ -311,7 +311,8 @@ def size_engine(request: MemoryRequest, cfg: EngineConfig, snapshot: MemorySnaps
 def unified_sizes(sizes: EngineSizes, cfg: EngineConfig) -> tuple[UnifiedLayout, int]:
     """With ``unified_pool``: the one buffer for ``sizes``' pool and KV cache (``memory.unified.unified_layout``: the
     same bytes in whole KV-block units, the pool starting at its planned share) and the pool's slots (``adapter_slots``,
-    else ``default_slots`` of the most pages the pool can grow to: all but one ``max_seq_len`` sequence of KV).
+    else ``default_slots`` of the most pages the pool can grow to: all but the null block and the live state's KV,
+    ``live_blocks``: one ``max_seq_len`` sequence, fewer under a smaller ``kv_cache_bytes``).
 
     Raises:
         ValueError: a KV block that is not a whole number of pool pages, or too few units (``unified_layout``).

@@ -580,6 +580,13 @@ def test_an_adapter_for_a_larger_or_wider_model_says_so(mcfg, tmp_path):
         _patch_tensors(tmp_path, lambda t: t.__setitem__(k, torch.randn(shape)))
         err = _raises(tmp_path, mcfg, "expected shape", key=k, file=WTS)
         assert (other in str(err)) is hinted, str(err)
+    # a transposed A (a hand-made file): said so, not blamed on another model
+    _write_valid(tmp_path, mcfg, base_model_name_or_path="org/larger-model")
+    k = _key(0, "q_proj", "A")
+    _patch_tensors(tmp_path, lambda t: t.__setitem__(k, t[k].T.contiguous()))
+    err = _raises(tmp_path, mcfg, "expected shape", "it is transposed (PEFT stores lora_A as [r, in_features])",
+                  key=k, file=WTS)
+    assert "another base model" not in str(err)
 
 
 def test_an_adapter_for_a_model_with_fewer_layers_says_so(mcfg, tmp_path):
@@ -588,10 +595,10 @@ def test_an_adapter_for_a_model_with_fewer_layers_says_so(mcfg, tmp_path):
     _write_valid(tmp_path, mcfg, keys=[(0, m) for m in ("q_proj", "v_proj", "down_proj")],
                  base_model_name_or_path="org/smaller-model")
     err = _raises(tmp_path, mcfg, "no lora_A / lora_B tensors", "model.layers.1.self_attn.q_proj",
-                  f"The file has tensors for layers 0-0 only and this base model has {NUM_LAYERS} layers: the file is "
-                  f"cut short, or the adapter was probably made for another base model (adapter_config.json names "
-                  f"base_model_name_or_path 'org/smaller-model'; this base model is a {mcfg.architecture} of "
-                  f"{NUM_LAYERS} layers, hidden size {mcfg.hidden_size})", file=WTS)
+                  f"The file has tensors for layers 0-0 only and this base model has {NUM_LAYERS} layers: the file was "
+                  f"written incompletely, or the adapter was probably made for another base model "
+                  f"(adapter_config.json names base_model_name_or_path 'org/smaller-model'; this base model is a "
+                  f"{mcfg.architecture} of {NUM_LAYERS} layers, hidden size {mcfg.hidden_size})", file=WTS)
     assert isinstance(err, AdapterError)
     _write_valid(tmp_path, mcfg)
     _patch_tensors(tmp_path, lambda t: [t.pop(_key(1, m, k)) for m in ("q_proj", "v_proj", "down_proj") for k in "AB"])

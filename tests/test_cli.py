@@ -9,6 +9,7 @@ against peft's own forward.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 
@@ -94,30 +95,45 @@ def test_make_demo_adapters_prints_and_writes_peft_dirs(tiny, tmp_path, capsys):
         assert (tmp_path / "ad" / n / "adapter_model.safetensors").is_file()
 
 
-def test_make_demo_adapters_files_get_the_umask_mode(tiny, tmp_path, capsys):
-    """Files as open() would make them (0666 less the process's umask), not tempfile's private 0600: a service run as
-    another user can read them."""
-    from multilora.runtime.adapters import writer
-
-    assert run(capsys, "make-demo-adapters", tmp_path / "ad", "--model", tiny, "--rank", 2)[0] == 0
-    want = 0o666 & ~writer._UMASK
-    assert want != 0o600 or writer._UMASK == 0o066  # (the usual umask 022 gives 0644)
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_make_demo_adapters_files_get_the_umask_mode(tiny, tmp_path, capsys, umask):
+    """Files as open() would make them under the umask of the moment they are written (0666 less it), not
+    tempfile's private 0600: with 022 a service run as another user can read them, with 077 it cannot."""
+    old = os.umask(umask)
+    try:
+        assert run(capsys, "make-demo-adapters", tmp_path / "ad", "--model", tiny, "--rank", 2)[0] == 0
+    finally:
+        os.umask(old)
     modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "ad" / DEMO_NAMES[0]).iterdir()}
+    want = 0o666 & ~umask
     assert modes == {"adapter_config.json": want, "adapter_model.safetensors": want}, modes
 
 
-def test_make_demo_adapters_a_failed_write_names_out_dir(tiny, tmp_path, capsys, monkeypatch):
-    """A write that fails after the model loaded (a directory the permission check passed but mkdir refuses, a full
-    disk) is exit 2 naming OUT_DIR and the system's reason, not a traceback."""
-    from multilora.runtime.adapters import writer
+@pytest.mark.parametrize("where", ["mkdir", "safetensors"])
+def test_make_demo_adapters_a_failed_write_names_out_dir(tiny, tmp_path, capsys, monkeypatch, where):
+    """A write that fails after the model loaded (a directory the permission check passed but mkdir refuses; a full
+    disk, which safetensors reports as its own error type) is exit 2 naming OUT_DIR and the reason, not a
+    traceback; no temporary file is left."""
+    import safetensors.torch
+    from pathlib import Path
 
-    def full(*a, **k):
-        raise OSError(28, "No space left on device", str(tmp_path / "ad" / "demo-a" / "x.tmp"))
+    (tmp_path / "ad").mkdir()
+    if where == "mkdir":
+        def fail(self, *a, **k):
+            raise OSError(28, "No space left on device", str(self))
 
-    monkeypatch.setattr(writer.tempfile, "mkstemp", full)
+        monkeypatch.setattr(Path, "mkdir", fail)
+        want = "the demo adapters could not be written: No space left on device"
+    else:
+        def fail(*a, **k):
+            raise safetensors.SafetensorError("Error while serializing: IoError(File too large (os error 27))")
+
+        monkeypatch.setattr(safetensors.torch, "save_file", fail)
+        want = "the demo adapters could not be written: " + str(tmp_path / "ad" / DEMO_NAMES[0])
     code, out, err = run(capsys, "make-demo-adapters", tmp_path / "ad", "--model", tiny)
     assert code == 2 and out == "" and "Traceback" not in err
-    assert f"OUT_DIR {tmp_path / 'ad'}: the demo adapters could not be written: No space left on device" in err, err
+    assert f"OUT_DIR {tmp_path / 'ad'}: {want}" in err, err
+    assert not [p for p in (tmp_path / "ad").rglob("*") if p.is_file()]
 
 
 def test_make_demo_adapters_refuses_to_overwrite_without_force(tiny, tmp_path, capsys):
@@ -415,7 +431,7 @@ def test_a_stop_of_backslash_n_is_noted(tiny, capsys, monkeypatch):
 
     monkeypatch.setattr(cli, "_load_engine", lambda args, **k: (_ for _ in ()).throw(ValueError("not loaded")))
     code, _, err = run(capsys, "generate", "--model", tiny, "--prompt", "-", "hi", "--stop", "\\n")
-    assert code == 2 and "note: --stop '\\\\n' holds a backslash and an n, matched literally" in err, err
+    assert code == 2 and "note: --stop '\\n' holds a backslash and an n, matched literally" in err, err
     code, _, err = run(capsys, "generate", "--model", tiny, "--prompt", "-", "hi", "--stop", "\n")
     assert code == 2 and "note:" not in err, err
 
@@ -996,7 +1012,7 @@ def test_engine_errors_name_only_flags_the_command_has(tmp_path, capsys, monkeyp
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "serve-ray"])
-def test_engine_byte_flags_take_the_units_memory_takes(command):
+def test_engine_byte_flags_take_the_units_memory_takes(command, capsys):
     """A size copied from ``multilora memory`` (``--kv-bytes 8GiB``) works in every command with engine flags: each
     ``*_bytes`` flag reads a count or a number with a unit, as ``parse_bytes``; a bad one names the flag."""
     from multilora.runtime.cli import build_parser
@@ -1012,6 +1028,8 @@ def test_engine_byte_flags_take_the_units_memory_takes(command):
         "--host-arena-map-ahead-bytes": 4096}
     with pytest.raises(SystemExit):
         p.parse_args([command, "--kv-cache-bytes", "8 gigs"])
+    err = capsys.readouterr().err
+    assert "argument --kv-cache-bytes: expected a byte count like 4096, 512MiB or 2GiB, got '8 gigs'" in err, err
 
 
 def test_check_output_dir_needs_write_access_only_to_write(tmp_path, monkeypatch):

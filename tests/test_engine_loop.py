@@ -228,6 +228,35 @@ def test_abort_and_leaving_a_stream_free_the_request(engine, loop):
     assert stats()["requests_aborted"] - aborted0 == 2  # (counted apart from requests_finished / _failed)
 
 
+def test_a_loop_step_that_raises_fails_its_streams_once_and_keeps_serving(engine, monkeypatch):
+    """A step that raises outside the forward (a bug: the forward's own failures fail their batch in the engine) ends
+    every streamed request with finish_reason "error", each counted once in ``requests_failed`` (not in
+    ``requests_aborted``); the loop then serves the next request."""
+    lp = EngineLoop(engine)
+    try:
+        before = engine.stats()
+        real = engine.step
+        calls = []
+
+        def broken():
+            calls.append(1)
+            if len(calls) == 2:  # the second step: the request is running, its KV held
+                raise RuntimeError("a bug in the step")
+            return real()
+
+        monkeypatch.setattr(engine, "step", broken)
+        out = lp.submit(token_ids(6, 52, VOCAB), "a", SamplingParams(max_tokens=50, ignore_eos=True)).result()
+        assert out.finish_reason == "error" and "the engine loop failed" in out.error
+        after = engine.stats()
+        assert after["requests_failed"] - before["requests_failed"] == 1
+        assert after["requests_aborted"] == before["requests_aborted"]
+        monkeypatch.undo()
+        assert lp.submit(token_ids(6, 53, VOCAB), None, GREEDY).result().finish_reason == "length"
+    finally:
+        lp.close()
+    _idle(engine)
+
+
 def test_async_consumer_cancelled_aborts(engine, loop):
     _slow_steps(engine, loop)
 

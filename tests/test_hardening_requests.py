@@ -242,6 +242,26 @@ def test_interrupted_generate_withdraws_its_requests(tiny, reference, monkeypatc
     assert after["requests_aborted"] - before["requests_aborted"] == len(PROMPTS)
     assert (after["requests_finished"], after["requests_failed"]) == (before["requests_finished"],
                                                                       before["requests_failed"])
+
+
+def test_an_interrupt_counts_only_the_unfinished_as_aborted(tiny, reference, monkeypatch):
+    """A request of the interrupted call that finished before the interrupt keeps its finish (and its count in
+    ``requests_finished``); only the others are withdrawn and counted aborted."""
+    e = _engine(tiny)
+    monkeypatch.setattr(e.runner, "run", Interrupt(e.runner.run, 3))  # a decode step: the first has finished
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    before = e.stats()
+    reqs = []
+    real_add = e.add_request
+    monkeypatch.setattr(e, "add_request", lambda *a, **k: reqs.append(real_add(*a, **k)) or reqs[-1])
+    with pytest.raises(KeyboardInterrupt):
+        e.generate(PROMPTS, adapters=ADAPTERS, sampling=[one, GREEDY, GREEDY])
+    monkeypatch.undo()
+    after = e.stats()
+    assert [r.finish_reason for r in reqs] == ["length", "error", "error"]
+    assert after["requests_finished"] - before["requests_finished"] == 1
+    assert after["requests_aborted"] - before["requests_aborted"] == 2
+    _still_serves(e, reference)
     _still_serves(e, reference)
     assert e.logits([PROMPTS[0]]).shape == (1, VOCAB)
 

@@ -224,3 +224,16 @@ def test_a_bare_kernels_import_from_the_checkout_gets_the_installed_package(tmp_
         assert p.returncode == 0, p.stderr[-2000:]
         out = p.stdout.strip()
         assert out.startswith(want) and out.endswith("True"), out
+
+
+def test_the_engine_config_imports_without_torch():
+    """``multilora.runtime.config`` (``EngineConfig``, the CLI's flags and byte parser) loads neither torch nor the
+    kernels: tools that only build or check a config stay light (torch alone takes about a second to import)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, multilora.runtime.config as c; c.EngineConfig(max_batch_size=2); c.parse_bytes('8GiB'); "
+            "bad = [m for m in ('torch', 'triton', 'multilora.kernels', 'multilora.memory') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr or r.stdout

@@ -362,6 +362,7 @@ def test_options_are_validated_naming_the_argument():
         ({"local_ranks": 0}, "local_ranks"),
         ({"max_kv_bytes": -1}, "max_kv_bytes"),
         ({"adapter_pool_share": 2.0}, "adapter_pool_share"),
+        ({"max_kv_source": "batch"}, "max_kv_source"),
     ]:
         with pytest.raises(ValueError, match=name):
             MemoryPlanOptions(**kwargs)

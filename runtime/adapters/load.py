@@ -218,7 +218,7 @@ def _other_model_hint(found: dict[tuple[int, str], dict[str, str]], layer: int, 
     if not found or layer <= last:
         return ""
     return (f". The file has tensors for layers 0-{last} only and this base model has {config.num_layers} layers: "
-            f"the file is cut short, or " + _other_model(config, cfg_path))
+            f"the file was written incompletely, or " + _other_model(config, cfg_path))
 
 
 def _checked_values(x: torch.Tensor, key: str, wpath: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,8 +299,12 @@ def _build_modules(
             x = tensors[key]
             if tuple(x.shape) != expect:
                 features = 1 if kind == "A" else 0  # in_features of A, out_features of B: the base model's
-                other = ("; " + _other_model(config, cfg_path) if x.dim() == 2 and x.shape[features] != expect[features]
-                         else "")
+                if tuple(x.shape) == expect[::-1] and expect[0] != expect[1]:
+                    other = f"; it is transposed (PEFT stores lora_{kind} as {what})"
+                elif x.dim() == 2 and x.shape[features] != expect[features]:
+                    other = "; " + _other_model(config, cfg_path)
+                else:
+                    other = ""
                 raise AdapterError(
                     f"{wpath}: tensor {key!r}: expected shape {_fmt_shape(expect)} ({what} with r={t.r} from "
                     f"{t.r_source} in {cfg_path.name}, in/out features of {module} from the base model), "

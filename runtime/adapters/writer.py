@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Mapping
 
@@ -15,8 +15,6 @@ from multilora.runtime.adapters.disk import SAFETENSORS_NAME
 from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _fmt_shape, _is_int, _parse_config
 from multilora.runtime.adapters.targets import _PEFT_PREFIX, _is_targeted, _overlap_hint, _pattern_value
 
-_UMASK = os.umask(0o022)  # the process's umask (read by setting it, then set back at once)
-os.umask(_UMASK)
 
 
 def save_peft_adapter(
@@ -50,6 +48,8 @@ def save_peft_adapter(
     Raises:
         ValueError: no modules; an unknown module; a tensor that is not 2-D, whose A and B ranks differ, whose
             rank disagrees with ``r`` / ``rank_pattern``; or a (layer, module) that the config would not target.
+        OSError: a file that cannot be written (a directory that cannot be made, a full disk; safetensors' own
+            write errors too), the files already there left as they were.
     """
     if not modules:
         raise ValueError("save_peft_adapter: modules is empty; an adapter needs at least one (layer, module)")
@@ -116,24 +116,43 @@ def save_peft_adapter(
         tensors[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = a.detach().to("cpu").contiguous().clone()
         tensors[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = b.detach().to("cpu").contiguous().clone()
 
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
     def atomic(dest: Path, write) -> None:
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{dest.name}.", suffix=".tmp")
-        os.close(fd)
+        for _ in range(100):  # a new file of a free name (mkstemp's 0600 would keep other users out): the mode
+            tmp = out / f".{dest.name}.{secrets.token_hex(6)}.tmp"  # open() gives, 0666 less the umask
+            try:
+                os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise FileExistsError(f"{out}: no free temporary file name for {dest.name}")
         try:
-            write(tmp)
-            os.chmod(tmp, 0o666 & ~_UMASK)  # (mkstemp makes it 0600: the file gets what open() would give it)
+            mode = os.stat(tmp).st_mode & 0o777  # what the umask of this moment gave it
+            write(str(tmp))
+            if os.stat(tmp).st_mode & 0o777 != mode:  # (safetensors writes a new file of mode 0600)
+                try:
+                    os.chmod(tmp, mode)
+                except OSError:  # a file system without modes (vfat, some FUSE mounts): the file is still written
+                    pass
             os.replace(tmp, dest)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
 
-    atomic(out / SAFETENSORS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    def write_safetensors(p: str) -> None:
+        try:
+            save_file(tensors, p, metadata={"format": "pt"})
+        except SafetensorError as e:  # (its I/O errors are not OSErrors: "File too large (os error 27)")
+            raise OSError(f"{out / SAFETENSORS_NAME}: {e}") from e
+
+    atomic(out / SAFETENSORS_NAME, write_safetensors)
 
     def write_json(p: str) -> None:
         with open(p, "w", encoding="utf-8") as f:
