@@ -334,9 +334,9 @@ def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "2XB", "1e9"])
+@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "2XB", "1e9", "1.5", "2.0B"])
 def test_parse_bytes_rejects(text):
-    with pytest.raises(ValueError, match="byte count"):
+    with pytest.raises(ValueError, match="byte count|whole number of bytes"):
         parse_bytes(text)
 
 
