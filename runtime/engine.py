@@ -463,10 +463,14 @@ class Engine:
         with self._step_lock:
             t0 = time.perf_counter()
             if self.tp is not None:
+                if not self.tp.dead:
+                    try:
+                        self._sync_workers()
+                    except TensorParallelError:  # a worker died since the last step (sets tp.dead): as below
+                        pass
                 if self.tp.dead:  # nothing can run: every request fails with the workers' error
                     return self._fail_all(list(self.scheduler.running) + list(self.scheduler.waiting),
                                           TensorParallelError(self.tp.dead), log_it=False)
-                self._sync_workers()
             ahead, self._ahead = self._ahead, None  # a step launched by the call before, not read back yet
             nxt: _Ahead | None = None  # this step, once launched, until it is handed to the next call
             done: list[Request] = []
@@ -723,6 +727,12 @@ class Engine:
                 if r.status is not Status.FINISHED:
                     self.scheduler.finish(r, "error", why)
                     self._counters[counter] += 1
+
+    @property
+    def dead(self) -> str | None:
+        """Why this engine can no longer run a step (a tensor-parallel worker died, or the engine was closed with
+        workers: every request then fails with it), or None. A serving loop reports it as the engine's death."""
+        return None if self.tp is None else self.tp.dead
 
     def fail(self, request_id: int, error: str) -> bool:
         """Finish an unfinished request with ``finish_reason="error"`` and ``error`` (from any thread; counted in

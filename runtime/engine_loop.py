@@ -218,8 +218,14 @@ class EngineLoop:
 
     @property
     def running(self) -> bool:
-        """The loop's thread is alive (False once closed, or if it died)."""
-        return self._thread.is_alive()
+        """The loop's thread is alive and its engine can run steps (False once closed, if the thread died, or if the
+        engine is dead: ``Engine.dead``, a tensor-parallel worker gone)."""
+        return self._thread.is_alive() and self.engine.dead is None
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine cannot run (``Engine.dead``), or None."""
+        return self.engine.dead
 
     def close(self) -> None:
         """Abort what is still running and stop the thread (also at interpreter exit, for a loop never closed)."""

@@ -191,6 +191,13 @@ class _EngineCore:
                 log.exception("engine process: a step failed; failing its requests")
                 for rid in list(self.tracked):
                     engine.fail(rid, "the engine loop failed (see the log)")
+            if engine.dead:  # (a tensor-parallel worker died): no step can run again; the parent answers 503
+                log.error("engine process: %s; exiting", engine.dead)
+                for rid in list(self.tracked):
+                    engine.fail(rid, engine.dead)
+                self.publish()
+                self.send(("dead", engine.dead))
+                break
         for rid in list(self.tracked):  # closed: abort what is left, tell the parent, and leave
             engine.abort(rid)
         self.publish()
@@ -490,6 +497,9 @@ class EngineProcess:
                     self._deliver(msg[1], msg[2])
                 elif kind == "reply":
                     self._reply(*msg[1:])
+                elif kind == "dead":  # the child's engine cannot run (a tensor-parallel worker died): it leaves
+                    self.error = f"the engine process (pid {self.pid}) stopped: {msg[1]}"
+                    log.error("%s: failing its requests; /health now fails", self.error)
                 elif kind == "closed":
                     return
         except (EOFError, OSError):

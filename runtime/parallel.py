@@ -264,16 +264,23 @@ class TensorParallel:
         """Stop the workers (a ``stop`` message, then terminate what is left) and leave the process group."""
         import torch.distributed as dist
 
+        stopped = False
         if self._ctrl is not None and not self.dead:
             try:
                 self._bcast(("stop",))
+                stopped = True
             except TensorParallelError:
                 pass
+        # told to stop: each has up to 10 s (one deadline for all); a dead group's survivors are waiting in a
+        # collective that never ends: terminated at once (joined one by one, 8 ranks took minutes)
+        deadline = time.monotonic() + (10.0 if stopped else 0.0)
         for p in self.procs:
-            p.join(timeout=10.0)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
             if p.is_alive():
                 p.terminate()
-                p.join(timeout=5.0)
+        for p in self.procs:
+            p.join(timeout=5.0)
         for c in self.conns:
             c.close()
         if dist.is_initialized():

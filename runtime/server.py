@@ -134,6 +134,7 @@ class _Server:
         self.adapter_paths = adapter_paths
         self.adapter_root = Path(adapter_root).resolve() if adapter_root is not None else None
         self.allow_runtime_adapters = allow_runtime_adapters
+        self._adapters_busy: set[str] = set()  # names a runtime load / unload is changing (the event loop's only)
         self.metrics = ServerMetrics(engine, served_model_name,
                                      running=lambda: self.loop is None or self.loop.running)
         self.loop: EngineLoop | EngineProcess | None = None
@@ -308,25 +309,42 @@ class _Server:
         if name == self.served_model_name:
             raise APIError(400, f"lora_name: that is the base model's served name: choose another, got {name!r}",
                            code="invalid_value", param="lora_name")
-        if name in self.engine.list_adapters() and not body.load_inplace:
-            raise APIError(400, f"The lora adapter '{name}' has already been loaded (load_inplace=true replaces it).",
-                           code="invalid_value", param="lora_name")
         path = self._adapter_path(body.lora_path)
-        try:
-            await run_in_threadpool(self.engine.load_adapter, name, path)
-        except (ValueError, OSError) as e:  # AdapterError is a ValueError
-            raise APIError(400, f"lora_path: {e}", code="invalid_adapter", param="lora_path") from None
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+        with self._adapter_busy(name):  # the check and the load as one: a concurrent load of the name is a 409
+            replaced = name in self.engine.list_adapters()
+            if replaced and not body.load_inplace:
+                raise APIError(400, f"The lora adapter '{name}' has already been loaded (load_inplace=true replaces "
+                                    f"it).", code="invalid_value", param="lora_name")
+            try:
+                await run_in_threadpool(self.engine.load_adapter, name, path)
+            except (ValueError, OSError) as e:  # AdapterError is a ValueError
+                raise APIError(400, f"lora_path: {e}", code="invalid_adapter", param="lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' {'replaced' if replaced else 'added'} successfully.")
 
     async def unload_lora_adapter(self, body: UnloadLoRARequest) -> PlainTextResponse:
         self._check_runtime_adapters()
-        try:
-            await run_in_threadpool(self.engine.unload_adapter, body.lora_name)
-        except UnknownAdapterError:
-            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", code="model_not_found",
-                           param="lora_name") from None
+        with self._adapter_busy(body.lora_name):
+            try:
+                await run_in_threadpool(self.engine.unload_adapter, body.lora_name)
+            except UnknownAdapterError:
+                raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", code="model_not_found",
+                               param="lora_name") from None
         log.info("unloaded adapter %r", body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    @contextlib.contextmanager
+    def _adapter_busy(self, name: str):
+        """Mark ``name`` as being changed by this request for the ``with`` block: another load or unload of it
+        meanwhile is refused with 409 (check-then-load as one step; without it two loads of one name both answered
+        "added" and the later one's weights won). Runs on the event loop only: the check and the mark are atomic."""
+        if name in self._adapters_busy:
+            raise APIError(409, f"The lora adapter '{name}' is being loaded or unloaded by another request: retry "
+                                f"when it is done.", code="adapter_busy", param="lora_name")
+        self._adapters_busy.add(name)
+        try:
+            yield
+        finally:
+            self._adapters_busy.discard(name)
 
     def _check_runtime_adapters(self) -> None:
         if not self.allow_runtime_adapters:

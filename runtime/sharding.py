@@ -27,9 +27,11 @@ def check_tp_size(config: ModelConfig, size: int) -> None:
     if I % size:
         bad.append(f"intermediate_size {I}")
     if KV % size and size % KV:
-        bad.append(f"num_kv_heads {KV} (a multiple or a divisor of it is needed)")
+        bad.append(f"num_kv_heads {KV} (the size must divide it or be a multiple of it)")
     if bad:
-        raise ValueError(f"Engine: tensor_parallel_size={size} does not divide the model's {', '.join(bad)}")
+        fits = [n for n in range(1, H + 1) if not H % n and not I % n and not (KV % n and n % KV)]
+        raise ValueError(f"Engine: tensor_parallel_size={size} does not divide the model's {', '.join(bad)}; the sizes "
+                         f"that do: {', '.join(map(str, fits))}")
 
 
 def tp_rank_config(config: ModelConfig, size: int) -> ModelConfig:

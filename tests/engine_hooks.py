@@ -91,3 +91,35 @@ def stats(engine):
 
 def device(engine):
     return str(engine.device)
+
+
+class _DeadGroup:
+    """A tensor-parallel group whose worker died (``Engine.dead`` reads its ``dead``)."""
+
+    def __init__(self, why):
+        self.dead = why
+
+    def close(self):
+        pass
+
+
+def dies(engine, why):
+    """The engine's tensor-parallel group is dead from now on (``why``), as when a worker is killed."""
+    engine.tp = _DeadGroup(why)
+
+
+def slow_loads(engine, seconds):
+    """Every ``load_adapter`` sleeps ``seconds`` first (undo: ``restore_loads``)."""
+    load = engine.__dict__.setdefault("_hooks_load", engine.load_adapter)
+
+    def slow(*a, **k):
+        time.sleep(seconds)
+        return load(*a, **k)
+
+    engine.load_adapter = slow
+
+
+def restore_loads(engine):
+    load = engine.__dict__.pop("_hooks_load", None)
+    if load is not None:
+        engine.load_adapter = load

@@ -257,6 +257,34 @@ def test_a_loop_step_that_raises_fails_its_streams_once_and_keeps_serving(engine
     _idle(engine)
 
 
+def test_a_dead_engine_is_a_dead_loop(engine, monkeypatch):
+    """An engine that can no longer step (``Engine.dead``: a tensor-parallel worker died) makes its loop report not
+    running, with the reason: the server then answers 503 ``engine_dead`` and /health fails, so an orchestrator
+    restarts it instead of every request failing with a 500 forever. In an engine process the child leaves, its
+    requests failed with the reason."""
+    lp = EngineLoop(engine)
+    try:
+        assert lp.running and lp.error is None and engine.dead is None
+        monkeypatch.setattr(engine, "tp", hooks._DeadGroup("worker 2 (pid 7) exited with code -9"))
+        assert not lp.running and lp.error == engine.dead == "worker 2 (pid 7) exited with code -9"
+        monkeypatch.undo()
+        assert lp.running
+    finally:
+        lp.close()
+    proc = EngineProcess.start(functools.partial(hooks.tiny_random_engine), timeout=120)
+    try:
+        s = proc.submit([5, 6, 7], "a", SamplingParams(max_tokens=10_000, ignore_eos=True))
+        proc.apply(hooks.dies, "worker 2 (pid 7) exited with code -9")
+        deadline = time.time() + 30
+        while proc.running and time.time() < deadline:
+            time.sleep(0.05)
+        assert not proc.running and "stopped: worker 2 (pid 7) exited with code -9" in proc.error, proc.error
+        out = s.result()
+        assert out.finish_reason == "error" and "worker 2 (pid 7)" in out.error, out
+    finally:
+        proc.close()
+
+
 def test_async_consumer_cancelled_aborts(engine, loop):
     _slow_steps(engine, loop)
 

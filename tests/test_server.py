@@ -635,7 +635,7 @@ def test_runtime_adapters_load_serve_and_unload(http, engine, served, adapter_ro
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "fresh", "lora_path": "fresh"})  # relative to the root
     assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "fresh", "lora_path": "fresh", "load_inplace": True})
-    assert r.status_code == 200
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'fresh' replaced successfully."
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"})
     assert r.status_code == 200 and "removed" in r.text
     assert "fresh" not in served.apply(hooks.list_adapters)
@@ -646,6 +646,32 @@ def test_runtime_adapters_load_serve_and_unload(http, engine, served, adapter_ro
     assert http.post("/v1/completions", json={"model": "fresh", "prompt": "Hi"}).status_code == 404
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
+
+
+def test_concurrent_runtime_loads_of_one_name_do_not_both_succeed(url, engine, served, adapter_root):
+    """Two loads of one name at once: the second is refused with 409 ``adapter_busy`` while the first runs (before,
+    both could answer "added" and the later one's weights won silently); afterwards the name is free again."""
+    import concurrent.futures
+
+    path = write_adapter(adapter_root / "racy", engine.config, seed=5, rank=4, modules=("q_proj",))
+    served.apply(hooks.slow_loads, 1.5)
+    try:
+        def load(_):
+            return httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "racy", "lora_path": str(path)},
+                              headers=AUTH, timeout=60)
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(load, 0)
+            time.sleep(0.5)  # the first is loading
+            second = pool.submit(load, 1).result()
+            first = first.result()
+    finally:
+        served.apply(hooks.restore_loads)
+    assert first.status_code == 200, first.text
+    assert second.status_code == 409 and second.json()["error"]["code"] == "adapter_busy", second.text
+    assert second.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "racy"}, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_runtime_adapter_paths_must_stay_inside_the_adapter_root(http, engine, served, adapter_root, tmp_path):

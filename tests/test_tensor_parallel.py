@@ -95,7 +95,8 @@ def test_lora_shards_sum_to_the_full_delta():
 
 def test_bad_sizes_refused_before_any_process_starts(tmp_path_factory):
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's num_heads 4, "
-                                         r"intermediate_size 128, num_kv_heads 2"):
+                                         r"intermediate_size 128, num_kv_heads 2 \(the size must divide it or be a "
+                                         r"multiple of it\); the sizes that do: 1, 2, 4$"):
         check_tp_size(CFG, 3)
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         Engine(CFG, tensor_parallel_size=3, **KW)
@@ -254,6 +255,7 @@ def test_tp_killed_worker_is_reported_and_nothing_is_left():
         assert "worker 1" in out[0].error and "exited" in out[0].error, out[0].error
         with pytest.raises(TensorParallelError, match="worker 1"):
             e.tp.step("eager", ([[1]], [0], [[1]], [-1]))
+        assert "worker 1" in e.dead  # (a serving loop reads it: not running, 503 engine_dead)
     finally:
         e.close()
     assert not _alive(pid)
@@ -262,6 +264,24 @@ def test_tp_killed_worker_is_reported_and_nothing_is_left():
         assert again.generate([ROWS[1]], sampling=GREEDY)[0].finish_reason == "length"
     finally:
         again.close()
+
+
+def test_tp_close_after_a_worker_died_stops_the_survivors_at_once():
+    """The survivors of a dead group wait in a collective that never ends: close() terminates them at once instead
+    of giving each the 10 s a stopped worker gets (8 ranks took over a minute, past an orchestrator's grace period)."""
+    e = Engine(CFG, tensor_parallel_size=4, **KW)
+    try:
+        pids = [p.pid for p in e.tp.procs]
+        os.kill(pids[1], signal.SIGKILL)
+        time.sleep(0.5)
+        assert all(o.finish_reason == "error" for o in e.generate([ROWS[0]], sampling=GREEDY))
+        assert e.dead is not None
+    finally:
+        t0 = time.monotonic()
+        e.close()
+        took = time.monotonic() - t0
+    assert not any(_alive(p) for p in pids)
+    assert took < 9.0, f"close() took {took:.1f} s: it waited for workers that cannot stop"
 
 
 def _worker_pid(engine):
