@@ -72,7 +72,7 @@ class RequestFactory:
             room = kv.max_usable_blocks * kv.block_size - len(ids)  # tokens the whole cache holds past the prompt
             if params.max_tokens_fit_kv and room >= 1:  # a default: capped at what the cache holds
                 params = dataclasses.replace(params, max_tokens=room)
-            elif params.max_tokens_fit_kv:
+            elif room < 1:  # the prompt alone: no max_tokens would do
                 raise ValueError(
                     f"prompt: {len(ids)} tokens and one generated need {kv.blocks_for_tokens(len(ids) + 1)} KV blocks "
                     f"of {kv.block_size} tokens; the whole KV cache has {kv.max_usable_blocks}: shorten the prompt "

@@ -24,6 +24,9 @@ import torch
 from multilora.kernels.backends import to_device
 
 
+_FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: temperatures are float32 in the sampler
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token, and when to stop.
@@ -87,8 +90,8 @@ class SamplingParams:
             raise fail("stop", "a string, a list of strings or None")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise fail("max_tokens", "an int >= 1")
-        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise fail("temperature", "a finite number >= 0")
+        if not _is_real(self.temperature) or not 0 <= self.temperature <= _FLOAT32_MAX:  # (the sampler's dtype)
+            raise fail("temperature", "a finite number >= 0, at most float32's largest (3.4e38)")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise fail("top_p", "a number in (0, 1]")
         if not _is_int(self.top_k) or not 0 <= self.top_k < 2**63:

@@ -523,6 +523,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 400 and str(e.detail) == "There was an error parsing the body":  # FastAPI's words for a
+            return reply(APIError(400, "malformed JSON body: not UTF-8 JSON text (RFC 8259: JSON is UTF-8)",  # body
+                                  code="invalid_json"))  # json.loads refused other than as a JSONDecodeError
         return reply(APIError(e.status_code, str(e.detail)))
 
     @app.exception_handler(Exception)

@@ -100,7 +100,7 @@ def _still_serves(e: Engine, reference) -> None:
 @pytest.mark.parametrize("field,value", [
     ("seed", "abc"), ("seed", 1.5), ("seed", True), ("top_k", 2**63), ("top_k", 2.0), ("top_k", -1),
     ("temperature", "1.0"), ("temperature", None), ("temperature", float("nan")), ("temperature", math.inf),
-    ("temperature", -0.5), ("top_p", "0.9"), ("top_p", float("nan")), ("top_p", 0), ("top_p", 1.5),
+    ("temperature", -0.5), ("temperature", 1e308), ("top_p", "0.9"), ("top_p", float("nan")), ("top_p", 0), ("top_p", 1.5),
     ("max_tokens", 0), ("max_tokens", 2.0), ("max_tokens", None), ("stop", 3), ("stop", [""]), ("stop", [None]),
     ("ignore_eos", "yes"), ("ignore_eos", None), ("max_tokens_fit_kv", "yes"),
 ])
@@ -457,9 +457,10 @@ def test_max_tokens_fit_kv_caps_a_request_at_what_the_kv_cache_holds(tiny):
     assert (out.finish_reason, len(out.token_ids)) == ("length", 4)
     with pytest.raises(ValueError, match=r"^prompts\[0\]: request: 20 prompt tokens \+ max_tokens=40"):
         e.generate([token_ids(20, 5, VOCAB)], sampling=SamplingParams(max_tokens=40))
-    with pytest.raises(ValueError, match=r"^prompts\[0\]: prompt: 24 tokens and one generated need 7 KV blocks of 4 "
-                                         r"tokens; the whole KV cache has 6"):
-        e.generate([token_ids(24, 5, VOCAB)], sampling=capped)
+    for sp in (capped, SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, max_tokens_must_fit=True)):
+        with pytest.raises(ValueError, match=r"^prompts\[0\]: prompt: 24 tokens and one generated need 7 KV blocks "
+                                             r"of 4 tokens; the whole KV cache has 6: shorten the prompt"):
+            e.generate([token_ids(24, 5, VOCAB)], sampling=sp)  # (the prompt alone: no max_tokens helps, so named)
     with pytest.raises(ValueError, match=r"^SamplingParams\.max_tokens_fit_kv: expected False with max_tokens_must_fit"):
         SamplingParams(max_tokens_fit_kv=True, max_tokens_must_fit=True)
     assert capped.max_tokens == 40  # (the request got a copy)

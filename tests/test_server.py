@@ -378,6 +378,7 @@ _NEAR = token_ids(250, 4, VOCAB)  # leaves 6 tokens of the context
 ERRORS = [  # (route, body, status, param, code)
     ("completions", b'{"model": "tiny", "prompt": ', 400, None, "invalid_json"),
     ("completions", b"[1, 2]", 400, None, "invalid_type"),
+    ("completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, None, "invalid_json"),  # not UTF-8
     ("completions", {"model": BASE}, 400, "prompt", "invalid_type"),
     ("completions", {"model": "nope", "prompt": "Hi"}, 404, "model", "model_not_found"),
     ("completions", {"model": BASE, "prompt": _LONG}, 400, "prompt", "invalid_value"),
