@@ -611,7 +611,7 @@ def load_engine(model: Any, config: Any, adapters: dict[str, str] | list[tuple[s
     items = list(adapters.items()) if isinstance(adapters, dict) else list(adapters)
     engine = Engine(model, config=config)
     t0 = time.perf_counter()
-    for name, path in tqdm(items, desc="Registering adapters", unit="adapter", disable=not progress,
+    for name, path in tqdm(items, desc="Registering adapters", unit="adapter", disable=not progress or not items,
                            file=sys.stderr):
         try:
             engine.load_adapter(name, path, allow_pickle=allow_pickle)

@@ -41,6 +41,7 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -164,6 +165,7 @@ class TensorParallel:
             self._recv(i, "loading the model", _timeout().total_seconds())
 
     def connect(self) -> None:
+        self._excepthook = sys.excepthook  # init_process_group wraps it ("[rank0]: " on every traceback line)
         self._ctrl = _init_group(0, self.size, self.init_method, _device_of(0, self.device))
 
     def _bcast(self, obj: Any) -> Any:
@@ -289,6 +291,8 @@ class TensorParallel:
             except Exception:  # a group whose peers died may fail to tear down cleanly
                 log.debug("destroy_process_group failed", exc_info=True)
         self._ctrl = None
+        if getattr(self, "_excepthook", None) is not None:  # the process is no rank now: its tracebacks plain again
+            sys.excepthook, self._excepthook = self._excepthook, None  # (each new group would add one more prefix)
         self.dead = self.dead or "tensor-parallel engine closed"
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -244,6 +245,7 @@ def test_tp_adapter_a_worker_cannot_read_fails_alone(adapter_paths, tmp_path):
 
 
 def test_tp_killed_worker_is_reported_and_nothing_is_left():
+    hook = sys.excepthook
     e = Engine(CFG, tensor_parallel_size=2, **KW)
     try:
         pid = e.tp.procs[0].pid
@@ -259,6 +261,7 @@ def test_tp_killed_worker_is_reported_and_nothing_is_left():
     finally:
         e.close()
     assert not _alive(pid)
+    assert sys.excepthook is hook  # (torch's "[rank0]: " wrapper removed with the group: no stacked prefixes)
     again = Engine(CFG, tensor_parallel_size=2, **KW)  # the process group was torn down: a new engine starts
     try:
         assert again.generate([ROWS[1]], sampling=GREEDY)[0].finish_reason == "length"
