@@ -11,7 +11,9 @@ Byte options take an integer or a number with a unit: B, KiB, MiB, GiB, TiB (pow
 KB, MB, GB, TB (powers of 1000); K, M, G, T alone are read as KiB, MiB, GiB, TiB; at most 2^64 - 1.
 
 Exit status 2, with one line that names the file or the option, for a snapshot that cannot be read
-(``MemorySnapshotError``), a plan that does not fit (``MemoryPlanError``) or a bad option. A plan whose adapter
+(``MemorySnapshotError``), a plan that does not fit (``MemoryPlanError``) or a bad option; with ``--json`` also
+``{"error": {"message", "type"}}`` on stdout (a plan that does not fit adds ``needed_bytes``, ``fits_bytes``,
+``source``). A plan whose adapter
 pool is 0 B (asked for with ``--adapter-pool-share 0`` or ``--adapter-pool-bytes 0``, or left by the caps) exits 0
 with a note under the plan (stderr stays empty on exit 0; ``--json`` shows the 0 B): an engine needs room for one
 adapter, which ``--min-adapter-bytes`` makes the plan check; a 0 B KV cache likewise (``--min-kv-bytes``). A last
@@ -350,8 +352,7 @@ def run_memory(args: argparse.Namespace) -> int:
                                  f"model)")
         snapshot = _snapshot(args)
     except (ValueError, OSError) as e:
-        print(f"multilora memory: {_flag_words(e, args)}", file=sys.stderr)
-        return 2
+        return _failed(e, args)
     if args.save_snapshot is not None:
         try:
             args.save_snapshot.write_text(json.dumps(snapshot.to_dict(), indent=2) + "\n")
@@ -367,8 +368,7 @@ def run_memory(args: argparse.Namespace) -> int:
         else:
             plan = compute_memory_plan(snapshot, options)
     except ValueError as e:  # (MemoryPlanError, ModelLoadError, a flag the engine refuses)
-        print(f"multilora memory: {_flag_words(e, args)}", file=sys.stderr)
-        return 2
+        return _failed(e, args)
     if args.json:
         print(json.dumps({"plan": plan.to_dict(), "snapshot": snapshot.to_dict(),
                           **({"engine": engine} if engine is not None else {})}, indent=2))
@@ -380,6 +380,20 @@ def run_memory(args: argparse.Namespace) -> int:
                 engine_notes(engine) if engine is not None else []):
             print(f"note: {note}")
     return 0
+
+
+def _failed(e: Exception, args: argparse.Namespace) -> int:
+    """Exit status 2 for ``e``: its message on stderr (in this command's flags); with ``--json`` also, on stdout,
+    ``{"error": {"message", "type"}}`` and, for a plan that does not fit (``MemoryPlanError``), its
+    ``needed_bytes``, ``fits_bytes`` and ``source``, so a tool reading the JSON learns what was short."""
+    msg = _flag_words(e, args)
+    print(f"multilora memory: {msg}", file=sys.stderr)
+    if getattr(args, "json", False):
+        err = {"message": msg, "type": type(e).__name__}
+        if isinstance(e, MemoryPlanError):
+            err.update(needed_bytes=e.needed_bytes, fits_bytes=e.fits_bytes, source=e.source)
+        print(json.dumps({"error": err}, indent=2))
+    return 2
 
 
 def plan_notes(plan, options: MemoryPlanOptions, engine: bool = False) -> list[str]:

@@ -378,6 +378,15 @@ def test_cli_replays_the_integrated_example_elsewhere(tmp_path, capsys):
     # An explicit host tier that over-commits the shared pool is refused with a clear error.
     assert cli_memory.main(["--snapshot", str(path), "--adapter-pool-share", "0", "--host-adapter-bytes", "20GiB"]) == 2
     assert "over-commits" in capsys.readouterr().err
+    # with --json the refusal is JSON on stdout too, with what was asked for, what fits and what bound it
+    argv = ["--snapshot", str(path), "--adapter-pool-share", "0", "--host-adapter-bytes", "20GiB", "--json"]
+    assert cli_memory.main(argv) == 2
+    cap = capsys.readouterr()
+    err = json.loads(cap.out)["error"]
+    assert err["type"] == "MemoryPlanError" and "over-commits" in err["message"] and err["message"] in cap.err
+    assert err["needed_bytes"] == 20 * GiB and 0 <= err["fits_bytes"] < 20 * GiB and err["source"], err
+    assert cli_memory.main(["--snapshot", str(tmp_path / "missing.json"), "--json"]) == 2  # other errors: no sizes
+    assert set(json.loads(capsys.readouterr().out)["error"]) == {"message", "type"}
 
 
 def test_cli_takes_the_engine_flag_names_too(tmp_path, capsys):
