@@ -463,11 +463,12 @@ class Engine:
         with self._step_lock:
             t0 = time.perf_counter()
             if self.tp is not None:
-                if not self.tp.dead:
+                if not self.tp.poll_dead():
                     try:
                         self._sync_workers()
                     except TensorParallelError:  # a worker died since the last step (sets tp.dead): as below
-                        pass
+                        if not self.tp.dead:  # (any other failure would lose the adapter messages: never quiet)
+                            raise
                 if self.tp.dead:  # nothing can run: every request fails with the workers' error
                     return self._fail_all(list(self.scheduler.running) + list(self.scheduler.waiting),
                                           TensorParallelError(self.tp.dead), log_it=False)
@@ -732,7 +733,7 @@ class Engine:
     def dead(self) -> str | None:
         """Why this engine can no longer run a step (a tensor-parallel worker died, or the engine was closed with
         workers: every request then fails with it), or None. A serving loop reports it as the engine's death."""
-        return None if self.tp is None else self.tp.dead
+        return None if self.tp is None else self.tp.poll_dead()
 
     def fail(self, request_id: int, error: str) -> bool:
         """Finish an unfinished request with ``finish_reason="error"`` and ``error`` (from any thread; counted in

@@ -27,7 +27,9 @@ Lifecycle: the child is started with the ``spawn`` method (CUDA cannot be forked
 streams finish, then shuts the child down in order). It exits on ``close()``, and by itself when the pipe reaches
 end-of-file: the parent exited, was killed, or crashed; ``close`` kills (SIGKILL) a child that did not exit in time. If the child dies, ``running`` turns False, every
 unfinished stream ends with ``finish_reason="error"`` and a message naming the exit code or signal, and new
-submissions raise ``EngineDeadError``. An error while the child builds its engine (a bad model path, a memory plan
+submissions raise ``EngineDeadError``. The child also leaves by itself when its engine can no longer step
+(``Engine.dead``: a tensor-parallel worker died), telling the parent why first, so that the parent reports that reason.
+An error while the child builds its engine (a bad model path, a memory plan
 that does not fit, a bad adapter) is raised again by ``EngineProcess.start`` with the child's message.
 """
 
@@ -503,7 +505,7 @@ class EngineProcess:
                 elif kind == "closed":
                     return
         except (EOFError, OSError):
-            if not self._closing:
+            if not self._closing and self.error is None:  # (after a "dead" message its reason stays the error)
                 self._process.join(5)
                 self.error = f"the engine process (pid {self.pid}) {_exit_status(self._process)}"
                 log.error("%s: failing its requests; /health now fails", self.error)

@@ -40,6 +40,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import threading
@@ -120,6 +121,8 @@ class TensorParallel:
         self.size, self.device = size, device
         self.init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.dead: str | None = None
+        self._excepthooks: tuple | None = None  # (before connect(), torch's wrapper after it)
+        self._closed = self._connected = False
         self._pending: list[tuple] = []  # adapter messages for the next sync
         self._slot_map: dict[int, tuple[str, int]] = {}
         self._sent_map: dict[int, tuple[str, int]] | None = None
@@ -165,8 +168,10 @@ class TensorParallel:
             self._recv(i, "loading the model", _timeout().total_seconds())
 
     def connect(self) -> None:
-        self._excepthook = sys.excepthook  # init_process_group wraps it ("[rank0]: " on every traceback line)
+        before = sys.excepthook  # init_process_group wraps it ("[rank0]: " on every traceback line)
+        self._connected = True  # (from here the process's default group is ours: __init__ refused another's)
         self._ctrl = _init_group(0, self.size, self.init_method, _device_of(0, self.device))
+        self._excepthooks = (before, sys.excepthook)  # (ours, torch's wrapper): close() puts ours back
 
     def _bcast(self, obj: Any) -> Any:
         import torch.distributed as dist
@@ -262,10 +267,26 @@ class TensorParallel:
         if slot_map is not None:
             self._sent_map = slot_map
 
+    def poll_dead(self) -> str | None:
+        """``dead``, first set from the workers' exit codes if one has exited (an idle group runs no collective that
+        would fail: without this a worker killed between requests went unnoticed until the next step failed)."""
+        if self.dead is None and not self._closed:
+            gone = [f"worker {i + 1} (pid {p.pid}) exited with code {p.exitcode}"
+                    for i, p in enumerate(self.procs) if p.exitcode is not None]
+            if gone:
+                self.dead = "tensor-parallel engine stopped: " + "; ".join(gone)
+                log.error("%s", self.dead)
+        return self.dead
+
     def close(self) -> None:
-        """Stop the workers (a ``stop`` message, then terminate what is left) and leave the process group."""
+        """Stop the workers (a ``stop`` message, then terminate what is left) and leave the process group.
+        Idempotent (a second call leaves alone a group another engine has made since)."""
         import torch.distributed as dist
 
+        if self._closed:
+            return
+        self._closed = True
+        owned = self._connected  # the process group is this object's to tear down (not one made after a close())
         stopped = False
         if self._ctrl is not None and not self.dead:
             try:
@@ -281,18 +302,23 @@ class TensorParallel:
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
+        deadline = time.monotonic() + 5.0
         for p in self.procs:
-            p.join(timeout=5.0)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=1.0)
         for c in self.conns:
             c.close()
-        if dist.is_initialized():
+        if owned and dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # a group whose peers died may fail to tear down cleanly
                 log.debug("destroy_process_group failed", exc_info=True)
         self._ctrl = None
-        if getattr(self, "_excepthook", None) is not None:  # the process is no rank now: its tracebacks plain again
-            sys.excepthook, self._excepthook = self._excepthook, None  # (each new group would add one more prefix)
+        hooks, self._excepthooks = self._excepthooks, None
+        if hooks is not None and sys.excepthook is hooks[1]:  # no rank now: plain tracebacks again (each new group
+            sys.excepthook = hooks[0]  # would add a prefix); a hook someone set since is left alone
         self.dead = self.dead or "tensor-parallel engine closed"
 
 
@@ -388,6 +414,9 @@ def worker_main(rank: int, size: int, init_method: str, model: Any, cfg: Any, de
     """A worker process's body: load, connect, then serve rank 0's messages until ``stop``."""
     import torch.distributed as dist
 
+    # an engine process ignores SIGTERM (runtime.engine_process._child_main) and a spawned child inherits SIG_IGN:
+    # without this, close()'s terminate() of a dead group's survivors does nothing and each join waits its 5 s
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     dev = _device_of(rank, torch.device(device))

@@ -27,7 +27,8 @@ log = logging.getLogger("multilora.server")
 #: The OpenAI error ``type`` of each status we answer with (OpenAI's API answers an unknown model, 404
 #: ``model_not_found``, with ``invalid_request_error``, as it does every 4xx but 401, 403 and 429).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               404: "invalid_request_error", 405: "invalid_request_error",
+               409: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
                503: "service_unavailable_error"}
 
 

@@ -61,22 +61,22 @@ class RequestFactory:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
                              f"max_seq_len={self.max_seq_len} (a longer prompt needs a larger max_seq_len: "
                              f"Engine(max_seq_len=...), --max-seq-len)")
+        kv = self.kv
+        if kv.blocks_for_tokens(len(ids) + 1) > kv.max_usable_blocks:  # the prompt alone: no max_tokens would do
+            raise ValueError(
+                f"prompt: {len(ids)} tokens and one generated need {kv.blocks_for_tokens(len(ids) + 1)} KV blocks "
+                f"of {kv.block_size} tokens; the whole KV cache has {kv.max_usable_blocks}: shorten the prompt "
+                f"or {kv.size_hint}")
         if params.max_tokens_must_fit and len(ids) + params.max_tokens > self.max_seq_len:
             raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens={params.max_tokens} = "
                              f"{len(ids) + params.max_tokens} tokens exceed the model's context of max_seq_len="
                              f"{self.max_seq_len}: ask for at most {self.max_seq_len - len(ids)} "
                              f"token{'s' if self.max_seq_len - len(ids) != 1 else ''} or shorten the prompt")
         total = min(len(ids) + params.max_tokens, self.max_seq_len)
-        kv = self.kv
         if kv.blocks_for_tokens(total) > kv.max_usable_blocks:
-            room = kv.max_usable_blocks * kv.block_size - len(ids)  # tokens the whole cache holds past the prompt
-            if params.max_tokens_fit_kv and room >= 1:  # a default: capped at what the cache holds
+            room = kv.max_usable_blocks * kv.block_size - len(ids)  # tokens the whole cache holds past the prompt (>= 1)
+            if params.max_tokens_fit_kv:  # a default: capped at what the cache holds
                 params = dataclasses.replace(params, max_tokens=room)
-            elif room < 1:  # the prompt alone: no max_tokens would do
-                raise ValueError(
-                    f"prompt: {len(ids)} tokens and one generated need {kv.blocks_for_tokens(len(ids) + 1)} KV blocks "
-                    f"of {kv.block_size} tokens; the whole KV cache has {kv.max_usable_blocks}: shorten the prompt "
-                    f"or {kv.size_hint}")
             else:
                 raise ValueError(
                     f"{'max_tokens' if params.max_tokens_must_fit else 'request'}: {len(ids)} prompt tokens + "

@@ -301,6 +301,7 @@ class _Server:
     # ------------------------------------------------------------------------------------ adapters
     async def load_lora_adapter(self, body: LoadLoRARequest) -> PlainTextResponse:
         self._check_runtime_adapters()
+        self._running_loop()  # a dead engine (503 engine_dead) takes no adapters, as it takes no requests
         name = body.lora_name
         try:
             check_adapter_name(name, "lora_name:")
@@ -323,6 +324,7 @@ class _Server:
 
     async def unload_lora_adapter(self, body: UnloadLoRARequest) -> PlainTextResponse:
         self._check_runtime_adapters()
+        self._running_loop()
         with self._adapter_busy(body.lora_name):
             try:
                 await run_in_threadpool(self.engine.unload_adapter, body.lora_name)
@@ -524,8 +526,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         if e.status_code == 400 and str(e.detail) == "There was an error parsing the body":  # FastAPI's words for a
-            return reply(APIError(400, "malformed JSON body: not UTF-8 JSON text (RFC 8259: JSON is UTF-8)",  # body
-                                  code="invalid_json"))  # json.loads refused other than as a JSONDecodeError
+            cause = e.__cause__  # body json.loads refused other than with a JSONDecodeError (its cause: why)
+            why = ("not UTF-8 text (RFC 8259: JSON is UTF-8)" if isinstance(cause, UnicodeDecodeError) else
+                   f"it could not be parsed ({type(cause).__name__})" if cause is not None else "it could not be parsed")
+            return reply(APIError(400, f"malformed JSON body: {why}", code="invalid_json"))
         return reply(APIError(e.status_code, str(e.detail)))
 
     @app.exception_handler(Exception)

@@ -99,13 +99,17 @@ class _DeadGroup:
     def __init__(self, why):
         self.dead = why
 
+    def poll_dead(self):
+        return self.dead
+
     def close(self):
         pass
 
 
 def dies(engine, why):
     """The engine's tensor-parallel group is dead from now on (``why``), as when a worker is killed."""
-    engine.tp = _DeadGroup(why)
+    with engine.step_lock:  # between steps: a step reads engine.tp more than once
+        engine.tp = _DeadGroup(why)
 
 
 def slow_loads(engine, seconds):

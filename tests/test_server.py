@@ -379,6 +379,7 @@ ERRORS = [  # (route, body, status, param, code)
     ("completions", b'{"model": "tiny", "prompt": ', 400, None, "invalid_json"),
     ("completions", b"[1, 2]", 400, None, "invalid_type"),
     ("completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, None, "invalid_json"),  # not UTF-8
+    ("completions", b"[" * 100_000, 400, None, "invalid_json"),  # too deep for json.loads (a RecursionError)
     ("completions", {"model": BASE}, 400, "prompt", "invalid_type"),
     ("completions", {"model": "nope", "prompt": "Hi"}, 404, "model", "model_not_found"),
     ("completions", {"model": BASE, "prompt": _LONG}, 400, "prompt", "invalid_value"),
@@ -449,6 +450,15 @@ def test_bad_requests_get_the_right_status_and_body_and_the_server_keeps_serving
     if param and code == "unsupported_parameter":
         assert param.split("[")[0] in err["message"]
     _serves(http)
+
+
+def test_a_body_that_is_not_utf8_says_so(http):
+    r = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": "\xff"}',
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "malformed JSON body: not UTF-8 text (RFC 8259: " \
+                                                                    "JSON is UTF-8)", r.text
+    r = http.post("/v1/completions", content=b"[" * 100_000, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not UTF-8" not in r.json()["error"]["message"], r.text
 
 
 def test_a_value_of_the_wrong_type_is_quoted(http):
@@ -668,9 +678,9 @@ def test_concurrent_runtime_loads_of_one_name_do_not_both_succeed(url, engine, s
             first = first.result()
     finally:
         served.apply(hooks.restore_loads)
-    assert first.status_code == 200, first.text
-    assert second.status_code == 409 and second.json()["error"]["code"] == "adapter_busy", second.text
-    assert second.json()["error"]["type"] == "invalid_request_error"
+    done, busy = sorted((first, second), key=lambda r: r.status_code)  # (either may be the first to arrive)
+    assert (done.status_code, busy.status_code) == (200, 409), (first.text, second.text)
+    assert busy.json()["error"]["code"] == "adapter_busy" and busy.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "racy"}, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
 
@@ -714,6 +724,27 @@ def test_runtime_adapter_routes_are_refused_unless_allowed(engine):
         r = c.post(f"/v1/{route}_lora_adapter", json=body)
         assert r.status_code == 404 and "--allow-runtime-adapters" in r.json()["error"]["message"]
     assert "ad0" in engine.list_adapters()
+
+
+def test_an_engine_that_cannot_step_is_a_dead_server(tmp_path):
+    """An engine whose tensor-parallel group died (``Engine.dead``) makes the server answer as for a dead engine
+    process: /health 503, requests and the runtime adapter routes 503 ``engine_dead`` naming why,
+    ``multilora_engine_up`` 0 (an orchestrator restarts it instead of every request failing with a 500)."""
+    e = hooks.tiny_random_engine()
+    path = write_adapter(tmp_path / "b", e.config, seed=4, rank=4, modules=("q_proj",))
+    app = create_app(e, served_model_name="rand", adapter_root=tmp_path, allow_runtime_adapters=True)
+    with serving(app) as u, httpx.Client(base_url=u, timeout=60) as c:
+        assert c.get("/health").status_code == 200
+        hooks.dies(e, "tensor-parallel engine stopped: worker 1 (pid 7) exited with code -9")
+        assert c.get("/health").status_code == 503
+        for route, body in (("completions", {"model": "a", "prompt": [5, 6], "max_tokens": 2}),
+                            ("load_lora_adapter", {"lora_name": "b", "lora_path": str(path)}),
+                            ("unload_lora_adapter", {"lora_name": "a"})):
+            r = c.post(f"/v1/{route}", json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", (route, r.text)
+            assert "worker 1 (pid 7) exited with code -9" in r.json()["error"]["message"], r.text
+        assert "multilora_engine_up 0.0" in c.get("/metrics").text
+    assert e.list_adapters() == ["a"]
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])

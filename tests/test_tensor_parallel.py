@@ -244,15 +244,24 @@ def test_tp_adapter_a_worker_cannot_read_fails_alone(adapter_paths, tmp_path):
         assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 8
 
 
-def test_tp_killed_worker_is_reported_and_nothing_is_left():
+def test_tp_killed_worker_is_reported_and_nothing_is_left(adapter_paths):
+    """A worker killed while the engine is idle is seen at once (``Engine.dead``, from its exit code: what a
+    server's /health reads, no request needed); the next requests fail naming it, a runtime adapter load queued
+    for the workers included (it does not raise out of ``generate``); close() leaves nothing."""
     hook = sys.excepthook
     e = Engine(CFG, tensor_parallel_size=2, **KW)
     try:
         pid = e.tp.procs[0].pid
         e.generate([ROWS[0]], sampling=GREEDY)
+        assert e.dead is None
         os.kill(pid, signal.SIGKILL)
-        time.sleep(0.5)
-        out = e.generate([ROWS[0], ROWS[1]], sampling=GREEDY)
+        deadline = time.time() + 10
+        while e.dead is None and time.time() < deadline:  # (the exit code shows once the kill has landed)
+            time.sleep(0.05)
+        assert e.dead is not None and f"worker 1 (pid {pid}) exited with code -9" in e.dead, e.dead
+        name, path = next(iter(adapter_paths.items()))
+        e.load_adapter(name, path)  # queued for the workers: the next step's sync meets the dead group
+        out = e.generate([ROWS[0], ROWS[1]], adapters=[name, None], sampling=GREEDY)
         assert all(o.finish_reason == "error" for o in out)
         assert "worker 1" in out[0].error and "exited" in out[0].error, out[0].error
         with pytest.raises(TensorParallelError, match="worker 1"):
