@@ -418,8 +418,11 @@ class Engine:
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
         """Make an adapter resident in the pool now and never evict it while pinned (``pinned=False`` unpins).
-        Raises UnknownAdapterError (a KeyError) if not loaded, PoolFullError if it cannot be made resident now."""
-        self.cache.pin(name, pinned)
+        Raises UnknownAdapterError (a KeyError) if not loaded, PoolFullError if it cannot be made resident now.
+        Between steps (the step lock): making it resident may compact the pool, moving the pages of adapters that a
+        running forward reads."""
+        with self._step_lock:
+            self.cache.pin(name, pinned)
 
     def list_adapters(self) -> list[str]:
         return self.cache.names()
@@ -443,13 +446,17 @@ class Engine:
                 blocks than the whole cache has.
             UnknownAdapterError (a KeyError): ``adapter`` is not loaded.
             EngineOverloadedError: ``max_waiting_requests`` requests are already waiting.
+
+        Thread safety: between steps (the step lock), so a step never sees the waiting queue change under it.
         """
-        if len(self.scheduler.waiting) >= self.engine_config.max_waiting_requests:
-            raise EngineOverloadedError(f"engine overloaded: {len(self.scheduler.waiting)} requests are waiting "
-                                        f"(max_waiting_requests={self.engine_config.max_waiting_requests}); retry later")
-        req = self.requests.generation(prompt, adapter, sampling)
-        self.scheduler.add(req)
-        return req
+        with self._step_lock:
+            if len(self.scheduler.waiting) >= self.engine_config.max_waiting_requests:
+                raise EngineOverloadedError(f"engine overloaded: {len(self.scheduler.waiting)} requests are waiting "
+                                            f"(max_waiting_requests={self.engine_config.max_waiting_requests}); "
+                                            f"retry later")
+            req = self.requests.generation(prompt, adapter, sampling)
+            self.scheduler.add(req)
+            return req
 
     # ---------------------------------------------------------------------------------------- step
     def step(self) -> list[Request]:

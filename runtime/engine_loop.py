@@ -197,6 +197,8 @@ class EngineLoop:
         if self._closed:
             raise RuntimeError("EngineLoop: closed")
         with self.engine.step_lock:  # no step can run the request before its stream is registered
+            if self._closed:  # (closed while this waited for the lock: nothing would ever step the request)
+                raise RuntimeError("EngineLoop: closed")
             req = self.engine.add_request(prompt, adapter, sampling)
             stream = RequestStream(self, req.request_id)
             with self._lock:
@@ -231,9 +233,10 @@ class EngineLoop:
         """Abort what is still running and stop the thread (also at interpreter exit, for a loop never closed)."""
         if self._closed and not self._thread.is_alive():
             return
-        self._closed = True
-        with self._lock:
-            ids = list(self._tracked)
+        with self.engine.step_lock:  # (a submit holding the lock registers first, and its request is aborted below;
+            self._closed = True  # one waiting for it sees the flag and refuses)
+            with self._lock:
+                ids = list(self._tracked)
         for rid in ids:
             self.engine.abort(rid)
         self._wake.set()

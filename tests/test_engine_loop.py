@@ -257,6 +257,67 @@ def test_a_loop_step_that_raises_fails_its_streams_once_and_keeps_serving(engine
     _idle(engine)
 
 
+def _waits_for_the_step_lock(engine, fn) -> bool:
+    """Whether ``fn()`` in a thread waits while the step lock is held (it runs once the lock is released)."""
+    done = threading.Event()
+    with engine.step_lock:
+        t = threading.Thread(target=lambda: (fn(), done.set()), daemon=True)
+        t.start()
+        waited = not done.wait(0.3)
+    t.join(30)
+    assert done.is_set(), "the call did not finish once the lock was free"
+    return waited
+
+
+def test_calls_that_change_what_a_step_reads_wait_for_the_step(engine):
+    """``add_request`` (the waiting queue a step walks: "deque mutated during iteration" from another thread) and
+    ``pin_adapter`` (making an adapter resident may compact the pool, moving the pages a running forward reads:
+    silently wrong tokens) run between steps, under the step lock."""
+    reqs = []
+    assert _waits_for_the_step_lock(engine, lambda: reqs.append(engine.add_request(token_ids(5, 54, VOCAB), "a",
+                                                                                     GREEDY)))
+    assert _waits_for_the_step_lock(engine, lambda: engine.pin_adapter("b"))
+    engine.pin_adapter("b", False)
+    while engine.has_unfinished():
+        engine.step()
+    assert reqs[0].output_ids == _alone(engine, token_ids(5, 54, VOCAB), "a").token_ids
+    _idle(engine)
+
+
+def test_a_submit_racing_close_never_leaves_a_stream_open(engine):
+    """A submit that waits for the step lock while the loop closes either is refused (closed) or registers first
+    and is aborted by the close: its stream always ends (it used to be queued after close's snapshot, and nothing
+    stepped it)."""
+    for _ in range(3):
+        lp = EngineLoop(engine)
+        got: dict = {}
+
+        def submit():
+            try:
+                got["stream"] = lp.submit(token_ids(6, 55, VOCAB), "a", SamplingParams(max_tokens=50, ignore_eos=True))
+            except RuntimeError as e:
+                got["refused"] = str(e)
+
+        with engine.step_lock:  # both wait: whichever takes the lock first, the stream must end
+            ts = [threading.Thread(target=submit), threading.Thread(target=lp.close)]
+            ts[0].start()
+            time.sleep(0.1)
+            ts[1].start()
+            time.sleep(0.1)
+        for t in ts:
+            t.join(30)
+        if "stream" in got:
+            out = {}
+            t = threading.Thread(target=lambda: out.setdefault("o", got["stream"].result()), daemon=True)
+            t.start()
+            t.join(30)
+            assert "o" in out, "a stream submitted while the loop closed never ended"
+            assert out["o"].finish_reason == "abort"
+        else:
+            assert got["refused"] == "EngineLoop: closed"
+    _idle(engine)
+
+
 def test_a_dead_engine_is_a_dead_loop(engine, monkeypatch):
     """An engine that can no longer step (``Engine.dead``: a tensor-parallel worker died) makes its loop report not
     running, with the reason: the server then answers 503 ``engine_dead`` and /health fails, so an orchestrator
