@@ -1,0 +1,130 @@
+"""Several threads on one engine at once, checked against the same requests run alone on another engine.
+
+Three threads call ``generate`` (greedy and seeded, one to three prompts, on two adapters or none) beside a thread
+that pins and unpins four other adapters in a pool of about two adapters' bytes and four slots (a pin evicts idle
+adapters and, finding no hole, compacts the pool, moving the extents of adapters in use), loads and unloads an
+adapter nobody uses, and reads ``stats()`` and ``logits()``. Every output must equal its request run alone (before
+``pin_adapter`` waited for the step in flight, a compaction under a running forward gave silently wrong tokens in 2
+runs of 3); no call may raise but a pin or a logits row refused while the slots are pinned (``PoolFullError``,
+documented), no request may fail but for a pinned pool; afterwards the engine is idle (every KV block free, every
+adapter reference returned) and the request counters add up.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from multilora import Engine, SamplingParams  # noqa: E402
+from multilora.memory.pool import PoolFullError  # noqa: E402
+from testsupport import tiny_llama_dir, token_ids, write_adapter  # noqa: E402
+import engine_hooks as hooks  # noqa: E402
+
+VOCAB = 384
+NAMES = ("s0", "s1")  # the generating threads' adapters
+OTHERS = ("x0", "x1", "x2", "x3")  # pinned and unpinned beside them: their loads evict idle adapters and compact
+SECONDS = 4.0
+POOL_BYTES = 118_784  # about two of these adapters: loads evict and, finding no hole, compact the pool
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return tiny_llama_dir(tmp_path_factory, VOCAB, name="tiny-threads"), tmp_path_factory.mktemp("thread-adapters")
+
+
+def _engine(d, **kw) -> Engine:
+    return Engine(model=str(d), progress=False, max_batch_size=4, **kw)
+
+
+def test_threads_on_one_engine_get_the_outputs_of_requests_run_alone(files):
+    d, root = files
+    e = _engine(d, adapter_slots=4, max_lora_rank=16, adapter_pool_bytes=POOL_BYTES)
+    ref = _engine(d)
+    specs = {"s0": (16, ("q_proj", "k_proj", "v_proj", "o_proj")), "s1": (4, ("q_proj", "v_proj")),
+             "x0": (8, ("gate_proj", "down_proj")), "x1": (2, ("o_proj",)), "x2": (16, ("up_proj",)),
+             "x3": (8, ("q_proj", "v_proj")), "spare": (4, ("down_proj",))}
+    paths = {n: write_adapter(root / n, e.config, seed=10 + i, rank=r, modules=m)
+             for i, (n, (r, m)) in enumerate(specs.items())}
+    for n in NAMES + OTHERS:
+        e.load_adapter(n, paths[n])
+        if n in NAMES:
+            ref.load_adapter(n, paths[n])
+    before = e.stats()
+    stop = threading.Event()
+    done: list[tuple] = []  # (prompt, adapter, sampling, output)
+    errors: list[str] = []
+    logits_rows = [0]  # (each logits() row is a request too)
+
+    def generator(i: int) -> None:
+        rnd = random.Random(i)
+        while not stop.is_set():
+            k = rnd.randint(1, 3)
+            prompts = [token_ids(rnd.randint(2, 12), rnd.randint(0, 10**6), VOCAB) for _ in range(k)]
+            adapters = [rnd.choice(NAMES + (None,)) for _ in range(k)]
+            sps = [SamplingParams(max_tokens=rnd.randint(1, 6), ignore_eos=True,
+                                  **({"temperature": 0.8, "seed": rnd.randint(0, 99)} if rnd.random() < 0.5 else {}))
+                   for _ in range(k)]
+            try:
+                outs = e.generate(prompts, adapters=adapters, sampling=sps)
+            except Exception as ex:  # noqa: BLE001 (reported below: no call may raise)
+                errors.append(f"generate raised {type(ex).__name__}: {ex}")
+                return
+            done.extend(zip(prompts, adapters, sps, outs))
+
+    def chaos() -> None:
+        rnd = random.Random(99)
+        while not stop.is_set():
+            op = rnd.random()
+            try:
+                if op < 0.4:
+                    e.pin_adapter(rnd.choice(OTHERS), rnd.random() < 0.6)
+                elif op < 0.55:
+                    e.load_adapter("spare", paths["spare"])
+                elif op < 0.7:
+                    if "spare" in e.list_adapters():
+                        e.unload_adapter("spare")
+                elif op < 0.85:
+                    e.stats()
+                else:
+                    row = token_ids(5, rnd.randint(0, 10**6), VOCAB)
+                    logits_rows[0] += 1
+                    got, want = e.logits([row], adapters=["s1"]), ref.logits([row], adapters=["s1"])
+                    if (got - want).abs().max().item() > 1e-4:
+                        errors.append("logits differ from the reference")
+            except PoolFullError:  # a pin that cannot be made resident now (two slots, pins held): documented
+                pass
+            except Exception as ex:  # noqa: BLE001
+                if not (isinstance(ex, RuntimeError) and "unpin some" in str(ex)):  # (a logits row that cannot be
+                    errors.append(f"{type(ex).__name__}: {ex}")  # made resident besides the pins: documented)
+            time.sleep(rnd.random() * 0.002)
+
+    threads = [threading.Thread(target=generator, args=(i,)) for i in range(3)] + [threading.Thread(target=chaos)]
+    for t in threads:
+        t.start()
+    time.sleep(SECONDS)
+    stop.set()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck (deadlock?)"
+    for n in OTHERS:
+        e.pin_adapter(n, False)
+    assert not errors, errors[:5]
+    # (the pool compacts 1-8 times in a run on a 2-core CPU: before pin_adapter waited for the step, 2 runs in 3
+    # gave some request wrong tokens here; a run without a compaction checks the rest of the invariants only)
+    assert len(done) > 20, f"too few requests ran to say anything: {len(done)}"
+    for prompt, adapter, sp, out in done:
+        if out.finish_reason == "error":  # a request whose adapter could not be made resident besides the pins
+            assert "pinned" in out.error, out.error
+            continue
+        want = ref.generate([prompt], adapters=[adapter], sampling=sp)[0]
+        assert out.token_ids == want.token_ids, (adapter, sp, out.token_ids, want.token_ids)
+    running, waiting, free, total, refs = hooks.state(e)
+    assert running == waiting == 0 and free == total and not any(refs.values()), (running, waiting, free, total, refs)
+    after = e.stats()
+    ended = sum(after[k] - before[k] for k in ("requests_finished", "requests_failed", "requests_aborted"))
+    assert ended == len(done) + logits_rows[0], (ended, len(done), logits_rows[0])
