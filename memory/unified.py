@@ -76,6 +76,21 @@ class UnifiedLayout:
     def nbytes(self) -> int:
         return self.num_units * self.unit_bytes
 
+    @property
+    def pool_pages(self) -> int:
+        """The pool's starting pages (units ``[1, floor)``)."""
+        return (self.floor - 1) * self.pages_per_unit
+
+    @property
+    def max_pool_pages(self) -> int:
+        """The most pages the pool can grow to (units ``[1, max_floor)``: ``min_kv_blocks`` usable KV blocks left)."""
+        return (self.max_floor - 1) * self.pages_per_unit
+
+    @property
+    def max_kv_usable_blocks(self) -> int:
+        """The most usable KV blocks (the null block aside): all units but the pool's minimum."""
+        return self.num_units - 1 - self.min_pool_units
+
 
 def unified_layout(*, pool_bytes: int, kv_bytes: int, block_bytes: int, page_bytes: int, min_pool_bytes: int,
                    min_kv_blocks: int) -> UnifiedLayout:
@@ -139,12 +154,11 @@ class UnifiedMemory:
         k, v = blocks[:, 0].transpose(0, 1), blocks[:, 1].transpose(0, 1)  # [L, num_units, block_size, H, D]
         self.kv = PagedKVCache(num_layers=L, num_blocks=lay.num_units, block_size=block_size, num_kv_heads=H,
                                head_dim=D, dtype=dtype, device=device, storage=(k, v), floor=lay.floor)
-        self.kv.max_usable_blocks = lay.num_units - 1 - lay.min_pool_units
+        self.kv.max_usable_blocks = lay.max_kv_usable_blocks
         self.kv.size_hint = "raise kv_cache_bytes or adapter_pool_bytes (with unified_pool they size one buffer)"
-        ppu = lay.pages_per_unit
-        self.pool = AdapterPool(config, num_bytes=(lay.floor - 1) * ppu * PAGE_ELEMS * elt, max_rank=max_rank,
-                                max_slots=max_slots, dtype=dtype, device=device, buffer=self.arena, base_page=ppu,
-                                capacity_pages=(lay.max_floor - 1) * ppu)
+        self.pool = AdapterPool(config, num_bytes=lay.pool_pages * PAGE_ELEMS * elt, max_rank=max_rank,
+                                max_slots=max_slots, dtype=dtype, device=device, buffer=self.arena,
+                                base_page=lay.pages_per_unit, capacity_pages=lay.max_pool_pages)
         self.moves_up = self.moves_down = self.units_up = self.units_down = 0
         self._lock = threading.Lock()
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from multilora.runtime.config import CLI_USE_CPU as USE_CPU  # the CLI's words for the API's device='cpu'
-from multilora.runtime.config import as_flag_error as _as_flag_error
+from multilora.runtime.config import as_flag_error as _as_flag_error, flag_words
 
 BASE_NAMES = ("-", "none", "base")
 
@@ -323,8 +323,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         m = re.match(r"prompts\[(\d+)\]: ", str(e))
         if m is None or int(m.group(1)) >= len(items):
             raise
-        why = re.sub(r"\b(kv_cache_bytes|adapter_pool_bytes|unified_pool|max_tokens)\b(?!=)",  # the flags' words
-                     lambda w: "--" + w.group(1).replace("_", "-"), str(e)[m.end():])
+        why = flag_words(str(e)[m.end():], ("kv_cache_bytes", "adapter_pool_bytes", "unified_pool", "max_tokens"))
         raise ValueError(f"{items[int(m.group(1))][2]}: {why}") from e
     for o in outs:
         if args.json:

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
-from fractions import Fraction
 from pathlib import Path
 
 from multilora.memory.accounting import (
@@ -39,6 +37,7 @@ from multilora.memory.accounting import (
     compute_memory_plan,
 )
 from multilora.runtime.config import bytes_arg as _bytes_arg, parse_bytes  # noqa: F401 (parse_bytes: re-exported)
+
 
 def add_memory_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``memory`` subcommand to ``subparsers``; its handler is ``args.func = run_memory``."""
@@ -252,9 +251,9 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
             layout, slots = unified_sizes(sizes, cfg)
         except ValueError as e:
             raise ValueError(f"--unified-pool: {e}") from None
-        ppu, unified_bytes = layout.pages_per_unit, layout.nbytes
-        pool_pages, pool_max_pages = (layout.floor - 1) * ppu, (layout.max_floor - 1) * ppu
-        kv_blocks, kv_max_blocks = layout.num_units - layout.floor + 1, layout.num_units - layout.min_pool_units
+        unified_bytes, pool_pages, pool_max_pages = layout.nbytes, layout.pool_pages, layout.max_pool_pages
+        kv_blocks = layout.num_units - layout.floor + 1  # units [floor, num_units) + the null block
+        kv_max_blocks = layout.max_kv_usable_blocks + 1
     kv_seqs = (kv_blocks - 1) // r.seq_blocks  # whole max_seq_len sequences (the null block aside)
     return {"model": str(path), "architecture": model.architecture, "layers": model.num_layers,
             "adapter_pool_fill": cfg.adapter_pool_fill, "unified_pool": cfg.unified_pool, "unified_bytes": unified_bytes,

@@ -495,11 +495,17 @@ def as_flag_error(e: ValueError) -> ValueError:
     m = re.match(r"Engine: (\w+)[ =]", str(e))
     if m is None:
         return ValueError(str(e))
-    flag = "--" + m.group(1).replace("_", "-")
     rest = str(e)[m.end():]  # after the field and the space or "=" that follows it
     if "_" in m.group(1):  # the field named again ("raise kv_cache_bytes to ..."): the flag (not a plain word: device)
-        rest = re.sub(rf"\b{m.group(1)}\b(?!=)", flag, rest)
-    return ValueError(f"{flag}: {rest}")
+        rest = flag_words(rest, (m.group(1),))
+    return ValueError(f"--{m.group(1).replace('_', '-')}: {rest}")
+
+
+def flag_words(text: str, names: tuple[str, ...]) -> str:
+    """``text`` with each of ``names`` (option names, ``kv_cache_bytes``) written as its flag (``--kv-cache-bytes``),
+    except where a value follows it (``max_tokens=300`` quotes what was asked for)."""
+    return re.sub(rf"\b({'|'.join(map(re.escape, names))})\b(?!=)", lambda w: "--" + w.group(1).replace("_", "-"),
+                  text)
 
 
 def resolve_device(device: "str | torch.device | None", *, use_cpu: str = "device='cpu'") -> "torch.device":

@@ -74,7 +74,7 @@ class RequestFactory:
                              f"token{'s' if self.max_seq_len - len(ids) != 1 else ''} or shorten the prompt")
         total = min(len(ids) + params.max_tokens, self.max_seq_len)
         if kv.blocks_for_tokens(total) > kv.max_usable_blocks:
-            room = kv.max_usable_blocks * kv.block_size - len(ids)  # tokens the whole cache holds past the prompt (>= 1)
+            room = kv.max_usable_blocks * kv.block_size - len(ids)  # what the cache holds past the prompt (>= 1)
             if params.max_tokens_fit_kv:  # a default: capped at what the cache holds
                 params = dataclasses.replace(params, max_tokens=room)
             else:

@@ -24,7 +24,7 @@ import torch
 from multilora.kernels.backends import to_device
 
 
-_FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: temperatures are float32 in the sampler
+_FLOAT32_MAX = torch.finfo(torch.float32).max  # temperatures are float32 in the sampler
 
 
 @dataclass

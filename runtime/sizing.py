@@ -322,7 +322,7 @@ def unified_sizes(sizes: EngineSizes, cfg: EngineConfig) -> tuple[UnifiedLayout,
                             block_bytes=r.block_bytes, page_bytes=r.page_bytes,
                             min_pool_bytes=r.pages_per_adapter * r.page_bytes, min_kv_blocks=r.live_blocks)
     slots = sizes.slots if cfg.adapter_slots is not None else default_slots(
-        r.slot_sizing_pages, (layout.max_floor - 1) * layout.pages_per_unit)
+        r.slot_sizing_pages, layout.max_pool_pages)
     return layout, slots
 
 

@@ -16,7 +16,6 @@ from multilora.runtime.adapters.spec import CONFIG_NAME, AdapterError, _fmt_shap
 from multilora.runtime.adapters.targets import _PEFT_PREFIX, _is_targeted, _overlap_hint, _pattern_value
 
 
-
 def save_peft_adapter(
     out_dir: str | os.PathLike,
     modules: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
