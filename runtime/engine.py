@@ -413,8 +413,11 @@ class Engine:
 
     def unload_adapter(self, name: str) -> None:
         """Unload an adapter. New requests for it fail; requests already submitted (waiting or running) finish
-        with the weights they were submitted with. Raises UnknownAdapterError (a KeyError) if not loaded."""
-        self.cache.remove(name)
+        with the weights they were submitted with. Raises UnknownAdapterError (a KeyError) if not loaded.
+        Between steps (the step lock), as ``add_request``: a request looked up and queued by another thread keeps
+        the unloaded version's host copy, never reading its files again from disk."""
+        with self._step_lock:
+            self.cache.remove(name)
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
         """Make an adapter resident in the pool now and never evict it while pinned (``pinned=False`` unpins).

@@ -128,3 +128,23 @@ def test_threads_on_one_engine_get_the_outputs_of_requests_run_alone(files):
     after = e.stats()
     ended = sum(after[k] - before[k] for k in ("requests_finished", "requests_failed", "requests_aborted"))
     assert ended == len(done) + logits_rows[0], (ended, len(done), logits_rows[0])
+
+
+def test_unload_adapter_waits_for_the_step_lock(files):
+    """``add_request`` looks an adapter up and queues the request under the step lock; ``unload_adapter`` takes it
+    too, so an unload never falls between the two (which dropped the host copy the request was about to hold, and
+    the request read the adapter's files again from disk)."""
+    d, root = files
+    e = _engine(d)
+    e.load_adapter("u", write_adapter(root / "u", e.config, seed=3, rank=4, modules=("q_proj",)))
+    unloaded = threading.Event()
+    t = threading.Thread(target=lambda: (e.unload_adapter("u"), unloaded.set()))
+    with e.step_lock:  # another thread's step (or add_request) in flight
+        t.start()
+        assert not unloaded.wait(0.3), "unload_adapter ran while another thread held the step lock"
+        assert "u" in e.list_adapters()
+        req = e.add_request(token_ids(5, 1, VOCAB), adapter="u")  # same thread: the lock is reentrant
+    t.join(5)
+    assert unloaded.is_set() and "u" not in e.list_adapters()
+    assert req.handle.queued == 1 and req.handle.retired  # the queued request keeps the unloaded version
+    e.abort(req.request_id)
