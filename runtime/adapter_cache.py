@@ -571,6 +571,12 @@ class AdapterCache:
         t0 = self.disk_busy.begin()
         try:
             packed = self._reload(handle, None if block is None else block.view(self.pool.dtype))
+        except AdapterError as e:
+            self.disk_busy.end(0)
+            if repr(handle.name) in str(e):
+                raise
+            raise AdapterError(f"adapter {handle.name!r} (version {handle.version}, read again from disk): {e}",
+                               path=e.path, key=e.key) from e  # the request's adapter, not only its directory
         except BaseException:
             self.disk_busy.end(0)
             raise

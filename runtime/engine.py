@@ -376,6 +376,7 @@ class Engine:
         check_adapter_name(name)
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"load_adapter: path must be an adapter directory (a str or os.PathLike), got {path!r}")
+        path = Path(path).absolute()  # read again from disk later: a later os.chdir must not move it
         adapter, packed = read_adapter(path, self.config, self.pool, name=name, allow_pickle=allow_pickle,
                                        preload=preload, max_rank=self.engine_config.max_lora_rank, shard=self._shard)
 
@@ -431,7 +432,8 @@ class Engine:
         return self.cache.names()
 
     def adapter_path(self, name: str) -> Path:
-        """The directory the current version of adapter ``name`` was loaded from (as ``load_adapter`` was given it).
+        """The directory the current version of adapter ``name`` was loaded from (as ``load_adapter`` was given it,
+        made absolute against the working directory of that call; symbolic links are kept, not resolved).
         Raises UnknownAdapterError (a KeyError) if it is not loaded."""
         return self.cache.get(name).path
 

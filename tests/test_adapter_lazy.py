@@ -71,5 +71,19 @@ def test_lazy_adapter_with_nan_fails_only_its_requests(engine, tmp_path):
     outs = engine.generate([_ids(4, 5), _ids(4, 6), _ids(4, 7)], adapters=["nan", "good", None],
                            sampling=SamplingParams(max_tokens=3, ignore_eos=True))
     assert outs[0].finish_reason == "error" and "non-finite" in outs[0].error
+    assert "adapter 'nan'" in outs[0].error  # the request's adapter, not only the file (first read at first use)
     assert [o.finish_reason for o in outs[1:]] == ["length", "length"]
     assert len(outs[1].token_ids) == 3
+
+
+def test_lazy_adapter_given_a_relative_path_is_read_after_a_chdir(engine, tmp_path, monkeypatch):
+    """The first read of a ``preload=False`` adapter (and every read after an eviction) happens later, from the
+    path ``load_adapter`` kept: a relative one is made absolute at the call, so a later ``os.chdir`` moves nothing."""
+    write_adapter(tmp_path / "rel", CFG, seed=8, rank=4, modules=("q_proj",))
+    engine.load_adapter("rel-eager", tmp_path / "rel")
+    monkeypatch.chdir(tmp_path)
+    engine.load_adapter("rel-lazy", "rel", preload=False)
+    assert engine.adapter_path("rel-lazy") == tmp_path / "rel"
+    monkeypatch.chdir("/")
+    rows = [_ids(6, 9)]
+    assert torch.equal(engine.logits(rows, adapters=["rel-lazy"]), engine.logits(rows, adapters=["rel-eager"]))
