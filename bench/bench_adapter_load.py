@@ -175,6 +175,8 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
             rows.append({"move": "disk_to_host", "provider": name, "threads": nt, "gbps": gbps,
                          "runs_gbps": rates[name], "bytes_per_run": total,
                          "vs_plain": gbps / med["plain"] if "plain" in med else None})
+        print(f"# disk_to_host, {nt} thread(s), GB/s medians of {args.runs}: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in med.items()), flush=True)  # (kept if a time limit stops the run)
     return rows
 
 
