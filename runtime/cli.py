@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from multilora.runtime.config import CLI_USE_CPU as USE_CPU  # the CLI's words for the API's device='cpu'
-from multilora.runtime.config import as_flag_error as _as_flag_error, flag_words
+from multilora.runtime.config import as_flag_error as _as_flag_error, check_adapter_name, flag_words
 
 BASE_NAMES = ("-", "none", "base")
 
@@ -478,6 +478,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     # the base model's name in requests: as given, else the default model file's stem (a missing model fails here in a
     # second, before any loading)
+    if args.served_model_name is not None:  # a request's "model" carries it, as it carries an adapter's name
+        check_adapter_name(args.served_model_name, "--served-model-name")
     served = args.served_model_name or args.model or resolve_model_path(None).stem
     _refuse_served_name(served, [n for n, _ in args.adapter])
     _check_port(args.host, args.port)  # before minutes of loading, not after

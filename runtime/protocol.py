@@ -132,13 +132,19 @@ CHAT_UNSUPPORTED = {
 }
 
 
+def _same(value: Any, off: Any) -> bool:
+    """``value == off`` without Python's ``True == 1`` and ``0 == False``: a bool matches only a bool (``"n": true``
+    is not ``n=1``); 1.0 still matches 1."""
+    return isinstance(value, bool) == isinstance(off, bool) and value == off
+
+
 def check_supported(body: _Generate, unsupported: dict[str, tuple]) -> None:
     """Raise a 400 naming the first known-unsupported parameter set to a value other than "off"; log the unknown
     fields that are ignored."""
     extra = body.model_extra or {}
     for name, off in unsupported.items():
         value = extra.get(name)
-        if value is not None and value not in off:
+        if value is not None and not any(_same(value, o) for o in off):
             only = f" (only {' or '.join(map(repr, off))} is accepted)" if off else ""
             raise APIError(400, f"{name}={value!r} is not supported by multilora{only}", code="unsupported_parameter",
                            param=name)

@@ -42,6 +42,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from multilora.runtime.adapter_cache import UnknownAdapterError
+from multilora.runtime.adapters.disk import PICKLE_NAME, SAFETENSORS_NAME, weights_path
 from multilora.runtime.config import check_adapter_name
 from multilora.runtime.engine import EngineOverloadedError
 from multilora.runtime.engine_loop import EngineLoop, RequestDelta, RequestStream
@@ -99,9 +100,12 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
             has not loaded it (default: none; a loaded adapter's root is ``engine.adapter_path(name)``).
 
     Raises:
-        ValueError: an adapter (loaded, or listed by ``listed_adapters``) has the base model's served name: requests
+        ValueError: ``served_model_name`` is not a name an adapter could have (``check_adapter_name``: empty, a
+            comma, whitespace at an end, a control character), or an adapter (loaded, or listed by
+            ``listed_adapters``) has the base model's served name: requests
             naming it could reach only one of the two (``/v1/load_lora_adapter`` refuses such a name too).
     """
+    check_adapter_name(served_model_name, "served_model_name")  # requests carry it in "model", as adapters' names
     if served_model_name in set((listed_adapters or engine.list_adapters)()):
         raise ValueError(f"served_model_name: {served_model_name!r} is also the name of an adapter; requests naming it "
                          f"would reach the base model only: give the adapter another name (--adapter NAME=PATH) or "
@@ -262,7 +266,14 @@ class _Server:
             if isinstance(e, UnknownAdapterError):  # unloaded since _adapter looked
                 raise APIError(404, str(e.args[0]), code="model_not_found", param="model") from None
             if isinstance(e, ValueError):
-                raise renamed(bad_value(e), params) from None
+                err = renamed(bad_value(e), params)
+                if len(prompts) > 1:  # which of the list's prompts (the one after those queued)
+                    i = len(streams)
+                    if err.message.startswith("prompt:"):
+                        err.message = f"prompt[{i}]" + err.message[len("prompt"):]
+                    else:
+                        err.message += f" (prompt[{i}])"
+                raise err from None
             if self.closing:  # the loop closed meanwhile ("EngineLoop: closed")
                 raise APIError(503, "the server is shutting down", code="unavailable") from None
             raise
@@ -311,6 +322,11 @@ class _Server:
             raise APIError(400, f"lora_name: that is the base model's served name: choose another, got {name!r}",
                            code="invalid_value", param="lora_name")
         path = self._adapter_path(body.lora_path)
+        if path.is_dir() and (weights_path(path) or Path()).name == PICKLE_NAME:
+            raise APIError(400, f"lora_path: {path / PICKLE_NAME}: only a pickle weight file (no {SAFETENSORS_NAME}); "
+                                f"adapters loaded at run time must be safetensors (a pickle can run code when loaded; "
+                                f"--allow-pickle covers the --adapter directories given at start only)",
+                           code="invalid_adapter", param="lora_path")
         with self._adapter_busy(name):  # the check and the load as one: a concurrent load of the name is a 409
             replaced = name in self.engine.list_adapters()
             if replaced and not body.load_inplace:

@@ -949,6 +949,9 @@ def test_serve_warns_about_runtime_adapters_without_a_root(capsys, caplog, tmp_p
             caplog.clear()
             code, _, err = run(capsys, *base, "--adapter-root", tmp_path, "--allow-runtime-adapters")
             assert code == 2 and "adapter-root" not in caplog.text
+        for bad in ("", " m", "a,b"):  # requests carry it in "model", as adapters' names: the same rule
+            code, _, err = run(capsys, *base[:-6], "--served-model-name", bad, *base[-4:])
+            assert code == 2 and f"--served-model-name must be a non-empty string" in err and repr(bad) in err, err
 
 
 def test_output_dirs_that_cannot_hold_adapters_are_refused_before_the_model_loads(tmp_path, capsys):

@@ -46,6 +46,8 @@ import openai  # noqa: E402
 import uvicorn  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.runtime.cli import main as cli_main  # noqa: E402
@@ -243,6 +245,8 @@ def test_an_adapter_with_the_base_models_name_is_refused(served):
         create_app(eng, served_model_name="ad1")
     with pytest.raises(ValueError, match=r"served_model_name: 'x' is also the name of an adapter"):
         create_app(eng, served_model_name="x", listed_adapters=lambda: ["x", "y"])
+    with pytest.raises(ValueError, match=r"served_model_name must be a non-empty string .* got '' \(empty\)"):
+        create_app(eng, served_model_name="")
 
 
 @pytest.mark.parametrize("model", [BASE, "ad1"])
@@ -400,6 +404,8 @@ ERRORS = [  # (route, body, status, param, code)
     ("completions", {"model": BASE, "prompt": "Hi", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
     ("completions", {"model": BASE, "prompt": "Hi", "logprobs": 1}, 400, "logprobs", "unsupported_parameter"),
     ("completions", {"model": BASE, "prompt": "Hi", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("completions", {"model": BASE, "prompt": "Hi", "n": True}, 400, "n", "unsupported_parameter"),  # not n=1
+    ("completions", {"model": BASE, "prompt": "Hi", "echo": 0}, 400, "echo", "unsupported_parameter"),  # not False
     ("completions", {"model": BASE, "prompt": "Hi", "suffix": "x"}, 400, "suffix", "unsupported_parameter"),
     ("completions", {"model": BASE, "prompt": "Hi", "logit_bias": {"5": 10}}, 400, "logit_bias",
      "unsupported_parameter"),
@@ -412,6 +418,9 @@ ERRORS = [  # (route, body, status, param, code)
     ("completions", {"model": BASE, "prompt": []}, 400, "prompt", "invalid_value"),
     ("chat/completions", {"model": BASE, "messages": CHAT, "n": 3}, 400, "n", "unsupported_parameter"),
     ("chat/completions", {"model": BASE, "messages": CHAT, "logprobs": True}, 400, "logprobs",
+     "unsupported_parameter"),
+    ("chat/completions", {"model": BASE, "messages": CHAT, "logprobs": 0}, 400, "logprobs", "unsupported_parameter"),
+    ("chat/completions", {"model": BASE, "messages": CHAT, "top_logprobs": False}, 400, "top_logprobs",
      "unsupported_parameter"),
     ("chat/completions", {"model": BASE, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
      400, "tools", "unsupported_parameter"),
@@ -488,6 +497,10 @@ def test_max_tokens_past_the_context_is_refused_but_a_default_is_capped(http, se
     assert r.status_code == 400 and msg == ("max_tokens: 250 prompt tokens + max_tokens=7 = 257 tokens exceed the "
                                             "model's context of max_seq_len=256: ask for at most 6 tokens or shorten "
                                             "the prompt"), r.text
+    r = http.post("/v1/completions", json={"model": BASE, "prompt": [[5, 6, 7], _NEAR], "max_tokens": 7})
+    assert r.status_code == 400 and r.json()["error"]["message"] == msg + " (prompt[1])", r.text  # which prompt
+    r = http.post("/v1/completions", json={"model": BASE, "prompt": [[5, 6, 7], _LONG]})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt[1]: 300 tokens"), r.text
     for body in ({"max_tokens": 6}, {}):  # exactly the context; the completions default of 16, capped
         r = http.post("/v1/completions", json={"model": "ad1", "prompt": _NEAR, "temperature": 0, "ignore_eos": True,
                                                **body})
@@ -657,6 +670,14 @@ def test_runtime_adapters_load_serve_and_unload(http, engine, served, adapter_ro
     assert http.post("/v1/completions", json={"model": "fresh", "prompt": "Hi"}).status_code == 404
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
+    pk = write_adapter(adapter_root / "pickled", engine.config, seed=43, rank=2, modules=("q_proj",))
+    torch.save(load_file(str(pk / "adapter_model.safetensors")), pk / "adapter_model.bin")
+    (pk / "adapter_model.safetensors").unlink()  # only a pickle: never loaded at run time, --allow-pickle or not
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "pickled", "lora_path": "pickled"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "invalid_adapter" and err["param"] == "lora_path", r.text
+    assert "only a pickle" in err["message"] and "--adapter directories given at start only" in err["message"]
+    assert "pickled" not in served.apply(hooks.list_adapters)
 
 
 def test_concurrent_runtime_loads_of_one_name_do_not_both_succeed(url, engine, served, adapter_root):
