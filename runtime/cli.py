@@ -478,9 +478,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     # the base model's name in requests: as given, else the default model file's stem (a missing model fails here in a
     # second, before any loading)
-    if args.served_model_name is not None:  # a request's "model" carries it, as it carries an adapter's name
-        check_adapter_name(args.served_model_name, "--served-model-name")
-    served = args.served_model_name or args.model or resolve_model_path(None).stem
+    served = args.served_model_name if args.served_model_name is not None else (
+        args.model or resolve_model_path(None).stem)
+    # a request's "model" carries it, as it carries an adapter's name: the same rule
+    check_adapter_name(served, "--served-model-name" if args.served_model_name is not None else
+                       "the served model name (by default --model as given: pass --served-model-name NAME)")
     _refuse_served_name(served, [n for n, _ in args.adapter])
     _check_port(args.host, args.port)  # before minutes of loading, not after
     if args.engine_process:  # the engine and its steps in a child process; HTTP, tokens and text in this one
