@@ -258,6 +258,10 @@ def chat_prompt(messages: list[ChatMessage]) -> list[dict]:
             raise APIError(400, f"messages[{i}].content: expected a string or a list of text parts for a {m.role!r} "
                                 f"message, got none", code="invalid_value", param=f"messages[{i}].content")
         if isinstance(content, list):
+            if not content and m.role != "assistant":  # OpenAI's schema: at least one part
+                raise APIError(400, f"messages[{i}].content: expected a string or at least one text part for a "
+                                    f"{m.role!r} message, got an empty list", code="invalid_value",
+                               param=f"messages[{i}].content")
             for j, part in enumerate(content):
                 if part.type != "text":
                     raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported, got type "

@@ -144,6 +144,7 @@ class _Server:
         self.loop: EngineLoop | EngineProcess | None = None
         self.closing = False
         self.created = int(time.time())
+        self.loaded_at: dict[str, int] = {}  # a runtime-loaded adapter's card's "created": when it was (re)loaded
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -186,8 +187,8 @@ class _Server:
             except KeyError:  # not loaded here (a catalog adapter this replica has not been routed yet)
                 root = self.adapter_paths().get(name)
             parent = self.served_model_name
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "multilora", "root": root,
-                "parent": parent, "max_model_len": self.engine.max_seq_len}
+        return {"id": name, "object": "model", "created": self.loaded_at.get(name, self.created),
+                "owned_by": "multilora", "root": root, "parent": parent, "max_model_len": self.engine.max_seq_len}
 
     async def models(self) -> dict:
         return {"object": "list", "data": [self._card(n) for n in (self.served_model_name, *self.listed_adapters())]}
@@ -336,6 +337,7 @@ class _Server:
                 await run_in_threadpool(self.engine.load_adapter, name, path)
             except (ValueError, OSError) as e:  # AdapterError is a ValueError
                 raise APIError(400, f"lora_path: {e}", code="invalid_adapter", param="lora_path") from None
+            self.loaded_at[name] = int(time.time())
         return PlainTextResponse(f"Success: LoRA adapter '{name}' {'replaced' if replaced else 'added'} successfully.")
 
     async def unload_lora_adapter(self, body: UnloadLoRARequest) -> PlainTextResponse:
@@ -347,6 +349,7 @@ class _Server:
             except UnknownAdapterError:
                 raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", code="model_not_found",
                                param="lora_name") from None
+            self.loaded_at.pop(body.lora_name, None)
         log.info("unloaded adapter %r", body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 

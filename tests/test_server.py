@@ -437,6 +437,8 @@ ERRORS = [  # (route, body, status, param, code)
     ("chat/completions", {"model": BASE, "messages": [{"role": "system", "content": "Be brief."},
                                                       {"role": "user", "content": None}]}, 400, "messages[1].content",
      "invalid_value"),
+    ("chat/completions", {"model": BASE, "messages": [{"role": "user", "content": []}]}, 400, "messages[0].content",
+     "invalid_value"),
     ("chat/completions", {"model": BASE, "messages": [{"content": "hi"}]}, 400, "messages", "invalid_type"),
     ("chat/completions", {"model": BASE, "messages": CHAT, "max_completion_tokens": 0}, 400,
      "max_completion_tokens", "invalid_value"),
@@ -646,13 +648,16 @@ def test_503_while_shutting_down(url, http, app):
 # ------------------------------------------------------------------------------------------ runtime adapters
 def test_runtime_adapters_load_serve_and_unload(http, engine, served, adapter_root):
     path = write_adapter(adapter_root / "fresh", engine.config, seed=42, rank=6, modules=("o_proj", "up_proj"))
+    time.sleep(1.05)  # its card's "created" (whole seconds) is the load's, after the server's start
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "fresh", "lora_path": str(path)})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'fresh' added successfully."
     assert "fresh" in served.apply(hooks.list_adapters)
     if served.proc is not None:  # the reference: the test's engine, which the server does not use in this mode
         engine.load_adapter("fresh", path)
-    card = next(m for m in http.get("/v1/models").json()["data"] if m["id"] == "fresh")
+    cards = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    card = cards["fresh"]
     assert {"id": "fresh", "parent": BASE}.items() <= card.items() and Path(card["root"]).resolve() == path.resolve()
+    assert card["created"] > cards[BASE]["created"] and abs(card["created"] - time.time()) < 60  # loaded, not started
     want = _ref(engine, "Hello", "fresh", max_tokens=6, temperature=0.0)
     r = http.post("/v1/completions", json={"model": "fresh", "prompt": "Hello", "max_tokens": 6, "temperature": 0})
     assert r.json()["choices"][0]["text"] == want.text
