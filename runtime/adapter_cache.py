@@ -575,7 +575,7 @@ class AdapterCache:
             self.disk_busy.end(0)
             if repr(handle.name) in str(e):
                 raise
-            raise AdapterError(f"adapter {handle.name!r} (version {handle.version}, read again from disk): {e}",
+            raise AdapterError(f"adapter {handle.name!r} (version {handle.version}, read from disk): {e}",
                                path=e.path, key=e.key) from e  # the request's adapter, not only its directory
         except BaseException:
             self.disk_busy.end(0)

@@ -922,8 +922,8 @@ class Engine:
             UnknownAdapterError (a KeyError): a named adapter is not loaded.
             RuntimeError: a row failed (its adapter can never fit, or its files changed; the message says which).
         """
-        reqs = self.requests.logits_rows(token_ids, adapters)
-        with self._step_lock:
+        with self._step_lock:  # the adapters looked up and the rows queued as one (as add_request: an unload between
+            reqs = self.requests.logits_rows(token_ids, adapters)  # would drop the host copies they are to hold)
             for r in reqs:
                 self.scheduler.add(r)
         self._run_until_done(reqs, progress=False)

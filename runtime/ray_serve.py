@@ -91,6 +91,9 @@ class RayAppSpec:
                 raise ValueError(f"RayAppSpec.{name}: expected a number >= 0, got {v!r}")
         if not isinstance(self.config, EngineConfig):
             raise ValueError(f"RayAppSpec.config: expected an EngineConfig, got {type(self.config).__name__}")
+        if self.base_name is not None:  # the replicas' create_app checks it too: here it fails before Ray starts
+            check_adapter_name(self.base_name, "RayAppSpec.served_model_name" if self.served_model_name else
+                               "RayAppSpec's served name (by default model as given: set served_model_name)")
         for name, path in self.adapters.items():
             check_adapter_name(name, "RayAppSpec.adapters: an adapter name")
             if name == self.base_name:

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import time
 from pathlib import Path
@@ -268,7 +269,8 @@ class _Server:
                 raise APIError(404, str(e.args[0]), code="model_not_found", param="model") from None
             if isinstance(e, ValueError):
                 err = renamed(bad_value(e), params)
-                if len(prompts) > 1:  # which of the list's prompts (the one after those queued)
+                if len(prompts) > 1 and err.param in ("prompt", "max_tokens"):  # which prompt of the list (the one
+                    # after those queued); other fields are the whole request's
                     i = len(streams)
                     if err.message.startswith("prompt:"):
                         err.message = f"prompt[{i}]" + err.message[len("prompt"):]
@@ -323,7 +325,7 @@ class _Server:
             raise APIError(400, f"lora_name: that is the base model's served name: choose another, got {name!r}",
                            code="invalid_value", param="lora_name")
         path = self._adapter_path(body.lora_path)
-        if path.is_dir() and (weights_path(path) or Path()).name == PICKLE_NAME:
+        if os.path.isdir(path) and (weights_path(path) or Path()).name == PICKLE_NAME:  # (isdir: never raises)
             raise APIError(400, f"lora_path: {path / PICKLE_NAME}: only a pickle weight file (no {SAFETENSORS_NAME}); "
                                 f"adapters loaded at run time must be safetensors (a pickle can run code when loaded; "
                                 f"--allow-pickle covers the --adapter directories given at start only)",

@@ -415,6 +415,8 @@ def test_adapter_names_are_checked_before_the_model_loads(tiny, capsys, monkeypa
             capsys.readouterr().err
     with pytest.raises(ValueError, match=r"^RayAppSpec.adapters: an adapter name must be .* got ' a' \(whitespace"):
         RayAppSpec(model=str(d), config=EngineConfig(progress=False), adapters={" a": str(dirs["a"])})
+    with pytest.raises(ValueError, match=r"^RayAppSpec.served_model_name must be .* got 'a,b' \(a comma\)"):
+        RayAppSpec(model=str(d), config=EngineConfig(progress=False), served_model_name="a,b")  # before Ray starts
 
 
 def test_a_max_seq_len_past_the_models_context_is_refused_before_loading(tiny, monkeypatch, capsys):

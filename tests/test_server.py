@@ -683,6 +683,8 @@ def test_runtime_adapters_load_serve_and_unload(http, engine, served, adapter_ro
     assert r.status_code == 400 and err["code"] == "invalid_adapter" and err["param"] == "lora_path", r.text
     assert "only a pickle" in err["message"] and "--adapter directories given at start only" in err["message"]
     assert "pickled" not in served.apply(hooks.list_adapters)
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "long", "lora_path": "a" * 300})  # ENAMETOOLONG: a 400
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
 
 
 def test_concurrent_runtime_loads_of_one_name_do_not_both_succeed(url, engine, served, adapter_root):

@@ -17,6 +17,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -148,3 +149,32 @@ def test_unload_adapter_waits_for_the_step_lock(files):
     assert unloaded.is_set() and "u" not in e.list_adapters()
     assert req.handle.queued == 1 and req.handle.retired  # the queued request keeps the unloaded version
     e.abort(req.request_id)
+
+
+def test_logits_looks_up_its_adapters_and_queues_its_rows_as_one(files, monkeypatch):
+    """``Engine.logits`` looks the adapters up and queues the rows under the step lock: an unload from another thread
+    (waiting for that lock) can no longer fall between, dropping the host copy the rows were to hold (the rows then
+    read the files again: deleted here, so they failed)."""
+    import shutil
+    d, root = files
+    e = _engine(d)
+    p = write_adapter(root / "lr", e.config, seed=3, rank=4, modules=("q_proj",))
+    e.load_adapter("lr", p)
+    ids = [token_ids(5, 1, VOCAB)]
+    want = e.logits(ids, adapters=["lr"])
+    lookup = e.requests.logits_rows
+    t = threading.Thread(target=e.unload_adapter, args=("lr",))
+
+    def then_unload(*a, **k):  # another thread unloads right after the lookup, then the files go
+        reqs = lookup(*a, **k)
+        t.start()
+        t.join(0.3)
+        if not t.is_alive():  # (the unload did not wait: the files go before the rows read them)
+            shutil.rmtree(p)
+        return reqs
+
+    monkeypatch.setattr(e.requests, "logits_rows", then_unload)
+    got = e.logits(ids, adapters=["lr"])
+    assert torch.equal(got, want)
+    t.join(5)
+    assert "lr" not in e.list_adapters()  # the unload ran once the rows were done
