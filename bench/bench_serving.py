@@ -271,13 +271,24 @@ class PageCacheDropper:
             raise RuntimeError(f"--drop-page-cache: dropping the page cache failed: {self.error!r}") from self.error
 
 
+def longest_request(args: argparse.Namespace) -> int:
+    """Tokens of the trace's longest request: its longest prompt + its longest output."""
+    return max(args.input_len[1], args.long_prompt_len if args.long_prompt_share > 0 else 0) + args.output_len[1]
+
+
+def max_seq_len(args: argparse.Namespace, context: int) -> int:
+    """The engine's ``max_seq_len``: the longest request and 8 tokens of slack, at most the model's ``context``
+    (``parse_args`` refuses a trace whose longest request is past it)."""
+    return min(longest_request(args) + 8, context)
+
+
 def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path], n_adapters: int,
                  unified: bool = False) -> Engine:
     """The engine of every row: adapters ``a0 .. a{N-1}`` registered (adapter i from ``files[i % len(files)]``;
     each a distinct adapter to the engine), warmed up on every kernel shape the trace can reach; ``unified``: the
     adapter pool and the KV cache in one buffer (``Engine(unified_pool=True)``) of the same bytes."""
     ranks, _ = ADAPTER_SETS[args.adapter_set]
-    max_seq = max(args.input_len[1], args.long_prompt_len if args.long_prompt_share > 0 else 0) + args.output_len[1] + 8
+    max_seq = max_seq_len(args, config.max_position_embeddings)
     engine = Engine(config, device=args.device, dtype=DTYPES[args.dtype], progress=False,
                     max_batch_size=args.max_batch_size, max_seq_len=max_seq, max_lora_rank=max(ranks),
                     adapter_pool_share=args.adapter_pool_share, adapter_pool_bytes=args.adapter_pool_bytes,
@@ -837,6 +848,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 raise ValueError
         except ValueError:
             ap.error(f"--rate: expected a positive number, 'burst' or 'auto', got {args.rate!r}")
+    context = MODEL_SHAPES[args.shape]["max_position_embeddings"]
+    if longest_request(args) > context:
+        ap.error(f"--input-len / --output-len{' / --long-prompt-len' if args.long_prompt_share > 0 else ''}: the "
+                 f"longest request ({longest_request(args)} tokens) is past the {args.shape} shape's context of "
+                 f"{context} tokens: lower them")
     for flag, on in (("--drop-page-cache", args.drop_page_cache > 0), ("--drop-after-read", args.drop_after_read)):
         if on and not hasattr(os, "posix_fadvise"):
             ap.error(f"{flag}: needs os.posix_fadvise (Linux), which Python on {platform.system()} lacks")

@@ -94,7 +94,9 @@ def start_batch(e: Engine, B: int, names: list[str], decode_steps: int) -> None:
     for i in range(B):
         ids = torch.randint(0, e.config.vocab_size, (PROMPT_LEN,), generator=gen).tolist()
         e.add_request(ids, names[i % len(names)] if names else None, sp)
-    while e.scheduler.waiting:
+    # until every prompt is computed: with chunked prefill (the default) a request leaves the waiting queue while its
+    # prompt is still being computed in chunks of the step's token budget (64 x 512 tokens > 4,096)
+    while e.scheduler.waiting or any(r.computed < len(r.prompt_ids) for r in e.scheduler.running):
         e.step()
 
 

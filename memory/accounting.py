@@ -924,7 +924,7 @@ def _explain_lines(p: MemoryPlan) -> list[str]:
     lines.append(_size_line("adapter pool", p.adapter_pool_bytes, p.adapter_pool_source))
     lines.append(_size_line("KV cache", p.kv_bytes, p.kv_source))
     lines.append(_size_line("host tier", p.host_tier_bytes, p.host_tier_source))
-    lines.append(_size_line("budget (pool + KV)", p.budget_bytes, p.budget_source))
+    lines.append(_size_line("budget (>= pool + KV)", p.budget_bytes, p.budget_source))
     lines.append(_size_line("hard budget", p.hard_budget_bytes))
     lines.append(_size_line("device quota", p.device_quota_bytes))
     lines.append(_size_line("usable", p.usable_bytes, p.usable_source))

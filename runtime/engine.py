@@ -698,11 +698,21 @@ class Engine:
         return self.scheduler.has_unfinished() or (a is not None and any(r.status is not Status.FINISHED
                                                                            for r in a.batch))
 
-    def abort(self, request_id: int) -> bool:
+    def abort(self, request_id: int | Request) -> bool:
         """Withdraw a request (from any thread): it leaves before the next step, with ``finish_reason="abort"``;
-        its KV blocks and adapter reference go back. Returns False when no unfinished request has that id. With
+        its KV blocks and adapter reference go back. ``request_id``: its ``request_id`` (an int), or the ``Request``
+        that ``add_request`` returned. Returns False when no unfinished request has that id. With
         ``async_scheduling``, the step that drew the request's last tokens is read back first: a request that
-        finished on them keeps its finish reason (and this returns False), as without it."""
+        finished on them keeps its finish reason (and this returns False), as without it.
+
+        Raises:
+            TypeError: ``request_id`` is neither an int nor a ``Request`` (a string id silently matched nothing).
+        """
+        if isinstance(request_id, Request):
+            request_id = request_id.request_id
+        elif not isinstance(request_id, int) or isinstance(request_id, bool):
+            raise TypeError(f"abort: request_id: expected an int (a Request's request_id) or the Request that "
+                            f"add_request returned, got {type(request_id).__name__} {request_id!r}")
         with self._step_lock:
             req = self.scheduler.get(request_id)
             if req is not None and req.pending and self._ahead is not None:  # its last tokens are drawn: read them

@@ -732,3 +732,16 @@ def test_gemm_lora_bench_smoke(tmp_path):
     assert "| provider | layer us | over cuBLAS |" in (tmp_path / "gemm_lora.md").read_text()
     p = subprocess.run(cmd + ["--configs", "7"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 2 and "--configs: expected indices 0..1" in p.stderr, p.stderr
+
+
+def test_serving_bench_fits_the_shapes_context(capsys):
+    """The default trace (prompts and outputs up to 512 tokens) on the tiny shape (a context of 1,024): max_seq_len at
+    most the context (it was 1,032, which the engine refuses); a trace past the context is refused naming the flags."""
+    bs = _load_bench("bench_serving")
+    args = bs.parse_args(["--shape", "tiny"])
+    assert bs.longest_request(args) == 1024 and bs.max_seq_len(args, 1024) == 1024
+    assert bs.max_seq_len(bs.parse_args(["--shape", "tiny", "--input-len", "8,100"]), 1024) == 100 + 512 + 8
+    with pytest.raises(SystemExit):
+        bs.parse_args(["--shape", "tiny", "--output-len", "8,600"])
+    assert "--input-len / --output-len: the longest request (1112 tokens) is past the tiny shape's context of 1024" \
+        in capsys.readouterr().err

@@ -178,3 +178,17 @@ def test_logits_looks_up_its_adapters_and_queues_its_rows_as_one(files, monkeypa
     assert torch.equal(got, want)
     t.join(5)
     assert "lr" not in e.list_adapters()  # the unload ran once the rows were done
+
+
+def test_abort_takes_the_request_or_its_id_and_refuses_anything_else(files):
+    """``abort(req)`` with the ``Request`` that ``add_request`` returned withdraws it (it returned False and the
+    request ran on); a str id is a TypeError naming ``request_id`` (it matched nothing, silently)."""
+    d, _ = files
+    e = _engine(d)
+    a, b = (e.add_request(token_ids(5, s, VOCAB), sampling=SamplingParams(max_tokens=30)) for s in (1, 2))
+    for bad in (str(a.request_id), True, 1.0):
+        with pytest.raises(TypeError, match=r"abort: request_id: expected an int .* got "):
+            e.abort(bad)
+    assert e.abort(a) and a.finish_reason == "abort"
+    assert e.abort(b.request_id) and b.finish_reason == "abort"
+    assert not e.abort(a) and not e.has_unfinished()
