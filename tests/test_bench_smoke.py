@@ -215,6 +215,11 @@ def test_step_overhead_bench_runs(tmp_path):
         rows = json.loads(out.read_text())["rows"]
         assert sorted((r["batch"], r["adapters"]) for r in rows) == [(1, 0), (1, 1), (2, 0), (2, 2)]
         assert all(r["us_per_step_median"] > 0 and r["parts_us"] for r in rows)
+    # batch 64 (its default's largest): 64 x 512 prompt tokens take several chunked-prefill steps, which it once timed
+    # as decode steps ("a timed step was not a decode step")
+    p = subprocess.run(cmd[:2] + ["--batches", "64", "--lora", "off", "--steps", "3", "--warmup", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
 
 
 def test_serving_bench_runs(tmp_path):
