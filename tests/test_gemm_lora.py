@@ -52,8 +52,9 @@ def test_gemm_lora_is_the_base_gemm_plus_the_lora_term(rows, modules, device, dt
     gate/up slice (rank 0 there): ``x W^T`` + every row's LoRA term; rows without an adapter get exactly the plain
     GEMM's values (the same kernel without the epilogue)."""
     cfg = WIDE16 if device == "cpu" else LLAMA8B
-    pool, slices, plan, x, w, ref, token_slots = _case(
-        cfg, modules, rows, device=device, dtype=dtype, seed=rows, skip={2: ("k_proj", "up_proj")})
+    pool, slices, plan, x, w, ref, token_slots = _case(  # (LLAMA8B has one layer: layer 1 failed on the GPU)
+        cfg, modules, rows, device=device, dtype=dtype, seed=rows, skip={2: ("k_proj", "up_proj")},
+        layer=cfg.num_layers - 1)
     kw = dict(block_m=16, block_n=16, block_k=32) if device == "cpu" else {}
     y = gemm_lora(x, w, slices, plan, **kw)
     torch.testing.assert_close(y.float(), ref, **TOL[dtype])
