@@ -226,6 +226,10 @@ class MemorySnapshot:
         for name in ("cuda_free_bytes", "cuda_total_bytes"):
             if self.has_gpu and getattr(self, name) is None:
                 raise MemorySnapshotError(name, "a byte count (has_gpu is true)", "null")
+            if not self.has_gpu and getattr(self, name) is not None:  # a contradiction: which one to believe?
+                raise MemorySnapshotError(name, "null (has_gpu is false)", describe(getattr(self, name)))
+        if self.is_integrated and not self.has_gpu:
+            raise MemorySnapshotError("is_integrated", "false (has_gpu is false: no GPU to share host memory)", "true")
         for name in ("device_name", "meminfo_text"):
             _check_text(name, getattr(self, name))
         for name in ("cgroup_v2", "cgroup_v1"):

@@ -130,7 +130,7 @@ def snapshot_dicts(draw) -> dict:
         "schema": "multilora-memory-snapshot",
         "schema_version": 1,
         "has_gpu": gpu,
-        "is_integrated": draw(st.booleans()),
+        "is_integrated": draw(st.booleans()) if gpu else False,  # (true without a GPU: refused, a contradiction)
         "cuda_free_bytes": draw(st.integers(0, 1 << 44)) if gpu else None,
         "cuda_total_bytes": total if gpu else None,
         "torch_reserved_bytes": draw(st.integers(0, 1 << 40)),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 
@@ -275,3 +276,15 @@ def test_huge_byte_flags_exit_2_with_a_message(tmp_path, capsys):
 def test_a_snapshot_error_is_never_taken_for_a_plan_error():
     assert not issubclass(MemorySnapshotError, MemoryPlanError) and not issubclass(MemoryPlanError, MemorySnapshotError)
     assert issubclass(MemorySnapshotError, ValueError)
+
+
+def test_a_snapshot_without_a_gpu_may_not_carry_gpu_fields():
+    """``has_gpu: false`` with ``is_integrated: true`` or CUDA byte counts contradicts itself (the plan printed "no
+    GPU: the host is the device 'NVIDIA GB10'"): refused naming the field."""
+    base = {"schema": "multilora-memory-snapshot", "schema_version": 1, "has_gpu": False}
+    for key, value, want in (("is_integrated", True, "is_integrated: expected false (has_gpu is false"),
+                             ("cuda_free_bytes", 1 << 30, "cuda_free_bytes: expected null (has_gpu is false)"),
+                             ("cuda_total_bytes", 1 << 30, "cuda_total_bytes: expected null (has_gpu is false)")):
+        with pytest.raises(MemorySnapshotError, match=re.escape(want)):
+            MemorySnapshot.from_dict({**base, key: value})
+    assert MemorySnapshot.from_dict({**base, "device_name": "x86_64"}).device_name == "x86_64"  # a name is fine
