@@ -44,7 +44,7 @@ from multilora.runtime.model import DecoderModel
 from multilora.runtime.parallel import TensorParallel, TensorParallelError, TPGroup
 from multilora.runtime.sharding import check_tp_size, shard_weights, tp_rank_config
 from multilora.runtime.postprocess import Postprocessor, RequestOutput, draw_tokens
-from multilora.runtime.requests import RequestFactory, per_row
+from multilora.runtime.requests import RequestFactory, as_request_id, per_row
 from multilora.runtime.runner import CAPTURE_WORKSPACE_BYTES, Feed, ModelRunner
 from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.scheduler import Request, Schedule, Scheduler, Status
@@ -706,13 +706,10 @@ class Engine:
         finished on them keeps its finish reason (and this returns False), as without it.
 
         Raises:
-            TypeError: ``request_id`` is neither an int nor a ``Request`` (a string id silently matched nothing).
+            TypeError: ``request_id`` is neither an integer nor a ``Request`` (``requests.as_request_id``: a str id
+                silently matched nothing).
         """
-        if isinstance(request_id, Request):
-            request_id = request_id.request_id
-        elif not isinstance(request_id, int) or isinstance(request_id, bool):
-            raise TypeError(f"abort: request_id: expected an int (a Request's request_id) or the Request that "
-                            f"add_request returned, got {type(request_id).__name__} {request_id!r}")
+        request_id = as_request_id(request_id)
         with self._step_lock:
             req = self.scheduler.get(request_id)
             if req is not None and req.pending and self._ahead is not None:  # its last tokens are drawn: read them
@@ -932,9 +929,11 @@ class Engine:
             UnknownAdapterError (a KeyError): a named adapter is not loaded.
             RuntimeError: a row failed (its adapter can never fit, or its files changed; the message says which).
         """
-        with self._step_lock:  # the adapters looked up and the rows queued as one (as add_request: an unload between
-            reqs = self.requests.logits_rows(token_ids, adapters)  # would drop the host copies they are to hold)
-            for r in reqs:
+        reqs = self.requests.logits_rows(token_ids, adapters)  # the rows checked outside the lock (a big call's
+        with self._step_lock:  # Python loop must not hold steps back); the adapters looked up and the rows queued as
+            handles = [self.cache.get(r.adapter_name) if r.adapter_name is not None else None for r in reqs]  # one
+            for r, h in zip(reqs, handles):  # (as add_request: an unload between would drop the host copies they are
+                r.handle = h  # to hold); every name first, so an unknown one queues nothing
                 self.scheduler.add(r)
         self._run_until_done(reqs, progress=False)
         for i, r in enumerate(reqs):

@@ -55,6 +55,7 @@ from multilora.runtime.adapter_cache import UnknownAdapterError, loaded_names
 from multilora.runtime.engine import EngineOverloadedError
 from multilora.runtime.engine_loop import RequestDelta, RequestStream, _wake_all
 from multilora.runtime.postprocess import RequestOutput
+from multilora.runtime.requests import as_request_id
 from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.scheduler import Status
 from multilora.runtime.tokenizer import Prompt, PromptTokenizer, TextStream
@@ -166,7 +167,10 @@ class _EngineCore:
         while self.inbox:
             msg = self.inbox.popleft()
             if msg[0] == "abort":
-                engine.abort(msg[1])
+                try:
+                    engine.abort(msg[1])
+                except Exception:  # one bad message must not fail the step (and with it every tracked request)
+                    log.exception("engine process: abort(%r) failed", msg[1])
                 continue
             _, call_id, ids, adapter, sampling = msg
             try:
@@ -425,9 +429,11 @@ class EngineProcess:
         stream = self._request(("submit", ids, adapter, sampling), (prompt, adapter, ids, sampling.stop)).result()
         return stream
 
-    def abort(self, request_id: int) -> bool:
-        """Withdraw a request; its stream then ends with ``finish_reason="abort"`` (after the child's next step).
-        Returns False when no unfinished request of this process has that id."""
+    def abort(self, request_id: Any) -> bool:
+        """Withdraw a request (its id, or its stream); its stream then ends with ``finish_reason="abort"`` (after
+        the child's next step). Returns False when no unfinished request of this process has that id. Raises
+        TypeError for anything else (``requests.as_request_id``)."""
+        request_id = as_request_id(request_id)  # a plain int down the pipe: the child's abort takes nothing else
         with self._lock:
             if request_id not in self._tracked or self.error is not None or self._closed.is_set():
                 return False

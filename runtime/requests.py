@@ -8,6 +8,7 @@ loaded), so a call of several prompts can be refused whole with nothing run (the
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Sequence
 
 from multilora.memory.kv_cache import PagedKVCache
@@ -15,6 +16,23 @@ from multilora.runtime.adapter_cache import AdapterCache
 from multilora.runtime.sampling import SamplingParams, make_seed
 from multilora.runtime.scheduler import Request, next_request_id
 from multilora.runtime.tokenizer import Prompt, PromptTokenizer
+
+
+def as_request_id(request_id: Any, where: str = "abort") -> int:
+    """A request's id from what a caller holds: the id (an int, numpy's and torch's integers too), or an object with a
+    ``request_id`` (the ``Request`` that ``Engine.add_request`` returns, an ``EngineLoop`` stream).
+
+    Raises:
+        TypeError: anything else (a str id, a bool, a float: each matched nothing before, silently).
+    """
+    rid = getattr(request_id, "request_id", request_id)
+    if not isinstance(rid, (bool, str, bytes, float)):
+        try:
+            return operator.index(rid)
+        except TypeError:
+            pass
+    raise TypeError(f"{where}: request_id: expected an int (a Request's request_id) or the Request that add_request "
+                    f"returned, got {type(request_id).__name__} {request_id!r}")
 
 
 def per_row(value: Any, n: int, name: str, what: str) -> list:
@@ -90,12 +108,13 @@ class RequestFactory:
                        seed=make_seed(params))
 
     def logits_rows(self, token_ids: Sequence[Sequence[int]], adapters: Any) -> list[Request]:
-        """One ``logits_only`` request per row of token ids (``Engine.logits``'s checks).
+        """One ``logits_only`` request per row of token ids (``Engine.logits``'s checks), each with its
+        ``adapter_name`` and no ``handle`` yet: the caller looks the adapters up under the step lock, where it queues
+        the rows (an unload between the two would drop the host copies the rows are to hold).
 
         Raises:
             ValueError: empty rows, ids out of range, a row longer than ``max_seq_len`` or than the KV cache holds,
                 mismatched lengths.
-            UnknownAdapterError (a KeyError): a named adapter is not loaded.
         """
         vocab, kv = self.tokenizer.vocab_size, self.kv
         rows = []
@@ -117,7 +136,6 @@ class RequestFactory:
             if kv.blocks_for_tokens(len(r)) > kv.max_usable_blocks:
                 raise ValueError(f"token_ids[{i}]: {len(r)} tokens need {kv.blocks_for_tokens(len(r))} KV blocks; "
                                  f"the whole KV cache has {kv.max_usable_blocks}")
-        handles = [self.cache.get(a) if a is not None else None for a in names]
-        return [Request(request_id=next_request_id(), prompt=r, prompt_ids=r, adapter_name=a, handle=h,
+        return [Request(request_id=next_request_id(), prompt=r, prompt_ids=r, adapter_name=a, handle=None,
                         params=SamplingParams(max_tokens=1), seed=0, logits_only=True)
-                for r, a, h in zip(rows, names, handles)]
+                for r, a in zip(rows, names)]

@@ -15,6 +15,7 @@ import shutil
 import threading
 import time
 
+import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers")
@@ -223,9 +224,22 @@ def test_abort_and_leaving_a_stream_free_the_request(engine, loop):
     deadline = time.time() + 30
     while loop.num_streams and time.time() < deadline:
         time.sleep(0.01)
+    # an id of numpy's (the child's abort once refused it, which failed every request the process ran) beside a
+    # request that must finish untouched; a str id is a TypeError, not a silent miss
+    victim = loop.submit(token_ids(6, 52, VOCAB), "b", long)
+    other = loop.submit(token_ids(6, 53, VOCAB), "a", SamplingParams(max_tokens=20, ignore_eos=True))
+    vi = iter(victim)  # (kept: a stream's iterator dropped mid-stream aborts its request)
+    assert not next(vi).finished
+    with pytest.raises(TypeError, match="abort: request_id: expected an int"):
+        loop.abort(str(victim.request_id))
+    assert loop.abort(np.int64(victim.request_id))
+    assert list(vi)[-1].finish_reason == "abort" and other.result().finish_reason == "length"
+    deadline = time.time() + 30
+    while loop.num_streams and time.time() < deadline:
+        time.sleep(0.01)
     _idle(engine, loop)
     assert not loop.abort(10**9)  # unknown id
-    assert stats()["requests_aborted"] - aborted0 == 2  # (counted apart from requests_finished / _failed)
+    assert stats()["requests_aborted"] - aborted0 == 3  # (counted apart from requests_finished / _failed)
 
 
 def test_a_loop_step_that_raises_fails_its_streams_once_and_keeps_serving(engine, monkeypatch):

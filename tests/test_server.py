@@ -754,6 +754,25 @@ def test_runtime_adapter_routes_are_refused_unless_allowed(engine):
     assert "ad0" in engine.list_adapters()
 
 
+def test_runtime_loads_without_an_adapter_root_refuse_bad_paths_with_a_400(tmp_path):
+    """Without --adapter-root the path is taken as given: one the OS cannot even look at (a name too long) is a 400
+    naming lora_path, not a 500; a pickle-only directory is refused as with a root."""
+    e = hooks.tiny_random_engine()
+    pk = write_adapter(tmp_path / "pk", e.config, seed=4, rank=2, modules=("q_proj",))
+    torch.save(load_file(str(pk / "adapter_model.safetensors")), pk / "adapter_model.bin")
+    (pk / "adapter_model.safetensors").unlink()
+    with TestClient(create_app(e, served_model_name="rand", allow_runtime_adapters=True)) as c:
+        for path, words in (("a" * 300, "lora_path: "), (str(pk), "only a pickle weight file")):
+            r = c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+            assert words in r.json()["error"]["message"], r.text
+        # a whole request's error (stop strings on a model without a tokenizer) names no prompt of the list
+        r = c.post("/v1/completions", json={"model": "rand", "prompt": [[5, 6], [7, 8]], "stop": ["x"]})
+        assert r.status_code == 400 and "stop" in r.json()["error"]["message"], r.text
+        assert "prompt[" not in r.json()["error"]["message"], r.text
+    assert "x" not in e.list_adapters()
+
+
 def test_an_engine_that_cannot_step_is_a_dead_server(tmp_path):
     """An engine whose tensor-parallel group died (``Engine.dead``) makes the server answer as for a dead engine
     process: /health 503, requests and the runtime adapter routes 503 ``engine_dead`` naming why,

@@ -16,6 +16,7 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,18 +163,19 @@ def test_logits_looks_up_its_adapters_and_queues_its_rows_as_one(files, monkeypa
     e.load_adapter("lr", p)
     ids = [token_ids(5, 1, VOCAB)]
     want = e.logits(ids, adapters=["lr"])
-    lookup = e.requests.logits_rows
+    get = e.cache.get
     t = threading.Thread(target=e.unload_adapter, args=("lr",))
 
-    def then_unload(*a, **k):  # another thread unloads right after the lookup, then the files go
-        reqs = lookup(*a, **k)
-        t.start()
-        t.join(0.3)
-        if not t.is_alive():  # (the unload did not wait: the files go before the rows read them)
-            shutil.rmtree(p)
-        return reqs
+    def get_then_unload(name):  # another thread unloads right after the lookup, then the files go
+        handle = get(name)
+        if t.ident is None:
+            t.start()
+            t.join(0.3)
+            if not t.is_alive():  # (the unload did not wait: the files go before the row reads them)
+                shutil.rmtree(p)
+        return handle
 
-    monkeypatch.setattr(e.requests, "logits_rows", then_unload)
+    monkeypatch.setattr(e.cache, "get", get_then_unload)
     got = e.logits(ids, adapters=["lr"])
     assert torch.equal(got, want)
     t.join(5)
@@ -186,9 +188,9 @@ def test_abort_takes_the_request_or_its_id_and_refuses_anything_else(files):
     d, _ = files
     e = _engine(d)
     a, b = (e.add_request(token_ids(5, s, VOCAB), sampling=SamplingParams(max_tokens=30)) for s in (1, 2))
-    for bad in (str(a.request_id), True, 1.0):
+    for bad in (str(a.request_id), True, 1.0, None):
         with pytest.raises(TypeError, match=r"abort: request_id: expected an int .* got "):
             e.abort(bad)
     assert e.abort(a) and a.finish_reason == "abort"
-    assert e.abort(b.request_id) and b.finish_reason == "abort"
+    assert e.abort(np.int64(b.request_id)) and b.finish_reason == "abort"  # numpy's integers are ids too
     assert not e.abort(a) and not e.has_unfinished()
