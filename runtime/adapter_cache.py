@@ -571,14 +571,11 @@ class AdapterCache:
         t0 = self.disk_busy.begin()
         try:
             packed = self._reload(handle, None if block is None else block.view(self.pool.dtype))
-        except AdapterError as e:
+        except BaseException as e:
             self.disk_busy.end(0)
-            if repr(handle.name) in str(e):
-                raise
-            raise AdapterError(f"adapter {handle.name!r} (version {handle.version}, read from disk): {e}",
-                               path=e.path, key=e.key) from e  # the request's adapter, not only its directory
-        except BaseException:
-            self.disk_busy.end(0)
+            if isinstance(e, AdapterError) and repr(handle.name) not in str(e):  # the request's adapter, not only
+                raise AdapterError(f"adapter {handle.name!r} (version {handle.version}, read from disk): {e}",
+                                   path=e.path, key=e.key) from e  # its directory
             raise
         seconds = self.disk_busy.end(packed.nbytes) - t0  # (the clock's own times: its union <= the reads' sum)
         self._check_files(handle, "while it was read again")

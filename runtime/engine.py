@@ -929,11 +929,14 @@ class Engine:
             UnknownAdapterError (a KeyError): a named adapter is not loaded.
             RuntimeError: a row failed (its adapter can never fit, or its files changed; the message says which).
         """
-        reqs = self.requests.logits_rows(token_ids, adapters)  # the rows checked outside the lock (a big call's
-        with self._step_lock:  # Python loop must not hold steps back); the adapters looked up and the rows queued as
-            handles = [self.cache.get(r.adapter_name) if r.adapter_name is not None else None for r in reqs]  # one
-            for r, h in zip(reqs, handles):  # (as add_request: an unload between would drop the host copies they are
-                r.handle = h  # to hold); every name first, so an unknown one queues nothing
+        # The rows are checked outside the step lock (a big call's Python loop must not hold steps back); their
+        # adapters are looked up and the rows queued under it, as one (as in add_request: an unload in between would
+        # drop the host copies the rows are to hold). Every name first, so an unknown one queues nothing.
+        reqs = self.requests.logits_rows(token_ids, adapters)
+        with self._step_lock:
+            handles = [self.cache.get(r.adapter_name) if r.adapter_name is not None else None for r in reqs]
+            for r, h in zip(reqs, handles):
+                r.handle = h
                 self.scheduler.add(r)
         self._run_until_done(reqs, progress=False)
         for i, r in enumerate(reqs):

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterator
 
 from multilora.runtime.postprocess import RequestOutput
-from multilora.runtime.requests import as_request_id
 from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.scheduler import Request, Status
 from multilora.runtime.tokenizer import Prompt, TextStream
@@ -210,7 +209,7 @@ class EngineLoop:
     def abort(self, request_id: Any) -> bool:
         """Withdraw a request (``Engine.abort``: its id, or its ``Request`` or stream); its stream ends with
         ``finish_reason="abort"``. Raises TypeError for anything else (``requests.as_request_id``)."""
-        found = self.engine.abort(as_request_id(request_id))
+        found = self.engine.abort(request_id)
         self._wake.set()
         return found
 

@@ -18,7 +18,7 @@ from multilora.runtime.scheduler import Request, next_request_id
 from multilora.runtime.tokenizer import Prompt, PromptTokenizer
 
 
-def as_request_id(request_id: Any, where: str = "abort") -> int:
+def as_request_id(request_id: Any) -> int:
     """A request's id from what a caller holds: the id (an int, numpy's and torch's integers too), or an object with a
     ``request_id`` (the ``Request`` that ``Engine.add_request`` returns, an ``EngineLoop`` stream).
 
@@ -31,7 +31,7 @@ def as_request_id(request_id: Any, where: str = "abort") -> int:
             return operator.index(rid)
         except TypeError:
             pass
-    raise TypeError(f"{where}: request_id: expected an int (a Request's request_id) or the Request that add_request "
+    raise TypeError(f"abort: request_id: expected an int (a Request's request_id) or the Request that add_request "
                     f"returned, got {type(request_id).__name__} {request_id!r}")
 
 
