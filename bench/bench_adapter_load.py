@@ -13,7 +13,9 @@ disk -> host (files in the page cache):
   ``ours_host_finish``  ``read_image`` without ``raw`` (the I/O threads' work with the default
               ``adapter_finish="host"``): lora_B transposed on the host, the whole image checked finite at the end when the files
               are in the pool dtype, the tensors read in file order by scatter reads (``ours_host_finish_split``: split
-              as ``ours_split``); ``ours_per_tensor``: that with each
+              as ``ours_split``; ``ours_host_finish_pipe``: each piece of ``--pipe-piece-bytes`` finished on a
+              finish thread while the next is read, ``image.PIPELINE_PIECE_BYTES``; ``ours_host_finish_serial``: the
+              finish after the whole read, whatever the default); ``ours_per_tensor``: that with each
               tensor read and checked while in cache instead (before session 8); ``ours_tensor_reads``: the whole-
               image check with one read per tensor (the scatter reads' A/B); ``ours_verified``: the same for a file version the cache has read before (its
               reloads after an eviction), which skips the finite checks;
@@ -86,7 +88,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 WEIGHTS = "adapter_model.safetensors"
 #: the disk -> host rows (module docstring), in their order
 DISK_PROVIDERS = ("plain", "ours", "ours_readahead", "ours_split", "ours_host_finish", "ours_host_finish_split",
-                  "ours_per_tensor", "ours_tensor_reads", "ours_verified")
+                  "ours_host_finish_pipe", "ours_host_finish_serial", "ours_per_tensor", "ours_tensor_reads",
+                  "ours_verified")
 #: the split reads' threads per image in the ``*_split`` rows (``image.SPLIT_READ_THREADS``)
 SPLIT_THREADS = 4
 
@@ -136,6 +139,9 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     ours_readahead = switched("READ_AHEAD", True, ours)
     ours_split = switched("SPLIT_READ_THREADS", SPLIT_THREADS, ours)  # (session 34, off by default)
     ours_host_finish_split = switched("SPLIT_READ_THREADS", SPLIT_THREADS, ours_host_finish)
+    # the host finish pipelined under the read in pieces of --pipe-piece-bytes, and serial (session 37)
+    ours_host_finish_pipe = switched("PIPELINE_PIECE_BYTES", args.pipe_piece_bytes, ours_host_finish)
+    ours_host_finish_serial = switched("PIPELINE_PIECE_BYTES", 0, ours_host_finish)
 
     def timed(nt: int, fn) -> float:  # GB/s of one run (--cold: the files' page cache dropped first, untimed)
         if args.cold:
@@ -159,6 +165,7 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     jobs = list(range(len(dirs)))
     fns = {"plain": plain, "ours": ours, "ours_readahead": ours_readahead, "ours_split": ours_split,
            "ours_host_finish": ours_host_finish, "ours_host_finish_split": ours_host_finish_split,
+           "ours_host_finish_pipe": ours_host_finish_pipe, "ours_host_finish_serial": ours_host_finish_serial,
            "ours_per_tensor": ours_per_tensor, "ours_tensor_reads": ours_tensor_reads, "ours_verified": ours_verified,
            "general": general}
     names = DISK_PROVIDERS + (("general",) if args.general else ())  # (in DISK_PROVIDERS' order)
@@ -347,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported")
     ap.add_argument("--general", action="store_true", help="also time read_packed_adapter (the reload before)")
+    ap.add_argument("--pipe-piece-bytes", type=int, default=4 << 20,
+                    help="the ours_host_finish_pipe row's pieces (image.PIPELINE_PIECE_BYTES; default 4 MiB)")
     ap.add_argument("--providers", default=None,
                     help="comma list of the disk -> host rows to time (default all: " + ", ".join(DISK_PROVIDERS)
                          + "; ``general`` also with --general), e.g. plain,ours,ours_readahead for the read-ahead A/B "
@@ -377,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             args.general = True
     if args.cold and not hasattr(os, "posix_fadvise"):
         ap.error("--cold: needs os.posix_fadvise (Linux) to drop the files' page cache")
+    if args.pipe_piece_bytes < 1:
+        ap.error(f"--pipe-piece-bytes: expected a positive number of bytes, got {args.pipe_piece_bytes}")
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

@@ -282,16 +282,12 @@ def test_scatter_paths_are_bit_identical(layout, batch_bytes, tmp_path, monkeypa
         assert plan.b_bytes == sum(m.b.nbytes for m in plan.modules)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_scatter_paths_are_bit_identical_on_fused_projections(dtype, tmp_path, monkeypatch):
+def _write_phi3(d, dtype):
     """Phi-3's fused qkv_proj / gate_up_proj (one A shared by slices of different widths, B over the fused width),
-    with per-layer ranks: the batched path (fused modules placed one by one), the groups path and the per-tensor
-    path give the general path's image bit for bit."""
+    with per-layer ranks, on a 4-layer Phi-3 shape: returns (its config, ``d``)."""
     import json as _json
 
     from safetensors.torch import save_file as _save
-
-    import multilora.runtime.adapters.image as image
 
     cfg = ModelConfig.from_hf_dict(dict(model_type="phi3", vocab_size=10, hidden_size=32, intermediate_size=24,
                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
@@ -308,11 +304,20 @@ def test_scatter_paths_are_bit_identical_on_fused_projections(dtype, tmp_path, m
             k = f"base_model.model.model.layers.{layer}.{parent}.{m}.lora_"
             t[k + "A.weight"] = torch.randn(r, d_in, generator=g).to(dtype)
             t[k + "B.weight"] = torch.randn(d_out, r, generator=g).to(dtype)
-    d = tmp_path / "phi3"
     d.mkdir()
     _save(t, str(d / WTS), metadata={"format": "pt"})
     (d / "adapter_config.json").write_text(_json.dumps(dict(peft_type="LORA", r=4, lora_alpha=8,
                                                             target_modules=list(mods), rank_pattern=rp)))
+    return cfg, d
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_scatter_paths_are_bit_identical_on_fused_projections(dtype, tmp_path, monkeypatch):
+    """Phi-3's fused projections (``_write_phi3``): the batched path (fused modules placed one by one), the groups
+    path and the per-tensor path give the general path's image bit for bit."""
+    import multilora.runtime.adapters.image as image
+
+    cfg, d = _write_phi3(tmp_path / "phi3", dtype)
     pool = AdapterPool(cfg, num_bytes=1 << 22, max_rank=16, dtype=dtype)
     want = read_packed_adapter(d, cfg, pool, name="x")[1]
     for batch, scatter in ((64 << 20, True), (0, True), (64 << 20, False)):
@@ -320,6 +325,135 @@ def test_scatter_paths_are_bit_identical_on_fused_projections(dtype, tmp_path, m
         monkeypatch.setattr(image, "_SCATTER", scatter)
         out = torch.full_like(want.data, float("nan"))
         _assert_same_packed(read_image(d, cfg, pool, name="x", out=out)[1], want)
+
+
+def _plan(d, cfg, pool):
+    f = image_mod.OpenFile(d / WTS)
+    try:
+        cfg_path, cfg_bytes, cfg_stamp, wpath = image_mod._config_and_weights(d)
+        return image_mod._plan_of(f, d, wpath, cfg_path, cfg_bytes, cfg_stamp, cfg, pool)
+    finally:
+        f.close()
+
+
+@pytest.mark.parametrize("pieces_of", ["one-tensor", "600-bytes", "half-the-file"])
+@pytest.mark.parametrize("layout", ["uniform", "patterned", "uneven", "phi3"])
+def test_pipelined_finish_keeps_the_bits(layout, pieces_of, tmp_path, monkeypatch):
+    """``image.PIPELINE_PIECE_BYTES`` (the host finish of each piece on a finish thread while the next is read): the
+    image is the reference's bit for bit, with every piece's finish on the finish threads, for pieces of one tensor
+    each, of a few, and of many; evenly spaced and uneven B^T regions and fused projections (placed one by one);
+    with and without the finite check (``verified``); and the plan's module regions tile the image, so the pieces'
+    checks cover every element the serial path's whole-image check does."""
+    import threading
+
+    for dtype in (torch.bfloat16, torch.float32):
+        if layout == "phi3":
+            cfg, d = _write_phi3(tmp_path / f"phi3-{dtype}".replace("torch.", ""), dtype)
+            pool = AdapterPool(cfg, num_bytes=1 << 22, max_rank=16, dtype=dtype)
+        else:
+            write = {"uniform": _write_uniform, "patterned": _write_patterned, "uneven": _write_uneven}[layout]
+            cfg, d = CFG, write(tmp_path / f"{layout}-{dtype}".replace("torch.", ""), dtype)
+            pool = _pool(dtype)
+        want = read_packed_adapter(d, cfg, pool, name="x")[1]
+        plan = _plan(d, cfg, pool)
+        piece_bytes = {"one-tensor": 1, "600-bytes": 600, "half-the-file": plan.file_size // 2}[pieces_of]
+        monkeypatch.setattr(image_mod, "PIPELINE_PIECE_BYTES", piece_bytes)
+        pieces = image_mod._pipeline(plan, piece_bytes)
+        assert pieces is not None and len(pieces) > 1
+        if piece_bytes == 1:
+            assert len(pieces) == len(plan.reads)
+        elif pieces_of == "half-the-file":
+            assert len(pieces) <= 3
+        assert sorted(id(m) for p in pieces for m in p.done) == sorted(map(id, plan.modules))  # each finished once
+        spans = sorted(c for p in pieces for c in p.checks)
+        assert spans[0][0] == 0 and spans[-1][1] == plan.numel and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        assert sum(hi - lo for lo, hi in spans) == plan.numel
+        seen, real = [], image_mod._finish_piece
+
+        def spy(*a):
+            seen.append(threading.current_thread().name)
+            return real(*a)
+
+        monkeypatch.setattr(image_mod, "_finish_piece", spy)
+        for verified in (False, True):
+            seen.clear()
+            out = torch.full_like(want.data, float("nan"))
+            _assert_same_packed(image_mod._read(d, cfg, pool, "x", False, out, verified)[1], want)
+            assert len(seen) == len(pieces) and all(n.startswith("multilora-read-finish") for n in seen)
+        monkeypatch.setattr(image_mod, "_finish_piece", real)
+
+
+@pytest.mark.parametrize("where", ["A-first", "B-last", "middle-B"])
+def test_pipelined_finish_names_the_non_finite_tensor(where, tmp_path, monkeypatch):
+    """With the pipelined finish, a non-finite value is refused with the general path's message, tensor and count
+    (the pieces' checks answer for the whole image; the serial path's trace names the tensor)."""
+    from pathlib import Path
+
+    monkeypatch.setattr(image_mod, "PIPELINE_PIECE_BYTES", 2000)
+    d = _write_uniform(tmp_path / "a", torch.bfloat16, r=4)
+    k = {"A-first": _key(0, "q_proj", "A"), "B-last": _key(CFG.num_layers - 1, "down_proj", "B"),
+         "middle-B": _key(1, "v_proj", "B")}[where]
+    _patch(d, lambda t: t[k].view(-1).__setitem__(slice(1, None, 5), float("inf")))
+    want = _err(lambda: load_peft_adapter(d, CFG))
+    pool = _pool(torch.bfloat16)
+    assert image_mod._pipeline(_plan(d, CFG, pool), 2000) is not None
+    got = _err(lambda: image_mod._read(Path(d), CFG, pool, None, False, None, False))
+    assert (str(got), got.key, got.path) == (str(want), want.key, want.path)
+    assert image_mod._read(Path(d), CFG, pool, None, False, None, True)[1] is not None  # verified: not checked
+    err = _err(lambda: read_image(d, CFG, pool, name="x"))
+    assert err.key == k and "expected finite values" in str(err)
+
+
+@pytest.mark.parametrize("fail", ["read", "finish"])
+def test_pipelined_finish_fails_cleanly_after_every_finish_ended(fail, tmp_path, monkeypatch):
+    """A read that fails mid-way (a short read) fails ``read_image`` with the file's message, and a finish that
+    raises fails it with that error; either way only after every finish already handed to the finish threads has
+    ended (the caller may then reuse the image and the scratch), and the next read is whole again."""
+    import threading
+    import time
+
+    from multilora.runtime.adapters.disk import OpenFile
+
+    monkeypatch.setattr(image_mod, "PIPELINE_PIECE_BYTES", 2000)
+    d = _write_uniform(tmp_path / "a", torch.float32)
+    pool = _pool(torch.float32)
+    want = read_packed_adapter(d, CFG, pool, name="x")[1]
+    running, started, ended = [0], [], []
+    real_finish, real_read = image_mod._finish_piece, OpenFile.read_scatter
+    lock = threading.Lock()
+
+    def slow_finish(*a):
+        with lock:
+            running[0] += 1
+            started.append(1)
+            n = len(started)
+        time.sleep(0.05)
+        try:
+            if fail == "finish" and n == 2:
+                raise RuntimeError("finish broke")
+            return real_finish(*a)
+        finally:
+            with lock:
+                running[0] -= 1
+                ended.append(1)
+
+    calls = []
+
+    def short(self, bufs, offset):
+        calls.append(offset)
+        if fail == "read" and len(calls) == 4:
+            raise self.fault(f"a read of 1 bytes at byte {offset} came up 1 bytes short")
+        return real_read(self, bufs, offset)
+
+    monkeypatch.setattr(image_mod, "_finish_piece", slow_finish)
+    monkeypatch.setattr(OpenFile, "read_scatter", short)
+    with pytest.raises(AdapterError if fail == "read" else RuntimeError,
+                       match="came up 1 bytes short" if fail == "read" else "finish broke"):
+        image_mod._read(d, CFG, pool, "x", False, None, False)
+    assert running[0] == 0 and len(ended) >= (3 if fail == "read" else 2)
+    monkeypatch.setattr(OpenFile, "read_scatter", real_read)
+    monkeypatch.setattr(image_mod, "_finish_piece", real_finish)
+    _assert_same_packed(read_image(d, CFG, pool, name="x")[1], want)
 
 
 def test_pack_of_user_modules_is_bit_identical(tmp_path):

@@ -98,8 +98,19 @@ READ_AHEAD = False
 SPLIT_READ_THREADS = 1
 #: images of fewer bytes are read on one thread (a split costs a hand-off per run)
 SPLIT_READ_MIN_BYTES = 4 << 20
+#: The host finish pipelined under the read (session 37): an image read through the batched lora_B scratch
+#: (``_scatter_batched``'s case) is read in pieces of about this many bytes, in file order, by the calling thread, and
+#: each piece's finish runs on a finish thread (``_finish_executor``) while the next piece is read: lora_B^T placed
+#: for the (layer, module)s whose A and B have both landed by that piece, a fused projection's A shared, and those
+#: modules' whole image regions (A, B^T, page padding) checked finite, which together is the serial path's work and
+#: check (``_pipeline``). The serial host finish added ~45% to a cold one-reader read on the H200 host (0.99 against
+#: 1.43 GB/s plain, bench/results/session36); the read alone ran at 1.54. 0: off (the finish after the whole read).
+PIPELINE_PIECE_BYTES = 0
+#: finish threads shared by every reader (made on first use)
+PIPELINE_FINISH_THREADS = 4
 _split_pool = None
 _split_pool_lock = threading.Lock()
+_finish_pool = None
 
 
 def _split_executor(workers: int):
@@ -111,6 +122,17 @@ def _split_executor(workers: int):
         if _split_pool is None or _split_pool._max_workers < workers:
             _split_pool = ThreadPoolExecutor(workers, thread_name_prefix="multilora-split-read")
         return _split_pool
+
+def _finish_executor():
+    """The shared pool that runs pipelined reads' finish pieces (``PIPELINE_PIECE_BYTES``), made on first use."""
+    global _finish_pool
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _split_pool_lock:
+        if _finish_pool is None:
+            _finish_pool = ThreadPoolExecutor(PIPELINE_FINISH_THREADS, thread_name_prefix="multilora-read-finish")
+        return _finish_pool
+
 
 _scratch = threading.local()
 
@@ -190,6 +212,7 @@ class _Plan:
     batches: tuple[_Batch, ...] = ()  # every lora_B, by module (``_batches``)
     b_where: dict = field(default=None, compare=False, repr=False)  # id(module) -> its lora_B's scratch offset
     b_bytes: int = 0  # the scratch bytes they take (each lora_B in its file dtype)
+    pipes: dict = field(default_factory=dict, compare=False, repr=False)  # piece bytes -> _pipeline's pieces
 
     def __post_init__(self) -> None:  # (from ``batches``, once per plan: a read looks each module up)
         object.__setattr__(self, "b_where", {id(m): o for bt in self.batches for m, o in zip(bt.modules, bt.offs)})
@@ -629,19 +652,124 @@ def _scatter_batched(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memor
     _read_in_file_order(plan, f, img_bytes, esize,
                         lambda m: [memoryview(scratch[where[id(m)] : where[id(m)] + m.b.nbytes])])
     for bt in plan.batches:
-        m0 = bt.modules[0]
-        if bt.stride is None:
-            for m in bt.modules:
-                _place_b(img, m, scratch[where[id(m)] : where[id(m)] + m.b.nbytes].view(img.dtype))
-            continue
-        n, r, d_out, ob0 = len(bt.modules), m0.r, m0.slices[0][3], m0.slices[0][1]
-        src = scratch[bt.offs[0] : bt.offs[0] + n * m0.b.nbytes].view(img.dtype).reshape(n, d_out, r)
-        isz = img.itemsize
-        dst = np.lib.stride_tricks.as_strided(img[ob0:], shape=(n, r, d_out),
-                                              strides=(bt.stride * isz, d_out * isz, isz), writeable=True)
-        np.copyto(dst, src.transpose(0, 2, 1))
+        _place_run(img, scratch, bt, 0, len(bt.modules))
     for m in plan.modules:
         _share_a(img, m)
+
+
+def _place_run(img: np.ndarray, scratch: np.ndarray, bt: _Batch, i: int, j: int) -> None:
+    """lora_B of ``bt.modules[i:j]`` (in the scratch from ``bt.offs[i]``, one after another) placed as B^T: one
+    strided copy when the batch's regions are evenly spaced, else one copy per module."""
+    m0 = bt.modules[i]
+    if bt.stride is None:
+        for m, off in zip(bt.modules[i:j], bt.offs[i:j]):
+            _place_b(img, m, scratch[off : off + m.b.nbytes].view(img.dtype))
+        return
+    n, r, d_out, ob0 = j - i, m0.r, m0.slices[0][3], m0.slices[0][1]
+    src = scratch[bt.offs[i] : bt.offs[i] + n * m0.b.nbytes].view(img.dtype).reshape(n, d_out, r)
+    isz = img.itemsize
+    dst = np.lib.stride_tricks.as_strided(img[ob0:], shape=(n, r, d_out),
+                                          strides=(bt.stride * isz, d_out * isz, isz), writeable=True)
+    np.copyto(dst, src.transpose(0, 2, 1))
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One piece of a pipelined read (``PIPELINE_PIECE_BYTES``): what it reads, then what its finish does."""
+
+    reads: tuple[tuple[int, bool, _Module], ...]  # (file offset, is lora_B, module), in file order
+    done: tuple[_Module, ...]  # the modules whose A and B have both landed once this piece is read
+    runs: tuple[tuple[_Batch, int, int], ...]  # their lora_B: (batch, i, j) for ``_place_run``
+    checks: tuple[tuple[int, int], ...]  # their image regions (element ranges, adjacent ones merged)
+
+
+def _region(m: _Module) -> tuple[int, int]:
+    """A module's whole image region: its first slice's A to its last slice's page padding (``_make_plan``)."""
+    oa, ob, _, rows = m.slices[-1]
+    return m.slices[0][0], oa + -(-(ob + m.r * rows - oa) // PAGE_ELEMS) * PAGE_ELEMS
+
+
+def _pipeline(plan: _Plan, piece_bytes: int) -> tuple[_Piece, ...] | None:
+    """``plan``'s reads cut into pieces of about ``piece_bytes`` (at tensor boundaries, in file order) and each
+    piece's finish; None when that gives one piece, or when the modules' regions do not tile the image (the whole
+    image is then checked at the end, as the serial path does). Cached on the plan."""
+    if piece_bytes in plan.pipes:
+        return plan.pipes[piece_bytes]
+    cuts, acc = [[]], 0
+    for rd in plan.reads:
+        if acc >= piece_bytes:
+            cuts.append([])
+            acc = 0
+        cuts[-1].append(rd)
+        acc += (rd[2].b if rd[1] else rd[2].a).nbytes
+    regions = sorted(_region(m) for m in plan.modules)
+    tiled = all(a[1] == b[0] for a, b in zip(regions, regions[1:])) and (
+        not regions or (regions[0][0] == 0 and regions[-1][1] == plan.numel))
+    pieces = None
+    if len(cuts) > 1 and tiled:
+        last: dict[int, int] = {}  # id(module) -> the piece that completes it
+        for p, cut in enumerate(cuts):
+            for _, _, m in cut:
+                last[id(m)] = p
+        where = {id(m): (bt, i) for bt in plan.batches for i, m in enumerate(bt.modules)}
+        pieces = []
+        for p, cut in enumerate(cuts):
+            done = tuple(m for m in plan.modules if last[id(m)] == p)
+            runs: list[list] = []
+            for bt, i in sorted((where[id(m)] for m in done), key=lambda w: (id(w[0]), w[1])):
+                if runs and runs[-1][0] is bt and runs[-1][2] == i:
+                    runs[-1][2] = i + 1
+                else:
+                    runs.append([bt, i, i + 1])
+            checks: list[list[int]] = []
+            for lo, hi in sorted(_region(m) for m in done):
+                if checks and checks[-1][1] == lo:
+                    checks[-1][1] = hi
+                else:
+                    checks.append([lo, hi])
+            pieces.append(_Piece(tuple(cut), done, tuple(tuple(r) for r in runs), tuple(tuple(c) for c in checks)))
+        pieces = tuple(pieces)
+    plan.pipes[piece_bytes] = pieces
+    return pieces
+
+
+def _finish_piece(piece: _Piece, img: np.ndarray, scratch: np.ndarray, bounds) -> bool:
+    """A piece's finish (on a finish thread): its modules' B^T placed and A shared, then, with ``bounds``, whether
+    their image regions are all finite (True without)."""
+    for bt, i, j in piece.runs:
+        _place_run(img, scratch, bt, i, j)
+    for m in piece.done:
+        _share_a(img, m)
+    return bounds is None or all(_finite_bits(img[x : min(x + _CHECK_CHUNK, hi)], bounds)
+                                 for lo, hi in piece.checks for x in range(lo, hi, _CHECK_CHUNK))
+
+
+def _scatter_pipelined(plan: _Plan, pieces: tuple[_Piece, ...], f: OpenFile, img: np.ndarray,
+                       img_bytes: memoryview, esize: int, bounds) -> bool:
+    """``_scatter_batched`` with each piece's finish on a finish thread while the calling thread reads the next
+    (``PIPELINE_PIECE_BYTES``). Returns whether every value checked was finite (True when ``bounds`` is None: no
+    check). Every finish has run (or failed) when this returns or raises, so the caller may reuse the buffers."""
+    scratch = _scratch_np(plan.b_bytes)
+    where = plan.b_where
+    pool = _finish_executor()
+    futures = []
+    try:
+        for piece in pieces:
+            items = []
+            for begin, is_b, m in piece.reads:
+                if is_b:
+                    items.append((begin, memoryview(scratch[where[id(m)] : where[id(m)] + m.b.nbytes])))
+                else:
+                    oa = m.slices[0][0] * esize
+                    items.append((begin, img_bytes[oa : oa + m.a.nbytes]))
+            _read_items(f, items)
+            futures.append(pool.submit(_finish_piece, piece, img, scratch, bounds))
+    finally:  # (every finish ends before the caller may reuse the image or the scratch, even if a read failed)
+        results = [fu.exception() or fu.result() for fu in futures]
+    first = next((r for r in results if isinstance(r, BaseException)), None)
+    if first is not None:
+        raise first
+    return all(results)
 
 
 def _scatter_raw(plan: _Plan, f: OpenFile, img_bytes: memoryview, esize: int) -> None:
@@ -681,7 +809,12 @@ def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out
     deferred = _DEFER_CHECK and not verified and same
     verified = verified or deferred
     scatter = same and verified and _SCATTER  # no per-tensor check to make: read in file order
-    if scatter and 0 < plan.b_bytes <= _BATCH_B_BYTES:
+    finite = None  # (the pipelined read's answer for the whole image, when it checked it)
+    pieces = (_pipeline(plan, PIPELINE_PIECE_BYTES) if scatter and 0 < plan.b_bytes <= _BATCH_B_BYTES
+              and PIPELINE_PIECE_BYTES > 0 and SPLIT_READ_THREADS <= 1 else None)
+    if pieces is not None:
+        finite = _scatter_pipelined(plan, pieces, f, img, img_bytes, esize, bounds if deferred else None)
+    elif scatter and 0 < plan.b_bytes <= _BATCH_B_BYTES:
         _scatter_batched(plan, f, img, img_bytes, esize)
     elif scatter:
         _scatter_into(plan, f, img, img_bytes, esize)
@@ -715,7 +848,8 @@ def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out
         xb = x.view(-1, r)
         for _, ob, row, rows in m.slices:
             out[ob : ob + r * rows].view(r, rows).copy_(xb[row : row + rows].t())
-    if deferred and not all(_finite_bits(img[i : i + _CHECK_CHUNK], bounds) for i in range(0, img.size, _CHECK_CHUNK)):
+    if deferred and not (finite if finite is not None else
+                         all(_finite_bits(img[i : i + _CHECK_CHUNK], bounds) for i in range(0, img.size, _CHECK_CHUNK))):
         for m in plan.modules:  # which tensor (the image holds A and B^T: the same values)
             oa = m.slices[0][0]
             if not _finite_bits(img[oa : oa + m.r * m.d_in], bounds):
