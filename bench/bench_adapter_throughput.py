@@ -120,6 +120,10 @@ def main() -> None:
     ap.add_argument("--check-chunk", type=int, default=None, metavar="ELEMENTS",
                     help="runtime.adapters.image._CHECK_CHUNK: elements per numpy reduction of the disk -> host "
                          "read's finite check (two per chunk, each giving the GIL up; default: the module's)")
+    ap.add_argument("--pipe-piece-bytes", type=int, default=None,
+                    help="runtime.adapters.image.PIPELINE_PIECE_BYTES: the disk -> host read's host finish pipelined "
+                         "under the read in pieces of this many bytes (session 37); 0: the finish after the whole "
+                         "read (default: the module's)")
     add_urgent_read_wait_arg(ap)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--switch-interval", type=float, default=None,
@@ -140,6 +144,10 @@ def main() -> None:
         if args.check_chunk < 1:
             ap.error(f"--check-chunk: expected a positive number of elements, got {args.check_chunk}")
         image_mod._CHECK_CHUNK = args.check_chunk
+    if args.pipe_piece_bytes is not None:
+        if args.pipe_piece_bytes < 0:
+            ap.error(f"--pipe-piece-bytes: expected 0 (off) or a positive number of bytes, got {args.pipe_piece_bytes}")
+        image_mod.PIPELINE_PIECE_BYTES = args.pipe_piece_bytes
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -176,6 +184,7 @@ def main() -> None:
             "pool_bytes": engine.pool.bytes_total,
             "base_tokens_per_s": base_tok / base_s, "adapter_finish": args.adapter_finish,
             "read_batch_bytes": image_mod._BATCH_B_BYTES, "check_chunk": image_mod._CHECK_CHUNK,
+            "pipe_piece_bytes": image_mod.PIPELINE_PIECE_BYTES,
             "urgent_read_wait": scheduler_mod.URGENT_READ_WAIT,
             "adapter_io_threads": engine.engine_config.adapter_io_threads,
             "host_arena_map_ahead_bytes": engine.engine_config.host_arena_map_ahead_bytes,
