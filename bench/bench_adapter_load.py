@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             "shape": args.shape, "rank": args.rank, "file_dtype": args.file_dtype, "pool_dtype": args.pool_dtype,
             "adapters": args.adapters, "file_bytes": file_bytes[0], "image_bytes": image_bytes,
             "modules": list(modules), "read_ahead": image.READ_AHEAD, "split_read_threads": image.SPLIT_READ_THREADS,
-            "split_threads_of_split_rows": SPLIT_THREADS, "cold": args.cold}
+            "split_threads_of_split_rows": SPLIT_THREADS, "pipeline_piece_bytes": image.PIPELINE_PIECE_BYTES,
+            "pipe_piece_bytes_of_pipe_row": args.pipe_piece_bytes, "cold": args.cold}
     print(f"# {head}", flush=True)
     pool.warm_finish()  # the raw images' finish kernel (CUDA), compiled outside the timed rows
     rows = disk_to_host(args, config, pool, dirs, file_bytes, threads)

@@ -46,7 +46,8 @@ from multilora.memory.pool import AdapterPool, max_adapter_pages
 from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
 
-from _common import ThreadSampler, add_urgent_read_wait_arg, compiles_between, set_urgent_read_wait, write_adapters  # bench/_common.py (bench/ is on sys.path when run as a script)
+from _common import (ThreadSampler, add_pipe_piece_bytes_arg, add_urgent_read_wait_arg,  # bench/_common.py (bench/
+                     compiles_between, set_pipe_piece_bytes, set_urgent_read_wait, write_adapters)  # is on sys.path)
 
 
 def popularity(kind: str, n: int, k: int, g: torch.Generator) -> list[int]:
@@ -120,10 +121,7 @@ def main() -> None:
     ap.add_argument("--check-chunk", type=int, default=None, metavar="ELEMENTS",
                     help="runtime.adapters.image._CHECK_CHUNK: elements per numpy reduction of the disk -> host "
                          "read's finite check (two per chunk, each giving the GIL up; default: the module's)")
-    ap.add_argument("--pipe-piece-bytes", type=int, default=None,
-                    help="runtime.adapters.image.PIPELINE_PIECE_BYTES: the disk -> host read's host finish pipelined "
-                         "under the read in pieces of this many bytes (session 37); 0: the finish after the whole "
-                         "read (default: the module's)")
+    add_pipe_piece_bytes_arg(ap)
     add_urgent_read_wait_arg(ap)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--switch-interval", type=float, default=None,
@@ -144,10 +142,7 @@ def main() -> None:
         if args.check_chunk < 1:
             ap.error(f"--check-chunk: expected a positive number of elements, got {args.check_chunk}")
         image_mod._CHECK_CHUNK = args.check_chunk
-    if args.pipe_piece_bytes is not None:
-        if args.pipe_piece_bytes < 0:
-            ap.error(f"--pipe-piece-bytes: expected 0 (off) or a positive number of bytes, got {args.pipe_piece_bytes}")
-        image_mod.PIPELINE_PIECE_BYTES = args.pipe_piece_bytes
+    set_pipe_piece_bytes(args.pipe_piece_bytes, ap)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

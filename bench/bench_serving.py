@@ -76,13 +76,14 @@ from tqdm.auto import tqdm
 from multilora import Engine, SamplingParams
 from multilora.config import ModelConfig
 from multilora.runtime import scheduler as scheduler_mod
+from multilora.runtime.adapters import image as image_mod
 from multilora.runtime.adapters import save_peft_adapter
 from multilora.runtime.config import bytes_arg
 from multilora.runtime.weights import MODEL_SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_urgent_read_wait_arg, compiles_between, drop_page_cache, regular_files,  # noqa: E402
-                     set_urgent_read_wait)  # (bench/_common.py)
+from _common import (add_pipe_piece_bytes_arg, add_urgent_read_wait_arg, compiles_between,  # noqa: E402
+                     drop_page_cache, regular_files, set_pipe_piece_bytes, set_urgent_read_wait)  # (bench/_common.py)
 
 ADAPTER_SETS = {"S1": ((8,), ("q_proj", "k_proj", "v_proj", "o_proj")),
                 "S4": ((16, 32, 64), ("q_proj", "k_proj", "v_proj", "o_proj"))}
@@ -502,6 +503,7 @@ def child_engine(args: argparse.Namespace) -> Engine:
     """The server child's engine (in the server's process, or in its engine process: a spawned process that imports
     the scheduler afresh, so ``--urgent-read-wait`` is set here too)."""
     set_urgent_read_wait(args.urgent_read_wait)
+    set_pipe_piece_bytes(args.pipe_piece_bytes)
     config, files = setup(args)
     return build_engine(args, config, files, args.n_adapters)
 
@@ -823,6 +825,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(so later reads of it come from the disk, and no read in flight loses its read-ahead "
                          "pages as with the periodic --drop-page-cache); measures the cold read first too")
     add_urgent_read_wait_arg(ap)
+    add_pipe_piece_bytes_arg(ap)
     ap.add_argument("--serve-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--n-adapters", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--serve-engine-process", action="store_true", help=argparse.SUPPRESS)
@@ -840,6 +843,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("adapter_pool_bytes", "kv_cache_bytes"):
         if getattr(args, name) is not None:
             setattr(args, name, int(getattr(args, name)))
+    if args.pipe_piece_bytes is not None and args.pipe_piece_bytes < 0:
+        ap.error(f"--pipe-piece-bytes: expected 0 (off) or a positive number of bytes, got {args.pipe_piece_bytes}")
     if not 0 <= args.long_prompt_share <= 1:
         ap.error(f"--long-prompt-share: expected a share in [0, 1], got {args.long_prompt_share}")
     if args.rate not in ("auto", "burst"):
@@ -871,10 +876,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     before = set_urgent_read_wait(args.urgent_read_wait)  # before any engine (a child sets its own)
+    pipe_before = set_pipe_piece_bytes(args.pipe_piece_bytes)
     try:
         return _main(args, argv)
-    finally:  # (in-process callers get the module's value back)
+    finally:  # (in-process callers get the module's values back)
         scheduler_mod.URGENT_READ_WAIT = before
+        image_mod.PIPELINE_PIECE_BYTES = pipe_before
 
 
 def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
@@ -917,6 +924,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                    "chunked_prefill": args.chunked_prefill, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,
                    "long_prompt_share": args.long_prompt_share, "urgent_read_wait": scheduler_mod.URGENT_READ_WAIT,
+                   "pipe_piece_bytes": image_mod.PIPELINE_PIECE_BYTES,
                    "drop_page_cache_s": args.drop_page_cache, "page_cache_drops": drops,
                    "drop_after_read": after_reads is not None, "drops_after_reads": after_reads,
                    "long_prompt_len": args.long_prompt_len if args.long_prompt_share > 0 else None,

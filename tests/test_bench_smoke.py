@@ -23,11 +23,11 @@ def test_adapter_throughput_bench_runs(tmp_path):
            "--batch", "4", "--gen", "2", "--prompt-len", "4", "--pool-adapters", "2", "--host-adapters", "2",
            "--distinct-files", "3", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(tmp_path / "out"),
            "--sample-threads", "--switch-interval", "0.002", "--read-batch-bytes", "0", "--check-chunk", "4096", "--urgent-read-wait", "off",
-           "--adapter-pool-fill"]
+           "--adapter-pool-fill", "--pipe-piece-bytes", "1000"]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     rows = json.loads((tmp_path / "out" / "adapter_throughput_tiny.json").read_text())
     assert all(r["read_batch_bytes"] == 0 and r["check_chunk"] == 4096 and r["urgent_read_wait"] is False
-               and r["adapter_pool_fill"] is True for r in rows)  # the A/B switches, recorded
+               and r["adapter_pool_fill"] is True and r["pipe_piece_bytes"] == 1000 for r in rows)  # the A/B switches
     assert {(r["adapters"], r["popularity"], r["phase"]) for r in rows} == {(n, p, ph) for n in (1, 8) for p in ("zipf", "uniform") for ph in ("cold", "warm")}
     assert all(r["tokens_per_s"] > 0 and r["shape"] == "tiny" for r in rows)
     # the engine's own warm-up ran first (on this CPU it has nothing to warm: 0 s), and every row says whether
@@ -63,13 +63,15 @@ def test_adapter_load_bench_runs(file_dtype, cold, tmp_path):
     rows = json.loads((out / "adapter_moves_tiny.json").read_text())
     got = {(r["move"], r["provider"], r.get("threads")) for r in rows}
     assert got == {("disk_to_host", name, t) for name in ("plain", "ours", "ours_readahead", "ours_split", "ours_host_finish",
-                                                               "ours_host_finish_split",
+                                                               "ours_host_finish_split", "ours_host_finish_pipe",
+                                                               "ours_host_finish_serial",
                                                                "ours_per_tensor", "ours_tensor_reads",
                                                                "ours_verified", "general")
                    for t in (1, 2)} | {("disk_to_host", "cache", 4)}, got
     assert all(r["gbps"] > 0 and r["file_dtype"] == file_dtype and r["adapters"] == 3 for r in rows)
     assert all(r["modules"] == (["q_proj", "v_proj"] if cold else list(TARGET_MODULES)) and r["read_ahead"] is False
-               and r["split_read_threads"] == 1 for r in rows)
+               and r["split_read_threads"] == 1 and r["pipeline_piece_bytes"] == 0
+               and r["pipe_piece_bytes_of_pipe_row"] == 4 << 20 for r in rows)
     assert all(r["cold"] is cold for r in rows if r["provider"] != "cache")
     for r in rows:
         if r["provider"] == "plain":
@@ -88,7 +90,7 @@ def test_adapter_load_bench_puts_read_image_switches_back(tmp_path):
     from multilora.runtime.adapters import image
 
     bl = _load_bench("bench_adapter_load")
-    names = ("READ_AHEAD", "_DEFER_CHECK", "_SCATTER")
+    names = ("READ_AHEAD", "_DEFER_CHECK", "_SCATTER", "PIPELINE_PIECE_BYTES")
     before = {n: getattr(image, n) for n in names}
     seen, real = [], image._read
     mp = pytest.MonkeyPatch()
@@ -105,9 +107,10 @@ def test_adapter_load_bench_puts_read_image_switches_back(tmp_path):
     finally:
         mp.undo()
     assert {n: getattr(image, n) for n in names} == before
-    flipped = {(not before["READ_AHEAD"], before["_DEFER_CHECK"], before["_SCATTER"]),
-               (before["READ_AHEAD"], not before["_DEFER_CHECK"], before["_SCATTER"]),
-               (before["READ_AHEAD"], before["_DEFER_CHECK"], not before["_SCATTER"])}
+    flips = [("READ_AHEAD", not before["READ_AHEAD"]), ("_DEFER_CHECK", not before["_DEFER_CHECK"]),
+             ("_SCATTER", not before["_SCATTER"]), ("PIPELINE_PIECE_BYTES", 4 << 20)]  # (the pipe row's default)
+    flipped = {tuple(v if n == name else before[n] for n in names) for name, v in flips}
+    assert before["PIPELINE_PIECE_BYTES"] != 4 << 20
     assert set(seen) == {tuple(before.values())} | flipped  # no read saw two switches flipped at once
 
 
@@ -378,12 +381,13 @@ def test_serving_bench_rows_of_each_n_replay_one_trace(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "bench_serving.py"), "--shape", "tiny", "--adapters", "2,3",
            "--requests", "6", "--input-len", "4,12", "--output-len", "2,5", "--max-batch-size", "4",
            "--adapter-files", "2", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out), "--modes", "engine",
-           "--warmup-requests", "0", "--no-burst-rows", "--rate", "50"]
+           "--warmup-requests", "0", "--no-burst-rows", "--rate", "50", "--pipe-piece-bytes", "1000"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     rows = json.loads((out / "serving_tiny.json").read_text())["rows"]
     assert [r["n_adapters"] for r in rows] == [2, 3]
+    assert all(r["pipe_piece_bytes"] == 1000 for r in rows)  # the A/B switch, recorded
     assert rows[0]["trace_digest"] == rows[1]["trace_digest"] and rows[0]["trace_span_s"] == rows[1]["trace_span_s"] > 0
     assert rows[0]["output_tokens"] == rows[1]["output_tokens"]
 
