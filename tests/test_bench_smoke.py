@@ -22,11 +22,11 @@ def test_adapter_throughput_bench_runs(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "bench_adapter_throughput.py"), "--shape", "tiny", "--counts", "1,8",
            "--batch", "4", "--gen", "2", "--prompt-len", "4", "--pool-adapters", "2", "--host-adapters", "2",
            "--distinct-files", "3", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(tmp_path / "out"),
-           "--sample-threads", "--switch-interval", "0.002", "--read-batch-bytes", "0", "--check-chunk", "4096", "--urgent-read-wait", "off",
-           "--adapter-pool-fill", "--pipe-piece-bytes", "1000"]
+           "--sample-threads", "--switch-interval", "0.002", "--read-batch-bytes", "33554432", "--check-chunk", "4096", "--urgent-read-wait", "off",
+           "--adapter-pool-fill", "--pipe-piece-bytes", "1000"]  # (32 MiB batches: the pipelined finish can run)
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     rows = json.loads((tmp_path / "out" / "adapter_throughput_tiny.json").read_text())
-    assert all(r["read_batch_bytes"] == 0 and r["check_chunk"] == 4096 and r["urgent_read_wait"] is False
+    assert all(r["read_batch_bytes"] == 32 << 20 and r["check_chunk"] == 4096 and r["urgent_read_wait"] is False
                and r["adapter_pool_fill"] is True and r["pipe_piece_bytes"] == 1000 for r in rows)  # the A/B switches
     assert {(r["adapters"], r["popularity"], r["phase"]) for r in rows} == {(n, p, ph) for n in (1, 8) for p in ("zipf", "uniform") for ph in ("cold", "warm")}
     assert all(r["tokens_per_s"] > 0 and r["shape"] == "tiny" for r in rows)
@@ -112,6 +112,30 @@ def test_adapter_load_bench_puts_read_image_switches_back(tmp_path):
     flipped = {tuple(v if n == name else before[n] for n in names) for name, v in flips}
     assert before["PIPELINE_PIECE_BYTES"] != 4 << 20
     assert set(seen) == {tuple(before.values())} | flipped  # no read saw two switches flipped at once
+
+
+def test_adapter_load_bench_pipe_row_runs_the_pipelined_finish(tmp_path):
+    """The ``ours_host_finish_pipe`` row reads through the pipelined finish in pieces of ``--pipe-piece-bytes`` (a
+    spy counts its pieces' finishes), the ``ours_host_finish_serial`` row never does, and the module's value is put
+    back after the run."""
+    from multilora.runtime.adapters import image
+
+    bl = _load_bench("bench_adapter_load")
+    calls, real = [], image._finish_piece
+    mp = pytest.MonkeyPatch()
+    mp.setattr(image, "_finish_piece", lambda *a: calls.append(image.PIPELINE_PIECE_BYTES) or real(*a))
+    before = image.PIPELINE_PIECE_BYTES
+    try:
+        for provider in ("ours_host_finish_serial", "ours_host_finish_pipe"):
+            calls.clear()
+            assert bl.main(["--shape", "tiny", "--rank", "4", "--adapters", "2", "--threads", "1", "--runs", "1",
+                            "--file-dtype", "float32", "--pool-dtype", "float32", "--providers", f"plain,{provider}",
+                            "--no-cache-row", "--pipe-piece-bytes", "1000", "--adapter-dir", str(tmp_path / "a"),
+                            "--out", str(tmp_path / provider)]) == 0
+            assert (set(calls) == {1000}) if provider.endswith("pipe") else calls == []
+    finally:
+        mp.undo()
+    assert image.PIPELINE_PIECE_BYTES == before
 
 
 def test_adapter_load_bench_refuses_unknown_modules(capsys):

@@ -106,7 +106,7 @@ SPLIT_READ_MIN_BYTES = 4 << 20
 #: check (``_pipeline``). The serial host finish added ~45% to a cold one-reader read on the H200 host (0.99 against
 #: 1.43 GB/s plain, bench/results/session36); the read alone ran at 1.54. 0: off (the finish after the whole read).
 PIPELINE_PIECE_BYTES = 0
-#: finish threads shared by every reader (made on first use)
+#: finish threads shared by every reader (read once, when the pool is made on first use)
 PIPELINE_FINISH_THREADS = 4
 _split_pool = None
 _split_pool_lock = threading.Lock()
