@@ -174,14 +174,20 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
         _parallel(max(threads), jobs, fn)
     for nt in threads:
         rates: dict[str, list[float]] = {name: [] for name, _ in providers}
+        pipes = {name: {"pipelined": 0, "cached_serial": 0} for name, _ in providers}  # the pipelined finish's calls
         for _ in range(args.runs):  # interleaved, so drift hits both alike
             for name, fn in providers:
+                before = image.pipeline_counts()
                 rates[name].append(timed(nt, fn))
+                for k, v in image.pipeline_counts().items():
+                    pipes[name][k] += v - before[k]
         med = {k: statistics.median(v) for k, v in rates.items() if v}
         for name, gbps in med.items():
             rows.append({"move": "disk_to_host", "provider": name, "threads": nt, "gbps": gbps,
                          "runs_gbps": rates[name], "bytes_per_run": total,
-                         "vs_plain": gbps / med["plain"] if "plain" in med else None})
+                         "vs_plain": gbps / med["plain"] if "plain" in med else None,
+                         "reads_pipelined": pipes[name]["pipelined"],
+                         "reads_cached_serial": pipes[name]["cached_serial"]})
         print(f"# disk_to_host, {nt} thread(s), GB/s medians of {args.runs}: "
               + ", ".join(f"{k} {v:.2f}" for k, v in med.items()), flush=True)  # (kept if a time limit stops the run)
     return rows

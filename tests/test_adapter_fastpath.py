@@ -358,6 +358,7 @@ def test_pipelined_finish_keeps_the_bits(layout, pieces_of, tmp_path, monkeypatc
         plan = _plan(d, cfg, pool)
         piece_bytes = {"one-tensor": 1, "600-bytes": 600, "half-the-file": plan.file_size // 2}[pieces_of]
         monkeypatch.setattr(image_mod, "PIPELINE_PIECE_BYTES", piece_bytes)
+        monkeypatch.setattr(image_mod, "PIPELINE_COLD_ONLY", False)  # (the files are in the page cache)
         pieces = image_mod._pipeline(plan, piece_bytes)
         assert pieces is not None and len(pieces) > 1
         if piece_bytes == 1:
@@ -383,6 +384,88 @@ def test_pipelined_finish_keeps_the_bits(layout, pieces_of, tmp_path, monkeypatc
         monkeypatch.setattr(image_mod, "_finish_piece", real)
 
 
+@pytest.mark.parametrize("probe", ["all-cached", "none-cached", "part-cached", "cannot-tell", "all-cached-always"])
+def test_pipelined_finish_only_for_reads_from_the_disk(probe, tmp_path, monkeypatch):
+    """``PIPELINE_COLD_ONLY`` (default): the first run of the first piece is read with ``OpenFile.read_cached``
+    (``RWF_NOWAIT``); all of it in the page cache -> the serial finish (no finish thread, ``cached_serial``
+    counted); none or part of it, or a platform that cannot tell -> pipelined (``pipelined`` counted), the bytes
+    the probe did read kept (a probe that stops inside a buffer too). With ``PIPELINE_COLD_ONLY`` off, a cached file
+    is pipelined. The image is the reference's bit for bit every time, and the whole image is checked either way
+    (a non-finite value in the last tensor is refused)."""
+    from multilora.runtime.adapters.disk import OpenFile
+
+    monkeypatch.setattr(image_mod, "PIPELINE_PIECE_BYTES", 1500)
+    if probe == "all-cached-always":
+        monkeypatch.setattr(image_mod, "PIPELINE_COLD_ONLY", False)
+    d = _write_uniform(tmp_path / "a", torch.float32)
+    pool = _pool(torch.float32)
+    want = read_packed_adapter(d, CFG, pool, name="x")[1]
+    real = OpenFile.read_cached
+    probed = []
+
+    def fake(self, bufs, offset):
+        got = real(self, bufs, offset)
+        assert got == sum(len(b) for b in bufs)  # (a file just written: in the page cache, or no RWF_NOWAIT)
+        probed.append(got)
+        claimed = {"none-cached": 0, "part-cached": len(bufs[0]) + 3, "cannot-tell": 0}.get(probe, got)
+        skip = claimed  # the bytes past what is claimed read as garbage (NaN bit patterns): must be read again
+        for b in bufs:
+            k = min(skip, len(b))
+            b[k:] = b"\xff" * (len(b) - k)
+            skip -= k
+        # (part-cached: as if the disk had to supply the bytes from inside the second buffer on)
+        return None if probe == "cannot-tell" else claimed
+
+    if hasattr(__import__("os"), "RWF_NOWAIT"):
+        monkeypatch.setattr(OpenFile, "read_cached", fake)
+    elif probe != "cannot-tell":
+        pytest.skip("no RWF_NOWAIT: every probe cannot tell")
+    finishes, real_finish = [], image_mod._finish_piece
+    monkeypatch.setattr(image_mod, "_finish_piece", lambda *a: finishes.append(1) or real_finish(*a))
+    before = image_mod.pipeline_counts()
+    out = torch.full_like(want.data, float("nan"))
+    _assert_same_packed(read_image(d, CFG, pool, name="x", out=out)[1], want)
+    after = image_mod.pipeline_counts()
+    serial = probe == "all-cached"
+    assert (after["cached_serial"] - before["cached_serial"], after["pipelined"] - before["pipelined"]) == (
+        (1, 0) if serial else (0, 1))
+    assert (finishes == []) == serial and len(probed) == (1 if hasattr(__import__("os"), "RWF_NOWAIT") else 0)
+    k = _key(CFG.num_layers - 1, "down_proj", "B")
+    _patch(d, lambda t: t[k].view(-1).__setitem__(-1, float("inf")))
+    err = _err(lambda: read_image(d, CFG, pool, name="x"))
+    assert err.key == k and "expected finite values" in str(err)
+
+
+def test_read_cached_reads_what_the_page_cache_holds(tmp_path, monkeypatch):
+    """``OpenFile.read_cached``: a file just written is in the page cache, so all of it is read (the bytes right);
+    where the platform has no ``RWF_NOWAIT``, or the file system refuses the flag, it answers None and reads
+    nothing."""
+    import errno
+    import os
+
+    from multilora.runtime.adapters.disk import OpenFile
+
+    p = tmp_path / "f.bin"
+    data = os.urandom(3 * 4096 + 5)
+    p.write_bytes(data)
+    a, b = bytearray(4096), bytearray(len(data) - 4096 - 7)
+    with OpenFile(p) as f:
+        got = f.read_cached([memoryview(a), memoryview(b)], 7)
+        if hasattr(os, "RWF_NOWAIT"):
+            assert got == len(a) + len(b) and bytes(a + b) == data[7:]
+            real = os.preadv
+
+            def refuse(fd, bufs, offset, flags=0):
+                if flags:
+                    raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+                return real(fd, bufs, offset)
+
+            monkeypatch.setattr(os, "preadv", refuse)
+            assert f.read_cached([memoryview(a)], 0) is None
+        monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
+        assert f.read_cached([memoryview(bytearray(8))], 0) is None
+
+
 @pytest.mark.parametrize("where", ["A-first", "B-last", "middle-B"])
 def test_pipelined_finish_names_the_non_finite_tensor(where, tmp_path, monkeypatch):
     """With the pipelined finish, a non-finite value is refused with the general path's message, tensor and count
@@ -391,6 +474,7 @@ def test_pipelined_finish_names_the_non_finite_tensor(where, tmp_path, monkeypat
 
     monkeypatch.setattr(image_mod, "PIPELINE_PIECE_BYTES", 2000)
     d = _write_uniform(tmp_path / "a", torch.bfloat16, r=4)
+    monkeypatch.setattr(image_mod, "PIPELINE_COLD_ONLY", False)  # (the test's files are in the page cache)
     k = {"A-first": _key(0, "q_proj", "A"), "B-last": _key(CFG.num_layers - 1, "down_proj", "B"),
          "middle-B": _key(1, "v_proj", "B")}[where]
     _patch(d, lambda t: t[k].view(-1).__setitem__(slice(1, None, 5), float("inf")))
@@ -416,6 +500,7 @@ def test_pipelined_finish_fails_cleanly_after_every_finish_ended(fail, tmp_path,
 
     monkeypatch.setattr(image_mod, "PIPELINE_PIECE_BYTES", 2000)
     d = _write_uniform(tmp_path / "a", torch.float32)
+    monkeypatch.setattr(image_mod, "PIPELINE_COLD_ONLY", False)  # (the test's files are in the page cache)
     pool = _pool(torch.float32)
     want = read_packed_adapter(d, CFG, pool, name="x")[1]
     running, started, ended = [0], [], []

@@ -56,7 +56,8 @@ def test_adapter_load_bench_runs(file_dtype, cold, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "bench" / "bench_adapter_load.py"), "--shape", "tiny", "--rank", "4",
            "--adapters", "3", "--file-dtype", file_dtype, "--pool-dtype", "float32", "--threads", "1,2",
-           "--runs", "1", "--general", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out)]
+           "--runs", "1", "--general", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out),
+           "--pipe-piece-bytes", "1000"]
     cmd += ["--cold", "--modules", "q_proj,v_proj"] if cold else []
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
@@ -70,8 +71,17 @@ def test_adapter_load_bench_runs(file_dtype, cold, tmp_path):
                    for t in (1, 2)} | {("disk_to_host", "cache", 4)}, got
     assert all(r["gbps"] > 0 and r["file_dtype"] == file_dtype and r["adapters"] == 3 for r in rows)
     assert all(r["modules"] == (["q_proj", "v_proj"] if cold else list(TARGET_MODULES)) and r["read_ahead"] is False
-               and r["split_read_threads"] == 1 and r["pipeline_piece_bytes"] == 0
-               and r["pipe_piece_bytes_of_pipe_row"] == 4 << 20 for r in rows)
+               and r["split_read_threads"] == 1 and r["pipeline_piece_bytes"] == 4 << 20
+               and r["pipe_piece_bytes_of_pipe_row"] == 1000 for r in rows)
+    # the pipe row's 1000-byte pieces: its tiny files are in the page cache, so no read was pipelined
+    # (``image.PIPELINE_COLD_ONLY``) and, in the pool dtype (the batched path, where pieces apply), each of its 3
+    # reads per row was finished serially; the default's 4 MiB is one piece of these files: no decision to make
+    if not cold:
+        assert all(r["reads_pipelined"] == 0 for r in rows if r.get("reads_pipelined") is not None)
+    for r in rows:
+        if r["move"] == "disk_to_host" and r["provider"] != "cache":
+            assert r["reads_cached_serial"] == (3 if r["provider"] == "ours_host_finish_pipe"
+                                                and file_dtype == "float32" and not cold else 0), r
     assert all(r["cold"] is cold for r in rows if r["provider"] != "cache")
     for r in rows:
         if r["provider"] == "plain":
@@ -108,9 +118,9 @@ def test_adapter_load_bench_puts_read_image_switches_back(tmp_path):
         mp.undo()
     assert {n: getattr(image, n) for n in names} == before
     flips = [("READ_AHEAD", not before["READ_AHEAD"]), ("_DEFER_CHECK", not before["_DEFER_CHECK"]),
-             ("_SCATTER", not before["_SCATTER"]), ("PIPELINE_PIECE_BYTES", 4 << 20)]  # (the pipe row's default)
+             ("_SCATTER", not before["_SCATTER"]), ("PIPELINE_PIECE_BYTES", 4 << 20),  # (the pipe row's default)
+             ("PIPELINE_PIECE_BYTES", 0)]  # (the serial row)
     flipped = {tuple(v if n == name else before[n] for n in names) for name, v in flips}
-    assert before["PIPELINE_PIECE_BYTES"] != 4 << 20
     assert set(seen) == {tuple(before.values())} | flipped  # no read saw two switches flipped at once
 
 
@@ -124,6 +134,7 @@ def test_adapter_load_bench_pipe_row_runs_the_pipelined_finish(tmp_path):
     calls, real = [], image._finish_piece
     mp = pytest.MonkeyPatch()
     mp.setattr(image, "_finish_piece", lambda *a: calls.append(image.PIPELINE_PIECE_BYTES) or real(*a))
+    mp.setattr(image, "PIPELINE_COLD_ONLY", False)  # (the files are in the page cache)
     before = image.PIPELINE_PIECE_BYTES
     try:
         for provider in ("ours_host_finish_serial", "ours_host_finish_pipe"):
@@ -133,6 +144,9 @@ def test_adapter_load_bench_pipe_row_runs_the_pipelined_finish(tmp_path):
                             "--no-cache-row", "--pipe-piece-bytes", "1000", "--adapter-dir", str(tmp_path / "a"),
                             "--out", str(tmp_path / provider)]) == 0
             assert (set(calls) == {1000}) if provider.endswith("pipe") else calls == []
+            rows = json.loads((tmp_path / provider / "adapter_moves_tiny.json").read_text())
+            (row,) = [r for r in rows if r["provider"] == provider]
+            assert row["reads_pipelined"] == (2 if provider.endswith("pipe") else 0)
     finally:
         mp.undo()
     assert image.PIPELINE_PIECE_BYTES == before

@@ -925,7 +925,9 @@ def test_large_offsets(module):
         ref[idx] += sc * (x[idx].float() @ a.float().t()) @ b.float().t()
     tail = slice(87_000, T)
     torch.testing.assert_close(y[tail].float(), ref[tail], **TOL[dtype])
-    torch.testing.assert_close(y.float(), ref, **TOL[dtype])
+    for i in range(0, T, 8192):  # (in row blocks: one comparison of all 90k x 12,288 fp32 rows needs ~20 GB more,
+        # which failed on an 80 GB H100 beside the suite's other shards, session 37)
+        torch.testing.assert_close(y[i : i + 8192].float(), ref[i : i + 8192], **TOL[dtype])
     none = token_slots.to(device) < 0
     assert torch.equal(y[none], y0[none])
 

@@ -263,6 +263,26 @@ class OpenFile:
             if n:  # a short read ended inside bufs[i]: the rest of it next
                 bufs[i] = bufs[i][n:]
 
+    def read_cached(self, bufs: list[memoryview], offset: int) -> int | None:
+        """Fill ``bufs`` in turn from ``offset`` with what the page cache already holds, without waiting for the
+        disk: one ``preadv2(..., RWF_NOWAIT)`` of at most ``IOV_MAX`` buffers (Linux 4.14+). Returns the bytes read
+        (all of ``bufs`` when they were all cached; fewer, possibly 0, when the read reached bytes the disk must
+        supply), or None where the platform or file system cannot tell (no ``RWF_NOWAIT``, or the call is
+        refused): the caller then reads the normal way. Raises AdapterError as :meth:`read_into` on another
+        failure."""
+        flag = getattr(os, "RWF_NOWAIT", None)
+        bufs = [b for b in bufs if len(b)][:_IOV_MAX]
+        if flag is None or not hasattr(os, "preadv") or not bufs:
+            return None
+        try:
+            return os.preadv(self._fd, bufs, offset, flag)
+        except BlockingIOError:  # EAGAIN: the first byte is not in the page cache
+            return 0
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                return None
+            raise self.fault(f"a read at byte {offset} failed: {e.strerror or e}") from e
+
     def will_need(self) -> bool:
         """Ask the OS to start reading the whole file into its page cache now (``posix_fadvise(POSIX_FADV_WILLNEED)``:
         the reads are queued, not waited for, though queueing those of a large file can itself take a while), so

@@ -104,10 +104,24 @@ SPLIT_READ_MIN_BYTES = 4 << 20
 #: for the (layer, module)s whose A and B have both landed by that piece, a fused projection's A shared, and those
 #: modules' whole image regions (A, B^T, page padding) checked finite, which together is the serial path's work and
 #: check (``_pipeline``). The serial host finish added ~45% to a cold one-reader read on the H200 host (0.99 against
-#: 1.43 GB/s plain, bench/results/session36); the read alone ran at 1.54. 0: off (the finish after the whole read).
-PIPELINE_PIECE_BYTES = 0
+#: 1.43 GB/s plain, bench/results/session36); the read alone ran at 1.54. Pipelined in 4 MiB pieces, cold reads of
+#: S4-like files (H100 host, ``bench_adapter_load.py --cold``, bench/results/session37) went from 75% / 89% / 96% of
+#: a plain read with 1 / 2 / 4 readers to 106% / 107% / 103%. 0: off (the finish after the whole read). Only reads
+#: from the disk are pipelined (``PIPELINE_COLD_ONLY``).
+PIPELINE_PIECE_BYTES = 4 << 20
+#: True: pipeline only a read from the disk. The first contiguous run of the first piece is read with
+#: ``OpenFile.read_cached`` (``preadv2(RWF_NOWAIT)``); if the page cache held all of it, the rest is read and finished
+#: as by the serial path. Always pipelined in the one-batch bench at 2,048 adapters (files in the page cache, the
+#: step thread busy in Python), the warm batch fell from 54-56% to 46-50% of the no-adapter tokens/s (H100 host,
+#: bench/results/session37): its finish threads spent ~1.9x the serial finish's thread time, mostly waiting for the
+#: GIL. False: every read of at least two pieces pipelined. Where the platform cannot tell (no ``RWF_NOWAIT``), the
+#: read is pipelined.
+PIPELINE_COLD_ONLY = True
 #: finish threads shared by every reader (read once, when the pool is made on first use)
 PIPELINE_FINISH_THREADS = 4
+#: what the reads with pipelining on did, counted since the process started (``pipeline_counts``)
+_pipe_counts = {"pipelined": 0, "cached_serial": 0}
+_pipe_counts_lock = threading.Lock()
 _split_pool = None
 _split_pool_lock = threading.Lock()
 _finish_pool = None
@@ -744,31 +758,78 @@ def _finish_piece(piece: _Piece, img: np.ndarray, scratch: np.ndarray, bounds) -
                                  for lo, hi in piece.checks for x in range(lo, hi, _CHECK_CHUNK))
 
 
+def pipeline_counts() -> dict[str, int]:
+    """How the reads with ``PIPELINE_PIECE_BYTES`` on went since the process started: ``pipelined`` (the finish
+    under the read) and ``cached_serial`` (``PIPELINE_COLD_ONLY``: the first bytes were in the page cache, so the
+    finish ran after the read)."""
+    with _pipe_counts_lock:
+        return dict(_pipe_counts)
+
+
+def _count(kind: str) -> None:
+    with _pipe_counts_lock:
+        _pipe_counts[kind] += 1
+
+
+def _skip(items: list[tuple[int, memoryview]], n: int) -> list[tuple[int, memoryview]]:
+    """``items`` (file offset, buffer), contiguous in the file, without their first ``n`` bytes."""
+    out = []
+    for begin, b in items:
+        k = min(n, len(b))
+        n -= k
+        if k < len(b):
+            out.append((begin + k, b[k:]))
+    return out
+
+
 def _scatter_pipelined(plan: _Plan, pieces: tuple[_Piece, ...], f: OpenFile, img: np.ndarray,
-                       img_bytes: memoryview, esize: int, bounds) -> bool:
+                       img_bytes: memoryview, esize: int, bounds) -> bool | None:
     """``_scatter_batched`` with each piece's finish on a finish thread while the calling thread reads the next
-    (``PIPELINE_PIECE_BYTES``). Returns whether every value checked was finite (True when ``bounds`` is None: no
-    check). Every finish has run (or failed) when this returns or raises, so the caller may reuse the buffers."""
+    (``PIPELINE_PIECE_BYTES``). With ``PIPELINE_COLD_ONLY``, a file whose first bytes are all in the page cache is
+    read and finished as by ``_scatter_batched`` instead. Returns whether every value checked was finite (True when
+    ``bounds`` is None: no check), or None when the finish was serial (the caller checks the whole image). Every
+    finish has run (or failed) when this returns or raises, so the caller may reuse the buffers."""
     scratch = _scratch_np(plan.b_bytes)
     where = plan.b_where
+
+    def items_of(piece: _Piece) -> list[tuple[int, memoryview]]:
+        out = []
+        for begin, is_b, m in piece.reads:
+            if is_b:
+                out.append((begin, memoryview(scratch[where[id(m)] : where[id(m)] + m.b.nbytes])))
+            else:
+                oa = m.slices[0][0] * esize
+                out.append((begin, img_bytes[oa : oa + m.a.nbytes]))
+        return out
+
+    first = items_of(pieces[0])
+    run = [first[0]]  # the first contiguous run of the first piece: probed in the page cache
+    for begin, b in first[1:]:
+        if begin != run[-1][0] + len(run[-1][1]) or len(run) == 1024:
+            break
+        run.append((begin, b))
+    got = f.read_cached([b for _, b in run], run[0][0])
+    first = _skip(first, got or 0)
+    if PIPELINE_COLD_ONLY and got is not None and got >= sum(len(b) for _, b in run):  # in the page cache
+        _count("cached_serial")
+        _read_items(f, first + [it for p in pieces[1:] for it in items_of(p)])
+        for bt in plan.batches:
+            _place_run(img, scratch, bt, 0, len(bt.modules))
+        for m in plan.modules:
+            _share_a(img, m)
+        return None
+    _count("pipelined")
     pool = _finish_executor()
     futures = []
     try:
-        for piece in pieces:
-            items = []
-            for begin, is_b, m in piece.reads:
-                if is_b:
-                    items.append((begin, memoryview(scratch[where[id(m)] : where[id(m)] + m.b.nbytes])))
-                else:
-                    oa = m.slices[0][0] * esize
-                    items.append((begin, img_bytes[oa : oa + m.a.nbytes]))
-            _read_items(f, items)
+        for k, piece in enumerate(pieces):
+            _read_items(f, first if k == 0 else items_of(piece))
             futures.append(pool.submit(_finish_piece, piece, img, scratch, bounds))
     finally:  # (every finish ends before the caller may reuse the image or the scratch, even if a read failed)
         results = [fu.exception() or fu.result() for fu in futures]
-    first = next((r for r in results if isinstance(r, BaseException)), None)
-    if first is not None:
-        raise first
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        raise failed
     return all(results)
 
 
