@@ -11,6 +11,10 @@ What :func:`read_image` does, per (layer, module) in the image's order (layers, 
   verified these very files before (``verified``: the cache's reload of a file version it already read);
 - the padding up to each page boundary is zeroed.
 
+A file read from the disk (its first bytes not in the page cache) is read in pieces of ``PIPELINE_PIECE_BYTES``,
+each piece's transposes and checks running on a finish thread while the next piece is read (``_scatter_pipelined``);
+a file in the page cache is finished after the whole read.
+
 **The copy plan is cached.** Everything but the bytes (the header parsed and validated against the adapter config
 and the model, which key goes where in the image, the ranks, scalings and offsets) is a pure function of the
 config file's bytes, the header's bytes, the model and the pool: adapters of one training recipe share it, so a
