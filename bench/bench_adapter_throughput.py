@@ -209,14 +209,16 @@ def main() -> None:
         for pop in args.popularity.split(","):
             for phase in ("cold", "warm"):  # first batch after registration, then a fresh draw of the same mix
                 names = [f"a{i}" for i in popularity(pop, n, args.batch, g)]
-                before = engine.stats()
+                before, pipes0 = engine.stats(), image_mod.pipeline_counts()
                 with ThreadSampler() if args.sample_threads else contextlib.nullcontext() as sampler:
                     secs, toks = run_once(engine, prompts, names, args.gen)
-                after = engine.stats()
+                after, pipes = engine.stats(), image_mod.pipeline_counts()
                 moved = sum(after[k] - before[k] for k in ("bytes_host_to_gpu", "bytes_gpu_to_host", "bytes_disk_to_host"))
                 loads = after["gpu_misses"] - before["gpu_misses"] + after["prefetch_to_gpu"] - before["prefetch_to_gpu"]
                 row = {**meta, "adapters": n, "popularity": pop, "phase": phase, "load_seconds_new_adapters": load_s,
                        "distinct_in_batch": len(set(names)),
+                       # the disk -> host reads through the pipelined finish's choice (image.PIPELINE_COLD_ONLY)
+                       **{f"reads_{k}": pipes[k] - pipes0[k] for k in pipes},
                        "tokens_per_s": toks / secs, "vs_no_adapter": (toks / secs) / (base_tok / base_s),
                        "bytes_moved_per_s": moved / secs,
                        "bytes_disk_to_host": after["bytes_disk_to_host"] - before["bytes_disk_to_host"],

@@ -915,7 +915,8 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
 
         def record(mode: str, r: float, results: list[Result], wall: float, before: dict | None,
                    after: dict | None, steps: dict | None = None, drops: int = 0,
-                   after_reads: int | None = None) -> dict:
+                   after_reads: int | None = None, pipes_before: dict | None = None) -> dict:
+            pipes = image_mod.pipeline_counts()  # (the in-process engine's reads: the pipelined finish's choices)
             row = {**trace_facts(trace_at(r)), "mode": mode, "n_adapters": n, "adapter_set": args.adapter_set, "popularity": args.popularity,
                    "unified_pool": unified, "adapter_pool_bytes": args.adapter_pool_bytes,
                    "adapter_pool_fill": args.adapter_pool_fill, "adapter_finish": args.adapter_finish,
@@ -925,6 +926,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                    "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,
                    "long_prompt_share": args.long_prompt_share, "urgent_read_wait": scheduler_mod.URGENT_READ_WAIT,
                    "pipe_piece_bytes": image_mod.PIPELINE_PIECE_BYTES,
+                   **{f"reads_{k}": (pipes[k] - pipes_before[k] if pipes_before is not None else None) for k in pipes},
                    "drop_page_cache_s": args.drop_page_cache, "page_cache_drops": drops,
                    "drop_after_read": after_reads is not None, "drops_after_reads": after_reads,
                    "long_prompt_len": args.long_prompt_len if args.long_prompt_share > 0 else None,
@@ -954,17 +956,20 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
             todo = rates() if rate is not None else []
             if rate is None:  # --rate auto: a burst fixes the rate every later row is offered
                 before, reads0 = engine.stats(), dropper.settle() if dropper else 0
+                pipes0 = image_mod.pipeline_counts()
                 with StepTrace(engine) as st, PageCacheDropper(files, args.drop_page_cache) as drops:
                     res, wall = asyncio.run(run_engine(engine, trace_at(math.inf)))
                 rate = args.rate_fraction * record("engine", math.inf, res, wall, before, engine.stats(),
-                                                   st.summary(), drops.passes, after_reads(reads0))["achieved_rps"]
+                                                   st.summary(), drops.passes, after_reads(reads0),
+                                                   pipes0)["achieved_rps"]
                 todo = [rate]
             for r in todo if "engine" in args.mode_list else []:
                 before, reads0 = engine.stats(), dropper.settle() if dropper else 0
+                pipes0 = image_mod.pipeline_counts()
                 with StepTrace(engine) as st, PageCacheDropper(files, args.drop_page_cache) as drops:
                     res, wall = asyncio.run(run_engine(engine, trace_at(r)))
                 record("engine", r, res, wall, before, engine.stats(), st.summary(), drops.passes,
-                       after_reads(reads0))
+                       after_reads(reads0), pipes0)
             del engine
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

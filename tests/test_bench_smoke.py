@@ -28,6 +28,8 @@ def test_adapter_throughput_bench_runs(tmp_path):
     rows = json.loads((tmp_path / "out" / "adapter_throughput_tiny.json").read_text())
     assert all(r["read_batch_bytes"] == 32 << 20 and r["check_chunk"] == 4096 and r["urgent_read_wait"] is False
                and r["adapter_pool_fill"] is True and r["pipe_piece_bytes"] == 1000 for r in rows)  # the A/B switches
+    # reads from the page cache: each went through the pipelined finish's choice and was finished serially
+    assert all(r["reads_pipelined"] == 0 for r in rows) and any(r["reads_cached_serial"] > 0 for r in rows)
     assert {(r["adapters"], r["popularity"], r["phase"]) for r in rows} == {(n, p, ph) for n in (1, 8) for p in ("zipf", "uniform") for ph in ("cold", "warm")}
     assert all(r["tokens_per_s"] > 0 and r["shape"] == "tiny" for r in rows)
     # the engine's own warm-up ran first (on this CPU it has nothing to warm: 0 s), and every row says whether
@@ -426,6 +428,9 @@ def test_serving_bench_rows_of_each_n_replay_one_trace(tmp_path):
     rows = json.loads((out / "serving_tiny.json").read_text())["rows"]
     assert [r["n_adapters"] for r in rows] == [2, 3]
     assert all(r["pipe_piece_bytes"] == 1000 for r in rows)  # the A/B switch, recorded
+    # the in-process engine's reads through the pipelined finish's choice, counted per row (the files are in the
+    # page cache: none pipelined)
+    assert all(r["reads_pipelined"] == 0 and r["reads_cached_serial"] >= 0 for r in rows)
     assert rows[0]["trace_digest"] == rows[1]["trace_digest"] and rows[0]["trace_span_s"] == rows[1]["trace_span_s"] > 0
     assert rows[0]["output_tokens"] == rows[1]["output_tokens"]
 
