@@ -100,6 +100,25 @@ def set_pipe_piece_bytes(value: int | None, ap=None) -> int:
     return before
 
 
+def add_parallel_finish_arg(ap) -> None:
+    """``--parallel-finish on|off`` on the argparse parser ``ap``: the A/B switch of
+    ``runtime.adapters.image.PARALLEL_FINISH`` (``set_parallel_finish`` applies it)."""
+    ap.add_argument("--parallel-finish", choices=("on", "off"), default=None,
+                    help="runtime.adapters.image.PARALLEL_FINISH: a read's host finish after the whole read spread "
+                         "over the finish threads (session 37; default: the module's); recorded in the results")
+
+
+def set_parallel_finish(value: str | None) -> bool:
+    """Sets ``runtime.adapters.image.PARALLEL_FINISH`` from ``--parallel-finish``'s ``value`` ("on" / "off"; None
+    leaves it); returns the value it had before."""
+    from multilora.runtime.adapters import image
+
+    before = image.PARALLEL_FINISH
+    if value is not None:
+        image.PARALLEL_FINISH = value == "on"
+    return before
+
+
 def interleaved_rounds(keys: list, rounds: int, measure) -> dict:
     """``measure(key)`` for every key once per round, every other round in reverse order (so a drift of the GPU's
     clocks over the run favours no key, the first timed nor the last); returns key -> its ``rounds`` values in round

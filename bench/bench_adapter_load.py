@@ -14,8 +14,10 @@ disk -> host (files in the page cache):
               ``adapter_finish="host"``): lora_B transposed on the host, the whole image checked finite at the end when the files
               are in the pool dtype, the tensors read in file order by scatter reads (``ours_host_finish_split``: split
               as ``ours_split``; ``ours_host_finish_pipe``: each piece of ``--pipe-piece-bytes`` finished on a
-              finish thread while the next is read, ``image.PIPELINE_PIECE_BYTES``; ``ours_host_finish_serial``: the
-              finish after the whole read, whatever the default); ``ours_per_tensor``: that with each
+              finish thread while the next is read, ``image.PIPELINE_PIECE_BYTES``, for reads from the disk
+              (``image.PIPELINE_COLD_ONLY``); ``ours_host_finish_serial``: the finish after the whole read, whatever
+              the default; ``ours_host_finish_parallel``: the finish after the read spread over the finish threads,
+              ``image.PARALLEL_FINISH``, where the file is in the page cache); ``ours_per_tensor``: that with each
               tensor read and checked while in cache instead (before session 8); ``ours_tensor_reads``: the whole-
               image check with one read per tensor (the scatter reads' A/B); ``ours_verified``: the same for a file version the cache has read before (its
               reloads after an eviction), which skips the finite checks;
@@ -88,7 +90,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 WEIGHTS = "adapter_model.safetensors"
 #: the disk -> host rows (module docstring), in their order
 DISK_PROVIDERS = ("plain", "ours", "ours_readahead", "ours_split", "ours_host_finish", "ours_host_finish_split",
-                  "ours_host_finish_pipe", "ours_host_finish_serial", "ours_per_tensor", "ours_tensor_reads",
+                  "ours_host_finish_pipe", "ours_host_finish_serial", "ours_host_finish_parallel", "ours_per_tensor",
+                  "ours_tensor_reads",
                   "ours_verified")
 #: the split reads' threads per image in the ``*_split`` rows (``image.SPLIT_READ_THREADS``)
 SPLIT_THREADS = 4
@@ -142,6 +145,7 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     # the host finish pipelined under the read in pieces of --pipe-piece-bytes, and serial (session 37)
     ours_host_finish_pipe = switched("PIPELINE_PIECE_BYTES", args.pipe_piece_bytes, ours_host_finish)
     ours_host_finish_serial = switched("PIPELINE_PIECE_BYTES", 0, ours_host_finish)
+    ours_host_finish_parallel = switched("PARALLEL_FINISH", True, ours_host_finish)  # (the finish after the read)
 
     def timed(nt: int, fn) -> float:  # GB/s of one run (--cold: the files' page cache dropped first, untimed)
         if args.cold:
@@ -166,6 +170,7 @@ def disk_to_host(args, config, pool, dirs, file_bytes, threads) -> list[dict]:
     fns = {"plain": plain, "ours": ours, "ours_readahead": ours_readahead, "ours_split": ours_split,
            "ours_host_finish": ours_host_finish, "ours_host_finish_split": ours_host_finish_split,
            "ours_host_finish_pipe": ours_host_finish_pipe, "ours_host_finish_serial": ours_host_finish_serial,
+           "ours_host_finish_parallel": ours_host_finish_parallel,
            "ours_per_tensor": ours_per_tensor, "ours_tensor_reads": ours_tensor_reads, "ours_verified": ours_verified,
            "general": general}
     names = DISK_PROVIDERS + (("general",) if args.general else ())  # (in DISK_PROVIDERS' order)

@@ -46,8 +46,9 @@ from multilora.memory.pool import AdapterPool, max_adapter_pages
 from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
 
-from _common import (ThreadSampler, add_pipe_piece_bytes_arg, add_urgent_read_wait_arg,  # bench/_common.py (bench/
-                     compiles_between, set_pipe_piece_bytes, set_urgent_read_wait, write_adapters)  # is on sys.path)
+from _common import (ThreadSampler, add_parallel_finish_arg, add_pipe_piece_bytes_arg,  # bench/_common.py (bench/
+                     add_urgent_read_wait_arg, compiles_between, set_parallel_finish,  # is on sys.path)
+                     set_pipe_piece_bytes, set_urgent_read_wait, write_adapters)
 
 
 def popularity(kind: str, n: int, k: int, g: torch.Generator) -> list[int]:
@@ -122,6 +123,7 @@ def main() -> None:
                     help="runtime.adapters.image._CHECK_CHUNK: elements per numpy reduction of the disk -> host "
                          "read's finite check (two per chunk, each giving the GIL up; default: the module's)")
     add_pipe_piece_bytes_arg(ap)
+    add_parallel_finish_arg(ap)
     add_urgent_read_wait_arg(ap)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--switch-interval", type=float, default=None,
@@ -143,6 +145,7 @@ def main() -> None:
             ap.error(f"--check-chunk: expected a positive number of elements, got {args.check_chunk}")
         image_mod._CHECK_CHUNK = args.check_chunk
     set_pipe_piece_bytes(args.pipe_piece_bytes, ap)
+    set_parallel_finish(args.parallel_finish)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -179,7 +182,7 @@ def main() -> None:
             "pool_bytes": engine.pool.bytes_total,
             "base_tokens_per_s": base_tok / base_s, "adapter_finish": args.adapter_finish,
             "read_batch_bytes": image_mod._BATCH_B_BYTES, "check_chunk": image_mod._CHECK_CHUNK,
-            "pipe_piece_bytes": image_mod.PIPELINE_PIECE_BYTES,
+            "pipe_piece_bytes": image_mod.PIPELINE_PIECE_BYTES, "parallel_finish": image_mod.PARALLEL_FINISH,
             "urgent_read_wait": scheduler_mod.URGENT_READ_WAIT,
             "adapter_io_threads": engine.engine_config.adapter_io_threads,
             "host_arena_map_ahead_bytes": engine.engine_config.host_arena_map_ahead_bytes,

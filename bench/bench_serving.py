@@ -82,8 +82,9 @@ from multilora.runtime.config import bytes_arg
 from multilora.runtime.weights import MODEL_SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_pipe_piece_bytes_arg, add_urgent_read_wait_arg, compiles_between,  # noqa: E402
-                     drop_page_cache, regular_files, set_pipe_piece_bytes, set_urgent_read_wait)  # (bench/_common.py)
+from _common import (add_parallel_finish_arg, add_pipe_piece_bytes_arg, add_urgent_read_wait_arg,  # noqa: E402
+                     compiles_between, drop_page_cache, regular_files, set_parallel_finish,  # (bench/_common.py)
+                     set_pipe_piece_bytes, set_urgent_read_wait)
 
 ADAPTER_SETS = {"S1": ((8,), ("q_proj", "k_proj", "v_proj", "o_proj")),
                 "S4": ((16, 32, 64), ("q_proj", "k_proj", "v_proj", "o_proj"))}
@@ -504,6 +505,7 @@ def child_engine(args: argparse.Namespace) -> Engine:
     the scheduler afresh, so ``--urgent-read-wait`` is set here too)."""
     set_urgent_read_wait(args.urgent_read_wait)
     set_pipe_piece_bytes(args.pipe_piece_bytes)
+    set_parallel_finish(args.parallel_finish)
     config, files = setup(args)
     return build_engine(args, config, files, args.n_adapters)
 
@@ -826,6 +828,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "pages as with the periodic --drop-page-cache); measures the cold read first too")
     add_urgent_read_wait_arg(ap)
     add_pipe_piece_bytes_arg(ap)
+    add_parallel_finish_arg(ap)
     ap.add_argument("--serve-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--n-adapters", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--serve-engine-process", action="store_true", help=argparse.SUPPRESS)
@@ -877,11 +880,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     before = set_urgent_read_wait(args.urgent_read_wait)  # before any engine (a child sets its own)
     pipe_before = set_pipe_piece_bytes(args.pipe_piece_bytes)
+    parallel_before = set_parallel_finish(args.parallel_finish)
     try:
         return _main(args, argv)
     finally:  # (in-process callers get the module's values back)
         scheduler_mod.URGENT_READ_WAIT = before
         image_mod.PIPELINE_PIECE_BYTES = pipe_before
+        image_mod.PARALLEL_FINISH = parallel_before
 
 
 def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
@@ -925,7 +930,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                    "chunked_prefill": args.chunked_prefill, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,
                    "long_prompt_share": args.long_prompt_share, "urgent_read_wait": scheduler_mod.URGENT_READ_WAIT,
-                   "pipe_piece_bytes": image_mod.PIPELINE_PIECE_BYTES,
+                   "pipe_piece_bytes": image_mod.PIPELINE_PIECE_BYTES, "parallel_finish": image_mod.PARALLEL_FINISH,
                    **{f"reads_{k}": (pipes[k] - pipes_before[k] if pipes_before is not None else None) for k in pipes},
                    "drop_page_cache_s": args.drop_page_cache, "page_cache_drops": drops,
                    "drop_after_read": after_reads is not None, "drops_after_reads": after_reads,

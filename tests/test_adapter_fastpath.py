@@ -466,6 +466,88 @@ def test_read_cached_reads_what_the_page_cache_holds(tmp_path, monkeypatch):
         assert f.read_cached([memoryview(bytearray(8))], 0) is None
 
 
+@pytest.mark.parametrize("route", ["pipelining-off", "cached-serial"])
+@pytest.mark.parametrize("layout", ["uniform", "patterned", "uneven", "phi3"])
+def test_parallel_finish_keeps_the_bits_and_checks_the_whole_image(layout, route, tmp_path, monkeypatch):
+    """``image.PARALLEL_FINISH`` (off by default): a batched read's finish after the whole read (pipelining off, or
+    a file in the page cache with ``PIPELINE_COLD_ONLY``) places lora_B^T in jobs on the finish threads and checks
+    the whole image in parts there: the reference's image bit for bit, every placement on a finish thread, each
+    module placed once; a non-finite value anywhere is refused naming its tensor, as the general path does."""
+    import threading
+
+    monkeypatch.setattr(image_mod, "PARALLEL_FINISH", True)
+    monkeypatch.setattr(image_mod, "PIPELINE_PIECE_BYTES", 0 if route == "pipelining-off" else 700)
+    for dtype in (torch.bfloat16, torch.float32):
+        if layout == "phi3":
+            cfg, d = _write_phi3(tmp_path / f"phi3-{dtype}".replace("torch.", ""), dtype)
+            pool = AdapterPool(cfg, num_bytes=1 << 22, max_rank=16, dtype=dtype)
+        else:
+            write = {"uniform": _write_uniform, "patterned": _write_patterned, "uneven": _write_uneven}[layout]
+            cfg, d = CFG, write(tmp_path / f"{layout}-{dtype}".replace("torch.", ""), dtype)
+            pool = _pool(dtype)
+        want = read_packed_adapter(d, cfg, pool, name="x")[1]
+        placed, real = [], image_mod._place_run
+
+        def spy(img, scratch, bt, i, j):
+            placed.append((threading.current_thread().name, id(bt), i, j))
+            return real(img, scratch, bt, i, j)
+
+        monkeypatch.setattr(image_mod, "_place_run", spy)
+        before = image_mod.pipeline_counts()
+        out = torch.full_like(want.data, float("nan"))
+        _assert_same_packed(image_mod._read(d, cfg, pool, "x", False, out, False)[1], want)
+        assert placed and all(n.startswith("multilora-read-finish") for n, *_ in placed)
+        plan = _plan(d, cfg, pool)
+        covered = sorted((b, k) for _, b, i, j in placed for k in range(i, j))
+        assert covered == sorted((id(bt), k) for bt in plan.batches for k in range(len(bt.modules)))
+        if route == "cached-serial":
+            assert image_mod.pipeline_counts()["cached_serial"] == before["cached_serial"] + 1
+        monkeypatch.setattr(image_mod, "_place_run", real)
+        if layout == "uniform" and dtype == torch.bfloat16:
+            for k in (_key(0, "q_proj", "A"), _key(CFG.num_layers - 1, "down_proj", "B"), _key(1, "v_proj", "B")):
+                e = tmp_path / f"bad-{route}-{k.split('.')[4]}-{k.split('.')[-2]}"
+                _write_uniform(e, dtype)
+                _patch(e, lambda t: t[k].view(-1).__setitem__(slice(2, None, 7), float("nan")))
+                want_err = _err(lambda: load_peft_adapter(e, CFG))
+                got = _err(lambda: image_mod._read(e, CFG, pool, None, False, None, False))
+                assert (str(got), got.key) == (str(want_err), want_err.key) and got.key == k
+
+
+def test_parallel_finish_raises_after_every_job_ended(tmp_path, monkeypatch):
+    """A placement job that fails fails the read with its error, only after every other job has ended."""
+    import threading
+    import time
+
+    monkeypatch.setattr(image_mod, "PARALLEL_FINISH", True)
+    monkeypatch.setattr(image_mod, "PIPELINE_PIECE_BYTES", 0)
+    d = _write_uniform(tmp_path / "a", torch.float32)
+    pool = _pool(torch.float32)
+    want = read_packed_adapter(d, CFG, pool, name="x")[1]
+    real, running, started = image_mod._place_run, [0], []
+    lock = threading.Lock()
+
+    def slow(*a):
+        with lock:
+            running[0] += 1
+            started.append(1)
+            n = len(started)
+        try:
+            time.sleep(0.03)
+            if n == 1:
+                raise RuntimeError("placement broke")
+            return real(*a)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(image_mod, "_place_run", slow)
+    with pytest.raises(RuntimeError, match="placement broke"):
+        image_mod._read(d, CFG, pool, "x", False, None, False)
+    assert running[0] == 0 and len(started) > 1
+    monkeypatch.setattr(image_mod, "_place_run", real)
+    _assert_same_packed(read_image(d, CFG, pool, name="x")[1], want)
+
+
 @pytest.mark.parametrize("where", ["A-first", "B-last", "middle-B"])
 def test_pipelined_finish_names_the_non_finite_tensor(where, tmp_path, monkeypatch):
     """With the pipelined finish, a non-finite value is refused with the general path's message, tensor and count

@@ -23,11 +23,13 @@ def test_adapter_throughput_bench_runs(tmp_path):
            "--batch", "4", "--gen", "2", "--prompt-len", "4", "--pool-adapters", "2", "--host-adapters", "2",
            "--distinct-files", "3", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(tmp_path / "out"),
            "--sample-threads", "--switch-interval", "0.002", "--read-batch-bytes", "33554432", "--check-chunk", "4096", "--urgent-read-wait", "off",
-           "--adapter-pool-fill", "--pipe-piece-bytes", "1000"]  # (32 MiB batches: the pipelined finish can run)
+           "--adapter-pool-fill", "--pipe-piece-bytes", "1000",  # (32 MiB batches: the pipelined finish can run)
+           "--parallel-finish", "on"]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     rows = json.loads((tmp_path / "out" / "adapter_throughput_tiny.json").read_text())
     assert all(r["read_batch_bytes"] == 32 << 20 and r["check_chunk"] == 4096 and r["urgent_read_wait"] is False
-               and r["adapter_pool_fill"] is True and r["pipe_piece_bytes"] == 1000 for r in rows)  # the A/B switches
+               and r["adapter_pool_fill"] is True and r["pipe_piece_bytes"] == 1000 and r["parallel_finish"] is True
+               for r in rows)  # the A/B switches
     # reads from the page cache: each went through the pipelined finish's choice and was finished serially
     assert all(r["reads_pipelined"] == 0 for r in rows) and any(r["reads_cached_serial"] > 0 for r in rows)
     assert {(r["adapters"], r["popularity"], r["phase"]) for r in rows} == {(n, p, ph) for n in (1, 8) for p in ("zipf", "uniform") for ph in ("cold", "warm")}
@@ -67,7 +69,7 @@ def test_adapter_load_bench_runs(file_dtype, cold, tmp_path):
     got = {(r["move"], r["provider"], r.get("threads")) for r in rows}
     assert got == {("disk_to_host", name, t) for name in ("plain", "ours", "ours_readahead", "ours_split", "ours_host_finish",
                                                                "ours_host_finish_split", "ours_host_finish_pipe",
-                                                               "ours_host_finish_serial",
+                                                               "ours_host_finish_serial", "ours_host_finish_parallel",
                                                                "ours_per_tensor", "ours_tensor_reads",
                                                                "ours_verified", "general")
                    for t in (1, 2)} | {("disk_to_host", "cache", 4)}, got
@@ -102,7 +104,7 @@ def test_adapter_load_bench_puts_read_image_switches_back(tmp_path):
     from multilora.runtime.adapters import image
 
     bl = _load_bench("bench_adapter_load")
-    names = ("READ_AHEAD", "_DEFER_CHECK", "_SCATTER", "PIPELINE_PIECE_BYTES")
+    names = ("READ_AHEAD", "_DEFER_CHECK", "_SCATTER", "PIPELINE_PIECE_BYTES", "PARALLEL_FINISH")
     before = {n: getattr(image, n) for n in names}
     seen, real = [], image._read
     mp = pytest.MonkeyPatch()
@@ -121,7 +123,7 @@ def test_adapter_load_bench_puts_read_image_switches_back(tmp_path):
     assert {n: getattr(image, n) for n in names} == before
     flips = [("READ_AHEAD", not before["READ_AHEAD"]), ("_DEFER_CHECK", not before["_DEFER_CHECK"]),
              ("_SCATTER", not before["_SCATTER"]), ("PIPELINE_PIECE_BYTES", 4 << 20),  # (the pipe row's default)
-             ("PIPELINE_PIECE_BYTES", 0)]  # (the serial row)
+             ("PIPELINE_PIECE_BYTES", 0), ("PARALLEL_FINISH", True)]  # (the serial row, the parallel row)
     flipped = {tuple(v if n == name else before[n] for n in names) for name, v in flips}
     assert set(seen) == {tuple(before.values())} | flipped  # no read saw two switches flipped at once
 
@@ -421,13 +423,14 @@ def test_serving_bench_rows_of_each_n_replay_one_trace(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "bench_serving.py"), "--shape", "tiny", "--adapters", "2,3",
            "--requests", "6", "--input-len", "4,12", "--output-len", "2,5", "--max-batch-size", "4",
            "--adapter-files", "2", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out), "--modes", "engine",
-           "--warmup-requests", "0", "--no-burst-rows", "--rate", "50", "--pipe-piece-bytes", "1000"]
+           "--warmup-requests", "0", "--no-burst-rows", "--rate", "50", "--pipe-piece-bytes", "1000",
+           "--parallel-finish", "on"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     rows = json.loads((out / "serving_tiny.json").read_text())["rows"]
     assert [r["n_adapters"] for r in rows] == [2, 3]
-    assert all(r["pipe_piece_bytes"] == 1000 for r in rows)  # the A/B switch, recorded
+    assert all(r["pipe_piece_bytes"] == 1000 and r["parallel_finish"] is True for r in rows)  # the A/B switches
     # the in-process engine's reads through the pipelined finish's choice, counted per row (the files are in the
     # page cache: none pipelined)
     assert all(r["reads_pipelined"] == 0 and r["reads_cached_serial"] >= 0 for r in rows)

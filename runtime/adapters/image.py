@@ -123,6 +123,13 @@ PIPELINE_PIECE_BYTES = 4 << 20
 PIPELINE_COLD_ONLY = True
 #: finish threads shared by every reader (read once, when the pool is made on first use)
 PIPELINE_FINISH_THREADS = 4
+#: True: a batched read's finish after the whole read (a file in the page cache with ``PIPELINE_COLD_ONLY``, or
+#: pipelining off) is spread over the finish threads: each module's lora_B^T copies (cut into jobs of about equal
+#: bytes) at once, then the whole-image finite check in as many parts. The same numpy calls as the serial finish,
+#: run side by side, where the pipelined finish's many small calls lost to the GIL (session 37). Off until measured
+#: on the GPU host (written without one): the one-batch bench's ``--parallel-finish on``, and the load bench's row
+#: ``ours_host_finish_parallel``.
+PARALLEL_FINISH = False
 #: what the reads with pipelining on did, counted since the process started (``pipeline_counts``)
 _pipe_counts = {"pipelined": 0, "cached_serial": 0}
 _pipe_counts_lock = threading.Lock()
@@ -659,20 +666,63 @@ def _read_items(f: OpenFile, items: list[tuple[int, memoryview]]) -> None:
         f.read_scatter(bufs, start)
 
 
-def _scatter_batched(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memoryview, esize: int) -> None:
+def _scatter_batched(plan: _Plan, f: OpenFile, img: np.ndarray, img_bytes: memoryview, esize: int,
+                     bounds=None) -> bool | None:
     """``_scatter_into`` in one pass (an image of at most ``_BATCH_B_BYTES`` of lora_B): the file's tensors read in
     file order by scatter reads, each lora_A straight into the image, each lora_B into its place in the per-thread
     scratch (by module, then layer: ``plan.batches``); then each module's B^T of every layer placed by one strided
     copy (a batch of evenly spaced regions; else one copy per layer), and a fused projection's A copied to its other
-    slices. About a dozen numpy calls and reads per image instead of a few hundred: each gives the GIL up."""
+    slices. About a dozen numpy calls and reads per image instead of a few hundred: each gives the GIL up. Returns
+    ``_finish_batched``'s answer (``bounds``: the finite check's, with ``PARALLEL_FINISH``)."""
     scratch = _scratch_np(plan.b_bytes)
     where = plan.b_where  # id(module) -> its lora_B's offset in the scratch (the plan's modules: ids stable)
     _read_in_file_order(plan, f, img_bytes, esize,
                         lambda m: [memoryview(scratch[where[id(m)] : where[id(m)] + m.b.nbytes])])
+    return _finish_batched(plan, img, scratch, bounds)
+
+
+def _finish_batched(plan: _Plan, img: np.ndarray, scratch: np.ndarray, bounds) -> bool | None:
+    """The batched read's finish once every tensor has landed: each batch's lora_B^T placed, a fused projection's A
+    shared. With ``PARALLEL_FINISH``, the placements run as jobs of about equal bytes on the finish threads and,
+    with ``bounds``, the whole image is checked finite in parts there too: returns whether it is (None without
+    ``bounds``, or serially: the caller checks). Every job has ended when this returns or raises."""
+    if not PARALLEL_FINISH:
+        for bt in plan.batches:
+            _place_run(img, scratch, bt, 0, len(bt.modules))
+        for m in plan.modules:
+            _share_a(img, m)
+        return None
+    pool = _finish_executor()
+    target = max(1, plan.b_bytes // (2 * PIPELINE_FINISH_THREADS))  # ~2 jobs per thread, whole modules each
+    jobs = []
     for bt in plan.batches:
-        _place_run(img, scratch, bt, 0, len(bt.modules))
+        i, acc = 0, 0
+        for j, m in enumerate(bt.modules):
+            acc += m.b.nbytes
+            if acc >= target or j == len(bt.modules) - 1:
+                jobs.append((bt, i, j + 1))
+                i, acc = j + 1, 0
+    _wait_all([pool.submit(_place_run, img, scratch, bt, i, j) for bt, i, j in jobs])
     for m in plan.modules:
         _share_a(img, m)
+    if bounds is None:
+        return None
+    part = -(-img.size // PIPELINE_FINISH_THREADS)
+
+    def check(lo: int) -> bool:
+        hi = min(lo + part, img.size)
+        return all(_finite_bits(img[x : min(x + _CHECK_CHUNK, hi)], bounds) for x in range(lo, hi, _CHECK_CHUNK))
+
+    return all(_wait_all([pool.submit(check, lo) for lo in range(0, img.size, part)]))
+
+
+def _wait_all(futures: list) -> list:
+    """The futures' results, once every one has ended; the first failure raised after all have."""
+    results = [fu.exception() or fu.result() for fu in futures]
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        raise failed
+    return results
 
 
 def _place_run(img: np.ndarray, scratch: np.ndarray, bt: _Batch, i: int, j: int) -> None:
@@ -817,11 +867,7 @@ def _scatter_pipelined(plan: _Plan, pieces: tuple[_Piece, ...], f: OpenFile, img
     if PIPELINE_COLD_ONLY and got is not None and got >= sum(len(b) for _, b in run):  # in the page cache
         _count("cached_serial")
         _read_items(f, first + [it for p in pieces[1:] for it in items_of(p)])
-        for bt in plan.batches:
-            _place_run(img, scratch, bt, 0, len(bt.modules))
-        for m in plan.modules:
-            _share_a(img, m)
-        return None
+        return _finish_batched(plan, img, scratch, bounds)
     _count("pipelined")
     pool = _finish_executor()
     futures = []
@@ -834,7 +880,7 @@ def _scatter_pipelined(plan: _Plan, pieces: tuple[_Piece, ...], f: OpenFile, img
     failed = next((r for r in results if isinstance(r, BaseException)), None)
     if failed is not None:
         raise failed
-    return all(results)
+    return all(results)  # (not _wait_all: a failed read must wait for the finishes before it propagates)
 
 
 def _scatter_raw(plan: _Plan, f: OpenFile, img_bytes: memoryview, esize: int) -> None:
@@ -880,7 +926,7 @@ def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out
     if pieces is not None:
         finite = _scatter_pipelined(plan, pieces, f, img, img_bytes, esize, bounds if deferred else None)
     elif scatter and 0 < plan.b_bytes <= _BATCH_B_BYTES:
-        _scatter_batched(plan, f, img, img_bytes, esize)
+        finite = _scatter_batched(plan, f, img, img_bytes, esize, bounds if deferred else None)
     elif scatter:
         _scatter_into(plan, f, img, img_bytes, esize)
     for m in () if scatter else plan.modules:
