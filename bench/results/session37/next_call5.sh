@@ -4,7 +4,9 @@
 # --pipe-piece-bytes 0 (rows record reads_pipelined / reads_cached_serial and disk_to_host_aggregate_gbps against
 # the plain cold read beside them); (2) if time is left, the one-batch bench at 2,048 adapters with
 # --adapter-finish device against the default, alternated (session 13's A/B, before everything since: the device
-# finish reads 2.2x faster from the page cache).
+# finish reads 2.2x faster from the page cache) and with --parallel-finish on (image.PARALLEL_FINISH, written in
+# session 37 after its calls: the finish after the read spread over the finish threads), after a page-cache A/B of
+# the same in bench_adapter_load.py (row ours_host_finish_parallel).
 #   run: command="END=585 bash bench/results/session37/next_call5.sh", timeout_s=600; results in $OUT/c5.tgz
 set -o pipefail
 END=${END:-585}
@@ -40,8 +42,13 @@ ob() {  # name, flags...
     --sample-threads --out $OUT/c5/ob_$n "$@" > $OUT/c5/ob_$n.log 2>&1
   echo "rc=$? at $SECONDS s" >> $OUT/c5/ob_$n.log; rm -f $OUT/c5/ob_$n/*.png
 }
-ob dev1 --adapter-finish device
+timeout 60 python3 bench/bench_adapter_load.py --modules q_proj,k_proj,v_proj,o_proj --rank 32 --adapters 12 \
+  --providers plain,ours,ours_host_finish_serial,ours_host_finish_parallel --threads 1,2,4 --runs 3 --no-cache-row \
+  --adapter-dir /tmp/bal --out $OUT/c5/load > $OUT/c5/load.log 2>&1; echo "rc=$? at $SECONDS s" >> $OUT/c5/load.log
+ob par1 --parallel-finish on
 ob def1
-ob def2
+ob dev1 --adapter-finish device
 ob dev2 --adapter-finish device
+ob def2
+ob par2 --parallel-finish on
 true
