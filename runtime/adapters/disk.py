@@ -278,6 +278,8 @@ class OpenFile:
             return os.preadv(self._fd, bufs, offset, flag)
         except BlockingIOError:  # EAGAIN: the first byte is not in the page cache
             return 0
+        except NotImplementedError:  # a Python built without preadv2: no flags
+            return None
         except OSError as e:
             if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 return None

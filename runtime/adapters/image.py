@@ -46,7 +46,7 @@ import torch
 from multilora.config import MODULE_INDEX, ModelConfig
 from multilora.kernels.image_finish import FinishOps, finish_ops
 from multilora.memory.pool import PAGE_ELEMS, AdapterPool, PackedAdapter, image_layout
-from multilora.runtime.adapters.disk import OpenFile, check_directory, read_whole, weights_path
+from multilora.runtime.adapters.disk import _IOV_MAX, OpenFile, check_directory, read_whole, weights_path
 from multilora.runtime.adapters.files import SAFETENSORS_NAME, _parse_header
 from multilora.runtime.adapters.load import (_EXACT_IN_F32, LoRAAdapter, _build_modules, load_peft_adapter,
                                              read_packed_adapter)
@@ -702,7 +702,7 @@ def _finish_batched(plan: _Plan, img: np.ndarray, scratch: np.ndarray, bounds) -
             if acc >= target or j == len(bt.modules) - 1:
                 jobs.append((bt, i, j + 1))
                 i, acc = j + 1, 0
-    _wait_all([pool.submit(_place_run, img, scratch, bt, i, j) for bt, i, j in jobs])
+    _run_all(pool, [(_place_run, (img, scratch, bt, i, j)) for bt, i, j in jobs])
     for m in plan.modules:
         _share_a(img, m)
     if bounds is None:
@@ -713,12 +713,18 @@ def _finish_batched(plan: _Plan, img: np.ndarray, scratch: np.ndarray, bounds) -
         hi = min(lo + part, img.size)
         return all(_finite_bits(img[x : min(x + _CHECK_CHUNK, hi)], bounds) for x in range(lo, hi, _CHECK_CHUNK))
 
-    return all(_wait_all([pool.submit(check, lo) for lo in range(0, img.size, part)]))
+    return all(_run_all(pool, [(check, (lo,)) for lo in range(0, img.size, part)]))
 
 
-def _wait_all(futures: list) -> list:
-    """The futures' results, once every one has ended; the first failure raised after all have."""
-    results = [fu.exception() or fu.result() for fu in futures]
+def _run_all(pool, calls: list) -> list:
+    """Every ``(fn, args)`` of ``calls`` run on ``pool``; their results once every one has ended (also when a submit
+    fails part-way), the first failure raised after all have."""
+    futures = []
+    try:
+        for fn, args in calls:
+            futures.append(pool.submit(fn, *args))
+    finally:
+        results = [fu.exception() or fu.result() for fu in futures]
     failed = next((r for r in results if isinstance(r, BaseException)), None)
     if failed is not None:
         raise failed
@@ -859,7 +865,7 @@ def _scatter_pipelined(plan: _Plan, pieces: tuple[_Piece, ...], f: OpenFile, img
     first = items_of(pieces[0])
     run = [first[0]]  # the first contiguous run of the first piece: probed in the page cache
     for begin, b in first[1:]:
-        if begin != run[-1][0] + len(run[-1][1]) or len(run) == 1024:
+        if begin != run[-1][0] + len(run[-1][1]) or len(run) == _IOV_MAX:  # (read_cached's one call)
             break
         run.append((begin, b))
     got = f.read_cached([b for _, b in run], run[0][0])
@@ -880,7 +886,7 @@ def _scatter_pipelined(plan: _Plan, pieces: tuple[_Piece, ...], f: OpenFile, img
     failed = next((r for r in results if isinstance(r, BaseException)), None)
     if failed is not None:
         raise failed
-    return all(results)  # (not _wait_all: a failed read must wait for the finishes before it propagates)
+    return all(results)  # (not _run_all: a failed read must wait for the finishes before it propagates)
 
 
 def _scatter_raw(plan: _Plan, f: OpenFile, img_bytes: memoryview, esize: int) -> None:
