@@ -336,6 +336,16 @@ def _plan(d, cfg, pool):
         f.close()
 
 
+def _layout(layout: str, dtype, tmp_path):
+    """An adapter of ``layout`` (uniform, patterned, uneven: on ``CFG``; phi3: ``_write_phi3``'s fused projections)
+    in ``dtype``, with a pool for it: (config, directory, pool)."""
+    if layout == "phi3":
+        cfg, d = _write_phi3(tmp_path / f"phi3-{dtype}".replace("torch.", ""), dtype)
+        return cfg, d, AdapterPool(cfg, num_bytes=1 << 22, max_rank=16, dtype=dtype)
+    write = {"uniform": _write_uniform, "patterned": _write_patterned, "uneven": _write_uneven}[layout]
+    return CFG, write(tmp_path / f"{layout}-{dtype}".replace("torch.", ""), dtype), _pool(dtype)
+
+
 @pytest.mark.parametrize("pieces_of", ["one-tensor", "600-bytes", "half-the-file"])
 @pytest.mark.parametrize("layout", ["uniform", "patterned", "uneven", "phi3"])
 def test_pipelined_finish_keeps_the_bits(layout, pieces_of, tmp_path, monkeypatch):
@@ -347,13 +357,7 @@ def test_pipelined_finish_keeps_the_bits(layout, pieces_of, tmp_path, monkeypatc
     import threading
 
     for dtype in (torch.bfloat16, torch.float32):
-        if layout == "phi3":
-            cfg, d = _write_phi3(tmp_path / f"phi3-{dtype}".replace("torch.", ""), dtype)
-            pool = AdapterPool(cfg, num_bytes=1 << 22, max_rank=16, dtype=dtype)
-        else:
-            write = {"uniform": _write_uniform, "patterned": _write_patterned, "uneven": _write_uneven}[layout]
-            cfg, d = CFG, write(tmp_path / f"{layout}-{dtype}".replace("torch.", ""), dtype)
-            pool = _pool(dtype)
+        cfg, d, pool = _layout(layout, dtype, tmp_path)
         want = read_packed_adapter(d, cfg, pool, name="x")[1]
         plan = _plan(d, cfg, pool)
         piece_bytes = {"one-tensor": 1, "600-bytes": 600, "half-the-file": plan.file_size // 2}[pieces_of]
@@ -489,13 +493,7 @@ def test_parallel_finish_keeps_the_bits_and_checks_the_whole_image(layout, route
     monkeypatch.setattr(OpenFile, "read_cached", lambda self, bufs, offset: self.read_scatter(bufs, offset) or
                         sum(len(b) for b in bufs))
     for dtype in (torch.bfloat16, torch.float32):
-        if layout == "phi3":
-            cfg, d = _write_phi3(tmp_path / f"phi3-{dtype}".replace("torch.", ""), dtype)
-            pool = AdapterPool(cfg, num_bytes=1 << 22, max_rank=16, dtype=dtype)
-        else:
-            write = {"uniform": _write_uniform, "patterned": _write_patterned, "uneven": _write_uneven}[layout]
-            cfg, d = CFG, write(tmp_path / f"{layout}-{dtype}".replace("torch.", ""), dtype)
-            pool = _pool(dtype)
+        cfg, d, pool = _layout(layout, dtype, tmp_path)
         want = read_packed_adapter(d, cfg, pool, name="x")[1]
         placed, real = [], image_mod._place_run
 
