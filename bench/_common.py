@@ -119,6 +119,38 @@ def set_parallel_finish(value: str | None) -> bool:
     return before
 
 
+def kernel_times(fn, runs: int = 3, top: int = 12) -> list[dict]:
+    """Where ``fn``'s time goes, by kernel: ``fn`` run ``runs`` times under ``torch.profiler``; on a CUDA machine its
+    GPU kernels (device time), else its CPU ops (self time). Returns the ``top`` rows, slowest first, each ``{"name",
+    "calls_per_run", "us_per_call", "us_per_run"}`` (microseconds), for a bench's ``--profile`` (which kernel of a
+    schedule is far from its bandwidth)."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    fn()  # (compiles and allocations outside the trace)
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(runs):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    times: dict[str, list[float]] = defaultdict(list)
+    if cuda:
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                times[ev.name].append(ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total)
+    else:
+        for e in prof.key_averages():
+            if e.self_cpu_time_total > 0:
+                times[e.key] = [e.self_cpu_time_total / e.count] * e.count
+    rows = [{"name": n, "calls_per_run": len(v) / runs, "us_per_call": sum(v) / len(v), "us_per_run": sum(v) / runs}
+            for n, v in times.items()]
+    return sorted(rows, key=lambda r: -r["us_per_run"])[:top]
+
+
 def interleaved_rounds(keys: list, rounds: int, measure) -> dict:
     """``measure(key)`` for every key once per round, every other round in reverse order (so a drift of the GPU's
     clocks over the run favours no key, the first timed nor the last); returns key -> its ``rounds`` values in round

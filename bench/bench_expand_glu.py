@@ -16,6 +16,7 @@ every schedule timed ``--rounds`` times, interleaved (every other round reversed
 and what it adds to base; checked: fused's output equals serial's bit for bit (its documented semantics).
 
 Usage: python bench/bench_expand_glu.py --out DIR [--tokens 4096] [--adapters 64] [--rounds 5]   (~1 min on an H200)
+       [--profile]   (each schedule's kernels too: which one is far from its bandwidth)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import interleaved_rounds  # noqa: E402  (bench/_common.py)
+from _common import interleaved_rounds, kernel_times  # noqa: E402  (bench/_common.py)
 from bench_lora_kernels import GROUPS, environment, synthetic_pool, time_ms  # noqa: E402
 
 DEFAULT_CONFIGS = "128:4:4,128:2:4,256:2:4,64:4:4,128:8:4,128:4:8"
@@ -50,7 +51,8 @@ def _configs(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def run(T: int, n: int, pool_rank: int, rounds: int, configs: list[tuple[int, int, int]], K: int = 4) -> dict:
+def run(T: int, n: int, pool_rank: int, rounds: int, configs: list[tuple[int, int, int]], K: int = 4,
+        profile: bool = False) -> dict:
     from multilora.kernels import build_lora_plan, lora_apply, lora_delta
     from multilora.kernels import triton_sgmv
     from multilora.kernels.experimental.expand_glu import expand_glu
@@ -108,6 +110,9 @@ def run(T: int, n: int, pool_rank: int, rounds: int, configs: list[tuple[int, in
                us=us, us_rounds=times, added_us={k: us[k] - us["base"] for k in names if k != "base"},
                fused_equals_serial_bits=same,
                lora_term_mb=T * sum(d_outs) * 2 / 1e6)  # what write_first writes and the GEMM reads back
+    if profile:  # each schedule's kernels (eager, one copy's worth per call: K copies per run / K)
+        row["kernels"] = {name: [{**r, "us_per_run": r["us_per_run"] / K, "calls_per_run": r["calls_per_run"] / K}
+                                 for r in kernel_times(fns[name])] for name in names}
     del pool, slices
     torch.cuda.empty_cache()
     return row
@@ -125,6 +130,9 @@ def main(argv=None):
     ap.add_argument("--fused-configs", type=_configs, default=_configs(DEFAULT_CONFIGS),
                     metavar="BLOCK_N:TILES:WARPS,...",
                     help=f"the fused kernel's tiles to time (default {DEFAULT_CONFIGS})")
+    ap.add_argument("--profile", action="store_true",
+                    help="also trace each schedule's kernels (torch.profiler, eager): rows get 'kernels', the "
+                         "slowest 12 per schedule with their us per call and per copy, and the top 5 are printed")
     args = ap.parse_args(argv)
     try:
         pool_ranks = [int(r) for r in args.pool_rank.split(",") if r]
@@ -140,11 +148,13 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     res = dict(environment=environment(), cases=[])
     for pr in pool_ranks:
-        row = run(args.tokens, args.adapters, pr, args.rounds, args.fused_configs)
+        row = run(args.tokens, args.adapters, pr, args.rounds, args.fused_configs, profile=args.profile)
         res["cases"].append(row)
         print(f"T={args.tokens} n={args.adapters} r=16 pool r={pr}: base {row['us']['base']:.1f} us; LoRA adds "
               + ", ".join(f"{k} {v:.1f} ({v / row['us']['base']:+.1%})" for k, v in row["added_us"].items())
               + f"; fused == serial bits: {row['fused_equals_serial_bits']}", flush=True)
+        for name, ks in row.get("kernels", {}).items():
+            print(f"  {name}: " + "; ".join(f"{k['name'][:60]} {k['us_per_run']:.1f} us" for k in ks[:5]), flush=True)
         with open(os.path.join(args.out, "expand_glu.json"), "w") as f:
             json.dump(res, f, indent=1)
 

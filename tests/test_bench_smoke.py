@@ -768,6 +768,25 @@ def test_interleaved_rounds_alternate_the_order():
     assert interleaved_rounds(["a"], 0, lambda k: 1) == {"a": []}
 
 
+def test_kernel_times_rank_a_schedules_ops():
+    """``_common.kernel_times`` (``bench_expand_glu.py --profile``): the ops of a function run under the profiler, slowest
+    first, with calls and times per run (on this CPU: its ops' self time; on a GPU: its kernels). A function of one
+    big matmul and a small add: the matmul's op first, each called once per run."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _common import kernel_times
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the rows are CUDA kernels, whose names depend on the libraries")
+    a, b, c = torch.randn(384, 384), torch.randn(384, 384), torch.randn(4)
+    rows = kernel_times(lambda: (torch.mm(a, b), c + 1), runs=3)
+    assert rows and rows[0]["name"] in ("aten::mm", "aten::matmul") and rows[0]["calls_per_run"] == 1
+    assert all(r["us_per_run"] == pytest.approx(r["us_per_call"] * r["calls_per_run"]) for r in rows)
+    assert [r["us_per_run"] for r in rows] == sorted((r["us_per_run"] for r in rows), reverse=True)
+    assert any(r["name"] == "aten::add" for r in rows)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the smoke run needs TRITON_INTERPRET=1")
 def test_gemm_lora_bench_smoke(tmp_path):
     """``bench_gemm_lora.py --smoke`` (CPU, interpreter, tiny groups): every provider of every group timed, the fused
