@@ -110,8 +110,9 @@ SPLIT_READ_MIN_BYTES = 4 << 20
 #: check (``_pipeline``). The serial host finish added ~45% to a cold one-reader read on the H200 host (0.99 against
 #: 1.43 GB/s plain, bench/results/session36); the read alone ran at 1.54. Pipelined in 4 MiB pieces, cold reads of
 #: S4-like files (H100 host, ``bench_adapter_load.py --cold``, bench/results/session37) went from 75% / 89% / 96% of
-#: a plain read with 1 / 2 / 4 readers to 106% / 107% / 103%. 0: off (the finish after the whole read). Only reads
-#: from the disk are pipelined (``PIPELINE_COLD_ONLY``).
+#: a plain read with 1 / 2 / 4 readers to 106% / 107% / 103% (on another H100 host, with ``PIPELINE_COLD_ONLY``:
+#: 71% / 89% -> 96% / 96% at 1 / 2 readers). 0: off (the finish after the whole read). Only reads from the disk are
+#: pipelined (``PIPELINE_COLD_ONLY``).
 PIPELINE_PIECE_BYTES = 4 << 20
 #: True: pipeline only a read from the disk. The first contiguous run of the first piece is read with
 #: ``OpenFile.read_cached`` (``preadv2(RWF_NOWAIT)``); if the page cache held all of it, the rest is read and finished
@@ -149,7 +150,8 @@ def _split_executor(workers: int):
         return _split_pool
 
 def _finish_executor():
-    """The shared pool that runs pipelined reads' finish pieces (``PIPELINE_PIECE_BYTES``), made on first use."""
+    """The shared pool that runs pipelined reads' finish pieces (``PIPELINE_PIECE_BYTES``) and the parallel finish's
+    jobs (``PARALLEL_FINISH``), made on first use."""
     global _finish_pool
     from concurrent.futures import ThreadPoolExecutor
 
