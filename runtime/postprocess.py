@@ -132,10 +132,11 @@ class Postprocessor:
                 if isinstance(tok, Exception):
                     raise tok
                 if tok is None:
-                    raise FloatingPointError(
-                        f"the logits of this request are not finite (NaN or inf) with "
-                        f"{'adapter ' + repr(req.adapter_name) if req.adapter_name else 'the base model'}: its weights "
-                        f"overflow in compute, so no token can be drawn")
+                    path = getattr(req.handle, "path", None)  # (the adapter's directory: whose weights to look at)
+                    who = (f"adapter {req.adapter_name!r}" + (f" (from {path})" if path is not None else "")
+                           if req.adapter_name else "the base model")
+                    raise FloatingPointError(f"the logits of this request are not finite (NaN or inf) with {who}: its "
+                                             f"weights overflow in compute, so no token can be drawn")
                 if req.first_token_time is None:
                     req.first_token_time = now
                 reason = self.check_stop(req, tok)

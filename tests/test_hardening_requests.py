@@ -219,6 +219,7 @@ def test_an_adapter_that_overflows_fails_alone_naming_itself(engine, reference):
     hot = outs[3]
     assert hot.finish_reason == "error" and hot.token_ids == []
     assert "not finite" in hot.error and "'hot'" in hot.error
+    assert f"(from {engine.cache.get('hot').path})" in hot.error  # its directory too (session 37: a fuzz case)
     _still_serves(engine, reference)
 
 
