@@ -6,6 +6,8 @@ The scripts run as ``python bench/<script>.py``, so ``bench/`` is on ``sys.path`
 
 from __future__ import annotations
 
+import argparse
+
 import os
 import shutil
 import statistics
@@ -76,26 +78,33 @@ def set_urgent_read_wait(value: str) -> bool:
     return before
 
 
+def _piece_bytes(text: str) -> int:
+    """``--pipe-piece-bytes``'s argparse type: 0 (off) or a positive number of bytes."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 (off) or a positive number of bytes, got {text!r}")
+    return value
+
+
 def add_pipe_piece_bytes_arg(ap) -> None:
     """``--pipe-piece-bytes N`` on the argparse parser ``ap``: the A/B switch of
     ``runtime.adapters.image.PIPELINE_PIECE_BYTES`` (``set_pipe_piece_bytes`` applies it)."""
-    ap.add_argument("--pipe-piece-bytes", type=int, default=None, metavar="BYTES",
+    ap.add_argument("--pipe-piece-bytes", type=_piece_bytes, default=None, metavar="BYTES",
                     help="runtime.adapters.image.PIPELINE_PIECE_BYTES: the disk -> host read's host finish pipelined "
                          "under the read in pieces of this many bytes (session 37); 0: the finish after the whole "
                          "read (default: the module's); recorded in the results")
 
 
-def set_pipe_piece_bytes(value: int | None, ap=None) -> int:
+def set_pipe_piece_bytes(value: int | None) -> int:
     """Sets ``runtime.adapters.image.PIPELINE_PIECE_BYTES`` from ``--pipe-piece-bytes``'s ``value`` (None: leaves
-    it); returns the value it had before. A negative value is ``ap.error`` (ValueError without ``ap``)."""
+    it; the argument's type refused negative values); returns the value it had before."""
     from multilora.runtime.adapters import image
 
     before = image.PIPELINE_PIECE_BYTES
     if value is not None:
-        if value < 0:
-            msg = f"--pipe-piece-bytes: expected 0 (off) or a positive number of bytes, got {value}"
-            ap.error(msg) if ap is not None else None
-            raise ValueError(msg)
         image.PIPELINE_PIECE_BYTES = value
     return before
 

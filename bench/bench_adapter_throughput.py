@@ -144,7 +144,7 @@ def main() -> None:
         if args.check_chunk < 1:
             ap.error(f"--check-chunk: expected a positive number of elements, got {args.check_chunk}")
         image_mod._CHECK_CHUNK = args.check_chunk
-    set_pipe_piece_bytes(args.pipe_piece_bytes, ap)
+    set_pipe_piece_bytes(args.pipe_piece_bytes)
     set_parallel_finish(args.parallel_finish)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

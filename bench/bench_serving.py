@@ -846,8 +846,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("adapter_pool_bytes", "kv_cache_bytes"):
         if getattr(args, name) is not None:
             setattr(args, name, int(getattr(args, name)))
-    if args.pipe_piece_bytes is not None and args.pipe_piece_bytes < 0:
-        ap.error(f"--pipe-piece-bytes: expected 0 (off) or a positive number of bytes, got {args.pipe_piece_bytes}")
     if not 0 <= args.long_prompt_share <= 1:
         ap.error(f"--long-prompt-share: expected a share in [0, 1], got {args.long_prompt_share}")
     if args.rate not in ("auto", "burst"):

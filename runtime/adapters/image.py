@@ -530,7 +530,7 @@ def _make_plan(f, root, wpath, cfg_path, cfg_bytes, cfg_stamp, config, pool,
             ob = oa + r * d_in
             end = ob + r * d_out
             slices.append((oa, ob, row, d_out))
-            pad_end = oa + -(-(end - oa) // PAGE_ELEMS) * PAGE_ELEMS
+            pad_end = _page_end(oa, end)
             pads.append((end, pad_end))
             # the device finish: A from the first slice's region, B^T from B's rows, the zero padding as read
             ops += [(group_start, oa, r * d_in, 1, 0), (ob, ob, d_out, r, 1)] + (
@@ -621,15 +621,7 @@ def _read_in_file_order(plan: _Plan, f: OpenFile, img_bytes: memoryview, esize: 
     the buffers ``b_bufs(module)`` gives (together exactly its bytes, in file order). With ``SPLIT_READ_THREADS`` > 1
     (and at least ``SPLIT_READ_MIN_BYTES``) the buffers are cut into that many runs of about equal bytes read at once;
     every run has landed (or failed) when this returns."""
-    items: list[tuple[int, memoryview]] = []  # (file offset, buffer), in file order
-    for begin, is_b, m in plan.reads:
-        if is_b:
-            for b in b_bufs(m):
-                items.append((begin, b))
-                begin += len(b)
-        else:
-            oa = m.slices[0][0] * esize
-            items.append((begin, img_bytes[oa : oa + m.a.nbytes]))
+    items = _file_items(plan.reads, img_bytes, esize, b_bufs)
     total = sum(len(b) for _, b in items)
     k = SPLIT_READ_THREADS if total >= SPLIT_READ_MIN_BYTES else 1
     if k <= 1 or len(items) < 2:
@@ -646,10 +638,46 @@ def _read_in_file_order(plan: _Plan, f: OpenFile, img_bytes: memoryview, esize: 
     try:
         _read_items(f, groups[0])
     finally:  # (every run lands before the caller may reuse or free the buffers, even if one failed)
-        errors = [fu.exception() for fu in futures]
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
+        results = _wait_all(futures)
+    _raise_any(results)
+
+
+def _file_items(reads, img_bytes: memoryview, esize: int, b_bufs) -> list[tuple[int, memoryview]]:
+    """``reads`` (file offset, is lora_B, module), in file order, as (file offset, buffer) items: each lora_A's
+    first-slice A region of the image, each lora_B's buffers ``b_bufs(module)`` (together exactly its bytes)."""
+    items: list[tuple[int, memoryview]] = []
+    for begin, is_b, m in reads:
+        if is_b:
+            for b in b_bufs(m):
+                items.append((begin, b))
+                begin += len(b)
+        else:
+            oa = m.slices[0][0] * esize
+            items.append((begin, img_bytes[oa : oa + m.a.nbytes]))
+    return items
+
+
+def _wait_all(futures: list) -> list:
+    """Each future's result, or its exception, once every one has ended."""
+    return [fu.exception() or fu.result() for fu in futures]
+
+
+def _raise_any(results: list) -> list:
+    """``results`` (``_wait_all``'s), or the first exception among them raised."""
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        raise failed
+    return results
+
+
+def _finite_range(img: np.ndarray, lo: int, hi: int, bounds) -> bool:
+    """Whether ``img[lo:hi]`` (bit patterns) is all finite, checked in chunks of ``_CHECK_CHUNK`` elements."""
+    return all(_finite_bits(img[x : min(x + _CHECK_CHUNK, hi)], bounds) for x in range(lo, hi, _CHECK_CHUNK))
+
+
+def _page_end(start: int, end: int) -> int:
+    """``end`` rounded up to whole pages from ``start`` (a slice's region with its zero padding, ``_make_plan``)."""
+    return start + -(-(end - start) // PAGE_ELEMS) * PAGE_ELEMS
 
 
 def _read_items(f: OpenFile, items: list[tuple[int, memoryview]]) -> None:
@@ -711,11 +739,8 @@ def _finish_batched(plan: _Plan, img: np.ndarray, scratch: np.ndarray, bounds) -
         return None
     part = -(-img.size // PIPELINE_FINISH_THREADS)
 
-    def check(lo: int) -> bool:
-        hi = min(lo + part, img.size)
-        return all(_finite_bits(img[x : min(x + _CHECK_CHUNK, hi)], bounds) for x in range(lo, hi, _CHECK_CHUNK))
-
-    return all(_run_all(pool, [(check, (lo,)) for lo in range(0, img.size, part)]))
+    return all(_run_all(pool, [(_finite_range, (img, lo, min(lo + part, img.size), bounds))
+                               for lo in range(0, img.size, part)]))
 
 
 def _run_all(pool, calls: list) -> list:
@@ -726,11 +751,8 @@ def _run_all(pool, calls: list) -> list:
         for fn, args in calls:
             futures.append(pool.submit(fn, *args))
     finally:
-        results = [fu.exception() or fu.result() for fu in futures]
-    failed = next((r for r in results if isinstance(r, BaseException)), None)
-    if failed is not None:
-        raise failed
-    return results
+        results = _wait_all(futures)
+    return _raise_any(results)
 
 
 def _place_run(img: np.ndarray, scratch: np.ndarray, bt: _Batch, i: int, j: int) -> None:
@@ -762,7 +784,7 @@ class _Piece:
 def _region(m: _Module) -> tuple[int, int]:
     """A module's whole image region: its first slice's A to its last slice's page padding (``_make_plan``)."""
     oa, ob, _, rows = m.slices[-1]
-    return m.slices[0][0], oa + -(-(ob + m.r * rows - oa) // PAGE_ELEMS) * PAGE_ELEMS
+    return m.slices[0][0], _page_end(oa, ob + m.r * rows)
 
 
 def _pipeline(plan: _Plan, piece_bytes: int) -> tuple[_Piece, ...] | None:
@@ -816,8 +838,7 @@ def _finish_piece(piece: _Piece, img: np.ndarray, scratch: np.ndarray, bounds) -
         _place_run(img, scratch, bt, i, j)
     for m in piece.done:
         _share_a(img, m)
-    return bounds is None or all(_finite_bits(img[x : min(x + _CHECK_CHUNK, hi)], bounds)
-                                 for lo, hi in piece.checks for x in range(lo, hi, _CHECK_CHUNK))
+    return bounds is None or all(_finite_range(img, lo, hi, bounds) for lo, hi in piece.checks)
 
 
 def pipeline_counts() -> dict[str, int]:
@@ -853,16 +874,10 @@ def _scatter_pipelined(plan: _Plan, pieces: tuple[_Piece, ...], f: OpenFile, img
     finish has run (or failed) when this returns or raises, so the caller may reuse the buffers."""
     scratch = _scratch_np(plan.b_bytes)
     where = plan.b_where
+    b_bufs = lambda m: [memoryview(scratch[where[id(m)] : where[id(m)] + m.b.nbytes])]  # noqa: E731
 
     def items_of(piece: _Piece) -> list[tuple[int, memoryview]]:
-        out = []
-        for begin, is_b, m in piece.reads:
-            if is_b:
-                out.append((begin, memoryview(scratch[where[id(m)] : where[id(m)] + m.b.nbytes])))
-            else:
-                oa = m.slices[0][0] * esize
-                out.append((begin, img_bytes[oa : oa + m.a.nbytes]))
-        return out
+        return _file_items(piece.reads, img_bytes, esize, b_bufs)
 
     first = items_of(pieces[0])
     run = [first[0]]  # the first contiguous run of the first piece: probed in the page cache
@@ -884,11 +899,8 @@ def _scatter_pipelined(plan: _Plan, pieces: tuple[_Piece, ...], f: OpenFile, img
             _read_items(f, first if k == 0 else items_of(piece))
             futures.append(pool.submit(_finish_piece, piece, img, scratch, bounds))
     finally:  # (every finish ends before the caller may reuse the image or the scratch, even if a read failed)
-        results = [fu.exception() or fu.result() for fu in futures]
-    failed = next((r for r in results if isinstance(r, BaseException)), None)
-    if failed is not None:
-        raise failed
-    return all(results)  # (not _run_all: a failed read must wait for the finishes before it propagates)
+        results = _wait_all(futures)
+    return all(_raise_any(results))
 
 
 def _scatter_raw(plan: _Plan, f: OpenFile, img_bytes: memoryview, esize: int) -> None:
@@ -967,8 +979,7 @@ def _execute(plan: _Plan, f: OpenFile, wpath: Path, pool: AdapterPool, name, out
         xb = x.view(-1, r)
         for _, ob, row, rows in m.slices:
             out[ob : ob + r * rows].view(r, rows).copy_(xb[row : row + rows].t())
-    if deferred and not (finite if finite is not None else
-                         all(_finite_bits(img[i : i + _CHECK_CHUNK], bounds) for i in range(0, img.size, _CHECK_CHUNK))):
+    if deferred and not (finite if finite is not None else _finite_range(img, 0, img.size, bounds)):
         for m in plan.modules:  # which tensor (the image holds A and B^T: the same values)
             oa = m.slices[0][0]
             if not _finite_bits(img[oa : oa + m.r * m.d_in], bounds):
