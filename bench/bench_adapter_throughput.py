@@ -107,8 +107,9 @@ def main() -> None:
     ap.add_argument("--preload", action="store_true",
                     help="read every adapter at registration (default: header-only, registered on the disk tier)")
     ap.add_argument("--load-threads", type=int, default=8, help="threads calling engine.load_adapter")
-    ap.add_argument("--adapter-finish", default="host", choices=("host", "device"),
-                    help="Engine(adapter_finish=...): where reloaded adapters get the pool layout (session 12)")
+    ap.add_argument("--adapter-finish", default=None, choices=("host", "device"),
+                    help="Engine(adapter_finish=...): where reloaded adapters get the pool layout (default: the "
+                         "engine's, device on CUDA, host on the CPU; sessions 12, 13, 38); rows record the one used")
     ap.add_argument("--io-threads", type=int, default=None,
                     help="Engine(adapter_io_threads=...): threads reading adapters from disk (default: the engine's)")
     ap.add_argument("--host-map-ahead", type=float, default=None, metavar="GB",
@@ -180,7 +181,7 @@ def main() -> None:
             "pool_from_plan": not args.pool_adapters, "host_from_plan": not args.host_adapters,
             "adapter_pool_fill": args.adapter_pool_fill, "pool_max_slots": engine.pool.max_slots,
             "pool_bytes": engine.pool.bytes_total,
-            "base_tokens_per_s": base_tok / base_s, "adapter_finish": args.adapter_finish,
+            "base_tokens_per_s": base_tok / base_s, "adapter_finish": "device" if engine.raw_reloads else "host",
             "read_batch_bytes": image_mod._BATCH_B_BYTES, "check_chunk": image_mod._CHECK_CHUNK,
             "pipe_piece_bytes": image_mod.PIPELINE_PIECE_BYTES, "parallel_finish": image_mod.PARALLEL_FINISH,
             "urgent_read_wait": scheduler_mod.URGENT_READ_WAIT,

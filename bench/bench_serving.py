@@ -75,6 +75,7 @@ from tqdm.auto import tqdm
 
 from multilora import Engine, SamplingParams
 from multilora.config import ModelConfig
+from multilora.runtime.config import EngineConfig, finish_on_device
 from multilora.runtime import scheduler as scheduler_mod
 from multilora.runtime.adapters import image as image_mod
 from multilora.runtime.adapters import save_peft_adapter
@@ -774,9 +775,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--adapter-pool-bytes", type=bytes_arg, default=None, help="the pool's bytes, a count or with a "
                     "unit: 8GiB (default: the plan's share); with --unified-pool on, its starting size")
     ap.add_argument("--kv-cache-bytes", type=bytes_arg, default=None, help="cap on the KV cache's bytes (8GiB, ...)")
-    ap.add_argument("--adapter-finish", default="host", choices=("host", "device"),
+    ap.add_argument("--adapter-finish", default=None, choices=("host", "device"),
                     help="Engine(adapter_finish=...): where an adapter read from disk gets the pool's layout (device: "
-                         "the I/O threads read the file raw, the GPU finishes it; issue 13 item 4's read goal)")
+                         "the I/O threads read the file raw, the GPU finishes it; default: the engine's, device on "
+                         "CUDA, host on the CPU; rows record the one used)")
     ap.add_argument("--adapter-pool-fill", action="store_true", help="Engine(adapter_pool_fill=True): the pool also "
                     "takes the budget the KV cache can never use (max_batch_size sequences of the trace's longest)")
     ap.add_argument("--unified-pool", default="off", help="comma-separated off,on: rows with the pool and the KV "
@@ -922,7 +924,8 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
             pipes = image_mod.pipeline_counts()  # (the in-process engine's reads: the pipelined finish's choices)
             row = {**trace_facts(trace_at(r)), "mode": mode, "n_adapters": n, "adapter_set": args.adapter_set, "popularity": args.popularity,
                    "unified_pool": unified, "adapter_pool_bytes": args.adapter_pool_bytes,
-                   "adapter_pool_fill": args.adapter_pool_fill, "adapter_finish": args.adapter_finish,
+                   "adapter_pool_fill": args.adapter_pool_fill, "adapter_finish": ("device" if finish_on_device(
+                       EngineConfig(adapter_finish=args.adapter_finish), torch.device(args.device).type) else "host"),
                    "kv_cache_bytes": args.kv_cache_bytes,
                    "arrival": args.arrival, "rate": "burst" if math.isinf(r) else f"{r:.2f}",
                    "chunked_prefill": args.chunked_prefill, "max_num_batched_tokens": args.max_num_batched_tokens,

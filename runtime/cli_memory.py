@@ -229,7 +229,7 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
     except ValueError as e:  # past the model's context: in this command's flag
         raise as_flag_error(e) from None
     try:
-        request = memory_request(model, cfg, dtype=dtype, max_seq_len=max_seq_len)
+        request = memory_request(model, cfg, dtype=dtype, max_seq_len=max_seq_len, device_type=device_type)
     except ValueError as e:  # "Engine: kv_cache_bytes=1 holds 0 KV block(s)": in this command's flag
         raise as_flag_error(e) from None
     weights = weight_bytes(model, dtype, cfg.weight_dtype, cfg.fp8_lm_head)

@@ -218,14 +218,16 @@ class EngineConfig:
             blocks; the KV side, all but the largest adapter ``max_lora_rank`` allows). Not with tensor
             parallelism.
         adapter_finish: where an adapter read again from disk (the cache's reload of a host-tier miss) is put in
-            the pool's layout: "host" (default: on the cache's I/O threads, lora_B transposed and the values
-            checked finite there) or "device" (the I/O threads read the file raw, every tensor straight into its
-            place; the pool copies the image into its extent as it is and finishes it there on the GPU at the next
-            step boundary, on the compute stream: ``multilora.kernels.image_finish``; on a CPU pool with torch ops
-            at the load; not with tensor parallelism). "device" reads 2.2x faster (H200 host, 4 threads: 80-91% of a
-            plain read against 37-39%) and its copies keep the pinned copy's speed under compute, but in the
-            one-batch bench at 2,048 adapters the batch still ran slower than with "host" (bench/README.md,
-            "Session 12" and "Session 13"): hence "host" by default.
+            the pool's layout: "host" (on the cache's I/O threads, lora_B transposed and the values checked finite
+            there) or "device" (the I/O threads read the file raw, every tensor straight into its place; the pool
+            copies the image into its extent as it is and finishes it there on the GPU at the next step boundary, on
+            the compute stream: ``multilora.kernels.image_finish``; on a CPU pool with torch ops at the load; not
+            with tensor parallelism). None (the default): "device" on a CUDA engine without tensor parallelism,
+            "host" otherwise (``finish_on_device``). "device" reads at the plain read's speed (H100 host, page cache,
+            4 threads: 91% of a plain read against 32% for "host") and in the one-batch bench at 2,048 adapters
+            (H100, alternated, two runs each) gave 56.4-58.6% of the no-adapter tokens/s warm and 63.0-66.1% cold,
+            against 51.2% and 34.6-38.6% with "host" (bench/README.md, "Session 38"; session 13's H200 A/B, before
+            the GIL switch interval and the urgent-read wait, had it behind).
         async_scheduling: launch each step before reading the step before back (vLLM's name): the step's last
             tokens stay on the device (``Request.pending``) and the next step takes them from there
             (``runner.Feed``), so the host schedules and stages step n + 1 while the GPU runs step n, instead of
@@ -320,10 +322,11 @@ class EngineConfig:
                                      "boundary: idle KV memory holds more adapters, and adapters give way when "
                                      "requests need KV blocks; --adapter-pool-bytes and --kv-cache-bytes then size "
                                      "the buffer together (default: off; not with tensor parallelism)", kind=bool)
-    adapter_finish: str = _opt("host", "where adapters read again from disk get the pool's layout: host (the I/O "
-                                       "threads transpose lora_B and check values; default) or device (raw reads, "
-                                       "finished in the pool at the next step: a GPU kernel, torch ops on a CPU "
-                                       "pool; not with tensor parallelism)", choices=("host", "device"))
+    adapter_finish: str | None = _opt(None, "where adapters read again from disk get the pool's layout: host (the "
+                                              "I/O threads transpose lora_B and check values) or device (raw reads, "
+                                              "finished in the pool at the next step: a GPU kernel, torch ops on a CPU "
+                                              "pool; not with tensor parallelism); default: device on CUDA without "
+                                              "tensor parallelism, host otherwise", choices=("host", "device"))
     async_scheduling: bool | None = _opt(None, "launch each step before reading the step before back, so the host "
                                                "prepares step n + 1 while the GPU runs step n (default: on on CUDA "
                                                "without tensor parallelism)", kind=bool)
@@ -387,8 +390,8 @@ class EngineConfig:
         if self.gil_switch_interval is not None and not (_is_number(self.gil_switch_interval)
                                                          and 0 <= self.gil_switch_interval <= 1):
             raise fail("gil_switch_interval", "None or a number of seconds in [0, 1] (0: leave Python's)")
-        if self.adapter_finish not in ("host", "device"):
-            raise fail("adapter_finish", "'host' or 'device'")
+        if self.adapter_finish not in (None, "host", "device"):
+            raise fail("adapter_finish", "None, 'host' or 'device'")
         if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)
                                                         or self.max_num_batched_tokens < 1):
             raise fail("max_num_batched_tokens", "None or an int >= 1")
@@ -456,6 +459,15 @@ class EngineConfig:
         """The config of the flags ``add_cli_flags`` added (and ``overrides``)."""
         values = {f.name: getattr(args, f.name) for f in fields(cls) if f.metadata.get("cli") and hasattr(args, f.name)}
         return cls(**{**values, **overrides})
+
+
+def finish_on_device(cfg: EngineConfig, device_type: str) -> bool:
+    """Whether adapters read again from disk are read raw and finished in the pool (``EngineConfig.adapter_finish``):
+    "device" -> True, "host" -> False, None -> True exactly on a CUDA engine (``device_type == "cuda"``) without
+    tensor parallelism (``tensor_parallel_size == 1``; its ranks read their shards finished on the host)."""
+    if cfg.adapter_finish is not None:
+        return cfg.adapter_finish == "device"
+    return device_type == "cuda" and cfg.tensor_parallel_size == 1
 
 
 def _is_int(v: Any) -> bool:

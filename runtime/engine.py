@@ -39,7 +39,7 @@ from multilora.memory.unified import UnifiedMemory
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError, loaded_names
 from multilora.runtime.adapters import LoRAAdapter, read_adapter, read_packed_adapter
 from multilora.runtime.adapters.image import read_image
-from multilora.runtime.config import EngineConfig, check_adapter_name, resolve_device  # noqa: F401 (re-exported)
+from multilora.runtime.config import EngineConfig, check_adapter_name, finish_on_device, resolve_device  # noqa: F401 (re-exported)
 from multilora.runtime.model import DecoderModel
 from multilora.runtime.parallel import TensorParallel, TensorParallelError, TPGroup
 from multilora.runtime.sharding import check_tp_size, shard_weights, tp_rank_config
@@ -267,7 +267,8 @@ class Engine:
             return reserve
 
         plan_cfg = cfg if tp == 1 else dataclasses.replace(cfg, local_ranks=cfg.local_ranks * tp)
-        sizes = measure_and_size(memory_request(shard_cfg, plan_cfg, dtype=self.dtype, max_seq_len=self.max_seq_len),
+        sizes = measure_and_size(memory_request(shard_cfg, plan_cfg, dtype=self.dtype, max_seq_len=self.max_seq_len,
+                                                device_type=self.device.type),
                                  plan_cfg, self.device, profile_reserve=profile)
         self.memory_plan = sizes.plan
         pool_bytes = sizes.num_pages * sizes.request.page_bytes
@@ -289,8 +290,9 @@ class Engine:
                               max_seq_len=self.max_seq_len)
             self.runner.tp = self.tp
         #: the cache's disk -> host reloads read raw images, finished on the device by the pool (issue 13 item 4;
-        #: ``adapter_finish="device"``; a CPU pool finishes them with torch ops)
-        self.raw_reloads = cfg.adapter_finish == "device"
+        #: ``adapter_finish="device"``, by default on CUDA without tensor parallelism; a CPU pool finishes them with
+        #: torch ops)
+        self.raw_reloads = finish_on_device(cfg, self.device.type)
         # host-arena bytes mapped ahead once the registered adapters outgrow the pool (``host_arena_map_ahead_bytes``
         # None: ``sizing.default_map_ahead_bytes``; 0 otherwise: an explicit value is mapped from the start below)
         on_overflow = default_map_ahead_bytes(

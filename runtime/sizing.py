@@ -28,7 +28,7 @@ from multilora.memory.snapshot import apply_torch_memory_fraction, take_snapshot
 from multilora.memory.kv_cache import PagedKVCache
 from multilora.memory.pool import DEFAULT_MAX_SLOTS, PAGE_ELEMS, max_adapter_pages, scratch_elems
 from multilora.memory.unified import UnifiedLayout, unified_layout
-from multilora.runtime.config import EngineConfig
+from multilora.runtime.config import EngineConfig, finish_on_device
 
 log = logging.getLogger("multilora")
 
@@ -114,9 +114,10 @@ class MemoryRequest:
         kv_cap: the cap on the KV cache: ``max_batch_size`` sequences + the null block, lowered by ``kv_cache_bytes``.
         kv_need: ``max_batch_size`` sequences + the null block: the most KV the engine can use.
         live_blocks: blocks of the live state the plan must fit (one sequence, or fewer under an explicit cap).
-        activation_bytes: the estimated activations of the largest prefill + the sampler's reserve + (with
-            ``adapter_finish="device"``) the adapter pool's scratch for finishing raw images in place
-            (``multilora.memory.pool.scratch_elems``; 44 MB for Llama-3-8B at rank 16 in bf16).
+        activation_bytes: the estimated activations of the largest prefill + the sampler's reserve + (when adapters
+            are finished on the device: ``adapter_finish="device"``, by default on CUDA) the adapter pool's scratch
+            for finishing raw images in place (``multilora.memory.pool.scratch_elems``; 44 MB for Llama-3-8B at rank
+            16 in bf16).
         sampling_bytes: float32 logits (eager and graph) + sampler workspace of a ``max_batch_size`` step.
     """
 
@@ -168,8 +169,12 @@ def default_slots(small_pages: int, num_pages: int) -> int:
     return min(MAX_DEFAULT_SLOTS, max(DEFAULT_MAX_SLOTS, num_pages // max(1, small_pages)))
 
 
-def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype, max_seq_len: int) -> MemoryRequest:
+def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype, max_seq_len: int,
+                   device_type: str = "cpu") -> MemoryRequest:
     """The byte sizes the memory plan is asked for (pure).
+
+    ``device_type`` ("cuda", "cpu", ...: the engine's device) decides ``adapter_finish=None``
+    (``config.finish_on_device``): finishing raw images on the device adds the pool's scratch to the reserve.
 
     Raises:
         ValueError: ``kv_cache_bytes`` holds fewer than 2 KV blocks (block 0 is reserved).
@@ -207,7 +212,7 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
                          live_blocks=live_blocks,
                          activation_bytes=activation_bytes(model, cfg, dtype, max_seq_len) + sampling
                          + (scratch_elems(model, cfg.max_lora_rank) * dtype_bytes
-                            if cfg.adapter_finish == "device" else 0),
+                            if finish_on_device(cfg, device_type) else 0),
                          sampling_bytes=sampling, slot_sizing_pages=slot_sizing_pages(model))
 
 

@@ -531,29 +531,53 @@ def test_a_check_still_in_flight_never_stalls_admission(engine_dir, tmp_path):
     assert later.finish_reason == "error" and key in later.error
 
 
-def test_adapter_finish_option(tmp_path):
-    """``adapter_finish``: "host" by default, "device" on request, anything else refused naming the argument; the
-    CLI flag reaches the config; the memory plan counts the pool's scratch only for "device"."""
+def test_adapter_finish_option(tmp_path, engine_dir):
+    """``adapter_finish``: None by default (device on CUDA without tensor parallelism, host otherwise), "host" or
+    "device" on request, anything else refused naming the argument; the CLI flag reaches the config; the memory plan
+    counts the pool's scratch exactly when adapters are finished on the device; a CPU engine left at the default
+    reads finished (host) images."""
     import argparse
 
-    from multilora.runtime.config import EngineConfig
+    from multilora.runtime.config import EngineConfig, finish_on_device
     from multilora.runtime.sizing import memory_request
     from multilora.memory.pool import scratch_elems
 
-    assert EngineConfig().adapter_finish == "host" and EngineConfig(adapter_finish="device").adapter_finish == "device"
-    with pytest.raises(ValueError, match=r"Engine: adapter_finish must be 'host' or 'device', got 'gpu'"):
+    assert EngineConfig().adapter_finish is None and EngineConfig(adapter_finish="device").adapter_finish == "device"
+    with pytest.raises(ValueError, match=r"Engine: adapter_finish must be None, 'host' or 'device', got 'gpu'"):
         EngineConfig(adapter_finish="gpu")
     with pytest.raises(ValueError, match=r"adapter_finish='device' is not available with tensor_parallel_size=2"):
         EngineConfig(adapter_finish="device", tensor_parallel_size=2)
+    # the default's resolution, every case
+    cases = {(None, "cuda", 1): True, (None, "cpu", 1): False, (None, "cuda", 2): False, (None, "mps", 1): False,
+             ("host", "cuda", 1): False, ("host", "cpu", 1): False, ("device", "cuda", 1): True,
+             ("device", "cpu", 1): True, ("host", "cuda", 2): False}
+    for (finish, dev_type, tp), want in cases.items():
+        assert finish_on_device(EngineConfig(adapter_finish=finish, tensor_parallel_size=tp), dev_type) is want, \
+            (finish, dev_type, tp)
     p = argparse.ArgumentParser()
     EngineConfig.add_cli_flags(p)
     assert EngineConfig.from_cli(p.parse_args(["--adapter-finish", "device"])).adapter_finish == "device"
+    assert EngineConfig.from_cli(p.parse_args(["--adapter-finish", "host"])).adapter_finish == "host"
+    assert EngineConfig.from_cli(p.parse_args([])).adapter_finish is None
     with pytest.raises(SystemExit):
         p.parse_args(["--adapter-finish", "gpu"])
     host = memory_request(CFG, EngineConfig(), dtype=torch.bfloat16, max_seq_len=64)
     dev = memory_request(CFG, EngineConfig(adapter_finish="device"), dtype=torch.bfloat16, max_seq_len=64)
-    assert dev.activation_bytes - host.activation_bytes == scratch_elems(CFG, 64) * 2
+    scratch = scratch_elems(CFG, 64) * 2
+    assert dev.activation_bytes - host.activation_bytes == scratch
     assert scratch_elems(CFG, 64) == min(32 << 20, CFG.num_layers * 64 * sum(CFG.module_shape(m)[1] for m in TARGET_MODULES))
+    # the default follows the device the plan is for
+    cuda_default = memory_request(CFG, EngineConfig(), dtype=torch.bfloat16, max_seq_len=64, device_type="cuda")
+    assert cuda_default.activation_bytes == dev.activation_bytes
+    cuda_host = memory_request(CFG, EngineConfig(adapter_finish="host"), dtype=torch.bfloat16, max_seq_len=64,
+                               device_type="cuda")
+    assert cuda_host.activation_bytes == host.activation_bytes
+    cuda_tp = memory_request(CFG, EngineConfig(tensor_parallel_size=2), dtype=torch.bfloat16, max_seq_len=64,
+                             device_type="cuda")
+    assert cuda_tp.activation_bytes == host.activation_bytes
+    e = Engine(model=str(engine_dir), progress=False, max_batch_size=2)
+    assert e.engine_config.adapter_finish is None and e.device.type == "cpu" and e.raw_reloads is False
+    e.close()
 
 
 def test_adapter_io_threads_option(engine_dir):
