@@ -42,8 +42,8 @@ Prefetch and tier moves
 ``prefetch(handles)`` is called each step with the adapters of waiting requests: disk -> host reads run on
 ``io_threads`` background I/O threads (``Engine(adapter_io_threads=4)``), each writing straight into an arena block
 reserved for it under the lock (``runtime.adapters.image.read_image``: no intermediate copy; with
-``Engine(adapter_finish="device")`` a *raw* image, which the pool finishes on the GPU after the copy:
-``PackedAdapter.finish``); host -> GPU copies of adapters that fit in free bytes run on a side CUDA stream and
+``Engine(adapter_finish="device")``, the default on CUDA, a *raw* image, which the pool finishes on the GPU after the
+copy: ``PackedAdapter.finish``); host -> GPU copies of adapters that fit in free bytes run on a side CUDA stream and
 record an event; ``wait_ready`` makes the compute stream wait on those events (not on the device) before a step
 reads the slots. A raw image is copied as it is and finished in place by ``wait_ready`` on the compute stream at the
 step boundary (``AdapterPool.finish_pending``): the slots the step reads, and every other one whose copy has landed

@@ -39,7 +39,8 @@ from multilora.memory.unified import UnifiedMemory
 from multilora.runtime.adapter_cache import AdapterCache, UnknownAdapterError, loaded_names
 from multilora.runtime.adapters import LoRAAdapter, read_adapter, read_packed_adapter
 from multilora.runtime.adapters.image import read_image
-from multilora.runtime.config import EngineConfig, check_adapter_name, finish_on_device, resolve_device  # noqa: F401 (re-exported)
+from multilora.runtime.config import (EngineConfig, check_adapter_name, finish_on_device,  # noqa: F401 (re-exported)
+                                      resolve_device)
 from multilora.runtime.model import DecoderModel
 from multilora.runtime.parallel import TensorParallel, TensorParallelError, TPGroup
 from multilora.runtime.sharding import check_tp_size, shard_weights, tp_rank_config
