@@ -115,6 +115,8 @@ _ENGINE_FLAGS = (
                                   "activation reserve"),
     ("--dtype", str, "float32, float16 or bfloat16 (default: bfloat16 on CUDA, float32 on the CPU)"),
     ("--weight-dtype", str, "fp8: the base projections (and an untied LM head) at 1 byte per weight"),
+    ("--adapter-finish", str, "host or device: where adapters read again from disk get the pool's layout (default: "
+                              "device on a GPU, host on the CPU); device adds the pool's finish scratch to the reserve"),
 )
 #: the EngineConfig fields of --model's flags (the engine flags and --adapter-pool-fill): argparse dests
 _ENGINE_FIELDS = tuple(f[2:].replace("-", "_") for f, _, _ in _ENGINE_FLAGS) + ("adapter_pool_fill", "unified_pool",

@@ -350,3 +350,39 @@ def test_adapter_pool_fill_gives_the_kv_slack_to_the_pool(tiny_dir):
     assert on.pool.bytes_total > 5 * off.pool.bytes_total  # share 0.1 of the budget before, ~all of it now
     capped = Engine(**kw, adapter_pool_fill=True, kv_cache_bytes=4 * block)
     assert capped.kv.num_blocks == 4 and capped.pool.bytes_total == on.pool.bytes_total
+
+
+def test_memory_model_counts_the_device_finish_scratch_on_a_gpu(tiny_dir, tmp_path, capsys):
+    """``multilora memory --model`` plans as the engine's default ``adapter_finish`` does on the snapshot's machine: on
+    a GPU (device finish) the reserve holds the pool's finish scratch, on the CPU or with ``--adapter-finish host``
+    it does not; a bad value names the flag."""
+    import json
+
+    from multilora.memory.pool import scratch_elems
+    from multilora.runtime.cli import main
+    from multilora.runtime.weights import model_config
+
+    gpu = MemorySnapshot(has_gpu=True, cuda_free_bytes=20 * GiB, cuda_total_bytes=24 * GiB,
+                         meminfo_text=f"MemTotal: {64 * GiB // 1024} kB\nMemFree: {32 * GiB // 1024} kB\n"
+                                      f"MemAvailable: {32 * GiB // 1024} kB\n")
+    flags = ["--max-batch-size", "2", "--max-seq-len", "64", "--max-lora-rank", "8"]
+
+    def reserve(snapshot, *more):
+        snap = tmp_path / "snap.json"
+        snap.write_text(json.dumps(snapshot.to_dict()))
+        assert main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), "--json", *flags, *more]) == 0
+        return json.loads(capsys.readouterr().out)["engine"]["activation_bytes"]
+
+    elems = scratch_elems(model_config(tiny_dir, require_weights=False), 8)
+    scratch = elems * 2  # (bfloat16 on a GPU)
+    assert scratch > 0
+    default, host, device = reserve(gpu), reserve(gpu, "--adapter-finish", "host"), reserve(gpu, "--adapter-finish",
+                                                                                            "device")
+    assert default == device == host + scratch
+    cpu = _host_snapshot(4 * GiB)
+    assert reserve(cpu) == reserve(cpu, "--adapter-finish", "host")
+    assert reserve(cpu, "--adapter-finish", "device") == reserve(cpu) + elems * 4  # (float32 on the CPU)
+    snap = tmp_path / "snap.json"
+    snap.write_text(json.dumps(gpu.to_dict()))
+    assert main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), *flags, "--adapter-finish", "gpu"]) != 0
+    assert "--adapter-finish: must be None, 'host' or 'device', got 'gpu'" in capsys.readouterr().err
