@@ -353,6 +353,17 @@ async def _pace(t0: float, req: TraceRequest) -> float:
     return at
 
 
+#: most stall steps a row records (``StepTrace.summary``'s ``stalls``)
+STALLS_KEPT = 20
+
+
+def _phase_record(p: dict | None) -> dict:
+    """A step's phases as a stall record gives them: ``<phase>_ms`` for each ``<phase>_s``, counts as they are."""
+    if not p:
+        return {}
+    return {(k[:-2] + "_ms" if k.endswith("_s") else k): (1e3 * v if k.endswith("_s") else v) for k, v in p.items()}
+
+
 class StepTrace:
     """Wall time of every engine step of a row, by kind (``with StepTrace(engine) as st``: the steps the engine's
     ``step_times`` observed inside the block), to tell stalls (a few steps far above their kind's median: a
@@ -362,7 +373,10 @@ class StepTrace:
     (``StepTimes.phases_since``): per kind ``<kind>_phase_ms`` (each phase's p50 and mean, ms) and the steps that
     copied adapters to the GPU pool (misses of their batch or prefetches for the queue) against those that did not
     (``<kind>_step_ms_by_misses``: steps and p50 of each),
-    which tells a step slowed by its new adapters from one slowed by its batch."""
+    which tells a step slowed by its new adapters from one slowed by its batch; and ``stalls``, the first
+    ``STALLS_KEPT`` stall steps in order, each with its index among the row's steps, kind, milliseconds, rows, its
+    phases in ms and counts (adapter copies, pool compactions, host-arena mapping) and the same of the step after it
+    (with async scheduling a step's GPU time is read back in the next step)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.steps, self.phases = engine, [], []  # (kind, rows, seconds); dict or None per step
@@ -377,13 +391,15 @@ class StepTrace:
 
     def summary(self) -> dict:
         out: dict[str, Any] = {"stall_steps": 0, "stall_seconds": 0.0}
+        cuts: dict[str, float] = {}  # a kind's stall threshold
         for kind in sorted({k for k, _, _ in self.steps}):
             secs = sorted(t for k, _, t in self.steps if k == kind)
             rows = sorted(r for k, r, _ in self.steps if k == kind)
             med = pct(secs, 50)
             out[f"{kind}_step_ms"] = {"steps": len(secs), "p50": 1e3 * med, "p99": 1e3 * pct(secs, 99),
                                       "max": 1e3 * secs[-1], "rows_p50": pct(rows, 50)}
-            stalls = [t for t in secs if t > max(5 * med, 0.05)]
+            cuts[kind] = max(5 * med, 0.05)
+            stalls = [t for t in secs if t > cuts[kind]]
             out["stall_steps"] += len(stalls)
             out["stall_seconds"] += sum(t - med for t in stalls)
             ph = [(t, p) for (k, _, t), p in zip(self.steps, self.phases) if k == kind and p]
@@ -399,6 +415,14 @@ class StepTrace:
                     ts = sorted(t for t, p in ph if keep(p))
                     split[label] = {"steps": len(ts), "p50": 1e3 * pct(ts, 50) if ts else None}
                 out[f"{kind}_step_ms_by_misses"] = split
+        # the stall steps in order, with where their host time went; with async scheduling a step's GPU time shows in
+        # the next step's read-back, so the step after each is kept too
+        phases = self.phases if len(self.phases) == len(self.steps) else [None] * len(self.steps)
+        out["stalls"] = [{"step": i, "kind": k, "ms": 1e3 * t, "rows": n, **_phase_record(phases[i]),
+                          "next": None if i + 1 >= len(self.steps) else {
+                              "kind": self.steps[i + 1][0], "ms": 1e3 * self.steps[i + 1][2],
+                              **_phase_record(phases[i + 1])}}
+                         for i, (k, n, t) in enumerate(self.steps) if t > cuts[k]][:STALLS_KEPT]
         return out
 
 

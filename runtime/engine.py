@@ -127,8 +127,11 @@ class StepTimes:
         scheduler: admission, each admitted request's adapter made resident, a miss's copy queued), ``resident_s``
         (prefetch for the waiting queue, the compute stream made to wait for the batch's adapter copies), ``run_s``
         (building the step's inputs and launching it, or running it eagerly), ``adapter_misses`` (adapters this step's
-        scheduling copied to the GPU pool for its own batch) and ``adapter_prefetches`` (copies it queued for waiting
-        requests). Raises ValueError as ``since``."""
+        scheduling copied to the GPU pool for its own batch), ``adapter_prefetches`` (copies it queued for waiting
+        requests), ``pool_compactions`` (times the adapter pool compacted during the step: each moves live extents on
+        the compute stream) and ``host_arena_map_seconds`` (seconds of the host tier's arena mapping and pinning new
+        chunks, on any thread, that ended during the step: ``cudaHostRegister`` may hold up the step's CUDA calls).
+        Raises ValueError as ``since``."""
         return self._tail(self._phases, mark, "phases_since")
 
     def since(self, mark: int) -> list[tuple[str, int, float]]:
@@ -506,6 +509,7 @@ class Engine:
 
             clean = False  # set on each normal return; else ``finally`` also makes every ``pending`` count true again
             misses0, prefetched0 = self.cache.stats.gpu_misses, self.cache.stats.prefetch_gpu
+            compactions0, mapped0 = self.pool.compactions, self.cache.arena.register_seconds
             try:  # (finally: a step left unread by an exception or an interrupt is read back, tokens kept)
                 if ahead is not None and not self._can_step_ahead(ahead):
                     a, ahead = ahead, None
@@ -551,7 +555,9 @@ class Engine:
                 self.step_times.observe(sched.kind, time.perf_counter() - t0, len(sched.batch),
                                         {"read_back_s": t_back, "schedule_s": t2 - t1, "resident_s": t3 - t2,
                                          "run_s": t4 - t3, "adapter_misses": self.cache.stats.gpu_misses - misses0,
-                                         "adapter_prefetches": self.cache.stats.prefetch_gpu - prefetched0})
+                                         "adapter_prefetches": self.cache.stats.prefetch_gpu - prefetched0,
+                                         "pool_compactions": self.pool.compactions - compactions0,
+                                         "host_arena_map_seconds": self.cache.arena.register_seconds - mapped0})
                 clean = True
                 return done
             finally:

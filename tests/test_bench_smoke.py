@@ -361,6 +361,44 @@ def test_serving_bench_slo_share():
                                                                       "backlog_at_last_arrival": None}
 
 
+def test_serving_bench_step_trace_records_its_stalls():
+    """``StepTrace.summary`` by hand: the stall threshold per kind (5x its median, at least 50 ms), the stall count and
+    seconds above the median, and ``stalls``: each stall step in order with its phases in ms, its counts and the
+    step after it; at most ``STALLS_KEPT``; steps without phases give bare records."""
+    from multilora.runtime.engine import StepTimes
+
+    bs = _load_bench("bench_serving")
+
+    class E:  # what StepTrace reads of an engine
+        step_times = StepTimes()
+
+    e = E()
+    ph = {"read_back_s": 0.008, "schedule_s": 0.0001, "resident_s": 0.0, "run_s": 0.001, "adapter_misses": 0,
+          "adapter_prefetches": 0, "pool_compactions": 0, "host_arena_map_seconds": 0.0}
+    with bs.StepTrace(e) as st:
+        for i in range(20):
+            e.step_times.observe("decode", 0.010, 8, dict(ph))
+        e.step_times.observe("decode", 0.200, 8, {**ph, "schedule_s": 0.19, "pool_compactions": 1})  # step 20
+        e.step_times.observe("decode", 0.040, 8, {**ph, "read_back_s": 0.035})  # under 50 ms: not a stall
+        e.step_times.observe("mixed", 0.020, 9, dict(ph))
+        e.step_times.observe("mixed", 0.020, 9, None)
+        e.step_times.observe("mixed", 0.120, 9, None)  # step 24: 6x the mixed median, phases unknown
+    got = st.summary()
+    assert got["stall_steps"] == 2 and got["stall_seconds"] == pytest.approx((0.200 - 0.010) + (0.120 - 0.020))
+    first, second = got["stalls"]
+    assert first["step"] == 20 and first["kind"] == "decode" and first["ms"] == pytest.approx(200)
+    assert first["rows"] == 8 and first["schedule_ms"] == pytest.approx(190) and first["pool_compactions"] == 1
+    assert first["host_arena_map_seconds"] == 0.0 and "schedule_s" not in first
+    assert first["next"]["ms"] == pytest.approx(40) and first["next"]["read_back_ms"] == pytest.approx(35)
+    assert second == {"step": 24, "kind": "mixed", "ms": pytest.approx(120), "rows": 9, "next": None}
+    with bs.StepTrace(e) as st:
+        for i in range(10 * bs.STALLS_KEPT):
+            e.step_times.observe("decode", 0.5 if i % 5 == 0 else 0.010, 1, None)
+    got = st.summary()
+    assert got["stall_steps"] == 2 * bs.STALLS_KEPT and len(got["stalls"]) == bs.STALLS_KEPT
+    assert [r["step"] for r in got["stalls"]] == list(range(0, 5 * bs.STALLS_KEPT, 5))
+
+
 def test_serving_bench_long_prompt_mix_chunked_on_and_off(tmp_path):
     """The long-prompt mix (issue 13) in mode engine, chunked prefill off then on: the same requests served, steps
     mixed only when on; the trace of share 0 is the plain trace."""

@@ -167,13 +167,15 @@ def test_engine_steps_record_where_their_time_went(tmp_path):
         e.step()
     steps, phases = e.step_times.since(mark), e.step_times.phases_since(mark)
     assert len(steps) == len(phases) >= 4
-    keys = {"read_back_s", "schedule_s", "resident_s", "run_s", "adapter_misses", "adapter_prefetches"}
+    keys = {"read_back_s", "schedule_s", "resident_s", "run_s", "adapter_misses", "adapter_prefetches",
+            "pool_compactions", "host_arena_map_seconds"}
     for (_, _, secs), p in zip(steps, phases):
         assert set(p) == keys and all(p[k] >= 0 for k in keys)
         assert p["read_back_s"] + p["schedule_s"] + p["resident_s"] + p["run_s"] <= secs
     misses = [p["adapter_misses"] for p in phases]
     assert misses[0] == 2 and misses[1] == 1 and sum(misses) == 3, misses
     assert sum(p["adapter_prefetches"] for p in phases) == 0  # every request was admitted at once
+    assert all(p["pool_compactions"] == 0 for p in phases)  # (three small adapters in a pool with room)
     # one row at a time: the second request waits, and the first step prefetches its adapter for it
     e = Engine(cfg, device="cpu", dtype=torch.float32, progress=False, max_batch_size=1)
     for i in range(2):
@@ -186,6 +188,25 @@ def test_engine_steps_record_where_their_time_went(tmp_path):
     phases = e.step_times.phases_since(mark)
     assert (phases[0]["adapter_misses"], phases[0]["adapter_prefetches"]) == (1, 1), phases[0]
     assert sum(p["adapter_misses"] for p in phases) == 1 and sum(p["adapter_prefetches"] for p in phases) == 1
+    # a step during which the pool compacts, and the host arena maps a chunk, counts them; the steps around it do not
+    real = e.scheduler.schedule
+    calls = []
+
+    def schedule():
+        if len(calls) == 1:  # the second step
+            e.pool.compact()
+            e.cache.arena.register_seconds += 0.25  # (what a chunk's mapping adds when it ends)
+        calls.append(1)
+        return real()
+
+    e.scheduler.schedule = schedule
+    mark = e.step_times.observed
+    e.add_request([1, 2, 3], adapter="a0", sampling=sp)
+    while e.has_unfinished():
+        e.step()
+    phases = e.step_times.phases_since(mark)
+    assert [p["pool_compactions"] for p in phases][:3] == [0, 1, 0], phases
+    assert [p["host_arena_map_seconds"] for p in phases][:3] == [0.0, pytest.approx(0.25), 0.0], phases
 
 
 def test_gil_switch_interval_is_set_while_the_engine_lives_and_restored_at_close(tmp_path_factory):
