@@ -265,6 +265,7 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
             "max_batch_size": cfg.max_batch_size, "max_seq_len": max_seq_len, "max_lora_rank": cfg.max_lora_rank,
             "kv_block_size": cfg.kv_block_size, "weight_bytes": weights,
             "fp8_checked": None if cfg.weight_dtype != "fp8" else args.snapshot is None, "activation_bytes": r.activation_bytes,
+            "adapter_finish": "device" if r.scratch_bytes else "host", "finish_scratch_bytes": r.scratch_bytes,
             "pool_bytes": pool_pages * r.page_bytes, "pool_pages": pool_pages, "page_bytes": r.page_bytes,
             "pool_max_bytes": pool_max_pages * r.page_bytes, "max_rank_adapters": pool_pages // r.pages_per_adapter,
             "max_rank_adapters_max": pool_max_pages // r.pages_per_adapter, "adapter_slots": slots,
@@ -286,8 +287,10 @@ def _explain_engine(e: dict) -> str:
         + (", unified_pool" if e["unified_pool"] else "")
         + (f", LM head in {e['dtype']}" if e["weight_dtype"] and e["fp8_lm_head"] is False else "") + "):",
         f"  weights       {gib(e['weight_bytes'])}, in the reserve: the engine plans after loading them",
-        f"  activations   {gib(e['activation_bytes'])}, in the reserve (with the sampling workspace; an estimate: on "
-        "CUDA the engine measures it with a forward pass of its largest prefill)",
+        f"  activations   {gib(e['activation_bytes'])}, in the reserve (with the sampling workspace"
+        + (f" and the {gib(e['finish_scratch_bytes'])} scratch that finishes adapters read from disk on the device "
+           "(adapter_finish=device; --adapter-finish host leaves it out)" if e["finish_scratch_bytes"] else "")
+        + "; an estimate: on CUDA the engine measures the rest with a forward pass of its largest prefill)",
         f"  adapter pool  {gib(e['pool_bytes'])} = {e['pool_pages']:,} pages of {e['page_bytes']} B: "
         f"{e['max_rank_adapters']:,} adapters of rank {e['max_lora_rank']} on every module, {e['adapter_slots']:,} slots",
         f"  KV cache      {gib(e['kv_blocks'] * e['kv_block_bytes'])} = {e['kv_blocks']:,} blocks of "

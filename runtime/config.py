@@ -163,8 +163,8 @@ class EngineConfig:
         prefetch_adapters: how many not-yet-resident adapters of waiting requests to start prefetching per step
             (reads already in flight do not count).
         adapter_io_threads: threads of the adapter cache that read adapters from disk (default 4). On the H200
-            host (16 cores) the default host-finished read of Llama-3-8B rank-16 adapters gave 6.9 GB/s on 4
-            threads and 10.3 on 8 (bench/README.md, "Session 12"); the engine's own thread shares the GIL with
+            host (16 cores) the host-finished read (``adapter_finish="host"``) of Llama-3-8B rank-16 adapters gave
+            6.9 GB/s on 4 threads and 10.3 on 8 (bench/README.md, "Session 12"); the engine's own thread shares the GIL with
             them, so more is not always faster for the steps: measure with your traffic.
         gil_switch_interval: seconds passed to ``sys.setswitchinterval`` while the engine lives (restored by
             ``Engine.close`` if still set): how long a thread that wants Python's GIL back (the engine's step thread,
@@ -225,8 +225,8 @@ class EngineConfig:
             with tensor parallelism). None (the default): "device" on a CUDA engine without tensor parallelism,
             "host" otherwise (``finish_on_device``). "device" reads at the plain read's speed (H100 host, page cache,
             4 threads: 91% of a plain read against 32% for "host") and in the one-batch bench at 2,048 adapters
-            (H100, alternated, two runs each) gave 56.4-58.6% of the no-adapter tokens/s warm and 63.0-66.1% cold,
-            against 51.2% and 34.6-38.6% with "host" (bench/README.md, "Session 38"; session 13's H200 A/B, before
+            (two H100 hosts, alternated, two runs each per host) gave 53.0-58.6% of the no-adapter tokens/s warm and
+            63.0-66.2% cold, against 46.4-51.2% and 34.3-38.6% with "host" (bench/README.md, "Session 38"; session 13's H200 A/B, before
             the GIL switch interval and the urgent-read wait, had it behind).
         async_scheduling: launch each step before reading the step before back (vLLM's name): the step's last
             tokens stay on the device (``Request.pending``) and the next step takes them from there
@@ -294,7 +294,7 @@ class EngineConfig:
     starvation_patience: int = _opt(16, "steps a waiting request may be passed over before it is urgent")
     prefetch_adapters: int = _opt(4, "adapters of waiting requests whose prefetch starts per step")
     adapter_io_threads: int = _opt(4, "threads reading adapters from disk for prefetch (default 4; the host-finished "
-                                      "read scaled 1.5x from 4 to 8 on a 16-core H200 host)", kind=int)
+                                      "read, --adapter-finish host, scaled 1.5x from 4 to 8 on a 16-core H200 host)", kind=int)
     gil_switch_interval: float | None = _opt(0.0005, "sys.setswitchinterval while the engine lives, in seconds "
                                                      "(default 0.0005: the step thread waits less for the GIL behind "
                                                      "the adapter I/O threads; 0: leave Python's 0.005)", kind=float)
@@ -398,7 +398,7 @@ class EngineConfig:
         if self.adapter_finish == "device" and self.tensor_parallel_size > 1:
             raise ValueError(f"Engine: adapter_finish='device' is not available with tensor_parallel_size="
                              f"{self.tensor_parallel_size} (each rank reads its own shard of an adapter, finished on "
-                             f"the host); leave adapter_finish='host'")
+                             f"the host); leave adapter_finish unset (None) or 'host'")
         if self.unified_pool and self.tensor_parallel_size > 1:
             raise ValueError(f"Engine: unified_pool=True is not available with tensor_parallel_size="
                              f"{self.tensor_parallel_size} (each rank keeps its own pool and KV cache); leave "

@@ -119,6 +119,9 @@ class MemoryRequest:
             for finishing raw images in place (``multilora.memory.pool.scratch_elems``; 44 MB for Llama-3-8B at rank
             16 in bf16).
         sampling_bytes: float32 logits (eager and graph) + sampler workspace of a ``max_batch_size`` step.
+        scratch_bytes: the adapter pool's scratch for finishing raw images on the device (0 when adapters are
+            finished on the host): part of ``activation_bytes``, and added to the measured reserve on CUDA
+            (``measure_and_size``), since the profiling forward does not allocate it.
     """
 
     page_bytes: int
@@ -137,6 +140,7 @@ class MemoryRequest:
     sampling_bytes: int
     slot_sizing_pages: int = 0  # pages of the small adapter ``default_slots`` counts (``slot_sizing_pages``)
     kv_need: int = 0
+    scratch_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,7 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
         kv_cap = min(kv_cap, cfg.kv_cache_bytes)
         live_blocks = min(live_blocks, kv_cap // block_bytes - 1)  # an explicit smaller cap is honoured
     sampling = cfg.max_batch_size * model.vocab_size * (4 + 4 + SAMPLER_BYTES_PER_LOGIT)
+    scratch = scratch_elems(model, cfg.max_lora_rank) * dtype_bytes if finish_on_device(cfg, device_type) else 0
     return MemoryRequest(page_bytes=page_bytes, pages_per_adapter=pages_per, layers=model.num_layers,
                          module_width=sum(sum(model.module_shape(m)) for m in TARGET_MODULES),
                          dtype_bytes=dtype_bytes, kv_token_bytes=kv_token,
@@ -210,10 +215,8 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
                              model, pool_cap, dtype_bytes, cfg.max_lora_rank),
                          kv_cap=kv_cap, kv_need=kv_need,
                          live_blocks=live_blocks,
-                         activation_bytes=activation_bytes(model, cfg, dtype, max_seq_len) + sampling
-                         + (scratch_elems(model, cfg.max_lora_rank) * dtype_bytes
-                            if finish_on_device(cfg, device_type) else 0),
-                         sampling_bytes=sampling, slot_sizing_pages=slot_sizing_pages(model))
+                         activation_bytes=activation_bytes(model, cfg, dtype, max_seq_len) + sampling + scratch,
+                         sampling_bytes=sampling, slot_sizing_pages=slot_sizing_pages(model), scratch_bytes=scratch)
 
 
 def activation_bytes(model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, max_seq_len: int) -> int:
@@ -360,7 +363,7 @@ def measure_and_size(request: MemoryRequest, cfg: EngineConfig, device: torch.de
         raise
     if device.type == "cuda":
         apply_torch_memory_fraction(sizes.plan, device)
-        reserve = profile_reserve() + request.sampling_bytes
+        reserve = profile_reserve() + request.sampling_bytes + request.scratch_bytes
         sizes = size_engine(request, cfg, snapshot(), reserve_bytes=reserve)
         apply_torch_memory_fraction(sizes.plan, device)
     return sizes

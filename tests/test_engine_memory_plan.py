@@ -371,7 +371,12 @@ def test_memory_model_counts_the_device_finish_scratch_on_a_gpu(tiny_dir, tmp_pa
         snap = tmp_path / "snap.json"
         snap.write_text(json.dumps(snapshot.to_dict()))
         assert main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), "--json", *flags, *more]) == 0
-        return json.loads(capsys.readouterr().out)["engine"]["activation_bytes"]
+        got = json.loads(capsys.readouterr().out)["engine"]
+        assert (got["adapter_finish"] == "device") == (got["finish_scratch_bytes"] > 0)
+        assert main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), *flags, *more]) == 0
+        said = "scratch that finishes adapters read from disk on the device" in capsys.readouterr().out
+        assert said == (got["adapter_finish"] == "device")
+        return got["activation_bytes"]
 
     elems = scratch_elems(model_config(tiny_dir, require_weights=False), 8)
     scratch = elems * 2  # (bfloat16 on a GPU)

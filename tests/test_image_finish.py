@@ -618,3 +618,63 @@ def test_a_check_failing_while_its_request_runs(engine_dir, tmp_path):
     assert e.stats()["bytes_gpu_to_host"] == 0
     out = e.generate([[5, 6]], adapters=["bad"], sampling=SamplingParams(max_tokens=2))[0]
     assert out.finish_reason == "error" and key in out.error
+
+
+def test_cuda_plan_counts_the_finish_scratch_after_profiling(monkeypatch):
+    """On CUDA the plan is made again with the measured reserve (``measure_and_size``); the profiling forward does not
+    allocate the pool's finish scratch, so the second plan adds it (``MemoryRequest.scratch_bytes``) exactly when
+    adapters are finished on the device: by default on CUDA, not with ``adapter_finish="host"``. (Run on the CPU: the
+    allocator cap is stubbed and the machine is a recorded GPU snapshot.)"""
+    from multilora.memory.accounting import MemorySnapshot
+    from multilora.memory.pool import scratch_elems
+    from multilora.runtime import sizing
+    from multilora.runtime.config import EngineConfig
+
+    GiB = 1 << 30
+    snap = MemorySnapshot(has_gpu=True, cuda_free_bytes=20 * GiB, cuda_total_bytes=24 * GiB,
+                          meminfo_text=f"MemTotal: {64 * GiB // 1024} kB\nMemAvailable: {32 * GiB // 1024} kB\n")
+    monkeypatch.setattr(sizing, "apply_torch_memory_fraction", lambda plan, device: None)
+    measured = 123 << 20  # what the profiling forward would have measured
+
+    def plan(finish):
+        cfg = EngineConfig(adapter_finish=finish, memory_snapshot=snap, max_lora_rank=16)
+        req = sizing.memory_request(CFG, cfg, dtype=torch.bfloat16, max_seq_len=64, device_type="cuda")
+        sizes = sizing.measure_and_size(req, cfg, torch.device("cuda"), profile_reserve=lambda: measured)
+        return req, sizes.plan.options.non_kv_reserve_bytes
+
+    scratch = scratch_elems(CFG, 16) * 2
+    (req_default, default), (req_host, host), (req_dev, dev) = plan(None), plan("host"), plan("device")
+    assert req_default.scratch_bytes == req_dev.scratch_bytes == scratch > 0 and req_host.scratch_bytes == 0
+    assert host == measured + req_host.sampling_bytes
+    assert default == dev == host + scratch
+
+
+@requires_gpu
+@pytest.mark.gpu
+def test_cuda_engine_finishes_on_the_device_by_default(engine_dir, tmp_path, monkeypatch):
+    """A CUDA engine left at ``adapter_finish=None`` reads adapters from disk raw and finishes them in the pool: the
+    tokens are those of a host-finished engine (greedy, fp32), and its plan's reserve holds the finish scratch on
+    top of the measured reserve (made fixed here: the profiling forward is stubbed, CUDA graphs off)."""
+    from multilora.memory.pool import scratch_elems
+    from multilora.runtime.runner import ModelRunner
+    from testsupport import write_adapter
+
+    monkeypatch.setattr(ModelRunner, "profile_reserve", lambda self, tokens, block_size: 64 << 20)
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    runs, reserve = {}, {}
+    for finish in (None, "host"):
+        e = Engine(model=str(engine_dir), device="cuda", dtype=torch.float32, progress=False, max_batch_size=4,
+                   max_seq_len=64, cuda_graphs=False, adapter_finish=finish)
+        assert e.raw_reloads is (finish is None) and e.memory_plan is not None
+        for i, n in enumerate(["a0", "a1"]):
+            if not (tmp_path / n).exists():
+                write_adapter(tmp_path / n, e.config, i, 4, ["q_proj", "v_proj", "down_proj"])
+            e.load_adapter(n, tmp_path / n, preload=False)  # on the disk tier: the first use reads it
+        runs[finish] = [o.token_ids for o in e.generate(prompts, adapters=["a0", "a1"], sampling=sp)]
+        reserve[finish] = e.memory_plan.options.non_kv_reserve_bytes
+        scratch = scratch_elems(e.config, e.engine_config.max_lora_rank) * 4
+        e.close()
+    assert runs[None] == runs["host"] and all(len(t) == 6 for t in runs[None])
+    assert reserve[None] - reserve["host"] == scratch > 0
