@@ -27,7 +27,9 @@ req/s is its capacity. ``--rate auto`` first measures that capacity with a burst
 Reported per row (mode ``engine`` also: every step's wall time by kind, ``<kind>_step_ms`` p50 / p99 / max, and
 ``stall_steps`` / ``stall_seconds``: steps over 5x their kind's median, as from a compile; ``<kind>_phase_ms``:
 where the steps' host time went, and ``<kind>_step_ms_by_misses``: steps that copied adapters to the GPU pool
-against those that did not; ``StepTrace``; and
+against those that did not, and ``stalls``, the stall steps with their phases; ``StepTrace``; ``ttft_split``: where
+the first-token latency went by the engine's own times, submit / queue / prefill for all and for the requests over
+the SLO's TTFT, and TTFT per adapter tier at submission; and
 ``output_tok_s_under_load`` / ``backlog_at_last_arrival``, the row until its last arrival, without the drain:
 ``under_load``): offered and achieved req/s, output tokens/s, TTFT p50/p90/p99, TPOT p50/p99, end-to-end latency
 p50/p99 (all seconds, measured by the client: from the request's scheduled arrival to its first token / last byte),
@@ -343,6 +345,13 @@ class Result:
     end: float | None = None
     tokens: int = 0
     error: str | None = None
+    # the engine's own view (in-process engine mode: ``RequestOutput``'s times, on this process's clock): from the
+    # scheduled arrival to the engine's ``arrival_time`` (the submit), in the queue (to ``admit_time``), and in prefill
+    # (to ``first_token_time``); the adapter's tier at submission
+    submit_s: float | None = None
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    tier: str | None = None
 
 
 async def _pace(t0: float, req: TraceRequest) -> float:
@@ -444,6 +453,15 @@ async def run_engine(engine: Engine, trace: list[TraceRequest]) -> tuple[list[Re
                 res.tokens += len(d.token_ids)
                 if d.finished and d.error:
                     res.error = d.error
+                if d.finished and d.output is not None:
+                    o = d.output
+                    res.tier = o.adapter_tier
+                    if o.arrival_time is not None:
+                        res.submit_s = o.arrival_time - res.scheduled
+                        if o.admit_time is not None:
+                            res.queue_s = o.admit_time - o.arrival_time
+                            if o.first_token_time is not None:
+                                res.prefill_s = o.first_token_time - o.admit_time
         except Exception as e:  # a refused request is a result, not the end of the run
             res.error = f"{type(e).__name__}: {e}"
         res.end = time.perf_counter()
@@ -666,6 +684,34 @@ def slo_share(results: list[Result], ttft_max: float | None, tpot_max: float | N
             tpot = (r.end - r.first) / (r.tokens - 1) if r.tokens > 1 else 0.0
             met += tpot <= tpot_max
     return met / len(results)
+
+
+def ttft_split(results: list[Result], ttft_max: float | None) -> dict | None:
+    """Where the first-token latency goes, from the engine's own times (None without them: the HTTP modes): for every
+    request and for those over ``ttft_max`` (the SLO's TTFT; ``slow``), p50 / p90 seconds of the submit (scheduled
+    arrival -> the engine's ``arrival_time``), the queue (-> ``admit_time``: waiting for the adapter, KV room or its
+    turn) and the prefill (-> ``first_token_time``); and per adapter tier at submission ("gpu", "host", "disk",
+    "base") the requests, TTFT p50 / p90 and the share within ``ttft_max``."""
+    timed = [r for r in results if r.queue_s is not None and r.prefill_s is not None and r.first is not None]
+    if not timed:
+        return None
+
+    def parts(rs: list[Result]) -> dict:
+        out: dict[str, Any] = {"requests": len(rs)}
+        for name in ("submit_s", "queue_s", "prefill_s"):
+            xs = [getattr(r, name) for r in rs]
+            out[name[:-2] + "_p50_s"], out[name[:-2] + "_p90_s"] = pct(xs, 50), pct(xs, 90)
+        return out
+
+    slow = [r for r in timed if ttft_max is not None and r.first - r.scheduled > ttft_max]
+    tiers: dict[str, Any] = {}
+    for tier in ("gpu", "host", "disk", "base"):
+        rs = [r for r in timed if (r.tier or "base") == tier]
+        if rs:
+            ttft = [r.first - r.scheduled for r in rs]
+            tiers[tier] = {"requests": len(rs), "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90),
+                           "within_ttft": None if ttft_max is None else sum(t <= ttft_max for t in ttft) / len(rs)}
+    return {"all": parts(timed), "slow": parts(slow) if slow else {"requests": 0}, "by_tier": tiers}
 
 
 def fmt(v: Any, spec: str) -> str:
@@ -965,6 +1011,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
             ref = slo_ref.setdefault((mode, row["rate"] == "burst"), (row["ttft_p50_s"], row["tpot_p50_s"]))
             row["slo_ttft_s"], row["slo_tpot_s"] = (None, None) if None in ref else (5 * ref[0], 2 * ref[1])
             row["slo_share"] = slo_share(results, row["slo_ttft_s"], row["slo_tpot_s"])
+            row["ttft_split"] = ttft_split(results, row["slo_ttft_s"])
             row.update(contract_keys(row))
             rows.append(row)
             print(json.dumps(row), flush=True)

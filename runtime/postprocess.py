@@ -41,6 +41,11 @@ class RequestOutput:
             unaffected).
         arrival_time, first_token_time, finish_time: ``time.perf_counter()`` seconds when the request was
             submitted, got its first token (None if it got none) and finished: TTFT, TPOT and end-to-end time.
+        admit_time: ``time.perf_counter()`` seconds of its first admission into a step (None if never admitted):
+            ``admit_time - arrival_time`` is its time in the queue (waiting for its adapter, KV room or its turn),
+            ``first_token_time - admit_time`` its prefill (in chunks, beside other requests).
+        adapter_tier: its adapter's tier when it was submitted: "gpu" (resident), "host", "disk", or None (the base
+            model): whether its adapter had to be read or copied first.
     """
 
     request_id: int
@@ -54,6 +59,8 @@ class RequestOutput:
     arrival_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    admit_time: float | None = None
+    adapter_tier: str | None = None
 
 
 def draw_tokens(batch: list[Request], logits: torch.Tensor) -> torch.Tensor:
@@ -196,4 +203,5 @@ class Postprocessor:
         return RequestOutput(request_id=r.request_id, prompt=r.prompt, adapter=r.adapter_name, text=r.text,
                              token_ids=list(r.output_ids), prompt_token_ids=list(r.prompt_ids),
                              finish_reason=r.finish_reason or "error", error=r.error, arrival_time=r.arrival,
-                             first_token_time=r.first_token_time, finish_time=r.finish_time)
+                             first_token_time=r.first_token_time, finish_time=r.finish_time,
+                             admit_time=r.admit_time, adapter_tier=r.adapter_tier)

@@ -103,9 +103,10 @@ class RequestFactory:
                     f"{kv.max_usable_blocks}: lower max_tokens, shorten the prompt or {kv.size_hint}")
         if adapter is not None and not isinstance(adapter, str):
             raise ValueError(f"adapters: expected a name (str) or None, got {type(adapter).__name__}")
+        handle = self.cache.get(adapter) if adapter is not None else None
         return Request(request_id=next_request_id(), prompt=prompt, prompt_ids=ids, adapter_name=adapter,
-                       handle=self.cache.get(adapter) if adapter is not None else None, params=params,
-                       seed=make_seed(params))
+                       handle=handle, params=params, seed=make_seed(params),
+                       adapter_tier=handle.tier if handle is not None else None)
 
     def logits_rows(self, token_ids: Sequence[Sequence[int]], adapters: Any) -> list[Request]:
         """One ``logits_only`` request per row of token ids (``Engine.logits``'s checks), each with its

@@ -147,6 +147,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     admit_time: float | None = None  # first admission
+    adapter_tier: str | None = None  # its adapter's tier ("gpu", "host", "disk") when it was submitted
     queued_time: float | None = None  # when it last started waiting (arrival, or its latest preemption)
     skipped_steps: int = 0  # schedule() calls this request has waited through
     preemptions: int = 0  # times it was preempted (its KV blocks taken back; recomputed on re-admission)

@@ -301,6 +301,12 @@ def test_serving_bench_runs(tmp_path):
             assert all(0 <= v["p50"] <= d["max"] and v["mean"] >= 0 for v in ph.values())
             by = r["decode_step_ms_by_misses"]
             assert by["with_misses"]["steps"] + by["without_misses"]["steps"] == d["steps"]
+            assert isinstance(r["stalls"], list) and len(r["stalls"]) <= r["stall_steps"]
+            split = r["ttft_split"]  # the engine's own times: every request, the parts in order of a TTFT
+            assert split["all"]["requests"] == 10 and 0 <= split["all"]["queue_p50_s"] <= r["ttft_p99_s"]
+            assert sum(t["requests"] for t in split["by_tier"].values()) == 10
+        else:
+            assert r["ttft_split"] is None
     assert "| http | apart | 3 | S1 | burst |" in (out / "serving_tiny.md").read_text()
     burst, fixed = rows[0::2], rows[1::2]  # every mode replayed the same trace at each rate
     assert len({r["trace_digest"] for r in burst}) == len({r["trace_digest"] for r in fixed}) == 1
@@ -359,6 +365,31 @@ def test_serving_bench_slo_share():
     assert got["backlog_at_last_arrival"] == 2
     assert bs.under_load([R(0.0, first=1, end=2, tokens=3)] * 2) == {"output_tok_s_under_load": None,
                                                                       "backlog_at_last_arrival": None}
+
+
+def test_serving_bench_ttft_split():
+    """``ttft_split`` by hand: percentiles of the submit / queue / prefill parts for all requests and for those over
+    the TTFT bound, and per adapter tier at submission the TTFT percentiles and the share within the bound; rows
+    without the engine's times (HTTP) give None."""
+    bs = _load_bench("bench_serving")
+    R = bs.Result
+    rs = [R(0.0, first=0.05, end=1, tokens=5, submit_s=0.001, queue_s=0.010, prefill_s=0.039, tier="gpu"),
+          R(1.0, first=1.06, end=2, tokens=5, submit_s=0.001, queue_s=0.020, prefill_s=0.039, tier="gpu"),
+          R(2.0, first=2.30, end=3, tokens=5, submit_s=0.002, queue_s=0.250, prefill_s=0.048, tier="disk"),
+          R(3.0, first=3.20, end=4, tokens=5, submit_s=0.001, queue_s=0.150, prefill_s=0.049, tier="host"),
+          R(4.0, first=4.04, end=5, tokens=5, submit_s=0.001, queue_s=0.001, prefill_s=0.038, tier=None),
+          R(5.0, error="boom")]
+    got = bs.ttft_split(rs, ttft_max=0.1)
+    assert got["all"]["requests"] == 5 and got["all"]["queue_p50_s"] == 0.020 and got["all"]["queue_p90_s"] == 0.250
+    assert got["all"]["prefill_p50_s"] == 0.039 and got["all"]["submit_p90_s"] == 0.002
+    assert got["slow"] == {"requests": 2, "submit_p50_s": 0.001, "submit_p90_s": 0.002, "queue_p50_s": 0.150,
+                           "queue_p90_s": 0.250, "prefill_p50_s": 0.048, "prefill_p90_s": 0.049}
+    tiers = got["by_tier"]
+    assert set(tiers) == {"gpu", "disk", "host", "base"} and tiers["gpu"]["requests"] == 2
+    assert tiers["gpu"]["ttft_p50_s"] == pytest.approx(0.05) and tiers["gpu"]["within_ttft"] == 1.0
+    assert tiers["disk"]["within_ttft"] == 0.0 and tiers["base"]["ttft_p90_s"] == pytest.approx(0.04)
+    assert bs.ttft_split([R(0.0, first=0.1, end=1, tokens=2)], 0.5) is None  # (no engine times: HTTP)
+    assert bs.ttft_split(rs[:2], ttft_max=None)["slow"] == {"requests": 0}
 
 
 def test_serving_bench_step_trace_records_its_stalls():

@@ -248,3 +248,25 @@ def test_gil_switch_interval_is_set_while_the_engine_lives_and_restored_at_close
         assert EngineConfig.from_cli(p.parse_args(["--gil-switch-interval", "0.001"])).gil_switch_interval == 0.001
     finally:
         sys.setswitchinterval(before)
+
+
+def test_outputs_give_the_admission_time_and_the_adapters_tier_at_submission(tmp_path):
+    """``RequestOutput.admit_time`` (first admission: between arrival and the first token) and ``adapter_tier``: "disk"
+    for an adapter registered without its weights read, "gpu" once resident, None for the base model; a request
+    that waits behind a full batch is admitted after the steps it waited through."""
+    from multilora import Engine, SamplingParams
+    from multilora.config import ModelConfig
+    from testsupport import write_adapter
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    e = Engine(cfg, device="cpu", dtype=torch.float32, progress=False, max_batch_size=1)
+    e.load_adapter("a", write_adapter(tmp_path / "a", cfg, seed=0, rank=2, modules=["q_proj"]), preload=False)
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    first, second, base = e.generate([[1, 2], [3, 4], [5, 6]], adapters=["a", "a", None], sampling=sp)
+    assert (first.adapter_tier, second.adapter_tier, base.adapter_tier) == ("disk", "disk", None)
+    for o in (first, second, base):
+        assert o.arrival_time <= o.admit_time <= o.first_token_time <= o.finish_time, o
+    # one row at a time: each waits for the one before to finish
+    assert first.finish_time <= second.admit_time and second.finish_time <= base.admit_time
+    again = e.generate([[7, 8]], adapters=["a"], sampling=sp)[0]
+    assert again.adapter_tier == "gpu"
