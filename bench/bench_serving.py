@@ -346,11 +346,12 @@ class Result:
     tokens: int = 0
     error: str | None = None
     # the engine's own view (in-process engine mode: ``RequestOutput``'s times, on this process's clock): from the
-    # scheduled arrival to the engine's ``arrival_time`` (the submit), in the queue (to ``admit_time``), and in prefill
-    # (to ``first_token_time``); the adapter's tier at submission
+    # scheduled arrival to the engine's ``arrival_time`` (the submit), in the queue (``time_in_queue``, over its
+    # admissions), in prefill (the rest until ``first_token_time``); its preemptions; the adapter's tier at submission
     submit_s: float | None = None
     queue_s: float | None = None
     prefill_s: float | None = None
+    preemptions: int = 0
     tier: str | None = None
 
 
@@ -367,10 +368,15 @@ STALLS_KEPT = 20
 
 
 def _phase_record(p: dict | None) -> dict:
-    """A step's phases as a stall record gives them: ``<phase>_ms`` for each ``<phase>_s``, counts as they are."""
+    """A step's phases as a stall record gives them: ``<name>_ms`` for each ``<name>_s`` or ``<name>_seconds``,
+    counts as they are."""
     if not p:
         return {}
-    return {(k[:-2] + "_ms" if k.endswith("_s") else k): (1e3 * v if k.endswith("_s") else v) for k, v in p.items()}
+    out = {}
+    for k, v in p.items():
+        base = k[:-2] if k.endswith("_s") else k[:-8] if k.endswith("_seconds") else None
+        out[k if base is None else base + "_ms"] = v if base is None else 1e3 * v
+    return out
 
 
 class StepTrace:
@@ -455,13 +461,12 @@ async def run_engine(engine: Engine, trace: list[TraceRequest]) -> tuple[list[Re
                     res.error = d.error
                 if d.finished and d.output is not None:
                     o = d.output
-                    res.tier = o.adapter_tier
+                    res.tier, res.preemptions = o.adapter_tier, o.preemptions
                     if o.arrival_time is not None:
                         res.submit_s = o.arrival_time - res.scheduled
-                        if o.admit_time is not None:
-                            res.queue_s = o.admit_time - o.arrival_time
-                            if o.first_token_time is not None:
-                                res.prefill_s = o.first_token_time - o.admit_time
+                        if o.time_in_queue is not None and o.first_token_time is not None:
+                            res.queue_s = o.time_in_queue
+                            res.prefill_s = o.first_token_time - o.arrival_time - o.time_in_queue
         except Exception as e:  # a refused request is a result, not the end of the run
             res.error = f"{type(e).__name__}: {e}"
         res.end = time.perf_counter()
@@ -689,18 +694,22 @@ def slo_share(results: list[Result], ttft_max: float | None, tpot_max: float | N
 def ttft_split(results: list[Result], ttft_max: float | None) -> dict | None:
     """Where the first-token latency goes, from the engine's own times (None without them: the HTTP modes): for every
     request and for those over ``ttft_max`` (the SLO's TTFT; ``slow``), p50 / p90 seconds of the submit (scheduled
-    arrival -> the engine's ``arrival_time``), the queue (-> ``admit_time``: waiting for the adapter, KV room or its
-    turn) and the prefill (-> ``first_token_time``); and per adapter tier at submission ("gpu", "host", "disk",
-    "base") the requests, TTFT p50 / p90 and the share within ``ttft_max``."""
+    arrival -> the engine's ``arrival_time``), the queue (``time_in_queue``: waiting for the adapter, KV room or its
+    turn, over its admissions), the prefill (the rest until the engine's ``first_token_time``) and the delivery (the
+    rest until the client saw the token: the loop publishing it, the event loop waking the stream), and how many
+    were preempted before it; and per adapter tier at submission ("gpu", "host", "disk", "base") the requests, TTFT
+    p50 / p90 and the share within ``ttft_max``."""
     timed = [r for r in results if r.queue_s is not None and r.prefill_s is not None and r.first is not None]
     if not timed:
         return None
 
     def parts(rs: list[Result]) -> dict:
-        out: dict[str, Any] = {"requests": len(rs)}
-        for name in ("submit_s", "queue_s", "prefill_s"):
-            xs = [getattr(r, name) for r in rs]
-            out[name[:-2] + "_p50_s"], out[name[:-2] + "_p90_s"] = pct(xs, 50), pct(xs, 90)
+        out: dict[str, Any] = {"requests": len(rs), "preempted": sum(r.preemptions > 0 for r in rs)}
+        cols = {"submit": [r.submit_s for r in rs], "queue": [r.queue_s for r in rs],
+                "prefill": [r.prefill_s for r in rs],
+                "deliver": [(r.first - r.scheduled) - r.submit_s - r.queue_s - r.prefill_s for r in rs]}
+        for name, xs in cols.items():
+            out[name + "_p50_s"], out[name + "_p90_s"] = pct(xs, 50), pct(xs, 90)
         return out
 
     slow = [r for r in timed if ttft_max is not None and r.first - r.scheduled > ttft_max]

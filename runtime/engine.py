@@ -945,7 +945,7 @@ class Engine:
         with self._step_lock:
             handles = [self.cache.get(r.adapter_name) if r.adapter_name is not None else None for r in reqs]
             for r, h in zip(reqs, handles):
-                r.handle = h
+                r.handle, r.adapter_tier = h, h.tier if h is not None else None
                 self.scheduler.add(r)
         self._run_until_done(reqs, progress=False)
         for i, r in enumerate(reqs):

@@ -217,7 +217,8 @@ class _EngineCore:
             if req.status is Status.FINISHED:
                 out = self.engine.postprocess.output(req)
                 ends.append((rid, out.token_ids[t.sent :], out.finish_reason, out.error, out.text, out.arrival_time,
-                             out.first_token_time, out.finish_time, out.admit_time, out.adapter_tier))
+                             out.first_token_time, out.finish_time, out.admit_time, out.time_in_queue,
+                             out.preemptions, out.adapter_tier))
                 del self.tracked[rid]
             elif len(req.output_ids) > t.sent:
                 n = len(req.output_ids)
@@ -545,7 +546,7 @@ class EngineProcess:
                     continue
                 t.ids.extend(new)
                 waiters.append(t.stream._deliver(RequestDelta(rid, new, t.text.push(t.ids))))
-            for rid, new, reason, error, text, arrival, first, finish, admit, tier in ends:
+            for rid, new, reason, error, text, arrival, first, finish, admit, queued, preempted, tier in ends:
                 t = tracked.pop(rid, None)
                 if t is None:
                     continue
@@ -553,7 +554,8 @@ class EngineProcess:
                 out = RequestOutput(request_id=rid, prompt=t.prompt, adapter=t.adapter, text=text, token_ids=t.ids,
                                     prompt_token_ids=t.prompt_ids, finish_reason=reason, error=error,
                                     arrival_time=arrival, first_token_time=first, finish_time=finish,
-                                    admit_time=admit, adapter_tier=tier)
+                                    admit_time=admit, time_in_queue=queued, preemptions=preempted,
+                                    adapter_tier=tier)
                 waiters.append(t.stream._deliver(RequestDelta(rid, new, t.text.close(text), reason, error, out)))
         waiters = [w for w in waiters if w is not None]
         if waiters:

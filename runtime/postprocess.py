@@ -41,9 +41,12 @@ class RequestOutput:
             unaffected).
         arrival_time, first_token_time, finish_time: ``time.perf_counter()`` seconds when the request was
             submitted, got its first token (None if it got none) and finished: TTFT, TPOT and end-to-end time.
-        admit_time: ``time.perf_counter()`` seconds of its first admission into a step (None if never admitted):
-            ``admit_time - arrival_time`` is its time in the queue (waiting for its adapter, KV room or its turn),
-            ``first_token_time - admit_time`` its prefill (in chunks, beside other requests).
+        admit_time: ``time.perf_counter()`` seconds of its first admission into a step (None if never admitted).
+        time_in_queue: seconds it waited in the queue before its first token (for its adapter, KV room or its turn),
+            summed over its admissions: a request preempted before its first token waits again. So TTFT =
+            ``time_in_queue`` + its prefill (``first_token_time - arrival_time - time_in_queue``: the steps that
+            computed its prompt, in chunks beside other requests).
+        preemptions: times it was preempted (its KV taken back, its prompt and tokens recomputed later).
         adapter_tier: its adapter's tier when it was submitted: "gpu" (resident), "host", "disk", or None (the base
             model): whether its adapter had to be read or copied first.
     """
@@ -60,6 +63,8 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     admit_time: float | None = None
+    time_in_queue: float | None = None
+    preemptions: int = 0
     adapter_tier: str | None = None
 
 
@@ -204,4 +209,5 @@ class Postprocessor:
                              token_ids=list(r.output_ids), prompt_token_ids=list(r.prompt_ids),
                              finish_reason=r.finish_reason or "error", error=r.error, arrival_time=r.arrival,
                              first_token_time=r.first_token_time, finish_time=r.finish_time,
-                             admit_time=r.admit_time, adapter_tier=r.adapter_tier)
+                             admit_time=r.admit_time, time_in_queue=r.time_in_queue if r.admit_time is not None
+                             else None, preemptions=r.preemptions, adapter_tier=r.adapter_tier)

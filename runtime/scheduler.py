@@ -148,6 +148,7 @@ class Request:
     finish_time: float | None = None
     admit_time: float | None = None  # first admission
     adapter_tier: str | None = None  # its adapter's tier ("gpu", "host", "disk") when it was submitted
+    time_in_queue: float = 0.0  # seconds waited in the queue before its first token, over all its admissions
     queued_time: float | None = None  # when it last started waiting (arrival, or its latest preemption)
     skipped_steps: int = 0  # schedule() calls this request has waited through
     preemptions: int = 0  # times it was preempted (its KV blocks taken back; recomputed on re-admission)
@@ -524,6 +525,8 @@ class Scheduler:
             if req.admit_time is None:
                 req.admit_time = now
             wait = now - (req.queued_time if req.queued_time is not None else req.arrival)
+            if req.first_token_time is None:  # (a preemption before the first token sends it back to wait again)
+                req.time_in_queue += wait
             self.wait_seconds_total += wait
             self.wait_seconds_max = max(self.wait_seconds_max, wait)
             self.admitted_total += 1

@@ -374,16 +374,20 @@ def test_serving_bench_ttft_split():
     bs = _load_bench("bench_serving")
     R = bs.Result
     rs = [R(0.0, first=0.05, end=1, tokens=5, submit_s=0.001, queue_s=0.010, prefill_s=0.039, tier="gpu"),
-          R(1.0, first=1.06, end=2, tokens=5, submit_s=0.001, queue_s=0.020, prefill_s=0.039, tier="gpu"),
-          R(2.0, first=2.30, end=3, tokens=5, submit_s=0.002, queue_s=0.250, prefill_s=0.048, tier="disk"),
-          R(3.0, first=3.20, end=4, tokens=5, submit_s=0.001, queue_s=0.150, prefill_s=0.049, tier="host"),
+          R(1.0, first=1.06, end=2, tokens=5, submit_s=0.001, queue_s=0.020, prefill_s=0.038, tier="gpu"),
+          R(2.0, first=2.30, end=3, tokens=5, submit_s=0.002, queue_s=0.250, prefill_s=0.046, tier="disk",
+            preemptions=1),
+          R(3.0, first=3.20, end=4, tokens=5, submit_s=0.001, queue_s=0.150, prefill_s=0.048, tier="host"),
           R(4.0, first=4.04, end=5, tokens=5, submit_s=0.001, queue_s=0.001, prefill_s=0.038, tier=None),
           R(5.0, error="boom")]
     got = bs.ttft_split(rs, ttft_max=0.1)
     assert got["all"]["requests"] == 5 and got["all"]["queue_p50_s"] == 0.020 and got["all"]["queue_p90_s"] == 0.250
-    assert got["all"]["prefill_p50_s"] == 0.039 and got["all"]["submit_p90_s"] == 0.002
-    assert got["slow"] == {"requests": 2, "submit_p50_s": 0.001, "submit_p90_s": 0.002, "queue_p50_s": 0.150,
-                           "queue_p90_s": 0.250, "prefill_p50_s": 0.048, "prefill_p90_s": 0.049}
+    assert got["all"]["prefill_p50_s"] == 0.039 and got["all"]["submit_p90_s"] == 0.002 and got["all"]["preempted"] == 1
+    # delivery: what the client's TTFT holds past the engine's first token (0 / 0.001 / 0.002 / 0.001 / 0)
+    assert got["all"]["deliver_p50_s"] == pytest.approx(0.001) and got["all"]["deliver_p90_s"] == pytest.approx(0.002)
+    slow = got["slow"]
+    assert (slow["requests"], slow["preempted"], slow["submit_p50_s"], slow["queue_p50_s"], slow["queue_p90_s"],
+            slow["prefill_p50_s"], slow["prefill_p90_s"]) == (2, 1, 0.001, 0.150, 0.250, 0.046, 0.048)
     tiers = got["by_tier"]
     assert set(tiers) == {"gpu", "disk", "host", "base"} and tiers["gpu"]["requests"] == 2
     assert tiers["gpu"]["ttft_p50_s"] == pytest.approx(0.05) and tiers["gpu"]["within_ttft"] == 1.0
@@ -419,7 +423,7 @@ def test_serving_bench_step_trace_records_its_stalls():
     first, second = got["stalls"]
     assert first["step"] == 20 and first["kind"] == "decode" and first["ms"] == pytest.approx(200)
     assert first["rows"] == 8 and first["schedule_ms"] == pytest.approx(190) and first["pool_compactions"] == 1
-    assert first["host_arena_map_seconds"] == 0.0 and "schedule_s" not in first
+    assert first["host_arena_map_ms"] == 0.0 and "schedule_s" not in first and "host_arena_map_seconds" not in first
     assert first["next"]["ms"] == pytest.approx(40) and first["next"]["read_back_ms"] == pytest.approx(35)
     assert second == {"step": 24, "kind": "mixed", "ms": pytest.approx(120), "rows": 9, "next": None}
     with bs.StepTrace(e) as st:

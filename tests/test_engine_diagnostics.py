@@ -270,3 +270,56 @@ def test_outputs_give_the_admission_time_and_the_adapters_tier_at_submission(tmp
     assert first.finish_time <= second.admit_time and second.finish_time <= base.admit_time
     again = e.generate([[7, 8]], adapters=["a"], sampling=sp)[0]
     assert again.adapter_tier == "gpu"
+
+
+def test_time_in_queue_counts_every_wait_before_the_first_token(monkeypatch):
+    """``RequestOutput.time_in_queue`` sums the request's waits in the queue over its admissions until its first
+    token: a request preempted while its prompt was still being computed (chunked prefill, a KV cache of a few
+    blocks) waits again, and that wait is queue time, not prefill; ``preemptions`` counts it. Checked against the
+    scheduler's own admission times, recorded here."""
+    import time as _time
+
+    from multilora import Engine, SamplingParams
+    from multilora.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    block = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 16 * 4  # K and V of 16 fp32 tokens
+    e = Engine(cfg, device="cpu", dtype=torch.float32, progress=False, max_batch_size=4, kv_cache_bytes=block * 9,
+               max_num_batched_tokens=8, max_prefill_tokens=8, kv_block_size=16)
+    waits: dict[int, list[tuple[float, float]]] = {}  # request id -> (queued since, admitted at) of each admission
+    real_preempt, real_schedule = e.scheduler._preempt, e.scheduler.schedule
+
+    def schedule():
+        before = {r.request_id: (r.queued_time if r.queued_time is not None else r.arrival, r.first_token_time)
+                  for r in e.scheduler.waiting}
+        out = real_schedule()
+        for r in e.scheduler.running:
+            if r.request_id in before and r.status.name == "RUNNING" and r.admit_time is not None:
+                since, first = before[r.request_id]
+                if first is None and r not in [w for w in e.scheduler.waiting]:
+                    waits.setdefault(r.request_id, []).append((since, _time.perf_counter()))
+        return out
+
+    preempted_early = []
+
+    def preempt(req, **kw):
+        preempted_early.append(req.first_token_time is None)
+        return real_preempt(req, **kw)
+
+    monkeypatch.setattr(e.scheduler, "schedule", schedule)
+    monkeypatch.setattr(e.scheduler, "_preempt", preempt)
+    sp = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    reqs = [e.add_request([i + 1] * 60, sampling=sp) for i in range(3)]
+    while e.has_unfinished():
+        _time.sleep(0.002)
+        e.step()
+    assert any(preempted_early), "the setting no longer preempts a request before its first token"
+    for r in reqs:
+        o = e.postprocess.output(r)
+        assert o.preemptions == r.preemptions
+        assert o.arrival_time <= o.admit_time <= o.first_token_time
+        assert 0 <= o.time_in_queue <= o.first_token_time - o.arrival_time
+        got = sum(admitted - since for since, admitted in waits.get(r.request_id, []))
+        assert o.time_in_queue == pytest.approx(got, abs=0.003), (r.request_id, o.time_in_queue, got)
+    early = [e.postprocess.output(r) for r in reqs if r.preemptions]
+    assert any(o.time_in_queue > o.admit_time - o.arrival_time + 0.002 for o in early)  # waited again after a preemption

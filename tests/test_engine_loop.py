@@ -128,6 +128,7 @@ def test_stream_equals_generate_token_for_token(engine, loop):
     assert sum(1 for d in deltas if d.token_ids) >= 2  # streamed, not delivered at the end
     out = deltas[-1].output  # its times, in order, and its adapter's tier at submission (both loops pass them on)
     assert out.arrival_time <= out.admit_time <= out.first_token_time <= out.finish_time
+    assert 0 <= out.time_in_queue <= out.first_token_time - out.arrival_time and out.preemptions == 0
     # (the thread's engine just ran ``_alone`` on it: resident; the process's own engine loaded it at start)
     assert out.adapter_tier == "gpu" if isinstance(loop, EngineLoop) else out.adapter_tier in ("gpu", "host")
     _idle(engine, loop)
