@@ -342,6 +342,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     run = engine.last_run
     print(f"{run['generated_tokens']} tokens in {run['seconds']:.2f} s = {run['tokens_per_second']:.1f} tokens/s",
           file=sys.stderr if args.json else sys.stdout)
+    ended = sum(isinstance(o.prompt, str) and not o.token_ids and o.finish_reason == "stop" for o in outs)
+    if ended and not args.chat and getattr(getattr(engine, "tokenizer", None), "chat_template", None):
+        print(f"note: {ended} text prompt(s) got no tokens (the model ended at once); a chat or instruct model usually "
+              f"needs its chat template: add --chat", file=sys.stderr)
     if args.stats:
         print(json.dumps(engine.stats(), indent=2), file=sys.stderr if args.json else sys.stdout)
     failed = sum(o.finish_reason == "error" for o in outs)

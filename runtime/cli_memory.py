@@ -84,6 +84,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a GGUF file or Hugging Face model directory (no PATH: the embedded default model)")
     for flag, kind, what in _ENGINE_FLAGS:
         e.add_argument(flag, type=kind, default=None, help=what)
+    e.add_argument("--adapter-finish", choices=("host", "device"), default=None,
+                   help="where adapters read again from disk get the pool's layout (default: device on a GPU, host on "
+                        "the CPU); device adds the pool's finish scratch to the reserve")
     e.add_argument("--adapter-pool-fill", action="store_true", default=None,
                    help="the pool also takes the budget the KV cache can never use (Engine(adapter_pool_fill=True))")
     e.add_argument("--unified-pool", action="store_true", default=None,
@@ -115,12 +118,10 @@ _ENGINE_FLAGS = (
                                   "activation reserve"),
     ("--dtype", str, "float32, float16 or bfloat16 (default: bfloat16 on CUDA, float32 on the CPU)"),
     ("--weight-dtype", str, "fp8: the base projections (and an untied LM head) at 1 byte per weight"),
-    ("--adapter-finish", str, "host or device: where adapters read again from disk get the pool's layout (default: "
-                              "device on a GPU, host on the CPU); device adds the pool's finish scratch to the reserve"),
 )
 #: the EngineConfig fields of --model's flags (the engine flags and --adapter-pool-fill): argparse dests
-_ENGINE_FIELDS = tuple(f[2:].replace("-", "_") for f, _, _ in _ENGINE_FLAGS) + ("adapter_pool_fill", "unified_pool",
-                                                                                   "fp8_lm_head")
+_ENGINE_FIELDS = tuple(f[2:].replace("-", "_") for f, _, _ in _ENGINE_FLAGS) + ("adapter_finish", "adapter_pool_fill",
+                                                                                   "unified_pool", "fp8_lm_head")
 #: the plan's options an engine computes itself: not with --model
 _NOT_WITH_MODEL = (
     ("total_bytes", "--total-bytes", "an engine has no cap on pool + KV together: cap each (--adapter-pool-bytes, "

@@ -1044,3 +1044,33 @@ def test_check_output_dir_needs_write_access_only_to_write(tmp_path, monkeypatch
     check_output_dir(tmp_path, "--adapters-dir", writable=False)
     with pytest.raises(ValueError, match=rf"--adapters-dir {tmp_path}/new: {tmp_path} is not writable"):
         check_output_dir(tmp_path / "new", "--adapters-dir")
+
+
+def test_text_prompts_that_get_no_tokens_suggest_chat(tiny, capsys, monkeypatch):
+    """An instruct model given raw text often ends at once: ``generate`` then notes on stderr that ``--chat`` applies
+    the chat template; not with ``--chat``, not when tokens came, not for a tokenizer without a chat template."""
+    import types
+
+    import multilora.runtime.cli as cli
+    from multilora.runtime.postprocess import RequestOutput
+
+    def fake(template, tokens):
+        class E:
+            tokenizer = types.SimpleNamespace(chat_template=template)
+            last_run = {"generated_tokens": len(tokens), "seconds": 0.1, "tokens_per_second": 10.0}
+
+            def generate(self, prompts, adapters, sampling, progress):
+                return [RequestOutput(request_id=i, prompt=p, adapter=a, text="x" * len(tokens), token_ids=list(tokens),
+                                      prompt_token_ids=[1], finish_reason="stop") for i, (p, a) in
+                        enumerate(zip(prompts, adapters))]
+        return lambda args, **k: E()
+
+    for template, tokens, chat, noted in (("{{ messages }}", [], False, True), ("{{ messages }}", [], True, False),
+                                          ("{{ messages }}", [5], False, False), (None, [], False, False)):
+        monkeypatch.setattr(cli, "_load_engine", fake(template, tokens))
+        code, out, err = run(capsys, "generate", "--model", tiny, "--prompt", "-", "hi", "--prompt", "-", "yo",
+                             *(["--chat"] if chat else []))
+        assert code == 0, err
+        assert ("note: 2 text prompt(s) got no tokens (the model ended at once)" in err) == noted, (template, tokens,
+                                                                                                    chat, err)
+        assert ("add --chat" in err) == noted

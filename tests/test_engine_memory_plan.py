@@ -389,5 +389,7 @@ def test_memory_model_counts_the_device_finish_scratch_on_a_gpu(tiny_dir, tmp_pa
     assert reserve(cpu, "--adapter-finish", "device") == reserve(cpu) + elems * 4  # (float32 on the CPU)
     snap = tmp_path / "snap.json"
     snap.write_text(json.dumps(gpu.to_dict()))
-    assert main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), *flags, "--adapter-finish", "gpu"]) != 0
-    assert "--adapter-finish: must be None, 'host' or 'device', got 'gpu'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["memory", "--snapshot", str(snap), "--model", str(tiny_dir), *flags, "--adapter-finish", "gpu"])
+    assert e.value.code == 2
+    assert "--adapter-finish: invalid choice: 'gpu' (choose from 'host', 'device')" in capsys.readouterr().err
