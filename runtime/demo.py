@@ -141,7 +141,8 @@ def run_demo(adapters_dir: str | os.PathLike | None = None, *, max_tokens: int =
     prompts = [[{"role": "user", "content": p}] for p, _ in DEMO_PROMPTS]
     names = [a for _, a in DEMO_PROMPTS]
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, adapters=names, sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    outs = engine.generate(prompts, adapters=names, sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                           progress=True)  # (a bar on stderr: the requests finished and the tokens so far)
     elapsed = time.perf_counter() - t0
     print()
     for (p, a), o in zip(DEMO_PROMPTS, outs):

@@ -740,6 +740,8 @@ class Engine:
                 while pending:
                     self.step()
                     left = [r for r in pending if r.status is not Status.FINISHED]
+                    if progress:  # the tokens so far too: a batch whose requests all end together still moves
+                        bar.set_postfix_str(f"{sum(len(r.output_ids) for r in reqs)} tokens", refresh=False)
                     bar.update(len(pending) - len(left))
                     pending = left
         except BaseException as e:
@@ -882,7 +884,8 @@ class Engine:
             prompts: a list of prompts, each a string, chat messages (``[{"role": "user", "content": "..."}]``:
                 the chat template is applied) or token ids; a single string or message list is also accepted.
             adapters: one adapter name (or None = base model) per prompt, or one name for all.
-            sampling: one ``SamplingParams`` for all, or one per prompt. progress: a bar of finished requests.
+            sampling: one ``SamplingParams`` for all, or one per prompt. progress: a bar (stderr) of finished requests
+                and the tokens generated so far.
 
         Returns:
             One ``RequestOutput`` per prompt, in order. Calls from several threads at once share the engine's steps

@@ -323,3 +323,20 @@ def test_time_in_queue_counts_every_wait_before_the_first_token(monkeypatch):
         assert o.time_in_queue == pytest.approx(got, abs=0.003), (r.request_id, o.time_in_queue, got)
     early = [e.postprocess.output(r) for r in reqs if r.preemptions]
     assert any(o.time_in_queue > o.admit_time - o.arrival_time + 0.002 for o in early)  # waited again after a preemption
+
+
+def test_generate_progress_bar_counts_requests_and_tokens(capsys):
+    """``generate(progress=True)``: a bar on stderr of the finished requests, with the tokens generated so far (a
+    batch whose requests all end in its last step still shows progress); nothing on stdout."""
+    from multilora import Engine, SamplingParams
+    from multilora.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    e = Engine(cfg, device="cpu", dtype=torch.float32, progress=False, max_batch_size=4)
+    outs = e.generate([[1, 2], [3, 4, 5]], sampling=SamplingParams(max_tokens=5, ignore_eos=True), progress=True)
+    out, err = capsys.readouterr()
+    assert out == "" and sum(len(o.token_ids) for o in outs) == 10
+    last = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert last.startswith("Generating: 100%") and "2/2" in last and last.rstrip("]").endswith("10 tokens"), err
+    e.generate([[1, 2]], sampling=SamplingParams(max_tokens=2, ignore_eos=True))  # (off by default)
+    assert capsys.readouterr() == ("", "")
