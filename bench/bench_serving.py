@@ -653,7 +653,10 @@ def summarize(results: list[Result], wall: float, offered: float, before: dict |
         row["gpu_evictions"] = after["gpu_evictions"] - before["gpu_evictions"] if before is not None else None
         row["pool_max_slots"] = after.get("pool_max_slots")
         for k in ("evictions_for_kv", "unified_floor_moves_up", "unified_floor_moves_down", "kv_reclaims_from_pool",
-                  "pool_compactions", "pool_bytes_compacted"):
+                  "pool_compactions", "pool_bytes_compacted",
+                  # the host tier's growth in the row: chunks mapped and page-locked, and their time (any thread)
+                  "host_arena_chunks", "host_arena_map_seconds", "host_arena_sync_grows", "host_arena_sync_map_seconds",
+                  "host_arena_grown_ahead", "host_arena_bytes_held"):
             row[k] = (after[k] - before[k]) if before is not None and k in after else None
     row["pool_hit_rate"] = rate("gpu_hits", "gpu_misses")
     row["host_hit_rate"] = rate("host_hits", "host_misses")

@@ -302,6 +302,7 @@ def test_serving_bench_runs(tmp_path):
             by = r["decode_step_ms_by_misses"]
             assert by["with_misses"]["steps"] + by["without_misses"]["steps"] == d["steps"]
             assert isinstance(r["stalls"], list) and len(r["stalls"]) <= r["stall_steps"]
+            assert r["host_arena_chunks"] >= 0 and r["host_arena_map_seconds"] >= 0  # (the tier's growth in the row)
             split = r["ttft_split"]  # the engine's own times: every request, the parts in order of a TTFT
             assert split["all"]["requests"] == 10 and 0 <= split["all"]["queue_p50_s"] <= r["ttft_p99_s"]
             assert sum(t["requests"] for t in split["by_tier"].values()) == 10
