@@ -298,7 +298,7 @@ def build_engine(args: argparse.Namespace, config: ModelConfig, files: list[Path
                     max_batch_size=args.max_batch_size, max_seq_len=max_seq, max_lora_rank=max(ranks),
                     adapter_pool_share=args.adapter_pool_share, adapter_pool_bytes=args.adapter_pool_bytes,
                     kv_cache_bytes=args.kv_cache_bytes, unified_pool=unified, adapter_pool_fill=args.adapter_pool_fill,
-                    adapter_finish=args.adapter_finish,
+                    adapter_finish=args.adapter_finish, host_arena_chunk_bytes=args.host_arena_chunk_bytes,
                     enable_chunked_prefill=args.chunked_prefill == "on",
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
@@ -861,6 +861,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="Engine(adapter_finish=...): where an adapter read from disk gets the pool's layout (device: "
                          "the I/O threads read the file raw, the GPU finishes it; default: the engine's, device on "
                          "CUDA, host on the CPU; rows record the one used)")
+    ap.add_argument("--host-arena-chunk-bytes", type=bytes_arg, default=None,
+                    help="Engine(host_arena_chunk_bytes=...): bytes of one chunk of the host tier's pinned arena, each "
+                         "page-locked by one cudaHostRegister (default: the engine's, 1 GiB; 1 = one max-rank image)")
     ap.add_argument("--adapter-pool-fill", action="store_true", help="Engine(adapter_pool_fill=True): the pool also "
                     "takes the budget the KV cache can never use (max_batch_size sequences of the trace's longest)")
     ap.add_argument("--unified-pool", default="off", help="comma-separated off,on: rows with the pool and the KV "
@@ -1008,7 +1011,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                    "unified_pool": unified, "adapter_pool_bytes": args.adapter_pool_bytes,
                    "adapter_pool_fill": args.adapter_pool_fill, "adapter_finish": ("device" if finish_on_device(
                        EngineConfig(adapter_finish=args.adapter_finish), torch.device(args.device).type) else "host"),
-                   "kv_cache_bytes": args.kv_cache_bytes,
+                   "kv_cache_bytes": args.kv_cache_bytes, "host_arena_chunk_bytes": args.host_arena_chunk_bytes,
                    "arrival": args.arrival, "rate": "burst" if math.isinf(r) else f"{r:.2f}",
                    "chunked_prefill": args.chunked_prefill, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,

@@ -136,6 +136,12 @@ class EngineConfig:
             ``bench_adapter_throughput.py`` at 2,048 adapters, 8 GB ahead vs 0, interleaved): 34.2 / 29.9% vs 25.3 /
             27.9% of the no-adapter tokens/s cold, 48.1 / 43.8% vs 36.7 / 36.0% warm; the step thread's waits for a
             chunk (10-23% of its samples) went to none.
+        host_arena_chunk_bytes: bytes of one chunk of the host tier's arena (None: ``DEFAULT_CHUNK_BYTES``, 1 GiB;
+            always at least one image of the largest adapter ``max_lora_rank`` allows). On CUDA each chunk is
+            page-locked by one ``cudaHostRegister``, which takes ~0.1-0.2 s per GiB and, by reports of other engines
+            (vLLM issue 42632: "pin in small chunks ... so we're not holding the heavy lock for long"), holds up the
+            other threads' CUDA calls meanwhile: smaller chunks hold the step thread up for less at a time, in more
+            registrations, and waste up to one image's bytes more per chunk (a block never spans two chunks).
         gpu_memory_fraction: share of usable device memory the plan may budget, in (0, 1].
         local_ranks: engine processes sharing this device/host (the plan divides host memory by it).
         tensor_parallel_size: ranks the model is split over (``runtime.parallel``: Megatron-style shards, one
@@ -279,6 +285,9 @@ class EngineConfig:
                                                      "background thread from the start, up to the tier's size; 0: as "
                                                      "adapters need them (default: on a discrete GPU, min(pool, host "
                                                      "tier, 8 GB) once the adapters outgrow the GPU pool)", kind=int)
+    host_arena_chunk_bytes: int | None = _opt(None, "bytes of one chunk of the host tier's pinned arena, each "
+                                                   "page-locked by one cudaHostRegister (default 1 GiB; at least one "
+                                                   "max-rank adapter image)", kind=int)
     gpu_memory_fraction: float = _opt(0.9, "share of usable device memory the memory plan may budget")
     local_ranks: int = _opt(1, "engine processes sharing this device / host")
     tensor_parallel_size: int = _opt(1, "ranks (processes, GPUs) the model is split over")
@@ -342,6 +351,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not (v is None and name == "adapter_slots") and (not _is_int(v) or v < 1):
                 raise fail(name, "an int >= 1")
+        if self.host_arena_chunk_bytes is not None and (not _is_int(self.host_arena_chunk_bytes)
+                                                         or self.host_arena_chunk_bytes < 1):
+            raise fail("host_arena_chunk_bytes", "None or an int >= 1")
         for name in ("starvation_patience", "prefetch_adapters", "host_arena_map_ahead_bytes"):
             v = getattr(self, name)
             if not (v is None and name == "host_arena_map_ahead_bytes") and (not _is_int(v) or v < 0):

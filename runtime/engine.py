@@ -303,7 +303,8 @@ class Engine:
             self.device.type, sizes.plan.kind if sizes.plan is not None else None,
             self.pool.bytes_total, sizes.host_bytes) if cfg.host_arena_map_ahead_bytes is None else 0
         self.cache = AdapterCache(self.pool, host_bytes=sizes.host_bytes, reload=self._reload_adapter,
-                                  io_threads=cfg.adapter_io_threads, map_ahead_on_overflow=on_overflow)
+                                  io_threads=cfg.adapter_io_threads, map_ahead_on_overflow=on_overflow,
+                                  chunk_bytes=cfg.host_arena_chunk_bytes)
         if cfg.host_arena_map_ahead_bytes:  # the host tier's chunks mapped from now on, off every step
             self.cache.arena.map_ahead(cfg.host_arena_map_ahead_bytes)
         self.scheduler = Scheduler(self.cache, kv=self.kv, max_batch_size=cfg.max_batch_size,

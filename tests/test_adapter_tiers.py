@@ -450,6 +450,40 @@ def test_engine_maps_the_host_tier_ahead_when_asked(tiny):
     engine.cache.close()
 
 
+def test_engine_host_arena_chunk_bytes(tiny):
+    """``host_arena_chunk_bytes``: the host tier's chunks are that size, rounded down to whole images of the largest
+    adapter and at least one (so each is one shorter ``cudaHostRegister`` on CUDA); the images are the same bytes;
+    a bad value names the argument; the CLI flag takes a unit."""
+    import argparse
+
+    from multilora.runtime.config import EngineConfig
+
+    _, dirs, _, unit = tiny
+    default = _engine(tiny, 1, 8 * unit)
+    small = _engine(tiny, 1, 8 * unit, host_arena_chunk_bytes=3 * unit + 5)
+    tiny_chunks = _engine(tiny, 1, 8 * unit, host_arena_chunk_bytes=1)
+    largest = default.pool.max_adapter_pages * default.pool.page_bytes  # (the arena's granule)
+
+    def chunk(e):
+        return e.cache.arena.chunk_units * e.cache.arena.unit
+
+    assert chunk(small) == max(largest, (3 * unit + 5) // largest * largest) < chunk(default)
+    assert chunk(tiny_chunks) == largest  # (at least one image)
+    for e in (default, small):
+        for i in range(3):
+            e.load_adapter(f"a{i}", dirs[i])
+    for name in ("a0", "a1", "a2"):
+        assert torch.equal(small.cache.get(name).host.data, default.cache.get(name).host.data)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match=r"Engine: host_arena_chunk_bytes must be None or an int >= 1, got"):
+            EngineConfig(host_arena_chunk_bytes=bad)
+    p = argparse.ArgumentParser()
+    EngineConfig.add_cli_flags(p)
+    assert EngineConfig.from_cli(p.parse_args(["--host-arena-chunk-bytes", "256MiB"])).host_arena_chunk_bytes == 256 << 20
+    for e in (default, small, tiny_chunks):
+        e.cache.close()
+
+
 def test_host_tier_is_mapped_ahead_once_adapters_outgrow_the_pool(tiny):
     """``AdapterCache(map_ahead_on_overflow=)`` (what ``host_arena_map_ahead_bytes=None`` sets on a discrete GPU):
     nothing is mapped ahead while the registered adapters fit the pool; the adapter whose registration first

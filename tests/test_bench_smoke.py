@@ -332,7 +332,7 @@ def test_serving_bench_unified_pool_rows(tmp_path):
            "--requests", "12", "--input-len", "4,24", "--output-len", "2,9", "--max-batch-size", "4",
            "--adapter-files", "2", "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out), "--modes", "engine",
            "--unified-pool", "off,on", "--warmup-requests", "8", "--urgent-read-wait", "off", "--adapter-pool-fill",
-           "--adapter-finish", "device"]
+           "--adapter-finish", "device", "--host-arena-chunk-bytes", "1"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
@@ -342,7 +342,8 @@ def test_serving_bench_unified_pool_rows(tmp_path):
     assert all(r["failed"] == 0 for r in rows) and len({r["output_tokens"] for r in rows}) == 1
     assert rows[1]["offered_rps"] == pytest.approx(rows[3]["offered_rps"])
     assert [r["urgent_read_wait"] for r in rows] == [False] * 4  # --urgent-read-wait off, recorded per row
-    assert [(r["adapter_pool_fill"], r["adapter_finish"]) for r in rows] == [(True, "device")] * 4
+    assert [(r["adapter_pool_fill"], r["adapter_finish"], r["host_arena_chunk_bytes"]) for r in rows] == [
+        (True, "device", 1)] * 4
     assert all(r["unified_floor_moves_up"] is None for r in rows[:2])
     assert all(r["unified_floor_moves_up"] is not None and r["adapters_resident_end"] >= 1 for r in rows[2:])
     assert "| engine | unified | 6 | S1 |" in (out / "serving_tiny.md").read_text()

@@ -2,7 +2,8 @@
 # Written in session 38 for the next GPU session (ask for kind nvidia-h200: issues 12 and 13 record their goals on
 # the H200, and session 38 had only H100s): the device finish as the CUDA default (aa6653d) on the H200. (1) the
 # one-batch bench at 2,048 adapters, default (device) against --adapter-finish host, alternated, two each; (2) S4
-# with the disk in play at 5 and 2,000 adapters (the rows record adapter_finish and the plain cold read beside them).
+# with the disk in play at 5 and 2,000 adapters (the rows record adapter_finish and the plain cold read beside them,
+# ttft_split and the stall steps); (3) S4 at 2,000 again at the same rate with one-image host-arena chunks.
 #   run: command="END=585 bash bench/results/session38/next_call2.sh", timeout_s=600; results in $OUT/n2.tgz
 set -o pipefail
 END=${END:-585}
@@ -30,13 +31,24 @@ ob def1
 ob host1 --adapter-finish host
 ob def2
 ob host2 --adapter-finish host
-if [ $SECONDS -lt $(( END - 200 )) ]; then
+s4() {  # name, flags...
+  local n=$1; shift
   timeout $(( END - SECONDS - 10 )) python3 bench/bench_serving.py --shape llama3-8b --adapter-set S4 \
     --adapter-files 64 --adapter-dir /tmp/s4 --preload 300 --modes engine --requests 512 --no-burst-rows \
-    --engine-warmup --warmup-requests 0 --drop-after-read --out $OUT/n2/s4 --adapters 5,2000 --rate auto \
-    > $OUT/n2/s4.log 2>&1
-  echo "rc=$? at $SECONDS s" >> $OUT/n2/s4.log; rm -f $OUT/n2/s4/*.png
+    --engine-warmup --warmup-requests 0 --drop-after-read --out $OUT/n2/$n "$@" > $OUT/n2/$n.log 2>&1
+  echo "rc=$? at $SECONDS s" >> $OUT/n2/$n.log; rm -f $OUT/n2/$n/*.png
+}
+if [ $SECONDS -lt $(( END - 200 )) ]; then
+  s4 s4 --adapters 5,2000 --rate auto
 else
   echo "skipped s4 at $SECONDS s" >> $OUT/n2/skipped.txt
+fi
+# the host-arena chunk A/B at the same offered rate (the fixed-rate row, not a burst row): one-image chunks, each a
+# shorter cudaHostRegister (session 38's hypothesis for S4's ~180 ms stalls; rows carry stalls[].host_arena_map_ms)
+RATE=$(python3 -c "import json,sys; r=[x for x in json.load(open('$OUT/n2/s4/serving_llama3-8b.json'))['rows'] if x['rate'] != 'burst']; print(r[0]['offered_rps'])" 2>/dev/null)
+if [ -n "$RATE" ] && [ $SECONDS -lt $(( END - 90 )) ]; then
+  s4 s4chunk --adapters 2000 --rate $RATE --host-arena-chunk-bytes 1
+else
+  echo "skipped s4chunk at $SECONDS s (rate '$RATE')" >> $OUT/n2/skipped.txt
 fi
 true
