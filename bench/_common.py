@@ -7,7 +7,6 @@ The scripts run as ``python bench/<script>.py``, so ``bench/`` is on ``sys.path`
 from __future__ import annotations
 
 import argparse
-
 import os
 import shutil
 import statistics

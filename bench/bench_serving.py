@@ -77,11 +77,10 @@ from tqdm.auto import tqdm
 
 from multilora import Engine, SamplingParams
 from multilora.config import ModelConfig
-from multilora.runtime.config import EngineConfig, finish_on_device
 from multilora.runtime import scheduler as scheduler_mod
 from multilora.runtime.adapters import image as image_mod
 from multilora.runtime.adapters import save_peft_adapter
-from multilora.runtime.config import bytes_arg
+from multilora.runtime.config import EngineConfig, bytes_arg, finish_on_device
 from multilora.runtime.weights import MODEL_SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -213,7 +213,7 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
                                           unified_sizes, weight_bytes)
     from multilora.runtime.weights import model_config, resolve_model_path
 
-    from multilora.runtime.config import as_flag_error
+    from multilora.runtime.config import as_flag_error, finish_on_device
 
     cfg = _engine_config(args)
     if cfg.weight_dtype == "fp8" and args.snapshot is None:  # the engine's check, on the device measured
@@ -266,7 +266,8 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
             "max_batch_size": cfg.max_batch_size, "max_seq_len": max_seq_len, "max_lora_rank": cfg.max_lora_rank,
             "kv_block_size": cfg.kv_block_size, "weight_bytes": weights,
             "fp8_checked": None if cfg.weight_dtype != "fp8" else args.snapshot is None, "activation_bytes": r.activation_bytes,
-            "adapter_finish": "device" if r.scratch_bytes else "host", "finish_scratch_bytes": r.scratch_bytes,
+            "adapter_finish": "device" if finish_on_device(cfg, device_type) else "host",
+            "finish_scratch_bytes": r.scratch_bytes,
             "pool_bytes": pool_pages * r.page_bytes, "pool_pages": pool_pages, "page_bytes": r.page_bytes,
             "pool_max_bytes": pool_max_pages * r.page_bytes, "max_rank_adapters": pool_pages // r.pages_per_adapter,
             "max_rank_adapters_max": pool_max_pages // r.pages_per_adapter, "adapter_slots": slots,

@@ -170,8 +170,8 @@ class EngineConfig:
             (reads already in flight do not count).
         adapter_io_threads: threads of the adapter cache that read adapters from disk (default 4). On the H200
             host (16 cores) the host-finished read (``adapter_finish="host"``) of Llama-3-8B rank-16 adapters gave
-            6.9 GB/s on 4 threads and 10.3 on 8 (bench/README.md, "Session 12"); the engine's own thread shares the GIL with
-            them, so more is not always faster for the steps: measure with your traffic.
+            6.9 GB/s on 4 threads and 10.3 on 8 (bench/README.md, "Session 12"); the engine's own thread shares the
+            GIL with them, so more is not always faster for the steps: measure with your traffic.
         gil_switch_interval: seconds passed to ``sys.setswitchinterval`` while the engine lives (restored by
             ``Engine.close`` if still set): how long a thread that wants Python's GIL back (the engine's step thread,
             after a CUDA call or a wait) may wait behind a thread holding it (the cache's I/O threads). Python's
@@ -232,8 +232,8 @@ class EngineConfig:
             "host" otherwise (``finish_on_device``). "device" reads at the plain read's speed (H100 host, page cache,
             4 threads: 91% of a plain read against 32% for "host") and in the one-batch bench at 2,048 adapters
             (two H100 hosts, alternated, two runs each per host) gave 53.0-58.6% of the no-adapter tokens/s warm and
-            63.0-66.2% cold, against 46.4-51.2% and 34.3-38.6% with "host" (bench/README.md, "Session 38"; session 13's H200 A/B, before
-            the GIL switch interval and the urgent-read wait, had it behind).
+            63.0-66.2% cold, against 46.4-51.2% and 34.3-38.6% with "host" (bench/README.md, "Session 38";
+            session 13's H200 A/B, before the GIL switch interval and the urgent-read wait, had it behind).
         async_scheduling: launch each step before reading the step before back (vLLM's name): the step's last
             tokens stay on the device (``Request.pending``) and the next step takes them from there
             (``runner.Feed``), so the host schedules and stages step n + 1 while the GPU runs step n, instead of

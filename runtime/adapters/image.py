@@ -738,7 +738,6 @@ def _finish_batched(plan: _Plan, img: np.ndarray, scratch: np.ndarray, bounds) -
     if bounds is None:
         return None
     part = -(-img.size // PIPELINE_FINISH_THREADS)
-
     return all(_run_all(pool, [(_finite_range, (img, lo, min(lo + part, img.size), bounds))
                                for lo in range(0, img.size, part)]))
 
