@@ -249,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("serve-ray", help="the server's routes on N engine replicas under Ray Serve, each request "
                                          "routed to a replica that holds its adapter (runtime/ray_serve.py)")
     _engine_args(r)
+    for action in r._actions:  # taken, so that giving it is a clear error (_cmd_serve_ray), but not offered in --help
+        if action.dest == "tensor_parallel_size":
+            action.help = argparse.SUPPRESS
     _http_args(r)
     r.add_argument("--replicas", type=_int_range(1), default=1, help="engine replicas (default 1)")
     r.add_argument("--adapters-per-replica", type=_int_range(1), default=16,

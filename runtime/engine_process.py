@@ -426,7 +426,7 @@ class EngineProcess:
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
-        ids = self.text.encode(prompt)  # chat template, text checks: this process's work
+        ids = self.text.encode(prompt, self.max_seq_len)  # chat template, text checks: this process's work
         stream = self._request(("submit", ids, adapter, sampling), (prompt, adapter, ids, sampling.stop)).result()
         return stream
 
@@ -629,7 +629,7 @@ def load_engine(model: Any, config: Any, adapters: dict[str, str] | list[tuple[s
         except ValueError as e:
             raise ValueError(f"--adapter {name}={path}: {e}") from e
     if items:
-        log.info("registered %d adapters in %.2f s", len(items), time.perf_counter() - t0)
+        log.info("registered %d adapter%s in %.2f s", len(items), "" if len(items) == 1 else "s", time.perf_counter() - t0)
     if warmup and engine.device.type == "cuda":  # on a CPU nothing compiles (torch kernels, no graphs): no need
         try:
             engine.warmup(items[0][0] if items else None)

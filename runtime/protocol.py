@@ -114,7 +114,8 @@ class UnloadLoRARequest(_Body):
     lora_name: str
 
 
-#: Known parameters we do not implement: name -> the values accepted because they mean "off" (null always is).
+#: Known parameters we do not implement: name -> the values accepted because they mean "off" (null always is;
+#: ``tool_choice="auto"`` too, which some clients always send: with no tools it calls none).
 _UNSUPPORTED = {
     "n": (1,), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
     "repetition_penalty": (1,), "length_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,),
@@ -125,7 +126,7 @@ _UNSUPPORTED = {
 }
 COMPLETION_UNSUPPORTED = {**_UNSUPPORTED, "logprobs": (), "suffix": ("",)}
 CHAT_UNSUPPORTED = {
-    **_UNSUPPORTED, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",),
+    **_UNSUPPORTED, "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none", "auto"),
     "functions": ([],), "function_call": ("none",), "modalities": (["text"],), "audio": (), "prediction": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
     "chat_template_kwargs": ({},), "documents": (), "reasoning_effort": (), "web_search_options": (),
@@ -165,7 +166,15 @@ def sampling_params(body: _Generate, max_tokens: int, *, asked: bool = False,
     names none). ``asked``: the client named ``max_tokens``, so a prompt + ``max_tokens`` past the context or the KV
     cache is a 400 (``max_tokens_must_fit``), as from OpenAI and vLLM; a default is capped at both instead
     (``max_tokens_fit_kv``). Raises a 400 with the engine's message, naming the field as the request named it
-    (``params``: the engine's field -> the request's, ``renamed``)."""
+    (``params``: the engine's field -> the request's, ``renamed``). The HTTP ranges come first: ``top_k`` -1 or 0 is
+    off (vLLM's), below -1 is refused; ``seed`` must be an int64 (vLLM's and OpenAI's type), not reduced mod 2**64 as
+    the engine's ``SamplingParams.seed`` is, so 2**64 is refused rather than being seed 0."""
+    if isinstance(body.top_k, int) and body.top_k < -1:
+        raise APIError(400, f"top_k: expected -1 or 0 (off) or a positive int, got {body.top_k}", code="invalid_value",
+                       param="top_k")
+    if isinstance(body.seed, int) and not -2**63 <= body.seed < 2**63:
+        raise APIError(400, f"seed: expected an int in [-2**63, 2**63) (int64), got {body.seed}", code="invalid_value",
+                       param="seed")
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p,

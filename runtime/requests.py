@@ -74,7 +74,7 @@ class RequestFactory:
         if params.stop and not self.tokenizer.has_text:
             raise ValueError(f"sampling.stop: {self.tokenizer.source} has no tokenizer, so stop strings cannot be "
                              f"matched")
-        ids = self.tokenizer.encode(prompt)
+        ids = self.tokenizer.encode(prompt, self.max_seq_len)
         if len(ids) >= self.max_seq_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
                              f"max_seq_len={self.max_seq_len} (a longer prompt needs a larger max_seq_len: "

@@ -3,7 +3,7 @@
     app = create_app(engine, served_model_name="smol", api_key="sk-...", allow_runtime_adapters=True)
     uvicorn.run(app, host="127.0.0.1", port=8000)        # what `multilora serve` runs
 
-Routes (bodies as OpenAI's and vLLM's; the README's "Serve" section has examples): ``GET /health``,
+Routes (bodies as OpenAI's and vLLM's; the README's "Serve" section has examples): ``GET /health`` (and ``HEAD``),
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``model`` = an adapter name or the base
 model's served name; ``stream`` gives server-sent events ending in ``data: [DONE]``), ``POST /v1/load_lora_adapter``
 and ``POST /v1/unload_lora_adapter`` (only with ``allow_runtime_adapters``; paths must resolve inside
@@ -115,7 +115,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                      listed_adapters or engine.list_adapters, adapter_paths or dict)
     app = FastAPI(title="multilora", lifespan=server.lifespan)
     app.state.server = server
-    app.get("/health")(server.health)
+    app.api_route("/health", methods=["GET", "HEAD"])(server.health)  # HEAD: probes that ask for no body
     app.get("/metrics")(server.metrics_text)
     app.get("/v1/models")(server.models)
     app.get("/v1/models/{model:path}")(server.model)

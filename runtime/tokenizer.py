@@ -9,6 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+#: The text past which a prompt is refused before tokenizing, per token of ``max_len``: a multiple of the longest
+#: token's UTF-8 bytes (``PromptTokenizer.max_token_bytes``). A token never stands for more bytes of text than its
+#: vocabulary string has (byte-level BPE: one character per byte; SentencePiece's "\u2581" and ``<0x..>`` pieces are
+#: longer than the text they stand for), so ``bytes / max_token_bytes`` tokens is a lower bound; the factor covers
+#: normalizers that shorten text (NFC, NFKC) with room to spare. Tokenizing 20 MB of text took 11 s and 3 GB here.
+TEXT_BYTES_PER_TOKEN_FACTOR = 4
+
 #: The roles a chat message may have: OpenAI's (with the deprecated ``function``) and Llama 3.1's ``ipython`` (its chat
 #: template's tool-output role); a ``developer`` message is rendered as a system message, as OpenAI treats it. Another
 #: role (a typo such as ``"usr"``) is refused, naming the message and the role: chat templates render unknown roles in
@@ -55,26 +62,57 @@ class PromptTokenizer:
         self.eos_ids = set(eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
+        self._max_token_bytes: int | None = None
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The UTF-8 length in bytes of the vocabulary's longest token string (special tokens included); 0 without a
+        tokenizer or when it gives no vocabulary (``get_vocab``), which turns the length check of ``encode`` off."""
+        if self._max_token_bytes is None:
+            try:
+                vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+                self._max_token_bytes = max((len(str(t).encode("utf-8", "replace")) for t in vocab), default=0)
+            except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary: no bound, never an error
+                self._max_token_bytes = 0
+        return self._max_token_bytes
+
+    def _check_length(self, text: str, max_len: int | None) -> None:
+        """Raise ValueError if ``text`` is far too long to be fewer than ``max_len`` tokens, before tokenizing it
+        (``TEXT_BYTES_PER_TOKEN_FACTOR``)."""
+        if not max_len or not self.max_token_bytes or len(text) * 4 <= (limit := self._text_limit(max_len)):
+            return  # a str of n characters is at most 4 n bytes: most texts are let through without encoding them
+        n = len(text.encode("utf-8"))
+        if n > limit:
+            raise ValueError(f"prompt: {n:,} bytes of text are more than max_seq_len={max_len} tokens can hold (no "
+                             f"token of {self.source}'s vocabulary is over {self.max_token_bytes} bytes; text over "
+                             f"{limit:,} bytes is refused before it is tokenized): shorten the prompt")
+
+    def _text_limit(self, max_len: int) -> int:
+        return max_len * self.max_token_bytes * TEXT_BYTES_PER_TOKEN_FACTOR
 
     @property
     def has_text(self) -> bool:
         return self.tokenizer is not None
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt (see the module docstring).
+    def encode(self, prompt: Prompt, max_len: int | None = None) -> list[int]:
+        """Token ids of a prompt (see the module docstring). ``max_len`` (the engine's ``max_seq_len``, or None):
+        text that cannot be fewer tokens than this is refused before it is tokenized (``TEXT_BYTES_PER_TOKEN_FACTOR``);
+        the caller still checks the ids' length.
 
         Raises:
             ValueError: a prompt of another type, ids out of range, chat messages without string 'role' and
                 'content' or with a role not in ``CHAT_ROLES``, chat messages the model's chat template refuses
                 (its ``raise_exception``: e.g. Gemma's templates refuse a system role), text that is not valid
-                Unicode (a lone surrogate), text for a model without a tokenizer, or a prompt that tokenizes to
-                nothing.
+                Unicode (a lone surrogate), text for a model without a tokenizer, a prompt that tokenizes to
+                nothing, or text (after the chat template) over ``max_len`` times ``TEXT_BYTES_PER_TOKEN_FACTOR`` times
+                ``max_token_bytes`` bytes.
         """
         listed = isinstance(prompt, (list, tuple))
         if self.tokenizer is None and not (listed and all(isinstance(t, int) for t in prompt)):
             raise ValueError(f"prompt: {self.source} has no tokenizer, so prompts must be lists of token ids")
         if isinstance(prompt, str):
             _check_text(prompt, "prompt")
+            self._check_length(prompt, max_len)
             ids = self.tokenizer(prompt)["input_ids"]
         elif listed and prompt and all(isinstance(m, dict) for m in prompt):
             if not all("role" in m and "content" in m for m in prompt):
@@ -97,6 +135,7 @@ class PromptTokenizer:
                 if not type(e).__module__.startswith("jinja2"):
                     raise
                 raise ValueError(f"prompt: the chat template of {self.source} refused these messages: {e}") from None
+            self._check_length(text, max_len)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         elif listed and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)

@@ -905,6 +905,10 @@ def test_serve_ray_checks_what_replicas_would_refuse_before_ray_starts(pickled_a
     assert code == 2 and f"--host 127.0.0.1 --port {port}: cannot listen" in err, err
     code, _, err = run(capsys, "serve-ray", "--adapter", f"a={demo_dir / 'demo-a'}", "--max-lora-rank", "1")
     assert code == 2 and f"--adapter a={demo_dir / 'demo-a'}: " in err and "max_lora_rank" in err, err
+    code, _, err = run(capsys, "serve-ray", "--tensor-parallel-size", "2")  # taken, refused, not in --help
+    assert code == 2 and "--tensor-parallel-size 2: not supported by serve-ray" in err, err
+    code, out, _ = run(capsys, "serve-ray", "--help")
+    assert code == 0 and "--replicas" in out and "--tensor-parallel-size" not in out
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # free once closed

@@ -31,6 +31,7 @@ transformers = pytest.importorskip("transformers")
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.runtime import postprocess  # noqa: E402
+from multilora.runtime.tokenizer import TEXT_BYTES_PER_TOKEN_FACTOR  # noqa: E402
 from testsupport import Interrupt  # noqa: E402
 from multilora.runtime.adapters import save_peft_adapter  # noqa: E402
 from testsupport import tiny_llama_dir, token_ids, tokenizer_dir, write_adapter  # noqa: E402
@@ -211,6 +212,48 @@ def test_messages_the_chat_template_refuses_are_a_value_error(engine, reference,
     monkeypatch.undo()
     _still_serves(engine, reference)
 
+
+
+class _Recording:
+    """A tokenizer that records the texts it is called on (and otherwise is the wrapped one)."""
+
+    def __init__(self, tok):
+        self.tok, self.texts = tok, []
+
+    def __call__(self, text, **kw):
+        self.texts.append(text)
+        return self.tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_text_far_past_max_seq_len_is_refused_before_it_is_tokenized(engine, reference, monkeypatch):
+    """Text over max_seq_len x the longest token's bytes x TEXT_BYTES_PER_TOKEN_FACTOR is refused without tokenizing
+    it (a 20 MB prompt took 11 s and 3 GB to be refused), and the bound is sound: the densest text there is (the
+    longest token's own text, repeated) past it really is more than max_seq_len tokens, by the tokenizer itself."""
+    text, tok = engine.text, engine.text.tokenizer
+    vocab = tok.get_vocab()
+    assert text.max_token_bytes == max(len(t.encode()) for t in vocab) > 0
+    limit = engine.max_seq_len * text.max_token_bytes * TEXT_BYTES_PER_TOKEN_FACTOR
+    longest = max((tok.decode([i]) for i in vocab.values() if i not in tok.all_special_ids), key=lambda t: len(t.encode()))
+    dense = longest * (limit // len(longest.encode()) + 1)
+    assert len(dense.encode()) > limit and len(tok(dense)["input_ids"]) >= engine.max_seq_len
+    rec = _Recording(tok)
+    monkeypatch.setattr(text, "tokenizer", rec)
+    words = rf"prompt: {len(dense.encode()):,} bytes of text are more than max_seq_len={engine.max_seq_len} tokens can hold"
+    with pytest.raises(ValueError, match=rf"^prompts\[1\]: {words} \(no token of .* is over {text.max_token_bytes} "
+                                         rf"bytes; text over {limit:,} bytes is refused before it is tokenized\)"):
+        engine.generate(["fine", dense], sampling=GREEDY)
+    with pytest.raises(ValueError, match=rf"^prompts\[0\]: {words[:9]}"):  # chat: the templated text, a bit longer
+        engine.generate([[{"role": "user", "content": dense}]], sampling=GREEDY)
+    assert all(len(t) < len(dense) for t in rec.texts), "a text past the bound was tokenized"
+    under = "x" * (limit // 2)  # within the bound: tokenized, then refused by its token count
+    with pytest.raises(ValueError, match=r"prompt: \d+ tokens leave no room to generate within max_seq_len"):
+        engine.generate([under], sampling=GREEDY)
+    assert under in rec.texts
+    monkeypatch.undo()
+    _still_serves(engine, reference)
 
 # ------------------------------------------------------------------------------------ 5: non-finite logits
 def test_an_adapter_that_overflows_fails_alone_naming_itself(engine, reference):

@@ -397,6 +397,10 @@ ERRORS = [  # (route, body, status, param, code)
     ("chat/completions", {"model": BASE, "messages": CHAT, "max_completion_tokens": 300}, 400,
      "max_completion_tokens", "invalid_value"),
     ("completions", {"model": BASE, "prompt": "Hi", "top_k": -5}, 400, "top_k", "invalid_value"),
+    ("completions", {"model": BASE, "prompt": "Hi", "seed": 2**64}, 400, "seed", "invalid_value"),  # not seed 0
+    ("completions", {"model": BASE, "prompt": "Hi", "seed": -2**63 - 1}, 400, "seed", "invalid_value"),
+    ("chat/completions", {"model": BASE, "messages": CHAT, "tool_choice": "required"}, 400, "tool_choice",
+     "unsupported_parameter"),
     ("completions", {"model": BASE, "prompt": "Hi", "stop": [""]}, 400, "stop", "invalid_value"),
     ("completions", {"model": BASE, "prompt": "Hi", "temperature": "hot"}, 400, "temperature", "invalid_type"),
     ("completions", {"model": BASE, "prompt": "Hi", "max_tokens": 1.5}, 400, "max_tokens", "invalid_type"),
@@ -587,6 +591,19 @@ def test_off_values_of_unsupported_parameters_and_unknown_fields_are_accepted(ht
         {"type": "text", "text": "Hi"}]}], "max_completion_tokens": 2, "tool_choice": "none",
         "response_format": {"type": "text"}})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+    # "auto" without tools calls none (some clients always send it); int64 seeds at both ends; top_k -1 is off
+    r = http.post("/v1/chat/completions", json={"model": BASE, "messages": CHAT, "max_tokens": 2, "tool_choice": "auto",
+                                                "seed": 2**63 - 1, "top_k": -1})
+    assert r.status_code == 200, r.text
+    assert http.post("/v1/completions", json={"model": BASE, "prompt": "Hi", "max_tokens": 2,
+                                              "seed": -2**63}).status_code == 200
+
+
+@pytest.mark.parametrize("top_k", [-2, -5])
+def test_a_negative_top_k_other_than_minus_one_names_the_values_accepted(http, top_k):
+    r = http.post("/v1/completions", json={"model": BASE, "prompt": "Hi", "top_k": top_k})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        f"top_k: expected -1 or 0 (off) or a positive int, got {top_k}")
 
 
 def test_api_key(url, http, client):
@@ -598,6 +615,8 @@ def test_api_key(url, http, client):
             assert r.status_code == 401 and r.json()["error"]["code"] == code, (path, r.text)
             assert r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{url}/health").status_code == 200  # no key needed
+    h = httpx.head(f"{url}/health")  # probes that ask for no body
+    assert h.status_code == 200 and not h.content
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     assert client.models.list().data
