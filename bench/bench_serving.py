@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import hashlib
 import json
 import math
@@ -862,7 +863,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "CUDA, host on the CPU; rows record the one used)")
     ap.add_argument("--host-arena-chunk-bytes", type=bytes_arg, default=None,
                     help="Engine(host_arena_chunk_bytes=...): bytes of one chunk of the host tier's pinned arena, each "
-                         "page-locked by one cudaHostRegister (default: the engine's, 1 GiB; 1 = one max-rank image)")
+                         "page-locked by one cudaHostRegister (default: the engine's, 256 MiB; 1 = one max-rank image)")
     ap.add_argument("--adapter-pool-fill", action="store_true", help="Engine(adapter_pool_fill=True): the pool also "
                     "takes the budget the KV cache can never use (max_batch_size sequences of the trace's longest)")
     ap.add_argument("--unified-pool", default="off", help="comma-separated off,on: rows with the pool and the KV "
@@ -1001,6 +1002,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                               long_len=args.long_prompt_len)
 
         unified = False
+        gpu_before: int | None = None  # torch.cuda.memory_allocated() before this N's engine was built (CUDA)
 
         def record(mode: str, r: float, results: list[Result], wall: float, before: dict | None,
                    after: dict | None, steps: dict | None = None, drops: int = 0,
@@ -1011,6 +1013,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                    "adapter_pool_fill": args.adapter_pool_fill, "adapter_finish": ("device" if finish_on_device(
                        EngineConfig(adapter_finish=args.adapter_finish), torch.device(args.device).type) else "host"),
                    "kv_cache_bytes": args.kv_cache_bytes, "host_arena_chunk_bytes": args.host_arena_chunk_bytes,
+                   "gpu_bytes_allocated_before_engine": gpu_before if mode == "engine" else None,
                    "arrival": args.arrival, "rate": "burst" if math.isinf(r) else f"{r:.2f}",
                    "chunked_prefill": args.chunked_prefill, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,
@@ -1036,6 +1039,9 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
             return [math.inf, rate] if args.burst_rows and not math.isinf(rate) else [rate]
 
         for unified in args.unified_list if "engine" in args.mode_list or rate is None else []:
+            # what the rows before left allocated (0 unless something still holds their engine): this engine's
+            # memory plan sizes its pool and KV cache from the free memory, so a leftover engine shrinks them
+            gpu_before = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
             engine = build_engine(args, config, files, n, unified)
             dropper = DropAfterRead(engine) if args.drop_after_read else None
             if dropper is not None:  # (registering and warming up read files into the page cache)
@@ -1061,7 +1067,13 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                     res, wall = asyncio.run(run_engine(engine, trace_at(r)))
                 record("engine", r, res, wall, before, engine.stats(), st.summary(), drops.passes,
                        after_reads(reads0), pipes0)
+            # every holder of this engine let go before the next N's is built: the StepTrace of the last row holds
+            # it, and --drop-after-read's reload wrapper makes a cycle through its cache (freed by a collection
+            # only). Until session 39 both kept the N = 5 engine (~16 GB for Llama-3-8B) alive while N = 2,000's
+            # was planned: its pool got 344 slots, not 1,231 (bench/results/session39/README.md)
+            st = dropper = None  # noqa: F841 - the names are the references
             del engine
+            gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         unified = False

@@ -894,3 +894,31 @@ def test_serving_bench_fits_the_shapes_context(capsys):
         bs.parse_args(["--shape", "tiny", "--output-len", "8,600"])
     assert "--input-len / --output-len: the longest request (1112 tokens) is past the tiny shape's context of 1024" \
         in capsys.readouterr().err
+
+
+def test_serving_bench_lets_each_engine_go_before_the_next_is_built(tmp_path, monkeypatch):
+    """Each N's engine is freed before the next N's is built (its memory plan sizes the pool from the free memory):
+    with --drop-after-read (its reload wrapper makes a cycle through the cache) and a StepTrace per row, the N = 5
+    engine outlived its rows until session 39, and S4's N = 2,000 rows on a GPU got 344 pool slots, not 1,231."""
+    import weakref
+
+    bs = _load_bench("bench_serving")
+    built = []
+    real = bs.build_engine
+
+    def build(*a, **kw):
+        assert [r() for r in built] == [None] * len(built), "an earlier row's engine is still alive"
+        e = real(*a, **kw)
+        built.append(weakref.ref(e))
+        return e
+
+    monkeypatch.setattr(bs, "build_engine", build)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    rows = bs.main(["--shape", "tiny", "--adapters", "2,3", "--requests", "4", "--input-len", "4,8", "--output-len",
+                    "2,4", "--max-batch-size", "4", "--adapter-files", "2", "--adapter-dir", str(tmp_path / "adapters"),
+                    "--out", str(out), "--modes", "engine", "--warmup-requests", "0", "--rate", "50",
+                    "--drop-after-read"])
+    assert len(built) == 2 and [r["n_adapters"] for r in rows] == [2, 2, 3, 3]  # a burst row and a rate row each
+    assert built[0]() is None and built[1]() is None  # the last one too, once main returns
+    assert all(r["gpu_bytes_allocated_before_engine"] is None for r in rows)  # (recorded on CUDA only)
