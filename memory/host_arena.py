@@ -7,7 +7,7 @@ the next power of two (``PowerOf2Ceil`` in ``aten/src/ATen/core/CachingHostAlloc
 below ``pinned_max_round_threshold``): an 84 MB Llama-3-8B rank-16 image pinned 128 MiB, the host tier's
 budget held 34% fewer copies than its bytes, each new block cost a ``cudaHostAlloc`` under the driver's lock,
 and freed blocks stayed cached in torch, outside any budget. Instead the host tier takes its memory in a few
-large **chunks** (``chunk_bytes``, default 1 GiB, at least one max-size image; the first ones smaller: 64 MiB,
+large **chunks** (``chunk_bytes``, default 256 MiB, at least one max-size image; the first ones smaller: 64 MiB,
 doubling), each one anonymous mapping
 (``mmap``, ``MADV_HUGEPAGE`` where the kernel has it) that is page-locked once with ``cudaHostRegister``
 (``torch.cuda.cudart()``) for exactly its size, and places images in them with the same first-fit extents as the
@@ -16,7 +16,8 @@ image takes exactly its bytes). Registration pins what the arena maps, nothing r
 bytes of the live images, ``bytes_held`` the bytes mapped and pinned, at most the budget. Chunks are mapped
 when first needed (an engine with few adapters pins little) and kept. One registration per chunk rather than
 one per image: registering pins (and first touches) every page, about as costly as the allocation itself, so
-doing it once per GiB and never again keeps it off the reload path. Chunks rather than one arena of the whole
+doing it once per chunk and never again keeps it off the reload path (but each registration holds up other threads'
+CUDA calls while it runs: ``DEFAULT_CHUNK_BYTES``). Chunks rather than one arena of the whole
 budget: the budget may be tens of GB, and registering it whole would take seconds at start-up and hold all of
 it before any adapter is loaded.
 
@@ -65,8 +66,13 @@ from multilora.memory.extents import Extents, move_down
 
 log = logging.getLogger("multilora")
 
-#: Bytes of one chunk of the arena unless the caller asks otherwise (1 GiB: a compaction moves at most this).
-DEFAULT_CHUNK_BYTES = 1 << 30
+#: Bytes of one chunk of the arena unless the caller asks otherwise (a compaction moves at most this; the engine
+#: raises it to one max-rank image). 256 MiB since session 39: each chunk is page-locked by one ``cudaHostRegister``,
+#: which holds up the step thread's CUDA calls while it runs. H100, S4 at 2,000 adapters
+#: (``bench/results/session39/README.md``): every step over 50 ms was one waiting on a registration, 160-415 ms
+#: with 1 GiB chunks, 48-82 ms with 320 MiB ones (that run's max-rank image), and the registrations took less time
+#: in all (1.2 s for 21 chunks against 1.9 s for 7).
+DEFAULT_CHUNK_BYTES = 256 << 20
 #: Bytes of the first chunk (each next one doubles, up to the chunk size).
 FIRST_CHUNK_BYTES = 64 << 20
 
