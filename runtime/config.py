@@ -185,8 +185,9 @@ class EngineConfig:
             passed over (until it is urgent, ``starvation_patience``) while requests behind it whose adapters are
             resident or in host memory are admitted, instead of reading its files inside a step
             (``multilora.runtime.scheduler``, "Adapter-aware admission").
-        max_waiting_requests: most requests waiting at once; ``add_request`` / ``generate`` beyond it raise
-            ``EngineOverloadedError`` (a server answers 429) instead of queueing without bound.
+        max_waiting_requests: most requests waiting at once; ``add_request`` beyond it raises
+            ``EngineOverloadedError`` (a server answers 429) instead of queueing without bound; ``generate`` raises it
+            only when the queue is full as the call begins, and otherwise queues its prompts as room frees.
         lora_backend: "torch", "triton" or None (triton on CUDA when available).
         attention_backend: the paged-attention backend, "torch", "triton" or None (triton on CUDA when
             available; ``multilora.kernels.attention``).

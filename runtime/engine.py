@@ -463,12 +463,14 @@ class Engine:
         """
         with self._step_lock:
             if len(self.scheduler.waiting) >= self.engine_config.max_waiting_requests:
-                raise EngineOverloadedError(f"engine overloaded: {len(self.scheduler.waiting)} requests are waiting "
-                                            f"(max_waiting_requests={self.engine_config.max_waiting_requests}); "
-                                            f"retry later")
+                raise self._overloaded()
             req = self.requests.generation(prompt, adapter, sampling)
             self.scheduler.add(req)
             return req
+
+    def _overloaded(self) -> EngineOverloadedError:
+        return EngineOverloadedError(f"engine overloaded: {len(self.scheduler.waiting)} requests are waiting "
+                                     f"(max_waiting_requests={self.engine_config.max_waiting_requests}); retry later")
 
     # ---------------------------------------------------------------------------------------- step
     def step(self) -> list[Request]:
@@ -731,14 +733,26 @@ class Engine:
                 self._counters["requests_aborted"] += 1
             return req is not None
 
-    def _run_until_done(self, reqs: list[Request], progress: bool) -> None:
-        """Step until every request of ``reqs`` has finished (whoever's step finishes it). If this is interrupted or
-        raises (KeyboardInterrupt, any exception), the unfinished ones are withdrawn (their KV blocks and adapter
+    def _run_until_done(self, reqs: list[Request], progress: bool,
+                        backlog: collections.deque[Request] | None = None) -> None:
+        """Step until every request of ``reqs`` has finished (whoever's step finishes it), queueing those of
+        ``backlog`` (checked, held, not queued: ``generate``) as the waiting queue has room. If this is interrupted
+        or raises (KeyboardInterrupt, any exception), the unfinished ones are withdrawn (their KV blocks and adapter
         references go back, other callers' requests are untouched) before the exception propagates."""
+        cap = self.engine_config.max_waiting_requests
         try:  # one step at a time under the lock: callers in other threads batch with these requests
             with tqdm(total=len(reqs), desc="Generating", unit="req", disable=not progress) as bar:
                 pending = list(reqs)
                 while pending:
+                    if backlog:
+                        with self._step_lock:
+                            while backlog and len(self.scheduler.waiting) < cap:
+                                req = backlog.popleft()
+                                if req.status is Status.FINISHED:  # aborted meanwhile (Engine.abort finds none)
+                                    continue
+                                self.scheduler.add(req)
+                                if req.handle is not None:  # the hold taken in generate, now the queue's own
+                                    self.cache.dequeue(req.handle)
                     self.step()
                     left = [r for r in pending if r.status is not Status.FINISHED]
                     if progress:  # the tokens so far too: a batch whose requests all end together still moves
@@ -892,29 +906,44 @@ class Engine:
             One ``RequestOutput`` per prompt, in order. Calls from several threads at once share the engine's steps
             (their requests are batched together); ``last_run`` counts every token the engine made meanwhile.
 
+        More prompts than ``max_waiting_requests`` leaves room for are all checked first, then queued as room
+        frees (the rest wait in this call, their adapter versions held as a queued request's are): a call of any
+        size runs, however full the queue is, unless it is full when the call begins.
+
         Raises:
             ValueError: mismatched list lengths or a bad prompt (nothing is run; the message names the index).
             UnknownAdapterError (a KeyError): a named adapter is not loaded (nothing is run).
-            EngineOverloadedError: too many requests waiting (nothing is run).
+            EngineOverloadedError: ``max_waiting_requests`` requests were already waiting (nothing is run).
         """
         prompts = prompt_list(prompts)
         adapters_l = per_row(adapters, len(prompts), "adapters", "prompt")
         sampling_l = per_row(sampling, len(prompts), "sampling", "prompt")
+        backlog: collections.deque[Request] = collections.deque()  # checked, not queued yet: past the queue's room
         with self._step_lock:
+            cap = self.engine_config.max_waiting_requests
+            if len(self.scheduler.waiting) >= cap:
+                raise self._overloaded()
             reqs = []
             try:
                 for i, (p, a, s) in enumerate(zip(prompts, adapters_l, sampling_l)):
                     try:
-                        reqs.append(self.add_request(p, a, s))
+                        req = self.requests.generation(p, a, s)
                     except UnknownAdapterError as e:
                         raise UnknownAdapterError(f"prompts[{i}]: {e}") from None
                     except ValueError as e:
                         raise ValueError(f"prompts[{i}]: {e}") from None
+                    reqs.append(req)
+                    if backlog or len(self.scheduler.waiting) >= cap:
+                        backlog.append(req)
+                        if req.handle is not None:  # held as if queued (Scheduler.finish releases it likewise)
+                            self.cache.enqueue(req.handle)
+                    else:
+                        self.scheduler.add(req)
             except BaseException:
-                self._withdraw(reqs, "withdrawn")  # nothing was run: withdraw what was queued
+                self._withdraw(reqs, "withdrawn")  # nothing was run: withdraw what was queued or held
                 raise
         t0, gen0 = time.perf_counter(), self._counters["generated_tokens"]
-        self._run_until_done(reqs, progress)
+        self._run_until_done(reqs, progress, backlog)
         elapsed = time.perf_counter() - t0
         generated = self._counters["generated_tokens"] - gen0
         self.last_run = {"seconds": elapsed, "generated_tokens": generated,

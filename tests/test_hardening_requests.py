@@ -255,6 +255,39 @@ def test_text_far_past_max_seq_len_is_refused_before_it_is_tokenized(engine, ref
     monkeypatch.undo()
     _still_serves(engine, reference)
 
+
+def test_generate_runs_more_prompts_than_the_waiting_queue_holds(tiny, reference, monkeypatch):
+    """A generate call of more prompts than max_waiting_requests queues them as room frees: every output equals the
+    prompt run alone, nothing is left held; a bad prompt anywhere still refuses the whole call with nothing run; a
+    full queue at the start is still EngineOverloadedError; an interrupt with prompts not yet queued lets every
+    adapter hold go."""
+    from multilora.runtime.engine import EngineOverloadedError
+
+    e = _engine(tiny, max_waiting_requests=2)
+    prompts, adapters = PROMPTS * 3, ADAPTERS * 3  # 9 prompts, a queue of 2
+    outs = e.generate(prompts, adapters=adapters, sampling=GREEDY)
+    assert [o.token_ids for o in outs] == reference * 3
+    assert all(e.cache.get(n).queued == 0 for n in e.list_adapters())
+    _idle(e)
+    with pytest.raises(ValueError, match=r"^prompts\[7\]: "):  # checked before any runs
+        e.generate(prompts[:7] + [[]], adapters=adapters[:8], sampling=GREEDY)
+    assert e.stats()["requests_finished"] == 9 and all(e.cache.get(n).queued == 0 for n in e.list_adapters())
+    _idle(e)
+    held = [e.add_request(p, a, GREEDY) for p, a in zip(PROMPTS[:2], ADAPTERS[:2])]  # the queue is full
+    with pytest.raises(EngineOverloadedError, match=r"2 requests are waiting \(max_waiting_requests=2\)"):
+        e.generate(PROMPTS, adapters=ADAPTERS, sampling=GREEDY)
+    for r in held:
+        e.abort(r.request_id)
+    e.step()
+    _idle(e)
+    monkeypatch.setattr(e, "step", Interrupt(e.step, at=2))  # the backlog is not yet queued at the interrupt
+    with pytest.raises(KeyboardInterrupt):
+        e.generate(prompts, adapters=adapters, sampling=GREEDY)
+    monkeypatch.undo()
+    assert all(e.cache.get(n).queued == 0 for n in e.list_adapters())
+    _idle(e)
+    assert [o.token_ids for o in e.generate(prompts, adapters=adapters, sampling=GREEDY)] == reference * 3
+
 # ------------------------------------------------------------------------------------ 5: non-finite logits
 def test_an_adapter_that_overflows_fails_alone_naming_itself(engine, reference):
     outs = engine.generate(PROMPTS + [PROMPTS[0]], adapters=ADAPTERS + ["hot"], sampling=GREEDY)
@@ -296,8 +329,8 @@ def test_an_interrupt_counts_only_the_unfinished_as_aborted(tiny, reference, mon
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     before = e.stats()
     reqs = []
-    real_add = e.add_request
-    monkeypatch.setattr(e, "add_request", lambda *a, **k: reqs.append(real_add(*a, **k)) or reqs[-1])
+    real_make = e.requests.generation  # (generate makes its requests there, then queues them)
+    monkeypatch.setattr(e.requests, "generation", lambda *a, **k: reqs.append(real_make(*a, **k)) or reqs[-1])
     with pytest.raises(KeyboardInterrupt):
         e.generate(PROMPTS, adapters=ADAPTERS, sampling=[one, GREEDY, GREEDY])
     monkeypatch.undo()
