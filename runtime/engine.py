@@ -429,9 +429,13 @@ class Engine:
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
         """Make an adapter resident in the pool now and never evict it while pinned (``pinned=False`` unpins).
-        Raises UnknownAdapterError (a KeyError) if not loaded, PoolFullError if it cannot be made resident now.
-        Between steps (the step lock): making it resident may compact the pool, moving the pages of adapters that a
+        The pin is by name: a reload (``load_adapter`` of the name again) stays pinned, its new version made
+        resident by its first request (or by ``pin_adapter`` again). Raises UnknownAdapterError (a KeyError) if not
+        loaded, PoolFullError if it cannot be made resident now, ValueError if ``pinned`` is not a bool. Between
+        steps (the step lock): making it resident may compact the pool, moving the pages of adapters that a
         running forward reads."""
+        if not isinstance(pinned, bool):  # pin_adapter(name, "False") would pin: a non-empty string is true
+            raise ValueError(f"pinned: expected a bool, got {type(pinned).__name__} {pinned!r}")
         with self._step_lock:
             self.cache.pin(name, pinned)
 

@@ -7,6 +7,7 @@ weights, a GGUF or HF directory without tokenizer files) serves token ids only, 
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Iterable
 
 #: The text past which a prompt is refused before tokenizing, per token of ``max_len``: a multiple of the longest
@@ -26,10 +27,12 @@ Prompt = Any  # str | list[dict] (chat messages) | list[int] (token ids)
 
 
 def prompt_list(prompts: Any) -> list:
-    """``generate``'s ``prompts`` as a list of prompts: a list as given; one string, one list of chat messages or one
-    message dict as a list of one prompt. Raises ValueError for anything else (None, a number, ...)."""
+    """``generate``'s ``prompts`` as a list of prompts: a list as given; one string, one list of chat messages, one
+    message dict or one 1-D integer tensor / array of token ids as a list of one prompt. Raises ValueError for anything else (None, a number, ...)."""
     if isinstance(prompts, dict):  # one chat message
         return [[prompts]]
+    if _is_id_array(prompts):  # one prompt of token ids as a 1-D integer tensor or array
+        return [prompts]
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], dict)):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
@@ -43,6 +46,31 @@ def _check_text(text: str, where: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ValueError(f"{where}: not valid Unicode text ({e.reason} at index {e.start})") from None
+
+
+def _is_id(t: Any) -> bool:
+    """A token id: an int, or a numpy / torch integer scalar (``numbers.Integral``, or a 0-d integer tensor); not a
+    bool."""
+    if isinstance(t, bool):
+        return False
+    if isinstance(t, numbers.Integral):
+        return True
+    dtype = getattr(t, "dtype", None)
+    return getattr(t, "ndim", None) == 0 and dtype is not None and _integer_dtype(dtype)
+
+
+def _is_id_array(p: Any) -> bool:
+    """A 1-D integer torch tensor or numpy array (taken as a list of token ids)."""
+    dtype = getattr(p, "dtype", None)
+    return (not isinstance(p, (str, list, tuple)) and getattr(p, "ndim", None) == 1 and dtype is not None
+            and _integer_dtype(dtype) and hasattr(p, "tolist"))
+
+
+def _integer_dtype(dtype: Any) -> bool:
+    """Whether a torch or numpy dtype is an integer one (not bool)."""
+    if getattr(dtype, "is_floating_point", None) is not None:  # torch.dtype
+        return not dtype.is_floating_point and not dtype.is_complex and str(dtype) != "torch.bool"
+    return getattr(dtype, "kind", "") in ("i", "u")  # numpy: signed / unsigned ints
 
 
 class PromptTokenizer:
@@ -107,16 +135,20 @@ class PromptTokenizer:
                 nothing, or text (after the chat template) over ``max_len`` times ``TEXT_BYTES_PER_TOKEN_FACTOR`` times
                 ``max_token_bytes`` bytes.
         """
+        if _is_id_array(prompt):  # a 1-D integer torch tensor or numpy array of token ids
+            prompt = prompt.tolist()
         listed = isinstance(prompt, (list, tuple))
-        if self.tokenizer is None and not (listed and all(isinstance(t, int) for t in prompt)):
+        if self.tokenizer is None and not (listed and not any(isinstance(m, dict) for m in prompt)):
             raise ValueError(f"prompt: {self.source} has no tokenizer, so prompts must be lists of token ids")
         if isinstance(prompt, str):
             _check_text(prompt, "prompt")
             self._check_length(prompt, max_len)
             ids = self.tokenizer(prompt)["input_ids"]
         elif listed and prompt and all(isinstance(m, dict) for m in prompt):
-            if not all("role" in m and "content" in m for m in prompt):
-                raise ValueError("prompt: chat messages must be dicts with 'role' and 'content'")
+            lacking = next((i for i, m in enumerate(prompt) if "role" not in m or "content" not in m), None)
+            if lacking is not None:
+                raise ValueError(f"prompt: chat message {lacking}: expected a dict with 'role' and 'content', got the "
+                                 f"keys {sorted(map(str, prompt[lacking]))}")
             for i, m in enumerate(prompt):
                 for key in ("role", "content"):
                     if not isinstance(m[key], str):
@@ -137,11 +169,14 @@ class PromptTokenizer:
                 raise ValueError(f"prompt: the chat template of {self.source} refused these messages: {e}") from None
             self._check_length(text, max_len)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        elif listed and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
+        elif listed and all(_is_id(t) for t in prompt):
+            ids = [int(t) for t in prompt]  # numpy / torch integer scalars as Python ints
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        elif listed and prompt and not isinstance(prompt[0], dict):  # token ids with a stranger among them
+            i, bad = next((i, t) for i, t in enumerate(prompt) if not _is_id(t))
+            raise ValueError(f"prompt: token ids must be ints, got {type(bad).__name__} {bad!r} at index {i}")
         else:
             raise ValueError(
                 f"prompt: expected a string, a list of chat messages ({{'role', 'content'}} dicts) or a list of "

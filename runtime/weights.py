@@ -108,6 +108,10 @@ def resolve_model_path(model: str | os.PathLike | None, *, require_weights: bool
     a HF directory's ``config.json`` suffices (``multilora memory --model`` reads the config only)."""
     if model is None:
         return default_model_path()
+    if not isinstance(model, (str, os.PathLike)):
+        raise ModelLoadError(f"model: expected a path (str or os.PathLike: a HF directory or a .gguf file), a "
+                             f"ModelConfig (random weights of a shape) or None (the default model), got "
+                             f"{type(model).__name__} {model!r:.60}")
     p = Path(model).expanduser()
     if not p.exists():
         raise ModelLoadError(f"model: path {str(p)!r} does not exist (expected a HF directory or a .gguf file)")

@@ -182,6 +182,12 @@ def test_one_message_dict_is_one_chat_prompt(engine):
     (["fine", ""], r"prompts\[1\]: prompt: the text tokenizes to zero tokens"),
     (["fine", "bad \ud800 text"], r"prompts\[1\]: prompt: not valid Unicode text \(surrogates not allowed at index 4\)"),
     ([[{"role": "user", "content": "ok \udfff"}]], r"prompts\[0\]: .*'content': not valid Unicode"),
+    (["fine", [5, "a"]], r"prompts\[1\]: prompt: token ids must be ints, got str 'a' at index 1$"),
+    (["fine", [5.0, 6.0]], r"prompts\[1\]: prompt: token ids must be ints, got float 5.0 at index 0$"),
+    ([[5, True]], r"prompts\[0\]: prompt: token ids must be ints, got bool True at index 1$"),
+    ([torch.tensor([1.0, 2.0])], r"prompts\[0\]: prompt: expected a string, .* got Tensor$"),
+    ([[{"role": "user"}]], r"prompts\[0\]: prompt: chat message 0: expected a dict with 'role' and 'content', got "
+                           r"the keys \['role'\]$"),
 ])
 def test_bad_prompts_are_value_errors_naming_the_index(engine, reference, prompts, match):
     with pytest.raises(ValueError, match=match):
@@ -287,6 +293,30 @@ def test_generate_runs_more_prompts_than_the_waiting_queue_holds(tiny, reference
     assert all(e.cache.get(n).queued == 0 for n in e.list_adapters())
     _idle(e)
     assert [o.token_ids for o in e.generate(prompts, adapters=adapters, sampling=GREEDY)] == reference * 3
+
+
+def test_token_ids_of_numpy_and_torch_integers_are_token_ids(engine, reference):
+    """numpy / torch integer scalars in a list, and 1-D integer arrays and tensors, are token ids: the same tokens as
+    the plain ints."""
+    import numpy as np
+
+    p = PROMPTS[0]
+    for given in ([np.int64(t) for t in p], [np.int32(t) for t in p], np.array(p, dtype=np.int64), torch.tensor(p),
+                  [torch.tensor(t) for t in p], torch.tensor(p, dtype=torch.int32)):
+        out = engine.generate([given], adapters=[ADAPTERS[0]], sampling=GREEDY)[0]
+        assert out.token_ids == reference[0] and out.prompt_token_ids == p, type(given)
+    assert engine.generate(torch.tensor(p), adapters=ADAPTERS[0], sampling=GREEDY)[0].token_ids == reference[0]
+    _still_serves(engine, reference)
+
+
+def test_pin_adapter_takes_a_bool_and_engine_model_a_path(engine, reference):
+    for bad in ("False", 0, None):
+        with pytest.raises(ValueError, match=rf"^pinned: expected a bool, got {type(bad).__name__} "):
+            engine.pin_adapter("a", bad)
+    assert not engine.cache.is_pinned(engine.cache.get("a"))
+    with pytest.raises(ValueError, match=r"^model: expected a path \(str or os.PathLike.*got int 123$"):
+        Engine(model=123)
+    _still_serves(engine, reference)
 
 # ------------------------------------------------------------------------------------ 5: non-finite logits
 def test_an_adapter_that_overflows_fails_alone_naming_itself(engine, reference):
