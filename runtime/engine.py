@@ -980,7 +980,12 @@ class Engine:
         # drop the host copies the rows are to hold). Every name first, so an unknown one queues nothing.
         reqs = self.requests.logits_rows(token_ids, adapters)
         with self._step_lock:
-            handles = [self.cache.get(r.adapter_name) if r.adapter_name is not None else None for r in reqs]
+            handles = []
+            for i, r in enumerate(reqs):
+                try:
+                    handles.append(self.cache.get(r.adapter_name) if r.adapter_name is not None else None)
+                except UnknownAdapterError as e:  # which row, as generate names its prompt
+                    raise UnknownAdapterError(f"adapters[{i}]: {e.args[0]}") from None
             for r, h in zip(reqs, handles):
                 r.handle, r.adapter_tier = h, h.tier if h is not None else None
                 self.scheduler.add(r)

@@ -479,6 +479,14 @@ def test_logits_rows_name_the_bad_id_and_its_place(engine, reference, rows, word
     _still_serves(engine, reference)
 
 
+def test_logits_name_the_row_of_an_unknown_adapter(engine, reference):
+    from multilora.runtime.adapter_cache import UnknownAdapterError
+
+    with pytest.raises(UnknownAdapterError, match=r"^adapters\[1\]: adapter 'nope' is not loaded"):
+        engine.logits(PROMPTS[:2], adapters=["a", "nope"])
+    _still_serves(engine, reference)
+
+
 def test_logits_take_tensor_rows(engine):
     want = engine.logits([PROMPTS[0]])
     assert torch.equal(engine.logits([torch.tensor(PROMPTS[0])]), want)
