@@ -50,7 +50,7 @@ from multilora.runtime.runner import CAPTURE_WORKSPACE_BYTES, Feed, ModelRunner
 from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.scheduler import Request, Schedule, Scheduler, Status
 from multilora.runtime.sizing import (default_dtype, default_map_ahead_bytes, default_max_seq_len, measure_and_size,
-                                     memory_request, unified_sizes)
+                                     memory_request, pool_below_one_adapter, unified_sizes)
 from multilora.runtime.tokenizer import Prompt, PromptTokenizer, prompt_list
 from multilora.runtime.weights import load_model, model_config
 
@@ -212,9 +212,17 @@ class Engine:
                                  f"to run the base weights in {str(self.dtype).replace('torch.', '')}")
         tp = cfg.tensor_parallel_size
         # what is checked before anything loads or any process starts, from config.json / GGUF metadata only
-        early = model_config(model) if cfg.max_seq_len is not None or tp > 1 else None
+        caps = cfg.adapter_pool_bytes is not None or cfg.kv_cache_bytes is not None
+        early = model_config(model) if cfg.max_seq_len is not None or tp > 1 or caps else None
         if cfg.max_seq_len is not None:  # past the model's context
             default_max_seq_len(early, cfg, self.device.type)
+        if caps:  # a pool below one max-rank adapter, a KV cache below 2 blocks: before seconds (or minutes) of loading
+            plan_cfg = cfg if tp == 1 else dataclasses.replace(cfg, local_ranks=cfg.local_ranks * tp)
+            r = memory_request(tp_rank_config(early, tp), plan_cfg, dtype=self.dtype,
+                               max_seq_len=default_max_seq_len(early, cfg, self.device.type),
+                               device_type=self.device.type)
+            if r.pool_cap is not None and r.pool_cap // r.page_bytes < r.pages_per_adapter:
+                raise pool_below_one_adapter(r, cfg)
         t0 = time.perf_counter()
         self.tp: TensorParallel | None = None
         if tp > 1:  # the workers load their shards while this process loads its own (runtime.parallel)

@@ -72,6 +72,28 @@ def test_caps_only_lower_sizes(tiny_dir):
     assert huge.pool.num_pages == free.pool.num_pages  # a cap above the plan does not raise the size
 
 
+def test_caps_below_the_minimum_are_refused_before_the_weights_load(tiny_dir, monkeypatch):
+    """adapter_pool_bytes below one max-rank adapter and kv_cache_bytes below 2 blocks need only the model's config:
+    refused before any weight loads (a fresh user waited 7-9 s for them on a 135M model), with the same errors an
+    engine that loads gives (``sizing.pool_below_one_adapter``, ``memory_request``)."""
+    import multilora.runtime.engine as engine_mod
+
+    def loaded(*a, **k):
+        raise AssertionError("the weights were loaded before the caps were checked")
+
+    with pytest.raises(MemoryPlanError) as real_pool:
+        Engine(model=tiny_dir, progress=False, adapter_pool_bytes=10)
+    with pytest.raises(ValueError) as real_kv:
+        Engine(model=tiny_dir, progress=False, kv_cache_bytes=0)
+    monkeypatch.setattr(engine_mod, "load_model", loaded)
+    with pytest.raises(MemoryPlanError) as early_pool:
+        Engine(model=tiny_dir, progress=False, adapter_pool_bytes=10)
+    assert str(early_pool.value) == str(real_pool.value) and "Raise adapter_pool_bytes to at least" in str(real_pool.value)
+    with pytest.raises(ValueError) as early_kv:
+        Engine(model=tiny_dir, progress=False, kv_cache_bytes=0)
+    assert str(early_kv.value) == str(real_kv.value) and "kv_cache_bytes=0 holds 0 KV block(s)" in str(real_kv.value)
+
+
 def test_live_state_that_does_not_fit_raises_a_clear_error(tiny_dir):
     with pytest.raises(MemoryPlanError) as err:
         Engine(model=tiny_dir, progress=False, max_seq_len=512, memory_snapshot=_host_snapshot(4 * MiB))
