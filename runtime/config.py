@@ -407,6 +407,8 @@ class EngineConfig:
             raise fail("gil_switch_interval", "None or a number of seconds in [0, 1] (0: leave Python's)")
         if self.adapter_finish not in (None, "host", "device"):
             raise fail("adapter_finish", "None, 'host' or 'device'")
+        if self.device is not None:  # its form only: whether this machine has it is Engine's check (resolve_device)
+            device_of(self.device)
         if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)
                                                         or self.max_num_batched_tokens < 1):
             raise fail("max_num_batched_tokens", "None or an int >= 1")
@@ -549,11 +551,7 @@ def resolve_device(device: "str | torch.device | None", *, use_cpu: str = "devic
 
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"Engine: device={device!r} is not a device ({e}); expected 'cpu', 'cuda' or "
-                         "'cuda:N'") from None
+    d = device_of(device)
     if d.type == "cuda":
         if not torch.cuda.is_available():
             build = "a CPU build of torch" if torch.version.cuda is None else "no CUDA device is visible"
@@ -563,6 +561,20 @@ def resolve_device(device: "str | torch.device | None", *, use_cpu: str = "devic
         if d.index is not None and d.index >= n:
             raise ValueError(f"Engine: device={device!r}, but this machine has {n} CUDA device(s) (cuda:0 to "
                              f"cuda:{n - 1})")
-    elif d.type != "cpu":
+    return d
+
+
+def device_of(device: "str | torch.device") -> "torch.device":
+    """``device`` as a ``torch.device`` of type cpu or cuda, whatever this machine has (``EngineConfig`` checks the
+    form when it is made; ``resolve_device`` also whether the machine has it). Raises ValueError naming ``device``:
+    not a torch device string, or a device type other than cpu and cuda."""
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"Engine: device={device!r} is not a device ({e}); expected 'cpu', 'cuda' or "
+                         "'cuda:N'") from None
+    if d.type not in ("cpu", "cuda"):
         raise ValueError(f"Engine: device={device!r}: multilora runs on 'cpu' and 'cuda' devices, got type {d.type!r}")
     return d

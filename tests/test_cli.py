@@ -316,6 +316,18 @@ def test_the_engine_checks_its_device_before_the_model(tmp_path):
         Engine(model=str(tmp_path / "no-model"), device="meta")  # (the missing model would say "does not exist")
 
 
+def test_engine_config_checks_the_devices_form_when_made():
+    """EngineConfig refuses a device no machine runs where it is made (as the README says of every field); whether
+    this machine has CUDA is the Engine's check, so cuda:3 is a fine config here."""
+    from multilora.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"Engine: device='tpu' is not a device \(.*\); expected 'cpu', 'cuda'"):
+        EngineConfig(device="tpu")
+    with pytest.raises(ValueError, match=r"Engine: device='meta': multilora runs on 'cpu' and 'cuda' devices"):
+        EngineConfig(device="meta")
+    assert [EngineConfig(device=d).device for d in ("cpu", "cuda:3", None)] == ["cpu", "cuda:3", None]
+
+
 def test_cuda_on_a_machine_without_it_names_the_flag(tmp_path, capsys, monkeypatch):
     """The command line's error names its flag, `--device cpu`, where the Python API's says `device='cpu'`."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA, wherever this runs
