@@ -732,10 +732,10 @@ def test_every_engine_flag_names_its_default(capsys, monkeypatch, command):
 @pytest.mark.parametrize("prompt, words", [
     (5, "prompt: expected a string, a list of chat messages"),
     ([{"role": "bot", "content": "x"}], "prompt: chat message 0: 'role' must be one of"),
-    ([{"role": "user", "content": "a"}, {"role": "assistant"}], "prompt: chat messages must be dicts with 'role' "
-                                                                "and 'content'"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant"}], "prompt: chat message 1: expected a dict with "
+                                                                "'role' and 'content', got the keys ['role']"),
     ([{"role": "user", "content": 3}], "prompt: chat message 0: 'content' must be a string, got int"),
-    ([1, True], "prompt: expected a string"),
+    ([1, True], "prompt: token ids must be ints, got bool True at index 1"),
     ([1, -2], "prompt: token ids must be >= 0"),
     ([], "prompt: expected at least one token id"),
     ("\ud800", "prompt: not valid Unicode"),
