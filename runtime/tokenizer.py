@@ -14,7 +14,9 @@ from typing import Any, Iterable
 #: token's UTF-8 bytes (``PromptTokenizer.max_token_bytes``). A token never stands for more bytes of text than its
 #: vocabulary string has (byte-level BPE: one character per byte; SentencePiece's "\u2581" and ``<0x..>`` pieces are
 #: longer than the text they stand for), so ``bytes / max_token_bytes`` tokens is a lower bound; the factor covers
-#: normalizers that shorten text (NFC, NFKC) with room to spare. Tokenizing 20 MB of text took 11 s and 3 GB here.
+#: normalizers that shorten text (NFC, NFKC) with room to spare. Only for BPE tokenizers that cannot fuse a run of
+#: unknown characters into one token (``PromptTokenizer.max_token_bytes``). Tokenizing 20 MB of text took 11 s and
+#: 3 GB here.
 TEXT_BYTES_PER_TOKEN_FACTOR = 4
 
 #: The roles a chat message may have: OpenAI's (with the deprecated ``function``) and Llama 3.1's ``ipython`` (its chat
@@ -94,13 +96,20 @@ class PromptTokenizer:
 
     @property
     def max_token_bytes(self) -> int:
-        """The UTF-8 length in bytes of the vocabulary's longest token string (special tokens included); 0 without a
-        tokenizer or when it gives no vocabulary (``get_vocab``), which turns the length check of ``encode`` off."""
+        """The UTF-8 length in bytes of the vocabulary's longest token string (special tokens included), or 0, which
+        turns the length check of ``encode`` off: without a tokenizer, without a vocabulary (``get_vocab``), and
+        unless the tokenizer is a fast one whose model is BPE that either falls back to bytes or does not fuse
+        unknown characters (``tokenizers.models.BPE``'s ``byte_fallback`` / ``fuse_unk``): a fused unknown token, as
+        SentencePiece's Unigram makes, stands for any number of characters. Llama, Qwen, Mistral, Gemma, Phi-3 and
+        SmolLM2 tokenizers are BPE of that kind."""
         if self._max_token_bytes is None:
             try:
-                vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+                model = self.tokenizer.backend_tokenizer.model if self.tokenizer is not None else None
+                bounded = (type(model).__name__ == "BPE"
+                           and (getattr(model, "byte_fallback", False) or not getattr(model, "fuse_unk", True)))
+                vocab = self.tokenizer.get_vocab() if bounded else {}
                 self._max_token_bytes = max((len(str(t).encode("utf-8", "replace")) for t in vocab), default=0)
-            except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary: no bound, never an error
+            except Exception:  # noqa: BLE001 - a slow tokenizer, no readable vocabulary: no bound, never an error
                 self._max_token_bytes = 0
         return self._max_token_bytes
 

@@ -318,6 +318,30 @@ def test_pin_adapter_takes_a_bool_and_engine_model_a_path(engine, reference):
         Engine(model=123)
     _still_serves(engine, reference)
 
+
+def test_the_length_bound_is_only_for_bpe_tokenizers_that_cannot_fuse_unknowns():
+    """A fused unknown token (SentencePiece's Unigram; BPE with fuse_unk and no byte fallback) may stand for any
+    number of characters: no bound there (max_token_bytes 0: every text is tokenized); real tokenizers of each
+    kind, built with the tokenizers library."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from multilora.runtime.tokenizer import PromptTokenizer
+
+    vocab = {"<unk>": 0, "a": 1, "b": 2, "ab": 3, "abab": 4}
+
+    def bound(model) -> int:
+        tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(model), unk_token="<unk>")
+        return PromptTokenizer(tok, vocab_size=5, eos_token_ids=(), source="t").max_token_bytes
+
+    merges = [("a", "b"), ("ab", "ab")]
+    assert bound(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=False)) == 5  # "<unk>": 5 bytes
+    assert bound(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True)) == 5
+    assert bound(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=True)) == 0
+    assert bound(models.Unigram([(t, -1.0) for t in vocab], unk_id=0)) == 0
+    assert bound(models.WordLevel(vocab, unk_token="<unk>")) == 0
+    assert PromptTokenizer(None, vocab_size=5, eos_token_ids=(), source="t").max_token_bytes == 0
+
 # ------------------------------------------------------------------------------------ 5: non-finite logits
 def test_an_adapter_that_overflows_fails_alone_naming_itself(engine, reference):
     outs = engine.generate(PROMPTS + [PROMPTS[0]], adapters=ADAPTERS + ["hot"], sampling=GREEDY)
