@@ -68,6 +68,10 @@ WARMUP_PROMPT_TOKENS = (1, 2, 3, 4, 6, 9, 13, 17, 19, 28, 42, 63, 94, 141, 211, 
                         3038, 4557, 6836, 8192)
 
 
+#: prompts a ``generate`` call checks per hold of the step lock (steps of other callers run between slices)
+GENERATE_CHECK_SLICE = 1024
+
+
 class EngineOverloadedError(RuntimeError):
     """More requests are waiting than ``EngineConfig.max_waiting_requests`` allows: try again later."""
 
@@ -337,6 +341,10 @@ class Engine:
         self._async = (cfg.async_scheduling if cfg.async_scheduling is not None
                        else self.device.type == "cuda" and self.tp is None)
         self._ahead: _Ahead | None = None
+        #: requests of ``generate`` calls checked but not yet queued (past the waiting queue's room): each holds its
+        #: adapter version as a queued request does (``AdapterCache.enqueue``); ``abort`` finds them, and tensor
+        #: parallelism's workers keep their versions (``_sync_workers``). Changed under the step lock only.
+        self._held: dict[int, Request] = {}
         self._flip = 0
         self._host_ids: list[torch.Tensor] = []  # (made by the first step drawn on CUDA)
         self._host_events: list[Any] = []
@@ -479,6 +487,25 @@ class Engine:
             req = self.requests.generation(prompt, adapter, sampling)
             self.scheduler.add(req)
             return req
+
+    def _hold(self, req: Request) -> None:
+        """Hold a checked request of ``generate`` without queueing it (its adapter version held as a queued one's;
+        ``Scheduler.finish`` of a held request releases it likewise). Under the step lock."""
+        if req.handle is not None:
+            self.cache.enqueue(req.handle)
+        self._held[req.request_id] = req
+
+    def _queue_held(self, backlog: collections.deque[Request]) -> None:
+        """Queue held requests of ``backlog``, in order, while the waiting queue has room (aborted ones skipped).
+        Under the step lock."""
+        cap = self.engine_config.max_waiting_requests
+        while backlog and len(self.scheduler.waiting) < cap:
+            req = backlog.popleft()
+            if self._held.pop(req.request_id, None) is None:  # aborted or withdrawn meanwhile: finished already
+                continue
+            self.scheduler.add(req)
+            if req.handle is not None:  # the hold, now the queue's own
+                self.cache.dequeue(req.handle)
 
     def _overloaded(self) -> EngineOverloadedError:
         return EngineOverloadedError(f"engine overloaded: {len(self.scheduler.waiting)} requests are waiting "
@@ -662,8 +689,8 @@ class Engine:
         """Tensor parallelism: send the adapter changes since the last step (the workers read new adapters, drop
         those no request can use any more); an adapter a worker could not read fails its requests."""
         live = {id(h): h for h in self.cache.handles()}  # and retired versions that queued requests still hold:
-        live.update((id(r.handle), r.handle) for r in (*self.scheduler.running, *self.scheduler.waiting)
-                    if r.handle is not None)
+        live.update((id(r.handle), r.handle) for r in (*self.scheduler.running, *self.scheduler.waiting,
+                                                        *self._held.values()) if r.handle is not None)
         self.tp.retain({(h.name, h.version) for h in live.values()})
         failed = self.tp.sync_adapters()
         for h in live.values():
@@ -725,7 +752,8 @@ class Engine:
     def abort(self, request_id: int | Request) -> bool:
         """Withdraw a request (from any thread): it leaves before the next step, with ``finish_reason="abort"``;
         its KV blocks and adapter reference go back. ``request_id``: its ``request_id`` (an int), or the ``Request``
-        that ``add_request`` returned. Returns False when no unfinished request has that id. With
+        that ``add_request`` returned; a ``generate`` call's request not yet queued is found too. Returns False when
+        no unfinished request has that id. With
         ``async_scheduling``, the step that drew the request's last tokens is read back first: a request that
         finished on them keeps its finish reason (and this returns False), as without it.
 
@@ -735,6 +763,11 @@ class Engine:
         """
         request_id = as_request_id(request_id)
         with self._step_lock:
+            held = self._held.pop(request_id, None)  # a generate call's request not yet queued
+            if held is not None:
+                self.scheduler.finish(held, "abort", "aborted")
+                self._counters["requests_aborted"] += 1
+                return True
             req = self.scheduler.get(request_id)
             if req is not None and req.pending and self._ahead is not None:  # its last tokens are drawn: read them
                 a, self._ahead = self._ahead, None  # first, as a step read back at once would have (it may have
@@ -751,20 +784,13 @@ class Engine:
         ``backlog`` (checked, held, not queued: ``generate``) as the waiting queue has room. If this is interrupted
         or raises (KeyboardInterrupt, any exception), the unfinished ones are withdrawn (their KV blocks and adapter
         references go back, other callers' requests are untouched) before the exception propagates."""
-        cap = self.engine_config.max_waiting_requests
         try:  # one step at a time under the lock: callers in other threads batch with these requests
             with tqdm(total=len(reqs), desc="Generating", unit="req", disable=not progress) as bar:
                 pending = list(reqs)
                 while pending:
                     if backlog:
                         with self._step_lock:
-                            while backlog and len(self.scheduler.waiting) < cap:
-                                req = backlog.popleft()
-                                if req.status is Status.FINISHED:  # aborted meanwhile (Engine.abort finds none)
-                                    continue
-                                self.scheduler.add(req)
-                                if req.handle is not None:  # the hold taken in generate, now the queue's own
-                                    self.cache.dequeue(req.handle)
+                            self._queue_held(backlog)
                     self.step()
                     left = [r for r in pending if r.status is not Status.FINISHED]
                     if progress:  # the tokens so far too: a batch whose requests all end together still moves
@@ -782,7 +808,11 @@ class Engine:
         count."""
         with self._step_lock:
             for r in reqs:
+                held = self._held.pop(r.request_id, None) is not None
                 if r.status is not Status.FINISHED:
+                    if not held and r.handle is not None and self.scheduler.get(r.request_id) is None:
+                        self.cache.enqueue(r.handle)  # made, neither held nor queued yet (an interrupt in between):
+                        # finish releases one hold
                     self.scheduler.finish(r, "error", why)
                     self._counters[counter] += 1
 
@@ -918,9 +948,11 @@ class Engine:
             One ``RequestOutput`` per prompt, in order. Calls from several threads at once share the engine's steps
             (their requests are batched together); ``last_run`` counts every token the engine made meanwhile.
 
-        More prompts than ``max_waiting_requests`` leaves room for are all checked first, then queued as room
-        frees (the rest wait in this call, their adapter versions held as a queued request's are): a call of any
-        size runs, however full the queue is, unless it is full when the call begins.
+        Every prompt is checked first (in slices of ``GENERATE_CHECK_SLICE`` under the step lock, so other callers'
+        steps go on), then queued as the waiting queue has room: the rest wait in this call, their adapter versions
+        held as a queued request's are, ``abort`` finds them, and the queue stays full meanwhile (other callers'
+        ``add_request`` may meet ``EngineOverloadedError``). A call of any size runs, unless the queue is full when
+        it begins.
 
         Raises:
             ValueError: mismatched list lengths or a bad prompt (nothing is run; the message names the index).
@@ -930,30 +962,30 @@ class Engine:
         prompts = prompt_list(prompts)
         adapters_l = per_row(adapters, len(prompts), "adapters", "prompt")
         sampling_l = per_row(sampling, len(prompts), "sampling", "prompt")
-        backlog: collections.deque[Request] = collections.deque()  # checked, not queued yet: past the queue's room
+        backlog: collections.deque[Request] = collections.deque()  # checked and held, not queued yet
+        reqs: list[Request] = []
         with self._step_lock:
-            cap = self.engine_config.max_waiting_requests
-            if len(self.scheduler.waiting) >= cap:
+            if len(self.scheduler.waiting) >= self.engine_config.max_waiting_requests:
                 raise self._overloaded()
-            reqs = []
-            try:
-                for i, (p, a, s) in enumerate(zip(prompts, adapters_l, sampling_l)):
-                    try:
-                        req = self.requests.generation(p, a, s)
-                    except UnknownAdapterError as e:
-                        raise UnknownAdapterError(f"prompts[{i}]: {e}") from None
-                    except ValueError as e:
-                        raise ValueError(f"prompts[{i}]: {e}") from None
-                    reqs.append(req)
-                    if backlog or len(self.scheduler.waiting) >= cap:
+        try:  # every prompt checked and held, in slices under the step lock (steps of other callers run between
+            # them), none queued until all are: a bad prompt anywhere refuses the call with nothing run
+            for start in range(0, len(prompts), GENERATE_CHECK_SLICE):
+                with self._step_lock:
+                    for i in range(start, min(start + GENERATE_CHECK_SLICE, len(prompts))):
+                        try:
+                            req = self.requests.generation(prompts[i], adapters_l[i], sampling_l[i])
+                        except UnknownAdapterError as e:
+                            raise UnknownAdapterError(f"prompts[{i}]: {e}") from None
+                        except ValueError as e:
+                            raise ValueError(f"prompts[{i}]: {e}") from None
+                        reqs.append(req)  # first: an interrupt before the hold is withdrawn right (_withdraw)
+                        self._hold(req)
                         backlog.append(req)
-                        if req.handle is not None:  # held as if queued (Scheduler.finish releases it likewise)
-                            self.cache.enqueue(req.handle)
-                    else:
-                        self.scheduler.add(req)
-            except BaseException:
-                self._withdraw(reqs, "withdrawn")  # nothing was run: withdraw what was queued or held
-                raise
+            with self._step_lock:
+                self._queue_held(backlog)
+        except BaseException:
+            self._withdraw(reqs, "withdrawn")  # nothing was run: withdraw what was queued or held
+            raise
         t0, gen0 = time.perf_counter(), self._counters["generated_tokens"]
         self._run_until_done(reqs, progress, backlog)
         elapsed = time.perf_counter() - t0

@@ -293,6 +293,21 @@ def test_generate_runs_more_prompts_than_the_waiting_queue_holds(tiny, reference
     assert all(e.cache.get(n).queued == 0 for n in e.list_adapters())
     _idle(e)
     assert [o.token_ids for o in e.generate(prompts, adapters=adapters, sampling=GREEDY)] == reference * 3
+    # abort finds a prompt not yet queued (held by the call): it ends "abort", the others as run alone
+    made, real_make, real_step = [], e.requests.generation, e.step
+    monkeypatch.setattr(e.requests, "generation", lambda *a, **k: made.append(real_make(*a, **k)) or made[-1])
+
+    def step():
+        if not made[-1].finish_reason:  # the first step: the last prompt is still held
+            assert e.abort(made[-1].request_id) is True
+        return real_step()
+
+    monkeypatch.setattr(e, "step", step)
+    outs = e.generate(prompts, adapters=adapters, sampling=GREEDY)
+    monkeypatch.undo()
+    assert [o.finish_reason for o in outs][-1] == "abort" and [o.token_ids for o in outs[:-1]] == (reference * 3)[:-1]
+    assert all(e.cache.get(n).queued == 0 for n in e.list_adapters()) and not e._held
+    _idle(e)
 
 
 def test_token_ids_of_numpy_and_torch_integers_are_token_ids(engine, reference):
