@@ -10,13 +10,15 @@ from __future__ import annotations
 import numbers
 from typing import Any, Iterable
 
-#: The text past which a prompt is refused before tokenizing, per token of ``max_len``: a multiple of the longest
-#: token's UTF-8 bytes (``PromptTokenizer.max_token_bytes``). A token never stands for more bytes of text than its
-#: vocabulary string has (byte-level BPE: one character per byte; SentencePiece's "\u2581" and ``<0x..>`` pieces are
-#: longer than the text they stand for), so ``bytes / max_token_bytes`` tokens is a lower bound; the factor covers
-#: normalizers that shorten text (NFC, NFKC) with room to spare. Only for BPE tokenizers that cannot fuse a run of
-#: unknown characters into one token (``PromptTokenizer.max_token_bytes``). Tokenizing 20 MB of text took 11 s and
-#: 3 GB here.
+#: How much text ``encode`` tokenizes at most before refusing a prompt far past ``max_len``, per token of ``max_len``:
+#: a multiple of the longest token's UTF-8 bytes (``PromptTokenizer.max_token_bytes``). A text of more characters than
+#: ``max_len x max_token_bytes x TEXT_BYTES_PER_TOKEN_FACTOR`` has that many characters tokenized first; if they alone
+#: are more than twice ``max_len`` tokens, the prompt is refused without tokenizing the rest (a text's tokens are
+#: never far fewer than those of its prefix), else the whole text is tokenized as any other. Since no token has more
+#: than ``max_token_bytes`` bytes of vocabulary string, text of ordinary tokens gives the prefix at least
+#: ``FACTOR x max_len`` tokens; text that tokenizes to far fewer (a run of unknown characters fused into one token,
+#: added tokens that swallow whitespace) is tokenized whole and judged by its real count. Tokenizing 20 MB of text
+#: took 11 s and 3 GB here.
 TEXT_BYTES_PER_TOKEN_FACTOR = 4
 
 #: The roles a chat message may have: OpenAI's (with the deprecated ``function``) and Llama 3.1's ``ipython`` (its chat
@@ -96,53 +98,42 @@ class PromptTokenizer:
 
     @property
     def max_token_bytes(self) -> int:
-        """The UTF-8 length in bytes of the vocabulary's longest token string (special tokens included), or 0, which
-        turns the length check of ``encode`` off: without a tokenizer, without a vocabulary (``get_vocab``), and
-        unless the tokenizer is a fast one whose model is BPE that either falls back to bytes or does not fuse
-        unknown characters (``tokenizers.models.BPE``'s ``byte_fallback`` / ``fuse_unk``): a fused unknown token, as
-        SentencePiece's Unigram makes, stands for any number of characters. Llama, Qwen, Mistral, Gemma, Phi-3 and
-        SmolLM2 tokenizers are BPE of that kind."""
+        """The UTF-8 length in bytes of the vocabulary's longest token string (special tokens included); 0 without a
+        tokenizer or when it gives no vocabulary (``get_vocab``), which turns the length check of ``encode`` off."""
         if self._max_token_bytes is None:
             try:
-                model = self.tokenizer.backend_tokenizer.model if self.tokenizer is not None else None
-                bounded = (type(model).__name__ == "BPE"
-                           and (getattr(model, "byte_fallback", False) or not getattr(model, "fuse_unk", True)))
-                vocab = self.tokenizer.get_vocab() if bounded else {}
+                vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
                 self._max_token_bytes = max((len(str(t).encode("utf-8", "replace")) for t in vocab), default=0)
-            except Exception:  # noqa: BLE001 - a slow tokenizer, no readable vocabulary: no bound, never an error
+            except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary: no check, never an error
                 self._max_token_bytes = 0
         return self._max_token_bytes
 
     def _check_length(self, text: str, max_len: int | None) -> None:
-        """Raise ValueError if ``text`` is far too long to be fewer than ``max_len`` tokens, before tokenizing it
-        (``TEXT_BYTES_PER_TOKEN_FACTOR``)."""
-        if not max_len or not self.max_token_bytes or len(text) * 4 <= (limit := self._text_limit(max_len)):
-            return  # a str of n characters is at most 4 n bytes: most texts are let through without encoding them
-        n = len(text.encode("utf-8"))
-        if n > limit:
-            raise ValueError(f"prompt: {n:,} bytes of text are more than max_seq_len={max_len} tokens can hold (no "
-                             f"token of {self.source}'s vocabulary is over {self.max_token_bytes} bytes; text over "
-                             f"{limit:,} bytes is refused before it is tokenized): shorten the prompt")
-
-    def _text_limit(self, max_len: int) -> int:
-        return max_len * self.max_token_bytes * TEXT_BYTES_PER_TOKEN_FACTOR
-
-    @property
-    def has_text(self) -> bool:
-        return self.tokenizer is not None
+        """Raise ValueError if the first ``max_len x max_token_bytes x TEXT_BYTES_PER_TOKEN_FACTOR`` characters of a
+        longer ``text`` are alone more than twice ``max_len`` tokens, without tokenizing the rest."""
+        if not max_len or not self.max_token_bytes:
+            return
+        limit = max_len * self.max_token_bytes * TEXT_BYTES_PER_TOKEN_FACTOR
+        if len(text) <= limit:
+            return  # tokenized whole, as any prompt: at most ``limit`` characters
+        n = len(self.tokenizer(text[:limit], add_special_tokens=False)["input_ids"])
+        if n > 2 * max_len:
+            raise ValueError(f"prompt: {len(text):,} characters of text are more than max_seq_len={max_len} tokens "
+                             f"can hold: the first {limit:,} alone are {n:,} tokens (the rest was not tokenized): "
+                             f"shorten the prompt")
 
     def encode(self, prompt: Prompt, max_len: int | None = None) -> list[int]:
         """Token ids of a prompt (see the module docstring). ``max_len`` (the engine's ``max_seq_len``, or None):
-        text that cannot be fewer tokens than this is refused before it is tokenized (``TEXT_BYTES_PER_TOKEN_FACTOR``);
-        the caller still checks the ids' length.
+        text far past it is refused once a prefix of it is (``TEXT_BYTES_PER_TOKEN_FACTOR``), without tokenizing the
+        rest; the caller still checks the ids' length.
 
         Raises:
             ValueError: a prompt of another type, ids out of range, chat messages without string 'role' and
                 'content' or with a role not in ``CHAT_ROLES``, chat messages the model's chat template refuses
                 (its ``raise_exception``: e.g. Gemma's templates refuse a system role), text that is not valid
                 Unicode (a lone surrogate), text for a model without a tokenizer, a prompt that tokenizes to
-                nothing, or text (after the chat template) over ``max_len`` times ``TEXT_BYTES_PER_TOKEN_FACTOR`` times
-                ``max_token_bytes`` bytes.
+                nothing, or text (after the chat template) whose prefix of ``max_len x TEXT_BYTES_PER_TOKEN_FACTOR x
+                max_token_bytes`` characters alone is more than ``2 x max_len`` tokens.
         """
         if _is_id_array(prompt):  # a 1-D integer torch tensor or numpy array of token ids
             prompt = prompt.tolist()

@@ -235,26 +235,27 @@ class _Recording:
 
 
 def test_text_far_past_max_seq_len_is_refused_before_it_is_tokenized(engine, reference, monkeypatch):
-    """Text over max_seq_len x the longest token's bytes x TEXT_BYTES_PER_TOKEN_FACTOR is refused without tokenizing
-    it (a 20 MB prompt took 11 s and 3 GB to be refused), and the bound is sound: the densest text there is (the
-    longest token's own text, repeated) past it really is more than max_seq_len tokens, by the tokenizer itself."""
+    """Text of more than max_seq_len x the longest token's bytes x TEXT_BYTES_PER_TOKEN_FACTOR characters is refused
+    once that prefix alone is over 2 x max_seq_len tokens, the rest never tokenized (a 20 MB prompt took 11 s and
+    3 GB to be refused); the densest text there is (the longest token's own text, repeated) is refused so, and the
+    tokenizer itself, on the whole text, agrees that it is past max_seq_len."""
     text, tok = engine.text, engine.text.tokenizer
     vocab = tok.get_vocab()
     assert text.max_token_bytes == max(len(t.encode()) for t in vocab) > 0
     limit = engine.max_seq_len * text.max_token_bytes * TEXT_BYTES_PER_TOKEN_FACTOR
     longest = max((tok.decode([i]) for i in vocab.values() if i not in tok.all_special_ids), key=lambda t: len(t.encode()))
-    dense = longest * (limit // len(longest.encode()) + 1)
-    assert len(dense.encode()) > limit and len(tok(dense)["input_ids"]) >= engine.max_seq_len
+    dense = longest * (limit // len(longest) + 1)
+    assert len(dense) > limit and len(tok(dense)["input_ids"]) >= engine.max_seq_len
     rec = _Recording(tok)
     monkeypatch.setattr(text, "tokenizer", rec)
-    words = rf"prompt: {len(dense.encode()):,} bytes of text are more than max_seq_len={engine.max_seq_len} tokens can hold"
-    with pytest.raises(ValueError, match=rf"^prompts\[1\]: {words} \(no token of .* is over {text.max_token_bytes} "
-                                         rf"bytes; text over {limit:,} bytes is refused before it is tokenized\)"):
+    words = rf"prompt: {len(dense):,} characters of text are more than max_seq_len={engine.max_seq_len} tokens can hold"
+    with pytest.raises(ValueError, match=rf"^prompts\[1\]: {words}: the first {limit:,} alone are [\d,]+ tokens \(the "
+                                         rf"rest was not tokenized\): shorten the prompt$"):
         engine.generate(["fine", dense], sampling=GREEDY)
-    with pytest.raises(ValueError, match=rf"^prompts\[0\]: {words[:9]}"):  # chat: the templated text, a bit longer
-        engine.generate([[{"role": "user", "content": dense}]], sampling=GREEDY)
-    assert all(len(t) < len(dense) for t in rec.texts), "a text past the bound was tokenized"
-    under = "x" * (limit // 2)  # within the bound: tokenized, then refused by its token count
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: prompt: [\d,]+ characters of text are more than"):
+        engine.generate([[{"role": "user", "content": dense}]], sampling=GREEDY)  # chat: the templated text
+    assert all(len(t) <= limit for t in rec.texts), "more than the prefix was tokenized"
+    under = "x" * limit  # within the bound: tokenized whole, then refused by its token count
     with pytest.raises(ValueError, match=r"prompt: \d+ tokens leave no room to generate within max_seq_len"):
         engine.generate([under], sampling=GREEDY)
     assert under in rec.texts
@@ -334,28 +335,24 @@ def test_pin_adapter_takes_a_bool_and_engine_model_a_path(engine, reference):
     _still_serves(engine, reference)
 
 
-def test_the_length_bound_is_only_for_bpe_tokenizers_that_cannot_fuse_unknowns():
-    """A fused unknown token (SentencePiece's Unigram; BPE with fuse_unk and no byte fallback) may stand for any
-    number of characters: no bound there (max_token_bytes 0: every text is tokenized); real tokenizers of each
-    kind, built with the tokenizers library."""
+def test_text_of_few_tokens_past_the_bound_is_judged_by_its_real_count():
+    """A run of unknown characters fused into one token (a real Unigram tokenizer) stands for any amount of text:
+    its prefix is few tokens, so the text is tokenized whole and accepted; text of ordinary tokens is refused."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
     from multilora.runtime.tokenizer import PromptTokenizer
 
     vocab = {"<unk>": 0, "a": 1, "b": 2, "ab": 3, "abab": 4}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.Unigram([(t, -1.0) for t in vocab], unk_id=0)),
+                                  unk_token="<unk>")
+    text = PromptTokenizer(tok, vocab_size=5, eos_token_ids=(), source="t")
+    limit = 8 * text.max_token_bytes * TEXT_BYTES_PER_TOKEN_FACTOR
+    assert text.max_token_bytes == 5 and text.encode("z" * (10 * limit), max_len=8) == [0]  # one fused <unk>
+    with pytest.raises(ValueError, match=rf"the first {limit:,} alone are {limit:,} tokens"):
+        text.encode("a" * (10 * limit), max_len=8)
+    assert len(text.encode("a" * limit, max_len=8)) == limit  # within the bound: the caller judges its length
 
-    def bound(model) -> int:
-        tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(model), unk_token="<unk>")
-        return PromptTokenizer(tok, vocab_size=5, eos_token_ids=(), source="t").max_token_bytes
-
-    merges = [("a", "b"), ("ab", "ab")]
-    assert bound(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=False)) == 5  # "<unk>": 5 bytes
-    assert bound(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True)) == 5
-    assert bound(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=True)) == 0
-    assert bound(models.Unigram([(t, -1.0) for t in vocab], unk_id=0)) == 0
-    assert bound(models.WordLevel(vocab, unk_token="<unk>")) == 0
-    assert PromptTokenizer(None, vocab_size=5, eos_token_ids=(), source="t").max_token_bytes == 0
 
 # ------------------------------------------------------------------------------------ 5: non-finite logits
 def test_an_adapter_that_overflows_fails_alone_naming_itself(engine, reference):
