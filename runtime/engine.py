@@ -1043,9 +1043,11 @@ class Engine:
         engine's start, None on the CPU or without Triton's JIT hooks; ``multilora.kernels.backends``) with
         ``recent_kernel_compiles``, the names of the last 8 variants compiled (which kernel and specialisation to
         warm up), the steps by how they ran (``graph_steps``: a decode CUDA graph, ``piecewise_graph_steps``:
-        piecewise graphs, ``eager_steps``), and ``step_seconds``: the steps' wall times by kind, a histogram
-        (``StepTimes.report``)."""
+        piecewise graphs, ``eager_steps``), ``step_seconds``: the steps' wall times by kind, a histogram
+        (``StepTimes.report``), and ``held``: requests of ``generate`` calls checked but not yet in the waiting queue
+        (past ``max_waiting_requests``; not counted in ``waiting``)."""
         return {**self._counters, **self.cache.report(), **self.scheduler.report(), **self.runner.path_counts,
+                "held": len(self._held),
                 "tensor_parallel_size": self.engine_config.tensor_parallel_size, **kernel_compiles(),
                 "recent_kernel_compiles": recent_kernel_compiles(8),
                 "step_seconds": self.step_times.report()}

@@ -300,6 +300,8 @@ def test_generate_runs_more_prompts_than_the_waiting_queue_holds(tiny, reference
 
     def step():
         if not made[-1].finish_reason:  # the first step: the last prompt is still held
+            s = e.stats()
+            assert (s["waiting"], s["held"]) == (2, 7), s  # 9 prompts, a queue of 2
             assert e.abort(made[-1].request_id) is True
         return real_step()
 
