@@ -97,6 +97,10 @@ class PromptTokenizer:
         self._max_token_bytes: int | None = None
 
     @property
+    def has_text(self) -> bool:
+        return self.tokenizer is not None
+
+    @property
     def max_token_bytes(self) -> int:
         """The UTF-8 length in bytes of the vocabulary's longest token string (special tokens included); 0 without a
         tokenizer or when it gives no vocabulary (``get_vocab``), which turns the length check of ``encode`` off."""
