@@ -50,7 +50,7 @@ from multilora.runtime.runner import CAPTURE_WORKSPACE_BYTES, Feed, ModelRunner
 from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.scheduler import Request, Schedule, Scheduler, Status
 from multilora.runtime.sizing import (default_dtype, default_map_ahead_bytes, default_max_seq_len, measure_and_size,
-                                     memory_request, pool_below_one_adapter, unified_sizes)
+                                     memory_request, check_pool_cap, plan_config, unified_sizes)
 from multilora.runtime.tokenizer import Prompt, PromptTokenizer, prompt_list
 from multilora.runtime.weights import load_model, model_config
 
@@ -218,15 +218,11 @@ class Engine:
         # what is checked before anything loads or any process starts, from config.json / GGUF metadata only
         caps = cfg.adapter_pool_bytes is not None or cfg.kv_cache_bytes is not None
         early = model_config(model) if cfg.max_seq_len is not None or tp > 1 or caps else None
-        if cfg.max_seq_len is not None:  # past the model's context
-            default_max_seq_len(early, cfg, self.device.type)
+        if cfg.max_seq_len is not None or caps:  # past the model's context (raises)
+            max_seq = default_max_seq_len(early, cfg, self.device.type)
         if caps:  # a pool below one max-rank adapter, a KV cache below 2 blocks: before seconds (or minutes) of loading
-            plan_cfg = cfg if tp == 1 else dataclasses.replace(cfg, local_ranks=cfg.local_ranks * tp)
-            r = memory_request(tp_rank_config(early, tp), plan_cfg, dtype=self.dtype,
-                               max_seq_len=default_max_seq_len(early, cfg, self.device.type),
-                               device_type=self.device.type)
-            if r.pool_cap is not None and r.pool_cap // r.page_bytes < r.pages_per_adapter:
-                raise pool_below_one_adapter(r, cfg)
+            check_pool_cap(memory_request(tp_rank_config(early, tp), plan_config(cfg), dtype=self.dtype,
+                                          max_seq_len=max_seq, device_type=self.device.type), cfg)
         t0 = time.perf_counter()
         self.tp: TensorParallel | None = None
         if tp > 1:  # the workers load their shards while this process loads its own (runtime.parallel)
@@ -282,7 +278,7 @@ class Engine:
                 reserve += CAPTURE_WORKSPACE_BYTES  # cuBLAS workspaces (the piecewise reserve counts them otherwise)
             return reserve
 
-        plan_cfg = cfg if tp == 1 else dataclasses.replace(cfg, local_ranks=cfg.local_ranks * tp)
+        plan_cfg = plan_config(cfg)
         sizes = measure_and_size(memory_request(shard_cfg, plan_cfg, dtype=self.dtype, max_seq_len=self.max_seq_len,
                                                 device_type=self.device.type),
                                  plan_cfg, self.device, profile_reserve=profile)
@@ -763,12 +759,8 @@ class Engine:
         """
         request_id = as_request_id(request_id)
         with self._step_lock:
-            held = self._held.pop(request_id, None)  # a generate call's request not yet queued
-            if held is not None:
-                self.scheduler.finish(held, "abort", "aborted")
-                self._counters["requests_aborted"] += 1
-                return True
-            req = self.scheduler.get(request_id)
+            # a generate call's request not yet queued (nothing of it drawn: its ``pending`` is 0), or a queued one
+            req = self._held.pop(request_id, None) or self.scheduler.get(request_id)
             if req is not None and req.pending and self._ahead is not None:  # its last tokens are drawn: read them
                 a, self._ahead = self._ahead, None  # first, as a step read back at once would have (it may have
                 self._read_back(a)  # finished on them)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -285,6 +285,20 @@ def pool_below_one_adapter(r: MemoryRequest, cfg: EngineConfig) -> MemoryPlanErr
         needed_bytes=need, fits_bytes=r.pool_cap, source=USER_CAP)
 
 
+def check_pool_cap(r: MemoryRequest, cfg: EngineConfig) -> None:
+    """Raise ``pool_below_one_adapter``'s MemoryPlanError if ``adapter_pool_bytes`` holds fewer pages than the
+    largest adapter ``max_lora_rank`` allows: from the config alone, so an engine checks it before loading weights."""
+    if r.pool_cap is not None and r.pool_cap // r.page_bytes < r.pages_per_adapter:
+        raise pool_below_one_adapter(r, cfg)
+
+
+def plan_config(cfg: EngineConfig) -> EngineConfig:
+    """The config the memory plan sizes for: with tensor parallelism each rank shares the host as a local rank
+    (``local_ranks`` x ``tensor_parallel_size``)."""
+    tp = cfg.tensor_parallel_size
+    return cfg if tp == 1 else replace(cfg, local_ranks=cfg.local_ranks * tp)
+
+
 def size_engine(request: MemoryRequest, cfg: EngineConfig, snapshot: MemorySnapshot | None, *,
                 reserve_bytes: int) -> EngineSizes:
     """Pool pages and KV blocks from the memory plan of ``snapshot`` (pure; ``snapshot=None``: no plan, the caps
@@ -298,8 +312,7 @@ def size_engine(request: MemoryRequest, cfg: EngineConfig, snapshot: MemorySnaps
         ValueError: the KV cache gets fewer than 2 blocks.
     """
     r = request
-    if r.pool_cap is not None and r.pool_cap // r.page_bytes < r.pages_per_adapter:
-        raise pool_below_one_adapter(r, cfg)
+    check_pool_cap(r, cfg)
     plan = None if snapshot is None else compute_memory_plan(snapshot, plan_options(request, cfg, reserve_bytes))
     pool_bytes = plan.adapter_pool_bytes if plan is not None else (r.pool_cap or 8 * r.pages_per_adapter * r.page_bytes)
     num_pages = pool_bytes // r.page_bytes
