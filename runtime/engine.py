@@ -478,8 +478,7 @@ class Engine:
         Thread safety: between steps (the step lock), so a step never sees the waiting queue change under it.
         """
         with self._step_lock:
-            if len(self.scheduler.waiting) >= self.engine_config.max_waiting_requests:
-                raise self._overloaded()
+            self._check_room()
             req = self.requests.generation(prompt, adapter, sampling)
             self.scheduler.add(req)
             return req
@@ -503,9 +502,12 @@ class Engine:
             if req.handle is not None:  # the hold, now the queue's own
                 self.cache.dequeue(req.handle)
 
-    def _overloaded(self) -> EngineOverloadedError:
-        return EngineOverloadedError(f"engine overloaded: {len(self.scheduler.waiting)} requests are waiting "
-                                     f"(max_waiting_requests={self.engine_config.max_waiting_requests}); retry later")
+    def _check_room(self) -> None:
+        """Raise EngineOverloadedError if ``max_waiting_requests`` requests are waiting. Under the step lock."""
+        if len(self.scheduler.waiting) >= self.engine_config.max_waiting_requests:
+            raise EngineOverloadedError(f"engine overloaded: {len(self.scheduler.waiting)} requests are waiting "
+                                        f"(max_waiting_requests={self.engine_config.max_waiting_requests}); "
+                                        f"retry later")
 
     # ---------------------------------------------------------------------------------------- step
     def step(self) -> list[Request]:
@@ -957,8 +959,7 @@ class Engine:
         backlog: collections.deque[Request] = collections.deque()  # checked and held, not queued yet
         reqs: list[Request] = []
         with self._step_lock:
-            if len(self.scheduler.waiting) >= self.engine_config.max_waiting_requests:
-                raise self._overloaded()
+            self._check_room()
         try:  # every prompt checked and held, in slices under the step lock (steps of other callers run between
             # them), none queued until all are: a bad prompt anywhere refuses the call with nothing run
             for start in range(0, len(prompts), GENERATE_CHECK_SLICE):
