@@ -20,6 +20,12 @@ from typing import Any, Iterable
 #: added tokens that swallow whitespace) is tokenized whole and judged by its real count. Tokenizing 20 MB of text
 #: took 11 s and 3 GB here.
 TEXT_BYTES_PER_TOKEN_FACTOR = 4
+#: The shorter prefix tokenized before that one, in characters per token of ``max_len`` (ordinary text is about 4
+#: characters a token): a text past it is refused once it alone is more than ``2 x max_len + max_token_bytes``
+#: tokens (the bound's margin: a token cut at the prefix's end gives at most one token a byte). Ordinary text far past
+#: ``max_len`` is then refused after a few KB instead of up to the long prefix: tokenizing a 400 KB prompt whole held
+#: ~60 MB of each server thread's malloc arena at its peak, and 496 such requests took 209 s instead of 16 s.
+SHORT_PREFIX_CHARS_PER_TOKEN = 16
 
 #: The roles a chat message may have: OpenAI's (with the deprecated ``function``) and Llama 3.1's ``ipython`` (its chat
 #: template's tool-output role); a ``developer`` message is rendered as a system message, as OpenAI treats it. Another
@@ -113,31 +119,37 @@ class PromptTokenizer:
         return self._max_token_bytes
 
     def _check_length(self, text: str, max_len: int | None) -> None:
-        """Raise ValueError if the first ``max_len x max_token_bytes x TEXT_BYTES_PER_TOKEN_FACTOR`` characters of a
-        longer ``text`` are alone more than twice ``max_len`` tokens, without tokenizing the rest."""
+        """Raise ValueError, without tokenizing the rest of a longer ``text``, if its first ``max_len x
+        SHORT_PREFIX_CHARS_PER_TOKEN`` characters are alone more than ``2 x max_len + max_token_bytes`` tokens, or
+        its first ``max_len x max_token_bytes x TEXT_BYTES_PER_TOKEN_FACTOR`` more than ``2 x max_len`` (a text
+        within that many characters is tokenized whole)."""
         if not max_len or not self.max_token_bytes:
             return
         limit = max_len * self.max_token_bytes * TEXT_BYTES_PER_TOKEN_FACTOR
-        if len(text) <= limit:
-            return  # tokenized whole, as any prompt: at most ``limit`` characters
-        n = len(self.tokenizer(text[:limit], add_special_tokens=False)["input_ids"])
-        if n > 2 * max_len:
-            raise ValueError(f"prompt: {len(text):,} characters of text are more than max_seq_len={max_len} tokens "
-                             f"can hold: the first {limit:,} alone are {n:,} tokens (the rest was not tokenized): "
-                             f"shorten the prompt")
+        short = max_len * SHORT_PREFIX_CHARS_PER_TOKEN
+        stages = [(short, 2 * max_len + self.max_token_bytes)] if short < limit else []
+        for k, most in stages + [(limit, 2 * max_len)]:
+            if len(text) <= k:
+                return  # tokenized whole, as any prompt: at most ``limit`` characters
+            n = len(self.tokenizer(text[:k], add_special_tokens=False)["input_ids"])
+            if n > most:
+                raise ValueError(f"prompt: {len(text):,} characters of text are more than max_seq_len={max_len} "
+                                 f"tokens can hold: the first {k:,} alone are {n:,} tokens (the rest was not "
+                                 f"tokenized): shorten the prompt")
 
     def encode(self, prompt: Prompt, max_len: int | None = None) -> list[int]:
         """Token ids of a prompt (see the module docstring). ``max_len`` (the engine's ``max_seq_len``, or None):
-        text far past it is refused once a prefix of it is (``TEXT_BYTES_PER_TOKEN_FACTOR``), without tokenizing the
-        rest; the caller still checks the ids' length.
+        text far past it is refused once a prefix of it is (``SHORT_PREFIX_CHARS_PER_TOKEN``,
+        ``TEXT_BYTES_PER_TOKEN_FACTOR``), without tokenizing the rest; the caller still checks the ids' length.
 
         Raises:
             ValueError: a prompt of another type, ids out of range, chat messages without string 'role' and
                 'content' or with a role not in ``CHAT_ROLES``, chat messages the model's chat template refuses
                 (its ``raise_exception``: e.g. Gemma's templates refuse a system role), text that is not valid
                 Unicode (a lone surrogate), text for a model without a tokenizer, a prompt that tokenizes to
-                nothing, or text (after the chat template) whose prefix of ``max_len x TEXT_BYTES_PER_TOKEN_FACTOR x
-                max_token_bytes`` characters alone is more than ``2 x max_len`` tokens.
+                nothing, or text (after the chat template) whose prefix of ``max_len x
+                SHORT_PREFIX_CHARS_PER_TOKEN`` or ``max_len x TEXT_BYTES_PER_TOKEN_FACTOR x max_token_bytes``
+                characters alone is more than ``2 x max_len + max_token_bytes`` tokens.
         """
         if _is_id_array(prompt):  # a 1-D integer torch tensor or numpy array of token ids
             prompt = prompt.tolist()

@@ -31,7 +31,7 @@ transformers = pytest.importorskip("transformers")
 
 from multilora import Engine, SamplingParams  # noqa: E402
 from multilora.runtime import postprocess  # noqa: E402
-from multilora.runtime.tokenizer import TEXT_BYTES_PER_TOKEN_FACTOR  # noqa: E402
+from multilora.runtime.tokenizer import SHORT_PREFIX_CHARS_PER_TOKEN, TEXT_BYTES_PER_TOKEN_FACTOR  # noqa: E402
 from testsupport import Interrupt  # noqa: E402
 from multilora.runtime.adapters import save_peft_adapter  # noqa: E402
 from testsupport import tiny_llama_dir, token_ids, tokenizer_dir, write_adapter  # noqa: E402
@@ -255,10 +255,23 @@ def test_text_far_past_max_seq_len_is_refused_before_it_is_tokenized(engine, ref
     with pytest.raises(ValueError, match=r"^prompts\[0\]: prompt: [\d,]+ characters of text are more than"):
         engine.generate([[{"role": "user", "content": dense}]], sampling=GREEDY)  # chat: the templated text
     assert all(len(t) <= limit for t in rec.texts), "more than the prefix was tokenized"
-    under = "x" * limit  # within the bound: tokenized whole, then refused by its token count
+    short = engine.max_seq_len * SHORT_PREFIX_CHARS_PER_TOKEN
+    assert short < limit
+    under = "x" * short  # within the short prefix: tokenized whole, then refused by its token count
     with pytest.raises(ValueError, match=r"prompt: \d+ tokens leave no room to generate within max_seq_len"):
         engine.generate([under], sampling=GREEDY)
     assert under in rec.texts
+    # ordinary text of more characters (here within the long prefix): refused once the short prefix alone is over
+    # 2 x max_seq_len + max_token_bytes tokens, only that prefix tokenized (a 400 KB prompt tokenized whole held
+    # ~60 MB of a server thread's malloc arena); the tokenizer agrees the whole text is past max_seq_len
+    rec.texts.clear()
+    ordinary = "x" * (limit - 1)
+    assert len(tok(ordinary[:short], add_special_tokens=False)["input_ids"]) > 2 * engine.max_seq_len + text.max_token_bytes
+    with pytest.raises(ValueError, match=rf"^prompts\[0\]: prompt: {limit - 1:,} characters of text are more than "
+                                         rf"max_seq_len={engine.max_seq_len} tokens can hold: the first {short:,} alone"):
+        engine.generate([ordinary], sampling=GREEDY)
+    assert [len(t) for t in rec.texts] == [short]
+    assert len(tok(ordinary)["input_ids"]) > engine.max_seq_len
     monkeypatch.undo()
     _still_serves(engine, reference)
 
@@ -349,11 +362,12 @@ def test_text_of_few_tokens_past_the_bound_is_judged_by_its_real_count():
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.Unigram([(t, -1.0) for t in vocab], unk_id=0)),
                                   unk_token="<unk>")
     text = PromptTokenizer(tok, vocab_size=5, eos_token_ids=(), source="t")
-    limit = 8 * text.max_token_bytes * TEXT_BYTES_PER_TOKEN_FACTOR
-    assert text.max_token_bytes == 5 and text.encode("z" * (10 * limit), max_len=8) == [0]  # one fused <unk>
-    with pytest.raises(ValueError, match=rf"the first {limit:,} alone are {limit:,} tokens"):
+    limit, short = 8 * text.max_token_bytes * TEXT_BYTES_PER_TOKEN_FACTOR, 8 * SHORT_PREFIX_CHARS_PER_TOKEN
+    assert text.max_token_bytes == 5 and short < limit
+    assert text.encode("z" * (10 * limit), max_len=8) == [0]  # one fused <unk>: neither prefix refuses
+    with pytest.raises(ValueError, match=rf"the first {short:,} alone are {short:,} tokens"):  # (over 2 x 8 + 5)
         text.encode("a" * (10 * limit), max_len=8)
-    assert len(text.encode("a" * limit, max_len=8)) == limit  # within the bound: the caller judges its length
+    assert len(text.encode("a" * short, max_len=8)) == short  # within the short prefix: the caller judges its length
 
 
 # ------------------------------------------------------------------------------------ 5: non-finite logits
