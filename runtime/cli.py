@@ -84,10 +84,17 @@ def _read_jsonl(path: str) -> list[tuple[Any, str | None, str]]:
     model loads; ValueError naming ``FILE:LINE``."""
     items = []
     try:
-        lines = Path(path).read_text().splitlines()
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     except OSError as e:
         raise ValueError(f"--jsonl: cannot read {path!r}: {e}") from e
-    for n, line in enumerate(lines, 1):
+    # lines end at "\n" only (JSON Lines): str.splitlines would also split at U+2028, U+0085 and others that JSON
+    # strings may hold unescaped
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{n}: not UTF-8 text (JSON Lines is UTF-8): byte {raw[e.start]:#04x} at "
+                             f"column {e.start + 1}") from None
         if not line.strip():
             continue
         try:
@@ -213,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", nargs=2, default=[], metavar=("ADAPTER", "TEXT"),
                    help=f"a prompt and its adapter name ({', '.join(repr(b) for b in BASE_NAMES)}: the base model, "
                         "so no --adapter may take those names); repeatable")
-    g.add_argument("--jsonl", help='file of {"prompt": ..., "adapter": NAME|null} lines (prompt: text, chat messages '
-                                   'or a list of token ids; no other keys)')
+    g.add_argument("--jsonl", help='file of {"prompt": ..., "adapter": NAME|null} lines, UTF-8, "-" for stdin '
+                                   '(prompt: text, chat messages or a list of token ids; no other keys)')
     g.add_argument("--chat", action="store_true", help="wrap text prompts as a user message and apply the chat template")
     g.add_argument("--max-tokens", type=_int_range(1), default=64,
                    help="most tokens generated per prompt (default 64)")

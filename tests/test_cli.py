@@ -403,6 +403,24 @@ def test_bad_jsonl_line_exits_2_naming_the_line(tiny, tmp_path, capsys, line, ma
     assert f"{f}:2" in err and re.search(match, err), err
 
 
+def test_jsonl_lines_end_at_newline_only_and_must_be_utf8(tiny, tmp_path, capsys, monkeypatch):
+    """A JSON string may hold U+2028 / U+0085 unescaped (json.dumps(ensure_ascii=False) writes them): such a line is
+    one prompt, as json.loads reads it; a line that is not UTF-8 is named with its byte; "-" reads stdin."""
+    import io
+
+    from multilora.runtime.cli import _read_jsonl
+
+    lines = [json.dumps({"prompt": "one\u2028two\x85three"}, ensure_ascii=False), json.dumps({"prompt": "b"})]
+    f = tmp_path / "sep.jsonl"
+    f.write_bytes(("\r\n".join(lines) + "\n").encode())
+    assert [p for p, _, _ in _read_jsonl(str(f))] == [json.loads(line)["prompt"] for line in lines]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(f.read_bytes())))
+    assert [(p, where) for p, _, where in _read_jsonl("-")] == [("one\u2028two\x85three", "-:1"), ("b", "-:2")]
+    f.write_bytes(b'{"prompt": "fine"}\n{"prompt": "\xff"}\n')
+    code, out, err = run(capsys, "generate", "--model", tiny, "--jsonl", f)
+    assert code == 2 and out == "" and f"{f}:2: not UTF-8 text (JSON Lines is UTF-8): byte 0xff at column 13" in err, err
+
+
 @pytest.mark.parametrize("opt,value,field", [("--max-tokens", 0, "max_tokens"), ("--temperature", -1, "temperature"),
                                              ("--top-p", 0, "top_p"), ("--top-k", -2, "top_k")])
 def test_bad_sampling_option_exits_2(tiny, capsys, opt, value, field):
