@@ -863,7 +863,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "CUDA, host on the CPU; rows record the one used)")
     ap.add_argument("--host-arena-chunk-bytes", type=bytes_arg, default=None,
                     help="Engine(host_arena_chunk_bytes=...): bytes of one chunk of the host tier's pinned arena, each "
-                         "page-locked by one cudaHostRegister (default: the engine's, 256 MiB; 1 = one max-rank image)")
+                         "page-locked by one cudaHostRegister (default: the engine's, 1 GiB; 1 = one max-rank image)")
     ap.add_argument("--adapter-pool-fill", action="store_true", help="Engine(adapter_pool_fill=True): the pool also "
                     "takes the budget the KV cache can never use (max_batch_size sequences of the trace's longest)")
     ap.add_argument("--unified-pool", default="off", help="comma-separated off,on: rows with the pool and the KV "

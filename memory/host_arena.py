@@ -7,7 +7,7 @@ the next power of two (``PowerOf2Ceil`` in ``aten/src/ATen/core/CachingHostAlloc
 below ``pinned_max_round_threshold``): an 84 MB Llama-3-8B rank-16 image pinned 128 MiB, the host tier's
 budget held 34% fewer copies than its bytes, each new block cost a ``cudaHostAlloc`` under the driver's lock,
 and freed blocks stayed cached in torch, outside any budget. Instead the host tier takes its memory in a few
-large **chunks** (``chunk_bytes``, default 256 MiB, at least one max-size image; the first ones smaller: 64 MiB,
+large **chunks** (``chunk_bytes``, default 1 GiB, at least one max-size image; the first ones smaller: 64 MiB,
 doubling), each one anonymous mapping
 (``mmap``, ``MADV_HUGEPAGE`` where the kernel has it) that is page-locked once with ``cudaHostRegister``
 (``torch.cuda.cudart()``) for exactly its size, and places images in them with the same first-fit extents as the
@@ -67,12 +67,15 @@ from multilora.memory.extents import Extents, move_down
 log = logging.getLogger("multilora")
 
 #: Bytes of one chunk of the arena unless the caller asks otherwise (a compaction moves at most this; the engine
-#: raises it to one max-rank image). 256 MiB since session 39: each chunk is page-locked by one ``cudaHostRegister``,
-#: which holds up the step thread's CUDA calls while it runs. H100, S4 at 2,000 adapters
-#: (``bench/results/session39/README.md``): every step over 50 ms was one waiting on a registration, 160-415 ms
-#: with 1 GiB chunks, 48-82 ms with 320 MiB ones (that run's max-rank image), and the registrations took less time
-#: in all (1.2 s for 21 chunks against 1.9 s for 7).
-DEFAULT_CHUNK_BYTES = 256 << 20
+#: raises it to one max-rank image). Each chunk is page-locked by one ``cudaHostRegister``, which holds up the step
+#: thread's CUDA calls while it runs, so the size trades how long one stall lasts against how many there are and
+#: their total. Session 39 set 256 MiB from a run confounded by a bench defect (a smaller pool); session 40's A/B on
+#: one H100 at the same rate (S4 at 2,000 adapters, ``bench/results/session40/README.md``): 256 MiB chunks, 20 stalled
+#: steps of 66-136 ms, 1.78 s in all, 83.8% within the SLO, TTFT p99 0.82 s; 1 GiB chunks, 6 steps of 202-272 ms,
+#: 1.29 s, 90.2%, 0.74 s; and the one-batch bench warm at 46% of the no-adapter tokens/s with 256 MiB chunks (7
+#: registrations in the warm phase) where session 39 had 50-51% with 1 GiB. Registration costs less per byte in big
+#: chunks (~0.21 ms per MiB at 1 GiB, ~0.33 at 256 MiB), so 1 GiB again.
+DEFAULT_CHUNK_BYTES = 1 << 30
 #: Bytes of the first chunk (each next one doubles, up to the chunk size).
 FIRST_CHUNK_BYTES = 64 << 20
 
