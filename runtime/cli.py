@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-demo-adapters", help="write seeded random PEFT adapters for a model")
     m.add_argument("out_dir")
     m.add_argument("--model", help=_MODEL_HELP)
-    m.add_argument("--rank", type=_int_range(1), default=8, help="LoRA rank of every demo adapter (default 8)")
+    m.add_argument("--rank", type=_int_range(1), default=8, help="LoRA rank of every demo adapter, at most the "
+                   "narrowest target module's width (default 8)")
     m.add_argument("--force", action="store_true", help="overwrite demo adapters already in OUT_DIR (default: refuse)")
 
     g = sub.add_parser("generate", help="generate for prompts, each with its own adapter, in one batch")
@@ -635,8 +636,14 @@ def _cmd_make(args: argparse.Namespace) -> int:
                                  f"--force to overwrite the demo adapters there, or choose another OUT_DIR")
     path = resolve_model_path(args.model)
     config, weights = load_model_files(path, dtype=torch.float32)
-    for name, d in write_demo_adapters(args.out_dir, "OUT_DIR", weights, config, rank=args.rank,
-                                       base_model_name_or_path=str(path)).items():
+    try:
+        written = write_demo_adapters(args.out_dir, "OUT_DIR", weights, config, rank=args.rank,
+                                      base_model_name_or_path=str(path))
+    except ValueError as e:
+        if str(e).startswith("rank:"):  # the library names its argument; here it is the flag
+            raise ValueError(f"--{e}") from None
+        raise
+    for name, d in written.items():
         print(f"{name}: {d}")
     from multilora.runtime.config import EngineConfig
 

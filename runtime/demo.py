@@ -54,8 +54,18 @@ def make_demo_adapters(
         base_weights: HF-named base weights (to scale each update relative to its base weight).
         config: the base model's configuration.
         names: which of ``DEMO_ADAPTERS`` (default all).
-        rank: LoRA rank r (lora_alpha = 2 r, so scaling = 2).
+        rank: LoRA rank r (lora_alpha = 2 r, so scaling = 2), at most the smallest input or output width of the
+            modules the demo adapters target (a larger r adds no expressiveness, only bytes).
+
+    Raises:
+        ValueError: ``rank`` below 1 or above that width (before anything is written).
     """
+    widths = {m: config.module_shape(m) for n in (names or DEMO_ADAPTERS) for m in DEMO_ADAPTERS[n][2]}
+    narrowest = min(widths, key=lambda m: min(widths[m]))
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= min(widths[narrowest]):
+        raise ValueError(f"rank: expected an int from 1 to {min(widths[narrowest])} (module {narrowest!r} is "
+                         f"{widths[narrowest][0]} -> {widths[narrowest][1]}: a LoRA rank above its narrower side "
+                         f"adds only bytes), got {rank!r}")
     out = Path(out_dir)
     result = {}
     for name in names or DEMO_ADAPTERS:

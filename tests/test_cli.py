@@ -95,6 +95,23 @@ def test_make_demo_adapters_prints_and_writes_peft_dirs(tiny, tmp_path, capsys):
         assert (tmp_path / "ad" / n / "adapter_model.safetensors").is_file()
 
 
+def test_make_demo_adapters_refuses_a_rank_above_the_narrowest_module(tiny, tmp_path, capsys):
+    """--rank 100000 was taken (each adapter ~122 GB: killed for memory with no message); a rank above the narrowest
+    target module's width is refused naming that module and its widths, before anything is written, and the widest
+    rank allowed is written."""
+    from multilora.config import ModelConfig
+    from multilora.runtime.demo import DEMO_ADAPTERS
+
+    cfg = ModelConfig.from_hf_dict(json.loads((tiny / "config.json").read_text()))
+    shapes = {m: cfg.module_shape(m) for _, _, mods in DEMO_ADAPTERS.values() for m in mods}
+    most = min(min(s) for s in shapes.values())
+    code, out, err = run(capsys, "make-demo-adapters", tmp_path / "ad", "--model", tiny, "--rank", most + 1)
+    assert code == 2 and out == "" and not (tmp_path / "ad").exists()
+    assert re.search(rf"--rank: expected an int from 1 to {most} \(module '\w+' is \d+ -> \d+: a LoRA rank above "
+                     rf"its narrower side adds only bytes\), got {most + 1}", err), err
+    assert run(capsys, "make-demo-adapters", tmp_path / "ad", "--model", tiny, "--rank", most)[0] == 0
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_make_demo_adapters_files_get_the_umask_mode(tiny, tmp_path, capsys, umask):
     """Files as open() would make them under the umask of the moment they are written (0666 less it), not
@@ -488,9 +505,16 @@ def test_demo_on_a_given_model(tiny, tmp_path, capsys):
     assert "[base]" in out and "tokens/s" in out
 
 
-def test_demo_takes_adapters_above_the_default_max_lora_rank(tiny, tmp_path, capsys):
+def test_demo_takes_adapters_above_the_default_max_lora_rank(tmp_path, tmp_path_factory, capsys):
     """make-demo-adapters --rank above the engine's default max_lora_rank (64) says how to load them; demo refuses
     them with the engine's message naming --max-lora-rank, and runs with that flag."""
+    tiny = tmp_path / "wide"  # every module at least 96 wide: rank 80 is a rank make-demo-adapters takes
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)).save_pretrained(str(tiny))
+    for f in _tokenizer_dir(tmp_path_factory).iterdir():
+        shutil.copy(f, tiny)
     code, _, err = run(capsys, "make-demo-adapters", tmp_path / "ad", "--model", tiny, "--rank", 80)
     assert code == 0 and "rank 80 is above the engine's default max_lora_rank 64" in err
     assert "--max-lora-rank 80" in err
