@@ -50,12 +50,13 @@ _UNITS = {
     "tib": 1 << 40,
     "tb": 10**12,
 }
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_BYTES = re.compile(r"^\s*((?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(text: str) -> int:
-    """'2GiB' -> 2147483648, '512MiB', '1.5G', '4096' (exact: a decimal is not read as a float; a fraction of a
-    byte that a unit leaves is dropped).
+    """'2GiB' -> 2147483648, '512MiB', '1.5G', '4096', '2,010,458,972 B' (thousands separated by commas, as
+    ``multilora memory`` prints its byte counts; exact: a decimal is not read as a float; a fraction of a byte that a
+    unit leaves is dropped).
 
     Raises ValueError on anything else, a decimal without a unit ('1.5'), or a count above 2^64 - 1 (16 EiB).
     """
@@ -66,7 +67,7 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"expected a byte count like 4096, 512MiB or 2GiB, got {shown}")
     if _UNITS[unit] == 1 and "." in m.group(1):  # (1.5 bytes: a unit was probably meant; 1.5GiB is whole bytes)
         raise ValueError(f"expected a whole number of bytes (or a unit: 1.5GiB), got {shown}")
-    value = int(Fraction(m.group(1)) * _UNITS[unit]) if len(m.group(1)) <= 40 else None
+    value = int(Fraction(m.group(1).replace(",", "")) * _UNITS[unit]) if len(m.group(1)) <= 40 else None
     if value is None or value > MAX_BYTE_COUNT:
         raise ValueError(f"expected a byte count below 2^64 (16 EiB), got {shown}")
     return value

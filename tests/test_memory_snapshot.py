@@ -328,13 +328,16 @@ def test_apply_torch_memory_fraction_is_a_no_op_on_cpu():
         ("3GB", 3 * 10**9),
         ("1T", 1 << 40),
         ("7B", 7),
+        ("2,010,458,972 B", 2_010_458_972),  # as `multilora memory` prints it
+        ("1,024", 1024),
+        ("1,536.5 MiB", 3 * 512 * (1 << 20) + (1 << 19)),
     ],
 )
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "2XB", "1e9", "1.5", "2.0B"])
+@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "2XB", "1e9", "1.5", "2.0B", "1,00", "1,0000", ",100", "1,,000"])
 def test_parse_bytes_rejects(text):
     with pytest.raises(ValueError, match="byte count|whole number of bytes"):
         parse_bytes(text)
