@@ -347,11 +347,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 prompt = o.prompt[-1].get("content", o.prompt)
             else:  # token ids
                 prompt = f"<{len(o.prompt)} token ids>"
-            print(f"[{o.adapter or 'base'}] {prompt}\n    -> {o.text.strip()!r} ({o.finish_reason})")
+            n = len(o.token_ids)  # the text as made (repr: leading newlines shown, as --json has them)
+            print(f"[{o.adapter or 'base'}] {prompt}\n    -> {o.text!r}  ({n} token{'s' * (n != 1)}, {o.finish_reason})")
             if o.error:
                 print(f"    error: {o.error}")
     run = engine.last_run
-    print(f"{run['generated_tokens']} tokens in {run['seconds']:.2f} s = {run['tokens_per_second']:.1f} tokens/s",
+    n = run["generated_tokens"]
+    print(f"{n} token{'s' * (n != 1)} in {run['seconds']:.2f} s = {run['tokens_per_second']:.1f} tokens/s",
           file=sys.stderr if args.json else sys.stdout)
     ended = sum(isinstance(o.prompt, str) and not o.token_ids and o.finish_reason == "stop" for o in outs)
     if ended and not args.chat and getattr(getattr(engine, "tokenizer", None), "chat_template", None):
@@ -677,8 +679,18 @@ def log_level(command: str, verbose: int) -> int:
     return (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, with unknown arguments reported by the command's own parser (its usage and
+    ``multilora generate: error: ...``) rather than the top level's."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), argv)
     serving = args.command in ("serve", "serve-ray")  # a long-running process: what it does, when
     logging.basicConfig(level=log_level(args.command, verbosity(args)),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s" if serving else

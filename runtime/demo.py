@@ -156,7 +156,8 @@ def run_demo(adapters_dir: str | os.PathLike | None = None, *, max_tokens: int =
     elapsed = time.perf_counter() - t0
     print()
     for (p, a), o in zip(DEMO_PROMPTS, outs):
-        print(f"[{a or 'base'}] {p}\n    -> {o.text.strip()!r}  ({len(o.token_ids)} tokens, {o.finish_reason})")
+        k = len(o.token_ids)
+        print(f"[{a or 'base'}] {p}\n    -> {o.text.strip()!r}  ({k} token{'s' * (k != 1)}, {o.finish_reason})")
     n = sum(len(o.token_ids) for o in outs)
     print(f"\n{len(outs)} requests, {len(set(names) - {None})} adapters + base in one batch: "
           f"{n} tokens in {elapsed:.2f} s = {n / elapsed:.1f} tokens/s on {engine.device} ({engine.dtype})")

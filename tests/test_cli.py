@@ -243,7 +243,12 @@ def test_generate_jsonl_token_id_prompt_text_output(tiny, engine, tmp_path, caps
     want = engine.generate([[5, 6, 7]], sampling=SamplingParams(max_tokens=2))[0]
     code, out, err = run(capsys, "generate", "--model", tiny, "--jsonl", f, "--max-tokens", 2)
     assert code == 0, err
-    assert "[base]" in out and repr(want.text.strip()) in out
+    # the text as made (leading whitespace shown, as --json has it), its token count and finish reason
+    assert f"[base] <3 token ids>\n    -> {want.text!r}  (2 tokens, {want.finish_reason})\n" in out, out
+    assert re.search(r"^2 tokens in [\d.]+ s = ", out, re.M), out
+    f.write_text(json.dumps({"prompt": [5, 6, 7], "adapter": None}) + "\n")
+    code, out, err = run(capsys, "generate", "--model", tiny, "--jsonl", f, "--max-tokens", 1)
+    assert code == 0 and "(1 token, length)" in out and re.search(r"^1 token in ", out, re.M), out
 
 
 def test_generate_chat_flag_applies_the_template(tiny, engine, capsys):
@@ -384,6 +389,17 @@ def test_cuda_on_a_machine_without_it_names_the_engine_argument(tmp_path, monkey
 def test_flag_ranges_are_checked_by_the_parser(capsys, argv, words):
     code, _, err = run(capsys, *argv)
     assert code == 2 and words in err, err
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "-", "hi", "--bogus", "x"], ["memory", "--bogus", "x"],
+                                  ["demo", "--bogus", "x"]])
+def test_an_unknown_flag_is_named_by_its_commands_parser(capsys, argv):
+    """An unknown flag after a command is reported with that command's usage and name (it was the top level's:
+    ``multilora: error``, whose usage lists only the commands)."""
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith(f"usage: multilora {argv[0]} "), err
+    assert err.rstrip().endswith(f"multilora {argv[0]}: error: unrecognized arguments: --bogus x"), err
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "ten", "1.5"])
