@@ -39,9 +39,16 @@ from multilora.memory.accounting import (
 from multilora.runtime.config import bytes_arg as _bytes_arg, parse_bytes  # noqa: F401 (parse_bytes: re-exported)
 
 
+#: how every BYTES option is written (the parser's epilog; ``multilora.runtime.config.parse_bytes``)
+BYTES_HELP = ("BYTES: a count (4096, or 2,010,458,972 with commas, as the plan prints it) or a number with a unit: "
+              "B, KiB, MiB, GiB, TiB (powers of 1024; K, M, G, T alone too) or KB, MB, GB, TB (powers of 1000), e.g. "
+              "512MiB, 1.5GiB, 8GB; at most 2^64 - 1")
+
+
 def add_memory_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``memory`` subcommand to ``subparsers``; its handler is ``args.func = run_memory``."""
-    p = subparsers.add_parser("memory", help="print the memory plan (pool, KV, host tier) for this machine")
+    p = subparsers.add_parser("memory", help="print the memory plan (pool, KV, host tier) for this machine",
+                              description=__doc__.splitlines()[0], epilog=BYTES_HELP)
     _add_arguments(p)
     p.set_defaults(func=run_memory)
     return p
@@ -65,16 +72,19 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="share of the budget for the adapter pool (default 0.1)",
     )
     p.add_argument("--local-ranks", type=int, default=1, help="processes on this host sharing its memory (default 1)")
-    p.add_argument("--adapter-pool-bytes", type=_bytes_arg, help="cap on the adapter pool")
-    p.add_argument("--kv-bytes", "--kv-cache-bytes", type=_bytes_arg,
-                   help="cap on the KV cache (the engine's --kv-cache-bytes)")
-    p.add_argument("--total-bytes", type=_bytes_arg, help="cap on adapter pool + KV")
-    p.add_argument("--host-adapter-bytes", type=_bytes_arg, help="explicit host-tier size (default: automatic)")
-    p.add_argument("--non-kv-reserve-bytes", type=_bytes_arg, default=0, help="activations and workspaces (default 0)")
-    p.add_argument("--min-adapter-bytes", type=_bytes_arg, default=0, help="one max-size adapter (live-state minimum)")
-    p.add_argument(
-        "--min-kv-bytes", type=_bytes_arg, default=0, help="KV of one max-length sequence (live-state minimum)"
-    )
+    p.add_argument("--adapter-pool-bytes", type=_bytes_arg, metavar="BYTES",
+                   help="cap on the adapter pool (default: none, the share above decides)")
+    p.add_argument("--kv-bytes", "--kv-cache-bytes", type=_bytes_arg, metavar="BYTES",
+                   help="cap on the KV cache (the engine's --kv-cache-bytes; default: none)")
+    p.add_argument("--total-bytes", type=_bytes_arg, metavar="BYTES", help="cap on adapter pool + KV (default: none)")
+    p.add_argument("--host-adapter-bytes", type=_bytes_arg, metavar="BYTES",
+                   help="explicit host-tier size (default: automatic)")
+    p.add_argument("--non-kv-reserve-bytes", type=_bytes_arg, default=0, metavar="BYTES",
+                   help="activations and workspaces (default 0)")
+    p.add_argument("--min-adapter-bytes", type=_bytes_arg, default=0, metavar="BYTES",
+                   help="one max-size adapter: the live-state minimum the plan checks (default 0: not checked)")
+    p.add_argument("--min-kv-bytes", type=_bytes_arg, default=0, metavar="BYTES",
+                   help="KV of one max-length sequence: the live-state minimum the plan checks (default 0: not checked)")
     e = p.add_argument_group(
         "an engine's plan (--model)",
         "the sizes an Engine of that model would take here: the plan above with the engine's own inputs (its weights "
@@ -83,7 +93,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--model", nargs="?", const="", default=None, metavar="PATH",
                    help="a GGUF file or Hugging Face model directory (no PATH: the embedded default model)")
     for flag, kind, what in _ENGINE_FLAGS:
-        e.add_argument(flag, type=kind, default=None, help=what)
+        choices = _engine_field(flag[2:].replace("-", "_")).metadata.get("choices")  # (as the engine's own flags)
+        e.add_argument(flag, type=None if choices else kind, choices=choices, default=None, help=what)
     e.add_argument("--adapter-finish", choices=("host", "device"), default=None,
                    help="where adapters read again from disk get the pool's layout (default: device on a GPU, host on "
                         "the CPU); device adds the pool's finish scratch to the reserve")
@@ -98,12 +109,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 #: the engine options ``--model`` takes beside the plan's own (``EngineConfig`` fields of the same names)
-def _engine_default(name: str):
+def _engine_field(name: str):
     import dataclasses
 
     from multilora.runtime.config import EngineConfig
 
-    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
+    return next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
+
+
+def _engine_default(name: str):
+    return _engine_field(name).default
 
 
 _ENGINE_FLAGS = (
@@ -421,7 +436,7 @@ def plan_notes(plan, options: MemoryPlanOptions, engine: bool = False) -> list[s
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry (``python -m multilora.runtime.cli_memory``), same options as ``multilora memory``."""
-    p = argparse.ArgumentParser(prog="multilora memory", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="multilora memory", description=__doc__.splitlines()[0], epilog=BYTES_HELP)
     _add_arguments(p)
     return run_memory(p.parse_args(argv))
 

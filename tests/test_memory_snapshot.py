@@ -349,6 +349,23 @@ def cli(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["memory", *argv])
 
 
+def test_cli_help_states_byte_units_and_defaults_and_dtype_choices(capsys):
+    """memory --help says how a BYTES option is written and each cap's default; --dtype / --weight-dtype take the
+    engine's choices (any string was taken, then refused as "must be a torch dtype or a name")."""
+    with pytest.raises(SystemExit):
+        cli("--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "BYTES: a count (4096, or 2,010,458,972 with commas, as the plan prints it) or a number with a unit" in text
+    for flag in ("--adapter-pool-bytes BYTES", "--kv-bytes BYTES", "--total-bytes BYTES"):
+        assert flag in text
+    assert "cap on adapter pool + KV (default: none)" in text
+    assert cli("--model", "--dtype", "float16").dtype == "float16"
+    for flag, bad in (("--dtype", "f16"), ("--weight-dtype", "int4")):
+        with pytest.raises(SystemExit):
+            cli("--model", flag, bad)
+        assert f"argument {flag}: invalid choice: '{bad}'" in capsys.readouterr().err
+
+
 def test_cli_records_and_replays_a_snapshot(tmp_path, capsys):
     snap_path = tmp_path / "snap.json"
     assert cli_memory.run_memory(cli("--save-snapshot", str(snap_path))) == 0
