@@ -316,17 +316,19 @@ class EngineConfig:
                                                "urgent) for those whose adapter is resident or in host memory",
                                          kind=bool)
     max_waiting_requests: int = _opt(16384, "most requests waiting at once (more: an 'overloaded' error)")
-    lora_backend: str | None = _opt(None, "LoRA kernels (default: triton on CUDA)", choices=_BACKENDS)
-    attention_backend: str | None = _opt(None, "paged attention (default: triton on CUDA)", choices=_BACKENDS)
+    lora_backend: str | None = _opt(None, "LoRA kernels (default: triton on CUDA, torch on the CPU)", choices=_BACKENDS)
+    attention_backend: str | None = _opt(None, "paged attention (default: triton on CUDA, torch on the CPU)", choices=_BACKENDS)
     lora_side_stream_max_tokens: int | None = _opt(None, "steps of at most this many tokens run LoRA on a side CUDA "
                                                          "stream beside the base GEMMs (default on CUDA: 64, or 2 when "
-                                                         "--max-lora-rank > 16; 0: off)",
+                                                         "--max-lora-rank > 16; 0: off; unused on the "
+                                                         "CPU)",
                                                    kind=int)
-    cuda_graphs: bool = _opt(True, "run decode steps eagerly (no CUDA graphs)")
+    cuda_graphs: bool = _opt(True, "run decode steps eagerly (default: CUDA graphs on CUDA with the Triton "
+                                           "backends; the CPU has none)")
     piecewise_cuda_graph_max_tokens: int | None = _opt(None, "prefill and mixed steps of at most this many tokens "
                                                              "replay CUDA graphs piecewise, attention eager between "
                                                              "them (default on CUDA: 2048, at most the step budget; "
-                                                             "0: off)", kind=int)
+                                                             "0: off; unused on the CPU)", kind=int)
     adapter_pool_share: float | None = _opt(None, "share of the memory budget for the adapter pool (default: the "
                                                   "memory plan's, 0.1)", kind=float)
     adapter_pool_fill: bool = _opt(False, "the adapter pool also takes the budget the KV cache can never use "
