@@ -321,6 +321,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if "\\n" in stop and "\n" not in stop:
             print(f"note: --stop '{stop}' holds a backslash and an n, matched literally, not a newline; in bash a "
                   f"newline is $'\\n'", file=sys.stderr)
+    unused = [f for f, on in (("--top-p", args.top_p != 1.0), ("--top-k", args.top_k > 0),
+                              ("--seed", args.seed is not None)) if on]
+    if args.temperature == 0 and unused:  # greedy: the most likely token, whatever they say
+        print(f"note: {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with --temperature 0 "
+              f"(greedy, the default): pass a temperature > 0 to sample", file=sys.stderr)
     try:
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   top_k=max(args.top_k, 0), seed=args.seed, stop=args.stop)

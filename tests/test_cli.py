@@ -454,6 +454,17 @@ def test_jsonl_lines_end_at_newline_only_and_must_be_utf8(tiny, tmp_path, capsys
     assert code == 2 and out == "" and f"{f}:2: not UTF-8 text (JSON Lines is UTF-8): byte 0xff at column 13" in err, err
 
 
+def test_sampling_flags_that_greedy_ignores_get_a_note(tiny, capsys):
+    """--top-p / --top-k / --seed under the default --temperature 0 change nothing (greedy): a note says so; with a
+    temperature they are used and no note comes."""
+    code, _, err = run(capsys, "generate", "--model", tiny, "--prompt", "-", "hi", "--max-tokens", 1, "--top-k", 5,
+                       "--seed", 3)
+    assert code == 0 and "note: --top-k, --seed have no effect with --temperature 0 (greedy, the default)" in err, err
+    code, _, err = run(capsys, "generate", "--model", tiny, "--prompt", "-", "hi", "--max-tokens", 1, "--top-p", 0.5,
+                       "--temperature", 0.7, "--seed", 3)
+    assert code == 0 and "no effect" not in err, err
+
+
 @pytest.mark.parametrize("opt,value,field", [("--max-tokens", 0, "max_tokens"), ("--temperature", -1, "temperature"),
                                              ("--top-p", 0, "top_p"), ("--top-k", -2, "top_k")])
 def test_bad_sampling_option_exits_2(tiny, capsys, opt, value, field):
