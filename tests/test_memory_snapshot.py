@@ -155,6 +155,9 @@ def test_cgroup_v2_nested_tree_with_max_and_a_limited_ancestor(tmp_path):
     # /job: 16 - 12 + (2 + 3 - 0.5) = 8.5 GiB, below this host's MemAvailable.
     assert plan.usable_source == "cgroup:/job"
     assert plan.usable_bytes == int(8.5 * GiB)
+    text = plan.explain()  # the files' byte counts as the plan's other sizes are shown ("max" as written)
+    assert f"cgroup:/job  limit {16 * GiB:,d} B, usage {12 * GiB:,d} B, reclaimable" in text
+    assert f"cgroup:/job/step  limit max, usage {2 * GiB:,d} B" in text
 
 
 def test_cgroup_v2_missing_usage_and_garbage_give_no_headroom(tmp_path):
