@@ -883,7 +883,7 @@ def _shown(text: str | None, absent: str) -> str:
     """Raw file text as the summary shows it: a byte count as ``9,663,676,416 B``, other text itself when short and
     printable ("max"), else a cut repr."""
     t = absent if text is None else text.strip()
-    if t.isdigit() and len(t) <= 40:
+    if t.isascii() and t.isdigit() and len(t) <= 40:
         return f"{int(t):,d} B"
     return t if len(t) <= 40 and t.isprintable() else repr(t[:40]) + ("..." if len(t) > 40 else "")
 

@@ -378,7 +378,7 @@ def run_memory(args: argparse.Namespace) -> int:
         try:
             args.save_snapshot.write_text(json.dumps(snapshot.to_dict(), indent=2) + "\n")
         except OSError as e:
-            print(f"multilora memory: cannot write the snapshot to {args.save_snapshot}: {e.strerror or e}",
+            print(f"multilora memory: error: cannot write the snapshot to {args.save_snapshot}: {e.strerror or e}",
                   file=sys.stderr)
             return 2
     engine = None
@@ -408,7 +408,7 @@ def _failed(e: Exception, args: argparse.Namespace) -> int:
     ``{"error": {"message", "type"}}`` and, for a plan that does not fit (``MemoryPlanError``), its
     ``needed_bytes``, ``fits_bytes`` and ``source``, so a tool reading the JSON learns what was short."""
     msg = _flag_words(e, args)
-    print(f"multilora memory: {msg}", file=sys.stderr)
+    print(f"multilora memory: error: {msg}", file=sys.stderr)
     if getattr(args, "json", False):
         err = {"message": msg, "type": type(e).__name__}
         if isinstance(e, MemoryPlanError):

@@ -1059,7 +1059,7 @@ def test_memory_errors_name_the_flag(tmp_path, capsys):
                         (("--fraction", 0), "--fraction: expected 0 < fraction <= 1"),
                         (("--model", tmp_path / "nope"), f"--model {tmp_path / 'nope'}: path ")):
         code, out, err = run(capsys, "memory", *argv)
-        assert code == 2 and f"multilora memory: {words}" in err, err
+        assert code == 2 and f"multilora memory: error: {words}" in err, err
 
 
 def test_header_check_leaves_rows_the_config_does_not_give_to_the_loader(demo_dir, tmp_path, capsys):
