@@ -193,9 +193,20 @@ def verbosity(args: argparse.Namespace) -> int:
     return getattr(args, "verbose", 0) + getattr(args, "verbose_after", 0)
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's), or "(not installed)" when run from a bare tree."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("multilora")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="multilora", description="Batched multi-LoRA inference.")
     p.add_argument("-v", "--verbose", action="count", default=0, help=_VERBOSE)
+    p.add_argument("--version", action="version", version=f"multilora {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="run the main job on the default model with demo adapters")

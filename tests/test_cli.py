@@ -391,6 +391,13 @@ def test_flag_ranges_are_checked_by_the_parser(capsys, argv, words):
     assert code == 2 and words in err, err
 
 
+def test_version(capsys):
+    from importlib.metadata import version
+
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out == f"multilora {version('multilora')}\n"
+
+
 @pytest.mark.parametrize("argv", [["generate", "--prompt", "-", "hi", "--bogus", "x"], ["memory", "--bogus", "x"],
                                   ["demo", "--bogus", "x"]])
 def test_an_unknown_flag_is_named_by_its_commands_parser(capsys, argv):
