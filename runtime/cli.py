@@ -84,9 +84,12 @@ def _read_jsonl(path: str) -> list[tuple[Any, str | None, str]]:
     model loads; ValueError naming ``FILE:LINE``."""
     items = []
     try:
+        if path == "-" and sys.stdin is None:
+            raise OSError("standard input is closed")
         data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     except OSError as e:
         raise ValueError(f"--jsonl: cannot read {path!r}: {e}") from e
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark (Notepad, PowerShell) is no part of line 1
     # lines end at "\n" only (JSON Lines): str.splitlines would also split at U+2028, U+0085 and others that JSON
     # strings may hold unescaped
     for n, raw in enumerate(data.split(b"\n"), 1):
@@ -332,16 +335,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if "\\n" in stop and "\n" not in stop:
             print(f"note: --stop '{stop}' holds a backslash and an n, matched literally, not a newline; in bash a "
                   f"newline is $'\\n'", file=sys.stderr)
-    unused = [f for f, on in (("--top-p", args.top_p != 1.0), ("--top-k", args.top_k > 0),
-                              ("--seed", args.seed is not None)) if on]
-    if args.temperature == 0 and unused:  # greedy: the most likely token, whatever they say
-        print(f"note: {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with --temperature 0 "
-              f"(greedy, the default): pass a temperature > 0 to sample", file=sys.stderr)
     try:
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   top_k=max(args.top_k, 0), seed=args.seed, stop=args.stop)
     except ValueError as e:  # name the flag, not the dataclass field
         raise ValueError(re.sub(r"SamplingParams\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from e
+    unused = [f for f, on in (("--top-p", args.top_p != 1.0), ("--top-k", args.top_k > 0),
+                              ("--seed", args.seed is not None)) if on]
+    if args.temperature == 0 and unused:  # greedy: the most likely token, whatever they say
+        print(f"note: {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with --temperature 0 "
+              f"(greedy, the default): pass a temperature > 0 to sample", file=sys.stderr)
     engine = _load_engine(args)
     try:
         outs = engine.generate([p for p, _, _ in items], adapters=[a for _, a, _ in items], sampling=sampling,
@@ -701,7 +704,14 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     args, extra = parser.parse_known_args(argv)
     if extra:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
-        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        command = sub.choices[args.command]
+        given = list(sys.argv[1:] if argv is None else argv)
+        before = given[:given.index(args.command)] if args.command in given else []
+        misplaced = [x for x in extra if x in before and x.split("=")[0] in command._option_string_actions]  # noqa: SLF001
+        if misplaced:  # a flag of the command given before it: the top level does not take it
+            parser.error(f"{misplaced[0]} is an option of '{args.command}': put it after the command "
+                         f"(multilora {args.command} {misplaced[0]} ...)")
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 
 

@@ -24,7 +24,10 @@ TEXT_BYTES_PER_TOKEN_FACTOR = 4
 #: characters a token): a text past it is refused once it alone is more than ``2 x max_len + max_token_bytes``
 #: tokens (the bound's margin: a token cut at the prefix's end gives at most one token a byte). Ordinary text far past
 #: ``max_len`` is then refused after a few KB instead of up to the long prefix: tokenizing a 400 KB prompt whole held
-#: ~60 MB of each server thread's malloc arena at its peak, and 496 such requests took 209 s instead of 16 s.
+#: ~60 MB of each server thread's malloc arena at its peak, and 496 such requests took 209 s instead of 16 s. Not for
+#: a tokenizer with an added token that swallows the whitespace before it (``lstrip``): a run of whitespace of any
+#: length then ends in one token, so a short prefix of it says nothing; such text is judged as before, by the long
+#: prefix or whole.
 SHORT_PREFIX_CHARS_PER_TOKEN = 16
 
 #: The roles a chat message may have: OpenAI's (with the deprecated ``function``) and Llama 3.1's ``ipython`` (its chat
@@ -101,6 +104,7 @@ class PromptTokenizer:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
         self._max_token_bytes: int | None = None
+        self._lstrip_tokens: bool | None = None
 
     @property
     def has_text(self) -> bool:
@@ -118,6 +122,18 @@ class PromptTokenizer:
                 self._max_token_bytes = 0
         return self._max_token_bytes
 
+    @property
+    def lstrip_tokens(self) -> bool:
+        """Whether an added token swallows the whitespace before it (``AddedToken.lstrip``; True when that cannot be
+        read: the short prefix of ``_check_length`` is then not used)."""
+        if self._lstrip_tokens is None:
+            try:
+                added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+                self._lstrip_tokens = any(getattr(t, "lstrip", False) for t in added.values())
+            except Exception:  # noqa: BLE001 - unreadable: assume the worst, never an error
+                self._lstrip_tokens = True
+        return self._lstrip_tokens
+
     def _check_length(self, text: str, max_len: int | None) -> None:
         """Raise ValueError, without tokenizing the rest of a longer ``text``, if its first ``max_len x
         SHORT_PREFIX_CHARS_PER_TOKEN`` characters are alone more than ``2 x max_len + max_token_bytes`` tokens, or
@@ -127,7 +143,7 @@ class PromptTokenizer:
             return
         limit = max_len * self.max_token_bytes * TEXT_BYTES_PER_TOKEN_FACTOR
         short = max_len * SHORT_PREFIX_CHARS_PER_TOKEN
-        stages = [(short, 2 * max_len + self.max_token_bytes)] if short < limit else []
+        stages = [(short, 2 * max_len + self.max_token_bytes)] if short < limit and not self.lstrip_tokens else []
         for k, most in stages + [(limit, 2 * max_len)]:
             if len(text) <= k:
                 return  # tokenized whole, as any prompt: at most ``limit`` characters
@@ -148,8 +164,9 @@ class PromptTokenizer:
                 (its ``raise_exception``: e.g. Gemma's templates refuse a system role), text that is not valid
                 Unicode (a lone surrogate), text for a model without a tokenizer, a prompt that tokenizes to
                 nothing, or text (after the chat template) whose prefix of ``max_len x
-                SHORT_PREFIX_CHARS_PER_TOKEN`` or ``max_len x TEXT_BYTES_PER_TOKEN_FACTOR x max_token_bytes``
-                characters alone is more than ``2 x max_len + max_token_bytes`` tokens.
+                SHORT_PREFIX_CHARS_PER_TOKEN`` characters alone is more than ``2 x max_len + max_token_bytes``
+                tokens (not with ``lstrip_tokens``), or whose prefix of ``max_len x TEXT_BYTES_PER_TOKEN_FACTOR x
+                max_token_bytes`` characters more than ``2 x max_len``.
         """
         if _is_id_array(prompt):  # a 1-D integer torch tensor or numpy array of token ids
             prompt = prompt.tolist()

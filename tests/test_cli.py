@@ -391,6 +391,12 @@ def test_flag_ranges_are_checked_by_the_parser(capsys, argv, words):
     assert code == 2 and words in err, err
 
 
+def test_a_commands_flag_before_the_command_is_named_as_misplaced(capsys):
+    code, out, err = run(capsys, "--json", "generate", "--prompt", "-", "hi")
+    assert code == 2 and out == ""
+    assert "multilora: error: --json is an option of 'generate': put it after the command" in err, err
+
+
 def test_version(capsys):
     from importlib.metadata import version
 
@@ -456,6 +462,11 @@ def test_jsonl_lines_end_at_newline_only_and_must_be_utf8(tiny, tmp_path, capsys
     assert [p for p, _, _ in _read_jsonl(str(f))] == [json.loads(line)["prompt"] for line in lines]
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(f.read_bytes())))
     assert [(p, where) for p, _, where in _read_jsonl("-")] == [("one\u2028two\x85three", "-:1"), ("b", "-:2")]
+    f.write_bytes(b"\xef\xbb\xbf" + f.read_bytes())  # a UTF-8 byte order mark first: not part of line 1
+    assert [p for p, _, _ in _read_jsonl(str(f))] == [json.loads(line)["prompt"] for line in lines]
+    monkeypatch.setattr("sys.stdin", None)  # (a closed stdin: `<&-`)
+    with pytest.raises(ValueError, match=r"^--jsonl: cannot read '-': standard input is closed$"):
+        _read_jsonl("-")
     f.write_bytes(b'{"prompt": "fine"}\n{"prompt": "\xff"}\n')
     code, out, err = run(capsys, "generate", "--model", tiny, "--jsonl", f)
     assert code == 2 and out == "" and f"{f}:2: not UTF-8 text (JSON Lines is UTF-8): byte 0xff at column 13" in err, err
@@ -470,6 +481,8 @@ def test_sampling_flags_that_greedy_ignores_get_a_note(tiny, capsys):
     code, _, err = run(capsys, "generate", "--model", tiny, "--prompt", "-", "hi", "--max-tokens", 1, "--top-p", 0.5,
                        "--temperature", 0.7, "--seed", 3)
     assert code == 0 and "no effect" not in err, err
+    code, _, err = run(capsys, "generate", "--model", tiny, "--prompt", "-", "hi", "--top-p", 0)  # refused: no note
+    assert code == 2 and "--top-p: expected" in err and "note:" not in err, err
 
 
 @pytest.mark.parametrize("opt,value,field", [("--max-tokens", 0, "max_tokens"), ("--temperature", -1, "temperature"),

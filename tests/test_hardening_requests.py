@@ -368,6 +368,18 @@ def test_text_of_few_tokens_past_the_bound_is_judged_by_its_real_count():
     with pytest.raises(ValueError, match=rf"the first {short:,} alone are {short:,} tokens"):  # (over 2 x 8 + 5)
         text.encode("a" * (10 * limit), max_len=8)
     assert len(text.encode("a" * short, max_len=8)) == short  # within the short prefix: the caller judges its length
+    assert not text.lstrip_tokens
+    # an added token that swallows the whitespace before it makes a run of any length one token: no short stage
+    # then, text up to the long prefix is judged by its real count as before
+    from tokenizers import AddedToken
+
+    tok.add_tokens([AddedToken("<mask>", lstrip=True)])
+    text = PromptTokenizer(tok, vocab_size=6, eos_token_ids=(), source="t")
+    assert text.lstrip_tokens and text.max_token_bytes == 6
+    limit = 8 * 6 * TEXT_BYTES_PER_TOKEN_FACTOR
+    assert len(text.encode("a" * (limit - 1), max_len=8)) == limit - 1  # past the short prefix, within the long
+    with pytest.raises(ValueError, match=rf"the first {limit:,} alone are {limit:,} tokens"):
+        text.encode("a" * (10 * limit), max_len=8)
 
 
 # ------------------------------------------------------------------------------------ 5: non-finite logits
