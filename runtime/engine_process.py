@@ -55,7 +55,7 @@ from multilora.runtime.adapter_cache import UnknownAdapterError, loaded_names
 from multilora.runtime.engine import EngineOverloadedError
 from multilora.runtime.engine_loop import RequestDelta, RequestStream, _wake_all
 from multilora.runtime.postprocess import RequestOutput
-from multilora.runtime.requests import as_request_id
+from multilora.runtime.requests import as_request_id, check_room
 from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.scheduler import Status
 from multilora.runtime.tokenizer import Prompt, PromptTokenizer, TextStream
@@ -427,6 +427,7 @@ class EngineProcess:
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
         ids = self.text.encode(prompt, self.max_seq_len)  # chat template, text checks: this process's work
+        check_room(len(ids), self.max_seq_len)  # (before the ids are pickled to the child, which checks it again)
         stream = self._request(("submit", ids, adapter, sampling), (prompt, adapter, ids, sampling.stop)).result()
         return stream
 

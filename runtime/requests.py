@@ -44,6 +44,13 @@ def per_row(value: Any, n: int, name: str, what: str) -> list:
     return out
 
 
+def check_room(prompt_tokens: int, max_seq_len: int) -> None:
+    """Raise ValueError when a prompt of ``prompt_tokens`` leaves no room to generate within ``max_seq_len``."""
+    if prompt_tokens >= max_seq_len:
+        raise ValueError(f"prompt: {prompt_tokens} tokens leave no room to generate within max_seq_len={max_seq_len} "
+                         f"(a longer prompt needs a larger max_seq_len: Engine(max_seq_len=...), --max-seq-len)")
+
+
 class RequestFactory:
     """Makes the engine's requests.
 
@@ -75,10 +82,7 @@ class RequestFactory:
             raise ValueError(f"sampling.stop: {self.tokenizer.source} has no tokenizer, so stop strings cannot be "
                              f"matched")
         ids = self.tokenizer.encode(prompt, self.max_seq_len)
-        if len(ids) >= self.max_seq_len:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
-                             f"max_seq_len={self.max_seq_len} (a longer prompt needs a larger max_seq_len: "
-                             f"Engine(max_seq_len=...), --max-seq-len)")
+        check_room(len(ids), self.max_seq_len)
         kv = self.kv
         if kv.blocks_for_tokens(len(ids) + 1) > kv.max_usable_blocks:  # the prompt alone: no max_tokens would do
             raise ValueError(

@@ -1024,6 +1024,18 @@ def test_engine_process_startup_errors_are_the_servers_exit_message(capsys, mode
 
 
 # ------------------------------------------------------------------------------------------ the engine process dies
+def test_the_engine_process_refuses_a_prompt_past_max_seq_len_before_sending_it(served, monkeypatch):
+    """A prompt with no room within max_seq_len is refused in the server's process, in the engine's words, without
+    its ids pickled to the child (which would refuse it the same way)."""
+    if served.proc is None:
+        pytest.skip("the engine process only")
+    proc = served.proc
+    monkeypatch.setattr(proc, "_request", lambda *a: pytest.fail("the prompt was sent to the child"))
+    with pytest.raises(ValueError, match=rf"^prompt: 300 tokens leave no room to generate within "
+                                         rf"max_seq_len={proc.max_seq_len} \("):
+        proc.submit(_LONG)
+
+
 def test_a_killed_engine_process_fails_health_and_its_requests(url, http, served):
     """The module's last test of the live server (it kills the engine process of mode process): a stream in flight
     ends with an error event naming the signal, /health and new requests are 503 with that reason, and /metrics is
