@@ -143,12 +143,19 @@ def test_matches_peft(case, hf_config, mcfg, tmp_path):
 
 
 def test_overlapping_rank_patterns_reordered_by_peft_save_are_refused(hf_config, mcfg, tmp_path):
-    # peft trains with the dict order {"q_proj": 2, "layers.2...": 4} (q_proj of layer 2 gets rank 2), but
-    # save_pretrained writes adapter_config.json with sorted keys, so the file resolves layer 2's q_proj to
-    # rank 4; peft itself then fails to reload it. We must refuse it too, naming the tensor and the overlap.
-    _peft_adapter(hf_config, tmp_path, r=8, lora_alpha=8, target_modules=["q_proj"],
-                  rank_pattern={"q_proj": 2, r"layers\.2\..*": 4})
-    assert list(json.loads((tmp_path / CFG).read_text())["rank_pattern"]) == [r"layers\.2\..*", "q_proj"]
+    # peft trains with the dict order {"q_proj": 2, "layers.2...": 4} (q_proj of layer 2 gets rank 2). peft up to
+    # 0.21 saved adapter_config.json with sorted keys, so the file resolves layer 2's q_proj to rank 4 and peft itself
+    # fails to reload it: we must refuse it too, naming the tensor and the overlap. peft 0.22 keeps the order: then
+    # the file means what was trained, and the adapter loads as peft has it.
+    layers = _peft_adapter(hf_config, tmp_path, r=8, lora_alpha=8, target_modules=["q_proj"],
+                           rank_pattern={"q_proj": 2, r"layers\.2\..*": 4})
+    order = list(json.loads((tmp_path / CFG).read_text())["rank_pattern"])
+    assert sorted(order) == [r"layers\.2\..*", "q_proj"]
+    if order == ["q_proj", r"layers\.2\..*"]:  # kept as trained (peft >= 0.22)
+        PeftModel.from_pretrained(_base_model(hf_config), str(tmp_path))  # peft reloads it
+        _check_against_peft(load_peft_adapter(tmp_path, mcfg), layers)
+        assert all(layers[(i, "q_proj")].r["default"] == 2 for i in range(mcfg.num_layers))
+        return
     with pytest.raises(RuntimeError, match="size mismatch"):
         PeftModel.from_pretrained(_base_model(hf_config), str(tmp_path))
     k = _key(2, "q_proj", "A")
