@@ -49,7 +49,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from multilora.runtime.adapter_cache import UnknownAdapterError, loaded_names
 from multilora.runtime.engine import EngineOverloadedError
@@ -172,6 +172,21 @@ class _EngineCore:
                 except Exception:  # one bad message must not fail the step (and with it every tracked request)
                     log.exception("engine process: abort(%r) failed", msg[1])
                 continue
+            if msg[0] == "submit_many":  # all of one call queued at once, or none of them
+                _, call_id, many, adapter, sampling = msg
+                reqs = []
+                try:
+                    for ids in many:
+                        reqs.append(engine.add_request(ids, adapter, sampling))
+                except Exception as e:
+                    for req in reqs:
+                        engine.abort(req.request_id)
+                    self.send(("reply", call_id, True, ("failed", len(reqs), _wire_error(e))))
+                    continue
+                for req in reqs:
+                    self.tracked[req.request_id] = _ChildTracked(req)
+                self.send(("reply", call_id, True, ("ok", [req.request_id for req in reqs])))
+                continue
             _, call_id, ids, adapter, sampling = msg
             try:
                 req = engine.add_request(ids, adapter, sampling)
@@ -287,7 +302,8 @@ class _Tracked:
 @dataclass
 class _Pending:
     future: Future
-    submit: tuple | None = None  # (prompt, adapter, prompt ids, stop strings) of a submission
+    submit: tuple | list | None = None  # (prompt, adapter, prompt ids, stop strings) of a submission; a list of them
+    # for submit_many
 
 
 class EngineProcess:
@@ -431,6 +447,30 @@ class EngineProcess:
         stream = self._request(("submit", ids, adapter, sampling), (prompt, adapter, ids, sampling.stop)).result()
         return stream
 
+    def submit_many(self, prompts: Sequence[Prompt], adapter: str | None = None,
+                    sampling: SamplingParams | None = None) -> list[RequestStream]:
+        """``submit`` for each prompt, every one tokenized and checked here first, then all sent in one message that
+        the child queues at one step boundary, all or none (one ``submit`` a prompt waits a step each time: a list of
+        3,000 prompts took minutes to queue, and a client gone meanwhile could not stop it).
+
+        Raises:
+            as ``submit``, for the first prompt refused, with ``prompt_index`` (its index in ``prompts``) set on the
+            exception; the ones before it are withdrawn (nothing of the call runs).
+        """
+        sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        submit = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids = self.text.encode(prompt, self.max_seq_len)
+                check_room(len(ids), self.max_seq_len)
+            except Exception as e:
+                e.prompt_index = i
+                raise
+            submit.append((prompt, adapter, ids, sampling.stop))
+        return self._request(("submit_many", [ids for _, _, ids, _ in submit], adapter, sampling), submit).result()
+
     def abort(self, request_id: Any) -> bool:
         """Withdraw a request (its id, or its stream); its stream then ends with ``finish_reason="abort"`` (after
         the child's next step). Returns False when no unfinished request of this process has that id. Raises
@@ -524,7 +564,16 @@ class EngineProcess:
     def _reply(self, call_id: int, ok: bool, value: Any) -> None:
         with self._lock:
             pending = self._pending.pop(call_id)
-            if ok and pending.submit is not None:  # register before any delta of it can be read (this thread)
+            if ok and isinstance(pending.submit, list):  # submit_many: ("ok", ids) or ("failed", index, error)
+                if value[0] == "ok":
+                    streams = []
+                    for rid, (prompt, adapter, ids, stop) in zip(value[1], pending.submit):
+                        streams.append(RequestStream(self, rid))
+                        self._tracked[rid] = _Tracked(streams[-1], TextStream(self.text, stop), prompt, adapter, ids)
+                    value = streams
+                else:
+                    ok, value, index = False, value[2], value[1]
+            elif ok and pending.submit is not None:  # register before any delta of it can be read (this thread)
                 prompt, adapter, ids, stop = pending.submit
                 stream = RequestStream(self, value)
                 self._tracked[value] = _Tracked(stream, TextStream(self.text, stop), prompt, adapter, ids)
@@ -535,6 +584,8 @@ class EngineProcess:
             try:
                 _raise(*value)
             except Exception as e:
+                if isinstance(pending.submit, list):
+                    e.prompt_index = index
                 pending.future.set_exception(e)
 
     def _deliver(self, deltas: list, ends: list) -> None:

@@ -253,13 +253,9 @@ class _Server:
         """Queue one engine request per prompt (in a worker thread: submitting waits for the current step); on any
         refusal the ones already queued are withdrawn and the refusal becomes an ``APIError`` (its ``param`` the
         request's name for the engine's field: ``params``, e.g. ``prompt`` -> ``messages``)."""
-        streams: list[RequestStream] = []
-        try:
-            for p in prompts:
-                streams.append(loop.submit(p, adapter, sampling))
-        except Exception as e:
-            for s in streams:
-                s.abort()
+        try:  # (all at once: each prompt of a list submitted alone waited for a step of its own)
+            return loop.submit_many(prompts, adapter, sampling)
+        except Exception as e:  # (submit_many withdrew the prompts of the call already queued)
             if isinstance(e, EngineDeadError):
                 raise APIError(503, f"the engine is not running: {e}; restart the server", code="engine_dead") from None
             if isinstance(e, EngineOverloadedError):
@@ -269,9 +265,9 @@ class _Server:
                 raise APIError(404, str(e.args[0]), code="model_not_found", param="model") from None
             if isinstance(e, ValueError):
                 err = renamed(bad_value(e), params)
-                if len(prompts) > 1 and err.param in ("prompt", "max_tokens"):  # which prompt of the list (the one
-                    # after those queued); other fields are the whole request's
-                    i = len(streams)
+                if len(prompts) > 1 and err.param in ("prompt", "max_tokens"):  # which prompt of the list; other
+                    # fields are the whole request's
+                    i = getattr(e, "prompt_index", 0)
                     if err.message.startswith("prompt:"):
                         err.message = f"prompt[{i}]" + err.message[len("prompt"):]
                     else:
@@ -280,7 +276,6 @@ class _Server:
             if self.closing:  # the loop closed meanwhile ("EngineLoop: closed")
                 raise APIError(503, "the server is shutting down", code="unavailable") from None
             raise
-        return streams
 
     async def _events(self, reqs: "_Requests", out: Responses) -> AsyncIterator[str]:
         """The server-sent events of a streamed response: text chunks as they come, one chunk with each choice's

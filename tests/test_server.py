@@ -1024,6 +1024,36 @@ def test_engine_process_startup_errors_are_the_servers_exit_message(capsys, mode
 
 
 # ------------------------------------------------------------------------------------------ the engine process dies
+def test_a_list_of_prompts_is_queued_for_one_step(http, served):
+    """The prompts of one completions request are queued together, so that they join the same step: submitted one
+    at a time each waited for a step of its own (16 prompts took 1 prefill + 15 mixed steps; a list of 3,000 took
+    minutes to queue, past the client's disconnect). A bad prompt late in the list still refuses the whole request
+    naming its index, with nothing left queued."""
+    _idle(served)
+    before = served.stats()
+    prompts = [f"Prompt number {i}" for i in range(8)]
+    r = http.post("/v1/completions", json={"model": BASE, "prompt": prompts, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert sorted(c["index"] for c in r.json()["choices"]) == list(range(8))
+    after = served.stats()
+    steps = {k: after[k] - before[k] for k in ("prefill_steps", "mixed_steps", "decode_steps")}
+    assert steps["prefill_steps"] + steps["mixed_steps"] == 1, steps
+    r = http.post("/v1/completions", json={"model": BASE, "prompt": prompts[:5] + ["x " * 400] + prompts[5:]})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt[5]: "), r.text
+    _idle(served)
+    before = served.stats()
+    old = served.apply(hooks.set_max_waiting, 3)  # the queue refuses the 4th of the list: none of it stays queued
+    try:
+        r = http.post("/v1/completions", json={"model": BASE, "prompt": prompts, "max_tokens": 1})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "engine_overloaded", r.text
+    finally:
+        served.apply(hooks.set_max_waiting, old)
+    _idle(served)
+    after = served.stats()
+    assert after["requests_aborted"] - before["requests_aborted"] == 3, (before, after)  # the 3 queued, withdrawn
+    assert after["generated_tokens"] == before["generated_tokens"], (before, after)  # nothing of the list ran
+
+
 def test_the_engine_process_refuses_a_prompt_past_max_seq_len_before_sending_it(served, monkeypatch):
     """A prompt with no room within max_seq_len is refused in the server's process, in the engine's words, without
     its ids pickled to the child (which would refuse it the same way)."""
