@@ -562,6 +562,7 @@ class EngineProcess:
             self._fail_all("error" if self.error else "abort", self.error or "aborted: the server is shutting down")
 
     def _reply(self, call_id: int, ok: bool, value: Any) -> None:
+        index = 0  # (submit_many's refused prompt)
         with self._lock:
             pending = self._pending.pop(call_id)
             if ok and isinstance(pending.submit, list):  # submit_many: ("ok", ids) or ("failed", index, error)
