@@ -309,6 +309,14 @@ class _Server:
 
     # ------------------------------------------------------------------------------------ adapters
     async def load_lora_adapter(self, body: LoadLoRARequest) -> PlainTextResponse:
+        try:
+            return await self._load_lora_adapter(body)
+        except APIError as e:  # the operator's side of a refused load: the client alone saw why
+            log.warning("load_lora_adapter %r from %r refused (%d): %s", body.lora_name, body.lora_path, e.status,
+                        e.message)
+            raise
+
+    async def _load_lora_adapter(self, body: LoadLoRARequest) -> PlainTextResponse:
         self._check_runtime_adapters()
         self._running_loop()  # a dead engine (503 engine_dead) takes no adapters, as it takes no requests
         name = body.lora_name
@@ -335,6 +343,7 @@ class _Server:
             except (ValueError, OSError) as e:  # AdapterError is a ValueError
                 raise APIError(400, f"lora_path: {e}", code="invalid_adapter", param="lora_path") from None
             self.loaded_at[name] = int(time.time())
+            log.info("%s adapter %r from %s", "replaced" if replaced else "added", name, path)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' {'replaced' if replaced else 'added'} successfully.")
 
     async def unload_lora_adapter(self, body: UnloadLoRARequest) -> PlainTextResponse:

@@ -279,8 +279,8 @@ def pool_below_one_adapter(r: MemoryRequest, cfg: EngineConfig) -> MemoryPlanErr
         f"{per_layer} pages x page bytes {r.page_bytes} ({PAGE_ELEMS} elements x dtype bytes {r.dtype_bytes}) "
         f"(its weight bytes, {R} x {r.module_width} x {r.layers} x {r.dtype_bytes} = "
         f"{R * r.module_width * r.layers * r.dtype_bytes}, rounded up to whole pages per module). Raise "
-        f"adapter_pool_bytes to at least {need} (Engine(adapter_pool_bytes=...), multilora generate "
-        f"--adapter-pool-bytes){rank}. (adapter_slots, adapter_pool_share and gpu_memory_fraction are not the "
+        f"adapter_pool_bytes to at least {need} (Engine(adapter_pool_bytes=...), or the --adapter-pool-bytes of "
+        f"multilora generate and serve){rank}. (adapter_slots, adapter_pool_share and gpu_memory_fraction are not the "
         f"cause: each leaves room for one adapter at least.)",
         needed_bytes=need, fits_bytes=r.pool_cap, source=USER_CAP)
 

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import os
 import re
 import shutil
@@ -665,7 +666,7 @@ def test_503_while_shutting_down(url, http, app):
 
 
 # ------------------------------------------------------------------------------------------ runtime adapters
-def test_runtime_adapters_load_serve_and_unload(http, engine, served, adapter_root):
+def test_runtime_adapters_load_serve_and_unload(http, engine, served, adapter_root, caplog):
     path = write_adapter(adapter_root / "fresh", engine.config, seed=42, rank=6, modules=("o_proj", "up_proj"))
     time.sleep(1.05)  # its card's "created" (whole seconds) is the load's, after the server's start
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "fresh", "lora_path": str(path)})
@@ -682,8 +683,10 @@ def test_runtime_adapters_load_serve_and_unload(http, engine, served, adapter_ro
     assert r.json()["choices"][0]["text"] == want.text
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "fresh", "lora_path": "fresh"})  # relative to the root
     assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
+    caplog.set_level(logging.INFO, logger="multilora.server")
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "fresh", "lora_path": "fresh", "load_inplace": True})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'fresh' replaced successfully."
+    assert f"replaced adapter 'fresh' from {adapter_root / 'fresh'}" in caplog.text  # (the operator's log says so)
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"})
     assert r.status_code == 200 and "removed" in r.text
     assert "fresh" not in served.apply(hooks.list_adapters)
@@ -704,6 +707,7 @@ def test_runtime_adapters_load_serve_and_unload(http, engine, served, adapter_ro
     assert "pickled" not in served.apply(hooks.list_adapters)
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "long", "lora_path": "a" * 300})  # ENAMETOOLONG: a 400
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+    assert f"load_lora_adapter 'long' from '{'a' * 300}' refused (400): " in caplog.text  # the why, logged
 
 
 def test_concurrent_runtime_loads_of_one_name_do_not_both_succeed(url, engine, served, adapter_root):
