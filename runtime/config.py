@@ -316,12 +316,13 @@ class EngineConfig:
                                                "urgent) for those whose adapter is resident or in host memory",
                                          kind=bool)
     max_waiting_requests: int = _opt(16384, "most requests waiting at once (more: an 'overloaded' error)")
-    lora_backend: str | None = _opt(None, "LoRA kernels (default: triton on CUDA, torch on the CPU)", choices=_BACKENDS)
-    attention_backend: str | None = _opt(None, "paged attention (default: triton on CUDA, torch on the CPU)", choices=_BACKENDS)
+    lora_backend: str | None = _opt(None, "LoRA kernels (default: triton on CUDA, torch on the CPU)",
+                                    choices=_BACKENDS)
+    attention_backend: str | None = _opt(None, "paged attention (default: triton on CUDA, torch on the CPU)",
+                                         choices=_BACKENDS)
     lora_side_stream_max_tokens: int | None = _opt(None, "steps of at most this many tokens run LoRA on a side CUDA "
                                                          "stream beside the base GEMMs (default on CUDA: 64, or 2 when "
-                                                         "--max-lora-rank > 16; 0: off; unused on the "
-                                                         "CPU)",
+                                                         "--max-lora-rank > 16; 0: off; unused on the CPU)",
                                                    kind=int)
     cuda_graphs: bool = _opt(True, "run decode steps eagerly (default: CUDA graphs on CUDA with the Triton "
                                            "backends; the CPU has none)")

@@ -215,8 +215,6 @@ class EngineLoop:
             as ``submit``, for the first prompt refused, with ``prompt_index`` (its index in ``prompts``) set on the
             exception; the prompts before it are withdrawn first (nothing of the call runs).
         """
-        if self._closed:
-            raise RuntimeError("EngineLoop: closed")
         streams: list[RequestStream] = []
         with self.engine.step_lock:
             try:

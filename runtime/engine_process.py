@@ -172,29 +172,19 @@ class _EngineCore:
                 except Exception:  # one bad message must not fail the step (and with it every tracked request)
                     log.exception("engine process: abort(%r) failed", msg[1])
                 continue
-            if msg[0] == "submit_many":  # all of one call queued at once, or none of them
-                _, call_id, many, adapter, sampling = msg
-                reqs = []
-                try:
-                    for ids in many:
-                        reqs.append(engine.add_request(ids, adapter, sampling))
-                except Exception as e:
-                    for req in reqs:
-                        engine.abort(req.request_id)
-                    self.send(("reply", call_id, True, ("failed", len(reqs), _wire_error(e))))
-                    continue
-                for req in reqs:
-                    self.tracked[req.request_id] = _ChildTracked(req)
-                self.send(("reply", call_id, True, ("ok", [req.request_id for req in reqs])))
-                continue
-            _, call_id, ids, adapter, sampling = msg
+            _, call_id, many, adapter, sampling = msg  # submit: one call's prompts, queued all at once or none
+            reqs = []
             try:
-                req = engine.add_request(ids, adapter, sampling)
+                for ids in many:
+                    reqs.append(engine.add_request(ids, adapter, sampling))
             except Exception as e:
-                self.send(("reply", call_id, False, _wire_error(e)))
+                for req in reqs:
+                    engine.abort(req.request_id)
+                self.send(("reply", call_id, True, ("failed", len(reqs), _wire_error(e))))
                 continue
-            self.tracked[req.request_id] = _ChildTracked(req)
-            self.send(("reply", call_id, True, req.request_id))
+            for req in reqs:
+                self.tracked[req.request_id] = _ChildTracked(req)
+            self.send(("reply", call_id, True, ("ok", [req.request_id for req in reqs])))
 
     def run(self, poll_seconds: float = 0.05) -> None:
         engine = self.engine
@@ -302,8 +292,7 @@ class _Tracked:
 @dataclass
 class _Pending:
     future: Future
-    submit: tuple | list | None = None  # (prompt, adapter, prompt ids, stop strings) of a submission; a list of them
-    # for submit_many
+    submit: list | None = None  # (prompt, adapter, prompt ids, stop strings) of each prompt of a submission
 
 
 class EngineProcess:
@@ -439,13 +428,7 @@ class EngineProcess:
         Raises:
             EngineDeadError: the child has exited. RuntimeError: closed. Otherwise as ``Engine.add_request``.
         """
-        sampling = sampling or SamplingParams()
-        if not isinstance(sampling, SamplingParams):
-            raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
-        ids = self.text.encode(prompt, self.max_seq_len)  # chat template, text checks: this process's work
-        check_room(len(ids), self.max_seq_len)  # (before the ids are pickled to the child, which checks it again)
-        stream = self._request(("submit", ids, adapter, sampling), (prompt, adapter, ids, sampling.stop)).result()
-        return stream
+        return self.submit_many([prompt], adapter, sampling)[0]
 
     def submit_many(self, prompts: Sequence[Prompt], adapter: str | None = None,
                     sampling: SamplingParams | None = None) -> list[RequestStream]:
@@ -462,14 +445,14 @@ class EngineProcess:
             raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
         submit = []
         for i, prompt in enumerate(prompts):
-            try:
+            try:  # chat template, text checks: this process's work; the room before the ids are pickled to the child
                 ids = self.text.encode(prompt, self.max_seq_len)
                 check_room(len(ids), self.max_seq_len)
             except Exception as e:
                 e.prompt_index = i
                 raise
             submit.append((prompt, adapter, ids, sampling.stop))
-        return self._request(("submit_many", [ids for _, _, ids, _ in submit], adapter, sampling), submit).result()
+        return self._request(("submit", [ids for _, _, ids, _ in submit], adapter, sampling), submit).result()
 
     def abort(self, request_id: Any) -> bool:
         """Withdraw a request (its id, or its stream); its stream then ends with ``finish_reason="abort"`` (after
@@ -562,11 +545,11 @@ class EngineProcess:
             self._fail_all("error" if self.error else "abort", self.error or "aborted: the server is shutting down")
 
     def _reply(self, call_id: int, ok: bool, value: Any) -> None:
-        index = 0  # (submit_many's refused prompt)
+        index = 0  # (a submission's refused prompt)
         with self._lock:
             pending = self._pending.pop(call_id)
-            if ok and isinstance(pending.submit, list):  # submit_many: ("ok", ids) or ("failed", index, error)
-                if value[0] == "ok":
+            if ok and pending.submit is not None:  # ("ok", ids) or ("failed", index, error); each stream registered
+                if value[0] == "ok":  # before any delta of it can be read (this thread)
                     streams = []
                     for rid, (prompt, adapter, ids, stop) in zip(value[1], pending.submit):
                         streams.append(RequestStream(self, rid))
@@ -574,18 +557,13 @@ class EngineProcess:
                     value = streams
                 else:
                     ok, value, index = False, value[2], value[1]
-            elif ok and pending.submit is not None:  # register before any delta of it can be read (this thread)
-                prompt, adapter, ids, stop = pending.submit
-                stream = RequestStream(self, value)
-                self._tracked[value] = _Tracked(stream, TextStream(self.text, stop), prompt, adapter, ids)
-                value = stream
         if ok:
             pending.future.set_result(value)
         else:
             try:
                 _raise(*value)
             except Exception as e:
-                if isinstance(pending.submit, list):
+                if pending.submit is not None:
                     e.prompt_index = index
                 pending.future.set_exception(e)
 

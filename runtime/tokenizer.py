@@ -41,7 +41,8 @@ Prompt = Any  # str | list[dict] (chat messages) | list[int] (token ids)
 
 def prompt_list(prompts: Any) -> list:
     """``generate``'s ``prompts`` as a list of prompts: a list as given; one string, one list of chat messages, one
-    message dict or one 1-D integer tensor / array of token ids as a list of one prompt. Raises ValueError for anything else (None, a number, ...)."""
+    message dict or one 1-D integer tensor / array of token ids as a list of one prompt. Raises ValueError for
+    anything else (None, a number, ...)."""
     if isinstance(prompts, dict):  # one chat message
         return [[prompts]]
     if _is_id_array(prompts):  # one prompt of token ids as a 1-D integer tensor or array
