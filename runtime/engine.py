@@ -483,6 +483,19 @@ class Engine:
             self.scheduler.add(req)
             return req
 
+    def check_submission(self, count: int) -> None:
+        """Refuse a submission of ``count`` requests to be queued together (``EngineLoop.submit_many``, the server's
+        list of prompts) that the waiting queue could never take at once, however idle the engine.
+
+        Raises:
+            ValueError: ``count`` is over ``max_waiting_requests`` (a permanent refusal, unlike
+                EngineOverloadedError's "retry later").
+        """
+        cap = self.engine_config.max_waiting_requests
+        if count > cap:
+            raise ValueError(f"prompt: a list of {count:,} prompts is more than the engine queues at once "
+                             f"(max_waiting_requests={cap:,}): send at most {cap:,} prompts per request")
+
     def _hold(self, req: Request) -> None:
         """Hold a checked request of ``generate`` without queueing it (its adapter version held as a queued one's;
         ``Scheduler.finish`` of a held request releases it likewise). Under the step lock."""

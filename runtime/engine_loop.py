@@ -212,11 +212,13 @@ class EngineLoop:
         ``submit`` a prompt waits for the step in flight each time: a list of 16 prompts took 16 steps to queue).
 
         Raises:
+            ValueError: more prompts than ``max_waiting_requests`` (``Engine.check_submission``; no ``prompt_index``).
             as ``submit``, for the first prompt refused, with ``prompt_index`` (its index in ``prompts``) set on the
             exception; the prompts before it are withdrawn first (nothing of the call runs).
         """
         streams: list[RequestStream] = []
         with self.engine.step_lock:
+            self.engine.check_submission(len(prompts))  # (a list the queue can never take: no prompt_index)
             try:
                 for p in prompts:
                     streams.append(self.submit(p, adapter, sampling))

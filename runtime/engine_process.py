@@ -175,6 +175,11 @@ class _EngineCore:
             _, call_id, many, adapter, sampling = msg  # submit: one call's prompts, queued all at once or none
             reqs = []
             try:
+                engine.check_submission(len(many))
+            except ValueError as e:  # the whole list (no index)
+                self.send(("reply", call_id, True, ("failed", None, _wire_error(e))))
+                continue
+            try:
                 for ids in many:
                     reqs.append(engine.add_request(ids, adapter, sampling))
             except Exception as e:
@@ -437,6 +442,8 @@ class EngineProcess:
         3,000 prompts took minutes to queue, and a client gone meanwhile could not stop it).
 
         Raises:
+            ValueError: more prompts than ``max_waiting_requests`` (``Engine.check_submission``, in the child; no
+                ``prompt_index``).
             as ``submit``, for the first prompt refused, with ``prompt_index`` (its index in ``prompts``) set on the
             exception; the ones before it are withdrawn (nothing of the call runs).
         """
@@ -563,7 +570,7 @@ class EngineProcess:
             try:
                 _raise(*value)
             except Exception as e:
-                if pending.submit is not None:
+                if pending.submit is not None and index is not None:  # (None: the whole list refused)
                     e.prompt_index = index
                 pending.future.set_exception(e)
 

@@ -16,7 +16,7 @@ a child process and this process keeps HTTP, tokenization, detokenization and th
 are aborted as soon as nobody waits for them: a client that disconnects (streaming or not), an error mid-stream;
 their KV blocks and adapter references go back at once. Errors are ``{"error": {"message", "type", "param",
 "code"}}``: 400 bad request (malformed JSON, a wrong type, an unsupported parameter, a bad prompt or sampling value:
-the engine's message), 401 missing or wrong API key (every route but ``/health``), 403 an adapter path outside the
+the engine's message; a list of more prompts than the waiting queue holds), 401 missing or wrong API key (every route but ``/health``), 403 an adapter path outside the
 adapter root, 404 unknown model or adapter (and runtime adapter routes when disabled), 429 the engine's waiting
 queue is full (``EngineOverloadedError``; with ``Retry-After: 1``), 500 a request that failed in the engine, 503
 shutting down or the engine stopped (an engine process that died: ``code="engine_dead"``, also on ``/health``).
@@ -265,9 +265,9 @@ class _Server:
                 raise APIError(404, str(e.args[0]), code="model_not_found", param="model") from None
             if isinstance(e, ValueError):
                 err = renamed(bad_value(e), params)
-                if len(prompts) > 1 and err.param in ("prompt", "max_tokens"):  # which prompt of the list; other
-                    # fields are the whole request's
-                    i = getattr(e, "prompt_index", 0)
+                i = getattr(e, "prompt_index", None)  # (None: the whole list, e.g. longer than the queue)
+                if len(prompts) > 1 and i is not None and err.param in ("prompt", "max_tokens"):  # which prompt of
+                    # the list; other fields are the whole request's
                     if err.message.startswith("prompt:"):
                         err.message = f"prompt[{i}]" + err.message[len("prompt"):]
                     else:

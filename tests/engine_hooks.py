@@ -54,6 +54,28 @@ def set_max_waiting(engine, n):
     return old
 
 
+def queue_fills_after(engine, n):
+    """The waiting queue takes ``n`` more requests, then refuses as a full one does (as when other clients' requests
+    already wait); ``n`` None undoes it."""
+    engine.__dict__.pop("_check_room", None)
+    if n is None:
+        return
+    check, left = engine._check_room, [n]
+
+    def fills():
+        if left[0] > 0:
+            left[0] -= 1
+            return check()
+        cfg = engine.engine_config  # the engine's own refusal, with the cap at what waits now
+        old, cfg.max_waiting_requests = cfg.max_waiting_requests, len(engine.scheduler.waiting)
+        try:
+            check()
+        finally:
+            cfg.max_waiting_requests = old
+
+    engine._check_room = fills
+
+
 def slow_steps(engine, seconds):
     """Every forward sleeps ``seconds`` first (undo: ``restore_steps``)."""
     run = _original_run(engine)

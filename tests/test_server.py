@@ -624,7 +624,7 @@ def test_api_key(url, http, client):
 
 
 def test_overloaded_engine_is_429(http, client, served):
-    old = served.apply(hooks.set_max_waiting, 0)  # every submission finds the queue full
+    served.apply(hooks.queue_fills_after, 0)  # every submission finds the queue full
     try:
         r = http.post("/v1/completions", json={"model": BASE, "prompt": "Hi"})
         assert r.status_code == 429 and r.json()["error"]["code"] == "engine_overloaded"
@@ -633,7 +633,7 @@ def test_overloaded_engine_is_429(http, client, served):
         with pytest.raises(openai.RateLimitError):
             client.chat.completions.create(model=BASE, messages=CHAT)
     finally:
-        served.apply(hooks.set_max_waiting, old)
+        served.apply(hooks.queue_fills_after, None)
     _serves(http)
     _idle(served)
 
@@ -1046,16 +1046,37 @@ def test_a_list_of_prompts_is_queued_for_one_step(http, served):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt[5]: "), r.text
     _idle(served)
     before = served.stats()
-    old = served.apply(hooks.set_max_waiting, 3)  # the queue refuses the 4th of the list: none of it stays queued
+    served.apply(hooks.queue_fills_after, 3)  # the queue refuses the 4th of the list: none of it stays queued
     try:
         r = http.post("/v1/completions", json={"model": BASE, "prompt": prompts, "max_tokens": 1})
         assert r.status_code == 429 and r.json()["error"]["code"] == "engine_overloaded", r.text
     finally:
-        served.apply(hooks.set_max_waiting, old)
+        served.apply(hooks.queue_fills_after, None)
     _idle(served)
     after = served.stats()
     assert after["requests_aborted"] - before["requests_aborted"] == 3, (before, after)  # the 3 queued, withdrawn
     assert after["generated_tokens"] == before["generated_tokens"], (before, after)  # nothing of the list ran
+
+
+def test_a_list_longer_than_the_waiting_queue_is_a_400_not_a_429(http, served):
+    """A list of more prompts than ``max_waiting_requests`` could never be queued, however idle the engine: a 400
+    naming the cap (a 429 would have the client retry forever), with nothing queued."""
+    _idle(served)
+    before = served.stats()
+    old = served.apply(hooks.set_max_waiting, 3)
+    try:
+        r = http.post("/v1/completions", json={"model": BASE, "prompt": [f"P{i}" for i in range(8)], "max_tokens": 1})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {"message": "prompt: a list of 8 prompts is more than the engine queues at once "
+                                                "(max_waiting_requests=3): send at most 3 prompts per request",
+                                     "type": "invalid_request_error", "param": "prompt", "code": "invalid_value"}
+        r = http.post("/v1/completions", json={"model": BASE, "prompt": ["P0", "P1", "P2"], "max_tokens": 1})
+        assert r.status_code == 200, r.text  # as many as the cap: served
+    finally:
+        served.apply(hooks.set_max_waiting, old)
+    _idle(served)
+    after = served.stats()
+    assert after["requests_aborted"] == before["requests_aborted"], (before, after)  # nothing was queued
 
 
 def test_the_engine_process_refuses_a_prompt_past_max_seq_len_before_sending_it(served, monkeypatch):
