@@ -127,6 +127,26 @@ def set_parallel_finish(value: str | None) -> bool:
     return before
 
 
+def add_host_arena_prefault_arg(ap) -> None:
+    """``--host-arena-prefault on|off`` on the argparse parser ``ap``: the A/B switch of
+    ``memory.host_arena.PREFAULT`` (``set_host_arena_prefault`` applies it)."""
+    ap.add_argument("--host-arena-prefault", choices=("on", "off"), default=None,
+                    help="memory.host_arena.PREFAULT: a new host-arena chunk's pages written before cudaHostRegister "
+                         "pins them, outside the driver's lock (session 41; default: the module's); recorded in the "
+                         "results")
+
+
+def set_host_arena_prefault(value: str | None) -> bool:
+    """Sets ``memory.host_arena.PREFAULT`` from ``--host-arena-prefault``'s ``value`` ("on" / "off"; None leaves
+    it); returns the value it had before."""
+    from multilora.memory import host_arena
+
+    before = host_arena.PREFAULT
+    if value is not None:
+        host_arena.PREFAULT = value == "on"
+    return before
+
+
 def kernel_times(fn, runs: int = 3, top: int = 12) -> list[dict]:
     """Where ``fn``'s time goes, by kernel: ``fn`` run ``runs`` times under ``torch.profiler``; on a CUDA machine its
     GPU kernels (device time), else its CPU ops (self time). Returns the ``top`` rows, slowest first, each ``{"name",

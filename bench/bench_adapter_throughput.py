@@ -239,7 +239,8 @@ def main() -> None:
                                                             "disk_to_host_reads", "disk_to_host_seconds",
                                                             "host_to_gpu_copies", "host_misses", "host_hits",
                                                             "pool_compactions", "pool_bytes_compacted",
-                                                            "host_arena_map_seconds", "host_arena_sync_map_seconds",
+                                                            "host_arena_map_seconds", "host_arena_pin_seconds",
+                                                            "host_arena_sync_map_seconds",
                                                             "host_arena_sync_grows",
                                                             "host_arena_grown_ahead")
                           if isinstance(after.get(k), (int, float)) and isinstance(before.get(k), (int, float))},

@@ -78,6 +78,7 @@ from tqdm.auto import tqdm
 
 from multilora import Engine, SamplingParams
 from multilora.config import ModelConfig
+from multilora.memory import host_arena as host_arena_mod
 from multilora.runtime import scheduler as scheduler_mod
 from multilora.runtime.adapters import image as image_mod
 from multilora.runtime.adapters import save_peft_adapter
@@ -85,7 +86,8 @@ from multilora.runtime.config import EngineConfig, bytes_arg, finish_on_device
 from multilora.runtime.weights import MODEL_SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (add_parallel_finish_arg, add_pipe_piece_bytes_arg, add_urgent_read_wait_arg,  # noqa: E402
+from _common import (add_host_arena_prefault_arg, set_host_arena_prefault,  # noqa: E402
+                     add_parallel_finish_arg, add_pipe_piece_bytes_arg, add_urgent_read_wait_arg,
                      compiles_between, drop_page_cache, regular_files, set_parallel_finish,  # (bench/_common.py)
                      set_pipe_piece_bytes, set_urgent_read_wait)
 
@@ -554,6 +556,7 @@ def child_engine(args: argparse.Namespace) -> Engine:
     set_urgent_read_wait(args.urgent_read_wait)
     set_pipe_piece_bytes(args.pipe_piece_bytes)
     set_parallel_finish(args.parallel_finish)
+    set_host_arena_prefault(args.host_arena_prefault)
     config, files = setup(args)
     return build_engine(args, config, files, args.n_adapters)
 
@@ -655,7 +658,8 @@ def summarize(results: list[Result], wall: float, offered: float, before: dict |
         for k in ("evictions_for_kv", "unified_floor_moves_up", "unified_floor_moves_down", "kv_reclaims_from_pool",
                   "pool_compactions", "pool_bytes_compacted",
                   # the host tier's growth in the row: chunks mapped and page-locked, and their time (any thread)
-                  "host_arena_chunks", "host_arena_map_seconds", "host_arena_sync_grows", "host_arena_sync_map_seconds",
+                  "host_arena_chunks", "host_arena_map_seconds", "host_arena_pin_seconds", "host_arena_sync_grows",
+                  "host_arena_sync_map_seconds",
                   "host_arena_grown_ahead", "host_arena_bytes_held"):
             row[k] = (after[k] - before[k]) if before is not None and k in after else None
     row["pool_hit_rate"] = rate("gpu_hits", "gpu_misses")
@@ -915,6 +919,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "pages as with the periodic --drop-page-cache); measures the cold read first too")
     add_urgent_read_wait_arg(ap)
     add_pipe_piece_bytes_arg(ap)
+    add_host_arena_prefault_arg(ap)
     add_parallel_finish_arg(ap)
     ap.add_argument("--serve-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--n-adapters", type=int, help=argparse.SUPPRESS)
@@ -966,12 +971,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     before = set_urgent_read_wait(args.urgent_read_wait)  # before any engine (a child sets its own)
     pipe_before = set_pipe_piece_bytes(args.pipe_piece_bytes)
     parallel_before = set_parallel_finish(args.parallel_finish)
+    prefault_before = set_host_arena_prefault(args.host_arena_prefault)
     try:
         return _main(args, argv)
     finally:  # (in-process callers get the module's values back)
         scheduler_mod.URGENT_READ_WAIT = before
         image_mod.PIPELINE_PIECE_BYTES = pipe_before
         image_mod.PARALLEL_FINISH = parallel_before
+        host_arena_mod.PREFAULT = prefault_before
 
 
 def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
@@ -1019,6 +1026,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                    "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,
                    "long_prompt_share": args.long_prompt_share, "urgent_read_wait": scheduler_mod.URGENT_READ_WAIT,
                    "pipe_piece_bytes": image_mod.PIPELINE_PIECE_BYTES, "parallel_finish": image_mod.PARALLEL_FINISH,
+                   "host_arena_prefault": host_arena_mod.PREFAULT,
                    **{f"reads_{k}": (pipes[k] - pipes_before[k] if pipes_before is not None else None) for k in pipes},
                    "drop_page_cache_s": args.drop_page_cache, "page_cache_drops": drops,
                    "drop_after_read": after_reads is not None, "drops_after_reads": after_reads,

@@ -40,7 +40,8 @@ chunk it moves. After a move the block's ``on_move`` callback re-points its owne
 Growing ahead
 -------------
 Mapping and registering a chunk costs time (registration first-touches and pins every page: on the H200 host the
-step thread of a filling host tier spent 4-6% of its samples in it, bench/README.md session 15). ``grow_ahead``
+step thread of a filling host tier spent 4-6% of its samples in it, bench/README.md session 15; ``PREFAULT`` now
+touches the pages before the registration, outside the driver's lock). ``grow_ahead``
 maps the next chunk on a background thread when the holes left could take fewer than two images of the
 granule, so a later ``alloc`` finds room; its units count against the budget while it is mapped, and an ``alloc``
 that finds no hole meanwhile waits for it (rather than map another chunk, or be refused for want of budget).
@@ -76,6 +77,14 @@ log = logging.getLogger("multilora")
 #: registrations in the warm phase) where session 39 had 50-51% with 1 GiB. Registration costs less per byte in big
 #: chunks (~0.21 ms per MiB at 1 GiB, ~0.33 at 256 MiB), so 1 GiB again.
 DEFAULT_CHUNK_BYTES = 1 << 30
+#: Write every page of a new chunk (one byte per 4 KiB page, on the thread mapping it, the GIL released) before
+#: ``cudaHostRegister`` page-locks it. A fresh anonymous mapping has no pages yet: registering it first faults in
+#: (and the kernel zeroes) every page, inside the call, while the driver's lock holds up every other thread's CUDA
+#: calls (the step thread's launches: S4's stalled steps, ``DEFAULT_CHUNK_BYTES``). Faulted in first, the pages are
+#: only pinned under the lock. Module-level so that benchmarks can A/B it (``bench/_common.py``).
+PREFAULT = True
+#: The page size ``PREFAULT`` writes at (bytes; the smallest x86-64 / aarch64 base page).
+PREFAULT_STRIDE = 4096
 #: Bytes of the first chunk (each next one doubles, up to the chunk size).
 FIRST_CHUNK_BYTES = 64 << 20
 
@@ -111,17 +120,33 @@ class HostBlock:
 
 
 class _Chunk:
-    __slots__ = ("buffer", "space", "blocks", "pinned", "_mm", "__weakref__")
+    __slots__ = ("buffer", "space", "blocks", "pinned", "pin_seconds", "_mm", "__weakref__")
 
     def __init__(self, nbytes: int, units: int, pinned: bool) -> None:
         self._mm, self.buffer = _map(nbytes)
         self.space = Extents(units)
         self.blocks: set[HostBlock] = set()
         self.pinned = False
+        self.pin_seconds = 0.0  # the cudaHostRegister call alone (what holds other threads' CUDA calls up)
         if pinned:
+            if PREFAULT:
+                _prefault(self.buffer)
+            t0 = time.perf_counter()
             self.pinned = _register(self.buffer)
+            self.pin_seconds = time.perf_counter() - t0
             if self.pinned:
                 weakref.finalize(self, _unregister, self.buffer.data_ptr())
+
+
+def _prefault(buffer: torch.Tensor) -> None:
+    """Fault in every page of ``buffer`` (a fresh mapping: its pages read as zeros, so writing zeros changes nothing)
+    by writing one byte per ``PREFAULT_STRIDE`` bytes; a torch op, which releases the GIL while it runs."""
+    n = buffer.numel()
+    whole = n // PREFAULT_STRIDE * PREFAULT_STRIDE
+    if whole:
+        buffer[:whole].view(-1, PREFAULT_STRIDE)[:, 0].zero_()
+    if whole < n:
+        buffer[whole:].zero_()
 
 
 def _map(nbytes: int) -> tuple[Any, torch.Tensor]:
@@ -202,6 +227,7 @@ class HostArena:
         self.compactions = 0
         self.bytes_compacted = 0
         self.register_seconds = 0.0  # mapping + registering the chunks (any thread)
+        self.pin_seconds = 0.0  # of those, in cudaHostRegister alone (the driver's lock held: PREFAULT)
         self.sync_register_seconds = 0.0  # of those, on the thread that needed the room (alloc)
         self.sync_grows = 0  # chunks mapped on the thread calling alloc
         self.grown_ahead = 0  # chunks mapped by grow_ahead's background thread
@@ -295,6 +321,7 @@ class HostArena:
         self._chunks.append(_Chunk(size * self.unit, size, self.want_pinned))
         dt = time.perf_counter() - t0
         self.register_seconds += dt
+        self.pin_seconds += self._chunks[-1].pin_seconds
         self.sync_register_seconds += dt
         self.sync_grows += 1
         return len(self._chunks) - 1
@@ -398,6 +425,7 @@ class HostArena:
                 if chunk is not None:
                     self._chunks.append(chunk)
                     self.register_seconds += dt
+                    self.pin_seconds += chunk.pin_seconds
                     self.grown_ahead += 1
                     size = self._next_ahead_units()
                 else:

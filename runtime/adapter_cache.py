@@ -919,7 +919,8 @@ class AdapterCache:
         ``gpu_to_host_seconds`` (synchronous copies back). The host arena: ``host_arena_bytes_held`` (mapped and,
         with ``host_arena_pinned``, page-locked), ``host_arena_bytes_used`` (blocks, including freed ones an
         in-flight copy still reads), ``host_arena_chunks``, ``host_arena_compactions`` and the bytes they moved,
-        ``host_arena_map_seconds`` (mapping and registering the chunks, on any thread), ``host_arena_sync_grows``
+        ``host_arena_map_seconds`` (mapping and registering the chunks, on any thread; ``host_arena_pin_seconds``
+        of it in ``cudaHostRegister`` alone, which holds up other threads' CUDA calls), ``host_arena_sync_grows``
         and ``host_arena_sync_map_seconds`` (chunks mapped on the thread that needed the room, and their time) and
         ``host_arena_grown_ahead`` (chunks mapped ahead on a background thread: ``HostArena.grow_ahead``);
         ``host_arena_map_ahead_on_overflow`` (the constructor's ``map_ahead_on_overflow``) and
@@ -965,7 +966,8 @@ class AdapterCache:
             "host_arena_bytes_held": a.bytes_held, "host_arena_bytes_used": a.bytes_used,
             "host_arena_pinned": a.pinned, "host_arena_chunks": a.num_chunks,
             "host_arena_compactions": a.compactions, "host_arena_bytes_compacted": a.bytes_compacted,
-            "host_arena_map_seconds": a.register_seconds, "host_arena_sync_map_seconds": a.sync_register_seconds,
+            "host_arena_map_seconds": a.register_seconds, "host_arena_pin_seconds": a.pin_seconds,
+            "host_arena_sync_map_seconds": a.sync_register_seconds,
             "host_arena_sync_grows": a.sync_grows,
             "host_arena_grown_ahead": a.grown_ahead, "host_arena_map_ahead_on_overflow": self.map_ahead_on_overflow,
             "host_arena_mapped_ahead_at_adapters": self.mapped_ahead_at_adapters,

@@ -134,7 +134,8 @@ class StepTimes:
         scheduling copied to the GPU pool for its own batch), ``adapter_prefetches`` (copies it queued for waiting
         requests), ``pool_compactions`` (times the adapter pool compacted during the step: each moves live extents on
         the compute stream) and ``host_arena_map_seconds`` (seconds of the host tier's arena mapping and pinning new
-        chunks, on any thread, that ended during the step: ``cudaHostRegister`` may hold up the step's CUDA calls).
+        chunks, on any thread, that ended during the step: ``cudaHostRegister`` may hold up the step's CUDA calls) with
+        ``host_arena_pin_seconds``, the part of it in ``cudaHostRegister`` alone (``host_arena.PREFAULT``).
         Raises ValueError as ``since``."""
         return self._tail(self._phases, mark, "phases_since")
 
@@ -563,6 +564,7 @@ class Engine:
             clean = False  # set on each normal return; else ``finally`` also makes every ``pending`` count true again
             misses0, prefetched0 = self.cache.stats.gpu_misses, self.cache.stats.prefetch_gpu
             compactions0, mapped0 = self.pool.compactions, self.cache.arena.register_seconds
+            pinned0 = self.cache.arena.pin_seconds
             try:  # (finally: a step left unread by an exception or an interrupt is read back, tokens kept)
                 if ahead is not None and not self._can_step_ahead(ahead):
                     a, ahead = ahead, None
@@ -610,7 +612,8 @@ class Engine:
                                          "run_s": t4 - t3, "adapter_misses": self.cache.stats.gpu_misses - misses0,
                                          "adapter_prefetches": self.cache.stats.prefetch_gpu - prefetched0,
                                          "pool_compactions": self.pool.compactions - compactions0,
-                                         "host_arena_map_seconds": self.cache.arena.register_seconds - mapped0})
+                                         "host_arena_map_seconds": self.cache.arena.register_seconds - mapped0,
+                                         "host_arena_pin_seconds": self.cache.arena.pin_seconds - pinned0})
                 clean = True
                 return done
             finally:

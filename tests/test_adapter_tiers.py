@@ -19,6 +19,7 @@ straight into arena blocks, and the tier-move speeds in ``stats()``.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import shutil
 import threading
 import time
@@ -30,6 +31,7 @@ from hypothesis import strategies as st
 
 from multilora import Engine, SamplingParams
 from multilora.memory.extents import Extents, move_down
+from multilora.memory import host_arena as host_arena_mod
 from multilora.memory.host_arena import HostArena
 from multilora.runtime.adapters import read_packed_adapter
 from multilora.runtime.adapters.image import read_image
@@ -961,3 +963,51 @@ def test_busy_clock_from_threads():
     assert clock.nbytes == 4 * 200 * 3 and clock._inflight == 0
     assert 0 <= clock.seconds <= wall
 
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (``/proc/self/statm``'s second field, in pages)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc/self/statm")
+@pytest.mark.parametrize("prefault", [True, False])
+def test_a_pinned_chunk_is_faulted_in_before_it_is_registered(monkeypatch, prefault):
+    """With ``PREFAULT`` a new chunk's pages are resident (written outside the driver's lock) when
+    ``cudaHostRegister`` is called, so the registration only pins them; without, they are not (the registration
+    would fault them in, holding other threads' CUDA calls up meanwhile). The chunk still reads as zeros, and the time
+    in the registration call alone is counted as ``pin_seconds``."""
+    MiB = 1 << 20
+    seen = {}
+
+    def register(buffer):  # (a CPU machine has no CUDA: the resident bytes at the moment of the call)
+        seen["resident"] = _resident_bytes() - seen["before"]
+        time.sleep(0.02)
+        return False
+
+    monkeypatch.setattr(host_arena_mod, "_register", register)
+    monkeypatch.setattr(host_arena_mod, "PREFAULT", prefault)
+    arena = HostArena(None, pinned=True, unit=MiB, chunk_bytes=256 * MiB)
+    seen["before"] = _resident_bytes()
+    block = arena.alloc(96 * MiB)  # a first chunk of the image's size (over the first chunk's 64 MiB)
+    assert arena.num_chunks == 1 and arena.bytes_held == 96 * MiB
+    if prefault:
+        assert seen["resident"] >= 90 * MiB, seen
+    else:
+        assert seen["resident"] < 32 * MiB, seen
+    assert 0.02 <= arena.pin_seconds <= arena.register_seconds
+    assert not block.bytes().any()
+
+
+def test_prefault_writes_every_page_and_leaves_the_bytes_zero():
+    """``_prefault`` on a fresh mapping of an odd length (not a whole number of pages) makes all of it resident and
+    changes no byte."""
+    n = (48 << 20) + 1234
+    mm, buf = host_arena_mod._map(n)
+    before = _resident_bytes()
+    host_arena_mod._prefault(buf)
+    assert _resident_bytes() - before >= (44 << 20)
+    assert buf.numel() == n and not buf.any()
+    del buf
+    mm.close()

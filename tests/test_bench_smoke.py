@@ -922,3 +922,18 @@ def test_serving_bench_lets_each_engine_go_before_the_next_is_built(tmp_path, mo
     assert len(built) == 2 and [r["n_adapters"] for r in rows] == [2, 2, 3, 3]  # a burst row and a rate row each
     assert built[0]() is None and built[1]() is None  # the last one too, once main returns
     assert all(r["gpu_bytes_allocated_before_engine"] is None for r in rows)  # (recorded on CUDA only)
+
+
+def test_host_register_bench_smoke(tmp_path):
+    """``bench_host_register.py --smoke``: both modes run on the CPU (nothing pinned there) with the module's
+    ``PREFAULT`` put back, and the JSON holds a row per mode with its summary."""
+    hr = _load_bench("bench_host_register")
+    from multilora.memory import host_arena
+
+    before = host_arena.PREFAULT
+    rows = hr.main(["--smoke", "--out", str(tmp_path)])
+    assert host_arena.PREFAULT == before
+    assert [r["prefault"] for r in rows] == [False, True] and all(r["chunk_bytes"] == 16 << 20 for r in rows)
+    assert all(not r["pinned"] and r["pin_seconds"] == 0.0 and r["map_seconds"] > 0 for r in rows)
+    saved = json.loads((tmp_path / "host_register.json").read_text())
+    assert set(saved["summary"]) == {"off", "on"} and len(saved["rows"]) == 2

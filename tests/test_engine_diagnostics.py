@@ -168,10 +168,11 @@ def test_engine_steps_record_where_their_time_went(tmp_path):
     steps, phases = e.step_times.since(mark), e.step_times.phases_since(mark)
     assert len(steps) == len(phases) >= 4
     keys = {"read_back_s", "schedule_s", "resident_s", "run_s", "adapter_misses", "adapter_prefetches",
-            "pool_compactions", "host_arena_map_seconds"}
+            "pool_compactions", "host_arena_map_seconds", "host_arena_pin_seconds"}
     for (_, _, secs), p in zip(steps, phases):
         assert set(p) == keys and all(p[k] >= 0 for k in keys)
         assert p["read_back_s"] + p["schedule_s"] + p["resident_s"] + p["run_s"] <= secs
+        assert p["host_arena_pin_seconds"] <= p["host_arena_map_seconds"]
     misses = [p["adapter_misses"] for p in phases]
     assert misses[0] == 2 and misses[1] == 1 and sum(misses) == 3, misses
     assert sum(p["adapter_prefetches"] for p in phases) == 0  # every request was admitted at once
