@@ -428,6 +428,26 @@ def test_unsupported_targets(targets, fragments, mcfg, tmp_path):
     _raises(tmp_path, mcfg, *fragments, key="target_modules", file=CFG)
 
 
+def test_a_target_modules_entry_matching_no_module_is_ignored_with_a_warning(mcfg, tmp_path, caplog):
+    """An entry of ``target_modules`` that names no module of this model (a config written for several families:
+    ``query_key_value`` beside ``q_proj``) is skipped, as PEFT skips it (``get_peft_model`` targets the modules the
+    other entries match, and says nothing), and the load says so once; the other entries' modules are targeted. Only
+    when no entry matches anything is the adapter refused (``test_unsupported_targets``)."""
+    from multilora.runtime.adapters import targets
+
+    _write_valid(tmp_path, mcfg, keys=[(i, m) for i in range(NUM_LAYERS) for m in ("q_proj", "v_proj")])
+    _patch_config(tmp_path, target_modules=["q_proj", "query_key_value", "v_proj", "c_attn"])
+    targets._SAID_UNMATCHED.clear()
+    with caplog.at_level(logging.WARNING, logger="multilora"):
+        adapter = load_peft_adapter(tmp_path, mcfg, header_only=True)
+        load_peft_adapter(tmp_path, mcfg, header_only=True)  # a reload: not said again
+    assert {m for _, m in adapter.modules} == {"q_proj", "v_proj"}
+    assert {layer for layer, _ in adapter.modules} == set(range(NUM_LAYERS))
+    (msg,) = [r.getMessage() for r in caplog.records if "target_modules" in r.getMessage()]
+    assert "'query_key_value', 'c_attn' match no module of this llama model: ignored, as PEFT ignores it" in msg, msg
+    assert "expected one of q_proj" in msg and str(tmp_path) in msg, msg
+
+
 def test_layers_to_transform_outside_the_model_are_ignored_with_a_warning(mcfg, tmp_path, caplog):
     """A layer index the model does not have is skipped, as PEFT skips it, and the load says so (a typo, or an
     adapter for a deeper model); the layers it has are targeted."""

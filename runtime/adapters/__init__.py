@@ -21,7 +21,8 @@ Which modules an adapter targets follows PEFT's rules, applied to the HF module 
 - ``target_modules`` as a list: an entry matches a module whose full name equals it or ends with
   ``"." + entry``; ``layers_to_transform`` (int or list, with optional ``layers_pattern``) then keeps only the
   listed layers (not for an entry that equals the full name; a layer the model does not have is skipped, as PEFT
-  skips it, with a warning). ``"all-linear"`` means the seven projections.
+  skips it, with a warning). An entry that matches no module of the model is skipped too (PEFT skips it
+  silently; this warns once), as long as another entry matches. ``"all-linear"`` means the seven projections.
 - ``target_modules`` as a string: a regex matched with ``re.fullmatch`` against the full module name.
 - ``exclude_modules`` (list: exact name or suffix; string: ``re.fullmatch``) removes modules.
 - ``rank_pattern`` / ``alpha_pattern``: the first key ``k`` (in the file's order) with

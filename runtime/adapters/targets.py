@@ -18,6 +18,8 @@ from multilora.runtime.adapters.spec import AdapterError, _jd, _Spec
 log = logging.getLogger("multilora")
 #: (config path, layers outside the model, its layer count) already warned about (``_resolve_targets``)
 _SAID_OUTSIDE: set[tuple[str, tuple[int, ...], int]] = set()
+#: (file, entries, architecture) already warned of: ``target_modules`` entries that match no module of the model.
+_SAID_UNMATCHED: set[tuple[str, tuple[str, ...], str]] = set()
 
 #: Prefix PEFT puts in front of the base model's module names in ``adapter_model.safetensors``.
 _PEFT_PREFIX = "base_model.model."
@@ -143,6 +145,8 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
         )
 
     tm = spec.target_modules
+    unmatched: list[str] = []  # list entries naming no module of this model: PEFT skips them (a config written for
+    # several families, q_proj beside query_key_value), and so does this, with a warning (or a typo?)
     if isinstance(tm, str):
         hits = [n for n, proj in names if proj is None and _is_targeted(spec, n)]
         if hits:
@@ -151,16 +155,15 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
         for entry in tm:
             all_hits = [(n, proj) for n, proj in names if _suffix_match(entry, n)]
             if not all_hits:
-                raise AdapterError(
-                    f"{cfg_path}: target_modules: {entry!r} matches no module of this {config.architecture} model "
-                    f"({config.num_layers} layers); expected one of {', '.join(config.lora_modules)} "
-                    "(or a suffix of a module name such as self_attn.q_proj)",
-                    path=cfg_path,
-                    key="target_modules",
-                )
+                unmatched.append(entry)
+                continue
             bad = [n for n, proj in all_hits if proj is None and not _excluded(spec, n)]
             if bad:
                 raise reject("target_modules", f"the entry {entry!r}", bad)
+    expected = (f"expected one of {', '.join(config.lora_modules)} (or a suffix of a module name such as "
+                "self_attn.q_proj)")
+    no_match = (f"{', '.join(map(repr, unmatched))} {'matches' if len(unmatched) == 1 else 'match'} no module of this "
+                f"{config.architecture} model")
 
     ltt = spec.layers_to_transform
     if ltt is not None:  # PEFT skips a layer the model does not have, and so does this; said, as it may be a typo
@@ -183,6 +186,14 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
         alpha, _ = _pattern_value(spec.alpha_pattern, n, spec.lora_alpha)
         src = f"rank_pattern[{rkey!r}]" if rkey is not None else "r"
         targets[proj] = _Target(name=n, r=r, alpha=alpha, r_source=src)
+    if unmatched and targets:
+        said = (str(cfg_path), tuple(unmatched), config.architecture)
+        if said not in _SAID_UNMATCHED:  # once per file and model: not at every reload of it
+            if len(_SAID_UNMATCHED) > 4096:
+                _SAID_UNMATCHED.clear()
+            _SAID_UNMATCHED.add(said)
+            log.warning("%s: target_modules: %s: ignored, as PEFT ignores it (%s; a typo?)", cfg_path, no_match,
+                        expected)
     if not targets:
         detail = f"target_modules {_jd(tm if isinstance(tm, str) else list(tm))}"
         if spec.layers_to_transform is not None:
@@ -193,9 +204,10 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
         if spec.exclude_modules:
             ex = spec.exclude_modules
             detail += f", exclude_modules {_jd(ex if isinstance(ex, str) else list(ex))}"
+        why = f"{no_match}: {expected}" if unmatched else "expected at least one Llama projection"
         raise AdapterError(
             f"{cfg_path}: the adapter targets no module of this model ({config.num_layers} layers) with {detail}; "
-            "expected at least one Llama projection (serving it would silently give base-model output)",
+            f"{why} (serving it would silently give base-model output)",
             path=cfg_path,
             key="target_modules",
         )
