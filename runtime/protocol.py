@@ -139,6 +139,15 @@ def _same(value: Any, off: Any) -> bool:
     return isinstance(value, bool) == isinstance(off, bool) and value == off
 
 
+def _json(value: Any, limit: int = 200) -> str:
+    """``value`` as JSON (at most ``limit`` characters, then "...")."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def check_supported(body: _Generate, unsupported: dict[str, tuple]) -> None:
     """Raise a 400 naming the first known-unsupported parameter set to a value other than "off"; log the unknown
     fields that are ignored."""
@@ -146,9 +155,10 @@ def check_supported(body: _Generate, unsupported: dict[str, tuple]) -> None:
     for name, off in unsupported.items():
         value = extra.get(name)
         if value is not None and not any(_same(value, o) for o in off):
-            only = f" (only {' or '.join(map(repr, off))} is accepted)" if off else ""
-            raise APIError(400, f"{name}={value!r} is not supported by multilora{only}", code="unsupported_parameter",
-                           param=name)
+            # (JSON spellings, as the client wrote them: true, null, {"type": "text"}; not Python's reprs)
+            only = f" (only {' or '.join(_json(o) for o in off)} is accepted)" if off else ""
+            raise APIError(400, f"{name}={_json(value)} is not supported by multilora{only}",
+                           code="unsupported_parameter", param=name)
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options: only allowed when stream is true", code="invalid_value",
                        param="stream_options")

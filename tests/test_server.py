@@ -468,6 +468,22 @@ def test_bad_requests_get_the_right_status_and_body_and_the_server_keeps_serving
     _serves(http)
 
 
+@pytest.mark.parametrize("route,body,message", [
+    ("chat/completions", {"messages": CHAT, "logprobs": True},
+     "logprobs=true is not supported by multilora (only false is accepted)"),
+    ("completions", {"prompt": "Hi", "response_format": {"type": "json_object"}},
+     'response_format={"type": "json_object"} is not supported by multilora (only {"type": "text"} is accepted)'),
+    ("chat/completions", {"messages": CHAT, "tool_choice": "required"},
+     'tool_choice="required" is not supported by multilora (only "none" or "auto" is accepted)'),
+    ("completions", {"prompt": "Hi", "logprobs": 2}, "logprobs=2 is not supported by multilora"),
+])
+def test_an_unsupported_parameter_is_named_as_the_client_wrote_it(http, route, body, message):
+    """The refusal spells the value and the accepted ones in JSON, as the request has them (true, null, "auto"),
+    not as Python reprs (True, None, 'auto')."""
+    r = http.post(f"/v1/{route}", json={"model": BASE, **body})
+    assert r.status_code == 400 and r.json()["error"]["message"] == message, r.text
+
+
 def test_a_body_that_is_not_utf8_says_so(http):
     r = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": "\xff"}',
                   headers={"content-type": "application/json"})
