@@ -81,7 +81,9 @@ DEFAULT_CHUNK_BYTES = 1 << 30
 #: ``cudaHostRegister`` page-locks it. A fresh anonymous mapping has no pages yet: registering it first faults in
 #: (and the kernel zeroes) every page, inside the call, while the driver's lock holds up every other thread's CUDA
 #: calls (the step thread's launches: S4's stalled steps, ``DEFAULT_CHUNK_BYTES``). Faulted in first, the pages are
-#: only pinned under the lock. Module-level so that benchmarks can A/B it (``bench/_common.py``).
+#: only pinned under the lock. Module-level so that benchmarks can A/B it (``bench/_common.py``). NOT YET MEASURED on
+#: a GPU (session 41 had no device time left): ``bench_host_register.py`` and ``bench/results/session41/
+#: next_call4.sh`` are the A/B; turn it off if they show no gain.
 PREFAULT = True
 #: The page size ``PREFAULT`` writes at (bytes; the smallest x86-64 / aarch64 base page).
 PREFAULT_STRIDE = 4096
