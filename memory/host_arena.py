@@ -258,6 +258,12 @@ class HostArena:
     def num_chunks(self) -> int:
         return len(self._chunks)
 
+    def seconds(self) -> tuple[float, float]:
+        """(``register_seconds``, ``pin_seconds``) read together, under the lock (a background chunk landing
+        between two separate reads would count its pin time in one step and its mapping time in the next)."""
+        with self._lock:
+            return self.register_seconds, self.pin_seconds
+
     def _units(self, nbytes: int) -> int:
         return -(-nbytes // self.unit)
 

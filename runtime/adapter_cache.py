@@ -939,6 +939,7 @@ class AdapterCache:
 
         a = self.arena
         busy_s, busy_b = self.disk_busy.snapshot()
+        mapped_s, pinned_s = a.seconds()
         return {
             "adapters_loaded": len(self.names()), "adapters_resident": self.resident(), "adapters_per_tier": tiers,
             "pool_pages_total": pool.num_pages, "pool_pages_used": pool.pages_used, "pool_page_bytes": pool.page_bytes,
@@ -966,7 +967,7 @@ class AdapterCache:
             "host_arena_bytes_held": a.bytes_held, "host_arena_bytes_used": a.bytes_used,
             "host_arena_pinned": a.pinned, "host_arena_chunks": a.num_chunks,
             "host_arena_compactions": a.compactions, "host_arena_bytes_compacted": a.bytes_compacted,
-            "host_arena_map_seconds": a.register_seconds, "host_arena_pin_seconds": a.pin_seconds,
+            "host_arena_map_seconds": mapped_s, "host_arena_pin_seconds": pinned_s,
             "host_arena_sync_map_seconds": a.sync_register_seconds,
             "host_arena_sync_grows": a.sync_grows,
             "host_arena_grown_ahead": a.grown_ahead, "host_arena_map_ahead_on_overflow": self.map_ahead_on_overflow,

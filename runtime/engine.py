@@ -45,7 +45,7 @@ from multilora.runtime.model import DecoderModel
 from multilora.runtime.parallel import TensorParallel, TensorParallelError, TPGroup
 from multilora.runtime.sharding import check_tp_size, shard_weights, tp_rank_config
 from multilora.runtime.postprocess import Postprocessor, RequestOutput, draw_tokens
-from multilora.runtime.requests import RequestFactory, as_request_id, per_row
+from multilora.runtime.requests import RequestFactory, as_request_id, check_submission, per_row
 from multilora.runtime.runner import CAPTURE_WORKSPACE_BYTES, Feed, ModelRunner
 from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.scheduler import Request, Schedule, Scheduler, Status
@@ -71,6 +71,13 @@ WARMUP_PROMPT_TOKENS = (1, 2, 3, 4, 6, 9, 13, 17, 19, 28, 42, 63, 94, 141, 211, 
 #: prompts a ``generate`` call checks per hold of the step lock (steps of other callers run between slices)
 GENERATE_CHECK_SLICE = 1024
 
+
+
+def _arena_seconds_since(arena: Any, mapped0: float, pinned0: float) -> dict[str, float]:
+    """A step's ``host_arena_map_seconds`` / ``host_arena_pin_seconds``: the arena's counters now (read together,
+    ``HostArena.seconds``) less their values at the step's start."""
+    mapped, pinned = arena.seconds()
+    return {"host_arena_map_seconds": mapped - mapped0, "host_arena_pin_seconds": pinned - pinned0}
 
 class EngineOverloadedError(RuntimeError):
     """More requests are waiting than ``EngineConfig.max_waiting_requests`` allows: try again later."""
@@ -492,10 +499,7 @@ class Engine:
             ValueError: ``count`` is over ``max_waiting_requests`` (a permanent refusal, unlike
                 EngineOverloadedError's "retry later").
         """
-        cap = self.engine_config.max_waiting_requests
-        if count > cap:
-            raise ValueError(f"prompt: a list of {count:,} prompts is more than the engine queues at once "
-                             f"(max_waiting_requests={cap:,}): send at most {cap:,} prompts per request")
+        check_submission(count, self.engine_config.max_waiting_requests)
 
     def _hold(self, req: Request) -> None:
         """Hold a checked request of ``generate`` without queueing it (its adapter version held as a queued one's;
@@ -563,8 +567,8 @@ class Engine:
 
             clean = False  # set on each normal return; else ``finally`` also makes every ``pending`` count true again
             misses0, prefetched0 = self.cache.stats.gpu_misses, self.cache.stats.prefetch_gpu
-            compactions0, mapped0 = self.pool.compactions, self.cache.arena.register_seconds
-            pinned0 = self.cache.arena.pin_seconds
+            compactions0 = self.pool.compactions
+            mapped0, pinned0 = self.cache.arena.seconds()
             try:  # (finally: a step left unread by an exception or an interrupt is read back, tokens kept)
                 if ahead is not None and not self._can_step_ahead(ahead):
                     a, ahead = ahead, None
@@ -612,8 +616,7 @@ class Engine:
                                          "run_s": t4 - t3, "adapter_misses": self.cache.stats.gpu_misses - misses0,
                                          "adapter_prefetches": self.cache.stats.prefetch_gpu - prefetched0,
                                          "pool_compactions": self.pool.compactions - compactions0,
-                                         "host_arena_map_seconds": self.cache.arena.register_seconds - mapped0,
-                                         "host_arena_pin_seconds": self.cache.arena.pin_seconds - pinned0})
+                                         **_arena_seconds_since(self.cache.arena, mapped0, pinned0)})
                 clean = True
                 return done
             finally:

@@ -218,6 +218,8 @@ class EngineLoop:
         """
         streams: list[RequestStream] = []
         with self.engine.step_lock:
+            if self._closed:  # (a closed loop says so first: 503, not a 400 for the list's length)
+                raise RuntimeError("EngineLoop: closed")
             self.engine.check_submission(len(prompts))  # (a list the queue can never take: no prompt_index)
             try:
                 for p in prompts:

@@ -55,7 +55,7 @@ from multilora.runtime.adapter_cache import UnknownAdapterError, loaded_names
 from multilora.runtime.engine import EngineOverloadedError
 from multilora.runtime.engine_loop import RequestDelta, RequestStream, _wake_all
 from multilora.runtime.postprocess import RequestOutput
-from multilora.runtime.requests import as_request_id, check_room
+from multilora.runtime.requests import as_request_id, check_room, check_submission
 from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.scheduler import Status
 from multilora.runtime.tokenizer import Prompt, PromptTokenizer, TextStream
@@ -274,6 +274,7 @@ def _child_main(conn: Any, factory: Callable[[], Any], log_level: int, log_forma
     conn.send(("ready", {"pid": os.getpid(), "tokenizer": tokenizer, "has_tokenizer": engine.tokenizer is not None,
                          "vocab_size": engine.config.vocab_size, "eos_ids": sorted(engine.text.eos_ids),
                          "model_path": str(engine.model_path), "max_seq_len": engine.max_seq_len,
+                         "max_waiting_requests": engine.engine_config.max_waiting_requests,
                          "adapters": {n: str(engine.adapter_path(n)) for n in engine.list_adapters()}}))
     core = _EngineCore(conn, engine)
     threading.Thread(target=core.read, name="multilora-engine-reader", daemon=True).start()
@@ -318,6 +319,7 @@ class EngineProcess:
         self.pid: int = info["pid"]
         self.model_path = Path(info["model_path"])
         self.max_seq_len: int = info["max_seq_len"]
+        self.max_waiting_requests: int = info["max_waiting_requests"]  # (as the child started: it checks again)
         self.tokenizer = _tokenizer(info, self.model_path)
         self.text = PromptTokenizer(self.tokenizer, vocab_size=info["vocab_size"], eos_token_ids=info["eos_ids"],
                                     source=self.model_path)
@@ -450,6 +452,7 @@ class EngineProcess:
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        check_submission(len(prompts), self.max_waiting_requests)  # before tokenizing them all, as the loop does
         submit = []
         for i, prompt in enumerate(prompts):
             try:  # chat template, text checks: this process's work; the room before the ids are pickled to the child

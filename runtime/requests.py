@@ -51,6 +51,16 @@ def check_room(prompt_tokens: int, max_seq_len: int) -> None:
                          f"(a longer prompt needs a larger max_seq_len: Engine(max_seq_len=...), --max-seq-len)")
 
 
+def check_submission(count: int, max_waiting_requests: int) -> None:
+    """Raise ValueError when ``count`` requests to be queued together (a server request's list of prompts) are more
+    than the waiting queue ever holds (``max_waiting_requests``): a permanent refusal, unlike the "retry later" of
+    ``EngineOverloadedError``."""
+    if count > max_waiting_requests:
+        raise ValueError(f"prompt: a list of {count:,} prompts is more than the engine queues at once "
+                         f"(max_waiting_requests={max_waiting_requests:,}): send at most {max_waiting_requests:,} "
+                         f"prompts per request")
+
+
 class RequestFactory:
     """Makes the engine's requests.
 

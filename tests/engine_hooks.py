@@ -54,6 +54,10 @@ def set_max_waiting(engine, n):
     return old
 
 
+def max_waiting(engine):
+    return engine.engine_config.max_waiting_requests
+
+
 def queue_fills_after(engine, n):
     """The waiting queue takes ``n`` more requests, then refuses as a full one does (as when other clients' requests
     already wait); ``n`` None undoes it."""

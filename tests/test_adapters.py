@@ -448,6 +448,15 @@ def test_a_target_modules_entry_matching_no_module_is_ignored_with_a_warning(mcf
     assert "expected one of q_proj" in msg and str(tmp_path) in msg, msg
 
 
+def test_an_adapter_filtered_to_nothing_is_not_blamed_on_its_unmatched_entry(mcfg, tmp_path):
+    """When an entry matched but ``exclude_modules`` removed what it matched, the refusal does not present the
+    unmatched entry as the cause (the projections it lists would suggest q_proj, which is there)."""
+    _write_valid(tmp_path, mcfg)
+    _patch_config(tmp_path, target_modules=["q_proj", "qq_proj"], exclude_modules=["q_proj"])
+    _raises(tmp_path, mcfg, "targets no module", "expected at least one Llama projection ('qq_proj' matches no module",
+            key="target_modules", file=CFG)
+
+
 def test_layers_to_transform_outside_the_model_are_ignored_with_a_warning(mcfg, tmp_path, caplog):
     """A layer index the model does not have is skipped, as PEFT skips it, and the load says so (a typo, or an
     adapter for a deeper model); the layers it has are targeted."""

@@ -930,10 +930,10 @@ def test_host_register_bench_smoke(tmp_path):
     hr = _load_bench("bench_host_register")
     from multilora.memory import host_arena
 
-    before = host_arena.PREFAULT
+    before, register = host_arena.PREFAULT, host_arena._register
     rows = hr.main(["--smoke", "--out", str(tmp_path)])
-    assert host_arena.PREFAULT == before
+    assert host_arena.PREFAULT == before and host_arena._register is register
     assert [r["prefault"] for r in rows] == [False, True] and all(r["chunk_bytes"] == 16 << 20 for r in rows)
-    assert all(not r["pinned"] and r["pin_seconds"] == 0.0 and r["map_seconds"] > 0 for r in rows)
+    assert all(not r["pinned"] and 0 <= r["pin_seconds"] <= r["map_seconds"] for r in rows)
     saved = json.loads((tmp_path / "host_register.json").read_text())
     assert set(saved["summary"]) == {"off", "on"} and len(saved["rows"]) == 2

@@ -1095,6 +1095,23 @@ def test_a_list_longer_than_the_waiting_queue_is_a_400_not_a_429(http, served):
     assert after["requests_aborted"] == before["requests_aborted"], (before, after)  # nothing was queued
 
 
+def test_the_engine_process_refuses_a_list_longer_than_the_queue_before_tokenizing_it(served, monkeypatch):
+    """A list of more prompts than the child's ``max_waiting_requests`` (sent at start) is refused in the server's
+    process, in the engine's words, before any prompt is tokenized or sent: as the thread loop refuses it, and not
+    prompt by prompt first (which would name a bad prompt in one mode and the list's length in the other)."""
+    if served.proc is None:
+        pytest.skip("the engine process only")
+    proc = served.proc
+    assert proc.max_waiting_requests == served.apply(hooks.max_waiting)
+    monkeypatch.setattr(proc, "max_waiting_requests", 2)
+    monkeypatch.setattr(proc.text, "encode", lambda *a: pytest.fail("a prompt was tokenized"))
+    monkeypatch.setattr(proc, "_request", lambda *a: pytest.fail("the list was sent to the child"))
+    with pytest.raises(ValueError, match=r"^prompt: a list of 3 prompts is more than the engine queues at once "
+                                         r"\(max_waiting_requests=2\)") as e:
+        proc.submit_many(["a", "b", _LONG])
+    assert not hasattr(e.value, "prompt_index")
+
+
 def test_the_engine_process_refuses_a_prompt_past_max_seq_len_before_sending_it(served, monkeypatch):
     """A prompt with no room within max_seq_len is refused in the server's process, in the engine's words, without
     its ids pickled to the child (which would refuse it the same way)."""

@@ -204,7 +204,10 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
         if spec.exclude_modules:
             ex = spec.exclude_modules
             detail += f", exclude_modules {_jd(ex if isinstance(ex, str) else list(ex))}"
-        why = f"{no_match}: {expected}" if unmatched else "expected at least one Llama projection"
+        if unmatched and set(unmatched) == set(tm):  # (no entry matched: name them all)
+            why = f"{no_match}: {expected}"
+        else:  # an entry matched, and the layer filter or exclude_modules removed what it matched
+            why = "expected at least one Llama projection" + (f" ({no_match})" if unmatched else "")
         raise AdapterError(
             f"{cfg_path}: the adapter targets no module of this model ({config.num_layers} layers) with {detail}; "
             f"{why} (serving it would silently give base-model output)",
