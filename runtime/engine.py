@@ -45,7 +45,8 @@ from multilora.runtime.model import DecoderModel
 from multilora.runtime.parallel import TensorParallel, TensorParallelError, TPGroup
 from multilora.runtime.sharding import check_tp_size, shard_weights, tp_rank_config
 from multilora.runtime.postprocess import Postprocessor, RequestOutput, draw_tokens
-from multilora.runtime.requests import RequestFactory, as_request_id, check_submission, per_row
+from multilora.runtime.requests import (RequestFactory, as_request_id, check_adapter_arg, check_flag, check_submission,
+                                        per_row)
 from multilora.runtime.runner import CAPTURE_WORKSPACE_BYTES, Feed, ModelRunner
 from multilora.runtime.sampling import SamplingParams
 from multilora.runtime.scheduler import Request, Schedule, Scheduler, Status
@@ -396,11 +397,12 @@ class Engine:
         Raises:
             AdapterError: missing or malformed files, unsupported features, shapes that do not fit the model
                 (the message names the file, the key, what was expected and what was got).
-            ValueError: a bad ``name`` (``check_adapter_name``) or ``path`` (not a str or os.PathLike, or empty), or
-                a rank above
-                ``max_lora_rank``.
+            ValueError: a bad ``name`` (``check_adapter_name``) or ``path`` (not a str or os.PathLike, or empty),
+                ``allow_pickle`` or ``preload`` not a bool, or a rank above ``max_lora_rank``.
         """
         check_adapter_name(name)
+        check_flag("allow_pickle", allow_pickle)  # ("false" would allow it)
+        check_flag("preload", preload)
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"load_adapter: path must be an adapter directory (a str or os.PathLike), got {path!r}")
         path = Path(path).absolute()  # read again from disk later: a later os.chdir must not move it
@@ -443,7 +445,9 @@ class Engine:
         """Unload an adapter. New requests for it fail; requests already submitted (waiting or running) finish
         with the weights they were submitted with. Raises UnknownAdapterError (a KeyError) if not loaded.
         Between steps (the step lock), as ``add_request``: a request looked up and queued by another thread keeps
-        the unloaded version's host copy, never reading its files again from disk."""
+        the unloaded version's host copy, never reading its files again from disk. ValueError if ``name`` is not a
+        str."""
+        check_adapter_arg("name", name)
         with self._step_lock:
             self.cache.remove(name)
 
@@ -454,6 +458,7 @@ class Engine:
         loaded, PoolFullError if it cannot be made resident now, ValueError if ``pinned`` is not a bool. Between
         steps (the step lock): making it resident may compact the pool, moving the pages of adapters that a
         running forward reads."""
+        check_adapter_arg("name", name)
         if not isinstance(pinned, bool):  # pin_adapter(name, "False") would pin: a non-empty string is true
             raise ValueError(f"pinned: expected a bool, got {type(pinned).__name__} {pinned!r}")
         with self._step_lock:
@@ -465,7 +470,8 @@ class Engine:
     def adapter_path(self, name: str) -> Path:
         """The directory the current version of adapter ``name`` was loaded from (as ``load_adapter`` was given it,
         made absolute against the working directory of that call; symbolic links are kept, not resolved).
-        Raises UnknownAdapterError (a KeyError) if it is not loaded."""
+        Raises UnknownAdapterError (a KeyError) if it is not loaded, ValueError if ``name`` is not a str."""
+        check_adapter_arg("name", name)
         return self.cache.get(name).path
 
     # ------------------------------------------------------------------------------------ requests
@@ -873,9 +879,11 @@ class Engine:
 
         Raises:
             UnknownAdapterError: ``adapter`` is not loaded.
+            ValueError: ``adapter`` is neither a str nor None.
             RuntimeError: requests are already running (warm up before serving), or a warm-up request failed
                 (the engine would fail real ones alike: its error is in the message).
         """
+        check_adapter_arg("adapter", adapter, none=True)
         if adapter is not None and adapter not in self.list_adapters():
             raise UnknownAdapterError(f"warmup: adapter {adapter!r} is not loaded ({loaded_names(self.list_adapters())})")
         if self.has_unfinished():
@@ -972,6 +980,7 @@ class Engine:
             UnknownAdapterError (a KeyError): a named adapter is not loaded (nothing is run).
             EngineOverloadedError: ``max_waiting_requests`` requests were already waiting (nothing is run).
         """
+        check_flag("progress", progress)
         prompts = prompt_list(prompts)
         adapters_l = per_row(adapters, len(prompts), "adapters", "prompt")
         sampling_l = per_row(sampling, len(prompts), "sampling", "prompt")

@@ -171,10 +171,30 @@ class EngineLoop:
 
     Args:
         engine: a ``multilora.Engine``; other threads may keep using it (``generate`` batches with the loop).
-        poll_seconds: how long the thread sleeps when idle before it looks again (a submission wakes it at once).
+        poll_seconds: how long the thread sleeps when idle before it looks again (a submission wakes it at once);
+            a finite number > 0.
+
+    Raises:
+        ValueError: ``engine`` lacks what the loop calls (not an ``Engine``), or a bad ``poll_seconds``.
+
+    A step that raises fails the streamed requests (their streams end with the error) and the loop goes on; when
+    steps keep failing, it waits longer between tries (up to ``MAX_RETRY_SECONDS``) and logs the traceback at the
+    1st, 2nd, 4th, 8th... failure in a row only.
     """
 
+    #: The longest wait between tries when steps keep failing (seconds).
+    MAX_RETRY_SECONDS = 5.0
+
     def __init__(self, engine: Any, *, poll_seconds: float = 0.05) -> None:
+        missing = [a for a in ("has_unfinished", "step", "add_request", "abort", "fail", "step_lock", "postprocess")
+                   if not hasattr(engine, a)]
+        if missing:
+            raise ValueError(f"engine: expected a multilora.Engine, got {type(engine).__name__} (it has no "
+                             f"{', '.join(missing)})")
+        if (isinstance(poll_seconds, bool) or not isinstance(poll_seconds, (int, float))
+                or not 0 < poll_seconds < float("inf")):
+            raise ValueError(f"poll_seconds: expected a finite number > 0, got {type(poll_seconds).__name__} "
+                             f"{poll_seconds!r}")
         self.engine = engine
         self.poll_seconds = poll_seconds
         self._tracked: dict[int, _Tracked] = {}
@@ -270,6 +290,7 @@ class EngineLoop:
         self._publish()
 
     def _run(self) -> None:
+        failures = 0  # in a row
         while not self._closed:
             try:
                 if self.engine.has_unfinished():
@@ -278,12 +299,21 @@ class EngineLoop:
                     self._wake.wait(self.poll_seconds)
                     self._wake.clear()
                 self._publish()
+                failures = 0
             except Exception:  # a bug: never leave streams waiting forever, keep serving new requests
-                log.exception("engine loop: a step failed; failing its streamed requests")
+                failures += 1
+                if failures & (failures - 1) == 0:  # 1st, 2nd, 4th, ...: a failure that recurs must not flood the log
+                    log.exception("engine loop: a step failed (%d in a row); failing its streamed requests", failures)
                 with self._lock:
                     ids = list(self._tracked)
                 for rid in ids:
-                    self.engine.fail(rid, "the engine loop failed (see the log)")
+                    try:
+                        self.engine.fail(rid, "the engine loop failed (see the log)")
+                    except Exception:  # noqa: BLE001 - logged with the step's failure; the others still fail
+                        log.debug("engine loop: failing request %r failed", rid, exc_info=True)
+                if failures > 1:  # back off: a step that fails every time must not spin a core
+                    self._wake.wait(min(self.MAX_RETRY_SECONDS, self.poll_seconds * 2 ** min(failures - 1, 20)))
+                    self._wake.clear()
 
     def _publish(self) -> None:
         """Deliver each tracked request's new ids and text; the last delta of the finished ones."""

@@ -44,6 +44,21 @@ def per_row(value: Any, n: int, name: str, what: str) -> list:
     return out
 
 
+def check_flag(name: str, value: Any) -> None:
+    """Raise ValueError unless ``value`` is a bool: a flag given as ``"false"`` or ``"no"`` would be true (for
+    ``allow_pickle``, unpickling turned on by the string that was meant to refuse it)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
+
+
+def check_adapter_arg(name: str, value: Any, *, none: bool = False) -> None:
+    """Raise ValueError unless ``value`` is an adapter name (a str; or None where ``none``), so a wrong type is
+    named as such rather than reported as an adapter that "is not loaded"."""
+    if not (isinstance(value, str) or (none and value is None)):
+        raise ValueError(f"{name}: expected an adapter name (str){' or None' if none else ''}, got "
+                         f"{type(value).__name__} {value!r}"[:300])
+
+
 def check_room(prompt_tokens: int, max_seq_len: int) -> None:
     """Raise ValueError when a prompt of ``prompt_tokens`` leaves no room to generate within ``max_seq_len``."""
     if prompt_tokens >= max_seq_len:
@@ -132,6 +147,11 @@ class RequestFactory:
                 mismatched lengths.
         """
         vocab, kv = self.tokenizer.vocab_size, self.kv
+        if getattr(token_ids, "ndim", None) == 2 and hasattr(token_ids, "tolist"):  # a 2-D tensor / array: its rows
+            token_ids = list(token_ids)
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+            raise ValueError(f"token_ids: expected a list of rows of token ids (one row per prompt), got "
+                             f"{type(token_ids).__name__}")
         rows = []
         for i, r in enumerate(token_ids):
             if hasattr(r, "tolist") and not isinstance(r, (str, bytes)):  # a 1-D torch tensor or numpy array
@@ -141,6 +161,8 @@ class RequestFactory:
                                  f"{type(r).__name__}{' ' + repr(r[:40]) if isinstance(r, (str, bytes)) else ''}")
             rows.append(list(r))
         names = per_row(adapters, len(rows), "adapters", "row")
+        for i, a in enumerate(names):
+            check_adapter_arg(f"adapters[{i}]" if isinstance(adapters, (list, tuple)) else "adapters", a, none=True)
         for i, r in enumerate(rows):
             if not r or len(r) > self.max_seq_len:
                 raise ValueError(f"token_ids[{i}]: expected 1..{self.max_seq_len} tokens, got {len(r)}")

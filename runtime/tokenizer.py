@@ -208,13 +208,19 @@ class PromptTokenizer:
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        elif listed and prompt and all(isinstance(t, str) for t in prompt):  # several prompts given as one
+            raise ValueError(f"prompt: expected one prompt, got a list of {len(prompt)} strings (a batch: "
+                             f"Engine.generate takes a list of prompts; add_request and submit take one each)")
         elif listed and prompt and not isinstance(prompt[0], dict):  # token ids with a stranger among them
             i, bad = next((i, t) for i, t in enumerate(prompt) if not _is_id(t))
             raise ValueError(f"prompt: token ids must be ints, got {type(bad).__name__} {bad!r} at index {i}")
         else:
+            shape = getattr(prompt, "shape", None)
+            what = (f"{type(prompt).__name__} of dtype {getattr(prompt, 'dtype', '?')} and shape {tuple(shape)}"
+                    if shape is not None else type(prompt).__name__)  # (a tensor or array: which part is wrong)
             raise ValueError(
-                f"prompt: expected a string, a list of chat messages ({{'role', 'content'}} dicts) or a list of "
-                f"token ids, got {type(prompt).__name__}"
+                f"prompt: expected a string, a list of chat messages ({{'role', 'content'}} dicts), a list of "
+                f"token ids or a 1-D integer tensor / array of them, got {what}"
             )
         if not ids:
             raise ValueError("prompt: expected at least one token id, got an empty list" if listed else

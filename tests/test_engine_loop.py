@@ -247,6 +247,53 @@ def test_abort_and_leaving_a_stream_free_the_request(engine, loop):
     assert stats()["requests_aborted"] - aborted0 == 3  # (counted apart from requests_finished / _failed)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    ({"engine": None}, r"^engine: expected a multilora.Engine, got NoneType \(it has no has_unfinished, step, "),
+    ({"engine": "x"}, r"^engine: expected a multilora.Engine, got str"),
+    ({"poll_seconds": "1"}, r"^poll_seconds: expected a finite number > 0, got str '1'$"),
+    ({"poll_seconds": 0}, r"^poll_seconds: expected a finite number > 0, got int 0$"),
+    ({"poll_seconds": -1.0}, r"^poll_seconds: expected a finite number > 0, got float -1.0$"),
+    ({"poll_seconds": float("inf")}, r"^poll_seconds: expected a finite number > 0, got float inf$"),
+])
+def test_a_loop_of_bad_arguments_is_refused_before_its_thread_starts(engine, kwargs, match):
+    """``EngineLoop(None)`` started a thread that failed every pass with no pause (millions of log lines), and a
+    ``poll_seconds`` of 0 or less spun a core while idle: both refused at construction."""
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match=match):
+        EngineLoop(**{"engine": engine, **kwargs})
+    assert threading.active_count() == threads
+
+
+def test_a_step_that_keeps_failing_backs_off_and_logs_sparingly(engine, monkeypatch, caplog):
+    """A step that fails every time is retried with a growing wait (not in a spin), the traceback logged at the 1st,
+    2nd, 4th, 8th... failure in a row only; once steps succeed again the loop serves at once."""
+    monkeypatch.setattr(EngineLoop, "MAX_RETRY_SECONDS", 0.4)
+    calls = []
+    real_step, real_unfinished = engine.step, engine.has_unfinished
+
+    def broken():
+        calls.append(time.perf_counter())
+        raise RuntimeError("a step that always fails")
+
+    monkeypatch.setattr(engine, "has_unfinished", lambda: True)
+    monkeypatch.setattr(engine, "step", broken)
+    with caplog.at_level("ERROR", logger="multilora"):
+        lp = EngineLoop(engine, poll_seconds=0.01)
+        try:
+            time.sleep(2.0)
+            n = len(calls)
+            # waits of 0.02, 0.04, ... capped at 0.4 s: about 9 tries in 2 s (a spin made millions)
+            assert 4 <= n <= 20, n
+            logged = [r for r in caplog.records if "a step failed" in r.getMessage()]
+            # the 1st, 2nd, 4th, 8th, 16th of n (the last try's may not be logged yet)
+            assert len(logged) in (n.bit_length(), (n - 1).bit_length()), (len(logged), n)
+            monkeypatch.setattr(engine, "step", real_step)
+            monkeypatch.setattr(engine, "has_unfinished", real_unfinished)
+            assert lp.submit(token_ids(6, 54, VOCAB), None, GREEDY).result().finish_reason == "length"
+        finally:
+            lp.close()
+
+
 def test_a_loop_step_that_raises_fails_its_streams_once_and_keeps_serving(engine, monkeypatch):
     """A step that raises outside the forward (a bug: the forward's own failures fail their batch in the engine) ends
     every streamed request with finish_reason "error", each counted once in ``requests_failed`` (not in

@@ -670,3 +670,59 @@ def test_pins_that_hold_every_slot_are_named(tiny):
     assert e.generate([token_ids(4, 1, VOCAB)], adapters=["x03"], sampling=GREEDY)[0].finish_reason == "length"
     with pytest.raises(KeyError, match=r"adapter 'nope' is not loaded \(loaded: x00, x01, .*, x09, \.\.\. and 2 more\)"):
         e.generate(["hi"], adapters=["nope"])
+
+
+# ---------------------------------------------------------------------------------- found by session 41's trial
+@pytest.mark.parametrize("call,match", [
+    (lambda e, d: e.load_adapter("p", d, allow_pickle="false"), r"^allow_pickle: expected True or False, got str 'false'$"),
+    (lambda e, d: e.load_adapter("p", d, preload="no"), r"^preload: expected True or False, got str 'no'$"),
+    (lambda e, d: e.generate([PROMPTS[0]], progress="yes"), r"^progress: expected True or False, got str 'yes'$"),
+    (lambda e, d: e.unload_adapter(None), r"^name: expected an adapter name \(str\), got NoneType None$"),
+    (lambda e, d: e.pin_adapter(None), r"^name: expected an adapter name \(str\), got NoneType None$"),
+    (lambda e, d: e.adapter_path(5), r"^name: expected an adapter name \(str\), got int 5$"),
+    (lambda e, d: e.warmup(3), r"^adapter: expected an adapter name \(str\) or None, got int 3$"),
+    (lambda e, d: e.logits([PROMPTS[0]], adapters=5), r"^adapters: expected an adapter name \(str\) or None, got int 5$"),
+    (lambda e, d: e.logits(PROMPTS[:2], adapters=["a", b"b"]), r"^adapters\[1\]: expected an adapter name \(str\) or "
+                                                                r"None, got bytes b'b'$"),
+    (lambda e, d: e.logits(None), r"^token_ids: expected a list of rows of token ids \(one row per prompt\), got "
+                                  r"NoneType$"),
+    (lambda e, d: e.logits("hello"), r"^token_ids: expected a list of rows .*got str$"),
+    (lambda e, d: e.add_request(["Hi", "Yo"]), r"^prompt: expected one prompt, got a list of 2 strings \(a batch: "
+                                               r"Engine.generate takes a list of prompts"),
+    (lambda e, d: e.generate([torch.tensor([504.0, 28.0])]), r"prompt: expected a string, .*or a 1-D integer tensor / "
+                                                             r"array of them, got Tensor of dtype torch.float32 and "
+                                                             r"shape \(2,\)"),
+])
+def test_wrong_types_are_named_not_taken_for_true_or_for_an_unloaded_name(engine, reference, tiny, call, match):
+    """A flag given as a string is refused (``allow_pickle="false"`` turned unpickling on: a non-empty string is
+    true); an adapter name of the wrong type is a ValueError naming the argument, not "adapter None is not loaded";
+    a list of strings to ``add_request`` says it takes one prompt; a tensor of the wrong dtype says what it has."""
+    _, dirs = tiny
+    before = engine.list_adapters()
+    with pytest.raises(ValueError, match=match):
+        call(engine, dirs["a"])
+    assert engine.list_adapters() == before and not engine.has_unfinished()
+    _still_serves(engine, reference)
+
+
+def test_logits_take_a_2d_tensor_of_rows(engine):
+    rows = torch.tensor([PROMPTS[0][:3], PROMPTS[1][:3]])
+    assert torch.equal(engine.logits(rows), engine.logits([r.tolist() for r in rows]))
+
+
+def test_the_errors_a_caller_catches_are_importable_from_multilora():
+    """The README's exceptions come from ``multilora`` itself (a trial had to read the source for an ``except``),
+    the very classes the engine raises."""
+    import multilora
+    from multilora.memory.pool import PoolFullError
+    from multilora.runtime.adapter_cache import UnknownAdapterError
+    from multilora.runtime.adapters.spec import AdapterError
+    from multilora.runtime.engine import EngineOverloadedError
+    from multilora.runtime.engine_process import EngineDeadError
+    from multilora.runtime.weights import ModelLoadError
+
+    for cls in (AdapterError, UnknownAdapterError, EngineOverloadedError, ModelLoadError, PoolFullError,
+                EngineDeadError):
+        assert getattr(multilora, cls.__name__) is cls and cls.__name__ in multilora.__all__
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        multilora.Nope
