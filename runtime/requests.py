@@ -40,7 +40,7 @@ def per_row(value: Any, n: int, name: str, what: str) -> list:
     Raises ValueError for a list of another length."""
     out = list(value) if isinstance(value, (list, tuple)) else [value] * n
     if len(out) != n:
-        raise ValueError(f"{name}: expected {n} entries (one per {what}), got {len(out)}")
+        raise ValueError(f"{name}: expected {n} {'entry' if n == 1 else 'entries'} (one per {what}), got {len(out)}")
     return out
 
 
