@@ -185,7 +185,10 @@ def test_one_message_dict_is_one_chat_prompt(engine):
     (["fine", [5, "a"]], r"prompts\[1\]: prompt: token ids must be ints, got str 'a' at index 1$"),
     (["fine", [5.0, 6.0]], r"prompts\[1\]: prompt: token ids must be ints, got float 5.0 at index 0$"),
     ([[5, True]], r"prompts\[0\]: prompt: token ids must be ints, got bool True at index 1$"),
-    ([torch.tensor([1.0, 2.0])], r"prompts\[0\]: prompt: expected a string, .* got Tensor$"),
+    ([torch.tensor([1.0, 2.0])], r"prompts\[0\]: prompt: expected a string, .* got Tensor of dtype torch.float32 "
+                                 r"and shape \(2,\)$"),
+    ([torch.tensor([[1, 2]])], r"prompts\[0\]: prompt: expected a string, .* got Tensor of dtype torch.int64 and "
+                               r"shape \(1, 2\)$"),
     ([[{"role": "user"}]], r"prompts\[0\]: prompt: chat message 0: expected a dict with 'role' and 'content', got "
                            r"the keys \['role'\]$"),
 ])
