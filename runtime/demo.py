@@ -58,8 +58,21 @@ def make_demo_adapters(
             modules the demo adapters target (a larger r adds no expressiveness, only bytes).
 
     Raises:
-        ValueError: ``rank`` below 1 or above that width (before anything is written).
+        ValueError: ``rank`` below 1 or above that width, an unknown name in ``names``, or an argument of the wrong
+            type (``out_dir`` not a path, ``base_weights`` not a dict of tensors, ``config`` not a ``ModelConfig``),
+            all before anything is written.
     """
+    if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir):
+        raise ValueError(f"out_dir: expected a directory path (str or os.PathLike), got {type(out_dir).__name__} "
+                         f"{out_dir!r}"[:300])
+    if not isinstance(base_weights, dict):
+        raise ValueError(f"base_weights: expected a dict of HF-named base weights (name -> tensor), got "
+                         f"{type(base_weights).__name__}")
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"config: expected a ModelConfig (the base model's), got {type(config).__name__}")
+    unknown = [n for n in (names or ()) if n not in DEMO_ADAPTERS]
+    if isinstance(names, str) or unknown:
+        raise ValueError(f"names: expected a list of {', '.join(DEMO_ADAPTERS)}, got {names!r}"[:300])
     widths = {m: config.module_shape(m) for n in (names or DEMO_ADAPTERS) for m in DEMO_ADAPTERS[n][2]}
     narrowest = min(widths, key=lambda m: min(widths[m]))
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= min(widths[narrowest]):

@@ -112,6 +112,24 @@ def test_make_demo_adapters_refuses_a_rank_above_the_narrowest_module(tiny, tmp_
     assert run(capsys, "make-demo-adapters", tmp_path / "ad", "--model", tiny, "--rank", most)[0] == 0
 
 
+def test_make_demo_adapters_names_an_argument_of_the_wrong_type(tiny, tmp_path):
+    """The Python call with its arguments swapped or mistyped raised a raw AttributeError / TypeError; each is a
+    ValueError naming the argument, before anything is written."""
+    from multilora.config import ModelConfig
+    from multilora.runtime.demo import make_demo_adapters
+
+    cfg = ModelConfig.from_hf_dict(json.loads((tiny / "config.json").read_text()))
+    out = tmp_path / "ad"
+    for args, kwargs, match in (((out, cfg, {}), {}, r"^base_weights: expected a dict"),
+                                ((out, {}, {}), {}, r"^config: expected a ModelConfig .*got dict$"),
+                                ((5, {}, cfg), {}, r"^out_dir: expected a directory path .*got int 5$"),
+                                ((out, {}, cfg), {"names": "math"}, r"^names: expected a list of "),
+                                ((out, {}, cfg), {"names": ["maths"]}, r"^names: expected a list of .*got \['maths'\]")):
+        with pytest.raises(ValueError, match=match):
+            make_demo_adapters(*args, **kwargs)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_make_demo_adapters_files_get_the_umask_mode(tiny, tmp_path, capsys, umask):
     """Files as open() would make them under the umask of the moment they are written (0666 less it), not
