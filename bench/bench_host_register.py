@@ -90,13 +90,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         host_arena._register = register
     summary = {}
-    for prefault in (False, True):
+    for prefault, mode in ((False, "off"), (True, "on")):
         rs = [r for r in rows if r["prefault"] is prefault]
-        summary["on" if prefault else "off"] = {k: statistics.median(r[k] for r in rs)
-                                                for k in ("map_seconds", "pin_seconds", "stall_ms")}
-        print(f"prefault {'on ' if prefault else 'off'}: median map {summary['on' if prefault else 'off']['map_seconds']:.3f} s, "
-              f"in cudaHostRegister {summary['on' if prefault else 'off']['pin_seconds']:.3f} s, "
-              f"step thread's worst op +{summary['on' if prefault else 'off']['stall_ms']:.1f} ms", flush=True)
+        m = summary[mode] = {k: statistics.median(r[k] for r in rs) for k in ("map_seconds", "pin_seconds", "stall_ms")}
+        print(f"prefault {mode:3}: median map {m['map_seconds']:.3f} s, in cudaHostRegister {m['pin_seconds']:.3f} s, "
+              f"step thread's worst op +{m['stall_ms']:.1f} ms", flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",

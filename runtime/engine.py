@@ -73,13 +73,6 @@ WARMUP_PROMPT_TOKENS = (1, 2, 3, 4, 6, 9, 13, 17, 19, 28, 42, 63, 94, 141, 211, 
 GENERATE_CHECK_SLICE = 1024
 
 
-
-def _arena_seconds_since(arena: Any, mapped0: float, pinned0: float) -> dict[str, float]:
-    """A step's ``host_arena_map_seconds`` / ``host_arena_pin_seconds``: the arena's counters now (read together,
-    ``HostArena.seconds``) less their values at the step's start."""
-    mapped, pinned = arena.seconds()
-    return {"host_arena_map_seconds": mapped - mapped0, "host_arena_pin_seconds": pinned - pinned0}
-
 class EngineOverloadedError(RuntimeError):
     """More requests are waiting than ``EngineConfig.max_waiting_requests`` allows: try again later."""
 
@@ -459,8 +452,7 @@ class Engine:
         steps (the step lock): making it resident may compact the pool, moving the pages of adapters that a
         running forward reads."""
         check_adapter_arg("name", name)
-        if not isinstance(pinned, bool):  # pin_adapter(name, "False") would pin: a non-empty string is true
-            raise ValueError(f"pinned: expected a bool, got {type(pinned).__name__} {pinned!r}")
+        check_flag("pinned", pinned)  # pin_adapter(name, "False") would pin: a non-empty string is true
         with self._step_lock:
             self.cache.pin(name, pinned)
 
@@ -617,12 +609,14 @@ class Engine:
                 elif any(r.status is not Status.FINISHED for r in nxt.batch):
                     self._ahead, nxt = nxt, None
                 # (else every row stopped in the step before: ``finally`` reads it back, nothing is left for later)
+                mapped, pinned = self.cache.arena.seconds()
                 self.step_times.observe(sched.kind, time.perf_counter() - t0, len(sched.batch),
                                         {"read_back_s": t_back, "schedule_s": t2 - t1, "resident_s": t3 - t2,
                                          "run_s": t4 - t3, "adapter_misses": self.cache.stats.gpu_misses - misses0,
                                          "adapter_prefetches": self.cache.stats.prefetch_gpu - prefetched0,
                                          "pool_compactions": self.pool.compactions - compactions0,
-                                         **_arena_seconds_since(self.cache.arena, mapped0, pinned0)})
+                                         "host_arena_map_seconds": mapped - mapped0,
+                                         "host_arena_pin_seconds": pinned - pinned0})
                 clean = True
                 return done
             finally:

@@ -48,7 +48,7 @@ def check_flag(name: str, value: Any) -> None:
     """Raise ValueError unless ``value`` is a bool: a flag given as ``"false"`` or ``"no"`` would be true (for
     ``allow_pickle``, unpickling turned on by the string that was meant to refuse it)."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
+        raise ValueError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
 
 
 def check_adapter_arg(name: str, value: Any, *, none: bool = False) -> None:
@@ -130,8 +130,7 @@ class RequestFactory:
                     f"max_tokens={params.max_tokens} (at most max_seq_len={self.max_seq_len}) = {total} tokens need "
                     f"{kv.blocks_for_tokens(total)} KV blocks of {kv.block_size} tokens; the whole KV cache has "
                     f"{kv.max_usable_blocks}: lower max_tokens, shorten the prompt or {kv.size_hint}")
-        if adapter is not None and not isinstance(adapter, str):
-            raise ValueError(f"adapters: expected a name (str) or None, got {type(adapter).__name__}")
+        check_adapter_arg("adapters", adapter, none=True)
         handle = self.cache.get(adapter) if adapter is not None else None
         return Request(request_id=next_request_id(), prompt=prompt, prompt_ids=ids, adapter_name=adapter,
                        handle=handle, params=params, seed=make_seed(params),

@@ -437,7 +437,7 @@ def test_a_target_modules_entry_matching_no_module_is_ignored_with_a_warning(mcf
 
     _write_valid(tmp_path, mcfg, keys=[(i, m) for i in range(NUM_LAYERS) for m in ("q_proj", "v_proj")])
     _patch_config(tmp_path, target_modules=["q_proj", "query_key_value", "v_proj", "c_attn"])
-    targets._SAID_UNMATCHED.clear()
+    targets._SAID.clear()
     with caplog.at_level(logging.WARNING, logger="multilora"):
         adapter = load_peft_adapter(tmp_path, mcfg, header_only=True)
         load_peft_adapter(tmp_path, mcfg, header_only=True)  # a reload: not said again

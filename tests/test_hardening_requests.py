@@ -677,9 +677,9 @@ def test_pins_that_hold_every_slot_are_named(tiny):
 
 # ---------------------------------------------------------------------------------- found by session 41's trial
 @pytest.mark.parametrize("call,match", [
-    (lambda e, d: e.load_adapter("p", d, allow_pickle="false"), r"^allow_pickle: expected True or False, got str 'false'$"),
-    (lambda e, d: e.load_adapter("p", d, preload="no"), r"^preload: expected True or False, got str 'no'$"),
-    (lambda e, d: e.generate([PROMPTS[0]], progress="yes"), r"^progress: expected True or False, got str 'yes'$"),
+    (lambda e, d: e.load_adapter("p", d, allow_pickle="false"), r"^allow_pickle: expected a bool, got str 'false'$"),
+    (lambda e, d: e.load_adapter("p", d, preload="no"), r"^preload: expected a bool, got str 'no'$"),
+    (lambda e, d: e.generate([PROMPTS[0]], progress="yes"), r"^progress: expected a bool, got str 'yes'$"),
     (lambda e, d: e.unload_adapter(None), r"^name: expected an adapter name \(str\), got NoneType None$"),
     (lambda e, d: e.pin_adapter(None), r"^name: expected an adapter name \(str\), got NoneType None$"),
     (lambda e, d: e.adapter_path(5), r"^name: expected an adapter name \(str\), got int 5$"),

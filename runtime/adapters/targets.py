@@ -16,10 +16,9 @@ from multilora.config import MODULE_PARENT, ModelConfig
 from multilora.runtime.adapters.spec import AdapterError, _jd, _Spec
 
 log = logging.getLogger("multilora")
-#: (config path, layers outside the model, its layer count) already warned about (``_resolve_targets``)
-_SAID_OUTSIDE: set[tuple[str, tuple[int, ...], int]] = set()
-#: (file, entries, architecture) already warned of: ``target_modules`` entries that match no module of the model.
-_SAID_UNMATCHED: set[tuple[str, tuple[str, ...], str]] = set()
+#: the keys of what ``_say_once`` has warned of (``_resolve_targets``: (what, config path, ...), so that a reload of a
+#: file does not say it again)
+_SAID: set[tuple] = set()
 
 #: Prefix PEFT puts in front of the base model's module names in ``adapter_model.safetensors``.
 _PEFT_PREFIX = "base_model.model."
@@ -121,6 +120,17 @@ class _Target:
         return self.alpha / math.sqrt(self.r) if rslora else self.alpha / self.r
 
 
+def _say_once(key: tuple, msg: str, *args: Any) -> None:
+    """Log ``msg % args`` as a warning the first time ``key`` comes (once per file and model, not at every reload
+    of it; the keys are forgotten past 4,096)."""
+    if key in _SAID:
+        return
+    if len(_SAID) > 4096:
+        _SAID.clear()
+    _SAID.add(key)
+    log.warning(msg, *args)
+
+
 def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[tuple[int, str], _Target]:
     """The (layer, module) pairs the config targets on this model, with each one's r and alpha."""
     names = _decoder_module_names(config)
@@ -168,15 +178,12 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
     ltt = spec.layers_to_transform
     if ltt is not None:  # PEFT skips a layer the model does not have, and so does this; said, as it may be a typo
         outside = [i for i in ((ltt,) if isinstance(ltt, int) else ltt) if not 0 <= i < config.num_layers]
-        said = (str(cfg_path), tuple(outside), config.num_layers)
-        if outside and said not in _SAID_OUTSIDE:  # once per file and model: not at every reload of it
-            if len(_SAID_OUTSIDE) > 4096:
-                _SAID_OUTSIDE.clear()
-            _SAID_OUTSIDE.add(said)
-            log.warning("%s: layers_to_transform %s names layer(s) %s, which this %s model (layers 0 to %d) does not "
-                        "have: ignored, as PEFT does (an adapter for another model, or a typo?)", cfg_path,
-                        _jd(ltt if isinstance(ltt, int) else list(ltt)), ", ".join(map(str, outside)),
-                        config.architecture, config.num_layers - 1)
+        if outside:
+            _say_once(("layers", str(cfg_path), tuple(outside), config.num_layers),
+                      "%s: layers_to_transform %s names layer(s) %s, which this %s model (layers 0 to %d) does not "
+                      "have: ignored, as PEFT does (an adapter for another model, or a typo?)", cfg_path,
+                      _jd(ltt if isinstance(ltt, int) else list(ltt)), ", ".join(map(str, outside)),
+                      config.architecture, config.num_layers - 1)
 
     targets: dict[tuple[int, str], _Target] = {}
     for n, proj in names:
@@ -187,13 +194,8 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
         src = f"rank_pattern[{rkey!r}]" if rkey is not None else "r"
         targets[proj] = _Target(name=n, r=r, alpha=alpha, r_source=src)
     if unmatched and targets:
-        said = (str(cfg_path), tuple(unmatched), config.architecture)
-        if said not in _SAID_UNMATCHED:  # once per file and model: not at every reload of it
-            if len(_SAID_UNMATCHED) > 4096:
-                _SAID_UNMATCHED.clear()
-            _SAID_UNMATCHED.add(said)
-            log.warning("%s: target_modules: %s: ignored, as PEFT ignores it (%s; a typo?)", cfg_path, no_match,
-                        expected)
+        _say_once(("target_modules", str(cfg_path), tuple(unmatched), config.architecture),
+                  "%s: target_modules: %s: ignored, as PEFT ignores it (%s; a typo?)", cfg_path, no_match, expected)
     if not targets:
         detail = f"target_modules {_jd(tm if isinstance(tm, str) else list(tm))}"
         if spec.layers_to_transform is not None:
