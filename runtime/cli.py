@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from multilora.runtime.config import CLI_USE_CPU as USE_CPU  # the CLI's words for the API's device='cpu'
-from multilora.runtime.config import as_flag_error as _as_flag_error, check_adapter_name, flag_words
+from multilora.runtime.config import as_flag_error as _as_flag_error, check_adapter_name, check_api_key, flag_words
 
 BASE_NAMES = ("-", "none", "base")
 
@@ -488,6 +488,11 @@ def _check_port(host: str, port: int) -> None:
             sock.close()
 
 
+def _check_api_key(args: argparse.Namespace) -> None:
+    """An empty --api-key (or MULTILORA_API_KEY=) is refused before loading (``config.check_api_key``)."""
+    check_api_key(args.api_key, "--api-key (default: $MULTILORA_API_KEY)")
+
+
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     """A SIGTERM handler: stop as Ctrl-C does (``_cmd_serve``)."""
     raise KeyboardInterrupt
@@ -500,6 +505,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from multilora.runtime.server import create_app
     except ImportError as e:
         raise ValueError(f"serve: {e.name} is not installed (pip install 'multilora[serve]')") from e
+    _check_api_key(args)
     if args.adapter_root is not None and not Path(args.adapter_root).is_dir():
         raise ValueError(f"--adapter-root {args.adapter_root}: not a directory")
     log = logging.getLogger("multilora")
@@ -555,6 +561,7 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
     from multilora.runtime.config import EngineConfig
     from multilora.runtime.ray_serve import RayAppSpec, build_app
 
+    _check_api_key(args)
     for flag in ("adapter_root", "allow_runtime_adapters"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag.replace('_', '-')}: not supported by serve-ray: an adapter loaded at run time "

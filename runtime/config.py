@@ -521,6 +521,26 @@ def check_adapter_name(name: Any, label: str = "load_adapter: name") -> None:
                          f"its ends, got {name!r} ({why})")
 
 
+def check_api_key(key: Any, label: str = "api_key") -> None:
+    """Refuse an API key that could not protect a server: not None (no authentication) and not a non-empty string
+    without whitespace at its ends. An empty key is refused rather than taken as "no key": ``MULTILORA_API_KEY=``
+    in an env file would otherwise either serve without authentication while the operator believes it is on, or
+    require a blank ``Authorization: Bearer`` header; whitespace at an end could never match (the header's token
+    is stripped).
+
+    Raises:
+        ValueError: ``"<label>: expected a non-empty string ..., got ..."``.
+    """
+    if key is None:
+        return
+    why = ("not a string" if not isinstance(key, str) else "empty" if not key
+           else "whitespace at an end" if key != key.strip() else None)
+    if why is not None:
+        shown = repr(key) if not isinstance(key, str) else f"{len(key)} characters"  # never echo a key's text
+        raise ValueError(f"{label}: expected a non-empty string without whitespace at its ends, got {shown} ({why}); "
+                         f"to serve without authentication, give no key (and leave MULTILORA_API_KEY unset)")
+
+
 def as_flag_error(e: ValueError) -> ValueError:
     """An ``EngineConfig`` error in the command line's words: "Engine: max_batch_size must be an int >= 1, got 0"
     becomes "--max-batch-size: must be an int >= 1, got 0", and "Engine: device='tpu' is not a device" becomes

@@ -209,12 +209,24 @@ def renamed(err: APIError, params: dict[str, str]) -> APIError:
     return err
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _union_tag(k: Any) -> bool:
+    """Whether a pydantic error ``loc`` element names a union branch ("str", "list[int]", "ContentPart"), not a field
+    (the request models' fields are lower-case words) or an index."""
+    return isinstance(k, str) and ("[" in k or k in _TYPE_TAGS or k[:1].isupper())
+
+
 def validation_error(errors: list[dict]) -> APIError:
-    """A 400 naming the fields pydantic refused (``messages[0].content: Input should be ...``)."""
+    """A 400 naming the fields pydantic refused (``messages[0].content: Input should be ...``), ``param`` the first
+    field's path as the message spells it (``messages[0].role``, as the value checks name theirs)."""
     first = errors[0]
     if first["type"] == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
                         code="invalid_json")
+    if tuple(first["loc"]) == ("body",) and first["type"] == "missing":  # no body at all (curl -d '')
+        return APIError(400, "body: expected a JSON object, got an empty body", code="invalid_json")
 
     def where(loc: tuple) -> str:
         out = ""
@@ -234,12 +246,31 @@ def validation_error(errors: list[dict]) -> APIError:
             text = repr(value)
         return f", got {text[:60] + '...' if len(text) > 60 else text}"
 
-    message = "; ".join(f"{where(x['loc'])}: {x['msg']}{got(x)}" for x in errors[:4])
-    loc = first["loc"]
+    # A union field (prompt, stop, content) fails once per branch, each loc ending in the branch's tag ("str",
+    # "list[int]"): a branch that failed deeper (the value had its shape: a list whose item is wrong) is the one
+    # meant, and branches that all failed at the field itself become one "expected A or B" line.
+    def path(loc: tuple) -> tuple:
+        return tuple(k for k in loc if not _union_tag(k))
+
+    deep = [x for x in errors if not any(path(y["loc"]) != path(x["loc"]) and
+                                         path(y["loc"])[:len(path(x["loc"]))] == path(x["loc"]) for y in errors)]
+    lines: dict[tuple, list[dict]] = {}
+    for x in deep:
+        lines.setdefault(path(x["loc"]), []).append(x)
+    parts = []
+    for p, xs in lines.items():
+        tags = [x["loc"][-1] for x in xs if x["loc"] and _union_tag(x["loc"][-1])]
+        if len(xs) > 1 and len(tags) == len(xs):
+            parts.append(f"{where(p)}: expected {', '.join(tags[:-1])} or {tags[-1]}{got(xs[0])}")
+        else:
+            parts += [f"{where(p)}: {x['msg']}{got(x)}" for x in xs]
+    message = "; ".join(parts[:4])
+    first = deep[0]
+    loc = path(first["loc"])
     if tuple(loc) == ("body",) and isinstance(first.get("input"), (bytes, str)):
         # FastAPI parses the body as JSON only when the request says it is (curl -d sends form encoding)
         message = "body: expected a JSON object; send the header Content-Type: application/json" + got(first)
-    return APIError(400, message, code="invalid_type", param=str(loc[1]) if len(loc) > 1 else None)
+    return APIError(400, message, code="invalid_type", param=where(loc) if len(loc) > 1 else None)
 
 
 def bad_value(e: ValueError) -> APIError:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from multilora.runtime.config import EngineConfig, check_adapter_name
+from multilora.runtime.config import EngineConfig, check_adapter_name, check_api_key
 
 __all__ = ["RayAppSpec", "build_app"]
 
@@ -89,6 +89,7 @@ class RayAppSpec:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"RayAppSpec.{name}: expected a number >= 0, got {v!r}")
+        check_api_key(self.api_key, "RayAppSpec.api_key")
         if not isinstance(self.config, EngineConfig):
             raise ValueError(f"RayAppSpec.config: expected an EngineConfig, got {type(self.config).__name__}")
         if self.base_name is not None:  # the replicas' create_app checks it too: here it fails before Ray starts

@@ -44,7 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from multilora.runtime.adapter_cache import UnknownAdapterError
 from multilora.runtime.adapters.disk import PICKLE_NAME, SAFETENSORS_NAME, weights_path
-from multilora.runtime.config import check_adapter_name
+from multilora.runtime.config import check_adapter_name, check_api_key
 from multilora.runtime.engine import EngineOverloadedError
 from multilora.runtime.engine_loop import EngineLoop, RequestDelta, RequestStream
 from multilora.runtime.engine_process import EngineDeadError, EngineProcess
@@ -91,7 +91,9 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         engine: a ``multilora.Engine`` (stepped by an ``EngineLoop`` thread of this process) or an ``EngineProcess``
             (its engine steps in a child process); its loaded adapters are served under their names.
         served_model_name: the ``model`` name of the base model (no adapter).
-        api_key: when given, every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
+        api_key: when given, every route but ``/health`` needs ``Authorization: Bearer <api_key>``; a non-empty
+            string without whitespace at its ends (``config.check_api_key``; an empty key is refused, not taken as
+            none).
         adapter_root: runtime-loaded adapter paths must resolve (``..`` and symlinks followed) inside this directory;
             a relative ``lora_path`` is taken relative to it.
         allow_runtime_adapters: enable ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
@@ -101,11 +103,12 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
             has not loaded it (default: none; a loaded adapter's root is ``engine.adapter_path(name)``).
 
     Raises:
-        ValueError: ``served_model_name`` is not a name an adapter could have (``check_adapter_name``: empty, a
+        ValueError: ``api_key`` is empty, not a string, or has whitespace at an end; ``served_model_name`` is not a name an adapter could have (``check_adapter_name``: empty, a
             comma, whitespace at an end, a control character), or an adapter (loaded, or listed by
             ``listed_adapters``) has the base model's served name: requests
             naming it could reach only one of the two (``/v1/load_lora_adapter`` refuses such a name too).
     """
+    check_api_key(api_key)
     check_adapter_name(served_model_name, "served_model_name")  # requests carry it in "model", as adapters' names
     if served_model_name in set((listed_adapters or engine.list_adapters)()):
         raise ValueError(f"served_model_name: {served_model_name!r} is also the name of an adapter; requests naming it "

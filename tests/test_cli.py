@@ -990,6 +990,37 @@ def test_serve_help_offers_allow_pickle(capsys, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ serve-ray's early checks
+@pytest.mark.parametrize("key, why", [("", "0 characters (empty)"), (" sk-1", "5 characters (whitespace at an end)")])
+def test_an_empty_api_key_is_refused_before_loading(tmp_path, capsys, monkeypatch, key, why):
+    """``--api-key ''`` (or ``MULTILORA_API_KEY=``) would turn authentication on with an empty key (only a blank
+    ``Bearer`` header passing) while the start-up warning says no key is set: it is refused, exit status 2, naming
+    the flag and never echoing the key, before the model (here missing) is looked at; so are ``create_app`` and
+    ``RayAppSpec`` given such a key. No key at all still serves without authentication."""
+    import sys
+
+    pytest.importorskip("fastapi")
+    from multilora.runtime.ray_serve import RayAppSpec
+    from multilora.runtime.server import create_app
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    for cmd in ("serve", "serve-ray"):
+        code, _, err = run(capsys, cmd, "--model", tmp_path / "no-model", "--api-key", key)
+        assert code == 2 and f"--api-key (default: $MULTILORA_API_KEY): expected a non-empty string" in err, err
+        assert why in err and "no-model" not in err, err
+        if key.strip():
+            assert key.strip() not in err
+    monkeypatch.setenv("MULTILORA_API_KEY", key)  # the flag's default
+    code, _, err = run(capsys, "serve", "--model", tmp_path / "no-model")
+    assert code == 2 and "--api-key (default: $MULTILORA_API_KEY)" in err and why in err, err
+    with pytest.raises(ValueError, match=r"^api_key: expected a non-empty string"):
+        create_app(None, served_model_name="base", api_key=key)
+    with pytest.raises(ValueError, match=r"^RayAppSpec.api_key: expected a non-empty string"):
+        RayAppSpec(api_key=key)
+    with pytest.raises(ValueError, match=r"api_key: .* got 123 \(not a string\)"):
+        create_app(None, served_model_name="base", api_key=123)
+    assert RayAppSpec(api_key=None).api_key is None and RayAppSpec(api_key="k").api_key == "k"
+
+
 def test_serve_ray_checks_what_replicas_would_refuse_before_ray_starts(pickled_adapter, demo_dir, tmp_path, capsys,
                                                                        monkeypatch):
     """serve-ray fails in a second, naming the flag, on what its replicas would only find after Ray has started: a
