@@ -132,8 +132,8 @@ def _help_with_default(action: argparse.Action) -> str | None:
     text, default = action.help or "", action.default
     if isinstance(default, bool) and not isinstance(action, argparse.BooleanOptionalAction):
         return action.help
-    if default is None:  # the field's help says what None means (tests/test_cli.py checks that each one does)
-        return action.help
+    if default is None or text.startswith("ignored"):  # the field's help says what None means (tests/test_cli.py
+        return action.help  # checks that each one does); an ignored flag (--page-rows) has no default to speak of
     shown = ("on" if default else "off") if isinstance(default, bool) else str(default)
     if re.search(rf"\(default:? {re.escape(shown)}\b", text):
         return text
@@ -207,7 +207,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="multilora", description="Batched multi-LoRA inference.")
+    p = argparse.ArgumentParser(prog="multilora", description="Batched multi-LoRA inference.", allow_abbrev=False)
     p.add_argument("-v", "--verbose", action="count", default=0, help=_VERBOSE)
     p.add_argument("--version", action="version", version=f"multilora {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -296,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_memory_parser(sub)
     for sp in sub.choices.values():  # every command takes -v after its name too
         _verbose_flag(sp)
+        # a flag is spelt out: argparse would take --max-token as --max-tokens without a word, and a flag added later
+        # would turn a script's shortening ambiguous (an error) or point it at the new flag
+        sp.allow_abbrev = False
     return p
 
 
@@ -651,8 +654,8 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
 def _cmd_make(args: argparse.Namespace) -> int:
     import torch
 
-    from multilora.runtime.demo import DEMO_ADAPTERS, check_output_dir, write_demo_adapters
-    from multilora.runtime.weights import load_model_files, resolve_model_path
+    from multilora.runtime.demo import DEMO_ADAPTERS, check_demo_rank, check_output_dir, write_demo_adapters
+    from multilora.runtime.weights import load_model_files, model_config, resolve_model_path
 
     check_output_dir(args.out_dir, "OUT_DIR")
     if not args.force:  # before the model loads: an adapter someone trained or edited there is never lost
@@ -663,14 +666,15 @@ def _cmd_make(args: argparse.Namespace) -> int:
                 raise ValueError(f"{Path(args.out_dir) / name} already holds an adapter ({', '.join(held)}): pass "
                                  f"--force to overwrite the demo adapters there, or choose another OUT_DIR")
     path = resolve_model_path(args.model)
-    config, weights = load_model_files(path, dtype=torch.float32)
-    try:
-        written = write_demo_adapters(args.out_dir, "OUT_DIR", weights, config, rank=args.rank,
-                                      base_model_name_or_path=str(path))
+    try:  # from the configuration alone (a GGUF's metadata, a config.json): before the weights load
+        check_demo_rank(args.rank, model_config(path))
     except ValueError as e:
         if str(e).startswith("rank:"):  # the library names its argument; here it is the flag
             raise ValueError(f"--{e}") from None
         raise
+    config, weights = load_model_files(path, dtype=torch.float32)
+    written = write_demo_adapters(args.out_dir, "OUT_DIR", weights, config, rank=args.rank,
+                                  base_model_name_or_path=str(path))
     for name, d in written.items():
         print(f"{name}: {d}")
     from multilora.runtime.config import EngineConfig

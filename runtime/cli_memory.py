@@ -381,6 +381,8 @@ def run_memory(args: argparse.Namespace) -> int:
             print(f"multilora memory: error: cannot write the snapshot to {args.save_snapshot}: {e.strerror or e}",
                   file=sys.stderr)
             return 2
+        print(f"multilora memory: snapshot saved to {args.save_snapshot} (plan from it again with --snapshot "
+              f"{args.save_snapshot})", file=sys.stderr)
     engine = None
     try:
         if args.model is not None:
@@ -436,7 +438,8 @@ def plan_notes(plan, options: MemoryPlanOptions, engine: bool = False) -> list[s
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry (``python -m multilora.runtime.cli_memory``), same options as ``multilora memory``."""
-    p = argparse.ArgumentParser(prog="multilora memory", description=__doc__.splitlines()[0], epilog=BYTES_HELP)
+    p = argparse.ArgumentParser(prog="multilora memory", description=__doc__.splitlines()[0], epilog=BYTES_HELP,
+                                allow_abbrev=False)
     _add_arguments(p)
     return run_memory(p.parse_args(argv))
 

@@ -9,10 +9,11 @@ on all seven projections. They are load tests of the runtime, not trained skills
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -73,12 +74,7 @@ def make_demo_adapters(
     unknown = [n for n in (names or ()) if n not in DEMO_ADAPTERS]
     if isinstance(names, str) or unknown:
         raise ValueError(f"names: expected a list of {', '.join(DEMO_ADAPTERS)}, got {names!r}"[:300])
-    widths = {m: config.module_shape(m) for n in (names or DEMO_ADAPTERS) for m in DEMO_ADAPTERS[n][2]}
-    narrowest = min(widths, key=lambda m: min(widths[m]))
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= min(widths[narrowest]):
-        raise ValueError(f"rank: expected an int from 1 to {min(widths[narrowest])} (module {narrowest!r} is "
-                         f"{widths[narrowest][0]} -> {widths[narrowest][1]}: a LoRA rank above its narrower side "
-                         f"adds only bytes), got {rank!r}")
+    check_demo_rank(rank, config, names)
     out = Path(out_dir)
     result = {}
     for name in names or DEMO_ADAPTERS:
@@ -102,6 +98,22 @@ def make_demo_adapters(
     return result
 
 
+def check_demo_rank(rank: Any, config: ModelConfig, names: Sequence[str] | None = None) -> None:
+    """Refuse a demo ``rank`` that is not an int from 1 to the narrowest side of the modules the demo adapters
+    ``names`` (default: all) target in a model of ``config`` (a rank past it adds only bytes). Needs only the
+    configuration, so ``make-demo-adapters`` checks ``--rank`` before the weights load.
+
+    Raises:
+        ValueError: ``"rank: expected an int from 1 to <width> (module ... is <in> -> <out> ...), got ..."``.
+    """
+    widths = {m: config.module_shape(m) for n in (names or DEMO_ADAPTERS) for m in DEMO_ADAPTERS[n][2]}
+    narrowest = min(widths, key=lambda m: min(widths[m]))
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= min(widths[narrowest]):
+        raise ValueError(f"rank: expected an int from 1 to {min(widths[narrowest])} (module {narrowest!r} is "
+                         f"{widths[narrowest][0]} -> {widths[narrowest][1]}: a LoRA rank above its narrower side "
+                         f"adds only bytes), got {rank!r}")
+
+
 def write_demo_adapters(out_dir: str | os.PathLike, what: str, *args, **kwargs) -> dict[str, Path]:
     """``make_demo_adapters(out_dir, *args, **kwargs)`` with a failed write (a directory that cannot be made, a full
     disk, a file system that refuses files: ``check_output_dir``'s permission test cannot see all of them) raised as a
@@ -120,7 +132,7 @@ def default_demo_dir() -> Path:
 def check_output_dir(path: str | os.PathLike, what: str, *, writable: bool = True) -> None:
     """Raise ValueError naming ``what`` (a flag) when ``path`` cannot be a directory to write adapters in: it exists
     and is not a directory, its nearest existing ancestor is not a directory, or (``writable``) that ancestor is not
-    writable. The path as given (no ``~`` expansion: the writes take it as given too)."""
+    writable, or (``writable``) the directory cannot be made (a probe: what it makes it removes again). The path as given (no ``~`` expansion: the writes take it as given too)."""
     p = Path(path)
     try:
         if p.exists() and not p.is_dir():
@@ -132,6 +144,16 @@ def check_output_dir(path: str | os.PathLike, what: str, *, writable: bool = Tru
         raise ValueError(f"{what} {path}: {e.strerror or e}") from None
     if writable and not os.access(ancestor, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path}: {ancestor} is not writable")
+    if writable and not p.is_dir():  # a file system that refuses the directory says so now, not after the model loads (os.access
+        made = [a for a in (p, *p.parents) if not a.exists()]  # passes for root, and on /proc or a read-only mount);
+        try:  # what this probe makes it removes again, deepest first
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"{what} {path}: cannot make the directory: {e.strerror or e}") from None
+        finally:
+            for a in made:
+                with contextlib.suppress(OSError):
+                    a.rmdir()
 
 
 def run_demo(adapters_dir: str | os.PathLike | None = None, *, max_tokens: int = 32, model: str | None = None,

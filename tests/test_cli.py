@@ -171,6 +171,42 @@ def test_make_demo_adapters_a_failed_write_names_out_dir(tiny, tmp_path, capsys,
     assert not [p for p in (tmp_path / "ad").rglob("*") if p.is_file()]
 
 
+def test_make_demo_adapters_checks_rank_and_directory_before_the_weights_load(tiny, tmp_path, capsys, monkeypatch):
+    """``--rank`` past the narrowest targeted module, and a directory the file system will not make (``/proc``, a
+    read-only mount: os.access passes there for root), fail naming the flag before any weight is read; the probe
+    leaves no directory behind."""
+    import multilora.runtime.weights as weights
+    from multilora.runtime.demo import check_output_dir
+
+    def no_load(*a, **k):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(weights, "load_model_files", no_load)
+    code, out, err = run(capsys, "make-demo-adapters", tmp_path / "a" / "b", "--model", tiny, "--rank", 999)
+    assert code == 2 and "--rank: expected an int from 1 to " in err and "got 999" in err, err
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(ValueError, match=r"^--adapters-dir /proc/no-such-dir: cannot make the directory: "):
+        check_output_dir("/proc/no-such-dir", "--adapters-dir")
+    check_output_dir(tmp_path / "x" / "y", "OUT_DIR")
+    assert not (tmp_path / "x").exists()  # the probe's directories are removed again
+
+
+def test_flags_are_not_taken_by_a_prefix(capsys):
+    """argparse would take ``--max-token 5`` as ``--max-tokens 5`` silently (and a flag added later could make a
+    script's prefix ambiguous): a prefix is an unrecognized argument, in every command; short flags still group."""
+    for argv in (["generate", "--max-token", "5"], ["memory", "--snap", "x.json"], ["serve", "--allow-runtime"]):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and f"unrecognized arguments: {argv[1]}" in err, (argv, err)
+    assert run(capsys, "memory", "-vv", "--json")[0] == 0
+
+
+def test_memory_save_snapshot_says_where_it_saved(tmp_path, capsys):
+    snap = tmp_path / "snap.json"
+    code, out, err = run(capsys, "memory", "--save-snapshot", snap, "--json")
+    assert code == 0 and json.loads(out)["plan"] and json.loads(snap.read_text())  # stdout stays one JSON object
+    assert f"snapshot saved to {snap} (plan from it again with --snapshot {snap})" in err, err
+
+
 def test_make_demo_adapters_refuses_to_overwrite_without_force(tiny, tmp_path, capsys):
     """An adapter already in OUT_DIR (here a hand-edited one) is kept unless --force: the error names the directory,
     the file and the flag, and nothing is written; with --force the demo adapter replaces it."""
@@ -803,7 +839,8 @@ def _option_helps(help_text):
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_every_engine_flag_names_its_default(capsys, monkeypatch, command):
     """Each flag made from an EngineConfig field says its default in its help: ``(default: 16)`` (on / off for a
-    --X / --no-X pair); a None default says what None means; a lone --no-X switch (--no-cuda-graphs) needs not."""
+    --X / --no-X pair); a None default says what None means; a lone --no-X switch (--no-cuda-graphs) needs not, and
+    an ignored flag (--page-rows) says it is ignored, not a default."""
     from dataclasses import fields
 
     from multilora.runtime.config import EngineConfig
@@ -823,6 +860,9 @@ def test_every_engine_flag_names_its_default(capsys, monkeypatch, command):
         text = helps[flag]
         if f.default is None:
             assert "default" in text, text
+            continue
+        if f.metadata.get("help", "").startswith("ignored"):  # --page-rows: no default to speak of
+            assert "(default" not in text and "ignored" in text, text
             continue
         shown = ("on" if f.default else "off") if isinstance(f.default, bool) else str(f.default)
         assert re.search(rf"\(default:? {re.escape(shown)}\b", text), (flag, text)
