@@ -448,6 +448,34 @@ def test_a_target_modules_entry_matching_no_module_is_ignored_with_a_warning(mcf
     assert "expected one of q_proj" in msg and str(tmp_path) in msg, msg
 
 
+def test_overlapping_alpha_patterns_of_different_values_are_said(mcfg, tmp_path, caplog):
+    """Two ``alpha_pattern`` keys of different values that match one module: the first in the file's order gives
+    its alpha (PEFT's reload does the same), and the load warns once that PEFT's sorted save may have changed which
+    one that is (a rank clash shows in the tensors' shapes; an alpha clash would change outputs silently). Keys of
+    one value, or keys matching different modules, say nothing."""
+    from multilora.runtime.adapters import targets
+
+    _write_valid(tmp_path, mcfg, keys=[(i, m) for i in range(NUM_LAYERS) for m in ("q_proj", "v_proj")])
+    _patch_config(tmp_path, target_modules=["q_proj", "v_proj"],
+                  alpha_pattern={"layers.1.self_attn.q_proj": 1, "q_proj": 100})
+    targets._SAID.clear()
+    with caplog.at_level(logging.WARNING, logger="multilora"):
+        adapter = load_peft_adapter(tmp_path, mcfg, header_only=True)
+        load_peft_adapter(tmp_path, mcfg, header_only=True)  # a reload: not said again
+    assert adapter.modules[(1, "q_proj")].scaling == 1 / 4 and adapter.modules[(0, "q_proj")].scaling == 100 / 4
+    assert adapter.modules[(1, "v_proj")].scaling == 8 / 4
+    (msg,) = [r.getMessage() for r in caplog.records if "alpha_pattern" in r.getMessage()]
+    assert ("alpha_pattern keys 'layers.1.self_attn.q_proj': 1, 'q_proj': 100 all match model.layers.1.self_attn."
+            "q_proj with different alphas; the first in the file's order ('layers.1.self_attn.q_proj') is used") in msg
+    assert str(tmp_path) in msg, msg
+    for pattern in ({"layers.1.self_attn.q_proj": 100, "q_proj": 100}, {"q_proj": 1, "v_proj": 100}):
+        _patch_config(tmp_path, alpha_pattern=pattern)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="multilora"):
+            load_peft_adapter(tmp_path, mcfg, header_only=True)
+        assert not [r for r in caplog.records if "alpha_pattern" in r.getMessage()], pattern
+
+
 def test_an_adapter_filtered_to_nothing_is_not_blamed_on_its_unmatched_entry(mcfg, tmp_path):
     """When an entry matched but ``exclude_modules`` removed what it matched, the refusal does not present the
     unmatched entry as the cause (the projections it lists would suggest q_proj, which is there)."""

@@ -28,7 +28,9 @@ Which modules an adapter targets follows PEFT's rules, applied to the HF module 
 - ``rank_pattern`` / ``alpha_pattern``: the first key ``k`` (in the file's order) with
   ``re.match(rf"(.*\\.)?({k})$", module_name)`` gives the module's rank / alpha; else ``r`` / ``lora_alpha``.
   PEFT writes ``adapter_config.json`` with sorted keys, so when patterns overlap the file's order may differ
-  from the one used in training; the tensor shapes then disagree and loading fails with a note saying so.
+  from the one used in training. For ``rank_pattern`` the tensor shapes then disagree and loading fails with a
+  note saying so; overlapping ``alpha_pattern`` keys of different values leave no such trace, so the load warns
+  (once per file) naming the keys and the module, and uses the first key as PEFT's reload does.
 
 Everything this runtime cannot serve exactly is refused with :class:`AdapterError`, never ignored: DoRA and
 other LoRA variants, ``modules_to_save``, ``fan_in_fan_out``, bias training, targets other than the seven

@@ -101,6 +101,11 @@ def _is_targeted(spec: _Spec, name: str) -> bool:
     return any(name.endswith("." + t) for t in tm) and _layer_selected(spec, name)
 
 
+def _pattern_hits(pattern: Mapping[str, Any], name: str) -> list[str]:
+    """Every ``rank_pattern`` / ``alpha_pattern`` key that matches module ``name``, in the file's order."""
+    return [k for k in pattern if re.match(rf"(.*\.)?({k})$", name)]
+
+
 def _pattern_value(pattern: Mapping[str, Any], name: str, default: Any) -> tuple[Any, str | None]:
     """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup: the first key (dict order) that matches."""
     for k, v in pattern.items():
@@ -186,6 +191,7 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
                       config.architecture, config.num_layers - 1)
 
     targets: dict[tuple[int, str], _Target] = {}
+    alpha_clashes = []  # modules that alpha_pattern keys of different values match (a rank clash shows in shapes)
     for n, proj in names:
         if proj is None or not _is_targeted(spec, n):
             continue
@@ -193,6 +199,17 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
         alpha, _ = _pattern_value(spec.alpha_pattern, n, spec.lora_alpha)
         src = f"rank_pattern[{rkey!r}]" if rkey is not None else "r"
         targets[proj] = _Target(name=n, r=r, alpha=alpha, r_source=src)
+        hits = _pattern_hits(spec.alpha_pattern, n)
+        if len({spec.alpha_pattern[k] for k in hits}) > 1:
+            alpha_clashes.append((n, hits))
+    if alpha_clashes:
+        n, hits = alpha_clashes[0]
+        _say_once(("alpha_pattern", str(cfg_path), tuple(hits)),
+                  "%s: alpha_pattern keys %s all match %s%s with different alphas; the first in the file's order "
+                  "(%s) is used, as PEFT's own reload does, but PEFT saves the config with sorted keys, so this may "
+                  "not be the alpha the adapter was trained with (give the patterns disjoint keys)", cfg_path,
+                  ", ".join(f"{k!r}: {spec.alpha_pattern[k]}" for k in hits), n,
+                  f" (and {len(alpha_clashes) - 1} more module(s))" if len(alpha_clashes) > 1 else "", repr(hits[0]))
     if unmatched and targets:
         _say_once(("target_modules", str(cfg_path), tuple(unmatched), config.architecture),
                   "%s: target_modules: %s: ignored, as PEFT ignores it (%s; a typo?)", cfg_path, no_match, expected)
@@ -222,7 +239,7 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
 def _overlap_hint(pattern: Mapping[str, Any], name: str) -> str:
     """A note for rank errors when several ``rank_pattern`` keys match one module: the first in file order
     wins, and PEFT writes ``adapter_config.json`` with sorted keys, so the order can differ from training."""
-    hits = [k for k in pattern if re.match(rf"(.*\.)?({k})$", name)]
+    hits = _pattern_hits(pattern, name)
     if len(hits) < 2:
         return ""
     return (
