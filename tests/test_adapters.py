@@ -385,14 +385,71 @@ CFG = "adapter_config.json"
 WTS = "adapter_model.safetensors"
 
 
+def test_bias_and_fan_in_fan_out_are_served_as_peft_serves_them_on_linear_projections(mcfg, tmp_path, caplog):
+    """PEFT itself (checked here on a bias-free nn.Linear) takes ``fan_in_fan_out: true`` as false for an nn.Linear
+    target, with a warning, and ``bias: "all"`` / ``"lora_only"`` saves and applies no bias when the model has none:
+    such an adapter is plain LoRA. So it is here: the same weights and scalings as with ``bias: "none"``, one warning
+    per file for fan_in_fan_out; a bias tensor in the file (a base-model bias PEFT trained) is refused, naming it."""
+    import torch.nn as nn
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = nn.Linear(8, 8, bias=False)
+
+        def forward(self, x):
+            return self.q_proj(x)
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 8)
+    outs = []
+    for kw in ({}, {"fan_in_fan_out": True, "bias": "all"}, {"bias": "lora_only"}):
+        base = Tiny()
+        torch.manual_seed(1)
+        base.q_proj.weight.data.normal_()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], **kw))
+        assert not model.peft_config["default"].fan_in_fan_out
+        if kw.get("fan_in_fan_out"):
+            assert any("fan_in_fan_out" in str(w.message) for w in caught)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    torch.manual_seed(len(name))
+                    p.normal_()
+            outs.append(model(x))
+        assert not any("bias" in n for n in model.state_dict() if "lora_" in n or n.endswith("q_proj.bias"))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+    from multilora.runtime.adapters import targets
+
+    _write_valid(tmp_path, mcfg)
+    ref = load_peft_adapter(tmp_path, mcfg)
+    _patch_config(tmp_path, fan_in_fan_out=True, bias="all")
+    targets._SAID.clear()
+    with caplog.at_level(logging.WARNING, logger="multilora"):
+        got = load_peft_adapter(tmp_path, mcfg)
+        load_peft_adapter(tmp_path, mcfg)  # a reload: not said again
+    assert got.modules.keys() == ref.modules.keys()
+    for k, m in ref.modules.items():
+        assert torch.equal(got.modules[k].a, m.a) and torch.equal(got.modules[k].b, m.b)
+        assert got.modules[k].scaling == m.scaling
+    (msg,) = [r.getMessage() for r in caplog.records if "fan_in_fan_out" in r.getMessage()]
+    assert "taken as false, as PEFT takes it" in msg and str(tmp_path) in msg, msg
+    tensors = load_file(str(tmp_path / WTS))
+    tensors["base_model.model.model.layers.0.self_attn.q_proj.bias"] = torch.zeros(mcfg.module_shape("q_proj")[1])
+    save_file(tensors, str(tmp_path / WTS))
+    _raises(tmp_path, mcfg, "q_proj.bias", "a trained bias of the base model", 'retrain with bias="none"', file=WTS)
+
+
 @pytest.mark.parametrize(
     "field,value,fragments",
     [
         ("use_dora", True, ["DoRA", "expected false, got true"]),
         ("modules_to_save", ["lm_head"], ["modules_to_save", "lm_head"]),
-        ("fan_in_fan_out", True, ["fan_in_fan_out", "true"]),
-        ("bias", "all", ['expected "none", got "all"']),
-        ("bias", "lora_only", ['"none"', '"lora_only"']),
+        ("fan_in_fan_out", "yes", ["expected true or false", '"yes"']),
+        ("bias", "everything", ['expected "none", "all" or "lora_only", got "everything"']),
         ("lora_bias", True, ["lora_B", "true"]),
         ("peft_type", "IA3", ['"LORA"', '"IA3"']),
         ("init_lora_weights", "pissa_niter_4", ["pissa_niter_4", "expected true"]),

@@ -33,9 +33,11 @@ Which modules an adapter targets follows PEFT's rules, applied to the HF module 
   (once per file) naming the keys and the module, and uses the first key as PEFT's reload does.
 
 Everything this runtime cannot serve exactly is refused with :class:`AdapterError`, never ignored: DoRA and
-other LoRA variants, ``modules_to_save``, ``fan_in_fan_out``, bias training, targets other than the seven
+other LoRA variants, ``modules_to_save``, trained biases (a ``bias`` tensor in the weight file: ``bias`` "all" /
+"lora_only" on a model without biases saves none, and is plain LoRA, as PEFT serves it), targets other than the seven
 Llama projections, initialisations that expect a modified base model (PiSSA, OLoRA, CorDA, LoRA-GA, LoftQ),
-and any tensor that does not fit the base model. Loading is all-or-nothing and touches no global state.
+and any tensor that does not fit the base model. ``fan_in_fan_out: true`` is taken as false with a warning, as
+PEFT takes it for an ``nn.Linear`` target (every projection served here). Loading is all-or-nothing and touches no global state.
 
 One module per job; each imports only the ones listed above it:
 

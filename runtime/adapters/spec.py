@@ -50,6 +50,8 @@ class _Spec:
     layers_to_transform: int | tuple[int, ...] | None
     layers_pattern: tuple[str, ...] | None
     all_linear: bool = False  # target_modules "all-linear": every projection of the family (config.lora_modules)
+    fan_in_fan_out: bool = False  # true: PEFT turns it off for nn.Linear (every served projection), with a warning
+    bias: str = "none"  # "all" / "lora_only": bias tensors in the weight file are refused; without any, plain LoRA
 
 
 def _jd(value: Any) -> str:
@@ -132,9 +134,6 @@ def _str_or_list(raw: dict, key: str, cfg_path: Path, *, allow_none: bool) -> tu
 _FLAG = (None, False)
 _UNSUPPORTED: tuple[tuple[str, tuple, str, str], ...] = (
     ("use_dora", _FLAG, "false", "DoRA (weight-decomposed LoRA) is not supported"),
-    ("fan_in_fan_out", _FLAG, "false", "transposed (Conv1D-style) weights are not supported; Llama projections "
-     "are nn.Linear"),
-    ("bias", (None, "none"), '"none"', "training biases changes the base model's biases, which is not supported"),
     ("lora_bias", _FLAG, "false", "a bias on lora_B is not supported"),
     ("modules_to_save", (), "null or []", "fully fine-tuned extra modules (modules_to_save) are not supported"),
     ("target_parameters", (), "null or []", "LoRA on raw parameters (target_parameters) is not supported"),
@@ -166,6 +165,12 @@ def _parse_config(raw: dict, cfg_path: Path) -> _Spec:
         v = raw.get(key)
         if not (any(v is o or v == o and type(v) is type(o) for o in off) if off else not v):
             raise fail(key, f"expected {expected}, got {_jd(v)}: {why}")
+    fifo = raw.get("fan_in_fan_out")
+    if fifo not in (None, False, True):
+        raise fail("fan_in_fan_out", f"expected true or false, got {_jd(fifo)}")
+    bias = raw.get("bias")
+    if bias not in (None, "none", "all", "lora_only"):
+        raise fail("bias", f'expected "none", "all" or "lora_only", got {_jd(bias)}')
     init = raw.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_MUTATING_INITS):
         raise fail(
@@ -250,6 +255,8 @@ def _parse_config(raw: dict, cfg_path: Path) -> _Spec:
         layers_to_transform=ltt,
         layers_pattern=lpat,
         all_linear=all_linear,
+        fan_in_fan_out=bool(fifo),
+        bias=bias or "none",
     )
 
 

@@ -138,6 +138,9 @@ def _say_once(key: tuple, msg: str, *args: Any) -> None:
 
 def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[tuple[int, str], _Target]:
     """The (layer, module) pairs the config targets on this model, with each one's r and alpha."""
+    if spec.fan_in_fan_out:  # PEFT's LoraModel sets it to false for an nn.Linear target, with a warning
+        _say_once(("fan_in_fan_out", str(cfg_path)), "%s: fan_in_fan_out is true, but the projections it targets are "
+                  "nn.Linear (weights stored [out, in]): taken as false, as PEFT takes it", cfg_path)
     names = _decoder_module_names(config)
     if spec.all_linear:  # PEFT's "all-linear": every linear layer but the output head, in this family's names
         spec = dataclasses.replace(spec, target_modules=config.lora_modules)
@@ -277,6 +280,9 @@ def _parse_key(key: str, config: ModelConfig, wpath: Path, hint: Callable[[], st
                 raise fail(why)
         if "lora_B" in parts and parts[-1] == "bias":
             raise fail("unsupported tensor lora_B.bias (lora_bias): not supported")
+        if parts[-1] == "bias":  # PEFT's bias="all" / "lora_only" saves the base model's biases it trained
+            raise fail("a trained bias of the base model (PEFT's bias=\"all\" / \"lora_only\"): serving it would "
+                       "change the base model's biases, which is not supported; retrain with bias=\"none\"")
         for mod in _NOT_YET:
             if mod in parts:
                 raise fail(f"LoRA on {mod} is not supported yet; {expected}")
