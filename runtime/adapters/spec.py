@@ -115,8 +115,11 @@ def _str_or_list(raw: dict, key: str, cfg_path: Path, *, allow_none: bool) -> tu
         if allow_none:
             return None
         got = "null" if key in raw else "nothing (the field is missing)"
+        hint = (" (PEFT fills in its default for the model type when it builds the model, q_proj and v_proj for "
+                "Llama and Qwen, and saves that list: write the modules the adapter was trained on)"
+                if key == "target_modules" else "")
         raise AdapterError(
-            f"{cfg_path}: {key}: expected a list of module names or a regex string, got {got}",
+            f"{cfg_path}: {key}: expected a list of module names or a regex string, got {got}{hint}",
             path=cfg_path,
             key=key,
         )
