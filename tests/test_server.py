@@ -456,6 +456,27 @@ ERRORS = [  # (route, body, status, param, code)
 ]
 
 
+@pytest.mark.parametrize("body,message,param", [
+    ({"prompt": 5}, "prompt: expected str, list[int], list[str] or list[list[int]], got 5", "prompt"),
+    ({"prompt": "Hi", "stop": 5}, "stop: expected str or list[str], got 5", "stop"),
+    ({"prompt": [[1, "a"]]}, 'prompt[0][1]: Input should be a valid integer, got "a"', "prompt[0][1]"),
+    ({"prompt": [1] * 100_000 + ["a"]}, 'prompt[100000]: Input should be a valid integer, got "a"', "prompt[100000]"),
+])
+def test_a_union_field_of_the_wrong_type_is_one_line_naming_the_types(body, message, param):
+    """pydantic fails a union field once per branch, tagged ("prompt.str", "prompt.list[int]"): the 400 names the
+    field once with the types it takes, or the branch whose shape the value had where that one failed deeper; of a
+    100k-item prompt's ~200k errors only the first are read (the grouping is not quadratic in them)."""
+    from pydantic import ValidationError
+
+    from multilora.runtime.protocol import CompletionRequest, validation_error
+
+    with pytest.raises(ValidationError) as ei:
+        CompletionRequest.model_validate({"model": BASE, **body})
+    err = validation_error([{**x, "loc": ("body", *x["loc"])} for x in ei.value.errors()])
+    assert err.body()["error"]["message"].startswith(message) and err.body()["error"]["param"] == param, err.body()
+    assert ".str" not in err.body()["error"]["message"] and "list[int]:" not in err.body()["error"]["message"]
+
+
 @pytest.mark.parametrize("route,body,status,param,code", ERRORS, ids=[f"{i}-{e[3] or e[4]}" for i, e in enumerate(ERRORS)])
 def test_bad_requests_get_the_right_status_and_body_and_the_server_keeps_serving(http, route, body, status, param,
                                                                                   code):
