@@ -132,7 +132,8 @@ def default_demo_dir() -> Path:
 def check_output_dir(path: str | os.PathLike, what: str, *, writable: bool = True) -> None:
     """Raise ValueError naming ``what`` (a flag) when ``path`` cannot be a directory to write adapters in: it exists
     and is not a directory, its nearest existing ancestor is not a directory, or (``writable``) that ancestor is not
-    writable, or (``writable``) the directory cannot be made (a probe: what it makes it removes again). The path as given (no ``~`` expansion: the writes take it as given too)."""
+    writable, or (``writable``) the directory cannot be made (a probe: what it makes it removes again). The path as
+    given (no ``~`` expansion: the writes take it as given too)."""
     p = Path(path)
     try:
         if p.exists() and not p.is_dir():
@@ -144,9 +145,11 @@ def check_output_dir(path: str | os.PathLike, what: str, *, writable: bool = Tru
         raise ValueError(f"{what} {path}: {e.strerror or e}") from None
     if writable and not os.access(ancestor, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path}: {ancestor} is not writable")
-    if writable and not p.is_dir():  # a file system that refuses the directory says so now, not after the model loads (os.access
-        made = [a for a in (p, *p.parents) if not a.exists()]  # passes for root, and on /proc or a read-only mount);
-        try:  # what this probe makes it removes again, deepest first
+    if writable and not p.is_dir():
+        # a file system that refuses the directory says so now, not after the model loads (os.access passes for
+        # root, and on /proc or a read-only mount); what this probe makes it removes again, deepest first
+        made = [a for a in (p, *p.parents) if not a.exists()]
+        try:
             p.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"{what} {path}: cannot make the directory: {e.strerror or e}") from None
