@@ -146,6 +146,17 @@ def image_layout(config: ModelConfig, ranks: Mapping[tuple[int, str], int]) -> t
     return offsets, pos
 
 
+#: Bytes of one (layer, module, slot) entry of the pool's device slot table: ``ranks`` (int32), ``scalings``
+#: (float32), ``offsets_a`` and ``offsets_b`` (int64), made in ``AdapterPool.__init__``.
+SLOT_ENTRY_BYTES = 4 + 4 + 8 + 8
+
+
+def slot_table_bytes(config: ModelConfig, max_slots: int) -> int:
+    """Device bytes of a pool's slot table of ``max_slots`` slots: ``SLOT_ENTRY_BYTES x layers x target modules x
+    max_slots`` (22 MB for Llama-3-8B at 4,096 slots; 54 GB at 10 million)."""
+    return SLOT_ENTRY_BYTES * config.num_layers * len(TARGET_MODULES) * max_slots
+
+
 def scratch_elems(config: ModelConfig, max_rank: int) -> int:
     """Elements of the scratch buffer a pool of ``max_rank`` finishes raw images in place with
     (``AdapterPool.scratch_elems``; ``multilora.kernels.image_finish.InPlacePlan``): the lora_B elements of the

@@ -224,8 +224,8 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
         ValueError: a bad flag (named), a model that cannot be read (``ModelLoadError``), a plan that does not fit
             (``MemoryPlanError``).
     """
-    from multilora.runtime.sizing import (default_dtype, default_max_seq_len, memory_request, size_engine,
-                                          unified_sizes, weight_bytes)
+    from multilora.runtime.sizing import (MAX_DEFAULT_SLOTS, default_dtype, default_max_seq_len, memory_request,
+                                          size_engine, unified_sizes, weight_bytes)
     from multilora.runtime.weights import model_config, resolve_model_path
 
     from multilora.runtime.config import as_flag_error, finish_on_device
@@ -254,11 +254,21 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
     try:
         sizes = size_engine(request, cfg, snapshot, reserve_bytes=request.activation_bytes + weights)
     except MemoryPlanError as e:  # a reserve or live state that does not fit: the reserve is the model's, say of what
-        why = str(as_flag_error(e))
+        why = str(as_flag_error(e)).replace(", non_kv_reserve_bytes)", ")")  # (the flag is refused with --model)
         if "reserve" in why or "live-state minimum" in why:
-            why += (f" (the reserve of an engine of this model: its weights {weights:,} B + the activations and sampling "
-                    f"workspace of its largest step {request.activation_bytes:,} B)")
-        raise ValueError(why) from None
+            r = request
+            prefill = r.activation_bytes - r.sampling_bytes - r.scratch_bytes - r.slot_table_bytes
+            why += (f" (the reserve of an engine of this model: its weights {weights:,} B + {r.activation_bytes:,} B "
+                    f"for its largest step: activations of a --max-prefill-tokens prefill {prefill:,} B, the sampling "
+                    f"workspace of --max-batch-size {cfg.max_batch_size} rows of {model.vocab_size:,} logits "
+                    f"{r.sampling_bytes:,} B, the pool's slot table ({'--adapter-slots' if cfg.adapter_slots else 'at most'}"
+                    f" {cfg.adapter_slots or MAX_DEFAULT_SLOTS:,} slots) {r.slot_table_bytes:,} B"
+                    + (f", the device finish's scratch {r.scratch_bytes:,} B" if r.scratch_bytes else "") + ")")
+        if "live-state minimum" in why:
+            why += (f"; the live state is one adapter of --max-lora-rank {cfg.max_lora_rank} on every module "
+                    f"({request.pages_per_adapter * request.page_bytes:,} B) + the KV of one --max-seq-len "
+                    f"{max_seq_len} sequence ({(request.live_blocks + 1) * request.block_bytes:,} B)")
+        raise MemoryPlanError(why, needed_bytes=e.needed_bytes, fits_bytes=e.fits_bytes, source=e.source) from None
     except ValueError as e:
         raise as_flag_error(e) from None
     r, plan = request, sizes.plan
@@ -282,7 +292,7 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
             "kv_block_size": cfg.kv_block_size, "weight_bytes": weights,
             "fp8_checked": None if cfg.weight_dtype != "fp8" else args.snapshot is None, "activation_bytes": r.activation_bytes,
             "adapter_finish": "device" if finish_on_device(cfg, device_type) else "host",
-            "finish_scratch_bytes": r.scratch_bytes,
+            "finish_scratch_bytes": r.scratch_bytes, "slot_table_bytes": r.slot_table_bytes,
             "pool_bytes": pool_pages * r.page_bytes, "pool_pages": pool_pages, "page_bytes": r.page_bytes,
             "pool_max_bytes": pool_max_pages * r.page_bytes, "max_rank_adapters": pool_pages // r.pages_per_adapter,
             "max_rank_adapters_max": pool_max_pages // r.pages_per_adapter, "adapter_slots": slots,
@@ -304,7 +314,8 @@ def _explain_engine(e: dict) -> str:
         + (", unified_pool" if e["unified_pool"] else "")
         + (f", LM head in {e['dtype']}" if e["weight_dtype"] and e["fp8_lm_head"] is False else "") + "):",
         f"  weights       {gib(e['weight_bytes'])}, in the reserve: the engine plans after loading them",
-        f"  activations   {gib(e['activation_bytes'])}, in the reserve (with the sampling workspace"
+        f"  activations   {gib(e['activation_bytes'])}, in the reserve (with the sampling workspace, the adapter "
+        f"pool's slot table ({gib(e['slot_table_bytes'])})"
         + (f" and the {gib(e['finish_scratch_bytes'])} scratch that finishes adapters read from disk on the device "
            "(adapter_finish=device; --adapter-finish host leaves it out)" if e["finish_scratch_bytes"] else "")
         + "; an estimate: on CUDA the engine measures the rest with a forward pass of its largest prefill)",

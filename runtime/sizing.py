@@ -26,7 +26,7 @@ from multilora.memory.accounting import (MAX_BATCH_SIZE, USER_CAP, MemoryPlan, M
                                          MemorySnapshot, compute_memory_plan, require_snapshot)
 from multilora.memory.snapshot import apply_torch_memory_fraction, take_snapshot
 from multilora.memory.kv_cache import PagedKVCache
-from multilora.memory.pool import DEFAULT_MAX_SLOTS, PAGE_ELEMS, max_adapter_pages, scratch_elems
+from multilora.memory.pool import DEFAULT_MAX_SLOTS, PAGE_ELEMS, max_adapter_pages, scratch_elems, slot_table_bytes
 from multilora.memory.unified import UnifiedLayout, unified_layout
 from multilora.runtime.config import EngineConfig, finish_on_device
 
@@ -122,6 +122,9 @@ class MemoryRequest:
         scratch_bytes: the adapter pool's scratch for finishing raw images on the device (0 when adapters are
             finished on the host): part of ``activation_bytes``, and added to the measured reserve on CUDA
             (``measure_and_size``), since the profiling forward does not allocate it.
+        slot_table_bytes: the pool's device slot table (``memory.pool.slot_table_bytes``) for ``adapter_slots``
+            slots, or ``MAX_DEFAULT_SLOTS`` (the most the default gives) without it: part of ``activation_bytes`` and
+            of the measured reserve, as the scratch (the pool is made after the plan).
     """
 
     page_bytes: int
@@ -141,6 +144,7 @@ class MemoryRequest:
     slot_sizing_pages: int = 0  # pages of the small adapter ``default_slots`` counts (``slot_sizing_pages``)
     kv_need: int = 0
     scratch_bytes: int = 0
+    slot_table_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -207,6 +211,7 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
         live_blocks = min(live_blocks, kv_cap // block_bytes - 1)  # an explicit smaller cap is honoured
     sampling = cfg.max_batch_size * model.vocab_size * (4 + 4 + SAMPLER_BYTES_PER_LOGIT)
     scratch = scratch_elems(model, cfg.max_lora_rank) * dtype_bytes if finish_on_device(cfg, device_type) else 0
+    slot_table = slot_table_bytes(model, cfg.adapter_slots if cfg.adapter_slots is not None else MAX_DEFAULT_SLOTS)
     return MemoryRequest(page_bytes=page_bytes, pages_per_adapter=pages_per, layers=model.num_layers,
                          module_width=sum(sum(model.module_shape(m)) for m in TARGET_MODULES),
                          dtype_bytes=dtype_bytes, kv_token_bytes=kv_token,
@@ -215,8 +220,10 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
                              model, pool_cap, dtype_bytes, cfg.max_lora_rank),
                          kv_cap=kv_cap, kv_need=kv_need,
                          live_blocks=live_blocks,
-                         activation_bytes=activation_bytes(model, cfg, dtype, max_seq_len) + sampling + scratch,
-                         sampling_bytes=sampling, slot_sizing_pages=slot_sizing_pages(model), scratch_bytes=scratch)
+                         activation_bytes=activation_bytes(model, cfg, dtype, max_seq_len) + sampling + scratch
+                         + slot_table,
+                         sampling_bytes=sampling, slot_sizing_pages=slot_sizing_pages(model), scratch_bytes=scratch,
+                         slot_table_bytes=slot_table)
 
 
 def activation_bytes(model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, max_seq_len: int) -> int:
@@ -376,7 +383,7 @@ def measure_and_size(request: MemoryRequest, cfg: EngineConfig, device: torch.de
         raise
     if device.type == "cuda":
         apply_torch_memory_fraction(sizes.plan, device)
-        reserve = profile_reserve() + request.sampling_bytes + request.scratch_bytes
+        reserve = profile_reserve() + request.sampling_bytes + request.scratch_bytes + request.slot_table_bytes
         sizes = size_engine(request, cfg, snapshot(), reserve_bytes=reserve)
         apply_torch_memory_fraction(sizes.plan, device)
     return sizes

@@ -194,6 +194,39 @@ def test_weight_bytes_fp8_are_the_engines(tiny_dir):
         assert weight_bytes(e.config, torch.float32, "fp8", head) == e.model.nbytes, head
 
 
+def test_memory_model_counts_the_slot_table_and_names_what_to_change(tiny_dir, tmp_path, capsys):
+    """The pool's device slot table (24 B per layer, module and slot: ``memory.pool.slot_table_bytes``) is in the
+    reserve, so ``--adapter-slots`` of ten million (54 GB at Llama-3-8B's 32 layers) is refused, not planned; a
+    reserve that does not fit names the flags its parts come from, and ``--json`` keeps the plan error's fields."""
+    import json
+
+    from multilora.memory.pool import slot_table_bytes
+    from multilora.runtime.cli import main
+    from multilora.runtime.config import EngineConfig
+    from multilora.runtime.sizing import MAX_DEFAULT_SLOTS, memory_request
+    from multilora.runtime.weights import model_config
+
+    model = model_config(tiny_dir)
+    for slots, want in ((None, MAX_DEFAULT_SLOTS), (10_000_000, 10_000_000)):
+        req = memory_request(model, EngineConfig(adapter_slots=slots), dtype=torch.float32, max_seq_len=64)
+        assert req.slot_table_bytes == slot_table_bytes(model, want) == 24 * 2 * 7 * want
+        assert req.activation_bytes >= req.slot_table_bytes + req.sampling_bytes
+    snap = tmp_path / "snap.json"
+    snap.write_text(json.dumps(_host_snapshot(1 * GiB).to_dict()))
+    base = ["memory", "--snapshot", str(snap), "--model", str(tiny_dir), "--max-seq-len", "64"]
+    assert main([*base, "--adapter-slots", "1000"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--adapter-slots", "10000000", "--json"]) == 2
+    out, err = capsys.readouterr()
+    e = json.loads(out)["error"]
+    assert e["type"] == "MemoryPlanError" and {"needed_bytes", "fits_bytes", "source"} <= set(e), e
+    assert f"the pool's slot table (--adapter-slots 10,000,000 slots) {slot_table_bytes(model, 10_000_000):,} B" in err
+    assert main([*base, "--max-batch-size", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "the sampling workspace of --max-batch-size 100000 rows of 256 logits" in err, err
+    assert "non_kv_reserve_bytes" not in err, err  # a field this command refuses with --model
+
+
 def test_memory_model_gives_the_sizes_an_engine_takes(tiny_dir, tmp_path, capsys):
     """``multilora memory --model`` on a snapshot taken before loading (the weights' bytes join the reserve) gives
     the pool, KV and host tier an engine of that model takes on the same machine after loading (its snapshot with

@@ -626,7 +626,7 @@ def test_cuda_plan_counts_the_finish_scratch_after_profiling(monkeypatch):
     adapters are finished on the device: by default on CUDA, not with ``adapter_finish="host"``. (Run on the CPU: the
     allocator cap is stubbed and the machine is a recorded GPU snapshot.)"""
     from multilora.memory.accounting import MemorySnapshot
-    from multilora.memory.pool import scratch_elems
+    from multilora.memory.pool import scratch_elems, slot_table_bytes
     from multilora.runtime import sizing
     from multilora.runtime.config import EngineConfig
 
@@ -645,7 +645,9 @@ def test_cuda_plan_counts_the_finish_scratch_after_profiling(monkeypatch):
     scratch = scratch_elems(CFG, 16) * 2
     (req_default, default), (req_host, host), (req_dev, dev) = plan(None), plan("host"), plan("device")
     assert req_default.scratch_bytes == req_dev.scratch_bytes == scratch > 0 and req_host.scratch_bytes == 0
-    assert host == measured + req_host.sampling_bytes
+    slot_table = slot_table_bytes(CFG, sizing.MAX_DEFAULT_SLOTS)  # the pool's, made after the plan too
+    assert req_host.slot_table_bytes == req_dev.slot_table_bytes == slot_table > 0
+    assert host == measured + req_host.sampling_bytes + slot_table
     assert default == dev == host + scratch
 
 
