@@ -357,7 +357,8 @@ class MemoryPlanOptions:
       ``max_batch_size`` when the caller's cap is the most KV it can use rather than a user's choice (an engine
       without ``kv_cache_bytes``, or with a larger one: ``max_batch_size`` sequences of ``max_seq_len``).
     - ``host_tier_bytes``: explicit host-tier size (None = automatic); honoured, or MemoryPlanError
-      where it would over-commit a shared memory pool.
+      where it would over-commit a shared memory pool (beside a discrete GPU, with a note where
+      ``local_ranks x host_tier_bytes`` exceeds the host memory available: a cap filled as adapters arrive).
     - ``local_ranks``: processes on this host that share its memory (one per GPU on a discrete host;
       on an integrated GPU or without GPU they all share the one pool).
     """
@@ -786,7 +787,7 @@ def _explicit_host_tier(view: _DeviceView, quota: int, o: MemoryPlanOptions) -> 
     if view.shared_pool is not None and ranks * (quota + want) > view.shared_pool:
         fits = max(0, view.shared_pool // ranks - quota)
         raise MemoryPlanError(
-            f"explicit host tier {_gib(want)} ({want} B) over-commits the shared memory pool: "
+            f"explicit host tier (host_adapter_bytes) {_gib(want)} ({want} B) over-commits the shared memory pool: "
             f"{ranks} rank(s) x (device quota {quota} B + host tier {want} B) = {ranks * (quota + want)} B "
             f"> {view.shared_pool} B ({view.usable.source}); at most {fits} B fits per rank",
             needed_bytes=want,
@@ -796,12 +797,30 @@ def _explicit_host_tier(view: _DeviceView, quota: int, o: MemoryPlanOptions) -> 
     return Bound(want, EXPLICIT)
 
 
-def _explicit_host_tier_notes(view: _DeviceView, snapshot: MemorySnapshot, want: int) -> tuple[str, ...]:
-    """Warnings for an explicit host tier beside a discrete GPU (honoured, but pinning may fail)."""
+def _host_available_notes(view: _DeviceView, o: MemoryPlanOptions) -> tuple[str, ...]:
+    """A warning for an explicit host tier beside a discrete GPU past the host memory available (MemAvailable within
+    the cgroups' headroom) over the local ranks: honoured, as the cap it is (the arena maps chunks only as adapters
+    arrive), but filling it would exhaust the host's or the container's memory."""
+    want, host = o.host_tier_bytes, view.host_available
+    if want is None or view.shared_pool is not None or host is None or o.local_ranks * want <= host.value:
+        return ()
+    return (f"explicit host tier (host_adapter_bytes) {want} B x {o.local_ranks} rank(s) exceeds the host memory "
+            f"available ({host.value} B, {host.source}): honoured as a cap, since the host arena maps its pinned "
+            f"chunks only as adapters arrive, but filled past {host.value // o.local_ranks} B per rank it would run the "
+            "host (or the container) out of memory",)
+
+
+def _memlock_notes(view: _DeviceView, snapshot: MemorySnapshot, tier: Bound) -> tuple[str, ...]:
+    """A warning for a host tier past RLIMIT_MEMLOCK on a GPU (the host arena registers its chunks with CUDA, on an
+    integrated GPU too; whether the driver charges that to the limit varies): an explicit tier, or an integrated
+    GPU's automatic one (a discrete GPU's automatic tier is bounded by 0.8 x the limit instead, and says so)."""
     memlock = snapshot.rlimit_memlock_bytes
-    if view.kind == "discrete" and memlock is not None and want > memlock:
-        return (f"explicit host tier {want} B exceeds RLIMIT_MEMLOCK ({memlock} B): pinning it may fail",)
-    return ()
+    if view.kind == "host" or memlock is None or tier.value <= memlock:
+        return ()
+    what = "explicit host tier" if tier.source == EXPLICIT else "host tier"
+    return (f"{what} {tier.value} B exceeds RLIMIT_MEMLOCK ({memlock} B): pinning it (cudaHostRegister) may fail "
+            "where the driver charges it to the limit; raise it (ulimit -l) if the engine warns that a host-arena "
+            "chunk could not be pinned",)
 
 
 def _torch_fraction(view: _DeviceView, snapshot: MemorySnapshot, host_tier: int) -> float | None:
@@ -829,16 +848,18 @@ def compute_memory_plan(snapshot: MemorySnapshot, options: MemoryPlanOptions | N
     notes = view.notes + cgroup_notes(snapshot)
     if o.host_tier_bytes is not None:
         host = _explicit_host_tier(view, quota, o)
-        notes += _explicit_host_tier_notes(view, snapshot, o.host_tier_bytes)
+        notes += _host_available_notes(view, o) + _memlock_notes(view, snapshot, host)
     elif view.kind == "discrete":
         host = _discrete_host_tier(view, snapshot, o)
         if host.source == MEMLOCK:
             notes += (f"the automatic host tier is bound by 0.8 x RLIMIT_MEMLOCK ({snapshot.rlimit_memlock_bytes} B): "
-                      f"{host.value} B holds few adapters (a Llama-3-8B rank-16 one is 84 MB); raise the limit "
+                      f"{host.value} B holds {'no' if host.value < 84_000_000 else 'few'} adapters of Llama-3-8B's "
+                      "size (a rank-16 one on every module is 84 MB); raise the limit "
                       "(ulimit -l) or give the host tier explicitly (host_adapter_bytes, --host-adapter-bytes: "
                       "honoured beyond it)",)
     else:
         host = _shared_host_tier(view, quota, o)
+        notes += _memlock_notes(view, snapshot, host)
     return MemoryPlan(
         kind=view.kind,
         device_total_bytes=view.total,

@@ -163,6 +163,14 @@ def test_example_4_explicit_host_tier_on_discrete_is_honoured():
     )
     plan = compute_memory_plan(snap, dataclasses.replace(NO_POOL, host_tier_bytes=30 * GiB))
     assert gib(plan.host_tier_bytes) == 30
+    # past the 20 GiB available: honoured (a cap, filled as adapters arrive), with a note that filling it runs out
+    (note,) = [n for n in plan.notes if "host memory available" in n]
+    assert f"exceeds the host memory available ({20 * GiB} B, mem_available)" in note and "host_adapter_bytes" in note
+    # within it, or split over fewer ranks than would exceed it: no such note
+    assert not [n for n in compute_memory_plan(snap, dataclasses.replace(NO_POOL, host_tier_bytes=19 * GiB)).notes
+                if "host memory available" in n]
+    two = compute_memory_plan(snap, dataclasses.replace(NO_POOL, host_tier_bytes=12 * GiB, local_ranks=2))
+    assert [n for n in two.notes if "x 2 rank(s) exceeds the host memory available" in n]
 
 
 def test_explicit_host_tier_beyond_memlock_is_honoured_with_a_note():
@@ -175,6 +183,23 @@ def test_explicit_host_tier_beyond_memlock_is_honoured_with_a_note():
     )
     plan = compute_memory_plan(snap, dataclasses.replace(NO_POOL, host_tier_bytes=2 * GiB))
     assert plan.host_tier_bytes == 2 * GiB and any("RLIMIT_MEMLOCK" in n for n in plan.notes)
+
+
+def test_an_integrated_gpus_host_tier_past_memlock_is_noted():
+    """An integrated GPU's host arena is registered with CUDA too, so a host tier (automatic: example 1's 4.5 GiB, or
+    explicit) past RLIMIT_MEMLOCK gets the note a discrete GPU's explicit tier gets; the tier itself is unchanged
+    (the automatic bound 0.8 x RLIMIT_MEMLOCK is a discrete GPU's), and a limit above it, or none, says nothing."""
+    for memlock, noted in ((8 << 20, True), (8 * GiB, False), (None, False)):
+        snap = integrated(cuda_free=30, total=120, available=90, rlimit_memlock_bytes=memlock)
+        plan = compute_memory_plan(snap, NO_POOL)
+        assert plan.host_tier_bytes == int(4.5 * GiB)
+        notes = [n for n in plan.notes if "RLIMIT_MEMLOCK" in n]
+        assert bool(notes) == noted, (memlock, plan.notes)
+        if noted:
+            assert notes[0].startswith(f"host tier {int(4.5 * GiB)} B exceeds RLIMIT_MEMLOCK ({8 << 20} B)")
+        explicit = compute_memory_plan(snap, dataclasses.replace(NO_POOL, host_tier_bytes=5 * GiB))
+        assert bool([n for n in explicit.notes if n.startswith("explicit host tier 5368709120 B exceeds "
+                                                                 "RLIMIT_MEMLOCK")]) == noted
 
 
 def test_example_5_live_state_minimum_above_hard_budget_raises():
