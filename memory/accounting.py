@@ -49,6 +49,10 @@ MEMLOCK_SHARE = Fraction(4, 5)
 #: Default share of the budget that goes to the adapter pool. See docs/memory.md ("Adapter pool share").
 DEFAULT_ADAPTER_POOL_SHARE = 0.1
 DEFAULT_FRACTION = 0.9
+#: Below this much of an integrated GPU's shared memory left to the OS, the page cache and the process's CPU side (its tokenizer, the
+#: adapter readers' scratch: 4 x 64 MiB and 64 MiB per registering thread, docs/memory.md), the plan says so: a
+#: Jetson-class board or ``fraction`` near 1 leaves less (a judgement, not a measured threshold).
+SHARED_LEFT_NOTE_BYTES = 1 << 30
 
 SNAPSHOT_SCHEMA = "multilora-memory-snapshot"
 SNAPSHOT_SCHEMA_VERSION = 1
@@ -860,6 +864,13 @@ def compute_memory_plan(snapshot: MemorySnapshot, options: MemoryPlanOptions | N
     else:
         host = _shared_host_tier(view, quota, o)
         notes += _memlock_notes(view, snapshot, host)
+    if view.kind == "integrated" and view.host_available is not None:  # (a CPU engine allocates to its bounds)
+        left = view.shared_pool - o.local_ranks * (quota + host.value)
+        if left < SHARED_LEFT_NOTE_BYTES:
+            notes += (f"the plan leaves {max(0, left)} B ({_gib(max(0, left))}) of the shared memory to the OS, the "
+                      f"page cache and this process's CPU side (its tokenizer, the adapter readers' scratch of 4 x 64 "
+                      f"MiB and more): lower the fraction ({o.fraction}) or the host tier if the machine swaps or "
+                      "the OOM killer strikes",)
     return MemoryPlan(
         kind=view.kind,
         device_total_bytes=view.total,

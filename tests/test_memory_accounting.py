@@ -202,6 +202,27 @@ def test_an_integrated_gpus_host_tier_past_memlock_is_noted():
                                                                  "RLIMIT_MEMLOCK")]) == noted
 
 
+def test_an_integrated_plan_that_leaves_the_os_little_says_so():
+    """On an integrated GPU the OS, the page cache and the process's CPU side get what the quota and the host tier
+    leave of the shared memory; under ``SHARED_LEFT_NOTE_BYTES`` (fraction 1 on a GB10-like board, a Jetson-class
+    one at the default fraction) the plan says how much is left and what to lower. Example 1 leaves 4.5 GiB: no
+    note."""
+    from multilora.memory.accounting import SHARED_LEFT_NOTE_BYTES
+
+    def left_notes(plan):
+        return [n for n in plan.notes if "of the shared memory to the OS" in n]
+
+    assert not left_notes(compute_memory_plan(integrated(cuda_free=30, total=120, available=90), NO_POOL))
+    full = compute_memory_plan(integrated(cuda_free=30, total=120, available=90),
+                               dataclasses.replace(NO_POOL, fraction=1.0))
+    (note,) = left_notes(full)
+    assert full.host_tier_bytes == 0 and note.startswith("the plan leaves 0 B (0.00 GiB) of the shared memory")
+    assert "lower the fraction (1.0)" in note
+    orin = compute_memory_plan(integrated(cuda_free=5, total=7.4, available=6), NO_POOL)  # an 8 GB board
+    left = 6 * GiB - orin.device_quota_bytes - orin.host_tier_bytes
+    assert 0 < left < SHARED_LEFT_NOTE_BYTES and left_notes(orin)[0].startswith(f"the plan leaves {left} B")
+
+
 def test_example_5_live_state_minimum_above_hard_budget_raises():
     snap = integrated(cuda_free=30, total=120, available=None)  # usable 30, fractioned budget 27
     options = dataclasses.replace(NO_POOL, min_adapter_pool_bytes=1 * GiB, min_kv_bytes=30 * GiB)
