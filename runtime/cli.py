@@ -765,6 +765,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while loading or generating (a server that started handles its own)
         print(f"multilora {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `multilora memory | head`: the reader left; no traceback (Python's signal docs' way:
+        devnull = os.open(os.devnull, os.O_WRONLY)  # stdout to /dev/null, so the flush at exit fails no more)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13  # as a process killed by SIGPIPE, what a shell pipeline expects
     return 1
 
 

@@ -403,15 +403,16 @@ def run_memory(args: argparse.Namespace) -> int:
             plan = compute_memory_plan(snapshot, options)
     except ValueError as e:  # (MemoryPlanError, ModelLoadError, a flag the engine refuses)
         return _failed(e, args)
-    if args.json:
+    notes = plan_notes(plan, plan.options, engine=engine is not None) + (
+        engine_notes(engine) if engine is not None else [])
+    if args.json:  # ("notes": what the text prints as "note:" lines under the plan; the plan's own are in "plan")
         print(json.dumps({"plan": plan.to_dict(), "snapshot": snapshot.to_dict(),
-                          **({"engine": engine} if engine is not None else {})}, indent=2))
+                          **({"engine": engine} if engine is not None else {}), "notes": notes}, indent=2))
     else:
         print(plan.explain())
         if engine is not None:
             print(_explain_engine(engine))
-        for note in plan_notes(plan, plan.options, engine=engine is not None) + (
-                engine_notes(engine) if engine is not None else []):
+        for note in notes:
             print(f"note: {note}")
     return 0
 

@@ -200,6 +200,31 @@ def test_flags_are_not_taken_by_a_prefix(capsys):
     assert run(capsys, "memory", "-vv", "--json")[0] == 0
 
 
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """``multilora memory --json | head -1``: the reader closing the pipe ends the command as SIGPIPE would (status
+    141), with nothing on stderr, not a BrokenPipeError traceback. The read end is closed before the child writes."""
+    import subprocess
+    import sys
+
+    snap = tmp_path / "snap.json"
+    assert main(["memory", "--save-snapshot", str(snap)]) == 0
+    p = subprocess.Popen([sys.executable, "-m", "multilora.runtime.cli", "memory", "--snapshot", str(snap), "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_memory_json_carries_the_notes_the_text_prints(tmp_path, capsys):
+    """The "note:" lines under the text plan (here a 0 B pool an engine would refuse) are ``notes`` in ``--json``."""
+    snap = tmp_path / "snap.json"
+    assert run(capsys, "memory", "--save-snapshot", snap)[0] == 0
+    code, out, _ = run(capsys, "memory", "--snapshot", snap, "--adapter-pool-bytes", "0")
+    text_notes = [line[len("note: "):] for line in out.splitlines() if line.startswith("note: ")]
+    code, out, _ = run(capsys, "memory", "--snapshot", snap, "--adapter-pool-bytes", "0", "--json")
+    assert code == 0 and text_notes and json.loads(out)["notes"] == text_notes
+
+
 def test_memory_save_snapshot_says_where_it_saved(tmp_path, capsys):
     snap = tmp_path / "snap.json"
     code, out, err = run(capsys, "memory", "--save-snapshot", snap, "--json")
