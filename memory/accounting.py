@@ -49,9 +49,10 @@ MEMLOCK_SHARE = Fraction(4, 5)
 #: Default share of the budget that goes to the adapter pool. See docs/memory.md ("Adapter pool share").
 DEFAULT_ADAPTER_POOL_SHARE = 0.1
 DEFAULT_FRACTION = 0.9
-#: Below this much of an integrated GPU's shared memory left to the OS, the page cache and the process's CPU side (its tokenizer, the
-#: adapter readers' scratch: 4 x 64 MiB and 64 MiB per registering thread, docs/memory.md), the plan says so: a
-#: Jetson-class board or ``fraction`` near 1 leaves less (a judgement, not a measured threshold).
+#: Below this much of an integrated GPU's shared memory left to the OS, the page cache and the process's CPU side
+#: (its tokenizer, the adapter readers' scratch: 4 x 64 MiB and 64 MiB per registering thread, docs/memory.md), the
+#: plan says so. At the default fraction about 5 % of the shared memory is left, so the note comes below ~20 GiB
+#: available (Jetson-class boards), and near ``fraction`` 1 anywhere (a judgement, not a measured threshold).
 SHARED_LEFT_NOTE_BYTES = 1 << 30
 
 SNAPSHOT_SCHEMA = "multilora-memory-snapshot"
@@ -810,8 +811,8 @@ def _host_available_notes(view: _DeviceView, o: MemoryPlanOptions) -> tuple[str,
         return ()
     return (f"explicit host tier (host_adapter_bytes) {want} B x {o.local_ranks} rank(s) exceeds the host memory "
             f"available ({host.value} B, {host.source}): honoured as a cap, since the host arena maps its pinned "
-            f"chunks only as adapters arrive, but filled past {host.value // o.local_ranks} B per rank it would run the "
-            "host (or the container) out of memory",)
+            f"chunks only as adapters arrive, but filled past {host.value // o.local_ranks} B per rank it would run "
+            "the host (or the container) out of memory",)
 
 
 def _memlock_notes(view: _DeviceView, snapshot: MemorySnapshot, tier: Bound) -> tuple[str, ...]:

@@ -726,6 +726,18 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     return args
 
 
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll reports POLLERR on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or stdout is no file (a test's capture)
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(build_parser(), argv)
     serving = args.command in ("serve", "serve-ray")  # a long-running process: what it does, when
@@ -753,7 +765,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "memory":
             from multilora.runtime.cli_memory import run_memory
 
-            return run_memory(args)
+            code = run_memory(args)
+            sys.stdout.flush()  # here, where a closed pipe is handled, not at the interpreter's exit
+            return code
     except (ValueError, ModelLoadError, UnknownAdapterError, EngineProcessError) as e:  # AdapterError: a ValueError
         msg = str(e)
         if isinstance(e, ModelLoadError) and msg.startswith("model: ") and getattr(args, "model", None) is not None:
@@ -765,8 +779,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while loading or generating (a server that started handles its own)
         print(f"multilora {args.command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `multilora memory | head`: the reader left; no traceback (Python's signal docs' way:
-        devnull = os.open(os.devnull, os.O_WRONLY)  # stdout to /dev/null, so the flush at exit fails no more)
+    except BrokenPipeError:
+        if not _stdout_closed():  # another pipe (a child process's): a real error
+            raise
+        # `multilora memory | head`: the reader left; no traceback (Python's signal docs' way: stdout to /dev/null,
+        # so the flush at exit fails no more)
+        devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 128 + 13  # as a process killed by SIGPIPE, what a shell pipeline expects
     return 1

@@ -261,8 +261,9 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
             why += (f" (the reserve of an engine of this model: its weights {weights:,} B + {r.activation_bytes:,} B "
                     f"for its largest step: activations of a --max-prefill-tokens prefill {prefill:,} B, the sampling "
                     f"workspace of --max-batch-size {cfg.max_batch_size} rows of {model.vocab_size:,} logits "
-                    f"{r.sampling_bytes:,} B, the pool's slot table ({'--adapter-slots' if cfg.adapter_slots else 'at most'}"
-                    f" {cfg.adapter_slots or MAX_DEFAULT_SLOTS:,} slots) {r.slot_table_bytes:,} B"
+                    f"{r.sampling_bytes:,} B, the pool's slot table "
+                    f"({'--adapter-slots' if cfg.adapter_slots else 'at most'} {cfg.adapter_slots or MAX_DEFAULT_SLOTS:,}"
+                    f" slots) {r.slot_table_bytes:,} B"
                     + (f", the device finish's scratch {r.scratch_bytes:,} B" if r.scratch_bytes else "") + ")")
         if "live-state minimum" in why:
             why += (f"; the live state is one adapter of --max-lora-rank {cfg.max_lora_rank} on every module "

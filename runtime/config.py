@@ -529,14 +529,17 @@ def check_api_key(key: Any, label: str = "api_key") -> None:
     is stripped).
 
     Raises:
-        ValueError: ``"<label>: expected a non-empty string ..., got ..."``.
+        ValueError: ``"<label>: expected a non-empty string ..., got ..."`` (also for a character outside Latin-1, which
+            a header cannot carry).
     """
     if key is None:
         return
     why = ("not a string" if not isinstance(key, str) else "empty" if not key
-           else "whitespace at an end" if key != key.strip() else None)
-    if why is not None:
-        shown = repr(key) if not isinstance(key, str) else f"{len(key)} characters"  # never echo a key's text
+           else "whitespace at an end" if key != key.strip()
+           else "a character an HTTP header cannot carry (outside Latin-1), so no request could match it"
+           if not all(ord(c) < 256 for c in key) else None)
+    if why is not None:  # never echo a key's text (nor a non-string's, which may be the key as bytes)
+        shown = type(key).__name__ if not isinstance(key, str) else f"{len(key)} characters"
         raise ValueError(f"{label}: expected a non-empty string without whitespace at its ends, got {shown} ({why}); "
                          f"to serve without authentication, give no key (and leave MULTILORA_API_KEY unset)")
 

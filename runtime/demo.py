@@ -9,8 +9,8 @@ on all seven projections. They are load tests of the runtime, not trained skills
 
 from __future__ import annotations
 
-import contextlib
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -132,8 +132,8 @@ def default_demo_dir() -> Path:
 def check_output_dir(path: str | os.PathLike, what: str, *, writable: bool = True) -> None:
     """Raise ValueError naming ``what`` (a flag) when ``path`` cannot be a directory to write adapters in: it exists
     and is not a directory, its nearest existing ancestor is not a directory, or (``writable``) that ancestor is not
-    writable, or (``writable``) the directory cannot be made (a probe: what it makes it removes again). The path as
-    given (no ``~`` expansion: the writes take it as given too)."""
+    writable, or (``writable``, for a directory still to be made) its ancestor refuses a new directory (a probe of a
+    unique name, removed again). The path as given (no ``~`` expansion: the writes take it as given too)."""
     p = Path(path)
     try:
         if p.exists() and not p.is_dir():
@@ -146,17 +146,13 @@ def check_output_dir(path: str | os.PathLike, what: str, *, writable: bool = Tru
     if writable and not os.access(ancestor, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path}: {ancestor} is not writable")
     if writable and not p.is_dir():
-        # a file system that refuses the directory says so now, not after the model loads (os.access passes for
-        # root, and on /proc or a read-only mount); what this probe makes it removes again, deepest first
-        made = [a for a in (p, *p.parents) if not a.exists()]
+        # a file system that refuses a new directory says so now, not after the model loads (os.access passes for
+        # root, and on /proc or a read-only mount): the probe makes a directory of a fresh unique name in the
+        # nearest existing ancestor and removes exactly that one, so it never touches one it did not make
         try:
-            p.mkdir(parents=True, exist_ok=True)
+            os.rmdir(tempfile.mkdtemp(prefix=".multilora-probe-", dir=ancestor))
         except OSError as e:
             raise ValueError(f"{what} {path}: cannot make the directory: {e.strerror or e}") from None
-        finally:
-            for a in made:
-                with contextlib.suppress(OSError):
-                    a.rmdir()
 
 
 def run_demo(adapters_dir: str | os.PathLike | None = None, *, max_tokens: int = 32, model: str | None = None,

@@ -246,31 +246,47 @@ def validation_error(errors: list[dict]) -> APIError:
             text = repr(value)
         return f", got {text[:60] + '...' if len(text) > 60 else text}"
 
-    # A union field (prompt, stop, content) fails once per branch, each loc ending in the branch's tag ("str",
-    # "list[int]"): a branch that failed deeper (the value had its shape: a list whose item is wrong) is the one
-    # meant, and branches that all failed at the field itself become one "expected A or B" line.
+    # A union field (prompt, stop, content) fails once per branch, each error's loc carrying the branch's tag after
+    # the field ("prompt", "list[int]", 0). The branch meant is the one the value's shape matched: of the branches
+    # that failed below the field, the one with the fewest errors (on a tie, the one that failed deepest, then the
+    # first), so ["a"] * 1000 + [5] is read as list[str] with one bad item, not list[int] with 1,000, and [[1, "a"]]
+    # as list[list[int]]. Branches that all failed at the field itself
+    # become one "expected A or B" line. One pass over the errors (a 100k-item prompt gives ~200k of them).
     def path(loc: tuple) -> tuple:
         return tuple(k for k in loc if not _union_tag(k))
 
-    # (of the first 256 errors only: a 100k-item prompt of the wrong types gives ~200k, and 4 lines are shown)
-    errors = errors[:256]
-    paths = [path(x["loc"]) for x in errors]
-    shallow = {p[:i] for p in paths for i in range(len(p))}  # the proper prefixes of some error's path
-    lines: dict[tuple, list[dict]] = {}
-    for p, x in zip(paths, errors):
-        if p not in shallow:
-            lines.setdefault(p, []).append(x)
+    def branch(loc: tuple) -> tuple[tuple, Any, bool]:  # (the field, the first union tag or None, failed below it)
+        i = next((i for i, k in enumerate(loc) if _union_tag(k)), None)
+        return (tuple(loc), None, True) if i is None else (tuple(loc[:i]), loc[i], len(loc) > i + 1)
+
+    counts: dict[tuple, dict[Any, list[int]]] = {}  # field -> tag -> [errors, errors below the field, deepest]
+    for x in errors:
+        site, tag, deep = branch(x["loc"])
+        if tag is not None:
+            c = counts.setdefault(site, {}).setdefault(tag, [0, 0, 0])
+            c[0] += 1
+            c[1] += deep
+            c[2] = max(c[2], len(x["loc"]))
+    chosen = {site: min((t for t in tags if tags[t][1]), key=lambda t: (tags[t][0], -tags[t][2]), default=None)
+              for site, tags in counts.items()}  # None: every branch failed at the field itself
     parts: list[str] = []
-    for p, xs in lines.items():
+    kept: list[dict] = []
+    said: set[tuple] = set()
+    for x in errors:
         if len(parts) >= 4:
             break
-        tags = [x["loc"][-1] for x in xs if x["loc"] and _union_tag(x["loc"][-1])]
-        if len(xs) > 1 and len(tags) == len(xs):
-            parts.append(f"{where(p)}: expected {', '.join(tags[:-1])} or {tags[-1]}{got(xs[0])}")
-        else:
-            parts += [f"{where(p)}: {x['msg']}{got(x)}" for x in xs]
-    message = "; ".join(parts[:4])
-    first = next(iter(lines.values()))[0]
+        site, tag, _ = branch(x["loc"])
+        if tag is not None and chosen[site] is None:  # the value fits no branch's shape: name them all, once
+            if site not in said:
+                said.add(site)
+                tags = list(counts[site])
+                parts.append(f"{where(site)}: expected {', '.join(map(str, tags[:-1]))} or {tags[-1]}{got(x)}")
+                kept.append(x)
+        elif tag is None or tag == chosen[site]:
+            parts.append(f"{where(path(x['loc']))}: {x['msg']}{got(x)}")
+            kept.append(x)
+    message = "; ".join(parts)
+    first = kept[0]
     loc = path(first["loc"])
     if tuple(loc) == ("body",) and isinstance(first.get("input"), (bytes, str)):
         # FastAPI parses the body as JSON only when the request says it is (curl -d sends form encoding)

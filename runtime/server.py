@@ -103,7 +103,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
             has not loaded it (default: none; a loaded adapter's root is ``engine.adapter_path(name)``).
 
     Raises:
-        ValueError: ``api_key`` is empty, not a string, or has whitespace at an end; ``served_model_name`` is not a name an adapter could have (``check_adapter_name``: empty, a
+        ValueError: ``api_key`` is empty, not a string, or has whitespace at an end (``check_api_key``);
+            ``served_model_name`` is not a name an adapter could have (``check_adapter_name``: empty, a
             comma, whitespace at an end, a control character), or an adapter (loaded, or listed by
             ``listed_adapters``) has the base model's served name: requests
             naming it could reach only one of the two (``/v1/load_lora_adapter`` refuses such a name too).

@@ -173,8 +173,12 @@ def test_make_demo_adapters_a_failed_write_names_out_dir(tiny, tmp_path, capsys,
 
 def test_make_demo_adapters_checks_rank_and_directory_before_the_weights_load(tiny, tmp_path, capsys, monkeypatch):
     """``--rank`` past the narrowest targeted module, and a directory the file system will not make (``/proc``, a
-    read-only mount: os.access passes there for root), fail naming the flag before any weight is read; the probe
-    leaves no directory behind."""
+    read-only mount: os.access passes there for root; simulated here), fail naming the flag before any weight is
+    read; the probe leaves no directory behind, and never removes one it did not make (``new/../x`` names an
+    existing empty ``x``)."""
+    import errno
+    import tempfile
+
     import multilora.runtime.weights as weights
     from multilora.runtime.demo import check_output_dir
 
@@ -185,10 +189,19 @@ def test_make_demo_adapters_checks_rank_and_directory_before_the_weights_load(ti
     code, out, err = run(capsys, "make-demo-adapters", tmp_path / "a" / "b", "--model", tiny, "--rank", 999)
     assert code == 2 and "--rank: expected an int from 1 to " in err and "got 999" in err, err
     assert not (tmp_path / "a").exists()
-    with pytest.raises(ValueError, match=r"^--adapters-dir /proc/no-such-dir: cannot make the directory: "):
-        check_output_dir("/proc/no-such-dir", "--adapters-dir")
-    check_output_dir(tmp_path / "x" / "y", "OUT_DIR")
-    assert not (tmp_path / "x").exists()  # the probe's directories are removed again
+    (tmp_path / "x").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    check_output_dir(tmp_path / "new" / ".." / "x", "OUT_DIR")
+    check_output_dir(tmp_path / "y" / "z", "OUT_DIR")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # x kept; nothing made is left
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    with pytest.raises(ValueError, match=rf"^--adapters-dir {tmp_path}/ro: cannot make the directory: Read-only"):
+        check_output_dir(tmp_path / "ro", "--adapters-dir")
+    check_output_dir(tmp_path / "x", "--adapters-dir")  # an existing directory needs no probe
 
 
 def test_flags_are_not_taken_by_a_prefix(capsys):
@@ -1081,8 +1094,11 @@ def test_an_empty_api_key_is_refused_before_loading(tmp_path, capsys, monkeypatc
         create_app(None, served_model_name="base", api_key=key)
     with pytest.raises(ValueError, match=r"^RayAppSpec.api_key: expected a non-empty string"):
         RayAppSpec(api_key=key)
-    with pytest.raises(ValueError, match=r"api_key: .* got 123 \(not a string\)"):
-        create_app(None, served_model_name="base", api_key=123)
+    with pytest.raises(ValueError, match=r"api_key: .* got bytes \(not a string\)") as ei:
+        create_app(None, served_model_name="base", api_key=b"sk-secret")
+    assert "secret" not in str(ei.value)
+    with pytest.raises(ValueError, match=r"api_key: .* got 7 characters \(a character an HTTP header cannot carry"):
+        create_app(None, served_model_name="base", api_key="sk-\u043a\u043b\u044e\u0447")
     assert RayAppSpec(api_key=None).api_key is None and RayAppSpec(api_key="k").api_key == "k"
 
 

@@ -37,7 +37,8 @@ other LoRA variants, ``modules_to_save``, trained biases (a ``bias`` tensor in t
 "lora_only" on a model without biases saves none, and is plain LoRA, as PEFT serves it), targets other than the seven
 Llama projections, initialisations that expect a modified base model (PiSSA, OLoRA, CorDA, LoRA-GA, LoftQ),
 and any tensor that does not fit the base model. ``fan_in_fan_out: true`` is taken as false with a warning, as
-PEFT takes it for an ``nn.Linear`` target (every projection served here). Loading is all-or-nothing and touches no global state.
+PEFT takes it for an ``nn.Linear`` target (every projection served here). Loading is all-or-nothing and touches no
+global state.
 
 One module per job; each imports only the ones listed above it:
 

@@ -349,13 +349,14 @@ def load_peft_adapter(
         A LoRAAdapter whose ``modules[(layer, module)]`` holds ``a`` [r, in] and ``b`` [out, r] (float32,
         CPU, contiguous, whatever dtype the file had) and ``scaling`` = ``lora_alpha / r`` (LoRA paper, Hu et
         al. 2021) or ``lora_alpha / sqrt(r)`` with ``use_rslora`` (rsLoRA, Kalajdzievski 2023), with ``r`` and
-        ``lora_alpha`` per module after ``rank_pattern`` / ``alpha_pattern``.
+        ``lora_alpha`` per module after ``rank_pattern`` / ``alpha_pattern``. Served as PEFT serves them, with no
+        error: ``bias`` "all" / "lora_only" when the weight file has no bias tensor (plain LoRA), and
+        ``fan_in_fan_out: true`` (taken as false with a warning, as PEFT takes it for nn.Linear).
 
     Raises:
         AdapterError: missing files or directory; malformed JSON (with its position); a config that is not
             plain LoRA (DoRA or another variant, ``modules_to_save``, a trained base-model bias in the weight
-            file (``bias`` "all" / "lora_only" with no bias tensor is plain LoRA, as in PEFT; ``fan_in_fan_out``
-            true is taken as false with a warning, as PEFT takes it for nn.Linear), ``lora_bias``, a base-mutating ``init_lora_weights``, ``peft_type`` other than LORA) or has
+            file, ``lora_bias``, a base-mutating ``init_lora_weights``, ``peft_type`` other than LORA) or has
             ``r <= 0``; targets other than the seven projections (embed_tokens, lm_head: not supported yet) or
             no targeted module at all; a tensor key that does not map to a targeted (layer, module) lora_A /
             lora_B weight; a shape that does not fit (expected vs got); lora_A without lora_B or the reverse;

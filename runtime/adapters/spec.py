@@ -169,7 +169,7 @@ def _parse_config(raw: dict, cfg_path: Path) -> _Spec:
         if not (any(v is o or v == o and type(v) is type(o) for o in off) if off else not v):
             raise fail(key, f"expected {expected}, got {_jd(v)}: {why}")
     fifo = raw.get("fan_in_fan_out")
-    if fifo not in (None, False, True):
+    if fifo is not None and not isinstance(fifo, bool):
         raise fail("fan_in_fan_out", f"expected true or false, got {_jd(fifo)}")
     bias = raw.get("bias")
     if bias not in (None, "none", "all", "lora_only"):

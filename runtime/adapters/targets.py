@@ -5,6 +5,7 @@ and alpha (``target_modules``, ``exclude_modules``, ``layers_to_transform`` / ``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import re
@@ -101,15 +102,22 @@ def _is_targeted(spec: _Spec, name: str) -> bool:
     return any(name.endswith("." + t) for t in tm) and _layer_selected(spec, name)
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _key_regex(key: str) -> re.Pattern:
+    """A ``rank_pattern`` / ``alpha_pattern`` key as PEFT matches it, compiled once (``re``'s own cache holds 512
+    patterns: an adapter with a key per module of an 80-layer model would compile every key for every module)."""
+    return re.compile(rf"(.*\.)?({key})$")
+
+
 def _pattern_hits(pattern: Mapping[str, Any], name: str) -> list[str]:
     """Every ``rank_pattern`` / ``alpha_pattern`` key that matches module ``name``, in the file's order."""
-    return [k for k in pattern if re.match(rf"(.*\.)?({k})$", name)]
+    return [k for k in pattern if _key_regex(k).match(name)]
 
 
 def _pattern_value(pattern: Mapping[str, Any], name: str, default: Any) -> tuple[Any, str | None]:
     """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup: the first key (dict order) that matches."""
     for k, v in pattern.items():
-        if re.match(rf"(.*\.)?({k})$", name):
+        if _key_regex(k).match(name):
             return v, k
     return default, None
 
@@ -202,9 +210,10 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
         alpha, _ = _pattern_value(spec.alpha_pattern, n, spec.lora_alpha)
         src = f"rank_pattern[{rkey!r}]" if rkey is not None else "r"
         targets[proj] = _Target(name=n, r=r, alpha=alpha, r_source=src)
-        hits = _pattern_hits(spec.alpha_pattern, n)
-        if len({spec.alpha_pattern[k] for k in hits}) > 1:
-            alpha_clashes.append((n, hits))
+        if len(set(spec.alpha_pattern.values())) > 1:  # (keys of one value cannot clash)
+            hits = _pattern_hits(spec.alpha_pattern, n)
+            if len({spec.alpha_pattern[k] for k in hits}) > 1:
+                alpha_clashes.append((n, hits))
     if alpha_clashes:
         n, hits = alpha_clashes[0]
         _say_once(("alpha_pattern", str(cfg_path), tuple(hits)),
