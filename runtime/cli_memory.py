@@ -30,6 +30,7 @@ from pathlib import Path
 from multilora.memory.accounting import (
     DEFAULT_ADAPTER_POOL_SHARE,
     DEFAULT_FRACTION,
+    USER_CAP,
     MemoryPlanError,
     MemoryPlanOptions,
     MemorySnapshot,
@@ -288,6 +289,7 @@ def engine_sizes(args: argparse.Namespace, snapshot: MemorySnapshot) -> dict:
             "adapter_pool_fill": cfg.adapter_pool_fill, "unified_pool": cfg.unified_pool, "unified_bytes": unified_bytes,
             "fp8_lm_head": cfg.fp8_lm_head, "kv_sequences": kv_seqs, "kv_seq_blocks": r.seq_blocks,
             "budget_unused_bytes": None if plan is None else plan.budget_bytes - plan.adapter_pool_bytes - plan.kv_bytes,
+            "kv_source": None if plan is None else plan.kv_source,
             "dtype": str(dtype).replace("torch.", ""), "weight_dtype": cfg.weight_dtype,
             "max_batch_size": cfg.max_batch_size, "max_seq_len": max_seq_len, "max_lora_rank": cfg.max_lora_rank,
             "kv_block_size": cfg.kv_block_size, "weight_bytes": weights,
@@ -350,8 +352,10 @@ def engine_notes(e: dict) -> list[str]:
                      "(fp8 needs 8.9 or newer); measured on the machine itself, the command checks it as an engine does")
     unused = e["budget_unused_bytes"] or 0
     if unused > (1 << 30) and not e["adapter_pool_fill"]:
-        notes.append(f"{unused / (1 << 30):.2f} GiB of the budget goes to neither the pool nor the KV cache (KV can use "
-                     f"at most max_batch_size sequences of max_seq_len): --adapter-pool-fill gives it to the adapter pool")
+        why = ("KV is capped by --kv-cache-bytes" if e["kv_source"] == USER_CAP else
+               "KV can use at most max_batch_size sequences of max_seq_len")
+        notes.append(f"{unused / (1 << 30):.2f} GiB of the budget goes to neither the pool nor the KV cache ({why}): "
+                     "--adapter-pool-fill gives it to the adapter pool")
     return notes
 
 

@@ -227,6 +227,23 @@ def test_memory_model_counts_the_slot_table_and_names_what_to_change(tiny_dir, t
     assert "non_kv_reserve_bytes" not in err, err  # a field this command refuses with --model
 
 
+def test_memory_model_says_what_leaves_budget_unused(tiny_dir, tmp_path, capsys):
+    """Budget that neither the pool nor the KV cache takes is noted with its cause: the engine's own bound
+    (max_batch_size sequences of max_seq_len), or the user's --kv-cache-bytes when that is what capped the KV."""
+    import json
+
+    from multilora.runtime.cli import main
+
+    snap = tmp_path / "snap.json"
+    snap.write_text(json.dumps(_host_snapshot(8 * GiB).to_dict()))
+    base = ["memory", "--snapshot", str(snap), "--model", str(tiny_dir), "--max-seq-len", "64"]
+    for flags, why in (([], "KV can use at most max_batch_size sequences of max_seq_len"),
+                       (["--kv-cache-bytes", "64KiB"], "KV is capped by --kv-cache-bytes")):
+        assert main([*base, *flags]) == 0
+        (note,) = [ln for ln in capsys.readouterr().out.splitlines() if "goes to neither" in ln]
+        assert f"({why}): --adapter-pool-fill gives it to the adapter pool" in note, note
+
+
 def test_memory_model_gives_the_sizes_an_engine_takes(tiny_dir, tmp_path, capsys):
     """``multilora memory --model`` on a snapshot taken before loading (the weights' bytes join the reserve) gives
     the pool, KV and host tier an engine of that model takes on the same machine after loading (its snapshot with
