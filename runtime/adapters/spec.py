@@ -51,7 +51,6 @@ class _Spec:
     layers_pattern: tuple[str, ...] | None
     all_linear: bool = False  # target_modules "all-linear": every projection of the family (config.lora_modules)
     fan_in_fan_out: bool = False  # true: PEFT turns it off for nn.Linear (every served projection), with a warning
-    bias: str = "none"  # "all" / "lora_only": bias tensors in the weight file are refused; without any, plain LoRA
 
 
 def _jd(value: Any) -> str:
@@ -171,7 +170,7 @@ def _parse_config(raw: dict, cfg_path: Path) -> _Spec:
     fifo = raw.get("fan_in_fan_out")
     if fifo is not None and not isinstance(fifo, bool):
         raise fail("fan_in_fan_out", f"expected true or false, got {_jd(fifo)}")
-    bias = raw.get("bias")
+    bias = raw.get("bias")  # "all" / "lora_only": plain LoRA unless the file holds a bias (_parse_key refuses it)
     if bias not in (None, "none", "all", "lora_only"):
         raise fail("bias", f'expected "none", "all" or "lora_only", got {_jd(bias)}')
     init = raw.get("init_lora_weights")
@@ -259,7 +258,6 @@ def _parse_config(raw: dict, cfg_path: Path) -> _Spec:
         layers_pattern=lpat,
         all_linear=all_linear,
         fan_in_fan_out=bool(fifo),
-        bias=bias or "none",
     )
 
 

@@ -203,6 +203,7 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
 
     targets: dict[tuple[int, str], _Target] = {}
     alpha_clashes = []  # modules that alpha_pattern keys of different values match (a rank clash shows in shapes)
+    alphas_differ = len(set(spec.alpha_pattern.values())) > 1  # (keys of one value cannot clash)
     for n, proj in names:
         if proj is None or not _is_targeted(spec, n):
             continue
@@ -210,7 +211,7 @@ def _resolve_targets(spec: _Spec, config: ModelConfig, cfg_path: Path) -> dict[t
         alpha, _ = _pattern_value(spec.alpha_pattern, n, spec.lora_alpha)
         src = f"rank_pattern[{rkey!r}]" if rkey is not None else "r"
         targets[proj] = _Target(name=n, r=r, alpha=alpha, r_source=src)
-        if len(set(spec.alpha_pattern.values())) > 1:  # (keys of one value cannot clash)
+        if alphas_differ:
             hits = _pattern_hits(spec.alpha_pattern, n)
             if len({spec.alpha_pattern[k] for k in hits}) > 1:
                 alpha_clashes.append((n, hits))
