@@ -73,6 +73,9 @@ A random-weight model of a real shape (default Llama-3-8B, bf16); batches 1, 8, 
     multilora-lora-gemmfused  multilora-lora with prefill-sized steps' base GEMMs taking the LoRA expand in their
                     epilogue (``kernels.experimental.gemm_lora``: ``runtime.model.LORA_GEMM_EPILOGUE_MIN_TOKENS =
                     LORA_BEFORE_GEMM_MIN_TOKENS``; off by default): the engine A/B of issue 12's TTFT for that kernel
+    multilora-lora-glushrink  multilora-lora with prefill-sized steps' MLP activation and down-projection LoRA shrink
+                    in one kernel (``kernels.triton_sgmv.glu_shrink``: ``runtime.model.GLU_SHRINK_MIN_TOKENS =
+                    LORA_BEFORE_GEMM_MIN_TOKENS``; off by default): the engine A/B of issue 12's TTFT for that kernel
     multilora-fp8-nopreload  multilora-fp8 with no weight tiles of the one-row GEMV loaded before its PDL wait
                     (``kernels.triton_fp8.GEMV_PRELOAD = 0``, what ran before session 27): the A/B of the preload
     multilora-fp8-preload4  multilora-fp8 with 4 such tiles (``GEMV_PRELOAD = 4``)
@@ -155,8 +158,8 @@ from multilora.runtime.weights import MODEL_SHAPES, random_weights
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
 
-PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-bf16head", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-s25attn", "multilora-lora-s25attn", "multilora-fp8-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles", "multilora-lora-boundgrid", "multilora-lora-gridsplit", "multilora-lora-gemmfused", "multilora-fp8-nopreload", "multilora-fp8-preload4", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
-GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync", "multilora-s25attn", "multilora-lora-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles", "multilora-lora-boundgrid", "multilora-lora-gridsplit", "multilora-lora-gemmfused"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-bf16head", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-s25attn", "multilora-fp8-sync", "multilora-fp8-nopreload", "multilora-fp8-preload4"),
+PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-bf16head", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-s25attn", "multilora-lora-s25attn", "multilora-fp8-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles", "multilora-lora-boundgrid", "multilora-lora-gridsplit", "multilora-lora-gemmfused", "multilora-lora-glushrink", "multilora-fp8-nopreload", "multilora-fp8-preload4", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
+GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync", "multilora-s25attn", "multilora-lora-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles", "multilora-lora-boundgrid", "multilora-lora-gridsplit", "multilora-lora-gemmfused", "multilora-lora-glushrink"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-bf16head", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-s25attn", "multilora-fp8-sync", "multilora-fp8-nopreload", "multilora-fp8-preload4"),
           "hf": ("hf", "peft")}  # one engine / one HF model each
 DEFAULT_PROVIDERS = ("multilora", "multilora-lora", "hf", "peft")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -413,6 +416,8 @@ def variant_knobs(engine: Engine | None, a: argparse.Namespace) -> list[Knob]:
         Knob(*_attr(triton_sgmv, "SPLIT_BY_GRID"), _by_suffix(("-gridsplit", True)), key="lora_split_by_grid"),
         Knob(*_attr(model_mod, "LORA_GEMM_EPILOGUE_MIN_TOKENS"),
              _by_suffix(("-gemmfused", model_mod.LORA_BEFORE_GEMM_MIN_TOKENS)), key="lora_gemm_epilogue_min_tokens"),
+        Knob(*_attr(model_mod, "GLU_SHRINK_MIN_TOKENS"),
+             _by_suffix(("-glushrink", model_mod.LORA_BEFORE_GEMM_MIN_TOKENS)), key="glu_shrink_min_tokens"),
         Knob(*_attr(triton_fp8, "GEMV_PRELOAD"), _by_suffix(("-nopreload", 0), ("-preload4", 4)),
              key="fp8_gemv_preload"),
         Knob(*_attr(triton_sgmv, "DECODE_EXPAND_RANK_WIDE_OUT"), _by_suffix(("-nowideout", None)),
@@ -846,7 +851,8 @@ def targets(rows: list[dict]) -> list[tuple[str, str, str]]:
               "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lora-lt",
               "multilora-lora-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0",
               "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles",
-              "multilora-lora-boundgrid", "multilora-lora-gridsplit", "multilora-lora-gemmfused"):  # issue 12: adapters over base (-s25attn: over the base with that attention)
+              "multilora-lora-boundgrid", "multilora-lora-gridsplit", "multilora-lora-gemmfused",
+              "multilora-lora-glushrink"):  # issue 12: adapters over base (-s25attn: over the base with that attention)
         base = "multilora-s25attn" if v.endswith("-s25attn") else "multilora"
         base_rows = {b: ok.get((base, b)) for b in (1, TARGET_BATCH)}
         for b, what, key, need in ((1, "TPOT", "tpot_ms", 1.05), (TARGET_BATCH, "TPOT", "tpot_ms", 1.30),

@@ -363,6 +363,72 @@ def _sgmv_expand_kernel(
         _store_scaled(y_ptrs, y_mask, y_old, scale, acc)
 
 
+@triton.jit(do_not_specialize=["T"])  # one compiled variant for every token count (module docstring)
+def _glu_shrink_kernel(
+    # pointers
+    gu_ptr, out_ptr, buf_ptr, offa_ptr, ranks_ptr, slots_ptr, v_ptr,
+    # sizes
+    T, I, k_per_split,
+    # strides
+    stride_gu, stride_o,
+    # meta
+    GELU_TANH: tl.constexpr, RMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, ALIGN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
+    PDL_TRIGGER: tl.constexpr = True,
+):
+    # Program (row block, K split): rows ``BLOCK_M`` consecutive tokens (not a chunk: every token's activation is
+    # computed, adapted or not), columns ``[k_lo, k_hi)`` of the intermediate. The block's distinct slots are taken
+    # in ascending order (a prefill block holds one or two: sequences are contiguous). The first pass computes and
+    # stores the activation of every row and shrinks the rows of the smallest slot; each further slot recomputes the
+    # activation of its own rows only (from gate / up, not from the stored h: no read-after-write across threads).
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(1)
+    r_mask = rows < T
+    rows = rows.to(tl.int64)
+    slots = tl.load(slots_ptr + rows, mask=r_mask, other=-1)
+    NONE: tl.constexpr = 1 << 30
+    cur = tl.min(tl.where(slots >= 0, slots, NONE), axis=0)
+    has = cur < NONE
+    r = tl.load(ranks_ptr + cur, mask=has, other=0)
+    off_a = tl.multiple_of(tl.load(offa_ptr + cur, mask=has, other=0), ALIGN)
+    if PDL:  # launched early (programmatic dependent launch): the plan's entries, then wait (``_pdl_wait``)
+        _pdl_wait(PDL_TRIGGER)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, I)
+    offs_k = tl.arange(0, BLOCK_K)
+    j = tl.arange(0, BLOCK_R)
+    g_rows = gu_ptr + rows[:, None] * stride_gu
+    it = 0
+    while (it == 0) | has:
+        first = (tl.zeros_like(slots) + it) == 0  # (a vector: the interpreter's masks must be tensors of int1)
+        sel = r_mask & (slots == cur)  # this slot's rows (none when the block has no adapted row)
+        ld = sel | (r_mask & first)  # the rows whose activation this pass computes
+        j_mask = j < r
+        a_rows = _rank_rows(buf_ptr, off_a, j, I)
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + offs_k
+            k_mask = k < k_hi
+            m = ld[:, None] & k_mask[None, :]
+            g = tl.load(g_rows + k[None, :], mask=m, other=0.0).to(tl.float32)
+            u = tl.load(g_rows + I + k[None, :], mask=m, other=0.0).to(tl.float32)
+            if GELU_TANH:  # as ``triton_fused._glu_kernel``: g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+                act = g / (1.0 + tl.exp(-(1.5957691216057308 * (g + 0.044715 * g * g * g))))
+            else:  # F.silu
+                act = g / (1.0 + tl.exp(-g))
+            h = (act.to(out_ptr.dtype.element_ty).to(tl.float32) * u).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None] * stride_o + k[None, :], h, mask=m & first[:, None])
+            at = tl.load(a_rows[:, None] + k[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += _dot(tl.where(sel[:, None], h, 0.0).to(at.dtype), tl.trans(at), IEEE)
+        v_rows = v_ptr + (split.to(tl.int64) * T + rows[:, None]) * RMAX
+        tl.store(v_rows + j[None, :], acc, mask=sel[:, None] & j_mask[None, :])
+        cur = tl.min(tl.where(slots > cur, slots, NONE), axis=0)  # the next slot of the block
+        has = cur < NONE
+        r = tl.load(ranks_ptr + cur, mask=has, other=0)
+        off_a = tl.multiple_of(tl.load(offa_ptr + cur, mask=has, other=0), ALIGN)
+        it += 1
+
+
 # ---------------------------------------------------------------------------------------------- launchers
 
 
@@ -740,6 +806,72 @@ def sgmv_expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRA
     check_v(v, slices, plan)
     return _expand(y, v, slices, plan, block_n=block_n, num_warps=num_warps, num_stages=num_stages, tiles=tiles,
                    overwrite=overwrite)
+
+
+#: ``glu_shrink``'s tiles on a GPU: ``(block_m, block_k, num_warps)`` for steps of more than 512 tokens, else
+#: ``(16, block_k, num_warps)``. Not yet tuned on a GPU (written in session 43, which had no device): a first guess
+#: from the shrink's prefill tiles (``PREFILL_SHRINK_BLOCK_K``) and the GLU kernel's 4 warps.
+GLU_SHRINK_TILES: tuple[int, int, int] = (64, 128, 4)
+
+
+def glu_shrink(gate_up: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, gelu_tanh: bool = False,
+               block_m: int | None = None, block_k: int | None = None, split_k: int | None = None,
+               num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated activation of the MLP and the down projection's LoRA shrink in one launch: ``h = act(gate) * up``
+    (``fused.silu_mul_torch``, or ``gelu_tanh_mul_torch`` with ``gelu_tanh``; the rounding of
+    ``triton_fused._glu_kernel``) and ``v = sgmv_shrink(h, slices, plan)``'s partials, computed from h while it is in
+    registers, so the shrink does not read h back (at a 4,096-token Llama-3-8B prefill h is 117 MB a layer).
+
+    Programs take ``block_m`` consecutive tokens (all of them: rows of slot -1 get their activation, no shrink) and
+    one of ``split_k`` column ranges of the intermediate; a block's distinct slots run one after the other, the
+    first pass storing h for every row (a prefill block holds one slot, or two where sequences meet).
+
+    Args:
+        gate_up: ``[T, 2 I]`` = ``[gate | up]`` fp16/bf16/fp32 (the pool's dtype), unit stride along features.
+        slices: the down projection's ``LoRASlices`` (one slice, ``d_in == I``).
+        plan: the step's ``LoRAPlan`` (``T = plan.num_tokens``; its ``token_slots`` are read, not its chunk table).
+        gelu_tanh: GeGLU (Gemma 2) instead of SwiGLU.
+        block_m, block_k, split_k, num_warps: tile overrides (None = ``GLU_SHRINK_TILES`` on a GPU, and a K split
+            that gives 4 programs per SM, as the shrink's).
+
+    Returns:
+        ``(h, v)``: h ``[T, I]`` in gate_up's dtype; v fp32 ``[split_k, 1, T, slices.max_rank_rows]``, the input of
+        ``sgmv_expand`` (rows of slot -1 and ranks beyond a slot's rank unwritten, as ``sgmv_shrink``'s).
+
+    Raises:
+        ValueError: ``gate_up`` of the wrong shape, dtype, device or stride (``check_io``), or ``slices`` of more than
+            one slice or of another width.
+    """
+    check_io(slices, plan, gate_up=gate_up)
+    T, two_i = gate_up.shape
+    inter = two_i // 2
+    if slices.num_slices != 1:
+        raise ValueError(f"slices: expected the down projection's one slice, got {slices.num_slices} slices")
+    _check_rows("gate_up", gate_up, plan.num_tokens, 2 * slices.d_in)  # ([gate | up]: twice down's d_in)
+    rmax = slices.max_rank_rows
+    gpu = gate_up.device.type == "cuda"
+    bm, bk, nw = GLU_SHRINK_TILES if gpu else (16, 32, 4)
+    if T <= 512:
+        bm = 16
+    block_m, block_k, num_warps = block_m or bm, block_k or bk, num_warps or nw
+    block_k = min(block_k, max(16, triton.next_power_of_2(inter)))
+    programs = triton.cdiv(max(T, 1), block_m)
+    split = split_k or _split_k(gate_up.device, programs, inter, block_k)
+    k_per = triton.cdiv(triton.cdiv(inter, split), block_k) * block_k
+    out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
+    v = torch.empty(split, 1, T, rmax, dtype=torch.float32, device=gate_up.device)
+    if T == 0:
+        return out, v
+    extra = {}
+    if _use_pdl(gate_up.device, T, rmax):
+        extra.update(PDL=True, PDL_TRIGGER=PDL_EARLY_TRIGGER, launch_pdl=True)
+    _glu_shrink_kernel[(programs, split)](
+        gate_up, out, slices.buffer, slices.offsets_a, slices.ranks, plan.token_slots, v,
+        T, inter, k_per, gate_up.stride(0), out.stride(0),
+        GELU_TANH=bool(gelu_tanh), RMAX=rmax, BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(rmax)),
+        BLOCK_K=block_k, ALIGN=slices.align, IEEE=gate_up.dtype == torch.float32, num_warps=num_warps, **extra,
+    )
+    return out, v
 
 
 def lora_apply_triton(y: torch.Tensor, x: torch.Tensor, slices: LoRASlices, plan: LoRAPlan) -> torch.Tensor:

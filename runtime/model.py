@@ -135,6 +135,20 @@ GEMM_CUBLASLT_TOKENS: tuple[int, int] | None = None
 LORA_GEMM_EPILOGUE_MIN_TOKENS_PER_SLOT = 32
 
 
+#: Steps of at least this many tokens (and ``LORA_BEFORE_GEMM_MIN_TOKENS``: the down projection's LoRA term written
+#: before its GEMM) compute the MLP's gated activation and the down projection's LoRA shrink in one kernel
+#: (``kernels.triton_sgmv.glu_shrink``): the shrink takes h while it is in registers instead of reading it back (at a
+#: 4,096-token Llama-3-8B prefill h is 117 MB a layer, ~28 us at copy bandwidth of the ~290 us the layer's LoRA adds).
+#: Where the Triton LoRA backend runs, at least ``LORA_GEMM_EPILOGUE_MIN_TOKENS_PER_SLOT`` tokens per distinct slot
+#: (its blocks visit their slots one at a time), a pool of max rank <= ``GLU_SHRINK_MAX_RANK``, SiLU or GELU_tanh, no
+#: fp8 down GEMM and no bias on it. ``1 << 30``: never, the default until measured on a GPU (written in session 43
+#: without one; ``bench_generate.py`` provider ``multilora-lora-glushrink`` for TTFT). The same bits for h; the
+#: shrink's partials sum in another order (within the kernels' reference bounds).
+GLU_SHRINK_MIN_TOKENS = 1 << 30
+#: ``GLU_SHRINK_MIN_TOKENS``' rank bound: a block holds one ``[block_m, next_pow2(max_rank)]`` fp32 accumulator.
+GLU_SHRINK_MAX_RANK = 64
+
+
 def _gemm_epilogue(x: torch.Tensor, slices: LoRASlices, plan: Any, lora_backend: str | None) -> bool:
     """Whether ``kernels.experimental.gemm_lora`` should take this projection: a bf16 / fp16 step of at least
     ``LORA_GEMM_EPILOGUE_MIN_TOKENS_PER_SLOT`` tokens per distinct slot (``plan``, the step's ``LoRAPlan``), the
@@ -474,9 +488,33 @@ class DecoderModel:
         w = self.layers[layer][name]
         return FUSE_FP8_QUANT and isinstance(w, Fp8Weight) and wants_fp8_input(self.fp8_method, rows, w, device)
 
+    def _glu_shrink(self, gu: torch.Tensor, layer: int, plan: "StepPlan", lora_backend: str | None, *,
+                    defer: bool, quant: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(h, v)`` from ``kernels.triton_sgmv.glu_shrink`` where a step takes it (``GLU_SHRINK_MIN_TOKENS``): the
+        gated activation of ``gu`` [T, 2 I] and the down projection's LoRA shrink, for ``_linear(..., v=v)``; else
+        None (the activation and the shrink run apart)."""
+        T = gu.shape[0]
+        if (T < max(GLU_SHRINK_MIN_TOKENS, LORA_BEFORE_GEMM_MIN_TOKENS) or defer or quant or not plan.lora.has_lora
+                or self._lora is None or self.config.hidden_act not in ("silu", "gelu_pytorch_tanh")):
+            return None
+        w = self.layers[layer]["down"]
+        slices = self._lora[layer]["down"]
+        seg = plan.lora.num_segments
+        if (isinstance(w, Fp8Weight) or self.layers[layer].get("down_bias") is not None
+                or slices.max_rank_rows > GLU_SHRINK_MAX_RANK or gu.dtype != slices.buffer.dtype
+                or (seg is not None and T < LORA_GEMM_EPILOGUE_MIN_TOKENS_PER_SLOT * max(seg, 1))
+                or (T >= LORA_GEMM_EPILOGUE_MIN_TOKENS and _gemm_epilogue(gu, slices, plan.lora, lora_backend))):
+            return None
+        from multilora.kernels.backends import select_triton
+
+        mod = select_triton(lora_backend, gu, "triton_sgmv")
+        if mod is None:
+            return None
+        return mod.glu_shrink(gu, slices, plan.lora, gelu_tanh=self.config.hidden_act == "gelu_pytorch_tanh")
+
     def _linear(self, x: torch.Tensor, layer: int, name: str, plan: "StepPlan", lora_backend: str | None, *,
                 defer: bool = False, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x W^T (+ b)`` of a fused projection and its LoRA; returns ``(y, lora_delta)``.
 
         The bias is the GEMM's own epilogue (addmm: one launch, graph-safe), added before the LoRA delta as peft
@@ -489,7 +527,8 @@ class DecoderModel:
         ``LORA_DELTA_OVERWRITE_MIN_TOKENS`` tokens), computed on the side stream while the GEMM runs (on CUDA; the
         main stream waits for it before returning), for the following op to add: at decode the two small LoRA
         launches then cost no time of their own (``bench/bench_lora_overlap.py``). ``x_fp8``: x's per-token fp8
-        copy for an fp8 GEMM (``fp8_linear``)."""
+        copy for an fp8 GEMM (``fp8_linear``). ``v``: the LoRA shrink of ``x`` already made (``_glu_shrink``; the
+        step then takes the term-first path), so only the expand runs here."""
         w, b = self.layers[layer][name], self.layers[layer].get(name + "_bias")
         slices = self._lora[layer][name] if plan.lora.has_lora and self._lora is not None else None
         delta = side = None
@@ -511,13 +550,20 @@ class DecoderModel:
             and x.shape[0] >= LORA_BEFORE_GEMM_MIN_TOKENS
         epilogue = first and x.shape[0] >= LORA_GEMM_EPILOGUE_MIN_TOKENS \
             and _gemm_epilogue(x, slices, plan.lora, lora_backend)
+        # (a shrink made before, ``_glu_shrink``, chose this step by the same conditions)
+        assert v is None or (first and not epilogue), "a shrink made before _linear is for the term-first path only"
         if epilogue:  # the GEMM adds the LoRA term in its epilogue: nothing written first
             from multilora.kernels.experimental.gemm_lora import gemm_lora
 
             return gemm_lora(x, w, slices, plan.lora), None
         if first:
             y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-            lora_delta(y, x, slices, plan.lora, backend=lora_backend)
+            if v is not None:  # only the expand: writes every element of y, as lora_delta
+                from multilora.kernels.triton_sgmv import sgmv_expand
+
+                sgmv_expand(y, v, slices, plan.lora, overwrite=True)
+            else:
+                lora_delta(y, x, slices, plan.lora, backend=lora_backend)
         carve = self.lora_side_sm_carveout if side is not None and x.shape[0] >= LORA_SIDE_CARVEOUT_MIN_TOKENS else 0
         lt = self.gemm_cublaslt_tokens is not None and x.device.type == "cuda" \
             and self.gemm_cublaslt_tokens[0] <= x.shape[0] <= self.gemm_cublaslt_tokens[1]
@@ -602,9 +648,14 @@ class DecoderModel:
         x, xq = x if quant else (x, None)
         gu, lg = self._linear(x, i, "gate_up", plan, lb, defer=st.defer, x_fp8=xq)  # [T, 2 * inter]
         quant = T >= FUSE_FP8_QUANT_GLU_MIN_TOKENS and self._fp8_in(i, "down", T, h.device)
-        a = self._act(gu, lora_delta=lg, backend=ops, quant=quant)
-        a, aq = a if quant else (a, None)
-        d, ld = self._linear(a, i, "down", plan, lb, defer=st.defer_row, x_fp8=aq)
+        fused = None if lg is not None else self._glu_shrink(gu, i, plan, lb, defer=st.defer_row, quant=quant)
+        if fused is not None:  # the activation and the down projection's LoRA shrink, one kernel
+            a, v = fused
+            aq = None
+        else:
+            a = self._act(gu, lora_delta=lg, backend=ops, quant=quant)
+            a, aq, v = *(a if quant else (a, None)), None
+        d, ld = self._linear(a, i, "down", plan, lb, defer=st.defer_row, x_fp8=aq, v=v)
         if self.tp_group is not None:
             self.tp_group.all_reduce(d)
         last = i + 1 == len(self.layers)

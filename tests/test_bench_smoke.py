@@ -734,7 +734,8 @@ def test_generate_bench_variants_set_record_and_restore_their_knobs(tmp_path, mo
     out = tmp_path / "out"
     provs = ("multilora,multilora-lora,multilora-lora-zeroed,multilora-lora-nopdl,multilora-lora-onetile,"
              "multilora-lora-sync,multilora-lora-sidepf0,multilora-lora-nowideout,multilora-lora-addafter,"
-             "multilora-lora-s29tiles,multilora-lora-boundgrid,multilora-lora-gridsplit,multilora-lora-gemmfused")
+             "multilora-lora-s29tiles,multilora-lora-boundgrid,multilora-lora-gridsplit,multilora-lora-gemmfused,"
+             "multilora-lora-glushrink")
     bg.main(["--shape", "tiny", "--batches", "1", "--prompt-len", "8", "--gen", "2", "--dtype", "float32", "--device",
              "cpu", "--providers", provs, "--adapter-dir", str(tmp_path / "adapters"), "--out", str(out), "--in-process",
              "--rounds", "2"])  # round 1 runs the variants in reverse: the plain rows come after the others
@@ -761,10 +762,12 @@ def test_generate_bench_variants_set_record_and_restore_their_knobs(tmp_path, mo
     assert rows["multilora-lora-gridsplit"]["lora_split_by_grid"] is True and base["lora_split_by_grid"] is False
     assert rows["multilora-lora-gemmfused"]["lora_gemm_epilogue_min_tokens"] == model_mod.LORA_BEFORE_GEMM_MIN_TOKENS
     assert base["lora_gemm_epilogue_min_tokens"] == 1 << 30
+    assert rows["multilora-lora-glushrink"]["glu_shrink_min_tokens"] == model_mod.LORA_BEFORE_GEMM_MIN_TOKENS
+    assert base["glu_shrink_min_tokens"] == 1 << 30
     for name in ("lora_delta_overwrite_min_tokens", "lora_pdl", "decode_expand_loop", "fp8_gemv_preload",
                  "lora_side_stream_max_tokens", "lora_side_sm_carveout", "decode_expand_rank_wide_out",
                  "lora_before_gemm_min_tokens", "prefill_shrink_block_k", "prefill_write_block_n",
-                 "lora_grid_by_segments", "lora_split_by_grid", "lora_gemm_epilogue_min_tokens"):
+                 "lora_grid_by_segments", "lora_split_by_grid", "lora_gemm_epilogue_min_tokens", "glu_shrink_min_tokens"):
         assert rows["multilora"][name] == base[name], name  # the variants' values did not leak into later rows
     assert (model_mod.LORA_DELTA_OVERWRITE_MIN_TOKENS, triton_sgmv.PDL, triton_sgmv.DECODE_EXPAND_LOOP) == before
     assert triton_sgmv.DECODE_EXPAND_RANK_WIDE_OUT == (48, 64, 16384, 256, 4)
