@@ -51,6 +51,11 @@ may start while the one before it on the stream drains; its programs read the pl
 then wait for that kernel to complete (``_pdl_wait``) before they read x, v or y, and let the next kernel launch.
 
 A one-launch shrink + expand kernel was tried and is off by default: ``multilora.kernels.experimental``.
+
+``glu_shrink`` computes the MLP's gated activation and the down projection's shrink in one kernel (programs over
+consecutive tokens, not chunks, since every token needs its activation; a block's slots are visited in turn), writing
+the same ``v`` for ``sgmv_expand``; the engine takes it from ``runtime.model.GLU_SHRINK_MIN_TOKENS`` (off until
+measured on a GPU).
 """
 
 from __future__ import annotations
@@ -832,7 +837,7 @@ def glu_shrink(gate_up: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, gel
         plan: the step's ``LoRAPlan`` (``T = plan.num_tokens``; its ``token_slots`` are read, not its chunk table).
         gelu_tanh: GeGLU (Gemma 2) instead of SwiGLU.
         block_m, block_k, split_k, num_warps: tile overrides (None = ``GLU_SHRINK_TILES`` on a GPU, and a K split
-            that gives 4 programs per SM, as the shrink's).
+            that gives 4 programs per SM, as the shrink's, of at most 8: the expand sums every split's partial).
 
     Returns:
         ``(h, v)``: h ``[T, I]`` in gate_up's dtype; v fp32 ``[split_k, 1, T, slices.max_rank_rows]``, the input of
@@ -856,7 +861,7 @@ def glu_shrink(gate_up: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, gel
     block_m, block_k, num_warps = block_m or bm, block_k or bk, num_warps or nw
     block_k = min(block_k, max(16, triton.next_power_of_2(inter)))
     programs = triton.cdiv(max(T, 1), block_m)
-    split = split_k or _split_k(gate_up.device, programs, inter, block_k)
+    split = split_k or _split_k(gate_up.device, programs, inter, block_k, max_split=8)  # (the expand sums them)
     k_per = triton.cdiv(triton.cdiv(inter, split), block_k) * block_k
     out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
     v = torch.empty(split, 1, T, rmax, dtype=torch.float32, device=gate_up.device)
