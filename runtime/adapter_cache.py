@@ -135,6 +135,7 @@ class AdapterHandle:
     loading: Future | None = None  # disk -> host load in flight
     loading_block: HostBlock | None = None  # the arena block that load writes into
     prefetched: bool = False  # made resident by prefetch and not used yet
+    prefetched_host: bool = False  # its host copy came from a prefetch read and has not been used yet
     had_host: bool = False  # has had a host copy (False: registered on disk and never read since)
     #: its files' values are known finite (read and checked on the host, or a raw image of them passed the device
     #: check): reloads of these files (stamps unchanged) skip the finite checks
@@ -164,7 +165,10 @@ class CacheStats:
     bytes_disk_to_host: int = 0
     prefetch_gpu: int = 0
     prefetch_host: int = 0
+    #: requests whose adapter a finished prefetch had put where it was needed (GPU, or host for its copy up)
     prefetch_hits: int = 0
+    #: requests that waited for a prefetch read still in flight (counted as host misses, not prefetch hits)
+    prefetch_late: int = 0
     load_failures: int = 0
     host_to_gpu_copies: int = 0
     host_to_gpu_timed_bytes: int = 0  # bytes of the copies whose CUDA events have completed (timed)
@@ -413,6 +417,7 @@ class AdapterCache:
         self._host_lru.move_to_end(id(handle))
 
     def _drop_host(self, handle: AdapterHandle) -> None:
+        handle.prefetched_host = False
         packed, handle.host = handle.host, None
         if packed is not None:
             self._host_total -= packed.footprint
@@ -486,6 +491,9 @@ class AdapterCache:
         """The handle's host copy, reading its files again (disk -> host) if it was dropped."""
         if handle.host is not None:
             self.stats.host_hits += 1
+            if handle.prefetched_host:
+                self.stats.prefetch_hits += 1
+                handle.prefetched_host = False
             self._host_lru.move_to_end(id(handle))
             return handle.host
         if handle.loading is not None:  # a prefetch is reading it: wait for that instead of reading twice
@@ -493,9 +501,10 @@ class AdapterCache:
                 handle.loading.result()  # the I/O thread takes no lock, so waiting under ours is safe
             except Exception:
                 pass  # read again below, reporting the error on this path
-            if self._collect(handle):
-                self.stats.prefetch_hits += 1
-                self.stats.host_hits += 1
+            if self._collect(handle):  # (late: the request waited for the disk)
+                self.stats.prefetch_late += 1
+                self.stats.host_misses += 1
+                handle.prefetched_host = False
                 return handle.host
         self.stats.host_misses += 1
         block = self._host_block(handle.pool_bytes, keep=handle, fixed=True)
@@ -538,6 +547,7 @@ class AdapterCache:
             return handle.host is not None
         if handle.host is None:
             self._set_host(handle, self._settled(packed, block))
+            handle.prefetched_host = True
             self.stats.prefetch_host += 1
             self._count_read(packed, seconds)
             self._enforce_host_budget(keep=handle)
@@ -845,8 +855,11 @@ class AdapterCache:
                 if h.host is None:
                     if h.loading is None and not h.prefetch_failed:
                         block = self._host_block(h.pool_bytes, keep=h, fixed=True, spare=wanted)
-                        if block is None and self.arena.could_ever_fit(h.pool_bytes):
-                            continue  # no room on the host now: read on demand
+                        if block is None and (self.arena.could_ever_fit(h.pool_bytes) or (
+                                self.host_budget is not None and h.pool_bytes > self.host_budget)):
+                            # no room on the host now, or a host tier smaller than the image (the copy would push
+                            # out every other one, the prefetched images of waiting requests too): read on demand
+                            continue
                         h.loading_block = block
                         h.loading = self._io.submit(self._prefetch_read, h, block)
                     continue
@@ -856,7 +869,7 @@ class AdapterCache:
                     continue
                 self._evict_until_fits(h, spare)
                 h.slot = self._to_gpu(h, h.host)
-                h.prefetched = True
+                h.prefetched, h.prefetched_host = True, False  # (the hit, if any, is counted on the GPU)
                 self._gpu_lru[id(h)] = h
                 self._gpu_lru.move_to_end(id(h), last=False)  # not used yet: first to leave if room is needed
                 self.stats.prefetch_gpu += 1
@@ -952,7 +965,7 @@ class AdapterCache:
             "gpu_evictions": s.gpu_evictions, "host_evictions": s.host_evictions,
             "bytes_host_to_gpu": s.bytes_host_to_gpu, "bytes_gpu_to_host": s.bytes_gpu_to_host,
             "bytes_disk_to_host": s.bytes_disk_to_host, "prefetch_to_gpu": s.prefetch_gpu,
-            "prefetch_to_host": s.prefetch_host, "prefetch_hits": s.prefetch_hits,
+            "prefetch_to_host": s.prefetch_host, "prefetch_hits": s.prefetch_hits, "prefetch_late": s.prefetch_late,
             "adapter_load_failures": s.load_failures, "adapter_preloads": s.preloads,
             "bytes_preloaded": s.bytes_preloaded,
             "host_to_gpu_copies": s.host_to_gpu_copies, "host_to_gpu_timed_bytes": s.host_to_gpu_timed_bytes,

@@ -668,6 +668,45 @@ def test_tier_move_stats_are_present_and_consistent(tiny):
     engine.cache.close()
 
 
+@pytest.mark.parametrize("host_units", [0, 0.5])
+def test_a_host_tier_smaller_than_an_image_does_not_prefetch_to_host(tiny, host_units):
+    """A host tier that cannot hold one image (0: none) serves adapters from disk on demand, each read once per use:
+    a prefetch read into it would push out every other host copy, the prefetched images of the waiting requests
+    too, which prefetch then read again at every step (a fresh user saw 88 reads of 8 adapters, 324 MB for 29)."""
+    _, dirs, _, unit = tiny
+    engine = _engine(tiny, 1, int(host_units * unit))
+    for i in range(6):
+        engine.load_adapter(f"a{i}", dirs[i], preload=False)
+    outs = engine.generate([_ids(4, i) for i in range(6)], adapters=[f"a{i}" for i in range(6)], sampling=greedy(6))
+    assert all(o.finish_reason == "length" for o in outs)
+    s = engine.stats()
+    assert s["prefetch_to_host"] == 0 and s["disk_to_host_reads"] == 6, s  # one slot: each adapter used once
+    assert s["bytes_disk_to_host"] == 6 * unit
+    engine.cache.close()
+
+
+def test_prefetch_hits_count_host_copies_used_in_time(tiny):
+    """A host copy read by prefetch and later used is a prefetch hit; a request that waits for such a read still
+    in flight counts as late (and as a host miss), not as a hit. Every prefetched copy here is used once."""
+    _, dirs, _, unit = tiny
+    engine = _engine(tiny, 1, 6 * unit)
+    for i in range(6):
+        engine.load_adapter(f"a{i}", dirs[i], preload=False)
+    handles = [engine.cache.get(f"a{i}") for i in range(6)]
+    engine.cache.prefetch(handles[1:])  # a1..a5 to the host (one slot: a0 takes the pool first)
+    for h in handles[1:]:
+        if h.loading is not None:
+            concurrent.futures.wait([h.loading], timeout=60)
+    outs = engine.generate([_ids(4, i) for i in range(6)], adapters=[f"a{i}" for i in range(6)], sampling=greedy(4))
+    assert all(o.finish_reason == "length" for o in outs)
+    s = engine.stats()
+    assert s["prefetch_to_host"] >= 5 and s["disk_to_host_reads"] == 6, s
+    # every prefetched copy (to the host, or on to the GPU) was used once, in time or late
+    assert s["prefetch_hits"] + s["prefetch_late"] == s["prefetch_to_host"] + s["prefetch_to_gpu"], s
+    assert s["prefetch_hits"] >= 5, s  # the five read before generate were there in time
+    engine.cache.close()
+
+
 # ------------------------------------------------------------------------------------------------- GPU
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
 
