@@ -23,15 +23,21 @@ engine (own pages, host copy, disk reloads), so the traffic measured is the same
 Adapters are registered with ``load_adapter(preload=False)`` (header-only validation, disk tier; ``--preload``
 reads them all up front). Each (count, popularity) is measured twice: ``cold``, the first batch after the new
 adapters were registered (every adapter it names is read from disk), and ``warm``, a fresh draw from the same
-popularity served next (what a long-running server sees; the target is judged on it).
+popularity served next (what a long-running server sees; the target is judged on it). Every (count, popularity)
+starts from an empty cache: the adapters of the rows before are unloaded and the N adapters registered again
+(``distinct_read_from_disk`` counts the cold batch's reads). Before session 43 the names carried over from row to
+row, so a "cold" batch found the adapters of earlier rows resident (zipf's hot ones above all) and a warm batch
+the traffic of every row before; ``--keep-between-rows`` runs that way again.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -71,7 +77,8 @@ def move_rates(before: dict, after: dict) -> dict:
     return out
 
 
-def run_once(engine: Engine, prompts, names, gen: int) -> tuple[float, int]:
+def run_once(engine: Engine, prompts, names, gen: int, waits: list | None = None) -> tuple[float, int]:
+    """Serve one batch; (seconds, output tokens). ``waits``: gets each request's ``time_in_queue`` appended."""
     t0 = time.perf_counter()
     outs = engine.generate(prompts, adapters=names, sampling=SamplingParams(max_tokens=gen, ignore_eos=True))
     if engine.device.type == "cuda":
@@ -79,14 +86,36 @@ def run_once(engine: Engine, prompts, names, gen: int) -> tuple[float, int]:
     failed = [o for o in outs if o.finish_reason == "error"]
     if failed:  # a row of failed requests is no measurement (session 12 once printed 0 tokens/s for one)
         raise RuntimeError(f"{len(failed)} of {len(outs)} requests failed; the first: {failed[0].error}")
+    if waits is not None:
+        waits.extend(o.time_in_queue or 0.0 for o in outs)
     return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
+
+
+def _positive_ints(flag: str, text: str, ap: argparse.ArgumentParser) -> list[int]:
+    try:
+        out = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        ap.error(f"{flag}: expected comma-separated positive integers, got {text!r}")
+    return out
+
+
+def _merged(earlier: list[dict], rows: list[dict]) -> list[dict]:
+    """``rows`` after the rows of an earlier run (``--merge``) that they do not measure again, sorted."""
+    if not earlier:
+        return rows
+    key = lambda r: (r["adapters"], r["popularity"], r.get("phase", "cold"))  # noqa: E731
+    done = {key(r) for r in rows}
+    return sorted([r for r in earlier if key(r) not in done] + rows,
+                  key=lambda r: (r["popularity"], r.get("phase", "cold"), r["adapters"]))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(MODEL_SHAPES))
     ap.add_argument("--counts", default="1,8,64,512,2048")
-    ap.add_argument("--popularity", default="zipf,uniform")
+    ap.add_argument("--popularity", default="zipf,uniform", help="comma-separated: zipf, uniform (default both)")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -104,6 +133,10 @@ def main() -> None:
                          "still a distinct adapter to the engine: its own pages, host copy and disk reloads); "
                          "0 = one directory per adapter. Makes 2048 Llama-3-8B adapters (84 MB each) fit one disk.")
     ap.add_argument("--merge", action="store_true", help="merge rows into an existing result file (runs split by --counts)")
+    ap.add_argument("--keep-between-rows", action="store_true",
+                    help="keep the adapters registered (and resident) from row to row, as before session 43: a cold "
+                         "batch may then find earlier rows' adapters in the pool or host tier (default: every "
+                         "(count, popularity) starts from an empty cache)")
     ap.add_argument("--preload", action="store_true",
                     help="read every adapter at registration (default: header-only, registered on the disk tier)")
     ap.add_argument("--load-threads", type=int, default=8, help="threads calling engine.load_adapter")
@@ -148,11 +181,27 @@ def main() -> None:
     set_pipe_piece_bytes(args.pipe_piece_bytes)
     set_parallel_finish(args.parallel_finish)
 
+    counts = _positive_ints("--counts", args.counts, ap)
+    pops = [p.strip() for p in args.popularity.split(",") if p.strip()]
+    if not pops or any(p not in ("zipf", "uniform") for p in pops):
+        ap.error(f"--popularity: expected comma-separated zipf / uniform, got {args.popularity!r}")
+    for flag, value, low in (("--rank", args.rank, 1), ("--batch", args.batch, 1), ("--prompt-len", args.prompt_len, 1),
+                             ("--gen", args.gen, 1), ("--pool-adapters", args.pool_adapters, 0),
+                             ("--host-adapters", args.host_adapters, 0), ("--distinct-files", args.distinct_files, 0),
+                             ("--load-threads", args.load_threads, 1)):
+        if value < low:
+            ap.error(f"{flag}: expected an integer >= {low}, got {value}")
+    out = Path(args.out)
+    try:  # before any work: a run whose results cannot be written is lost
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--out: cannot make the directory {str(out)!r}: {e.strerror or e}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     config = ModelConfig(**MODEL_SHAPES[args.shape])
-    counts = [int(c) for c in args.counts.split(",")]
     root = Path(args.adapter_dir or tempfile.mkdtemp(prefix="multilora-bench-"))
+    if not args.adapter_dir:  # ours to remove (a Llama-3-8B run writes GBs of adapters)
+        atexit.register(shutil.rmtree, root, True)
     root.mkdir(parents=True, exist_ok=True)
     n_files = args.distinct_files or max(counts)
     dirs = write_adapters(root, config, min(n_files, max(counts)), args.rank, dtype)
@@ -198,38 +247,54 @@ def main() -> None:
     run_once(engine, prompts, ["warmup"] * args.batch, 4)
     engine.unload_adapter("warmup")
     loaded = 0
-    for n in sorted(counts):
-        if n < loaded:  # counts ascend; start again only if asked for fewer
-            for name in engine.list_adapters():
-                engine.unload_adapter(name)
-            loaded = 0
+    stem = f"adapter_throughput_{args.shape}"
+    path = out / f"{stem}.json"
+    earlier = json.loads(path.read_text()) if args.merge and path.is_file() else []
+
+    def register(lo: int, hi: int) -> float:
+        """Register adapters a{lo}..a{hi - 1} (preload=False: header-only validation, on the disk tier, read on
+        first use); the seconds it took."""
         t_load = time.perf_counter()
-        # preload=False: header-only validation, registered on the disk tier, read on first use
         with ThreadPoolExecutor(args.load_threads) as ex:  # load_adapter is thread-safe
             list(tqdm(ex.map(lambda i: engine.load_adapter(f"a{i}", dirs[i % len(dirs)], preload=args.preload),
-                             range(loaded, n)),
-                      total=n - loaded, desc=f"loading adapters {loaded}..{n - 1}", disable=n - loaded < 64))
-        load_s, loaded = time.perf_counter() - t_load, n
-        for pop in args.popularity.split(","):
+                             range(lo, hi)),
+                      total=hi - lo, desc=f"loading adapters {lo}..{hi - 1}", disable=hi - lo < 64))
+        return time.perf_counter() - t_load
+
+    for n in sorted(counts):
+        if args.keep_between_rows:
+            if n < loaded:  # counts ascend; start again only if asked for fewer
+                for name in engine.list_adapters():
+                    engine.unload_adapter(name)
+                loaded = 0
+            load_s, loaded = register(loaded, n), n
+        for pop in pops:
+            if not args.keep_between_rows:  # an empty cache: the rows before leave nothing resident
+                for name in engine.list_adapters():
+                    engine.unload_adapter(name)
+                load_s = register(0, n)
             for phase in ("cold", "warm"):  # first batch after registration, then a fresh draw of the same mix
                 names = [f"a{i}" for i in popularity(pop, n, args.batch, g)]
                 before, pipes0 = engine.stats(), image_mod.pipeline_counts()
+                waits: list[float] = []
                 with ThreadSampler() if args.sample_threads else contextlib.nullcontext() as sampler:
-                    secs, toks = run_once(engine, prompts, names, args.gen)
+                    secs, toks = run_once(engine, prompts, names, args.gen, waits)
                 after, pipes = engine.stats(), image_mod.pipeline_counts()
                 moved = sum(after[k] - before[k] for k in ("bytes_host_to_gpu", "bytes_gpu_to_host", "bytes_disk_to_host"))
                 loads = after["gpu_misses"] - before["gpu_misses"] + after["prefetch_to_gpu"] - before["prefetch_to_gpu"]
                 row = {**meta, "adapters": n, "popularity": pop, "phase": phase, "load_seconds_new_adapters": load_s,
-                       "distinct_in_batch": len(set(names)),
+                       "distinct_in_batch": len(set(names)), "keep_between_rows": args.keep_between_rows,
+                       "distinct_read_from_disk": after["disk_to_host_reads"] - before["disk_to_host_reads"],
                        # the disk -> host reads through the pipelined finish's choice (image.PIPELINE_COLD_ONLY)
                        **{f"reads_{k}": pipes[k] - pipes0[k] for k in pipes},
                        "tokens_per_s": toks / secs, "vs_no_adapter": (toks / secs) / (base_tok / base_s),
                        "bytes_moved_per_s": moved / secs,
                        "bytes_disk_to_host": after["bytes_disk_to_host"] - before["bytes_disk_to_host"],
                        "bytes_host_to_gpu": after["bytes_host_to_gpu"] - before["bytes_host_to_gpu"],
-                       "prefetch_hit_rate": (after["prefetch_hits"] - before["prefetch_hits"]) / max(1, loads),
+                       "prefetch_hit_rate": ((after["prefetch_hits"] - before["prefetch_hits"]) / loads  # None:
+                                             if loads else None),  # nothing was loaded
                        "queue_wait_s_total": after["queue_wait_seconds_total"] - before["queue_wait_seconds_total"],
-                       "queue_wait_s_max": after["queue_wait_seconds_max"],
+                       "queue_wait_s_max": max(waits, default=0.0),  # this row's requests (the engine's is lifetime)
                        "gpu_evictions": after["gpu_evictions"] - before["gpu_evictions"],
                        **move_rates(before, after),
                        # where the time went (diagnostics): steps by kind, defers, reads and their summed seconds
@@ -250,15 +315,8 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k not in meta}),
                       flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"adapter_throughput_{args.shape}"
-    path = out / f"{stem}.json"
-    if args.merge and path.is_file():  # keep rows of earlier runs (other counts) unless re-measured
-        key = lambda r: (r["adapters"], r["popularity"], r.get("phase", "cold"))  # noqa: E731
-        done = {key(r) for r in rows}
-        rows = [r for r in json.loads(path.read_text()) if key(r) not in done] + rows
-        rows.sort(key=lambda r: (r["popularity"], r.get("phase", "cold"), r["adapters"]))
+                path.write_text(json.dumps(_merged(earlier, rows), indent=1))  # after every row: Ctrl-C keeps them
+    rows = _merged(earlier, rows)
     path.write_text(json.dumps(rows, indent=1))
     try:
         import matplotlib
@@ -267,7 +325,7 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for pop in args.popularity.split(","):
+        for pop in pops:
             for phase, ls in (("warm", "-"), ("cold", ":")):
                 pts = [(r["adapters"], r["vs_no_adapter"]) for r in rows if r["popularity"] == pop and r.get("phase") == phase]
                 if pts:

@@ -34,6 +34,10 @@ def test_adapter_throughput_bench_runs(tmp_path):
     assert all(r["reads_pipelined"] == 0 for r in rows) and any(r["reads_cached_serial"] > 0 for r in rows)
     assert {(r["adapters"], r["popularity"], r["phase"]) for r in rows} == {(n, p, ph) for n in (1, 8) for p in ("zipf", "uniform") for ph in ("cold", "warm")}
     assert all(r["tokens_per_s"] > 0 and r["shape"] == "tiny" for r in rows)
+    # every (count, popularity) starts from an empty cache: its cold batch reads each adapter it names from disk
+    cold = [r for r in rows if r["phase"] == "cold"]
+    assert all(r["distinct_read_from_disk"] == r["distinct_in_batch"] and not r["keep_between_rows"] for r in cold)
+    assert all(0 <= r["queue_wait_s_max"] <= r["queue_wait_s_total"] + 1e-9 for r in rows)  # (this row's requests)
     # the engine's own warm-up ran first (on this CPU it has nothing to warm: 0 s), and every row says whether
     # kernels compiled inside it
     assert all(r["warmup_seconds"] == 0 and "kernel_compiles" in r and isinstance(r["kernel_compile_names"], list)
@@ -48,6 +52,22 @@ def test_adapter_throughput_bench_runs(tmp_path):
     for main in filter(None, mains):
         assert all(".py:" in place for place, _ in main), main
         assert 0 < sum(share for _, share in main) <= 1.0 + 1e-3  # (shares rounded to 4 decimals)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--popularity", "zipf,foo"], "--popularity: expected comma-separated zipf / uniform, got 'zipf,foo'"),
+    (["--counts", "0"], "--counts: expected comma-separated positive integers, got '0'"),
+    (["--distinct-files", "-2"], "--distinct-files: expected an integer >= 0, got -2"),
+    (["--batch", "0"], "--batch: expected an integer >= 1, got 0"),
+    (["--out", "/proc/nope"], "--out: cannot make the directory '/proc/nope'"),
+])
+def test_adapter_throughput_bench_refuses_bad_flags(tmp_path, args, message):
+    """Bad flags stop the run before any work, naming the flag (exit status 2), instead of a traceback or rows
+    labelled with a popularity that was never drawn."""
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_adapter_throughput.py"), "--shape", "tiny",
+           "--out", str(tmp_path / "out"), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("file_dtype,cold", [("bfloat16", False), ("float32", False), ("bfloat16", True)])
