@@ -1,4 +1,4 @@
-"""Tier moves of adapter images, ours against the bounds measured beside them, in one run (issue 13, item 4).
+r"""Tier moves of adapter images, ours against the bounds measured beside them, in one run (issue 13, item 4).
 
 disk -> host (files in the page cache):
   ``plain``   a plain sequential read of each whole weight file into a reused buffer (``preadv``): the bound;
@@ -354,8 +354,8 @@ def host_to_gpu(args, cache: AdapterCache, image_bytes) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    first, _, rest = __doc__.partition("\n\n")  # (the first paragraph once, as the description)
+    ap = argparse.ArgumentParser(description=first, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=rest)
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(MODEL_SHAPES))
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=8, help="distinct adapter files (84 MB each for the default)")
@@ -399,12 +399,33 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--cold: needs os.posix_fadvise (Linux) to drop the files' page cache")
     if args.pipe_piece_bytes < 1:
         ap.error(f"--pipe-piece-bytes: expected a positive number of bytes, got {args.pipe_piece_bytes}")
+    for flag, value in (("--rank", args.rank), ("--adapters", args.adapters), ("--runs", args.runs)):
+        if value < 1:
+            ap.error(f"{flag}: expected an integer >= 1, got {value}")
+    if args.torch_threads is not None and args.torch_threads < 0:
+        ap.error(f"--torch-threads: expected an integer >= 1 (0: torch's default), got {args.torch_threads}")
+    try:
+        threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    except ValueError:
+        threads = []
+    if not threads or min(threads) < 1:
+        ap.error(f"--threads: expected a comma list of reader thread counts >= 1, got {args.threads!r}")
+    try:
+        dev = torch.device(args.pool_device)
+    except (RuntimeError, ValueError) as e:
+        ap.error(f"--pool-device: expected a torch device (cpu, cuda, cuda:1), got {args.pool_device!r}: {e}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--pool-device: {args.pool_device!r} needs a CUDA GPU, and torch sees none")
+    if args.out is not None:
+        try:  # before any work: a run whose results cannot be written is lost
+            args.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--out: cannot make the directory {str(args.out)!r}: {e.strerror or e}")
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     config = ModelConfig(**MODEL_SHAPES[args.shape])
     fdt, pdt = DTYPES[args.file_dtype], DTYPES[args.pool_dtype]
-    threads = [int(t) for t in args.threads.split(",")]
     tag = "" if modules == TARGET_MODULES else "-" + "-".join(m.split("_")[0] for m in modules)
     dirs = [write_adapter(args.adapter_dir / f"{args.shape}-r{args.rank}-{args.file_dtype}{tag}-{i}", config, i,
                           args.rank, fdt, modules) for i in range(args.adapters)]

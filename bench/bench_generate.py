@@ -1038,7 +1038,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--child", choices=sorted(GROUPS), help=argparse.SUPPRESS)  # internal: run one group
     ap.add_argument("--child-state", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.batches = sorted({int(b) for b in args.batches.split(",")})
+    try:
+        args.batches = sorted({int(b) for b in args.batches.split(",") if b.strip()})
+    except ValueError:
+        ap.error(f"--batches: expected comma-separated batch sizes, got {args.batches!r}")
+    if not args.batches:
+        ap.error("--batches: expected at least one batch size, got none")
     args.providers = [p for p in args.providers.split(",") if p]
     bad = [p for p in args.providers if p not in PROVIDERS]
     if bad:
@@ -1048,6 +1053,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.batches) < 1 or args.prompt_len < 1 or args.rank < 1 or args.repeats < 1 or args.rounds < 1:
         ap.error(f"--batches, --prompt-len, --rank, --repeats and --rounds must be >= 1, got {args.batches}, "
                  f"{args.prompt_len}, {args.rank}, {args.repeats}, {args.rounds}")
+    for flag, value, low in (("--adapter-files", args.adapter_files, 0), ("--load-threads", args.load_threads, 1),
+                             ("--peft-max-batch", args.peft_max_batch, 0)):
+        if value < low:
+            ap.error(f"{flag}: expected an integer >= {low}, got {value}")
+    if not args.time_budget > 0:
+        ap.error(f"--time-budget: expected seconds > 0, got {args.time_budget}")
+    context = ModelConfig(**MODEL_SHAPES[args.shape]).max_position_embeddings
+    gen = max(args.gen, args.peft_gen if "peft" in args.providers else 0)
+    if args.prompt_len + gen + 8 > context:  # (build_engine's max_seq_len)
+        ap.error(f"--prompt-len / --gen: a request of {args.prompt_len} + {gen} tokens (+ 8 spare) is past the {args.shape} shape's context of {context} tokens: lower them")
+    if args.device is not None:
+        try:
+            dev = torch.device(args.device)
+        except (RuntimeError, ValueError) as e:
+            ap.error(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
+        if dev.type not in ("cpu", "cuda"):
+            ap.error(f"--device: expected cpu or cuda, got {args.device!r}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            ap.error(f"--device: {args.device!r} needs a CUDA GPU, and torch sees none")
+    if not args.child:
+        try:  # before any work: a run whose rows cannot be written is lost
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--out: cannot make the directory {args.out!r}: {e.strerror or e}")
     return args
 
 
@@ -1164,6 +1193,11 @@ def main(argv: list[str] | None = None) -> None:
             print("\n" + md, flush=True)
             plot(run.rows, run.meta, out / f"generate_{args.shape}.png")
         print(f"done in {time.perf_counter() - t0:.0f} s: {run.path}", flush=True)
+    mine = [r for r in run.rows if r not in kept]
+    if mine and not any(r.get("status") == "ok" for r in mine):  # a run that measured nothing fails (CI, scripts)
+        reasons = sorted({str(r.get("reason") or r.get("error") or r.get("status")) for r in mine})
+        print(f"no row was measured ({len(mine)} errors or skips): " + "; ".join(reasons)[:2000], file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Serving benchmark: a reproducible trace of requests arriving over time, each naming one of N adapters, served by
+r"""Serving benchmark: a reproducible trace of requests arriving over time, each naming one of N adapters, served by
 the engine in-process (``EngineLoop``, mode ``engine``) or over HTTP by ``multilora serve``'s app in a child process
 driven like a load generator (mode ``http``: the engine steps on a thread of the server's process; mode
 ``http-engine-process``: the engine steps in a process of its own, ``multilora serve --engine-process``). Issue 14
@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import functools
 import gc
 import hashlib
@@ -61,6 +62,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import socket
 import struct
 import subprocess
@@ -634,7 +636,8 @@ def summarize(results: list[Result], wall: float, offered: float, before: dict |
         h, m = after[hits] - before[hits], after[misses] - before[misses]
         return h / (h + m) if h + m else None
 
-    row = {"requests": len(results), "failed": len(results) - len(ok), "offered_rps": offered,
+    row = {"requests": len(results), "failed": len(results) - len(ok),
+           "offered_rps": offered if math.isfinite(offered) else None,  # (burst: None, strict JSON has no Infinity)
            "achieved_rps": len(ok) / span if span > 0 else None, "output_tok_s": tokens / span if span > 0 else None,
            "wall_s": wall, "output_tokens": tokens, **under_load(results)}
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
@@ -742,7 +745,7 @@ def markdown(rows: list[dict]) -> str:
 
     def steps(r: dict) -> str:
         d = r.get("decode_step_ms")
-        return "-" if not d else f"{d['p50']:.2f} / {d['max']:.0f}"
+        return "-" if not d else f"{d['p50']:.2f} / {d['max']:.2f}"
 
     def stalls(r: dict) -> str:
         return "-" if r.get("stall_steps") is None else f"{r['stall_steps']} ({r['stall_seconds']:.2f})"
@@ -784,6 +787,18 @@ def contract_keys(row: dict) -> dict:
             "tpot_p99_ms": ms(row["tpot_p99_s"]), "slo_attainment": row["slo_share"]}
 
 
+def _strict(obj):
+    """``obj`` with every NaN or infinite float replaced by None: strict JSON parsers refuse Python's ``NaN`` /
+    ``Infinity``."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Output tokens/s and TTFT p50 / p99 against the number of adapters N, one line per (mode, rate kind)."""
     try:
@@ -792,7 +807,9 @@ def plot(rows: list[dict], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib not installed: no plot", flush=True)
+        if not getattr(plot, "warned", False):  # (once per run, not after every row)
+            print("matplotlib not installed: no plot", flush=True)
+            plot.warned = True
         return
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for key in sorted({(r["mode"], r["rate"] == "burst") for r in rows}):
@@ -927,7 +944,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
-    args.counts = [int(x) for x in args.adapters.split(",")]
+    try:
+        args.counts = [int(x) for x in args.adapters.split(",") if x.strip()]
+    except ValueError:
+        args.counts = []
+    if not args.counts or min(args.counts) < 1:
+        ap.error(f"--adapters: expected comma-separated adapter counts >= 1, got {args.adapters!r}")
+    for flag, value, low in (("--adapter-files", args.adapter_files, 1), ("--requests", args.requests, 1),
+                             ("--warmup-requests", args.warmup_requests, 0), ("--preload", args.preload, 0),
+                             ("--long-prompt-len", args.long_prompt_len, 1), ("--max-batch-size", args.max_batch_size, 1),
+                             ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+                             ("--max-prefill-tokens", args.max_prefill_tokens, 1),
+                             ("--piecewise-cuda-graph-max-tokens", args.piecewise_cuda_graph_max_tokens, 0)):
+        if value is not None and value < low:
+            ap.error(f"{flag}: expected an integer >= {low}, got {value}")
+    if not (0 < args.rate_fraction <= 1e6) or not math.isfinite(args.rate_fraction):
+        ap.error(f"--rate-fraction: expected a positive fraction of the burst capacity, got {args.rate_fraction}")
+    if args.switch_interval is not None and not args.switch_interval >= 0:
+        ap.error(f"--switch-interval: expected seconds >= 0 (0: the engine's default), got {args.switch_interval}")
+    if args.timeout is not None and not args.timeout > 0:
+        ap.error(f"--timeout: expected seconds > 0, got {args.timeout}")
+    if args.out is not None:
+        try:  # before any work: a run whose rows cannot be written is lost
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--out: cannot make the directory {args.out!r}: {e.strerror or e}")
     args.mode_list = [m.strip() for m in args.modes.split(",")]
     bad = [m for m in args.mode_list if m not in MODES]
     if bad:
@@ -960,7 +1001,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def setup(args: argparse.Namespace) -> tuple[ModelConfig, list[Path]]:
     torch.manual_seed(args.seed)  # whatever else draws from the global generator (the trace has its own)
     config = ModelConfig(**MODEL_SHAPES[args.shape])
-    root = Path(args.adapter_dir or os.environ.setdefault("MULTILORA_BENCH_ADAPTERS", tempfile.mkdtemp()))
+    if args.adapter_dir is None and "MULTILORA_BENCH_ADAPTERS" not in os.environ:
+        tmp = tempfile.mkdtemp(prefix="multilora-serving-")
+        os.environ["MULTILORA_BENCH_ADAPTERS"] = tmp
+        atexit.register(shutil.rmtree, tmp, True)  # ours to remove (a Llama-3-8B set is GBs)
+    root = Path(args.adapter_dir or os.environ["MULTILORA_BENCH_ADAPTERS"])
     root.mkdir(parents=True, exist_ok=True)
     return config, write_adapter_set(root, config, args.adapter_set, args.adapter_files, DTYPES[args.dtype])
 
@@ -1039,7 +1084,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
             row["ttft_split"] = ttft_split(results, row["slo_ttft_s"])
             row.update(contract_keys(row))
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps(_strict(row)), flush=True)
             write(args, argv, config, rows, disk)
             return row
 
@@ -1114,7 +1159,7 @@ def write(args: argparse.Namespace, argv: list[str], config: ModelConfig, rows: 
     tag = args.tag or args.shape
     meta = {"command": "python bench/bench_serving.py " + " ".join(argv), "environment": {**environment(), **(disk or {})},
             "shape": args.shape, "config": {k: v for k, v in vars(config).items() if not k.startswith("_")}}
-    (out / f"serving_{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    (out / f"serving_{tag}.json").write_text(json.dumps(_strict({"meta": meta, "rows": rows}), indent=1, default=str))
     (out / f"serving_{tag}.md").write_text(f"`{meta['command']}`\n\n{markdown(rows)}\n")
     plot(rows, out / f"serving_{tag}.png")
 

@@ -960,3 +960,38 @@ def test_host_register_bench_smoke(tmp_path):
     assert all(not r["pinned"] and 0 <= r["pin_seconds"] <= r["map_seconds"] for r in rows)
     saved = json.loads((tmp_path / "host_register.json").read_text())
     assert set(saved["summary"]) == {"off", "on"} and len(saved["rows"]) == 2
+
+
+def test_generate_bench_fails_when_no_row_was_measured(tmp_path):
+    """A run whose every row was skipped or failed exits 1 with the reasons on stderr (it exited 0: a CI smoke run
+    could not tell), the rows still written."""
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_generate.py"), "--shape", "tiny", "--batches", "1",
+           "--prompt-len", "8", "--gen", "2", "--providers", "multilora", "--time-budget", "0.0001",
+           "--out", str(tmp_path / "out")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 1 and "no row was measured" in p.stderr, (p.returncode, p.stderr[-2000:])
+    rows = json.loads((tmp_path / "out" / "generate_tiny.json").read_text())
+    assert [r["status"] for r in rows] == ["skipped"]
+
+
+@pytest.mark.parametrize("script,args,message", [
+    ("bench_generate.py", ["--batches", "x"], "--batches: expected comma-separated batch sizes, got 'x'"),
+    ("bench_generate.py", ["--load-threads", "0"], "--load-threads: expected an integer >= 1, got 0"),
+    ("bench_generate.py", ["--prompt-len", "100000"], "is past the tiny shape's context of"),
+    ("bench_generate.py", ["--out", "/proc/nope"], "--out: cannot make the directory '/proc/nope'"),
+    ("bench_serving.py", ["--adapters", "0"], "--adapters: expected comma-separated adapter counts >= 1, got '0'"),
+    ("bench_serving.py", ["--requests", "0"], "--requests: expected an integer >= 1, got 0"),
+    ("bench_serving.py", ["--adapter-files", "0"], "--adapter-files: expected an integer >= 1, got 0"),
+    ("bench_serving.py", ["--rate-fraction", "0"], "--rate-fraction: expected a positive fraction"),
+    ("bench_adapter_load.py", ["--adapters", "0"], "--adapters: expected an integer >= 1, got 0"),
+    ("bench_adapter_load.py", ["--threads", "0"], "--threads: expected a comma list of reader thread counts >= 1"),
+    ("bench_adapter_load.py", ["--pool-device", "cuda"], "--pool-device: 'cuda' needs a CUDA GPU"),
+])
+def test_bench_scripts_refuse_bad_flags(tmp_path, script, args, message):
+    """Bad flags stop a bench before any work with exit status 2, naming the flag (they were tracebacks, some only
+    after the first row, or runs of failed rows with exit status 0)."""
+    if "cuda" in args and __import__("torch").cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    cmd = [sys.executable, str(ROOT / "bench" / script), "--shape", "tiny", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
