@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -29,12 +30,15 @@ CHAIN = 8
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # (the first paragraph, whole)
     ap.add_argument("--tokens", default="1,2,16,64,512,4096", help="comma list of T")
     ap.add_argument("--out", type=Path, default=Path("bench/results/fused_quant"))
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes: checks only")
     args = ap.parse_args(argv)
     if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+            ap.error("--smoke: runs the kernels in Triton's interpreter on the CPU; set TRITON_INTERPRET=1 (before "
+                     "the command: TRITON_INTERPRET=1 python bench/bench_fused_quant.py --smoke)")
         dev, dtype, hidden, inter = torch.device("cpu"), torch.float16, 64, 96
     elif torch.cuda.is_available():
         dev, dtype, hidden, inter = torch.device("cuda"), torch.bfloat16, 4096, 14336

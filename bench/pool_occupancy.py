@@ -117,15 +117,21 @@ def table(config: ModelConfig, dtype: torch.dtype) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # (the first paragraph, whole)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args(argv)
+    if args.out is not None and args.out.is_dir():
+        ap.error(f"--out: expected a file to write the table to, got the directory {str(args.out)!r}")
     text = table(SMOLLM2, getattr(torch, args.dtype))
     print(text)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        try:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text + "\n")
+        except OSError as e:
+            print(f"pool_occupancy.py: --out: cannot write {str(args.out)!r}: {e.strerror or e}", file=sys.stderr)
+            return 1
     return 0
 
 
