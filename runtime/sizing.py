@@ -201,11 +201,11 @@ def memory_request(model: ModelConfig, cfg: EngineConfig, *, dtype: torch.dtype,
     live_blocks = seq_blocks  # the plan's live state: one max_seq_len sequence (+ the null block)
     if cfg.kv_cache_bytes is not None:
         if cfg.kv_cache_bytes // block_bytes < 2:
-            raise ValueError(
+            raise MemoryPlanError(
                 f"Engine: kv_cache_bytes={cfg.kv_cache_bytes} holds {cfg.kv_cache_bytes // block_bytes} KV block(s) of "
                 f"{block_bytes} bytes ({cfg.kv_block_size} tokens); at least 2 are needed (block 0 is reserved): raise "
                 f"kv_cache_bytes to at least {2 * block_bytes} (block_bytes = 2 x layers x kv_heads x head_dim x dtype "
-                f"bytes x kv_block_size)"
+                f"bytes x kv_block_size)", needed_bytes=2 * block_bytes, fits_bytes=cfg.kv_cache_bytes, source=USER_CAP
             )
         kv_cap = min(kv_cap, cfg.kv_cache_bytes)
         live_blocks = min(live_blocks, kv_cap // block_bytes - 1)  # an explicit smaller cap is honoured
@@ -326,10 +326,11 @@ def size_engine(request: MemoryRequest, cfg: EngineConfig, snapshot: MemorySnaps
     assert num_pages >= r.pages_per_adapter, "the plan holds its pool to one max-rank adapter at least"
     num_blocks = (plan.kv_bytes if plan is not None else r.kv_cap) // r.block_bytes  # the null block included
     if num_blocks < 2:
-        raise ValueError(
+        raise MemoryPlanError(
             f"Engine: the KV cache gets {num_blocks} block(s) of {r.block_bytes} bytes ({cfg.kv_block_size} tokens); "
-            f"at least 2 are needed (block 0 is reserved): raise kv_cache_bytes"
-        )
+            f"at least 2 are needed (block 0 is reserved): raise kv_cache_bytes",
+            needed_bytes=2 * r.block_bytes, fits_bytes=num_blocks * r.block_bytes,
+            source=plan.kv_source if plan is not None else USER_CAP)
     host = cfg.host_adapter_bytes if cfg.host_adapter_bytes is not None else (plan.host_tier_bytes if plan else None)
     slots = cfg.adapter_slots if cfg.adapter_slots is not None else default_slots(r.slot_sizing_pages, num_pages)
     return EngineSizes(num_pages=num_pages, num_blocks=num_blocks, host_bytes=host, plan=plan, request=request,

@@ -83,15 +83,17 @@ def test_caps_below_the_minimum_are_refused_before_the_weights_load(tiny_dir, mo
 
     with pytest.raises(MemoryPlanError) as real_pool:
         Engine(model=tiny_dir, progress=False, adapter_pool_bytes=10)
-    with pytest.raises(ValueError) as real_kv:
+    with pytest.raises(MemoryPlanError) as real_kv:  # (a cap too small: a plan that cannot be, as the pool's)
         Engine(model=tiny_dir, progress=False, kv_cache_bytes=0)
     monkeypatch.setattr(engine_mod, "load_model", loaded)
     with pytest.raises(MemoryPlanError) as early_pool:
         Engine(model=tiny_dir, progress=False, adapter_pool_bytes=10)
     assert str(early_pool.value) == str(real_pool.value) and "Raise adapter_pool_bytes to at least" in str(real_pool.value)
-    with pytest.raises(ValueError) as early_kv:
+    with pytest.raises(MemoryPlanError) as early_kv:
         Engine(model=tiny_dir, progress=False, kv_cache_bytes=0)
     assert str(early_kv.value) == str(real_kv.value) and "kv_cache_bytes=0 holds 0 KV block(s)" in str(real_kv.value)
+    e = real_kv.value  # the fields say what the message says
+    assert e.fits_bytes == 0 and e.source == "user_cap" and f"to at least {e.needed_bytes} " in str(e)
 
 
 def test_live_state_that_does_not_fit_raises_a_clear_error(tiny_dir):
