@@ -1201,4 +1201,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (the rows measured so far are kept)
+        print("\ninterrupted: the rows measured so far are in --out's generate_<shape>.json", file=sys.stderr)
+        sys.exit(130)

@@ -1165,4 +1165,8 @@ def write(args: argparse.Namespace, argv: list[str], config: ModelConfig, rows: 
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (the rows finished so far are kept)
+        print("\ninterrupted: the rows finished so far are in --out's serving_<tag>.json", file=sys.stderr)
+        sys.exit(130)
