@@ -6,7 +6,8 @@ driven like a load generator (mode ``http``: the engine steps on a thread of the
 
     python bench/bench_serving.py --shape llama3-8b --adapters 5 --modes engine,http,http-engine-process \
         --out bench/results                                                                                # H200
-    python bench/bench_serving.py --shape tiny --adapters 3 --requests 12 --modes engine,http,http-engine-process
+    python bench/bench_serving.py --shape tiny --adapters 3 --requests 12 --modes engine,http,http-engine-process \
+        --warmup-requests 8                                             # CPU smoke run (the default warms with 192)
     python bench/bench_serving.py --adapters 5 --modes engine --rate 4 --long-prompt-share 0.1 --long-prompt-len 4096 \
         --chunked-prefill off --tag llama3-8b-long-off --out bench/results        # then --chunked-prefill on: TPOT p99
 
