@@ -497,13 +497,18 @@ class AdapterCache:
             self._host_lru.move_to_end(id(handle))
             return handle.host
         if handle.loading is not None:  # a prefetch is reading it: wait for that instead of reading twice
+            waited = not handle.loading.done()  # (a read that landed before this call is collected here: in time)
             try:
                 handle.loading.result()  # the I/O thread takes no lock, so waiting under ours is safe
             except Exception:
                 pass  # read again below, reporting the error on this path
-            if self._collect(handle):  # (late: the request waited for the disk)
-                self.stats.prefetch_late += 1
-                self.stats.host_misses += 1
+            if self._collect(handle):
+                if waited:  # late: the request waited for the disk
+                    self.stats.prefetch_late += 1
+                    self.stats.host_misses += 1
+                else:
+                    self.stats.prefetch_hits += 1
+                    self.stats.host_hits += 1
                 handle.prefetched_host = False
                 return handle.host
         self.stats.host_misses += 1
@@ -648,6 +653,11 @@ class AdapterCache:
                 break
             self._drop_from_pool(victim)
             self.stats.gpu_evictions += 1
+
+    def can_prefetch_to_host(self, handle: AdapterHandle) -> bool:
+        """Whether ``prefetch`` can ever read ``handle``'s files into the host tier: False when its image is larger
+        than the tier's whole budget (``acquire`` then reads it on demand: there is no read to wait for)."""
+        return self.host_budget is None or handle.pool_bytes <= self.host_budget
 
     def reading(self, handle: AdapterHandle) -> bool:
         """Whether a prefetch read of ``handle``'s files (disk -> host) is still in flight, so that ``acquire`` now

@@ -479,7 +479,7 @@ class Scheduler:
                 break  # the head waits for blocks; nothing behind it is admitted
             if req.handle is not None and req.slot < 0:  # (a slot kept from an interrupted admission is reused)
                 if (self.adapter_aware and self.running and req.handle.tier == "disk"
-                        and not req.handle.prefetch_failed):
+                        and not req.handle.prefetch_failed and self.cache.can_prefetch_to_host(req.handle)):
                     if req.skipped_steps < self.patience:
                         self.adapter_defers += 1  # acquire would read its files in this step: let prefetch do it
                         i += 1
@@ -609,11 +609,12 @@ class Scheduler:
             if id(h) not in seen:
                 seen.add(id(h))
                 out.append(h)
-                if getattr(h, "loading", None) is None:
-                    starting += 1
+                if getattr(h, "loading", None) is None and self.cache.can_prefetch_to_host(h):
+                    starting += 1  # (an image no host tier holds is read on demand: no prefetch to start)
                 if starting >= limit or len(out) >= 8 * limit:
                     break
-            if URGENT_READ_WAIT and self.adapter_aware and req.skipped_steps >= self.patience and h.tier == "disk":
+            if (URGENT_READ_WAIT and self.adapter_aware and req.skipped_steps >= self.patience and h.tier == "disk"
+                    and self.cache.can_prefetch_to_host(h)):
                 break  # urgent, its adapter still to be read: nothing behind it is admitted first (module docstring)
         return out
 

@@ -74,6 +74,9 @@ class FakeCache:
     def enqueue(self, h):
         h.queued += 1
 
+    def can_prefetch_to_host(self, h):  # (a host tier that holds any one image)
+        return True
+
     def dequeue(self, h):
         assert h.queued > 0, f"{h.name}: dequeued more often than queued"
         h.queued -= 1
