@@ -105,7 +105,8 @@ def _merged(earlier: list[dict], rows: list[dict]) -> list[dict]:
     """``rows`` after the rows of an earlier run (``--merge``) that they do not measure again, sorted."""
     if not earlier:
         return rows
-    key = lambda r: (r["adapters"], r["popularity"], r.get("phase", "cold"))  # noqa: E731
+    key = lambda r: (r["adapters"], r["popularity"], r.get("phase", "cold"),  # noqa: E731
+                     r.get("keep_between_rows", True))  # (rows before session 43 carried the names over)
     done = {key(r) for r in rows}
     return sorted([r for r in earlier if key(r) not in done] + rows,
                   key=lambda r: (r["popularity"], r.get("phase", "cold"), r["adapters"]))

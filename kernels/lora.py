@@ -249,6 +249,13 @@ class LoRAPlan:
     #: sequences); the Triton launches then size their grid by it instead of the pool's ``max_slots``
     #: (``triton_sgmv.num_chunks``). None: any grouping (the bound by ``max_slots``)
     num_segments: int | None = None
+    #: the most runs of one slot (maximal stretches of consecutive tokens on the same slot, -1 included) that any
+    #: ``RUN_BLOCK``-token block of the step holds, blocks taken in token order from token 0: a prefill of whole
+    #: prompts has 1 or 2 per block, a decode batch of distinct adapters up to ``RUN_BLOCK``. Kernels that take
+    #: consecutive tokens instead of chunks visit a block's slots one after the other (``triton_sgmv.glu_shrink``):
+    #: this bounds their passes. Exact for a plan built for one step (``build_lora_plan``); None: unknown (the static
+    #: plans of CUDA graphs, rewritten in place)
+    max_block_runs: int | None = None
 
     def __post_init__(self) -> None:
         ts, c = self.token_slots, self.chunks
@@ -260,8 +267,10 @@ class LoRAPlan:
                              f"{tuple(c.shape)} strides {c.stride()} on {c.device}")
         if self.block_m < 1:
             raise ValueError(f"block_m: expected >= 1, got {self.block_m}")
-        if self.num_segments is not None and (not isinstance(self.num_segments, int) or self.num_segments < 0):
-            raise ValueError(f"num_segments: expected None or an int >= 0, got {self.num_segments!r}")
+        for name in ("num_segments", "max_block_runs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise ValueError(f"{name}: expected None or an int >= 0, got {v!r}")
 
     @property
     def num_tokens(self) -> int:
@@ -286,6 +295,22 @@ class LoRAPlan:
         index = torch.from_numpy(c[0, : ends[-1]].astype(np.int64)).to(self.token_slots.device)
         counts = (ends - start[first]).tolist()
         return list(zip(slot[first].tolist(), index.split(counts)))
+
+
+#: ``LoRAPlan.max_block_runs``' block, in tokens
+RUN_BLOCK = 64
+
+
+def max_block_runs(slots: np.ndarray, block: int = RUN_BLOCK) -> int:
+    """The most runs of one slot in any ``block``-token block of ``slots`` (``LoRAPlan.max_block_runs``; 0 for no
+    tokens). Worked example, ``block = 4``: ``[1, 1, 2, -1 | 3, 3, 3, 3 | 5]`` has 3, 1 and 1 runs: 3."""
+    T = slots.size
+    if T == 0:
+        return 0
+    starts = np.ones(T, dtype=np.int64)  # 1 where a run starts within its block (a block's first token always)
+    np.not_equal(slots[1:], slots[:-1], out=starts[1:], casting="unsafe")
+    starts[::block] = 1
+    return int(np.add.reduceat(starts, np.arange(0, T, block)).max())
 
 
 def block_m_for(num_tokens: int) -> int:
@@ -375,7 +400,7 @@ def build_lora_plan(token_slots: Sequence[int] | torch.Tensor, device: torch.dev
     live = chunks[1][chunks[1] >= 0]  # the chunks' slots, ascending: the step's distinct slots are its runs
     segments = int(np.count_nonzero(live[1:] != live[:-1])) + 1 if live.size else 0
     return LoRAPlan(token_slots=dev[4 * W :], chunks=dev[: 4 * W].view(4, W), block_m=bm,
-                    has_lora=bool(chunks[1, 0] >= 0), num_segments=segments)
+                    has_lora=bool(chunks[1, 0] >= 0), num_segments=segments, max_block_runs=max_block_runs(s))
 
 
 # ---------------------------------------------------------------------------------------------- the op

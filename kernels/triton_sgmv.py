@@ -814,9 +814,11 @@ def sgmv_expand(y: torch.Tensor, v: torch.Tensor, slices: LoRASlices, plan: LoRA
 
 
 #: ``glu_shrink``'s tiles on a GPU: ``(block_m, block_k, num_warps)`` for steps of more than 512 tokens, else
-#: ``(16, block_k, num_warps)``. Not yet tuned on a GPU (written in session 43, which had no device): a first guess
-#: from the shrink's prefill tiles (``PREFILL_SHRINK_BLOCK_K``) and the GLU kernel's 4 warps.
-GLU_SHRINK_TILES: tuple[int, int, int] = (64, 128, 4)
+#: ``(16, block_k, num_warps)``. Not yet timed on a GPU (written in session 43, which had no device): the largest
+#: tiles that compile for sm_90 (Triton 3.9, bf16, ranks 16 and 64) without spilling registers: 64 x 64 with 8 warps
+#: uses 212 registers and no stack; 64 x 128 with 4 warps 255 and 1,064-1,568 bytes of stack (``cuobjdump
+#: -res-usage``); 64 x 32 with 4 warps 219, 16 x 128 with 4 warps 158.
+GLU_SHRINK_TILES: tuple[int, int, int] = (64, 64, 8)
 
 
 def glu_shrink(gate_up: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, gelu_tanh: bool = False,
@@ -860,6 +862,8 @@ def glu_shrink(gate_up: torch.Tensor, slices: LoRASlices, plan: LoRAPlan, *, gel
         bm = 16
     block_m, block_k, num_warps = block_m or bm, block_k or bk, num_warps or nw
     block_k = min(block_k, max(16, triton.next_power_of_2(inter)))
+    if gpu and (block_m < 16 or block_k < 16):  # (the interpreter runs smaller ones; tl.dot compiles 16 and up)
+        raise ValueError(f"block_m, block_k: expected at least 16 on a GPU (tl.dot), got {block_m}, {block_k}")
     programs = triton.cdiv(max(T, 1), block_m)
     split = split_k or _split_k(gate_up.device, programs, inter, block_k, max_split=8)  # (the expand sums them)
     k_per = triton.cdiv(triton.cdiv(inter, split), block_k) * block_k

@@ -139,14 +139,18 @@ LORA_GEMM_EPILOGUE_MIN_TOKENS_PER_SLOT = 32
 #: before its GEMM) compute the MLP's gated activation and the down projection's LoRA shrink in one kernel
 #: (``kernels.triton_sgmv.glu_shrink``): the shrink takes h while it is in registers instead of reading it back (at a
 #: 4,096-token Llama-3-8B prefill h is 117 MB a layer, ~28 us at copy bandwidth of the ~290 us the layer's LoRA adds).
-#: Where the Triton LoRA backend runs, at least ``LORA_GEMM_EPILOGUE_MIN_TOKENS_PER_SLOT`` tokens per distinct slot
-#: (its blocks visit their slots one at a time), a pool of max rank <= ``GLU_SHRINK_MAX_RANK``, SiLU or GELU_tanh, no
-#: fp8 down GEMM and no bias on it. ``1 << 30``: never, the default until measured on a GPU (written in session 43
+#: Where the Triton LoRA backend runs, a step whose 64-token blocks hold at most ``GLU_SHRINK_MAX_BLOCK_RUNS`` runs of
+#: one slot each (``LoRAPlan.max_block_runs``; the kernel visits a block's slots one after the other: a prefill of whole
+#: prompts, not a mixed step's decode tokens), a bf16 / fp16 pool (fp32 tiles need more shared memory than GPUs
+#: before Hopper have) of max rank <= ``GLU_SHRINK_MAX_RANK``, SiLU or GELU_tanh, no fp8 down GEMM and no bias on it.
+#: h has the bits of the Triton GLU kernel (``kernels.fused`` on a GPU). ``1 << 30``: never, the default until measured on a GPU (written in session 43
 #: without one; ``bench_generate.py`` provider ``multilora-lora-glushrink`` for TTFT). The same bits for h; the
 #: shrink's partials sum in another order (within the kernels' reference bounds).
 GLU_SHRINK_MIN_TOKENS = 1 << 30
 #: ``GLU_SHRINK_MIN_TOKENS``' rank bound: a block holds one ``[block_m, next_pow2(max_rank)]`` fp32 accumulator.
 GLU_SHRINK_MAX_RANK = 64
+#: ``GLU_SHRINK_MIN_TOKENS``' bound on a step's ``LoRAPlan.max_block_runs``.
+GLU_SHRINK_MAX_BLOCK_RUNS = 4
 
 
 def _gemm_epilogue(x: torch.Tensor, slices: LoRASlices, plan: Any, lora_backend: str | None) -> bool:
@@ -499,10 +503,11 @@ class DecoderModel:
             return None
         w = self.layers[layer]["down"]
         slices = self._lora[layer]["down"]
-        seg = plan.lora.num_segments
+        runs = plan.lora.max_block_runs
         if (isinstance(w, Fp8Weight) or self.layers[layer].get("down_bias") is not None
                 or slices.max_rank_rows > GLU_SHRINK_MAX_RANK or gu.dtype != slices.buffer.dtype
-                or (seg is not None and T < LORA_GEMM_EPILOGUE_MIN_TOKENS_PER_SLOT * max(seg, 1))
+                or runs is None or runs > GLU_SHRINK_MAX_BLOCK_RUNS
+                or (gu.device.type == "cuda" and gu.dtype == torch.float32)
                 or (T >= LORA_GEMM_EPILOGUE_MIN_TOKENS and _gemm_epilogue(gu, slices, plan.lora, lora_backend))):
             return None
         from multilora.kernels.backends import select_triton

@@ -16,8 +16,9 @@ import torch
 from multilora.config import ModelConfig
 from multilora.kernels import build_lora_plan, lora_slices
 from multilora.kernels.fused import gelu_tanh_mul_torch, silu_mul_torch
+from multilora.kernels.triton_fused import gelu_tanh_mul, silu_mul
 from multilora.kernels.triton_sgmv import glu_shrink, lora_delta_triton, sgmv_expand
-from test_kernels import CASES, LLAMA8B, TOL, make_pool, reference
+from test_kernels import CASES, GPU_CASES, LLAMA8B, TOL, make_pool, reference
 
 # intermediate 96 (6 column blocks of 16), hidden 64
 SMALL = ModelConfig(vocab_size=16, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -71,16 +72,30 @@ def test_activation_and_lora_term_match_the_references(rows, mixed, gelu, device
     assert torch.count_nonzero(y[none]) == 0
 
 
+@pytest.mark.parametrize("device,dtype", GPU_CASES)
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+def test_prefill_tiles_on_the_gpu(gelu, device, dtype):
+    """More than 512 tokens take the prefill tiles (``GLU_SHRINK_TILES``) and the default K split: 1,100 tokens of
+    sequences on ranks 1-16 (and rows of none) at the Llama-3-8B width, against the references."""
+    pool, slices, plan, ts, gu, h, h_ref, v, y = _case(LLAMA8B, 1100, device=device, dtype=dtype, seed=11, mixed=False,
+                                                       layer=0, gelu=gelu)
+    assert torch.equal(h, (gelu_tanh_mul if gelu else silu_mul)(gu))
+    ref = reference(torch.zeros_like(y, dtype=torch.float32), h, pool, 0, DOWN, ts)
+    torch.testing.assert_close(y.float(), ref, **TOL[dtype])
+
+
 @pytest.mark.parametrize("device,dtype", CASES)
-@pytest.mark.parametrize("split_k", [1, 2, 3])
+@pytest.mark.parametrize("split_k", [1, 2, 3, 4])  # (4: the last split's K range is empty, its partials zeros)
 def test_split_k_and_blocks_that_mix_slots(split_k, device, dtype):
-    """A K split of 1-3 (partials summed by the expand) and 8-row blocks over tokens drawn one by one (most blocks
-    hold several slots and rows of none): the same term as ``lora_delta`` computed from the stored h."""
+    """A K split of 1-4 (partials summed by the expand; at 4 the last split has no columns) and 8-row blocks over
+    tokens drawn one by one (most blocks hold several slots and rows of none): the same term as ``lora_delta``
+    computed from the stored h, and h bit for bit the unfused Triton GLU's."""
     cfg = SMALL if device == "cpu" else LLAMA8B
     pool, slices, plan, ts, gu, h, h_ref, v, y = _case(
         cfg, 45, device=device, dtype=dtype, seed=split_k, mixed=True, layer=0, block_m=16 if device == "cuda" else 8,
         block_k=16 if device == "cpu" else None, split_k=split_k)
     assert v.shape[0] == split_k
+    assert torch.equal(h, silu_mul(gu))
     unfused = lora_delta_triton(torch.empty_like(y), h, slices, plan)
     torch.testing.assert_close(y.float(), unfused.float(), **TOL[dtype])
     torch.testing.assert_close(y.float(), reference(torch.zeros_like(y, dtype=torch.float32), h, pool, 0, DOWN, ts),
@@ -122,7 +137,7 @@ def test_engine_prefill_takes_the_fused_kernel_when_switched_on(tmp_path, monkey
     """``runtime.model.GLU_SHRINK_MIN_TOKENS`` (off by default): a 2 x 150-token prefill on two adapters (a 300-token
     step, past ``LORA_BEFORE_GEMM_MIN_TOKENS``) runs every layer's activation and down shrink through ``glu_shrink``
     (GeGLU for Gemma 2) and gives the logits of the engine's unfused path (fp32 on the CPU: within 1e-4); off, or
-    with too few tokens per adapter, nothing calls it."""
+    with more runs of one slot in a 64-token block than ``GLU_SHRINK_MAX_BLOCK_RUNS``, nothing calls it."""
     from multilora import Engine
     from multilora.config import TARGET_MODULES
     from multilora.kernels import triton_sgmv
@@ -149,6 +164,20 @@ def test_engine_prefill_takes_the_fused_kernel_when_switched_on(tmp_path, monkey
     assert calls == [(300, {"gelu_tanh": family == "gemma2"})] * cfg.num_layers, calls
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
     calls.clear()
-    monkeypatch.setattr(model_mod, "LORA_GEMM_EPILOGUE_MIN_TOKENS_PER_SLOT", 151)  # 150 tokens per adapter: too few
+    monkeypatch.setattr(model_mod, "GLU_SHRINK_MAX_BLOCK_RUNS", 1)  # tokens 128-191 hold both prompts: 2 runs
     e.logits(prompts, adapters=["a0", "a1"])
     assert calls == []
+
+
+def test_plans_count_the_runs_of_one_slot_per_block():
+    """``LoRAPlan.max_block_runs`` (what bounds the kernel's passes per block) against a plain loop over 64-token
+    blocks, on prefills, decode batches and mixes of both."""
+    from multilora.kernels.lora import RUN_BLOCK
+
+    gen = torch.Generator().manual_seed(3)
+    cases = [[], [5] * 300, [1] * 100 + [2] * 100, list(range(70)), [-1, -1, 3, 3, -1] * 40,
+             torch.randint(-1, 4, (257,), generator=gen).tolist(), list(range(64)) + [7] * 512]
+    for slots in cases:
+        want = max((1 + sum(a != b for a, b in zip(blk[1:], blk[:-1]))
+                    for blk in (slots[i: i + RUN_BLOCK] for i in range(0, len(slots), RUN_BLOCK))), default=0)
+        assert build_lora_plan(slots).max_block_runs == want, slots[:8]
