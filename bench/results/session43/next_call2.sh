@@ -6,6 +6,7 @@
 # max rank 16 and 64; (3) bench_generate.py TTFT / TPOT at batch 64: multilora, multilora-lora and
 # multilora-lora-glushrink (GLU_SHRINK_MIN_TOKENS = 256) with the glu_shrink tiles that (2) found fastest at rank 16.
 #   run: command="END=560 bash bench/results/session43/next_call2.sh", timeout_s=600; results in $OUT/c2.tgz
+#   (END < 300: the tests get END / 2 s, then the layer bench the rest at pool rank 16 only, no engine rows)
 set -o pipefail
 END=${END:-560}
 mkdir -p $OUT/c2
@@ -14,9 +15,10 @@ trap 'tar czf $OUT/c2.tgz -C $OUT c2 && rm -rf $OUT/c2' EXIT
 cp "$0" $OUT/c2/script.sh
 git log --oneline -1 > $OUT/c2/tree.txt 2>/dev/null; git status --short >> $OUT/c2/tree.txt 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> $OUT/c2/tree.txt 2>&1
-timeout 120 python3 -m pytest -q -m gpu tests/test_glu_shrink.py > $OUT/c2/tests.log 2>&1
+timeout $(( END < 300 ? END / 2 : 120 )) python3 -m pytest -q -m gpu tests/test_glu_shrink.py > $OUT/c2/tests.log 2>&1
 echo "rc=$? at $SECONDS s" >> $OUT/c2/tests.log
-timeout 150 python3 bench/bench_glu_shrink.py --out $OUT/c2/layer --rounds 5 --pool-rank 16,64 > $OUT/c2/layer.log 2>&1
+timeout $(( END - SECONDS - 5 < 150 ? END - SECONDS - 5 : 150 )) python3 bench/bench_glu_shrink.py --out $OUT/c2/layer --rounds 5 \
+  --pool-rank $([ $END -lt 300 ] && echo 16 || echo 16,64) > $OUT/c2/layer.log 2>&1
 echo "rc=$? at $SECONDS s" >> $OUT/c2/layer.log
 BEST=$(python3 - "$OUT/c2/layer/glu_shrink.json" <<'PY' 2>/dev/null
 import json, sys
