@@ -147,6 +147,34 @@ def set_host_arena_prefault(value: str | None) -> bool:
     return before
 
 
+def _threads(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of threads >= 1, got {text!r}")
+    return n
+
+
+def add_torch_threads_arg(ap) -> None:
+    """``--torch-threads N`` on the argparse parser ``ap``: ``torch.set_num_threads(N)`` in the bench's process (and
+    its children); default torch's (every core). On a small shared CPU machine torch's default oversubscribes the
+    cores whenever anything else runs, and CPU step times swing many-fold: 1 gives steadier numbers."""
+    ap.add_argument("--torch-threads", type=_threads, default=None, metavar="N",
+                    help="torch.set_num_threads(N) (default: torch's, every core; on a small shared CPU machine 1 "
+                         "gives steadier CPU timings); recorded in the results")
+
+
+def set_torch_threads(n: int | None) -> int:
+    """Applies ``--torch-threads`` (None: leaves torch's); returns the threads torch now uses."""
+    import torch
+
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
 def kernel_times(fn, runs: int = 3, top: int = 12) -> list[dict]:
     """Where ``fn``'s time goes, by kernel: ``fn`` run ``runs`` times under ``torch.profiler``; on a CUDA machine its
     GPU kernels (device time), else its CPU ops (self time). Returns the ``top`` rows, slowest first, each ``{"name",

@@ -53,8 +53,9 @@ from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
 
 from _common import (ThreadSampler, add_parallel_finish_arg, add_pipe_piece_bytes_arg,  # bench/_common.py (bench/
-                     add_urgent_read_wait_arg, compiles_between, set_parallel_finish,  # is on sys.path)
-                     set_pipe_piece_bytes, set_urgent_read_wait, write_adapters)
+                     add_torch_threads_arg, add_urgent_read_wait_arg, compiles_between,  # is on sys.path)
+                     set_parallel_finish, set_pipe_piece_bytes, set_torch_threads, set_urgent_read_wait,
+                     write_adapters)
 
 
 def popularity(kind: str, n: int, k: int, g: torch.Generator) -> list[int]:
@@ -160,6 +161,7 @@ def main() -> None:
     add_pipe_piece_bytes_arg(ap)
     add_parallel_finish_arg(ap)
     add_urgent_read_wait_arg(ap)
+    add_torch_threads_arg(ap)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval (seconds; Python's default is 0.005): how long a thread back from I/O "
@@ -197,6 +199,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         ap.error(f"--out: cannot make the directory {str(out)!r}: {e.strerror or e}")
+    threads = set_torch_threads(args.torch_threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     config = ModelConfig(**MODEL_SHAPES[args.shape])
@@ -224,7 +227,7 @@ def main() -> None:
     base_s, base_tok = min(run_once(engine, prompts, [None] * args.batch, args.gen) for _ in range(2))
     rows = []
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "shape": args.shape, "dtype": str(dtype), "rank": args.rank,
+            "torch": torch.__version__, "torch_threads": threads, "shape": args.shape, "dtype": str(dtype), "rank": args.rank,
             "batch": args.batch, "prompt_len": args.prompt_len, "gen": args.gen,
             "pool_adapters": engine.pool.num_pages // max_adapter_pages(config, args.rank),
             "host_adapters": engine.stats()["host_tier_budget"] // adapter_bytes,

@@ -156,7 +156,8 @@ from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES, random_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import adapter_bytes, copy_bandwidth, write_adapters  # noqa: E402  (bench/_common.py)
+from _common import (adapter_bytes, add_torch_threads_arg, copy_bandwidth, set_torch_threads,  # noqa: E402
+                     write_adapters)  # (bench/_common.py)
 
 PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-bf16head", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-s25attn", "multilora-lora-s25attn", "multilora-fp8-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles", "multilora-lora-boundgrid", "multilora-lora-gridsplit", "multilora-lora-gemmfused", "multilora-lora-glushrink", "multilora-fp8-nopreload", "multilora-fp8-preload4", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
 GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync", "multilora-s25attn", "multilora-lora-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles", "multilora-lora-boundgrid", "multilora-lora-gridsplit", "multilora-lora-gemmfused", "multilora-lora-glushrink"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-bf16head", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-s25attn", "multilora-fp8-sync", "multilora-fp8-nopreload", "multilora-fp8-preload4"),
@@ -1035,6 +1036,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="run multilora and transformers/peft in this process (default: one child process each, so a "
                          "crash or a corrupted CUDA context in one cannot take the other's rows, and all GPU memory "
                          "is returned between them)")
+    add_torch_threads_arg(ap)
     ap.add_argument("--child", choices=sorted(GROUPS), help=argparse.SUPPRESS)  # internal: run one group
     ap.add_argument("--child-state", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -1140,6 +1142,7 @@ def child_main(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    threads = set_torch_threads(args.torch_threads)  # (a child parses the same flags and sets its own)
     if args.child:
         return child_main(args)
     t0 = time.perf_counter()
@@ -1153,7 +1156,8 @@ def main(argv: list[str] | None = None) -> None:
             "timing": "perf_counter between torch.cuda.synchronize() calls (CUDA)",
             "hf_attention": "sdpa", "hf_cache": "DynamicCache (transformers' default)",
             "peft_adapters": "PeftModel.from_pretrained + load_adapter, autocast_adapter_dtype=False, adapter_names=",
-            "isolation": "in-process" if args.in_process else "one child process per group (multilora; hf + peft)"}
+            "isolation": "in-process" if args.in_process else "one child process per group (multilora; hf + peft)",
+            "torch_threads": threads}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     run = Run(args, config, device, dtype, prompts, meta, out / f"generate_{args.shape}.json", t0=t0)

@@ -92,7 +92,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (add_host_arena_prefault_arg, set_host_arena_prefault,  # noqa: E402
                      add_parallel_finish_arg, add_pipe_piece_bytes_arg, add_urgent_read_wait_arg,
                      compiles_between, drop_page_cache, regular_files, set_parallel_finish,  # (bench/_common.py)
-                     set_pipe_piece_bytes, set_urgent_read_wait)
+                     set_pipe_piece_bytes, set_urgent_read_wait, add_torch_threads_arg, set_torch_threads)
 
 ADAPTER_SETS = {"S1": ((8,), ("q_proj", "k_proj", "v_proj", "o_proj")),
                 "S4": ((16, 32, 64), ("q_proj", "k_proj", "v_proj", "o_proj"))}
@@ -939,6 +939,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_pipe_piece_bytes_arg(ap)
     add_host_arena_prefault_arg(ap)
     add_parallel_finish_arg(ap)
+    add_torch_threads_arg(ap)
     ap.add_argument("--serve-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--n-adapters", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--serve-engine-process", action="store_true", help=argparse.SUPPRESS)
@@ -1018,6 +1019,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     pipe_before = set_pipe_piece_bytes(args.pipe_piece_bytes)
     parallel_before = set_parallel_finish(args.parallel_finish)
     prefault_before = set_host_arena_prefault(args.host_arena_prefault)
+    args.torch_threads_used = set_torch_threads(args.torch_threads)  # (a server child parses the same flags)
     try:
         return _main(args, argv)
     finally:  # (in-process callers get the module's values back)
@@ -1158,7 +1160,8 @@ def write(args: argparse.Namespace, argv: list[str], config: ModelConfig, rows: 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = args.tag or args.shape
-    meta = {"command": "python bench/bench_serving.py " + " ".join(argv), "environment": {**environment(), **(disk or {})},
+    meta = {"torch_threads": getattr(args, "torch_threads_used", None),
+            "command": "python bench/bench_serving.py " + " ".join(argv), "environment": {**environment(), **(disk or {})},
             "shape": args.shape, "config": {k: v for k, v in vars(config).items() if not k.startswith("_")}}
     (out / f"serving_{tag}.json").write_text(json.dumps(_strict({"meta": meta, "rows": rows}), indent=1, default=str))
     (out / f"serving_{tag}.md").write_text(f"`{meta['command']}`\n\n{markdown(rows)}\n")
