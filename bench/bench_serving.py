@@ -525,7 +525,17 @@ async def run_http(url: str, trace: list[TraceRequest], timeout: float) -> tuple
             res.end = time.perf_counter()
             return res
 
-        results = await asyncio.gather(*(one(r) for r in trace))
+        bar = tqdm(total=len(trace), desc="requests done (http)", mininterval=5, leave=False)
+
+        async def counted(req: TraceRequest) -> Result:
+            res = await one(req)
+            bar.update(1)
+            return res
+
+        try:
+            results = await asyncio.gather(*(counted(r) for r in trace))
+        finally:
+            bar.close()
     return list(results), time.perf_counter() - t0
 
 
