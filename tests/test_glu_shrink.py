@@ -72,6 +72,7 @@ def test_activation_and_lora_term_match_the_references(rows, mixed, gelu, device
     assert torch.count_nonzero(y[none]) == 0
 
 
+@pytest.mark.gpu  # (literally here: scripts/gpu_suite.sh shards the files that say mark.gpu)
 @pytest.mark.parametrize("device,dtype", GPU_CASES)
 @pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
 def test_prefill_tiles_on_the_gpu(gelu, device, dtype):
