@@ -31,7 +31,7 @@ LOGS=$(mktemp -d)
 # on a slower H100 host: B ran its last test at 463 s and C (with test_gemm_lora.py, no shard named it) was stopped 8
 # tests before its end, so a seventh shard G takes test_gemm_lora.py, test_fp8_gpu.py from B and Gemma 2 from C)
 A="test_kernels.py"
-B="test_attention.py test_sampling.py test_image_finish.py test_fused_ops.py"
+B="test_attention.py test_sampling.py test_image_finish.py test_fused_ops.py test_glu_shrink.py"  # (session 41: B 204 s)
 D="test_engine_gpu.py"
 C="test_adapter_tiers.py test_engine_loop.py test_engine_diagnostics.py test_adapter_memory.py test_suite_halves.py
    test_model_families_gpu.py test_engine_unified.py test_model_phi3_gpu.py"
