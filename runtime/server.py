@@ -274,6 +274,7 @@ class _Server:
                     # the list; other fields are the whole request's
                     if err.message.startswith("prompt:"):
                         err.message = f"prompt[{i}]" + err.message[len("prompt"):]
+                        err.param = f"prompt[{i}]"  # (as a type error's param names the item)
                     else:
                         err.message += f" (prompt[{i}])"
                 raise err from None
@@ -491,6 +492,8 @@ def _failure(out: RequestOutput) -> APIError:
     """The error of a request that ended with "error" (500) or "abort" (503: the server is shutting down)."""
     if out.finish_reason == "abort":
         return APIError(503, "the request was aborted: the server is shutting down", code="aborted")
+    # (in the server's log too: an operator sees only the access line's 500 otherwise; the rest keep being served)
+    log.warning("request %s failed in the engine (adapter %r): %s", out.request_id, out.adapter, out.error)
     return APIError(500, f"the request failed in the engine: {out.error}", code="engine_error")
 
 

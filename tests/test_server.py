@@ -551,6 +551,7 @@ def test_max_tokens_past_the_context_is_refused_but_a_default_is_capped(http, se
     assert r.status_code == 400 and r.json()["error"]["message"] == msg + " (prompt[1])", r.text  # which prompt
     r = http.post("/v1/completions", json={"model": BASE, "prompt": [[5, 6, 7], _LONG]})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt[1]: 300 tokens"), r.text
+    assert r.json()["error"]["param"] == "prompt[1]", r.text  # (the item, as a type error's param names it)
     for body in ({"max_tokens": 6}, {}):  # exactly the context; the completions default of 16, capped
         r = http.post("/v1/completions", json={"model": "ad1", "prompt": _NEAR, "temperature": 0, "ignore_eos": True,
                                                **body})
@@ -681,13 +682,18 @@ def test_overloaded_engine_is_429(http, client, served):
     _idle(served)
 
 
-def test_a_request_that_fails_in_the_engine(http, served):
+def test_a_request_that_fails_in_the_engine(http, served, caplog):
     """A failed forward fails its requests: 500 with the engine's message, or mid-stream an error event, then
-    ``[DONE]``; the next requests are served."""
+    ``[DONE]``; the next requests are served. Each failure is in the server's log, naming the adapter."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="multilora.server")
     served.apply(hooks.failing_steps, "boom in the forward")
     r = http.post("/v1/completions", json={"model": "ad7", "prompt": "Hi"})
     assert r.status_code == 500 and "boom in the forward" in r.json()["error"]["message"]
     assert r.json()["error"]["code"] == "engine_error"
+    assert any("failed in the engine (adapter 'ad7')" in m and "boom in the forward" in m for m in caplog.messages), \
+        caplog.messages
     r = http.post("/v1/chat/completions", json={"model": "ad7", "messages": CHAT, "stream": True})
     events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and "boom in the forward" in json.loads(events[-2])["error"]["message"]
