@@ -147,6 +147,26 @@ def set_host_arena_prefault(value: str | None) -> bool:
     return before
 
 
+def positive_ints(ap, flag: str, text: str, what: str) -> list[int]:
+    """``text`` (a flag's comma-separated value) as ints >= 1, or ``ap.error``: "FLAG: expected comma-separated
+    WHAT, got 'TEXT'" (exit status 2)."""
+    try:
+        out = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        ap.error(f"{flag}: expected comma-separated {what}, got {text!r}")
+    return out
+
+
+def at_least(ap, *checks: tuple[str, int | None, int]) -> None:
+    """``ap.error`` (exit status 2) for the first ``(flag, value, low)`` whose value is below ``low``: "FLAG: expected
+    an integer >= LOW, got VALUE"; a None value (a flag left to its default) passes."""
+    for flag, value, low in checks:
+        if value is not None and value < low:
+            ap.error(f"{flag}: expected an integer >= {low}, got {value}")
+
+
 def _threads(text: str) -> int:
     try:
         n = int(text)
@@ -216,6 +236,22 @@ def interleaved_rounds(keys: list, rounds: int, measure) -> dict:
         for k in (keys if rnd % 2 == 0 else keys[::-1]):
             values[k].append(measure(k))
     return values
+
+
+def time_schedules(fns: dict, rounds: int, copies: int, timer, profile: bool = False) -> dict:
+    """Times every schedule of ``fns`` (name -> a function running ``copies`` copies of it; one is ``"base"``) with
+    ``timer(fn)`` (ms a run) over ``rounds`` interleaved rounds (``interleaved_rounds``). Returns ``us`` (median us a
+    copy), ``us_rounds`` (every round's), ``added_us`` (each schedule's median minus base's) and with ``profile``
+    ``kernels`` (each schedule's slowest kernels, ``kernel_times``, eager, per copy)."""
+    names = list(fns)
+    times = interleaved_rounds(names, rounds, lambda name: timer(fns[name]) / copies * 1e3)
+    us = {k: statistics.median(v) for k, v in times.items()}
+    out = dict(us=us, us_rounds=times, added_us={k: us[k] - us["base"] for k in names if k != "base"})
+    if profile:  # (eager, one copy's worth per call: copies per run / copies)
+        out["kernels"] = {name: [{**r, "us_per_run": r["us_per_run"] / copies,
+                                  "calls_per_run": r["calls_per_run"] / copies}
+                                 for r in kernel_times(fns[name])] for name in names}
+    return out
 
 
 def compiles_between(before: dict | None, after: dict) -> dict:

@@ -84,7 +84,7 @@ from multilora.runtime.adapters.load import load_peft_adapter
 from multilora.runtime.weights import MODEL_SHAPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/_common.py, also under ``python -P``
-from _common import drop_page_cache, write_adapter  # noqa: E402
+from _common import at_least, drop_page_cache, write_adapter  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 WEIGHTS = "adapter_model.safetensors"
@@ -399,9 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--cold: needs os.posix_fadvise (Linux) to drop the files' page cache")
     if args.pipe_piece_bytes < 1:
         ap.error(f"--pipe-piece-bytes: expected a positive number of bytes, got {args.pipe_piece_bytes}")
-    for flag, value in (("--rank", args.rank), ("--adapters", args.adapters), ("--runs", args.runs)):
-        if value < 1:
-            ap.error(f"{flag}: expected an integer >= 1, got {value}")
+    at_least(ap, ("--rank", args.rank, 1), ("--adapters", args.adapters, 1), ("--runs", args.runs, 1))
     if args.torch_threads is not None and args.torch_threads < 0:
         ap.error(f"--torch-threads: expected an integer >= 1 (0: torch's default), got {args.torch_threads}")
     try:

@@ -53,9 +53,9 @@ from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES
 
 from _common import (ThreadSampler, add_parallel_finish_arg, add_pipe_piece_bytes_arg,  # bench/_common.py (bench/
-                     add_torch_threads_arg, add_urgent_read_wait_arg, compiles_between,  # is on sys.path)
-                     set_parallel_finish, set_pipe_piece_bytes, set_torch_threads, set_urgent_read_wait,
-                     write_adapters)
+                     add_torch_threads_arg, add_urgent_read_wait_arg, at_least, compiles_between,  # is on sys.path)
+                     positive_ints, set_parallel_finish, set_pipe_piece_bytes, set_torch_threads,
+                     set_urgent_read_wait, write_adapters)
 
 
 def popularity(kind: str, n: int, k: int, g: torch.Generator) -> list[int]:
@@ -91,15 +91,6 @@ def run_once(engine: Engine, prompts, names, gen: int, waits: list | None = None
         waits.extend(o.time_in_queue or 0.0 for o in outs)
     return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
 
-
-def _positive_ints(flag: str, text: str, ap: argparse.ArgumentParser) -> list[int]:
-    try:
-        out = [int(c) for c in text.split(",") if c.strip()]
-    except ValueError:
-        out = []
-    if not out or min(out) < 1:
-        ap.error(f"{flag}: expected comma-separated positive integers, got {text!r}")
-    return out
 
 
 def _merged(earlier: list[dict], rows: list[dict]) -> list[dict]:
@@ -184,16 +175,14 @@ def main() -> None:
     set_pipe_piece_bytes(args.pipe_piece_bytes)
     set_parallel_finish(args.parallel_finish)
 
-    counts = _positive_ints("--counts", args.counts, ap)
+    counts = positive_ints(ap, "--counts", args.counts, "positive integers")
     pops = [p.strip() for p in args.popularity.split(",") if p.strip()]
     if not pops or any(p not in ("zipf", "uniform") for p in pops):
         ap.error(f"--popularity: expected comma-separated zipf / uniform, got {args.popularity!r}")
-    for flag, value, low in (("--rank", args.rank, 1), ("--batch", args.batch, 1), ("--prompt-len", args.prompt_len, 1),
-                             ("--gen", args.gen, 1), ("--pool-adapters", args.pool_adapters, 0),
-                             ("--host-adapters", args.host_adapters, 0), ("--distinct-files", args.distinct_files, 0),
-                             ("--load-threads", args.load_threads, 1)):
-        if value < low:
-            ap.error(f"{flag}: expected an integer >= {low}, got {value}")
+    at_least(ap, ("--rank", args.rank, 1), ("--batch", args.batch, 1), ("--prompt-len", args.prompt_len, 1),
+             ("--gen", args.gen, 1), ("--pool-adapters", args.pool_adapters, 0),
+             ("--host-adapters", args.host_adapters, 0), ("--distinct-files", args.distinct_files, 0),
+             ("--load-threads", args.load_threads, 1))
     out = Path(args.out)
     try:  # before any work: a run whose results cannot be written is lost
         out.mkdir(parents=True, exist_ok=True)

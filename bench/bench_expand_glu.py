@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -32,7 +31,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import interleaved_rounds, kernel_times  # noqa: E402  (bench/_common.py)
+from _common import time_schedules  # noqa: E402  (bench/_common.py)
 from bench_lora_kernels import GROUPS, environment, synthetic_pool, time_ms  # noqa: E402
 
 DEFAULT_CONFIGS = "128:4:4,128:2:4,256:2:4,64:4:4,128:8:4,128:4:8"
@@ -103,16 +102,10 @@ def run(T: int, n: int, pool_rank: int, rounds: int, configs: list[tuple[int, in
             outs[0].fill_(float("nan"))
             fns[name]()
             same[name] = bool(torch.equal(outs[0].view(torch.int16), want.view(torch.int16)))
-    names = list(fns)
-    times = interleaved_rounds(names, rounds, lambda name: time_ms(fns[name], True) / K * 1e3)
-    us = {k: statistics.median(v) for k, v in times.items()}
     row = dict(tokens=T, adapters=n, rank=16, pool_max_rank=pool_rank, copies_per_graph=K, rounds=rounds,
-               us=us, us_rounds=times, added_us={k: us[k] - us["base"] for k in names if k != "base"},
                fused_equals_serial_bits=same,
-               lora_term_mb=T * sum(d_outs) * 2 / 1e6)  # what write_first writes and the GEMM reads back
-    if profile:  # each schedule's kernels (eager, one copy's worth per call: K copies per run / K)
-        row["kernels"] = {name: [{**r, "us_per_run": r["us_per_run"] / K, "calls_per_run": r["calls_per_run"] / K}
-                                 for r in kernel_times(fns[name])] for name in names}
+               lora_term_mb=T * sum(d_outs) * 2 / 1e6,  # what write_first writes and the GEMM reads back
+               **time_schedules(fns, rounds, K, lambda fn: time_ms(fn, True), profile))
     del pool, slices
     torch.cuda.empty_cache()
     return row

@@ -156,8 +156,8 @@ from multilora.config import ModelConfig
 from multilora.runtime.weights import MODEL_SHAPES, random_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (adapter_bytes, add_torch_threads_arg, copy_bandwidth, set_torch_threads,  # noqa: E402
-                     write_adapters)  # (bench/_common.py)
+from _common import (adapter_bytes, add_torch_threads_arg, at_least, copy_bandwidth,  # noqa: E402
+                     set_torch_threads, write_adapters)  # (bench/_common.py)
 
 PROVIDERS = ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-bf16head", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-s25attn", "multilora-lora-s25attn", "multilora-fp8-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles", "multilora-lora-boundgrid", "multilora-lora-gridsplit", "multilora-lora-gemmfused", "multilora-lora-glushrink", "multilora-fp8-nopreload", "multilora-fp8-preload4", "multilora-sync", "multilora-lora-sync", "multilora-fp8-sync", "hf", "peft")
 GROUPS = {"multilora": ("multilora", "multilora-lora", "multilora-lora-inplace", "multilora-lora-hiprio", "multilora-lora-onetile", "multilora-lora-s17tiles", "multilora-lora-nopdl", "multilora-lora-carve", "multilora-lt", "multilora-lora-lt", "multilora-plain", "multilora-lora-plain", "multilora-sync", "multilora-lora-sync", "multilora-s25attn", "multilora-lora-s25attn", "multilora-lora-zeroed", "multilora-lora-sidepf", "multilora-lora-sidepf0", "multilora-lora-nowideout", "multilora-lora-addafter", "multilora-lora-s29tiles", "multilora-lora-s30tiles", "multilora-lora-boundgrid", "multilora-lora-gridsplit", "multilora-lora-gemmfused", "multilora-lora-glushrink"), "multilora-fp8": ("multilora-fp8", "multilora-fp8-lora", "multilora-fp8-plain", "multilora-fp8-lora-plain", "multilora-fp8-f16widen", "multilora-fp8-bf16widen", "multilora-fp8-lmhead", "multilora-fp8-bf16head", "multilora-fp8-onepassmax", "multilora-fp8-sepquant", "multilora-fp8-shipped", "multilora-fp8-nopad", "multilora-fp8-s25attn", "multilora-fp8-sync", "multilora-fp8-nopreload", "multilora-fp8-preload4"),
@@ -1055,10 +1055,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.batches) < 1 or args.prompt_len < 1 or args.rank < 1 or args.repeats < 1 or args.rounds < 1:
         ap.error(f"--batches, --prompt-len, --rank, --repeats and --rounds must be >= 1, got {args.batches}, "
                  f"{args.prompt_len}, {args.rank}, {args.repeats}, {args.rounds}")
-    for flag, value, low in (("--adapter-files", args.adapter_files, 0), ("--load-threads", args.load_threads, 1),
-                             ("--peft-max-batch", args.peft_max_batch, 0)):
-        if value < low:
-            ap.error(f"{flag}: expected an integer >= {low}, got {value}")
+    at_least(ap, ("--adapter-files", args.adapter_files, 0), ("--load-threads", args.load_threads, 1),
+             ("--peft-max-batch", args.peft_max_batch, 0))
     if not args.time_budget > 0:
         ap.error(f"--time-budget: expected seconds > 0, got {args.time_budget}")
     context = ModelConfig(**MODEL_SHAPES[args.shape]).max_position_embeddings

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -33,7 +32,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import interleaved_rounds, kernel_times  # noqa: E402  (bench/_common.py)
+from _common import time_schedules  # noqa: E402  (bench/_common.py)
 from bench_lora_kernels import GROUPS, environment, synthetic_pool, time_ms  # noqa: E402
 
 DEFAULT_CONFIGS = "64:64:8,64:32:4,64:64:4,32:64:4,16:128:4,64:128:8"  # (64:128:4 spills registers on sm_90)
@@ -95,15 +94,9 @@ def run(T: int, n: int, pool_rank: int, rounds: int, configs: list[tuple[int, in
         y = triton_sgmv.sgmv_expand(torch.empty_like(ys[0]), v, slices, plans[0], overwrite=True).addmm_(h, ws[0].t())
         checks[name] = dict(h_equals_silu_mul_bits=bool(torch.equal(h.view(torch.int16), want_h.view(torch.int16))),
                             y_max_abs_diff_rel=(y.float() - want_y).abs().max().item() / scale, split_k=v.shape[0])
-    names = list(fns)
-    times = interleaved_rounds(names, rounds, lambda name: time_ms(fns[name], True) / K * 1e3)
-    us = {k: statistics.median(v) for k, v in times.items()}
     row = dict(tokens=T, adapters=n, rank=16, pool_max_rank=pool_rank, copies_per_graph=K, rounds=rounds,
-               us=us, us_rounds=times, added_us={k: us[k] - us["base"] for k in names if k != "base"},
-               checks=checks, h_mb=T * d_in * 2 / 1e6)  # what the fused shrink does not read back
-    if profile:
-        row["kernels"] = {name: [{**r, "us_per_run": r["us_per_run"] / K, "calls_per_run": r["calls_per_run"] / K}
-                                 for r in kernel_times(fns[name])] for name in names}
+               checks=checks, h_mb=T * d_in * 2 / 1e6,  # what the fused shrink does not read back
+               **time_schedules(fns, rounds, K, lambda fn: time_ms(fn, True), profile))
     del pool, slices
     torch.cuda.empty_cache()
     return row

@@ -92,7 +92,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (add_host_arena_prefault_arg, set_host_arena_prefault,  # noqa: E402
                      add_parallel_finish_arg, add_pipe_piece_bytes_arg, add_urgent_read_wait_arg,
                      compiles_between, drop_page_cache, regular_files, set_parallel_finish,  # (bench/_common.py)
-                     set_pipe_piece_bytes, set_urgent_read_wait, add_torch_threads_arg, set_torch_threads)
+                     set_pipe_piece_bytes, set_urgent_read_wait, add_torch_threads_arg, set_torch_threads,
+                     positive_ints, at_least)
 
 ADAPTER_SETS = {"S1": ((8,), ("q_proj", "k_proj", "v_proj", "o_proj")),
                 "S4": ((16, 32, 64), ("q_proj", "k_proj", "v_proj", "o_proj"))}
@@ -477,7 +478,16 @@ async def run_engine(engine: Engine, trace: list[TraceRequest]) -> tuple[list[Re
         res.end = time.perf_counter()
         return res
 
-    bar = tqdm(total=len(trace), desc="requests done", mininterval=5, leave=False)
+    try:
+        results = await _gather_counted(one, trace, "requests done")
+    finally:
+        await asyncio.to_thread(loop.close)
+    return results, time.perf_counter() - t0
+
+
+async def _gather_counted(one, trace: list[TraceRequest], desc: str) -> list[Result]:
+    """``one(req)`` for every request of the trace, concurrently, with a progress bar of those done."""
+    bar = tqdm(total=len(trace), desc=desc, mininterval=5, leave=False)
 
     async def counted(req: TraceRequest) -> Result:
         res = await one(req)
@@ -485,11 +495,9 @@ async def run_engine(engine: Engine, trace: list[TraceRequest]) -> tuple[list[Re
         return res
 
     try:
-        results = await asyncio.gather(*(counted(r) for r in trace))
+        return list(await asyncio.gather(*(counted(r) for r in trace)))
     finally:
         bar.close()
-        await asyncio.to_thread(loop.close)
-    return list(results), time.perf_counter() - t0
 
 
 async def run_http(url: str, trace: list[TraceRequest], timeout: float) -> tuple[list[Result], float]:
@@ -525,18 +533,8 @@ async def run_http(url: str, trace: list[TraceRequest], timeout: float) -> tuple
             res.end = time.perf_counter()
             return res
 
-        bar = tqdm(total=len(trace), desc="requests done (http)", mininterval=5, leave=False)
-
-        async def counted(req: TraceRequest) -> Result:
-            res = await one(req)
-            bar.update(1)
-            return res
-
-        try:
-            results = await asyncio.gather(*(counted(r) for r in trace))
-        finally:
-            bar.close()
-    return list(results), time.perf_counter() - t0
+        results = await _gather_counted(one, trace, "requests done (http)")
+    return results, time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------------------------------ the server child
@@ -956,20 +954,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
-    try:
-        args.counts = [int(x) for x in args.adapters.split(",") if x.strip()]
-    except ValueError:
-        args.counts = []
-    if not args.counts or min(args.counts) < 1:
-        ap.error(f"--adapters: expected comma-separated adapter counts >= 1, got {args.adapters!r}")
-    for flag, value, low in (("--adapter-files", args.adapter_files, 1), ("--requests", args.requests, 1),
-                             ("--warmup-requests", args.warmup_requests, 0), ("--preload", args.preload, 0),
-                             ("--long-prompt-len", args.long_prompt_len, 1), ("--max-batch-size", args.max_batch_size, 1),
-                             ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
-                             ("--max-prefill-tokens", args.max_prefill_tokens, 1),
-                             ("--piecewise-cuda-graph-max-tokens", args.piecewise_cuda_graph_max_tokens, 0)):
-        if value is not None and value < low:
-            ap.error(f"{flag}: expected an integer >= {low}, got {value}")
+    args.counts = positive_ints(ap, "--adapters", args.adapters, "adapter counts >= 1")
+    at_least(ap, ("--adapter-files", args.adapter_files, 1), ("--requests", args.requests, 1),
+             ("--warmup-requests", args.warmup_requests, 0), ("--preload", args.preload, 0),
+             ("--long-prompt-len", args.long_prompt_len, 1), ("--max-batch-size", args.max_batch_size, 1),
+             ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+             ("--max-prefill-tokens", args.max_prefill_tokens, 1),
+             ("--piecewise-cuda-graph-max-tokens", args.piecewise_cuda_graph_max_tokens, 0))
     if not (0 < args.rate_fraction <= 1e6) or not math.isfinite(args.rate_fraction):
         ap.error(f"--rate-fraction: expected a positive fraction of the burst capacity, got {args.rate_fraction}")
     if args.switch_interval is not None and not args.switch_interval >= 0:
