@@ -863,13 +863,12 @@ class AdapterCache:
                     continue
                 self._collect(h)
                 if h.host is None:
-                    if h.loading is None and not h.prefetch_failed:
+                    # (a host tier smaller than the image: the copy would push out every other one, the prefetched
+                    # images of waiting requests too; acquire reads it on demand)
+                    if h.loading is None and not h.prefetch_failed and self.can_prefetch_to_host(h):
                         block = self._host_block(h.pool_bytes, keep=h, fixed=True, spare=wanted)
-                        if block is None and (self.arena.could_ever_fit(h.pool_bytes) or (
-                                self.host_budget is not None and h.pool_bytes > self.host_budget)):
-                            # no room on the host now, or a host tier smaller than the image (the copy would push
-                            # out every other one, the prefetched images of waiting requests too): read on demand
-                            continue
+                        if block is None and self.arena.could_ever_fit(h.pool_bytes):
+                            continue  # no room on the host now: read on demand
                         h.loading_block = block
                         h.loading = self._io.submit(self._prefetch_read, h, block)
                     continue

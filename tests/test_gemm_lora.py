@@ -132,21 +132,13 @@ def test_engine_prefill_takes_the_epilogue_gemm_when_switched_on(tmp_path, monke
     """``runtime.model.LORA_GEMM_EPILOGUE_MIN_TOKENS`` (off by default): a 2 x 150-token prefill on two adapters (a
     300-token step, past ``LORA_BEFORE_GEMM_MIN_TOKENS``) runs every projection through ``gemm_lora`` and gives the
     logits of the engine's path (fp32 on the CPU: within 1e-4); off, nothing calls it."""
-    from multilora import Engine
     from multilora.kernels.experimental import gemm_lora as gl
     from multilora.runtime import model as model_mod
     from multilora.runtime.weights import MODEL_SHAPES
-    from testsupport import write_adapter
-
-    from multilora.config import TARGET_MODULES
+    from testsupport import two_adapter_prefill
 
     cfg = ModelConfig(**MODEL_SHAPES["tiny"])  # (hidden 64, q 64, k / v 32, intermediate 128: multiples of 16)
-    e = Engine(cfg, device="cpu", progress=False, max_batch_size=2, max_seq_len=160, max_lora_rank=8,
-               lora_backend="triton", attention_backend="torch")
-    for i in range(2):
-        e.load_adapter(f"a{i}", write_adapter(tmp_path / f"a{i}", cfg, seed=i, rank=4 + 4 * i, modules=TARGET_MODULES))
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, cfg.vocab_size, (150,), generator=g).tolist() for _ in range(2)]
+    e, prompts = two_adapter_prefill(tmp_path, cfg)
     calls = []
     real = gl.gemm_lora
     monkeypatch.setattr(gl, "gemm_lora", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))

@@ -139,22 +139,15 @@ def test_engine_prefill_takes_the_fused_kernel_when_switched_on(tmp_path, monkey
     step, past ``LORA_BEFORE_GEMM_MIN_TOKENS``) runs every layer's activation and down shrink through ``glu_shrink``
     (GeGLU for Gemma 2) and gives the logits of the engine's unfused path (fp32 on the CPU: within 1e-4); off, or
     with more runs of one slot in a 64-token block than ``GLU_SHRINK_MAX_BLOCK_RUNS``, nothing calls it."""
-    from multilora import Engine
-    from multilora.config import TARGET_MODULES
     from multilora.kernels import triton_sgmv
     from multilora.runtime import model as model_mod
     from multilora.runtime.weights import MODEL_SHAPES
-    from testsupport import write_adapter
+    from testsupport import two_adapter_prefill
 
     extra = {} if family == "llama" else dict(hidden_act="gelu_pytorch_tanh", norm_unit_offset=True,
                                               block_output_norms=True)
     cfg = ModelConfig(**{**MODEL_SHAPES["tiny"], **extra})
-    e = Engine(cfg, device="cpu", progress=False, max_batch_size=2, max_seq_len=160, max_lora_rank=8,
-               lora_backend="triton", attention_backend="torch")
-    for i in range(2):
-        e.load_adapter(f"a{i}", write_adapter(tmp_path / f"a{i}", cfg, seed=i, rank=4 + 4 * i, modules=TARGET_MODULES))
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, cfg.vocab_size, (150,), generator=g).tolist() for _ in range(2)]
+    e, prompts = two_adapter_prefill(tmp_path, cfg)
     calls = []
     real = triton_sgmv.glu_shrink
     monkeypatch.setattr(triton_sgmv, "glu_shrink", lambda *a, **k: calls.append((a[0].shape[0], k)) or real(*a, **k))

@@ -65,6 +65,22 @@ def tiny_llama_dir(tmp_path_factory, vocab_size, name="tiny-llama"):
     return d
 
 
+def two_adapter_prefill(tmp_path, config):
+    """A CPU engine of ``config`` with the Triton LoRA backend (under the interpreter) and two adapters, ``a0`` (rank
+    4) and ``a1`` (rank 8) on every target module, and two 150-token prompts: one 300-token prefill step on two
+    adapters, past ``runtime.model.LORA_BEFORE_GEMM_MIN_TOKENS``. Returns (engine, prompts)."""
+    from multilora import Engine
+    from multilora.config import TARGET_MODULES
+
+    e = Engine(config, device="cpu", progress=False, max_batch_size=2, max_seq_len=160, max_lora_rank=8,
+               lora_backend="triton", attention_backend="torch")
+    for i in range(2):
+        e.load_adapter(f"a{i}", write_adapter(tmp_path / f"a{i}", config, seed=i, rank=4 + 4 * i,
+                                              modules=TARGET_MODULES))
+    g = torch.Generator().manual_seed(0)
+    return e, [torch.randint(3, config.vocab_size, (150,), generator=g).tolist() for _ in range(2)]
+
+
 def greedy(n):
     """Greedy sampling of exactly ``n`` tokens (end-of-sequence ignored)."""
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
